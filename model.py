@@ -1,0 +1,167 @@
+"""A GPT language model: a pre-norm causal transformer, as in GPT-2, small enough to read in one go.
+
+Shape legend used in every comment below:
+    B batch size, T sequence length, C n_embd, nh n_head, hs head size (C // nh), V padded vocab.
+
+Parameter names follow GPT-2 (wte, wpe, h, ln_1, c_attn, c_proj, ln_2, c_fc, ln_f, lm_head) so
+that pretrained weights map key by key. References: Radford et al. 2019 ("Language Models are
+Unsupervised Multitask Learners") for pre-norm and the residual-scaled init; Vaswani et al. 2017.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int  # real vocabulary size; the embedding is padded up for speed
+    block_size: int = 128  # longest context, fixed by the learned position table
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads
+    n_embd: int = 128  # residual width C
+    dropout: float = 0.0  # dropout probability
+    bias: bool = False  # biases in Linear and LayerNorm
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocab rounded up to a multiple of 64: matmuls on aligned shapes run faster."""
+        return 64 * math.ceil(self.vocab_size / 64)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        # Split the channels into heads and move the head axis forward.
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        # is_causal masks position j > i; SDPA picks a fused kernel (flash / memory-efficient).
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.resid_dropout(self.c_proj(y))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, 4C) -> (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm block: normalise, transform, add back onto the residual stream."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        x = x + self.mlp(self.ln_2(x))  # (B, T, C)
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            # ModuleList, not a Python list: a plain list hides the blocks from .parameters(),
+            # .to() and state_dict(), and the optimizer silently never trains them.
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        # Weight tying (Press & Wolf 2017): one matrix embeds tokens and scores them.
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the init of projections that write into the residual stream by
+        # 1/sqrt(2 * n_layer), since each block adds two of them to the stream.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; the tied embedding is counted once, positions excluded if non_embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token: 6N for the matmuls plus 6·n_layer·T·C for attention
+        (Kaplan et al. 2020, table 1; the factor 3 of forward+backward applied to 2·n_layer·T·C)."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        return 6 * self.num_params() + 6 * cfg.n_layer * T * cfg.n_embd
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits for every position; with targets also the *summed* loss and the count of targets.
+
+        Targets equal to -1 are ignored. Returning (sum, count) instead of a mean lets the caller
+        normalise by the token count of a whole accumulated batch.
+        Returns (logits (B, T, vocab_size), loss_sum or None, n_targets or None).
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C) + (T, C) -> (B, T, C)
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x)  # (B, T, C)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        # The padded vocab rows are dropped here: never sampled, never in the softmax of the loss.
+        logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab_size)
+        if targets is None:
+            return logits, None, None
+        loss_sum = F.cross_entropy(logits.reshape(B * T, -1).float(), targets.reshape(B * T),
+                                   ignore_index=-1, reduction="sum")  # scalar
+        n_targets = (targets != -1).sum()  # scalar tensor: no host sync
+        return logits, loss_sum, n_targets
+
+    def configure_optimizer(self, weight_decay: float, learning_rate: float,
+                            betas: tuple[float, float], device_type: str) -> torch.optim.AdamW:
+        """AdamW with decay on matrices and embeddings (dim >= 2) only; each parameter exactly once.
+
+        named_parameters() yields the tied wte/lm_head weight once, so it cannot land in two groups.
+        """
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        fused = device_type in ("cuda", "cpu")  # fused kernels exist for these in torch >= 2.4
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)

@@ -1,0 +1,63 @@
+"""Shared fixtures: a small deterministic corpus and tiny configs, so every test runs in seconds."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from config import make_config  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+WORDS = ("the king queen lord lady love death night day crown sword heart blood sweet fair "
+         "foul good ill speak hear see come go stay fly rest sleep wake").split()
+
+
+def make_text(n_lines: int = 600, seed: int = 0) -> str:
+    """Pseudo-verse with speakers and punctuation: enough structure for a tiny model to learn."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        if i % 6 == 0:
+            lines.append(rng.choice(["KING:", "QUEEN:", "LORD:", "FOOL:"]))
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 9))]
+        lines.append(" ".join(words).capitalize() + rng.choice([".", ",", "!", "?", ";"]))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(make_text())
+    return path
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path: Path, text_file: Path):
+    """Factory: the tiny preset on the local corpus, writing only under tmp_path."""
+    def build(**overrides):
+        values = dict(data_path=str(text_file), data_dir=str(tmp_path / "data"),
+                      out_dir=str(tmp_path / "out"), device="cpu", log_interval=1)
+        values.update(overrides)
+        return make_config("tiny", **values)
+    return build
+
+
+def tiny_model(vocab_size: int = 50, block_size: int = 16, dropout: float = 0.0, seed: int = 0, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32,
+                         dropout=dropout, **kw))
+
+
+def run_script(*args: str, cwd: Path = REPO, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a repo script in a fresh interpreter, as a user would."""
+    result = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{args} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+    return result
