@@ -46,6 +46,25 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
                      n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
 
 
+def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scaler,
+                         device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over the micro-batches of one optimizer step.
+
+    Each micro-batch's *summed* loss is divided by the target count of the whole step, so the
+    accumulated gradient equals the gradient of one big batch even when micro-batches count
+    different numbers of targets (averaging per-micro-batch means would weight them wrongly).
+    Returns (summed loss, target count) of the step as tensors: no host sync.
+    """
+    n_step = sum((y != -1).sum() for _, y in batches)
+    loss_step = torch.zeros((), device=device)
+    for x, y in batches:
+        with autocast(device, dtype):
+            _, loss_sum, _ = model(x, y)
+        scaler.scale(loss_sum / n_step).backward()
+        loss_step += loss_sum.detach()  # detached: keeping the graph would hold every activation
+    return loss_step, n_step
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, batch_size: int,
              device: torch.device, dtype: torch.dtype) -> float:
@@ -169,17 +188,9 @@ def train(cfg: TrainConfig) -> float:
         lr = get_lr(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # Normalise by the target count of the *whole* step, so the accumulated gradient equals
-        # the gradient of one big batch even when micro-batches count different token numbers.
         batches = [get_batch(corpus.train, cfg.batch_size, cfg.block_size, data_gen, device)
                    for _ in range(cfg.grad_accum)]
-        n_step = sum((y != -1).sum() for _, y in batches)  # tensor: no host sync
-        loss_step = torch.zeros((), device=device)
-        for x, y in batches:
-            with autocast(device, dtype):
-                _, loss_sum, _ = train_model(x, y)
-            scaler.scale(loss_sum / n_step).backward()
-            loss_step += loss_sum.detach()
+        loss_step, n_step = accumulate_gradients(train_model, batches, scaler, device, dtype)
         scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm, a tensor
         scaler.step(optimizer)
