@@ -200,14 +200,14 @@ def train(cfg: TrainConfig) -> float:
         out_of_time = cfg.max_time > 0 and time.time() - t_start >= cfg.max_time
         last = step == cfg.max_iters or out_of_time
         if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
-            loss = (loss_step / n_step).item()
+            loss, norm = (loss_step / n_step).item(), grad_norm.item()
             now = time.time()
             dt = (now - t_log) / (step - step_at_log)
             tok_s = cfg.tokens_per_step() / dt
             t_log, step_at_log = now, step
-            log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                     "tokens_per_s": tok_s, "time_s": now - t_start},
-                    f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm.item():.3f} | "
+            log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
+                     "time_s": now - t_start},
+                    f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
                     f"{dt * 1000:.1f} ms/step | {tok_s:,.0f} tok/s")
         if step % cfg.eval_interval == 0 or last:
             t_eval = time.time()
