@@ -164,8 +164,8 @@ def train(cfg: TrainConfig) -> float:
     else:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
 
-    def probe(m):  # one forward/backward so that compile errors surface here, not mid-run
-        _, loss, n = m(*get_batch(corpus.train, 1, cfg.block_size, torch.Generator(), device))
+    def probe(m):  # one forward/backward at the real shape, so compile errors surface here, not mid-run
+        _, loss, n = m(*get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator(), device))
         (loss / n).backward()
 
     train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)

@@ -176,3 +176,25 @@ def test_no_host_sync_on_steps_that_do_not_log(tiny_cfg, monkeypatch):
     train.train(cfg)
     # Two log steps x (loss, grad norm) + one eval; a per-step .item() would make it 20+.
     assert len(calls) <= 2 * 2 + 1
+
+
+def test_a_failing_compile_warns_once_and_runs_eager(monkeypatch):
+    from runtime import compile_or_eager
+
+    class Broken(torch.nn.Module):
+        def forward(self, *args):
+            raise RuntimeError("inductor exploded")
+
+    monkeypatch.setattr(torch, "compile", lambda model: Broken())
+    model = tiny_model()
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+
+    def probe(m):
+        torch.rand(3)  # the probe may draw randomness; fork_rng must hide it
+        m(torch.zeros(1, 4, dtype=torch.long))
+
+    with pytest.warns(UserWarning, match="torch.compile failed .*inductor exploded.*running eager"):
+        assert compile_or_eager(model, True, probe) is model
+    assert torch.equal(torch.get_rng_state(), state)
+    assert compile_or_eager(model, False, probe) is model
