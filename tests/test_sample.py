@@ -2,6 +2,7 @@
 and the command line. All fp32 on CPU, tiny models, a few seconds in all."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import math
 import sys
@@ -12,7 +13,7 @@ import torch
 
 from checkpoint import FORMAT_VERSION, save_checkpoint
 from config import as_dict, make_config
-from conftest import make_text, run_script, tiny_model
+from conftest import REPO, make_text, run_script, tiny_model
 from data import CharTokenizer
 from model import GPT, cached_attention
 from sample import (NextTokenLogits, TextStream, filter_logits, generate, main, pick_next,
@@ -363,3 +364,27 @@ def test_sample_script_runs_as_a_command(ckpt):
     result = run_script("sample.py", "--ckpt", str(ckpt.parent), "--num-samples", "2", "--max-new-tokens", "20",
                         "--top-k", "5", "--top-p", "0.9", "--seed", "3")
     assert result.stdout.count("-" * 40) == 2 and result.stderr == ""
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_sample", REPO / "scripts" / "bench_sample.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_fails_when_cached_text_differs(monkeypatch, capsys):
+    bench = load_bench()
+    small = ["--block-size", "8", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--tokens", "20",
+             "--repeats", "1", "--min-speedup", "0"]
+    bench.main(small)  # same text, no speed-up demanded: passes
+    real = bench.generate
+
+    def broken(model, idx, *args, use_cache=True, **kwargs):
+        out = real(model, idx, *args, use_cache=use_cache, **kwargs)
+        return out + 1 if use_cache else out  # a cache that gets every token wrong
+    monkeypatch.setattr(bench, "generate", broken)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(small)
+    assert exit_info.value.code == 1
