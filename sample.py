@@ -204,9 +204,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="print sample 1 as it is generated (default: on when stdout is a terminal); "
                              "further samples are printed when the batch is done")
+    parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="KV cache; --no-cache recomputes the whole window per token (same text, slower)")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
-    if args.temp < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1 \
+    if not args.temp >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1 \
             or args.max_new_tokens < 0:
         fail("need --temp >= 0, 0 < --top-p <= 1, --top-k >= 0, --num-samples >= 1 and --max-new-tokens >= 0")
     if args.stream is None:
@@ -233,13 +235,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# sampling from {path}", flush=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([prompt] * args.num_samples, dtype=torch.long, device=device)  # (N, T)
-    on_token = None
-    if args.stream:  # sample 1 only: interleaving N streams in one terminal would be unreadable
-        stream = TextStream(tokenizer)
+    stream = TextStream(tokenizer)
+
+    def show(next_id: torch.Tensor) -> None:  # sample 1 only: N interleaved streams would be unreadable
+        print(stream.push([next_id[0, 0].item()]), end="", flush=True)
+
+    if args.stream:
         print(stream.push(prompt[skip:]), end="", flush=True)
-        on_token = lambda next_id: print(stream.push([next_id[0, 0].item()]), end="", flush=True)  # noqa: E731
     out = generate(model, idx, args.max_new_tokens, args.temp, args.top_k, args.top_p, generator,
-                   on_token=on_token)
+                   use_cache=args.cache, on_token=show if args.stream else None)
     for i, row in enumerate(out.tolist()):
         print(stream.flush() if args.stream and i == 0 else tokenizer.decode(row[skip:]))
         print("-" * 40)

@@ -322,20 +322,20 @@ def test_num_samples_is_one_batch(ckpt, monkeypatch, capsys):
 
 
 def test_stream_prints_while_generating_and_matches_batch_output(ckpt, monkeypatch):
-    common = ["--ckpt", str(ckpt), "--prompt", "KING:", "--max-new-tokens", "15", "--temp", "0",
-              "--num-samples", "2"]
-    outputs = {}
-    for flags in ([], ["--no-stream"]):  # a terminal: streaming is on by default
+    common = ["--ckpt", str(ckpt), "--prompt", "KING:", "--max-new-tokens", "40", "--temp", "0",
+              "--num-samples", "2"]  # 5 + 40 tokens: past the tiny preset's block_size of 32
+    outputs = []
+    for flags in ([], ["--no-stream"], ["--no-stream", "--no-cache"]):  # a terminal: streams by default
         terminal = FakeTerminal()
         monkeypatch.setattr(sys, "stdout", terminal)
         printed_before_forward = []
         spy_forward(monkeypatch, lambda idx: printed_before_forward.append(len(terminal.getvalue())))
         main(common + flags)
-        outputs[bool(flags)] = terminal.getvalue()
+        outputs.append(terminal.getvalue())
         grew = len(set(printed_before_forward)) > 1
         assert grew == (not flags)  # streaming: the text grows between forwards; otherwise not
-    assert outputs[False] == outputs[True]
-    assert outputs[True].split("\n")[1].startswith("KING:")
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert outputs[0].split("\n")[1].startswith("KING:")
 
 
 def test_empty_prompt_starts_from_the_start_token(ckpt, monkeypatch, capsys):
