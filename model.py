@@ -37,19 +37,22 @@ class GPTConfig:
 class LayerCache:
     """One layer's keys and values for the positions seen so far, in buffers of block_size positions.
 
-    Preallocated once so that decoding never copies the past: each forward writes its new keys and
-    values at positions length .. length + T - 1 and reads back 0 .. length + T - 1.
+    Allocated once, at the first append, so that decoding never copies the past: each forward
+    writes its new keys and values at positions length .. length + T - 1 and reads back
+    0 .. length + T - 1. The buffers take the dtype and device of the first keys, so the cache
+    also works under autocast (bf16 keys) without being told.
     """
 
-    def __init__(self, batch_size: int, n_head: int, block_size: int, head_size: int,
-                 device: torch.device | str | None, dtype: torch.dtype):
-        shape = (batch_size, n_head, block_size, head_size)  # (B, nh, block_size, hs)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+    def __init__(self, batch_size: int, n_head: int, block_size: int, head_size: int):
+        self.shape = (batch_size, n_head, block_size, head_size)  # (B, nh, block_size, hs)
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         self.length = 0  # positions filled so far
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, nh, T, hs) after the cached positions; return all keys and values so far."""
+        if self.k is None:
+            self.k, self.v = k.new_zeros(self.shape), v.new_zeros(self.shape)  # (B, nh, block_size, hs)
         start, end = self.length, self.length + k.size(2)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
@@ -66,10 +69,9 @@ class KVCache:
     full the caller must ``reset()`` it and prefill a shorter window (sample.py does so).
     """
 
-    def __init__(self, config: GPTConfig, batch_size: int, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, config: GPTConfig, batch_size: int):
         hs = config.n_embd // config.n_head
-        self.layers = [LayerCache(batch_size, config.n_head, config.block_size, hs, device, dtype)
+        self.layers = [LayerCache(batch_size, config.n_head, config.block_size, hs)
                        for _ in range(config.n_layer)]
 
     @property
@@ -199,9 +201,8 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 6 * cfg.n_layer * T * cfg.n_embd
 
     def new_cache(self, batch_size: int) -> KVCache:
-        """An empty KV cache for batch_size sequences, on the model's device and in its dtype."""
-        weight = self.lm_head.weight
-        return KVCache(self.config, batch_size, weight.device, weight.dtype)
+        """An empty KV cache for batch_size sequences of this model (see KVCache)."""
+        return KVCache(self.config, batch_size)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
         """Logits for every position; with targets also the *summed* loss and the count of targets.

@@ -97,6 +97,18 @@ def test_prefill_decode_and_extension_equal_one_full_forward():
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
 
 
+def test_cache_takes_the_dtype_of_the_keys_under_autocast():
+    model = varied_model()
+    idx = random_ids(2, 12)
+    cache = model.new_cache(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full, _, _ = model(idx)  # (2, 12, vocab)
+        parts = [model(idx[:, :8], cache=cache)[0], model(idx[:, 8:9], cache=cache)[0],
+                 model(idx[:, 9:], cache=cache)[0]]
+    assert cache.layers[0].k.dtype == torch.bfloat16
+    torch.testing.assert_close(torch.cat(parts, dim=1).float(), full.float(), atol=0.1, rtol=0.05)
+
+
 def test_cache_refuses_to_run_past_block_size():
     model = varied_model()
     cache = model.new_cache(1)
