@@ -86,7 +86,7 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: f
     Only ``generator`` is drawn from, never the global RNG; greedy draws nothing.
     """
     if temperature == 0:  # the limit T -> 0 of softmax(logits / T); dividing by 0 would give NaNs
-        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1); a tie goes to the lowest id
     probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)  # (B, vocab)
     return torch.multinomial(probs, 1, generator=generator)  # (B, 1)
 
@@ -123,7 +123,7 @@ class NextTokenLogits:
     def __init__(self, model: GPT, batch_size: int, use_cache: bool = True, keep: int = 0):
         self.model = model
         self.block_size = model.config.block_size
-        self.keep = keep or self.block_size // 2
+        self.keep = keep or max(1, self.block_size // 2)
         if not 1 <= self.keep <= self.block_size:
             raise ValueError(f"keep must be in [1, block_size={self.block_size}], got {keep}")
         self.cache = model.new_cache(batch_size) if use_cache else None

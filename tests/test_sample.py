@@ -151,6 +151,13 @@ def test_cached_greedy_equals_uncached_past_block_size(prompt_len, keep):
     assert len(set(cached_ids[0, prompt_len:].tolist())) > 3  # a real test: the text varies
 
 
+def test_cached_sampling_equals_uncached_with_the_same_seed():
+    model = varied_model(block_size=16)
+    runs = [generate(model, random_ids(3, 4), 40, temperature=1.5, top_k=20, top_p=0.95, use_cache=use_cache,
+                     generator=torch.Generator().manual_seed(0)) for use_cache in (True, False)]
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_cached_logits_equal_full_forward_over_the_policy_windows():
     """Reference written out by hand, independent of window_start: block 16, keep 8, prompt 5."""
     model = varied_model(block_size=16)
