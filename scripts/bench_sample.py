@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
                               n_head=args.n_head, n_embd=args.n_embd)).eval()
     cfg = model.config
     prompt = torch.zeros(1, 1, dtype=torch.long)  # (1, 1): one start token, batch 1
+    weights = f"checkpoint {args.ckpt}" if args.ckpt else "random init"
     print(f"model: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, block_size {cfg.block_size}, "
-          f"vocab {cfg.vocab_size}, {model.num_params() / 1e6:.2f}M params; {'checkpoint ' + args.ckpt if args.ckpt else 'random init'}")
+          f"vocab {cfg.vocab_size}, {model.num_params() / 1e6:.2f}M params; {weights}")
     print(f"run: {args.tokens} new tokens, batch 1, greedy, fp32, CPU, threads {torch.get_num_threads()}, "
           f"torch {torch.__version__}, median of {args.repeats} after 1 warm-up; "
           f"loadavg before {os.getloadavg()[0]:.2f}")

@@ -81,7 +81,8 @@ def test_cached_attention_masks_like_textbook_attention(S, T):
 def test_is_causal_with_one_query_is_the_wrong_mask():
     """Why decode does not use is_causal: SDPA aligns it top-left, hiding all keys but the first."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 1, 1, 8, generator=gen), torch.randn(1, 1, 5, 8, generator=gen), torch.randn(1, 1, 5, 8, generator=gen)
+    q = torch.randn(1, 1, 1, 8, generator=gen)  # one new token after four cached ones
+    k, v = torch.randn(1, 1, 5, 8, generator=gen), torch.randn(1, 1, 5, 8, generator=gen)
     top_left = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(top_left, v[:, :, :1])  # sees key 0 only
     assert not torch.allclose(cached_attention(q, k, v), top_left)
