@@ -138,6 +138,10 @@ class CharTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
 
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """UTF-8 bytes of decode(ids); every tokenizer has this, so streaming code needs one path."""
+        return self.decode(ids).encode("utf-8")
+
     def meta(self) -> dict:
         return {"kind": "char", "chars": self.chars}
 

@@ -1,7 +1,8 @@
 """A GPT language model: a pre-norm causal transformer, as in GPT-2, small enough to read in one go.
 
 Shape legend used in every comment below:
-    B batch size, T sequence length, C n_embd, nh n_head, hs head size (C // nh), V padded vocab.
+    B batch size, T sequence length, C n_embd, nh n_head, hs head size (C // nh), V padded vocab,
+    S positions already in the KV cache (0 without one).
 
 Parameter names follow GPT-2 (wte, wpe, h, ln_1, c_attn, c_proj, ln_2, c_fc, ln_f, lm_head) so
 that pretrained weights map key by key. References: Radford et al. 2019 ("Language Models are
@@ -33,6 +34,74 @@ class GPTConfig:
         return 64 * math.ceil(self.vocab_size / 64)
 
 
+class LayerCache:
+    """One layer's keys and values for the positions seen so far, in buffers of block_size positions.
+
+    Allocated once, at the first append, so that decoding never copies the past: each forward
+    writes its new keys and values at positions length .. length + T - 1 and reads back
+    0 .. length + T - 1. The buffers take the dtype and device of the first keys, so the cache
+    also works under autocast (bf16 keys) without being told.
+    """
+
+    def __init__(self, batch_size: int, n_head: int, block_size: int, head_size: int):
+        self.shape = (batch_size, n_head, block_size, head_size)  # (B, nh, block_size, hs)
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = 0  # positions filled so far
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) after the cached positions; return all keys and values so far."""
+        if self.k is None:
+            self.k, self.v = k.new_zeros(self.shape), v.new_zeros(self.shape)  # (B, nh, block_size, hs)
+        start, end = self.length, self.length + k.size(2)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, nh, S + T, hs) each
+
+
+class KVCache:
+    """Keys and values of every layer, so that each new token costs one single-position forward.
+
+    Use: ``cache = model.new_cache(B)``, then ``model(prompt, cache=cache)`` (the prefill) and
+    ``model(next_token, cache=cache)`` (one decode step) as often as block_size allows. Positions
+    are absolute and learned, so a cache can never hold more than block_size of them: when it is
+    full the caller must ``reset()`` it and prefill a shorter window (sample.py does so).
+    """
+
+    def __init__(self, config: GPTConfig, batch_size: int):
+        hs = config.n_embd // config.n_head
+        self.layers = [LayerCache(batch_size, config.n_head, config.block_size, hs)
+                       for _ in range(config.n_layer)]
+
+    @property
+    def length(self) -> int:
+        """Positions cached; every layer holds the same number."""
+        return self.layers[0].length
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are kept and overwritten)."""
+        for layer in self.layers:
+            layer.length = 0
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of T new queries (B, nh, T, hs) over S cached plus T new keys (B, nh, S + T, hs).
+
+    Query i sits at position S + i and may see keys 0 .. S + i. SDPA's is_causal aligns its triangle
+    to the *top-left* corner (query i sees keys 0 .. i), which is only right when S = 0; for a single
+    query with S > 0 it would hide every key but the first. So each case gets the mask it needs.
+    """
+    T, S = q.size(2), k.size(2) - q.size(2)
+    if S == 0:  # prefill: the ordinary causal square
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+    if T == 1:  # one decode step: the newest token may see every position, so no mask
+        return F.scaled_dot_product_attention(q, k, v)  # (B, nh, 1, hs)
+    # Several new tokens after a cached past: a causal triangle shifted right by S (True = attend).
+    mask = torch.ones(T, S + T, dtype=torch.bool, device=q.device).tril(diagonal=S)  # (T, S + T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -43,16 +112,20 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         # Split the channels into heads and move the head axis forward.
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        # is_causal masks position j > i; SDPA picks a fused kernel (flash / memory-efficient).
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)  # (B, nh, T, hs)
+        if cache is None:  # training and plain inference: the sequence starts at position 0
+            # is_causal masks position j > i; SDPA picks a fused kernel (flash / memory-efficient).
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)  # (B, nh, T, hs)
+        else:  # generation: attend over the cached past too; no dropout, the cache is for inference
+            k, v = cache.append(k, v)  # (B, nh, S + T, hs) each
+            y = cached_attention(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
@@ -79,8 +152,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)  # (B, T, C)
         x = x + self.mlp(self.ln_2(x))  # (B, T, C)
         return x
 
@@ -127,21 +200,29 @@ class GPT(nn.Module):
         T = seq_len or cfg.block_size
         return 6 * self.num_params() + 6 * cfg.n_layer * T * cfg.n_embd
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def new_cache(self, batch_size: int) -> KVCache:
+        """An empty KV cache for batch_size sequences of this model (see KVCache)."""
+        return KVCache(self.config, batch_size)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
         """Logits for every position; with targets also the *summed* loss and the count of targets.
 
         Targets equal to -1 are ignored. Returning (sum, count) instead of a mean lets the caller
         normalise by the token count of a whole accumulated batch.
+        With a cache, idx holds the tokens that *follow* the cached ones: they get positions
+        cache.length onwards, and their keys and values are added to the cache.
         Returns (logits (B, T, vocab_size), loss_sum or None, n_targets or None).
         """
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        start = cache.length if cache is not None else 0  # S: position of idx[:, 0]
+        if start + T > self.config.block_size:  # learned positions end here; never shift them silently
+            raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C) + (T, C) -> (B, T, C)
         x = self.transformer.drop(x)
-        for block in self.transformer.h:
-            x = block(x)  # (B, T, C)
+        layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
+        for block, layer_cache in zip(self.transformer.h, layer_caches):
+            x = block(x, layer_cache)  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
         # The padded vocab rows are dropped here: never sampled, never in the softmax of the loss.
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab_size)

@@ -1,21 +1,27 @@
-"""Generate text from a trained checkpoint.
+"""Generate text from a trained checkpoint, fast (KV cache) and exact.
 
     python sample.py --temp 0.8                       # newest best.pt under out/
-    python sample.py --ckpt out/small --prompt "ROMEO:" --num-samples 3 --top-k 40
+    python sample.py --ckpt out/small --prompt "ROMEO:" --num-samples 3 --top-k 40 --top-p 0.9
+    python sample.py --prompt-file prompt.txt --temp 0 --no-stream
 
-The checkpoint carries the tokenizer, so nothing else is needed.
+The checkpoint carries the tokenizer, so nothing else is needed. Reads top to bottom: choosing a
+token (filters, temperature) -> the context window and its KV cache -> the generation loop ->
+streaming text -> the command line.
 """
 from __future__ import annotations
 
 import argparse
+import codecs
+import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_checkpoint
 from config import ConfigError, config_from_dict
-from data import DataError, tokenizer_from_meta
+from data import DataError, read_text_file, tokenizer_from_meta
 from model import GPT
 from runtime import fail, pick_device
 from train import model_config
@@ -47,66 +53,199 @@ def load_model(path: Path, device: torch.device) -> tuple[GPT, object]:
     return model.to(device).eval(), tokenizer
 
 
+# ----------------------------------------------------------------------------- choosing a token
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Keep the top_k largest and the smallest set whose probability reaches top_p; -inf elsewhere."""
+    """Set to -inf every logit (B, V) outside the top_k, then outside the top_p nucleus.
+
+    top_k: keep the k largest; a token tied with the k-th is kept too, so no id is preferred over
+    an equally likely one (more than k may survive). 0 = off.
+    top_p (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration"): keep the smallest
+    set of most likely tokens whose probability reaches top_p, renormalised after top_k; always at
+    least one, and again ties with the last kept token are kept. 1.0 = off.
+    """
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-        probs = F.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocab order
-        logits = logits.masked_fill(drop, float("-inf"))
+        sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # (B, V)
+        probs = F.softmax(sorted_logits, dim=-1)  # (B, V)
+        # A token is needed while the tokens ranked above it fall short of top_p; the first always is.
+        # (A shifted cumsum, not cumsum - probs: rounding could make the latter non-monotone.)
+        above = F.pad(probs.cumsum(dim=-1)[..., :-1], (1, 0))  # (B, V): mass ranked above each
+        n_keep = (above < top_p).sum(dim=-1, keepdim=True)  # (B, 1), >= 1
+        smallest_kept = sorted_logits.gather(-1, n_keep - 1)  # (B, 1)
+        logits = logits.masked_fill(logits < smallest_kept, float("-inf"))
     return logits
 
 
+def pick_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next ids (B, 1) from last-position logits (B, vocab): argmax at temperature 0, else a draw.
+
+    Temperature divides the logits before the filters, so top_p sees the tempered distribution.
+    Only ``generator`` is drawn from, never the global RNG; greedy draws nothing.
+    """
+    if temperature == 0:  # the limit T -> 0 of softmax(logits / T); dividing by 0 would give NaNs
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1); a tie goes to the lowest id
+    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)  # (B, vocab)
+    return torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+
+
+# ----------------------------------------------------------------------------- the context window
+def window_start(start: int | None, n: int, block_size: int, keep: int) -> int:
+    """Index of the first token the model sees when predicting the token after the first n.
+
+    ``start`` is the previous step's answer (None at the first step). The one policy that both the
+    cached and the uncached generator follow, so that they can be compared exactly:
+      - the first step sees the whole prompt, or its last block_size tokens;
+      - then the window grows by one token per step from the same start (the cache appends);
+      - when it would pass block_size, where learned positions end, it restarts with the last
+        ``keep`` tokens at positions 0 .. keep - 1 (for the cache: a fresh prefill).
+    keep = block_size is the classic sliding window, a full forward every step past block_size.
+    keep = block_size // 2 (the default) re-prefills once per block_size // 2 new tokens, keeping
+    the cache fast; the price is a context that dips to ``keep`` tokens after each restart.
+    """
+    if start is None:
+        return max(0, n - block_size)
+    if n - start > block_size:
+        return n - keep
+    return start
+
+
+class NextTokenLogits:
+    """Logits (B, vocab) for the token after idx (B, n), over the window that window_start picks.
+
+    With use_cache, the window's keys and values live in a KVCache: a new window is prefilled once,
+    then each step feeds only the tokens not yet cached (one per step). Without it, every step runs
+    a full forward over exactly the same window: the reference the cache is tested against.
+    """
+
+    def __init__(self, model: GPT, batch_size: int, use_cache: bool = True, keep: int = 0):
+        self.model = model
+        self.block_size = model.config.block_size
+        self.keep = keep or max(1, self.block_size // 2)
+        if not 1 <= self.keep <= self.block_size:
+            raise ValueError(f"keep must be in [1, block_size={self.block_size}], got {keep}")
+        self.cache = model.new_cache(batch_size) if use_cache else None
+        self.start: int | None = None  # where the current window begins in idx
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        start = window_start(self.start, idx.size(1), self.block_size, self.keep)
+        if self.cache is None:
+            logits, _, _ = self.model(idx[:, start:])  # (B, n - start, vocab)
+        else:
+            if start != self.start:  # a new window: its positions restart at 0, so must its keys
+                self.cache.reset()
+            new = idx[:, start + self.cache.length:]  # (B, n - start - S): the tokens not yet cached
+            logits, _, _ = self.model(new, cache=self.cache)  # (B, n - start - S, vocab)
+        self.start = start
+        return logits[:, -1, :]  # (B, vocab)
+
+
+# ----------------------------------------------------------------------------- the loop
 @torch.no_grad()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Append max_new_tokens to each row of idx (B, T). temperature 0 means greedy argmax."""
+             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+             use_cache: bool = True, keep: int = 0,
+             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Append max_new_tokens to every row of idx (B, T), all rows as one batch; returns (B, T + new).
+
+    temperature 0 is greedy. ``on_token`` gets each new column (B, 1) as soon as it is chosen (for
+    streaming). ``keep``: see window_start (0 = block_size // 2). Put the model in eval mode first:
+    in train mode dropout would make the samples noisy.
+    """
+    if idx.size(1) == 0:
+        raise ValueError("generate needs at least one token to start from")
+    next_logits = NextTokenLogits(model, idx.size(0), use_cache, keep)
     for _ in range(max_new_tokens):
-        context = idx[:, -model.config.block_size:]  # (B, <= block_size): positions are learned up to it
-        logits, _, _ = model(context)
-        logits = logits[:, -1, :]  # (B, vocab)
-        if temperature == 0:
-            next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-        else:
-            probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
-            next_id = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+        next_id = pick_next(next_logits(idx), temperature, top_k, top_p, generator)  # (B, 1)
         idx = torch.cat([idx, next_id], dim=1)  # (B, T + 1)
+        if on_token is not None:
+            on_token(next_id)
     return idx
 
 
-def main(argv: list[str] | None = None) -> None:
+# ----------------------------------------------------------------------------- streaming text
+class TextStream:
+    """Token ids in, printable text out, never half a character.
+
+    A BPE token can end inside a multi-byte UTF-8 character (an emoji is 4 bytes, often spread over
+    two or three tokens), so the bytes go through an incremental UTF-8 decoder that holds an
+    unfinished character until its last byte arrives. Invalid bytes become U+FFFD, as in decode().
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: list[int]) -> str:
+        """The text that these tokens complete (possibly empty)."""
+        return self.utf8.decode(self.tokenizer.decode_bytes(ids))
+
+    def flush(self) -> str:
+        """Whatever is still held when the stream ends mid-character, as U+FFFD."""
+        return self.utf8.decode(b"", final=True)
+
+
+# ----------------------------------------------------------------------------- command line
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
-    parser.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
+    prompt.add_argument("--prompt-file", "--prompt_file", default="", help="UTF-8 file whose text to continue")
     parser.add_argument("--num-samples", "--num_samples", type=int, default=1, help="samples, generated as one batch")
     parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=500)
-    parser.add_argument("--temp", "--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--temp", "--temperature", type=float, default=0.8, help="0 = greedy argmax")
     parser.add_argument("--top-k", "--top_k", type=int, default=0, help="0 = no top-k filter")
     parser.add_argument("--top-p", "--top_p", type=float, default=1.0, help="1.0 = no nucleus filter")
-    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--seed", type=int, default=1337, help="seeds the sampler's own torch.Generator")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                        help="print sample 1 as it is generated (default: on when stdout is a terminal); "
+                             "further samples are printed when the batch is done")
+    parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="KV cache; --no-cache recomputes the whole window per token (same text, slower)")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
-    if args.temp < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1:
-        fail("need --temp >= 0, 0 < --top-p <= 1, --top-k >= 0 and --num-samples >= 1")
+    if not args.temp >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1 \
+            or args.max_new_tokens < 0:
+        fail("need --temp >= 0, 0 < --top-p <= 1, --top-k >= 0, --num-samples >= 1 and --max-new-tokens >= 0")
+    if args.stream is None:
+        args.stream = sys.stdout.isatty()
+    return args
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """The prompt's ids; an empty prompt starts from the start token (newline / <|endoftext|>)."""
+    return tokenizer.encode(text) if text else [tokenizer.eot_token]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     try:
         path = find_checkpoint(args.ckpt)
         device = pick_device(args.device)
         model, tokenizer = load_model(path, device)
-        prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_token]
+        text = read_text_file(Path(args.prompt_file)) if args.prompt_file else args.prompt
+        prompt = prompt_ids(tokenizer, text)
     except (CheckpointError, ConfigError, DataError) as err:
         fail(str(err))
-    print(f"# sampling from {path}")
+    skip = 0 if text else 1  # the start token of an empty prompt is not part of the text
+    print(f"# sampling from {path}", flush=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([prompt] * args.num_samples, dtype=torch.long, device=device)  # (N, T)
-    out = generate(model, idx, args.max_new_tokens, args.temp, args.top_k, args.top_p, generator)
-    for row in out.tolist():
-        print(tokenizer.decode(row if args.prompt else row[1:]))
+    stream = TextStream(tokenizer)
+
+    def show(next_id: torch.Tensor) -> None:  # sample 1 only: N interleaved streams would be unreadable
+        print(stream.push([next_id[0, 0].item()]), end="", flush=True)
+
+    if args.stream:
+        print(stream.push(prompt[skip:]), end="", flush=True)
+    out = generate(model, idx, args.max_new_tokens, args.temp, args.top_k, args.top_p, generator,
+                   use_cache=args.cache, on_token=show if args.stream else None)
+    for i, row in enumerate(out.tolist()):
+        print(stream.flush() if args.stream and i == 0 else tokenizer.decode(row[skip:]))
         print("-" * 40)
 
 

@@ -1,0 +1,416 @@
+"""Sampling: the KV cache is exact, the filters keep exactly the right tokens, batches, seeds, streaming
+and the command line. All fp32 on CPU, tiny models, a few seconds in all."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import FORMAT_VERSION, save_checkpoint
+from config import as_dict, make_config
+from conftest import REPO, make_text, run_script, tiny_model
+from data import CharTokenizer
+from model import GPT, cached_attention
+from sample import (NextTokenLogits, TextStream, filter_logits, generate, main, pick_next,
+                    prompt_ids, window_start)
+from train import model_config
+
+NEG_INF = float("-inf")
+
+
+def varied_model(block_size: int = 16, seed: int = 0) -> GPT:
+    """A tiny model whose greedy output changes with the context.
+
+    At GPT-2's init (std 0.02) a random model repeats one token forever, which would let a broken
+    cache pass; weights of std 0.2 make the next token depend on the whole context.
+    """
+    model = tiny_model(block_size=block_size, seed=seed).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model
+
+
+def random_ids(B: int, T: int, seed: int = 1, vocab: int = 50) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))  # (B, T)
+
+
+def greedy_with_logits(model: GPT, idx: torch.Tensor, steps: int, use_cache: bool,
+                       keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens (B, T + steps) and the logits of every step (B, steps, vocab)."""
+    next_logits = NextTokenLogits(model, idx.size(0), use_cache, keep)
+    all_logits = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = next_logits(idx)  # (B, vocab)
+            all_logits.append(logits)
+            idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
+    return idx, torch.stack(all_logits, dim=1)
+
+
+def kept(logits: list[float], **kw) -> set[int]:
+    """Ids that survive filter_logits on one row of hand-built logits."""
+    out = filter_logits(torch.tensor([logits]), **kw)[0]
+    return {i for i, x in enumerate(out.tolist()) if x != NEG_INF}
+
+
+# ----------------------------------------------------------------------------- KV cache: masks
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Textbook attention where query i is at position S + i and sees keys 0 .. S + i."""
+    T, L = q.size(2), k.size(2)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, L)
+    allowed = torch.arange(L)[None, :] <= torch.arange(L - T, L)[:, None]  # (T, L)
+    return scores.masked_fill(~allowed, NEG_INF).softmax(dim=-1) @ v  # (B, nh, T, hs)
+
+
+@pytest.mark.parametrize("S, T", [(0, 5), (4, 1), (4, 3), (1, 6)])
+def test_cached_attention_masks_like_textbook_attention(S, T):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, T, 8, generator=gen)
+    k, v = torch.randn(2, 2, S + T, 8, generator=gen), torch.randn(2, 2, S + T, 8, generator=gen)
+    torch.testing.assert_close(cached_attention(q, k, v), naive_attention(q, k, v), atol=1e-6, rtol=0)
+
+
+def test_is_causal_with_one_query_is_the_wrong_mask():
+    """Why decode does not use is_causal: SDPA aligns it top-left, hiding all keys but the first."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 1, 8, generator=gen)  # one new token after four cached ones
+    k, v = torch.randn(1, 1, 5, 8, generator=gen), torch.randn(1, 1, 5, 8, generator=gen)
+    top_left = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(top_left, v[:, :, :1])  # sees key 0 only
+    assert not torch.allclose(cached_attention(q, k, v), top_left)
+
+
+def test_prefill_decode_and_extension_equal_one_full_forward():
+    model = varied_model()
+    idx = random_ids(3, 16)
+    full, _, _ = model(idx)  # (3, 16, vocab)
+    cache = model.new_cache(3)
+    parts = [model(idx[:, a:b], cache=cache)[0] for a, b in [(0, 5), (5, 6), (6, 7), (7, 12), (12, 16)]]
+    assert cache.length == 16
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_cache_takes_the_dtype_of_the_keys_under_autocast():
+    model = varied_model()
+    idx = random_ids(2, 12)
+    cache = model.new_cache(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full, _, _ = model(idx)  # (2, 12, vocab)
+        parts = [model(idx[:, :8], cache=cache)[0], model(idx[:, 8:9], cache=cache)[0],
+                 model(idx[:, 9:], cache=cache)[0]]
+    assert cache.layers[0].k.dtype == torch.bfloat16
+    torch.testing.assert_close(torch.cat(parts, dim=1).float(), full.float(), atol=0.1, rtol=0.05)
+
+
+def test_cache_refuses_to_run_past_block_size():
+    model = varied_model()
+    cache = model.new_cache(1)
+    model(random_ids(1, 16), cache=cache)
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        model(random_ids(1, 1), cache=cache)
+    cache.reset()  # positions restart at 0; the stale keys past length are never read
+    fresh = random_ids(1, 3, seed=5)
+    torch.testing.assert_close(model(fresh, cache=cache)[0], model(fresh)[0], atol=1e-5, rtol=0)
+
+
+def test_forward_without_a_cache_still_trains():
+    model = tiny_model(block_size=16)
+    idx, targets = random_ids(2, 16), random_ids(2, 16, seed=2)
+    logits, loss_sum, n = model(idx, targets)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(32, 50), targets.reshape(32), reduction="sum")
+    torch.testing.assert_close(loss_sum, expected)
+    loss_sum.backward()
+    assert n.item() == 32 and model.transformer.wpe.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        model(random_ids(1, 17))
+
+
+# ----------------------------------------------------------------------------- KV cache: generation
+def test_window_start_policy_table():
+    bs, keep = 16, 8
+    assert window_start(None, 5, bs, keep) == 0  # short prompt: all of it
+    assert window_start(None, 16, bs, keep) == 0  # exactly block_size: all of it
+    assert window_start(None, 23, bs, keep) == 7  # long prompt: the last block_size tokens
+    assert window_start(0, 16, bs, keep) == 0  # still fits: grow
+    assert window_start(0, 17, bs, keep) == 9  # one past block_size: restart with the last keep
+    assert window_start(9, 25, bs, keep) == 9  # 16 tokens from 9: fits
+    assert window_start(9, 26, bs, keep) == 18
+    assert window_start(7, 24, bs, bs) == 8  # keep = block_size: the classic sliding window
+
+
+@pytest.mark.parametrize("prompt_len", [5, 16, 23])  # shorter than, equal to, longer than block_size
+@pytest.mark.parametrize("keep", [0, 1, 16])  # default block_size // 2, extremes
+def test_cached_greedy_equals_uncached_past_block_size(prompt_len, keep):
+    model = varied_model(block_size=16)
+    idx = random_ids(2, prompt_len)
+    cached_ids, cached_logits = greedy_with_logits(model, idx, 40, use_cache=True, keep=keep)
+    plain_ids, plain_logits = greedy_with_logits(model, idx, 40, use_cache=False, keep=keep)
+    assert torch.equal(cached_ids, plain_ids)
+    torch.testing.assert_close(cached_logits, plain_logits, atol=1e-5, rtol=0)
+    assert len(set(cached_ids[0, prompt_len:].tolist())) > 3  # a real test: the text varies
+
+
+def test_cached_sampling_equals_uncached_with_the_same_seed():
+    model = varied_model(block_size=16)
+    runs = [generate(model, random_ids(3, 4), 40, temperature=1.5, top_k=20, top_p=0.95, use_cache=use_cache,
+                     generator=torch.Generator().manual_seed(0)) for use_cache in (True, False)]
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_cached_logits_equal_full_forward_over_the_policy_windows():
+    """Reference written out by hand, independent of window_start: block 16, keep 8, prompt 5."""
+    model = varied_model(block_size=16)
+    ids, logits = greedy_with_logits(model, random_ids(1, 5), 30, use_cache=True)
+    for step in range(30):
+        n = 5 + step  # tokens known when this step predicts
+        start = 0 if n <= 16 else 9 if n <= 25 else 18 if n <= 34 else None
+        expected = model(ids[:, start:n])[0][:, -1]  # (1, vocab)
+        torch.testing.assert_close(logits[:, step], expected, atol=1e-5, rtol=0)
+
+
+def test_keep_block_size_is_the_classic_sliding_window():
+    model = varied_model(block_size=16)
+    idx = random_ids(1, 5)
+    ids = generate(model, idx, 30, temperature=0, use_cache=True, keep=16)
+    expected = idx
+    with torch.no_grad():
+        for _ in range(30):
+            logits = model(expected[:, -16:])[0][:, -1]  # (1, vocab)
+            expected = torch.cat([expected, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(ids, expected)
+
+
+def test_batch_rows_equal_separate_runs():
+    model = varied_model()
+    idx = random_ids(3, 6)  # three different prompts in one batch
+    batch = generate(model, idx, 25, temperature=0)
+    for row in range(3):
+        assert torch.equal(batch[row: row + 1], generate(model, idx[row: row + 1], 25, temperature=0))
+
+
+def test_padded_vocab_ids_are_never_produced():
+    model = varied_model()  # vocab 50, padded to 64
+    with torch.no_grad():
+        model.lm_head.weight[50:] = 100.0  # make every padded id overwhelmingly "likely"
+    gen = torch.Generator().manual_seed(0)
+    for temp in (0.0, 1.0, 5.0):
+        out = generate(model, random_ids(4, 3), 20, temperature=temp, generator=gen)
+        assert out.max().item() < 50
+
+
+# ----------------------------------------------------------------------------- filters
+def test_top_k_keeps_the_k_largest():
+    assert kept([1.0, 3.0, 2.0, 5.0, 4.0], top_k=2) == {3, 4}
+    assert kept([1.0, 3.0, 2.0, 5.0, 4.0], top_k=1) == {3}
+    assert kept([1.0, 3.0, 2.0], top_k=10) == {0, 1, 2}  # k > V: everything
+    assert kept([1.0, 3.0, 2.0], top_k=0) == {0, 1, 2}  # off
+
+
+def test_top_k_keeps_ties_with_the_kth():
+    assert kept([1.0, 2.0, 2.0, 0.0], top_k=2) == {1, 2}
+    assert kept([3.0, 1.0, 3.0, 3.0], top_k=1) == {0, 2, 3}
+
+
+PROBS = [0.125, 0.5, 0.0625, 0.25, 0.0625]  # shuffled, so the filter must map ranks back to ids
+
+
+@pytest.mark.parametrize("top_p, expected", [
+    (1e-9, {1}),  # a tiny p keeps exactly the top token
+    (0.4, {1}),
+    (0.6, {1, 3}),  # 0.5 < 0.6: the second token is needed
+    (0.8, {1, 3, 0}),
+    (0.9, {1, 3, 0, 2, 4}),  # 0.875 < 0.9 needs a 0.0625 token, and its tie comes with it
+    (1.0, {0, 1, 2, 3, 4}),  # off
+])
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p, expected):
+    assert kept([math.log(p) for p in PROBS], top_p=top_p) == expected
+
+
+def test_top_p_ties_at_the_top_and_rows_are_independent():
+    logits = torch.tensor([[2.0, 2.0, 0.0], [0.0, 0.0, 5.0]])
+    out = filter_logits(logits, top_p=1e-9)
+    assert torch.equal(out.isfinite(), torch.tensor([[True, True, False], [False, False, True]]))
+
+
+def test_top_p_applies_to_the_distribution_left_by_top_k():
+    logits = [math.log(p) for p in (0.4, 0.3, 0.2, 0.1)]
+    assert kept(logits, top_p=0.5) == {0, 1}  # 0.4 falls short of 0.5
+    assert kept(logits, top_k=2, top_p=0.5) == {0}  # renormalised over two: 0.4 / 0.7 = 0.57 reaches 0.5
+    assert kept(logits, top_k=2, top_p=0.65) == {0, 1}
+
+
+def test_sampling_only_draws_from_the_kept_set():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]]).repeat(500, 1)  # (500, 5)
+    gen = torch.Generator().manual_seed(0)
+    drawn = pick_next(logits, temperature=1.0, top_k=3, generator=gen)  # (500, 1)
+    assert set(drawn.flatten().tolist()) == {2, 3, 4}
+
+
+def test_temperature_zero_is_argmax_and_draws_nothing():
+    gen = torch.Generator().manual_seed(0)
+    before = gen.get_state()
+    assert pick_next(torch.tensor([[0.1, 0.7, 0.2]]), 0.0, generator=gen).tolist() == [[1]]
+    assert torch.equal(gen.get_state(), before)
+
+
+def test_seeded_generator_is_reproducible_and_global_rng_untouched():
+    model = varied_model()
+    global_state = torch.get_rng_state()
+    runs = [generate(model, random_ids(3, 4), 20, temperature=1.0, generator=torch.Generator().manual_seed(s))
+            for s in (7, 7, 8)]
+    assert torch.equal(torch.get_rng_state(), global_state)
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    assert not torch.equal(runs[0][0], runs[0][1])  # one generator, different rows
+
+
+# ----------------------------------------------------------------------------- streaming text
+class ByteTokenizer:
+    """One token per UTF-8 byte: the worst case for splitting characters between tokens."""
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return bytes(ids)
+
+
+TRICKY = "naïve — 日本語 🎉🇫🇷!"
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 5])  # tokens of 1, 2, 3 or 5 bytes, cutting characters
+def test_text_stream_never_prints_half_a_character(group):
+    data = TRICKY.encode("utf-8")
+    tokens = [list(data[i: i + group]) for i in range(0, len(data), group)]
+    stream = TextStream(ByteTokenizer())
+    pieces = [stream.push(token_bytes) for token_bytes in tokens]
+    assert "".join(pieces) + stream.flush() == TRICKY
+    assert all("\ufffd" not in piece for piece in pieces)
+    if group == 1:
+        emoji_at = len(TRICKY[:TRICKY.index("🎉")].encode("utf-8"))
+        assert pieces[emoji_at: emoji_at + 3] == ["", "", ""]  # first 3 of 4 bytes: held
+        assert pieces[emoji_at + 3] == "🎉"
+
+
+def test_text_stream_flushes_an_unfinished_character_as_replacement():
+    stream = TextStream(ByteTokenizer())
+    assert stream.push(list("ok🎉".encode("utf-8")[:-1])) == "ok"
+    assert stream.flush() == "\ufffd"
+
+
+def test_char_tokenizer_streams_like_it_decodes():
+    tok = CharTokenizer("".join(sorted(set(TRICKY))))
+    stream = TextStream(tok)
+    assert "".join(stream.push([i]) for i in tok.encode(TRICKY)) == TRICKY == tok.decode(tok.encode(TRICKY))
+
+
+# ----------------------------------------------------------------------------- command line
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    """A random-init char checkpoint of the tiny preset (sampling does not need a trained model)."""
+    cfg = make_config("tiny", device="cpu", out_dir=str(tmp_path / "out"), data_dir=str(tmp_path / "data"))
+    tokenizer = CharTokenizer("".join(sorted(set(make_text()))))
+    torch.manual_seed(0)
+    model = GPT(model_config(cfg, tokenizer.vocab_size))
+    state = {"format_version": FORMAT_VERSION, "model": model.state_dict(), "optimizer": {}, "scaler": {},
+             "step": 0, "best_val_loss": math.inf, "config": as_dict(cfg), "tokenizer": tokenizer.meta(),
+             "rng": {}, "versions": {}}
+    path = tmp_path / "out" / "best.pt"
+    save_checkpoint(state, path)
+    return path
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def spy_forward(monkeypatch, on_call) -> None:
+    """Call on_call(idx) before every GPT forward."""
+    real = GPT.forward
+
+    def forward(self, idx, *args, **kwargs):
+        on_call(idx)
+        return real(self, idx, *args, **kwargs)
+    monkeypatch.setattr(GPT, "forward", forward)
+
+
+def test_num_samples_is_one_batch(ckpt, monkeypatch, capsys):
+    batch_sizes = []
+    spy_forward(monkeypatch, lambda idx: batch_sizes.append(idx.size(0)))
+    main(["--ckpt", str(ckpt), "--num-samples", "3", "--max-new-tokens", "10", "--no-stream"])
+    assert batch_sizes == [3] * 10  # one forward per new token, each for all samples
+    assert capsys.readouterr().out.count("-" * 40) == 3
+
+
+def test_stream_prints_while_generating_and_matches_batch_output(ckpt, monkeypatch):
+    common = ["--ckpt", str(ckpt), "--prompt", "KING:", "--max-new-tokens", "40", "--temp", "0",
+              "--num-samples", "2"]  # 5 + 40 tokens: past the tiny preset's block_size of 32
+    outputs = []
+    for flags in ([], ["--no-stream"], ["--no-stream", "--no-cache"]):  # a terminal: streams by default
+        terminal = FakeTerminal()
+        monkeypatch.setattr(sys, "stdout", terminal)
+        printed_before_forward = []
+        spy_forward(monkeypatch, lambda idx: printed_before_forward.append(len(terminal.getvalue())))
+        main(common + flags)
+        outputs.append(terminal.getvalue())
+        grew = len(set(printed_before_forward)) > 1
+        assert grew == (not flags)  # streaming: the text grows between forwards; otherwise not
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert outputs[0].split("\n")[1].startswith("KING:")
+
+
+def test_empty_prompt_starts_from_the_start_token(ckpt, monkeypatch, capsys):
+    first_inputs = []
+    spy_forward(monkeypatch, lambda idx: first_inputs.append(idx.tolist()))
+    main(["--ckpt", str(ckpt), "--max-new-tokens", "4", "--no-stream"])
+    tok = CharTokenizer("".join(sorted(set(make_text()))))
+    assert first_inputs[0] == [[tok.stoi["\n"]]] == [prompt_ids(tok, "")]
+    sample = capsys.readouterr().out.split("\n", 1)[1].split("-" * 40)[0]
+    assert len(sample) == 4 + 1  # the 4 new characters and print's newline, not the start token
+
+
+def test_prompt_file_and_unknown_characters(ckpt, tmp_path, capsys):
+    (tmp_path / "prompt.txt").write_text("QUEEN:\n")
+    main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "3",
+          "--temp", "0", "--no-stream"])
+    assert capsys.readouterr().out.split("\n", 1)[1].startswith("QUEEN:\n")
+    for flags in (["--prompt", "KING: €"], ["--prompt-file", str(tmp_path / "missing.txt")]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--ckpt", str(ckpt), *flags])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_sample_script_runs_as_a_command(ckpt):
+    result = run_script("sample.py", "--ckpt", str(ckpt.parent), "--num-samples", "2", "--max-new-tokens", "20",
+                        "--top-k", "5", "--top-p", "0.9", "--seed", "3")
+    assert result.stdout.count("-" * 40) == 2 and result.stderr == ""
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_sample", REPO / "scripts" / "bench_sample.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_fails_when_cached_text_differs(monkeypatch, capsys):
+    bench = load_bench()
+    small = ["--block-size", "8", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--tokens", "20",
+             "--repeats", "1", "--min-speedup", "0", "--threads", "0"]  # 0: leave torch alone
+    bench.main(small)  # same text, no speed-up demanded: passes
+    real = bench.generate
+
+    def broken(model, idx, *args, use_cache=True, **kwargs):
+        out = real(model, idx, *args, use_cache=use_cache, **kwargs)
+        return out + 1 if use_cache else out  # a cache that gets every token wrong
+    monkeypatch.setattr(bench, "generate", broken)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(small)
+    assert exit_info.value.code == 1
