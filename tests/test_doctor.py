@@ -1,0 +1,214 @@
+"""scripts/doctor.py: the whole run on a tiny config, and each check on a good and a broken input.
+
+The silent bugs the issue names have their guards in test_guards.py; this file covers the doctor's
+own behaviour (exit status, table of checks) and the checks those guards do not exercise.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import train
+from config import parse_args
+from conftest import REPO, make_text, run_script, tiny_model
+from data import CharTokenizer, get_batch
+from model import GPT, GPTConfig
+from scripts import doctor
+
+CPU = torch.device("cpu")
+CHECK_NAMES = ["init loss", "batch", "token ids", "round trip", "gradients", "causal", "overfit",
+               "train/eval", "evaluate", "tied weights"]
+
+
+def random_batch(vocab_size: int = 50, batch_size: int = 4, block_size: int = 16,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = torch.randint(vocab_size, (batch_size, block_size + 1), generator=torch.Generator().manual_seed(seed))
+    return rows[:, :-1], rows[:, 1:]  # (B, T) each
+
+
+def tiny_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return model.configure_optimizer(0.1, 3e-3, (0.9, 0.99), "cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Ops on tiny models are too small to share out: one thread runs them faster, most of all on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- the whole run
+def doctor_argv(cfg) -> list[str]:
+    return ["--config", "tiny", "--data_path", cfg.data_path, "--data_dir", cfg.data_dir, "--device", "cpu"]
+
+
+def test_every_check_passes_on_the_tiny_config(monkeypatch, tiny_cfg):
+    results, real_run_checks = [], doctor.run_checks
+
+    def recording_run_checks(cfg):
+        results.extend(real_run_checks(cfg))
+        return results
+
+    monkeypatch.setattr(doctor, "run_checks", recording_run_checks)
+    assert doctor.main(doctor_argv(tiny_cfg())) == 0
+    assert [c.name for c in results] == CHECK_NAMES
+    assert all(c.passed for c in results)
+
+
+def test_a_failed_check_exits_1(monkeypatch, tiny_cfg):
+    monkeypatch.setattr(doctor, "tokenizer_from_meta", lambda meta, cache: LowercasingTokenizer(meta["chars"]))
+    assert doctor.main(doctor_argv(tiny_cfg())) == 1
+
+
+def test_a_config_mistake_exits_2():
+    assert doctor.main(["--config", "no-such-preset"]) == 2
+
+
+def test_the_script_runs_from_the_command_line():
+    result = run_script("scripts/doctor.py", "--help")
+    assert "--block_size" in result.stdout  # the same flags as train.py, from config.parse_args
+
+
+# ----------------------------------------------------------------------------- single checks
+def test_init_loss_catches_an_overconfident_init():
+    model = tiny_model()
+    x, y = random_batch()
+    assert doctor.check_init_loss(model, x, y).passed
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100)  # logits now far from uniform
+    assert not doctor.check_init_loss(model, x, y).passed
+
+
+def test_init_loss_tolerance_fits_gpt2_width_and_vocab():
+    # Wider models start further above ln(vocab) (logit variance grows with n_embd): the gpt2 preset
+    # must still pass. One layer is enough, since the head sees a LayerNorm output at any depth.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50257, block_size=8, n_layer=1, n_head=12, n_embd=768))
+    x, y = random_batch(vocab_size=50257, batch_size=2, block_size=8)
+    check = doctor.check_init_loss(model, x, y)
+    assert check.passed, check.measured
+
+
+def test_readme_documents_every_check():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## When the loss won't go down", 1)[1]
+    documented = [line.split("`")[1] for line in section.splitlines() if line.startswith("| `")]
+    assert documented == CHECK_NAMES
+    command = next(line for line in section.splitlines() if line.startswith("python scripts/doctor.py"))
+    parse_args(command.split()[2:])  # the README's flags are real ones
+
+
+def test_window_starts_finds_every_occurrence():
+    data = np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.uint16)
+    assert doctor.window_starts(data, np.array([1, 2, 3])).tolist() == [0, 3]
+    assert doctor.window_starts(data, np.array([3, 2])).tolist() == []
+
+
+def test_batch_from_another_corpus_is_caught():
+    text = make_text()
+    tokenizer = CharTokenizer("".join(sorted(set(text))))
+    data = tokenizer.encode_array(text).astype(np.uint16)
+    x, y = get_batch(data, 4, 16, torch.Generator().manual_seed(0), CPU)
+    assert doctor.check_batch(x, y, data, tokenizer).passed
+    other = tokenizer.encode_array(make_text(seed=1)).astype(np.uint16)
+    assert not doctor.check_batch(x, y, other, tokenizer).passed  # shifted, but not this corpus
+
+
+def test_token_ids_past_the_vocab_are_caught():
+    # 60 < 64 (the padded embedding), so the model would run silently on this id.
+    good, bad = np.arange(50, dtype=np.uint16), np.array([3, 60], dtype=np.uint16)
+    assert doctor.check_token_range({"train": good, "val": good}, 50).passed
+    check = doctor.check_token_range({"train": good, "val": bad}, 50)
+    assert not check.passed
+    assert "60 (val)" in check.measured
+
+
+class LowercasingTokenizer(CharTokenizer):
+    """A lossy tokenizer: decoding loses capital letters."""
+
+    def decode(self, ids: list[int]) -> str:
+        return super().decode(ids).lower()
+
+
+def test_round_trip_catches_a_lossy_tokenizer():
+    text = make_text()
+    chars = "".join(sorted(set(text)))
+    ids = CharTokenizer(chars).encode_array(text)
+    assert doctor.check_round_trip(CharTokenizer(chars), ids).passed
+    assert not doctor.check_round_trip(LowercasingTokenizer(chars), ids).passed
+
+
+def test_gradients_catches_a_parameter_missing_from_the_optimizer():
+    model = tiny_model()
+    decay_only = torch.optim.AdamW([p for p in model.parameters() if p.dim() >= 2])  # LayerNorms forgotten
+    check = doctor.check_gradients(model, decay_only, *random_batch())
+    assert not check.passed
+    assert "ln_1.weight: in 0 optimizer groups" in check.measured
+
+
+class UnusedLayerGPT(GPT):
+    """A registered layer the forward pass never uses: it gets no gradient."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.unused = nn.Linear(config.n_embd, config.n_embd)
+
+
+def test_gradients_catches_a_parameter_without_gradient():
+    torch.manual_seed(0)
+    model = UnusedLayerGPT(tiny_model().config)
+    check = doctor.check_gradients(model, tiny_optimizer(model), *random_batch())
+    assert not check.passed
+    assert "unused.weight: no grad" in check.measured
+
+
+def test_overfit_catches_a_step_that_cannot_learn():
+    x, y = random_batch(batch_size=2)
+    model = tiny_model()
+    assert doctor.check_overfit(model, tiny_optimizer(model), x, y, 1.0, CPU, torch.float32).passed
+    frozen = tiny_model()
+    optimizer = frozen.configure_optimizer(0.1, 1e-7, (0.9, 0.99), "cpu")  # lr far too small
+    assert not doctor.check_overfit(frozen, optimizer, x, y, 1.0, CPU, torch.float32, steps=20).passed
+
+
+def test_dropout_that_ignores_the_mode_is_caught(monkeypatch):
+    x = random_batch()[0]
+    assert doctor.check_dropout_modes(tiny_model(dropout=0.1), x).passed
+    monkeypatch.setattr(nn.Dropout, "forward", lambda self, h: F.dropout(h, self.p, training=True))
+    assert not doctor.check_dropout_modes(tiny_model(dropout=0.1), x).passed
+
+
+def evaluate_on_random_windows(model, x_val, y_val, batch_size, device, dtype):
+    """Draws its windows from the global RNG: shifts every later dropout mask."""
+    pick = torch.randint(len(x_val), (batch_size,))
+    return train.evaluate(model, x_val[pick], y_val[pick], batch_size, device, dtype)
+
+
+@torch.no_grad()
+def evaluate_left_in_eval_mode(model, x_val, y_val, batch_size, device, dtype):
+    """Forgets to switch back to train mode: dropout is off for the rest of training."""
+    model.eval()
+    _, loss_sum, n = model(x_val, y_val)
+    return (loss_sum / n).item()
+
+
+@pytest.mark.parametrize("evaluate, problem", [(evaluate_on_random_windows, "global RNG"),
+                                               (evaluate_left_in_eval_mode, "left the model in eval mode")])
+def test_evaluate_check_names_the_problem(evaluate, problem):
+    x_val, y_val = random_batch(batch_size=6)
+    check = doctor.check_evaluate(evaluate, tiny_model(dropout=0.1), x_val, y_val, 4, CPU, torch.float32)
+    assert not check.passed
+    assert problem in check.measured
+
+
+def test_graph_leaves_are_the_parameters_the_loss_uses():
+    used, unused = nn.Linear(3, 2), nn.Linear(3, 2)
+    loss = used(torch.ones(1, 3)).sum()
+    leaves = {id(t) for t in doctor.graph_leaves(loss)}
+    assert leaves == {id(used.weight), id(used.bias)}
+    assert id(unused.weight) not in leaves
