@@ -111,12 +111,11 @@ def wrap(model: torch.nn.Module, ddp: Dist) -> torch.nn.Module:
     """DistributedDataParallel around ``model`` in a world of several; ``model`` itself otherwise.
 
     DDP broadcasts rank 0's parameters at construction, so every rank starts from the same weights
-    (rank 0's initialisation or the resumed checkpoint). The model has no buffers to broadcast.
+    (rank 0's initialisation or the resumed checkpoint).
     """
     if not ddp.enabled:
         return model
-    return DistributedDataParallel(model, device_ids=[ddp.device] if ddp.device.type == "cuda" else None,
-                                   broadcast_buffers=False)
+    return DistributedDataParallel(model, device_ids=[ddp.device] if ddp.device.type == "cuda" else None)
 
 
 def sync_gradients(model: torch.nn.Module, now: bool) -> contextlib.AbstractContextManager:
