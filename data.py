@@ -13,8 +13,8 @@ fixed windows so every eval scores the same tokens.
 Document corpora (a folder of .txt files or a .jsonl file) are tokenized with GPT-2 BPE by a pool of
 worker processes and streamed to disk: memory holds one batch of documents, whatever the corpus
 size. Each document is preceded by <|endoftext|>, so the model sees where documents meet. The val
-split is every ceil(1/val_fraction)-th document, counting from the first (see ``is_val_document``),
-which needs no pass over the corpus in advance and spreads val over the whole corpus.
+split is one document in every 1/val_fraction, starting with the first (0.1: documents 0, 10, 20, ...;
+see ``is_val_document``): it needs no pass over the corpus in advance and spreads val over all of it.
 """
 from __future__ import annotations
 
@@ -418,7 +418,8 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
         meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": "uint16", "source": str(path),
                 "val_fraction": val_fraction, "train_tokens": counts["train"], "val_tokens": counts["val"],
                 "documents": n_docs, "val_documents": n_val_docs,
-                "val_split": "every ceil(1/val_fraction)-th document from the first; <|endoftext|> before each"}
+                "val_split": "document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
+                             "<|endoftext|> before each document"}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
     print(f"prepared {path}: {n_docs:,} documents, {counts['train']:,} train + {counts['val']:,} val tokens "
           f"({n_val_docs:,} val documents), GPT-2 BPE -> {folder}")

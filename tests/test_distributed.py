@@ -161,6 +161,34 @@ def test_single_process_setup_is_a_world_of_one(monkeypatch):
     assert distributed.gather_to_main({"a": 1}) == [{"a": 1}]
 
 
+def test_gradients_are_all_reduced_once_per_step_on_the_last_micro_batch(monkeypatch):
+    # A one-process gloo group is enough to build a real DDP module and count its all-reduces.
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp_model = DistributedDataParallel(tiny_model(vocab_size=50, block_size=8))
+        synced_in = []
+        micro = {"i": 0}
+
+        def counting_hook(state, bucket):  # called once per gradient bucket that is all-reduced
+            synced_in.append(micro["i"])
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp_model.register_comm_hook(None, counting_hook)
+        x = torch.randint(50, (2, 8))
+        for i in range(3):
+            micro["i"] = i
+            with distributed.sync_gradients(ddp_model, now=i == 2):
+                _, loss_sum, n = ddp_model(x, x)
+                (loss_sum / n).backward()
+        assert len(synced_in) > 0 and set(synced_in) == {2}
+    finally:
+        dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- MFU
 @pytest.mark.parametrize("name, dtype, peak", [
     ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.5e12),  # H100 SXM
