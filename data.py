@@ -236,12 +236,17 @@ def is_document_corpus(path: Path) -> bool:
     return path.is_dir() or path.suffix == ".jsonl"
 
 
-def folder_fingerprint(folder: Path) -> str:
-    """Hash of every .txt file's relative path, size and mtime: cheap, unlike hashing a big corpus."""
+def corpus_fingerprint(path: Path) -> str:
+    """Hash of the relative path, size and mtime of a .jsonl or of every .txt in a folder.
+
+    Cheap, unlike hashing the content: every rank of a torchrun job checks the cache at start, and
+    a web-scale corpus would take minutes to read. Editing a file changes its mtime.
+    """
     digest = hashlib.sha256()
-    for file in sorted(folder.rglob("*.txt")):
+    for file in sorted(path.rglob("*.txt")) if path.is_dir() else [path]:
         info = file.stat()
-        digest.update(f"{file.relative_to(folder)}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
+        digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0{info.st_size}\0"
+                      f"{info.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
 
@@ -249,8 +254,8 @@ def corpus_source(dataset: str, data_path: str) -> tuple[str, Path | None]:
     """(name, text file / folder / .jsonl, or None for a built-in corpus)."""
     if data_path:
         path = Path(data_path)
-        if path.is_dir():
-            return f"{path.name}-{folder_fingerprint(path)[:12]}", path
+        if path.exists() and is_document_corpus(path):
+            return f"{path.name if path.is_dir() else path.stem}-{corpus_fingerprint(path)[:12]}", path
         if not path.is_file():
             raise DataError(f"{path}: no such file or folder; pass a UTF-8 text file, a folder of .txt "
                             "files or a .jsonl file with --data_path")
