@@ -57,6 +57,7 @@ def ddp_runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # shares ~30 s of torchrun launches (module fixture)
 def test_ddp_two_ranks_equal_one_process_with_the_union_batch(ddp_runs, tiny_cfg, tmp_path, monkeypatch):
     # Rank r draws B windows per micro-batch from Generator(seed + r). One process with 2B per
     # micro-batch sees exactly their union if its get_batch draws B from each of those generators.
@@ -87,6 +88,7 @@ def test_ddp_two_ranks_equal_one_process_with_the_union_batch(ddp_runs, tiny_cfg
     assert max((ref[n] - half[n]).abs().max().item() for n in ref) > 1000 * WEIGHT_ATOL
 
 
+@pytest.mark.slow  # shares ~30 s of torchrun launches (module fixture)
 def test_ddp_kill_and_resume_is_exact(ddp_runs):
     full, resumed = ddp_runs / "full", ddp_runs / "resumed"
     a, b = records(full, "loss"), records(resumed, "loss")
@@ -101,6 +103,7 @@ def test_ddp_kill_and_resume_is_exact(ddp_runs):
     assert torch.equal(got["rng"]["data"], rngs[0]["data"])
 
 
+@pytest.mark.slow  # shares ~30 s of torchrun launches (module fixture)
 def test_resume_with_another_world_size_runs_and_warns(ddp_runs, tiny_cfg, tmp_path, capsys):
     out = tmp_path / "out"  # a checkpoint saved by 2 ranks at HALF, resumed here by a single process
     out.mkdir()
