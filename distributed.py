@@ -129,14 +129,14 @@ def sync_gradients(model: torch.nn.Module, now: bool) -> contextlib.AbstractCont
     return model.no_sync()
 
 
-def loss_scale(n_targets_global: torch.Tensor, ddp: Dist) -> torch.Tensor:
+def loss_scale(n_targets_global: torch.Tensor, world_size: int) -> torch.Tensor:
     """Divisor for a rank's summed loss so that the synced gradient is that of the global mean.
 
     Rank r backpropagates L_r / D. DDP *averages* gradients over the W ranks, giving
     (1/W) * sum_r grad(L_r) / D; that is grad(sum_r L_r) / N, the gradient of the mean over all N
     targets of the step, exactly when D = N / W. With W = 1, D = N: the single-process formula.
     """
-    return n_targets_global / ddp.world_size
+    return n_targets_global / world_size
 
 
 def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:

@@ -14,6 +14,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from config import ConfigError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -27,9 +29,9 @@ def pick_device(requested: str = "auto") -> torch.device:
         return torch.device("cpu")
     device = torch.device(requested)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device `{requested}` asked for, but CUDA is not available; use --device cpu")
+        raise ConfigError(f"device `{requested}` asked for, but CUDA is not available; use --device cpu")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise RuntimeError(f"device `{requested}` asked for, but MPS is not available; use --device cpu")
+        raise ConfigError(f"device `{requested}` asked for, but MPS is not available; use --device cpu")
     return device
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_checkpoint
-from config import config_from_dict
+from config import ConfigError, config_from_dict
 from data import DataError, tokenizer_from_meta
 from model import GPT
 from runtime import fail, pick_device
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         device = pick_device(args.device)
         model, tokenizer = load_model(path, device)
         prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eot_token]
-    except (CheckpointError, DataError, RuntimeError) as err:
+    except (CheckpointError, ConfigError, DataError) as err:
         fail(str(err))
     print(f"# sampling from {path}")
     generator = torch.Generator(device=device).manual_seed(args.seed)

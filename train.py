@@ -51,6 +51,30 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
                      n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
 
 
+def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scaler,
+                         device: torch.device, dtype: torch.dtype,
+                         world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over the micro-batches of one optimizer step.
+
+    Each micro-batch's *summed* loss is divided by the target count of the whole step, so the
+    accumulated gradient equals the gradient of one big batch even when micro-batches count
+    different numbers of targets (averaging per-micro-batch means would weight them wrongly).
+    Under DDP the count is that of all ranks' micro-batches, the divisor compensates for DDP's
+    averaging (distributed.loss_scale) and gradients are all-reduced once, on the last micro-batch.
+    Returns (this rank's summed loss, global target count) of the step as tensors: no host sync.
+    """
+    n_step = all_reduce_sum(sum((y != -1).sum() for _, y in batches))  # every rank's targets
+    divisor = distributed.loss_scale(n_step, world_size)  # n_step / world_size
+    loss_step = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(batches):
+        with distributed.sync_gradients(model, now=i == len(batches) - 1):
+            with autocast(device, dtype):
+                _, loss_sum, _ = model(x, y)
+            scaler.scale(loss_sum / divisor).backward()
+        loss_step += loss_sum.detach()  # detached: keeping the graph would hold every activation
+    return loss_step, n_step
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, batch_size: int,
              device: torch.device, dtype: torch.dtype) -> float:
@@ -170,8 +194,8 @@ def train(cfg: TrainConfig) -> float:
     elif ddp.is_main:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
 
-    def probe(m):  # one forward/backward so that compile errors surface here, not mid-run
-        _, loss, n = m(*get_batch(corpus.train, 1, cfg.block_size, torch.Generator(), device))
+    def probe(m):  # one forward/backward at the real shape, so compile errors surface here, not mid-run
+        _, loss, n = m(*get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator(), device))
         (loss / n).backward()
 
     train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)
@@ -200,19 +224,9 @@ def train(cfg: TrainConfig) -> float:
         lr = get_lr(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # Normalise by the target count of the *whole* step, so the accumulated gradient equals
-        # the gradient of one big batch even when micro-batches count different token numbers.
         batches = [get_batch(corpus.train, cfg.batch_size, cfg.block_size, data_gen, device)
                    for _ in range(cfg.grad_accum)]
-        n_step = all_reduce_sum(sum((y != -1).sum() for _, y in batches))  # all ranks' targets
-        divisor = distributed.loss_scale(n_step, ddp)  # n_step / world_size: DDP averages gradients
-        loss_step = torch.zeros((), device=device)
-        for i, (x, y) in enumerate(batches):
-            with distributed.sync_gradients(step_model, now=i == len(batches) - 1):  # one all-reduce per step
-                with autocast(device, dtype):
-                    _, loss_sum, _ = step_model(x, y)
-                scaler.scale(loss_sum / divisor).backward()
-            loss_step += loss_sum.detach()
+        loss_step, n_step = accumulate_gradients(step_model, batches, scaler, device, dtype, ddp.world_size)
         scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm, a tensor
         scaler.step(optimizer)
@@ -222,15 +236,15 @@ def train(cfg: TrainConfig) -> float:
         out_of_time = cfg.max_time > 0 and distributed.any_rank(time.time() - t_start >= cfg.max_time, device)
         last = step == cfg.max_iters or out_of_time
         if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
-            loss = (all_reduce_sum(loss_step) / n_step).item()
+            loss, norm = (all_reduce_sum(loss_step) / n_step).item(), grad_norm.item()
             now = time.time()
             dt = (now - t_log) / (step - step_at_log)
             tok_s = tokens_per_step / dt
             util = mfu(model.flops_per_token(), tok_s, device, dtype, ddp.world_size)
             t_log, step_at_log = now, step
-            log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                     "tokens_per_s": tok_s, "mfu": util, "time_s": now - t_start},
-                    f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm.item():.3f} | "
+            log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
+                     "mfu": util, "time_s": now - t_start},
+                    f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
                     f"{dt * 1000:.1f} ms/step | {tok_s:,.0f} tok/s | mfu {'n/a' if util is None else f'{util:.1%}'}")
         if step % cfg.eval_interval == 0 or last:
             t_eval = time.time()

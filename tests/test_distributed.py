@@ -145,7 +145,7 @@ def test_loss_scale_makes_ddp_average_equal_the_global_mean_gradient(world_size)
     per_rank = []
     for xr, yr in zip(x.chunk(world_size), y.chunk(world_size)):
         _, loss_sum_r, _ = model(xr, yr)
-        (loss_sum_r / distributed.loss_scale(n_global, Dist(world_size=world_size))).backward()
+        (loss_sum_r / distributed.loss_scale(n_global, world_size)).backward()
         per_rank.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad()
     averaged = [sum(grads) / world_size for grads in zip(*per_rank)]  # what DDP's all-reduce yields

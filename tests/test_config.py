@@ -1,0 +1,67 @@
+"""Configuration: presets, command-line overrides, and errors that say what to fix."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from config import ConfigError, TrainConfig, build_parser, make_config, parse_args
+from conftest import run_script
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "gpt2"])
+def test_presets_load_and_validate(preset):
+    cfg = make_config(preset)
+    assert cfg.out_dir == f"out/{preset}"
+
+
+def test_command_line_overrides_in_both_spellings():
+    cfg = parse_args(["--config", "tiny", "--max-iters", "7", "--learning_rate=0.01", "--resume",
+                      "--compile", "off", "--bias=true"])
+    assert (cfg.max_iters, cfg.learning_rate, cfg.resume, cfg.compile, cfg.bias) == (7, 0.01, True, "off", True)
+
+
+def test_precedence_is_defaults_then_preset_then_command_line():
+    assert TrainConfig().n_layer == 4
+    assert make_config("tiny").n_layer == 2
+    assert parse_args(["--config", "tiny", "--n_layer", "3"]).n_layer == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_iter", "5"], "did you mean `max_iters`"),
+    (["--learning-rat=1e-3"], "did you mean `learning_rate`"),
+    (["--learning_rate", "-1"], "learning_rate must be"),
+    (["--learning_rate", "abc"], "learning_rate must be float"),
+    (["--n_embd", "100", "--n_head", "3"], "divisible by n_head"),
+    (["--device", "tpu"], "unknown device"),
+    (["--dtype", "float8"], "dtype must be one of"),
+    (["--dropout", "1.5"], "dropout must be in"),
+    (["--config", "nope"], "no preset `nope`"),
+    (["--max_iters", "2.5"], "max_iters must be int"),
+])
+def test_bad_configs_fail_with_a_helpful_message(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv)
+
+
+def test_unknown_key_in_a_preset_file_is_refused(tmp_path):
+    preset = tmp_path / "mine.toml"
+    preset.write_text('n_layers = 3\n')
+    with pytest.raises(ConfigError, match="unknown config key `n_layers`.*did you mean `n_layer`"):
+        make_config(str(preset))
+
+
+def test_help_lists_every_field_with_its_default():
+    text = " ".join(build_parser().format_help().split())  # undo argparse's line wrapping
+    for field in dataclasses.fields(TrainConfig):
+        assert f"--{field.name}" in text
+        assert f"(default: {field.default})" in text
+
+
+def test_a_config_error_writes_nothing_and_prints_one_line(tmp_path):
+    out_dir = tmp_path / "run"
+    result = run_script("train.py", "--config", "tiny", "--out_dir", str(out_dir), "--max_iter", "5", check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: unknown config key `max_iter` in the command line; "
+                                                  "did you mean `max_iters`?"]
+    assert not out_dir.exists()

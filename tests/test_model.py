@@ -1,0 +1,89 @@
+"""The model: shapes, causality, initialisation, loss bookkeeping and the optimizer groups."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_model
+
+
+def test_output_shapes_and_padded_vocab():
+    model = tiny_model(vocab_size=50)
+    idx = torch.randint(0, 50, (3, 16))
+    logits, loss_sum, n = model(idx)
+    assert logits.shape == (3, 16, 50)  # the padded rows never leave the model
+    assert model.lm_head.weight.shape == (64, 32)  # 50 padded up to a multiple of 64
+    assert loss_sum is None and n is None
+
+
+def test_no_causal_leak():
+    model = tiny_model().eval()
+    idx = torch.randint(0, 50, (2, 16))
+    t = 7
+    changed = idx.clone()
+    changed[:, t + 1:] = (changed[:, t + 1:] + 1) % 50
+    with torch.no_grad():
+        before, after = model(idx)[0], model(changed)[0]
+    torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1], rtol=0, atol=1e-6)
+    assert not torch.allclose(before[:, t + 1:], after[:, t + 1:])  # the future did change
+
+
+def test_loss_at_init_is_close_to_uniform():
+    model = tiny_model(vocab_size=50)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 50, (8, 16), generator=gen)
+    targets = torch.randint(0, 50, (8, 16), generator=gen)
+    _, loss_sum, n = model(idx, targets)
+    assert abs(loss_sum.item() / n.item() - math.log(50)) < 0.1
+
+
+def test_summed_loss_ignores_minus_one_and_counts_targets():
+    model = tiny_model(vocab_size=50)
+    idx = torch.randint(0, 50, (2, 16))
+    targets = torch.randint(0, 50, (2, 16))
+    targets[1, 10:] = -1
+    logits, loss_sum, n = model(idx, targets)
+    mask = targets != -1
+    expected = F.cross_entropy(logits[mask], targets[mask], reduction="sum")
+    assert n.item() == 26
+    torch.testing.assert_close(loss_sum, expected)
+
+
+def test_init_follows_gpt2():
+    model = tiny_model(seed=0)
+    n_layer = model.config.n_layer
+    proj = torch.cat([b.attn.c_proj.weight.flatten() for b in model.transformer.h])
+    assert abs(proj.std().item() - 0.02 / math.sqrt(2 * n_layer)) < 0.002
+    assert abs(model.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 0.002
+    assert model.transformer.wte.weight is model.lm_head.weight  # tied
+
+
+def test_every_parameter_gets_a_finite_gradient_and_one_optimizer_group():
+    model = tiny_model(bias=True)
+    idx = torch.randint(0, 50, (4, 16))
+    _, loss_sum, n = model(idx, torch.roll(idx, -1, 1))
+    (loss_sum / n).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    optimizer = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), "cpu")
+    in_groups = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert sorted(in_groups) == sorted(id(p) for p in model.parameters())  # each exactly once
+    decayed = {id(p) for p in optimizer.param_groups[0]["params"]}
+    for p in model.parameters():
+        assert (id(p) in decayed) == (p.dim() >= 2)
+
+
+def test_a_tiny_model_overfits_one_batch():
+    model = tiny_model(vocab_size=20)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 20, (4, 16), generator=gen)
+    targets = torch.randint(0, 20, (4, 16), generator=gen)
+    optimizer = model.configure_optimizer(0.0, 3e-3, (0.9, 0.99), "cpu")
+    for _ in range(150):
+        _, loss_sum, n = model(idx, targets)
+        optimizer.zero_grad(set_to_none=True)
+        (loss_sum / n).backward()
+        optimizer.step()
+    assert loss_sum.item() / n.item() < 0.2
