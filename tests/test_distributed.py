@@ -224,3 +224,28 @@ def test_mfu_divides_achieved_by_peak_over_all_gpus(monkeypatch):
 def test_mfu_is_none_on_cpu():
     assert mfu(1e9, 2e5, torch.device("cpu"), torch.bfloat16) is None
     assert mfu(1e9, 2e5, torch.device("cpu"), torch.float32) is None
+
+
+# ----------------------------------------------------------------------------- README
+def readme_torchrun_commands() -> list[list[str]]:
+    """The torchrun command lines of the README's Multi-GPU section, as argument lists."""
+    import re
+    import shlex
+    from conftest import REPO
+    section = (REPO / "README.md").read_text().split("## Multi-GPU", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    return [shlex.split(line) for line in lines if line.startswith("torchrun")]
+
+
+def test_readme_multi_gpu_commands_parse_and_keep_the_gpt2_batch():
+    from config import parse_args
+    commands = readme_torchrun_commands()
+    assert len(commands) == 3  # one node, several nodes, CPU
+    for argv in commands:
+        launcher, train_args = argv[: argv.index("train.py")], argv[argv.index("train.py") + 1:]
+        cfg = parse_args(train_args)  # raises on any flag that no longer exists
+        flags = dict(a.lstrip("-").split("=", 1) for a in launcher if "=" in a)
+        world = int(flags["nproc_per_node"]) * int(flags.get("nnodes", 1))
+        if cfg.tokenizer == "gpt2":  # the README promises these keep the preset's tokens per step
+            assert cfg.tokens_per_step() * world == parse_args(["--config", "gpt2"]).tokens_per_step()
