@@ -1,7 +1,7 @@
 """Data-parallel training across processes: setup, rank-0 output, reductions, RNG bookkeeping.
 
-    torchrun --nproc_per_node=8 train.py --config gpt2     # one node, 8 GPUs
-    python train.py --config small                         # no torchrun: a world of one, nothing set up
+    torchrun --standalone --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # one node, 8 GPUs
+    python train.py --config small        # no torchrun: a world of one, nothing set up
 
 torchrun starts one process per device and tells each who it is through environment variables
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). ``setup`` reads them; without them the run
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,14 @@ def setup(device: torch.device) -> Dist:
 
 
 def teardown() -> None:
-    """Leave the process group (a no-op when there is none); safe to call twice."""
+    """After a run that finished on every rank: wait for all, then leave the process group.
+
+    The barrier matters: rank 0 may still be writing a checkpoint, and a rank that destroys the group
+    and exits while a peer still holds its connections can abort ("terminate called without an
+    active exception" from gloo). A no-op without a process group; safe to call twice.
+    """
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -95,16 +101,18 @@ def gather_to_main(obj: Any) -> list[Any]:
     return out or []
 
 
-def main_first() -> contextlib.AbstractContextManager:
-    """Rank 0 runs the block first (e.g. prepares the corpus); the others wait, then run it."""
-    @contextlib.contextmanager
-    def ordered():
-        if not is_main_process():
-            dist.barrier()
-        yield
-        if is_main_process() and dist.is_initialized():
-            dist.barrier()
-    return ordered()
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. prepares the corpus); the others wait, then run it.
+
+    Footgun: the wait is bounded by the process-group timeout (10 minutes for NCCL), so prepare a
+    large corpus with data.py before torchrun.
+    """
+    if not is_main_process():
+        dist.barrier()
+    yield
+    if is_main_process() and dist.is_initialized():
+        dist.barrier()
 
 
 def wrap(model: torch.nn.Module, ddp: Dist) -> torch.nn.Module:

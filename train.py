@@ -266,10 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_args(argv)
         train(cfg)
+        distributed.teardown()  # not on errors: its barrier would wait for ranks that have failed
     except (ConfigError, DataError, CheckpointError) as err:
         fail(str(err))
-    finally:
-        distributed.teardown()
 
 
 if __name__ == "__main__":
