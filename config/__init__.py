@@ -38,7 +38,7 @@ class TrainConfig:
     resume: bool = False  # continue exactly from out_dir/last.pt
     # --- data ---
     dataset: str = "shakespeare"  # built-in corpus name; ignored when data_path is set
-    data_path: str = ""  # any local UTF-8 text file to train on instead of the built-in corpus
+    data_path: str = ""  # a UTF-8 text file, a folder of .txt files or a .jsonl ("text" field) to train on
     data_dir: str = "data"  # cache of downloaded and prepared corpora
     tokenizer: str = "char"  # char (vocab from the corpus) | gpt2 (tiktoken BPE)
     val_fraction: float = 0.1  # tail of the corpus held out for validation

@@ -1,0 +1,164 @@
+"""Data-parallel training across processes: setup, rank-0 output, reductions, RNG bookkeeping.
+
+    torchrun --standalone --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # one node, 8 GPUs
+    python train.py --config small        # no torchrun: a world of one, nothing set up
+
+torchrun starts one process per device and tells each who it is through environment variables
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). ``setup`` reads them; without them the run
+is a world of size one and every helper here is a no-op, so train.py has a single code path.
+Backend: NCCL on CUDA, gloo otherwise (https://pytorch.org/docs/stable/distributed.html#backends).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Who this process is in the job. The defaults describe a plain single-process run."""
+    rank: int = 0  # global index of this process, 0 .. world_size - 1
+    world_size: int = 1  # processes in the job (all nodes)
+    local_rank: int = 0  # index on this node: picks the GPU
+    device: torch.device = torch.device("cpu")  # the device this rank computes on
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone writes checkpoints, logs and wandb."""
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def setup(device: torch.device) -> Dist:
+    """Join the process group torchrun describes; without torchrun, a world of one on ``device``."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Dist(device=device)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)  # one GPU per process
+        torch.cuda.set_device(device)  # NCCL and object collectives use the current device
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                **({"device_id": device} if device.type == "cuda" else {}))
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def teardown() -> None:
+    """After a run that finished on every rank: wait for all, then leave the process group.
+
+    The barrier matters: rank 0 may still be writing a checkpoint, and a rank that destroys the group
+    and exits while a peer still holds its connections can abort ("terminate called without an
+    active exception" from gloo). A no-op without a process group; safe to call twice.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def is_main_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """print on rank 0 only, so a run on 64 GPUs prints each line once."""
+    if is_main_process():
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks, in place, and return it (unchanged in a world of one).
+
+    A collective: every rank must call it, in the same order, or the job hangs.
+    """
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if ``flag`` is true on any: ranks must agree to stop on the same step."""
+    if not dist.is_initialized():
+        return flag
+    return bool(all_reduce_sum(torch.tensor(int(flag), device=device)).item())
+
+
+def gather_to_main(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on rank 0 (other ranks get []). A collective."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. prepares the corpus); the others wait, then run it.
+
+    Footgun: the wait is bounded by the process-group timeout (10 minutes for NCCL), so prepare a
+    large corpus with data.py before torchrun.
+    """
+    if not is_main_process():
+        dist.barrier()
+    yield
+    if is_main_process() and dist.is_initialized():
+        dist.barrier()
+
+
+def wrap(model: torch.nn.Module, ddp: Dist) -> torch.nn.Module:
+    """DistributedDataParallel around ``model`` in a world of several; ``model`` itself otherwise.
+
+    DDP broadcasts rank 0's parameters at construction, so every rank starts from the same weights
+    (rank 0's initialisation or the resumed checkpoint).
+    """
+    if not ddp.enabled:
+        return model
+    return DistributedDataParallel(model, device_ids=[ddp.device] if ddp.device.type == "cuda" else None)
+
+
+def sync_gradients(model: torch.nn.Module, now: bool) -> contextlib.AbstractContextManager:
+    """Around a micro-batch's forward and backward: all-reduce its gradients only when ``now``.
+
+    Gradient accumulation needs one all-reduce per optimizer step, on the last micro-batch;
+    earlier ones accumulate locally under DDP's no_sync.
+    """
+    if now or not isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def loss_scale(n_targets_global: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Divisor for a rank's summed loss so that the synced gradient is that of the global mean.
+
+    Rank r backpropagates L_r / D. DDP *averages* gradients over the W ranks, giving
+    (1/W) * sum_r grad(L_r) / D; that is grad(sum_r L_r) / N, the gradient of the mean over all N
+    targets of the step, exactly when D = N / W. With W = 1, D = N: the single-process formula.
+    """
+    return n_targets_global / world_size
+
+
+def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
+    """This rank's saved random streams; None when this rank did not exist in the saved run.
+
+    Resuming with another world size works but is not bit-exact, and says so: the global batch of a
+    step is made of a different number of ranks' windows (so its size and the summation order of
+    gradients change), and ranks that did not exist start fresh data streams.
+    """
+    saved = state.get("rng_per_rank") or [state["rng"]]
+    if len(saved) != ddp.world_size:
+        print0(f"WARNING: resuming a run saved with world size {len(saved)} on world size {ddp.world_size}: "
+               "training continues but is NOT bit-exact. Each step now averages over "
+               f"{ddp.world_size} ranks' windows instead of {len(saved)} (a different global batch and "
+               "summation order), and ranks absent from the checkpoint draw fresh data streams "
+               "(seed + rank). Resume with the same world size for an exact continuation.")
+    return saved[ddp.rank] if ddp.rank < len(saved) else None

@@ -1,0 +1,128 @@
+"""GPT-2 BPE document corpora: a folder of .txt files or a .jsonl, tokenized in parallel and streamed.
+
+The GPT-2 ranks come from tiktoken's cache or, offline, from the openai-whisper sdist on PyPI; one
+cache folder is shared by the module so the sdist is fetched at most once.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import data
+import train
+from conftest import make_text
+from data import GPT2_EOT, DataError, GPT2Tokenizer, is_val_document, prepare
+
+pytestmark = pytest.mark.network  # may download the openai-whisper sdist (once per module)
+DOCS = [make_text(n_lines=8 + i, seed=i) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def tok(cache) -> GPT2Tokenizer:
+    return GPT2Tokenizer(cache)
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    with open(path, "w") as f:
+        for i, text in enumerate(docs):
+            f.write(json.dumps({"id": i, "text": text}) + "\n")
+            if i == 3:
+                f.write("\n")  # blank lines are skipped, not documents
+    return path
+
+
+def write_folder(folder: Path, docs: list[str]) -> Path:
+    for i, text in enumerate(docs):  # names sort in document order; a subfolder is searched too
+        file = folder / ("sub" if i >= 8 else "") / f"{'z' if i >= 8 else 'a'}{i:02d}.txt"
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(text)
+    return folder
+
+
+def read_split(folder: Path, split: str) -> list[int]:
+    return np.fromfile(folder / f"{split}.bin", dtype=np.uint16).tolist()
+
+
+def test_gpt2_tokenizer_matches_gpt2(tok):
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.vocab_size == 50257 and tok.eot_token == GPT2_EOT
+
+
+@pytest.mark.parametrize("fraction, n, val_indices", [
+    (0.1, 25, [0, 10, 20]),  # the first of every ten documents
+    (0.25, 9, [0, 4, 8]),
+    (0.5, 5, [0, 2, 4]),
+    (0.3, 10, [0, 3, 6]),  # ceil(0.3 n) val documents among the first n, for every n
+    (0.01, 3, [0]),  # at least one val document, whatever the corpus size
+])
+def test_val_documents_are_spread_and_counted_exactly(fraction, n, val_indices):
+    assert [i for i in range(n) if is_val_document(i, fraction)] == val_indices
+
+
+def test_jsonl_corpus_has_eot_before_each_document_and_every_tenth_in_val(tmp_path, cache, tok):
+    folder = prepare(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), tokenizer="gpt2",
+                     data_dir=str(cache), val_fraction=0.1, num_proc=2)
+    expected = {"train": [], "val": []}
+    for i, text in enumerate(DOCS):
+        expected["val" if i in (0, 10) else "train"] += [GPT2_EOT] + tok.encode(text)
+    assert read_split(folder, "train") == expected["train"]
+    assert read_split(folder, "val") == expected["val"]
+    meta = json.loads((folder / "meta.json").read_text())
+    assert (meta["documents"], meta["val_documents"]) == (12, 2)
+    assert (meta["train_tokens"], meta["val_tokens"]) == (len(expected["train"]), len(expected["val"]))
+    assert meta["tokenizer"] == {"kind": "gpt2"} and meta["dtype"] == "uint16"
+
+
+def test_folder_equals_jsonl_whatever_the_workers_and_batches(tmp_path, cache, monkeypatch):
+    from_jsonl = prepare(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), tokenizer="gpt2",
+                         data_dir=str(cache), val_fraction=0.25, num_proc=2)
+    # Tiny batches (a few documents in flight at a time) and one worker change nothing in the output.
+    monkeypatch.setattr(data, "BATCH_CHARS", 500)
+    from_folder = prepare(data_path=str(write_folder(tmp_path / "docs", DOCS)), tokenizer="gpt2",
+                          data_dir=str(cache), val_fraction=0.25, num_proc=1)
+    for split in ("train", "val"):
+        assert (from_folder / f"{split}.bin").read_bytes() == (from_jsonl / f"{split}.bin").read_bytes()
+
+
+def test_sources_are_sent_in_bounded_batches():
+    sources = [(f"doc{i}", "x" * 30) for i in range(10)]
+    batches = list(data.batched_sources(iter(sources), max_chars=100))
+    assert [len(b) for b in batches] == [4, 4, 2]  # stops at >= 100 chars: memory is bounded
+    assert [s for b in batches for s in b] == sources
+
+
+def test_bad_documents_are_named(tmp_path, cache):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not a JSON object with a \"text\" field"):
+        prepare(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
+    with pytest.raises(DataError, match="--tokenizer gpt2"):
+        prepare(data_path=str(write_folder(tmp_path / "docs", DOCS)), tokenizer="char", data_dir=str(cache))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no .txt files"):
+        prepare(data_path=str(tmp_path / "empty"), tokenizer="gpt2", data_dir=str(cache))
+
+
+def test_single_text_file_still_prepares_char_level(tmp_path, text_file):
+    folder = prepare(data_path=str(text_file), tokenizer="char", data_dir=str(tmp_path / "d"))
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["tokenizer"]["kind"] == "char"
+    assert meta["train_tokens"] + meta["val_tokens"] == len(text_file.read_text())
+
+
+def test_train_runs_on_a_bpe_jsonl_corpus(tmp_path, cache, tiny_cfg):
+    corpus = write_jsonl(tmp_path / "web.jsonl", DOCS * 3)
+    cfg = tiny_cfg(data_path=str(corpus), data_dir=str(cache), tokenizer="gpt2", max_iters=2,
+                   eval_interval=2, eval_tokens=256)
+    val_loss = train.train(cfg)
+    assert abs(val_loss - np.log(50257)) < 1.0  # about uniform over the 50257 tokens after 2 steps
+    records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["mfu"] for r in records if "loss" in r] == [None, None]  # CPU: n/a, never a number

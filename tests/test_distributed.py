@@ -1,0 +1,251 @@
+"""DDP on CPU (gloo, 2 processes under torchrun): equivalence with one process, exact resume; MFU.
+
+The two-process runs are started once per module (three torchrun launches, ~30 s on 2 cores) and
+shared by the tests below.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import distributed
+import runtime
+import train
+from checkpoint import load_checkpoint
+from conftest import run_script, tiny_model
+from distributed import Dist
+from runtime import mfu, peak_flops
+
+# Tiny preset, 2 micro-batches per step so that no_sync (local accumulation) is exercised.
+STEPS, HALF = 6, 3
+RUN_ARGS = ("--config", "tiny", "--device", "cpu", "--log_interval", "1", "--eval_interval", str(HALF),
+            "--grad_accum", "2")
+B = 4  # sequences per micro-batch per rank
+# Measured: losses agree to ~1e-7 relative and weights to ~2e-8 absolute after 6 AdamW steps (fp32;
+# the two layouts add the same numbers in a different order). The bounds leave a margin of ~100x.
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
+
+
+def torchrun(*args: str) -> None:
+    """Two CPU processes under torchrun, as the README runs it; --standalone picks a free port."""
+    run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               *RUN_ARGS, *args, timeout=240)
+
+
+def records(out_dir: Path, key: str) -> dict[int, float]:
+    lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in lines if key in r}
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """A straight 2-rank run of STEPS; and one stopped at HALF, saved aside, then resumed to STEPS."""
+    from conftest import make_text
+    root = tmp_path_factory.mktemp("ddp")
+    corpus = root / "corpus.txt"
+    corpus.write_text(make_text())
+    common = ("--data_path", str(corpus), "--data_dir", str(root / "data"), "--batch_size", str(B))
+    torchrun(*common, "--out_dir", str(root / "full"), "--max_iters", str(STEPS))
+    torchrun(*common, "--out_dir", str(root / "resumed"), "--max_iters", str(HALF))
+    (root / "half").mkdir()
+    shutil.copy(root / "resumed" / "last.pt", root / "half" / "last.pt")  # the state at HALF, kept
+    torchrun(*common, "--out_dir", str(root / "resumed"), "--max_iters", str(STEPS), "--resume")
+    return root
+
+
+@pytest.mark.slow  # shares ~30 s of torchrun launches (module fixture)
+def test_ddp_two_ranks_equal_one_process_with_the_union_batch(ddp_runs, tiny_cfg, tmp_path, monkeypatch):
+    # Rank r draws B windows per micro-batch from Generator(seed + r). One process with 2B per
+    # micro-batch sees exactly their union if its get_batch draws B from each of those generators.
+    cfg = tiny_cfg(data_path=str(ddp_runs / "corpus.txt"), data_dir=str(ddp_runs / "data"),
+                   out_dir=str(tmp_path / "single"), batch_size=2 * B, grad_accum=2, max_iters=STEPS,
+                   eval_interval=HALF)
+    rank_gens = [torch.Generator().manual_seed(cfg.seed + rank) for rank in range(2)]
+    real_get_batch = train.get_batch
+
+    def union_of_ranks(data, batch_size, block_size, generator, device):
+        parts = [real_get_batch(data, batch_size // 2, block_size, g, device) for g in rank_gens]
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+    monkeypatch.setattr(train, "get_batch", union_of_ranks)
+    train.train(cfg)
+
+    single, ddp = Path(cfg.out_dir), ddp_runs / "full"
+    for key in ("loss", "val_loss", "grad_norm"):
+        a, b = records(single, key), records(ddp, key)
+        assert a.keys() == b.keys() and len(a) > 0
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), (key, step)
+    ref, got = load_checkpoint(single / "last.pt")["model"], load_checkpoint(ddp / "last.pt")["model"]
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+    # Between HALF and STEPS the weights moved by far more than the tolerance: the bound means something.
+    half = load_checkpoint(ddp_runs / "half" / "last.pt")["model"]
+    assert max((ref[n] - half[n]).abs().max().item() for n in ref) > 1000 * WEIGHT_ATOL
+
+
+@pytest.mark.slow  # shares ~30 s of torchrun launches (module fixture)
+def test_ddp_kill_and_resume_is_exact(ddp_runs):
+    full, resumed = ddp_runs / "full", ddp_runs / "resumed"
+    a, b = records(full, "loss"), records(resumed, "loss")
+    assert [b[s] for s in range(HALF + 1, STEPS + 1)] == [a[s] for s in range(HALF + 1, STEPS + 1)]
+    assert records(resumed, "val_loss")[STEPS] == records(full, "val_loss")[STEPS]
+    ref, got = load_checkpoint(full / "last.pt"), load_checkpoint(resumed / "last.pt")
+    for name, tensor in ref["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    # Both ranks' random streams are in the checkpoint, and they differ (each rank its own windows).
+    rngs = got["rng_per_rank"]
+    assert len(rngs) == 2 and not torch.equal(rngs[0]["data"], rngs[1]["data"])
+    assert torch.equal(got["rng"]["data"], rngs[0]["data"])
+
+
+@pytest.mark.slow  # shares ~30 s of torchrun launches (module fixture)
+def test_resume_with_another_world_size_runs_and_warns(ddp_runs, tiny_cfg, tmp_path, capsys):
+    out = tmp_path / "out"  # a checkpoint saved by 2 ranks at HALF, resumed here by a single process
+    out.mkdir()
+    shutil.copy(ddp_runs / "half" / "last.pt", out / "last.pt")
+    cfg = tiny_cfg(data_path=str(ddp_runs / "corpus.txt"), data_dir=str(ddp_runs / "data"), out_dir=str(out),
+                   batch_size=B, grad_accum=2, max_iters=HALF + 1, resume=True)
+    train.train(cfg)
+    assert "NOT bit-exact" in capsys.readouterr().out
+    assert load_checkpoint(out / "last.pt")["step"] == HALF + 1
+    assert len(load_checkpoint(out / "last.pt")["rng_per_rank"]) == 1
+
+
+def test_rank_rng_state_picks_own_stream_and_drops_missing_ranks(capsys):
+    state = {"rng": "r0", "rng_per_rank": ["r0", "r1"]}
+    assert distributed.rank_rng_state(state, Dist(rank=1, world_size=2)) == "r1"
+    assert capsys.readouterr().out == ""  # same world size: exact, no warning
+    assert distributed.rank_rng_state(state, Dist(rank=0, world_size=1)) == "r0"
+    assert "NOT bit-exact" in capsys.readouterr().out
+    # Rank 2 of 4 did not exist in the saved run: it keeps its fresh (seed + rank) streams.
+    assert distributed.rank_rng_state(state, Dist(rank=2, world_size=4)) is None
+    # Checkpoints from before rng_per_rank are single-process ones.
+    assert distributed.rank_rng_state({"rng": "old"}, Dist()) == "old"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_loss_scale_makes_ddp_average_equal_the_global_mean_gradient(world_size):
+    # Emulate DDP: each rank backpropagates its summed loss / loss_scale, DDP averages the grads.
+    # The result must be the gradient of the mean loss over every target of every rank.
+    model = tiny_model(vocab_size=50, block_size=8)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(50, (2 * world_size, 8), generator=gen)
+    y = torch.randint(50, (2 * world_size, 8), generator=gen)
+    y[0, :5] = -1  # ranks count different numbers of targets
+    _, loss_sum, n = model(x, y)
+    (loss_sum / n).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    n_global = (y != -1).sum()
+    per_rank = []
+    for xr, yr in zip(x.chunk(world_size), y.chunk(world_size)):
+        _, loss_sum_r, _ = model(xr, yr)
+        (loss_sum_r / distributed.loss_scale(n_global, world_size)).backward()
+        per_rank.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    averaged = [sum(grads) / world_size for grads in zip(*per_rank)]  # what DDP's all-reduce yields
+    for got, ref in zip(averaged, want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_single_process_setup_is_a_world_of_one(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ddp = distributed.setup(torch.device("cpu"))
+    assert (ddp.rank, ddp.world_size, ddp.is_main, ddp.enabled) == (0, 1, True, False)
+    model = torch.nn.Linear(2, 2)
+    assert distributed.wrap(model, ddp) is model
+    t = torch.tensor(3.0)
+    assert distributed.all_reduce_sum(t) is t and t.item() == 3.0
+    assert distributed.gather_to_main({"a": 1}) == [{"a": 1}]
+
+
+def test_gradients_are_all_reduced_once_per_step_on_the_last_micro_batch(monkeypatch):
+    # A one-process gloo group is enough to build a real DDP module and count its all-reduces.
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp_model = DistributedDataParallel(tiny_model(vocab_size=50, block_size=8))
+        synced_in = []
+        micro = {"i": 0}
+
+        def counting_hook(state, bucket):  # called once per gradient bucket that is all-reduced
+            synced_in.append(micro["i"])
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp_model.register_comm_hook(None, counting_hook)
+        x = torch.randint(50, (2, 8))
+        for i in range(3):
+            micro["i"] = i
+            with distributed.sync_gradients(ddp_model, now=i == 2):
+                _, loss_sum, n = ddp_model(x, x)
+                (loss_sum / n).backward()
+        assert len(synced_in) > 0 and set(synced_in) == {2}
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- MFU
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.5e12),  # H100 SXM
+    ("NVIDIA H100 PCIe", torch.bfloat16, 756.5e12),
+    ("NVIDIA H100 NVL", torch.float16, 835.5e12),
+    ("NVIDIA H200", torch.bfloat16, 989.5e12),
+    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
+    ("NVIDIA A100 80GB PCIe", torch.float16, 312e12),
+    ("NVIDIA L40S", torch.bfloat16, 362.05e12),
+    ("NVIDIA GeForce RTX 4090", torch.bfloat16, 165.2e12),
+    ("NVIDIA GeForce RTX 3090", torch.float16, 71e12),
+    ("Tesla V100-SXM2-16GB", torch.float16, 125e12),
+    ("Tesla V100-PCIE-32GB", torch.float16, 112e12),
+    ("Tesla V100-SXM2-16GB", torch.bfloat16, None),  # no bf16 tensor cores on Volta
+    ("NVIDIA H100 80GB HBM3", torch.float32, None),  # the table has 16-bit peaks only
+    ("NVIDIA GeForce GTX 1080", torch.float16, None),  # unknown: no number rather than a guess
+    ("NVIDIA A10G", torch.bfloat16, None),  # no public NVIDIA datasheet figure
+])
+def test_peak_flops_table(name, dtype, peak):
+    assert peak_flops(name, dtype) == peak
+
+
+def test_mfu_divides_achieved_by_peak_over_all_gpus(monkeypatch):
+    monkeypatch.setattr(runtime, "device_name", lambda device: "NVIDIA A100-SXM4-40GB")
+    got = mfu(flops_per_token=1e9, tokens_per_s=2e5, device=torch.device("cuda"), dtype=torch.bfloat16,
+              world_size=2)
+    assert got == pytest.approx(1e9 * 2e5 / (2 * 312e12))
+
+
+def test_mfu_is_none_on_cpu():
+    assert mfu(1e9, 2e5, torch.device("cpu"), torch.bfloat16) is None
+    assert mfu(1e9, 2e5, torch.device("cpu"), torch.float32) is None
+
+
+# ----------------------------------------------------------------------------- README
+def readme_torchrun_commands() -> list[list[str]]:
+    """The torchrun command lines of the README's Multi-GPU section, as argument lists."""
+    import re
+    import shlex
+    from conftest import REPO
+    section = (REPO / "README.md").read_text().split("## Multi-GPU", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    return [shlex.split(line) for line in lines if line.startswith("torchrun")]
+
+
+def test_readme_multi_gpu_commands_parse_and_keep_the_gpt2_batch():
+    from config import parse_args
+    commands = readme_torchrun_commands()
+    assert len(commands) == 3  # one node, several nodes, CPU
+    for argv in commands:
+        launcher, train_args = argv[: argv.index("train.py")], argv[argv.index("train.py") + 1:]
+        cfg = parse_args(train_args)  # raises on any flag that no longer exists
+        flags = dict(a.lstrip("-").split("=", 1) for a in launcher if "=" in a)
+        world = int(flags["nproc_per_node"]) * int(flags.get("nnodes", 1))
+        if cfg.tokenizer == "gpt2":  # the README promises these keep the preset's tokens per step
+            assert cfg.tokens_per_step() * world == parse_args(["--config", "gpt2"]).tokens_per_step()
