@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from checkpoint import (CheckpointError, capture_rng, library_versions, load_checkpoint,
+from checkpoint import (CheckpointError, CheckpointWriteError, capture_rng, library_versions, load_checkpoint,
                         remove_stale_temp_files, restore_rng, save_checkpoint, FORMAT_VERSION)
 from config import ConfigError, TrainConfig, as_dict, changed_model_fields, parse_args
 from data import DataError, get_batch, iterate_windows, load_corpus, prepare, val_windows
+from faults import NonFiniteGuard, RunStopped, StopOnSignal
 from model import GPT, GPTConfig
 from runtime import autocast, compile_or_eager, fail, pick_device, pick_dtype, seed_everything, want_compile
 
@@ -116,13 +117,21 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
-    restore_rng(state["rng"], data_gen)
-    print(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f})")
+    try:
+        restore_rng(state["rng"], data_gen)
+    except CheckpointError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    done = " (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else ""
+    print(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
     return state["step"], state["best_val_loss"]
 
 
-def train(cfg: TrainConfig) -> float:
-    """Run training as configured; returns the final val loss."""
+def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
+    """Run training as configured; returns the final val loss.
+
+    ``stop``, entered by main(), turns SIGINT/SIGTERM into "save after this step and raise RunStopped".
+    """
+    stop = stop or StopOnSignal()  # never entered: no signal handling when used as a library
     out_dir = Path(cfg.out_dir)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
@@ -136,6 +145,7 @@ def train(cfg: TrainConfig) -> float:
     model = GPT(model_config(cfg, corpus.vocab_size)).to(device)
     optimizer = model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
+    guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)  # see faults.py for the policy
     step, best_val = 0, math.inf
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out_dir)
@@ -157,15 +167,18 @@ def train(cfg: TrainConfig) -> float:
     params = [p for p in model.parameters()]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     t_start = t_log = time.time()
-    step_at_log, val_loss = step, math.nan
+    step_at_log, val_loss, saved_step = step, math.nan, step
 
     def save(step: int, is_best: bool) -> None:
+        nonlocal saved_step
+        guard.raise_if_tripped()  # never save a state that a non-finite step touched
         state = checkpoint_state(model, optimizer, scaler, step, best_val, cfg, corpus.meta["tokenizer"], data_gen)
         save_checkpoint(state, out_dir / "last.pt")
         if is_best:
             save_checkpoint(state, out_dir / "best.pt")
+        saved_step = step
 
-    while step < cfg.max_iters:
+    while step < cfg.max_iters and not stop.requested:
         lr = get_lr(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -182,13 +195,14 @@ def train(cfg: TrainConfig) -> float:
             loss_step += loss_sum.detach()
         scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm, a tensor
-        scaler.step(optimizer)
+        guard.step(step + 1, loss_step, grad_norm)  # optimizer.step(), unless non-finite: no host sync
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         out_of_time = cfg.max_time > 0 and time.time() - t_start >= cfg.max_time
         last = step == cfg.max_iters or out_of_time
         if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
+            guard.raise_if_tripped()
             loss = (loss_step / n_step).item()
             now = time.time()
             dt = (now - t_log) / (step - step_at_log)
@@ -200,6 +214,7 @@ def train(cfg: TrainConfig) -> float:
                     f"{dt * 1000:.1f} ms/step | {tok_s:,.0f} tok/s")
         if step % cfg.eval_interval == 0 or last:
             t_eval = time.time()
+            guard.raise_if_tripped()
             val_loss = evaluate(train_model, x_val, y_val, cfg.batch_size, device, dtype)
             is_best = math.isfinite(val_loss) and val_loss < best_val
             best_val = val_loss if is_best else best_val
@@ -207,19 +222,28 @@ def train(cfg: TrainConfig) -> float:
                     f"step {step:>6} | val loss {val_loss:.4f}" + (" (best, saved best.pt)" if is_best else ""))
             save(step, is_best)
             t_log += time.time() - t_eval  # eval and save time is not counted as training time
+        elif cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
+            save(step, is_best=False)
         if out_of_time:
             print(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
             break
     log.close()
+    if stop.requested:  # SIGINT/SIGTERM: the step finished; save it (unless just saved) and exit 130/143
+        if saved_step != step:
+            save(step, is_best=False)
+        raise stop.error(step)
     return val_loss
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_args(argv)
-        train(cfg)
+        with StopOnSignal() as stop:
+            train(cfg, stop)
     except (ConfigError, DataError, CheckpointError) as err:
         fail(str(err))
+    except (RunStopped, CheckpointWriteError) as err:  # exit codes: see faults.py
+        fail(str(err), err.exit_code)
 
 
 if __name__ == "__main__":
