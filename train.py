@@ -85,6 +85,15 @@ class MetricsLog:
             self.wandb.finish()
 
 
+def drop_records_after(path: Path, step: int) -> None:
+    """Resuming redoes the steps after last.pt that a killed run had already logged: drop those."""
+    if path.is_file():
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] <= step]
+        if kept != lines:
+            path.write_text("".join(kept))
+
+
 def start_wandb(cfg: TrainConfig):
     try:
         import wandb
@@ -152,6 +161,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     if cfg.resume:
         step, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model, optimizer,
                                 scaler, data_gen)
+        drop_records_after(out_dir / "metrics.jsonl", step)
     else:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
 

@@ -123,7 +123,8 @@ def assert_same_training_state(a: dict, b: dict) -> None:
 
 def metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train records without timings, val records) from out_dir/metrics.jsonl."""
-    records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().split("\n")[:-1]  # not a line cut by a SIGKILL
+    records = [json.loads(line) for line in lines]
     train_records = [{k: r[k] for k in ("step", "loss", "lr", "grad_norm")} for r in records if "loss" in r]
     val_records = [{k: r[k] for k in ("step", "val_loss")} for r in records if "val_loss" in r]
     return train_records, val_records

@@ -158,3 +158,24 @@ def test_signal_from_outside_saves_the_finished_step_and_resumes_exactly(tmp_pat
     assert run_main(tiny_args(tmp_path / "straight", text_file, max_iters=end, eval_interval=100_000)) == 0
     assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"), load_checkpoint(out / "last.pt"))
     assert metrics(tmp_path / "straight")[0] == metrics(out)[0]
+
+
+def test_sigkill_loses_at_most_ckpt_interval_steps_and_metrics_keep_no_duplicates(tmp_path, text_file):
+    out = tmp_path / "out"
+    args = tiny_args(out, text_file, max_iters=100_000, eval_interval=100_000, ckpt_interval=4)
+    child = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    metrics_file, deadline = out / "metrics.jsonl", time.time() + 120
+    while not (metrics_file.is_file() and metrics_file.read_text().count("\n") >= 10):
+        assert child.poll() is None and time.time() < deadline, "training did not start"
+        time.sleep(0.05)
+    child.kill()  # SIGKILL: no handler runs, nothing is saved on the way out
+    child.wait()
+    saved = load_checkpoint(out / "last.pt")["step"]
+    logged = metrics(out)[0][-1]["step"]
+    assert saved % 4 == 0 and saved >= 8 and logged - saved <= 4  # at most ckpt_interval steps lost
+    end = logged + 2
+    assert run_main(tiny_args(out, text_file, max_iters=end, eval_interval=100_000, resume="true")) == 0
+    assert run_main(tiny_args(tmp_path / "straight", text_file, max_iters=end, eval_interval=100_000)) == 0
+    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"), load_checkpoint(out / "last.pt"))
+    assert metrics(tmp_path / "straight") == metrics(out)  # the redone steps are logged once
