@@ -166,6 +166,8 @@ def verify_digest(path: Path) -> None:
         remaining = size - DIGEST_TRAILER - 2  # the archive as torch.save wrote it, up to its comment length
         while remaining > 0:
             chunk = f.read(min(1 << 24, remaining))
+            if not chunk:  # shrank under us: the digest will not match
+                break
             digest.update(chunk)
             remaining -= len(chunk)
         digest.update(b"\0\0")  # the comment length torch.save wrote

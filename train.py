@@ -6,7 +6,9 @@
 
 Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final eval.
 Side concerns live in helpers: checkpoint.py (atomic save / verified load / RNG state),
-runtime.py (device, precision, compile), data.py (corpus, batches), MetricsLog below.
+runtime.py (device, precision, compile), data.py (corpus, batches), MetricsLog below, and
+faults.py (Ctrl-C/SIGTERM, NaN/inf, and the exit codes: 0 ok, 2 bad input, 3 non-finite, 74 write
+failed, 130 SIGINT, 143 SIGTERM).
 """
 from __future__ import annotations
 
