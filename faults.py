@@ -22,7 +22,6 @@ import threading
 
 import torch
 
-EXIT_CONFIG = 2  # runtime.fail's default
 EXIT_NONFINITE = 3
 EXIT_WRITE_FAILED = 74
 
@@ -41,7 +40,8 @@ class StopOnSignal:
     The loop checks ``requested`` after each optimizer step, saves last.pt and raises ``error()``.
     Later signals only print a note, so a second Ctrl-C cannot interrupt the save (SIGKILL can, and
     is harmless: saves are atomic). The previous handlers come back on exit. Outside the main thread
-    Python cannot install handlers, so there it does nothing.
+    Python cannot install handlers, so there it does nothing. Under DDP the ranks must agree on the
+    step to stop at: all-reduce ``requested`` where the loop syncs anyway.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
