@@ -240,7 +240,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
             print(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
             break
     log.close()
-    if stop.requested:  # SIGINT/SIGTERM: the step finished; save it (unless just saved) and exit 130/143
+    if stop.requested and step < cfg.max_iters:  # SIGINT/SIGTERM: save the finished step, exit 130/143
         if saved_step != step:
             save(step, is_best=False)
         raise stop.error(step)
