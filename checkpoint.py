@@ -3,49 +3,108 @@
 A checkpoint holds only tensors and plain Python values, so ``torch.load(weights_only=True)`` reads
 it with no allowlist and a malicious pickle cannot run code. Every load in this repo goes through
 ``load_checkpoint`` below.
+
+Keys (``REQUIRED_KEYS``): format_version, model (state_dict), optimizer (state_dict), scaler (GradScaler
+state_dict, empty unless fp16), step (optimizer steps done), best_val_loss, config (TrainConfig as a
+dict), tokenizer (its description), rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, data),
+rng_per_rank (the same for every DDP rank, in rank order; one entry in a single process), versions (python, torch, numpy, tiktoken, git commit and dirty flag).
+
+On disk a checkpoint is the zip archive torch.save writes, with the sha256 of the archive stored in
+the zip comment (``tinygpt-sha256:<hex>``). Zip readers, torch.load included, ignore the comment;
+``load_checkpoint`` checks it, so a truncated, empty, foreign or bit-flipped file is refused. (The zip
+CRCs alone miss flips in headers and padding, and torch.load checks no CRC at all.)
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import random
 import subprocess
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from faults import EXIT_WRITE_FAILED
+
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "best_val_loss",
-                 "config", "tokenizer", "rng", "versions")
+                 "config", "tokenizer", "rng", "rng_per_rank", "versions")
+
+
+DIGEST_PREFIX = b"tinygpt-sha256:"
+DIGEST_TRAILER = len(DIGEST_PREFIX) + 64  # bytes of zip comment: the prefix and a hex sha256
+EOCD_SIZE = 22  # the zip end-of-central-directory record without its comment; it ends the archive
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, I/O error); the previous file is intact."""
+    exit_code = EXIT_WRITE_FAILED
+
+
+class HashingWriter:
+    """The file object handed to torch.save: hashes the bytes on their way to disk (no second read)."""
+
+    def __init__(self, file):
+        self.file, self.sha256, self.tail = file, hashlib.sha256(), b""
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.tail = (self.tail + bytes(data[-EOCD_SIZE:]))[-EOCD_SIZE:]
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:
     """Write ``state`` to ``path`` atomically: a temp file in the same folder, fsync, rename.
 
     A crash or a full disk at any moment leaves either the old file or the new one, never a mix.
-    The temp file is removed if the write fails. Raises OSError or RuntimeError (torch.save
-    reports a full disk as RuntimeError) after cleaning up.
+    The temp file is removed if the write fails, then CheckpointWriteError is raised (torch.save
+    reports a full disk as an OSError or a RuntimeError, depending on where it notices).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            writer = HashingWriter(f)
+            torch.save(state, writer)
+            append_digest(f, writer)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointWriteError(f"could not write {path} ({write_failure_reason(err)}); the previous "
+                                   f"{path.name} is intact and no temp file is left") from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     sync_folder(path.parent)
+
+
+def append_digest(f, writer: HashingWriter) -> None:
+    """Store the archive's sha256 as its zip comment: rewrite the comment length (the last 2 bytes)."""
+    if writer.tail[:4] != b"PK\x05\x06" or writer.tail[-2:] != b"\0\0":
+        raise RuntimeError("torch.save did not end its archive with an empty zip comment")
+    f.seek(-2, os.SEEK_END)
+    f.write(DIGEST_TRAILER.to_bytes(2, "little") + DIGEST_PREFIX + writer.sha256.hexdigest().encode())
+
+
+def write_failure_reason(err: BaseException) -> str:
+    """'No space left on device' where the OS said so (torch.save may wrap it in a RuntimeError)."""
+    for cause in (err, err.__cause__, err.__context__):
+        if isinstance(cause, OSError) and cause.errno is not None:
+            return os.strerror(cause.errno)
+    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
 
 
 def sync_folder(folder: Path) -> None:
@@ -73,19 +132,14 @@ def remove_stale_temp_files(folder: Path) -> list[Path]:
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a checkpoint safely, or raise CheckpointError naming the path and the problem.
 
-    torch.load does not check the CRCs stored in the zip archive, so a flipped bit would load as
-    silently wrong weights; zipfile.testzip() checks them first.
+    The sha256 in the zip comment is checked before anything is unpickled, and the unpickler only
+    builds tensors and plain values (weights_only=True): a corrupt file is refused, not loaded as
+    silently wrong weights, and a malicious one runs no code.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
-    try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError) as err:
-        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt: {err})") from None
-    if bad is not None:
-        raise CheckpointError(f"{path}: corrupt checkpoint (CRC mismatch in {bad})")
+    verify_digest(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 - the unpickler raises many types; all mean "refuse"
@@ -94,6 +148,31 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     if missing:
         raise CheckpointError(f"{path}: not a tinygpt checkpoint (missing {', '.join(missing)})")
     return state
+
+
+def verify_digest(path: Path) -> None:
+    """Raise CheckpointError unless the file ends with the sha256 save_checkpoint stored, and matches it."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        f.seek(max(0, size - DIGEST_TRAILER - EOCD_SIZE))
+        end = f.read()
+        eocd, comment = end[:EOCD_SIZE], end[EOCD_SIZE:]
+        if (len(end) < EOCD_SIZE + DIGEST_TRAILER or eocd[:4] != b"PK\x05\x06"
+                or eocd[-2:] != DIGEST_TRAILER.to_bytes(2, "little") or not comment.startswith(DIGEST_PREFIX)):
+            raise CheckpointError(f"{path}: not a tinygpt checkpoint, or truncated ({size} bytes and no "
+                                  "integrity digest at the end)")
+        digest = hashlib.sha256()
+        f.seek(0)
+        remaining = size - DIGEST_TRAILER - 2  # the archive as torch.save wrote it, up to its comment length
+        while remaining > 0:
+            chunk = f.read(min(1 << 24, remaining))
+            if not chunk:  # shrank under us: the digest will not match
+                break
+            digest.update(chunk)
+            remaining -= len(chunk)
+        digest.update(b"\0\0")  # the comment length torch.save wrote
+    if digest.hexdigest().encode() != comment[len(DIGEST_PREFIX):]:
+        raise CheckpointError(f"{path}: corrupt checkpoint (sha256 mismatch: the file changed after it was saved)")
 
 
 def unpickler_reason(err: Exception) -> str:

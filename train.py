@@ -7,7 +7,9 @@
 Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final eval.
 Side concerns live in helpers: checkpoint.py (atomic save / verified load / RNG state),
 runtime.py (device, precision, compile, MFU), data.py (corpus, batches), distributed.py (DDP under
-torchrun: the same loop, one process per GPU), MetricsLog below.
+torchrun: the same loop, one process per GPU), MetricsLog below, and faults.py (Ctrl-C/SIGTERM,
+NaN/inf, and the exit codes: 0 ok, 2 bad input, 3 non-finite, 74 write failed, 130 SIGINT,
+143 SIGTERM).
 
     torchrun --nproc_per_node=8 train.py --config gpt2   # data parallel on 8 GPUs (see README)
 """
@@ -23,12 +25,13 @@ from typing import Any
 
 import torch
 
-from checkpoint import (CheckpointError, capture_rng, library_versions, load_checkpoint,
+from checkpoint import (CheckpointError, CheckpointWriteError, capture_rng, library_versions, load_checkpoint,
                         remove_stale_temp_files, restore_rng, save_checkpoint, FORMAT_VERSION)
 from config import ConfigError, TrainConfig, as_dict, changed_model_fields, parse_args
 from data import DataError, get_batch, iterate_windows, load_corpus, prepare, val_windows
 import distributed
 from distributed import Dist, all_reduce_sum, print0
+from faults import NonFiniteGuard, RunStopped, StopOnSignal
 from model import GPT, GPTConfig
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
 
@@ -121,6 +124,15 @@ class MetricsLog:
             self.wandb.finish()
 
 
+def drop_records_after(path: Path, step: int) -> None:
+    """Resuming redoes the steps after last.pt that a killed run had already logged: drop those."""
+    if path.is_file():
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] <= step]
+        if kept != lines:
+            path.write_text("".join(kept))
+
+
 def start_wandb(cfg: TrainConfig):
     try:
         import wandb
@@ -162,13 +174,37 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
     scaler.load_state_dict(state["scaler"])
     rng = distributed.rank_rng_state(state, ddp)
     if rng is not None:
-        restore_rng(rng, data_gen)
-    print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f})")
+        try:
+            restore_rng(rng, data_gen)
+        except CheckpointError as err:
+            raise CheckpointError(f"{path}: {err}") from None
+    done = " (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else ""
+    print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
     return state["step"], state["best_val_loss"]
 
 
-def train(cfg: TrainConfig) -> float:
-    """Run training as configured; returns the final val loss."""
+def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, ddp: Dist) -> tuple[bool, bool]:
+    """(out of time, signalled) after ``step``: host-side flags, free in a single process.
+
+    Under DDP every rank must stop on the same step (or the next collective hangs), so the ranks
+    compare flags with one all-reduce, only on log steps where the loop syncs anyway: a signal is
+    honoured within log_interval steps.
+    """
+    out_of_time = cfg.max_time > 0 and time.time() - t_start >= cfg.max_time
+    if not ddp.enabled:
+        return out_of_time, stop.requested
+    if step % cfg.log_interval and step != cfg.max_iters:
+        return False, False
+    flags = all_reduce_sum(torch.tensor([out_of_time, stop.requested], dtype=torch.int32, device=ddp.device))
+    return bool(flags[0]), bool(flags[1])
+
+
+def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
+    """Run training as configured; returns the final val loss.
+
+    ``stop``, entered by main(), turns SIGINT/SIGTERM into "save after this step and raise RunStopped".
+    """
+    stop = stop or StopOnSignal()  # never entered: no signal handling when used as a library
     out_dir = Path(cfg.out_dir)
     ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
     device = ddp.device
@@ -185,12 +221,15 @@ def train(cfg: TrainConfig) -> float:
     model = GPT(model_config(cfg, corpus.vocab_size)).to(device)
     optimizer = model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
+    guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)  # see faults.py for the policy
     step, best_val = 0, math.inf
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out_dir)
     if cfg.resume:
         step, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model, optimizer,
                                 scaler, data_gen, ddp)
+        if ddp.is_main:
+            drop_records_after(out_dir / "metrics.jsonl", step)
     elif ddp.is_main:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
 
@@ -208,10 +247,13 @@ def train(cfg: TrainConfig) -> float:
     params = [p for p in model.parameters()]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     t_start = t_log = time.time()
-    step_at_log, val_loss = step, math.nan
+    step_at_log, val_loss, saved_step = step, math.nan, step
 
     def save(step: int, is_best: bool) -> None:
+        nonlocal saved_step
+        guard.raise_if_tripped()  # never save a state that a non-finite step touched
         rng_per_rank = distributed.gather_to_main(capture_rng(data_gen))  # a collective: all ranks
+        saved_step = step
         if not ddp.is_main:
             return
         state = checkpoint_state(model, optimizer, scaler, step, best_val, cfg, corpus.meta["tokenizer"],
@@ -220,7 +262,8 @@ def train(cfg: TrainConfig) -> float:
         if is_best:
             save_checkpoint(state, out_dir / "best.pt")
 
-    while step < cfg.max_iters:
+    signalled = stop.requested
+    while step < cfg.max_iters and not signalled:
         lr = get_lr(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -229,13 +272,14 @@ def train(cfg: TrainConfig) -> float:
         loss_step, n_step = accumulate_gradients(step_model, batches, scaler, device, dtype, ddp.world_size)
         scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm, a tensor
-        scaler.step(optimizer)
+        guard.step(step + 1, loss_step, grad_norm)  # optimizer.step(), unless non-finite: no host sync
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        out_of_time = cfg.max_time > 0 and distributed.any_rank(time.time() - t_start >= cfg.max_time, device)
+        out_of_time, signalled = halt_flags(cfg, step, stop, t_start, ddp)
         last = step == cfg.max_iters or out_of_time
         if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
+            guard.raise_if_tripped()
             loss, norm = (all_reduce_sum(loss_step) / n_step).item(), grad_norm.item()
             now = time.time()
             dt = (now - t_log) / (step - step_at_log)
@@ -248,6 +292,7 @@ def train(cfg: TrainConfig) -> float:
                     f"{dt * 1000:.1f} ms/step | {tok_s:,.0f} tok/s | mfu {'n/a' if util is None else f'{util:.1%}'}")
         if step % cfg.eval_interval == 0 or last:
             t_eval = time.time()
+            guard.raise_if_tripped()
             val_loss = evaluate(train_model, x_val, y_val, cfg.batch_size, device, dtype)
             is_best = math.isfinite(val_loss) and val_loss < best_val
             best_val = val_loss if is_best else best_val
@@ -255,20 +300,29 @@ def train(cfg: TrainConfig) -> float:
                     f"step {step:>6} | val loss {val_loss:.4f}" + (" (best, saved best.pt)" if is_best else ""))
             save(step, is_best)
             t_log += time.time() - t_eval  # eval and save time is not counted as training time
+        elif cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
+            save(step, is_best=False)
         if out_of_time:
             print0(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
             break
     log.close()
+    if signalled and step < cfg.max_iters:  # SIGINT/SIGTERM: save the finished step, exit 130/143
+        if saved_step != step:
+            save(step, is_best=False)
+        raise stop.error(step)
     return val_loss
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_args(argv)
-        train(cfg)
+        with StopOnSignal() as stop:
+            train(cfg, stop)
         distributed.teardown()  # not on errors: its barrier would wait for ranks that have failed
     except (ConfigError, DataError, CheckpointError) as err:
         fail(str(err))
+    except (RunStopped, CheckpointWriteError) as err:  # exit codes: see faults.py
+        fail(str(err), err.exit_code)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ class TrainConfig:
     # --- logging and evaluation ---
     log_interval: int = 50  # steps between log lines (the only steps that sync with the device)
     eval_interval: int = 500  # steps between evaluations and checkpoints (and one at the end)
+    ckpt_interval: int = 0  # also save last.pt every this many steps (bounds the loss to a SIGKILL); 0 = only at evals
+    max_skipped_steps: int = 20  # fp16: stop after this many steps in a row skipped for overflowing gradients
     max_time: float = 0.0  # wall-clock budget in seconds; 0 = none. Stops cleanly, evals, saves
     wandb: bool = False  # also log to Weights & Biases (offline unless logged in)
     wandb_project: str = "tinygpt"  # wandb project name
@@ -142,11 +144,11 @@ def load_preset(name: str) -> dict[str, Any]:
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Raise ConfigError naming the first bad value and the fix."""
     positive = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum",
-                "log_interval", "eval_interval")
+                "log_interval", "eval_interval", "max_skipped_steps")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be > 0, got {getattr(cfg, name)}")
-    for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_tokens"):
+    for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_tokens", "ckpt_interval"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "max_time"):

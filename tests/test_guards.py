@@ -77,7 +77,7 @@ def test_accumulation_keeps_no_graph_in_its_running_loss():
 
 
 # ----------------------------------------------------------------------------- the training step
-def per_microbatch_mean(model, batches, scaler, device, dtype):
+def per_microbatch_mean(model, batches, scaler, device, dtype, world_size=1):
     """train.accumulate_gradients with the bug: the mean of the micro-batches' own mean losses."""
     loss_step, n_step = torch.zeros(()), torch.zeros((), dtype=torch.long)
     for x, y in batches:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train
-from checkpoint import REQUIRED_KEYS, load_checkpoint, save_checkpoint
+from checkpoint import REQUIRED_KEYS, CheckpointWriteError, load_checkpoint, save_checkpoint
 from config import make_config
 from conftest import run_script, tiny_model
 
@@ -99,7 +99,7 @@ def test_an_exception_mid_save_leaves_the_previous_file_intact(tmp_path, monkeyp
         raise RuntimeError("disk went away")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(RuntimeError, match="disk went away"):
+    with pytest.raises(CheckpointWriteError, match="disk went away.*previous last.pt is intact"):
         save_checkpoint({"step": 2}, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temp file left behind

@@ -1,0 +1,133 @@
+"""How a training run stops when something goes wrong: signals, non-finite numbers, exit codes.
+
+train.py's exit codes, the one place they are defined (the README's "What survives a crash" repeats them):
+
+    code  cause                                                  what is on disk afterwards
+    0     finished; or resumed a finished run (0 steps done)      last.pt of the final step
+    2     bad config, data or checkpoint (caught before training)  nothing written or overwritten
+    3     non-finite loss or gradient; in fp16, max_skipped_steps  last.pt of the last save; no
+          overflowed steps in a row                                non-finite value in any checkpoint
+    74    a checkpoint could not be written (disk full, I/O)       the previous last.pt/best.pt, intact
+    130   SIGINT (Ctrl-C): the current step finished, then saved   last.pt of that step; resume is exact
+    143   SIGTERM (e.g. preemption): the same                      last.pt of that step; resume is exact
+
+130 and 143 follow the shell's 128 + signal-number convention, so schedulers that requeue preempted
+jobs recognise them; 74 is EX_IOERR from sysexits.h.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import torch
+
+EXIT_NONFINITE = 3
+EXIT_WRITE_FAILED = 74
+
+
+class RunStopped(Exception):
+    """Training stopped early on purpose; str() is the one-line reason, exit_code the process's code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopOnSignal:
+    """A context manager that turns SIGINT and SIGTERM into a request to stop after the current step.
+
+    The loop checks ``requested`` after each optimizer step, saves last.pt and raises ``error()``.
+    Later signals only print a note, so a second Ctrl-C cannot interrupt the save (SIGKILL can, and
+    is harmless: saves are atomic). The previous handlers come back on exit. Outside the main thread
+    Python cannot install handlers, so there it does nothing. Under DDP the ranks must agree on the
+    step to stop at: all-reduce ``requested`` where the loop syncs anyway.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    def handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        first = self.signum is None
+        self.signum = self.signum or signum
+        note = "finishing this step, then saving last.pt" if first else "already stopping; wait for the save"
+        os.write(2, f"\n{name}: {note}\n".encode())  # os.write: print() is not reentrant in a handler
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def error(self, step: int) -> RunStopped:
+        name = signal.Signals(self.signum).name
+        return RunStopped(f"stopped by {name} after step {step}; last.pt holds it, continue with --resume",
+                          128 + self.signum)
+
+
+class NonFiniteGuard:
+    """Keeps NaN/inf out of the weights without a host sync per step; the loop's optimizer step.
+
+    fp32/bf16: from the first step whose loss or gradient norm is not finite, every update is a no-op
+    *on the device*: the verdict goes to the fused AdamW kernel as ``found_inf``, the hook GradScaler
+    uses to skip a step (the kernel also undoes its step count). The host reads the verdict only where
+    the loop syncs anyway (log lines, evals, saves) and stops there, weights and optimizer state being
+    those before the bad step. Cost: two isfinite ops per step, and up to log_interval - 1 wasted steps
+    after a fault. Checking every step instead would cost a sync per step on CUDA, which stalls the
+    host's run-ahead (the data loading and kernel launches of the next step). Optimizers without the
+    hook (not fused, e.g. on MPS) fall back to that sync per step.
+
+    fp16: GradScaler skips a step whose gradients overflow and halves its scale (its normal way of
+    finding the scale). The guard counts consecutive skips on the device and stops the run at the next
+    sync once ``max_skipped`` are reached: a scale fallen by 2**max_skipped means the model diverged.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, max_skipped: int,
+                 device: torch.device):
+        self.optimizer, self.scaler, self.max_skipped = optimizer, scaler, max_skipped
+        self.fused = bool(optimizer.defaults.get("fused"))
+        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)  # first faulty step; -1 = none
+        self.skipped = torch.zeros((), dtype=torch.long, device=device)  # fp16: consecutive skips so far
+
+    def step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """The update of ``step`` (numbered as in the log), skipped if it or an earlier step was faulty."""
+        if self.scaler.is_enabled():  # fp16: GradScaler decides on the (unscaled) gradients, as we do
+            self.skipped = (self.skipped + 1) * ~torch.isfinite(grad_norm)  # back to 0 on a good step
+            self.record(step, self.skipped >= self.max_skipped)
+            self.scaler.step(self.optimizer)
+            return
+        self.record(step, ~(torch.isfinite(loss) & torch.isfinite(grad_norm)))
+        if not self.fused:
+            self.raise_if_tripped()  # the one host sync per step, for optimizers without the hook
+            self.optimizer.step()
+            return
+        self.optimizer.found_inf = (self.bad_step >= 0).float()  # 1.0 makes the fused update a no-op
+        self.optimizer.step()
+        del self.optimizer.found_inf
+
+    def record(self, step: int, faulty: torch.Tensor) -> None:
+        self.bad_step = torch.where((self.bad_step < 0) & faulty, step, self.bad_step)
+
+    def raise_if_tripped(self) -> None:
+        """Stop the run if a fault was recorded. Reads one device scalar: call it where the loop syncs."""
+        bad_step = int(self.bad_step)
+        if bad_step < 0:
+            return
+        if self.scaler.is_enabled():
+            raise RunStopped(f"{self.max_skipped} steps in a row skipped for non-finite fp16 gradients "
+                             f"(the last at step {bad_step}); lower learning_rate or use --dtype bfloat16",
+                             EXIT_NONFINITE)
+        raise RunStopped(f"non-finite loss or gradient at step {bad_step}; stopped before its update, nothing "
+                         "non-finite was applied or saved; lower learning_rate or check the data", EXIT_NONFINITE)

@@ -1,0 +1,157 @@
+"""Helpers that break a training run on purpose, at an exact point, and compare what survives.
+
+Imported by the reliability tests. Also a script, so a fresh process can be broken the same way:
+
+    python tests/fault_injection.py --signal SIGTERM --at-call 13 -- --config tiny --out_dir ...
+
+runs train.py's main with the given arguments and sends the signal to itself just before the 13th
+training forward pass (micro-batch), i.e. in the middle of an optimizer step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import train  # noqa: E402
+from model import GPT  # noqa: E402
+
+
+@pytest.fixture
+def one_thread(monkeypatch: pytest.MonkeyPatch):
+    """One torch thread here and in child processes (OMP_NUM_THREADS), so both sides of every
+    comparison run alike. Why: with 2 threads on a 2-core machine shared with other jobs, each op of
+    a tiny model waits on an OpenMP barrier whose partner thread is descheduled: ~10x slower tests."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_args(out_dir: Path, text_file: Path, **overrides: Any) -> list[str]:
+    """train.py arguments for the tiny preset on a local corpus, logging every step."""
+    values = dict(data_path=text_file, data_dir=Path(text_file).parent / "data", out_dir=out_dir,
+                  device="cpu", log_interval=1, eval_interval=5, max_iters=10)
+    values.update(overrides)
+    return ["--config", "tiny"] + [f"--{key}={value}" for key, value in values.items()]
+
+
+def run_main(args: list[str]) -> int:
+    """train.main in this process; returns its exit code."""
+    try:
+        train.main(args)
+    except SystemExit as exit_:
+        return exit_.code
+    return 0
+
+
+def call_of(step: int, micro_batch: int, grad_accum: int) -> int:
+    """The 1-based number of the training forward pass of ``micro_batch`` (1-based) in ``step``."""
+    return (step - 1) * grad_accum + micro_batch
+
+
+def on_training_forward(monkeypatch: pytest.MonkeyPatch,
+                        hook: Callable[[int, torch.Tensor], torch.Tensor | None]) -> list[int]:
+    """Call hook(call_number, loss_sum) before each training forward returns; a tensor it returns
+    replaces the loss. Returns the list of call numbers seen, so tests can count micro-batches."""
+    real_forward = GPT.forward
+    calls: list[int] = []
+
+    def forward(self, idx, targets=None):
+        if not (self.training and targets is not None):
+            return real_forward(self, idx, targets)  # eval, sampling
+        calls.append(len(calls) + 1)
+        logits, loss_sum, n = real_forward(self, idx, targets)
+        replaced = hook(calls[-1], loss_sum)
+        return logits, (loss_sum if replaced is None else replaced), n
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    return calls
+
+
+def signal_at(monkeypatch: pytest.MonkeyPatch, signum: int, call: int) -> list[int]:
+    """Send ``signum`` to this process during the ``call``-th training forward pass."""
+    def hook(n: int, loss_sum: torch.Tensor) -> None:
+        if n == call:
+            os.kill(os.getpid(), signum)
+    return on_training_forward(monkeypatch, hook)
+
+
+def poison_loss(monkeypatch: pytest.MonkeyPatch, calls: Callable[[int], bool], value: float) -> list[int]:
+    """Multiply the loss by ``value`` (nan, inf) on the training forward passes where calls(n) holds."""
+    return on_training_forward(monkeypatch, lambda n, loss: loss * value if calls(n) else None)
+
+
+def capture_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """After train() runs (or fails), holds its 'model' and 'optimizer' objects."""
+    captured: dict[str, Any] = {}
+    real = GPT.configure_optimizer
+
+    def configure_optimizer(self, *args, **kwargs):
+        captured["model"], captured["optimizer"] = self, real(self, *args, **kwargs)
+        return captured["optimizer"]
+
+    monkeypatch.setattr(GPT, "configure_optimizer", configure_optimizer)
+    return captured
+
+
+def assert_nested_equal(a: Any, b: Any, where: str = "") -> None:
+    """Exact equality of nested dicts/lists of tensors and plain values (NaN equals NaN)."""
+    assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for key in a:
+            assert_nested_equal(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_nested_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{where}: tensors differ"
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), f"{where}: nan vs {b}"
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def assert_same_training_state(a: dict, b: dict) -> None:
+    """Two checkpoints hold the same run state: everything but the config (max_iters may differ)
+    and the library versions."""
+    assert_nested_equal({k: v for k, v in a.items() if k not in ("config", "versions")},
+                        {k: v for k, v in b.items() if k not in ("config", "versions")})
+
+
+def metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(train records without timings, val records) from out_dir/metrics.jsonl."""
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().split("\n")[:-1]  # not a line cut by a SIGKILL
+    records = [json.loads(line) for line in lines]
+    train_records = [{k: r[k] for k in ("step", "loss", "lr", "grad_norm")} for r in records if "loss" in r]
+    val_records = [{k: r[k] for k in ("step", "val_loss")} for r in records if "val_loss" in r]
+    return train_records, val_records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run train.py's main, sending a signal mid-step.")
+    parser.add_argument("--signal", default="SIGTERM", help="signal name")
+    parser.add_argument("--at-call", type=int, required=True, help="training forward pass to signal in")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        signal_at(monkeypatch, signal.Signals[args.signal], args.at_call)
+        train.main([a for a in args.train_args if a != "--"])
+
+
+if __name__ == "__main__":
+    main()

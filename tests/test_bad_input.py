@@ -1,0 +1,88 @@
+"""Bad input fails early and loudly: one line naming the problem, before anything is built or written."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train
+from data import prepare
+from fault_injection import run_main, tiny_args
+from fault_injection import one_thread  # noqa: F401 - a fixture, used by pytestmark
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if train.py gets as far as building the model."""
+    monkeypatch.setattr(train, "GPT", lambda *args, **kwargs: pytest.fail("the model was built"))
+
+
+@pytest.mark.parametrize("bad, names", [
+    (["--max_itres", "5"], "did you mean `max_iters`?"),
+    (["--learning_rate", "-1"], "learning_rate"),
+    (["--n_head", "3"], "n_head"),
+    (["--dtype", "float8"], "float8"),
+    (["--ckpt_interval", "-1"], "ckpt_interval"),
+    (["--max_skipped_steps", "0"], "max_skipped_steps"),
+])
+def test_config_mistakes_fail_before_any_file_is_written(tmp_path, text_file, capsys, bad, names):
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file) + bad) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and names in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]  # no out_dir, no data_dir
+
+
+def prepared(text_file: Path) -> Path:
+    return prepare(data_path=str(text_file), data_dir=str(text_file.parent / "data"))
+
+
+def break_split(folder: Path, how: str) -> Path:
+    if how == "missing val split":
+        (folder / "val.bin").unlink()
+        return folder / "val.bin"
+    ids = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    ids[100] = json.loads((folder / "meta.json").read_text())["vocab_size"] + 7
+    ids.tofile(folder / "train.bin")
+    return folder / "train.bin"
+
+
+@pytest.mark.parametrize("case", ["missing file", "empty file", "train split too short", "val split too short",
+                                  "missing val split", "token id out of range"])
+def test_bad_data_fails_before_the_model_is_built(tmp_path, text_file, capsys, no_model, case):
+    texts = {"empty file": "", "train split too short": "To be or not to be.\n",
+             "val split too short": "To be, or not to be, that is the question.\n" * 6}
+    named = text_file
+    if case == "missing file":
+        text_file.unlink()
+    elif case in texts:
+        text_file.write_text(texts[case])
+        if "split" in case:
+            named = tmp_path / "data"  # the split file inside the prepared corpus
+    else:
+        named = break_split(prepared(text_file), case)
+    assert run_main(tiny_args(tmp_path / "out", text_file)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}") and err.count("\n") == 1, err
+    expected = {"missing file": "no such file", "empty file": "empty", "train split too short": "train.bin",
+                "val split too short": "val.bin", "missing val split": "missing",
+                "token id out of range": ">= vocab size"}[case]
+    assert expected in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_nothing(tmp_path, text_file, capsys):
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, max_iters=10, eval_interval=5)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["best.pt", "last.pt", "metrics.jsonl"]
+    capsys.readouterr()
+    assert run_main(tiny_args(out, text_file, max_iters=20, n_embd=64, n_layer=3, resume="true")) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {out / 'last.pt'} was trained with a different model: n_layer: checkpoint 2 vs now 3; "
+                   "n_embd: checkpoint 32 vs now 64. Use the same settings or a new --out_dir\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

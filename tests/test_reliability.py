@@ -1,0 +1,263 @@
+"""Nothing lost: kills during saves, full disks, corrupt files, NaNs and Ctrl-C leave a usable run."""
+from __future__ import annotations
+
+import builtins
+import math
+import os
+import random
+import signal
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+import train
+from checkpoint import (REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint, remove_stale_temp_files,
+                        save_checkpoint)
+from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
+                             on_training_forward, poison_loss, run_main, signal_at, tiny_args)
+from fault_injection import one_thread  # noqa: F401 - a fixture, used by pytestmark
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def temp_files(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if ".tmp-" in p.name]
+
+
+def all_tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in all_tensors(item)]
+    return []
+
+
+# ----------------------------------------------------------------------------- checkpoint files
+def fake_state(step: int, values: torch.Tensor) -> dict:
+    """A checkpoint-shaped state whose one big tensor says which step wrote it."""
+    return {key: {} for key in REQUIRED_KEYS} | {"step": step, "model": {"w": values}}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_sigkill_during_checkpoint_writes_15_times(tmp_path, text_file):
+    out = tmp_path / "out"
+    # Two 8 MB states, made before forking (a forked child must not start torch's thread pools).
+    states = [fake_state(step, torch.full((1 << 21,), float(step))) for step in (1, 2)]
+    save_checkpoint(states[0], out / "last.pt")
+    rng, killed_mid_write = random.Random(0), 0
+    for _ in range(15):
+        pid = os.fork()
+        if pid == 0:  # child: overwrite last.pt with alternating states until killed
+            try:
+                for i in range(10**9):
+                    save_checkpoint(states[i % 2], out / "last.pt")
+            finally:
+                os._exit(1)
+        deadline = time.time() + 30
+        while not (out / f".last.pt.tmp-{pid}").exists():  # wait until a write is under way
+            assert time.time() < deadline, "the child never started a save"
+        time.sleep(rng.uniform(0, 0.02))  # then kill it at a seeded random moment of the write
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        killed_mid_write += (out / f".last.pt.tmp-{pid}").exists()
+        state = load_checkpoint(out / "last.pt")  # always loads, and is one whole state, never a mix
+        assert torch.equal(state["model"]["w"], states[state["step"] - 1]["model"]["w"])
+    assert killed_mid_write >= 5  # most kills did land inside a write, so the test tests something
+    # The next start of training in this folder removes the temp files the kills left behind.
+    assert run_main(tiny_args(out, text_file, max_iters=1)) == 0
+    assert temp_files(out) == []
+
+
+def open_on_full_disk(path, mode="r", *args, **kwargs):
+    """open() where checkpoint temp files land on /dev/full: every write fails with ENOSPC."""
+    if ".tmp-" not in str(path):
+        return builtins.open(path, mode, *args, **kwargs)
+    Path(path).touch()  # the temp file exists, as on a real disk that filled up mid-write
+    return builtins.open("/dev/full", mode, *args, **kwargs)
+
+
+def torch_save_on_full_disk(obj, f, *args, **kwargs):
+    """torch.save as it fails when it writes to a path on a full disk: part of the data, then RuntimeError."""
+    f.write(b"PK\x03\x04" + bytes(1000))
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing "
+                       "file data/3: file write failed")
+
+
+@pytest.mark.parametrize("failure", ["ENOSPC from the OS", "RuntimeError from torch.save"])
+def test_disk_full_keeps_previous_checkpoints_and_exits_74(tmp_path, text_file, monkeypatch, capsys, failure):
+    if failure.startswith("ENOSPC") and not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, max_iters=10, eval_interval=5)) == 0
+    before = {name: (out / name).read_bytes() for name in ("last.pt", "best.pt")}
+    if failure.startswith("ENOSPC"):
+        monkeypatch.setattr(checkpoint, "open", open_on_full_disk, raising=False)
+    else:
+        monkeypatch.setattr(torch, "save", torch_save_on_full_disk)
+    capsys.readouterr()
+    assert run_main(tiny_args(out, text_file, max_iters=20, eval_interval=5, resume="true")) == 74
+    err = capsys.readouterr().err
+    reason = "(No space left on device)" if failure.startswith("ENOSPC") else "file write failed)"
+    assert err.count("\n") == 1 and err.startswith(f"error: could not write {out / 'last.pt'} (")
+    assert err.endswith(f"{reason}; the previous last.pt is intact and no temp file is left\n")
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert temp_files(out) == []
+
+
+def corruptions(good: bytes) -> dict[str, bytes]:
+    """Damaged copies of a checkpoint: empty, truncated, random, and single bits flipped in each zip part."""
+    central = good.rfind(b"PK\x01\x02")  # the last central-directory entry
+    end = good.rfind(b"PK\x05\x06")  # the end-of-central-directory record
+    positions = {"first local header": 2, "first file name": 31, "padding of the first entry": 50,
+                 "data": len(good) // 2, "central directory": central + 20, "end record": end + 10,
+                 "comment length": end + 21, "stored digest": len(good) - 1}
+    positions |= {f"random byte {i}": random.Random(i).randrange(len(good)) for i in range(12)}
+    damaged = {"empty": b"", "truncated": good[: len(good) // 2], "truncated by 1 byte": good[:-1],
+               "random bytes": random.Random(0).randbytes(len(good))}
+    for name, pos in positions.items():
+        flipped = bytearray(good)
+        flipped[pos] ^= 1 << (pos % 8)
+        damaged[f"bit flip in {name}"] = bytes(flipped)
+    return damaged
+
+
+def test_corrupt_checkpoints_are_refused_naming_the_file(tmp_path, text_file):
+    assert run_main(tiny_args(tmp_path / "out", text_file, max_iters=2)) == 0
+    good = (tmp_path / "out" / "last.pt").read_bytes()
+    for name, data in corruptions(good).items():
+        path = tmp_path / f"{name}.pt"
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=str(path)):
+            load_checkpoint(path)
+    assert (tmp_path / "out" / "last.pt").read_bytes() == good and load_checkpoint(tmp_path / "out" / "last.pt")
+    # Why a digest and not just the zip CRCs: these flips pass zipfile's CRC check.
+    for name in ("bit flip in padding of the first entry", "bit flip in central directory"):
+        assert zipfile.ZipFile(tmp_path / f"{name}.pt").testzip() is None
+
+
+def test_best_pt_only_from_a_finite_improvement_and_last_pt_always_newest(tmp_path, text_file, monkeypatch):
+    val_losses = iter([3.0, 2.0, math.nan, 2.5, 1.8])
+    monkeypatch.setattr(train, "evaluate", lambda *args: next(val_losses))
+    saves = []
+    real_save = train.save_checkpoint
+    monkeypatch.setattr(train, "save_checkpoint",
+                        lambda state, path: (saves.append((path.name, state["step"])), real_save(state, path)))
+    assert run_main(tiny_args(tmp_path, text_file, max_iters=10, eval_interval=2)) == 0
+    assert [step for name, step in saves if name == "best.pt"] == [2, 4, 10]
+    assert [step for name, step in saves if name == "last.pt"] == [2, 4, 6, 8, 10]
+    best, last = load_checkpoint(tmp_path / "best.pt"), load_checkpoint(tmp_path / "last.pt")
+    assert (best["step"], best["best_val_loss"]) == (10, 1.8)
+    assert last["step"] == 10
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_checkpoint_schema_is_documented_keys_of_plain_values(tmp_path, text_file, dtype):
+    assert run_main(tiny_args(tmp_path, text_file, max_iters=1, batch_size=2, dtype=dtype)) == 0
+    for name in ("last.pt", "best.pt"):
+        state = torch.load(tmp_path / name, weights_only=True)  # no allowlist, no safe_globals
+        assert sorted(state) == sorted(REQUIRED_KEYS)
+        assert sorted(state["rng"]) == sorted(RNG_STREAMS)
+        assert bool(state["scaler"]) == (dtype == "float16")
+        assert_nested_equal(state, load_checkpoint(tmp_path / name))
+
+
+# ----------------------------------------------------------------------------- numerical faults
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+def test_nonfinite_loss_stops_before_the_update(tmp_path, text_file, monkeypatch, capsys, poison):
+    # Step 4 is poisoned; the first sync point after it is the log line of step 5, so step 5 also runs:
+    # the guard must keep both updates out without a host sync at step 4.
+    args = dict(grad_accum=2, max_iters=20, log_interval=5, eval_interval=3)
+    assert run_main(tiny_args(tmp_path / "reference", text_file, **{**args, "max_iters": 3})) == 0
+    before_step_4 = load_checkpoint(tmp_path / "reference" / "last.pt")
+    run = capture_run(monkeypatch)
+    calls = poison_loss(monkeypatch, lambda n: n == call_of(4, 2, 2), poison)
+    out = tmp_path / "poisoned"
+    assert run_main(tiny_args(out, text_file, **args)) == 3
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: non-finite loss or gradient at step 4;")
+    assert len(calls) == call_of(5, 2, 2)
+    assert_nested_equal(run["model"].state_dict(), before_step_4["model"])
+    assert_nested_equal(run["optimizer"].state_dict()["state"], before_step_4["optimizer"]["state"])
+    assert load_checkpoint(out / "last.pt")["step"] == 3  # nothing was saved after the fault
+    for name in ("last.pt", "best.pt"):
+        assert all(torch.isfinite(t).all() for t in all_tensors(load_checkpoint(out / name)) if t.is_floating_point())
+
+
+def count_host_reads(monkeypatch) -> list[str]:
+    """Record every tensor-to-Python conversion (what would be a device sync on a GPU)."""
+    reads: list[str] = []
+    for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _real=real, _name=name: (reads.append(_name), _real(self, *a))[1])
+    return reads
+
+
+def test_no_host_sync_on_steps_that_do_not_log(tmp_path, text_file, monkeypatch):
+    reads = count_host_reads(monkeypatch)
+    counts = []
+    for n_steps in (4, 8):  # only the last step logs, evals and saves
+        reads.clear()
+        args = dict(max_iters=n_steps, log_interval=100, eval_interval=100, grad_accum=2)
+        assert run_main(tiny_args(tmp_path / str(n_steps), text_file, **args)) == 0
+        # get_batch reads its start offsets with tolist(): CPU data on the host, not a device sync.
+        counts.append(len([r for r in reads if r != "tolist"]))
+    assert counts[0] == counts[1] > 0  # four more silent steps, not one more host read
+
+
+def test_fp16_overflow_skips_the_step_and_training_goes_on(tmp_path, text_file, monkeypatch):
+    args = dict(dtype="float16", batch_size=2, eval_interval=100)
+    assert run_main(tiny_args(tmp_path / "reference", text_file, max_iters=2, **args)) == 0
+    reference = load_checkpoint(tmp_path / "reference" / "last.pt")
+    poison_loss(monkeypatch, lambda n: n == 3, math.inf)  # step 3 overflows
+    assert run_main(tiny_args(tmp_path / "skipped", text_file, max_iters=3, **args)) == 0
+    skipped = load_checkpoint(tmp_path / "skipped" / "last.pt")
+    assert skipped["step"] == 3
+    assert_nested_equal(skipped["model"], reference["model"])  # GradScaler skipped the update
+    assert_nested_equal(skipped["optimizer"]["state"], reference["optimizer"]["state"])
+    assert skipped["scaler"] == reference["scaler"] | {"scale": reference["scaler"]["scale"] / 2,
+                                                       "_growth_tracker": 0}
+
+
+def test_fp16_max_skipped_steps_in_a_row_abort(tmp_path, text_file, monkeypatch, capsys):
+    poison_loss(monkeypatch, lambda n: n >= 2, math.inf)  # every step from step 2 on overflows
+    args = dict(dtype="float16", batch_size=2, max_iters=10, eval_interval=100, max_skipped_steps=3)
+    assert run_main(tiny_args(tmp_path, text_file, **args)) == 3
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: 3 steps in a row skipped for non-finite fp16 gradients (the last at step 4); "
+        "lower learning_rate or use --dtype bfloat16")
+    assert not (tmp_path / "last.pt").exists()
+
+
+# ----------------------------------------------------------------------------- signals
+def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, monkeypatch):
+    def sentinel(signum, frame):  # the handlers main() must put back
+        raise AssertionError("sentinel handler called")
+
+    originals = {s: signal.signal(s, sentinel) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal_at(monkeypatch, signal.SIGINT, call_of(3, 1, 1))
+        real_save = torch.save
+
+        def save_interrupted(obj, f, *args, **kwargs):  # the impatient second Ctrl-C, inside the save
+            os.kill(os.getpid(), signal.SIGINT)
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save_interrupted)
+        assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=6, eval_interval=100)) == 130
+        assert all(signal.getsignal(s) is sentinel for s in originals)
+    finally:
+        for s, handler in originals.items():
+            signal.signal(s, handler)
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / "split" / "last.pt")["step"] == 3
+    assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=6, eval_interval=100, resume="true")) == 0
+    assert run_main(tiny_args(tmp_path / "straight", text_file, max_iters=6, eval_interval=100)) == 0
+    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
+                               load_checkpoint(tmp_path / "split" / "last.pt"))
+    assert metrics(tmp_path / "straight")[0] == metrics(tmp_path / "split")[0]

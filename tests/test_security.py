@@ -1,0 +1,116 @@
+"""Nothing executed: a checkpoint is data. No load in this repo can run code from a pickle."""
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import sample
+import train
+from checkpoint import REQUIRED_KEYS, save_checkpoint
+from conftest import REPO, run_script
+from fault_injection import run_main, tiny_args
+from fault_injection import one_thread  # noqa: F401 - a fixture, used by pytestmark
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Payload:
+    """Unpickling this creates a folder: the stand-in for any code an attacker wants to run."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def malicious_checkpoint(path: Path, marker: Path, with_digest: bool) -> None:
+    """A file with every documented key whose 'model' entry runs code when unpickled. With the
+    digest, it passes the integrity check (a sha256 is not a signature): only weights_only stops it."""
+    state = {key: {} for key in REQUIRED_KEYS} | {"step": 1, "model": Payload(marker)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if with_digest:
+        save_checkpoint(state, path)
+    else:
+        torch.save(state, path)
+
+
+def test_the_payload_is_live(tmp_path):
+    # Without this, the refusals below could pass because the payload never worked.
+    malicious_checkpoint(tmp_path / "evil.pt", tmp_path / "marker", with_digest=True)
+    with zipfile.ZipFile(tmp_path / "evil.pt") as archive:
+        pickled = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    pickle.loads(pickled)  # a plain unpickler runs it
+    assert (tmp_path / "marker").is_dir()
+
+
+def test_malicious_checkpoint_is_refused_by_train_resume_and_by_sample(tmp_path, text_file):
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    malicious_checkpoint(out / "last.pt", marker, with_digest=True)
+    before = (out / "last.pt").read_bytes()
+    resumed = run_script("train.py", *tiny_args(out, text_file, resume="true"), check=False)
+    sampled = run_script("sample.py", "--ckpt", str(out / "last.pt"), "--device", "cpu", check=False)
+    for result in (resumed, sampled):
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"error: {out / 'last.pt'}: refused to load (") \
+            and result.stderr.count("\n") == 1
+    assert not marker.exists()
+    assert (out / "last.pt").read_bytes() == before
+
+
+def test_malicious_checkpoint_without_a_digest_is_refused_before_unpickling(tmp_path, text_file, capsys):
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    malicious_checkpoint(out / "last.pt", marker, with_digest=False)
+    assert run_main(tiny_args(out, text_file, resume="true")) == 2
+    with pytest.raises(SystemExit) as exit_:
+        sample.main(["--ckpt", str(out / "last.pt"), "--device", "cpu"])
+    assert exit_.value.code == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and all(e.startswith(f"error: {out / 'last.pt'}: not a tinygpt checkpoint") for e in errors)
+    assert not marker.exists()
+
+
+def python_sources() -> list[Path]:
+    ignored = {".git", ".venv", "venv", "data", "out", "__pycache__"}
+    return [p for p in REPO.rglob("*.py") if not ignored & set(p.relative_to(REPO).parts)]
+
+
+def test_source_never_loads_with_weights_only_false():
+    loads = 0
+    for path in python_sources():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value.id if isinstance(node.func.value, ast.Name) else ""
+                where = f"{path.relative_to(REPO)}:{node.lineno}"
+                flag = next((k.value for k in node.keywords if k.arg == "weights_only"), None)
+                if (owner, node.func.attr) == ("torch", "load") or flag is not None:  # any load(weights_only=..)
+                    loads += 1
+                    assert isinstance(flag, ast.Constant) and flag.value is True, \
+                        f"{where}: a load without weights_only=True"
+                is_test = path.parent.name == "tests"
+                assert is_test or (owner, node.func.attr) not in (("pickle", "load"), ("pickle", "loads")), \
+                    f"{where}: pickle load in product code"
+    assert loads >= 2  # checkpoint.py's load and the schema test's: the scan does find calls
+
+
+def test_every_torch_load_at_run_time_is_weights_only(tmp_path, text_file, monkeypatch, capsys):
+    calls = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, max_iters=2)) == 0
+    assert run_main(tiny_args(out, text_file, max_iters=4, resume="true")) == 0
+    sample.main(["--ckpt", str(out), "--device", "cpu", "--max-new-tokens", "5"])
+    assert calls == [True, True]  # the resume, the sample
