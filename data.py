@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -351,8 +352,12 @@ def document_sources(path: Path) -> Iterator[tuple[str, str]]:
         for file in files:
             yield str(file), ""
         return
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start} of the line)") from None
             if line.strip():
                 yield f"{path}:{number}", line
 
@@ -375,6 +380,7 @@ _worker_tokenizer: GPT2Tokenizer | None = None  # one per pool worker process, b
 
 def _init_worker(cache: str) -> None:
     global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle, once
     _worker_tokenizer = GPT2Tokenizer(Path(cache))
 
 
@@ -386,6 +392,8 @@ def encode_document(source: tuple[str, str]) -> np.ndarray:
             text = json.loads(payload)["text"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise DataError(f"{where}: not a JSON object with a \"text\" field") from None
+        if not isinstance(text, str):
+            raise DataError(f"{where}: \"text\" is a {type(text).__name__}, not a string")
     else:
         text = read_text_file(Path(where))
     if not text:
@@ -435,6 +443,10 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
     return folder
 
 
+FULL_SCAN_TOKENS = 200_000_000  # splits up to this size are checked id by id on every start
+SPOT_CHECK = 10_000_000  # tokens checked at each end of larger splits
+
+
 def load_corpus(folder: Path, block_size: int) -> Corpus:
     """Open a prepared corpus and check it can feed a model with this context length."""
     meta_file = folder / "meta.json"
@@ -451,7 +463,10 @@ def load_corpus(folder: Path, block_size: int) -> Corpus:
             raise DataError(f"{path}: {size} tokens, fewer than block_size + 1 = {block_size + 1}; "
                             "use more text or a smaller --block_size")
         data = np.memmap(path, dtype=meta["dtype"], mode="r")
-        top = int(data.max())
+        # A full scan costs a read of the whole split: do it for laptop-sized corpora; web-scale ones
+        # were made by prepare() with the same tokenizer, so their ends are spot-checked only.
+        checked = data if size <= FULL_SCAN_TOKENS else np.concatenate([data[:SPOT_CHECK], data[-SPOT_CHECK:]])
+        top = int(checked.max())
         if top >= meta["vocab_size"]:
             raise DataError(f"{path}: token id {top} >= vocab size {meta['vocab_size']}; "
                             f"delete {folder} and prepare again")

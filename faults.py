@@ -46,12 +46,13 @@ class StopOnSignal:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, install: bool = True) -> None:
+        self.install = install  # False: a stand-in that never sees a signal (train() as a library)
         self.signum: int | None = None
         self.previous: dict[int, object] = {}
 
     def __enter__(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
+        if self.install and threading.current_thread() is threading.main_thread():
             self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
         return self
 

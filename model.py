@@ -194,11 +194,12 @@ class GPT(nn.Module):
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
-        """Training FLOPs per token: 6N for the matmuls plus 6·n_layer·T·C for attention
-        (Kaplan et al. 2020, table 1; the factor 3 of forward+backward applied to 2·n_layer·T·C)."""
+        """Training FLOPs per token, the MFU convention of PaLM (Chowdhery et al. 2022, app. B):
+        6N for the weight matmuls plus 12·n_layer·T·C for attention's two matmuls (QKᵀ and AV),
+        forward and backward, without causal-mask savings."""
         cfg = self.config
         T = seq_len or cfg.block_size
-        return 6 * self.num_params() + 6 * cfg.n_layer * T * cfg.n_embd
+        return 6 * self.num_params() + 12 * cfg.n_layer * T * cfg.n_embd
 
     def new_cache(self, batch_size: int) -> KVCache:
         """An empty KV cache for batch_size sequences of this model (see KVCache)."""

@@ -30,6 +30,8 @@ def pick_device(requested: str = "auto") -> torch.device:
     device = torch.device(requested)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device `{requested}` asked for, but CUDA is not available; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device `{requested}` asked for, but there are {torch.cuda.device_count()} GPUs")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device `{requested}` asked for, but MPS is not available; use --device cpu")
     return device

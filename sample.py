@@ -45,7 +45,7 @@ def find_checkpoint(ckpt: str) -> Path:
 
 def load_model(path: Path, device: torch.device) -> tuple[GPT, object]:
     """Model in eval mode and its tokenizer, from a checkpoint."""
-    state = load_checkpoint(path, map_location=device)
+    state = load_checkpoint(path)  # to CPU: the optimizer state it also holds never needs the GPU
     cfg = config_from_dict(state["config"])
     tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
     model = GPT(model_config(cfg, tokenizer.vocab_size))

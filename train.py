@@ -129,8 +129,10 @@ def drop_records_after(path: Path, step: int) -> None:
     if path.is_file():
         lines = path.read_text().splitlines(keepends=True)
         kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] <= step]
-        if kept != lines:
-            path.write_text("".join(kept))
+        if kept != lines:  # temp file + rename: a kill here must not lose the log
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
 
 
 def start_wandb(cfg: TrainConfig):
@@ -169,6 +171,9 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
     if differences:
         raise CheckpointError(f"{path} was trained with a different model: " + "; ".join(differences)
                               + ". Use the same settings or a new --out_dir")
+    if bool(state["scaler"]) != scaler.is_enabled():  # fp16 <-> bf16/fp32: the scaler state cannot follow
+        raise CheckpointError(f"{path} was trained with dtype {state['config']['dtype']!r}, now {cfg.dtype!r}; "
+                              "fp16 runs carry a grad scaler, others do not: resume with the same --dtype")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
@@ -202,10 +207,14 @@ def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, 
 def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     """Run training as configured; returns the final val loss.
 
-    ``stop``, entered by main(), turns SIGINT/SIGTERM into "save after this step and raise RunStopped".
+    ``stop`` (main() passes one) turns SIGINT/SIGTERM during the loop into "save after this step and
+    raise RunStopped"; as a library, without it, signals keep their usual meaning.
     """
-    stop = stop or StopOnSignal()  # never entered: no signal handling when used as a library
+    stop = stop or StopOnSignal(install=False)
     out_dir = Path(cfg.out_dir)
+    if not cfg.resume and (out_dir / "last.pt").exists():
+        raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
+                          "new one with another --out_dir (or delete the folder)")
     ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
     device = ddp.device
     dtype = pick_dtype(cfg.dtype, device)
@@ -247,7 +256,8 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     params = [p for p in model.parameters()]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     t_start = t_log = time.time()
-    step_at_log, val_loss, saved_step = step, math.nan, step
+    step_at_log, val_loss = step, math.nan
+    saved_step = step if cfg.resume else None  # the step last.pt holds
 
     def save(step: int, is_best: bool) -> None:
         nonlocal saved_step
@@ -258,71 +268,73 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
             return
         state = checkpoint_state(model, optimizer, scaler, step, best_val, cfg, corpus.meta["tokenizer"],
                                  rng_per_rank)
-        save_checkpoint(state, out_dir / "last.pt")
-        if is_best:
+        if is_best:  # best.pt first: last.pt's best_val_loss must never name a model best.pt lacks
             save_checkpoint(state, out_dir / "best.pt")
+        save_checkpoint(state, out_dir / "last.pt")
 
-    signalled = stop.requested
-    while step < cfg.max_iters and not signalled:
-        lr = get_lr(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batches = [get_batch(corpus.train, cfg.batch_size, cfg.block_size, data_gen, device)
-                   for _ in range(cfg.grad_accum)]
-        loss_step, n_step = accumulate_gradients(step_model, batches, scaler, device, dtype, ddp.world_size)
-        scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm, a tensor
-        guard.step(step + 1, loss_step, grad_norm)  # optimizer.step(), unless non-finite: no host sync
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        out_of_time, signalled = halt_flags(cfg, step, stop, t_start, ddp)
-        last = step == cfg.max_iters or out_of_time
-        if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
-            guard.raise_if_tripped()
-            loss, norm = (all_reduce_sum(loss_step) / n_step).item(), grad_norm.item()
-            now = time.time()
-            dt = (now - t_log) / (step - step_at_log)
-            tok_s = tokens_per_step / dt
-            util = mfu(model.flops_per_token(), tok_s, device, dtype, ddp.world_size)
-            t_log, step_at_log = now, step
-            log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
-                     "mfu": util, "time_s": now - t_start},
-                    f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
-                    f"{dt * 1000:.1f} ms/step | {tok_s:,.0f} tok/s | mfu {'n/a' if util is None else f'{util:.1%}'}")
-        if step % cfg.eval_interval == 0 or last:
-            t_eval = time.time()
-            guard.raise_if_tripped()
-            val_loss = evaluate(train_model, x_val, y_val, cfg.batch_size, device, dtype)
-            is_best = math.isfinite(val_loss) and val_loss < best_val
-            best_val = val_loss if is_best else best_val
-            log.log({"step": step, "val_loss": val_loss, "time_s": time.time() - t_start},
-                    f"step {step:>6} | val loss {val_loss:.4f}" + (" (best, saved best.pt)" if is_best else ""))
-            save(step, is_best)
-            t_log += time.time() - t_eval  # eval and save time is not counted as training time
-        elif cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
-            save(step, is_best=False)
-        if out_of_time:
-            print0(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
-            break
-    log.close()
-    if signalled and step < cfg.max_iters:  # SIGINT/SIGTERM: save the finished step, exit 130/143
-        if saved_step != step:
-            save(step, is_best=False)
-        raise stop.error(step)
+    with stop:  # from here on Ctrl-C/SIGTERM mean: finish the step, save last.pt, exit 130/143
+        signalled = stop.requested
+        while step < cfg.max_iters and not signalled:
+            lr = get_lr(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batches = [get_batch(corpus.train, cfg.batch_size, cfg.block_size, data_gen, device)
+                       for _ in range(cfg.grad_accum)]
+            loss_step, n_step = accumulate_gradients(step_model, batches, scaler, device, dtype, ddp.world_size)
+            scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm, a tensor
+            guard.step(step + 1, loss_step, grad_norm)  # optimizer.step(), unless non-finite: no host sync
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            out_of_time, signalled = halt_flags(cfg, step, stop, t_start, ddp)
+            last = step == cfg.max_iters or out_of_time
+            if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
+                guard.raise_if_tripped()
+                loss, norm = (all_reduce_sum(loss_step) / n_step).item(), grad_norm.item()
+                now = time.time()
+                dt = (now - t_log) / (step - step_at_log)
+                tok_s = tokens_per_step / dt
+                util = mfu(model.flops_per_token(), tok_s, device, dtype, ddp.world_size)
+                t_log, step_at_log = now, step
+                log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
+                         "mfu": util, "time_s": now - t_start},
+                        f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
+                        f"{dt * 1000:.1f} ms/step | {tok_s:,.0f} tok/s | mfu {'n/a' if util is None else f'{util:.1%}'}")
+            if step % cfg.eval_interval == 0 or last:
+                t_eval = time.time()
+                guard.raise_if_tripped()
+                val_loss = evaluate(train_model, x_val, y_val, cfg.batch_size, device, dtype)
+                is_best = math.isfinite(val_loss) and val_loss < best_val
+                best_val = val_loss if is_best else best_val
+                log.log({"step": step, "val_loss": val_loss, "time_s": time.time() - t_start},
+                        f"step {step:>6} | val loss {val_loss:.4f}" + (" (best, saved best.pt)" if is_best else ""))
+                save(step, is_best)
+                t_log += time.time() - t_eval  # eval and save time is not counted as training time
+            elif cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
+                save(step, is_best=False)
+            if out_of_time:
+                print0(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
+                break
+        log.close()
+        if signalled and step < cfg.max_iters:  # SIGINT/SIGTERM: save the finished step, exit 130/143
+            if saved_step != step:
+                save(step, is_best=False)
+            raise stop.error(step)
     return val_loss
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_args(argv)
-        with StopOnSignal() as stop:
-            train(cfg, stop)
+        train(cfg, StopOnSignal())
         distributed.teardown()  # not on errors: its barrier would wait for ranks that have failed
     except (ConfigError, DataError, CheckpointError) as err:
         fail(str(err))
     except (RunStopped, CheckpointWriteError) as err:  # exit codes: see faults.py
         fail(str(err), err.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before the first step: nothing to save yet
+        fail("interrupted before training started; nothing was saved", 130)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import difflib
 import math
+import re
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -41,7 +42,7 @@ class TrainConfig:
     data_path: str = ""  # a UTF-8 text file, a folder of .txt files or a .jsonl ("text" field) to train on
     data_dir: str = "data"  # cache of downloaded and prepared corpora
     tokenizer: str = "char"  # char (vocab from the corpus) | gpt2 (tiktoken BPE)
-    val_fraction: float = 0.1  # tail of the corpus held out for validation
+    val_fraction: float = 0.1  # share held out for validation (the tail of a text file; every k-th document)
     eval_tokens: int = 0  # val targets scored per eval; 0 = the whole val split
     # --- model ---
     n_layer: int = 4  # transformer blocks
@@ -78,7 +79,6 @@ class TrainConfig:
 
 FIELD_TYPES = {f.name: f.type for f in fields(TrainConfig)}
 CHOICES = {
-    "device_kind": ("auto", "cpu", "cuda", "mps"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "compile": ("auto", "on", "off"),
     "tokenizer": ("char", "gpt2"),
@@ -143,12 +143,12 @@ def load_preset(name: str) -> dict[str, Any]:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Raise ConfigError naming the first bad value and the fix."""
-    positive = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum",
+    positive = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "max_iters",
                 "log_interval", "eval_interval", "max_skipped_steps")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be > 0, got {getattr(cfg, name)}")
-    for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_tokens", "ckpt_interval"):
+    for name in ("warmup_iters", "lr_decay_iters", "eval_tokens", "ckpt_interval"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "max_time"):
@@ -168,7 +168,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name, beta in (("beta1", cfg.beta1), ("beta2", cfg.beta2)):
         if not 0 <= beta < 1:
             raise ConfigError(f"{name} must be in [0, 1), got {beta}")
-    if cfg.device.split(":")[0] not in CHOICES["device_kind"]:
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.device):
         raise ConfigError(f"unknown device `{cfg.device}`; use one of auto, cpu, cuda, cuda:N, mps")
     for name in ("dtype", "compile", "tokenizer"):
         if getattr(cfg, name) not in CHOICES[name]:

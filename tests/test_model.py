@@ -87,3 +87,8 @@ def test_a_tiny_model_overfits_one_batch():
         (loss_sum / n).backward()
         optimizer.step()
     assert loss_sum.item() / n.item() < 0.2
+
+
+def test_flops_per_token_is_palms_formula():
+    model = tiny_model()  # 2 layers, C = 32, T = 16
+    assert model.flops_per_token() == 6 * model.num_params() + 12 * 2 * 16 * 32
