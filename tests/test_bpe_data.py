@@ -104,6 +104,12 @@ def test_bad_documents_are_named(tmp_path, cache):
     bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: not a JSON object with a \"text\" field"):
         prepare(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
+    bad.write_text('{"text": "fine"}\n{"text": 5}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: \"text\" is a int, not a string"):
+        prepare(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "\xff"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not UTF-8"):
+        prepare(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
     with pytest.raises(DataError, match="--tokenizer gpt2"):
         prepare(data_path=str(write_folder(tmp_path / "docs", DOCS)), tokenizer="char", data_dir=str(cache))
     (tmp_path / "empty").mkdir()

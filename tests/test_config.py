@@ -34,6 +34,8 @@ def test_precedence_is_defaults_then_preset_then_command_line():
     (["--learning_rate", "abc"], "learning_rate must be float"),
     (["--n_embd", "100", "--n_head", "3"], "divisible by n_head"),
     (["--device", "tpu"], "unknown device"),
+    (["--device", "cuda:abc"], "unknown device"),
+    (["--max_iters", "0"], "max_iters must be > 0"),
     (["--dtype", "float8"], "dtype must be one of"),
     (["--dropout", "1.5"], "dropout must be in"),
     (["--config", "nope"], "no preset `nope`"),
