@@ -11,7 +11,7 @@ torchrun: the same loop, one process per GPU), MetricsLog below, and faults.py (
 NaN/inf, and the exit codes: 0 ok, 2 bad input, 3 non-finite, 74 write failed, 130 SIGINT,
 143 SIGTERM).
 
-    torchrun --nproc_per_node=8 train.py --config gpt2   # data parallel on 8 GPUs (see README)
+    torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 """
 from __future__ import annotations
 
