@@ -85,13 +85,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if ``flag`` is true on any: ranks must agree to stop on the same step."""
-    if not dist.is_initialized():
-        return flag
-    return bool(all_reduce_sum(torch.tensor(int(flag), device=device)).item())
-
-
 def gather_to_main(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on rank 0 (other ranks get []). A collective."""
     if not dist.is_initialized():

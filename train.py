@@ -78,6 +78,20 @@ def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tenso
     return loss_step, n_step
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, guard: NonFiniteGuard,
+                   params: list[torch.Tensor], max_norm: float, step: int, loss_step: torch.Tensor) -> torch.Tensor:
+    """Unscale (fp16), clip, update unless non-finite (no host sync), zero the gradients.
+
+    Returns the pre-clip gradient norm as a tensor; ``step`` numbers the update as the log does.
+    """
+    scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm
+    guard.step(step, loss_step, grad_norm)  # optimizer.step(), skipped after a non-finite step
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)  # set_to_none: the next backward writes, not adds
+    return grad_norm
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, batch_size: int,
              device: torch.device, dtype: torch.dtype) -> float:
@@ -253,7 +267,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
            f"{model.num_params() / 1e6:.2f}M params, {tokens_per_step:,} tokens/step "
            f"({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), vocab {corpus.vocab_size}, out_dir {out_dir}")
     log = MetricsLog(out_dir, cfg, enabled=ddp.is_main)
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     t_start = t_log = time.time()
     step_at_log, val_loss = step, math.nan
@@ -281,11 +295,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
             batches = [get_batch(corpus.train, cfg.batch_size, cfg.block_size, data_gen, device)
                        for _ in range(cfg.grad_accum)]
             loss_step, n_step = accumulate_gradients(step_model, batches, scaler, device, dtype, ddp.world_size)
-            scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm, a tensor
-            guard.step(step + 1, loss_step, grad_norm)  # optimizer.step(), unless non-finite: no host sync
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = optimizer_step(optimizer, scaler, guard, params, max_norm, step + 1, loss_step)
             step += 1
             out_of_time, signalled = halt_flags(cfg, step, stop, t_start, ddp)
             last = step == cfg.max_iters or out_of_time

@@ -30,6 +30,7 @@ if str(REPO) not in sys.path:
 import train  # noqa: E402
 from config import ConfigError, TrainConfig, parse_args  # noqa: E402
 from data import DataError, get_batch, load_corpus, prepare, tokenizer_from_meta, val_windows  # noqa: E402
+from faults import NonFiniteGuard  # noqa: E402
 from model import GPT  # noqa: E402
 from runtime import compile_or_eager, pick_device, pick_dtype, want_compile  # noqa: E402
 
@@ -193,14 +194,12 @@ def check_overfit(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                   threshold: float = OVERFIT_THRESHOLD) -> Check:
     """train.py's step, repeated on one small batch, must drive its loss below ``threshold``."""
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    guard = NonFiniteGuard(optimizer, scaler, max_skipped=steps, device=device)
+    params = list(model.parameters())
     first = loss = math.nan
     for step in range(1, steps + 1):
         loss_sum, n = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
-        scaler.unscale_(optimizer)  # from here on, the same update as the loop in train.py
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        train.optimizer_step(optimizer, scaler, guard, params, max_norm, step, loss_sum)
         loss = (loss_sum / n).item()  # the loss before this step's update
         first = loss if step == 1 else first
         if loss < threshold:
