@@ -5,17 +5,15 @@ Shared by train.py and sample.py so that both pick devices and precisions the sa
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import statistics
 import sys
 import time
 import warnings
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,22 +82,11 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
     return 2 * m * k * n / statistics.median(times) / 1e9
 
 
-@contextlib.contextmanager
-def autocast(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
-    """Mixed precision for the forward pass; a no-op in fp32. Weights stay fp32 either way.
-
-    On CPU in bf16 attention also takes SDPA's unfused "math" path: measured on an AVX512-BF16 CPU
-    (scripts/bench.py --profile), the fused CPU flash kernel's bf16 backward is 3-4x slower than the
-    plain matmul-softmax-matmul at these sizes, while in fp32 the fused kernel is the faster one.
-    """
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Mixed precision for the forward pass; a no-op in fp32. Weights stay fp32 either way."""
     if dtype == torch.float32:
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.autocast(device_type=device.type, dtype=dtype))
-        if device.type == "cpu" and os.environ.get("X_SDPA", "math") == "math":
-            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-        yield
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def seed_everything(seed: int) -> None:

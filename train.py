@@ -125,7 +125,7 @@ def train(cfg: TrainConfig) -> float:
     """Run training as configured; returns the final val loss."""
     out_dir = Path(cfg.out_dir)
     device = pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device)
+    dtype = pick_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
     seed_everything(cfg.seed)
     # --- data
     corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction),

@@ -16,6 +16,7 @@ processes on a shared machine falls on both alike.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import resource
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4, help="alternating blocks the timed steps are split into")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 keeps torch's default")
     parser.add_argument("--matmul", action="store_true", help="measure peak matmul GFLOP/s instead")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the torch profiler's top N ops over 10 steps of each config")
     args = parser.parse_args(argv)
@@ -264,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(results) == 2:
         a, b = results
         print(f"B / A: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x tokens/s")
+    if args.json:
+        args.json.write_text(json.dumps({"load_average": os.getloadavg(), "threads": torch.get_num_threads(),
+                                         "results": results}, indent=1))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
