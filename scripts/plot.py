@@ -60,9 +60,11 @@ def plot(paths: list[Path], out: Path, labels: list[str] | None = None,
     for ax in (ax_step, ax_time):
         ax.grid(alpha=0.3)
     ax_time.legend(fontsize=8)
-    all_val = [r["val_loss"] for p in paths for r in read_metrics(p)[1]]
-    if all_val:  # zoom on the interesting range: the early loss of ~4.4 would flatten the rest
-        ax_step.set_ylim(min(all_val + [v for _, v in refs]) - 0.1, max(2.6, min(all_val) + 1.0))
+    runs = [read_metrics(p) for p in paths]
+    losses = [r["loss"] for train, _ in runs for r in train] + [r["val_loss"] for _, val in runs for r in val]
+    if losses:  # zoom on the interesting range: the first losses (~4.4) would flatten the rest
+        low = min(losses + [v for _, v in refs])
+        ax_step.set_ylim(low - 0.05, max(2.6, low + 1.0))
     if title:
         fig.suptitle(title)
     fig.tight_layout()
