@@ -187,7 +187,7 @@ def summarise(b: Bench) -> dict:
     step_s = statistics.median(totals)
     tokens = b.cfg.tokens_per_step()
     flops_per_token = b.model.flops_per_token(b.cfg.block_size)
-    return {"name": b.name, "dtype": str(b.dtype).removeprefix("torch."),
+    return {"name": b.name, "device": str(b.device), "dtype": str(b.dtype).removeprefix("torch."),
             "compiled": b.train_model is not b.model, "compile_s": b.compile_s, "steps": len(totals),
             "ms_per_step": step_s * 1000, "tokens_per_s": tokens / step_s,
             "phases_ms": {p: statistics.median(v) * 1000 for p, v in b.times.items()},
@@ -201,7 +201,7 @@ def report(result: dict) -> str:
     compiled = f", compiled in {result['compile_s']:.1f} s" if result["compiled"] else ""
     return (f"[{result['name']}] {result['dtype']}{compiled}: {result['ms_per_step']:.2f} ms/step, "
             f"{result['tokens_per_s']:,.0f} tokens/s, {result['model_gflops']:.0f} model GFLOP/s, "
-            f"peak {'RSS' if 'cuda' not in result['name'] else 'memory'} {result['peak_mib']:.0f} MiB "
+            f"peak {'allocated' if result['device'].startswith('cuda') else 'RSS'} {result['peak_mib']:.0f} MiB "
             f"(median of {result['steps']} steps)\n    {phases}")
 
 
