@@ -71,7 +71,7 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     optimizer = model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
-    def probe(m):
+    def probe(m):  # as train.py's, but under autocast: the real step's precision, so no recompile
         with autocast(device, dtype):
             _, loss, n = m(*get_batch(corpus.train, 1, cfg.block_size, torch.Generator(), device))
         (loss / n).backward()
