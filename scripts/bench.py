@@ -4,6 +4,7 @@
     python scripts/bench.py --config nanogpt_cpu --vs dtype=bfloat16  # two configs, interleaved, ratio
     python scripts/bench.py --config small compile=on --steps 200     # KEY=VALUE overrides any field
     python scripts/bench.py --matmul                                  # fp32 / bf16 matmul peak GFLOP/s
+    python scripts/bench.py --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
 The step is train.py's step, phase by phase: the same batches (data.get_batch), model
 (train.model_config), optimizer (GPT.configure_optimizer), LR (train.get_lr), autocast, loss
@@ -237,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4, help="alternating blocks the timed steps are split into")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 keeps torch's default")
     parser.add_argument("--matmul", action="store_true", help="measure peak matmul GFLOP/s instead")
+    parser.add_argument("--min-ratio", type=float, default=0.0,
+                        help="with --vs: exit 1 unless B's tokens/s is at least this many times A's")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the torch profiler's top N ops over 10 steps of each config")
@@ -263,13 +266,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{b.name}] torch profiler, 10 steps:\n{profile(b, args.profile)}")
     for result in results:
         print(report(result))
+    ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"] if len(results) == 2 else math.nan
     if len(results) == 2:
-        a, b = results
-        print(f"B / A: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x tokens/s")
+        print(f"B / A: {ratio:.2f}x tokens/s")
     if args.json:
         args.json.write_text(json.dumps({"load_average": os.getloadavg(), "threads": torch.get_num_threads(),
                                          "results": results}, indent=1))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.min_ratio and not ratio >= args.min_ratio:
+        sys.exit(f"check failed: B / A = {ratio:.2f}x, below --min-ratio {args.min_ratio:g}")
 
 
 if __name__ == "__main__":

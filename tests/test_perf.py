@@ -52,6 +52,10 @@ def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
         assert result["steps"] == 4 and result["tokens_per_s"] > 0 and result["peak_mib"] > 0
         assert set(result["phases_ms"]) == set(bench.PHASES)
         assert sum(result["phases_ms"].values()) == pytest.approx(result["ms_per_step"], rel=0.5)
+    failed = run_script("scripts/bench.py", "--config", "tiny", f"data_path={cfg.data_path}",
+                        f"data_dir={cfg.data_dir}", "device=cpu", "--vs", "batch_size=4", "--steps", "2",
+                        "--warmup", "0", "--threads", "1", "--min-ratio", "1000", check=False)
+    assert failed.returncode == 1 and "below --min-ratio" in failed.stderr
 
 
 def test_bench_rejects_malformed_override(tmp_path):
