@@ -7,7 +7,8 @@ it with no allowlist and a malicious pickle cannot run code. Every load in this 
 Keys (``REQUIRED_KEYS``): format_version, model (state_dict), optimizer (state_dict), scaler (GradScaler
 state_dict, empty unless fp16), step (optimizer steps done), best_val_loss, config (TrainConfig as a
 dict), tokenizer (its description), rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, data),
-rng_per_rank (the same for every DDP rank, in rank order; one entry in a single process), versions (python, torch, numpy, tiktoken, git commit and dirty flag).
+rng_per_rank (the same for every DDP rank, in rank order; one entry in a single process), precision
+(the dtype the run resolved: float32, bfloat16 or float16), versions (python, torch, numpy, tiktoken, git commit and dirty flag).
 
 On disk a checkpoint is the zip archive torch.save writes, with the sha256 of the archive stored in
 the zip comment (``tinygpt-sha256:<hex>``). Zip readers, torch.load included, ignore the comment;
@@ -31,7 +32,7 @@ from faults import EXIT_WRITE_FAILED
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "best_val_loss",
-                 "config", "tokenizer", "rng", "rng_per_rank", "versions")
+                 "config", "tokenizer", "rng", "rng_per_rank", "precision", "versions")
 
 
 DIGEST_PREFIX = b"tinygpt-sha256:"

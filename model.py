@@ -102,6 +102,24 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs)) v with position j > i masked; (B, nh, T, hs) in and out.
+
+    SDPA picks a fused kernel (flash / memory-efficient), the fastest choice on GPUs and in fp32
+    on CPU. In bf16 on CPU the plain matmul-softmax-matmul below is ~3x faster at these sizes
+    (scripts/bench.py --profile): the CPU flash kernel's bf16 backward is slow, and SDPA's unfused
+    "math" fallback upcasts to fp32 on CPU, losing the bf16 matmul speed.
+    """
+    if not (q.device.type == "cpu" and q.dtype == torch.bfloat16):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    T = q.size(-2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T): True where j <= i
+    att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (B, nh, T, T)
+    att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
+    return att.to(v.dtype) @ v  # (B, nh, T, hs)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -120,9 +138,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if cache is None:  # training and plain inference: the sequence starts at position 0
-            # is_causal masks position j > i; SDPA picks a fused kernel (flash / memory-efficient).
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)  # (B, nh, T, hs)
+            y = causal_attention(q, k, v, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         else:  # generation: attend over the cached past too; no dropout, the cache is for inference
             k, v = cache.append(k, v)  # (B, nh, S + T, hs) each
             y = cached_attention(q, k, v)  # (B, nh, T, hs)

@@ -160,20 +160,26 @@ def start_wandb(cfg: TrainConfig):
 
 
 def checkpoint_state(model: GPT, optimizer, scaler, step: int, best_val: float, cfg: TrainConfig,
-                     tokenizer_meta: dict, rng_per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+                     tokenizer_meta: dict, rng_per_rank: list[dict[str, Any]], dtype: torch.dtype) -> dict[str, Any]:
     """Everything a resume needs; built from the uncompiled model so keys carry no _orig_mod.
 
     ``rng_per_rank`` holds every rank's random streams (one entry in a single-process run);
-    "rng" repeats rank 0's so that single-process readers need not know about ranks.
+    "rng" repeats rank 0's so that single-process readers need not know about ranks. "precision"
+    is the dtype the run resolved (config's dtype may say "auto").
     """
     return {"format_version": FORMAT_VERSION, "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step,
             "best_val_loss": best_val, "config": as_dict(cfg), "tokenizer": tokenizer_meta,
-            "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank, "versions": library_versions()}
+            "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank, "precision": dtype_name(dtype),
+            "versions": library_versions()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optimizer, scaler,
-           data_gen: torch.Generator, ddp: Dist = Dist()) -> tuple[int, float]:
+           data_gen: torch.Generator, dtype: torch.dtype, ddp: Dist = Dist()) -> tuple[int, float]:
     """Load last.pt into the run; refuse a checkpoint of another shape or tokenizer.
 
     Every rank loads the same file and restores its own random streams (see rank_rng_state).
@@ -186,8 +192,11 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
         raise CheckpointError(f"{path} was trained with a different model: " + "; ".join(differences)
                               + ". Use the same settings or a new --out_dir")
     if bool(state["scaler"]) != scaler.is_enabled():  # fp16 <-> bf16/fp32: the scaler state cannot follow
-        raise CheckpointError(f"{path} was trained with dtype {state['config']['dtype']!r}, now {cfg.dtype!r}; "
-                              "fp16 runs carry a grad scaler, others do not: resume with the same --dtype")
+        raise CheckpointError(f"{path} was trained in {state['precision']}, now {dtype_name(dtype)}; fp16 runs "
+                              "carry a grad scaler, others do not: resume with --dtype " + state["precision"])
+    if state["precision"] != dtype_name(dtype):
+        print0(f"WARNING: {path} was trained in {state['precision']}, this run uses {dtype_name(dtype)}: "
+               f"training continues but is NOT bit-exact; pass --dtype {state['precision']} for an exact resume")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
@@ -231,7 +240,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
                           "new one with another --out_dir (or delete the folder)")
     ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
     device = ddp.device
-    dtype = pick_dtype(cfg.dtype, device)
+    dtype = pick_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     # --- data
     with distributed.main_first():  # rank 0 prepares the corpus, the others then read the cache
@@ -250,7 +259,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     remove_stale_temp_files(out_dir)
     if cfg.resume:
         step, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model, optimizer,
-                                scaler, data_gen, ddp)
+                                scaler, data_gen, dtype, ddp)
         if ddp.is_main:
             drop_records_after(out_dir / "metrics.jsonl", step)
     elif ddp.is_main:
@@ -263,7 +272,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     tokens_per_step = cfg.tokens_per_step() * ddp.world_size  # the global batch
-    print0(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, compile {train_model is not model}, "
+    print0(f"device {device}, dtype {dtype_name(dtype)}, compile {train_model is not model}, "
            f"{model.num_params() / 1e6:.2f}M params, {tokens_per_step:,} tokens/step "
            f"({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), vocab {corpus.vocab_size}, out_dir {out_dir}")
     log = MetricsLog(out_dir, cfg, enabled=ddp.is_main)
@@ -281,7 +290,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
         if not ddp.is_main:
             return
         state = checkpoint_state(model, optimizer, scaler, step, best_val, cfg, corpus.meta["tokenizer"],
-                                 rng_per_rank)
+                                 rng_per_rank, dtype)
         if is_best:  # best.pt first: last.pt's best_val_loss must never name a model best.pt lacks
             save_checkpoint(state, out_dir / "best.pt")
         save_checkpoint(state, out_dir / "last.pt")

@@ -34,7 +34,7 @@ class TrainConfig:
     out_dir: str = "out/default"  # folder for last.pt, best.pt and metrics.jsonl
     seed: int = 1337  # seeds model init, dropout and the data generator
     device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    dtype: str = "auto"  # auto (bf16/fp16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bf16/fp16 on GPU; on CPU bf16 if a matmul probe finds it faster, else fp32) | float32 | bfloat16 | float16
     compile: str = "auto"  # torch.compile: auto (on for CUDA only) | on | off
     resume: bool = False  # continue exactly from out_dir/last.pt
     # --- data ---

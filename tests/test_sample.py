@@ -318,7 +318,7 @@ def ckpt(tmp_path: Path) -> Path:
     model = GPT(model_config(cfg, tokenizer.vocab_size))
     state = {"format_version": FORMAT_VERSION, "model": model.state_dict(), "optimizer": {}, "scaler": {},
              "step": 0, "best_val_loss": math.inf, "config": as_dict(cfg), "tokenizer": tokenizer.meta(),
-             "rng": {}, "rng_per_rank": [], "versions": {}}
+             "rng": {}, "rng_per_rank": [], "precision": "float32", "versions": {}}
     path = tmp_path / "out" / "best.pt"
     save_checkpoint(state, path)
     return path

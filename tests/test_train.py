@@ -152,7 +152,7 @@ def test_resume_refuses_a_dtype_change_that_drops_the_grad_scaler(tmp_path, text
     result = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume", "--dtype", "float16"),
                         check=False)
     assert result.returncode == 2
-    assert result.stderr.strip().endswith("resume with the same --dtype") and "Traceback" not in result.stderr
+    assert result.stderr.strip().endswith("resume with --dtype float32") and "Traceback" not in result.stderr
 
 
 def test_end_to_end_train_then_sample(tmp_path, text_file):

@@ -1,0 +1,281 @@
+"""Training throughput: ms/step, tokens/s, where a step's time goes, model FLOP/s, peak memory.
+
+    python scripts/bench.py --config nanogpt_cpu                      # one config
+    python scripts/bench.py --config nanogpt_cpu --vs dtype=bfloat16  # two configs, interleaved, ratio
+    python scripts/bench.py --config small compile=on --steps 200     # KEY=VALUE overrides any field
+    python scripts/bench.py --matmul                                  # fp32 / bf16 matmul peak GFLOP/s
+    python scripts/bench.py --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
+
+The step is train.py's step, phase by phase: the same batches (data.get_batch), model
+(train.model_config), optimizer (GPT.configure_optimizer), LR (train.get_lr), autocast, loss
+normalisation, gradient clipping and GradScaler. tests/test_perf.py checks that its losses equal
+train.py's. Each phase ends with a device sync so its timer is honest (on CPU the ops are
+synchronous anyway). Warm-up steps are excluded and the medians of many steps are reported. With
+--vs both configs are built in one process and timed in alternating rounds, so load from other
+processes on a shared machine falls on both alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from config import ConfigError, TrainConfig, make_config  # noqa: E402
+from data import DataError, get_batch, load_corpus, prepare  # noqa: E402
+from model import GPT  # noqa: E402
+from runtime import (autocast, compile_or_eager, matmul_gflops, pick_device, pick_dtype,  # noqa: E402
+                     seed_everything, want_compile)
+from train import get_lr, model_config  # noqa: E402
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+@dataclass
+class Bench:
+    """One config, built exactly as train.py builds it, plus the timings collected for it."""
+    name: str
+    cfg: TrainConfig
+    device: torch.device
+    dtype: torch.dtype
+    model: GPT
+    train_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    train_data: object
+    data_gen: torch.Generator
+    compile_s: float
+    step: int = 0
+    times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    losses: list[float] = field(default_factory=list)
+    peak_bytes: int = 0
+
+
+def build(name: str, cfg: TrainConfig) -> Bench:
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
+    seed_everything(cfg.seed)
+    corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction),
+                         cfg.block_size)
+    data_gen = torch.Generator().manual_seed(cfg.seed)
+    model = GPT(model_config(cfg, corpus.vocab_size)).to(device)
+    optimizer = model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    def probe(m):  # as train.py's, but under autocast: the real step's precision, so no recompile
+        with autocast(device, dtype):
+            _, loss, n = m(*get_batch(corpus.train, 1, cfg.block_size, torch.Generator(), device))
+        (loss / n).backward()
+
+    t0 = time.perf_counter()
+    train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)
+    compile_s = time.perf_counter() - t0
+    return Bench(name, cfg, device, dtype, model, train_model, optimizer, scaler, corpus.train, data_gen, compile_s)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def timed_step(b: Bench) -> dict[str, float]:
+    """One optimizer step as train.py runs it, with a synchronised timer around each phase."""
+    cfg, device, clock = b.cfg, b.device, time.perf_counter
+    t = {p: 0.0 for p in PHASES}
+    sync(device)
+    t0 = clock()
+    lr = get_lr(b.step, cfg)
+    for group in b.optimizer.param_groups:
+        group["lr"] = lr
+    batches = [get_batch(b.train_data, cfg.batch_size, cfg.block_size, b.data_gen, device)
+               for _ in range(cfg.grad_accum)]
+    n_step = sum((y != -1).sum() for _, y in batches)
+    loss_step = torch.zeros((), device=device)
+    sync(device)
+    t["data"] += clock() - t0
+    for x, y in batches:
+        t0 = clock()
+        with autocast(device, b.dtype):
+            _, loss_sum, _ = b.train_model(x, y)
+        sync(device)
+        t1 = clock()
+        b.scaler.scale(loss_sum / n_step).backward()
+        loss_step += loss_sum.detach()
+        sync(device)
+        t2 = clock()
+        t["forward"] += t1 - t0
+        t["backward"] += t2 - t1
+    t0 = clock()
+    b.scaler.unscale_(b.optimizer)
+    torch.nn.utils.clip_grad_norm_(list(b.model.parameters()), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    b.scaler.step(b.optimizer)
+    b.scaler.update()
+    b.optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    t["optimizer"] = clock() - t0
+    b.step += 1
+    b.losses.append(loss_step / n_step)  # a tensor: .item() only after timing, no sync in the step
+    return t
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 resets the process's peak RSS (VmHWM); see proc(5), clear_refs
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # elsewhere the peak stays the process lifetime's
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes: CUDA max_memory_allocated, else the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def run(benches: list[Bench], steps: int, warmup: int, rounds: int) -> list[dict]:
+    """Warm each config up, then time ``steps`` steps of each in ``rounds`` alternating blocks."""
+    for b in benches:
+        for _ in range(warmup):
+            timed_step(b)
+        b.times = {p: [] for p in PHASES}
+    per_round = max(1, steps // rounds)
+    for _ in range(rounds):
+        for b in benches:
+            reset_peak_memory(b.device)
+            for _ in range(per_round):
+                for phase, seconds in timed_step(b).items():
+                    b.times[phase].append(seconds)
+            b.peak_bytes = max(b.peak_bytes, peak_memory(b.device))
+    return [summarise(b) for b in benches]
+
+
+def profile(b: Bench, top: int) -> str:
+    """The torch profiler's table of the ops that take the most CPU time over 10 steps."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if b.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(10):
+            timed_step(b)
+    sort_by = "self_cuda_time_total" if b.device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=top)
+
+
+def summarise(b: Bench) -> dict:
+    totals = [sum(parts) for parts in zip(*b.times.values())]
+    step_s = statistics.median(totals)
+    tokens = b.cfg.tokens_per_step()
+    flops_per_token = b.model.flops_per_token(b.cfg.block_size)
+    return {"name": b.name, "device": str(b.device), "dtype": str(b.dtype).removeprefix("torch."),
+            "compiled": b.train_model is not b.model, "compile_s": b.compile_s, "steps": len(totals),
+            "ms_per_step": step_s * 1000, "tokens_per_s": tokens / step_s,
+            "phases_ms": {p: statistics.median(v) * 1000 for p, v in b.times.items()},
+            "model_gflops": flops_per_token * tokens / step_s / 1e9,
+            "peak_mib": b.peak_bytes / 2**20, "params": b.model.num_params(),
+            "last_loss": b.losses[-1].item() if b.losses else math.nan}
+
+
+def report(result: dict) -> str:
+    phases = " | ".join(f"{p} {ms:.2f} ms ({ms / result['ms_per_step']:.0%})" for p, ms in result["phases_ms"].items())
+    compiled = f", compiled in {result['compile_s']:.1f} s" if result["compiled"] else ""
+    return (f"[{result['name']}] {result['dtype']}{compiled}: {result['ms_per_step']:.2f} ms/step, "
+            f"{result['tokens_per_s']:,.0f} tokens/s, {result['model_gflops']:.0f} model GFLOP/s, "
+            f"peak {'allocated' if result['device'].startswith('cuda') else 'RSS'} {result['peak_mib']:.0f} MiB "
+            f"(median of {result['steps']} steps)\n    {phases}")
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    overrides = {}
+    for item in items:
+        for part in item.split(","):
+            key, sep, value = part.partition("=")
+            if not sep:
+                raise ConfigError(f"override `{part}` must look like KEY=VALUE, e.g. dtype=bfloat16")
+            overrides[key.strip().lstrip("-")] = value.strip()
+    return overrides
+
+
+def matmul_report(device: torch.device) -> None:
+    """Peak matmul GFLOP/s at the shapes these models use and at a large square one."""
+    shapes = [(768, 128, 512), (768, 512, 128), (4096, 128, 512), (4096, 256, 1024), (1024, 1024, 1024)]
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
+    for m, k, n in shapes:
+        cells = [f"{str(d).removeprefix('torch.')} {matmul_gflops(m, k, n, d, device, seconds=0.5):7.0f}"
+                 for d in dtypes]
+        print(f"matmul ({m:>4} x {k:>4}) @ ({k:>4} x {n:>4}): " + " | ".join(cells) + " GFLOP/s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default="small", help="preset name in config/ or a .toml path")
+    parser.add_argument("overrides", nargs="*", default=[], help="KEY=VALUE config overrides, e.g. dtype=float32")
+    parser.add_argument("--vs", default=None, help="KEY=VALUE[,KEY=VALUE] overrides of a second config to compare")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per config")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (compile, allocator, caches)")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating blocks the timed steps are split into")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 keeps torch's default")
+    parser.add_argument("--matmul", action="store_true", help="measure peak matmul GFLOP/s instead")
+    parser.add_argument("--min-ratio", type=float, default=0.0,
+                        help="with --vs: exit 1 unless B's tokens/s is at least this many times A's")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print the torch profiler's top N ops over 10 steps of each config")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    try:
+        base = parse_overrides(args.overrides)
+        if args.matmul:
+            matmul_report(pick_device(base.get("device", "auto")))
+            return
+        configs = [("A", make_config(args.config, out_dir="out/bench", **base))]
+        if args.vs:
+            configs.append(("B", make_config(args.config, out_dir="out/bench", **{**base, **parse_overrides([args.vs])})))
+        benches = [build(f"{name}: {args.config} {' '.join(args.overrides + ([args.vs] if name == 'B' else []))}".strip(), cfg)
+                   for name, cfg in configs]
+    except (ConfigError, DataError) as err:
+        sys.exit(f"error: {err}")
+    results = run(benches, args.steps, args.warmup, args.rounds if len(benches) > 1 else 1)
+    if args.profile:
+        for b in benches:
+            print(f"[{b.name}] torch profiler, 10 steps:\n{profile(b, args.profile)}")
+    for result in results:
+        print(report(result))
+    ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"] if len(results) == 2 else math.nan
+    if len(results) == 2:
+        print(f"B / A: {ratio:.2f}x tokens/s")
+    if args.json:
+        args.json.write_text(json.dumps({"load_average": os.getloadavg(), "threads": torch.get_num_threads(),
+                                         "results": results}, indent=1))
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.min_ratio and not ratio >= args.min_ratio:
+        sys.exit(f"check failed: B / A = {ratio:.2f}x, below --min-ratio {args.min_ratio:g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The performance tooling: bench.py measures train.py's real step, dtype=auto decides by measurement,
+the bf16 CPU attention path computes the same attention, plot.py draws its PNG."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import runtime
+import train
+from conftest import REPO, run_script
+from model import causal_attention
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench  # noqa: E402
+import plot  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bench_step_is_train_step(tiny_cfg, one_thread):
+    """Same seed, same config: bench's timed steps give exactly train.py's per-step losses."""
+    cfg = tiny_cfg(dtype="float32", compile="off", max_iters=6, eval_interval=100)
+    train.train(cfg)
+    logged = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    train_losses = [r["loss"] for r in logged if "val_loss" not in r]
+    b = bench.build("tiny", cfg)
+    for _ in range(6):
+        bench.timed_step(b)
+    assert [loss.item() for loss in b.losses] == train_losses
+
+
+def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
+    cfg = tiny_cfg()
+    out = tmp_path / "bench.json"
+    run_script("scripts/bench.py", "--config", "tiny", f"data_path={cfg.data_path}", f"data_dir={cfg.data_dir}",
+               "device=cpu", "dtype=float32", "--vs", "dtype=bfloat16", "--steps", "4", "--warmup", "1",
+               "--rounds", "2", "--threads", "1", "--json", str(out))
+    a, b = json.loads(out.read_text())["results"]
+    assert (a["dtype"], b["dtype"]) == ("float32", "bfloat16")
+    for result in (a, b):
+        assert result["steps"] == 4 and result["tokens_per_s"] > 0 and result["peak_mib"] > 0
+        assert set(result["phases_ms"]) == set(bench.PHASES)
+        assert sum(result["phases_ms"].values()) == pytest.approx(result["ms_per_step"], rel=0.5)
+    failed = run_script("scripts/bench.py", "--config", "tiny", f"data_path={cfg.data_path}",
+                        f"data_dir={cfg.data_dir}", "device=cpu", "--vs", "batch_size=4", "--steps", "2",
+                        "--warmup", "0", "--threads", "1", "--min-ratio", "1000", check=False)
+    assert failed.returncode == 1 and "below --min-ratio" in failed.stderr
+
+
+def test_bench_rejects_malformed_override(tmp_path):
+    result = run_script("scripts/bench.py", "--config", "tiny", "dtype", check=False)
+    assert result.returncode != 0 and "KEY=VALUE" in result.stderr
+
+
+@pytest.mark.parametrize("bf16, fp32, expected", [(900.0, 200.0, torch.bfloat16),  # AVX512-BF16 / AMX
+                                                  (150.0, 200.0, torch.float32),   # bf16 emulated
+                                                  (250.0, 200.0, torch.float32)])  # too close to pay
+def test_auto_dtype_on_cpu_follows_the_probe(monkeypatch, bf16, fp32, expected):
+    speeds = {torch.bfloat16: bf16, torch.float32: fp32}
+    monkeypatch.setattr(runtime, "matmul_gflops", lambda m, k, n, dtype: speeds[dtype])
+    assert runtime.pick_dtype("auto", torch.device("cpu")) == expected
+    assert runtime.pick_dtype("float32", torch.device("cpu")) == torch.float32  # explicit wins, no probe
+
+
+def test_matmul_probe_measures_and_leaves_rng_alone():
+    state = torch.get_rng_state()
+    assert runtime.matmul_gflops(64, 32, 16, torch.float32, seconds=0.01) > 0
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_bf16_cpu_attention_matches_sdpa(dropout_p):
+    """The explicit bf16 path computes SDPA's causal attention (to bf16 precision), forward and backward."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=gen, requires_grad=True) for _ in range(3))  # (B, nh, T, hs)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want.sum().backward()
+    want_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    got = causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.0)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    got.float().sum().backward()
+    for t, g in zip((q, k, v), want_grads):
+        torch.testing.assert_close(t.grad, g, atol=5e-2, rtol=5e-2)
+    if dropout_p:  # position 0 attends to itself alone: weight 1, so dropout leaves 0 or 1 / (1 - p)
+        torch.manual_seed(0)
+        y0 = causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), dropout_p)[:, :, 0].float()  # (B, nh, hs)
+        kept = v[:, :, 0].detach().bfloat16().float() / (1 - dropout_p)
+        is_zero, is_kept = (y0 == 0).all(-1), torch.isclose(y0, kept, rtol=2e-2, atol=1e-2).all(-1)
+        assert (is_zero | is_kept).all()
+
+
+def test_plot_writes_png(tmp_path):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    records = [{"step": s, "loss": 3.0 - s / 100, "time_s": s / 10} for s in (10, 20, 30)]
+    records += [{"step": 30, "val_loss": 2.8, "time_s": 3.2}]
+    metrics.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    out = plot.plot([metrics, metrics], tmp_path / "loss.png", labels=["a", "b"], refs=[(2.0, 2.9)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    train_records, val_records = plot.read_metrics(metrics)
+    assert [r["step"] for r in train_records] == [10, 20, 30] and val_records[0]["val_loss"] == 2.8
