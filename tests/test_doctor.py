@@ -96,7 +96,7 @@ def test_init_loss_tolerance_fits_gpt2_width_and_vocab():
 
 def test_readme_documents_every_check():
     readme = (REPO / "README.md").read_text()
-    section = readme.split("## When the loss won't go down", 1)[1]
+    section = readme.split("## When the loss won't go down", 1)[1].split("\n## ", 1)[0]
     documented = [line.split("`")[1] for line in section.splitlines() if line.startswith("| `")]
     assert documented == CHECK_NAMES
     command = next(line for line in section.splitlines() if line.startswith("python scripts/doctor.py"))
