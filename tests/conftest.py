@@ -31,6 +31,21 @@ def make_text(n_lines: int = 600, seed: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch: pytest.MonkeyPatch):
+    """One torch thread in every test and in its child processes (OMP_NUM_THREADS).
+
+    Tiny models' ops are too small to share out, and on a 2-core machine with anything else running
+    each op waits on an OpenMP barrier whose partner thread is descheduled: ~10x slower tests. It
+    also makes both sides of every cross-process comparison run alike.
+    """
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def text_file(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"

@@ -28,17 +28,6 @@ import train  # noqa: E402
 from model import GPT  # noqa: E402
 
 
-@pytest.fixture
-def one_thread(monkeypatch: pytest.MonkeyPatch):
-    """One torch thread here and in child processes (OMP_NUM_THREADS), so both sides of every
-    comparison run alike. Why: with 2 threads on a 2-core machine shared with other jobs, each op of
-    a tiny model waits on an OpenMP barrier whose partner thread is descheduled: ~10x slower tests."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def tiny_args(out_dir: Path, text_file: Path, **overrides: Any) -> list[str]:
     """train.py arguments for the tiny preset on a local corpus, logging every step."""

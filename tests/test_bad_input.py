@@ -10,9 +10,7 @@ import pytest
 import train
 from data import prepare
 from fault_injection import run_main, tiny_args
-from fault_injection import one_thread  # noqa: F401 - a fixture, used by pytestmark
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

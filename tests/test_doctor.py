@@ -33,14 +33,6 @@ def tiny_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return model.configure_optimizer(0.1, 3e-3, (0.9, 0.99), "cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Ops on tiny models are too small to share out: one thread runs them faster, most of all on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # ----------------------------------------------------------------------------- the whole run
 def doctor_argv(cfg) -> list[str]:

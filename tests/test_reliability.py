@@ -19,9 +19,7 @@ from checkpoint import (REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkp
                         save_checkpoint)
 from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
                              on_training_forward, poison_loss, run_main, signal_at, tiny_args)
-from fault_injection import one_thread  # noqa: F401 - a fixture, used by pytestmark
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def temp_files(folder: Path) -> list[Path]:

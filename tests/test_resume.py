@@ -20,9 +20,7 @@ from checkpoint import load_checkpoint, save_checkpoint
 from conftest import REPO, run_script
 from fault_injection import (assert_same_training_state, call_of, metrics, run_main, signal_at,
                              tiny_args)
-from fault_injection import one_thread  # noqa: F401 - a fixture, used by pytestmark
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.slow  # three fresh interpreters: ~10 s idle, ~25 s on 2 busy cores

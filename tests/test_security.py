@@ -15,9 +15,7 @@ import train
 from checkpoint import REQUIRED_KEYS, save_checkpoint
 from conftest import REPO, run_script
 from fault_injection import run_main, tiny_args
-from fault_injection import one_thread  # noqa: F401 - a fixture, used by pytestmark
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Payload:
