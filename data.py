@@ -522,10 +522,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
                         help="tokenizer processes for folder/.jsonl corpora; 0 = one per CPU core")
     args = parser.parse_args(argv)
+    if not 0 < args.val_fraction < 1:  # the same rule as config.validate, so train.py accepts the result
+        parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
     try:
         prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc)
     except DataError as err:
-        sys.exit(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)  # train.py's code for bad input
 
 
 if __name__ == "__main__":
