@@ -11,6 +11,7 @@ Backend: NCCL on CUDA, gloo otherwise (https://pytorch.org/docs/stable/distribut
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -61,6 +62,7 @@ def teardown() -> None:
     active exception" from gloo). A no-op without a process group; safe to call twice.
     """
     if dist.is_initialized():
+        gc.collect()  # free the DDP wrapper (its reducer holds gloo/NCCL work) while the group still exists
         dist.barrier()
         dist.destroy_process_group()
 
