@@ -17,6 +17,7 @@ CRCs alone miss flips in headers and padding, and torch.load checks no CRC at al
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -224,6 +225,7 @@ def library_versions() -> dict[str, Any]:
             "tiktoken": tiktoken.__version__, **git_state()}
 
 
+@functools.cache  # two subprocesses: once per run is enough, not once per save
 def git_state() -> dict[str, Any]:
     here = Path(__file__).resolve().parent
     try:
