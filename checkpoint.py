@@ -5,7 +5,8 @@ it with no allowlist and a malicious pickle cannot run code. Every load in this 
 ``load_checkpoint`` below.
 
 Keys (``REQUIRED_KEYS``): format_version, model (state_dict), optimizer (state_dict), scaler (GradScaler
-state_dict, empty unless fp16), step (optimizer steps done), best_val_loss, config (TrainConfig as a
+state_dict, empty unless fp16), step (optimizer steps done), time_s (the run's wall clock at that step,
+evals included: a resumed run continues its max_time budget and time schedule), best_val_loss, config (TrainConfig as a
 dict), tokenizer (its description), rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, data),
 rng_per_rank (the same for every DDP rank, in rank order; one entry in a single process), precision
 (the dtype the run resolved: float32, bfloat16 or float16), versions (python, torch, numpy, tiktoken, git commit and dirty flag).
@@ -31,8 +32,8 @@ import torch
 
 from faults import EXIT_WRITE_FAILED
 
-FORMAT_VERSION = 1
-REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "best_val_loss",
+FORMAT_VERSION = 2  # 2: time_s added
+REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss",
                  "config", "tokenizer", "rng", "rng_per_rank", "precision", "versions")
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from optim import MuonWithAdamW
+
 
 @dataclass
 class GPTConfig:
@@ -250,16 +252,24 @@ class GPT(nn.Module):
         n_targets = (targets != -1).sum()  # scalar tensor: no host sync
         return logits, loss_sum, n_targets
 
-    def configure_optimizer(self, weight_decay: float, learning_rate: float,
-                            betas: tuple[float, float], device_type: str) -> torch.optim.AdamW:
+    def configure_optimizer(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
+                            device_type: str, muon_lr: float = 0.0) -> torch.optim.AdamW | MuonWithAdamW:
         """AdamW with decay on matrices and embeddings (dim >= 2) only; each parameter exactly once.
 
-        named_parameters() yields the tied wte/lm_head weight once, so it cannot land in two groups.
+        With muon_lr > 0 the blocks' weight matrices go to Muon at that peak lr instead (optim.py) and
+        AdamW keeps the rest. Every group carries "lr_scale", its peak lr over learning_rate, which
+        the schedule multiplies. named_parameters() yields the tied wte/lm_head weight once, so it
+        cannot land in two groups.
         """
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        hidden = [p for p in self.transformer.h.parameters() if p.dim() == 2] if muon_lr > 0 else []
+        on_muon = {id(p) for p in hidden}
+        rest = [p for p in self.parameters() if p.requires_grad and id(p) not in on_muon]
+        groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay, "lr_scale": 1.0},
+                  {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0}]
         fused = device_type in ("cuda", "cpu")  # fused kernels exist for these in torch >= 2.4
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        if not hidden:
+            return adamw
+        muon = torch.optim.Muon([{"params": hidden, "lr_scale": muon_lr / learning_rate}], lr=muon_lr,
+                                weight_decay=weight_decay, momentum=0.95)
+        return MuonWithAdamW(adamw, muon)

@@ -36,17 +36,35 @@ from model import GPT, GPTConfig
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
 
 
-def get_lr(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to learning_rate, cosine down to min_lr at lr_decay_iters, then flat.
+def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
+    """Linear warmup to learning_rate over warmup_iters steps, then a cosine down to min_lr.
 
-    A pure function of the step, so a resumed run follows exactly the same schedule.
+    schedule=steps: the cosine reaches min_lr at lr_decay_iters (flat afterwards); a pure function of
+    the step, so a resumed run follows exactly the same schedule. schedule=time: it reaches min_lr
+    when ``time_s`` (the run's wall clock) reaches max_time, so a slow machine ends its budget as
+    annealed as a fast one, after fewer steps (Geiping & Goldstein 2022, "Cramming", tie the schedule
+    to the time budget the same way).
     """
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / cfg.warmup_iters
-    if step >= cfg.lr_decay_iters:
+    if cfg.schedule == "time":
+        progress = min(1.0, time_s / cfg.max_time)
+    elif step >= cfg.lr_decay_iters:
         return cfg.min_lr
-    progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)  # 0 -> 1
+    else:
+        progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)  # 0 -> 1
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Set every param group to lr times its lr_scale (1 for AdamW; muon_lr / learning_rate for Muon)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group["lr_scale"]
+
+
+def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device):
+    muon_lr = cfg.muon_lr if cfg.optimizer == "muon" else 0.0
+    return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type, muon_lr)
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
@@ -159,7 +177,7 @@ def start_wandb(cfg: TrainConfig):
     return wandb.init(project=cfg.wandb_project, config=as_dict(cfg), dir=cfg.out_dir)
 
 
-def checkpoint_state(model: GPT, optimizer, scaler, step: int, best_val: float, cfg: TrainConfig,
+def checkpoint_state(model: GPT, optimizer, scaler, step: int, time_s: float, best_val: float, cfg: TrainConfig,
                      tokenizer_meta: dict, rng_per_rank: list[dict[str, Any]], dtype: torch.dtype) -> dict[str, Any]:
     """Everything a resume needs; built from the uncompiled model so keys carry no _orig_mod.
 
@@ -169,7 +187,7 @@ def checkpoint_state(model: GPT, optimizer, scaler, step: int, best_val: float, 
     """
     return {"format_version": FORMAT_VERSION, "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step,
-            "best_val_loss": best_val, "config": as_dict(cfg), "tokenizer": tokenizer_meta,
+            "time_s": time_s, "best_val_loss": best_val, "config": as_dict(cfg), "tokenizer": tokenizer_meta,
             "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank, "precision": dtype_name(dtype),
             "versions": library_versions()}
 
@@ -179,13 +197,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optimizer, scaler,
-           data_gen: torch.Generator, dtype: torch.dtype, ddp: Dist = Dist()) -> tuple[int, float]:
+           data_gen: torch.Generator, dtype: torch.dtype, ddp: Dist = Dist()) -> tuple[int, float, float]:
     """Load last.pt into the run; refuse a checkpoint of another shape or tokenizer.
 
     Every rank loads the same file and restores its own random streams (see rank_rng_state).
+    Returns (step, wall-clock seconds the run had spent, best val loss).
     """
     state = load_checkpoint(path)
     differences = changed_model_fields(state["config"], cfg)
+    if state["config"].get("optimizer", "adamw") != cfg.optimizer:  # their states cannot be exchanged
+        differences.append(f"optimizer {state['config'].get('optimizer', 'adamw')}, now {cfg.optimizer}")
     if state["tokenizer"] != tokenizer_meta:
         differences.append("tokenizer vocabulary differs from the current corpus")
     if differences:
@@ -208,7 +229,7 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
             raise CheckpointError(f"{path}: {err}") from None
     done = " (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else ""
     print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
-    return state["step"], state["best_val_loss"]
+    return state["step"], state["time_s"], state["best_val_loss"]
 
 
 def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, ddp: Dist) -> tuple[bool, bool]:
@@ -240,6 +261,9 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
                           "new one with another --out_dir (or delete the folder)")
     ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
     device = ddp.device
+    if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
+        raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
+                          "use schedule=steps under torchrun")
     dtype = pick_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     # --- data
@@ -251,15 +275,15 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     data_gen = torch.Generator().manual_seed(cfg.seed + ddp.rank)  # the only source of this rank's data
     # --- model and optimizer
     model = GPT(model_config(cfg, corpus.vocab_size)).to(device)
-    optimizer = model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    optimizer = build_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
     guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)  # see faults.py for the policy
-    step, best_val = 0, math.inf
+    step, time_before, best_val = 0, 0.0, math.inf  # time_before: wall clock of the run before this process
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out_dir)
     if cfg.resume:
-        step, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model, optimizer,
-                                scaler, data_gen, dtype, ddp)
+        step, time_before, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model,
+                                             optimizer, scaler, data_gen, dtype, ddp)
         if ddp.is_main:
             drop_records_after(out_dir / "metrics.jsonl", step)
     elif ddp.is_main:
@@ -278,7 +302,8 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     log = MetricsLog(out_dir, cfg, enabled=ddp.is_main)
     params = list(model.parameters())
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    t_start = t_log = time.time()
+    t_log = time.time()
+    t_start = t_log - time_before  # the run's clock: max_time and schedule=time span resumes
     step_at_log, val_loss = step, math.nan
     saved_step = step if cfg.resume else None  # the step last.pt holds
 
@@ -289,8 +314,8 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
         saved_step = step
         if not ddp.is_main:
             return
-        state = checkpoint_state(model, optimizer, scaler, step, best_val, cfg, corpus.meta["tokenizer"],
-                                 rng_per_rank, dtype)
+        state = checkpoint_state(model, optimizer, scaler, step, time.time() - t_start, best_val, cfg,
+                                 corpus.meta["tokenizer"], rng_per_rank, dtype)
         if is_best:  # best.pt first: last.pt's best_val_loss must never name a model best.pt lacks
             save_checkpoint(state, out_dir / "best.pt")
         save_checkpoint(state, out_dir / "last.pt")
@@ -298,9 +323,8 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     with stop:  # from here on Ctrl-C/SIGTERM mean: finish the step, save last.pt, exit 130/143
         signalled = stop.requested
         while step < cfg.max_iters and not signalled:
-            lr = get_lr(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = get_lr(step, cfg, time.time() - t_start)
+            set_lr(optimizer, lr)
             batches = [get_batch(corpus.train, cfg.batch_size, cfg.block_size, data_gen, device)
                        for _ in range(cfg.grad_accum)]
             loss_step, n_step = accumulate_gradients(step_model, batches, scaler, device, dtype, ddp.world_size)

@@ -59,7 +59,10 @@ class TrainConfig:
     min_lr: float = 1e-4  # floor of the cosine decay
     warmup_iters: int = 100  # linear warmup steps
     lr_decay_iters: int = 2000  # step at which the cosine reaches min_lr (flat afterwards)
+    schedule: str = "steps"  # steps (cosine over lr_decay_iters, bit-reproducible) | time (cosine over max_time, ends annealed on any machine)
     weight_decay: float = 0.1  # AdamW decay, applied to matrices and embeddings only
+    optimizer: str = "adamw"  # adamw | muon (Muon for the blocks' weight matrices, AdamW for the rest: optim.py)
+    muon_lr: float = 0.02  # optimizer=muon: peak lr of the Muon matrices, on the same warmup and decay
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.99  # AdamW beta2
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
@@ -82,6 +85,8 @@ CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "compile": ("auto", "on", "off"),
     "tokenizer": ("char", "gpt2"),
+    "optimizer": ("adamw", "muon"),
+    "schedule": ("steps", "time"),
 }
 
 
@@ -151,7 +156,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in ("warmup_iters", "lr_decay_iters", "eval_tokens", "ckpt_interval"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "max_time"):
+    for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "max_time", "muon_lr"):
         value = getattr(cfg, name)
         if not math.isfinite(value) or value < 0:
             raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
@@ -170,7 +175,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"{name} must be in [0, 1), got {beta}")
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.device):
         raise ConfigError(f"unknown device `{cfg.device}`; use one of auto, cpu, cuda, cuda:N, mps")
-    for name in ("dtype", "compile", "tokenizer"):
+    if cfg.optimizer == "muon" and cfg.muon_lr == 0:
+        raise ConfigError("muon_lr must be > 0 with optimizer=muon")
+    if cfg.schedule == "time" and cfg.max_time == 0:
+        raise ConfigError("schedule=time decays the lr over max_time: set max_time (seconds) or use schedule=steps")
+    for name in ("dtype", "compile", "tokenizer", "optimizer", "schedule"):
         if getattr(cfg, name) not in CHOICES[name]:
             raise ConfigError(f"{name} must be one of {', '.join(CHOICES[name])}, got `{getattr(cfg, name)}`")
     return cfg

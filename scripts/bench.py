@@ -7,7 +7,7 @@
     python scripts/bench.py --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
 The step is train.py's step, phase by phase: the same batches (data.get_batch), model
-(train.model_config), optimizer (GPT.configure_optimizer), LR (train.get_lr), autocast, loss
+(train.model_config), optimizer (train.build_optimizer), LR (train.get_lr), autocast, loss
 normalisation, gradient clipping and GradScaler. tests/test_perf.py checks that its losses equal
 train.py's. Each phase ends with a device sync so its timer is honest (on CPU the ops are
 synchronous anyway). Warm-up steps are excluded and the medians of many steps are reported. With
@@ -36,7 +36,7 @@ from data import DataError, get_batch, load_corpus, prepare  # noqa: E402
 from model import GPT  # noqa: E402
 from runtime import (autocast, compile_or_eager, matmul_gflops, pick_device, pick_dtype,  # noqa: E402
                      seed_everything, want_compile)
-from train import get_lr, model_config  # noqa: E402
+from train import build_optimizer, get_lr, model_config, set_lr  # noqa: E402
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -69,7 +69,7 @@ def build(name: str, cfg: TrainConfig) -> Bench:
                          cfg.block_size)
     data_gen = torch.Generator().manual_seed(cfg.seed)
     model = GPT(model_config(cfg, corpus.vocab_size)).to(device)
-    optimizer = model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    optimizer = build_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
     def probe(m):  # as train.py's, but under autocast: the real step's precision, so no recompile
@@ -96,9 +96,7 @@ def timed_step(b: Bench) -> dict[str, float]:
     t = {p: 0.0 for p in PHASES}
     sync(device)
     t0 = clock()
-    lr = get_lr(b.step, cfg)
-    for group in b.optimizer.param_groups:
-        group["lr"] = lr
+    set_lr(b.optimizer, get_lr(b.step, cfg))
     batches = [get_batch(b.train_data, cfg.batch_size, cfg.block_size, b.data_gen, device)
                for _ in range(cfg.grad_accum)]
     n_step = sum((y != -1).sum() for _, y in batches)

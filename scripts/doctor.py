@@ -303,7 +303,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         return GPT(config).to(device)
 
     def optimizer_for(model: GPT) -> torch.optim.Optimizer:
-        return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+        return train.build_optimizer(model, cfg, device)
 
     def probe(m: torch.nn.Module) -> None:  # as in train.py: compile errors surface on the first call
         _, loss, n = m(x[:1], y[:1])

@@ -116,10 +116,11 @@ def assert_nested_equal(a: Any, b: Any, where: str = "") -> None:
 
 
 def assert_same_training_state(a: dict, b: dict) -> None:
-    """Two checkpoints hold the same run state: everything but the config (max_iters may differ)
-    and the library versions."""
-    assert_nested_equal({k: v for k, v in a.items() if k not in ("config", "versions")},
-                        {k: v for k, v in b.items() if k not in ("config", "versions")})
+    """Two checkpoints hold the same run state: everything but the config (max_iters may differ),
+    the library versions and the wall clock."""
+    ignored = ("config", "versions", "time_s")
+    assert_nested_equal({k: v for k, v in a.items() if k not in ignored},
+                        {k: v for k, v in b.items() if k not in ignored})
 
 
 def metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:

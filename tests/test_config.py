@@ -40,6 +40,9 @@ def test_precedence_is_defaults_then_preset_then_command_line():
     (["--dropout", "1.5"], "dropout must be in"),
     (["--config", "nope"], "no preset `nope`"),
     (["--max_iters", "2.5"], "max_iters must be int"),
+    (["--optimizer", "sgd"], "optimizer must be one of adamw, muon"),
+    (["--optimizer", "muon", "--muon_lr", "0"], "muon_lr must be > 0 with optimizer=muon"),
+    (["--muon_lr", "-0.1"], "muon_lr must be a finite number"),
 ])
 def test_bad_configs_fail_with_a_helpful_message(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+import train
 from conftest import tiny_model
 
 
@@ -73,6 +74,19 @@ def test_every_parameter_gets_a_finite_gradient_and_one_optimizer_group():
     decayed = {id(p) for p in optimizer.param_groups[0]["params"]}
     for p in model.parameters():
         assert (id(p) in decayed) == (p.dim() >= 2)
+
+
+def test_muon_takes_the_block_matrices_and_adamw_the_rest():
+    model = tiny_model(bias=True)
+    optimizer = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), "cpu", muon_lr=0.02)
+    on_muon = {id(p) for g in optimizer.muon.param_groups for p in g["params"]}
+    in_groups = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert sorted(in_groups) == sorted(id(p) for p in model.parameters())  # each exactly once
+    for name, p in model.named_parameters():
+        assert (id(p) in on_muon) == (name.startswith("transformer.h.") and p.dim() == 2), name
+    assert [g["lr_scale"] for g in optimizer.param_groups] == [1.0, 1.0, 20.0]
+    train.set_lr(optimizer, 5e-4)
+    assert [g["lr"] for g in optimizer.param_groups] == [5e-4, 5e-4, 5e-4 * 20.0]
 
 
 def test_a_tiny_model_overfits_one_batch():

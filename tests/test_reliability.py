@@ -191,6 +191,21 @@ def test_nonfinite_loss_stops_before_the_update(tmp_path, text_file, monkeypatch
         assert all(torch.isfinite(t).all() for t in all_tensors(load_checkpoint(out / name)) if t.is_floating_point())
 
 
+def test_nonfinite_loss_with_muon_stops_at_that_step(tmp_path, text_file, monkeypatch, capsys):
+    # torch's Muon has no found_inf hook, so the guard reads its verdict on the host every step.
+    args = dict(grad_accum=2, max_iters=20, log_interval=5, eval_interval=3, optimizer="muon")
+    assert run_main(tiny_args(tmp_path / "reference", text_file, **{**args, "max_iters": 3})) == 0
+    before_step_4 = load_checkpoint(tmp_path / "reference" / "last.pt")
+    run = capture_run(monkeypatch)
+    calls = poison_loss(monkeypatch, lambda n: n == call_of(4, 2, 2), math.nan)
+    assert run_main(tiny_args(tmp_path / "poisoned", text_file, **args)) == 3
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: non-finite loss or gradient at step 4;")
+    assert len(calls) == call_of(4, 2, 2)
+    assert_nested_equal(run["model"].state_dict(), before_step_4["model"])
+    for part in ("adamw", "muon"):  # the moments; param_groups hold step 4's lr, set before its update
+        assert_nested_equal(run["optimizer"].state_dict()[part]["state"], before_step_4["optimizer"][part]["state"])
+
+
 def count_host_reads(monkeypatch) -> list[str]:
     """Record every tensor-to-Python conversion (what would be a device sync on a GPU)."""
     reads: list[str] = []

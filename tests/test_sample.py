@@ -317,7 +317,7 @@ def ckpt(tmp_path: Path) -> Path:
     torch.manual_seed(0)
     model = GPT(model_config(cfg, tokenizer.vocab_size))
     state = {"format_version": FORMAT_VERSION, "model": model.state_dict(), "optimizer": {}, "scaler": {},
-             "step": 0, "best_val_loss": math.inf, "config": as_dict(cfg), "tokenizer": tokenizer.meta(),
+             "step": 0, "time_s": 0.0, "best_val_loss": math.inf, "config": as_dict(cfg), "tokenizer": tokenizer.meta(),
              "rng": {}, "rng_per_rank": [], "precision": "float32", "versions": {}}
     path = tmp_path / "out" / "best.pt"
     save_checkpoint(state, path)

@@ -10,7 +10,7 @@ import torch
 
 import train
 from checkpoint import REQUIRED_KEYS, CheckpointWriteError, load_checkpoint, save_checkpoint
-from config import make_config
+from config import ConfigError, make_config
 from conftest import run_script, tiny_model
 
 
@@ -31,6 +31,48 @@ def test_lr_schedule_table():
     }
     for step, expected in table.items():
         assert train.get_lr(step, cfg) == pytest.approx(expected, abs=1e-12), step
+
+
+def test_time_schedule_decays_over_max_time_and_warms_up_by_steps():
+    cfg = make_config(None, learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110,
+                      schedule="time", max_time=100)
+    table = {  # (step, seconds into the run): lr
+        (4, 50.0): 0.5,  # warmup still counts steps, whatever the clock says
+        (10, 0.0): 1.0,
+        (10, 50.0): 0.55,  # half the budget spent: halfway down the cosine, at any step
+        (5000, 50.0): 0.55,
+        (60, 100.0): 0.1,  # budget spent: the floor
+        (60, 400.0): 0.1,
+    }
+    for (step, time_s), expected in table.items():
+        assert train.get_lr(step, cfg, time_s) == pytest.approx(expected, abs=1e-12), (step, time_s)
+    steps = make_config(None, learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_time=100)
+    assert train.get_lr(60, steps, 99.0) == pytest.approx(0.55)  # schedule=steps ignores the clock
+
+
+def test_max_time_stops_annealed_and_a_resume_continues_the_clock(tmp_path, text_file):
+    out = tmp_path / "run"
+    timed = ("--schedule", "time", "--max_iters", "1000000", "--eval_interval", "1000000", "--warmup_iters", "2",
+             "--min_lr", "0")
+    run_script(*train_args(text_file, out, "--max_time", "3", *timed))
+    records = read_metrics(out)
+    steps = [r for r in records if "loss" in r]
+    assert records[-1]["val_loss"] > 0 and records[-1]["time_s"] >= 3  # the final eval ran after the budget
+    assert 3 <= steps[-1]["time_s"] < 3 + 1.0  # stopped by the clock at the first step past it
+    lrs = [r["lr"] for r in steps[2:]]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] < 0.05 * steps[2]["lr"]  # annealed as time ran out
+    state = load_checkpoint(out / "last.pt")
+    assert state["step"] == steps[-1]["step"] and state["time_s"] >= 3
+
+    run_script(*train_args(text_file, out, "--max_time", "5", "--resume", *timed))
+    resumed = [r for r in read_metrics(out) if "loss" in r][len(steps):]
+    assert resumed and resumed[0]["time_s"] > 3 and resumed[-1]["time_s"] < 5 + 1.0
+    assert resumed[0]["lr"] < steps[2]["lr"] * 0.5  # the schedule picked up at 3 of 5 s, not from the top
+
+
+def test_time_schedule_needs_max_time():
+    with pytest.raises(ConfigError, match="schedule=time decays the lr over max_time: set max_time"):
+        make_config(None, schedule="time")
 
 
 def make_batches(counts: list[int], vocab: int = 50, T: int = 16, B: int = 2):
@@ -111,19 +153,49 @@ def train_args(text_file: Path, out_dir: Path, *extra: str) -> list[str]:
             "--log_interval", "1", "--dropout", "0.1", "--grad_accum", "2", *extra]
 
 
-def test_resume_is_bit_exact_across_processes(tmp_path, text_file):
+def optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of an optimizer state_dict (AdamW's, or Muon + AdamW's nested pair), by path."""
+    found = {}
+    def walk(node, path):
+        if isinstance(node, torch.Tensor):
+            found[path] = node
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}/{key}")
+    walk(state, "")
+    return found
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_bit_exact_across_processes(tmp_path, text_file, optimizer):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run_script(*train_args(text_file, straight, "--max_iters", "24", "--eval_interval", "12"))
-    run_script(*train_args(text_file, split, "--max_iters", "12", "--eval_interval", "12"))
-    run_script(*train_args(text_file, split, "--max_iters", "24", "--eval_interval", "12", "--resume"))
+    args = lambda out, *extra: train_args(text_file, out, "--optimizer", optimizer, "--eval_interval", "12", *extra)  # noqa: E731
+    run_script(*args(straight, "--max_iters", "24"))
+    run_script(*args(split, "--max_iters", "12"))
+    run_script(*args(split, "--max_iters", "24", "--resume"))
     losses = lambda d: [(m["step"], m["loss"]) for m in read_metrics(d) if "loss" in m]  # noqa: E731
     assert losses(split) == losses(straight) and len(losses(straight)) == 24
     a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
-    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
-        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+    moments_a, moments_b = optimizer_tensors(a["optimizer"]), optimizer_tensors(b["optimizer"])
+    expected = {"adamw": ("exp_avg", "exp_avg_sq"), "muon": ("exp_avg", "momentum_buffer")}[optimizer]
+    assert all(any(path.endswith(name) for path in moments_a) for name in expected)  # the moments are there
+    assert moments_a.keys() == moments_b.keys()
+    for path in moments_a:
+        assert torch.equal(moments_a[path], moments_b[path]), path
     assert torch.equal(a["rng"]["data"], b["rng"]["data"])
+
+
+def test_resume_refuses_another_optimizer(tmp_path, text_file):
+    out = tmp_path / "run"
+    run_script(*train_args(text_file, out, "--max_iters", "3"))
+    before = (out / "last.pt").read_bytes()
+    result = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume", "--optimizer", "muon"),
+                        check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "optimizer adamw, now muon" in result.stderr
+    assert (out / "last.pt").read_bytes() == before
 
 
 def test_resume_refuses_another_model_shape(tmp_path, text_file):
