@@ -147,6 +147,8 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 - the unpickler raises many types; all mean "refuse"
         raise CheckpointError(f"{path}: refused to load ({unpickler_reason(err)})") from None
+    if isinstance(state, dict) and state.get("format_version") == 1:
+        state.setdefault("time_s", 0.0)  # format 1 -> 2: the run's clock was not kept, so it restarts
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{path}: not a tinygpt checkpoint (missing {', '.join(missing)})")

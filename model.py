@@ -261,7 +261,7 @@ class GPT(nn.Module):
         the schedule multiplies. named_parameters() yields the tied wte/lm_head weight once, so it
         cannot land in two groups.
         """
-        hidden = [p for p in self.transformer.h.parameters() if p.dim() == 2] if muon_lr > 0 else []
+        hidden = [p for p in self.transformer.h.parameters() if p.dim() == 2 and p.requires_grad] if muon_lr > 0 else []
         on_muon = {id(p) for p in hidden}
         rest = [p for p in self.parameters() if p.requires_grad and id(p) not in on_muon]
         groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay, "lr_scale": 1.0},

@@ -27,12 +27,14 @@ import torch
 
 from checkpoint import (CheckpointError, CheckpointWriteError, capture_rng, library_versions, load_checkpoint,
                         remove_stale_temp_files, restore_rng, save_checkpoint, FORMAT_VERSION)
-from config import ConfigError, TrainConfig, as_dict, changed_model_fields, parse_args
+from config import (TRAINING_FIELDS, ConfigError, TrainConfig, as_dict, changed_fields, changed_model_fields,
+                    parse_args)
 from data import DataError, get_batch, iterate_windows, load_corpus, prepare, val_windows
 import distributed
 from distributed import Dist, all_reduce_sum, print0
 from faults import NonFiniteGuard, RunStopped, StopOnSignal
 from model import GPT, GPTConfig
+from optim import MuonWithAdamW
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
 
 
@@ -43,12 +45,13 @@ def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
     the step, so a resumed run follows exactly the same schedule. schedule=time: it reaches min_lr
     when ``time_s`` (the run's wall clock) reaches max_time, so a slow machine ends its budget as
     annealed as a fast one, after fewer steps (Geiping & Goldstein 2022, "Cramming", tie the schedule
-    to the time budget the same way).
+    to the time budget the same way); or at max_iters, if the steps run out first.
     """
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / cfg.warmup_iters
-    if cfg.schedule == "time":
-        progress = min(1.0, time_s / cfg.max_time)
+    if cfg.schedule == "time":  # whichever budget runs out first ends the cosine
+        by_steps = (step - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters)
+        progress = min(1.0, max(time_s / cfg.max_time, by_steps))
     elif step >= cfg.lr_decay_iters:
         return cfg.min_lr
     else:
@@ -56,13 +59,14 @@ def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def set_lr(optimizer, lr: float) -> None:
+def set_lr(optimizer: torch.optim.Optimizer | MuonWithAdamW, lr: float) -> None:
     """Set every param group to lr times its lr_scale (1 for AdamW; muon_lr / learning_rate for Muon)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_scale"]
 
 
-def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device):
+def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW | MuonWithAdamW:
+    """The optimizer the config asks for: AdamW, or Muon for the block matrices plus AdamW (optim.py)."""
     muon_lr = cfg.muon_lr if cfg.optimizer == "muon" else 0.0
     return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type, muon_lr)
 
@@ -204,22 +208,9 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
     Returns (step, wall-clock seconds the run had spent, best val loss).
     """
     state = load_checkpoint(path)
-    differences = changed_model_fields(state["config"], cfg)
-    if state["config"].get("optimizer", "adamw") != cfg.optimizer:  # their states cannot be exchanged
-        differences.append(f"optimizer {state['config'].get('optimizer', 'adamw')}, now {cfg.optimizer}")
-    if state["tokenizer"] != tokenizer_meta:
-        differences.append("tokenizer vocabulary differs from the current corpus")
-    if differences:
-        raise CheckpointError(f"{path} was trained with a different model: " + "; ".join(differences)
-                              + ". Use the same settings or a new --out_dir")
-    if bool(state["scaler"]) != scaler.is_enabled():  # fp16 <-> bf16/fp32: the scaler state cannot follow
-        raise CheckpointError(f"{path} was trained in {state['precision']}, now {dtype_name(dtype)}; fp16 runs "
-                              "carry a grad scaler, others do not: resume with --dtype " + state["precision"])
-    if state["precision"] != dtype_name(dtype):
-        print0(f"WARNING: {path} was trained in {state['precision']}, this run uses {dtype_name(dtype)}: "
-               f"training continues but is NOT bit-exact; pass --dtype {state['precision']} for an exact resume")
+    check_resumable(path, state, cfg, tokenizer_meta, scaler.is_enabled(), dtype)
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(optimizer, state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     rng = distributed.rank_rng_state(state, ddp)
     if rng is not None:
@@ -227,9 +218,52 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
             restore_rng(rng, data_gen)
         except CheckpointError as err:
             raise CheckpointError(f"{path}: {err}") from None
-    done = " (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else ""
+    done = (" (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else
+            " (max_time reached: nothing to do; raise --max_time to continue)" if budget_spent(cfg, state["time_s"])
+            else "")
     print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
     return state["step"], state["time_s"], state["best_val_loss"]
+
+
+def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokenizer_meta: dict, fp16_scaler: bool,
+                    dtype: torch.dtype) -> None:
+    """Refuse a checkpoint this run cannot continue (shape, tokenizer, optimizer, scaler); warn where
+    it can continue but not exactly as the run that was stopped."""
+    saved = state["config"]
+    differences = changed_model_fields(saved, cfg)
+    if saved.get("optimizer", "adamw") != cfg.optimizer:  # their states cannot be exchanged
+        differences.append(f"optimizer: checkpoint {saved.get('optimizer', 'adamw')!r} vs now {cfg.optimizer!r}")
+    if state["tokenizer"] != tokenizer_meta:
+        differences.append("tokenizer vocabulary differs from the current corpus")
+    if differences:
+        raise CheckpointError(f"{path} was trained with other settings: " + "; ".join(differences)
+                              + ". Use the same settings or a new --out_dir")
+    if bool(state["scaler"]) != fp16_scaler:  # fp16 <-> bf16/fp32: the scaler state cannot follow
+        raise CheckpointError(f"{path} was trained in {state['precision']}, now {dtype_name(dtype)}; fp16 runs "
+                              "carry a grad scaler, others do not: resume with --dtype " + state["precision"])
+    if state["precision"] != dtype_name(dtype):
+        print0(f"WARNING: {path} was trained in {state['precision']}, this run uses {dtype_name(dtype)}: "
+               f"training continues but is NOT bit-exact; pass --dtype {state['precision']} for an exact resume")
+    changed = changed_fields(saved, cfg, TRAINING_FIELDS + (("max_time",) if cfg.schedule == "time" else ()))
+    if changed:
+        print0(f"WARNING: resuming with changed settings ({'; '.join(changed)}): the new values apply from "
+               "here on, so this is not the run the checkpoint started")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer | MuonWithAdamW, state: dict[str, Any]) -> None:
+    """Restore the moments from a checkpoint but keep this run's hyperparameters.
+
+    load_state_dict also brings back the saved param-group settings (weight decay, betas, lr_scale);
+    a resume with a new --muon_lr or --weight_decay must run with it, not silently with the old one.
+    """
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, mine in zip(optimizer.param_groups, settings):
+        group.update(mine)
+
+
+def budget_spent(cfg: TrainConfig, time_s: float) -> bool:
+    return cfg.max_time > 0 and time_s >= cfg.max_time
 
 
 def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, ddp: Dist) -> tuple[bool, bool]:
@@ -239,7 +273,7 @@ def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, 
     compare flags with one all-reduce, only on log steps where the loop syncs anyway: a signal is
     honoured within log_interval steps.
     """
-    out_of_time = cfg.max_time > 0 and time.time() - t_start >= cfg.max_time
+    out_of_time = budget_spent(cfg, time.time() - t_start)
     if not ddp.enabled:
         return out_of_time, stop.requested
     if step % cfg.log_interval and step != cfg.max_iters:
@@ -321,8 +355,8 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
         save_checkpoint(state, out_dir / "last.pt")
 
     with stop:  # from here on Ctrl-C/SIGTERM mean: finish the step, save last.pt, exit 130/143
-        signalled = stop.requested
-        while step < cfg.max_iters and not signalled:
+        signalled, out_of_time = stop.requested, budget_spent(cfg, time_before)  # a resumed run may be done
+        while step < cfg.max_iters and not signalled and not out_of_time:
             lr = get_lr(step, cfg, time.time() - t_start)
             set_lr(optimizer, lr)
             batches = [get_batch(corpus.train, cfg.batch_size, cfg.block_size, data_gen, device)

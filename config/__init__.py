@@ -22,6 +22,10 @@ from typing import Any
 PRESET_DIR = Path(__file__).resolve().parent
 # Fields that fix the shape of the network: a checkpoint can only be resumed into the same values.
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "tokenizer")
+# Fields a resume may change, though the run then differs from one never stopped (max_iters is not
+# among them: raising it only extends a step schedule; max_time is, for schedule=time).
+TRAINING_FIELDS = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters", "schedule", "muon_lr",
+                   "weight_decay", "beta1", "beta2", "grad_clip", "batch_size", "grad_accum", "dropout")
 
 
 class ConfigError(ValueError):
@@ -55,14 +59,14 @@ class TrainConfig:
     batch_size: int = 32  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     max_iters: int = 2000  # optimizer steps in the whole run
-    learning_rate: float = 1e-3  # peak learning rate, reached after warmup
+    learning_rate: float = 1e-3  # peak learning rate, reached after warmup (with optimizer=muon: AdamW's share)
     min_lr: float = 1e-4  # floor of the cosine decay
     warmup_iters: int = 100  # linear warmup steps
-    lr_decay_iters: int = 2000  # step at which the cosine reaches min_lr (flat afterwards)
-    schedule: str = "steps"  # steps (cosine over lr_decay_iters, bit-reproducible) | time (cosine over max_time, ends annealed on any machine)
-    weight_decay: float = 0.1  # AdamW decay, applied to matrices and embeddings only
+    lr_decay_iters: int = 2000  # schedule=steps: step at which the cosine reaches min_lr (flat afterwards)
+    schedule: str = "steps"  # steps (bit-reproducible) | time (cosine ends at max_time or max_iters, whichever comes first)
+    weight_decay: float = 0.1  # decoupled decay of matrices and embeddings (Muon's matrices too); none on gains
     optimizer: str = "adamw"  # adamw | muon (Muon for the blocks' weight matrices, AdamW for the rest: optim.py)
-    muon_lr: float = 0.02  # optimizer=muon: peak lr of the Muon matrices, on the same warmup and decay
+    muon_lr: float = 0.02  # optimizer=muon: the Muon matrices' peak lr; their lr follows learning_rate's schedule times muon_lr / learning_rate
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.99  # AdamW beta2
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
@@ -71,7 +75,7 @@ class TrainConfig:
     eval_interval: int = 500  # steps between evaluations and checkpoints (and one at the end)
     ckpt_interval: int = 0  # also save last.pt every this many steps (bounds the loss to a SIGKILL); 0 = only at evals
     max_skipped_steps: int = 20  # fp16: stop after this many steps in a row skipped for overflowing gradients
-    max_time: float = 0.0  # wall-clock budget in seconds; 0 = none. Stops cleanly, evals, saves
+    max_time: float = 0.0  # wall-clock budget in seconds, across resumes; 0 = none (not with schedule=time). Stops cleanly, evals, saves
     wandb: bool = False  # also log to Weights & Biases (offline unless logged in)
     wandb_project: str = "tinygpt"  # wandb project name
 
@@ -233,8 +237,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def changed_model_fields(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     """Model-shape fields whose value differs between a checkpoint's config and ``cfg``."""
+    return changed_fields(saved, cfg, MODEL_FIELDS)
+
+
+def changed_fields(saved: dict[str, Any], cfg: TrainConfig, names: tuple[str, ...]) -> list[str]:
+    """``names`` whose value differs between a checkpoint's config and ``cfg``, described for the user."""
     return [f"{name}: checkpoint {saved.get(name)!r} vs now {getattr(cfg, name)!r}"
-            for name in MODEL_FIELDS if saved.get(name) != getattr(cfg, name)]
+            for name in names if saved.get(name) != getattr(cfg, name)]
 
 
 def as_dict(cfg: TrainConfig) -> dict[str, Any]:

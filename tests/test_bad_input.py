@@ -81,6 +81,6 @@ def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_no
     capsys.readouterr()
     assert run_main(tiny_args(out, text_file, max_iters=20, n_embd=64, n_layer=3, resume="true")) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: {out / 'last.pt'} was trained with a different model: n_layer: checkpoint 2 vs now 3; "
+    assert err == (f"error: {out / 'last.pt'} was trained with other settings: n_layer: checkpoint 2 vs now 3; "
                    "n_embd: checkpoint 32 vs now 64. Use the same settings or a new --out_dir\n")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -35,14 +35,16 @@ def test_lr_schedule_table():
 
 def test_time_schedule_decays_over_max_time_and_warms_up_by_steps():
     cfg = make_config(None, learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110,
-                      schedule="time", max_time=100)
+                      schedule="time", max_time=100, max_iters=10010)
     table = {  # (step, seconds into the run): lr
         (4, 50.0): 0.5,  # warmup still counts steps, whatever the clock says
         (10, 0.0): 1.0,
         (10, 50.0): 0.55,  # half the budget spent: halfway down the cosine, at any step
-        (5000, 50.0): 0.55,
+        (4000, 50.0): 0.55,
         (60, 100.0): 0.1,  # budget spent: the floor
         (60, 400.0): 0.1,
+        (5010, 10.0): 0.55,  # half the steps done: whichever budget is further along sets the pace
+        (10010, 10.0): 0.1,  # max_iters reached before max_time: annealed all the same
     }
     for (step, time_s), expected in table.items():
         assert train.get_lr(step, cfg, time_s) == pytest.approx(expected, abs=1e-12), (step, time_s)
@@ -64,10 +66,47 @@ def test_max_time_stops_annealed_and_a_resume_continues_the_clock(tmp_path, text
     state = load_checkpoint(out / "last.pt")
     assert state["step"] == steps[-1]["step"] and state["time_s"] >= 3
 
-    run_script(*train_args(text_file, out, "--max_time", "5", "--resume", *timed))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = run_script(*train_args(text_file, out, "--max_time", "3", "--resume", *timed))
+    assert "max_time reached: nothing to do; raise --max_time to continue" in again.stdout
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no step, no file touched
+
+    longer = run_script(*train_args(text_file, out, "--max_time", "5", "--resume", *timed))
+    assert "WARNING: resuming with changed settings (max_time: checkpoint 3.0 vs now 5.0)" in longer.stdout
     resumed = [r for r in read_metrics(out) if "loss" in r][len(steps):]
     assert resumed and resumed[0]["time_s"] > 3 and resumed[-1]["time_s"] < 5 + 1.0
     assert resumed[0]["lr"] < steps[2]["lr"] * 0.5  # the schedule picked up at 3 of 5 s, not from the top
+
+
+def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
+    model = tiny_model()
+    old = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), "cpu", muon_lr=0.02)
+    _, loss_sum, n = model(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
+    (loss_sum / n).backward()
+    old.step()
+    new = model.configure_optimizer(0.0, 1e-3, (0.9, 0.95), "cpu", muon_lr=0.01)
+    train.load_optimizer_state(new, old.state_dict())
+    assert [g["lr_scale"] for g in new.param_groups] == [1.0, 1.0, 10.0]  # 0.01 / 1e-3, not the saved 20
+    assert all(g["weight_decay"] == 0.0 for g in new.param_groups)
+    assert new.adamw.param_groups[0]["betas"] == (0.9, 0.95)
+    moments = lambda opt: [s for part in ("adamw", "muon") for s in opt.state_dict()[part]["state"].values()]  # noqa: E731
+    for a, b in zip(moments(old), moments(new), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_format_1_checkpoint_still_resumes_and_samples(tmp_path, text_file):
+    out = tmp_path / "run"
+    run_script(*train_args(text_file, out, "--max_iters", "3"))
+    for name in ("last.pt", "best.pt"):  # as the previous version wrote them: no clock, no lr_scale
+        state = load_checkpoint(out / name)
+        del state["time_s"]
+        state["format_version"] = 1
+        for group in state["optimizer"]["param_groups"]:
+            del group["lr_scale"]
+        save_checkpoint(state, out / name)
+    resumed = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume"))
+    assert "resumed from" in resumed.stdout and load_checkpoint(out / "last.pt")["step"] == 6
+    run_script("sample.py", "--ckpt", str(out), "--max-new-tokens", "5")
 
 
 def test_time_schedule_needs_max_time():
@@ -189,7 +228,7 @@ def test_resume_is_bit_exact_across_processes(tmp_path, text_file, optimizer):
 
 @pytest.mark.parametrize("change, message", [
     (("--n_embd", "64"), "n_embd: checkpoint 32 vs now 64"),
-    (("--optimizer", "muon"), "optimizer adamw, now muon"),  # their states cannot be exchanged
+    (("--optimizer", "muon"), "optimizer: checkpoint 'adamw' vs now 'muon'"),  # their states cannot be exchanged
 ])
 def test_resume_refuses_another_model_or_optimizer(tmp_path, text_file, change, message):
     out = tmp_path / "run"
