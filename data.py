@@ -312,17 +312,22 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
 def staged_folder(folder: Path) -> Iterator[Path]:
     """Write into a staging folder and swap it in at the end, so a killed prepare leaves no half corpus.
 
-    A SIGKILL leaves the staging folder behind; the next prepare removes it (remove_stale_staging).
+    A corpus being replaced is renamed aside, whole, before it is deleted: a kill while deleting it
+    cannot leave half of it in place. A SIGKILL leaves the staging folders behind; the next prepare
+    removes them (remove_stale_staging).
     """
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=staging_prefix()))
     staging.chmod(0o755)
+    old = staging.with_name(f"{staging.name}-old")  # a staging name too, so a kill's leftover is found
     try:
         yield staging
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder.exists():
+            folder.replace(old)
         staging.replace(folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- staging and cleanup

@@ -177,6 +177,21 @@ def test_a_leftover_that_cannot_be_deleted_is_warned_about_not_raised(tmp_path, 
     assert stuck.is_dir() and load_corpus(folder, block_size=8).meta["val_fraction"] == 0.1
 
 
+def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_path, text_file, monkeypatch):
+    d = tmp_path / "d"
+    folder = prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
+
+    def interrupted_rmtree(path, *args, **kwargs):  # deletes one file, then Ctrl-C lands
+        (Path(path) / "train.bin").unlink(missing_ok=True)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(data.shutil, "rmtree", interrupted_rmtree)
+        prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.2)  # replaces the 0.1 corpus
+    reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"), val_fraction=0.2)
+    assert_same_corpus(folder, reference)  # the new corpus, whole; the old one was only ever moved aside
+
+
 # A real prepare, SIGKILLed once its corpus is written into the staging folder but not yet swapped in.
 KILLED_BEFORE_SWAP = """
 import contextlib, os, signal, sys
