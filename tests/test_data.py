@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +17,7 @@ import pytest
 import torch
 
 import data
+from conftest import run_script
 from data import (CharTokenizer, DataError, GPT2Tokenizer, get_batch, load_corpus, prepare,
                   strip_gutenberg, val_windows)
 
@@ -95,6 +101,125 @@ def test_token_ids_beyond_the_vocab_are_refused(tmp_path, text_file):
     np.array([0, 1, 500] * 100, dtype=np.uint16).tofile(folder / "val.bin")
     with pytest.raises(DataError, match=r"val.bin: token id 500 >= vocab size"):
         load_corpus(folder, block_size=8)
+
+
+# ----------------------------------------------------------------------------- leftovers of a killed prepare
+def dead_pid() -> int:
+    """The PID of a process that has exited and been reaped: no process has it now."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def owned_by(pid: int, host: str = "") -> str:
+    """A staging name as process ``pid`` on ``host`` (default: this machine) makes them."""
+    return f".staging-{host or data.host_name()}-{pid}-k3j2h1g0"
+
+
+def plant_staging(folder: Path, name: str, age_s: float = 0.0) -> Path:
+    """A staging folder holding a half-written train.bin, last written ``age_s`` seconds ago."""
+    path = folder / name
+    path.mkdir(parents=True)
+    (path / "train.bin").write_bytes(bytes(1000))
+    for item in (path / "train.bin", path):  # backdate the files, then the folder their writes touched
+        os.utime(item, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def leftovers(data_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(data_dir)) for p in data_dir.rglob(".staging-*"))
+
+
+def assert_same_corpus(folder: Path, reference: Path) -> None:
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (folder / name).read_bytes() == (reference / name).read_bytes()
+
+
+def test_next_prepare_removes_what_dead_processes_left_and_keeps_live_ones(tmp_path, text_file):
+    d, dead, alive = tmp_path / "d", dead_pid(), os.getpid()
+    for where in (d, d / "downloads", d / "tokenizers"):  # a corpus, an sdist, the GPT-2 ranks
+        plant_staging(where, owned_by(dead))
+        plant_staging(where, owned_by(alive))  # as if a concurrent prepare in this process were writing it
+    ranks_tmp = d / "tokenizers" / f".staging-{data.host_name()}-{dead}-gpt2.tiktoken"
+    ranks_tmp.write_bytes(b"half of the ranks")  # the GPT-2 ranks are staged as a file, not a folder
+    folder = prepare(data_path=str(text_file), data_dir=str(d))
+    live = owned_by(alive)
+    assert leftovers(d) == [live, f"downloads/{live}", f"tokenizers/{live}"]
+    assert (d / live / "train.bin").is_file()  # a live owner's folder is untouched, contents included
+    assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
+
+
+def test_staging_of_an_unknown_owner_is_removed_after_a_day_untouched(tmp_path, text_file):
+    d = tmp_path / "d"
+    folder = prepare(data_path=str(text_file), data_dir=str(d))
+    plant_staging(d, ".staging-k3j2h1g0", age_s=2 * 86400)  # the old format: no owner in the name
+    plant_staging(d, ".staging-f00dfeed", age_s=3600)  # old format, recent: it may be a live prepare's
+    plant_staging(d, owned_by(4242, host="another_host"), age_s=2 * 86400)
+    elsewhere = plant_staging(d, owned_by(dead_pid(), host="a_third_host"), age_s=3600)  # dead here, not there
+    assert prepare(data_path=str(text_file), data_dir=str(d)) == folder  # cached, and still cleans up
+    assert leftovers(d) == [elsewhere.name, ".staging-f00dfeed"]
+    assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
+
+
+def test_a_leftover_that_cannot_be_deleted_is_warned_about_not_raised(tmp_path, text_file, monkeypatch):
+    d = tmp_path / "d"
+    stuck = plant_staging(d, owned_by(dead_pid()))
+    real_rmtree = data.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):  # as on a folder of another user's (a root test cannot chmod it)
+        if Path(path) == stuck:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(data.shutil, "rmtree", rmtree)
+    with pytest.warns(UserWarning, match=f"could not remove {stuck}.*Permission denied"):
+        folder = prepare(data_path=str(text_file), data_dir=str(d))
+    assert stuck.is_dir() and load_corpus(folder, block_size=8).meta["val_fraction"] == 0.1
+
+
+def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_path, text_file, monkeypatch):
+    d = tmp_path / "d"
+    folder = prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
+
+    def interrupted_rmtree(path, *args, **kwargs):  # deletes one file, then Ctrl-C lands
+        (Path(path) / "train.bin").unlink(missing_ok=True)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(data.shutil, "rmtree", interrupted_rmtree)
+        prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.2)  # replaces the 0.1 corpus
+    reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"), val_fraction=0.2)
+    assert_same_corpus(folder, reference)  # the new corpus, whole; the old one was only ever moved aside
+
+
+# A real prepare, SIGKILLed once its corpus is written into the staging folder but not yet swapped in.
+KILLED_BEFORE_SWAP = """
+import contextlib, os, signal, sys
+import data
+
+real_staged_folder = data.staged_folder
+
+@contextlib.contextmanager
+def killed_before_swap(folder):
+    with real_staged_folder(folder) as staging:
+        yield staging
+        os.kill(os.getpid(), signal.SIGKILL)
+
+data.staged_folder = killed_before_swap  # a child process of its own: no monkeypatch here
+data.main(sys.argv[1:])
+"""
+
+
+def test_a_sigkilled_prepare_leaves_no_corpus_and_the_next_one_cleans_up(tmp_path, text_file):
+    d = tmp_path / "d"
+    killed = run_script("-c", KILLED_BEFORE_SWAP, "--data_path", str(text_file), "--data_dir", str(d), check=False)
+    assert killed.returncode == -signal.SIGKILL
+    [staging] = [d / name for name in leftovers(d)]
+    assert sorted(p.name for p in d.iterdir()) == [staging.name]  # no corpus folder, not even half of one
+    assert (staging / "train.bin").is_file()  # the kill did land after the corpus was written
+    folder = prepare(data_path=str(text_file), data_dir=str(d))
+    assert leftovers(d) == []
+    assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
 
 
 def test_strip_gutenberg():
