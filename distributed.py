@@ -7,18 +7,28 @@ torchrun starts one process per device and tells each who it is through environm
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). ``setup`` reads them; without them the run
 is a world of size one and every helper here is a no-op, so train.py has a single code path.
 Backend: NCCL on CUDA, gloo otherwise (https://pytorch.org/docs/stable/distributed.html#backends).
+
+Failures: a rank that fails alone must not leave the others waiting in their next collective (a hang
+until the process-group timeout, or a gloo "Connection closed by peer" traceback). Work that can fail
+on some ranks only (rank 0 writing a checkpoint, a rank reading its files) runs inside
+``stop_together``, which makes every rank stop there; each distinct error is printed once.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import os
+import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+from faults import EXIT_BAD_INPUT
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,18 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def abandon() -> None:
+    """After an error that stopped every rank: leave the process group without waiting for the others.
+
+    No barrier (the others may have exited already), but do not exit with the group alive either:
+    gloo's destructor then races the peers' exits and can abort the process ("terminate called
+    without an active exception"), turning a clean exit code into SIGABRT. A no-op without a group.
+    """
+    if dist.is_initialized():
+        gc.collect()  # as in teardown: free what still holds gloo/NCCL work while the group exists
+        dist.destroy_process_group()
+
+
 def is_main_process() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -97,17 +119,89 @@ def gather_to_main(obj: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def main_first() -> Iterator[None]:
+def main_first(device: torch.device) -> Iterator[None]:
     """Rank 0 runs the block first (e.g. prepares the corpus); the others wait, then run it.
 
-    Footgun: the wait is bounded by the process-group timeout (10 minutes for NCCL), so prepare a
-    large corpus with data.py before torchrun.
+    If the block fails on rank 0, the others stop without running it; if it then fails on another
+    rank, every rank stops (see stop_together). Footgun: the wait is bounded by the process-group
+    timeout (10 minutes for NCCL), so prepare a large corpus with data.py before torchrun.
     """
-    if not is_main_process():
-        dist.barrier()
-    yield
-    if is_main_process() and dist.is_initialized():
-        dist.barrier()
+    main = is_main_process()  # True in a world of one: the block runs once, in the first phase
+    with stop_together(device):  # rank 0 runs it; the others learn whether it worked
+        if main:
+            yield
+    with stop_together(device):  # the others run it; rank 0 learns whether it worked
+        if not main:
+            yield
+
+
+class PeerFailed(Exception):
+    """Another rank failed and prints why; this one stops too, silently, with that rank's exit code."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(f"another rank failed (exit code {exit_code})")
+        self.exit_code = exit_code
+
+
+@contextlib.contextmanager
+def stop_together(device: torch.device) -> Iterator[None]:
+    """Around work that may fail on some ranks only: if it fails anywhere, every rank stops here.
+
+    The ranks compare outcomes in one all-reduce at the end of the block (``device``: this rank's).
+    A rank that failed re-raises its own error; the others raise PeerFailed. Each distinct error
+    (same message) is printed once, by the lowest rank that has it: the error carries that rank as
+    ``reporting_rank`` (see reporting_rank()). A plain block in a world of one: no collective.
+    Footgun: a collective, so every rank must enter it, and the block itself must hold none.
+    """
+    if not dist.is_initialized():
+        yield
+        return
+    error = None
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
+        error = err
+    digest = zlib.crc32(str(error).encode())  # ranks compare messages by checksum, not text
+    outcomes = torch.zeros(dist.get_world_size(), 2, dtype=torch.long, device=device)  # (W, 2): code, digest
+    if error is not None:  # no exit_code (ConfigError, DataError, or a bug): the peers exit 2, bad input
+        outcomes[dist.get_rank()] = torch.tensor([getattr(error, "exit_code", EXIT_BAD_INPUT), digest])
+    dist.all_reduce(outcomes, op=dist.ReduceOp.SUM)  # rows of ranks that did not fail stay zero
+    failed = [(rank, code, their_digest) for rank, (code, their_digest) in enumerate(outcomes.tolist()) if code]
+    if error is not None:
+        error.reporting_rank = min(rank for rank, _, their_digest in failed if their_digest == digest)
+        raise error
+    if failed:
+        raise PeerFailed(failed[0][1])  # the lowest failing rank's code
+
+
+def env_rank() -> int:
+    """This process's rank as torchrun sets it (0 without torchrun); readable before setup()."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def reporting_rank(err: BaseException | None) -> int | None:
+    """This rank's number if it must print ``err``; None if rank 0 prints the same error for the job.
+
+    Rank 0 prints its errors. Another rank prints only an error that stop_together found on it and
+    on no lower rank (e.g. a file missing on its node only). Any other error of a rank is one every
+    rank raises alike: bad arguments or config (checked before the process group exists, from the
+    same command line), or a stop the ranks agreed on in the training loop.
+    """
+    rank = env_rank()
+    return rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None
+
+
+def decide_on_main(decide: Callable[[], T]) -> T:
+    """``decide()`` on rank 0 alone, and its result on every rank (a picklable value). A collective.
+
+    For choices that measure the machine (the dtype=auto probe): each rank measuring for itself
+    could pick differently, and ranks must agree. In a world of one, simply ``decide()``.
+    """
+    if not dist.is_initialized():
+        return decide()
+    choice = [decide() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)  # NCCL: sent via the current device, set in setup()
+    return choice[0]
 
 
 def wrap(model: torch.nn.Module, ddp: Dist) -> torch.nn.Module:

@@ -12,7 +12,8 @@ train.py's exit codes, the one place they are defined (the README's "What surviv
     143   SIGTERM (e.g. preemption): the same                      last.pt of that step; resume is exact
 
 130 and 143 follow the shell's 128 + signal-number convention, so schedulers that requeue preempted
-jobs recognise them; 74 is EX_IOERR from sysexits.h.
+jobs recognise them; 74 is EX_IOERR from sysexits.h. Under torchrun, a rank that stops because another
+rank failed prints nothing and exits with that rank's code (distributed.stop_together).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import threading
 
 import torch
 
+EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3
 EXIT_WRITE_FAILED = 74
 

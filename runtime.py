@@ -181,7 +181,12 @@ def mfu(flops_per_token: float, tokens_per_s: float, device: torch.device, dtype
     return flops_per_token * tokens_per_s / (peak * world_size)
 
 
-def fail(message: str, code: int = 2) -> None:
-    """Print a one-line error for the user and exit; no traceback."""
-    print(f"error: {message}", file=sys.stderr)
+def fail(message: str, code: int = 2, rank: int | None = 0) -> None:
+    """Print a one-line error for the user and exit; no traceback.
+
+    Under torchrun, ``rank`` is the rank printing it: a rank other than 0 names itself, and None
+    exits silently (rank 0 prints the same error for the job; see distributed.reporting_rank).
+    """
+    if rank is not None:
+        print(f"rank {rank}: error: {message}" if rank else f"error: {message}", file=sys.stderr)
     sys.exit(code)

@@ -32,7 +32,7 @@ from config import (TRAINING_FIELDS, ConfigError, TrainConfig, as_dict, changed_
 from data import DataError, get_batch, iterate_windows, load_corpus, prepare, val_windows
 import distributed
 from distributed import Dist, all_reduce_sum, print0
-from faults import NonFiniteGuard, RunStopped, StopOnSignal
+from faults import EXIT_BAD_INPUT, NonFiniteGuard, RunStopped, StopOnSignal
 from model import GPT, GPTConfig
 from optim import MuonWithAdamW
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
@@ -298,12 +298,14 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
                           "use schedule=steps under torchrun")
-    dtype = pick_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
+    probe_shape = (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd)
+    # dtype=auto times a matmul on CPU, and ranks timing it side by side can disagree: rank 0's choice is the job's.
+    dtype = distributed.decide_on_main(lambda: pick_dtype(cfg.dtype, device, probe_shape))
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     # --- data
-    with distributed.main_first():  # rank 0 prepares the corpus, the others then read the cache
+    with distributed.main_first(device):  # rank 0 prepares the corpus, the others then read the cache
         folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
-    corpus = load_corpus(folder, cfg.block_size)
+        corpus = load_corpus(folder, cfg.block_size)
     x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
                     for w in val_windows(corpus.val, cfg.block_size, cfg.eval_tokens))
     data_gen = torch.Generator().manual_seed(cfg.seed + ddp.rank)  # the only source of this rank's data
@@ -315,13 +317,14 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     step, time_before, best_val = 0, 0.0, math.inf  # time_before: wall clock of the run before this process
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out_dir)
-    if cfg.resume:
-        step, time_before, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model,
-                                             optimizer, scaler, data_gen, dtype, ddp)
-        if ddp.is_main:
-            drop_records_after(out_dir / "metrics.jsonl", step)
-    elif ddp.is_main:
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    with distributed.stop_together(device):  # a rank that cannot read last.pt stops them all
+        if cfg.resume:
+            step, time_before, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model,
+                                                 optimizer, scaler, data_gen, dtype, ddp)
+            if ddp.is_main:
+                drop_records_after(out_dir / "metrics.jsonl", step)
+        elif ddp.is_main:
+            (out_dir / "metrics.jsonl").unlink(missing_ok=True)
 
     def probe(m):  # one forward/backward at the real shape, so compile errors surface here, not mid-run
         _, loss, n = m(*get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator(), device))
@@ -333,7 +336,8 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     print0(f"device {device}, dtype {dtype_name(dtype)}, compile {train_model is not model}, "
            f"{model.num_params() / 1e6:.2f}M params, {tokens_per_step:,} tokens/step "
            f"({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), vocab {corpus.vocab_size}, out_dir {out_dir}")
-    log = MetricsLog(out_dir, cfg, enabled=ddp.is_main)
+    with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
+        log = MetricsLog(out_dir, cfg, enabled=ddp.is_main)
     params = list(model.parameters())
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     t_log = time.time()
@@ -346,13 +350,13 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
         guard.raise_if_tripped()  # never save a state that a non-finite step touched
         rng_per_rank = distributed.gather_to_main(capture_rng(data_gen))  # a collective: all ranks
         saved_step = step
-        if not ddp.is_main:
-            return
-        state = checkpoint_state(model, optimizer, scaler, step, time.time() - t_start, best_val, cfg,
-                                 corpus.meta["tokenizer"], rng_per_rank, dtype)
-        if is_best:  # best.pt first: last.pt's best_val_loss must never name a model best.pt lacks
-            save_checkpoint(state, out_dir / "best.pt")
-        save_checkpoint(state, out_dir / "last.pt")
+        with distributed.stop_together(device):  # rank 0's write failing (disk full) stops every rank here
+            if ddp.is_main:
+                state = checkpoint_state(model, optimizer, scaler, step, time.time() - t_start, best_val, cfg,
+                                         corpus.meta["tokenizer"], rng_per_rank, dtype)
+                if is_best:  # best.pt first: last.pt's best_val_loss must never name a model best.pt lacks
+                    save_checkpoint(state, out_dir / "best.pt")
+                save_checkpoint(state, out_dir / "last.pt")
 
     with stop:  # from here on Ctrl-C/SIGTERM mean: finish the step, save last.pt, exit 130/143
         signalled, out_of_time = stop.requested, budget_spent(cfg, time_before)  # a resumed run may be done
@@ -402,16 +406,23 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """train.py's command line: each error is one line, printed once per job (also under torchrun)."""
     try:
         cfg = parse_args(argv)
         train(cfg, StopOnSignal())
         distributed.teardown()  # not on errors: its barrier would wait for ranks that have failed
+        return
+    except distributed.PeerFailed as err:  # another rank failed and prints why: this one stops silently
+        message, code, rank = "", err.exit_code, None
     except (ConfigError, DataError, CheckpointError) as err:
-        fail(str(err))
+        message, code, rank = str(err), EXIT_BAD_INPUT, distributed.reporting_rank(err)
     except (RunStopped, CheckpointWriteError) as err:  # exit codes: see faults.py
-        fail(str(err), err.exit_code)
+        message, code, rank = str(err), err.exit_code, distributed.reporting_rank(err)
     except KeyboardInterrupt:  # Ctrl-C before the first step: nothing to save yet
-        fail("interrupted before training started; nothing was saved", 130)
+        message, code = "interrupted before training started; nothing was saved", 130
+        rank = distributed.reporting_rank(None)
+    distributed.abandon()  # out here the traceback, which holds the DDP model, is already gone
+    fail(message, code, rank)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@ Imported by the reliability tests. Also a script, so a fresh process can be brok
     python tests/fault_injection.py --signal SIGTERM --at-call 13 -- --config tiny --out_dir ...
 
 runs train.py's main with the given arguments and sends the signal to itself just before the 13th
-training forward pass (micro-batch), i.e. in the middle of an optimizer step.
+training forward pass (micro-batch), i.e. in the middle of an optimizer step. The other options break
+one rank of a DDP job (RANK as torchrun sets it): see ``python tests/fault_injection.py --help``.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -24,7 +26,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import runtime  # noqa: E402
 import train  # noqa: E402
+from distributed import env_rank  # noqa: E402
+from data import DataError  # noqa: E402
 from model import GPT  # noqa: E402
 
 
@@ -83,6 +88,59 @@ def poison_loss(monkeypatch: pytest.MonkeyPatch, calls: Callable[[int], bool], v
     return on_training_forward(monkeypatch, lambda n, loss: loss * value if calls(n) else None)
 
 
+def disk_full_from_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Checkpoint writes of ``step`` and later fail as on a full disk (ENOSPC), through the real save."""
+    real_save = train.save_checkpoint
+
+    def save(state: dict, path: Path) -> None:
+        if state["step"] < step:
+            return real_save(state, path)
+        with pytest.MonkeyPatch.context() as inner:
+            inner.setattr(torch, "save", full_disk_torch_save)
+            real_save(state, path)
+
+    monkeypatch.setattr(train, "save_checkpoint", save)
+
+
+def full_disk_torch_save(obj: Any, f: Any) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def corpus_unreadable_on_rank(monkeypatch: pytest.MonkeyPatch, broken: int) -> None:
+    """load_corpus raises DataError on rank ``broken`` only (say, a node whose copy is damaged)."""
+    real_load = train.load_corpus
+
+    def load_corpus(folder, block_size):
+        if env_rank() == broken:
+            raise DataError(f"{folder}: unreadable on this rank (injected)")
+        return real_load(folder, block_size)
+
+    monkeypatch.setattr(train, "load_corpus", load_corpus)
+
+
+def bf16_fast_on_rank(monkeypatch: pytest.MonkeyPatch, fast: int) -> None:
+    """The dtype=auto CPU probe finds bf16 4x faster on rank ``fast`` and 4x slower on the others."""
+    def matmul_gflops(m, k, n, dtype=torch.float32, **kwargs) -> float:
+        if dtype == torch.float32:
+            return 100.0
+        return 400.0 if env_rank() == fast else 25.0
+
+    monkeypatch.setattr(runtime, "matmul_gflops", matmul_gflops)
+
+
+def record_precisions(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The precisions of this process's forward passes (train.autocast's dtype), filled as they run."""
+    seen: set[str] = set()
+    real_autocast = train.autocast
+
+    def autocast(device, dtype):
+        seen.add(str(dtype).removeprefix("torch."))
+        return real_autocast(device, dtype)
+
+    monkeypatch.setattr(train, "autocast", autocast)
+    return seen
+
+
 def capture_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """After train() runs (or fails), holds its 'model' and 'optimizer' objects."""
     captured: dict[str, Any] = {}
@@ -133,14 +191,31 @@ def metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Run train.py's main, sending a signal mid-step.")
+    parser = argparse.ArgumentParser(description="Run train.py's main with a fault injected.")
     parser.add_argument("--signal", default="SIGTERM", help="signal name")
-    parser.add_argument("--at-call", type=int, required=True, help="training forward pass to signal in")
+    parser.add_argument("--at-call", type=int, help="training forward pass to send --signal in")
+    parser.add_argument("--disk-full-from-step", type=int, help="checkpoint writes fail from this step on")
+    parser.add_argument("--corpus-unreadable-on-rank", type=int, help="this rank cannot load the corpus")
+    parser.add_argument("--bf16-fast-on-rank", type=int, help="the dtype=auto probe favours bf16 on this rank only")
+    parser.add_argument("--precisions-to", type=Path,
+                        help="write the precisions this rank's forward passes ran in to PRECISIONS_TO/rank<R>.json")
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     with pytest.MonkeyPatch.context() as monkeypatch:
-        signal_at(monkeypatch, signal.Signals[args.signal], args.at_call)
-        train.main([a for a in args.train_args if a != "--"])
+        if args.at_call is not None:
+            signal_at(monkeypatch, signal.Signals[args.signal], args.at_call)
+        if args.disk_full_from_step is not None:
+            disk_full_from_step(monkeypatch, args.disk_full_from_step)
+        if args.corpus_unreadable_on_rank is not None:
+            corpus_unreadable_on_rank(monkeypatch, args.corpus_unreadable_on_rank)
+        if args.bf16_fast_on_rank is not None:
+            bf16_fast_on_rank(monkeypatch, args.bf16_fast_on_rank)
+        precisions = record_precisions(monkeypatch) if args.precisions_to is not None else set()
+        try:
+            train.main([a for a in args.train_args if a != "--"])
+        finally:
+            if args.precisions_to is not None:
+                (args.precisions_to / f"rank{env_rank()}.json").write_text(json.dumps(sorted(precisions)))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
-"""DDP on CPU (gloo, 2 processes under torchrun): equivalence with one process, exact resume; MFU.
+"""DDP on CPU (gloo, 2 processes under torchrun): equivalence with one process, exact resume,
+failures that stop every rank and print once, one dtype for all ranks; MFU.
 
 The two-process runs are started once per module (three torchrun launches, ~30 s on 2 cores) and
-shared by the tests below.
+shared by the tests below; the failure tests start their own ranks (a few seconds each).
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +22,9 @@ import distributed
 import runtime
 import train
 from checkpoint import load_checkpoint
-from conftest import run_script, tiny_model
+from conftest import REPO, run_script, tiny_model
 from distributed import Dist
+from fault_injection import tiny_args
 from runtime import mfu, peak_flops
 
 # Tiny preset, 2 micro-batches per step so that no_sync (local accumulation) is exercised.
@@ -116,6 +123,81 @@ def test_resume_with_another_world_size_runs_and_warns(ddp_runs, tiny_cfg, tmp_p
     assert len(load_checkpoint(out / "last.pt")["rng_per_rank"]) == 1
 
 
+# ----------------------------------------------------------------------------- failures under DDP
+FAULTS = str(REPO / "tests" / "fault_injection.py")
+
+
+def launch_ranks(tmp_path: Path, *args: str, world_size: int = 2,
+                 timeout: int = 120) -> list[subprocess.CompletedProcess]:
+    """``python *args`` once per rank with the environment torchrun gives it; each rank's result.
+
+    Not torchrun itself: it SIGTERMs the other ranks as soon as one fails, which would hide whether
+    they stop on their own, and it reports one exit code for the job. A rank still running after
+    ``timeout`` seconds is a hang (gloo's own timeout is 30 minutes): all are killed, the test fails.
+    """
+    with socket.socket() as sock:  # a free port for rank 0's rendezvous store
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+                        "LOCAL_WORLD_SIZE": str(world_size)}
+    logs = [(tmp_path / f"rank{r}.out", tmp_path / f"rank{r}.err") for r in range(world_size)]
+    procs = []  # output goes to files: a full pipe could block a rank that its peers then wait for
+    for rank, (out, err) in enumerate(logs):
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=stdout, stderr=stderr,
+                                          env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}))
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)  # the ranks run side by side: one deadline is enough in practice
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise AssertionError(f"ranks still running after {timeout} s: {[p.poll() for p in procs]}") from None
+    return [subprocess.CompletedProcess(args, proc.returncode, out.read_text(), err.read_text())
+            for proc, (out, err) in zip(procs, logs)]
+
+
+def test_a_failed_checkpoint_write_on_rank_0_stops_every_rank_with_74(tmp_path, text_file):
+    # Saves at steps 2 and 4; from step 4 on rank 0's disk is full. Without the ranks comparing the
+    # outcome of the save, rank 1 goes on to step 5's all-reduce and waits there for rank 0.
+    out = tmp_path / "out"
+    ranks = launch_ranks(tmp_path, FAULTS, "--disk-full-from-step", "4", "--",
+                         *tiny_args(out, text_file, max_iters=6, eval_interval=2))
+    assert [r.returncode for r in ranks] == [74, 74]
+    assert re.fullmatch(r"error: could not write \S+ \(No space left on device\); the previous (best|last)\.pt "
+                        r"is intact and no temp file is left\n", ranks[0].stderr), ranks[0].stderr
+    assert ranks[1].stderr == ""  # rank 0 says why; rank 1 stops silently
+    assert load_checkpoint(out / "last.pt")["step"] == 2  # the last good save, untouched
+
+
+@pytest.mark.parametrize("bad", [{"data_path": "/nonexistent/corpus.txt"},  # found after the ranks joined
+                                 {"batch_size": 0}])  # found while parsing, before any process group
+def test_an_error_every_rank_has_is_printed_once_by_rank_0(tmp_path, text_file, bad):
+    ranks = launch_ranks(tmp_path, "train.py", *tiny_args(tmp_path / "out", text_file, **bad))
+    assert [r.returncode for r in ranks] == [2, 2]
+    assert ranks[0].stderr.startswith("error: ") and ranks[0].stderr.count("\n") == 1, ranks[0].stderr
+    assert ranks[1].stderr == ""
+
+
+def test_an_error_only_one_rank_has_is_printed_by_that_rank(tmp_path, text_file):
+    ranks = launch_ranks(tmp_path, FAULTS, "--corpus-unreadable-on-rank", "1", "--",
+                         *tiny_args(tmp_path / "out", text_file))
+    assert [r.returncode for r in ranks] == [2, 2]
+    assert ranks[0].stderr == ""  # rank 0 is fine: it stops silently, as rank 1 failed
+    assert re.fullmatch(r"rank 1: error: \S+: unreadable on this rank \(injected\)\n", ranks[1].stderr), \
+        ranks[1].stderr
+
+
+def test_every_rank_trains_in_the_precision_rank_0_chose(tmp_path, text_file):
+    # The dtype=auto probe favours bf16 on rank 1 only: rank 0 picks fp32, and so must rank 1.
+    ranks = launch_ranks(tmp_path, FAULTS, "--bf16-fast-on-rank", "1", "--precisions-to", str(tmp_path), "--",
+                         *tiny_args(tmp_path / "out", text_file, dtype="auto", max_iters=1, eval_interval=1))
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr for r in ranks]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [["float32"]] * 2
+    assert [r.stdout.count("dtype auto -> ") for r in ranks] == [1, 0]  # the choice is announced once
+    assert load_checkpoint(tmp_path / "out" / "last.pt")["precision"] == "float32"
+
+
 def test_rank_rng_state_picks_own_stream_and_drops_missing_ranks(capsys):
     state = {"rng": "r0", "rng_per_rank": ["r0", "r1"]}
     assert distributed.rank_rng_state(state, Dist(rank=1, world_size=2)) == "r1"
@@ -162,6 +244,15 @@ def test_single_process_setup_is_a_world_of_one(monkeypatch):
     t = torch.tensor(3.0)
     assert distributed.all_reduce_sum(t) is t and t.item() == 3.0
     assert distributed.gather_to_main({"a": 1}) == [{"a": 1}]
+    assert distributed.decide_on_main(lambda: torch.bfloat16) is torch.bfloat16
+    with pytest.raises(ValueError) as raised:  # no peers to tell: the error itself, nothing added
+        with distributed.stop_together(ddp.device):
+            raise ValueError("disk full")
+    assert not hasattr(raised.value, "reporting_rank")
+    ran = []
+    with distributed.main_first(ddp.device):
+        ran.append(True)
+    assert ran == [True]  # once
 
 
 def test_gradients_are_all_reduced_once_per_step_on_the_last_micro_batch(monkeypatch):
