@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_checkpoint
-from config import ConfigError, config_from_dict
+from config import ConfigError, config_from_dict, model_config
 from data import DataError, read_text_file, tokenizer_from_meta
 from model import GPT
 from runtime import fail, pick_device
-from train import model_config
 
 
 def find_checkpoint(ckpt: str) -> Path:

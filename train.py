@@ -28,12 +28,12 @@ import torch
 from checkpoint import (CheckpointError, CheckpointWriteError, capture_rng, library_versions, load_checkpoint,
                         remove_stale_temp_files, restore_rng, save_checkpoint, FORMAT_VERSION)
 from config import (TRAINING_FIELDS, ConfigError, TrainConfig, as_dict, changed_fields, changed_model_fields,
-                    parse_args)
+                    model_config, parse_args)
 from data import DataError, get_batch, iterate_windows, load_corpus, prepare, val_windows
 import distributed
 from distributed import Dist, all_reduce_sum, print0
 from faults import EXIT_BAD_INPUT, NonFiniteGuard, RunStopped, StopOnSignal
-from model import GPT, GPTConfig
+from model import GPT
 from optim import MuonWithAdamW
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
 
@@ -69,11 +69,6 @@ def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch
     """The optimizer the config asks for: AdamW, or Muon for the block matrices plus AdamW (optim.py)."""
     muon_lr = cfg.muon_lr if cfg.optimizer == "muon" else 0.0
     return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type, muon_lr)
-
-
-def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
 
 
 def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scaler,

@@ -19,6 +19,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from model import GPTConfig
+
 PRESET_DIR = Path(__file__).resolve().parent
 # Fields that fix the shape of the network: a checkpoint can only be resumed into the same values.
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "tokenizer")
@@ -244,6 +246,12 @@ def changed_fields(saved: dict[str, Any], cfg: TrainConfig, names: tuple[str, ..
     """``names`` whose value differs between a checkpoint's config and ``cfg``, described for the user."""
     return [f"{name}: checkpoint {saved.get(name)!r} vs now {getattr(cfg, name)!r}"
             for name in names if saved.get(name) != getattr(cfg, name)]
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    """The model part of a training config; the vocabulary comes from the corpus, not the config."""
+    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
 
 
 def as_dict(cfg: TrainConfig) -> dict[str, Any]:

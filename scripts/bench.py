@@ -7,7 +7,7 @@
     python scripts/bench.py --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
 The step is train.py's step, phase by phase: the same batches (data.get_batch), model
-(train.model_config), optimizer (train.build_optimizer), LR (train.get_lr), autocast, loss
+(config.model_config), optimizer (train.build_optimizer), LR (train.get_lr), autocast, loss
 normalisation, gradient clipping and GradScaler. tests/test_perf.py checks that its losses equal
 train.py's. Each phase ends with a device sync so its timer is honest (on CPU the ops are
 synchronous anyway). Warm-up steps are excluded and the medians of many steps are reported. With
@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from config import ConfigError, TrainConfig, make_config  # noqa: E402
+from config import ConfigError, TrainConfig, make_config, model_config  # noqa: E402
 from data import DataError, get_batch, load_corpus, prepare  # noqa: E402
 from model import GPT  # noqa: E402
 from runtime import (autocast, compile_or_eager, matmul_gflops, pick_device, pick_dtype,  # noqa: E402
                      seed_everything, want_compile)
-from train import build_optimizer, get_lr, model_config, set_lr  # noqa: E402
+from train import build_optimizer, get_lr, set_lr  # noqa: E402
 
 PHASES = ("data", "forward", "backward", "optimizer")
 

@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # so that `python scripts/doctor.py` finds the repo's modules
 
 import train  # noqa: E402
-from config import ConfigError, TrainConfig, parse_args  # noqa: E402
+from config import ConfigError, TrainConfig, model_config, parse_args  # noqa: E402
 from data import DataError, get_batch, load_corpus, prepare, tokenizer_from_meta, val_windows  # noqa: E402
 from faults import NonFiniteGuard  # noqa: E402
 from model import GPT  # noqa: E402
@@ -290,7 +290,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
     corpus = load_corpus(folder, cfg.block_size)
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
-    gpt_config = train.model_config(cfg, corpus.vocab_size)
+    gpt_config = model_config(cfg, corpus.vocab_size)
     x, y = get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(cfg.seed), device)
     x_val, y_val = val_windows(corpus.val, cfg.block_size, max_targets=2 * cfg.block_size)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import train
 from checkpoint import load_checkpoint
+from config import model_config
 from conftest import make_text, tiny_model
 from data import CharTokenizer, get_batch, load_corpus, prepare
 from model import GPT
@@ -110,7 +111,7 @@ def record_steps(monkeypatch, cfg) -> list[tuple[list, list[torch.Tensor], list[
 
 def one_batch_gradients(cfg, vocab_size: int, weights: list[torch.Tensor], micro_batches: list) -> list[torch.Tensor]:
     """The gradient of the mean loss over every target of the micro-batches, taken as one batch."""
-    model = GPT(train.model_config(cfg, vocab_size))
+    model = GPT(model_config(cfg, vocab_size))
     with torch.no_grad():
         for p, w in zip(model.parameters(), weights):
             p.copy_(w)

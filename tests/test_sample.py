@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from checkpoint import FORMAT_VERSION, save_checkpoint
-from config import as_dict, make_config
+from config import as_dict, make_config, model_config
 from conftest import REPO, make_text, run_script, tiny_model
 from data import CharTokenizer
 from model import GPT, cached_attention
 from sample import (NextTokenLogits, TextStream, filter_logits, generate, main, pick_next,
                     prompt_ids, window_start)
-from train import model_config
 
 NEG_INF = float("-inf")
 
