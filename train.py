@@ -292,7 +292,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     device = ddp.device
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
-                          "use schedule=steps under torchrun")
+                          "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
     probe_shape = (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd)
     # dtype=auto times a matmul on CPU, and ranks timing it side by side can disagree: rank 0's choice is the job's.
     dtype = distributed.decide_on_main(lambda: pick_dtype(cfg.dtype, device, probe_shape))
