@@ -22,11 +22,9 @@ class MuonWithAdamW:
     """Two torch optimizers behind the members of torch.optim.Optimizer that this repo uses."""
 
     def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon):
+        # Muon has no found_inf hook (fused AdamW's way to skip a step on the device), so NonFiniteGuard
+        # reads its flag on the host every step for this class: free on a CPU, one sync a step on a GPU.
         self.adamw, self.muon = adamw, muon
-        # NonFiniteGuard reads "fused" to know whether step() honours found_inf (the skip hook of fused
-        # AdamW). Muon has no such hook, so the guard reads its flag on the host every step instead:
-        # free on a CPU, one sync per step on a GPU.
-        self.defaults = {"fused": False}
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

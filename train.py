@@ -226,8 +226,9 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokeniz
     it can continue but not exactly as the run that was stopped."""
     saved = state["config"]
     differences = changed_model_fields(saved, cfg)
-    if saved.get("optimizer", "adamw") != cfg.optimizer:  # their states cannot be exchanged
-        differences.append(f"optimizer: checkpoint {saved.get('optimizer', 'adamw')!r} vs now {cfg.optimizer!r}")
+    saved_optimizer = saved.get("optimizer", "adamw")  # format-1 checkpoints predate the field
+    if saved_optimizer != cfg.optimizer:  # their states cannot be exchanged
+        differences.append(f"optimizer: checkpoint {saved_optimizer!r} vs now {cfg.optimizer!r}")
     if state["tokenizer"] != tokenizer_meta:
         differences.append("tokenizer vocabulary differs from the current corpus")
     if differences:
