@@ -611,8 +611,8 @@ def iterate_windows(x: torch.Tensor, y: torch.Tensor, batch_size: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-    parser = argparse.ArgumentParser(description="Prepare a corpus into token files.")
+    from config import CommandLine
+    parser = CommandLine(description="Prepare a corpus into token files.")
     parser.add_argument("--dataset", default="shakespeare")
     parser.add_argument("--data_path", "--data-path", default="")
     parser.add_argument("--tokenizer", default="char", choices=["char", "gpt2"])

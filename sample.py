@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_checkpoint
-from config import ConfigError, config_from_dict, model_config
+from config import CommandLine, ConfigError, config_from_dict, model_config
 from data import DataError, read_text_file, tokenizer_from_meta
 from model import GPT
 from runtime import fail, pick_device
@@ -188,8 +188,7 @@ class TextStream:
 
 # ----------------------------------------------------------------------------- command line
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -222,6 +223,35 @@ def build_parser() -> argparse.ArgumentParser:
                             const="true" if f.type == "bool" else None,
                             help=f"{helps.get(f.name, '')} (default: {f.default})")
     return parser
+
+
+class CommandLine(argparse.ArgumentParser):
+    """argparse with train.py's manners, for every other entry point: a mistake is one line, never
+    the usage block. ``error: unknown flag `--tmp`; did you mean `--temp`?`` then exit code 2.
+    """
+
+    def __init__(self, **kwargs: Any):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(allow_abbrev=False, **kwargs)  # an abbreviation that later grows ambiguous breaks scripts
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's signature
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(self.unknown_message(unknown))
+        return parsed
+
+    def unknown_message(self, unknown: list[str]) -> str:
+        flag = next((u.split("=")[0] for u in unknown if u.startswith("-")), None)
+        if flag is None:
+            return f"unexpected argument `{unknown[0]}`; run with --help to list every flag"
+        known = [s for action in self._actions for s in action.option_strings]
+        close = difflib.get_close_matches(flag, known, n=1)
+        return f"unknown flag `{flag}`" + (f"; did you mean `{close[0]}`?" if close else
+                                            "; run with --help to list every flag")
+
+    def error(self, message: str):  # argparse calls this for bad values and missing arguments too
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

@@ -16,7 +16,6 @@ processes on a shared machine falls on both alike.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from config import ConfigError, TrainConfig, make_config, model_config  # noqa: E402
+from config import CommandLine, ConfigError, TrainConfig, make_config, model_config  # noqa: E402
 from data import DataError, get_batch, load_corpus, prepare  # noqa: E402
 from model import GPT  # noqa: E402
 from runtime import (autocast, compile_or_eager, matmul_gflops, pick_device, pick_dtype,  # noqa: E402
@@ -226,8 +225,7 @@ def matmul_report(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = CommandLine(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="small", help="preset name in config/ or a .toml path")
     parser.add_argument("overrides", nargs="*", default=[], help="KEY=VALUE config overrides, e.g. dtype=float32")
     parser.add_argument("--vs", default=None, help="KEY=VALUE[,KEY=VALUE] overrides of a second config to compare")

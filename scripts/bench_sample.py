@@ -11,7 +11,6 @@ tokens differ or the speed-up is below --min-speedup, so a regression fails loud
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from config import CommandLine  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from sample import generate, load_model  # noqa: E402
 
@@ -34,8 +34,7 @@ def time_generate(model: GPT, prompt: torch.Tensor, tokens: int, use_cache: bool
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", default="", help="benchmark this checkpoint instead of a random init")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=4)

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from config import CommandLine  # noqa: E402
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
@@ -82,8 +86,7 @@ def parse_ref(text: str) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = CommandLine(description=__doc__.split("\n")[0])
     parser.add_argument("metrics", nargs="+", type=Path, help="metrics.jsonl files written by train.py")
     parser.add_argument("-o", "--out", type=Path, default=Path("loss.png"), help="PNG to write")
     parser.add_argument("--labels", nargs="+", default=None, help="one legend label per file (default: folder)")

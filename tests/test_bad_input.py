@@ -84,3 +84,40 @@ def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_no
     assert err == (f"error: {out / 'last.pt'} was trained with other settings: n_layer: checkpoint 2 vs now 3; "
                    "n_embd: checkpoint 32 vs now 64. Use the same settings or a new --out_dir\n")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+
+ENTRY_POINTS = ["sample.py", "data.py", "scripts/bench.py", "scripts/bench_sample.py", "scripts/plot.py"]
+
+
+def load_entry_point(relative: str):
+    """Import a script by path (scripts/ is not a package), as `python SCRIPT` would run it."""
+    import importlib.util
+    import sys
+    from conftest import REPO
+    name = Path(relative).stem + "_under_test"
+    spec = importlib.util.spec_from_file_location(name, REPO / relative)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS)
+def test_every_entry_point_answers_an_unknown_flag_in_one_line(capsys, script):
+    with pytest.raises(SystemExit) as stopped:
+        load_entry_point(script).main(["--seeed", "1"] + (["x.jsonl"] if script == "scripts/plot.py" else []))
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert err.startswith("error: unknown flag `--seeed`") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--tmp", "0.8"], "unknown flag `--tmp`; did you mean `--temp`?"),
+    (["--temp", "abc"], "invalid float value: 'abc'"),
+    (["surplus"], "unexpected argument `surplus`"),
+])
+def test_sample_flag_mistakes_are_one_line_with_a_hint(capsys, argv, expected):
+    with pytest.raises(SystemExit) as stopped:
+        load_entry_point("sample.py").main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and expected in err, err
