@@ -19,6 +19,16 @@ WORDS = ("the king queen lord lady love death night day crown sword heart blood 
          "foul good ill speak hear see come go stay fly rest sleep wake").split()
 
 
+def load_entry_point(relative: str):
+    """Import a script by its path in the repo (scripts/ is not a package), as `python SCRIPT` runs it."""
+    import importlib.util
+    name = Path(relative).stem + "_under_test"
+    spec = importlib.util.spec_from_file_location(name, REPO / relative)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def make_text(n_lines: int = 600, seed: int = 0) -> str:
     """Pseudo-verse with speakers and punctuation: enough structure for a tiny model to learn."""
     rng = random.Random(seed)

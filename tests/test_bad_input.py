@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import train
+from conftest import load_entry_point
 from data import prepare
 from fault_injection import run_main, tiny_args
 
@@ -88,18 +89,6 @@ def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_no
 
 
 ENTRY_POINTS = ["sample.py", "data.py", "scripts/bench.py", "scripts/bench_sample.py", "scripts/plot.py"]
-
-
-def load_entry_point(relative: str):
-    """Import a script by path (scripts/ is not a package), as `python SCRIPT` would run it."""
-    import importlib.util
-    import sys
-    from conftest import REPO
-    name = Path(relative).stem + "_under_test"
-    spec = importlib.util.spec_from_file_location(name, REPO / relative)
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("script", ENTRY_POINTS)

@@ -319,17 +319,17 @@ def test_mfu_is_none_on_cpu():
 
 # ----------------------------------------------------------------------------- README
 def readme_torchrun_commands() -> list[list[str]]:
-    """The torchrun command lines of the README's Multi-GPU section, as argument lists."""
+    """The torchrun command lines of docs/multi-gpu.md, as argument lists."""
     import re
     import shlex
     from conftest import REPO
-    section = (REPO / "README.md").read_text().split("## Multi-GPU", 1)[1].split("\n## ", 1)[0]
+    section = (REPO / "docs" / "multi-gpu.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     return [shlex.split(line) for line in lines if line.startswith("torchrun")]
 
 
-def test_readme_multi_gpu_commands_parse_and_keep_the_gpt2_batch():
+def test_multi_gpu_page_commands_parse_and_keep_the_gpt2_batch():
     from config import parse_args
     commands = readme_torchrun_commands()
     assert len(commands) == 3  # one node, several nodes, CPU
@@ -338,5 +338,5 @@ def test_readme_multi_gpu_commands_parse_and_keep_the_gpt2_batch():
         cfg = parse_args(train_args)  # raises on any flag that no longer exists
         flags = dict(a.lstrip("-").split("=", 1) for a in launcher if "=" in a)
         world = int(flags["nproc_per_node"]) * int(flags.get("nnodes", 1))
-        if cfg.tokenizer == "gpt2":  # the README promises these keep the preset's tokens per step
+        if cfg.tokenizer == "gpt2":  # the page promises these keep the preset's tokens per step
             assert cfg.tokens_per_step() * world == parse_args(["--config", "gpt2"]).tokens_per_step()
