@@ -64,6 +64,14 @@ HUB_NAMES = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/g
 KNOWN_HEADS = {(12, 768): 12, (24, 1024): 16, (36, 1280): 20, (48, 1600): 25}  # (n_layer, n_embd) -> n_head
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # theirs -> ours
 LAYER_NORM_EPS = 1e-5  # GPT-2's epsilon, which is also nn.LayerNorm's default (model.py uses the default)
+CONFIG_RULES = (  # config.json fields that change the computation: (name, GPT-2's default, what this model does)
+    ("activation_function", "gelu_new", tuple(ACTIVATIONS)),
+    ("layer_norm_epsilon", LAYER_NORM_EPS, (LAYER_NORM_EPS,)),
+    ("n_inner", None, (None,)),  # null: the MLP is 4 * n_embd wide
+    ("scale_attn_weights", True, (True,)),  # attention logits divided by sqrt(hs)
+    ("scale_attn_by_inverse_layer_idx", False, (False,)),
+    ("tie_word_embeddings", True, (True,)),
+)
 GPT2_VOCAB = 50257  # GPT-2's BPE: 50256 merged byte tokens and <|endoftext|>
 CHARS_FILE = "tinygpt_chars.json"  # a char model's vocabulary: token id i is chars[i]
 
@@ -193,21 +201,12 @@ def read_shape(config_file: Path | None, tensors: dict[str, torch.Tensor], weigh
     if hf.get("model_type") != "gpt2":
         raise HFError(f"{config_file}: model_type {hf.get('model_type')!r}, not 'gpt2': only GPT-2's layout "
                       "maps onto this model")
-    checks = [  # (what, value in the file, what this model computes)
-        ("activation_function", hf.get("activation_function", "gelu_new"), "one of " + ", ".join(ACTIVATIONS)),
-        ("layer_norm_epsilon", hf.get("layer_norm_epsilon", LAYER_NORM_EPS), LAYER_NORM_EPS),
-        ("n_inner", hf.get("n_inner"), f"null or 4 * n_embd = {4 * hf.get('n_embd', 0)}"),
-        ("scale_attn_weights", hf.get("scale_attn_weights", True), True),
-        ("scale_attn_by_inverse_layer_idx", hf.get("scale_attn_by_inverse_layer_idx", False), False),
-        ("reorder_and_upcast_attn", hf.get("reorder_and_upcast_attn", False), False),
-        ("tie_word_embeddings", hf.get("tie_word_embeddings", True), True),
-    ]
-    for name, got, want in checks:
-        fits = (got in ACTIVATIONS if name == "activation_function" else
-                got in (None, 4 * hf.get("n_embd", 0)) if name == "n_inner" else
-                math.isclose(got, want) if name == "layer_norm_epsilon" else got == want)
-        if not fits:
-            raise HFError(f"{config_file}: {name} is {got!r}; this model needs {want}")
+    if hf.get("n_inner") == 4 * hf.get("n_embd", 0):
+        hf["n_inner"] = None  # the same MLP width, written out
+    for name, default, allowed in CONFIG_RULES:
+        if hf.get(name, default) not in allowed:
+            raise HFError(f"{config_file}: {name} is {hf.get(name, default)!r}; this model computes "
+                          f"{' or '.join(map(repr, allowed))}")
     try:
         return {"n_layer": int(hf["n_layer"]), "n_head": int(hf["n_head"]), "n_embd": int(hf["n_embd"]),
                 "n_positions": int(hf["n_positions"]), "vocab_size": int(hf["vocab_size"]),

