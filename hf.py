@@ -22,7 +22,6 @@ imported here; huggingface_hub only when a hub name is used.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,7 +162,8 @@ def download(repo_id: str) -> tuple[Path, Path]:
         reason = ("no network, and not in the cache" if isinstance(err, (LocalEntryNotFoundError, OfflineModeIsEnabled))
                   else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}")
         raise HFError(f"could not get {repo_id} from the Hugging Face hub ({reason}); download it where there "
-                      f"is network (hf download {repo_id} --local-dir DIR), copy DIR here and pass --init_from DIR") from None
+                      f"is network (hf download {repo_id} --local-dir DIR), copy DIR here and pass "
+                      "--init_from DIR (a local folder or .safetensors file)") from None
     finally:
         hub_log.setLevel(level)
     return Path(weights), Path(config)
@@ -215,7 +215,8 @@ def read_shape(config_file: Path | None, tensors: dict[str, torch.Tensor], weigh
         raise HFError(f"{config_file}: no {err.args[0]}") from None
 
 
-def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: int, source: str) -> dict[str, torch.Tensor]:
+def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: int,
+            source: str) -> dict[str, torch.Tensor]:
     """Check every key and shape against ``config``, then map, transpose, pad and crop."""
     rows = [(ours, theirs.removeprefix(PREFIX)) for ours, theirs in expand(config.n_layer)]
     given = {key for key in tensors if not key.endswith(NOT_WEIGHTS) and key != TIED_HEAD}

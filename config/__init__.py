@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a tiny GPT. Every config field below can be set from the command line.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", default=None,
-                        help="preset name in config/ (tiny, small, gpt2, nanogpt_cpu) or a path to a .toml file")
+                        help="preset name in config/ (tiny, small, gpt2, nanogpt_cpu, finetune_shakespeare) or a path to a .toml file")
     helps = field_help()
     for f in fields(TrainConfig):
         flags = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])

@@ -154,7 +154,8 @@ def corrupt(folder: Path, edit) -> Path:
 
 @pytest.mark.parametrize("edit, overrides, message", [
     (lambda t: t.pop("transformer.h.1.mlp.c_fc.bias"), {}, "missing key transformer.h.1.mlp.c_fc.bias"),
-    (lambda t: t.update({"transformer.h.0.attn.c_attn.weight": t["transformer.h.0.attn.c_attn.weight"].t().contiguous()}), {},
+    (lambda t: t.update({"transformer.h.0.attn.c_attn.weight": t["transformer.h.0.attn.c_attn.weight"].T.contiguous()}),
+     {},
      r"transformer.h.0.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"),
     (lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(32)}), {},
      "unexpected key h.2.ln_1.weight for a 2-layer GPT-2"),
