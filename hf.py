@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from config import ConfigError, TrainConfig
+from data import GPT2_EOT
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------- the mapping
@@ -71,7 +72,7 @@ CONFIG_RULES = (  # config.json fields that change the computation: (name, GPT-2
     ("scale_attn_by_inverse_layer_idx", False, (False,)),
     ("tie_word_embeddings", True, (True,)),
 )
-GPT2_VOCAB = 50257  # GPT-2's BPE: 50256 merged byte tokens and <|endoftext|>
+GPT2_VOCAB = GPT2_EOT + 1  # GPT-2's BPE: 50256 byte-level tokens, then <|endoftext|>
 CHARS_FILE = "tinygpt_chars.json"  # a char model's vocabulary: token id i is chars[i]
 
 

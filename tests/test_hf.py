@@ -273,6 +273,7 @@ def test_export_then_import_is_the_identity_and_sample_reads_it(tmp_path, capsys
     assert tokenizer.decode(expected[0].tolist()) in capsys.readouterr().out
 
 
+@pytest.mark.slow  # two fresh interpreters (~20 s on a busy 2-core machine)
 def test_export_script_writes_a_run_for_transformers(tmp_path, tiny_cfg):
     cfg = tiny_cfg(max_iters=2, eval_interval=2)
     train.train(cfg)
