@@ -155,6 +155,16 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     return state
 
 
+def read_config(path: Path) -> dict[str, Any] | None:
+    """The config a checkpoint was saved with, read cheaply (memory-mapped, no digest check), or None
+    if the file cannot be read that way. For decisions taken before the full, verified load_checkpoint."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - load_checkpoint will name the problem
+        return None
+    return state.get("config") if isinstance(state, dict) else None
+
+
 def verify_digest(path: Path) -> None:
     """Raise CheckpointError unless the file ends with the sha256 save_checkpoint stored, and matches it."""
     size = path.stat().st_size

@@ -29,6 +29,7 @@ class GPTConfig:
     n_embd: int = 128  # residual width C
     dropout: float = 0.0  # dropout probability
     bias: bool = False  # biases in Linear and LayerNorm
+    activation: str = "gelu"  # MLP nonlinearity: gelu (exact, erf) | gelu_tanh (GPT-2's tanh approximation)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -152,7 +153,9 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
+        # GPT-2 was trained with the tanh approximation of GELU (Hendrycks & Gimpel 2016, eq. 2);
+        # its weights must run with it to give GPT-2's logits. New models default to the exact erf form.
+        self.gelu = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 

@@ -3,6 +3,7 @@
     python sample.py --temp 0.8                       # newest best.pt under out/
     python sample.py --ckpt out/small --prompt "ROMEO:" --num-samples 3 --top-k 40 --top-p 0.9
     python sample.py --prompt-file prompt.txt --temp 0 --no-stream
+    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (hf.py)
 
 The checkpoint carries the tokenizer, so nothing else is needed. Reads top to bottom: choosing a
 token (filters, temperature) -> the context window and its KV cache -> the generation loop ->
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from checkpoint import CheckpointError, load_checkpoint
 from config import CommandLine, ConfigError, config_from_dict, model_config
 from data import DataError, read_text_file, tokenizer_from_meta
+import hf
 from model import GPT
 from runtime import fail, pick_device
 
@@ -49,6 +51,18 @@ def load_model(path: Path, device: torch.device) -> tuple[GPT, object]:
     tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
     model = GPT(model_config(cfg, tokenizer.vocab_size))
     model.load_state_dict(state["model"])
+    return model.to(device).eval(), tokenizer
+
+
+def load_pretrained(source: str, device: torch.device, data_dir: Path = Path("data")) -> tuple[GPT, object]:
+    """Model in eval mode and its tokenizer, from Hugging Face GPT-2 weights (hf.py); no checkpoint."""
+    pretrained = hf.load_pretrained(source)
+    if pretrained.tokenizer is None:
+        raise hf.HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} (known: "
+                         f"GPT-2's BPE, {hf.GPT2_VOCAB} tokens, or a char list in {hf.CHARS_FILE})")
+    tokenizer = tokenizer_from_meta(pretrained.tokenizer, data_dir)
+    model = GPT(pretrained.config)
+    model.load_state_dict(pretrained.state)
     return model.to(device).eval(), tokenizer
 
 
@@ -189,7 +203,11 @@ class TextStream:
 # ----------------------------------------------------------------------------- command line
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
+    source.add_argument("--init_from", "--init-from", default="",
+                        help="sample pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a "
+                             "folder / .safetensors in the Hugging Face GPT-2 layout")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
     prompt.add_argument("--prompt-file", "--prompt_file", default="", help="UTF-8 file whose text to continue")
@@ -222,9 +240,9 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        path = find_checkpoint(args.ckpt)
+        path = args.init_from or find_checkpoint(args.ckpt)
         device = pick_device(args.device)
-        model, tokenizer = load_model(path, device)
+        model, tokenizer = load_pretrained(args.init_from, device) if args.init_from else load_model(path, device)
         text = read_text_file(Path(args.prompt_file)) if args.prompt_file else args.prompt
         prompt = prompt_ids(tokenizer, text)
     except (CheckpointError, ConfigError, DataError) as err:

@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 from checkpoint import (CheckpointError, CheckpointWriteError, capture_rng, library_versions, load_checkpoint,
-                        remove_stale_temp_files, restore_rng, save_checkpoint, FORMAT_VERSION)
+                        read_config, remove_stale_temp_files, restore_rng, save_checkpoint, FORMAT_VERSION)
 from config import (TRAINING_FIELDS, ConfigError, TrainConfig, as_dict, changed_fields, changed_model_fields,
-                    model_config, parse_args)
+                    config_from_dict, model_config, parse_args)
 from data import DataError, get_batch, iterate_windows, load_corpus, prepare, val_windows
 import distributed
 from distributed import Dist, all_reduce_sum, print0
 from faults import EXIT_BAD_INPUT, NonFiniteGuard, RunStopped, StopOnSignal
+import hf
 from model import GPT
 from optim import MuonWithAdamW
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
@@ -195,6 +196,36 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def start_from(cfg: TrainConfig, out_dir: Path) -> tuple[TrainConfig, hf.Pretrained | None]:
+    """With init_from, the config takes the pretrained model's shape; a fresh run also gets its weights.
+
+    A resume takes the shape from last.pt's config and imports nothing: the checkpoint has the weights.
+    """
+    if not cfg.init_from:
+        return cfg, None
+    if cfg.resume:
+        saved = read_config(out_dir / "last.pt") if (out_dir / "last.pt").is_file() else None
+        if saved is None:  # resume() names the missing file
+            return cfg, None
+        shape = model_config(config_from_dict(saved), 1)
+        return hf.adopt(cfg, shape, {"kind": saved["tokenizer"]}, str(out_dir / "last.pt")), None
+    pretrained = hf.load_pretrained(cfg.init_from, cfg.block_size)
+    cfg = hf.adopt(cfg, pretrained.config, pretrained.tokenizer, cfg.init_from)
+    print0(f"init_from {cfg.init_from}: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, "
+           f"bias {cfg.bias}, activation {cfg.activation}, tokenizer {cfg.tokenizer}, block_size {cfg.block_size} "
+           f"of {pretrained.n_positions} positions")
+    return cfg, pretrained
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, tokenizer_meta: dict, pretrained: hf.Pretrained | None) -> GPT:
+    """A GPT for the corpus: randomly initialised, or holding the imported weights (init_from)."""
+    model = GPT(model_config(cfg, vocab_size))
+    if pretrained is not None:
+        hf.check_vocab(pretrained, tokenizer_meta, vocab_size)
+        model.load_state_dict(pretrained.state)
+    return model
+
+
 def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optimizer, scaler,
            data_gen: torch.Generator, dtype: torch.dtype, ddp: Dist = Dist()) -> tuple[int, float, float]:
     """Load last.pt into the run; refuse a checkpoint of another shape or tokenizer.
@@ -294,6 +325,8 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
                           "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
+    with distributed.main_first(device):  # rank 0 downloads pretrained weights, the others read its cache
+        cfg, pretrained = start_from(cfg, out_dir)  # init_from: before anything is written
     probe_shape = (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd)
     # dtype=auto times a matmul on CPU, and ranks timing it side by side can disagree: rank 0's choice is the job's.
     dtype = distributed.decide_on_main(lambda: pick_dtype(cfg.dtype, device, probe_shape))
@@ -306,7 +339,8 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
                     for w in val_windows(corpus.val, cfg.block_size, cfg.eval_tokens))
     data_gen = torch.Generator().manual_seed(cfg.seed + ddp.rank)  # the only source of this rank's data
     # --- model and optimizer
-    model = GPT(model_config(cfg, corpus.vocab_size)).to(device)
+    model = build_model(cfg, corpus.vocab_size, corpus.meta["tokenizer"], pretrained).to(device)
+    del pretrained  # its tensors now live in the model
     optimizer = build_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
     guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)  # see faults.py for the policy

@@ -24,7 +24,9 @@ from model import GPTConfig
 
 PRESET_DIR = Path(__file__).resolve().parent
 # Fields that fix the shape of the network: a checkpoint can only be resumed into the same values.
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "tokenizer")
+MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation", "tokenizer")
+# What a checkpoint saved before a field existed meant by it (activation: the exact GELU, then the only one).
+OLD_DEFAULTS = {"activation": "gelu", "init_from": ""}
 # Fields a resume may change, though the run then differs from one never stopped (max_iters is not
 # among them: raising it only extends a step schedule; max_time is, for schedule=time).
 TRAINING_FIELDS = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters", "schedule", "muon_lr",
@@ -44,6 +46,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16/fp16 on GPU; on CPU bf16 if a matmul probe finds it faster, else fp32) | float32 | bfloat16 | float16
     compile: str = "auto"  # torch.compile: auto (on for CUDA only) | on | off
     resume: bool = False  # continue exactly from out_dir/last.pt
+    init_from: str = ""  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (hf.py)
     # --- data ---
     dataset: str = "shakespeare"  # built-in corpus name; ignored when data_path is set
     data_path: str = ""  # a UTF-8 text file, a folder of .txt files or a .jsonl ("text" field) to train on
@@ -58,6 +61,7 @@ class TrainConfig:
     block_size: int = 128  # context length in tokens
     dropout: float = 0.0  # dropout probability (attention, residual, embeddings)
     bias: bool = False  # biases in Linear and LayerNorm layers
+    activation: str = "gelu"  # MLP nonlinearity: gelu (exact) | gelu_tanh (GPT-2's approximation; set by init_from)
     # --- optimisation ---
     batch_size: int = 32  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -94,6 +98,7 @@ CHOICES = {
     "tokenizer": ("char", "gpt2"),
     "optimizer": ("adamw", "muon"),
     "schedule": ("steps", "time"),
+    "activation": ("gelu", "gelu_tanh"),
 }
 
 
@@ -186,7 +191,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("muon_lr must be > 0 with optimizer=muon")
     if cfg.schedule == "time" and cfg.max_time == 0:
         raise ConfigError("schedule=time decays the lr over max_time: set max_time (seconds) or use schedule=steps")
-    for name in ("dtype", "compile", "tokenizer", "optimizer", "schedule"):
+    for name in ("dtype", "compile", "tokenizer", "optimizer", "schedule", "activation"):
         if getattr(cfg, name) not in CHOICES[name]:
             raise ConfigError(f"{name} must be one of {', '.join(CHOICES[name])}, got `{getattr(cfg, name)}`")
     return cfg
@@ -213,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a tiny GPT. Every config field below can be set from the command line.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", default=None,
-                        help="preset name in config/ (tiny, small, gpt2, nanogpt_cpu) or a path to a .toml file")
+                        help="preset name in config/ (tiny, small, gpt2, nanogpt_cpu, finetune_shakespeare) or a path to a .toml file")
     helps = field_help()
     for f in fields(TrainConfig):
         flags = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
@@ -274,6 +279,7 @@ def changed_model_fields(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
 
 def changed_fields(saved: dict[str, Any], cfg: TrainConfig, names: tuple[str, ...]) -> list[str]:
     """``names`` whose value differs between a checkpoint's config and ``cfg``, described for the user."""
+    saved = {**OLD_DEFAULTS, **saved}
     return [f"{name}: checkpoint {saved.get(name)!r} vs now {getattr(cfg, name)!r}"
             for name in names if saved.get(name) != getattr(cfg, name)]
 
@@ -281,7 +287,8 @@ def changed_fields(saved: dict[str, Any], cfg: TrainConfig, names: tuple[str, ..
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
     """The model part of a training config; the vocabulary comes from the corpus, not the config."""
     return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
+                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+                     activation=cfg.activation)
 
 
 def as_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,0 +1,402 @@
+"""Hugging Face GPT-2 in and out: start from pretrained weights, hand a trained model to transformers.
+
+    python train.py --config finetune_shakespeare           # fine-tune GPT-2 (init_from = "gpt2")
+    python sample.py --init_from gpt2 --prompt "Hello"       # sample GPT-2 itself, no checkpoint
+    python scripts/export_hf.py out/finetune_shakespeare hf/shakespeare   # a folder transformers loads
+
+The whole mapping is the table NAMES below, read top to bottom and used in both directions. Our
+parameter names are GPT-2's, so names map one to one; what differs is data: Hugging Face's GPT-2
+stores its four big matrices in Conv1D layers, (in, out), where nn.Linear has (out, in)
+(TRANSPOSED); our vocabulary is padded to a multiple of 64 (model.GPTConfig.padded_vocab_size);
+our position table may be shorter than GPT-2's 1024 (cropped on import). Older files also carry
+the causal-mask buffers ``attn.bias`` / ``attn.masked_bias``, which are not weights (NOT_WEIGHTS),
+and ``lm_head.weight``, which is tied to ``wte`` (TIED_HEAD). Everything is checked before a weight
+is copied or a file written: a key or shape that does not fit raises HFError naming it.
+
+Weights come as a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, or any "owner/name"), fetched
+by huggingface_hub into its cache (HF_HOME, HF_HUB_OFFLINE apply), or a local folder holding
+model.safetensors (+ config.json), or a bare .safetensors file. A bare file's n_head comes from a
+config.json beside it or, for the four GPT-2 sizes, from KNOWN_HEADS. transformers is never
+imported here; huggingface_hub only when a hub name is used.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from config import ConfigError, TrainConfig
+from data import GPT2_EOT
+from model import GPT, GPTConfig
+
+# ----------------------------------------------------------------------------- the mapping
+# (our name, Hugging Face GPT2LMHeadModel name); {i} is the block index. In forward order.
+NAMES = (
+    ("transformer.wte.weight", "transformer.wte.weight"),  # (V, C); also our lm_head (tied)
+    ("transformer.wpe.weight", "transformer.wpe.weight"),  # (block_size, C) ours, (n_positions, C) theirs
+    ("transformer.h.{i}.ln_1.weight", "transformer.h.{i}.ln_1.weight"),
+    ("transformer.h.{i}.ln_1.bias", "transformer.h.{i}.ln_1.bias"),
+    ("transformer.h.{i}.attn.c_attn.weight", "transformer.h.{i}.attn.c_attn.weight"),  # q, k, v side by side
+    ("transformer.h.{i}.attn.c_attn.bias", "transformer.h.{i}.attn.c_attn.bias"),
+    ("transformer.h.{i}.attn.c_proj.weight", "transformer.h.{i}.attn.c_proj.weight"),
+    ("transformer.h.{i}.attn.c_proj.bias", "transformer.h.{i}.attn.c_proj.bias"),
+    ("transformer.h.{i}.ln_2.weight", "transformer.h.{i}.ln_2.weight"),
+    ("transformer.h.{i}.ln_2.bias", "transformer.h.{i}.ln_2.bias"),
+    ("transformer.h.{i}.mlp.c_fc.weight", "transformer.h.{i}.mlp.c_fc.weight"),
+    ("transformer.h.{i}.mlp.c_fc.bias", "transformer.h.{i}.mlp.c_fc.bias"),
+    ("transformer.h.{i}.mlp.c_proj.weight", "transformer.h.{i}.mlp.c_proj.weight"),
+    ("transformer.h.{i}.mlp.c_proj.bias", "transformer.h.{i}.mlp.c_proj.bias"),
+    ("transformer.ln_f.weight", "transformer.ln_f.weight"),
+    ("transformer.ln_f.bias", "transformer.ln_f.bias"),
+)
+# Conv1D (Radford et al.'s original TF code, kept by transformers) computes x @ W with W (in, out).
+TRANSPOSED = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers saved by older transformers
+TIED_HEAD = "lm_head.weight"  # equal to wte.weight; may be absent (safetensors cannot store a shared tensor)
+PREFIX = "transformer."  # GPT2LMHeadModel's files have it, GPT2Model's (the original hub gpt2) do not
+
+HUB_NAMES = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
+             "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl"}
+KNOWN_HEADS = {(12, 768): 12, (24, 1024): 16, (36, 1280): 20, (48, 1600): 25}  # (n_layer, n_embd) -> n_head
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # theirs -> ours
+LAYER_NORM_EPS = 1e-5  # GPT-2's epsilon, which is also nn.LayerNorm's default (model.py uses the default)
+CONFIG_RULES = (  # config.json fields that change the computation: (name, GPT-2's default, what this model does)
+    ("activation_function", "gelu_new", tuple(ACTIVATIONS)),
+    ("layer_norm_epsilon", LAYER_NORM_EPS, (LAYER_NORM_EPS,)),
+    ("n_inner", None, (None,)),  # null: the MLP is 4 * n_embd wide
+    ("scale_attn_weights", True, (True,)),  # attention logits divided by sqrt(hs)
+    ("scale_attn_by_inverse_layer_idx", False, (False,)),
+    ("tie_word_embeddings", True, (True,)),
+)
+GPT2_VOCAB = GPT2_EOT + 1  # GPT-2's BPE: 50256 byte-level tokens, then <|endoftext|>
+CHARS_FILE = "tinygpt_chars.json"  # a char model's vocabulary: token id i is chars[i]
+
+
+class HFError(ConfigError):
+    """Weights or a config that do not fit this model; the message names the key and the fix."""
+
+
+def expand(n_layer: int) -> list[tuple[str, str]]:
+    """NAMES with {i} filled in for every block."""
+    rows = []
+    for ours, theirs in NAMES:
+        layers = range(n_layer) if "{i}" in ours else [None]
+        rows += [(ours.format(i=i), theirs.format(i=i)) for i in layers]
+    return rows
+
+
+def is_transposed(name: str) -> bool:
+    return name.endswith(TRANSPOSED)
+
+
+# ----------------------------------------------------------------------------- import
+@dataclass
+class Pretrained:
+    """Imported weights under our names, ready for ``GPT(config).load_state_dict(state)``."""
+    config: GPTConfig
+    state: dict[str, torch.Tensor]
+    n_positions: int  # the position table's length in the file (block_size may be less)
+    source: str
+    tokenizer: dict | None  # {"kind": "gpt2"} or {"kind": "char", ...} if known from the files, else None
+
+
+def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pretrained:
+    """Read Hugging Face GPT-2 weights (hub name, folder or .safetensors) into our layout.
+
+    block_size 0 keeps every position; a smaller one crops the table, a larger one is refused.
+    bias=False drops the biases, refusing any that is not zero. Raises HFError before anything else.
+    """
+    weights, config_file = locate(source)
+    tensors = read_weights(weights)
+    shape = read_shape(config_file, tensors, weights)
+    block_size = block_size or shape["n_positions"]
+    if block_size > shape["n_positions"]:
+        raise HFError(f"block_size {block_size} exceeds the {shape['n_positions']} positions of {source}; "
+                      f"use --block_size {shape['n_positions']} or less")
+    config = GPTConfig(vocab_size=shape["vocab_size"], block_size=block_size, n_layer=shape["n_layer"],
+                       n_head=shape["n_head"], n_embd=shape["n_embd"], bias=bias, activation=shape["activation"])
+    state = to_ours(tensors, config, shape["n_positions"], source)
+    return Pretrained(config, state, shape["n_positions"], source, read_tokenizer(weights.parent, config.vocab_size))
+
+
+def locate(source: str) -> tuple[Path, Path | None]:
+    """(the .safetensors file, its config.json or None) for a folder, a file or a hub name."""
+    path = Path(source)
+    if path.is_dir():
+        weights = path / "model.safetensors"
+        if not weights.is_file():
+            raise HFError(f"{path}: no model.safetensors in this folder (the Hugging Face GPT-2 layout)")
+        return weights, path / "config.json" if (path / "config.json").is_file() else None
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise HFError(f"{path}: not a .safetensors file; pass one, a folder holding model.safetensors, "
+                          f"or a hub name ({', '.join(HUB_NAMES)})")
+        beside = path.parent / "config.json"
+        return path, beside if beside.is_file() else None
+    if source in HUB_NAMES or re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        return download(HUB_NAMES.get(source, source))
+    raise HFError(f"{source}: no such folder or file, and not a hub name ({', '.join(HUB_NAMES)})")
+
+
+def download(repo_id: str) -> tuple[Path, Path]:
+    """config.json and model.safetensors from the hub, through huggingface_hub's cache (HF_HOME).
+
+    Offline the hub client retries for ~25 s before giving up (HF_HUB_OFFLINE=1 fails at once); its
+    retry warnings are silenced so that the failure is the one line below.
+    """
+    import logging
+
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
+    try:
+        config = huggingface_hub.hf_hub_download(repo_id, "config.json")
+        weights = huggingface_hub.hf_hub_download(repo_id, "model.safetensors")
+    except (OSError, EntryNotFoundError) as err:  # offline, not cached, no such repo or file, HTTP errors
+        reason = ("no network, and not in the cache" if isinstance(err, (LocalEntryNotFoundError, OfflineModeIsEnabled))
+                  else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}")
+        raise HFError(f"could not get {repo_id} from the Hugging Face hub ({reason}); download it where there "
+                      f"is network (hf download {repo_id} --local-dir DIR), copy DIR here and pass "
+                      "--init_from DIR (a local folder or .safetensors file)") from None
+    finally:
+        hub_log.setLevel(level)
+    return Path(weights), Path(config)
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a .safetensors file in fp32, without the ``transformer.`` prefix."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        raw = load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise HFError(f"{path}: not a readable .safetensors file ({str(err)[:160]})") from None
+    return {key.removeprefix(PREFIX): value.float() for key, value in raw.items()}
+
+
+def read_shape(config_file: Path | None, tensors: dict[str, torch.Tensor], weights: Path) -> dict[str, Any]:
+    """n_layer, n_head, n_embd, n_positions, vocab_size, activation: from config.json or the shapes."""
+    if config_file is None:
+        if "wte.weight" not in tensors or "wpe.weight" not in tensors:
+            raise HFError(f"{weights}: no {PREFIX}wte.weight / wpe.weight: not GPT-2 weights")
+        n_layer = len({key.split(".")[1] for key in tensors if key.startswith("h.")})
+        n_embd = tensors["wte.weight"].shape[1]
+        if (n_layer, n_embd) not in KNOWN_HEADS:
+            raise HFError(f"{weights}: the number of heads of a {n_layer}-layer, {n_embd}-wide model cannot be "
+                          "read from its weights; put its config.json beside the file")
+        return {"n_layer": n_layer, "n_head": KNOWN_HEADS[n_layer, n_embd], "n_embd": n_embd,
+                "n_positions": tensors["wpe.weight"].shape[0], "vocab_size": tensors["wte.weight"].shape[0],
+                "activation": "gelu_tanh"}
+    try:
+        hf = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise HFError(f"{config_file}: not readable JSON ({err})") from None
+    if hf.get("model_type") != "gpt2":
+        raise HFError(f"{config_file}: model_type {hf.get('model_type')!r}, not 'gpt2': only GPT-2's layout "
+                      "maps onto this model")
+    if hf.get("n_inner") == 4 * hf.get("n_embd", 0):
+        hf["n_inner"] = None  # the same MLP width, written out
+    for name, default, allowed in CONFIG_RULES:
+        if hf.get(name, default) not in allowed:
+            raise HFError(f"{config_file}: {name} is {hf.get(name, default)!r}; this model computes "
+                          f"{' or '.join(map(repr, allowed))}")
+    try:
+        return {"n_layer": int(hf["n_layer"]), "n_head": int(hf["n_head"]), "n_embd": int(hf["n_embd"]),
+                "n_positions": int(hf["n_positions"]), "vocab_size": int(hf["vocab_size"]),
+                "activation": ACTIVATIONS[hf.get("activation_function", "gelu_new")]}
+    except KeyError as err:
+        raise HFError(f"{config_file}: no {err.args[0]}") from None
+
+
+def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: int,
+            source: str) -> dict[str, torch.Tensor]:
+    """Check every key and shape against ``config``, then map, transpose, pad and crop."""
+    rows = [(ours, theirs.removeprefix(PREFIX)) for ours, theirs in expand(config.n_layer)]
+    given = {key for key in tensors if not key.endswith(NOT_WEIGHTS) and key != TIED_HEAD}
+    for ours, theirs in rows:
+        if theirs not in given:
+            raise HFError(f"{source}: missing key {PREFIX}{theirs}")
+    extra = sorted(given - {theirs for _, theirs in rows})
+    if extra:
+        raise HFError(f"{source}: unexpected key {extra[0]} for a {config.n_layer}-layer GPT-2")
+    with torch.device("meta"):  # shapes only: no memory, no init time even for gpt2-xl
+        expected = GPT(GPTConfig(**{**config.__dict__, "block_size": n_positions, "bias": True})).state_dict()
+    state = {}
+    for ours, theirs in rows:
+        value, want = tensors[theirs], expected[ours].shape
+        if ours == "transformer.wte.weight":
+            want = (config.vocab_size, want[1])  # the file's rows are the real vocabulary, unpadded
+        elif is_transposed(ours):
+            want = want[::-1]
+        if tuple(value.shape) != tuple(want):
+            raise HFError(f"{source}: {PREFIX}{theirs} has shape {tuple(value.shape)}, expected {tuple(want)} "
+                          f"for n_layer {config.n_layer}, n_head {config.n_head}, n_embd {config.n_embd}, "
+                          f"vocab {config.vocab_size}")
+        if ours.endswith(".bias") and not config.bias:
+            if value.count_nonzero():
+                raise HFError(f"{source}: {PREFIX}{theirs} is not zero (max |b| {value.abs().max():.3g}) but "
+                              "the model has bias=False; import with bias=True")
+            continue  # an exported bias-free model: its zero biases carry nothing
+        if is_transposed(ours):
+            value = value.t()  # (in, out) -> (out, in)
+        elif ours == "transformer.wte.weight":
+            padding = value.new_zeros(config.padded_vocab_size - config.vocab_size, value.shape[1])
+            value = torch.cat([value, padding])  # (V_padded, C): the padded rows are never scored
+        elif ours == "transformer.wpe.weight":
+            value = value[: config.block_size]  # (block_size, C)
+        state[ours] = value.contiguous()
+    if TIED_HEAD in tensors and not torch.equal(tensors[TIED_HEAD], tensors["wte.weight"]):
+        raise HFError(f"{source}: {TIED_HEAD} differs from {PREFIX}wte.weight; this model ties the two")
+    state["lm_head.weight"] = state["transformer.wte.weight"]
+    return state
+
+
+def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
+    """The tokenizer a folder's weights were trained with, if it can tell: our char list, or GPT-2's BPE."""
+    chars_file = folder / CHARS_FILE
+    if chars_file.is_file():
+        chars = "".join(json.loads(chars_file.read_text())["chars"])
+        if len(chars) != vocab_size:
+            raise HFError(f"{chars_file}: {len(chars)} characters for a vocabulary of {vocab_size}")
+        return {"kind": "char", "chars": chars}
+    return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else None
+
+
+def adopt(cfg: TrainConfig, model_cfg: GPTConfig, tokenizer: dict | None, source: str) -> TrainConfig:
+    """The training config with the imported model's shape (and tokenizer, when known).
+
+    A field still at its default takes the imported value; a field set to another value is a
+    conflict the user must resolve (block_size is the user's: it crops the position table).
+    """
+    imported = {"n_layer": model_cfg.n_layer, "n_head": model_cfg.n_head, "n_embd": model_cfg.n_embd,
+                "bias": model_cfg.bias, "activation": model_cfg.activation}
+    if tokenizer is not None:
+        imported["tokenizer"] = tokenizer["kind"]
+    defaults = TrainConfig()
+    for name, value in imported.items():
+        mine = getattr(cfg, name)
+        if mine != value and mine != getattr(defaults, name):
+            raise HFError(f"--{name} {mine} conflicts with {source}, whose weights have {name} {value}; "
+                          f"drop --{name}: with --init_from the weights fix the model's shape")
+    return TrainConfig(**{**cfg.__dict__, **imported})
+
+
+def check_vocab(pretrained: Pretrained, tokenizer_meta: dict, vocab_size: int) -> None:
+    """Refuse a corpus whose tokenizer is not the one the imported weights were trained with."""
+    if vocab_size != pretrained.config.vocab_size:
+        raise HFError(f"{pretrained.source} has a vocabulary of {pretrained.config.vocab_size}, the corpus "
+                      f"{vocab_size} ({tokenizer_meta['kind']} tokenizer); use the weights' tokenizer")
+    if pretrained.tokenizer is not None and pretrained.tokenizer != tokenizer_meta:
+        raise HFError(f"{pretrained.source}'s characters ({CHARS_FILE}) differ from the corpus's")
+
+
+# ----------------------------------------------------------------------------- export
+def to_hf(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights under Hugging Face names: transposed, unpadded, explicit zero biases if bias=False."""
+    config, state = model.config, model.state_dict()
+    out = {}
+    for ours, theirs in expand(config.n_layer):
+        if ours in state:
+            value = state[ours].detach().float()
+        else:  # bias=False: GPT-2 has every bias, so write zeros of the layer's output width
+            value = torch.zeros(state[ours.removesuffix(".bias") + ".weight"].shape[0])
+        if is_transposed(ours):
+            value = value.t()  # (out, in) -> (in, out)
+        elif ours == "transformer.wte.weight":
+            value = value[: config.vocab_size]  # (V, C): the padded rows are not part of the vocabulary
+        out[theirs] = value.contiguous().clone()  # safetensors stores each tensor once, unshared
+    return out
+
+
+def hf_config(config: GPTConfig, bos: int | None, eos: int | None) -> dict[str, Any]:
+    """config.json for transformers' GPT2LMHeadModel with this model's shape."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
+            "n_positions": config.block_size, "n_ctx": config.block_size, "n_embd": config.n_embd,
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
+            "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu"}[config.activation],
+            "layer_norm_epsilon": LAYER_NORM_EPS, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
+            "attn_pdrop": config.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
+            "tie_word_embeddings": True, "use_cache": True, "bos_token_id": bos, "eos_token_id": eos,
+            "dtype": "float32"}
+
+
+def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
+    """Write model.safetensors, config.json and the tokenizer's files to ``folder``; returns them."""
+    from safetensors.torch import save_file
+
+    weights = to_hf(model)
+    is_gpt2 = tokenizer.meta()["kind"] == "gpt2"
+    # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end.
+    bos, eos = (tokenizer.eot_token, tokenizer.eot_token) if is_gpt2 else (tokenizer.eot_token, None)
+    files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, model.config.block_size)}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    written = [folder / "model.safetensors"]
+    for name, content in files.items():
+        text = content if isinstance(content, str) else json.dumps(content, indent=1, ensure_ascii=False) + "\n"
+        (folder / name).write_text(text, encoding="utf-8")
+        written.append(folder / name)
+    return written
+
+
+def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
+    """GPT-2's vocab.json, merges.txt and tokenizer_config.json, or a char model's character list."""
+    if tokenizer.meta()["kind"] == "gpt2":
+        return gpt2_tokenizer_files(tokenizer.enc, block_size)
+    return {CHARS_FILE: {"chars": list(tokenizer.chars),
+                         "decode": "token id i is the character chars[i]: text = ''.join(chars[i] for i in ids)"}}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte (Radford et al.'s encoder.py): printable Latin-1
+    bytes stand for themselves, the others for chr(256 + n) in byte order, so that no BPE token
+    holds whitespace or control characters in vocab.json / merges.txt."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def bpe_parts(token: bytes, ranks: dict[bytes, int]) -> list[bytes]:
+    """Byte-level BPE of ``token`` using only merges ranked below the token's own rank: the two
+    parts whose merge made it (tiktoken's merge loop: always the lowest-ranked adjacent pair)."""
+    limit = ranks[token]
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        rank, i = min((ranks.get(parts[j] + parts[j + 1], limit), j) for j in range(len(parts) - 1))
+        if rank >= limit:
+            break
+        parts[i: i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def gpt2_tokenizer_files(enc, block_size: int) -> dict[str, Any]:
+    """vocab.json, merges.txt and tokenizer_config.json from tiktoken's GPT-2 ranks, offline.
+
+    A token's id is its rank; its merge is the pair BPE meets just before making it (bpe_parts).
+    """
+    eot = enc.eot_token
+    tokens = [enc.decode_single_token_bytes(i) for i in range(eot)]  # id = rank; <|endoftext|> last
+    ranks = {t: i for i, t in enumerate(tokens)}
+    to_text = bytes_to_unicode()
+    show = lambda t: "".join(to_text[b] for b in t)  # noqa: E731
+    merges = []
+    for token in tokens:
+        if len(token) > 1:
+            parts = bpe_parts(token, ranks)
+            if len(parts) != 2:
+                raise HFError(f"GPT-2 token {ranks[token]} ({token!r}) is not the merge of two tokens")
+            merges.append(f"{show(parts[0])} {show(parts[1])}")
+    vocab = {show(t): i for i, t in enumerate(tokens)} | {"<|endoftext|>": eot}
+    special = "<|endoftext|>"
+    return {"vocab.json": vocab, "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
+            "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": special,
+                                      "eos_token": special, "unk_token": special, "add_prefix_space": False,
+                                      "model_max_length": block_size}}

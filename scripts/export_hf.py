@@ -1,0 +1,42 @@
+"""Export a trained run to a folder that Hugging Face transformers loads as GPT-2.
+
+    python scripts/export_hf.py out/finetune_shakespeare hf/shakespeare
+    python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf/shakespeare')"
+
+Writes model.safetensors and config.json (GPT2LMHeadModel) and the tokenizer: vocab.json, merges.txt
+and tokenizer_config.json for GPT-2's BPE (built offline from tiktoken's ranks), or tinygpt_chars.json
+for a char model (token id i is chars[i]). The mapping itself is hf.py's table.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import hf  # noqa: E402
+from checkpoint import CheckpointError  # noqa: E402
+from config import CommandLine, ConfigError  # noqa: E402
+from data import DataError  # noqa: E402
+from runtime import fail  # noqa: E402
+from sample import find_checkpoint, load_model  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", help="run folder (its best.pt, else last.pt) or a checkpoint file")
+    parser.add_argument("out", help="folder to write (created; files of the same names are replaced)")
+    args = parser.parse_args(argv)
+    try:
+        path = find_checkpoint(args.run)
+        model, tokenizer = load_model(path, torch.device("cpu"))
+        written = hf.export(model, tokenizer, Path(args.out))
+    except (CheckpointError, ConfigError, DataError) as err:
+        fail(str(err))
+    print(f"exported {path} -> {args.out}: {', '.join(p.name for p in written)}")
+
+
+if __name__ == "__main__":
+    main()

