@@ -117,9 +117,10 @@ def shakespeare_text(cache: Path) -> str:
     return "".join(parts)
 
 
-def read_text_file(path: Path) -> str:
+def read_text_file(path: Path, flag: str = "--data_path") -> str:
+    """The file's text; errors name ``flag``, the option the user gave the path with."""
     if not path.is_file():
-        raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with --data_path")
+        raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with {flag}")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
