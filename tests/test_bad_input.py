@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import data
 import train
 from data import prepare
 from fault_injection import run_main, tiny_args
@@ -59,18 +60,31 @@ def test_bad_data_fails_before_the_model_is_built(tmp_path, text_file, capsys, n
         text_file.unlink()
     elif case in texts:
         text_file.write_text(texts[case])
-        if "split" in case:
-            named = tmp_path / "data"  # the split file inside the prepared corpus
     else:
         named = break_split(prepared(text_file), case)
     assert run_main(tiny_args(tmp_path / "out", text_file)) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {named}") and err.count("\n") == 1, err
-    expected = {"missing file": "no such file", "empty file": "empty", "train split too short": "train.bin",
-                "val split too short": "val.bin", "missing val split": "missing",
+    expected = {"missing file": "no such file", "empty file": "empty", "train split too short": "train split",
+                "val split too short": "val split", "missing val split": "missing",
                 "token id out of range": ">= vocab size"}[case]
     assert expected in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("entry_point", ["train.py", "data.py"])
+def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry_point):
+    ten = tmp_path / "ten.txt"
+    ten.write_text("0123456789")  # 9 train + 1 val characters: not one window, whatever the block_size
+    if entry_point == "train.py":
+        code = run_main(tiny_args(tmp_path / "out", ten))
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            data.main(["--data_path", str(ten), "--data_dir", str(tmp_path / "data")])
+        code = stopped.value.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {ten}: ") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ten.txt"]  # no data_dir, no out_dir
 
 
 def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_nothing(tmp_path, text_file, capsys):
