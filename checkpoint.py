@@ -21,9 +21,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickletools
 import platform
 import random
+import re
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +147,9 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
         raise CheckpointError(f"{path}: no such checkpoint")
     verify_digest(path)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # torch warns about a pickle protocol it then refuses: the error says it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 - the unpickler raises many types; all mean "refuse"
         raise CheckpointError(f"{path}: refused to load ({unpickler_reason(err)})") from None
     if isinstance(state, dict) and state.get("format_version") == 1:
@@ -190,13 +195,30 @@ def verify_digest(path: Path) -> None:
         raise CheckpointError(f"{path}: corrupt checkpoint (sha256 mismatch: the file changed after it was saved)")
 
 
+UNPICKLER_MARKER = "WeightsUnpickler error:"  # where torch.load's weights_only errors put the reason, if anywhere
+
+
 def unpickler_reason(err: Exception) -> str:
-    """The one informative line of torch.load's long weights_only error."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    for line in lines:
-        if "WeightsUnpickler error" in line:
-            return line.split("WeightsUnpickler error:", 1)[1].strip()[:300]
-    return (lines[0][:300] if lines else type(err).__name__)
+    """What torch.load rejected, in one line; never empty.
+
+    torch (2.6 to 2.13) wraps the unpickler's reason in several lines of advice that all mention
+    weights_only, and puts the reason after "WeightsUnpickler error:" on the same line or a later
+    one, or alone after a blank line (a blocked module). The reason is the first line that is not
+    advice. Other errors (not a pickle at all) are named by their type.
+    """
+    text = str(err)
+    if not text.startswith("Weights only load failed"):
+        first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        return f"{type(err).__name__}: {first}"[:300] if first else type(err).__name__
+    lines = [line.split(UNPICKLER_MARKER)[-1].removeprefix("Weights only load failed.").strip()
+             for line in text.splitlines()]
+    reason = next((line for line in lines if line and "weights_only" not in line
+                   and not line.startswith("This file can still be loaded")), "")
+    reason = re.split(r"(?<=\.)\s", reason)[0]  # the first sentence: the rest is advice to allow the global
+    opcode = re.fullmatch(r"Unsupported operand (\d+)", reason)
+    if opcode and chr(int(opcode[1])) in pickletools.code2op:  # a plain pickle (protocol 4 starts with FRAME)
+        reason += f" (pickle opcode {pickletools.code2op[chr(int(opcode[1]))].name})"
+    return reason[:300] or "the weights_only unpickler refused it; torch gave no reason"
 
 
 def capture_rng(data_generator: torch.Generator) -> dict[str, Any]:

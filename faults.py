@@ -41,9 +41,13 @@ class StopOnSignal:
 
     The loop checks ``requested`` after each optimizer step, saves last.pt and raises ``error()``.
     Later signals only print a note, so a second Ctrl-C cannot interrupt the save (SIGKILL can, and
-    is harmless: saves are atomic). The previous handlers come back on exit. Outside the main thread
-    Python cannot install handlers, so there it does nothing. Under DDP the ranks must agree on the
-    step to stop at: all-reduce ``requested`` where the loop syncs anyway.
+    is harmless: saves are atomic). On exit the previous handlers come back, unless a stop was
+    requested: then SIGINT and SIGTERM stay ignored, because the process is on its way out with
+    130/143 and a supervisor's repeated SIGTERM during shutdown (torch's teardown takes ~0.7 s) would
+    otherwise kill it by the signal (-15), which reads as a crash, not a preemption. (Footgun: an
+    in-process caller that carries on after a stop must put its handlers back itself.) Outside the
+    main thread Python cannot install handlers, so there it does nothing. Under DDP the ranks must
+    agree on the step to stop at: all-reduce ``requested`` where the loop syncs anyway.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -59,8 +63,10 @@ class StopOnSignal:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        # SIG_IGN, not our Python handler: CPython resets Python handlers to SIG_DFL early in interpreter
+        # shutdown (_PySignal_Fini), before the modules, torch's included, are torn down; SIG_IGN stays.
         for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if self.requested else handler)
         self.previous = {}
 
     def handle(self, signum: int, frame) -> None:

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         path = args.init_from or find_checkpoint(args.ckpt)
         device = pick_device(args.device)
         model, tokenizer = load_pretrained(args.init_from, device) if args.init_from else load_model(path, device)
-        text = read_text_file(Path(args.prompt_file)) if args.prompt_file else args.prompt
+        text = read_text_file(Path(args.prompt_file), "--prompt-file") if args.prompt_file else args.prompt
         prompt = prompt_ids(tokenizer, text)
     except (CheckpointError, ConfigError, DataError) as err:
         fail(str(err))

@@ -333,7 +333,8 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     # --- data
     with distributed.main_first(device):  # rank 0 prepares the corpus, the others then read the cache
-        folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+        folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
+                         block_size=cfg.block_size)
         corpus = load_corpus(folder, cfg.block_size)
     x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
                     for w in val_windows(corpus.val, cfg.block_size, cfg.eval_tokens))

@@ -11,12 +11,14 @@ one rank of a DDP job (RANK as torchrun sets it): see ``python tests/fault_injec
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import json
 import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,6 +83,17 @@ def signal_at(monkeypatch: pytest.MonkeyPatch, signum: int, call: int) -> list[i
         if n == call:
             os.kill(os.getpid(), signum)
     return on_training_forward(monkeypatch, hook)
+
+
+def linger_at_exit(until: Path, timeout_s: float = 60.0) -> None:
+    """Hold this process in its shutdown (after its last line, before it is gone) until the file
+    ``until`` exists: a test can then send a signal into that window, whatever the machine's speed."""
+    def wait() -> None:
+        deadline = time.time() + timeout_s
+        while not until.exists() and time.time() < deadline:
+            time.sleep(0.01)
+
+    atexit.register(wait)
 
 
 def poison_loss(monkeypatch: pytest.MonkeyPatch, calls: Callable[[int], bool], value: float) -> list[int]:
@@ -199,11 +212,15 @@ def main() -> None:
     parser.add_argument("--bf16-fast-on-rank", type=int, help="the dtype=auto probe favours bf16 on this rank only")
     parser.add_argument("--precisions-to", type=Path,
                         help="write the precisions this rank's forward passes ran in to PRECISIONS_TO/rank<R>.json")
+    parser.add_argument("--linger-until", type=Path,
+                        help="at exit, wait until this file exists (a window to send a second signal into)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     with pytest.MonkeyPatch.context() as monkeypatch:
         if args.at_call is not None:
             signal_at(monkeypatch, signal.Signals[args.signal], args.at_call)
+        if args.linger_until is not None:
+            linger_at_exit(args.linger_until)
         if args.disk_full_from_step is not None:
             disk_full_from_step(monkeypatch, args.disk_full_from_step)
         if args.corpus_unreadable_on_rank is not None:

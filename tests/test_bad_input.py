@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import data
 import train
-from conftest import load_entry_point
+from conftest import REPO, load_entry_point
 from data import prepare
 from fault_injection import run_main, tiny_args
 
@@ -60,18 +61,31 @@ def test_bad_data_fails_before_the_model_is_built(tmp_path, text_file, capsys, n
         text_file.unlink()
     elif case in texts:
         text_file.write_text(texts[case])
-        if "split" in case:
-            named = tmp_path / "data"  # the split file inside the prepared corpus
     else:
         named = break_split(prepared(text_file), case)
     assert run_main(tiny_args(tmp_path / "out", text_file)) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {named}") and err.count("\n") == 1, err
-    expected = {"missing file": "no such file", "empty file": "empty", "train split too short": "train.bin",
-                "val split too short": "val.bin", "missing val split": "missing",
+    expected = {"missing file": "no such file", "empty file": "empty", "train split too short": "train split",
+                "val split too short": "val split", "missing val split": "missing",
                 "token id out of range": ">= vocab size"}[case]
     assert expected in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("entry_point", ["train.py", "data.py"])
+def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry_point):
+    ten = tmp_path / "ten.txt"
+    ten.write_text("0123456789")  # 9 train + 1 val characters: not one window, whatever the block_size
+    if entry_point == "train.py":
+        code = run_main(tiny_args(tmp_path / "out", ten))
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            data.main(["--data_path", str(ten), "--data_dir", str(tmp_path / "data")])
+        code = stopped.value.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {ten}: ") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ten.txt"]  # no data_dir, no out_dir
 
 
 def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_nothing(tmp_path, text_file, capsys):
@@ -88,13 +102,17 @@ def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_no
 
 
 
-ENTRY_POINTS = ["sample.py", "data.py", "scripts/bench.py", "scripts/bench_sample.py", "scripts/plot.py"]
+# Every entry point but train.py and doctor.py (whose config parser has its own tests), new scripts included.
+ENTRY_POINTS = ["sample.py", "data.py"] + [f"scripts/{p.name}" for p in sorted((REPO / "scripts").glob("*.py"))
+                                           if p.name != "doctor.py"]
+REQUIRED_ARGS = {"scripts/plot.py": ["x.jsonl"], "scripts/export_hf.py": ["run", "folder"],
+                 "scripts/vs_nanogpt.py": ["--nanogpt", "nano"]}
 
 
 @pytest.mark.parametrize("script", ENTRY_POINTS)
 def test_every_entry_point_answers_an_unknown_flag_in_one_line(capsys, script):
     with pytest.raises(SystemExit) as stopped:
-        load_entry_point(script).main(["--seeed", "1"] + (["x.jsonl"] if script == "scripts/plot.py" else []))
+        load_entry_point(script).main(["--seeed", "1"] + REQUIRED_ARGS.get(script, []))
     err = capsys.readouterr().err
     assert stopped.value.code == 2
     assert err.startswith("error: unknown flag `--seeed`") and err.count("\n") == 1, err

@@ -6,6 +6,8 @@ import math
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -15,6 +17,7 @@ import torch
 
 import checkpoint
 import train
+from conftest import REPO
 from checkpoint import (REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint, remove_stale_temp_files,
                         save_checkpoint)
 from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
@@ -253,10 +256,21 @@ def test_fp16_max_skipped_steps_in_a_row_abort(tmp_path, text_file, monkeypatch,
 
 
 # ----------------------------------------------------------------------------- signals
-def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, monkeypatch):
-    def sentinel(signum, frame):  # the handlers main() must put back
-        raise AssertionError("sentinel handler called")
+def sentinel(signum, frame):  # a handler main() must put back, and must never call
+    raise AssertionError("sentinel handler called")
 
+
+def test_handlers_come_back_after_a_run_that_no_signal_stopped(tmp_path, text_file):
+    originals = {s: signal.signal(s, sentinel) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert run_main(tiny_args(tmp_path, text_file, max_iters=1)) == 0
+        assert all(signal.getsignal(s) is sentinel for s in originals)
+    finally:
+        for s, handler in originals.items():
+            signal.signal(s, handler)
+
+
+def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, monkeypatch):
     originals = {s: signal.signal(s, sentinel) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         signal_at(monkeypatch, signal.SIGINT, call_of(3, 1, 1))
@@ -268,7 +282,8 @@ def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, mon
 
         monkeypatch.setattr(torch, "save", save_interrupted)
         assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=6, eval_interval=100)) == 130
-        assert all(signal.getsignal(s) is sentinel for s in originals)
+        # Stopped: the process is on its way out, so further signals stay ignored until it exits.
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in originals)
     finally:
         for s, handler in originals.items():
             signal.signal(s, handler)
@@ -279,3 +294,24 @@ def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, mon
     assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
                                load_checkpoint(tmp_path / "split" / "last.pt"))
     assert metrics(tmp_path / "straight")[0] == metrics(tmp_path / "split")[0]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_second_signal_during_shutdown_keeps_the_exit_code(tmp_path, text_file, signum, code):
+    # A supervisor that repeats its SIGTERM (or a second Ctrl-C) while the stopped run shuts down must
+    # still see 143/130, not a death by the signal (-15/-2) that it would take for a crash.
+    out, lingering = tmp_path / "out", tmp_path / "second signal sent"
+    name = signal.Signals(signum).name
+    child = subprocess.Popen([sys.executable, str(REPO / "tests" / "fault_injection.py"), "--signal", name,
+                              "--at-call", "3", "--linger-until", str(lingering), "--",
+                              *tiny_args(out, text_file, max_iters=10, eval_interval=100)],
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = []
+    while not (lines and lines[-1].startswith("error: ")):  # the run's last line: it is shutting down
+        lines.append(child.stderr.readline())
+        assert lines[-1], f"exited {child.wait()} before its error line: {lines}"
+    child.send_signal(signum)  # pending before the lingering process next runs, so it lands in the window
+    lingering.touch()
+    assert child.wait(timeout=60) == code
+    assert lines[-1] == f"error: stopped by {name} after step 3; last.pt holds it, continue with --resume\n"
+    assert load_checkpoint(out / "last.pt")["step"] == 3 and temp_files(out) == []

@@ -383,6 +383,7 @@ def test_prompt_file_and_unknown_characters(ckpt, tmp_path, capsys):
             main(["--ckpt", str(ckpt), *flags])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    assert "--prompt-file" in err and "--data_path" not in err  # the fix names the flag that was used
 
 
 def test_sample_script_runs_as_a_command(ckpt):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import os
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 import sample
 import train
-from checkpoint import REQUIRED_KEYS, save_checkpoint
+from checkpoint import REQUIRED_KEYS, CheckpointError, load_checkpoint, save_checkpoint
 from conftest import REPO, run_script
 from fault_injection import run_main, tiny_args
 
@@ -71,6 +72,36 @@ def test_malicious_checkpoint_without_a_digest_is_refused_before_unpickling(tmp_
     assert exit_.value.code == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 2 and all(e.startswith(f"error: {out / 'last.pt'}: not a tinygpt checkpoint") for e in errors)
+    assert not marker.exists()
+
+
+def plain_pickle(obj, f) -> None:
+    """torch.save's stand-in: a bare pickle (protocol 4) then an empty zip end record, so save_checkpoint's
+    digest trailer fits it: the file passes the integrity check and only the unpickler can refuse it."""
+    f.write(pickle.dumps(obj, protocol=4) + b"PK\x05\x06" + bytes(18))
+
+
+def garbage(obj, f) -> None:
+    f.write(b"hello world" + b"PK\x05\x06" + bytes(18))
+
+
+@pytest.mark.parametrize("writer, why", [
+    (plain_pickle, "Unsupported operand 149 (pickle opcode FRAME)"),
+    (torch.save, "GLOBAL posix.mkdir whose module posix is blocked"),
+    (garbage, "KeyError: 101"),  # not a pickle: named by the error's type
+])
+def test_a_refusal_with_a_valid_digest_says_what_the_unpickler_rejected(tmp_path, monkeypatch, writer, why):
+    path, marker = tmp_path / "evil.pt", tmp_path / "marker"
+    state = {key: {} for key in REQUIRED_KEYS} | {"step": 1, "model": Payload(marker)}
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "save", writer)
+        save_checkpoint(state, path)
+    with warnings.catch_warnings(record=True) as warned, pytest.raises(CheckpointError) as refused:
+        warnings.simplefilter("always")
+        load_checkpoint(path)
+    reason = str(refused.value).removeprefix(f"{path}: refused to load (").removesuffix(")")
+    assert why in reason and "\n" not in reason and len(reason) <= 300, str(refused.value)
+    assert warned == []  # torch's "Detected pickle protocol 4" warning would be a second line of output
     assert not marker.exists()
 
 

