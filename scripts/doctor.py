@@ -11,9 +11,13 @@ checks go through the repo's own code paths (``get_batch``, ``configure_optimize
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import json
 import math
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -44,6 +48,8 @@ OVERFIT_STEPS = 200  # step budget for memorising it (small needs ~30, tiny ~70)
 OVERFIT_THRESHOLD = 0.1  # nats; memorised means the loss fell below this
 FORCED_DROPOUT = 0.1  # dropout used on a copy of the model when the config has none
 SAMPLE_TOKENS = 4096  # tokens of val text for the tokenizer round trip
+LR_CHECK_STEPS = 3  # optimizer steps of the lr-schedule run: a mis-count shows from the second on
+LR_CHECK_ACCUM = 2  # micro-batches per step in that run: counting them instead of steps then goes wrong
 
 
 @dataclass
@@ -282,6 +288,51 @@ def check_tied(model: torch.nn.Module) -> Check:
     return Check("tied weights", passed, measured, meaning)
 
 
+def check_probe_grads(model: torch.nn.Module, probe_ran: bool) -> Check:
+    """After compile_or_eager, no parameter holds a gradient: the compile probe's backward must not
+    add itself to the first real step's gradient (backward accumulates into .grad)."""
+    left = [name for name, p in model.named_parameters() if p.grad is not None]
+    n_params = len(list(model.parameters()))
+    if left:
+        return Check("probe grads", False, f"{len(left)} of {n_params} tensors hold a gradient ({left[0]}, ...)",
+                     "the compile probe's gradients leak into step 1: clear them (p.grad = None) after the probe")
+    measured = (f"no gradient on any of {n_params} tensors after the compile probe" if probe_ran else
+                "compile off: no probe ran, no gradient left")
+    return Check("probe grads", True, measured, "step 1 gets the gradient of its own batch only")
+
+
+def lr_check_config(cfg: TrainConfig, out_dir: str) -> TrainConfig:
+    """``cfg`` shrunk to a 1-layer, 16-wide model (the schedule does not depend on the model) for a
+    few accumulated steps, with a warmup longer than the run so that every step's lr differs."""
+    return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype="float32", wandb=False,
+                               n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
+                               grad_accum=LR_CHECK_ACCUM, max_iters=LR_CHECK_STEPS, warmup_iters=LR_CHECK_STEPS + 1,
+                               schedule="steps", max_time=0.0, log_interval=1, eval_interval=LR_CHECK_STEPS,
+                               ckpt_interval=0, eval_tokens=cfg.block_size)
+
+
+def check_lr_schedule(cfg: TrainConfig, schedule: Callable[[int, TrainConfig], float]) -> Check:
+    """train.train, run for a few steps with grad_accum > 1, sets get_lr(step) per *optimizer* step.
+
+    ``schedule`` is the reference (train.get_lr); it is an argument so that a test can break the
+    loop's use of it and still compare with the real one. The run's output is not shown.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        small = lr_check_config(cfg, out_dir)
+        with contextlib.redirect_stdout(io.StringIO()):
+            train.train(small)
+        records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    used = [r["lr"] for r in records if "lr" in r]  # the lr the loop set on the optimizer, per step
+    expected = [schedule(step, small) for step in range(LR_CHECK_STEPS)]
+    passed = len(used) == len(expected) and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(used, expected))
+    shown = ", ".join(f"{lr:.2e}" for lr in used)
+    measured = (f"steps 1-{LR_CHECK_STEPS} x {LR_CHECK_ACCUM} micro-batches: lr {shown}"
+                + (" = get_lr(step)" if passed else f" vs get_lr {', '.join(f'{lr:.2e}' for lr in expected)}"))
+    meaning = ("warmup and decay advance once per optimizer step, as get_lr says" if passed else
+               "the loop's step count is not get_lr's (micro-batches counted?): warmup and decay end too early")
+    return Check("lr schedule", passed, measured, meaning)
+
+
 # ----------------------------------------------------------------------------- running them all
 def run_checks(cfg: TrainConfig) -> list[Check]:
     """Every check, on the model, data and tokenizer that ``cfg`` trains with."""
@@ -305,13 +356,18 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     def optimizer_for(model: GPT) -> torch.optim.Optimizer:
         return train.build_optimizer(model, cfg, device)
 
+    probed = []  # filled when compile_or_eager runs the probe (compile on)
+
     def probe(m: torch.nn.Module) -> None:  # as in train.py: compile errors surface on the first call
+        probed.append(True)
         _, loss, n = m(x[:1], y[:1])
         (loss / n).backward()
 
     dropout = cfg.dropout if cfg.dropout > 0 else FORCED_DROPOUT
     grad_model, fit_model = fresh(), fresh()
     few_x, few_y = x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
+    probe_model = fresh()
+    compiled = compile_or_eager(probe_model, want_compile(cfg.compile, device), probe)
     return [
         check_init_loss(fresh(), x, y),
         check_batch(x, y, corpus.train, tokenizer),
@@ -323,7 +379,9 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
                       max_norm, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
-        check_tied(compile_or_eager(fresh(), want_compile(cfg.compile, device), probe)),
+        check_tied(compiled),
+        check_probe_grads(probe_model, bool(probed)),
+        check_lr_schedule(cfg, train.get_lr),  # last: a short training run, which reseeds the global RNG
     ]
 
 

@@ -5,12 +5,15 @@ own behaviour (exit status, table of checks) and the checks those guards do not 
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import runtime
 import train
 from config import parse_args
 from conftest import REPO, make_text, run_script, tiny_model
@@ -20,7 +23,11 @@ from scripts import doctor
 
 CPU = torch.device("cpu")
 CHECK_NAMES = ["init loss", "batch", "token ids", "round trip", "gradients", "causal", "overfit",
-               "train/eval", "evaluate", "tied weights"]
+               "train/eval", "evaluate", "tied weights", "probe grads", "lr schedule"]
+# Checks added by issue 15 whose README rows come with the docs restructure (README.md is being
+# rewritten elsewhere): the README test expects them missing until then, and fails once they are
+# documented, so that this list is emptied in the same change.
+AWAITING_README = ["probe grads", "lr schedule"]
 
 
 def random_batch(vocab_size: int = 50, batch_size: int = 4, block_size: int = 16,
@@ -90,7 +97,7 @@ def test_readme_documents_every_check():
     readme = (REPO / "README.md").read_text()
     section = readme.split("## When the loss won't go down", 1)[1].split("\n## ", 1)[0]
     documented = [line.split("`")[1] for line in section.splitlines() if line.startswith("| `")]
-    assert documented == CHECK_NAMES
+    assert documented == [name for name in CHECK_NAMES if name not in AWAITING_README]
     command = next(line for line in section.splitlines() if line.startswith("python scripts/doctor.py"))
     parse_args(command.split()[2:])  # the README's flags are real ones
 
@@ -204,3 +211,53 @@ def test_graph_leaves_are_the_parameters_the_loss_uses():
     leaves = {id(t) for t in doctor.graph_leaves(loss)}
     assert leaves == {id(used.weight), id(used.bias)}
     assert id(unused.weight) not in leaves
+
+
+@pytest.fixture
+def light_compile(monkeypatch):
+    """compile=on through dynamo without inductor's codegen (minutes on a 2-core CPU); fresh caches."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compile_leaving_gradients(model, enabled, probe):
+    """The bug: runtime.compile_or_eager without its clean-up; the probe's gradients stay on the weights."""
+    compiled = torch.compile(model)
+    probe(compiled)
+    return compiled
+
+
+@pytest.mark.parametrize("compile_or_eager, passes", [(runtime.compile_or_eager, True),
+                                                      (compile_leaving_gradients, False)], ids=["real", "leaky"])
+def test_probe_grads_check_catches_gradients_left_by_the_compile_probe(light_compile, compile_or_eager, passes):
+    model, ran = tiny_model(), []
+
+    def probe(m):  # as the doctor's and train.py's: one forward/backward
+        ran.append(True)
+        _, loss_sum, n = m(*random_batch())
+        (loss_sum / n).backward()
+
+    assert compile_or_eager(model, True, probe) is not model  # it compiled, and so it probed
+    check = doctor.check_probe_grads(model, bool(ran))
+    assert check.passed == passes, check.measured
+    assert ("after the compile probe" if passes else "15 of 15 tensors hold a gradient") in check.measured
+
+
+REAL_GET_LR = train.get_lr
+
+
+def get_lr_of_micro_batches(step, cfg, time_s=0.0):
+    """The bug, as the loop would have it: get_lr(step * grad_accum), counting micro-batches."""
+    return REAL_GET_LR(step * cfg.grad_accum, cfg, time_s)
+
+
+def test_lr_schedule_check_catches_a_loop_counting_micro_batches(monkeypatch, tiny_cfg):
+    cfg = tiny_cfg()
+    check = doctor.check_lr_schedule(cfg, train.get_lr)
+    assert check.passed, check.measured
+    monkeypatch.setattr(train, "get_lr", get_lr_of_micro_batches)  # what the loop calls; the reference stays real
+    check = doctor.check_lr_schedule(cfg, REAL_GET_LR)
+    assert not check.passed
+    assert "vs get_lr" in check.measured

@@ -218,13 +218,12 @@ def test_compiled_run_sees_the_batches_and_gradients_of_an_eager_run(tmp_path, t
     and the probe's gradients left on the weights (step 1's gradient is off)."""
     eager = run_for(tmp_path, text_file, "eager", compile="off")
     compiled = run_for(tmp_path, text_file, "compiled", compile="on")
-    # The data stream stands where eager's does, and the weights are those of the same 4 updates:
-    assert torch.equal(compiled["rng"]["data"], eager["rng"]["data"])
     eager_log, compiled_log = metrics(tmp_path / "eager")[0], metrics(tmp_path / "compiled")[0]
     # Other batches move the loss by ~1e-2 and an extra gradient the norm by ~50%; round-off is ~1e-7.
     for e, c in zip(eager_log, compiled_log, strict=True):
-        assert c["loss"] == pytest.approx(e["loss"], rel=1e-5), c["step"]
-        assert c["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-4), c["step"]
+        assert c["loss"] == pytest.approx(e["loss"], rel=1e-5), f"loss at step {c['step']}"
+        assert c["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-4), f"grad norm at step {c['step']}"
+    assert torch.equal(compiled["rng"]["data"], eager["rng"]["data"]), "the data stream moved on differently"
 
 
 def test_compiled_run_resumed_equals_a_straight_compiled_run(tmp_path, text_file, light_compile):
