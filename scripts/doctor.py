@@ -217,6 +217,30 @@ def check_overfit(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                  f"{first:.3f} -> {loss:.3f} in {step} steps (need < {threshold} within {steps})", meaning)
 
 
+def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                    device: torch.device, dtype: torch.dtype) -> Check:
+    """train.py's step reports the true pre-clip gradient norm, with fp16's loss scaling undone.
+
+    The step runs with a GradScaler on whatever the dtype (a scaled loss is what an fp16 run
+    backpropagates) and a clip threshold a tenth of the norm, so that clipping surely happens: the
+    norm returned (and logged) must equal the unscaled gradient's norm, measured by hand before.
+    """
+    scaler = torch.amp.GradScaler(device.type, enabled=True)
+    guard = NonFiniteGuard(optimizer, scaler, max_skipped=1, device=device)
+    params = list(model.parameters())
+    loss_sum, _ = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
+    scale = scaler.get_scale()  # a power of two: dividing by it is exact
+    true_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item() / scale
+    max_norm = true_norm / 10
+    reported = train.optimizer_step(optimizer, scaler, guard, params, max_norm, 1, loss_sum).item()
+    passed = math.isclose(reported, true_norm, rel_tol=1e-3)
+    measured = (f"reported {reported:.4g} vs true pre-clip {true_norm:.4g} (loss scale {scale:g}, clip at "
+                f"{max_norm:.3g})")
+    meaning = ("the logged grad norm is the gradient's own, before clipping" if passed else
+               "clipping before scaler.unscale_ (fp16 clips ~scale times too hard) or the norm taken after clipping")
+    return Check("grad norm", passed, measured, meaning)
+
+
 def check_dropout_modes(model: GPT, x: torch.Tensor) -> Check:
     """Eval mode is deterministic; train mode with dropout is not (``model`` must have dropout > 0)."""
     with torch.no_grad():
@@ -364,7 +388,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         (loss / n).backward()
 
     dropout = cfg.dropout if cfg.dropout > 0 else FORCED_DROPOUT
-    grad_model, fit_model = fresh(), fresh()
+    grad_model, fit_model, norm_model = fresh(), fresh(), fresh()
     few_x, few_y = x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
     probe_model = fresh()
     compiled = compile_or_eager(probe_model, want_compile(cfg.compile, device), probe)
@@ -377,6 +401,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_causal(fresh(), few_x),
         check_overfit(fit_model, optimizer_for(fit_model), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES],
                       max_norm, device, dtype),
+        check_grad_norm(norm_model, optimizer_for(norm_model), few_x, few_y, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
         check_tied(compiled),
