@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 import train  # noqa: E402
 from config import ConfigError, TrainConfig, model_config, parse_args  # noqa: E402
 from data import DataError, get_batch, load_corpus, prepare, tokenizer_from_meta, val_windows  # noqa: E402
-from faults import NonFiniteGuard  # noqa: E402
+from faults import NonFiniteGuard, RunStopped  # noqa: E402
 from model import GPT  # noqa: E402
 from runtime import compile_or_eager, pick_device, pick_dtype, want_compile  # noqa: E402
 
@@ -241,6 +241,33 @@ def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
     return Check("grad norm", passed, measured, meaning)
 
 
+def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                             max_norm: float, device: torch.device, dtype: torch.dtype) -> Check:
+    """A step whose loss is finite but whose gradient holds a NaN must leave the weights untouched and
+    stop the run: train.py's step and NonFiniteGuard, with the configured optimizer and precision."""
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    guard = NonFiniteGuard(optimizer, scaler, max_skipped=1, device=device)  # fp16: the first skip stops
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    loss_sum, n = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
+    params[-1].grad.view(-1)[0] = math.nan  # one bad element, as an overflow in one layer's backward gives
+    try:
+        train.optimizer_step(optimizer, scaler, guard, params, max_norm, 1, loss_sum)
+        guard.raise_if_tripped()  # where the loop would next sync
+        stopped = False
+    except RunStopped:
+        stopped = True
+    changed = sum(not torch.equal(p, b) for p, b in zip(params, before))
+    non_finite = sum(not torch.isfinite(p).all() for p in params)
+    passed = stopped and changed == 0
+    measured = (f"loss {(loss_sum / n).item():.3f}, one NaN gradient: "
+                + ("stopped" if stopped else "NOT stopped") + f", {changed} of {len(params)} tensors changed"
+                + (f" ({non_finite} non-finite)" if non_finite else ""))
+    meaning = ("a NaN gradient never reaches the weights, even under a finite loss" if passed else
+               "the non-finite guard checks the loss only (or not at all): NaN gradients are applied")
+    return Check("nan guard", passed, measured, meaning)
+
+
 def check_dropout_modes(model: GPT, x: torch.Tensor) -> Check:
     """Eval mode is deterministic; train mode with dropout is not (``model`` must have dropout > 0)."""
     with torch.no_grad():
@@ -388,7 +415,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         (loss / n).backward()
 
     dropout = cfg.dropout if cfg.dropout > 0 else FORCED_DROPOUT
-    grad_model, fit_model, norm_model = fresh(), fresh(), fresh()
+    grad_model, fit_model, norm_model, nan_model = fresh(), fresh(), fresh(), fresh()
     few_x, few_y = x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
     probe_model = fresh()
     compiled = compile_or_eager(probe_model, want_compile(cfg.compile, device), probe)
@@ -402,6 +429,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_overfit(fit_model, optimizer_for(fit_model), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES],
                       max_norm, device, dtype),
         check_grad_norm(norm_model, optimizer_for(norm_model), few_x, few_y, device, dtype),
+        check_nonfinite_gradient(nan_model, optimizer_for(nan_model), few_x, few_y, max_norm, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
         check_tied(compiled),
