@@ -32,6 +32,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # so that `python scripts/doctor.py` finds the repo's modules
 
 import train  # noqa: E402
+from checkpoint import load_checkpoint  # noqa: E402
 from config import ConfigError, TrainConfig, model_config, parse_args  # noqa: E402
 from data import DataError, get_batch, load_corpus, prepare, tokenizer_from_meta, val_windows  # noqa: E402
 from faults import NonFiniteGuard, RunStopped  # noqa: E402
@@ -48,7 +49,7 @@ OVERFIT_STEPS = 200  # step budget for memorising it (small needs ~30, tiny ~70)
 OVERFIT_THRESHOLD = 0.1  # nats; memorised means the loss fell below this
 FORCED_DROPOUT = 0.1  # dropout used on a copy of the model when the config has none
 SAMPLE_TOKENS = 4096  # tokens of val text for the tokenizer round trip
-LR_CHECK_STEPS = 3  # optimizer steps of the lr-schedule run: a mis-count shows from the second on
+LR_CHECK_STEPS = 3  # optimizer steps of the short run (lr schedule, master weights): a mis-count shows from the second on
 LR_CHECK_ACCUM = 2  # micro-batches per step in that run: counting them instead of steps then goes wrong
 
 
@@ -352,36 +353,65 @@ def check_probe_grads(model: torch.nn.Module, probe_ran: bool) -> Check:
     return Check("probe grads", True, measured, "step 1 gets the gradient of its own batch only")
 
 
-def lr_check_config(cfg: TrainConfig, out_dir: str) -> TrainConfig:
-    """``cfg`` shrunk to a 1-layer, 16-wide model (the schedule does not depend on the model) for a
-    few accumulated steps, with a warmup longer than the run so that every step's lr differs."""
-    return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype="float32", wandb=False,
-                               n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
+def short_run_config(cfg: TrainConfig, out_dir: str, dtype: torch.dtype) -> TrainConfig:
+    """``cfg`` shrunk to a 1-layer, 16-wide model (the loop's schedule and precision handling do not
+    depend on the model) for a few accumulated steps, with a warmup longer than the run so that every
+    step's lr differs."""
+    return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=train.dtype_name(dtype),
+                               wandb=False, n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
                                grad_accum=LR_CHECK_ACCUM, max_iters=LR_CHECK_STEPS, warmup_iters=LR_CHECK_STEPS + 1,
                                schedule="steps", max_time=0.0, log_interval=1, eval_interval=LR_CHECK_STEPS,
                                ckpt_interval=0, eval_tokens=cfg.block_size)
 
 
-def check_lr_schedule(cfg: TrainConfig, schedule: Callable[[int, TrainConfig], float]) -> Check:
-    """train.train, run for a few steps with grad_accum > 1, sets get_lr(step) per *optimizer* step.
+def short_run(cfg: TrainConfig, dtype: torch.dtype) -> tuple[TrainConfig, list[dict], dict]:
+    """train.train itself on short_run_config, in a temporary folder, its output hidden.
 
-    ``schedule`` is the reference (train.get_lr); it is an argument so that a test can break the
-    loop's use of it and still compare with the real one. The run's output is not shown.
+    Returns (the config it ran, its metrics.jsonl records, its last.pt). Reseeds the global RNG.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        small = lr_check_config(cfg, out_dir)
+        small = short_run_config(cfg, out_dir, dtype)
         with contextlib.redirect_stdout(io.StringIO()):
             train.train(small)
         records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+        return small, records, load_checkpoint(Path(out_dir) / "last.pt")
+
+
+def check_lr_schedule(small: TrainConfig, records: list[dict], schedule: Callable[[int, TrainConfig], float]) -> Check:
+    """The short run (grad_accum > 1) set get_lr(step) per *optimizer* step, not per micro-batch.
+
+    ``schedule`` is the reference (train.get_lr); it is an argument so that a test can break the
+    loop's use of it and still compare with the real one.
+    """
     used = [r["lr"] for r in records if "lr" in r]  # the lr the loop set on the optimizer, per step
-    expected = [schedule(step, small) for step in range(LR_CHECK_STEPS)]
+    expected = [schedule(step, small) for step in range(small.max_iters)]
     passed = len(used) == len(expected) and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(used, expected))
     shown = ", ".join(f"{lr:.2e}" for lr in used)
-    measured = (f"steps 1-{LR_CHECK_STEPS} x {LR_CHECK_ACCUM} micro-batches: lr {shown}"
+    measured = (f"steps 1-{small.max_iters} x {small.grad_accum} micro-batches: lr {shown}"
                 + (" = get_lr(step)" if passed else f" vs get_lr {', '.join(f'{lr:.2e}' for lr in expected)}"))
     meaning = ("warmup and decay advance once per optimizer step, as get_lr says" if passed else
                "the loop's step count is not get_lr's (micro-batches counted?): warmup and decay end too early")
     return Check("lr schedule", passed, measured, meaning)
+
+
+def floating_dtypes(value) -> Counter:
+    """How many floating-point tensors of each dtype a nested dict/list holds (a state dict)."""
+    if isinstance(value, torch.Tensor):
+        return Counter([train.dtype_name(value.dtype)] if value.is_floating_point() else [])
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return sum((floating_dtypes(item) for item in items), Counter())
+
+
+def check_master_weights(state: dict) -> Check:
+    """After the short run in the configured precision, the weights and the optimizer's moments are all
+    fp32: autocast computes in bf16/fp16, but the updates must land on fp32 copies."""
+    found = {part: floating_dtypes(state[part]) for part in ("model", "optimizer")}
+    passed = all(set(counts) == {"float32"} for counts in found.values())
+    measured = f"after {state['step']} steps in {state['precision']}: " + "; ".join(
+        f"{part} " + ", ".join(f"{n} {dtype}" for dtype, n in sorted(counts.items())) for part, counts in found.items())
+    meaning = ("weights and moments stay fp32; autocast does the low-precision maths" if passed else
+               "the model was cast to low precision: small updates round away (no fp32 master copy)")
+    return Check("master weights", passed, measured, meaning)
 
 
 # ----------------------------------------------------------------------------- running them all
@@ -419,7 +449,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     few_x, few_y = x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
     probe_model = fresh()
     compiled = compile_or_eager(probe_model, want_compile(cfg.compile, device), probe)
-    return [
+    checks = [
         check_init_loss(fresh(), x, y),
         check_batch(x, y, corpus.train, tokenizer),
         check_token_range({"train": corpus.train, "val": corpus.val}, gpt_config.vocab_size),
@@ -434,8 +464,9 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
         check_tied(compiled),
         check_probe_grads(probe_model, bool(probed)),
-        check_lr_schedule(cfg, train.get_lr),  # last: a short training run, which reseeds the global RNG
     ]
+    small, records, state = short_run(cfg, dtype)  # last: a training run reseeds the global RNG
+    return checks + [check_lr_schedule(small, records, train.get_lr), check_master_weights(state)]
 
 
 def print_table(checks: list[Check]) -> None:

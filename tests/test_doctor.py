@@ -24,11 +24,12 @@ from scripts import doctor
 
 CPU = torch.device("cpu")
 CHECK_NAMES = ["init loss", "batch", "token ids", "round trip", "gradients", "causal", "overfit", "grad norm",
-               "nan guard", "train/eval", "evaluate", "tied weights", "probe grads", "lr schedule"]
+               "nan guard", "train/eval", "evaluate", "tied weights", "probe grads", "lr schedule",
+               "master weights"]
 # Checks added by issue 15 whose README rows come with the docs restructure (README.md is being
 # rewritten elsewhere): the README test expects them missing until then, and fails once they are
 # documented, so that this list is emptied in the same change.
-AWAITING_README = ["grad norm", "nan guard", "probe grads", "lr schedule"]
+AWAITING_README = ["grad norm", "nan guard", "probe grads", "lr schedule", "master weights"]
 
 
 def random_batch(vocab_size: int = 50, batch_size: int = 4, block_size: int = 16,
@@ -255,13 +256,29 @@ def get_lr_of_micro_batches(step, cfg, time_s=0.0):
 
 
 def test_lr_schedule_check_catches_a_loop_counting_micro_batches(monkeypatch, tiny_cfg):
-    cfg = tiny_cfg()
-    check = doctor.check_lr_schedule(cfg, train.get_lr)
+    check = doctor.check_lr_schedule(*doctor.short_run(tiny_cfg(), torch.float32)[:2], train.get_lr)
     assert check.passed, check.measured
     monkeypatch.setattr(train, "get_lr", get_lr_of_micro_batches)  # what the loop calls; the reference stays real
-    check = doctor.check_lr_schedule(cfg, REAL_GET_LR)
+    check = doctor.check_lr_schedule(*doctor.short_run(tiny_cfg(), torch.float32)[:2], REAL_GET_LR)
     assert not check.passed
     assert "vs get_lr" in check.measured
+
+
+REAL_BUILD_OPTIMIZER = train.build_optimizer
+
+
+def build_optimizer_for_a_bf16_model(model, cfg, device):
+    """The bug: the model is cast to bf16 before its optimizer is built (Module.to casts in place)."""
+    return REAL_BUILD_OPTIMIZER(model.to(torch.bfloat16), cfg, device)
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["real", "cast to bf16"])
+def test_master_weights_check_catches_a_model_cast_to_bf16(monkeypatch, tiny_cfg, cast):
+    if cast:
+        monkeypatch.setattr(train, "build_optimizer", build_optimizer_for_a_bf16_model)
+    check = doctor.check_master_weights(doctor.short_run(tiny_cfg(), torch.bfloat16)[2])
+    assert check.passed != cast, check.measured
+    assert ("bfloat16" in check.measured.split(":", 1)[1]) == cast
 
 
 def clip_before_unscale(optimizer, scaler, guard, params, max_norm, step, loss_step):
