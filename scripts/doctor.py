@@ -7,7 +7,8 @@ Prints one line per check: PASS or FAIL, the measured figure, and what it means.
 any check fails. Each check is a small function taking what it needs (a model, a batch, a
 tokenizer) and returning a ``Check``, so tests can call it on deliberately broken variants. The
 checks go through the repo's own code paths (``get_batch``, ``configure_optimizer``,
-``train.accumulate_gradients``, ``train.evaluate``), so a bug there shows up here.
+``train.accumulate_gradients``, ``train.optimizer_step``, ``NonFiniteGuard``, ``train.evaluate``,
+``compile_or_eager``, and a few steps of ``train.train`` itself), so a bug there shows up here.
 """
 from __future__ import annotations
 
@@ -231,7 +232,8 @@ def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
     params = list(model.parameters())
     loss_sum, _ = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
     scale = scaler.get_scale()  # a power of two: dividing by it is exact
-    true_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item() / scale
+    grads = [p.grad.float() for p in params if p.grad is not None]  # a missing one is the 'gradients' check's finding
+    true_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item() / scale
     max_norm = true_norm / 10
     reported = train.optimizer_step(optimizer, scaler, guard, params, max_norm, 1, loss_sum).item()
     passed = math.isclose(reported, true_norm, rel_tol=1e-3)
@@ -251,7 +253,8 @@ def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: to
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
     loss_sum, n = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
-    params[-1].grad.view(-1)[0] = math.nan  # one bad element, as an overflow in one layer's backward gives
+    poisoned = next(p for p in reversed(params) if p.grad is not None)
+    poisoned.grad.view(-1)[0] = math.nan  # one bad element, as an overflow in one layer's backward gives
     try:
         train.optimizer_step(optimizer, scaler, guard, params, max_norm, 1, loss_sum)
         guard.raise_if_tripped()  # where the loop would next sync
