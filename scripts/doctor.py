@@ -448,10 +448,12 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         (loss / n).backward()
 
     dropout = cfg.dropout if cfg.dropout > 0 else FORCED_DROPOUT
-    grad_model, fit_model, norm_model, nan_model = fresh(), fresh(), fresh(), fresh()
+    def trainable() -> tuple[GPT, torch.optim.Optimizer]:  # made inside the call: freed after its check
+        model = fresh()
+        return model, optimizer_for(model)
+
+    grad_model, fit_model = fresh(), fresh()
     few_x, few_y = x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
-    probe_model = fresh()
-    compiled = compile_or_eager(probe_model, want_compile(cfg.compile, device), probe)
     checks = [
         check_init_loss(fresh(), x, y),
         check_batch(x, y, corpus.train, tokenizer),
@@ -461,13 +463,14 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_causal(fresh(), few_x),
         check_overfit(fit_model, optimizer_for(fit_model), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES],
                       max_norm, device, dtype),
-        check_grad_norm(norm_model, optimizer_for(norm_model), few_x, few_y, device, dtype),
-        check_nonfinite_gradient(nan_model, optimizer_for(nan_model), few_x, few_y, max_norm, device, dtype),
+        check_grad_norm(*trainable(), few_x, few_y, device, dtype),
+        check_nonfinite_gradient(*trainable(), few_x, few_y, max_norm, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
-        check_tied(compiled),
-        check_probe_grads(probe_model, bool(probed)),
     ]
+    probe_model = fresh()
+    compiled = compile_or_eager(probe_model, want_compile(cfg.compile, device), probe)
+    checks += [check_tied(compiled), check_probe_grads(probe_model, bool(probed))]
     small, records, state = short_run(cfg, dtype)  # last: a training run reseeds the global RNG
     return checks + [check_lr_schedule(small, records, train.get_lr), check_master_weights(state)]
 
