@@ -50,8 +50,8 @@ OVERFIT_STEPS = 200  # step budget for memorising it (small needs ~30, tiny ~70)
 OVERFIT_THRESHOLD = 0.1  # nats; memorised means the loss fell below this
 FORCED_DROPOUT = 0.1  # dropout used on a copy of the model when the config has none
 SAMPLE_TOKENS = 4096  # tokens of val text for the tokenizer round trip
-LR_CHECK_STEPS = 3  # optimizer steps of the short run (lr schedule, master weights): a mis-count shows from the second on
-LR_CHECK_ACCUM = 2  # micro-batches per step in that run: counting them instead of steps then goes wrong
+SHORT_RUN_STEPS = 3  # steps of the short run (lr schedule, master weights): a mis-count shows from step 2
+SHORT_RUN_ACCUM = 2  # micro-batches per step in that run, so counting them instead of steps goes wrong
 
 
 @dataclass
@@ -362,8 +362,8 @@ def short_run_config(cfg: TrainConfig, out_dir: str, dtype: torch.dtype) -> Trai
     step's lr differs."""
     return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=train.dtype_name(dtype),
                                wandb=False, n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
-                               grad_accum=LR_CHECK_ACCUM, max_iters=LR_CHECK_STEPS, warmup_iters=LR_CHECK_STEPS + 1,
-                               schedule="steps", max_time=0.0, log_interval=1, eval_interval=LR_CHECK_STEPS,
+                               grad_accum=SHORT_RUN_ACCUM, max_iters=SHORT_RUN_STEPS, warmup_iters=SHORT_RUN_STEPS + 1,
+                               schedule="steps", max_time=0.0, log_interval=1, eval_interval=SHORT_RUN_STEPS,
                                ckpt_interval=0, eval_tokens=cfg.block_size)
 
 
