@@ -7,13 +7,18 @@ Prints one line per check: PASS or FAIL, the measured figure, and what it means.
 any check fails. Each check is a small function taking what it needs (a model, a batch, a
 tokenizer) and returning a ``Check``, so tests can call it on deliberately broken variants. The
 checks go through the repo's own code paths (``get_batch``, ``configure_optimizer``,
-``train.accumulate_gradients``, ``train.evaluate``), so a bug there shows up here.
+``train.accumulate_gradients``, ``train.optimizer_step``, ``NonFiniteGuard``, ``train.evaluate``,
+``compile_or_eager``, and a few steps of ``train.train`` itself), so a bug there shows up here.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import json
 import math
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -28,9 +33,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # so that `python scripts/doctor.py` finds the repo's modules
 
 import train  # noqa: E402
+from checkpoint import load_checkpoint  # noqa: E402
 from config import ConfigError, TrainConfig, model_config, parse_args  # noqa: E402
 from data import DataError, get_batch, load_corpus, prepare, tokenizer_from_meta, val_windows  # noqa: E402
-from faults import NonFiniteGuard  # noqa: E402
+from faults import NonFiniteGuard, RunStopped  # noqa: E402
 from model import GPT  # noqa: E402
 from runtime import compile_or_eager, pick_device, pick_dtype, want_compile  # noqa: E402
 
@@ -44,6 +50,8 @@ OVERFIT_STEPS = 200  # step budget for memorising it (small needs ~30, tiny ~70)
 OVERFIT_THRESHOLD = 0.1  # nats; memorised means the loss fell below this
 FORCED_DROPOUT = 0.1  # dropout used on a copy of the model when the config has none
 SAMPLE_TOKENS = 4096  # tokens of val text for the tokenizer round trip
+SHORT_RUN_STEPS = 3  # steps of the short run (lr schedule, master weights): a mis-count shows from step 2
+SHORT_RUN_ACCUM = 2  # micro-batches per step in that run, so counting them instead of steps goes wrong
 
 
 @dataclass
@@ -211,6 +219,59 @@ def check_overfit(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                  f"{first:.3f} -> {loss:.3f} in {step} steps (need < {threshold} within {steps})", meaning)
 
 
+def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                    device: torch.device, dtype: torch.dtype) -> Check:
+    """train.py's step reports the true pre-clip gradient norm, with fp16's loss scaling undone.
+
+    The step runs with a GradScaler on whatever the dtype (a scaled loss is what an fp16 run
+    backpropagates) and a clip threshold a tenth of the norm, so that clipping surely happens: the
+    norm returned (and logged) must equal the unscaled gradient's norm, measured by hand before.
+    """
+    scaler = torch.amp.GradScaler(device.type, enabled=True)
+    guard = NonFiniteGuard(optimizer, scaler, max_skipped=1, device=device)
+    params = list(model.parameters())
+    loss_sum, _ = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
+    scale = scaler.get_scale()  # a power of two: dividing by it is exact
+    grads = [p.grad.float() for p in params if p.grad is not None]  # a missing one is the 'gradients' check's finding
+    true_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item() / scale
+    max_norm = true_norm / 10
+    reported = train.optimizer_step(optimizer, scaler, guard, params, max_norm, 1, loss_sum).item()
+    passed = math.isclose(reported, true_norm, rel_tol=1e-3)
+    measured = (f"reported {reported:.4g} vs true pre-clip {true_norm:.4g} (loss scale {scale:g}, clip at "
+                f"{max_norm:.3g})")
+    meaning = ("the logged grad norm is the gradient's own, before clipping" if passed else
+               "clipping before scaler.unscale_ (fp16 clips ~scale times too hard) or the norm taken after clipping")
+    return Check("grad norm", passed, measured, meaning)
+
+
+def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                             max_norm: float, device: torch.device, dtype: torch.dtype) -> Check:
+    """A step whose loss is finite but whose gradient holds a NaN must leave the weights untouched and
+    stop the run: train.py's step and NonFiniteGuard, with the configured optimizer and precision."""
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    guard = NonFiniteGuard(optimizer, scaler, max_skipped=1, device=device)  # fp16: the first skip stops
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    loss_sum, n = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
+    poisoned = next(p for p in reversed(params) if p.grad is not None)
+    poisoned.grad.view(-1)[0] = math.nan  # one bad element, as an overflow in one layer's backward gives
+    try:
+        train.optimizer_step(optimizer, scaler, guard, params, max_norm, 1, loss_sum)
+        guard.raise_if_tripped()  # where the loop would next sync
+        stopped = False
+    except RunStopped:
+        stopped = True
+    changed = sum(not torch.equal(p, b) for p, b in zip(params, before))
+    non_finite = sum(not torch.isfinite(p).all() for p in params)
+    passed = stopped and changed == 0
+    measured = (f"loss {(loss_sum / n).item():.3f}, one NaN gradient: "
+                + ("stopped" if stopped else "NOT stopped") + f", {changed} of {len(params)} tensors changed"
+                + (f" ({non_finite} non-finite)" if non_finite else ""))
+    meaning = ("a NaN gradient never reaches the weights, even under a finite loss" if passed else
+               "the non-finite guard checks the loss only (or not at all): NaN gradients are applied")
+    return Check("nan guard", passed, measured, meaning)
+
+
 def check_dropout_modes(model: GPT, x: torch.Tensor) -> Check:
     """Eval mode is deterministic; train mode with dropout is not (``model`` must have dropout > 0)."""
     with torch.no_grad():
@@ -282,6 +343,80 @@ def check_tied(model: torch.nn.Module) -> Check:
     return Check("tied weights", passed, measured, meaning)
 
 
+def check_probe_grads(model: torch.nn.Module, probe_ran: bool) -> Check:
+    """After compile_or_eager, no parameter holds a gradient: the compile probe's backward must not
+    add itself to the first real step's gradient (backward accumulates into .grad)."""
+    left = [name for name, p in model.named_parameters() if p.grad is not None]
+    n_params = len(list(model.parameters()))
+    if left:
+        return Check("probe grads", False, f"{len(left)} of {n_params} tensors hold a gradient ({left[0]}, ...)",
+                     "the compile probe's gradients leak into step 1: clear them (p.grad = None) after the probe")
+    measured = (f"no gradient on any of {n_params} tensors after the compile probe" if probe_ran else
+                "compile off: no probe ran, no gradient left")
+    return Check("probe grads", True, measured, "step 1 gets the gradient of its own batch only")
+
+
+def short_run_config(cfg: TrainConfig, out_dir: str, dtype: torch.dtype) -> TrainConfig:
+    """``cfg`` shrunk to a 1-layer, 16-wide model (the loop's schedule and precision handling do not
+    depend on the model) for a few accumulated steps, with a warmup longer than the run so that every
+    step's lr differs."""
+    return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=train.dtype_name(dtype),
+                               wandb=False, n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
+                               grad_accum=SHORT_RUN_ACCUM, max_iters=SHORT_RUN_STEPS, warmup_iters=SHORT_RUN_STEPS + 1,
+                               schedule="steps", max_time=0.0, log_interval=1, eval_interval=SHORT_RUN_STEPS,
+                               ckpt_interval=0, eval_tokens=cfg.block_size)
+
+
+def short_run(cfg: TrainConfig, dtype: torch.dtype) -> tuple[TrainConfig, list[dict], dict]:
+    """train.train itself on short_run_config, in a temporary folder, its output hidden.
+
+    Returns (the config it ran, its metrics.jsonl records, its last.pt). Reseeds the global RNG.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        small = short_run_config(cfg, out_dir, dtype)
+        with contextlib.redirect_stdout(io.StringIO()):
+            train.train(small)
+        records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+        return small, records, load_checkpoint(Path(out_dir) / "last.pt")
+
+
+def check_lr_schedule(small: TrainConfig, records: list[dict], schedule: Callable[[int, TrainConfig], float]) -> Check:
+    """The short run (grad_accum > 1) set get_lr(step) per *optimizer* step, not per micro-batch.
+
+    ``schedule`` is the reference (train.get_lr); it is an argument so that a test can break the
+    loop's use of it and still compare with the real one.
+    """
+    used = [r["lr"] for r in records if "lr" in r]  # the lr the loop set on the optimizer, per step
+    expected = [schedule(step, small) for step in range(small.max_iters)]
+    passed = len(used) == len(expected) and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(used, expected))
+    shown = ", ".join(f"{lr:.2e}" for lr in used)
+    measured = (f"steps 1-{small.max_iters} x {small.grad_accum} micro-batches: lr {shown}"
+                + (" = get_lr(step)" if passed else f" vs get_lr {', '.join(f'{lr:.2e}' for lr in expected)}"))
+    meaning = ("warmup and decay advance once per optimizer step, as get_lr says" if passed else
+               "the loop's step count is not get_lr's (micro-batches counted?): warmup and decay end too early")
+    return Check("lr schedule", passed, measured, meaning)
+
+
+def floating_dtypes(value) -> Counter:
+    """How many floating-point tensors of each dtype a nested dict/list holds (a state dict)."""
+    if isinstance(value, torch.Tensor):
+        return Counter([train.dtype_name(value.dtype)] if value.is_floating_point() else [])
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return sum((floating_dtypes(item) for item in items), Counter())
+
+
+def check_master_weights(state: dict) -> Check:
+    """After the short run in the configured precision, the weights and the optimizer's moments are all
+    fp32: autocast computes in bf16/fp16, but the updates must land on fp32 copies."""
+    found = {part: floating_dtypes(state[part]) for part in ("model", "optimizer")}
+    passed = all(set(counts) == {"float32"} for counts in found.values())
+    measured = f"after {state['step']} steps in {state['precision']}: " + "; ".join(
+        f"{part} " + ", ".join(f"{n} {dtype}" for dtype, n in sorted(counts.items())) for part, counts in found.items())
+    meaning = ("weights and moments stay fp32; autocast does the low-precision maths" if passed else
+               "the model was cast to low precision: small updates round away (no fp32 master copy)")
+    return Check("master weights", passed, measured, meaning)
+
+
 # ----------------------------------------------------------------------------- running them all
 def run_checks(cfg: TrainConfig) -> list[Check]:
     """Every check, on the model, data and tokenizer that ``cfg`` trains with."""
@@ -305,14 +440,21 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     def optimizer_for(model: GPT) -> torch.optim.Optimizer:
         return train.build_optimizer(model, cfg, device)
 
+    probed = []  # filled when compile_or_eager runs the probe (compile on)
+
     def probe(m: torch.nn.Module) -> None:  # as in train.py: compile errors surface on the first call
+        probed.append(True)
         _, loss, n = m(x[:1], y[:1])
         (loss / n).backward()
 
     dropout = cfg.dropout if cfg.dropout > 0 else FORCED_DROPOUT
+    def trainable() -> tuple[GPT, torch.optim.Optimizer]:  # made inside the call: freed after its check
+        model = fresh()
+        return model, optimizer_for(model)
+
     grad_model, fit_model = fresh(), fresh()
     few_x, few_y = x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
-    return [
+    checks = [
         check_init_loss(fresh(), x, y),
         check_batch(x, y, corpus.train, tokenizer),
         check_token_range({"train": corpus.train, "val": corpus.val}, gpt_config.vocab_size),
@@ -321,10 +463,16 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_causal(fresh(), few_x),
         check_overfit(fit_model, optimizer_for(fit_model), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES],
                       max_norm, device, dtype),
+        check_grad_norm(*trainable(), few_x, few_y, device, dtype),
+        check_nonfinite_gradient(*trainable(), few_x, few_y, max_norm, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
-        check_tied(compile_or_eager(fresh(), want_compile(cfg.compile, device), probe)),
     ]
+    probe_model = fresh()
+    compiled = compile_or_eager(probe_model, want_compile(cfg.compile, device), probe)
+    checks += [check_tied(compiled), check_probe_grads(probe_model, bool(probed))]
+    small, records, state = short_run(cfg, dtype)  # last: a training run reseeds the global RNG
+    return checks + [check_lr_schedule(small, records, train.get_lr), check_master_weights(state)]
 
 
 def print_table(checks: list[Check]) -> None:
