@@ -26,10 +26,6 @@ CPU = torch.device("cpu")
 CHECK_NAMES = ["init loss", "batch", "token ids", "round trip", "gradients", "causal", "overfit", "grad norm",
                "nan guard", "train/eval", "evaluate", "tied weights", "probe grads", "lr schedule",
                "master weights"]
-# Checks added by issue 15 whose README rows come with the docs restructure (README.md is being
-# rewritten elsewhere): the README test expects them missing until then, and fails once they are
-# documented, so that this list is emptied in the same change.
-AWAITING_README = ["grad norm", "nan guard", "probe grads", "lr schedule", "master weights"]
 
 
 def random_batch(vocab_size: int = 50, batch_size: int = 4, block_size: int = 16,
@@ -98,7 +94,7 @@ def test_init_loss_tolerance_fits_gpt2_width_and_vocab():
 def test_docs_document_every_check():
     section = (REPO / "docs" / "doctor.md").read_text()
     documented = [line.split("`")[1] for line in section.splitlines() if line.startswith("| `")]
-    assert documented == [name for name in CHECK_NAMES if name not in AWAITING_README]
+    assert documented == CHECK_NAMES
     command = next(line for line in section.splitlines() if line.startswith("python scripts/doctor.py"))
     parse_args(command.split()[2:])  # the page's flags are real ones
 
