@@ -408,9 +408,10 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
                 result = evaluate(train_model, x_val, y_val, cfg.batch_size, device, dtype, val_bytes)
                 val_loss, is_best = result.loss, math.isfinite(result.loss) and result.loss < best_val
                 best_val = val_loss if is_best else best_val
-                last_eval = {"step": step, "val_loss": val_loss, "val_bpb": result.bpb}
+                last_eval = {"step": step, "val_loss": val_loss, "val_bpb": result.bpb,
+                             "time_s": time.time() - t_start}
                 save(step, is_best)  # before the log line: it says "saved" only once that is true
-                log.log({**last_eval, "time_s": time.time() - t_start},
+                log.log(last_eval,
                         f"step {step:>6} | val loss {val_loss:.4f} | val bpb {result.bpb:.4f}"
                         + (" (best, saved best.pt)" if is_best else ""))
                 t_log += time.time() - t_eval  # eval and save time is not counted as training time
