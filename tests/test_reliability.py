@@ -146,7 +146,7 @@ def test_corrupt_checkpoints_are_refused_naming_the_file(tmp_path, text_file):
 
 def test_best_pt_only_from_a_finite_improvement_and_last_pt_always_newest(tmp_path, text_file, monkeypatch):
     val_losses = iter([3.0, 2.0, math.nan, 2.5, 1.8])
-    monkeypatch.setattr(train, "evaluate", lambda *args: next(val_losses))
+    monkeypatch.setattr(train, "evaluate", lambda *args: train.EvalResult(next(val_losses), math.nan, 1))
     saves = []
     real_save = train.save_checkpoint
     monkeypatch.setattr(train, "save_checkpoint",
