@@ -7,9 +7,9 @@
 Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final eval.
 Side concerns live in helpers: checkpoint.py (atomic save / verified load / RNG state),
 runtime.py (device, precision, compile, MFU), data.py (corpus, batches), distributed.py (DDP under
-torchrun: the same loop, one process per GPU), MetricsLog below with tracking.py (wandb), and faults.py (Ctrl-C/SIGTERM,
-NaN/inf, and the exit codes: 0 ok, 2 bad input, 3 non-finite, 74 write failed, 130 SIGINT,
-143 SIGTERM).
+torchrun: the same loop, one process per GPU), MetricsLog below and tracking.py (wandb), and faults.py
+(Ctrl-C/SIGTERM, NaN/inf, and the exit codes: 0 ok, 2 bad input, 3 non-finite, 74 write failed,
+130 SIGINT, 143 SIGTERM).
 
     torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 """
@@ -38,8 +38,8 @@ from distributed import Dist, all_reduce_sum, print0
 from faults import EXIT_BAD_INPUT, NonFiniteGuard, RunStopped, StopOnSignal
 from model import GPT
 from optim import MuonWithAdamW
-import tracking
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
+import tracking
 
 
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
@@ -143,7 +143,7 @@ def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, b
     model.train(was_training)
     nats, tokens = all_reduce_sum(total).item(), all_reduce_sum(count).item()
     bpb = nats / math.log(2) / n_bytes if n_bytes > 0 else math.nan
-    return EvalResult(nats / tokens, bpb, tokens)
+    return EvalResult(nats / tokens if tokens else math.nan, bpb, tokens)
 
 
 def val_byte_count(y_val: torch.Tensor, tokenizer, device: torch.device) -> int:
@@ -188,7 +188,7 @@ def drop_records_after(path: Path, step: int) -> int | None:
         return None
     lines = path.read_text().splitlines(keepends=True)
     steps = [json.loads(line)["step"] for line in lines if line.endswith("\n")]
-    kept = [line for line, s in zip(lines, steps) if s <= step]
+    kept = [line for line, logged in zip(lines, steps) if logged <= step]
     if kept != lines:  # temp file + rename: a kill here must not lose the log
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))
@@ -408,10 +408,9 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
                 result = evaluate(train_model, x_val, y_val, cfg.batch_size, device, dtype, val_bytes)
                 val_loss, is_best = result.loss, math.isfinite(result.loss) and result.loss < best_val
                 best_val = val_loss if is_best else best_val
-                last_eval = {"step": step, "val_loss": val_loss, "val_bpb": result.bpb,
-                             "time_s": time.time() - t_start}
+                last_eval, t_val = {"step": step, "val_loss": val_loss, "val_bpb": result.bpb}, time.time() - t_start
                 save(step, is_best)  # before the log line: it says "saved" only once that is true
-                log.log(last_eval,
+                log.log({**last_eval, "time_s": t_val},
                         f"step {step:>6} | val loss {val_loss:.4f} | val bpb {result.bpb:.4f}"
                         + (" (best, saved best.pt)" if is_best else ""))
                 t_log += time.time() - t_eval  # eval and save time is not counted as training time
