@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     logged = "" if args.data_path else f", logged best val loss {loaded.best_val_loss:.6f}"
     print(f"# {report.checkpoint} (step {report.step}{logged}) on {report.data}")
     print(f"val loss {report.val_loss:.6f} nats/token | {report.val_bpb:.6f} bits/byte | {report.tokens:,} tokens, "
-          f"{report.bytes:,} bytes, {report.chars:,} chars | batch {report.batch_size}, {report.dtype}, {report.device}")
+          f"{report.bytes:,} bytes, {report.chars:,} chars | batch {report.batch_size}, {report.dtype}, "
+          f"{report.device}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def test_byte_count_of_multibyte_characters_matches_a_hand_count():
     tok = CharTokenizer("".join(sorted(set(text))))
     assert token_byte_lengths(tok)[tok.stoi["😀"]] == 4
     x, y = val_windows(tok.encode_array(text), 4)
-    # The targets are every character but the first: "afé 😀 中文!" = a f é(2) ' ' 😀(4) ' ' 中(3) 文(3) ! = 17 bytes
+    # The targets are every character but the first, "afé 😀 中文!":
+    # a f é(2) ' ' 😀(4) ' ' 中(3) 文(3) ! = 17 bytes
     assert train.val_byte_count(y, tok, CPU) == 17 == len(text.encode()) - 1
 
 
