@@ -87,7 +87,8 @@ def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_no
 
 
 
-ENTRY_POINTS = ["sample.py", "data.py", "scripts/bench.py", "scripts/bench_sample.py", "scripts/plot.py"]
+ENTRY_POINTS = ["sample.py", "data.py", "scripts/bench.py", "scripts/bench_sample.py", "scripts/plot.py",
+                "scripts/eval.py"]
 
 
 def load_entry_point(relative: str):
