@@ -90,7 +90,9 @@ def choose_mode(wandb) -> str | None:
 def saved_run_id(out_dir: Path) -> str | None:
     """The id of the wandb run that out_dir's run logged to, if it used wandb."""
     path = out_dir / RUN_ID_FILE
-    return path.read_text().strip() or None if path.is_file() else None
+    if not path.is_file():
+        return None
+    return path.read_text().strip() or None
 
 
 def announce(run, out_dir: Path) -> None:
