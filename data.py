@@ -217,6 +217,18 @@ def extract_gpt2_ranks(cache: Path, ranks_file: Path) -> None:
     tmp.replace(ranks_file)
 
 
+def token_byte_lengths(tokenizer) -> torch.Tensor:
+    """UTF-8 bytes each id decodes to, (vocab_size,) int64: the denominator of bits per byte.
+
+    Special tokens (GPT-2's <|endoftext|>) count 0 bytes: they mark where documents meet and are no
+    text, so bits per byte measures the corpus's own bytes (their cost stays in the numerator).
+    Built once per run, not per eval: 50257 lookups for GPT-2.
+    """
+    special = {tokenizer.eot_token} if isinstance(tokenizer, GPT2Tokenizer) else set()
+    return torch.tensor([0 if i in special else len(tokenizer.decode_bytes([i]))
+                         for i in range(tokenizer.vocab_size)], dtype=torch.long)
+
+
 def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
     """Rebuild the tokenizer a corpus or checkpoint was made with."""
     if meta["kind"] == "char":

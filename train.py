@@ -7,9 +7,9 @@
 Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final eval.
 Side concerns live in helpers: checkpoint.py (atomic save / verified load / RNG state),
 runtime.py (device, precision, compile, MFU), data.py (corpus, batches), distributed.py (DDP under
-torchrun: the same loop, one process per GPU), MetricsLog below, and faults.py (Ctrl-C/SIGTERM,
-NaN/inf, and the exit codes: 0 ok, 2 bad input, 3 non-finite, 74 write failed, 130 SIGINT,
-143 SIGTERM).
+torchrun: the same loop, one process per GPU), MetricsLog below and tracking.py (wandb), and faults.py
+(Ctrl-C/SIGTERM, NaN/inf, and the exit codes: 0 ok, 2 bad input, 3 non-finite, 74 write failed,
+130 SIGINT, 143 SIGTERM).
 
     torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 """
@@ -20,16 +20,19 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from checkpoint import (CheckpointError, CheckpointWriteError, capture_rng, library_versions, load_checkpoint,
                         read_config, remove_stale_temp_files, restore_rng, save_checkpoint, FORMAT_VERSION)
 from config import (TRAINING_FIELDS, ConfigError, TrainConfig, as_dict, changed_fields, changed_model_fields,
                     config_from_dict, model_config, parse_args)
-from data import DataError, get_batch, iterate_windows, load_corpus, prepare, val_windows
+from data import (DataError, get_batch, iterate_windows, load_corpus, prepare, token_byte_lengths, tokenizer_from_meta,
+                  val_windows)
 import distributed
 from distributed import Dist, all_reduce_sum, print0
 from faults import EXIT_BAD_INPUT, NonFiniteGuard, RunStopped, StopOnSignal
@@ -37,6 +40,7 @@ import hf
 from model import GPT
 from optim import MuonWithAdamW
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
+import tracking
 
 
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
@@ -110,71 +114,87 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
     return grad_norm
 
 
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation: the loss training minimises and the number that compares across tokenizers."""
+    loss: float  # mean nats per target token
+    bpb: float  # bits per UTF-8 byte of the targets: loss * tokens / ln 2 / bytes; nan without a byte count
+    tokens: int  # targets scored (all ranks)
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, batch_size: int,
-             device: torch.device, dtype: torch.dtype) -> float:
+             device: torch.device, dtype: torch.dtype, n_bytes: int = 0, progress: bool = False) -> EvalResult:
     """Token-weighted mean loss over the fixed val windows, in eval mode; train mode restored after.
 
-    Under DDP each rank passes its own shard of the windows; sums and counts are added over ranks.
-    Dropout is off in eval mode, so evaluation draws from no random stream at all.
+    ``n_bytes``: UTF-8 bytes of all ranks' targets (val_byte_count, counted once per corpus) for bits
+    per byte. Under DDP each rank passes its own shard of the windows; sums and counts are added over
+    ranks. Dropout is off in eval mode, so evaluation draws from no random stream at all.
     """
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.long)
-    for x, y in iterate_windows(x_val, y_val, batch_size, device):
+    batches = tqdm(iterate_windows(x_val, y_val, batch_size, device), total=-(-len(x_val) // batch_size),
+                   desc="evaluating", unit="batch", disable=not progress)
+    for x, y in batches:
         with autocast(device, dtype):
             _, loss_sum, n = model(x, y)
         total += loss_sum.float()
         count += n
     model.train(was_training)
-    return (all_reduce_sum(total) / all_reduce_sum(count)).item()
+    nats, tokens = all_reduce_sum(total).item(), all_reduce_sum(count).item()
+    bpb = nats / math.log(2) / n_bytes if n_bytes > 0 else math.nan
+    return EvalResult(nats / tokens if tokens else math.nan, bpb, tokens)
+
+
+def val_byte_count(y_val: torch.Tensor, tokenizer, device: torch.device) -> int:
+    """UTF-8 bytes that the targets y_val (N, T) decode to, summed over the ranks' shards (a collective).
+
+    Padding (-1) counts nothing. Per-token lengths summed, never a decode of the split: cheap at any size.
+    """
+    lengths = token_byte_lengths(tokenizer)  # (vocab_size,)
+    return int(all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
 
 
 class MetricsLog:
-    """Prints log lines and appends JSON records to out_dir/metrics.jsonl (and wandb if enabled).
+    """Prints log lines and appends JSON records to out_dir/metrics.jsonl and to the tracker (tracking.py).
 
     Only the main process (rank 0) writes; on other ranks every method does nothing.
     """
 
-    def __init__(self, out_dir: Path, cfg: TrainConfig, enabled: bool = True):
+    def __init__(self, out_dir: Path, cfg: TrainConfig, enabled: bool = True, logged_through: int | None = None):
         self.enabled = enabled
         self.file = open(out_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
-        self.wandb = start_wandb(cfg) if cfg.wandb and enabled else None
+        self.tracker = tracking.start(cfg, out_dir, logged_through) if enabled else tracking.NullTracker()
 
     def log(self, record: dict[str, Any], line: str) -> None:
         if not self.enabled:
             return
         print(line, flush=True)
         self.file.write(json.dumps(record) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(record, step=record["step"])
+        self.tracker.log(record)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        self.tracker.finish()
 
 
-def drop_records_after(path: Path, step: int) -> None:
-    """Resuming redoes the steps after last.pt that a killed run had already logged: drop those."""
-    if path.is_file():
-        lines = path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] <= step]
-        if kept != lines:  # temp file + rename: a kill here must not lose the log
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, path)
+def drop_records_after(path: Path, step: int) -> int | None:
+    """Resuming redoes the steps after last.pt that a killed run had already logged: drop those.
 
-
-def start_wandb(cfg: TrainConfig):
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError("--wandb needs the wandb package: pip install wandb") from None
-    if not os.environ.get("WANDB_API_KEY") and not wandb.api.api_key:
-        os.environ.setdefault("WANDB_MODE", "offline")  # never block on a login prompt
-    return wandb.init(project=cfg.wandb_project, config=as_dict(cfg), dir=cfg.out_dir)
+    Returns the last step the file held before (None without a file): what a tracker already has.
+    """
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines(keepends=True)
+    steps = [json.loads(line)["step"] for line in lines if line.endswith("\n")]
+    kept = [line for line, logged in zip(lines, steps) if logged <= step]
+    if kept != lines:  # temp file + rename: a kill here must not lose the log
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return max(steps, default=None)
 
 
 def checkpoint_state(model: GPT, optimizer, scaler, step: int, time_s: float, best_val: float, cfg: TrainConfig,
@@ -338,6 +358,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
         corpus = load_corpus(folder, cfg.block_size)
     x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
                     for w in val_windows(corpus.val, cfg.block_size, cfg.eval_tokens))
+    val_bytes = val_byte_count(y_val, tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir)), device)
     data_gen = torch.Generator().manual_seed(cfg.seed + ddp.rank)  # the only source of this rank's data
     # --- model and optimizer
     model = build_model(cfg, corpus.vocab_size, corpus.meta["tokenizer"], pretrained).to(device)
@@ -346,6 +367,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
     guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)  # see faults.py for the policy
     step, time_before, best_val = 0, 0.0, math.inf  # time_before: wall clock of the run before this process
+    logged_through = None  # the last step a killed run had logged (its tracker already holds it)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out_dir)
     with distributed.stop_together(device):  # a rank that cannot read last.pt stops them all
@@ -353,7 +375,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
             step, time_before, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model,
                                                  optimizer, scaler, data_gen, dtype, ddp)
             if ddp.is_main:
-                drop_records_after(out_dir / "metrics.jsonl", step)
+                logged_through = drop_records_after(out_dir / "metrics.jsonl", step)
         elif ddp.is_main:
             (out_dir / "metrics.jsonl").unlink(missing_ok=True)
 
@@ -368,13 +390,14 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
            f"{model.num_params() / 1e6:.2f}M params, {tokens_per_step:,} tokens/step "
            f"({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), vocab {corpus.vocab_size}, out_dir {out_dir}")
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
-        log = MetricsLog(out_dir, cfg, enabled=ddp.is_main)
+        log = MetricsLog(out_dir, cfg, enabled=ddp.is_main, logged_through=logged_through)
     params = list(model.parameters())
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     t_log = time.time()
     t_start = t_log - time_before  # the run's clock: max_time and schedule=time span resumes
     step_at_log, val_loss = step, math.nan
     saved_step = step if cfg.resume else None  # the step last.pt holds
+    last_eval: dict[str, float] = {}  # the latest eval, saved with each checkpoint (best.pt: the best one)
 
     def save(step: int, is_best: bool) -> None:
         nonlocal saved_step
@@ -385,6 +408,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
             if ddp.is_main:
                 state = checkpoint_state(model, optimizer, scaler, step, time.time() - t_start, best_val, cfg,
                                          corpus.meta["tokenizer"], rng_per_rank, dtype)
+                state["last_eval"] = last_eval
                 if is_best:  # best.pt first: last.pt's best_val_loss must never name a model best.pt lacks
                     save_checkpoint(state, out_dir / "best.pt")
                 save_checkpoint(state, out_dir / "last.pt")
@@ -416,12 +440,14 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
             if step % cfg.eval_interval == 0 or last:
                 t_eval = time.time()
                 guard.raise_if_tripped()
-                val_loss = evaluate(train_model, x_val, y_val, cfg.batch_size, device, dtype)
-                is_best = math.isfinite(val_loss) and val_loss < best_val
+                result = evaluate(train_model, x_val, y_val, cfg.batch_size, device, dtype, val_bytes)
+                val_loss, is_best = result.loss, math.isfinite(result.loss) and result.loss < best_val
                 best_val = val_loss if is_best else best_val
-                log.log({"step": step, "val_loss": val_loss, "time_s": time.time() - t_start},
-                        f"step {step:>6} | val loss {val_loss:.4f}" + (" (best, saved best.pt)" if is_best else ""))
-                save(step, is_best)
+                last_eval, t_val = {"step": step, "val_loss": val_loss, "val_bpb": result.bpb}, time.time() - t_start
+                save(step, is_best)  # before the log line: it says "saved" only once that is true
+                log.log({**last_eval, "time_s": t_val},
+                        f"step {step:>6} | val loss {val_loss:.4f} | val bpb {result.bpb:.4f}"
+                        + (" (best, saved best.pt)" if is_best else ""))
                 t_log += time.time() - t_eval  # eval and save time is not counted as training time
             elif cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
                 save(step, is_best=False)

@@ -292,7 +292,7 @@ def rng_states(device: torch.device) -> list[torch.Tensor]:
     return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
 
 
-def check_evaluate(evaluate: Callable[..., float], model: GPT, x_val: torch.Tensor, y_val: torch.Tensor,
+def check_evaluate(evaluate: Callable[..., train.EvalResult], model: GPT, x_val: torch.Tensor, y_val: torch.Tensor,
                    batch_size: int, device: torch.device, dtype: torch.dtype) -> Check:
     """``evaluate`` runs in eval mode, builds no graph, draws no random numbers and restores train mode.
 
@@ -307,8 +307,8 @@ def check_evaluate(evaluate: Callable[..., float], model: GPT, x_val: torch.Tens
     hook = model.register_forward_hook(record)
     rng = rng_states(device)
     try:
-        first = evaluate(model, x_val, y_val, batch_size, device, dtype)
-        second = evaluate(model, x_val, y_val, batch_size, device, dtype)
+        first = evaluate(model, x_val, y_val, batch_size, device, dtype).loss
+        second = evaluate(model, x_val, y_val, batch_size, device, dtype).loss
     finally:
         hook.remove()
     problems = []

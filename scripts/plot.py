@@ -3,10 +3,12 @@
     python scripts/plot.py out/small/metrics.jsonl -o docs/small.png
     python scripts/plot.py out/a/metrics.jsonl out/b/metrics.jsonl --labels fp32 bf16 -o cmp.png
     python scripts/plot.py out/small/metrics.jsonl --ref 70:1.87 --ref 200:1.62 --ref-label nanoGPT
+    python scripts/plot.py out/char/metrics.jsonl out/bpe/metrics.jsonl --bpb -o cmp.png   # + val bits per byte
 
 Train loss comes from the log records (``loss``), val loss from the eval records (``val_loss``);
 ``time_s`` is train.py's wall clock since the first step. ``--ref`` adds fixed (seconds, val loss)
-points, e.g. another project's published numbers, to the wall-time panel.
+points, e.g. another project's published numbers, to the wall-time panel. ``--bpb`` adds a third
+panel, val bits per byte (``val_bpb``) against step: the one that compares runs with different tokenizers.
 """
 from __future__ import annotations
 
@@ -39,12 +41,15 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
 
 
 def plot(paths: list[Path], out: Path, labels: list[str] | None = None,
-         refs: list[tuple[float, float]] = (), ref_label: str = "reference", title: str = "") -> Path:
-    """Write a two-panel PNG (loss vs step, loss vs wall time) and return its path."""
+         refs: list[tuple[float, float]] = (), ref_label: str = "reference", title: str = "",
+         bpb: bool = False) -> Path:
+    """Write a PNG (loss vs step, loss vs wall time, and with ``bpb`` val bits per byte vs step); return its path."""
     labels = labels or [p.parent.name or str(p) for p in paths]
     if len(labels) != len(paths):
         raise ValueError(f"{len(labels)} labels for {len(paths)} files")
-    fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 3 if bpb else 2, figsize=(16 if bpb else 11, 4))
+    ax_step, ax_time = axes[0], axes[1]
+    ax_time.sharey(ax_step)
     for i, (path, label) in enumerate(zip(paths, labels)):
         train, val = read_metrics(path)
         color = f"C{i}"
@@ -56,6 +61,8 @@ def plot(paths: list[Path], out: Path, labels: list[str] | None = None,
             if val:  # the final val loss, written beside its point
                 ax.annotate(f"{val[-1]['val_loss']:.3f}", (val[-1][key], val[-1]["val_loss"]),
                             textcoords="offset points", xytext=(4, 6), fontsize=8, color=color)
+    if bpb:
+        plot_bpb(axes[2], paths, labels)
     if refs:
         ax_time.plot([t for t, _ in refs], [v for _, v in refs], "k^", markersize=6, label=f"{ref_label} val")
     ax_step.set_xlabel("step")
@@ -78,6 +85,20 @@ def plot(paths: list[Path], out: Path, labels: list[str] | None = None,
     return out
 
 
+def plot_bpb(ax, paths: list[Path], labels: list[str]) -> None:
+    """Val bits per byte against step; runs logged before val_bpb existed have no points."""
+    for i, (path, label) in enumerate(zip(paths, labels)):
+        val = [r for r in read_metrics(path)[1] if "val_bpb" in r]
+        ax.plot([r["step"] for r in val], [r["val_bpb"] for r in val], color=f"C{i}", marker="o", markersize=4,
+                linewidth=1.8, label=f"{label} val")
+        if val:
+            ax.annotate(f"{val[-1]['val_bpb']:.3f}", (val[-1]["step"], val[-1]["val_bpb"]),
+                        textcoords="offset points", xytext=(4, 6), fontsize=8, color=f"C{i}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("val bits per byte")
+    ax.grid(alpha=0.3)
+
+
 def parse_ref(text: str) -> tuple[float, float]:
     seconds, sep, loss = text.partition(":")
     if not sep:
@@ -94,11 +115,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="a reference val-loss point on the wall-time panel (repeatable)")
     parser.add_argument("--ref-label", default="reference", help="legend label of the --ref points")
     parser.add_argument("--title", default="", help="figure title")
+    parser.add_argument("--bpb", action="store_true", help="add a panel of val bits per byte against step")
     args = parser.parse_args(argv)
     for path in args.metrics:
         if not path.is_file():
             parser.error(f"{path}: no such file")
-    print(f"wrote {plot(args.metrics, args.out, args.labels, args.ref, args.ref_label, args.title)}")
+    print(f"wrote {plot(args.metrics, args.out, args.labels, args.ref, args.ref_label, args.title, args.bpb)}")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import data
 import train
 from conftest import make_text
-from data import GPT2_EOT, DataError, GPT2Tokenizer, is_val_document, prepare
+from data import GPT2_EOT, DataError, GPT2Tokenizer, is_val_document, prepare, val_windows
 
 pytestmark = pytest.mark.network  # may download the openai-whisper sdist (once per module)
 DOCS = [make_text(n_lines=8 + i, seed=i) for i in range(12)]
@@ -54,6 +55,14 @@ def read_split(folder: Path, split: str) -> list[int]:
 def test_gpt2_tokenizer_matches_gpt2(tok):
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.vocab_size == 50257 and tok.eot_token == GPT2_EOT
+
+
+def test_bits_per_byte_count_the_utf8_bytes_of_bpe_targets(tok):
+    ids = tok.encode("A café 😀 中文") + [GPT2_EOT] + tok.encode("B")
+    assert tok.decode([ids[0]]) == "A" and len(ids) > 8  # multi-byte characters span several tokens
+    _, y = val_windows(np.array(ids), 4)
+    # Targets: all but "A". " café" 1+3+2, " 😀" 1+4, " 中文" 1+3+3, <|endoftext|> 0 (it is no text), "B" 1.
+    assert train.val_byte_count(y, tok, torch.device("cpu")) == 6 + 5 + 7 + 0 + 1
 
 
 @pytest.mark.parametrize("fraction, n, val_indices", [
@@ -132,3 +141,5 @@ def test_train_runs_on_a_bpe_jsonl_corpus(tmp_path, cache, tiny_cfg):
     assert abs(val_loss - np.log(50257)) < 1.0  # about uniform over the 50257 tokens after 2 steps
     records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["mfu"] for r in records if "loss" in r] == [None, None]  # CPU: n/a, never a number
+    (val,) = [r for r in records if "val_loss" in r]
+    assert 0 < val["val_bpb"] < val["val_loss"] / np.log(2)  # BPE tokens hold several bytes each

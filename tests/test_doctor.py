@@ -6,6 +6,7 @@ own behaviour (exit status, table of checks) and the checks those guards do not 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -190,7 +191,7 @@ def evaluate_left_in_eval_mode(model, x_val, y_val, batch_size, device, dtype):
     """Forgets to switch back to train mode: dropout is off for the rest of training."""
     model.eval()
     _, loss_sum, n = model(x_val, y_val)
-    return (loss_sum / n).item()
+    return train.EvalResult((loss_sum / n).item(), math.nan, n.item())
 
 
 @pytest.mark.parametrize("evaluate, problem", [(evaluate_on_random_windows, "global RNG"),

@@ -18,8 +18,8 @@ import torch
 import checkpoint
 import train
 from conftest import REPO
-from checkpoint import (REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint, remove_stale_temp_files,
-                        save_checkpoint)
+from checkpoint import (OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint,
+                        remove_stale_temp_files, save_checkpoint)
 from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
                              on_training_forward, poison_loss, run_main, signal_at, tiny_args)
 
@@ -149,7 +149,7 @@ def test_corrupt_checkpoints_are_refused_naming_the_file(tmp_path, text_file):
 
 def test_best_pt_only_from_a_finite_improvement_and_last_pt_always_newest(tmp_path, text_file, monkeypatch):
     val_losses = iter([3.0, 2.0, math.nan, 2.5, 1.8])
-    monkeypatch.setattr(train, "evaluate", lambda *args: next(val_losses))
+    monkeypatch.setattr(train, "evaluate", lambda *args: train.EvalResult(next(val_losses), math.nan, 1))
     saves = []
     real_save = train.save_checkpoint
     monkeypatch.setattr(train, "save_checkpoint",
@@ -167,7 +167,7 @@ def test_checkpoint_schema_is_documented_keys_of_plain_values(tmp_path, text_fil
     assert run_main(tiny_args(tmp_path, text_file, max_iters=1, batch_size=2, dtype=dtype)) == 0
     for name in ("last.pt", "best.pt"):
         state = torch.load(tmp_path / name, weights_only=True)  # no allowlist, no safe_globals
-        assert sorted(state) == sorted(REQUIRED_KEYS)
+        assert sorted(state) == sorted(REQUIRED_KEYS + OPTIONAL_KEYS)
         assert sorted(state["rng"]) == sorted(RNG_STREAMS)
         assert bool(state["scaler"]) == (dtype == "float16")
         assert_nested_equal(state, load_checkpoint(tmp_path / name))

@@ -163,11 +163,12 @@ def test_evaluate_restores_train_mode_and_draws_no_randomness():
     first = train.evaluate(model, x, y, 2, torch.device("cpu"), torch.float32)
     assert model.training
     assert torch.equal(torch.get_rng_state(), state)
-    assert train.evaluate(model, x, y, 3, torch.device("cpu"), torch.float32) == pytest.approx(first, rel=1e-6)
+    assert train.evaluate(model, x, y, 3, torch.device("cpu"), torch.float32).loss == pytest.approx(first.loss, rel=1e-6)
     model.eval()
     with torch.no_grad():
         _, loss_sum, n = model(x, y)
-    assert first == pytest.approx(loss_sum.item() / n.item(), rel=1e-6)  # token-weighted mean
+    assert first.loss == pytest.approx(loss_sum.item() / n.item(), rel=1e-6)  # token-weighted mean
+    assert first.tokens == n.item() == 4 * 16 + 3 and math.isnan(first.bpb)  # no byte count given: no bpb
 
 
 def test_an_exception_mid_save_leaves_the_previous_file_intact(tmp_path, monkeypatch):

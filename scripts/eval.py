@@ -1,0 +1,148 @@
+"""Score a checkpoint: val loss (nats/token) and bits per byte, with training's own evaluate().
+
+    python scripts/eval.py --ckpt out/small                        # the val split of the run's own corpus
+    python scripts/eval.py --ckpt out/small --data_path other.txt  # any UTF-8 text, all of it
+    python scripts/eval.py --ckpt out/small --json                 # one JSON object, full precision
+
+By default it scores what training scored (the run's corpus and eval_tokens, its batch size and
+precision) with the same code, so best.pt's best_val_loss comes back exactly (on the device type it
+was trained on). A --data_path file is tokenized with the checkpoint's tokenizer and scored whole, as
+contiguous non-overlapping windows of block_size. Bits per byte divide the same nats by the UTF-8
+bytes of the targets: unlike nats per token, they compare a char model with a BPE model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from config import CommandLine, ConfigError, TrainConfig, config_from_dict, model_config  # noqa: E402
+from data import DataError, load_corpus, prepare, read_text_file, tokenizer_from_meta, val_windows  # noqa: E402
+from model import GPT  # noqa: E402
+from runtime import fail, pick_device  # noqa: E402
+from sample import find_checkpoint  # noqa: E402
+from train import evaluate, val_byte_count  # noqa: E402
+
+PROGRESS_BATCHES = 20  # show a progress bar from this many batches on (and only in a terminal)
+
+
+@dataclass
+class Loaded:
+    """A model to score and what scoring it the way training did needs."""
+    model: GPT  # in eval mode, on the device
+    tokenizer: object
+    cfg: TrainConfig  # the training config (block_size, corpus, eval_tokens, batch_size)
+    precision: str  # the dtype training ran in: float32, bfloat16, float16
+    source: str  # where the weights came from, for the report
+    step: int | None  # optimizer steps behind the weights
+    best_val_loss: float  # as logged by training
+
+
+def load(ckpt: str, device: torch.device) -> Loaded:
+    """The one place the model comes from (a checkpoint file or run folder)."""
+    path = find_checkpoint(ckpt)
+    state = load_checkpoint(path)
+    cfg = config_from_dict(state["config"])
+    tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
+    model = GPT(model_config(cfg, tokenizer.vocab_size))
+    model.load_state_dict(state["model"])
+    return Loaded(model.to(device).eval(), tokenizer, cfg, state["precision"], str(path), state["step"],
+                  state["best_val_loss"])
+
+
+def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(inputs, targets) (N, T) each, and a description: a file's text, or the run's own val split."""
+    cfg = loaded.cfg
+    if data_path:
+        text = read_text_file(Path(data_path))
+        try:
+            ids = loaded.tokenizer.encode_array(text)
+        except DataError as err:  # a char model meets a character it never saw
+            raise DataError(f"{data_path}: {err}") from None
+        if len(ids) < 2:
+            raise DataError(f"{data_path}: {len(ids)} token(s); scoring needs at least 2")
+        x, y = val_windows(ids, cfg.block_size, max(eval_tokens, 0))
+        return x, y, data_path
+    corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction),
+                         cfg.block_size)
+    limit = cfg.eval_tokens if eval_tokens < 0 else eval_tokens
+    x, y = val_windows(corpus.val, cfg.block_size, limit)
+    return x, y, f"the val split of {corpus.folder}" + (f" (eval_tokens {limit:,})" if limit else "")
+
+
+@dataclass
+class Report:
+    checkpoint: str
+    step: int | None
+    data: str
+    val_loss: float  # nats per target token
+    val_bpb: float  # bits per UTF-8 byte of the targets
+    tokens: int  # targets scored
+    bytes: int  # UTF-8 bytes they decode to
+    chars: int  # characters they decode to
+    batch_size: int
+    dtype: str
+    device: str
+
+
+def score(loaded: Loaded, x: torch.Tensor, y: torch.Tensor, data: str, batch_size: int, dtype: str,
+          device: torch.device) -> Report:
+    """Evaluate exactly as train.py does, plus the counts a reader needs to trust the numbers."""
+    n_bytes = val_byte_count(y, loaded.tokenizer, device)
+    progress = sys.stderr.isatty() and -(-len(x) // batch_size) >= PROGRESS_BATCHES
+    result = evaluate(loaded.model, x, y, batch_size, device, getattr(torch, dtype), n_bytes, progress)
+    targets = y[y >= 0].tolist()
+    chars = len(loaded.tokenizer.decode_bytes(targets).decode("utf-8", errors="replace"))
+    return Report(loaded.source, loaded.step, data, result.loss, result.bpb, result.tokens, n_bytes, chars,
+                  batch_size, dtype, str(device))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
+    parser.add_argument("--data_path", "--data-path", default="",
+                        help="UTF-8 text file to score whole (default: the run's own val split)")
+    parser.add_argument("--eval_tokens", "--eval-tokens", type=int, default=-1,
+                        help="targets to score; -1 = as training did for its val split, all of a --data_path file")
+    parser.add_argument("--batch_size", "--batch-size", type=int, default=0,
+                        help="windows per forward pass; 0 = the run's batch_size (the one that reproduces its numbers)")
+    parser.add_argument("--dtype", default="", choices=["", "float32", "bfloat16", "float16"],
+                        help="precision of the forward pass; default: the one the run trained in")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = parser.parse_args(argv)
+    if args.batch_size < 0:
+        parser.error(f"--batch_size must be >= 0, got {args.batch_size}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        device = pick_device(args.device)
+        loaded = load(args.ckpt, device)
+        x, y, data = eval_windows(loaded, args.data_path, args.eval_tokens)
+    except (CheckpointError, ConfigError, DataError) as err:
+        fail(str(err))
+    report = score(loaded, x, y, data, args.batch_size or loaded.cfg.batch_size, args.dtype or loaded.precision,
+                   device)
+    if args.json:
+        print(json.dumps(asdict(report)))
+        return
+    logged = "" if args.data_path else f", logged best val loss {loaded.best_val_loss:.6f}"
+    print(f"# {report.checkpoint} (step {report.step}{logged}) on {report.data}")
+    print(f"val loss {report.val_loss:.6f} nats/token | {report.val_bpb:.6f} bits/byte | {report.tokens:,} tokens, "
+          f"{report.bytes:,} bytes, {report.chars:,} chars | batch {report.batch_size}, {report.dtype}, "
+          f"{report.device}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Numbers people can compare: bits per byte beside the loss, and scripts/eval.py reproducing a run's best."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from checkpoint import load_checkpoint
+from conftest import run_script, tiny_model
+from data import CharTokenizer, token_byte_lengths, val_windows
+from fault_injection import disk_full_from_step, metrics, run_main, tiny_args
+from scripts import eval as eval_script
+
+CPU = torch.device("cpu")
+
+
+def test_char_model_bits_per_byte_is_the_loss_over_ln2_on_ascii():
+    tok = CharTokenizer("".join(chr(c) for c in range(32, 82)))  # 50 ASCII characters, one byte each
+    ids = torch.randint(0, 50, (100,), generator=torch.Generator().manual_seed(0)).numpy()
+    x, y = val_windows(ids, 16)  # 99 targets: the last window is padded
+    result = train.evaluate(tiny_model(), x, y, 2, CPU, torch.float32, train.val_byte_count(y, tok, CPU))
+    assert result.tokens == 99
+    assert result.bpb == pytest.approx(result.loss / math.log(2), rel=1e-12)
+
+
+def test_byte_count_of_multibyte_characters_matches_a_hand_count():
+    text = "café 😀 中文!"
+    tok = CharTokenizer("".join(sorted(set(text))))
+    assert token_byte_lengths(tok)[tok.stoi["😀"]] == 4
+    x, y = val_windows(tok.encode_array(text), 4)
+    # The targets are every character but the first, "afé 😀 中文!":
+    # a f é(2) ' ' 😀(4) ' ' 中(3) 文(3) ! = 17 bytes
+    assert train.val_byte_count(y, tok, CPU) == 17 == len(text.encode()) - 1
+
+
+def train_tiny(out: Path, text_file: Path, *extra: str) -> None:
+    run_script("train.py", "--config", "tiny", "--data_path", str(text_file), "--data_dir", str(out.parent / "data"),
+               "--out_dir", str(out), "--device", "cpu", "--max_iters", "20", "--eval_interval", "10", *extra)
+
+
+def eval_in_process(capsys, *args: str) -> dict:
+    eval_script.main([*args, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow  # a training run and an eval in fresh interpreters: ~30 s on a busy 2-core CPU
+def test_eval_script_reproduces_the_logged_best_val_loss_exactly(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    train_tiny(out, text_file)
+    best = load_checkpoint(out / "best.pt")
+    vals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [r["step"] for r in vals] == [10, 20]
+    for r in vals:  # the corpus is ASCII: one byte per character, per token
+        assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2), rel=1e-9)
+    assert best["last_eval"]["val_loss"] == best["best_val_loss"] == min(r["val_loss"] for r in vals)
+
+    report = json.loads(run_script("scripts/eval.py", "--ckpt", str(out), "--json").stdout)
+    assert report["val_loss"] == best["best_val_loss"]  # exactly: the same windows, batches and code
+    assert report["val_bpb"] == best["last_eval"]["val_bpb"]
+    (meta,) = [json.loads(p.read_text()) for p in (tmp_path / "data").glob("*/meta.json")]
+    scored = min(4096, meta["val_tokens"] - 1)  # the tiny preset's eval_tokens, or the whole (small) split
+    assert report["tokens"] == report["bytes"] == report["chars"] == scored
+
+    text = "Good king, sleep.\nFair lady, wake!\n"
+    other = tmp_path / "other.txt"
+    other.write_text(text)
+    on_file = eval_in_process(capsys, "--ckpt", str(out), "--data_path", str(other), "--json", "--batch_size", "3")
+    assert on_file["tokens"] == on_file["bytes"] == on_file["chars"] == len(text) - 1  # all of it, once
+    assert on_file["val_bpb"] == pytest.approx(on_file["val_loss"] / math.log(2), rel=1e-9)
+    with pytest.raises(SystemExit, match="2"):
+        eval_script.main(["--ckpt", str(out), "--data_path", str(tmp_path / "missing.txt")])
+    assert capsys.readouterr().err == f"error: {tmp_path / 'missing.txt'}: no such file; pass an existing UTF-8 " \
+                                      "text file with --data_path\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--ckpt", "{tmp}/nowhere.pt"), "error: {tmp}/nowhere.pt: no such checkpoint"),
+    (("--ckpt", "{tmp}/empty"), "error: {tmp}/empty: no best.pt or last.pt in this folder"),
+    (("--batch_size", "-1"), "error: --batch_size must be >= 0, got -1"),
+])
+def test_eval_script_errors_are_one_line(tmp_path, capsys, args, message):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="2"):
+        eval_script.main([a.format(tmp=tmp_path) for a in args])
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == message.format(tmp=tmp_path) + "\n"
+
+
+def test_the_log_never_claims_a_best_pt_that_failed_to_save(tmp_path, text_file, monkeypatch, capsys):
+    out = tmp_path / "out"
+    disk_full_from_step(monkeypatch, 10)  # step 5's eval saves, step 10's (a new best) fails
+    assert run_main(tiny_args(out, text_file, max_iters=10, eval_interval=5)) == 74
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: could not write {out / 'best.pt'} (No space left on device)")
+    val_lines = [line for line in captured.out.splitlines() if "val loss" in line]
+    assert len(val_lines) == 1 and val_lines[0].startswith("step      5 |")
+    assert val_lines[0].endswith("(best, saved best.pt)")
+    assert [r["step"] for r in metrics(out)[1]] == [5]  # no record of the eval whose save failed

@@ -1,0 +1,153 @@
+"""--wandb never blocks and never crashes a run: offline without a key, the same run on --resume.
+
+No test reaches a wandb server: the runs are offline, read back from the run-<id>.wandb files wandb writes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tracking
+from conftest import REPO
+from fault_injection import run_main, tiny_args
+
+wandb = pytest.importorskip("wandb")
+from wandb.proto import wandb_internal_pb2  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- reading an offline run
+def wandb_records(path: Path):
+    """The protobuf Records of a run-<id>.wandb file: LevelDB's log format (32 KiB blocks of chunks with
+    a 7-byte header: crc32, length, type 1 full / 2 first / 3 middle / 4 last) after a 7-byte ':W&B' header."""
+    data, pos, payload = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos: pos + 7])
+        if length == 0 and kind == 0:
+            break
+        payload, pos = payload + data[pos + 7: pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            payload = b""
+            yield record
+
+
+def offline_run(folder: Path) -> tuple[str, list[dict]]:
+    """(run id, history rows without wandb's own _keys) of one offline-run-* folder."""
+    (path,) = folder.glob("run-*.wandb")
+    records = list(wandb_records(path))
+    (run_id,) = {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"}
+    rows = [{key: json.loads(item.value_json) for item in r.history.item
+             if not (key := item.key or "/".join(item.nested_key)).startswith("_")}  # wandb 0.31 fills nested_key
+            for r in records if r.WhichOneof("record_type") == "history"]
+    return run_id, rows
+
+
+def jsonl_rows(out: Path) -> list[dict]:
+    """metrics.jsonl merged per step, as wandb merges the train and val records of one step into a row."""
+    rows: dict[int, dict] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        rows.setdefault(record["step"], {}).update(record)
+    return [rows[step] for step in sorted(rows)]
+
+
+# ----------------------------------------------------------------------------- real runs, no key, no terminal
+def train_without_a_key(tmp_path: Path, text_file: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """train.py --wandb as on a fresh machine: no key, no WANDB_MODE, an empty home, stdin closed."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_CACHE_HOME=str(home / ".cache"))
+    args = tiny_args(out, text_file, max_iters=6, eval_interval=3, dropout=0.0) + ["--wandb"] + list(extra)
+    result = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert not (home / ".netrc").exists()  # nothing asked for, nothing written
+    return result
+
+
+@pytest.mark.slow  # three short runs in fresh interpreters, each starting wandb: ~30 s
+def test_without_a_key_the_run_goes_offline_and_resume_continues_the_same_run(tmp_path, text_file):
+    out = tmp_path / "run"
+    first = train_without_a_key(tmp_path, text_file, out)
+    (folder,) = (out / "wandb").glob("offline-run-*")
+    run_id = (out / "wandb_id").read_text().strip()
+    assert f"wandb: offline run {run_id} written to {folder}; upload it later with `wandb sync " in first.stdout
+    assert offline_run(folder) == (run_id, jsonl_rows(out))  # the same records: keys, steps and values
+    assert {"loss", "lr", "grad_norm", "val_loss", "val_bpb"} <= set(jsonl_rows(out)[-1])
+
+    # A killed run: it logged steps 7 and 8 (to metrics.jsonl and wandb), but last.pt still holds step 6.
+    shutil.copy(out / "last.pt", tmp_path / "last6.pt")
+    train_without_a_key(tmp_path, text_file, out, "--resume", "--max_iters", "8")
+    shutil.copy(tmp_path / "last6.pt", out / "last.pt")
+    train_without_a_key(tmp_path, text_file, out, "--resume", "--max_iters", "10")
+
+    segments = sorted((out / "wandb").glob("offline-run-*"))  # one folder per process, names in time order
+    runs = [offline_run(folder) for folder in segments]
+    assert [run for run, _ in runs] == [run_id] * 3  # one wandb run across the resumes
+    steps = [[row["step"] for row in rows] for _, rows in runs]
+    assert steps == [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10]]  # steps 7 and 8 are never sent twice
+    assert [row["step"] for row in jsonl_rows(out)] == list(range(1, 11))  # metrics.jsonl redid them once
+
+
+# ----------------------------------------------------------------------------- choices, in process
+def test_a_wandb_that_cannot_start_stops_the_run_in_one_line_before_training(tmp_path, text_file, monkeypatch, capsys):
+    def init(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setattr(wandb, "init", init)
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, wandb="true")) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: wandb could not start (No API key configured. Use `wandb login` to log in.); run without "
+                   "--wandb, or with WANDB_MODE=offline to log locally and `wandb sync` later\n")
+    assert not (out / "last.pt").exists()
+
+
+@pytest.mark.parametrize("env_mode, logged_in, mode", [
+    (None, True, "online"),  # a key in WANDB_API_KEY, .netrc or wandb's settings
+    (None, False, "offline"),  # no key: offline, never the login prompt
+    ("disabled", False, None),  # the user's own WANDB_MODE is wandb's to read
+])
+def test_mode_follows_the_credentials_unless_wandb_mode_is_set(monkeypatch, env_mode, logged_in, mode):
+    calls = []
+
+    def login(**kwargs):
+        calls.append(kwargs)
+        return logged_in
+
+    if env_mode is None:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_MODE", env_mode)
+    monkeypatch.setattr(wandb, "login", login)
+    assert tracking.choose_mode(wandb) == mode
+    assert calls == ([] if env_mode else [{"prompt": False, "verify": False}])  # never a prompt or a round trip
+
+
+def test_tracker_skips_the_steps_the_run_already_holds():
+    class Run:
+        def __init__(self):
+            self.logged: list[int] = []
+
+        def log(self, record, step):
+            self.logged.append(step)
+
+    tracker = tracking.WandbTracker(run := Run(), logged_through=8)
+    for step in (7, 8, 8, 9, 9, 10):  # a train and a val record share a step
+        tracker.log({"step": step})
+    assert run.logged == [9, 9, 10]
+    tracking.NullTracker().log({"step": 1})  # the null object takes the same calls and does nothing

@@ -1,0 +1,105 @@
+"""Experiment tracking behind one seam: Weights & Biases with --wandb, a null object without.
+
+    python train.py --config small --wandb    # online if wandb finds an API key, else offline: never a prompt
+
+train.py's MetricsLog calls ``tracker.log(record)`` and ``tracker.finish()`` and never asks which
+tracker it holds (nanochat's DummyWandb). The records are metrics.jsonl's, with the same keys and steps.
+
+wandb never blocks or crashes a run:
+  - mode: WANDB_MODE if it is set; otherwise online when wandb finds an API key (WANDB_API_KEY,
+    .netrc or its settings file) without prompting (``wandb.login(prompt=False)``, what wandb 0.31
+    names as the replacement of the deprecated ``wandb.api.api_key``), offline when it finds none.
+    An offline run says in one line where it was written and the ``wandb sync`` command to upload it.
+  - a wandb that cannot start is a ConfigError before the first step (exit 2), not a traceback.
+  - ``--resume`` continues the same wandb run: its id is kept in out_dir/wandb_id. The steps a killed
+    run logged after its last.pt are redone on resume; the run already holds them and wandb's steps
+    only grow, so they are not sent again. The chart keeps the first values: the same losses (resume
+    is bit-exact), other timings. Offline, each process writes its own folder under out_dir/wandb;
+    ``wandb sync`` uploads them, in order, into the one run.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from config import ConfigError, TrainConfig, as_dict
+
+RUN_ID_FILE = "wandb_id"  # in out_dir: the wandb run a --resume continues
+
+
+class NullTracker:
+    """Tracking off: every call does nothing, so the training loop needs no ``if wandb:``."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class WandbTracker:
+    """Sends each record to a wandb run at its own step, skipping the steps the run already holds."""
+
+    def __init__(self, run, logged_through: int | None = None):
+        self.run = run
+        self.logged_through = -1 if logged_through is None else logged_through
+
+    def log(self, record: dict[str, Any]) -> None:
+        if record["step"] > self.logged_through:  # wandb would refuse (and warn about) a step it has
+            self.run.log(record, step=record["step"])
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) -> NullTracker | WandbTracker:
+    """The tracker the config asks for. ``logged_through``: the last step a killed run had logged
+    (train.drop_records_after), not sent again when the run resumes."""
+    if not cfg.wandb:
+        return NullTracker()
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--wandb needs the wandb package: pip install wandb") from None
+    run_id = saved_run_id(out_dir) if cfg.resume else None
+    try:
+        run = wandb.init(project=cfg.wandb_project, config=as_dict(cfg), dir=out_dir, id=run_id,
+                         resume="allow" if run_id else None, mode=choose_mode(wandb),
+                         settings=wandb.Settings(console="off", disable_git=True, save_code=False, silent=True))
+    except Exception as err:  # noqa: BLE001 - any failure of a side concern: one line, before training
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"wandb could not start ({reason}); run without --wandb, or with WANDB_MODE=offline "
+                          "to log locally and `wandb sync` later") from None
+    (out_dir / RUN_ID_FILE).write_text(run.id + "\n")
+    announce(run, out_dir)
+    return WandbTracker(run, logged_through if run_id else None)
+
+
+def choose_mode(wandb) -> str | None:
+    """None (wandb reads WANDB_MODE) when the user set it; else online with credentials, offline without.
+
+    ``login(prompt=False, verify=False)`` reads the environment, .netrc and settings: no prompt, and no
+    server round trip to verify the key (wandb.init does that once, online).
+    """
+    if os.environ.get("WANDB_MODE"):
+        return None
+    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+
+
+def saved_run_id(out_dir: Path) -> str | None:
+    """The id of the wandb run that out_dir's run logged to, if it used wandb."""
+    path = out_dir / RUN_ID_FILE
+    if not path.is_file():
+        return None
+    return path.read_text().strip() or None
+
+
+def announce(run, out_dir: Path) -> None:
+    """One line: where the run is (online) or where it was written and how to upload it (offline)."""
+    if run.settings.mode == "online":
+        print(f"wandb: logging online to {run.url}", flush=True)
+    elif run.offline:
+        every_segment = out_dir / "wandb" / f"offline-run-*-{run.id}"  # one folder per (resumed) process
+        print(f"wandb: offline run {run.id} written to {run.settings.sync_dir}; upload it later with "
+              f"`wandb sync {every_segment}`", flush=True)
