@@ -6,13 +6,14 @@
     python scripts/bench.py --matmul                                  # fp32 / bf16 matmul peak GFLOP/s
     python scripts/bench.py --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
-The step is train.py's step, phase by phase: the same batches (data.get_batch), model
-(config.model_config), optimizer (train.build_optimizer), LR (train.get_lr), autocast, loss
-normalisation, gradient clipping and GradScaler. tests/test_perf.py checks that its losses equal
-train.py's. Each phase ends with a device sync so its timer is honest (on CPU the ops are
-synchronous anyway). Warm-up steps are excluded and the medians of many steps are reported. With
---vs both configs are built in one process and timed in alternating rounds, so load from other
-processes on a shared machine falls on both alike.
+The step is made of train.py's own functions, so the benchmark measures what training runs: the
+same batches (data.get_batch), model (config.model_config), optimizer (train.build_optimizer), LR
+(train.get_lr), train.accumulate_gradients (autocast, token-count normalisation, backward) and
+train.optimizer_step (unscale, clip, the non-finite guard, update, zero_grad). tests/test_perf.py
+checks that its losses equal train.py's. Each phase ends with a device sync so its timer is honest
+(on CPU the ops are synchronous anyway); --profile N adds the profiler's top N ops. Warm-up steps are
+excluded and the medians of many steps are reported. With --vs both configs are built in one process
+and timed in alternating rounds, so load from other processes on a shared machine falls on both alike.
 """
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ from data import DataError, get_batch, load_corpus, prepare  # noqa: E402
 from model import GPT  # noqa: E402
 from runtime import (autocast, compile_or_eager, matmul_gflops, pick_device, pick_dtype,  # noqa: E402
                      seed_everything, want_compile)
-from train import build_optimizer, get_lr, set_lr  # noqa: E402
+from faults import NonFiniteGuard  # noqa: E402
+from train import accumulate_gradients, build_optimizer, get_lr, optimizer_step, set_lr  # noqa: E402
 
-PHASES = ("data", "forward", "backward", "optimizer")
+PHASES = ("data", "forward_backward", "optimizer")
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Bench:
     train_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    guard: NonFiniteGuard
     train_data: object
     data_gen: torch.Generator
     compile_s: float
@@ -79,7 +82,9 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     t0 = time.perf_counter()
     train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)
     compile_s = time.perf_counter() - t0
-    return Bench(name, cfg, device, dtype, model, train_model, optimizer, scaler, corpus.train, data_gen, compile_s)
+    guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)
+    return Bench(name, cfg, device, dtype, model, train_model, optimizer, scaler, guard, corpus.train, data_gen,
+                 compile_s)
 
 
 def sync(device: torch.device) -> None:
@@ -90,41 +95,25 @@ def sync(device: torch.device) -> None:
 
 
 def timed_step(b: Bench) -> dict[str, float]:
-    """One optimizer step as train.py runs it, with a synchronised timer around each phase."""
+    """One optimizer step of train.py's own functions, with a synchronised timer around each phase."""
     cfg, device, clock = b.cfg, b.device, time.perf_counter
-    t = {p: 0.0 for p in PHASES}
     sync(device)
     t0 = clock()
     set_lr(b.optimizer, get_lr(b.step, cfg))
     batches = [get_batch(b.train_data, cfg.batch_size, cfg.block_size, b.data_gen, device)
                for _ in range(cfg.grad_accum)]
-    n_step = sum((y != -1).sum() for _, y in batches)
-    loss_step = torch.zeros((), device=device)
     sync(device)
-    t["data"] += clock() - t0
-    for x, y in batches:
-        t0 = clock()
-        with autocast(device, b.dtype):
-            _, loss_sum, _ = b.train_model(x, y)
-        sync(device)
-        t1 = clock()
-        b.scaler.scale(loss_sum / n_step).backward()
-        loss_step += loss_sum.detach()
-        sync(device)
-        t2 = clock()
-        t["forward"] += t1 - t0
-        t["backward"] += t2 - t1
-    t0 = clock()
-    b.scaler.unscale_(b.optimizer)
-    torch.nn.utils.clip_grad_norm_(list(b.model.parameters()), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-    b.scaler.step(b.optimizer)
-    b.scaler.update()
-    b.optimizer.zero_grad(set_to_none=True)
+    t1 = clock()
+    loss_step, n_step = accumulate_gradients(b.train_model, batches, b.scaler, device, b.dtype)
     sync(device)
-    t["optimizer"] = clock() - t0
+    t2 = clock()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    optimizer_step(b.optimizer, b.scaler, b.guard, list(b.model.parameters()), max_norm, b.step + 1, loss_step)
+    sync(device)
+    t3 = clock()
     b.step += 1
     b.losses.append(loss_step / n_step)  # a tensor: .item() only after timing, no sync in the step
-    return t
+    return {"data": t1 - t0, "forward_backward": t2 - t1, "optimizer": t3 - t2}
 
 
 def reset_peak_memory(device: torch.device) -> None:

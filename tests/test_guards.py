@@ -342,10 +342,10 @@ def test_evaluation_does_not_change_training(tiny_cfg, tmp_path):
 REAL_EVALUATE = train.evaluate
 
 
-def evaluate_on_random_windows(model, x_val, y_val, batch_size, device, dtype):
+def evaluate_on_random_windows(model, x_val, y_val, batch_size, device, dtype, *args):
     """The bug: evaluation samples its windows from the global RNG that training also uses."""
     pick = torch.randint(len(x_val), (batch_size,))
-    return REAL_EVALUATE(model, x_val[pick], y_val[pick], batch_size, device, dtype)
+    return REAL_EVALUATE(model, x_val[pick], y_val[pick], batch_size, device, dtype, *args)
 
 
 EVAL_RNG_MUTANTS = {

@@ -295,7 +295,7 @@ def test_fine_tuning_an_import_lowers_val_loss_and_resumes_bit_exact(tmp_path, t
     split = tiny_cfg(out_dir=str(tmp_path / "split"), max_iters=6, **common)
     corpus = load_corpus(corpus_chars, 16)
     x_val, y_val = val_windows(corpus.val, 16, 512)
-    before = train.evaluate(import_model(folder, block_size=16), x_val, y_val, 8, torch.device("cpu"), torch.float32)
+    before = train.evaluate(import_model(folder, block_size=16), x_val, y_val, 8, torch.device("cpu"), torch.float32).loss
     after = train.train(straight)
     train.train(split)
     train.train(tiny_cfg(out_dir=str(tmp_path / "split"), max_iters=12, resume=True, **common))
