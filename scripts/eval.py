@@ -3,6 +3,7 @@
     python scripts/eval.py --ckpt out/small                        # the val split of the run's own corpus
     python scripts/eval.py --ckpt out/small --data_path other.txt  # any UTF-8 text, all of it
     python scripts/eval.py --ckpt out/small --json                 # one JSON object, full precision
+    python scripts/eval.py --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights (hf.py), no checkpoint
 
 By default it scores what training scored (the run's corpus and eval_tokens, its batch size and
 precision) with the same code, so best.pt's best_val_loss comes back exactly (on the device type it
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +30,7 @@ from config import CommandLine, ConfigError, TrainConfig, config_from_dict, mode
 from data import DataError, load_corpus, prepare, read_text_file, tokenizer_from_meta, val_windows  # noqa: E402
 from model import GPT  # noqa: E402
 from runtime import fail, pick_device  # noqa: E402
-from sample import find_checkpoint  # noqa: E402
+from sample import find_checkpoint, load_pretrained  # noqa: E402
 from train import evaluate, val_byte_count  # noqa: E402
 
 PROGRESS_BATCHES = 20  # show a progress bar from this many batches on (and only in a terminal)
@@ -58,6 +60,15 @@ def load(ckpt: str, device: torch.device) -> Loaded:
                   state["best_val_loss"])
 
 
+def load_from_hf(source: str, device: torch.device) -> Loaded:
+    """Pretrained weights (a hub name, folder or .safetensors, as --init_from takes them): no run behind
+    them, so windows of the model's own block_size, fp32, and GPT-2's tokenizer on the built-in corpus."""
+    model, tokenizer = load_pretrained(source, device)
+    cfg = TrainConfig(block_size=model.config.block_size, batch_size=8, eval_tokens=0,
+                      tokenizer="gpt2" if tokenizer.meta()["kind"] == "gpt2" else "char")
+    return Loaded(model, tokenizer, cfg, "float32", source, None, math.nan)
+
+
 def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str]:
     """(inputs, targets) (N, T) each, and a description: a file's text, or the run's own val split."""
     cfg = loaded.cfg
@@ -71,6 +82,8 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
             raise DataError(f"{data_path}: {len(ids)} token(s); scoring needs at least 2")
         x, y = val_windows(ids, cfg.block_size, max(eval_tokens, 0))
         return x, y, data_path
+    if loaded.step is None and cfg.tokenizer != "gpt2":  # a char vocabulary need not be the built-in corpus's
+        raise ConfigError(f"{loaded.source} has a char vocabulary: pass the text to score with --data_path")
     corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction),
                          cfg.block_size)
     limit = cfg.eval_tokens if eval_tokens < 0 else eval_tokens
@@ -107,7 +120,11 @@ def score(loaded: Loaded, x: torch.Tensor, y: torch.Tensor, data: str, batch_siz
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
+    source.add_argument("--init_from", "--init-from", default="",
+                        help="score pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a "
+                             "folder / .safetensors in the Hugging Face GPT-2 layout")
     parser.add_argument("--data_path", "--data-path", default="",
                         help="UTF-8 text file to score whole (default: the run's own val split)")
     parser.add_argument("--eval_tokens", "--eval-tokens", type=int, default=-1,
@@ -128,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         device = pick_device(args.device)
-        loaded = load(args.ckpt, device)
+        loaded = load_from_hf(args.init_from, device) if args.init_from else load(args.ckpt, device)
         x, y, data = eval_windows(loaded, args.data_path, args.eval_tokens)
     except (CheckpointError, ConfigError, DataError) as err:
         fail(str(err))
@@ -137,8 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(asdict(report)))
         return
-    logged = "" if args.data_path else f", logged best val loss {loaded.best_val_loss:.6f}"
-    print(f"# {report.checkpoint} (step {report.step}{logged}) on {report.data}")
+    logged = "" if args.data_path or args.init_from else f", logged best val loss {loaded.best_val_loss:.6f}"
+    origin = f"step {report.step}{logged}" if report.step is not None else "pretrained weights"
+    print(f"# {report.checkpoint} ({origin}) on {report.data}")
     print(f"val loss {report.val_loss:.6f} nats/token | {report.val_bpb:.6f} bits/byte | {report.tokens:,} tokens, "
           f"{report.bytes:,} bytes, {report.chars:,} chars | batch {report.batch_size}, {report.dtype}, "
           f"{report.device}")

@@ -100,3 +100,19 @@ def test_the_log_never_claims_a_best_pt_that_failed_to_save(tmp_path, text_file,
     assert len(val_lines) == 1 and val_lines[0].startswith("step      5 |")
     assert val_lines[0].endswith("(best, saved best.pt)")
     assert [r["step"] for r in metrics(out)[1]] == [5]  # no record of the eval whose save failed
+
+
+def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_from(tmp_path, text_file, capsys):
+    import hf
+    from sample import load_model
+    out = tmp_path / "run"
+    train_tiny(out, text_file)
+    hf.export(*load_model(out / "best.pt", torch.device("cpu")), tmp_path / "hf")  # bias-free: zero biases
+    args = ("--data_path", str(text_file), "--json", "--batch_size", "4")
+    from_ckpt = eval_in_process(capsys, "--ckpt", str(out), *args)
+    from_hf = eval_in_process(capsys, "--init_from", str(tmp_path / "hf"), *args)
+    assert from_hf["tokens"] == from_ckpt["tokens"] > 0
+    assert from_hf["val_loss"] == pytest.approx(from_ckpt["val_loss"], abs=1e-5)  # + 0 biases: addmm vs mm
+    with pytest.raises(SystemExit, match="2"):  # a char vocabulary need not be the built-in corpus's
+        eval_script.main(["--init_from", str(tmp_path / "hf")])
+    assert "pass the text to score with --data_path" in capsys.readouterr().err
