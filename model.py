@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from optim import MuonWithAdamW
+from optim import Muon, MuonWithAdamW
 
 
 @dataclass
@@ -256,11 +256,12 @@ class GPT(nn.Module):
         return logits, loss_sum, n_targets
 
     def configure_optimizer(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                            device_type: str, muon_lr: float = 0.0) -> torch.optim.AdamW | MuonWithAdamW:
+                            device_type: str, muon_lr: float = 0.0,
+                            muon_dtype: torch.dtype = torch.float32) -> torch.optim.AdamW | MuonWithAdamW:
         """AdamW with decay on matrices and embeddings (dim >= 2) only; each parameter exactly once.
 
         With muon_lr > 0 the blocks' weight matrices go to Muon at that peak lr instead (optim.py) and
-        AdamW keeps the rest. Every group carries "lr_scale", its peak lr over learning_rate, which
+        AdamW keeps the rest; muon_dtype is the precision of its Newton-Schulz iteration. Every group carries "lr_scale", its peak lr over learning_rate, which
         the schedule multiplies. named_parameters() yields the tied wte/lm_head weight once, so it
         cannot land in two groups.
         """
@@ -273,6 +274,6 @@ class GPT(nn.Module):
         adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
         if not hidden:
             return adamw
-        muon = torch.optim.Muon([{"params": hidden, "lr_scale": muon_lr / learning_rate}], lr=muon_lr,
-                                weight_decay=weight_decay, momentum=0.95)
+        muon = Muon([{"params": hidden, "lr_scale": muon_lr / learning_rate}], ns_dtype=muon_dtype, lr=muon_lr,
+                    weight_decay=weight_decay, momentum=0.95)
         return MuonWithAdamW(adamw, muon)

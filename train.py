@@ -70,10 +70,17 @@ def set_lr(optimizer: torch.optim.Optimizer | MuonWithAdamW, lr: float) -> None:
         group["lr"] = lr * group["lr_scale"]
 
 
-def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW | MuonWithAdamW:
-    """The optimizer the config asks for: AdamW, or Muon for the block matrices plus AdamW (optim.py)."""
+def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> torch.optim.AdamW | MuonWithAdamW:
+    """The optimizer the config asks for: AdamW, or Muon for the block matrices plus AdamW (optim.py).
+
+    Muon's Newton-Schulz iteration runs in bf16 only where the run's matmuls do (``dtype``, which
+    pick_dtype chose by measurement on a CPU): elsewhere bf16 is emulated and ~100x slower than fp32.
+    """
     muon_lr = cfg.muon_lr if cfg.optimizer == "muon" else 0.0
-    return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type, muon_lr)
+    muon_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type,
+                                     muon_lr, muon_dtype)
 
 
 def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scaler,
@@ -363,7 +370,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     # --- model and optimizer
     model = build_model(cfg, corpus.vocab_size, corpus.meta["tokenizer"], pretrained).to(device)
     del pretrained  # its tensors now live in the model
-    optimizer = build_optimizer(model, cfg, device)
+    optimizer = build_optimizer(model, cfg, device, dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
     guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)  # see faults.py for the policy
     step, time_before, best_val = 0, 0.0, math.inf  # time_before: wall clock of the run before this process

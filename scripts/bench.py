@@ -71,7 +71,7 @@ def build(name: str, cfg: TrainConfig) -> Bench:
                          cfg.block_size)
     data_gen = torch.Generator().manual_seed(cfg.seed)
     model = GPT(model_config(cfg, corpus.vocab_size)).to(device)
-    optimizer = build_optimizer(model, cfg, device)
+    optimizer = build_optimizer(model, cfg, device, dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
     def probe(m):  # as train.py's, but under autocast: the real step's precision, so no recompile

@@ -438,7 +438,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         return GPT(config).to(device)
 
     def optimizer_for(model: GPT) -> torch.optim.Optimizer:
-        return train.build_optimizer(model, cfg, device)
+        return train.build_optimizer(model, cfg, device, dtype)
 
     probed = []  # filled when compile_or_eager runs the probe (compile on)
 
