@@ -263,9 +263,9 @@ def test_lr_schedule_check_catches_a_loop_counting_micro_batches(monkeypatch, ti
 REAL_BUILD_OPTIMIZER = train.build_optimizer
 
 
-def build_optimizer_for_a_bf16_model(model, cfg, device):
+def build_optimizer_for_a_bf16_model(model, cfg, device, *args):
     """The bug: the model is cast to bf16 before its optimizer is built (Module.to casts in place)."""
-    return REAL_BUILD_OPTIMIZER(model.to(torch.bfloat16), cfg, device)
+    return REAL_BUILD_OPTIMIZER(model.to(torch.bfloat16), cfg, device, *args)
 
 
 @pytest.mark.parametrize("cast", [False, True], ids=["real", "cast to bf16"])
