@@ -201,13 +201,18 @@ class TextStream:
 
 
 # ----------------------------------------------------------------------------- command line
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = CommandLine(description=__doc__.split("\n\n")[0])
+def add_weights_flags(parser: argparse.ArgumentParser) -> None:
+    """--ckpt or --init_from: where the weights come from (also scripts/eval.py's)."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
     source.add_argument("--init_from", "--init-from", default="",
-                        help="sample pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a "
+                        help="pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a "
                              "folder / .safetensors in the Hugging Face GPT-2 layout")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
+    add_weights_flags(parser)
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
     prompt.add_argument("--prompt-file", "--prompt_file", default="", help="UTF-8 file whose text to continue")

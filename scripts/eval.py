@@ -30,7 +30,7 @@ from config import CommandLine, ConfigError, TrainConfig, config_from_dict, mode
 from data import DataError, load_corpus, prepare, read_text_file, tokenizer_from_meta, val_windows  # noqa: E402
 from model import GPT  # noqa: E402
 from runtime import fail, pick_device  # noqa: E402
-from sample import find_checkpoint, load_pretrained  # noqa: E402
+from sample import add_weights_flags, find_checkpoint, load_pretrained  # noqa: E402
 from train import evaluate, val_byte_count  # noqa: E402
 
 PROGRESS_BATCHES = 20  # show a progress bar from this many batches on (and only in a terminal)
@@ -120,11 +120,7 @@ def score(loaded: Loaded, x: torch.Tensor, y: torch.Tensor, data: str, batch_siz
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
-    source.add_argument("--init_from", "--init-from", default="",
-                        help="score pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a "
-                             "folder / .safetensors in the Hugging Face GPT-2 layout")
+    add_weights_flags(parser)
     parser.add_argument("--data_path", "--data-path", default="",
                         help="UTF-8 text file to score whole (default: the run's own val split)")
     parser.add_argument("--eval_tokens", "--eval-tokens", type=int, default=-1,
