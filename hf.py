@@ -162,9 +162,9 @@ def download(repo_id: str) -> tuple[Path, Path]:
     except (OSError, EntryNotFoundError) as err:  # offline, not cached, no such repo or file, HTTP errors
         reason = ("no network, and not in the cache" if isinstance(err, (LocalEntryNotFoundError, OfflineModeIsEnabled))
                   else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}")
-        raise HFError(f"could not get {repo_id} from the Hugging Face hub ({reason}); download it where there "
-                      f"is network (hf download {repo_id} --local-dir DIR), copy DIR here and pass "
-                      "--init_from DIR (a local folder or .safetensors file)") from None
+        raise HFError(f"could not get {repo_id} from the Hugging Face hub ({reason}), and there is no local "
+                      f"folder or file of that name; download it where there is network (hf download {repo_id} "
+                      "model.safetensors config.json --local-dir DIR), copy DIR here and pass --init_from DIR") from None
     finally:
         hub_log.setLevel(level)
     return Path(weights), Path(config)
@@ -263,7 +263,11 @@ def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
     """The tokenizer a folder's weights were trained with, if it can tell: our char list, or GPT-2's BPE."""
     chars_file = folder / CHARS_FILE
     if chars_file.is_file():
-        chars = "".join(json.loads(chars_file.read_text())["chars"])
+        try:
+            chars = "".join(json.loads(chars_file.read_text(encoding="utf-8"))["chars"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise HFError(f"{chars_file}: not a tinygpt char list ({type(err).__name__}: {err}); "
+                          'it must be JSON {"chars": [...]}') from None
         if len(chars) != vocab_size:
             raise HFError(f"{chars_file}: {len(chars)} characters for a vocabulary of {vocab_size}")
         return {"kind": "char", "chars": chars}
@@ -337,6 +341,8 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end.
     bos, eos = (tokenizer.eot_token, tokenizer.eot_token) if is_gpt2 else (tokenizer.eot_token, None)
     files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, model.config.block_size)}
+    if folder.exists() and any(folder.iterdir()):  # another model's tokenizer files would be loaded beside ours
+        raise HFError(f"{folder} is not empty; export into a new folder (or delete this one first)")
     folder.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     written = [folder / "model.safetensors"]

@@ -5,7 +5,7 @@ Scalable for LLM Training") replaces the update of a 2-D hidden weight by the se
 nearest its momentum (five Newton-Schulz iterations): every direction of the matrix moves at the
 same rate, instead of a few dominant ones. It is meant for hidden matrices only; the embedding (tied
 to the output head), the position table and the norm gains stay on AdamW. On the `small` preset it
-reaches in 2600 steps the val loss AdamW reaches in 5200 (README, "Time to quality").
+reaches in 2600 steps the val loss AdamW reaches in 5200 (docs/performance.md, "Time to quality").
 
 torch.optim.AdamW and torch.optim.Muon do the maths, with one change to Muon (``Muon`` below): the
 Newton-Schulz iteration runs in the precision the run computes in. torch's runs it in bf16 always,
@@ -49,11 +49,17 @@ class Muon(torch.optim.Muon):
     run computes in bf16, else fp32). State and param groups are torch's, so checkpoints are unchanged."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs: Any):
+        if kwargs.get("adjust_lr_fn") not in (None, "original"):  # step() implements torch's default only
+            raise ValueError(f"adjust_lr_fn {kwargs['adjust_lr_fn']!r} is not supported here; use the default")
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
             for p in group["params"]:
@@ -67,6 +73,7 @@ class Muon(torch.optim.Muon):
                 p.mul_(1 - lr * decay)  # decoupled weight decay
                 # torch's "original" lr adjustment: tall matrices move by sqrt(rows / cols) more.
                 p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
+        return loss
 
 
 class MuonWithAdamW:

@@ -214,9 +214,7 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description="Train a tiny GPT. Every config field below can be set from the command line.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    parser = CommandLine(description="Train a tiny GPT. Every config field below can be set from the command line.")
     parser.add_argument("--config", default=None,
                         help="preset name in config/ (tiny, small, gpt2, nanogpt_cpu, finetune_shakespeare) or a path to a .toml file")
     helps = field_help()

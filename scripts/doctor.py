@@ -361,7 +361,7 @@ def short_run_config(cfg: TrainConfig, out_dir: str, dtype: torch.dtype) -> Trai
     depend on the model) for a few accumulated steps, with a warmup longer than the run so that every
     step's lr differs."""
     return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=train.dtype_name(dtype),
-                               wandb=False, n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
+                               wandb=False, init_from="", n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
                                grad_accum=SHORT_RUN_ACCUM, max_iters=SHORT_RUN_STEPS, warmup_iters=SHORT_RUN_STEPS + 1,
                                schedule="steps", max_time=0.0, log_interval=1, eval_interval=SHORT_RUN_STEPS,
                                ckpt_interval=0, eval_tokens=cfg.block_size)
@@ -419,7 +419,13 @@ def check_master_weights(state: dict) -> Check:
 
 # ----------------------------------------------------------------------------- running them all
 def run_checks(cfg: TrainConfig) -> list[Check]:
-    """Every check, on the model, data and tokenizer that ``cfg`` trains with."""
+    """Every check, on the model, data and tokenizer that ``cfg`` trains with.
+
+    With init_from, the checks run on randomly initialised models of the imported shape (activation,
+    biases, tokenizer): the doctor checks the code path, not the pretrained weights.
+    """
+    if cfg.init_from:
+        cfg = train.start_from(dataclasses.replace(cfg, resume=False), Path(cfg.out_dir))[0]
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)

@@ -246,8 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
     plan = make_plan(args)
+    marker = plan.out / ".written_by_gpu_check"  # never delete runs this script did not make
+    if plan.out.is_dir() and any(plan.out.iterdir()) and not marker.is_file():
+        parser.error(f"{plan.out} holds files gpu_check.py did not write; pass a new --out_dir")
     for name in ("train", "ddp", "resumed", "straight"):  # train.py refuses a folder that holds a run
         shutil.rmtree(plan.out / name, ignore_errors=True)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    marker.touch()
     plan.out.mkdir(parents=True, exist_ok=True)
     t_start, checks = time.time(), []
     for check in CHECKS:

@@ -362,3 +362,22 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     ours = sample.generate(model, ids, 8, temperature=0)
     greedy = theirs.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids))
     assert torch.equal(ours[:, : greedy.shape[1]], greedy)
+
+
+def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(tmp_path, tiny_cfg, capsys):
+    """The doctor checks an init_from config at the imported shape; an export never mixes two models'
+    files; a broken char list is one line."""
+    from sample import load_model
+    from scripts import doctor
+    cfg = tiny_cfg(out_dir=str(tmp_path / "run"), max_iters=4, eval_interval=4)
+    train.train(cfg)
+    folder = tmp_path / "hf"
+    hf.export(*load_model(tmp_path / "run" / "best.pt", torch.device("cpu")), folder)
+    assert doctor.main(["--config", "tiny", "--init_from", str(folder), "--data_path", cfg.data_path,
+                        "--data_dir", cfg.data_dir, "--out_dir", str(tmp_path / "doc")]) == 0
+    assert "15/15 checks passed" in capsys.readouterr().out
+    with pytest.raises(hf.HFError, match="is not empty; export into a new folder"):
+        hf.export(*load_model(tmp_path / "run" / "best.pt", torch.device("cpu")), folder)
+    (folder / hf.CHARS_FILE).write_text("{not json")
+    with pytest.raises(hf.HFError, match="not a tinygpt char list"):
+        hf.load_pretrained(str(folder))
