@@ -175,11 +175,17 @@ class MetricsLog:
         self.tracker = tracking.start(cfg, out_dir, logged_through) if enabled else tracking.NullTracker()
 
     def log(self, record: dict[str, Any], line: str) -> None:
-        if not self.enabled:
-            return
-        print(line, flush=True)
-        self.file.write(json.dumps(record) + "\n")
-        self.tracker.log(record)
+        self.record(record)
+        self.say(line)
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            self.file.write(json.dumps(record) + "\n")
+            self.tracker.log(record)
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.file is not None:
@@ -451,9 +457,11 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
                 val_loss, is_best = result.loss, math.isfinite(result.loss) and result.loss < best_val
                 best_val = val_loss if is_best else best_val
                 last_eval, t_val = {"step": step, "val_loss": val_loss, "val_bpb": result.bpb}, time.time() - t_start
-                save(step, is_best)  # before the log line: it says "saved" only once that is true
-                log.log({**last_eval, "time_s": t_val},
-                        f"step {step:>6} | val loss {val_loss:.4f} | val bpb {result.bpb:.4f}"
+                # The record before the save (a resume drops records past last.pt, so a failed save leaves
+                # no trace), the line after it (it says "saved" only once that is true).
+                log.record({**last_eval, "time_s": t_val})
+                save(step, is_best)
+                log.say(f"step {step:>6} | val loss {val_loss:.4f} | val bpb {result.bpb:.4f}"
                         + (" (best, saved best.pt)" if is_best else ""))
                 t_log += time.time() - t_eval  # eval and save time is not counted as training time
             elif cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
