@@ -26,7 +26,7 @@ PRESET_DIR = Path(__file__).resolve().parent
 # Fields that fix the shape of the network: a checkpoint can only be resumed into the same values.
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation", "tokenizer")
 # What a checkpoint saved before a field existed meant by it (activation: the exact GELU, then the only one).
-OLD_DEFAULTS = {"activation": "gelu", "init_from": ""}
+OLD_DEFAULTS = {"activation": "gelu"}
 # Fields a resume may change, though the run then differs from one never stopped (max_iters is not
 # among them: raising it only extends a step schedule; max_time is, for schedule=time).
 TRAINING_FIELDS = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters", "schedule", "muon_lr",
