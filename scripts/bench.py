@@ -176,7 +176,7 @@ def summarise(b: Bench) -> dict:
     flops_per_token = b.model.flops_per_token(b.cfg.block_size)
     return {"name": b.name, "device": str(b.device), "dtype": str(b.dtype).removeprefix("torch."),
             "compiled": b.train_model is not b.model, "compile_s": b.compile_s, "steps": len(totals),
-            "ms_per_step": step_s * 1000, "tokens_per_s": tokens / step_s,
+            "ms_per_step": step_s * 1000, "step_ms": [t * 1000 for t in totals], "tokens_per_s": tokens / step_s,
             "phases_ms": {p: statistics.median(v) * 1000 for p, v in b.times.items()},
             "model_gflops": flops_per_token * tokens / step_s / 1e9,
             "peak_mib": b.peak_bytes / 2**20, "params": b.model.num_params(),

@@ -11,9 +11,14 @@ the per-step times of all rounds are pooled into one median per side. The rounds
 from other processes falls on both alike. The only thing written into the nanoGPT checkout is
 data/tinygpt_shakespeare_char/: our built-in corpus in nanoGPT's train.bin/val.bin/meta.pkl layout
 (its own prepare script downloads from the internet).
+
+With --bench each round also runs scripts/bench.py on the same config: the step it times is made of
+train.py's own functions, so train.py's logged ms/step should match it (issue 14 asks within 5%); a
+larger gap would be time train.py spends outside the step (logging, syncs, data) that bench hides.
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -73,6 +78,14 @@ def theirs(nanogpt: Path, steps: int, out_dir: Path) -> list[float]:
     return [float(ms) for _, ms in THEIRS_MS.findall(out)]
 
 
+def bench(steps: int, skip: int, out_dir: Path) -> list[float]:
+    """scripts/bench.py's per-step times for the same config: ``skip`` warm-up steps, then the rest."""
+    report = out_dir / "bench.json"
+    run([sys.executable, "scripts/bench.py", "--config", "nanogpt_cpu", "--steps", str(steps - skip),
+         "--warmup", str(skip), "--rounds", "1", "--json", str(report)], REPO)
+    return json.loads(report.read_text())["results"][0]["step_ms"]
+
+
 def summary(name: str, rounds: list[list[float]], skip: int) -> float:
     per_round = [statistics.median(r[skip:]) for r in rounds]
     pooled = statistics.median([ms for r in rounds for ms in r[skip:]])
@@ -88,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     parser.add_argument("--skip", type=int, default=10, help="first steps of each run left out of the medians")
     parser.add_argument("--min-ratio", type=float, default=0.0, help="exit 1 unless ours is this many times faster")
+    parser.add_argument("--bench", action="store_true",
+                        help="also time scripts/bench.py's step each round and compare train.py with it")
     args = parser.parse_args(argv)
     if not (args.nanogpt / "train.py").is_file() or not (args.nanogpt / "model.py").is_file():
         parser.error(f"{args.nanogpt} is not a nanoGPT checkout (no train.py and model.py); "
@@ -102,8 +117,15 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.rounds):
             timings["nanoGPT train.py"].append(theirs(args.nanogpt.resolve(), args.steps, Path(tmp) / f"nano{i}"))
             timings["tinygpt train.py"].append(ours(args.steps, Path(tmp) / f"ours{i}"))
+            if args.bench:
+                (Path(tmp) / f"bench{i}").mkdir()
+                timings.setdefault("tinygpt bench.py", []).append(bench(args.steps, args.skip, Path(tmp) / f"bench{i}"))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    nano, tiny = (summary(name, rounds, args.skip) for name, rounds in timings.items())
+    nano, tiny, *benched = (summary(name, rounds, args.skip if "bench" not in name else 0)
+                            for name, rounds in timings.items())
+    if benched:
+        print(f"tinygpt train.py / bench.py: {tiny / benched[0]:.3f}x ms/step (train.py's step should cost "
+              f"within 5% of bench's)")
     ratio = nano / tiny
     print(f"tinygpt / nanoGPT: {ratio:.2f}x tokens/s ({args.rounds} rounds x {args.steps} steps, "
           f"first {args.skip} of each run left out)")
