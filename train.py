@@ -405,6 +405,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         log = MetricsLog(out_dir, cfg, enabled=ddp.is_main, logged_through=logged_through)
     params = list(model.parameters())
+    flops_per_token = model.flops_per_token()  # once, not per log line: counting the parameters takes ~0.2 ms
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     t_log = time.time()
     t_start = t_log - time_before  # the run's clock: max_time and schedule=time span resumes
@@ -444,7 +445,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
                 now = time.time()
                 dt = (now - t_log) / (step - step_at_log)
                 tok_s = tokens_per_step / dt
-                util = mfu(model.flops_per_token(), tok_s, device, dtype, ddp.world_size)
+                util = mfu(flops_per_token, tok_s, device, dtype, ddp.world_size)
                 t_log, step_at_log = now, step
                 log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
                          "mfu": util, "time_s": now - t_start},
@@ -464,6 +465,8 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
                 log.say(f"step {step:>6} | val loss {val_loss:.4f} | val bpb {result.bpb:.4f}"
                         + (" (best, saved best.pt)" if is_best else ""))
                 t_log += time.time() - t_eval  # eval and save time is not counted as training time
+                if not last:  # an eval that spends the budget is the final one: no extra step, no second eval
+                    out_of_time, signalled = halt_flags(cfg, step, stop, t_start, ddp)
             elif cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
                 save(step, is_best=False)
             if out_of_time:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import train
 from checkpoint import REQUIRED_KEYS, CheckpointWriteError, load_checkpoint, save_checkpoint
 from config import ConfigError, make_config
 from conftest import run_script, tiny_model
+from fault_injection import metrics, run_main, tiny_args
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
@@ -107,6 +109,23 @@ def test_a_format_1_checkpoint_still_resumes_and_samples(tmp_path, text_file):
     resumed = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume"))
     assert "resumed from" in resumed.stdout and load_checkpoint(out / "last.pt")["step"] == 6
     run_script("sample.py", "--ckpt", str(out), "--max-new-tokens", "5")
+
+
+def test_an_eval_that_spends_the_budget_is_the_final_one(tmp_path, text_file, monkeypatch):
+    """Before: the loop checked the clock only after a step, so an eval that crossed max_time was
+    followed by one more step and a second, redundant full eval (11 s each on `small`, 2-core CPU)."""
+    real_evaluate = train.evaluate
+
+    def slow_evaluate(*args, **kwargs):
+        time.sleep(1.5)  # the eval at step 3 carries the clock past max_time
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train, "evaluate", slow_evaluate)
+    out = tmp_path / "run"
+    assert run_main(tiny_args(out, text_file, max_time=1, max_iters=1000, eval_interval=3)) == 0
+    train_records, val_records = metrics(out)
+    assert [r["step"] for r in val_records] == [3]
+    assert train_records[-1]["step"] == 3 and load_checkpoint(out / "last.pt")["step"] == 3
 
 
 def test_time_schedule_needs_max_time():
