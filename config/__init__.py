@@ -136,9 +136,14 @@ def parse_value(name: str, raw: Any) -> Any:
         raise ConfigError(f"{name} must be {kind}, got {raw!r}") from None
 
 
+def did_you_mean(word: str, known: list[str], what: str) -> str:
+    """The end of an unknown-name error: the closest known name, or where to find them all."""
+    close = difflib.get_close_matches(word, known, n=1)
+    return f"; did you mean `{close[0]}`?" if close else f"; run with --help to list every {what}"
+
+
 def unknown_key_error(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key.replace("-", "_"), list(FIELD_TYPES), n=1)
-    hint = f"; did you mean `{close[0]}`?" if close else "; run with --help to list every field"
+    hint = did_you_mean(key.replace("-", "_"), list(FIELD_TYPES), "field")
     return ConfigError(f"unknown config key `{key}` in {where}{hint}")
 
 
@@ -248,9 +253,7 @@ class CommandLine(argparse.ArgumentParser):
         if flag is None:
             return f"unexpected argument `{unknown[0]}`; run with --help to list every flag"
         known = [s for action in self._actions for s in action.option_strings]
-        close = difflib.get_close_matches(flag, known, n=1)
-        return f"unknown flag `{flag}`" + (f"; did you mean `{close[0]}`?" if close else
-                                            "; run with --help to list every flag")
+        return f"unknown flag `{flag}`" + did_you_mean(flag, known, "flag")
 
     def error(self, message: str):  # argparse calls this for bad values and missing arguments too
         print(f"error: {message}", file=sys.stderr)
