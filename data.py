@@ -217,6 +217,11 @@ def extract_gpt2_ranks(cache: Path, ranks_file: Path) -> None:
     tmp.replace(ranks_file)
 
 
+def special_tokens(tokenizer) -> set[int]:
+    """Ids that mark structure rather than text: GPT-2's <|endoftext|> (a char vocabulary has none)."""
+    return {tokenizer.eot_token} if isinstance(tokenizer, GPT2Tokenizer) else set()
+
+
 def token_byte_lengths(tokenizer) -> torch.Tensor:
     """UTF-8 bytes each id decodes to, (vocab_size,) int64: the denominator of bits per byte.
 
@@ -224,7 +229,7 @@ def token_byte_lengths(tokenizer) -> torch.Tensor:
     text, so bits per byte measures the corpus's own bytes (their cost stays in the numerator).
     Built once per run, not per eval: 50257 lookups for GPT-2.
     """
-    special = {tokenizer.eot_token} if isinstance(tokenizer, GPT2Tokenizer) else set()
+    special = special_tokens(tokenizer)
     return torch.tensor([0 if i in special else len(tokenizer.decode_bytes([i]))
                          for i in range(tokenizer.vocab_size)], dtype=torch.long)
 

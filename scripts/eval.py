@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO))
 
 from checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from config import CommandLine, ConfigError, TrainConfig, config_from_dict, model_config  # noqa: E402
-from data import DataError, load_corpus, prepare, read_text_file, tokenizer_from_meta, val_windows  # noqa: E402
+from data import (DataError, load_corpus, prepare, read_text_file, special_tokens, tokenizer_from_meta,  # noqa: E402
+                  val_windows)
 from model import GPT  # noqa: E402
 from runtime import fail, pick_device  # noqa: E402
 from sample import add_weights_flags, find_checkpoint, load_pretrained  # noqa: E402
@@ -100,10 +101,17 @@ class Report:
     val_bpb: float  # bits per UTF-8 byte of the targets
     tokens: int  # targets scored
     bytes: int  # UTF-8 bytes they decode to
-    chars: int  # characters they decode to
+    chars: int  # characters they decode to (document separators count none, as for bytes)
     batch_size: int
     dtype: str
     device: str
+
+
+def target_chars(y: torch.Tensor, tokenizer) -> int:
+    """Characters the scored targets decode to; <|endoftext|> counts none, as it counts 0 bytes."""
+    special = special_tokens(tokenizer)
+    targets = [t for t in y[y >= 0].tolist() if t not in special]
+    return len(tokenizer.decode_bytes(targets).decode("utf-8", errors="replace"))
 
 
 def score(loaded: Loaded, x: torch.Tensor, y: torch.Tensor, data: str, batch_size: int, dtype: str,
@@ -112,8 +120,7 @@ def score(loaded: Loaded, x: torch.Tensor, y: torch.Tensor, data: str, batch_siz
     n_bytes = val_byte_count(y, loaded.tokenizer, device)
     progress = sys.stderr.isatty() and -(-len(x) // batch_size) >= PROGRESS_BATCHES
     result = evaluate(loaded.model, x, y, batch_size, device, getattr(torch, dtype), n_bytes, progress)
-    targets = y[y >= 0].tolist()
-    chars = len(loaded.tokenizer.decode_bytes(targets).decode("utf-8", errors="replace"))
+    chars = target_chars(y, loaded.tokenizer)
     return Report(loaded.source, loaded.step, data, result.loss, result.bpb, result.tokens, n_bytes, chars,
                   batch_size, dtype, str(device))
 

@@ -16,6 +16,7 @@ import data
 import train
 from conftest import make_text
 from data import GPT2_EOT, DataError, GPT2Tokenizer, is_val_document, prepare, val_windows
+from scripts import eval as eval_script
 
 pytestmark = pytest.mark.network  # may download the openai-whisper sdist (once per module)
 DOCS = [make_text(n_lines=8 + i, seed=i) for i in range(12)]
@@ -63,6 +64,7 @@ def test_bits_per_byte_count_the_utf8_bytes_of_bpe_targets(tok):
     _, y = val_windows(np.array(ids), 4)
     # Targets: all but "A". " café" 1+3+2, " 😀" 1+4, " 中文" 1+3+3, <|endoftext|> 0 (it is no text), "B" 1.
     assert train.val_byte_count(y, tok, torch.device("cpu")) == 6 + 5 + 7 + 0 + 1
+    assert eval_script.target_chars(y, tok) == len(" café" + " 😀" + " 中文" + "B")  # not 13 for the separator
 
 
 @pytest.mark.parametrize("fraction, n, val_indices", [
