@@ -253,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(plan.out / name, ignore_errors=True)
     plan.out.mkdir(parents=True, exist_ok=True)
     marker.touch()
-    plan.out.mkdir(parents=True, exist_ok=True)
     t_start, checks = time.time(), []
     for check in CHECKS:
         t0 = time.time()
