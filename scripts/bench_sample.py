@@ -4,7 +4,7 @@ give the same greedy text.
     python scripts/bench_sample.py                  # block_size 256, 1000 new tokens, CPU, fp32
     python scripts/bench_sample.py --ckpt out/small # a trained checkpoint instead of a random init
 
-The default model is the `small` preset's width and depth (n_layer 4, n_head 4, n_embd 128, char vocab 65)
+The default model is the width and depth of the `small` preset of before (n_layer 4, n_head 4, n_embd 128, char vocab 65)
 with block_size 256, randomly initialised: speed does not depend on the weights. Each path runs once
 to warm up, then --repeats times, alternating, and the median is reported. Exits 1 if the greedy
 tokens differ or the speed-up is below --min-speedup, so a regression fails loudly.
