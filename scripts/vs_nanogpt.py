@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bench", action="store_true",
                         help="also time scripts/bench.py's step each round and compare train.py with it")
     args = parser.parse_args(argv)
+    if not 0 <= args.skip < args.steps:
+        parser.error(f"--skip {args.skip} must be at least 0 and below --steps {args.steps}: no step would be timed")
     if not (args.nanogpt / "train.py").is_file() or not (args.nanogpt / "model.py").is_file():
         parser.error(f"{args.nanogpt} is not a nanoGPT checkout (no train.py and model.py); "
                      "clone github.com/karpathy/nanoGPT and pass its folder")

@@ -128,3 +128,11 @@ def test_sample_flag_mistakes_are_one_line_with_a_hint(capsys, argv, expected):
         load_entry_point("sample.py").main(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.count("\n") == 1 and expected in err, err
+
+
+def test_vs_nanogpt_refuses_a_run_with_no_step_left_to_time(capsys):
+    """--skip drops the first steps of each run; at --steps or more, no median exists to compare."""
+    with pytest.raises(SystemExit) as stopped:
+        load_entry_point("scripts/vs_nanogpt.py").main(["--nanogpt", "nano", "--steps", "10", "--skip", "10"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err == "error: --skip 10 must be at least 0 and below --steps 10: no step would be timed\n"
