@@ -86,10 +86,10 @@ def bench(steps: int, skip: int, out_dir: Path) -> list[float]:
     return json.loads(report.read_text())["results"][0]["step_ms"]
 
 
-def summary(name: str, rounds: list[list[float]]) -> float:
-    """Per-step times of every round, warm-up already left out: the pooled median, printed with each round's."""
-    per_round = [statistics.median(r) for r in rounds]
-    pooled = statistics.median([ms for r in rounds for ms in r])
+def summary(name: str, rounds: list[list[float]], skip: int) -> float:
+    """The median of every round's step times after its first ``skip``, printed with each round's median."""
+    per_round = [statistics.median(r[skip:]) for r in rounds]
+    pooled = statistics.median([ms for r in rounds for ms in r[skip:]])
     print(f"{name:<20} median {pooled:6.2f} ms/step = {TOKENS_PER_STEP / pooled * 1000:8,.0f} tokens/s; "
           f"round medians {', '.join(f'{m:.2f}' for m in per_round)} ms")
     return pooled
@@ -117,15 +117,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     timings = {"nanoGPT train.py": [], "tinygpt train.py": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):  # each run's first --skip steps are left out (bench.py's are its warm-up)
-            nano = theirs(args.nanogpt.resolve(), args.steps, Path(tmp) / f"nano{i}")
-            timings["nanoGPT train.py"].append(nano[args.skip:])
-            timings["tinygpt train.py"].append(ours(args.steps, Path(tmp) / f"ours{i}")[args.skip:])
+        for i in range(args.rounds):
+            timings["nanoGPT train.py"].append(theirs(args.nanogpt.resolve(), args.steps, Path(tmp) / f"nano{i}"))
+            timings["tinygpt train.py"].append(ours(args.steps, Path(tmp) / f"ours{i}"))
             if args.bench:
                 (Path(tmp) / f"bench{i}").mkdir()
                 timings.setdefault("tinygpt bench.py", []).append(bench(args.steps, args.skip, Path(tmp) / f"bench{i}"))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    nano, tiny, *benched = (summary(name, rounds) for name, rounds in timings.items())
+    skips = {"tinygpt bench.py": 0}  # bench.py leaves its --warmup steps out itself
+    nano, tiny, *benched = (summary(name, rounds, skips.get(name, args.skip)) for name, rounds in timings.items())
     if benched:
         print(f"tinygpt train.py / bench.py: {tiny / benched[0]:.3f}x ms/step (train.py's step should cost "
               f"within 5% of bench's)")
