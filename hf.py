@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from config import ConfigError, TrainConfig
+from config import ConfigError, TrainConfig, model_config
 from data import GPT2_EOT
 from model import GPT, GPTConfig
 
@@ -72,6 +72,17 @@ CONFIG_RULES = (  # config.json fields that change the computation: (name, GPT-2
     ("scale_attn_by_inverse_layer_idx", False, (False,)),
     ("tie_word_embeddings", True, (True,)),
 )
+ANY = None  # in GPT2_OPTIONS: the GPT-2 layout holds every value of this option
+# Each model option (model.GPTConfig) -> the values GPT-2's layout computes. An option not listed (a
+# fork's new one) is GPT-2's only at its default: export and --init_from refuse any other value by
+# name, so a variant is never passed off as GPT-2 nor silently dropped on import.
+GPT2_OPTIONS = {
+    "block_size": ANY,  # n_positions
+    "n_layer": ANY, "n_head": ANY, "n_embd": ANY,
+    "dropout": ANY,  # the *_pdrop fields; training only
+    "bias": ANY,  # bias-free models export zero biases
+    "activation": ("gelu", "gelu_tanh"),  # activation_function gelu / gelu_new (see ACTIVATIONS)
+}
 GPT2_VOCAB = GPT2_EOT + 1  # GPT-2's BPE: 50256 byte-level tokens, then <|endoftext|>
 CHARS_FILE = "tinygpt_chars.json"  # a char model's vocabulary: token id i is chars[i]
 
@@ -274,14 +285,28 @@ def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
     return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else None
 
 
+IMPORTED = ("n_layer", "n_head", "n_embd", "bias", "activation")  # the options a GPT-2 file fixes
+
+
+def gpt2_refusals(config: GPTConfig) -> list[str]:
+    """Every option of ``config`` GPT-2's layout cannot compute, as "name value (GPT-2: ...)"; [] if none."""
+    refusals = []
+    for option in fields(config):
+        allowed = GPT2_OPTIONS.get(option.name, (option.default,))
+        value = getattr(config, option.name)
+        if option.name != "vocab_size" and allowed is not ANY and value not in allowed:
+            refusals.append(f"{option.name} {value!r} (GPT-2 computes {' or '.join(map(repr, allowed))})")
+    return refusals
+
+
 def adopt(cfg: TrainConfig, model_cfg: GPTConfig, tokenizer: dict | None, source: str) -> TrainConfig:
     """The training config with the imported model's shape (and tokenizer, when known).
 
     A field still at its default takes the imported value; a field set to another value is a
-    conflict the user must resolve (block_size is the user's: it crops the position table).
+    conflict the user must resolve (block_size is the user's: it crops the position table). Every
+    other model option must be one GPT-2's weights compute (GPT2_OPTIONS), or the import is refused.
     """
-    imported = {"n_layer": model_cfg.n_layer, "n_head": model_cfg.n_head, "n_embd": model_cfg.n_embd,
-                "bias": model_cfg.bias, "activation": model_cfg.activation}
+    imported = {name: getattr(model_cfg, name) for name in IMPORTED}
     if tokenizer is not None:
         imported["tokenizer"] = tokenizer["kind"]
     defaults = TrainConfig()
@@ -290,7 +315,12 @@ def adopt(cfg: TrainConfig, model_cfg: GPTConfig, tokenizer: dict | None, source
         if mine != value and mine != getattr(defaults, name):
             raise HFError(f"--{name} {mine} conflicts with {source}, whose weights have {name} {value}; "
                           f"drop --{name}: with --init_from the weights fix the model's shape")
-    return TrainConfig(**{**cfg.__dict__, **imported})
+    adopted = TrainConfig(**{**cfg.__dict__, **imported})
+    refusals = gpt2_refusals(model_config(adopted, model_cfg.vocab_size))
+    if refusals:
+        raise HFError(f"{source} holds GPT-2 weights, which cannot run with {refusals[0]}; drop that option "
+                      "or train from scratch without --init_from")
+    return adopted
 
 
 def check_vocab(pretrained: Pretrained, tokenizer_meta: dict, vocab_size: int) -> None:
@@ -304,12 +334,25 @@ def check_vocab(pretrained: Pretrained, tokenizer_meta: dict, vocab_size: int) -
 
 # ----------------------------------------------------------------------------- export
 def to_hf(model: GPT) -> dict[str, torch.Tensor]:
-    """Our weights under Hugging Face names: transposed, unpadded, explicit zero biases if bias=False."""
+    """Our weights under Hugging Face names: transposed, unpadded, explicit zero biases if bias=False.
+
+    Refuses a model with an option GPT-2 cannot compute (gpt2_refusals) or weights the table does not
+    map: a GPT-2 folder that loads but computes something else would be the worst export.
+    """
     config, state = model.config, model.state_dict()
+    refusals = gpt2_refusals(config)
+    if refusals:
+        raise HFError(f"cannot export as GPT-2: the model has {refusals[0]}; transformers' GPT-2 would "
+                      "load it and compute another model")
+    unmapped = sorted(set(state) - {ours for ours, _ in expand(config.n_layer)} - {"lm_head.weight"})
+    if unmapped:
+        raise HFError(f"cannot export as GPT-2: weight {unmapped[0]} has no place in GPT-2's layout")
     out = {}
     for ours, theirs in expand(config.n_layer):
         if ours in state:
             value = state[ours].detach().float()
+        elif not ours.endswith(".bias"):
+            raise HFError(f"cannot export as GPT-2: the model has no {ours}, which GPT-2's layout needs")
         else:  # bias=False: GPT-2 has every bias, so write zeros of the layer's output width
             value = torch.zeros(state[ours.removesuffix(".bias") + ".weight"].shape[0])
         if is_transposed(ours):

@@ -11,7 +11,8 @@ Unsupervised Multitask Learners") for pre-norm and the residual-scaled init; Vas
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn as nn
@@ -22,19 +23,44 @@ from optim import Muon, MuonWithAdamW
 
 @dataclass
 class GPTConfig:
-    vocab_size: int  # real vocabulary size; the embedding is padded up for speed
-    block_size: int = 128  # longest context, fixed by the learned position table
+    """Every option of the model, declared once, here: a field, its default and its comment.
+
+    config/__init__.py derives the rest from these fields: the command-line flag and preset key of
+    each (with the comment as its --help), its type check, its allowed values (a Literal type lists
+    them), the check that a resume keeps it (all but TRAINING_ONLY), and what a checkpoint saved
+    before the field existed meant by it: the default. So a new option's default must be the model as
+    it was, GPT-2's computation; hf.py refuses to export or import any other value it does not know.
+    docs/experiments.md walks through adding one.
+    """
+    vocab_size: int  # real vocabulary size, set by the corpus; the embedding is padded up for speed
+    block_size: int = 128  # context length in tokens (the learned position table's length)
     n_layer: int = 4  # transformer blocks
-    n_head: int = 4  # attention heads
-    n_embd: int = 128  # residual width C
-    dropout: float = 0.0  # dropout probability
-    bias: bool = False  # biases in Linear and LayerNorm
-    activation: str = "gelu"  # MLP nonlinearity: gelu (exact, erf) | gelu_tanh (GPT-2's tanh approximation)
+    n_head: int = 4  # attention heads per block
+    n_embd: int = 128  # residual stream width C
+    dropout: float = 0.0  # dropout probability (attention, residual, embeddings)
+    bias: bool = False  # biases in Linear and LayerNorm layers
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"  # MLP nonlinearity: gelu (exact, erf) | gelu_tanh (GPT-2's tanh approximation; set by init_from)
+
+    # Options that act only while training (regularisation), not on what the weights compute: a
+    # resume may change them. Every other option must match the checkpoint's.
+    TRAINING_ONLY: ClassVar[tuple[str, ...]] = ("dropout",)
 
     @property
     def padded_vocab_size(self) -> int:
         """Vocab rounded up to a multiple of 64: matmuls on aligned shapes run faster."""
         return 64 * math.ceil(self.vocab_size / 64)
+
+
+def describe(config: GPTConfig) -> str:
+    """The model in one line: its integer sizes, then every other option that is not at its default.
+
+    "n_layer 3, n_head 4, n_embd 128, block_size 64, vocab 65; not default: activation gelu_tanh"
+    """
+    sizes = [f"{f.name} {getattr(config, f.name)}" for f in fields(config)
+             if f.type == "int" and f.name != "vocab_size"]
+    options = [f"{f.name} {getattr(config, f.name)}" for f in fields(config)
+               if f.type != "int" and getattr(config, f.name) != f.default]
+    return ", ".join(sizes + [f"vocab {config.vocab_size}"]) + "; not default: " + (", ".join(options) or "none")
 
 
 class LayerCache:
@@ -210,9 +236,14 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; the tied embedding is counted once, positions excluded if non_embedding."""
+        """Parameter count; the tied embedding is counted once (it is also the output layer).
+
+        non_embedding leaves out the position table, a lookup that costs no FLOPs (the count the
+        6N of flops_per_token uses, as in Kaplan et al. 2020); False counts every parameter.
+        """
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        positions = sum(p.numel() for name, p in self.named_parameters() if name.startswith("transformer.wpe."))
+        return n - positions if non_embedding else n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token, the MFU convention of PaLM (Chowdhery et al. 2022, app. B):

@@ -36,7 +36,7 @@ import distributed
 from distributed import Dist, all_reduce_sum, print0
 from faults import EXIT_BAD_INPUT, NonFiniteGuard, RunStopped, StopOnSignal
 import hf
-from model import GPT
+from model import GPT, describe
 from optim import MuonWithAdamW
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
 import tracking
@@ -243,9 +243,8 @@ def start_from(cfg: TrainConfig, out_dir: Path) -> tuple[TrainConfig, hf.Pretrai
         return hf.adopt(cfg, shape, {"kind": saved["tokenizer"]}, str(out_dir / "last.pt")), None
     pretrained = hf.load_pretrained(cfg.init_from, cfg.block_size)
     cfg = hf.adopt(cfg, pretrained.config, pretrained.tokenizer, cfg.init_from)
-    print0(f"init_from {cfg.init_from}: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, "
-           f"bias {cfg.bias}, activation {cfg.activation}, tokenizer {cfg.tokenizer}, block_size {cfg.block_size} "
-           f"of {pretrained.n_positions} positions")
+    print0(f"init_from {cfg.init_from}: {describe(model_config(cfg, pretrained.config.vocab_size))}; "
+           f"tokenizer {cfg.tokenizer}; block_size {cfg.block_size} of {pretrained.n_positions} positions")
     return cfg, pretrained
 
 
@@ -398,9 +397,10 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     tokens_per_step = cfg.tokens_per_step() * ddp.world_size  # the global batch
+    print0(f"model: {describe(model.config)}; {model.num_params(non_embedding=False) / 1e6:.2f}M parameters "
+           "(all of them, position table included)")
     print0(f"device {device}, dtype {dtype_name(dtype)}, compile {train_model is not model}, "
-           f"{model.num_params() / 1e6:.2f}M params, {tokens_per_step:,} tokens/step "
-           f"({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), vocab {corpus.vocab_size}, out_dir {out_dir}")
+           f"{tokens_per_step:,} tokens/step ({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), out_dir {out_dir}")
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         log = MetricsLog(out_dir, cfg, enabled=ddp.is_main, logged_through=logged_through)
     params = list(model.parameters())

@@ -12,25 +12,39 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import inspect
 import math
 import re
 import sys
 import tomllib
+import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from model import GPTConfig
 
 PRESET_DIR = Path(__file__).resolve().parent
-# Fields that fix the shape of the network: a checkpoint can only be resumed into the same values.
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation", "tokenizer")
-# What a checkpoint saved before a field existed meant by it (activation: the exact GELU, then the only one).
-OLD_DEFAULTS = {"activation": "gelu"}
-# Fields a resume may change, though the run then differs from one never stopped (max_iters is not
-# among them: raising it only extends a step schedule; max_time is, for schedule=time).
-TRAINING_FIELDS = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters", "schedule", "muon_lr",
-                   "weight_decay", "beta1", "beta2", "grad_clip", "batch_size", "grad_accum", "dropout")
+CORPUS_FIELDS = ("vocab_size",)  # GPTConfig fields the corpus sets, not the config
+
+
+def model_options() -> list[dataclasses.Field]:
+    """GPTConfig's fields that a config sets (all but the vocabulary): the model's options."""
+    return [f for f in fields(GPTConfig) if f.name not in CORPUS_FIELDS]
+
+
+def with_model_options(cls: type) -> type:
+    """Give ``cls`` (before @dataclass reads it) a field for every model option, with GPTConfig's type
+    and default: an option is declared once, in model.py, and is a flat config key like any other."""
+    types = typing.get_type_hints(GPTConfig)
+    for option in model_options():
+        if option.name in cls.__annotations__:
+            raise TypeError(f"{option.name} is declared in model.GPTConfig; remove it from {cls.__name__}")
+        if option.default is dataclasses.MISSING:
+            raise TypeError(f"GPTConfig.{option.name} needs a default: the model as it was before the option")
+        cls.__annotations__[option.name] = types[option.name]
+        setattr(cls, option.name, option.default)
+    return cls
 
 
 class ConfigError(ValueError):
@@ -38,30 +52,24 @@ class ConfigError(ValueError):
 
 
 @dataclass
+@with_model_options  # + n_layer, n_head, n_embd, block_size, dropout, bias, ...: every option of model.GPTConfig
 class TrainConfig:
     # --- run ---
     out_dir: str = "out/default"  # folder for last.pt, best.pt and metrics.jsonl
     seed: int = 1337  # seeds model init, dropout and the data generator
     device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    dtype: str = "auto"  # auto (bf16/fp16 on GPU; on CPU bf16 if a matmul probe finds it faster, else fp32) | float32 | bfloat16 | float16
-    compile: str = "auto"  # torch.compile: auto (on for CUDA only) | on | off
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto (bf16/fp16 on GPU; on CPU bf16 if a matmul probe finds it faster, else fp32)
+    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile: auto (on for CUDA only) | on | off
     resume: bool = False  # continue exactly from out_dir/last.pt
     init_from: str = ""  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (hf.py)
     # --- data ---
     dataset: str = "shakespeare"  # built-in corpus name; ignored when data_path is set
     data_path: str = ""  # a UTF-8 text file, a folder of .txt files or a .jsonl ("text" field) to train on
     data_dir: str = "data"  # cache of downloaded and prepared corpora
-    tokenizer: str = "char"  # char (vocab from the corpus) | gpt2 (tiktoken BPE)
+    tokenizer: Literal["char", "gpt2"] = "char"  # char (vocab from the corpus) | gpt2 (tiktoken BPE)
     val_fraction: float = 0.1  # share held out for validation (the tail of a text file; every k-th document)
     eval_tokens: int = 0  # val targets scored per eval; 0 = the whole val split
-    # --- model ---
-    n_layer: int = 4  # transformer blocks
-    n_head: int = 4  # attention heads per block
-    n_embd: int = 128  # residual stream width
-    block_size: int = 128  # context length in tokens
-    dropout: float = 0.0  # dropout probability (attention, residual, embeddings)
-    bias: bool = False  # biases in Linear and LayerNorm layers
-    activation: str = "gelu"  # MLP nonlinearity: gelu (exact) | gelu_tanh (GPT-2's approximation; set by init_from)
+    # --- model: the options are declared in model.GPTConfig and added by with_model_options ---
     # --- optimisation ---
     batch_size: int = 32  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -70,9 +78,9 @@ class TrainConfig:
     min_lr: float = 1e-4  # floor of the cosine decay
     warmup_iters: int = 100  # linear warmup steps
     lr_decay_iters: int = 2000  # schedule=steps: step at which the cosine reaches min_lr (flat afterwards)
-    schedule: str = "steps"  # steps (bit-reproducible) | time (cosine ends at max_time or max_iters, whichever comes first)
+    schedule: Literal["steps", "time"] = "steps"  # steps (bit-reproducible) | time (cosine ends at max_time or max_iters, whichever comes first)
     weight_decay: float = 0.1  # decoupled decay of matrices and embeddings (Muon's matrices too); none on gains
-    optimizer: str = "adamw"  # adamw | muon (Muon for the blocks' weight matrices, AdamW for the rest: optim.py)
+    optimizer: Literal["adamw", "muon"] = "adamw"  # adamw | muon (Muon for the blocks' weight matrices, AdamW for the rest: optim.py)
     muon_lr: float = 0.02  # optimizer=muon: the Muon matrices' peak lr; their lr follows learning_rate's schedule times muon_lr / learning_rate
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.99  # AdamW beta2
@@ -91,30 +99,43 @@ class TrainConfig:
         return self.batch_size * self.block_size * self.grad_accum
 
 
-FIELD_TYPES = {f.name: f.type for f in fields(TrainConfig)}
-CHOICES = {
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "compile": ("auto", "on", "off"),
-    "tokenizer": ("char", "gpt2"),
-    "optimizer": ("adamw", "muon"),
-    "schedule": ("steps", "time"),
-    "activation": ("gelu", "gelu_tanh"),
-}
+FIELD_TYPES = typing.get_type_hints(TrainConfig)  # name -> int, float, bool, str or Literal[...]
+DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+MODEL_OPTIONS = tuple(f.name for f in model_options())
+# Fields a resume must keep: every model option that shapes what the weights compute, and the tokenizer.
+RESUME_FIXED = tuple(name for name in MODEL_OPTIONS if name not in GPTConfig.TRAINING_ONLY) + ("tokenizer",)
+# Fields a resume may change, though the run then differs from one never stopped (max_iters is not
+# among them: raising it only extends a step schedule; max_time is, for schedule=time).
+TRAINING_FIELDS = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters", "schedule", "muon_lr",
+                   "weight_decay", "beta1", "beta2", "grad_clip", "batch_size", "grad_accum") + GPTConfig.TRAINING_ONLY
+
+
+def choices(name: str) -> tuple[Any, ...]:
+    """The values a Literal-typed field allows; () for any other field."""
+    kind = FIELD_TYPES[name]
+    return typing.get_args(kind) if typing.get_origin(kind) is Literal else ()
+
+
+def type_name(name: str) -> str:
+    """int, float, bool or str: what --help and errors call a field's type."""
+    kind = FIELD_TYPES[name]
+    return "str" if choices(name) else kind.__name__
 
 
 def field_help() -> dict[str, str]:
-    """The comment beside each field above, read from this file so --help never drifts."""
+    """The comment beside each field (TrainConfig's here, the model's in GPTConfig), so --help never drifts."""
     help_text = {}
-    for line in Path(__file__).read_text().splitlines():
-        name, sep, rest = line.strip().partition(":")
-        if sep and name in FIELD_TYPES and "#" in rest:
-            help_text[name] = rest.split("#", 1)[1].strip()
+    for cls in (TrainConfig, GPTConfig):
+        for line in inspect.getsource(cls).splitlines():
+            name, sep, rest = line.strip().partition(":")
+            if sep and name in FIELD_TYPES and "#" in rest:
+                help_text[name] = rest.split("#", 1)[1].strip()
     return help_text
 
 
 def parse_value(name: str, raw: Any) -> Any:
     """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
-    kind = FIELD_TYPES[name]
+    kind = type_name(name)
     try:
         if kind == "bool":
             if isinstance(raw, bool):
@@ -126,10 +147,12 @@ def parse_value(name: str, raw: Any) -> Any:
                 return False
             raise ValueError
         if kind == "int":
-            if isinstance(raw, float) and not raw.is_integer():
+            if isinstance(raw, bool) or isinstance(raw, float) and not raw.is_integer():
                 raise ValueError
             return int(str(raw).replace("_", "")) if isinstance(raw, str) else int(raw)
         if kind == "float":
+            if isinstance(raw, bool):
+                raise ValueError
             return float(raw)
         return str(raw)
     except ValueError:
@@ -196,9 +219,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("muon_lr must be > 0 with optimizer=muon")
     if cfg.schedule == "time" and cfg.max_time == 0:
         raise ConfigError("schedule=time decays the lr over max_time: set max_time (seconds) or use schedule=steps")
-    for name in ("dtype", "compile", "tokenizer", "optimizer", "schedule", "activation"):
-        if getattr(cfg, name) not in CHOICES[name]:
-            raise ConfigError(f"{name} must be one of {', '.join(CHOICES[name])}, got `{getattr(cfg, name)}`")
+    for name in FIELD_TYPES:
+        allowed = choices(name)
+        if allowed and getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got `{getattr(cfg, name)}`")
     return cfg
 
 
@@ -222,14 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandLine(description="Train a tiny GPT. Every config field below can be set from the command line.")
     parser.add_argument("--config", default=None,
                         help="preset name in config/ (tiny, small, gpt2, nanogpt_cpu, finetune_shakespeare) or a path to a .toml file")
+    model_group = parser.add_argument_group("model options (declared in model.py's GPTConfig)")
     helps = field_help()
     for f in fields(TrainConfig):
         flags = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
+        is_bool = type_name(f.name) == "bool"
+        metavar = "{" + ",".join(choices(f.name)) + "}" if choices(f.name) else type_name(f.name).upper()
         # nargs="?" lets booleans stand alone (--resume) or take a value (--resume false).
-        parser.add_argument(*flags, dest=f.name, default=argparse.SUPPRESS, metavar=f.type.upper(),
-                            nargs="?" if f.type == "bool" else None,
-                            const="true" if f.type == "bool" else None,
-                            help=f"{helps.get(f.name, '')} (default: {f.default})")
+        (model_group if f.name in MODEL_OPTIONS else parser).add_argument(
+            *flags, dest=f.name, default=argparse.SUPPRESS, metavar=metavar, nargs="?" if is_bool else None,
+            const="true" if is_bool else None, help=f"{helps.get(f.name, '')} (default: {f.default})")
     return parser
 
 
@@ -274,22 +300,23 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def changed_model_fields(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
-    """Model-shape fields whose value differs between a checkpoint's config and ``cfg``."""
-    return changed_fields(saved, cfg, MODEL_FIELDS)
+    """Fields a resume must keep (RESUME_FIXED) whose value differs between a checkpoint's config and ``cfg``."""
+    return changed_fields(saved, cfg, RESUME_FIXED)
 
 
 def changed_fields(saved: dict[str, Any], cfg: TrainConfig, names: tuple[str, ...]) -> list[str]:
-    """``names`` whose value differs between a checkpoint's config and ``cfg``, described for the user."""
-    saved = {**OLD_DEFAULTS, **saved}
-    return [f"{name}: checkpoint {saved.get(name)!r} vs now {getattr(cfg, name)!r}"
-            for name in names if saved.get(name) != getattr(cfg, name)]
+    """``names`` whose value differs between a checkpoint's config and ``cfg``, described for the user.
+
+    A field the checkpoint lacks (saved before the field existed) meant the field's default.
+    """
+    saved = {**DEFAULTS, **saved}
+    return [f"{name}: checkpoint {saved[name]!r} vs now {getattr(cfg, name)!r}"
+            for name in names if saved[name] != getattr(cfg, name)]
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    """The model part of a training config; the vocabulary comes from the corpus, not the config."""
-    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-                     activation=cfg.activation)
+    """The model part of a training config: every model option; the vocabulary comes from the corpus."""
+    return GPTConfig(vocab_size=vocab_size, **{name: getattr(cfg, name) for name in MODEL_OPTIONS})
 
 
 def as_dict(cfg: TrainConfig) -> dict[str, Any]:

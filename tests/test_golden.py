@@ -42,10 +42,14 @@ def check_golden(cfg, golden: dict[int, tuple[float, float]]) -> None:
     final = train.train(cfg)
     got = losses_at(Path(cfg.out_dir) / "metrics.jsonl")
     assert sorted(got) == sorted(golden)
+    recorded = "{" + ", ".join(f"{step}: ({t:.4f}, {v:.4f})" for step, (t, v) in sorted(got.items())) + "}"
+    rerecord = (f"; if the change is meant to alter training, paste this run's values {recorded} over the golden "
+                "ones in tests/test_golden.py (seen with: python -m pytest tests/test_golden.py -q) and say why in "
+                "the commit (docs/experiments.md)")
     for step, (want_train, want_val) in golden.items():
         have_train, have_val = got[step]
-        assert have_train == pytest.approx(want_train, abs=TOLERANCE), f"train loss at step {step}"
-        assert have_val == pytest.approx(want_val, abs=TOLERANCE), f"val loss at step {step}"
+        assert have_train == pytest.approx(want_train, abs=TOLERANCE), f"train loss at step {step}{rerecord}"
+        assert have_val == pytest.approx(want_val, abs=TOLERANCE), f"val loss at step {step}{rerecord}"
     assert final == got[max(golden)][1]
 
 

@@ -1,0 +1,281 @@
+"""Every model option (a field of model.GPTConfig) flows end to end, with no list kept by hand.
+
+The cases below are generated from GPTConfig's fields and types, so an option is tested here the
+moment it is declared: a flag and a preset key, reaching the built model, saved in the checkpoint,
+kept by a resume, refused when its value is bad, and refused by GPT-2 interop when GPT-2 cannot
+compute it; and every variant stays causal and decodes from its KV cache as a full forward.
+test_a_new_option_needs_no_other_edit proves all of that for an option added as docs/experiments.md says.
+
+A model-only change's inner loop (docs/experiments.md): python -m pytest tests/test_model.py tests/test_model_options.py
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hf
+import sample
+import train
+from checkpoint import load_checkpoint, save_checkpoint
+from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
+                    make_config, model_config, parse_args, validate)
+from conftest import REPO, load_entry_point, make_text
+from fault_injection import run_main, tiny_args
+from model import GPT, GPTConfig
+
+BASE = "tiny"  # the preset every case starts from
+VOCAB = 40
+
+
+def other_values(name: str) -> list[Any]:
+    """Values of an option other than the base preset's, from its type alone: every other choice of a
+    Literal, the other bool, twice an int, another float. A plain str option has no such list."""
+    base, kind = getattr(make_config(BASE), name), FIELD_TYPES[name]
+    if choices(name):
+        return [value for value in choices(name) if value != base]
+    if kind is bool:
+        return [not base]
+    if kind is int:
+        return [2 * base]
+    if kind is float:
+        return [0.5 if base != 0.5 else 0.25]
+    raise AssertionError(f"GPTConfig.{name}: declare a str option's values with Literal[...], so they are checked")
+
+
+def bad_value(name: str) -> str:
+    """A command-line value the option must refuse."""
+    return {bool: "maybe", int: "1.5", float: "abc"}.get(FIELD_TYPES[name], "no-such-choice")
+
+
+CASES = [pytest.param(name, value, id=f"{name}={value}") for name in MODEL_OPTIONS for value in other_values(name)]
+
+
+def toml_literal(value: Any) -> str:
+    return json.dumps(value)  # true/false, numbers and quoted strings read the same in TOML
+
+
+def test_every_option_is_typed_and_has_a_comment_for_help():
+    help_text = " ".join(build_parser().format_help().split())
+    for name in MODEL_OPTIONS:
+        assert FIELD_TYPES[name] in (bool, int, float) or choices(name), name
+        assert f"--{name}" in help_text and f"(default: {DEFAULTS[name]})" in help_text, name
+    assert MODEL_OPTIONS == tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
+
+
+@pytest.mark.parametrize("name, value", CASES)
+def test_every_option_is_a_preset_key_and_a_flag(tmp_path, name, value):
+    preset = tmp_path / "variant.toml"
+    preset.write_text(f"{name} = {toml_literal(value)}\n")
+    assert getattr(make_config(str(preset)), name) == value
+    flag_value = str(value).lower() if isinstance(value, bool) else str(value)
+    assert getattr(parse_args(["--config", BASE, f"--{name}", flag_value]), name) == value
+
+
+@pytest.mark.parametrize("name", MODEL_OPTIONS)
+def test_a_bad_value_of_every_option_is_refused(name):
+    with pytest.raises(ConfigError, match=f"^{name} must be"):
+        parse_args(["--config", BASE, f"--{name}", bad_value(name)])
+    if choices(name):  # a config built without the parser is checked too
+        with pytest.raises(ConfigError, match=f"^{name} must be one of"):
+            validate(TrainConfig(**{name: bad_value(name)}))
+
+
+def forward_in_train_mode(config: GPTConfig) -> tuple[dict[str, tuple], torch.Tensor]:
+    """Parameter shapes and training-mode logits of a model of ``config``, all randomness seeded."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    idx = torch.arange(16).remainder(VOCAB).view(1, 16)  # (1, 16)
+    torch.manual_seed(1)  # the same dropout masks for both models
+    logits, _, _ = model(idx)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}, logits
+
+
+@pytest.mark.parametrize("name, value", CASES)
+def test_every_option_reaches_the_model_and_changes_it(name, value):
+    base, variant = make_config(BASE), make_config(BASE, **{name: value})
+    assert getattr(model_config(variant, VOCAB), name) == value
+    shapes_a, logits_a = forward_in_train_mode(model_config(base, VOCAB))
+    shapes_b, logits_b = forward_in_train_mode(model_config(variant, VOCAB))
+    assert shapes_a != shapes_b or not torch.equal(logits_a, logits_b), f"{name}={value} changed nothing"
+
+
+def every_value_of_every_option() -> list:
+    """The base preset's model and each case's, for the properties every model must keep."""
+    return [pytest.param(None, None, id="base")] + CASES
+
+
+def eval_model(name: str | None, value: Any) -> GPT:
+    """A model of the base preset (with name=value), weights of std 0.2 so each logit depends on the
+    whole context (a leak or a cache bug then shows), in eval mode."""
+    cfg = make_config(BASE, **({name: value} if name else {}))
+    torch.manual_seed(0)
+    model = GPT(model_config(cfg, VOCAB)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("name, value", every_value_of_every_option())
+def test_every_variant_is_causal(name, value):
+    model = eval_model(name, value)
+    T, t = model.config.block_size, 7
+    idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(0))  # (2, T)
+    changed = idx.clone()
+    changed[:, t + 1:] = (changed[:, t + 1:] + 1) % VOCAB  # change every future token
+    with torch.no_grad():
+        before, after = model(idx)[0], model(changed)[0]  # (2, T, V) each
+    torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1], rtol=0, atol=1e-5)
+    assert not torch.allclose(before[:, t + 1:], after[:, t + 1:])  # the future did change
+
+
+@pytest.mark.parametrize("name, value", every_value_of_every_option())
+def test_every_variant_decodes_from_its_kv_cache_as_a_full_forward(name, value):
+    model = eval_model(name, value)
+    T = model.config.block_size
+    idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))  # (2, T)
+    cache = model.new_cache(2)
+    with torch.no_grad():
+        full = model(idx)[0]  # (2, T, V)
+        cuts = [0, 5, 6, 7, T // 2, T]  # a prefill, single steps, a chunk after a cached past
+        parts = [model(idx[:, a:b], cache=cache)[0] for a, b in zip(cuts, cuts[1:])]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(make_text())
+    return path
+
+
+def run_args(out_dir: Path, corpus: Path, **overrides: Any) -> list[str]:
+    """A finished-by-step-2 tiny run: resuming it trains nothing, so last.pt must stay byte-identical."""
+    return tiny_args(out_dir, corpus, **{"max_iters": 2, "eval_interval": 2, "eval_tokens": 256, **overrides})
+
+
+@pytest.mark.parametrize("name, value", CASES)
+def test_every_option_is_saved_shown_and_kept_by_a_resume(tmp_path, corpus_file, capsys, name, value):
+    out_dir = tmp_path / "run"
+    assert run_main(run_args(out_dir, corpus_file, **{name: value})) == 0
+    model_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
+    shown = FIELD_TYPES[name] is int or value != DEFAULTS[name]  # sizes always, other options when not default
+    assert (f"{name} {value}" in model_line) == shown, model_line
+    saved = load_checkpoint(out_dir / "last.pt")
+    assert saved["config"][name] == value
+    model, _ = sample.load_model(out_dir / "last.pt", torch.device("cpu"))
+    assert getattr(model.config, name) == value
+    before = (out_dir / "last.pt").read_bytes()
+    code = run_main(run_args(out_dir, corpus_file, resume="true"))  # the base preset's value
+    err = capsys.readouterr()
+    if name in GPTConfig.TRAINING_ONLY:  # may change, with a warning naming it
+        assert code == 0 and f"{name}: checkpoint {value!r} vs now" in err.out
+    else:
+        assert code == 2
+        assert err.err.strip().splitlines() == [err.err.strip()] and f"{name}: checkpoint {value!r} vs now" in err.err
+    assert (out_dir / "last.pt").read_bytes() == before
+
+
+def test_a_checkpoint_saved_before_the_newer_options_still_resumes(tmp_path, corpus_file):
+    """A checkpoint lacking an option means its default: here one with the first release's key set."""
+    out_dir = tmp_path / "old"
+    assert run_main(run_args(out_dir, corpus_file)) == 0
+    state = load_checkpoint(out_dir / "last.pt")
+    first_release = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias")
+    state["config"] = {k: v for k, v in state["config"].items() if k not in MODEL_OPTIONS or k in first_release}
+    assert set(MODEL_OPTIONS) - set(state["config"]), "no option newer than the first release to leave out"
+    save_checkpoint(state, out_dir / "last.pt")
+    assert run_main(run_args(out_dir, corpus_file, resume="true", max_iters=4)) == 0
+    assert load_checkpoint(out_dir / "last.pt")["step"] == 4
+    model, _ = sample.load_model(out_dir / "last.pt", torch.device("cpu"))
+    assert model.config == model_config(make_config(BASE), model.config.vocab_size)
+
+
+# ----------------------------------------------------------------------------- GPT-2 interop
+def gpt2_computes(name: str, value: Any) -> bool:
+    allowed = hf.GPT2_OPTIONS.get(name, (getattr(GPTConfig, name),))
+    return allowed is hf.ANY or value in allowed
+
+
+def pretrained_config() -> GPTConfig:
+    """What a GPT-2 file imports as: its shape; every other option at its default."""
+    return GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh")
+
+
+@pytest.mark.parametrize("name, value", CASES)
+def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(monkeypatch, name, value):
+    variant = make_config(BASE, **{name: value})
+    model = GPT(model_config(variant, VOCAB))
+    if gpt2_computes(name, value):
+        assert "transformer.wte.weight" in hf.to_hf(model)
+        if name not in hf.IMPORTED:  # an option the weights fix is checked against them (test_hf.py)
+            assert getattr(hf.adopt(variant, pretrained_config(), None, "gpt2-folder"), name) == value
+        # The same refusal, as if GPT-2 computed only the base value: every option's refusal path runs.
+        monkeypatch.setitem(hf.GPT2_OPTIONS, name, (getattr(make_config(BASE), name),))
+    message = f"{name} {value!r} \\(GPT-2 computes"
+    with pytest.raises(hf.HFError, match=f"cannot export as GPT-2: the model has {message}"):
+        hf.to_hf(model)
+    if name not in hf.IMPORTED:
+        with pytest.raises(hf.HFError, match=f"gpt2-folder holds GPT-2 weights, which cannot run with {message}"):
+            hf.adopt(variant, pretrained_config(), None, "gpt2-folder")
+
+
+def test_an_export_refusal_is_one_line_and_writes_nothing(tmp_path, corpus_file, monkeypatch, capsys):
+    assert run_main(run_args(tmp_path / "run", corpus_file, activation="gelu_tanh")) == 0
+    monkeypatch.setitem(hf.GPT2_OPTIONS, "activation", ("gelu",))
+    export_hf = load_entry_point("scripts/export_hf.py")
+    with pytest.raises(SystemExit) as stopped:
+        export_hf.main([str(tmp_path / "run"), str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("error: cannot export as GPT-2: the model has activation 'gelu_tanh'")
+    assert not (tmp_path / "hf").exists()
+
+
+# ----------------------------------------------------------------------------- a new option, end to end
+def docs_snippet(heading: str) -> str:
+    """The body of the python block in docs/experiments.md whose first line is ``heading``."""
+    text = (REPO / "docs" / "experiments.md").read_text()
+    blocks = [block.split("```")[0] for block in text.split("```python\n")[1:]]
+    body = next(block for block in blocks if block.startswith(heading)).removeprefix(heading)
+    return body.strip("\n") + "\n"
+
+
+def add_option_as_the_docs_say(repo: Path) -> str:
+    """Apply docs/experiments.md's two edits (the field, its use) to a copy; returns the option's name."""
+    field = docs_snippet("# model.py, in GPTConfig, after the last option:\n")
+    use = docs_snippet("# model.py, in GPT.forward, after x = self.transformer.drop(x):\n")
+    model_py = repo / "model.py"
+    source = model_py.read_text()
+    field_anchor, use_anchor = "\n\n    # Options that act only while training", "        x = self.transformer.drop(x)\n"
+    assert source.count(field_anchor) == 1 and source.count(use_anchor) == 1, "update the anchors to model.py"
+    source = source.replace(field_anchor, "\n" + field.rstrip("\n") + field_anchor)
+    model_py.write_text(source.replace(use_anchor, use_anchor + use))
+    return field.split(":")[0].strip()
+
+
+@pytest.mark.slow  # a fresh pytest in a copy of the repo: ~25 s
+def test_a_new_option_needs_no_other_edit(tmp_path):
+    repo = tmp_path / "fork"
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout
+    for relative in files.split():
+        (repo / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / relative, repo / relative)
+    name = add_option_as_the_docs_say(repo)
+    assert name not in MODEL_OPTIONS
+    result = subprocess.run([sys.executable, "-m", "pytest", "tests/test_model_options.py", "-q", "-k", name,
+                             "-p", "no:cacheprovider"], cwd=repo, capture_output=True, text=True, timeout=600)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert result.returncode == 0, result.stdout[-3000:]
+    # The new option's cases: flag and preset key, reaches the model, causal, KV cache, saved/shown/kept,
+    # GPT-2 refusal; its bad value.
+    assert summary.startswith("7 passed"), summary
