@@ -33,17 +33,25 @@ class GPTConfig:
     docs/experiments.md walks through adding one.
     """
     vocab_size: int  # real vocabulary size, set by the corpus; the embedding is padded up for speed
-    block_size: int = 128  # context length in tokens (the learned position table's length)
+    block_size: int = 128  # context length in tokens (the longest sequence the position tables cover)
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads per block
     n_embd: int = 128  # residual stream width C
     dropout: float = 0.0  # dropout probability (attention, residual, embeddings)
     bias: bool = False  # biases in Linear and LayerNorm layers
-    activation: Literal["gelu", "gelu_tanh"] = "gelu"  # MLP nonlinearity: gelu (exact, erf) | gelu_tanh (GPT-2's tanh approximation; set by init_from)
+    activation: Literal["gelu", "gelu_tanh", "relu2"] = "gelu"  # MLP nonlinearity: gelu (exact, erf) | gelu_tanh (GPT-2's tanh approximation; set by init_from) | relu2 (squared ReLU, So et al. 2021)
+    pos_emb: Literal["learned", "rope"] = "learned"  # positions: learned (GPT-2's table, wpe) | rope (rotary q and k, Su et al. 2021; no table)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # the blocks' and the final normalisation: layernorm (GPT-2) | rmsnorm (no mean, no bias)
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys (with gains) before attention
 
     # Options that act only while training (regularisation), not on what the weights compute: a
     # resume may change them. Every other option must match the checkpoint's.
     TRAINING_ONLY: ClassVar[tuple[str, ...]] = ("dropout",)
+
+    def __post_init__(self):
+        if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"pos_emb rope rotates channel pairs: the head size n_embd / n_head "
+                             f"({self.n_embd // self.n_head}) must be even")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -94,8 +102,9 @@ class KVCache:
 
     Use: ``cache = model.new_cache(B)``, then ``model(prompt, cache=cache)`` (the prefill) and
     ``model(next_token, cache=cache)`` (one decode step) as often as block_size allows. Positions
-    are absolute and learned, so a cache can never hold more than block_size of them: when it is
-    full the caller must ``reset()`` it and prefill a shorter window (sample.py does so).
+    are absolute (a learned table, or rotary angles, of block_size rows), so a cache can never hold
+    more than block_size of them: when it is full the caller must ``reset()`` it and prefill a
+    shorter window (sample.py does so).
     """
 
     def __init__(self, config: GPTConfig, batch_size: int):
@@ -149,15 +158,47 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     return att.to(v.dtype) @ v  # (B, nh, T, hs)
 
 
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021, "RoFormer"): channel i of each head and channel
+    i + hs/2 form a pair, turned by the angle position * base^(-2i/hs), so that q·k depends on the
+    two positions only through their difference. The angles are buffers, not weights."""
+
+    def __init__(self, head_size: int, block_size: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = base ** -(torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
+        angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)  # (block_size, hs/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)  # rebuilt from the config: not saved
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x (B, nh, T, hs) at positions start .. start + T - 1, rotated; same shape out."""
+        T = x.size(2)
+        cos, sin = self.cos[start:start + T].to(x.dtype), self.sin[start:start + T].to(x.dtype)  # (T, hs/2)
+        x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # (B, nh, T, hs)
+
+
+def make_norm(config: GPTConfig, width: int) -> nn.Module:
+    """The normalisation config.norm names: LayerNorm (GPT-2) or RMSNorm (Zhang & Sennrich 2019)."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(width, eps=1e-5)  # LayerNorm's epsilon, so the two differ only in what they compute
+    return nn.LayerNorm(width, bias=config.bias)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         assert config.n_embd % config.n_head == 0
         self.n_head = config.n_head
         self.dropout = config.dropout
+        head_size = config.n_embd // config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # qk_norm bounds the attention logits (Dehghani et al. 2023); the gains let them sharpen again.
+        self.q_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
+        self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
@@ -166,6 +207,11 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # (B, nh, T, hs) each, unit RMS per head times a gain
+        if self.rotary is not None:  # new tokens start after the cached ones
+            start = cache.length if cache is not None else 0
+            q, k = self.rotary(q, start), self.rotary(k, start)  # (B, nh, T, hs) each
         if cache is None:  # training and plain inference: the sequence starts at position 0
             y = causal_attention(q, k, v, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         else:  # generation: attend over the cached past too; no dropout, the cache is for inference
@@ -179,14 +225,19 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        # GPT-2 was trained with the tanh approximation of GELU (Hendrycks & Gimpel 2016, eq. 2);
-        # its weights must run with it to give GPT-2's logits. New models default to the exact erf form.
-        self.gelu = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
+        self.activation = config.activation
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        # GPT-2 was trained with the tanh approximation of GELU (Hendrycks & Gimpel 2016, eq. 2);
+        # its weights must run with it to give GPT-2's logits. New models default to the exact erf form.
+        if self.activation == "relu2":  # squared ReLU (So et al. 2021, "Primer")
+            return F.relu(x).square()
+        return F.gelu(x, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, 4C) -> (B, T, C)
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))  # (B, T, 4C) -> (B, T, C)
 
 
 class Block(nn.Module):
@@ -194,9 +245,9 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config, config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
@@ -209,14 +260,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        learned_positions = config.pos_emb == "learned"  # rope rotates q and k instead: no table
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            **({"wpe": nn.Embedding(config.block_size, config.n_embd)} if learned_positions else {}),
             drop=nn.Dropout(config.dropout),
             # ModuleList, not a Python list: a plain list hides the blocks from .parameters(),
             # .to() and state_dict(), and the optimizer silently never trains them.
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=make_norm(config, config.n_embd),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017): one matrix embeds tokens and scores them.
@@ -268,10 +320,12 @@ class GPT(nn.Module):
         """
         B, T = idx.shape
         start = cache.length if cache is not None else 0  # S: position of idx[:, 0]
-        if start + T > self.config.block_size:  # learned positions end here; never shift them silently
+        if start + T > self.config.block_size:  # the position tables end here; never shift them silently
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C) + (T, C) -> (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if self.config.pos_emb == "learned":
+            pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+            x = x + self.transformer.wpe(pos)  # (B, T, C) + (T, C) -> (B, T, C)
         x = self.transformer.drop(x)
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches):

@@ -223,6 +223,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         allowed = choices(name)
         if allowed and getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got `{getattr(cfg, name)}`")
+    try:
+        model_config(cfg, vocab_size=1)  # the model's own checks of its options (GPTConfig.__post_init__)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return cfg
 
 

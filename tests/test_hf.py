@@ -161,6 +161,8 @@ def corrupt(folder: Path, edit) -> Path:
      "unexpected key h.2.ln_1.weight for a 2-layer GPT-2"),
     (lambda t: None, {"block_size": 32}, "block_size 32 exceeds the 24 positions of .*; use --block_size 24 or less"),
     (lambda t: None, {"n_embd": 64}, "--n_embd 64 conflicts with .*, whose weights have n_embd 32"),
+    (lambda t: None, {"pos_emb": "rope"}, "holds GPT-2 weights, which cannot run with pos_emb 'rope' "
+                                          r"\(GPT-2 computes 'learned'\)"),
     (lambda t: None, {"tokenizer": "gpt2"}, None),  # a vocabulary of 96 is not GPT-2's 50257
 ])
 def test_a_bad_import_fails_in_one_line_and_writes_nothing(tmp_path, tiny_cfg, edit, overrides, message):

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import train
 from conftest import tiny_model
+from model import Rotary
 
 
 def test_output_shapes_and_padded_vocab():
@@ -106,3 +108,40 @@ def test_a_tiny_model_overfits_one_batch():
 def test_flops_per_token_is_palms_formula():
     model = tiny_model()  # 2 layers, C = 32, T = 16
     assert model.flops_per_token() == 6 * model.num_params() + 12 * 2 * 16 * 32
+
+
+def test_the_parameter_count_includes_the_position_table_only_where_there_is_one():
+    learned, rope = tiny_model(), tiny_model(pos_emb="rope")  # 16 positions x 32 channels
+    assert learned.num_params(non_embedding=False) - rope.num_params(non_embedding=False) == 16 * 32
+    assert learned.num_params() == rope.num_params() == rope.num_params(non_embedding=False)
+
+
+# ----------------------------------------------------------------------------- the variants' own maths
+def test_rotary_scores_depend_on_the_distance_between_positions_only():
+    rotary = Rotary(head_size=8, block_size=32)
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 1, 1, 8, generator=gen)  # (1, 1, 1, 8) each: one head, one position
+
+    def score(m: int, n: int) -> float:  # q at position m against k at position n
+        return (rotary(q, m) * rotary(k, n)).sum().item()
+
+    assert score(3, 1) == pytest.approx(score(12, 10), abs=1e-5) == pytest.approx(score(29, 27), abs=1e-5)
+    assert score(3, 1) != pytest.approx(score(3, 2), abs=1e-3)
+    torch.testing.assert_close(rotary(q, 5).norm(), q.norm())  # a rotation: lengths are kept
+    torch.testing.assert_close(rotary(q, 0), q)  # position 0 is not turned
+
+
+def test_squared_relu_is_relu_squared_and_rmsnorm_has_no_mean_or_bias():
+    model = tiny_model(activation="relu2", norm="rmsnorm", bias=True)
+    x = torch.linspace(-2, 2, 9)
+    torch.testing.assert_close(model.transformer.h[0].mlp.act(x), F.relu(x) ** 2, rtol=0, atol=0)
+    ln = model.transformer.ln_f
+    assert isinstance(ln, torch.nn.RMSNorm) and [n for n, _ in ln.named_parameters()] == ["weight"]
+    h = torch.randn(3, 32) + 5.0  # a mean RMSNorm keeps (LayerNorm would remove it)
+    torch.testing.assert_close(ln(h), h / h.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt())
+
+
+def test_qk_norm_gives_each_head_unit_rms_queries_and_keys_at_init():
+    attn = tiny_model(qk_norm=True).transformer.h[0].attn
+    q = torch.randn(2, 2, 5, 16) * 7.0  # (B, nh, T, hs)
+    torch.testing.assert_close(attn.q_norm(q).pow(2).mean(-1), torch.ones(2, 2, 5), atol=1e-4, rtol=0)
