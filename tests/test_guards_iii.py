@@ -73,3 +73,99 @@ def test_top_p_stops_where_the_mass_reaches_p_exactly(top_p, n_kept):
     assert F.softmax(logits, dim=-1).cumsum(-1)[0].tolist() == [0.5, 0.75, 0.875, 0.9375, 1.0]  # the premise: exact
     kept = filter_logits(logits, top_p=top_p)[0].isfinite().tolist()
     assert kept == [True] * n_kept + [False] * (5 - n_kept)
+
+
+# ----------------------------------------------------------------------------- resume: every random stream
+def draw_from_global_streams(monkeypatch) -> list[tuple]:
+    """Each micro-batch also draws from python's, numpy's and torch's global RNGs, as user code in the
+    loop would (an augmentation, a sampler); the list of draws, in order."""
+    draws: list[tuple] = []
+    real_get_batch = train.get_batch
+
+    def get_batch(*args, **kwargs):
+        cuda = (torch.rand(1, device="cuda").item(),) if torch.cuda.is_available() else ()
+        draws.append((random.random(), float(np.random.random()), torch.rand(1).item(), *cuda))
+        return real_get_batch(*args, **kwargs)
+
+    monkeypatch.setattr(train, "get_batch", get_batch)
+    return draws
+
+
+def test_after_a_resume_every_global_random_stream_continues_as_in_a_straight_run(tiny_cfg, tmp_path, monkeypatch):
+    """Bugs caught: restore_rng without its np.random.set_state line (or random.setstate, or
+    torch.set_rng_state): the resumed run's draws are those of a freshly seeded stream."""
+    draws = draw_from_global_streams(monkeypatch)
+    common = dict(max_iters=4, eval_interval=2, compile="off")
+    train.train(tiny_cfg(out_dir=str(tmp_path / "straight"), **common))
+    straight = draws[:]
+    draws.clear()
+    train.train(tiny_cfg(out_dir=str(tmp_path / "split"), **{**common, "max_iters": 2}))
+    assert draws == straight[:2]
+    draws.clear()
+    train.train(tiny_cfg(out_dir=str(tmp_path / "split"), resume=True, **common))
+    assert len(draws) == 2
+    for name, i in (("python", 0), ("numpy", 1), ("torch_cpu", 2), ("torch_cuda", 3))[: len(draws[0])]:
+        assert [d[i] for d in draws] == [d[i] for d in straight[2:]], f"{name} stream after the resume"
+
+
+# ----------------------------------------------------------------------------- checkpoint: fsync, then rename
+def test_a_checkpoint_is_fsynced_before_its_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """Bug caught: save_checkpoint without os.fsync(f.fileno()) (a power cut after the rename could
+    leave last.pt naming blocks that never reached the disk)."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino, Path(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "last.pt"
+    for step in (1, 2):  # a new file, then one replacing it
+        events.clear()
+        save_checkpoint({"step": step, "weights": torch.arange(4.0)}, path)
+        written, folder = os.stat(path).st_ino, os.stat(tmp_path).st_ino
+        assert events == [("fsync", written), ("replace", written, path), ("fsync", folder)]
+
+
+# ----------------------------------------------------------------------------- data
+def corpus_with_last_id(tiny_cfg, offset: int) -> tuple[object, int]:
+    """(the tiny config, the vocab size) on a prepared char corpus whose last train id is vocab_size + offset."""
+    cfg = tiny_cfg(max_iters=1, eval_interval=100)
+    folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    meta = json.loads((folder / "meta.json").read_text())
+    data = np.memmap(folder / "train.bin", dtype=meta["dtype"], mode="r+")
+    data[-1] = meta["vocab_size"] + offset
+    data.flush()
+    return cfg, meta["vocab_size"]
+
+
+def test_a_corpus_holding_the_id_vocab_size_is_refused(tiny_cfg):
+    """Bug caught: load_corpus checks `top > vocab_size` (the id vocab_size would index a padding row
+    of the padded embedding, silently)."""
+    cfg, vocab_size = corpus_with_last_id(tiny_cfg, 0)
+    with pytest.raises(DataError, match=rf"train\.bin.*\b{vocab_size}\b"):
+        train.train(cfg)
+    assert not (Path(cfg.out_dir) / "last.pt").exists()
+
+
+def test_a_corpus_whose_last_id_is_vocab_size_minus_one_trains(tiny_cfg):
+    """The boundary from the other side: the largest real id is accepted (`top >= vocab_size - 1` fails here)."""
+    cfg, _ = corpus_with_last_id(tiny_cfg, -1)
+    assert math.isfinite(train.train(cfg))
+
+
+def test_preparing_a_corpus_again_leaves_only_the_new_one(tiny_cfg):
+    """Bug caught: staged_folder without `shutil.rmtree(old, ...)` (every re-preparation leaves the
+    replaced corpus behind under a .staging-* name: the disk fills silently)."""
+    cfg = tiny_cfg()
+    first = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, val_fraction=0.1)
+    again = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, val_fraction=0.2)  # re-prepared in place
+    assert again == first
+    assert sorted(os.listdir(cfg.data_dir)) == [first.name]
+    assert json.loads((first / "meta.json").read_text())["val_fraction"] == 0.2
