@@ -169,3 +169,34 @@ def test_preparing_a_corpus_again_leaves_only_the_new_one(tiny_cfg):
     assert again == first
     assert sorted(os.listdir(cfg.data_dir)) == [first.name]
     assert json.loads((first / "meta.json").read_text())["val_fraction"] == 0.2
+
+
+# ----------------------------------------------------------------------------- signals: the first one decides
+@pytest.fixture
+def signal_handlers():
+    """Put SIGINT's and SIGTERM's handlers back after an in-process run that a signal stopped (it leaves
+    them ignored, as a process on its way out)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("first, second, code", [(signal.SIGTERM, signal.SIGINT, 143),
+                                                  (signal.SIGINT, signal.SIGTERM, 130)],
+                         ids=["SIGTERM then SIGINT", "SIGINT then SIGTERM"])
+def test_the_first_signal_decides_the_exit_code(tmp_path, text_file, monkeypatch, capsys, signal_handlers,
+                                                first, second, code):
+    """Bug caught: StopOnSignal.handle keeps the latest signal (`self.signum = signum`): a Ctrl-C after a
+    scheduler's SIGTERM would turn a preemption (143, requeue) into an interrupt (130)."""
+    sends = {call_of(2, 1, 2): first, call_of(2, 2, 2): second}  # both inside step 2
+
+    def send(n: int, loss_sum: torch.Tensor) -> None:
+        if n in sends:
+            os.kill(os.getpid(), sends[n])
+
+    on_training_forward(monkeypatch, send)
+    assert run_main(tiny_args(tmp_path, text_file, grad_accum=2, max_iters=6, eval_interval=100)) == code
+    name = signal.Signals(first).name
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: stopped by {name} after step 2; last.pt holds it, continue with --resume")
