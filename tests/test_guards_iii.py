@@ -272,3 +272,77 @@ def test_a_char_export_gives_transformers_our_start_token_no_end_or_pad_token_an
     theirs = transformers.GPT2LMHeadModel.from_pretrained(folder)
     assert theirs.transformer.h[0].mlp.c_fc.weight.shape == (32, 4 * 32)  # Conv1D: (in, out)
     assert (theirs.generation_config.eos_token_id, theirs.generation_config.pad_token_id) == (None, None)
+
+
+# ----------------------------------------------------------------------------- tracking
+def fake_wandb(monkeypatch) -> list[SimpleNamespace]:
+    """wandb.init replaced by a recorder: each started run's init arguments and the steps it was sent."""
+    wandb = pytest.importorskip("wandb")
+    runs: list[SimpleNamespace] = []
+
+    def init(**kwargs):
+        run = SimpleNamespace(init=kwargs, id=kwargs["id"] or f"new{len(runs)}", steps=[], offline=False,
+                              settings=SimpleNamespace(mode="disabled"), finish=lambda: None)
+        run.log = lambda record, step: run.steps.append(step)
+        runs.append(run)
+        return run
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # tracking.choose_mode then asks wandb for no login
+    monkeypatch.setattr(wandb, "init", init)
+    return runs
+
+
+def append_records(out: Path, steps: range) -> None:
+    """metrics.jsonl records of ``steps`` as an earlier process logged them before it was killed."""
+    with open(out / "metrics.jsonl", "a") as f:
+        for step in steps:
+            f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+
+
+def test_a_fresh_run_never_continues_an_old_wandb_run(tmp_path, text_file, monkeypatch):
+    """Bug caught: tracking.start reads out_dir/wandb_id without --resume (a new run appends to an old
+    one's charts)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "wandb_id").write_text("oldrun\n")  # left by an earlier run here whose last.pt was deleted
+    append_records(out, range(1, 9))
+    runs = fake_wandb(monkeypatch)
+    assert run_main(tiny_args(out, text_file, max_iters=3, eval_interval=3, wandb="true")) == 0
+    (run,) = runs
+    assert (run.init["id"], run.init["resume"]) == (None, None)
+    assert run.steps == [1, 2, 3, 3]  # every train record, then the val record of step 3
+    assert (out / "wandb_id").read_text() == "new0\n"
+
+
+@pytest.mark.parametrize("first_with_wandb", [True, False], ids=["continued", "new wandb run on resume"])
+def test_only_a_continued_wandb_run_skips_the_steps_it_holds(tmp_path, text_file, monkeypatch, first_with_wandb):
+    """Bug caught: WandbTracker given logged_through for a wandb run that is not continued (a run first
+    trained without --wandb, resumed with it, would never send the steps its killed process redid)."""
+    out = tmp_path / "out"
+    runs = fake_wandb(monkeypatch)
+    first = dict(max_iters=3, eval_interval=3) | ({"wandb": "true"} if first_with_wandb else {})
+    assert run_main(tiny_args(out, text_file, **first)) == 0
+    append_records(out, range(4, 6))  # killed after step 5; last.pt holds step 3
+    assert run_main(tiny_args(out, text_file, max_iters=6, eval_interval=3, wandb="true", resume="true")) == 0
+    resumed = runs[-1]
+    if first_with_wandb:  # the same wandb run: it already holds steps 4 and 5
+        assert (resumed.init["id"], resumed.init["resume"]) == (runs[0].id, "allow")
+        assert resumed.steps == [6, 6]
+    else:  # a new wandb run: it holds nothing yet
+        assert (resumed.init["id"], resumed.init["resume"]) == (None, None)
+        assert resumed.steps == [4, 5, 6, 6]
+
+
+# ----------------------------------------------------------------------------- distributed
+@pytest.mark.slow  # one torchrun launch of 2 CPU ranks (~20 s on 2 cores)
+def test_under_two_ranks_one_process_writes_each_metric_once(tmp_path, text_file):
+    """Bug caught: train.py's MetricsLog enabled on every rank (`enabled=True`): each record twice in
+    metrics.jsonl (both ranks append to it) and each log line printed twice."""
+    out = tmp_path / "out"
+    result = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                        *tiny_args(out, text_file, max_iters=4, eval_interval=2, batch_size=2), timeout=240)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    printed = [line for line in result.stdout.splitlines() if line.lstrip().startswith("step ")]
+    assert [line.split("|")[0].split()[1] for line in printed] == ["1", "2", "2", "3", "4", "4"]  # train, val
