@@ -72,7 +72,7 @@ class StopOnSignal:
     def handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         first = self.signum is None
-        self.signum = self.signum or signum
+        self.signum = self.signum or signum  # the first decides the exit code: SIGTERM then Ctrl-C is still 143
         note = "finishing this step, then saving last.pt" if first else "already stopping; wait for the save"
         os.write(2, f"\n{name}: {note}\n".encode())  # os.write: print() is not reentrant in a handler
 

@@ -100,8 +100,13 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: f
     """
     if temperature == 0:  # the limit T -> 0 of softmax(logits / T); dividing by 0 would give NaNs
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1); a tie goes to the lowest id
-    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)  # (B, vocab)
+    probs = next_token_probs(logits, temperature, top_k, top_p)  # (B, vocab)
     return torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+
+
+def next_token_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution (B, vocab) pick_next draws from at temperature > 0: softmax(logits / T), filtered."""
+    return F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)  # (B, vocab)
 
 
 # ----------------------------------------------------------------------------- the context window
