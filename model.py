@@ -297,6 +297,11 @@ class GPT(nn.Module):
         positions = sum(p.numel() for name, p in self.named_parameters() if name.startswith("transformer.wpe."))
         return n - positions if non_embedding else n
 
+    def summary(self) -> str:
+        """describe() and the parameter count: what train.py and the doctor say they are running."""
+        return (f"{describe(self.config)}; {self.num_params(non_embedding=False) / 1e6:.2f}M parameters "
+                "(every weight once, embeddings included)")
+
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token, the MFU convention of PaLM (Chowdhery et al. 2022, app. B):
         6N for the weight matmuls plus 12·n_layer·T·C for attention's two matmuls (QKᵀ and AV),

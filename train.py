@@ -397,8 +397,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     tokens_per_step = cfg.tokens_per_step() * ddp.world_size  # the global batch
-    print0(f"model: {describe(model.config)}; {model.num_params(non_embedding=False) / 1e6:.2f}M parameters "
-           "(all of them, position table included)")
+    print0(f"model: {model.summary()}")
     print0(f"device {device}, dtype {dtype_name(dtype)}, compile {train_model is not model}, "
            f"{tokens_per_step:,} tokens/step ({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), out_dir {out_dir}")
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone

@@ -37,7 +37,7 @@ from checkpoint import load_checkpoint  # noqa: E402
 from config import ConfigError, TrainConfig, model_config, parse_args  # noqa: E402
 from data import DataError, get_batch, load_corpus, prepare, tokenizer_from_meta, val_windows  # noqa: E402
 from faults import NonFiniteGuard, RunStopped  # noqa: E402
-from model import GPT, describe  # noqa: E402
+from model import GPT  # noqa: E402
 from runtime import compile_or_eager, pick_device, pick_dtype, want_compile  # noqa: E402
 
 # Allowed gap between the first loss and ln(vocab), as a fraction of ln(vocab). A 0.02-std init gives
@@ -435,8 +435,10 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     x, y = get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(cfg.seed), device)
     x_val, y_val = val_windows(corpus.val, cfg.block_size, max_targets=2 * cfg.block_size)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    print(f"doctor: {folder} on {device} ({str(dtype).removeprefix('torch.')}), batch {cfg.batch_size}; model: "
-          f"{describe(gpt_config)}")
+    with torch.device("meta"):  # shapes only, to count the parameters
+        model_summary = GPT(gpt_config).summary()
+    print(f"doctor: {folder} on {device} ({str(dtype).removeprefix('torch.')}), batch {cfg.batch_size}; "
+          f"model: {model_summary}")
 
     def fresh(dropout: float | None = None) -> GPT:  # a new model per check, so no check disturbs another
         torch.manual_seed(cfg.seed)
