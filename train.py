@@ -261,14 +261,17 @@ def build_model(cfg: TrainConfig, vocab_size: int, tokenizer_meta: dict, pretrai
 
 
 def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optimizer, scaler,
-           data_gen: torch.Generator, dtype: torch.dtype, ddp: Dist = Dist()) -> tuple[int, float, float]:
-    """Load last.pt into the run; refuse a checkpoint of another shape or tokenizer.
+           data_gen: torch.Generator, dtype: torch.dtype, ddp: Dist = Dist(),
+           corpus: dict[str, Any] | None = None) -> tuple[int, float, float]:
+    """Load last.pt into the run; refuse a checkpoint of another shape, tokenizer or (``corpus``, a
+    Corpus.record) other data.
 
     Every rank loads the same file and restores its own random streams (see rank_rng_state).
     Returns (step, wall-clock seconds the run had spent, best val loss).
     """
     state = load_checkpoint(path)
     check_resumable(path, state, cfg, tokenizer_meta, scaler.is_enabled(), dtype)
+    check_same_corpus(path, state.get("corpus"), corpus)
     model.load_state_dict(state["model"])
     load_optimizer_state(optimizer, state["optimizer"])
     scaler.load_state_dict(state["scaler"])
@@ -309,6 +312,22 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokeniz
     if changed:
         print0(f"WARNING: resuming with changed settings ({'; '.join(changed)}): the new values apply from "
                "here on, so this is not the run the checkpoint started")
+
+
+def check_same_corpus(path: Path, saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
+    """Refuse to resume on other data (Corpus.record of each): another train split is not the run that was
+    stopped, and another val split would compare best_val_loss, and pick best.pt, across different sets.
+
+    Checkpoints saved before the record existed carry none: they resume as before, unchecked.
+    """
+    if not saved or not now:
+        return
+    changed = [split for split in ("train", "val") if saved["fingerprint"].get(split) != now["fingerprint"][split]]
+    if changed:
+        raise CheckpointError(
+            f"{path} was trained on {saved['source']} (val_fraction {saved['val_fraction']}), this run reads "
+            f"{now['source']} (val_fraction {now['val_fraction']}): its {' and '.join(changed)} split differs. "
+            "Resume with the same --data_path and --val_fraction, or start a new --out_dir")
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer | MuonWithAdamW, state: dict[str, Any]) -> None:
@@ -396,7 +415,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     with distributed.stop_together(device):  # a rank that cannot read last.pt stops them all
         if cfg.resume:
             step, time_before, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model,
-                                                 optimizer, scaler, data_gen, dtype, ddp)
+                                                 optimizer, scaler, data_gen, dtype, ddp, corpus.record())
             if ddp.is_main:
                 logged_through = drop_records_after(out_dir / "metrics.jsonl", step)
         elif ddp.is_main:
@@ -433,6 +452,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
                 state = checkpoint_state(model, optimizer, scaler, step, time.time() - t_start, best_val, cfg,
                                          corpus.meta["tokenizer"], rng_per_rank, dtype)
                 state["last_eval"] = last_eval
+                state["corpus"] = corpus.record()  # a resume on other data is refused by it
                 if is_best:  # best.pt first: last.pt's best_val_loss must never name a model best.pt lacks
                     save_checkpoint(state, out_dir / "best.pt")
                 save_checkpoint(state, out_dir / "last.pt")
