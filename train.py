@@ -9,7 +9,7 @@ Side concerns live in helpers: checkpoint.py (atomic save / verified load / RNG 
 runtime.py (device, precision, compile, MFU), data.py (corpus, batches), distributed.py (DDP under
 torchrun: the same loop, one process per GPU), MetricsLog below and tracking.py (wandb), and faults.py
 (Ctrl-C/SIGTERM, NaN/inf, and the exit codes: 0 ok, 2 bad input, 3 non-finite, 74 write failed,
-130 SIGINT, 143 SIGTERM), rundir.py (one live run per out_dir; writable folders).
+75 a DDP peer died, 130 SIGINT, 143 SIGTERM), rundir.py (one live run per out_dir; writable folders).
 
     torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 """
@@ -35,7 +35,7 @@ from data import (DataError, get_batch, iterate_windows, load_corpus, prepare, t
                   val_windows)
 import distributed
 from distributed import Dist, all_reduce_sum, print0
-from faults import EXIT_BAD_INPUT, NonFiniteGuard, RunStopped, StopOnSignal
+from faults import EXIT_BAD_INPUT, EXIT_PEER_LOST, NonFiniteGuard, RunStopped, StopOnSignal
 import hf
 from model import GPT
 from optim import MuonWithAdamW
@@ -523,6 +523,13 @@ def main(argv: list[str] | None = None) -> None:
         message, code, rank = str(err), err.exit_code, distributed.reporting_rank(err)
     except (ConfigError, DataError, CheckpointError) as err:
         message, code, rank = str(err), EXIT_BAD_INPUT, distributed.reporting_rank(err)
+    except RuntimeError as err:  # a peer rank died mid-collective: it cannot say why, so this rank says so
+        reason = distributed.lost_peer(err)
+        if reason is None:
+            raise
+        message, code, rank = (f"another rank died without a word (killed or crashed; gloo: {reason}), so this "
+                               "one stops too; the last save is intact, continue with --resume",
+                               EXIT_PEER_LOST, distributed.env_rank())
     except KeyboardInterrupt:  # Ctrl-C before the first step: nothing to save yet
         message, code = "interrupted before training started; nothing was saved", 130
         rank = distributed.reporting_rank(None)

@@ -218,6 +218,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Run train.py's main with a fault injected.")
     parser.add_argument("--signal", default="SIGTERM", help="signal name")
     parser.add_argument("--at-call", type=int, help="training forward pass to send --signal in")
+    parser.add_argument("--signal-rank", type=int, help="send --signal on this rank only (default: every rank)")
     parser.add_argument("--hang-at-call", type=int, help="in this training forward pass, touch --ready and wait")
     parser.add_argument("--ready", type=Path, help="the file --hang-at-call creates once it waits")
     parser.add_argument("--disk-full-from-step", type=int, help="checkpoint writes fail from this step on")
@@ -230,7 +231,7 @@ def main() -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     with pytest.MonkeyPatch.context() as monkeypatch:
-        if args.at_call is not None:
+        if args.at_call is not None and args.signal_rank in (None, env_rank()):
             signal_at(monkeypatch, signal.Signals[args.signal], args.at_call)
         if args.hang_at_call is not None:
             hang_at(monkeypatch, args.hang_at_call, args.ready)

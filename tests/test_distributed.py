@@ -211,6 +211,19 @@ def test_a_busy_out_dir_stops_every_rank_before_anything_is_written(tmp_path, te
     assert ranks[1].stderr == ""  # rank 0 holds the lock for the job and says why; rank 1 stops with it
 
 
+@pytest.mark.slow  # two fresh ranks: ~10 s idle, ~25 s on 2 busy cores
+def test_a_rank_killed_mid_step_leaves_one_line_on_the_survivor(tmp_path, text_file):
+    # Old code: rank 0 prints gloo's "Connection reset/closed by peer" RuntimeError traceback, exit 1.
+    out = tmp_path / "out"
+    ranks = launch_ranks(tmp_path, FAULTS, "--signal", "SIGKILL", "--signal-rank", "1", "--at-call", "3", "--",
+                         *tiny_args(out, text_file, eval_interval=2))
+    assert [r.returncode for r in ranks] == [75, -9]
+    assert re.fullmatch(r"error: another rank died without a word \(killed or crashed; gloo: Connection (closed|reset) "
+                        r"by peer\), so this one stops too; the last save is intact, continue with --resume\n",
+                        ranks[0].stderr), ranks[0].stderr
+    assert load_checkpoint(out / "last.pt")["step"] == 2 and not (out / ".lock").exists()
+
+
 def test_rank_rng_state_picks_own_stream_and_drops_missing_ranks(capsys):
     state = {"rng": "r0", "rng_per_rank": ["r0", "r1"]}
     assert distributed.rank_rng_state(state, Dist(rank=1, world_size=2)) == "r1"
