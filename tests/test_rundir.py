@@ -34,43 +34,43 @@ def one_line_error(err: str) -> str:
 
 
 # ----------------------------------------------------------------------------- one live run per folder
-def start_owner(out: Path, text_file: Path, ready: Path, log: Path) -> subprocess.Popen:
-    """A real run in its own process, held inside step 4 (last.pt saved at step 2) until killed."""
-    args = tiny_args(out, text_file, seed=1, eval_interval=2, max_iters=10)
+def start_owner(out: Path, args: list[str], ready: Path, log: Path) -> subprocess.Popen:
+    """A real run in its own process, held inside step 3 until killed."""
     with open(log, "w") as stderr:  # a file, not a pipe: a full pipe would block the owner
-        owner = subprocess.Popen([sys.executable, FAULTS, "--hang-at-call", "4", "--ready", str(ready), "--", *args],
+        owner = subprocess.Popen([sys.executable, FAULTS, "--hang-at-call", "3", "--ready", str(ready), "--", *args],
                                  cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.time() + 120
     while not ready.exists():
         assert owner.poll() is None, log.read_text()
-        assert time.time() < deadline, "the owner never reached step 4"
+        assert time.time() < deadline, "the owner never reached step 3"
         time.sleep(0.05)
     return owner
 
 
-def test_a_live_run_owns_its_folder_and_a_killed_one_is_resumed_at_once(tmp_path, text_file, capsys):
-    # Old code: the rival fresh run and the rival resume both start (the fresh one unlinks the live
-    # run's metrics.jsonl, the resume drops its records); neither exits 2.
+@pytest.mark.parametrize("rival", ["fresh", "resume"])
+def test_a_live_run_owns_its_folder_until_it_is_killed(tmp_path, text_file, capsys, rival):
+    # The owner is held inside step 3: before its first save (a rival fresh run), or after saving step 2
+    # (a rival --resume, as a requeued copy of a job that still runs). Old code: both rivals train and
+    # exit 0; the fresh one unlinks the owner's metrics.jsonl, the resume one rewrites it under the owner.
     out = tmp_path / "out"
-    owner = start_owner(out, text_file, tmp_path / "ready", tmp_path / "owner.err")
+    run = dict(seed=1, max_iters=6, eval_interval=4 if rival == "fresh" else 2)
+    owner = start_owner(out, tiny_args(out, text_file, **run), tmp_path / "ready", tmp_path / "owner.err")
     try:
         before = tree(out)
-        assert {"last.pt", "metrics.jsonl", ".lock"} <= before.keys()
-        busy = f"error: {out} is in use by process {owner.pid} on {socket.gethostname()}, since "
-        for rival in (dict(seed=2), dict(seed=1, resume="true")):  # a second fresh run; a requeued copy
-            capsys.readouterr()
-            assert run_main(tiny_args(out, text_file, eval_interval=2, max_iters=10, **rival)) == 2
-            assert one_line_error(capsys.readouterr().err).startswith(busy)
-            assert tree(out) == before  # refused before anything was written, deleted or cleaned up
+        assert "metrics.jsonl" in before and ("last.pt" in before) == (rival == "resume")
+        rival_run = {**run, "seed": 2} if rival == "fresh" else {**run, "resume": "true"}
+        assert run_main(tiny_args(out, text_file, **rival_run)) == 2
+        assert one_line_error(capsys.readouterr().err).startswith(
+            f"error: {out} is in use by process {owner.pid} on {socket.gethostname()}, since ")
+        assert tree(out) == before  # refused before anything was written, deleted or cleaned up
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-    assert (out / ".lock").exists()  # a SIGKILL leaves the file; the kernel released the lock itself
-    started = time.time()
-    assert run_main(tiny_args(out, text_file, seed=1, eval_interval=2, max_iters=10, resume="true")) == 0
-    assert time.time() - started < 60  # no wait for a stale lock to expire (the run itself takes seconds)
-    assert load_checkpoint(out / "last.pt")["step"] == 10
-    assert [r["step"] for r in metrics(out)[0]] == list(range(1, 11))  # one run's records, none lost
+    started = time.time()  # the kernel released the dead owner's lock: the next run starts at once
+    assert run_main(tiny_args(out, text_file, **run, resume=str(rival == "resume"))) == 0
+    assert time.time() - started < 60  # no stale lock to wait out (the run itself takes seconds)
+    assert load_checkpoint(out / "last.pt")["step"] == 6
+    assert [r["step"] for r in metrics(out)[0]] == list(range(1, 7))  # one run's records, none lost or doubled
     assert not (out / ".lock").exists()
 
 
