@@ -5,9 +5,11 @@
     python data.py --data_path docs/ --tokenizer gpt2        # a folder of .txt files, one document each
     python data.py --data_path web.jsonl --tokenizer gpt2    # one JSON object per line, its "text" field
 
-A prepared corpus is a folder with ``train.bin`` and ``val.bin`` (flat token ids, uint16 or uint32)
-and ``meta.json`` (the tokenizer description and how the files were made). Splits are opened once
-with ``np.memmap``. Training windows are drawn from a dedicated ``torch.Generator``; validation uses
+A prepared corpus is a folder, one per corpus, tokenizer and val_fraction, with ``train.bin`` and
+``val.bin`` (flat token ids, uint16 or uint32) and ``meta.json`` (the tokenizer description, how the
+files were made, their token counts and fingerprints). Every open checks the files against meta.json
+(``load_corpus``), so a damaged corpus is refused, never trained on. Splits are opened once with
+``np.memmap``. Training windows are drawn from a dedicated ``torch.Generator``; validation uses
 fixed windows so every eval scores the same tokens.
 
 Document corpora (a folder of .txt files or a .jsonl file) are tokenized with GPT-2 BPE by a pool of

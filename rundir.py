@@ -65,10 +65,13 @@ def file_in_the_way(folder: Path) -> Path | None:
 
 def make_folders(folder: Path, flag: str) -> list[Path]:
     """Create ``folder`` and its missing parents; returns those created, outermost first."""
-    blocker = file_in_the_way(folder)
+    try:
+        blocker = file_in_the_way(folder)
+        missing = [path for path in (folder, *folder.parents) if not path.exists()][::-1]
+    except OSError as err:  # a parent we may not even look into (EACCES)
+        raise os_failure(folder, flag, err) from None
     if blocker is not None:
         raise PathError(f"{flag} {folder}: {blocker} is a file, not a folder; pass another {flag}")
-    missing = [path for path in (folder, *folder.parents) if not path.exists()][::-1]
     created = []
     for path in missing:
         try:

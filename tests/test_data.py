@@ -175,6 +175,26 @@ def test_each_split_has_its_own_folder_and_an_old_folder_is_still_used(tmp_path,
     assert load_corpus(legacy, 8).fingerprint == json.loads(before["meta.json"])["fingerprint"]
 
 
+def test_a_large_split_is_fingerprinted_by_its_size_and_samples(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "FINGERPRINT_WHOLE_BYTES", 1000)  # "large" from 1000 bytes on
+    monkeypatch.setattr(data, "FINGERPRINT_SAMPLES", 4)
+    monkeypatch.setattr(data, "FINGERPRINT_CHUNK", 16)
+    path = tmp_path / "train.bin"
+    path.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes: chunks at 0, 3408, 6816 and 10224
+    original = data.split_fingerprint(path)
+    assert original != data.sha256_of(path)  # not the whole-file hash: only 64 bytes were read
+    for offset in (0, 3410, 10_239):  # the first, a middle and the last chunk
+        changed = bytearray(path.read_bytes())
+        changed[offset] ^= 1
+        path.write_bytes(changed)
+        assert data.split_fingerprint(path) != original, offset
+        changed[offset] ^= 1
+        path.write_bytes(changed)
+    assert data.split_fingerprint(path) == original
+    os.truncate(path, 10_238)  # the size is hashed too (and checked exactly against meta.json anyway)
+    assert data.split_fingerprint(path) != original
+
+
 # ----------------------------------------------------------------------------- leftovers of a killed prepare
 def dead_pid() -> int:
     """The PID of a process that has exited and been reaped: no process has it now."""
