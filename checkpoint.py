@@ -11,7 +11,8 @@ dict), tokenizer (its description), rng (``RNG_STREAMS``: python, numpy, torch_c
 rng_per_rank (the same for every DDP rank, in rank order; one entry in a single process), precision
 (the dtype the run resolved: float32, bfloat16 or float16), versions (python, torch, numpy, tiktoken, git commit and dirty flag).
 ``OPTIONAL_KEYS``: last_eval (the latest eval before the save: step, val_loss, val_bpb; in best.pt, the
-best one; empty until this process has run an eval).
+best one; empty until this process has run an eval), corpus (the data trained on: source, val_fraction
+and each split's fingerprint, data.Corpus.record; a resume on other data is refused).
 
 On disk a checkpoint is the zip archive torch.save writes, with the sha256 of the archive stored in
 the zip comment (``tinygpt-sha256:<hex>``). Zip readers, torch.load included, ignore the comment;
@@ -40,7 +41,7 @@ from faults import EXIT_WRITE_FAILED
 FORMAT_VERSION = 2  # 2: time_s added
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss",
                  "config", "tokenizer", "rng", "rng_per_rank", "precision", "versions")
-OPTIONAL_KEYS = ("last_eval",)  # written by train.py since bits per byte; older checkpoints lack them
+OPTIONAL_KEYS = ("last_eval", "corpus")  # written by train.py since bits per byte / issue 23; older checkpoints lack them
 
 
 DIGEST_PREFIX = b"tinygpt-sha256:"

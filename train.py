@@ -9,12 +9,13 @@ Side concerns live in helpers: checkpoint.py (atomic save / verified load / RNG 
 runtime.py (device, precision, compile, MFU), data.py (corpus, batches), distributed.py (DDP under
 torchrun: the same loop, one process per GPU), MetricsLog below and tracking.py (wandb), and faults.py
 (Ctrl-C/SIGTERM, NaN/inf, and the exit codes: 0 ok, 2 bad input, 3 non-finite, 74 write failed,
-130 SIGINT, 143 SIGTERM).
+75 a DDP peer died, 130 SIGINT, 143 SIGTERM), rundir.py (one live run per out_dir; writable folders).
 
     torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,10 +35,11 @@ from data import (DataError, get_batch, iterate_windows, load_corpus, prepare, t
                   val_windows)
 import distributed
 from distributed import Dist, all_reduce_sum, print0
-from faults import EXIT_BAD_INPUT, NonFiniteGuard, RunStopped, StopOnSignal
+from faults import EXIT_BAD_INPUT, EXIT_PEER_LOST, NonFiniteGuard, RunStopped, StopOnSignal
 import hf
 from model import GPT, describe
 from optim import MuonWithAdamW
+import rundir
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
 import tracking
 
@@ -258,14 +260,17 @@ def build_model(cfg: TrainConfig, vocab_size: int, tokenizer_meta: dict, pretrai
 
 
 def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optimizer, scaler,
-           data_gen: torch.Generator, dtype: torch.dtype, ddp: Dist = Dist()) -> tuple[int, float, float]:
-    """Load last.pt into the run; refuse a checkpoint of another shape or tokenizer.
+           data_gen: torch.Generator, dtype: torch.dtype, ddp: Dist = Dist(),
+           corpus: dict[str, Any] | None = None) -> tuple[int, float, float]:
+    """Load last.pt into the run; refuse a checkpoint of another shape, tokenizer or (``corpus``, a
+    Corpus.record) other data.
 
     Every rank loads the same file and restores its own random streams (see rank_rng_state).
     Returns (step, wall-clock seconds the run had spent, best val loss).
     """
     state = load_checkpoint(path)
     check_resumable(path, state, cfg, tokenizer_meta, scaler.is_enabled(), dtype)
+    check_same_corpus(path, state.get("corpus"), corpus)
     model.load_state_dict(state["model"])
     load_optimizer_state(optimizer, state["optimizer"])
     scaler.load_state_dict(state["scaler"])
@@ -308,6 +313,22 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokeniz
                "here on, so this is not the run the checkpoint started")
 
 
+def check_same_corpus(path: Path, saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
+    """Refuse to resume on other data (Corpus.record of each): another train split is not the run that was
+    stopped, and another val split would compare best_val_loss, and pick best.pt, across different sets.
+
+    Checkpoints saved before the record existed carry none: they resume as before, unchecked.
+    """
+    if not saved or not now:
+        return
+    changed = [split for split in ("train", "val") if saved["fingerprint"].get(split) != now["fingerprint"][split]]
+    if changed:
+        raise CheckpointError(
+            f"{path} was trained on {saved['source']} (val_fraction {saved['val_fraction']}), this run reads "
+            f"{now['source']} (val_fraction {now['val_fraction']}): its {' and '.join(changed)} split differs. "
+            "Resume with the same --data_path and --val_fraction, or start a new --out_dir")
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer | MuonWithAdamW, state: dict[str, Any]) -> None:
     """Restore the moments from a checkpoint but keep this run's hyperparameters.
 
@@ -344,14 +365,23 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     """Run training as configured; returns the final val loss.
 
     ``stop`` (main() passes one) turns SIGINT/SIGTERM during the loop into "save after this step and
-    raise RunStopped"; as a library, without it, signals keep their usual meaning.
+    raise RunStopped"; as a library, without it, signals keep their usual meaning. The process owns
+    out_dir while it runs (rundir.claim, before anything is read or written): a second run there,
+    fresh or --resume, is refused. Under torchrun rank 0 holds it for the job.
     """
-    stop = stop or StopOnSignal(install=False)
+    ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
+    with distributed.stop_together(ddp.device):  # refused on rank 0: every rank stops here
+        owner = rundir.claim(Path(cfg.out_dir)) if ddp.is_main else contextlib.nullcontext()
+    with owner:  # released however the run ends (after a SIGKILL, by the kernel)
+        return train_in_owned_folder(cfg, ddp, stop or StopOnSignal(install=False))
+
+
+def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> float:
+    """train()'s body, once this process (rank 0 for a job) owns out_dir."""
     out_dir = Path(cfg.out_dir)
     if not cfg.resume and (out_dir / "last.pt").exists():
         raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
                           "new one with another --out_dir (or delete the folder)")
-    ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
     device = ddp.device
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
@@ -384,7 +414,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     with distributed.stop_together(device):  # a rank that cannot read last.pt stops them all
         if cfg.resume:
             step, time_before, best_val = resume(out_dir / "last.pt", cfg, corpus.meta["tokenizer"], model,
-                                                 optimizer, scaler, data_gen, dtype, ddp)
+                                                 optimizer, scaler, data_gen, dtype, ddp, corpus.record())
             if ddp.is_main:
                 logged_through = drop_records_after(out_dir / "metrics.jsonl", step)
         elif ddp.is_main:
@@ -421,6 +451,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
                 state = checkpoint_state(model, optimizer, scaler, step, time.time() - t_start, best_val, cfg,
                                          corpus.meta["tokenizer"], rng_per_rank, dtype)
                 state["last_eval"] = last_eval
+                state["corpus"] = corpus.record()  # a resume on other data is refused by it
                 if is_best:  # best.pt first: last.pt's best_val_loss must never name a model best.pt lacks
                     save_checkpoint(state, out_dir / "best.pt")
                 save_checkpoint(state, out_dir / "last.pt")
@@ -487,10 +518,17 @@ def main(argv: list[str] | None = None) -> None:
         return
     except distributed.PeerFailed as err:  # another rank failed and prints why: this one stops silently
         message, code, rank = "", err.exit_code, None
+    except (RunStopped, CheckpointWriteError, rundir.PathError) as err:  # exit codes: see faults.py
+        message, code, rank = str(err), err.exit_code, distributed.reporting_rank(err)
     except (ConfigError, DataError, CheckpointError) as err:
         message, code, rank = str(err), EXIT_BAD_INPUT, distributed.reporting_rank(err)
-    except (RunStopped, CheckpointWriteError) as err:  # exit codes: see faults.py
-        message, code, rank = str(err), err.exit_code, distributed.reporting_rank(err)
+    except RuntimeError as err:  # a peer rank died mid-collective: it cannot say why, so this rank says so
+        reason = distributed.lost_peer(err)
+        if reason is None:
+            raise
+        message, code, rank = (f"another rank died without a word (killed or crashed; gloo: {reason}), so this "
+                               "one stops too; the last save is intact, continue with --resume",
+                               EXIT_PEER_LOST, distributed.env_rank())
     except KeyboardInterrupt:  # Ctrl-C before the first step: nothing to save yet
         message, code = "interrupted before training started; nothing was saved", 130
         rank = distributed.reporting_rank(None)

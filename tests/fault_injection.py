@@ -6,7 +6,8 @@ Imported by the reliability tests. Also a script, so a fresh process can be brok
 
 runs train.py's main with the given arguments and sends the signal to itself just before the 13th
 training forward pass (micro-batch), i.e. in the middle of an optimizer step. The other options break
-one rank of a DDP job (RANK as torchrun sets it): see ``python tests/fault_injection.py --help``.
+one rank of a DDP job (RANK as torchrun sets it), or hold a live run mid-step: see
+``python tests/fault_injection.py --help``.
 """
 from __future__ import annotations
 
@@ -83,6 +84,16 @@ def signal_at(monkeypatch: pytest.MonkeyPatch, signum: int, call: int) -> list[i
         if n == call:
             os.kill(os.getpid(), signum)
     return on_training_forward(monkeypatch, hook)
+
+
+def hang_at(monkeypatch: pytest.MonkeyPatch, call: int, ready: Path, timeout_s: float = 300.0) -> None:
+    """In the ``call``-th training forward pass, create the file ``ready`` and wait there (a live run,
+    mid-step, for a test to act on: start a rival, kill it). Ends after ``timeout_s`` as a safety net."""
+    def hook(n: int, loss_sum: torch.Tensor) -> None:
+        if n == call:
+            ready.touch()
+            time.sleep(timeout_s)
+    on_training_forward(monkeypatch, hook)
 
 
 def linger_at_exit(until: Path, timeout_s: float = 60.0) -> None:
@@ -207,6 +218,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Run train.py's main with a fault injected.")
     parser.add_argument("--signal", default="SIGTERM", help="signal name")
     parser.add_argument("--at-call", type=int, help="training forward pass to send --signal in")
+    parser.add_argument("--signal-rank", type=int, help="send --signal on this rank only (default: every rank)")
+    parser.add_argument("--hang-at-call", type=int, help="in this training forward pass, touch --ready and wait")
+    parser.add_argument("--ready", type=Path, help="the file --hang-at-call creates once it waits")
     parser.add_argument("--disk-full-from-step", type=int, help="checkpoint writes fail from this step on")
     parser.add_argument("--corpus-unreadable-on-rank", type=int, help="this rank cannot load the corpus")
     parser.add_argument("--bf16-fast-on-rank", type=int, help="the dtype=auto probe favours bf16 on this rank only")
@@ -217,8 +231,10 @@ def main() -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     with pytest.MonkeyPatch.context() as monkeypatch:
-        if args.at_call is not None:
+        if args.at_call is not None and args.signal_rank in (None, env_rank()):
             signal_at(monkeypatch, signal.Signals[args.signal], args.at_call)
+        if args.hang_at_call is not None:
+            hang_at(monkeypatch, args.hang_at_call, args.ready)
         if args.linger_until is not None:
             linger_at_exit(args.linger_until)
         if args.disk_full_from_step is not None:

@@ -103,6 +103,98 @@ def test_token_ids_beyond_the_vocab_are_refused(tmp_path, text_file):
         load_corpus(folder, block_size=8)
 
 
+# ----------------------------------------------------------------------------- a prepared corpus that cannot lie
+def damage(folder: Path, how: str) -> None:
+    """Break a prepared folder the way a disk, a script or a hand might."""
+    train = folder / "train.bin"
+    if how == "train.bin cut to an odd byte count":
+        os.truncate(train, train.stat().st_size - 1)
+    elif how == "train.bin emptied":
+        train.write_bytes(b"")
+    elif how == "train.bin cut to half":
+        os.truncate(train, train.stat().st_size // 2)
+    elif how == "a token of val.bin changed in place":
+        ids = np.fromfile(folder / "val.bin", dtype=np.uint16)
+        ids[7] = (ids[7] + 1) % 3  # still a valid id: only the fingerprint can tell
+        ids.tofile(folder / "val.bin")
+    elif how == "meta.json overwritten with binary garbage":
+        (folder / "meta.json").write_bytes(bytes(range(256)))
+    elif how == "meta.json overwritten with text":
+        (folder / "meta.json").write_text("{ not json")
+    elif how == "meta.json lacks a field":
+        meta = json.loads((folder / "meta.json").read_text())
+        del meta["train_tokens"]
+        (folder / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("how, refusal", [  # refusal: what the one-line error says; None: prepared again
+    ("train.bin cut to an odd byte count", "not a whole number of uint16 tokens"),  # old: ValueError traceback
+    ("train.bin emptied", "0 tokens where meta.json records"),  # old: "use more text or a smaller --block_size"
+    ("train.bin cut to half", "tokens where meta.json records"),  # old: trained on half the corpus, exit 0
+    ("a token of val.bin changed in place", "its tokens changed after it was prepared"),  # old: exit 0
+    ("meta.json overwritten with binary garbage", None),  # old: UnicodeDecodeError traceback
+    ("meta.json overwritten with text", None),  # old: JSONDecodeError traceback
+    ("meta.json lacks a field", None),  # old: KeyError traceback
+])
+def test_a_damaged_corpus_is_refused_or_prepared_again_never_trained_on(tmp_path, text_file, capsys, how, refusal):
+    from fault_injection import run_main, tiny_args
+    folder = prepare(data_path=str(text_file), data_dir=str(tmp_path / "data"))
+    reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"))
+    damage(folder, how)
+    with pytest.raises(DataError, match="delete .* and prepare again") as opened:  # opened as it is: refused
+        load_corpus(folder, block_size=8)
+    assert "\n" not in str(opened.value) and str(folder) in str(opened.value)
+    capsys.readouterr()
+    code = run_main(tiny_args(tmp_path / "out", text_file, max_iters=1, eval_interval=1))
+    out, err = capsys.readouterr()
+    if refusal is not None:  # the split files no longer match their record: delete and prepare again
+        assert code == 2 and err.startswith(f"error: {folder}") and err.count("\n") == 1, err
+        assert refusal in err and err.rstrip().endswith(f"delete {folder} and prepare again")
+        assert not (tmp_path / "out").exists()
+    else:  # no readable record: not a finished prepare, so it is made again from the source, said in one line
+        assert code == 0 and err == "", err
+        assert f"{folder / 'meta.json'}: unreadable (" in out and f"; preparing {folder} again from its source" in out
+        assert_same_corpus(folder, reference)
+
+
+def test_each_split_has_its_own_folder_and_an_old_folder_is_still_used(tmp_path, text_file, capsys):
+    d = tmp_path / "d"
+    tenth = prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
+    before = {p.name: p.read_bytes() for p in tenth.iterdir()}
+    fifth = prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.2)
+    assert fifth != tenth and load_corpus(fifth, 8).meta["val_fraction"] == 0.2
+    assert {p.name: p.read_bytes() for p in tenth.iterdir()} == before  # old code: replaced by the 0.2 split
+    legacy = tenth.with_name(tenth.name.removesuffix("-val0.1"))  # the name before splits were named
+    tenth.rename(legacy)
+    meta = json.loads((legacy / "meta.json").read_text())
+    del meta["fingerprint"]  # and prepared before fingerprints: its files are fingerprinted when opened
+    (legacy / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1) == legacy
+    assert capsys.readouterr().out == ""  # used as it is: nothing prepared again
+    assert load_corpus(legacy, 8).fingerprint == json.loads(before["meta.json"])["fingerprint"]
+
+
+def test_a_large_split_is_fingerprinted_by_its_size_and_samples(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "FINGERPRINT_WHOLE_BYTES", 1000)  # "large" from 1000 bytes on
+    monkeypatch.setattr(data, "FINGERPRINT_SAMPLES", 4)
+    monkeypatch.setattr(data, "FINGERPRINT_CHUNK", 16)
+    path = tmp_path / "train.bin"
+    path.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes: chunks at 0, 3408, 6816 and 10224
+    original = data.split_fingerprint(path)
+    assert original != data.sha256_of(path)  # not the whole-file hash: only 64 bytes were read
+    for offset in (0, 3410, 10_239):  # the first, a middle and the last chunk
+        changed = bytearray(path.read_bytes())
+        changed[offset] ^= 1
+        path.write_bytes(changed)
+        assert data.split_fingerprint(path) != original, offset
+        changed[offset] ^= 1
+        path.write_bytes(changed)
+    assert data.split_fingerprint(path) == original
+    os.truncate(path, 10_238)  # the size is hashed too (and checked exactly against meta.json anyway)
+    assert data.split_fingerprint(path) != original
+
+
 # ----------------------------------------------------------------------------- leftovers of a killed prepare
 def dead_pid() -> int:
     """The PID of a process that has exited and been reaped: no process has it now."""
@@ -180,6 +272,7 @@ def test_a_leftover_that_cannot_be_deleted_is_warned_about_not_raised(tmp_path, 
 def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_path, text_file, monkeypatch):
     d = tmp_path / "d"
     folder = prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
+    (folder / "meta.json").write_text("{ not json")  # no finished prepare: the next one replaces the folder
 
     def interrupted_rmtree(path, *args, **kwargs):  # deletes one file, then Ctrl-C lands
         (Path(path) / "train.bin").unlink(missing_ok=True)
@@ -187,8 +280,8 @@ def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_pat
 
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
         patch.setattr(data.shutil, "rmtree", interrupted_rmtree)
-        prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.2)  # replaces the 0.1 corpus
-    reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"), val_fraction=0.2)
+        prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)  # replaces the broken corpus
+    reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"), val_fraction=0.1)
     assert_same_corpus(folder, reference)  # the new corpus, whole; the old one was only ever moved aside
 
 

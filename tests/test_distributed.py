@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import distributed
+import rundir
 import runtime
 import train
 from checkpoint import load_checkpoint
@@ -196,6 +197,31 @@ def test_every_rank_trains_in_the_precision_rank_0_chose(tmp_path, text_file):
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [["float32"]] * 2
     assert [r.stdout.count("dtype auto -> ") for r in ranks] == [1, 0]  # the choice is announced once
     assert load_checkpoint(tmp_path / "out" / "last.pt")["precision"] == "float32"
+
+
+@pytest.mark.slow  # two fresh ranks: ~10 s idle, ~25 s on 2 busy cores
+def test_a_busy_out_dir_stops_every_rank_before_anything_is_written(tmp_path, text_file):
+    # Old code: both ranks train into the folder another run owns (exit 0).
+    out = tmp_path / "out"
+    with rundir.claim(out):  # a live run, as far as the ranks can tell
+        ranks = launch_ranks(tmp_path, "train.py", *tiny_args(out, text_file))
+        assert [p.name for p in out.iterdir()] == [".lock"]  # nothing written beside the owner's lock
+    assert [r.returncode for r in ranks] == [2, 2]
+    assert re.fullmatch(rf"error: {re.escape(str(out))} is in use by process {os.getpid()} on .*\n", ranks[0].stderr)
+    assert ranks[1].stderr == ""  # rank 0 holds the lock for the job and says why; rank 1 stops with it
+
+
+@pytest.mark.slow  # two fresh ranks: ~10 s idle, ~25 s on 2 busy cores
+def test_a_rank_killed_mid_step_leaves_one_line_on_the_survivor(tmp_path, text_file):
+    # Old code: rank 0 prints gloo's "Connection reset/closed by peer" RuntimeError traceback, exit 1.
+    out = tmp_path / "out"
+    ranks = launch_ranks(tmp_path, FAULTS, "--signal", "SIGKILL", "--signal-rank", "1", "--at-call", "3", "--",
+                         *tiny_args(out, text_file, eval_interval=2))
+    assert [r.returncode for r in ranks] == [75, -9]
+    assert re.fullmatch(r"error: another rank died without a word \(killed or crashed; gloo: Connection (closed|reset) "
+                        r"by peer\), so this one stops too; the last save is intact, continue with --resume\n",
+                        ranks[0].stderr), ranks[0].stderr
+    assert load_checkpoint(out / "last.pt")["step"] == 2 and not (out / ".lock").exists()
 
 
 def test_rank_rng_state_picks_own_stream_and_drops_missing_ranks(capsys):

@@ -168,3 +168,30 @@ def test_sigkill_loses_at_most_ckpt_interval_steps_and_metrics_keep_no_duplicate
     assert run_main(tiny_args(tmp_path / "straight", text_file, max_iters=end, eval_interval=100_000)) == 0
     assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"), load_checkpoint(out / "last.pt"))
     assert metrics(tmp_path / "straight") == metrics(out)  # the redone steps are logged once
+
+
+def test_a_resume_on_other_data_is_refused_and_old_checkpoints_still_resume(tmp_path, text_file, capsys):
+    # Old code: both resumes below continue without a word (exit 0), the second after re-preparing
+    # the shared corpus folder in place with its new split.
+    from conftest import make_text
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, max_iters=2, eval_interval=2)) == 0
+    (corpus_folder,) = (tmp_path / "data").iterdir()
+    kept = {p: p.read_bytes() for p in [*out.iterdir(), *corpus_folder.iterdir()]}
+    other = tmp_path / "other.txt"
+    other.write_text(make_text(seed=1))
+    assert set(other.read_text()) == set(text_file.read_text())  # the same vocabulary: only the data differs
+    for change in (dict(data_path=other), dict(val_fraction=0.2)):
+        capsys.readouterr()
+        assert run_main(tiny_args(out, text_file, max_iters=4, resume="true", **change)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {out / 'last.pt'} was trained on {text_file} (val_fraction 0.1), this run "
+                              f"reads {change.get('data_path', text_file)} (val_fraction {change.get('val_fraction', 0.1)})")
+        assert err.count("\n") == 1 and "Resume with the same --data_path and --val_fraction" in err
+        assert {p: p.read_bytes() for p in kept} == kept  # the run, and the corpus folder it trained on
+    assert len(list((tmp_path / "data").iterdir())) == 3  # each corpus and split in its own folder
+    state = load_checkpoint(out / "last.pt")  # a checkpoint from before the corpus record:
+    del state["corpus"]
+    save_checkpoint(state, out / "last.pt")
+    assert run_main(tiny_args(out, text_file, max_iters=4, resume="true")) == 0  # resumes, unchecked
+    assert load_checkpoint(out / "last.pt")["corpus"]["val_fraction"] == 0.1  # and records it from now on

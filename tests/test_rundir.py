@@ -1,0 +1,166 @@
+"""One live run per out_dir, and folders that cannot be written fail first, in one line (rundir.py)."""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import rundir
+import train
+from checkpoint import load_checkpoint
+from conftest import REPO
+from data import prepare
+from fault_injection import metrics, run_main, tiny_args
+from rundir import PathError
+
+FAULTS = str(REPO / "tests" / "fault_injection.py")
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under root with its bytes (None for a folder): what 'nothing was written' compares."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def one_line_error(err: str) -> str:
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+# ----------------------------------------------------------------------------- one live run per folder
+def start_owner(out: Path, args: list[str], ready: Path, log: Path) -> subprocess.Popen:
+    """A real run in its own process, held inside step 3 until killed."""
+    with open(log, "w") as stderr:  # a file, not a pipe: a full pipe would block the owner
+        owner = subprocess.Popen([sys.executable, FAULTS, "--hang-at-call", "3", "--ready", str(ready), "--", *args],
+                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.time() + 120
+    while not ready.exists():
+        assert owner.poll() is None, log.read_text()
+        assert time.time() < deadline, "the owner never reached step 3"
+        time.sleep(0.05)
+    return owner
+
+
+@pytest.mark.parametrize("rival", ["fresh", "resume"])
+def test_a_live_run_owns_its_folder_until_it_is_killed(tmp_path, text_file, capsys, rival):
+    # The owner is held inside step 3: before its first save (a rival fresh run), or after saving step 2
+    # (a rival --resume, as a requeued copy of a job that still runs). Old code: both rivals train and
+    # exit 0; the fresh one unlinks the owner's metrics.jsonl, the resume one rewrites it under the owner.
+    out = tmp_path / "out"
+    run = dict(seed=1, max_iters=6, eval_interval=4 if rival == "fresh" else 2)
+    owner = start_owner(out, tiny_args(out, text_file, **run), tmp_path / "ready", tmp_path / "owner.err")
+    try:
+        before = tree(out)
+        assert "metrics.jsonl" in before and ("last.pt" in before) == (rival == "resume")
+        rival_run = {**run, "seed": 2} if rival == "fresh" else {**run, "resume": "true"}
+        assert run_main(tiny_args(out, text_file, **rival_run)) == 2
+        assert one_line_error(capsys.readouterr().err).startswith(
+            f"error: {out} is in use by process {owner.pid} on {socket.gethostname()}, since ")
+        assert tree(out) == before  # refused before anything was written, deleted or cleaned up
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    started = time.time()  # the kernel released the dead owner's lock: the next run starts at once
+    assert run_main(tiny_args(out, text_file, **run, resume=str(rival == "resume"))) == 0
+    assert time.time() - started < 60  # no stale lock to wait out (the run itself takes seconds)
+    assert load_checkpoint(out / "last.pt")["step"] == 6
+    assert [r["step"] for r in metrics(out)[0]] == list(range(1, 7))  # one run's records, none lost or doubled
+    assert not (out / ".lock").exists()
+
+
+def test_a_claim_refuses_a_second_owner_and_a_refused_run_leaves_no_folder(tmp_path):
+    out = tmp_path / "a" / "b"
+    first = rundir.claim(out)
+    assert (out / ".lock").read_text().startswith(f"process {os.getpid()} on {socket.gethostname()}, since ")
+    with pytest.raises(PathError, match=f"in use by process {os.getpid()} ") as refused:  # a second descriptor:
+        rundir.claim(out)  # flock locks open files, not processes, so even this process is refused
+    assert refused.value.exit_code == 2
+    first.release()
+    assert list(tmp_path.iterdir()) == []  # the folders it made held nothing else: removed
+    with rundir.claim(out):
+        (out / "last.pt").write_bytes(b"a run's file")
+    assert [p.name for p in out.iterdir()] == ["last.pt"]  # the folder stays, the lock file goes
+
+
+# ----------------------------------------------------------------------------- folders that cannot be written
+def unwritable(monkeypatch: pytest.MonkeyPatch, folder: Path, code: int = errno.EROFS) -> None:
+    """Make creating or writing anything inside ``folder`` fail with ``code``, reads still working.
+
+    As root (tests run as root in CI containers) chmod stops no write, so os.open and os.mkdir fail
+    here as on a read-only mount (EROFS) or a failing disk (EIO); test_a_chmod_read_only_out_dir_fails_first
+    is the real thing, for other users.
+    """
+    real_open, real_mkdir = os.open, os.mkdir
+    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+    def inside(path) -> bool:
+        return Path(os.path.abspath(path)).is_relative_to(folder.resolve())
+
+    def failing_open(path, flags, *args, **kwargs):
+        if flags & writes and inside(path):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def failing_mkdir(path, *args, **kwargs):
+        if inside(path):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", failing_open)
+    monkeypatch.setattr(os, "mkdir", failing_mkdir)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    monkeypatch.setattr(train, "GPT", lambda *args, **kwargs: pytest.fail("the model was built"))
+
+
+@pytest.mark.parametrize("case, code, message", [
+    ("out_dir under a file", 2, "{file} is a file, not a folder; pass another --out_dir"),
+    ("out_dir is a file", 2, "{file} is a file, not a folder; pass another --out_dir"),
+    ("read-only out_dir", 2, "cannot write in {out} ("),
+    ("out_dir on a failing disk", 74, "could not write in {out} (Input/output error)"),
+    ("read-only data_dir, corpus not prepared", 2, "cannot write in {data} ("),
+])
+def test_a_folder_that_cannot_be_written_fails_first_in_one_line(tmp_path, text_file, capsys, monkeypatch,
+                                                                 no_model, case, code, message):
+    # Old code: NotADirectoryError, FileExistsError, or OSError tracebacks (exit 1), some after preparing data.
+    file, out, data = tmp_path / "f", tmp_path / "out", tmp_path / "data"
+    file.write_text("a file where a folder should be")
+    out = {"out_dir under a file": file / "sub", "out_dir is a file": file}.get(case, out)
+    if case in ("read-only out_dir", "out_dir on a failing disk"):
+        out.mkdir()
+        unwritable(monkeypatch, out, errno.EROFS if case.startswith("read-only") else errno.EIO)
+    if case.startswith("read-only data_dir"):
+        data.mkdir()
+        unwritable(monkeypatch, data)
+    before = tree(tmp_path)
+    assert run_main(tiny_args(out, text_file, data_dir=data)) == code
+    err = one_line_error(capsys.readouterr().err)
+    assert message.format(file=file, out=out, data=data) in err
+    monkeypatch.undo()
+    assert tree(tmp_path) == before  # nothing written, nothing half-written, no folder made
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod; the EROFS cases above cover it as root")
+def test_a_chmod_read_only_out_dir_fails_first(tmp_path, text_file, capsys):
+    out = tmp_path / "out"
+    out.mkdir(mode=0o555)
+    try:
+        assert run_main(tiny_args(out, text_file)) == 2
+        assert f"cannot write in {out} (Permission denied)" in one_line_error(capsys.readouterr().err)
+    finally:
+        out.chmod(0o755)
+
+
+def test_a_read_only_data_dir_holding_the_corpus_still_trains(tmp_path, text_file, monkeypatch):
+    data = tmp_path / "data"
+    prepare(data_path=str(text_file), data_dir=str(data))
+    unwritable(monkeypatch, data)
+    assert run_main(tiny_args(tmp_path / "out", text_file, data_dir=data, max_iters=1, eval_interval=1)) == 0
