@@ -50,7 +50,7 @@ import train  # noqa: E402
 from bench import parse_overrides  # noqa: E402
 from checkpoint import CheckpointError, read_config  # noqa: E402
 from config import CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
-from data import DataError  # noqa: E402
+from data import DataError, corpus_source  # noqa: E402
 from faults import RunStopped, StopOnSignal  # noqa: E402
 from runtime import fail, pick_device, pick_dtype  # noqa: E402
 from sample import load_model  # noqa: E402
@@ -61,7 +61,7 @@ OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command
 IGNORED_ON_REUSE = ("out_dir", "resume")  # a moved folder, a resumed run: still the same run
 RESULT = "result.json"  # written into a run's folder once it has finished: the marker that skips it
 STEP_CAP_IN_TIME_MODE = 10**9  # --time without --steps: only the clock ends a run
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_+-]*")  # a variant's name is a folder name
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a variant's name is a folder name
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def parse_variant(text: str) -> Variant:
     name, colon, body = text.partition(":")
     if not colon or not NAME.fullmatch(name):
         raise ConfigError(f"variant `{text}` must look like NAME:KEY=VALUE[,KEY=VALUE], e.g. rope:pos_emb=rope, "
-                          "or NAME: for the preset as it is (a name: letters, digits, _ + -)")
+                          "or NAME: for the preset as it is (a name: letters, digits, _ . + -)")
     overrides = parse_overrides([body]) if body else {}
     if len(overrides) != body.count(",") + 1 and body:
         raise ConfigError(f"variant `{name}` sets a key twice: {body}")
@@ -143,14 +143,24 @@ def variant_overrides(args, variants: list[Variant]) -> dict[str, dict[str, Any]
     return merged
 
 
-def make_plan(args, command: str) -> Plan:
-    """Parse and validate everything the command asks for; writes nothing. Raises ConfigError."""
+def check_flags(args) -> None:
+    """The command's own flags (the variants and --set are checked by make_plan). Raises ConfigError."""
     if args.steps is None and args.time is None:
         raise ConfigError("give --steps N (equal steps: the quality answer) or --time S (equal wall time)")
+    for flag, value in (("--steps", args.steps), ("--time", args.time)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be > 0, got {value:g}")
     if args.seeds < 2:
         raise ConfigError(f"--seeds {args.seeds} leaves no spread and no p-value: use --seeds 2 or more (3+ for a claim)")
+    if args.threads < 0:
+        raise ConfigError(f"--threads must be >= 0, got {args.threads}")
     if not args.variants:
         raise ConfigError("no variants: name at least one, e.g. base: rope:pos_emb=rope")
+
+
+def make_plan(args, command: str) -> Plan:
+    """Validate everything the command asks for and lay out its runs; writes nothing. Raises ConfigError."""
+    check_flags(args)
     variants = [parse_variant(text) for text in args.variants]
     names = [v.name for v in variants]
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -161,6 +171,8 @@ def make_plan(args, command: str) -> Plan:
     seeds = list(range(1, args.seeds + 1))
     runs = [Run(v.name, seed, folder / v.name / f"seed-{seed}", args.config, {**overrides[v.name], "seed": seed,
                 "out_dir": str(folder / v.name / f"seed-{seed}")}) for seed in seeds for v in variants]
+    for cfg in {(c.dataset, c.data_path): c for c in map(Run.config, runs)}.values():
+        corpus_source(cfg.dataset, cfg.data_path)  # DataError now, not after the runs before it
     runs = pin_auto_dtype(runs)
     for run in runs:
         check_reusable(run)
@@ -240,11 +252,12 @@ def write_result(run: Run, cfg: TrainConfig, diverged: str = "") -> None:
     evals = [r for r in records if "val_loss" in r]
     logs = [r for r in records if "tokens_per_s" in r][1:]  # the first log interval is warm-up
     step_ms = [cfg.tokens_per_step() / r["tokens_per_s"] * 1000 for r in logs]
-    final = evals[-1] if evals and not diverged else {}
-    result = {"variant": run.variant, "seed": run.seed, "step": final.get("step", records[-1]["step"] if records else 0),
+    final = evals[-1] if evals and not diverged else {"step": records[-1]["step"] if records else 0}
+    result = {"variant": run.variant, "seed": run.seed, "step": final["step"],
               "val_loss": final.get("val_loss", math.nan), "val_bpb": final.get("val_bpb", math.nan),
               "ms_per_step": statistics.median(step_ms) if step_ms else math.nan,
-              "params": parameter_count(run.folder), "diverged": diverged, "config": dataclasses.asdict(cfg)}
+              "params": parameter_count(run.folder), "diverged": diverged, "threads": torch.get_num_threads(),
+              "config": dataclasses.asdict(cfg)}
     tmp = run.folder / (RESULT + ".tmp")  # written whole, then renamed: a kill never leaves half a marker
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(run.folder / RESULT)
@@ -303,8 +316,9 @@ def summarise(plan: Plan) -> dict[str, Any]:
         row["ms_per_step"] = statistics.median(r["ms_per_step"] for r in runs)
         row["speed_ratio"] = statistics.median(ratios)  # per round, then the median: drift cancels
         rows.append(row)
+    threads = sorted({r["threads"] for r in results.values()})  # reduction order: part of bit-exactness
     return {"command": plan.command, "mode": plan.mode, "budget": plan.budget, "seeds": plan.seeds,
-            "baseline": base, "variants": rows}
+            "baseline": base, "torch": torch.__version__, "threads": threads, "variants": rows}
 
 
 def table(rows: list[list[str]]) -> str:
@@ -343,8 +357,13 @@ def report(summary: dict[str, Any]) -> str:
     budget = (f"{summary['budget']:g} s of wall clock per run (schedule=time)" if summary["mode"] == "time"
               else f"{summary['budget']:g} steps per run (schedule=steps: bit-exact on rerun)")
     diverged = [f"{row['name']} seed {r['seed']}" for row in summary["variants"] for r in row["runs"] if r["diverged"]]
+    threads = summary["threads"]
+    machine = (f"torch {summary['torch']}, {threads[0]} thread(s)" if len(threads) == 1 else
+               f"torch {summary['torch']}; runs made with different thread counts ({', '.join(map(str, threads))}): "
+               "not bit-exact against a rerun")
     return "\n\n".join([
-        f"`{summary['command']}`\n\n{budget}, seeds {', '.join(map(str, summary['seeds']))}, baseline `{base}`.",
+        f"`{summary['command']}`\n\n{budget}, seeds {', '.join(map(str, summary['seeds']))}, baseline `{base}`; "
+        f"{machine}.",
         "Final val loss (nats/token):\n\n" + metric_table(summary, "val_loss"),
         "Final val bits per byte:\n\n" + metric_table(summary, "val_bpb"),
         "Speed:\n\n" + speed_table(summary),
@@ -381,6 +400,9 @@ def build_parser() -> CommandLine:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N per variant, run round by round")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                         help="config overrides for every variant (repeatable); a variant's own value wins")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch.set_num_threads; 0 keeps torch's default. The count is part of what makes a rerun "
+                             "bit-exact (it orders the float sums)")
     parser.add_argument("--out", type=Path, default=None,
                         help="experiment folder (default: out/compare/PRESET-Nsteps, or -Ss with --time)")
     return parser
@@ -394,12 +416,13 @@ def command_line(argv: list[str]) -> str:
 def compare(argv: list[str], stop: StopOnSignal) -> dict[str, Any]:
     """Plan, run, summarise; returns results.json's content. Raises ConfigError before running anything."""
     args = build_parser().parse_args(argv)
-    for flag, value in (("--steps", args.steps), ("--time", args.time)):
-        if value is not None and not value > 0:
-            raise ConfigError(f"{flag} must be > 0, got {value:g}")
+    check_flags(args)
     t_test()  # scipy missing: say so now, not after an hour of runs
+    if args.threads:  # before planning: dtype=auto's probe times matmuls with them
+        torch.set_num_threads(args.threads)
     plan = make_plan(args, command_line(argv))
-    print(f"{len(plan.variants)} variants x {len(plan.seeds)} seeds = {len(plan.runs)} runs in {plan.folder}", flush=True)
+    print(f"{len(plan.variants)} variants x {len(plan.seeds)} seeds = {len(plan.runs)} runs in {plan.folder}, "
+          f"{torch.get_num_threads()} torch thread(s)", flush=True)
     run_all(plan, stop)
     summary = summarise(plan)
     print("\n" + write_outputs(plan, summary))
