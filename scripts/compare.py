@@ -404,7 +404,7 @@ def build_parser() -> CommandLine:
                         help="torch.set_num_threads; 0 keeps torch's default. The count is part of what makes a rerun "
                              "bit-exact (it orders the float sums)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="experiment folder (default: out/compare/PRESET-Nsteps, or -Ss with --time)")
+                        help="experiment folder; None means out/compare/PRESET-Nsteps (or PRESET-Ss with --time)")
     return parser
 
 
