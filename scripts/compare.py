@@ -151,7 +151,8 @@ def check_flags(args) -> None:
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value:g}")
     if args.seeds < 2:
-        raise ConfigError(f"--seeds {args.seeds} leaves no spread and no p-value: use --seeds 2 or more (3+ for a claim)")
+        raise ConfigError(f"--seeds {args.seeds} leaves no spread and no p-value: use --seeds 2 or more "
+                          "(3+ for a claim)")
     if args.threads < 0:
         raise ConfigError(f"--threads must be >= 0, got {args.threads}")
     if not args.variants:
@@ -342,7 +343,8 @@ def metric_table(summary: dict[str, Any], metric: str) -> str:
 
 
 def speed_table(summary: dict[str, Any]) -> str:
-    rows = [["variant", "overrides", "params", "steps (mean)", "ms/step (median)", f"ms/step / {summary['baseline']}'s"]]
+    ratio = f"ms/step / {summary['baseline']}'s"
+    rows = [["variant", "overrides", "params", "steps (mean)", "ms/step (median)", ratio]]
     for row in summary["variants"]:
         overrides = ",".join(f"{k}={v}" for k, v in row["overrides"].items()) or "(preset)"
         steps = statistics.fmean(r["step"] for r in row["runs"])

@@ -73,7 +73,9 @@ def expand(arg: Path) -> list[tuple[Path, str]]:
 
 
 def seed_number(metrics: Path) -> int:
-    return int(metrics.parent.name.removeprefix("seed-")) if metrics.parent.name[5:].isdigit() else 0
+    """N for the metrics of a run folder named seed-N (compare.py's layout), else 0."""
+    name = metrics.parent.name
+    return int(name[5:]) if name.startswith("seed-") and name[5:].isdigit() else 0
 
 
 def group_runs(paths: list[Path], labels: list[str]) -> list[tuple[str, list[list[dict]], list[list[dict]]]]:
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="metrics.jsonl files, run folders or compare.py experiment folders")
     parser.add_argument("-o", "--out", type=Path, default=Path("loss.png"), help="PNG to write")
     parser.add_argument("--labels", nargs="+", default=None,
-                        help="one legend label per argument (default: run folder, or variant); equal labels are one group")
+                        help="one legend label per argument (default: run folder, or variant); "
+                             "equal labels are one group")
     parser.add_argument("--ref", action="append", type=parse_ref, default=[], metavar="SECONDS:LOSS",
                         help="a reference val-loss point on the wall-time panel (repeatable)")
     parser.add_argument("--ref-label", default="reference", help="legend label of the --ref points")

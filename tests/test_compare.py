@@ -16,6 +16,7 @@ from conftest import load_entry_point, make_text
 from faults import StopOnSignal, RunStopped
 
 compare = load_entry_point("scripts/compare.py")
+plot = load_entry_point("scripts/plot.py")
 
 STEPS = 40  # tiny: ~0.5 s a run; the loss falls from ~3.9 to ~2.8 at the preset's lr, barely at 1/100 of it
 SLOW = "slow:learning_rate=3e-5,min_lr=3e-6"  # 100x smaller lr (min_lr must stay below it)
@@ -113,7 +114,8 @@ def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finish
     monkeypatch.setattr(train, "get_lr", signal_at_step_15_of_seed_2)
     with pytest.raises(RunStopped) as stopped:
         compare.compare(command, stop)
-    assert stopped.value.exit_code == 130 and "continue with the same command: python scripts/compare.py" in str(stopped.value)
+    assert stopped.value.exit_code == 130
+    assert "continue with the same command: python scripts/compare.py" in str(stopped.value)
     seed_2 = tmp_path / "exp" / "base" / "seed-2"
     assert (seed_2 / "last.pt").is_file() and not (seed_2 / "result.json").exists()
 
@@ -121,6 +123,17 @@ def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finish
     resumed = compare.compare(command, StopOnSignal(install=False))
     for metric in ("val_loss", "val_bpb"):
         assert per_seed(resumed, "base", metric) == per_seed(unstopped, "base", metric)[:2]
+
+
+def test_time_mode_gives_every_run_the_same_wall_clock(finished, tmp_path):
+    root, _ = finished
+    summary = compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:", seeds=2, budget=("--time", "0.5")),
+                              StopOnSignal(install=False))
+    assert summary["mode"] == "time" and summary["budget"] == 0.5
+    for seed in (1, 2):
+        records = (tmp_path / "exp" / "base" / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()
+        final = json.loads(records[-1])  # the eval the budget ended with
+        assert final["time_s"] >= 0.5 and final["step"] == row(summary, "base")["runs"][seed - 1]["step"] > 0
 
 
 def test_a_folder_holding_runs_with_other_settings_is_refused(finished, capsys):
@@ -132,6 +145,20 @@ def test_a_folder_holding_runs_with_other_settings_is_refused(finished, capsys):
     assert stopped.value.code == 2 and err.count("\n") == 1
     assert "holds a run with other settings (max_iters: 40 there, 30 now;" in err, err
     assert {p: p.stat().st_mtime_ns for p in (root / "exp").rglob("*")} == before
+
+
+def test_plot_draws_a_comparison_as_one_group_per_variant(finished, tmp_path):
+    root, summary = finished
+    runs = plot.expand(root / "exp")
+    assert [label for _, label in runs] == ["base"] * 3 + ["same"] * 3 + ["slow"] * 3  # baseline first
+    assert [p.parent.name for p, _ in runs[:3]] == ["seed-1", "seed-2", "seed-3"]
+    (label, _, val), *_ = plot.group_runs([p for p, _ in runs], [label for _, label in runs])
+    steps, mean, low, high = plot.aggregate(val, "step", "val_loss")
+    base = per_seed(summary, "base", "val_loss")
+    assert (label, steps[-1], low[-1], high[-1]) == ("base", STEPS, min(base), max(base))
+    assert mean[-1] == pytest.approx(row(summary, "base")["val_loss"]["mean"], rel=1e-12)
+    plot.main([str(root / "exp"), "--bpb", "-o", str(tmp_path / "cmp.png")])
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds(tmp_path, text_file):
@@ -158,7 +185,8 @@ def test_dtype_auto_is_decided_once_for_every_run(tmp_path, text_file, monkeypat
 
 
 @pytest.mark.parametrize("variants, extra, message", [
-    (["lr:lerning_rate=1e-3"], [], "variant `lr`: unknown config key `lerning_rate` in the overrides; did you mean `learning_rate`?"),
+    (["lr:lerning_rate=1e-3"], [],
+     "variant `lr`: unknown config key `lerning_rate` in the overrides; did you mean `learning_rate`?"),
     (["lr:learning_rate=fast"], [], "variant `lr`: learning_rate must be float, got 'fast'"),
     (["lr:learning_rate=1e-5"], [], "variant `lr`: min_lr (0.0003) must not exceed learning_rate (1e-05)"),
     (["a:", "a:dropout=0.1"], [], "variant name `a` is used twice"),
