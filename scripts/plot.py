@@ -4,11 +4,18 @@
     python scripts/plot.py out/a/metrics.jsonl out/b/metrics.jsonl --labels fp32 bf16 -o cmp.png
     python scripts/plot.py out/small/metrics.jsonl --ref 70:1.87 --ref 200:1.62 --ref-label nanoGPT
     python scripts/plot.py out/char/metrics.jsonl out/bpe/metrics.jsonl --bpb -o cmp.png   # + val bits per byte
+    python scripts/plot.py out/compare/tiny-200steps --bpb -o cmp.png       # compare.py's variants, seeds as a band
+    python scripts/plot.py out/a/seed-1 out/a/seed-2 out/b/seed-1 out/b/seed-2 --labels a a b b
 
 Train loss comes from the log records (``loss``), val loss from the eval records (``val_loss``);
 ``time_s`` is train.py's wall clock since the first step. ``--ref`` adds fixed (seconds, val loss)
 points, e.g. another project's published numbers, to the wall-time panel. ``--bpb`` adds a third
 panel, val bits per byte (``val_bpb``) against step: the one that compares runs with different tokenizers.
+
+An argument is a metrics file, a run folder (its metrics.jsonl) or scripts/compare.py's experiment
+folder (every VARIANT/seed-N run, labelled by variant). Runs with the same label are one group, drawn
+in one colour: the mean over its runs at the steps they all logged, with a min-max band (train) or
+min-max bars (val), and each run's final val point as an x.
 """
 from __future__ import annotations
 
@@ -40,29 +47,100 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     return sorted(train.values(), key=lambda r: r["step"]), sorted(val.values(), key=lambda r: r["step"])
 
 
+def default_label(path: Path) -> str:
+    """A run's folder for its metrics.jsonl (VARIANT/seed-N for one of compare.py's runs, so that two
+    variants' seed 1 are not one group); the file's own name for any other .jsonl."""
+    if path.name != "metrics.jsonl":
+        return path.stem
+    run = path.parent
+    return f"{run.parent.name}/{run.name}" if seed_number(path) else (run.name or str(path))
+
+
+def expand(arg: Path) -> list[tuple[Path, str]]:
+    """(metrics file, default label) of each run an argument names: a metrics file, a run folder,
+    or compare.py's experiment folder (every VARIANT/seed-N run, labelled by variant)."""
+    if arg.is_file():
+        return [(arg, default_label(arg))]
+    if (arg / "metrics.jsonl").is_file():
+        return [(arg / "metrics.jsonl", default_label(arg / "metrics.jsonl"))]
+    runs = sorted(arg.glob("*/seed-*/metrics.jsonl"), key=lambda p: (p.parent.parent.name, seed_number(p)))
+    results = arg / "results.json"  # compare.py's summary: its variant order puts the baseline first
+    if results.is_file():
+        order = [v["name"] for v in json.loads(results.read_text())["variants"]]
+        runs = sorted((p for p in runs if p.parent.parent.name in order),
+                      key=lambda p: (order.index(p.parent.parent.name), seed_number(p)))
+    return [(p, p.parent.parent.name) for p in runs]
+
+
+def seed_number(metrics: Path) -> int:
+    """N for the metrics of a run folder named seed-N (compare.py's layout), else 0."""
+    name = metrics.parent.name
+    return int(name[5:]) if name.startswith("seed-") and name[5:].isdigit() else 0
+
+
+def group_runs(paths: list[Path], labels: list[str]) -> list[tuple[str, list[list[dict]], list[list[dict]]]]:
+    """(label, each run's train records, each run's val records); runs sharing a label form one group."""
+    groups: dict[str, list[Path]] = {}
+    for path, label in zip(paths, labels):
+        groups.setdefault(label, []).append(path)
+    read = {label: [read_metrics(p) for p in group] for label, group in groups.items()}
+    return [(label, [t for t, _ in runs], [v for _, v in runs]) for label, runs in read.items()]
+
+
+def aggregate(runs: list[list[dict]], x_key: str, y_key: str) -> tuple[list[float], ...]:
+    """(x, mean, min, max) of y over the runs at the steps every run logged; x is the runs' mean x_key."""
+    by_step = [{r["step"]: r for r in run if y_key in r} for run in runs]
+    steps = sorted(set.intersection(*(set(s) for s in by_step))) if by_step else []
+    rows = [[s[step] for s in by_step] for step in steps]
+    xs = [sum(r[x_key] for r in row) / len(row) for row in rows]
+    ys = [[r[y_key] for r in row] for row in rows]
+    return xs, [sum(y) / len(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
+
+
+def draw_group(ax, label: str, color: str, train: list[list[dict]], val: list[list[dict]], x_key: str,
+               y_key: str = "val_loss") -> None:
+    """One run as it always was drawn; several as their mean, a min-max band/bars and each final point."""
+    several = len(val) > 1
+    if train:
+        xs, mean, low, high = aggregate(train, x_key, "loss")
+        ax.plot(xs, mean, color=color, alpha=0.45, linewidth=1, label=f"{label} train")
+        if several:
+            ax.fill_between(xs, low, high, color=color, alpha=0.15, linewidth=0)
+    xs, mean, low, high = aggregate(val, x_key, y_key)
+    name = f"{label} val" + (f" (mean of {len(val)}, min-max)" if several else "")
+    bars = [[m - lo for m, lo in zip(mean, low)], [hi - m for m, hi in zip(mean, high)]] if several else None
+    ax.errorbar(xs, mean, yerr=bars, color=color, marker="o", markersize=4, linewidth=1.8, capsize=3, label=name)
+    finals = [run[-1] for run in val if run and y_key in run[-1]]
+    if several:  # each run's last eval, also where the runs stopped at different steps (schedule=time)
+        ax.plot([r[x_key] for r in finals], [r[y_key] for r in finals], "x", color=color, markersize=5)
+    if xs:  # the final (mean) value, written beside its point
+        ax.annotate(f"{mean[-1]:.3f}", (xs[-1], mean[-1]), textcoords="offset points", xytext=(4, 6), fontsize=8,
+                    color=color)
+
+
 def plot(paths: list[Path], out: Path, labels: list[str] | None = None,
          refs: list[tuple[float, float]] = (), ref_label: str = "reference", title: str = "",
          bpb: bool = False) -> Path:
-    """Write a PNG (loss vs step, loss vs wall time, and with ``bpb`` val bits per byte vs step); return its path."""
-    labels = labels or [p.parent.name or str(p) for p in paths]
+    """Write a PNG (loss vs step, loss vs wall time, and with ``bpb`` val bits per byte vs step); return its path.
+
+    Runs with the same label are one group in one colour (e.g. a variant's seeds): mean and min-max.
+    """
+    labels = labels or [default_label(p) for p in paths]
     if len(labels) != len(paths):
         raise ValueError(f"{len(labels)} labels for {len(paths)} files")
+    groups = group_runs(paths, labels)
     fig, axes = plt.subplots(1, 3 if bpb else 2, figsize=(16 if bpb else 11, 4))
     ax_step, ax_time = axes[0], axes[1]
     ax_time.sharey(ax_step)
-    for i, (path, label) in enumerate(zip(paths, labels)):
-        train, val = read_metrics(path)
-        color = f"C{i}"
-        for ax, key in ((ax_step, "step"), (ax_time, "time_s")):
-            ax.plot([r[key] for r in train], [r["loss"] for r in train], color=color, alpha=0.45,
-                    linewidth=1, label=f"{label} train")
-            ax.plot([r[key] for r in val], [r["val_loss"] for r in val], color=color, marker="o",
-                    markersize=4, linewidth=1.8, label=f"{label} val")
-            if val:  # the final val loss, written beside its point
-                ax.annotate(f"{val[-1]['val_loss']:.3f}", (val[-1][key], val[-1]["val_loss"]),
-                            textcoords="offset points", xytext=(4, 6), fontsize=8, color=color)
+    for i, (label, train, val) in enumerate(groups):
+        draw_group(ax_step, label, f"C{i}", train, val, "step")
+        draw_group(ax_time, label, f"C{i}", train, val, "time_s")
+        if bpb:  # runs logged before val_bpb existed have no points
+            draw_group(axes[2], label, f"C{i}", [], val, "step", "val_bpb")
     if bpb:
-        plot_bpb(axes[2], paths, labels)
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("val bits per byte")
+        axes[2].grid(alpha=0.3)
     if refs:
         ax_time.plot([t for t, _ in refs], [v for _, v in refs], "k^", markersize=6, label=f"{ref_label} val")
     ax_step.set_xlabel("step")
@@ -71,11 +149,12 @@ def plot(paths: list[Path], out: Path, labels: list[str] | None = None,
     for ax in (ax_step, ax_time):
         ax.grid(alpha=0.3)
     ax_time.legend(fontsize=8)
-    runs = [read_metrics(p) for p in paths]
-    losses = [r["loss"] for train, _ in runs for r in train] + [r["val_loss"] for _, val in runs for r in val]
+    losses = [r["loss"] for _, train, _ in groups for run in train for r in run]
+    losses += [r["val_loss"] for _, _, val in groups for run in val for r in run]
     if losses:  # zoom on the interesting range: the first losses (~4.4) would flatten the rest
         low = min(losses + [v for _, v in refs])
-        ax_step.set_ylim(low - 0.05, max(2.6, low + 1.0))
+        finals = [run[-1]["val_loss"] for _, _, val in groups for run in val if run]  # every run's end stays in view
+        ax_step.set_ylim(low - 0.05, max([2.6, low + 1.0] + [v + 0.05 for v in finals]))
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -83,20 +162,6 @@ def plot(paths: list[Path], out: Path, labels: list[str] | None = None,
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
-
-
-def plot_bpb(ax, paths: list[Path], labels: list[str]) -> None:
-    """Val bits per byte against step; runs logged before val_bpb existed have no points."""
-    for i, (path, label) in enumerate(zip(paths, labels)):
-        val = [r for r in read_metrics(path)[1] if "val_bpb" in r]
-        ax.plot([r["step"] for r in val], [r["val_bpb"] for r in val], color=f"C{i}", marker="o", markersize=4,
-                linewidth=1.8, label=f"{label} val")
-        if val:
-            ax.annotate(f"{val[-1]['val_bpb']:.3f}", (val[-1]["step"], val[-1]["val_bpb"]),
-                        textcoords="offset points", xytext=(4, 6), fontsize=8, color=f"C{i}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("val bits per byte")
-    ax.grid(alpha=0.3)
 
 
 def parse_ref(text: str) -> tuple[float, float]:
@@ -108,19 +173,28 @@ def parse_ref(text: str) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n")[0])
-    parser.add_argument("metrics", nargs="+", type=Path, help="metrics.jsonl files written by train.py")
+    parser.add_argument("metrics", nargs="+", type=Path,
+                        help="metrics.jsonl files, run folders or compare.py experiment folders")
     parser.add_argument("-o", "--out", type=Path, default=Path("loss.png"), help="PNG to write")
-    parser.add_argument("--labels", nargs="+", default=None, help="one legend label per file (default: folder)")
+    parser.add_argument("--labels", nargs="+", default=None,
+                        help="one legend label per argument (default: run folder, or variant); "
+                             "equal labels are one group")
     parser.add_argument("--ref", action="append", type=parse_ref, default=[], metavar="SECONDS:LOSS",
                         help="a reference val-loss point on the wall-time panel (repeatable)")
     parser.add_argument("--ref-label", default="reference", help="legend label of the --ref points")
     parser.add_argument("--title", default="", help="figure title")
     parser.add_argument("--bpb", action="store_true", help="add a panel of val bits per byte against step")
     args = parser.parse_args(argv)
-    for path in args.metrics:
-        if not path.is_file():
-            parser.error(f"{path}: no such file")
-    print(f"wrote {plot(args.metrics, args.out, args.labels, args.ref, args.ref_label, args.title, args.bpb)}")
+    if args.labels is not None and len(args.labels) != len(args.metrics):
+        parser.error(f"{len(args.labels)} --labels for {len(args.metrics)} arguments; give one per argument")
+    runs = []
+    for i, arg in enumerate(args.metrics):
+        found = expand(arg)
+        if not found:
+            parser.error(f"{arg}: no such file, and no metrics.jsonl in it or in its */seed-*/ folders")
+        runs += [(path, args.labels[i] if args.labels else label) for path, label in found]
+    paths, labels = [p for p, _ in runs], [label for _, label in runs]
+    print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,449 @@
+"""Compare config variants over several seeds: equal steps, interleaved runs, a paired t-test.
+
+    python scripts/compare.py --config small --steps 1500 --seeds 3 base: muon:optimizer=muon
+    python scripts/compare.py --config tiny --steps 200 --seeds 3 base: low_lr:learning_rate=3e-4,min_lr=3e-5
+    python scripts/compare.py --config small --time 180 --seeds 3 base: wide:n_embd=192   # equal wall time
+    python scripts/compare.py --config tiny --steps 200 --seeds 2 --set batch_size=16 base: drop:dropout=0.1
+
+A variant is NAME:KEY=VALUE[,KEY=VALUE...]: config overrides on top of the preset and of --set (which
+applies to every variant; a variant's own value wins). `base:`, nothing after the colon, is the preset
+as it is. The first variant is the baseline. Any config field works, including ones added later.
+
+Why it works this way (docs/experiments.md, "Comparing variants honestly"):
+- --steps N: each run is N steps on a step schedule (max_iters = lr_decay_iters = N, no time cap), so
+  its losses do not depend on the machine's speed and a rerun is bit-exact: the quality answer.
+  --time S gives each run S seconds of wall clock instead (schedule=time): the speed-adjusted answer.
+- Seed s is the same initialisation and the same batches in every variant, so variants are compared
+  seed by seed: the mean paired difference to the baseline, its 95% t-interval and the p-value of a
+  paired t-test (scipy.stats.ttest_rel).
+- Runs go round by round (seed 1 of every variant, then seed 2, ...), so load from other processes
+  falls on all variants alike; speed is the median over rounds of each variant's ms/step over the
+  baseline's in the same round (each run's median, its first log interval left out as warm-up).
+- Every variant's full config is built and validated before anything runs. dtype=auto is decided once
+  for the whole comparison: a precision that differed between variants would be a second variable.
+- Every (variant, seed) is train.py's own train() in EXP/NAME/seed-N. Rerunning the same command reuses
+  finished runs and resumes a stopped one from its last.pt; Ctrl-C saves the current run and exits 130.
+  A run already on disk with other settings is refused, never mixed in.
+
+Writes EXP/results.json, EXP/results.md (the printed tables) and EXP/compare.png (scripts/plot.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import shlex
+import statistics
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # the repo's modules, and bench.py / plot.py beside this file
+
+import train  # noqa: E402
+from bench import parse_overrides  # noqa: E402
+from checkpoint import CheckpointError, read_config  # noqa: E402
+from config import CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
+from data import DataError, corpus_source  # noqa: E402
+from faults import RunStopped, StopOnSignal  # noqa: E402
+from runtime import fail, pick_device, pick_dtype  # noqa: E402
+from sample import load_model  # noqa: E402
+
+# Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
+OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command", "schedule": "--steps/--time",
+         "max_iters": "--steps", "max_time": "--time"}
+IGNORED_ON_REUSE = ("out_dir", "resume")  # a moved folder, a resumed run: still the same run
+RESULT = "result.json"  # written into a run's folder once it has finished: the marker that skips it
+STEP_CAP_IN_TIME_MODE = 10**9  # --time without --steps: only the clock ends a run
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a variant's name is a folder name
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: dict[str, str]  # as typed on the command line
+
+
+@dataclass(frozen=True)
+class Run:
+    """One (variant, seed): the overrides that, on top of the preset, make its whole config."""
+    variant: str
+    seed: int
+    folder: Path
+    preset: str
+    overrides: dict[str, Any]
+
+    def config(self, resume: bool = False) -> TrainConfig:
+        return make_config(self.preset, **self.overrides, resume=resume)
+
+
+@dataclass(frozen=True)
+class Plan:
+    folder: Path  # the experiment folder, EXP
+    variants: list[Variant]
+    seeds: list[int]
+    runs: list[Run]  # in running order: seed 1 of every variant, then seed 2, ...
+    mode: str  # "steps" or "time"
+    budget: float  # steps per run, or seconds per run
+    command: str  # the command that continues this comparison
+
+
+# ----------------------------------------------------------------------------- the plan
+def parse_variant(text: str) -> Variant:
+    """NAME:KEY=VALUE[,KEY=VALUE...] -> Variant; nothing after the colon is the preset as it is."""
+    name, colon, body = text.partition(":")
+    if not colon or not NAME.fullmatch(name):
+        raise ConfigError(f"variant `{text}` must look like NAME:KEY=VALUE[,KEY=VALUE], e.g. rope:pos_emb=rope, "
+                          "or NAME: for the preset as it is (a name: letters, digits, _ . + -)")
+    overrides = parse_overrides([body]) if body else {}
+    if len(overrides) != body.count(",") + 1 and body:
+        raise ConfigError(f"variant `{name}` sets a key twice: {body}")
+    return Variant(name, overrides)
+
+
+def check_owned(overrides: dict[str, str], where: str) -> None:
+    for key in overrides:
+        if key in OWNED:
+            raise ConfigError(f"{where} sets `{key}`, which compare.py sets itself (with {OWNED[key]})")
+
+
+def run_settings(steps: int | None, seconds: float | None) -> dict[str, Any]:
+    """The schedule every run gets: N steps on a step schedule, or S seconds of wall clock."""
+    if seconds is not None:
+        return {"schedule": "time", "max_time": seconds, "max_iters": steps or STEP_CAP_IN_TIME_MODE}
+    return {"schedule": "steps", "max_iters": steps, "lr_decay_iters": steps, "max_time": 0}
+
+
+def default_folder(preset: str, steps: int | None, seconds: float | None) -> Path:
+    """out/compare/PRESET-Nsteps (or -Ss): the same command finds its runs again."""
+    budget = f"{seconds:g}s" if seconds is not None else f"{steps}steps"
+    return Path("out") / "compare" / f"{Path(preset).stem}-{budget}"
+
+
+def variant_overrides(args, variants: list[Variant]) -> dict[str, dict[str, Any]]:
+    """Every variant's overrides (run settings < --set < its own), each validated with make_config."""
+    common = parse_overrides(args.set)
+    check_owned(common, "--set")
+    base = {**run_settings(args.steps, args.time), **common}
+    make_config(args.config, **base)  # a bad preset or --set is named as such, not as a variant's fault
+    merged = {}
+    for variant in variants:
+        check_owned(variant.overrides, f"variant `{variant.name}`")
+        merged[variant.name] = {**base, **variant.overrides}
+        try:
+            make_config(args.config, **merged[variant.name])
+        except ConfigError as err:
+            raise ConfigError(f"variant `{variant.name}`: {err}") from None
+    return merged
+
+
+def check_flags(args) -> None:
+    """The command's own flags (the variants and --set are checked by make_plan). Raises ConfigError."""
+    if args.steps is None and args.time is None:
+        raise ConfigError("give --steps N (equal steps: the quality answer) or --time S (equal wall time)")
+    for flag, value in (("--steps", args.steps), ("--time", args.time)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be > 0, got {value:g}")
+    if args.seeds < 2:
+        raise ConfigError(f"--seeds {args.seeds} leaves no spread and no p-value: use --seeds 2 or more "
+                          "(3+ for a claim)")
+    if args.threads < 0:
+        raise ConfigError(f"--threads must be >= 0, got {args.threads}")
+    if not args.variants:
+        raise ConfigError("no variants: name at least one, e.g. base: rope:pos_emb=rope")
+
+
+def make_plan(args, command: str) -> Plan:
+    """Validate everything the command asks for and lay out its runs; writes nothing. Raises ConfigError."""
+    check_flags(args)
+    variants = [parse_variant(text) for text in args.variants]
+    names = [v.name for v in variants]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"variant name `{twice[0]}` is used twice; each variant needs its own name")
+    folder = args.out or default_folder(args.config, args.steps, args.time)
+    overrides = variant_overrides(args, variants)
+    seeds = list(range(1, args.seeds + 1))
+    runs = [Run(v.name, seed, folder / v.name / f"seed-{seed}", args.config, {**overrides[v.name], "seed": seed,
+                "out_dir": str(folder / v.name / f"seed-{seed}")}) for seed in seeds for v in variants]
+    for cfg in {(c.dataset, c.data_path): c for c in map(Run.config, runs)}.values():
+        corpus_source(cfg.dataset, cfg.data_path)  # DataError now, not after the runs before it
+    runs = pin_auto_dtype(runs)
+    for run in runs:
+        check_reusable(run)
+    mode, budget = ("time", args.time) if args.time is not None else ("steps", args.steps)
+    return Plan(folder, variants, seeds, runs, mode, budget, command)
+
+
+def saved_config(folder: Path) -> dict[str, Any] | None:
+    """The config of a run already on disk: finished (result.json) or stopped (last.pt); else None."""
+    if (folder / RESULT).is_file():
+        return json.loads((folder / RESULT).read_text())["config"]
+    if (folder / "last.pt").is_file():
+        return read_config(folder / "last.pt")  # None if unreadable: train's resume names the problem
+    return None
+
+
+def pin_auto_dtype(runs: list[Run]) -> list[Run]:
+    """dtype=auto decided once for the whole comparison: as a run already on disk was, else by
+    train.py's probe (runtime.pick_dtype) at the first such run's shape. Explicit dtypes stay."""
+    auto = [run for run in runs if run.config().dtype == "auto"]
+    if not auto:
+        return runs
+    saved = [cfg["dtype"] for cfg in map(saved_config, (r.folder for r in auto)) if cfg and cfg.get("dtype") != "auto"]
+    if saved:
+        dtype = saved[0]
+    else:
+        cfg = auto[0].config()
+        shape = (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd)  # the matmul train.py probes
+        dtype = str(pick_dtype("auto", pick_device(cfg.device), shape)).removeprefix("torch.")
+    print(f"dtype auto -> {dtype} for every run of this comparison")
+    return [dataclasses.replace(r, overrides={**r.overrides, "dtype": dtype}) if r in auto else r for r in runs]
+
+
+def check_reusable(run: Run) -> None:
+    """Refuse a run on disk that was made with other settings: reusing it would compare something else."""
+    saved = saved_config(run.folder)
+    if saved is None:
+        return
+    planned = dataclasses.asdict(run.config())
+    changed = [f"{key}: {saved.get(key)!r} there, {value!r} now" for key, value in planned.items()
+               if key not in IGNORED_ON_REUSE and saved.get(key, "(absent)") != value]
+    if changed:
+        raise ConfigError(f"{run.folder} holds a run with other settings ({'; '.join(changed)}); "
+                          "pass another --out or delete that folder")
+
+
+# ----------------------------------------------------------------------------- running
+def run_all(plan: Plan, stop: StopOnSignal) -> None:
+    """Every run of the plan in order; finished ones are skipped, stopped ones resumed.
+
+    A signal during a run saves it and raises RunStopped saying how to continue. A run that stops on
+    a non-finite loss is a result (the variant diverged), recorded with nan losses; the others go on.
+    """
+    for i, run in enumerate(plan.runs, 1):
+        where = f"[{i}/{len(plan.runs)}] {run.variant} seed {run.seed}"
+        if (run.folder / RESULT).is_file():
+            print(f"{where}: finished earlier, reusing {run.folder}", flush=True)
+            continue
+        resume = (run.folder / "last.pt").is_file()
+        print(f"{where}: {'resuming' if resume else 'training'} in {run.folder}", flush=True)
+        cfg = run.config(resume)
+        try:
+            train.train(cfg, stop)
+        except RunStopped as err:
+            if stop.requested:
+                raise RunStopped(f"stopped during {run.variant} seed {run.seed} (its last.pt holds the last step "
+                                 f"done); continue with the same command: {plan.command}", err.exit_code) from None
+            print(f"{where}: {err}; recorded as diverged", flush=True)
+            write_result(run, cfg, diverged=str(err))
+            continue
+        write_result(run, cfg)
+
+
+def write_result(run: Run, cfg: TrainConfig, diverged: str = "") -> None:
+    """The run's final numbers, read from its metrics.jsonl and last.pt, into result.json (the marker)."""
+    records = [json.loads(line) for line in (run.folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in records if "val_loss" in r]
+    logs = [r for r in records if "tokens_per_s" in r][1:]  # the first log interval is warm-up
+    step_ms = [cfg.tokens_per_step() / r["tokens_per_s"] * 1000 for r in logs]
+    final = evals[-1] if evals and not diverged else {"step": records[-1]["step"] if records else 0}
+    result = {"variant": run.variant, "seed": run.seed, "step": final["step"],
+              "val_loss": final.get("val_loss", math.nan), "val_bpb": final.get("val_bpb", math.nan),
+              "ms_per_step": statistics.median(step_ms) if step_ms else math.nan,
+              "params": parameter_count(run.folder), "diverged": diverged, "threads": torch.get_num_threads(),
+              "config": dataclasses.asdict(cfg)}
+    tmp = run.folder / (RESULT + ".tmp")  # written whole, then renamed: a kill never leaves half a marker
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(run.folder / RESULT)
+
+
+def parameter_count(folder: Path) -> int:
+    """The model's parameters as train.py counts them, from the run's last.pt (0 if there is none)."""
+    if not (folder / "last.pt").is_file():
+        return 0
+    return load_model(folder / "last.pt", torch.device("cpu"))[0].num_params()
+
+
+# ----------------------------------------------------------------------------- statistics and tables
+def t_test():
+    """scipy.stats, imported only here: the rest of the repo runs without scipy."""
+    try:
+        from scipy import stats
+    except ImportError:
+        raise ConfigError("compare.py's paired t-test needs scipy: pip install scipy==1.17.1") from None
+    return stats
+
+
+def paired(base: list[float], other: list[float]) -> dict[str, float]:
+    """Mean of other - base over seeds, its 95% t-interval and the paired t-test's two-sided p-value."""
+    diffs = [o - b for o, b in zip(other, base)]
+    with warnings.catch_warnings():  # identical seeds: scipy warns, then returns nan for 0/0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        test = t_test().ttest_rel(other, base)
+        low, high = test.confidence_interval(0.95)
+    p = float(test.pvalue)
+    if math.isnan(p) and all(d == 0 for d in diffs):
+        p = 1.0  # no difference at all on any seed
+    return {"diff": statistics.fmean(diffs), "low": float(low), "high": float(high), "p": p}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values)}
+
+
+def summarise(plan: Plan) -> dict[str, Any]:
+    """results.json: every run's numbers, and per variant the spread, the paired test and the speed."""
+    results = {(r.variant, r.seed): json.loads((r.folder / RESULT).read_text()) for r in plan.runs}
+    base = plan.variants[0].name
+    rows = []
+    for v in plan.variants:
+        runs = [results[v.name, s] for s in plan.seeds]
+        row = {"name": v.name, "overrides": v.overrides, "params": runs[0]["params"],
+               "runs": [{k: r[k] for k in ("seed", "step", "val_loss", "val_bpb", "ms_per_step", "diverged")}
+                        | {"folder": str(Path(v.name) / f"seed-{r['seed']}")} for r in runs]}
+        for metric in ("val_loss", "val_bpb"):
+            values = [r[metric] for r in runs]
+            row[metric] = spread(values)
+            if v.name != base:
+                row[metric] |= paired([results[base, s][metric] for s in plan.seeds], values)
+        ratios = [results[v.name, s]["ms_per_step"] / results[base, s]["ms_per_step"] for s in plan.seeds]
+        row["ms_per_step"] = statistics.median(r["ms_per_step"] for r in runs)
+        row["speed_ratio"] = statistics.median(ratios)  # per round, then the median: drift cancels
+        rows.append(row)
+    threads = sorted({r["threads"] for r in results.values()})  # reduction order: part of bit-exactness
+    return {"command": plan.command, "mode": plan.mode, "budget": plan.budget, "seeds": plan.seeds,
+            "baseline": base, "torch": torch.__version__, "threads": threads, "variants": rows}
+
+
+def table(rows: list[list[str]]) -> str:
+    """A Markdown table with padded columns, readable in a terminal too."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def metric_table(summary: dict[str, Any], metric: str) -> str:
+    seeds = summary["seeds"]
+    rows = [["variant", *(f"seed {s}" for s in seeds), "mean ± sd", f"Δ vs {summary['baseline']} [95% CI]", "p"]]
+    for row in summary["variants"]:
+        m = row[metric]
+        test = ([f"{m['diff']:+.4f} [{m['low']:+.4f}, {m['high']:+.4f}]", f"{m['p']:.2g}"] if "p" in m
+                else ["(baseline)", ""])
+        rows.append([row["name"], *(f"{r[metric]:.4f}" for r in row["runs"]), f"{m['mean']:.4f} ± {m['sd']:.4f}",
+                     *test])
+    return table(rows)
+
+
+def speed_table(summary: dict[str, Any]) -> str:
+    ratio = f"ms/step / {summary['baseline']}'s"
+    rows = [["variant", "overrides", "params", "steps (mean)", "ms/step (median)", ratio]]
+    for row in summary["variants"]:
+        overrides = ",".join(f"{k}={v}" for k, v in row["overrides"].items()) or "(preset)"
+        steps = statistics.fmean(r["step"] for r in row["runs"])
+        rows.append([row["name"], overrides, f"{row['params']:,}", f"{steps:g}", f"{row['ms_per_step']:.2f}",
+                     f"{row['speed_ratio']:.3f}"])
+    return table(rows)
+
+
+def report(summary: dict[str, Any]) -> str:
+    """The tables results.md holds and the command prints."""
+    n, base = len(summary["seeds"]), summary["baseline"]
+    budget = (f"{summary['budget']:g} s of wall clock per run (schedule=time)" if summary["mode"] == "time"
+              else f"{summary['budget']:g} steps per run (schedule=steps: bit-exact on rerun)")
+    diverged = [f"{row['name']} seed {r['seed']}" for row in summary["variants"] for r in row["runs"] if r["diverged"]]
+    threads = summary["threads"]
+    machine = (f"torch {summary['torch']}, {threads[0]} thread(s)" if len(threads) == 1 else
+               f"torch {summary['torch']}; runs made with different thread counts ({', '.join(map(str, threads))}): "
+               "not bit-exact against a rerun")
+    return "\n\n".join([
+        f"`{summary['command']}`\n\n{budget}, seeds {', '.join(map(str, summary['seeds']))}, baseline `{base}`; "
+        f"{machine}.",
+        "Final val loss (nats/token):\n\n" + metric_table(summary, "val_loss"),
+        "Final val bits per byte:\n\n" + metric_table(summary, "val_bpb"),
+        "Speed:\n\n" + speed_table(summary),
+        f"Δ: variant minus {base}, seed by seed (a seed is the same initialisation and the same batches in every "
+        f"variant), mean with its 95% t-interval; p: two-sided paired t-test (scipy.stats.ttest_rel) over the {n} "
+        f"seeds. ms/step / {base}'s: the median over rounds of each run's median ms/step (first log interval "
+        f"left out) over {base}'s run of the same round."
+        + (f" nan: diverged (non-finite loss): {', '.join(diverged)}." if diverged else "")])
+
+
+def write_outputs(plan: Plan, summary: dict[str, Any]) -> str:
+    """results.json, results.md and compare.png in the experiment folder; returns the report."""
+    import plot  # matplotlib: only once there is something to draw
+
+    text = report(summary)
+    (plan.folder / "results.json").write_text(json.dumps(summary, indent=1))
+    (plan.folder / "results.md").write_text(text + "\n")
+    paths = [run.folder / "metrics.jsonl" for run in plan.runs]
+    plot.plot(paths, plan.folder / "compare.png", labels=[run.variant for run in plan.runs], bpb=True,
+              title=f"{len(plan.seeds)} seeds per variant: mean, min-max band")
+    return text
+
+
+# ----------------------------------------------------------------------------- command line
+def build_parser() -> CommandLine:
+    parser = CommandLine(description=__doc__.split("\n")[0], epilog="Example: " + __doc__.split("\n")[2].strip())
+    parser.add_argument("variants", nargs="*", metavar="NAME:KEY=VALUE,...",
+                        help="the variants; the first is the baseline; NAME: alone is the preset as it is")
+    parser.add_argument("--config", default="small", help="preset name in config/ or a .toml path")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per run on a step schedule (max_iters = lr_decay_iters); with --time, a cap")
+    parser.add_argument("--time", type=float, default=None, metavar="SECONDS",
+                        help="wall-clock seconds per run (schedule=time) instead of equal steps")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N per variant, run round by round")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="config overrides for every variant (repeatable); a variant's own value wins")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch.set_num_threads; 0 keeps torch's default. The count is part of what makes a rerun "
+                             "bit-exact (it orders the float sums)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="experiment folder; None means out/compare/PRESET-Nsteps (or PRESET-Ss with --time)")
+    return parser
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as typed, for the line that says how to continue."""
+    return shlex.join(["python", "scripts/compare.py", *argv])
+
+
+def compare(argv: list[str], stop: StopOnSignal) -> dict[str, Any]:
+    """Plan, run, summarise; returns results.json's content. Raises ConfigError before running anything."""
+    args = build_parser().parse_args(argv)
+    check_flags(args)
+    t_test()  # scipy missing: say so now, not after an hour of runs
+    if args.threads:  # before planning: dtype=auto's probe times matmuls with them
+        torch.set_num_threads(args.threads)
+    plan = make_plan(args, command_line(argv))
+    print(f"{len(plan.variants)} variants x {len(plan.seeds)} seeds = {len(plan.runs)} runs in {plan.folder}, "
+          f"{torch.get_num_threads()} torch thread(s)", flush=True)
+    run_all(plan, stop)
+    summary = summarise(plan)
+    print("\n" + write_outputs(plan, summary))
+    print(f"\nwrote {plan.folder / 'results.md'}, results.json and compare.png")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One line and exit 2 on bad input (nothing run); 130/143 after a signal (the run saved)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        compare(argv, StopOnSignal())
+    except (ConfigError, DataError, CheckpointError) as err:
+        fail(str(err), 2)
+    except RunStopped as err:
+        fail(str(err), err.exit_code)
+    except KeyboardInterrupt:  # between runs, outside train's own handler: finished runs are on disk
+        fail(f"interrupted; finished runs are kept; continue with the same command: {command_line(argv)}", 130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""scripts/compare.py on tiny runs: a clearly worse variant comes out significant, identical variants
+tie exactly, a rerun trains nothing, a stopped comparison resumes to the very same numbers, and bad
+input is one line before anything is run or written."""
+from __future__ import annotations
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from conftest import load_entry_point, make_text
+from faults import StopOnSignal, RunStopped
+
+compare = load_entry_point("scripts/compare.py")
+plot = load_entry_point("scripts/plot.py")
+
+STEPS = 40  # tiny: ~0.5 s a run; the loss falls from ~3.9 to ~2.8 at the preset's lr, barely at 1/100 of it
+SLOW = "slow:learning_rate=3e-5,min_lr=3e-6"  # 100x smaller lr (min_lr must stay below it)
+
+
+def argv(corpus: Path, out: Path, *variants: str, seeds: int = 3, budget: tuple[str, ...] = ("--steps", str(STEPS)),
+         data: Path | None = None) -> list[str]:
+    data = data or corpus.parent / "data"
+    return ["--config", "tiny", *budget, "--seeds", str(seeds), "--out", str(out),
+            "--set", f"data_path={corpus},data_dir={data},device=cpu", *variants]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> tuple[Path, dict]:
+    """One finished comparison, shared by the tests that only read it: 3 variants x 3 seeds."""
+    root = tmp_path_factory.mktemp("compare")
+    (root / "corpus.txt").write_text(make_text())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as conftest's one_thread, which a module fixture runs before
+    try:
+        summary = compare.compare(argv(root / "corpus.txt", root / "exp", "base:", "same:", SLOW),
+                                  StopOnSignal(install=False))
+    finally:
+        torch.set_num_threads(threads)
+    return root, summary
+
+
+def row(summary: dict, name: str) -> dict:
+    return next(v for v in summary["variants"] if v["name"] == name)
+
+
+def per_seed(summary: dict, name: str, metric: str) -> list[float]:
+    return [r[metric] for r in row(summary, name)["runs"]]
+
+
+def test_a_clearly_worse_variant_is_significant(finished):
+    _, summary = finished
+    for metric in ("val_loss", "val_bpb"):
+        slow = row(summary, "slow")[metric]
+        assert slow["p"] < 0.05 and 0 < slow["low"] <= slow["diff"] <= slow["high"], slow
+    assert row(summary, "slow")["val_loss"]["diff"] > 0.5  # ~1.0: 40 steps at 1/100 of the lr learn little
+
+
+def test_identical_variants_tie_exactly_and_are_not_significant(finished):
+    _, summary = finished
+    for metric in ("val_loss", "val_bpb"):
+        assert per_seed(summary, "same", metric) == per_seed(summary, "base", metric)  # bit for bit
+        assert len(set(per_seed(summary, "base", metric))) == 3  # while the seeds do differ
+        same = row(summary, "same")[metric]
+        assert (same["diff"], same["low"], same["high"], same["p"]) == (0.0, 0.0, 0.0, 1.0)
+
+
+def test_the_folder_holds_every_run_and_the_reports(finished):
+    root, summary = finished
+    exp = root / "exp"
+    for variant in ("base", "same", "slow"):
+        for seed in (1, 2, 3):
+            run = exp / variant / f"seed-{seed}"
+            result = json.loads((run / "result.json").read_text())
+            assert (result["step"], result["config"]["seed"], result["config"]["max_iters"]) == (STEPS, seed, STEPS)
+            assert result["config"]["schedule"] == "steps" and result["config"]["lr_decay_iters"] == STEPS
+            assert (run / "last.pt").is_file()
+    assert json.loads((exp / "results.json").read_text())["variants"][2]["val_loss"] == row(summary, "slow")["val_loss"]
+    assert row(summary, "base")["speed_ratio"] == 1.0 and row(summary, "base")["params"] > 0
+    assert all(math.isfinite(row(summary, v)["speed_ratio"]) for v in ("same", "slow"))
+    assert "scipy.stats.ttest_rel" in (exp / "results.md").read_text()
+    assert (exp / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_rerun_trains_nothing_and_prints_the_same_tables(finished, monkeypatch):
+    root, _ = finished
+    before = (root / "exp" / "results.md").read_text()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(train, "train", no_training)
+    compare.compare(argv(root / "corpus.txt", root / "exp", "base:", "same:", SLOW), StopOnSignal(install=False))
+    assert (root / "exp" / "results.md").read_text() == before
+
+
+def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finished, tmp_path, monkeypatch):
+    """SIGINT (simulated: the flag its handler sets, raised at step 15 of seed 2) saves that run and
+    stops the comparison with 130; the same command then reuses seed 1 and resumes seed 2. The
+    numbers are those of the comparison that was never stopped, to the last bit."""
+    root, unstopped = finished
+    command = argv(root / "corpus.txt", tmp_path / "exp", "base:", seeds=2)
+    stop, get_lr = StopOnSignal(install=False), train.get_lr
+
+    def signal_at_step_15_of_seed_2(step, cfg, time_s=0.0):
+        if cfg.seed == 2 and step == 15:
+            stop.signum = signal.SIGINT  # what StopOnSignal.handle records
+        return get_lr(step, cfg, time_s)
+
+    monkeypatch.setattr(train, "get_lr", signal_at_step_15_of_seed_2)
+    with pytest.raises(RunStopped) as stopped:
+        compare.compare(command, stop)
+    assert stopped.value.exit_code == 130
+    assert "continue with the same command: python scripts/compare.py" in str(stopped.value)
+    seed_2 = tmp_path / "exp" / "base" / "seed-2"
+    assert (seed_2 / "last.pt").is_file() and not (seed_2 / "result.json").exists()
+
+    monkeypatch.setattr(train, "get_lr", get_lr)
+    resumed = compare.compare(command, StopOnSignal(install=False))
+    for metric in ("val_loss", "val_bpb"):
+        assert per_seed(resumed, "base", metric) == per_seed(unstopped, "base", metric)[:2]
+
+
+def test_time_mode_gives_every_run_the_same_wall_clock(finished, tmp_path):
+    root, _ = finished
+    summary = compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:", seeds=2, budget=("--time", "0.5")),
+                              StopOnSignal(install=False))
+    assert summary["mode"] == "time" and summary["budget"] == 0.5
+    for seed in (1, 2):
+        records = (tmp_path / "exp" / "base" / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()
+        final = json.loads(records[-1])  # the eval the budget ended with
+        assert final["time_s"] >= 0.5 and final["step"] == row(summary, "base")["runs"][seed - 1]["step"] > 0
+
+
+def test_a_folder_holding_runs_with_other_settings_is_refused(finished, capsys):
+    root, _ = finished
+    before = {p: p.stat().st_mtime_ns for p in (root / "exp").rglob("*")}
+    with pytest.raises(SystemExit) as stopped:
+        compare.main(argv(root / "corpus.txt", root / "exp", "base:", budget=("--steps", "30")))
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1
+    assert "holds a run with other settings (max_iters: 40 there, 30 now;" in err, err
+    assert {p: p.stat().st_mtime_ns for p in (root / "exp").rglob("*")} == before
+
+
+def test_plot_draws_a_comparison_as_one_group_per_variant(finished, tmp_path):
+    root, summary = finished
+    runs = plot.expand(root / "exp")
+    assert [label for _, label in runs] == ["base"] * 3 + ["same"] * 3 + ["slow"] * 3  # baseline first
+    assert [p.parent.name for p, _ in runs[:3]] == ["seed-1", "seed-2", "seed-3"]
+    (label, _, val), *_ = plot.group_runs([p for p, _ in runs], [label for _, label in runs])
+    steps, mean, low, high = plot.aggregate(val, "step", "val_loss")
+    base = per_seed(summary, "base", "val_loss")
+    assert (label, steps[-1], low[-1], high[-1]) == ("base", STEPS, min(base), max(base))
+    assert mean[-1] == pytest.approx(row(summary, "base")["val_loss"]["mean"], rel=1e-12)
+    plot.main([str(root / "exp"), "--bpb", "-o", str(tmp_path / "cmp.png")])
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds(tmp_path, text_file):
+    parser = compare.build_parser()
+    plan = compare.make_plan(parser.parse_args(argv(text_file, tmp_path / "e", "a:", "b:dropout=0.1", seeds=2)), "")
+    assert [(r.variant, r.seed) for r in plan.runs] == [("a", 1), ("b", 1), ("a", 2), ("b", 2)]  # round by round
+    cfg = plan.runs[3].config()
+    assert (cfg.schedule, cfg.max_iters, cfg.lr_decay_iters, cfg.max_time, cfg.seed, cfg.dropout) == \
+        ("steps", STEPS, STEPS, 0.0, 2, 0.1)
+    assert Path(cfg.out_dir) == tmp_path / "e" / "b" / "seed-2"
+    timed = compare.make_plan(parser.parse_args(argv(text_file, tmp_path / "e", "a:", budget=("--time", "90"))), "")
+    cfg = timed.runs[0].config()
+    assert (cfg.schedule, cfg.max_time) == ("time", 90.0) and cfg.max_iters >= 10**9
+    assert not (tmp_path / "e").exists()  # planning writes nothing
+
+
+def test_dtype_auto_is_decided_once_for_every_run(tmp_path, text_file, monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare, "pick_dtype", lambda *a: calls.append(a) or torch.bfloat16)
+    args = compare.build_parser().parse_args(argv(text_file, tmp_path / "e", "a:", "wide:n_embd=64", seeds=2)
+                                             + ["--set", "dtype=auto"])
+    plan = compare.make_plan(args, "")
+    assert len(calls) == 1 and {r.config().dtype for r in plan.runs} == {"bfloat16"}
+
+
+@pytest.mark.parametrize("variants, extra, message", [
+    (["lr:lerning_rate=1e-3"], [],
+     "variant `lr`: unknown config key `lerning_rate` in the overrides; did you mean `learning_rate`?"),
+    (["lr:learning_rate=fast"], [], "variant `lr`: learning_rate must be float, got 'fast'"),
+    (["lr:learning_rate=1e-5"], [], "variant `lr`: min_lr (0.0003) must not exceed learning_rate (1e-05)"),
+    (["a:", "a:dropout=0.1"], [], "variant name `a` is used twice"),
+    (["rope"], [], "variant `rope` must look like NAME:KEY=VALUE[,KEY=VALUE]"),
+    (["x:dropout"], [], "override `dropout` must look like KEY=VALUE"),
+    (["x:dropout=0.1,dropout=0.2"], [], "variant `x` sets a key twice"),
+    (["s:seed=7"], [], "variant `s` sets `seed`, which compare.py sets itself (with --seeds)"),
+    (["a:"], ["--seeds", "1"], "--seeds 1 leaves no spread and no p-value: use --seeds 2 or more"),
+    (["a:"], ["--set", "n_layr=3"], "unknown config key `n_layr` in the overrides; did you mean `n_layer`?"),
+    ([], [], "no variants"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, text_file, capsys, variants, extra, message):
+    with pytest.raises(SystemExit) as stopped:
+        compare.main(argv(text_file, tmp_path / "exp", *variants, data=tmp_path / "data") + extra)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]  # no experiment folder, no data cache
+
+
+def test_without_a_budget_it_asks_for_steps_or_time(tmp_path, text_file, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        compare.main(argv(text_file, tmp_path / "exp", "a:", budget=()))
+    assert stopped.value.code == 2 and "give --steps N" in capsys.readouterr().err
