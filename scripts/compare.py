@@ -265,10 +265,11 @@ def write_result(run: Run, cfg: TrainConfig, diverged: str = "") -> None:
 
 
 def parameter_count(folder: Path) -> int:
-    """The model's parameters as train.py counts them, from the run's last.pt (0 if there is none)."""
+    """Every parameter of the model, as train.py's model line counts them (a rope model has no position
+    table), from the run's last.pt (0 if there is none)."""
     if not (folder / "last.pt").is_file():
         return 0
-    return load_model(folder / "last.pt", torch.device("cpu"))[0].num_params()
+    return load_model(folder / "last.pt", torch.device("cpu"))[0].num_params(non_embedding=False)
 
 
 # ----------------------------------------------------------------------------- statistics and tables
