@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from config import ConfigError, TrainConfig, model_config
+from config import ConfigError, TrainConfig, given_fields, model_config, replace
 from data import GPT2_EOT
 from model import GPT, GPTConfig
 
@@ -254,7 +254,7 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: in
         if ours.endswith(".bias") and not config.bias:
             if value.count_nonzero():
                 raise HFError(f"{source}: {PREFIX}{theirs} is not zero (max |b| {value.abs().max():.3g}) but "
-                              "the model has bias=False; import with bias=True")
+                              "the model has bias=False; import with bias=True (drop --bias false)")
             continue  # an exported bias-free model: its zero biases carry nothing
         if is_transposed(ours):
             value = value.t()  # (in, out) -> (out, in)
@@ -302,25 +302,32 @@ def gpt2_refusals(config: GPTConfig) -> list[str]:
 def adopt(cfg: TrainConfig, model_cfg: GPTConfig, tokenizer: dict | None, source: str) -> TrainConfig:
     """The training config with the imported model's shape (and tokenizer, when known).
 
-    A field still at its default takes the imported value; a field set to another value is a
-    conflict the user must resolve (block_size is the user's: it crops the position table). Every
-    other model option must be one GPT-2's weights compute (GPT2_OPTIONS), or the import is refused.
+    A field the user did not give takes the imported value; one the user gave (the preset or the
+    command line, even at its default: config.given_fields) with another value is a conflict the user
+    must resolve (block_size is the user's: it crops the position table). Every other model option
+    must be one GPT-2's weights compute (GPT2_OPTIONS), or the import is refused.
     """
     imported = {name: getattr(model_cfg, name) for name in IMPORTED}
     if tokenizer is not None:
         imported["tokenizer"] = tokenizer["kind"]
-    defaults = TrainConfig()
+    given = given_fields(cfg)
     for name, value in imported.items():
         mine = getattr(cfg, name)
-        if mine != value and mine != getattr(defaults, name):
-            raise HFError(f"--{name} {mine} conflicts with {source}, whose weights have {name} {value}; "
-                          f"drop --{name}: with --init_from the weights fix the model's shape")
-    adopted = TrainConfig(**{**cfg.__dict__, **imported})
+        if name in given and mine != value:
+            raise HFError(f"--{name} {flag_value(mine)} conflicts with {source}, whose weights have {name} "
+                          f"{flag_value(value)}; drop --{name} (or that key from the preset): with --init_from "
+                          "the weights fix the model's shape")
+    adopted = replace(cfg, **imported)
     refusals = gpt2_refusals(model_config(adopted, model_cfg.vocab_size))
     if refusals:
         raise HFError(f"{source} holds GPT-2 weights, which cannot run with {refusals[0]}; drop that option "
                       "or train from scratch without --init_from")
     return adopted
+
+
+def flag_value(value: Any) -> str:
+    """A value as it is typed on the command line: false, not False."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_vocab(pretrained: Pretrained, tokenizer_meta: dict, vocab_size: int) -> None:

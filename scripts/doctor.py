@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 
 import train  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
-from config import ConfigError, TrainConfig, model_config, parse_args  # noqa: E402
+from config import ConfigError, TrainConfig, model_config, parse_args, replace  # noqa: E402
 from data import (DataError, get_batch, load_corpus, prepare, special_tokens, tokenizer_from_meta,  # noqa: E402
                   val_windows)
 from faults import NonFiniteGuard, RunStopped  # noqa: E402
@@ -465,7 +465,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     biases, tokenizer): the doctor checks the code path, not the pretrained weights.
     """
     if cfg.init_from:
-        cfg = train.start_from(dataclasses.replace(cfg, resume=False), Path(cfg.out_dir))[0]
+        cfg = train.start_from(replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)

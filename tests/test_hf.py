@@ -22,7 +22,7 @@ import hf  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
-from config import ConfigError, changed_model_fields, make_config  # noqa: E402
+from config import ConfigError, changed_model_fields, make_config, parse_args  # noqa: E402
 from conftest import run_script, tiny_model  # noqa: E402
 from data import CharTokenizer, load_corpus, prepare, val_windows  # noqa: E402
 from model import GPT  # noqa: E402
@@ -177,6 +177,43 @@ def test_a_bad_import_fails_in_one_line_and_writes_nothing(tmp_path, tiny_cfg, e
         train.train(cfg)
     assert "\n" not in str(error.value)
     assert not Path(cfg.out_dir).exists()
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab_folder(tmp_path_factory) -> Path:
+    """A tiny random GPT-2 with GPT-2's vocabulary, so that its tokenizer is known: 2 layers, 2 heads, 32 wide."""
+    return random_hf_gpt2(tmp_path_factory.mktemp("hf") / "gpt2", vocab_size=50257, n_positions=128)
+
+
+@pytest.mark.parametrize("args, refused", [  # the defaults are n_layer 4, n_head 4, n_embd 128, bias false, char, gelu
+    (["--n_layer", "4"], "--n_layer 4 conflicts with .*, whose weights have n_layer 2; drop --n_layer"),
+    (["--n-head", "4"], "--n_head 4 conflicts with .*, whose weights have n_head 2"),
+    (["--n_embd", "128"], "--n_embd 128 conflicts with .*, whose weights have n_embd 32"),
+    (["--activation", "gelu"], "--activation gelu conflicts with .*, whose weights have activation gelu_tanh"),
+    (["--bias", "false"], r"h.0.ln_1.bias is not zero .*; import with bias=True \(drop --bias false\)"),
+    (["--tokenizer", "char"], "--tokenizer char conflicts with .*, whose weights have tokenizer gpt2"),
+    (["--config", "{preset}"], "--n_layer 4 conflicts with"),  # a key the preset sets counts as given
+    (["--config", "tiny", "--n_head", "2", "--bias", "true", "--tokenizer", "gpt2"], None),  # agree: accepted
+    ([], None),  # nothing given: the weights' shape is taken
+])
+def test_init_from_refuses_every_given_setting_the_weights_contradict(tmp_path, gpt2_vocab_folder, args, refused):
+    preset = tmp_path / "mine.toml"
+    preset.write_text("n_layer = 4  # the default\n")
+    cfg = parse_args(["--init_from", str(gpt2_vocab_folder)] + [a.format(preset=preset) for a in args])
+    if refused:
+        with pytest.raises(hf.HFError, match=refused):
+            train.start_from(cfg, tmp_path / "run")
+        return
+    cfg, pretrained = train.start_from(cfg, tmp_path / "run")
+    shape = {name: getattr(cfg, name) for name in ("n_layer", "n_head", "n_embd", "bias", "activation", "tokenizer")}
+    assert shape == dict(n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh", tokenizer="gpt2")
+
+
+def test_a_given_bias_false_imports_the_zero_biases_of_a_bias_free_export(tmp_path):
+    folder = corrupt(random_hf_gpt2(tmp_path / "hf"),
+                     lambda t: [v.zero_() for k, v in t.items() if k.endswith(".bias") and not k.endswith(".attn.bias")])
+    cfg, pretrained = train.start_from(parse_args(["--init_from", str(folder), "--bias", "false", "--block_size", "16"]), tmp_path / "run")
+    assert not cfg.bias and not any(name.endswith(".bias") for name in pretrained.state)
 
 
 def test_a_char_corpus_of_another_vocabulary_is_refused_before_the_run_folder(tmp_path, tiny_cfg):
