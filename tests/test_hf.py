@@ -8,7 +8,10 @@ import io
 import json
 import logging
 import math
+import os
 import shutil
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,7 +26,7 @@ import sample  # noqa: E402
 import train  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
 from config import ConfigError, changed_model_fields, make_config, parse_args  # noqa: E402
-from conftest import run_script, tiny_model  # noqa: E402
+from conftest import REPO, run_script, tiny_model  # noqa: E402
 from data import CharTokenizer, load_corpus, prepare, val_windows  # noqa: E402
 from model import GPT  # noqa: E402
 
@@ -120,12 +123,14 @@ def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
     asked = []
 
     def fake_download(repo_id, filename, **kw):
-        asked.append((repo_id, filename))
+        asked.append((repo_id, filename, kw))
         return str(folder / filename)
 
+    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: None)  # the hub answers (and no test reaches it)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     pretrained = hf.load_pretrained("gpt2")
-    assert asked == [("openai-community/gpt2", "config.json"), ("openai-community/gpt2", "model.safetensors")]
+    assert asked == [("openai-community/gpt2", "config.json", {"local_files_only": False}),
+                     ("openai-community/gpt2", "model.safetensors", {"local_files_only": False})]
     assert pretrained.config.n_layer == 2 and pretrained.source == "gpt2"
 
 
@@ -133,16 +138,54 @@ def test_offline_a_hub_name_fails_in_one_line(monkeypatch, capsys):
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    def offline(repo_id, filename, **kw):
+    def cache_only(repo_id, filename, local_files_only=False, **kw):
+        assert local_files_only  # the hub did not answer its probe: no second try, no retries
         raise LocalEntryNotFoundError("cannot find the requested files in the local cache")
 
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: "[Errno 111] Connection refused")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", cache_only)
     with pytest.raises(SystemExit) as exit_info:
         sample.main(["--init_from", "gpt2", "--prompt", "Hello"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert err.startswith("error: could not get openai-community/gpt2 from the Hugging Face hub (no network")
-    assert "--init_from DIR" in err
+    assert err.startswith("error: could not get openai-community/gpt2 from the Hugging Face hub (cannot reach ")
+    assert "--init_from DIR" in err and "HF_HUB_OFFLINE=1" in err
+
+
+LOAD_TWO_HUB_NAMES = """
+import json, sys, time
+import hf
+for name in sys.argv[1:]:
+    start = time.time()
+    try:
+        result = hf.load_pretrained(name).config.n_layer
+    except hf.HFError as err:
+        result = str(err)
+    print(json.dumps({"name": name, "result": result, "seconds": time.time() - start}))
+"""
+
+
+def test_an_unreachable_hub_fails_fast_and_quietly_and_the_cache_still_serves(tmp_path):
+    """Against a hub that refuses connections hf_hub_download retries for ~25 s, a warning a line;
+    the probe makes that one try: a name not in the cache is one line within seconds, a cached one loads."""
+    snapshot = tmp_path / "home" / "hub" / "models--openai-community--gpt2" / "snapshots" / ("0" * 40)
+    folder = random_hf_gpt2(tmp_path / "hf")
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(folder / name, snapshot / name)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(tmp_path / "home"), HF_ENDPOINT="http://127.0.0.1:9")  # loopback: refused at once
+    result = subprocess.run([sys.executable, "-c", LOAD_TWO_HUB_NAMES, "someone/not-cached", "gpt2"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=120)
+    missing, cached = [json.loads(line) for line in result.stdout.splitlines()]
+    assert missing["seconds"] < 5, missing  # ~25 s of retries without the probe
+    assert result.stderr == ""  # no retry warnings
+    assert missing["result"].startswith("could not get someone/not-cached from the Hugging Face hub (cannot reach "
+                                        "http://127.0.0.1:9: ")
+    assert "hf download someone/not-cached model.safetensors config.json --local-dir DIR" in missing["result"]
+    assert cached["result"] == 2 and cached["seconds"] < 5, cached
 
 
 def corrupt(folder: Path, edit) -> Path:
@@ -384,6 +427,7 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     from data import GPT2Tokenizer
     tmp = tmp_path_factory.mktemp("finetune")
     folder = random_hf_gpt2(tmp / "gpt2", vocab_size=50257, n_positions=1024)
+    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: None)  # no test reaches the real hub
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(folder / filename))
     cfg = make_config("finetune_shakespeare", out_dir=str(tmp / "run"), data_dir=str(tmp / "data"), device="cpu",
                       dtype="float32", max_iters=2, eval_interval=2, eval_tokens=512, batch_size=2, block_size=64)
