@@ -109,7 +109,7 @@ def reachable_mode(wandb, mode: str | None) -> str | None:
     if mode != "online" and not forced:
         return mode
     base_url = wandb.setup().settings.base_url  # WANDB_BASE_URL, or the host of `wandb login --host`
-    print(f"wandb: API key found; checking that {base_url} answers (at most {PROBE_TIMEOUT:g} s) ...", flush=True)
+    print(f"wandb: going online; checking that {base_url} answers (at most {PROBE_TIMEOUT:g} s) ...", flush=True)
     reason = server_unreachable(base_url)
     if reason is None:
         return mode

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import tracking
+from config import ConfigError
 from conftest import REPO
 from fault_injection import run_main, tiny_args
 
@@ -129,7 +130,7 @@ def test_a_key_and_an_unreachable_server_go_offline_at_once(tmp_path):
     *lines, last = result.stdout.splitlines()
     started = json.loads(last)
     assert started["seconds"] < 15 and started["mode"] == "offline", started
-    assert lines[0].startswith("wandb: API key found; checking that http://127.0.0.1:9 answers")  # said at once
+    assert lines[0].startswith("wandb: going online; checking that http://127.0.0.1:9 answers")  # said at once
     assert lines[1].startswith("wandb: cannot reach http://127.0.0.1:9 (")
     assert "upload it later with `wandb sync " in lines[2] and list((out / "wandb").glob("offline-run-*"))
 
@@ -169,6 +170,36 @@ def test_mode_follows_the_credentials_unless_wandb_mode_is_set(monkeypatch, env_
     monkeypatch.setattr(wandb, "login", login)
     assert tracking.choose_mode(wandb) == mode
     assert calls == ([] if env_mode else [{"prompt": False, "verify": False}])  # never a prompt or a round trip
+
+
+@pytest.mark.parametrize("env_mode, mode, answers, expected", [
+    (None, "online", True, "online"),
+    (None, "online", False, "offline"),  # a key but no server: offline at once, saying so
+    (None, "offline", False, "offline"),  # no key: the server is never asked
+    ("online", None, False, ConfigError),  # the user's own WANDB_MODE=online: one line, not a silent fallback
+])
+def test_an_online_run_whose_server_does_not_answer_goes_offline(monkeypatch, capsys, env_mode, mode, answers,
+                                                                  expected):
+    asked = []
+
+    def probe(url):
+        asked.append(url)
+        return None if answers else "[Errno 111] Connection refused"
+
+    if env_mode is None:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_MODE", env_mode)
+    monkeypatch.setattr(tracking, "server_unreachable", probe)
+    if expected is ConfigError:
+        with pytest.raises(ConfigError, match=r"wandb cannot reach .* \(\[Errno 111\] Connection refused\) and "
+                                              "WANDB_MODE=online; unset WANDB_MODE"):
+            tracking.reachable_mode(wandb, mode)
+    else:
+        assert tracking.reachable_mode(wandb, mode) == expected
+    assert len(asked) == (mode != "offline")
+    said = capsys.readouterr().out
+    assert ("logging offline instead" in said) == (mode == "online" and not answers)
 
 
 def test_tracker_skips_the_steps_the_run_already_holds():
