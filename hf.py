@@ -22,6 +22,7 @@ imported here; huggingface_hub only when a hub name is used.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from config import ConfigError, TrainConfig, model_config
+from config import ConfigError, TrainConfig, given_fields, model_config, replace
 from data import GPT2_EOT
 from model import GPT, GPTConfig
 
@@ -61,6 +62,7 @@ PREFIX = "transformer."  # GPT2LMHeadModel's files have it, GPT2Model's (the ori
 
 HUB_NAMES = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
              "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl"}
+HUB_PROBE_TIMEOUT = 5.0  # seconds the hub may take to answer one request before it counts as unreachable
 KNOWN_HEADS = {(12, 768): 12, (24, 1024): 16, (36, 1280): 20, (48, 1600): 25}  # (n_layer, n_embd) -> n_head
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # theirs -> ours
 LAYER_NORM_EPS = 1e-5  # GPT-2's epsilon, which is also nn.LayerNorm's default (model.py uses the default)
@@ -156,29 +158,49 @@ def locate(source: str) -> tuple[Path, Path | None]:
 def download(repo_id: str) -> tuple[Path, Path]:
     """config.json and model.safetensors from the hub, through huggingface_hub's cache (HF_HOME).
 
-    Offline the hub client retries for ~25 s before giving up (HF_HUB_OFFLINE=1 fails at once); its
-    retry warnings are silenced so that the failure is the one line below.
+    The hub is probed first (hub_unreachable); if it cannot be reached the files come from the cache
+    alone, as with HF_HUB_OFFLINE=1, and a miss is the one line below within seconds.
     """
-    import logging
-
     import huggingface_hub
+    from huggingface_hub import constants
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    hub_log = logging.getLogger("huggingface_hub")
-    level = hub_log.level
-    hub_log.setLevel(logging.ERROR)
+    unreachable = None if constants.is_offline_mode() else hub_unreachable(repo_id)
     try:
-        config = huggingface_hub.hf_hub_download(repo_id, "config.json")
-        weights = huggingface_hub.hf_hub_download(repo_id, "model.safetensors")
+        config = huggingface_hub.hf_hub_download(repo_id, "config.json", local_files_only=bool(unreachable))
+        weights = huggingface_hub.hf_hub_download(repo_id, "model.safetensors", local_files_only=bool(unreachable))
     except (OSError, EntryNotFoundError) as err:  # offline, not cached, no such repo or file, HTTP errors
-        reason = ("no network, and not in the cache" if isinstance(err, (LocalEntryNotFoundError, OfflineModeIsEnabled))
-                  else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}")
-        raise HFError(f"could not get {repo_id} from the Hugging Face hub ({reason}), and there is no local "
-                      f"folder or file of that name; download it where there is network (hf download {repo_id} "
-                      "model.safetensors config.json --local-dir DIR), copy DIR here and pass --init_from DIR") from None
-    finally:
-        hub_log.setLevel(level)
+        reason = (f"cannot reach {constants.ENDPOINT}: {unreachable}" if unreachable else
+                  "HF_HUB_OFFLINE=1" if isinstance(err, OfflineModeIsEnabled) or constants.is_offline_mode() else
+                  "the hub did not answer" if isinstance(err, LocalEntryNotFoundError) else
+                  f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}")
+        raise HFError(f"could not get {repo_id} from the Hugging Face hub ({reason}) nor from its cache, and there "
+                      f"is no local folder or file of that name; where there is network run `hf download {repo_id} "
+                      "model.safetensors config.json --local-dir DIR`, copy DIR here and pass --init_from DIR "
+                      "(HF_HUB_OFFLINE=1 skips the hub when the files are in its cache)") from None
     return Path(weights), Path(config)
+
+
+def hub_unreachable(repo_id: str) -> str | None:
+    """Why the hub cannot be reached ("connection refused"), or None if it answers: one request, no retries.
+
+    hf_hub_download retries a refused or timed-out connection five times with backoff, ~25 s and a
+    warning line each, before it looks in its cache. This probe asks once for the repo's config.json
+    (huggingface_hub's own client: HF_ENDPOINT, proxies and token apply) and waits at most
+    HUB_PROBE_TIMEOUT seconds, or HF_HUB_ETAG_TIMEOUT if set. Any HTTP answer, even an error, is reachable.
+    """
+    import httpx2  # huggingface_hub's HTTP client, installed with it
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+
+    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_PROBE_TIMEOUT)
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=timeout)
+    except httpx2.TransportError as err:  # no connection: refused, timed out, no DNS, proxy down
+        return (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+    except HfHubHTTPError:  # the hub answered (a missing or gated repo): hf_hub_download says what
+        pass
+    return None
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -254,7 +276,7 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: in
         if ours.endswith(".bias") and not config.bias:
             if value.count_nonzero():
                 raise HFError(f"{source}: {PREFIX}{theirs} is not zero (max |b| {value.abs().max():.3g}) but "
-                              "the model has bias=False; import with bias=True")
+                              "the model has bias=False; import with bias=True (drop --bias false)")
             continue  # an exported bias-free model: its zero biases carry nothing
         if is_transposed(ours):
             value = value.t()  # (in, out) -> (out, in)
@@ -302,25 +324,32 @@ def gpt2_refusals(config: GPTConfig) -> list[str]:
 def adopt(cfg: TrainConfig, model_cfg: GPTConfig, tokenizer: dict | None, source: str) -> TrainConfig:
     """The training config with the imported model's shape (and tokenizer, when known).
 
-    A field still at its default takes the imported value; a field set to another value is a
-    conflict the user must resolve (block_size is the user's: it crops the position table). Every
-    other model option must be one GPT-2's weights compute (GPT2_OPTIONS), or the import is refused.
+    A field the user did not give takes the imported value; one the user gave (the preset or the
+    command line, even at its default: config.given_fields) with another value is a conflict the user
+    must resolve (block_size is the user's: it crops the position table). Every other model option
+    must be one GPT-2's weights compute (GPT2_OPTIONS), or the import is refused.
     """
     imported = {name: getattr(model_cfg, name) for name in IMPORTED}
     if tokenizer is not None:
         imported["tokenizer"] = tokenizer["kind"]
-    defaults = TrainConfig()
+    given = given_fields(cfg)
     for name, value in imported.items():
         mine = getattr(cfg, name)
-        if mine != value and mine != getattr(defaults, name):
-            raise HFError(f"--{name} {mine} conflicts with {source}, whose weights have {name} {value}; "
-                          f"drop --{name}: with --init_from the weights fix the model's shape")
-    adopted = TrainConfig(**{**cfg.__dict__, **imported})
+        if name in given and mine != value:
+            raise HFError(f"--{name} {flag_value(mine)} conflicts with {source}, whose weights have {name} "
+                          f"{flag_value(value)}; drop --{name} (or that key from the preset): with --init_from "
+                          "the weights fix the model's shape")
+    adopted = replace(cfg, **imported)
     refusals = gpt2_refusals(model_config(adopted, model_cfg.vocab_size))
     if refusals:
         raise HFError(f"{source} holds GPT-2 weights, which cannot run with {refusals[0]}; drop that option "
                       "or train from scratch without --init_from")
     return adopted
+
+
+def flag_value(value: Any) -> str:
+    """A value as it is typed on the command line: false, not False."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_vocab(pretrained: Pretrained, tokenizer_meta: dict, vocab_size: int) -> None:

@@ -10,6 +10,9 @@ wandb never blocks or crashes a run:
     .netrc or its settings file) without prompting (``wandb.login(prompt=False)``, what wandb 0.31
     names as the replacement of the deprecated ``wandb.api.api_key``), offline when it finds none.
     An offline run says in one line where it was written and the ``wandb sync`` command to upload it.
+  - online, it first says it is checking the server and asks it once (reachable_mode, PROBE_TIMEOUT):
+    a server that does not answer means offline at once, with that line; and wandb.init may take
+    INIT_TIMEOUT seconds, not wandb's silent 90.
   - a wandb that cannot start is a ConfigError before the first step (exit 2), not a traceback.
   - ``--resume`` continues the same wandb run: its id is kept in out_dir/wandb_id. The steps a killed
     run logged after its last.pt are redone on resume; the run already holds them and wandb's steps
@@ -20,12 +23,16 @@ wandb never blocks or crashes a run:
 from __future__ import annotations
 
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from config import ConfigError, TrainConfig, as_dict
 
 RUN_ID_FILE = "wandb_id"  # in out_dir: the wandb run a --resume continues
+PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline
+INIT_TIMEOUT = 15.0  # seconds wandb.init may take (wandb's default: 90) before the run stops with one line
 
 
 class NullTracker:
@@ -63,10 +70,14 @@ def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) ->
     except ImportError:
         raise ConfigError("--wandb needs the wandb package: pip install wandb") from None
     run_id = saved_run_id(out_dir) if cfg.resume else None
+    mode = reachable_mode(wandb, choose_mode(wandb))
+    # wandb waits 90 s for its server by default, silently; WANDB_INIT_TIMEOUT, if set, is the user's to choose.
+    timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT}
     try:
         run = wandb.init(project=cfg.wandb_project, config=as_dict(cfg), dir=out_dir, id=run_id,
-                         resume="allow" if run_id else None, mode=choose_mode(wandb),
-                         settings=wandb.Settings(console="off", disable_git=True, save_code=False, silent=True))
+                         resume="allow" if run_id else None, mode=mode,
+                         settings=wandb.Settings(console="off", disable_git=True, save_code=False, silent=True,
+                                                 **timeout))
     except Exception as err:  # noqa: BLE001 - any failure of a side concern: one line, before training
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(f"wandb could not start ({reason}); run without --wandb, or with WANDB_MODE=offline "
@@ -85,6 +96,42 @@ def choose_mode(wandb) -> str | None:
     if os.environ.get("WANDB_MODE"):
         return None
     return "online" if wandb.login(prompt=False, verify=False) else "offline"
+
+
+def reachable_mode(wandb, mode: str | None) -> str | None:
+    """``mode``, or offline when an online run's server does not answer: say so at once, never wait on it.
+
+    Without this an API key and no network meant ~95 s of silence (wandb.init's retries until its
+    init_timeout), then an error. A user's own WANDB_MODE=online is kept: an unreachable server stops
+    the run in one line instead.
+    """
+    forced = os.environ.get("WANDB_MODE") == "online"
+    if mode != "online" and not forced:
+        return mode
+    base_url = wandb.setup().settings.base_url  # WANDB_BASE_URL, or the host of `wandb login --host`
+    print(f"wandb: going online; checking that {base_url} answers (at most {PROBE_TIMEOUT:g} s) ...", flush=True)
+    reason = server_unreachable(base_url)
+    if reason is None:
+        return mode
+    if forced:
+        raise ConfigError(f"wandb cannot reach {base_url} ({reason}) and WANDB_MODE=online; unset WANDB_MODE to "
+                          "log offline and `wandb sync` later, or run without --wandb")
+    print(f"wandb: cannot reach {base_url} ({reason}); logging offline instead", flush=True)
+    return "offline"
+
+
+def server_unreachable(url: str, timeout: float = PROBE_TIMEOUT) -> str | None:
+    """Why ``url`` gives no HTTP answer within ``timeout`` seconds (refused, no DNS, timed out), or None if it answers.
+
+    Any HTTP status counts as an answer. urllib honours HTTP(S)_PROXY, as wandb does.
+    """
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:  # an answer, if not a welcome one: the server is there
+        return None
+    except (urllib.error.URLError, OSError) as err:  # URLError wraps refused / no DNS; a timeout is an OSError
+        return str(getattr(err, "reason", err)) or type(err).__name__
+    return None
 
 
 def saved_run_id(out_dir: Path) -> str | None:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from checkpoint import (CheckpointError, CheckpointWriteError, capture_rng, library_versions, load_checkpoint,
                         read_config, remove_stale_temp_files, restore_rng, save_checkpoint, FORMAT_VERSION)
 from config import (TRAINING_FIELDS, ConfigError, TrainConfig, as_dict, changed_fields, changed_model_fields,
-                    config_from_dict, model_config, parse_args)
+                    config_from_dict, given_fields, model_config, parse_args)
 from data import (DataError, get_batch, iterate_windows, load_corpus, prepare, token_byte_lengths, tokenizer_from_meta,
                   val_windows)
 import distributed
@@ -243,7 +243,9 @@ def start_from(cfg: TrainConfig, out_dir: Path) -> tuple[TrainConfig, hf.Pretrai
             return cfg, None
         shape = model_config(config_from_dict(saved), 1)
         return hf.adopt(cfg, shape, {"kind": saved["tokenizer"]}, str(out_dir / "last.pt")), None
-    pretrained = hf.load_pretrained(cfg.init_from, cfg.block_size)
+    # GPT-2 has biases; a given bias=False imports a bias-free model's export (zero biases), refuses any other.
+    bias = cfg.bias if "bias" in given_fields(cfg) else True
+    pretrained = hf.load_pretrained(cfg.init_from, cfg.block_size, bias)
     cfg = hf.adopt(cfg, pretrained.config, pretrained.tokenizer, cfg.init_from)
     print0(f"init_from {cfg.init_from}: {describe(model_config(cfg, pretrained.config.vocab_size))}; "
            f"tokenizer {cfg.tokenizer}; block_size {cfg.block_size} of {pretrained.n_positions} positions")

@@ -94,6 +94,10 @@ class TrainConfig:
     wandb: bool = False  # also log to Weights & Biases (offline unless logged in)
     wandb_project: str = "tinygpt"  # wandb project name
 
+    # Not a field (no annotation, so no flag, no checkpoint key): the names make_config was given, by the
+    # preset or the command line, whatever their value. given_fields() reads it; make_config sets it.
+    given = frozenset()
+
     def tokens_per_step(self) -> int:
         """Tokens consumed by one optimizer step."""
         return self.batch_size * self.block_size * self.grad_accum
@@ -231,13 +235,34 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def make_config(preset: str | None = None, **overrides: Any) -> TrainConfig:
-    """Defaults, then the preset, then overrides; validated. The one way configs are built."""
+    """Defaults, then the preset, then overrides; validated. The one way configs are built.
+
+    The config remembers which fields the preset and the overrides set (``given``), even to the default.
+    """
     values = load_preset(preset) if preset else {}
     for key, raw in overrides.items():
         if key not in FIELD_TYPES:
             raise unknown_key_error(key, "the overrides")
         values[key] = parse_value(key, raw)
-    return validate(TrainConfig(**values))
+    cfg = validate(TrainConfig(**values))
+    cfg.given = frozenset(values)
+    return cfg
+
+
+def given_fields(cfg: TrainConfig) -> frozenset[str]:
+    """The fields the user chose: those make_config was given (whatever their value), and any not at its default.
+
+    Footgun: ``dataclasses.replace`` and ``TrainConfig(...)`` keep no record of what was given, so a field
+    set there to its default does not count; use ``replace`` below to change a config made by make_config.
+    """
+    return cfg.given | {name for name in FIELD_TYPES if getattr(cfg, name) != DEFAULTS[name]}
+
+
+def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
+    """``dataclasses.replace`` that keeps the record of the fields the user gave (given_fields)."""
+    new = dataclasses.replace(cfg, **changes)
+    new.given = cfg.given
+    return new
 
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:

@@ -34,8 +34,9 @@ if str(REPO) not in sys.path:
 
 import train  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
-from config import ConfigError, TrainConfig, model_config, parse_args  # noqa: E402
-from data import DataError, get_batch, load_corpus, prepare, tokenizer_from_meta, val_windows  # noqa: E402
+from config import ConfigError, TrainConfig, model_config, parse_args, replace  # noqa: E402
+from data import (DataError, get_batch, load_corpus, prepare, special_tokens, tokenizer_from_meta,  # noqa: E402
+                  val_windows)
 from faults import NonFiniteGuard, RunStopped  # noqa: E402
 from model import GPT  # noqa: E402
 from runtime import compile_or_eager, pick_device, pick_dtype, want_compile  # noqa: E402
@@ -48,6 +49,10 @@ OVERFIT_SEQUENCES = 1  # sequences in the batch to memorise
 FEW_SEQUENCES = 4  # batch for the gradient, causal and dropout checks: every position, less time
 OVERFIT_STEPS = 200  # step budget for memorising it (small needs ~30, tiny ~70)
 OVERFIT_THRESHOLD = 0.1  # nats; memorised means the loss fell below this
+# The overfit check's lr for a random init of GPT-2 small's width (768): GPT-3's 125M model's (Brown et al.
+# 2020, table 2.1) and the gpt2 preset's. It scales as 1/width (muP's rule for Adam, Yang et al. 2022),
+# up to the tiny preset's 3e-3 (tiny memorises its batch at it in ~70 steps, a 32-wide GPT-2-vocab model in ~130).
+RANDOM_INIT_LR, RANDOM_INIT_WIDTH, RANDOM_INIT_LR_MAX = 6e-4, 768, 3e-3
 FORCED_DROPOUT = 0.1  # dropout used on a copy of the model when the config has none
 SAMPLE_TOKENS = 4096  # tokens of val text for the tokenizer round trip
 SHORT_RUN_STEPS = 3  # steps of the short run (lr schedule, master weights): a mis-count shows from step 2
@@ -100,7 +105,10 @@ def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
     """encode(decode(ids)) gives back the same ids, so what the model learns is what it will emit.
 
     The stretch is cut just after newlines where it has two, so that a BPE merge cut in half at
-    either end of the sample cannot make a correct tokenizer look wrong.
+    either end of the sample cannot make a correct tokenizer look wrong. A document corpus encodes
+    each document on its own between special tokens (GPT-2's <|endoftext|>), which stand for no text:
+    decoded, one reads as its name, which encodes as ~7 ordinary tokens. So each stretch between
+    them makes the round trip on its own, as it was encoded, and the special tokens stay as they are.
     """
     ids = [int(i) for i in ids]
     newline = tokenizer.encode("\n") if "\n" in tokenizer.decode(ids) else []
@@ -108,15 +116,32 @@ def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
         first = ids.index(newline[0])
         last = len(ids) - 1 - ids[::-1].index(newline[0])
         ids = ids[first + 1: last + 1]
-    text = tokenizer.decode(ids)
-    again = tokenizer.encode(text)
+    pieces = split_at(ids, special_tokens(tokenizer))  # text, special, text, ..., special, text
+    texts = [tokenizer.decode(piece) for piece in pieces[::2]]
+    again = []
+    for i, piece in enumerate(pieces):
+        again += tokenizer.encode(texts[i // 2]) if i % 2 == 0 else piece  # a special token is no text: kept
     passed = again == ids
+    n_chars = sum(len(text) for text in texts)
     first_diff = next((i for i, (a, b) in enumerate(zip(ids, again)) if a != b), min(len(ids), len(again)))
-    measured = (f"{len(ids):,} tokens -> {len(text):,} chars -> the same {len(ids):,} tokens" if passed else
-                f"{len(ids):,} tokens -> {len(text):,} chars -> {len(again):,} tokens, first differs at {first_diff}")
+    stretches = f" in {len(texts)} stretches between special tokens" if len(texts) > 1 else ""
+    measured = (f"{len(ids):,} tokens{stretches} -> {n_chars:,} chars -> the same {len(ids):,} tokens" if passed else
+                f"{len(ids):,} tokens{stretches} -> {n_chars:,} chars -> {len(again):,} tokens, first differs at "
+                f"{first_diff}")
     meaning = ("the tokenizer loses nothing: samples decode to what was trained on" if passed else
                "decode or encode loses or changes text: the model learns one thing and you read another")
     return Check("round trip", passed, measured, meaning)
+
+
+def split_at(ids: list[int], special: set[int]) -> list[list[int]]:
+    """``ids`` cut around each special id: [text, [special], text, [special], ..., text] (texts may be [])."""
+    pieces: list[list[int]] = [[]]
+    for i in ids:
+        if i in special:
+            pieces += [[i], []]
+        else:
+            pieces[-1].append(i)
+    return pieces
 
 
 # ----------------------------------------------------------------------------- model checks
@@ -215,8 +240,23 @@ def check_overfit(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor,
     passed = loss < threshold
     meaning = ("model, loss and optimizer step can learn" if passed else
                "cannot even memorise one batch: check the lr, zero_grad, the loss and the optimizer groups")
+    lr = optimizer.param_groups[0]["lr"]  # AdamW's (Muon's groups come after it)
     return Check("overfit", passed,
-                 f"{first:.3f} -> {loss:.3f} in {step} steps (need < {threshold} within {steps})", meaning)
+                 f"{first:.3f} -> {loss:.3f} in {step} steps at lr {lr:.1e} (need < {threshold} within {steps})",
+                 meaning)
+
+
+def overfit_lr(cfg: TrainConfig) -> float:
+    """The lr of the overfit check: the config's own, unless the config fine-tunes (init_from).
+
+    The doctor runs every check on a random init. A config that trains from one is checked at its own
+    lr (one too small to learn is a finding). A fine-tuning lr (finetune_shakespeare's 6e-5) is small so
+    as not to erase good weights, which the doctor does not load: a random init barely moves at it,
+    and the check would blame the step. So it gets an lr for a random init of its width instead.
+    """
+    if not cfg.init_from:
+        return cfg.learning_rate
+    return min(RANDOM_INIT_LR_MAX, RANDOM_INIT_LR * RANDOM_INIT_WIDTH / cfg.n_embd)
 
 
 def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -425,7 +465,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     biases, tokenizer): the doctor checks the code path, not the pretrained weights.
     """
     if cfg.init_from:
-        cfg = train.start_from(dataclasses.replace(cfg, resume=False), Path(cfg.out_dir))[0]
+        cfg = train.start_from(replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
@@ -445,8 +485,8 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         config = gpt_config if dropout is None else dataclasses.replace(gpt_config, dropout=dropout)
         return GPT(config).to(device)
 
-    def optimizer_for(model: GPT) -> torch.optim.Optimizer:
-        return train.build_optimizer(model, cfg, device, dtype)
+    def optimizer_for(model: GPT, lr: float = cfg.learning_rate) -> torch.optim.Optimizer:
+        return train.build_optimizer(model, dataclasses.replace(cfg, learning_rate=lr), device, dtype)
 
     probed = []  # filled when compile_or_eager runs the probe (compile on)
 
@@ -469,8 +509,8 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_round_trip(tokenizer, np.asarray(corpus.val[:SAMPLE_TOKENS])),
         check_gradients(grad_model, optimizer_for(grad_model), few_x, few_y),
         check_causal(fresh(), few_x),
-        check_overfit(fit_model, optimizer_for(fit_model), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES],
-                      max_norm, device, dtype),
+        check_overfit(fit_model, optimizer_for(fit_model, overfit_lr(cfg)), x[:OVERFIT_SEQUENCES],
+                      y[:OVERFIT_SEQUENCES], max_norm, device, dtype),
         check_grad_norm(*trainable(), few_x, few_y, device, dtype),
         check_nonfinite_gradient(*trainable(), few_x, few_y, max_norm, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),

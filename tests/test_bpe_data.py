@@ -16,6 +16,7 @@ import data
 import train
 from conftest import make_text
 from data import GPT2_EOT, DataError, GPT2Tokenizer, is_val_document, prepare, val_windows
+from scripts import doctor
 from scripts import eval as eval_script
 
 pytestmark = pytest.mark.network  # may download the openai-whisper sdist (once per module)
@@ -145,3 +146,28 @@ def test_train_runs_on_a_bpe_jsonl_corpus(tmp_path, cache, tiny_cfg):
     assert [r["mfu"] for r in records if "loss" in r] == [None, None]  # CPU: n/a, never a number
     (val,) = [r for r in records if "val_loss" in r]
     assert 0 < val["val_bpb"] < val["val_loss"] / np.log(2)  # BPE tokens hold several bytes each
+
+
+class LowercasingGPT2(GPT2Tokenizer):
+    """A lossy BPE tokenizer: decoding loses capital letters."""
+
+    def decode(self, ids: list[int]) -> str:
+        return super().decode(ids).lower()
+
+
+def test_doctor_round_trips_each_document_and_still_catches_a_lossy_bpe(tok, cache):
+    # <|endoftext|> before each document, as prepare writes them: it decodes to its name, 7 ordinary tokens.
+    ids = np.array([i for text in DOCS[:4] for i in [GPT2_EOT] + tok.encode(text)])
+    check = doctor.check_round_trip(tok, ids)
+    assert check.passed, check.measured
+    assert "in 4 stretches between special tokens" in check.measured  # the first <|endoftext|> is cut off
+    assert not doctor.check_round_trip(LowercasingGPT2(cache), ids).passed
+
+
+@pytest.mark.slow  # the doctor's 15 checks with a 50257-token head: ~40 s on 2 cores
+def test_the_doctor_passes_every_check_on_a_jsonl_corpus(tmp_path, cache, capsys):
+    corpus = write_jsonl(tmp_path / "web.jsonl", DOCS * 3)
+    argv = ["--config", "tiny", "--data_path", str(corpus), "--tokenizer", "gpt2", "--val_fraction", "0.05",
+            "--data_dir", str(cache), "--device", "cpu"]
+    assert doctor.main(argv) == 0, capsys.readouterr().out
+    assert "15/15 checks passed" in capsys.readouterr().out

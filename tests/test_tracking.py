@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import tracking
+from config import ConfigError
 from conftest import REPO
 from fault_injection import run_main, tiny_args
 
@@ -102,12 +103,45 @@ def test_without_a_key_the_run_goes_offline_and_resume_continues_the_same_run(tm
     assert [row["step"] for row in jsonl_rows(out)] == list(range(1, 11))  # metrics.jsonl redid them once
 
 
+START_TRACKER = """
+import json, sys, time
+from pathlib import Path
+import tracking
+from config import make_config
+start = time.time()
+tracker = tracking.start(make_config(wandb=True, out_dir=sys.argv[1]), Path(sys.argv[1]))
+seconds = time.time() - start
+tracker.finish()
+print(json.dumps({"seconds": seconds, "mode": tracker.run.settings.mode}))
+"""
+
+
+def test_a_key_and_an_unreachable_server_go_offline_at_once(tmp_path):
+    """An API key but no server: say so at once and log offline (it was ~95 s of silence, then an error)."""
+    home, out = tmp_path / "home", tmp_path / "run"
+    home.mkdir()
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_CACHE_HOME=str(home / ".cache"),
+               WANDB_API_KEY="0123456789" * 4, WANDB_BASE_URL="http://127.0.0.1:9")  # loopback: refused at once
+    result = subprocess.run([sys.executable, "-c", START_TRACKER, str(out)], cwd=REPO, env=env,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    *lines, last = result.stdout.splitlines()
+    started = json.loads(last)
+    assert started["seconds"] < 15 and started["mode"] == "offline", started
+    assert lines[0].startswith("wandb: going online; checking that http://127.0.0.1:9 answers")  # said at once
+    assert lines[1].startswith("wandb: cannot reach http://127.0.0.1:9 (")
+    assert "upload it later with `wandb sync " in lines[2] and list((out / "wandb").glob("offline-run-*"))
+
+
 # ----------------------------------------------------------------------------- choices, in process
 def test_a_wandb_that_cannot_start_stops_the_run_in_one_line_before_training(tmp_path, text_file, monkeypatch, capsys):
     def init(**kwargs):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
 
     monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setattr(tracking, "server_unreachable", lambda url: None)  # it answers (no test reaches it)
     monkeypatch.setattr(wandb, "init", init)
     out = tmp_path / "out"
     assert run_main(tiny_args(out, text_file, wandb="true")) == 2
@@ -136,6 +170,36 @@ def test_mode_follows_the_credentials_unless_wandb_mode_is_set(monkeypatch, env_
     monkeypatch.setattr(wandb, "login", login)
     assert tracking.choose_mode(wandb) == mode
     assert calls == ([] if env_mode else [{"prompt": False, "verify": False}])  # never a prompt or a round trip
+
+
+@pytest.mark.parametrize("env_mode, mode, answers, expected", [
+    (None, "online", True, "online"),
+    (None, "online", False, "offline"),  # a key but no server: offline at once, saying so
+    (None, "offline", False, "offline"),  # no key: the server is never asked
+    ("online", None, False, ConfigError),  # the user's own WANDB_MODE=online: one line, not a silent fallback
+])
+def test_an_online_run_whose_server_does_not_answer_goes_offline(monkeypatch, capsys, env_mode, mode, answers,
+                                                                  expected):
+    asked = []
+
+    def probe(url):
+        asked.append(url)
+        return None if answers else "[Errno 111] Connection refused"
+
+    if env_mode is None:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_MODE", env_mode)
+    monkeypatch.setattr(tracking, "server_unreachable", probe)
+    if expected is ConfigError:
+        with pytest.raises(ConfigError, match=r"wandb cannot reach .* \(\[Errno 111\] Connection refused\) and "
+                                              "WANDB_MODE=online; unset WANDB_MODE"):
+            tracking.reachable_mode(wandb, mode)
+    else:
+        assert tracking.reachable_mode(wandb, mode) == expected
+    assert len(asked) == (mode != "offline")
+    said = capsys.readouterr().out
+    assert ("logging offline instead" in said) == (mode == "online" and not answers)
 
 
 def test_tracker_skips_the_steps_the_run_already_holds():
