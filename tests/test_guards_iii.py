@@ -167,11 +167,12 @@ def test_preparing_a_corpus_again_leaves_only_the_new_one(tiny_cfg):
     """Bug caught: staged_folder without `shutil.rmtree(old, ...)` (every re-preparation leaves the
     replaced corpus behind under a .staging-* name: the disk fills silently)."""
     cfg = tiny_cfg()
-    first = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, val_fraction=0.1)
-    again = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, val_fraction=0.2)  # re-prepared in place
+    first = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    (first / "meta.json").write_bytes(b"\xff not json")  # unreadable metadata: prepared again, in place
+    again = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
     assert again == first
     assert sorted(os.listdir(cfg.data_dir)) == [first.name]
-    assert json.loads((first / "meta.json").read_text())["val_fraction"] == 0.2
+    assert json.loads((first / "meta.json").read_text())["val_fraction"] == cfg.val_fraction
 
 
 # ----------------------------------------------------------------------------- signals: the first one decides
