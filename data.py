@@ -794,14 +794,16 @@ def iterate_windows(x: torch.Tensor, y: torch.Tensor, batch_size: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from config import CommandLine
+    from config import DEFAULTS, CommandLine, choices, field_help
     parser = CommandLine(description="Prepare a corpus into token files.")
-    parser.add_argument("--dataset", default="shakespeare")
-    parser.add_argument("--data_path", "--data-path", default="")
-    parser.add_argument("--tokenizer", default="char", choices=["char", "gpt2"])
-    parser.add_argument("--data_dir", "--data-dir", default="data")
-    parser.add_argument("--val_fraction", "--val-fraction", type=float, default=0.1,
-                        help="share held out for validation (of the text, or of the documents)")
+    helps = field_help()  # train.py's words for the flags it shares: one source, as in its --help
+    parser.add_argument("--dataset", default=DEFAULTS["dataset"], help=helps["dataset"])
+    parser.add_argument("--data_path", "--data-path", default="", help=helps["data_path"])
+    parser.add_argument("--tokenizer", default=DEFAULTS["tokenizer"], choices=choices("tokenizer"),
+                        help=helps["tokenizer"])
+    parser.add_argument("--data_dir", "--data-dir", default=DEFAULTS["data_dir"], help=helps["data_dir"])
+    parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
+                        help=helps["val_fraction"])
     parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
                         help="tokenizer processes for folder/.jsonl corpora; 0 = one per CPU core")
     parser.add_argument("--block_size", "--block-size", type=int, default=1,
@@ -809,6 +811,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 < args.val_fraction < 1:  # the same rule as config.validate, so train.py accepts the result
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+    if args.num_proc < 0 or args.block_size < 1:
+        parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {args.num_proc} and {args.block_size}")
     try:
         prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc,
                 args.block_size)
