@@ -41,7 +41,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -556,6 +556,7 @@ def batched_sources(sources: Iterable[tuple[str, str]], max_chars: int) -> Itera
         yield batch
 
 
+T = TypeVar("T")
 _worker_tokenizer: CharTokenizer | GPT2Tokenizer | None = None  # one per pool worker, built by its initializer
 
 
@@ -601,8 +602,8 @@ def encode_document(source: tuple[str, str]) -> np.ndarray:
     return np.concatenate([[_worker_tokenizer.eot_token], _worker_tokenizer.encode_array(text)]).astype(dtype)
 
 
-def map_documents(path: Path, work, num_proc: int, tokenizer_meta: dict | None = None,
-                  cache: Path = Path("data")) -> Iterator:
+def map_documents(path: Path, work: Callable[[tuple[str, str]], T], num_proc: int, tokenizer_meta: dict | None = None,
+                  cache: Path = Path("data")) -> Iterator[T]:
     """``work(source)`` of every document of ``path``, in corpus order, from a pool of ``num_proc`` workers
     (each holding the tokenizer of ``tokenizer_meta``, if any).
 

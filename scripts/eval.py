@@ -139,8 +139,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help=field_help()["device"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
-    if args.batch_size < 0 or args.eval_tokens < -1:
-        parser.error(f"need --batch_size >= 0 and --eval_tokens >= -1, got {args.batch_size} and {args.eval_tokens}")
+    if args.batch_size < 0:
+        parser.error(f"--batch_size must be >= 0, got {args.batch_size}")
+    if args.eval_tokens < -1:  # -1 means "as training did"; below it nothing means anything
+        parser.error(f"--eval_tokens must be >= -1, got {args.eval_tokens}")
     return args
 
 

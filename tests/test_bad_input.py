@@ -145,7 +145,7 @@ BAD_INPUTS = {
     ],
     "scripts/bench.py": [
         (["--steps", "0"], "need --steps and --rounds >= 1"),  # ran one step, silently
-        (["--steps", "3", "--vs", "dtype=float32"], "--steps 3 is fewer than --rounds 4"),
+        (["--warmup", "-1"], "--warmup, --threads and --profile >= 0"),
         (["n_layer"], "override `n_layer` must look like KEY=VALUE"),
         (["--json", "{run}/metrics.jsonl/x.json"], "is a file, not a folder"),
     ],
@@ -165,7 +165,7 @@ BAD_INPUTS = {
     ],
     "scripts/eval.py": [
         (["--ckpt", "{tmp}/missing.pt"], "no such checkpoint"),
-        (["--ckpt", "{run}", "--eval_tokens", "-5"], "--eval_tokens >= -1"),
+        (["--ckpt", "{run}", "--eval_tokens", "-5"], "--eval_tokens must be >= -1, got -5"),
         (["--ckpt", "{run}", "--data_path", "{run}/last.pt"], "not UTF-8 text"),
     ],
     "scripts/export_hf.py": [

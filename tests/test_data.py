@@ -75,7 +75,8 @@ def test_document_corpora_prepare_char_level_joined_by_newlines(tmp_path, tiny_c
     assert meta["tokenizer"]["chars"] == "".join(sorted(set("".join(docs)) | {"\n"}))
     assert (meta["documents"], meta["val_documents"]) == (11, 2) and tok.eot_token == tok.stoi["\n"]
     for folder in folders:
-        splits = {split: np.fromfile(folder / f"{split}.bin", dtype=meta["dtype"]).tolist() for split in ("train", "val")}
+        splits = {split: np.fromfile(folder / f"{split}.bin", dtype=meta["dtype"]).tolist()
+                  for split in ("train", "val")}
         assert tok.decode(splits["val"]) == "\n" + docs[0] + "\n" + docs[10]
         assert tok.decode(splits["train"]) == "".join("\n" + text for text in docs[1:10])
     cfg = tiny_cfg(data_path=str(jsonl), data_dir=str(tmp_path / "d"), max_iters=2, eval_interval=2)

@@ -101,7 +101,8 @@ def test_the_readme_fits_in_one_sitting():
 
 
 # ----------------------------------------------------------------------------- --help
-HELP_ENTRY_POINTS = ["train.py", "sample.py", "data.py"] + [f"scripts/{p.name}" for p in sorted((REPO / "scripts").glob("*.py"))]
+HELP_ENTRY_POINTS = ["train.py", "sample.py", "data.py"] + [f"scripts/{p.name}"
+                                                         for p in sorted((REPO / "scripts").glob("*.py"))]
 
 
 def help_of(script: str, argv: tuple[str, ...], capsys) -> str:
