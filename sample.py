@@ -222,7 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
     prompt.add_argument("--prompt-file", "--prompt_file", default="", help="UTF-8 file whose text to continue")
     parser.add_argument("--num-samples", "--num_samples", type=int, default=1, help="samples, generated as one batch")
-    parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=500, help="tokens generated per sample")
+    parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=500,
+                        help="tokens generated per sample")
     parser.add_argument("--temp", "--temperature", type=float, default=0.8, help="0 = greedy argmax")
     parser.add_argument("--top-k", "--top_k", type=int, default=0, help="0 = no top-k filter")
     parser.add_argument("--top-p", "--top_p", type=float, default=1.0, help="1.0 = no nucleus filter")
