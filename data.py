@@ -2,7 +2,7 @@
 
     python data.py                      # prepare the built-in Shakespeare corpus (cached in data/)
     python data.py --data_path my.txt   # prepare any UTF-8 text file
-    python data.py --data_path docs/ --tokenizer gpt2        # a folder of .txt files, one document each
+    python data.py --data_path docs/                         # a folder of .txt files, one document each
     python data.py --data_path web.jsonl --tokenizer gpt2    # one JSON object per line, its "text" field
 
 A prepared corpus is a folder, one per corpus, tokenizer and val_fraction, with ``train.bin`` and
@@ -12,11 +12,14 @@ files were made, their token counts and fingerprints). Every open checks the fil
 ``np.memmap``. Training windows are drawn from a dedicated ``torch.Generator``; validation uses
 fixed windows so every eval scores the same tokens.
 
-Document corpora (a folder of .txt files or a .jsonl file) are tokenized with GPT-2 BPE by a pool of
-worker processes and streamed to disk: memory holds one batch of documents, whatever the corpus
-size. Each document is preceded by <|endoftext|>, so the model sees where documents meet. The val
-split is one document in every 1/val_fraction, starting with the first (0.1: documents 0, 10, 20, ...;
-see ``is_val_document``): it needs no pass over the corpus in advance and spreads val over all of it.
+Document corpora (a folder of .txt files or a .jsonl file) are tokenized by a pool of worker
+processes and streamed to disk: memory holds one batch of documents, whatever the corpus size. Each
+document is preceded by the tokenizer's separator (``eot_token``), so the model sees where documents
+meet: GPT-2's <|endoftext|>, or for a char vocabulary a newline (see ``encode_document``). A char
+vocabulary is the set of the corpus's characters, so it costs one more streaming pass first
+(``corpus_chars``): the corpus is read twice, fine at laptop scale. The val split is one document in
+every 1/val_fraction, starting with the first (0.1: documents 0, 10, 20, ...; see ``is_val_document``):
+it needs no pass over the corpus in advance and spreads val over all of it.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -329,7 +332,7 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     ids = encode_with_progress(tok, text)
     n_val = int(len(ids) * val_fraction)
     check_split_lengths(source, {"train": len(ids) - n_val, "val": n_val}, block_size)
-    dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+    dtype = token_dtype(tok.vocab_size)
     meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
             "source": source, "val_fraction": val_fraction,
             "train_tokens": len(ids) - n_val, "val_tokens": n_val}
@@ -340,6 +343,11 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     print(f"prepared {source}: {meta['train_tokens']:,} train + {n_val:,} val tokens, "
           f"vocab {tok.vocab_size} -> {folder}")
     return folder
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (GPT-2's 50257 do), else uint32: half the disk and page cache of int32."""
+    return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
 
 
 def prepared_folder(folder: Path, legacy: Path, val_fraction: float) -> Path | None:
@@ -548,72 +556,103 @@ def batched_sources(sources: Iterable[tuple[str, str]], max_chars: int) -> Itera
         yield batch
 
 
-_worker_tokenizer: GPT2Tokenizer | None = None  # one per pool worker process, built by its initializer
+T = TypeVar("T")
+_worker_tokenizer: CharTokenizer | GPT2Tokenizer | None = None  # one per pool worker, built by its initializer
 
 
-def _init_worker(cache: str) -> None:
+def _init_worker(tokenizer_meta: dict | None, cache: str) -> None:
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle, once
-    _worker_tokenizer = GPT2Tokenizer(Path(cache))
+    _worker_tokenizer = tokenizer_from_meta(tokenizer_meta, Path(cache)) if tokenizer_meta else None
+
+
+def document_text(source: tuple[str, str]) -> str:
+    """A document's text: a .txt file's, or a .jsonl line's "text" field; DataError names the file and line."""
+    where, payload = source
+    if not payload:
+        return read_text_file(Path(where))
+    try:
+        text = json.loads(payload)["text"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise DataError(f"{where}: not a JSON object with a \"text\" field") from None
+    if not isinstance(text, str):
+        raise DataError(f"{where}: \"text\" is a {type(text).__name__}, not a string")
+    return text
+
+
+def document_chars(source: tuple[str, str]) -> str:
+    """The distinct characters of one document, in no order. In a worker (corpus_chars)."""
+    return "".join(set(document_text(source)))
 
 
 def encode_document(source: tuple[str, str]) -> np.ndarray:
-    """<|endoftext|> then the document's token ids, uint16; empty for an empty document. In a worker."""
-    where, payload = source
-    if payload:
-        try:
-            text = json.loads(payload)["text"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise DataError(f"{where}: not a JSON object with a \"text\" field") from None
-        if not isinstance(text, str):
-            raise DataError(f"{where}: \"text\" is a {type(text).__name__}, not a string")
-    else:
-        text = read_text_file(Path(where))
+    """The separator then the document's token ids; empty for an empty document. In a worker.
+
+    The separator is the tokenizer's eot_token: GPT-2's <|endoftext|>, a token that is no text. A char
+    vocabulary has no such token, and a reserved character would be one that no document holds, yet
+    counted as a byte of the corpus in bits per byte and printed in samples. So a char corpus uses the
+    newline (corpus_chars puts it in every such vocabulary, and CharTokenizer makes it eot_token): what a
+    text file has between its parts. A char document corpus is then its documents joined by newlines,
+    as one text file made of them would be, and an empty prompt starts a sample at a document start.
+    """
+    text = document_text(source)
+    dtype = token_dtype(_worker_tokenizer.vocab_size)
     if not text:
-        return np.zeros(0, dtype=np.uint16)
-    ids = [GPT2_EOT] + _worker_tokenizer.encode(text)
-    return np.array(ids, dtype=np.uint16)  # GPT-2's 50257 ids fit in uint16
+        return np.zeros(0, dtype=dtype)
+    return np.concatenate([[_worker_tokenizer.eot_token], _worker_tokenizer.encode_array(text)]).astype(dtype)
 
 
-def tokenize_documents(path: Path, cache: Path, num_proc: int) -> Iterator[np.ndarray]:
-    """Token arrays of every document of ``path``, in corpus order, from a pool of ``num_proc`` workers.
+def map_documents(path: Path, work: Callable[[tuple[str, str]], T], num_proc: int, tokenizer_meta: dict | None = None,
+                  cache: Path = Path("data")) -> Iterator[T]:
+    """``work(source)`` of every document of ``path``, in corpus order, from a pool of ``num_proc`` workers
+    (each holding the tokenizer of ``tokenizer_meta``, if any).
 
     Sources go to the pool one bounded batch at a time (Pool.imap alone would read the whole input
     ahead into its task queue), so memory does not grow with the corpus.
     """
-    with multiprocessing.Pool(num_proc, initializer=_init_worker, initargs=(str(cache),)) as pool:
+    with multiprocessing.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer_meta, str(cache))) as pool:
         for batch in batched_sources(document_sources(path), BATCH_CHARS):
-            yield from pool.imap(encode_document, batch, chunksize=max(1, len(batch) // (4 * num_proc)))
+            yield from pool.imap(work, batch, chunksize=max(1, len(batch) // (4 * num_proc)))
+
+
+def corpus_chars(path: Path, num_proc: int) -> str:
+    """A char vocabulary for a document corpus: the sorted characters of all its documents and the newline
+    that separates them (encode_document), in one streaming pass over the corpus."""
+    chars = {"\n"}
+    for found in tqdm(map_documents(path, document_chars, num_proc), desc=f"reading the characters of {path.name}",
+                      unit="doc", mininterval=1.0):
+        chars.update(found)
+    return "".join(sorted(chars))
 
 
 def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float,
                       num_proc: int = 0, block_size: int = 1) -> Path:
     """Tokenize a folder of .txt files or a .jsonl into folder/, streaming; see the module docstring."""
-    if tokenizer != "gpt2":
-        raise DataError(f"{path}: folder and .jsonl corpora are prepared with --tokenizer gpt2 "
-                        "(a char vocabulary would need a whole extra pass over the corpus)")
-    tok = GPT2Tokenizer(data_dir)  # fetch or build the BPE ranks once, before the workers start
     num_proc = num_proc or os.cpu_count() or 1
+    # GPT-2: fetch or build the BPE ranks once, before the workers start; char: a first pass for the vocabulary.
+    tok = GPT2Tokenizer(data_dir) if tokenizer == "gpt2" else CharTokenizer(corpus_chars(path, num_proc))
     counts = {"train": 0, "val": 0}
     n_docs = n_val_docs = 0
     with staged_folder(folder) as staging:
         with open(staging / "train.bin", "wb") as train_f, open(staging / "val.bin", "wb") as val_f:
-            progress = tqdm(tokenize_documents(path, data_dir, num_proc), desc=f"tokenizing {path.name}",
-                            unit="doc", mininterval=1.0)
+            documents = map_documents(path, encode_document, num_proc, tok.meta(), data_dir)
+            progress = tqdm(documents, desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
             for index, ids in enumerate(progress):
                 split = "val" if is_val_document(index, val_fraction) else "train"
                 (val_f if split == "val" else train_f).write(ids.tobytes())
                 counts[split] += len(ids)
                 n_docs, n_val_docs = n_docs + 1, n_val_docs + (split == "val")
         check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
-        meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": "uint16", "source": str(path),
-                "val_fraction": val_fraction, "train_tokens": counts["train"], "val_tokens": counts["val"],
-                "documents": n_docs, "val_documents": n_val_docs,
+        separator = "<|endoftext|>" if tokenizer == "gpt2" else "a newline"
+        meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).name,
+                "source": str(path), "val_fraction": val_fraction, "train_tokens": counts["train"],
+                "val_tokens": counts["val"], "documents": n_docs, "val_documents": n_val_docs,
                 "val_split": "document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
-                             "<|endoftext|> before each document"}
+                             f"{separator} before each document"}
         write_meta(staging, meta)
+    kind = "GPT-2 BPE" if tokenizer == "gpt2" else f"{tok.vocab_size} characters"
     print(f"prepared {path}: {n_docs:,} documents, {counts['train']:,} train + {counts['val']:,} val tokens "
-          f"({n_val_docs:,} val documents), GPT-2 BPE -> {folder}")
+          f"({n_val_docs:,} val documents), {kind} -> {folder}")
     return folder
 
 
@@ -756,14 +795,16 @@ def iterate_windows(x: torch.Tensor, y: torch.Tensor, batch_size: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from config import CommandLine
+    from config import DEFAULTS, CommandLine, choices, field_help
     parser = CommandLine(description="Prepare a corpus into token files.")
-    parser.add_argument("--dataset", default="shakespeare")
-    parser.add_argument("--data_path", "--data-path", default="")
-    parser.add_argument("--tokenizer", default="char", choices=["char", "gpt2"])
-    parser.add_argument("--data_dir", "--data-dir", default="data")
-    parser.add_argument("--val_fraction", "--val-fraction", type=float, default=0.1,
-                        help="share held out for validation (of the text, or of the documents)")
+    helps = field_help()  # train.py's words for the flags it shares: one source, as in its --help
+    parser.add_argument("--dataset", default=DEFAULTS["dataset"], help=helps["dataset"])
+    parser.add_argument("--data_path", "--data-path", default="", help=helps["data_path"])
+    parser.add_argument("--tokenizer", default=DEFAULTS["tokenizer"], choices=choices("tokenizer"),
+                        help=helps["tokenizer"])
+    parser.add_argument("--data_dir", "--data-dir", default=DEFAULTS["data_dir"], help=helps["data_dir"])
+    parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
+                        help=helps["val_fraction"])
     parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
                         help="tokenizer processes for folder/.jsonl corpora; 0 = one per CPU core")
     parser.add_argument("--block_size", "--block-size", type=int, default=1,
@@ -771,6 +812,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 < args.val_fraction < 1:  # the same rule as config.validate, so train.py accepts the result
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+    if args.num_proc < 0 or args.block_size < 1:
+        parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {args.num_proc} and {args.block_size}")
     try:
         prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc,
                 args.block_size)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from config import ConfigError
+from distributed import print0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,7 +30,10 @@ def pick_device(requested: str = "auto") -> torch.device:
         if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    device = torch.device(requested)
+    try:
+        device = torch.device(requested)
+    except RuntimeError:  # torch's message lists 20 device types, most of which tinygpt cannot run on
+        raise ConfigError(f"unknown device `{requested}`; use one of auto, cpu, cuda, cuda:N, mps") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device `{requested}` asked for, but CUDA is not available; use --device cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
@@ -113,6 +117,8 @@ def compile_or_eager(model: torch.nn.Module, enabled: bool, probe: Callable[[tor
     """
     if not enabled:
         return model
+    # The probe is where compiling happens, silently: say so first, or a long compile looks like a hang.
+    print0("compiling the model (torch.compile; the first time can take minutes)")
     compiled = torch.compile(model)
     try:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []

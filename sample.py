@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_checkpoint
-from config import CommandLine, ConfigError, config_from_dict, model_config
+from config import CommandLine, ConfigError, config_from_dict, field_help, model_config
 from data import DataError, read_text_file, tokenizer_from_meta
 import hf
 from model import GPT
@@ -222,7 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
     prompt.add_argument("--prompt-file", "--prompt_file", default="", help="UTF-8 file whose text to continue")
     parser.add_argument("--num-samples", "--num_samples", type=int, default=1, help="samples, generated as one batch")
-    parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=500)
+    parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=500,
+                        help="tokens generated per sample")
     parser.add_argument("--temp", "--temperature", type=float, default=0.8, help="0 = greedy argmax")
     parser.add_argument("--top-k", "--top_k", type=int, default=0, help="0 = no top-k filter")
     parser.add_argument("--top-p", "--top_p", type=float, default=1.0, help="1.0 = no nucleus filter")
@@ -232,7 +233,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "further samples are printed when the batch is done")
     parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
                         help="KV cache; --no-cache recomputes the whole window per token (same text, slower)")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help=field_help()["device"])
     args = parser.parse_args(argv)
     if not args.temp >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1 \
             or args.max_new_tokens < 0:

@@ -170,10 +170,12 @@ class MetricsLog:
     Only the main process (rank 0) writes; on other ranks every method does nothing.
     """
 
-    def __init__(self, out_dir: Path, cfg: TrainConfig, enabled: bool = True, logged_through: int | None = None):
+    def __init__(self, out_dir: Path, cfg: TrainConfig, enabled: bool = True, logged_through: int | None = None,
+                 tracked: bool = True):
         self.enabled = enabled
         self.file = open(out_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
-        self.tracker = tracking.start(cfg, out_dir, logged_through) if enabled else tracking.NullTracker()
+        # tracked=False: a resume with nothing left to do, which would open a wandb run just to log nothing.
+        self.tracker = tracking.start(cfg, out_dir, logged_through) if enabled and tracked else tracking.NullTracker()
 
     def log(self, record: dict[str, Any], line: str) -> None:
         self.record(record)
@@ -343,6 +345,13 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer | MuonWithAdamW, state
         group.update(mine)
 
 
+def clock(seconds: float) -> str:
+    """m:ss, or h:mm:ss from an hour on: the run's time against max_time in the step lines."""
+    whole = int(seconds)
+    minutes, secs = divmod(whole, 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
+
+
 def budget_spent(cfg: TrainConfig, time_s: float) -> bool:
     return cfg.max_time > 0 and time_s >= cfg.max_time
 
@@ -433,7 +442,8 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     print0(f"device {device}, dtype {dtype_name(dtype)}, compile {train_model is not model}, "
            f"{tokens_per_step:,} tokens/step ({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), out_dir {out_dir}")
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
-        log = MetricsLog(out_dir, cfg, enabled=ddp.is_main, logged_through=logged_through)
+        done = step >= cfg.max_iters or budget_spent(cfg, time_before)  # a resumed run may have nothing left to do
+        log = MetricsLog(out_dir, cfg, enabled=ddp.is_main, logged_through=logged_through, tracked=not done)
     params = list(model.parameters())
     flops_per_token = model.flops_per_token()  # once, not per log line: counting the parameters takes ~0.2 ms
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -481,7 +491,8 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
                 log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
                          "mfu": util, "time_s": now - t_start},
                         f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
-                        f"{dt * 1000:.1f} ms/step | {tok_s:,.0f} tok/s | mfu {'n/a' if util is None else f'{util:.1%}'}")
+                        f"{dt * 1000:.1f} ms/step | {tok_s:,.0f} tok/s | mfu {'n/a' if util is None else f'{util:.1%}'}"
+                        + (f" | {clock(now - t_start)} of {clock(cfg.max_time)}" if cfg.max_time else ""))
             if step % cfg.eval_interval == 0 or last:
                 t_eval = time.time()
                 guard.raise_if_tripped()

@@ -271,21 +271,47 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**known)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = CommandLine(description="Train a tiny GPT. Every config field below can be set from the command line.")
+TRAIN_DESCRIPTION = "Train a tiny GPT. Every config field below can be set from the command line."
+
+
+def build_parser(preset: str | None = None, description: str = TRAIN_DESCRIPTION) -> argparse.ArgumentParser:
+    """train.py's command line (doctor.py's too, with its own ``description``); with a ``preset``, --help
+    shows the preset's values as the defaults, since those are what a flag left out means."""
+    parser = CommandLine(description=description)
     parser.add_argument("--config", default=None,
                         help="preset name in config/ (tiny, small, gpt2, nanogpt_cpu, finetune_shakespeare) or a path to a .toml file")
     model_group = parser.add_argument_group("model options (declared in model.py's GPTConfig)")
     helps = field_help()
+    from_preset = load_preset(preset) if preset else {}
     for f in fields(TrainConfig):
         flags = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
         is_bool = type_name(f.name) == "bool"
         metavar = "{" + ",".join(choices(f.name)) + "}" if choices(f.name) else type_name(f.name).upper()
+        default = f"{from_preset[f.name]}, from {preset}; else {f.default}" if f.name in from_preset else f.default
         # nargs="?" lets booleans stand alone (--resume) or take a value (--resume false).
         (model_group if f.name in MODEL_OPTIONS else parser).add_argument(
             *flags, dest=f.name, default=argparse.SUPPRESS, metavar=metavar, nargs="?" if is_bool else None,
-            const="true" if is_bool else None, help=f"{helps.get(f.name, '')} (default: {f.default})")
+            const="true" if is_bool else None,
+            help=helps.get(f.name, "") + (f" (default: {default})" if default != "" else ""))  # "": said in the help
     return parser
+
+
+def preset_given(argv: list[str] | None) -> str | None:
+    """The --config of a command line, read ahead of the full parse (whose --help needs it)."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--config", default=None)
+    return early.parse_known_args(argv)[0].config
+
+
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help, except where the help already says what its default means
+    (``(default: newest out/**/best.pt)``) or X would print as nothing: never two defaults, never an empty one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if re.search(r"\(default|default:", text) or action.default in (None, ""):
+            return text
+        return super()._get_help_string(action)
 
 
 class CommandLine(argparse.ArgumentParser):
@@ -294,7 +320,7 @@ class CommandLine(argparse.ArgumentParser):
     """
 
     def __init__(self, **kwargs: Any):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", DefaultsOnce)
         super().__init__(allow_abbrev=False, **kwargs)  # an abbreviation that later grows ambiguous breaks scripts
 
     def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's signature
@@ -315,9 +341,9 @@ class CommandLine(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
+def parse_args(argv: list[str] | None = None, description: str = TRAIN_DESCRIPTION) -> TrainConfig:
     """Command line to validated config. Raises ConfigError on a mistake (argparse exits on --help)."""
-    parser = build_parser()
+    parser = build_parser(preset_given(argv), description)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])

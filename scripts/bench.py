@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import CommandLine, ConfigError, TrainConfig, make_config, model_config  # noqa: E402
 from data import DataError, get_batch, load_corpus, prepare  # noqa: E402
 from model import GPT  # noqa: E402
-from runtime import (autocast, compile_or_eager, matmul_gflops, pick_device, pick_dtype,  # noqa: E402
+from rundir import check_writable  # noqa: E402
+from runtime import (autocast, compile_or_eager, fail, matmul_gflops, pick_device, pick_dtype,  # noqa: E402
                      seed_everything, want_compile)
 from faults import NonFiniteGuard  # noqa: E402
 from train import accumulate_gradients, build_optimizer, get_lr, optimizer_step, set_lr  # noqa: E402
@@ -229,11 +230,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the torch profiler's top N ops over 10 steps of each config")
     args = parser.parse_args(argv)
+    if min(args.steps, args.rounds) < 1 or min(args.warmup, args.threads, args.profile) < 0:
+        parser.error(f"need --steps and --rounds >= 1, --warmup, --threads and --profile >= 0; got --steps "
+                     f"{args.steps}, --rounds {args.rounds}, --warmup {args.warmup}, --threads {args.threads}, "
+                     f"--profile {args.profile}")
+    rounds = min(args.rounds, args.steps) if args.vs else 1  # one config has nothing to alternate with
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     try:
+        if args.json:
+            check_writable(args.json.parent, "--json", f".bench-probe-{os.getpid()}")  # not after minutes of timing
         base = parse_overrides(args.overrides)
         if args.matmul:
             matmul_report(pick_device(base.get("device", "auto")))
@@ -244,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         benches = [build(f"{name}: {args.config} {' '.join(args.overrides + ([args.vs] if name == 'B' else []))}".strip(), cfg)
                    for name, cfg in configs]
     except (ConfigError, DataError) as err:
-        sys.exit(f"error: {err}")
-    results = run(benches, args.steps, args.warmup, args.rounds if len(benches) > 1 else 1)
+        fail(str(err))
+    results = run(benches, args.steps, args.warmup, rounds)
     if args.profile:
         for b in benches:
             print(f"[{b.name}] torch profiler, 10 steps:\n{profile(b, args.profile)}")

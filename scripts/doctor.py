@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run every check and print the table; 0 if all pass, 1 if any fails, 2 on a config error."""
     t_start = time.time()
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args(argv, __doc__.split("\n")[0] + " Takes train.py's flags.")
         checks = run_checks(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from config import CommandLine, ConfigError, TrainConfig, config_from_dict, model_config  # noqa: E402
+from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config  # noqa: E402
 from data import (DataError, load_corpus, prepare, read_text_file, special_tokens, tokenizer_from_meta,  # noqa: E402
                   val_windows)
 from model import GPT  # noqa: E402
@@ -136,11 +136,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="windows per forward pass; 0 = the run's batch_size (the one that reproduces its numbers)")
     parser.add_argument("--dtype", default="", choices=["", "float32", "bfloat16", "float16"],
                         help="precision of the forward pass; default: the one the run trained in")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help=field_help()["device"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     if args.batch_size < 0:
         parser.error(f"--batch_size must be >= 0, got {args.batch_size}")
+    if args.eval_tokens < -1:  # -1 means "as training did"; below it nothing means anything
+        parser.error(f"--eval_tokens must be >= -1, got {args.eval_tokens}")
     return args
 
 

@@ -9,6 +9,7 @@ for a char model (token id i is chars[i]). The mapping itself is hf.py's table.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import hf  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
 from config import CommandLine, ConfigError  # noqa: E402
 from data import DataError  # noqa: E402
+from rundir import PathError, check_writable  # noqa: E402
 from runtime import fail  # noqa: E402
 from sample import find_checkpoint, load_model  # noqa: E402
 
@@ -30,9 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="folder to write (created; files of the same names are replaced)")
     args = parser.parse_args(argv)
     try:
+        check_writable(Path(args.out), "output folder", f".export-probe-{os.getpid()}")  # before loading anything
         path = find_checkpoint(args.run)
         model, tokenizer = load_model(path, torch.device("cpu"))
         written = hf.export(model, tokenizer, Path(args.out))
+    except PathError as err:
+        fail(str(err), err.exit_code)
     except (CheckpointError, ConfigError, DataError) as err:
         fail(str(err))
     print(f"exported {path} -> {args.out}: {', '.join(p.name for p in written)}")

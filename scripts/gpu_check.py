@@ -22,6 +22,7 @@ or pass --data_path and --data_dir: train.py downloads Shakespeare and the GPT-2
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import statistics
@@ -40,6 +41,8 @@ if str(REPO) not in sys.path:
 
 from checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from config import CommandLine  # noqa: E402
+from rundir import PathError, check_writable  # noqa: E402
+from runtime import fail  # noqa: E402
 
 TINY = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
         "--dtype", "float32", "--compile", "off", "--tokenizer", "char", "--device", "cpu")  # config/tiny.toml
@@ -245,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be even and >= 2, got {args.steps}")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
+    try:
+        check_writable(args.out_dir, "--out_dir", f".gpu_check-probe-{os.getpid()}")
+    except PathError as err:
+        fail(str(err), err.exit_code)
     plan = make_plan(args)
     marker = plan.out / ".written_by_gpu_check"  # never delete runs this script did not make
     if plan.out.is_dir() and any(plan.out.iterdir()) and not marker.is_file():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,15 +32,30 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import CommandLine  # noqa: E402
+from rundir import PathError, check_writable  # noqa: E402
+
+
+class MetricsError(ValueError):
+    """A file that is not a metrics.jsonl of train.py; the message names it (and the line)."""
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     """(train records, val records) of one metrics.jsonl; a resumed run's repeats keep the last."""
     train, val = {}, {}
-    for line in path.read_text().splitlines():
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise MetricsError(f"{path}: not a metrics.jsonl (not UTF-8 text); pass a run folder or its "
+                           "metrics.jsonl") from None
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise MetricsError(f"{path}:{number}: not a train.py metrics record (a JSON object with a \"step\")")
         if "val_loss" in record:
             val[record["step"]] = record
         elif "loss" in record:
@@ -194,7 +210,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{arg}: no such file, and no metrics.jsonl in it or in its */seed-*/ folders")
         runs += [(path, args.labels[i] if args.labels else label) for path, label in found]
     paths, labels = [p for p, _ in runs], [label for _, label in runs]
-    print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")
+    try:
+        check_writable(args.out.parent, "-o", f".plot-probe-{os.getpid()}")  # before the work, not after it
+        print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")
+    except (MetricsError, PathError) as err:
+        parser.error(str(err))
 
 
 if __name__ == "__main__":

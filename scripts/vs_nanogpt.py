@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from config import CommandLine  # noqa: E402
 from data import DataError, load_corpus, prepare  # noqa: E402
+from runtime import fail  # noqa: E402
 
 NANOGPT_DATASET = "tinygpt_shakespeare_char"
 RECIPE = ("--device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 "
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bench", action="store_true",
                         help="also time scripts/bench.py's step each round and compare train.py with it")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if not 0 <= args.skip < args.steps:
         parser.error(f"--skip {args.skip} must be at least 0 and below --steps {args.steps}: no step would be timed")
     if not (args.nanogpt / "train.py").is_file() or not (args.nanogpt / "model.py").is_file():
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         export_corpus(args.nanogpt.resolve())
     except DataError as err:
-        sys.exit(f"error: {err}")
+        fail(str(err))
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     timings = {"nanoGPT train.py": [], "tinygpt train.py": []}
     with tempfile.TemporaryDirectory() as tmp:

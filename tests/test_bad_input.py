@@ -9,7 +9,8 @@ import pytest
 
 import data
 import train
-from conftest import REPO, load_entry_point
+from conftest import REPO, load_entry_point, make_text
+from config import make_config
 from data import prepare
 from fault_injection import run_main, tiny_args
 
@@ -118,21 +119,108 @@ def test_every_entry_point_answers_an_unknown_flag_in_one_line(capsys, script):
     assert err.startswith("error: unknown flag `--seeed`") and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--tmp", "0.8"], "unknown flag `--tmp`; did you mean `--temp`?"),
-    (["--temp", "abc"], "invalid float value: 'abc'"),
-    (["surplus"], "unexpected argument `surplus`"),
-])
-def test_sample_flag_mistakes_are_one_line_with_a_hint(capsys, argv, expected):
-    with pytest.raises(SystemExit) as stopped:
-        load_entry_point("sample.py").main(argv)
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err.count("\n") == 1 and expected in err, err
+# ----------------------------------------------------------------------------- every entry point, one table
+TRAIN = ["--config", "tiny", "--data_path", "{corpus}", "--data_dir", "{data}", "--device", "cpu"]
+# Bad input for each entry point: (argv, words its one-line error must hold). {run} is a trained tiny run
+# folder (best.pt, last.pt, metrics.jsonl), {corpus} its text and {data} its prepared data_dir, {tmp} an
+# empty folder; "{run}/metrics.jsonl/x" is a path with a file in the way. A script without rows here
+# fails test_every_entry_point_has_rows_in_the_bad_input_table: a new script brings its own.
+BAD_INPUTS = {
+    "train.py": [
+        (TRAIN + ["--resume", "--out_dir", "{tmp}/fresh"], "no such checkpoint"),  # and leaves no folder
+        (TRAIN + ["--max_itres", "5"], "did you mean `max_iters`?"),
+    ],
+    "sample.py": [
+        (["--tmp", "0.8"], "unknown flag `--tmp`; did you mean `--temp`?"),
+        (["--temp", "abc"], "invalid float value: 'abc'"),
+        (["surplus"], "unexpected argument `surplus`"),
+        (["--ckpt", "{run}/metrics.jsonl"], "not a tinygpt checkpoint"),
+        (["--ckpt", "{run}", "--device", "tpu"], "unknown device `tpu`"),
+        (["--ckpt", "{run}", "--max-new-tokens", "-1"], "--max-new-tokens >= 0"),
+    ],
+    "data.py": [
+        (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
+        (["--num_proc", "-1"], "--num_proc >= 0"),
+        (["--val_fraction", "1"], "--val_fraction must be in (0, 1)"),
+    ],
+    "scripts/bench.py": [
+        (["--steps", "0"], "need --steps and --rounds >= 1"),  # ran one step, silently
+        (["--warmup", "-1"], "--warmup, --threads and --profile >= 0"),
+        (["n_layer"], "override `n_layer` must look like KEY=VALUE"),
+        (["--json", "{run}/metrics.jsonl/x.json"], "is a file, not a folder"),
+    ],
+    "scripts/bench_sample.py": [
+        (["--ckpt", "{tmp}"], "no best.pt or last.pt in this folder"),
+        (["--ckpt", "{run}/metrics.jsonl"], "not a tinygpt checkpoint"),
+        (["--n-head", "3"], "must be divisible by n_head (3)"),
+        (["--repeats", "0"], "need --tokens, --repeats and --vocab-size >= 1"),
+    ],
+    "scripts/compare.py": [
+        (["a:"], "give --steps N"),
+        (["--steps", "0", "a:"], "--steps must be > 0"),
+    ],
+    "scripts/doctor.py": [
+        (["--config", "nope"], "no preset `nope`"),
+        (["--n_head", "3"], "n_head"),
+    ],
+    "scripts/eval.py": [
+        (["--ckpt", "{tmp}/missing.pt"], "no such checkpoint"),
+        (["--ckpt", "{run}", "--eval_tokens", "-5"], "--eval_tokens must be >= -1, got -5"),
+        (["--ckpt", "{run}", "--data_path", "{run}/last.pt"], "not UTF-8 text"),
+    ],
+    "scripts/export_hf.py": [
+        (["{run}", "{run}/metrics.jsonl/x"], "is a file, not a folder"),
+        (["{tmp}/missing", "{tmp}/hf"], "no such checkpoint"),
+    ],
+    "scripts/gpu_check.py": [
+        (["--dry-run", "--steps", "3"], "--steps must be even and >= 2"),
+        (["--dry-run", "--out_dir", "{run}/metrics.jsonl/x"], "is a file, not a folder"),
+    ],
+    "scripts/plot.py": [
+        (["{run}/metrics.jsonl", "--labels", "a", "b"], "2 --labels for 1 arguments"),
+        (["{run}/last.pt"], "not a metrics.jsonl (not UTF-8 text)"),
+        (["{tmp}/missing"], "no such file"),
+        (["{run}", "-o", "{run}/metrics.jsonl/x.png"], "is a file, not a folder"),
+        (["{run}", "--ref", "70"], "SECONDS:LOSS"),
+    ],
+    "scripts/vs_nanogpt.py": [
+        (["--nanogpt", "nano", "--steps", "10", "--skip", "10"], "--skip 10 must be at least 0 and below --steps 10"),
+        (["--nanogpt", "{tmp}"], "is not a nanoGPT checkout"),
+        (["--nanogpt", "nano", "--rounds", "0"], "--rounds must be >= 1"),
+    ],
+}
 
 
-def test_vs_nanogpt_refuses_a_run_with_no_step_left_to_time(capsys):
-    """--skip drops the first steps of each run; at --steps or more, no median exists to compare."""
-    with pytest.raises(SystemExit) as stopped:
-        load_entry_point("scripts/vs_nanogpt.py").main(["--nanogpt", "nano", "--steps", "10", "--skip", "10"])
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, str]:
+    """A tiny run, 2 steps: what the table's {run}, {corpus} and {data} name."""
+    root = tmp_path_factory.mktemp("trained")
+    corpus = root / "corpus.txt"
+    corpus.write_text(make_text())
+    train.train(make_config("tiny", data_path=str(corpus), data_dir=str(root / "data"), out_dir=str(root / "run"),
+                            device="cpu", max_iters=2, eval_interval=2))
+    return {"run": str(root / "run"), "corpus": str(corpus), "data": str(root / "data")}
+
+
+def files_under(*folders: Path) -> list[Path]:
+    return sorted(path for folder in folders for path in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("script, argv, expected",
+                         [(script, argv, expected) for script, rows in BAD_INPUTS.items() for argv, expected in rows])
+def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(tmp_path, capsys, trained, script, argv, expected):
+    main = train.main if script == "train.py" else load_entry_point(script).main
+    before = files_under(tmp_path, Path(trained["run"]).parent)
+    try:
+        code = main([arg.format(tmp=tmp_path, **trained) for arg in argv])  # doctor.py returns its code
+    except SystemExit as stopped:
+        code = stopped.code
     err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err == "error: --skip 10 must be at least 0 and below --steps 10: no step would be timed\n"
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    assert files_under(tmp_path, Path(trained["run"]).parent) == before  # no folder left behind, nothing written
+
+
+def test_every_entry_point_has_rows_in_the_bad_input_table():
+    entry_points = {"train.py", "sample.py", "data.py"} | {f"scripts/{p.name}" for p in (REPO / "scripts").glob("*.py")}
+    missing = sorted(entry_points - set(BAD_INPUTS))
+    assert not missing, f"add rows of bad input for {missing} to BAD_INPUTS"

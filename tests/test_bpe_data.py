@@ -122,8 +122,6 @@ def test_bad_documents_are_named(tmp_path, cache):
     bad.write_bytes(b'{"text": "fine"}\n{"text": "\xff"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: not UTF-8"):
         prepare(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
-    with pytest.raises(DataError, match="--tokenizer gpt2"):
-        prepare(data_path=str(write_folder(tmp_path / "docs", DOCS)), tokenizer="char", data_dir=str(cache))
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no .txt files"):
         prepare(data_path=str(tmp_path / "empty"), tokenizer="gpt2", data_dir=str(cache))

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import data
-from conftest import run_script
+import train
+from conftest import make_text, run_script
 from data import (CharTokenizer, DataError, GPT2Tokenizer, get_batch, load_corpus, prepare,
                   strip_gutenberg, val_windows)
 
@@ -54,6 +55,35 @@ def test_huge_vocab_is_stored_as_uint32(tmp_path):
     assert meta["vocab_size"] > 65_536 and meta["dtype"] == "uint32"
     corpus = load_corpus(folder, block_size=8)
     assert max(corpus.train.max(), corpus.val.max()) == 69_999  # ids above 65535 survive the round trip
+
+
+
+def test_document_corpora_prepare_char_level_joined_by_newlines(tmp_path, tiny_cfg):
+    """A folder of .txt files and a .jsonl work at the default tokenizer, as the README says: one streaming
+    pass for the characters, then each document after a newline, every tenth document (from the first) in val."""
+    docs = [make_text(n_lines=30 + i, seed=i) for i in range(11)]
+    docs[4] = "Ça va? « oui »"  # characters no other document has: the vocabulary is the whole corpus's
+    (tmp_path / "docs").mkdir()
+    for i, text in enumerate(docs):
+        (tmp_path / "docs" / f"{i:02d}.txt").write_text(text)
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
+    folders = [prepare(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=2)
+               for path in (tmp_path / "docs", jsonl)]
+    meta = json.loads((folders[0] / "meta.json").read_text())
+    tok = CharTokenizer(meta["tokenizer"]["chars"])
+    assert meta["tokenizer"]["chars"] == "".join(sorted(set("".join(docs)) | {"\n"}))
+    assert (meta["documents"], meta["val_documents"]) == (11, 2) and tok.eot_token == tok.stoi["\n"]
+    for folder in folders:
+        splits = {split: np.fromfile(folder / f"{split}.bin", dtype=meta["dtype"]).tolist()
+                  for split in ("train", "val")}
+        assert tok.decode(splits["val"]) == "\n" + docs[0] + "\n" + docs[10]
+        assert tok.decode(splits["train"]) == "".join("\n" + text for text in docs[1:10])
+    cfg = tiny_cfg(data_path=str(jsonl), data_dir=str(tmp_path / "d"), max_iters=2, eval_interval=2)
+    assert np.isfinite(train.train(cfg))  # and train.py trains on it
+    jsonl.write_text('{"text": "fine"}\n{"body": "no text"}\n')  # the first pass reads every line too
+    with pytest.raises(DataError, match=r"docs.jsonl:2: not a JSON object with a \"text\" field"):
+        prepare(data_path=str(jsonl), data_dir=str(tmp_path / "d"), num_proc=1)
 
 
 def test_batches_are_shifted_and_come_only_from_their_generator():

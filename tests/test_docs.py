@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,64 @@ def test_every_relative_link_resolves(page):
 
 def test_the_readme_fits_in_one_sitting():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+# ----------------------------------------------------------------------------- --help
+HELP_ENTRY_POINTS = ["train.py", "sample.py", "data.py"] + [f"scripts/{p.name}"
+                                                         for p in sorted((REPO / "scripts").glob("*.py"))]
+
+
+def help_of(script: str, argv: tuple[str, ...], capsys) -> str:
+    """What `python SCRIPT ARGV --help` prints (argparse exits 0 after it)."""
+    with pytest.raises(SystemExit) as stopped:
+        load_entry_point(script).main([*argv, "--help"])
+    assert stopped.value.code == 0
+    return capsys.readouterr().out
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """Argument (its flags, or a positional's name) -> its help, from --help output with the wrapping undone."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        if re.match(r"^  \S", line):  # "  --flag FLAG   help..." or "  --a-long-flag A_LONG_FLAG" alone
+            current, _, rest = line.strip().partition("  ")
+            entries[current] = rest.strip()
+        elif current and re.match(r"^ {6,}\S", line):
+            entries[current] = (entries[current] + " " + line.strip()).strip()
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize("script", HELP_ENTRY_POINTS)
+def test_every_argument_says_what_it_does_and_its_default_once(script, capsys):
+    entries = help_entries(help_of(script, (), capsys))
+    assert len(entries) > 2
+    for argument, text in entries.items():
+        assert text, f"{script}: {argument} has no help"
+        assert text.count("(default") <= 1 and "(default: )" not in text, f"{script}: {argument}: {text}"
+
+
+def test_help_with_a_preset_shows_the_presets_values_as_the_defaults(capsys):
+    small = config.load_preset("small")
+    entries = help_entries(help_of("train.py", ("--config", "small"), capsys))
+    assert entries["--n_layer INT, --n-layer INT"].endswith(
+        f"(default: {small['n_layer']}, from small; else {config.DEFAULTS['n_layer']})")
+    assert entries["--seed INT"].endswith(f"(default: {config.DEFAULTS['seed']})")  # small leaves it alone
+    entries = help_entries(help_of("train.py", (), capsys))
+    assert entries["--n_layer INT, --n-layer INT"].endswith(f"(default: {config.DEFAULTS['n_layer']})")
+
+
+def test_the_doctors_help_describes_the_doctor(capsys):
+    text = help_of("scripts/doctor.py", ("--config", "tiny"), capsys)
+    doctor = load_entry_point("scripts/doctor.py").__doc__.split("\n")[0]
+    assert doctor in " ".join(text.split()) and "Train a tiny GPT" not in text
+
+
+def test_what_documented_commands_write_into_the_repo_is_ignored_by_git():
+    """README's export writes hf/shakespeare, plot.py's default -o is loss.png: neither may show in git status."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = ["hf/shakespeare/config.json", "loss.png", "out/small/best.pt", "data/x/train.bin"]
+    ignored = subprocess.run(["git", "check-ignore", *paths], cwd=REPO, capture_output=True, text=True).stdout
+    assert ignored.split() == paths

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import tracking
 import train
 from checkpoint import REQUIRED_KEYS, CheckpointWriteError, load_checkpoint, save_checkpoint
 from config import ConfigError, make_config
@@ -78,6 +80,36 @@ def test_max_time_stops_annealed_and_a_resume_continues_the_clock(tmp_path, text
     resumed = [r for r in read_metrics(out) if "loss" in r][len(steps):]
     assert resumed and resumed[0]["time_s"] > 3 and resumed[-1]["time_s"] < 5 + 1.0
     assert resumed[0]["lr"] < steps[2]["lr"] * 0.5  # the schedule picked up at 3 of 5 s, not from the top
+
+
+@pytest.mark.parametrize("seconds, shown", [(0, "0:00"), (83.9, "1:23"), (180, "3:00"), (3599.5, "59:59"),
+                                             (3600, "1:00:00"), (3725, "1:02:05")])
+def test_clock_is_minutes_and_seconds_then_hours(seconds, shown):
+    assert train.clock(seconds) == shown
+
+
+def test_step_lines_show_the_run_time_against_max_time(tmp_path, text_file, capsys):
+    step_line = re.compile(r"^step +\d+ \| loss .*")
+    assert run_main(tiny_args(tmp_path / "budget", text_file, max_iters=2, max_time=3600)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if step_line.match(line)]
+    assert len(lines) == 2 and all(re.search(r" \| 0:0\d of 1:00:00$", line) for line in lines), lines
+    assert run_main(tiny_args(tmp_path / "none", text_file, max_iters=2)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if step_line.match(line)]
+    assert len(lines) == 2 and not any(" of " in line for line in lines)  # no budget, nothing to count down
+
+
+def test_a_resume_with_nothing_left_to_do_opens_no_tracker_run(tmp_path, text_file, monkeypatch):
+    """A wandb run opened to log nothing is one more (offline) run to sync, and a wait for wandb."""
+    started = []  # cfg.resume of each tracker started
+
+    def start(cfg, out_dir, logged_through=None):
+        started.append(cfg.resume)
+        return tracking.NullTracker()
+    monkeypatch.setattr(tracking, "start", start)
+    args = tiny_args(tmp_path / "run", text_file, max_iters=2, eval_interval=2, wandb="true")
+    assert run_main(args) == 0 and started == [False]
+    assert run_main(args + ["--resume"]) == 0 and started == [False]  # max_iters reached: nothing to log
+    assert run_main(args + ["--resume", "--max_iters=3"]) == 0 and started == [False, True]  # a step to do
 
 
 def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
@@ -301,6 +333,17 @@ def test_end_to_end_train_then_sample(tmp_path, text_file):
     assert first.stdout == second.stdout and f"sampling from {out / 'best.pt'}" in first.stdout
     greedy = run_script(*sample[:-4], "--temp", "0", "--prompt", "KING:")
     assert greedy.stdout.split("\n", 1)[1].startswith("KING:")
+
+
+def test_compiling_is_announced_before_the_probe_compiles(monkeypatch, capsys):
+    """The probe is where torch.compile takes its time (100 s for gpt2 on a GPU): a line must come first."""
+    from runtime import compile_or_eager
+    monkeypatch.setattr(torch, "compile", lambda model: model)  # compiling itself is not what is tested
+    printed_before_probe = []
+    compile_or_eager(tiny_model(), True, lambda m: printed_before_probe.append(capsys.readouterr().out))
+    assert printed_before_probe == ["compiling the model (torch.compile; the first time can take minutes)\n"]
+    compile_or_eager(tiny_model(), False, lambda m: pytest.fail("no probe without compile"))
+    assert capsys.readouterr().out == ""  # compile off: nothing to announce
 
 
 def test_a_failing_compile_warns_once_and_runs_eager(monkeypatch):
