@@ -165,12 +165,14 @@ class NextTokenLogits:
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
              use_cache: bool = True, keep: int = 0,
-             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+             on_token: Callable[[torch.Tensor], None] | None = None,
+             stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """Append max_new_tokens to every row of idx (B, T), all rows as one batch; returns (B, T + new).
 
     temperature 0 is greedy. ``on_token`` gets each new column (B, 1) as soon as it is chosen (for
-    streaming). ``keep``: see window_start (0 = block_size // 2). Put the model in eval mode first:
-    in train mode dropout would make the samples noisy.
+    streaming). ``stop`` gets idx after each new token and ends generation early by returning True
+    (scripts/harness.py: a stop sequence). ``keep``: see window_start (0 = block_size // 2). Put the
+    model in eval mode first: in train mode dropout would make the samples noisy.
     """
     if idx.size(1) == 0:
         raise ValueError("generate needs at least one token to start from")
@@ -180,6 +182,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
         idx = torch.cat([idx, next_id], dim=1)  # (B, T + 1)
         if on_token is not None:
             on_token(next_id)
+        if stop is not None and stop(idx):
+            break
     return idx
 
 

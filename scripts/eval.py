@@ -10,6 +10,7 @@ precision) with the same code, so best.pt's best_val_loss comes back exactly (on
 was trained on). A --data_path file is tokenized with the checkpoint's tokenizer and scored whole, as
 contiguous non-overlapping windows of block_size. Bits per byte divide the same nats by the UTF-8
 bytes of the targets: unlike nats per token, they compare a char model with a BPE model.
+For the field's benchmarks (HellaSwag, LAMBADA, ...) see scripts/harness.py and docs/evaluation.md.
 """
 from __future__ import annotations
 

@@ -1,0 +1,254 @@
+"""Score a checkpoint with EleutherAI's lm-evaluation-harness: HellaSwag, LAMBADA, ARC, ... natively.
+
+    python scripts/harness.py --ckpt out/small --tasks tinygpt_cloze       # the repo's offline task (evals/)
+    python scripts/harness.py --init_from gpt2 --tasks hellaswag,lambada_openai   # the tasks' data: HF hub
+    python scripts/harness.py --ckpt out/gpt2-run --tasks arc_easy --limit 200    # a quick look, not a result
+
+``TinyGPTLM`` is lm_eval's model interface (``TemplateLM``) over our GPT and tokenizer, so no export
+is needed and char-level models work too. The harness builds the prompts, runs its own
+``simple_evaluate``, prints its standard table, and its JSON goes to --output. How we answer it:
+
+- loglikelihood(context, continuation): TemplateLM tokenizes the pair exactly as lm_eval's ``hf``
+  backend does; we feed context + continuation minus its last token, keep the last block_size tokens
+  (the harness's left truncation: the continuation stays whole, the oldest context goes) and sum the
+  continuation's log-probabilities. Requests run longest first, right-padded into batches: attention
+  is causal, so padding after a row's end never reaches the positions scored.
+- loglikelihood_rolling(text), for perplexity tasks: disjoint windows of block_size, every token
+  predicted once (lm_eval's own window maker), summed.
+- generate_until: greedy decoding through sample.generate, cut at the first stop sequence.
+
+A char model has no end-of-text token: the newline stands in for it, as between training documents.
+lm_eval is a dev requirement, imported only here: ``pip install lm_eval==0.4.13``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from checkpoint import CheckpointError  # noqa: E402
+from config import CommandLine, ConfigError, field_help  # noqa: E402
+from data import DataError  # noqa: E402
+import hf  # noqa: E402
+from model import GPT  # noqa: E402
+from runtime import fail, pick_device  # noqa: E402
+from sample import add_weights_flags, find_checkpoint, generate, load_model, load_pretrained  # noqa: E402
+
+try:
+    import lm_eval
+    from lm_eval import utils as lm_utils
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.tasks import TaskManager
+except ImportError:
+    fail("lm-evaluation-harness is not installed: pip install lm_eval==0.4.13")
+
+LOCAL_TASKS = REPO / "evals"  # the repo's own tasks, found by name like the harness's
+LOCAL_TASK_NAMES = sorted(path.stem for path in LOCAL_TASKS.glob("*.yaml"))  # each file's stem is its task
+Pair = tuple[list[int], list[int]]  # (context ids, continuation ids)
+
+
+class TinyGPTLM(TemplateLM):
+    """lm_eval's model interface over a tinygpt GPT (in eval mode) and its tokenizer."""
+
+    def __init__(self, model: GPT, tokenizer, batch_size: int = 8, max_gen_toks: int = 256):
+        super().__init__()
+        self.model, self.tok = model.eval(), tokenizer
+        self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eot_token  # GPT-2's <|endoftext|>; a char model's newline
+
+    @property
+    def max_length(self) -> int:
+        return self.model.config.block_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tok.encode(string)  # GPT-2: <|endoftext|> in the text is text, as in training
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tok.decode(tokens)
+
+    # ------------------------------------------------------------------------- scoring
+    def _loglikelihood_tokens(self, requests: list[tuple], disable_tqdm: bool = False,
+                              **kwargs) -> list[tuple[float, bool]]:
+        """(log p(continuation | context), whether greedy decoding gives it) per (key, context, continuation)."""
+        answers: list[tuple[float, bool] | None] = [None] * len(requests)
+        longest_first = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        batches = range(0, len(requests), self.batch_size)
+        for start in tqdm(batches, disable=disable_tqdm or len(batches) < 2, desc="loglikelihood"):
+            batch = longest_first[start: start + self.batch_size]
+            for i, answer in zip(batch, self.score_batch([requests[i][1:] for i in batch])):
+                answers[i] = answer
+                if requests[i][0] is not None:  # None: a rolling window, cached as a whole text instead
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+        return answers
+
+    def window(self, context: list[int], continuation: list[int]) -> list[int]:
+        """The model's input: context + continuation but its last token, at most block_size tokens."""
+        if not 0 < len(continuation) <= self.max_length:
+            raise ValueError(f"a continuation of {len(continuation)} tokens; the model scores 1 to "
+                             f"{self.max_length} (its block_size) at once")
+        return (context + continuation)[-(self.max_length + 1):-1]
+
+    @torch.no_grad()
+    def score_batch(self, pairs: list[Pair]) -> list[tuple[float, bool]]:
+        inputs = [self.window(context, continuation) for context, continuation in pairs]
+        idx = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)  # (B, T), right-padded
+        for row, ids in enumerate(inputs):
+            idx[row, : len(ids)] = torch.tensor(ids)
+        logits, _, _ = self.model(idx.to(self.device))  # (B, T, vocab)
+        answers = []
+        for row, (ids, (_, continuation)) in enumerate(zip(inputs, pairs)):
+            n = len(continuation)
+            # Position t predicts token t + 1: the last n positions of the row predict the continuation.
+            logprobs = F.log_softmax(logits[row, len(ids) - n: len(ids)].float(), dim=-1)  # (n, vocab)
+            target = torch.tensor(continuation, device=logprobs.device)  # (n,)
+            total = logprobs.gather(-1, target[:, None]).sum()
+            answers.append((total.item(), bool((logprobs.argmax(-1) == target).all())))
+        return answers
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        totals = []
+        for (text,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="loglikelihood_rolling"):
+            windows = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(text),
+                                                         prefix_token=self.prefix_token_id,
+                                                         max_seq_len=self.max_length, context_len=1)
+            pairs = [(None, *lm_utils.make_disjoint_window(w)) for w in windows]
+            total = sum(logprob for logprob, _ in self._loglikelihood_tokens(pairs, disable_tqdm=True))
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            totals.append(total)
+        return totals
+
+    # ------------------------------------------------------------------------- generation
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        outputs = []
+        for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm, desc="generate_until"):
+            text = self.generate_one(context, dict(gen_kwargs))
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            outputs.append(text)
+        return outputs
+
+    def generate_one(self, context: str, gen_kwargs: dict) -> str:
+        """The continuation of context up to (not including) its first stop sequence."""
+        until = gen_kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
+        until = [until] if isinstance(until, str) else list(until)
+        sampled = gen_kwargs.get("do_sample", False) and gen_kwargs.get("temperature", 0.0) > 0
+        prompt = self.tok_encode(context) or [self.eot_token_id]
+        n = len(prompt)
+
+        def reached_stop(idx: torch.Tensor) -> bool:  # idx (1, n + new)
+            return any(stop in self.tok_decode(idx[0, n:].tolist()) for stop in until)
+
+        out = generate(self.model, torch.tensor([prompt], device=self.device),
+                       gen_kwargs.get("max_gen_toks", self.max_gen_toks),
+                       temperature=gen_kwargs["temperature"] if sampled else 0.0, stop=reached_stop)
+        text = self.tok_decode(out[0, n:].tolist())
+        for stop in until:
+            text = text.split(stop)[0]
+        return text
+
+
+# ----------------------------------------------------------------------------- command line
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
+    add_weights_flags(parser)
+    parser.add_argument("--tasks", required=True,
+                        help="comma-separated lm_eval task or group names; offline, the repo's own: "
+                             + ", ".join(LOCAL_TASK_NAMES))
+    parser.add_argument("--num_fewshot", "--num-fewshot", type=int, default=None,
+                        help="examples in each prompt (default: each task's own, usually 0)")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="documents per task (a fraction if < 1): for a quick look, never a number to quote")
+    parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="requests per forward pass")
+    parser.add_argument("--device", default="auto", help=field_help()["device"])
+    parser.add_argument("--output", default="",
+                        help="results JSON (default: harness-TASKS.json in the run folder, or out/harness/)")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or (args.limit is not None and args.limit <= 0) or (args.num_fewshot or 0) < 0:
+        parser.error("need --batch_size >= 1, --limit > 0 and --num_fewshot >= 0")
+    return args
+
+
+def task_manager(names: list[str]) -> TaskManager:
+    """The harness's index of tasks; only evals/ when every name is there (indexing all ~10,000 tasks
+    takes seconds)."""
+    return TaskManager(include_path=str(LOCAL_TASKS), include_defaults=not set(names) <= set(LOCAL_TASK_NAMES))
+
+
+def check_known(names: list[str]) -> None:
+    """ConfigError naming every task that neither the harness nor evals/ has."""
+    unknown = [name for name in names if name not in task_manager(names).all_tasks]
+    if unknown or not names:
+        raise ConfigError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; list them with "
+                          f"`lm_eval ls tasks`, or see {LOCAL_TASKS.relative_to(REPO)}/ for the offline ones")
+
+
+def check_hub(names: list[str]) -> None:
+    """Fail at once, not after a minute of retries, when a task needs the hub and it cannot be reached."""
+    remote = [name for name in names if name not in LOCAL_TASK_NAMES]
+    if not remote or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return
+    reason = hf.hub_unreachable("gpt2")
+    if reason:
+        raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need their "
+                          "data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
+
+
+def default_output(args: argparse.Namespace, names: list[str]) -> Path:
+    stem = "harness-" + "+".join(names)
+    if args.init_from:
+        return Path("out") / "harness" / f"{Path(args.init_from).name}-{stem}.json"
+    return find_checkpoint(args.ckpt).parent / f"{stem}.json"
+
+
+def evaluate_tasks(lm: TinyGPTLM, names: list[str], args: argparse.Namespace) -> dict:
+    """lm_eval's simple_evaluate; a task whose data cannot be fetched (no hub) is one line, not a traceback."""
+    try:
+        return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager(names), num_fewshot=args.num_fewshot,
+                                       limit=args.limit, log_samples=False)
+    except (ConnectionError, OSError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"could not load the data of {', '.join(names)} ({first_line}); the harness's tasks "
+                          "download it from the Hugging Face hub; evals/ tasks run offline") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+        check_hub(names)  # first: indexing the harness's tasks takes seconds
+        check_known(names)
+        device = pick_device(args.device)
+        source = args.init_from or str(find_checkpoint(args.ckpt))
+        model, tokenizer = load_pretrained(args.init_from, device) if args.init_from else load_model(Path(source), device)
+        lm = TinyGPTLM(model, tokenizer, args.batch_size)
+        results = evaluate_tasks(lm, names, args)
+    except DataError as err:  # a char model meets a character outside its vocabulary
+        fail(f"{err}; a char model can only score text written in its own characters")
+    except (CheckpointError, ConfigError) as err:
+        fail(str(err))
+    output = Path(args.output) if args.output else default_output(args, names)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2, default=lm_utils.handle_non_serializable) + "\n")
+    print(f"# {source} on {', '.join(names)} (lm_eval {lm_eval.__version__})")
+    print(lm_utils.make_table(results))
+    print(f"results: {output}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

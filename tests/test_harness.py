@@ -1,0 +1,197 @@
+"""scripts/harness.py: lm-evaluation-harness over our model, offline.
+
+Parity is checked against lm_eval's own `hf` backend on the exported folder of the same random model,
+with a tiny byte-level BPE (256 bytes and a few merges, through tiktoken like GPT-2's) so that no test
+needs GPT-2's ranks from PyPI. The repo's task (evals/tinygpt_cloze.yaml) runs with the hub offline.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")  # lm_eval's hf backend, the reference
+
+import hf  # noqa: E402
+import train  # noqa: E402
+from conftest import load_entry_point, make_text, tiny_model  # noqa: E402
+from data import CharTokenizer, GPT2Tokenizer  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
+harness = load_entry_point("scripts/harness.py")
+MERGES = [b"th", b"he", b"in", b"er", b"an", b"ou", b"or", b"on", b"the", b" the", b" m", b"ll"]
+PARITY_TOL = 1e-4  # summed log-probabilities, fp32 on both sides; seen: ~1e-6
+LONG = ("Now is the winter of our discontent made glorious summer by this sun of York; " * 3).strip()
+
+
+class TinyBPE(GPT2Tokenizer):
+    """GPT-2's tokenizer class over a 269-token byte-level BPE: same pre-tokenizer, same export path."""
+
+    def __init__(self):
+        import tiktoken
+        from tiktoken_ext.openai_public import r50k_pat_str
+        ranks = {bytes([b]): b for b in range(256)} | {m: 256 + i for i, m in enumerate(MERGES)}
+        self.enc = tiktoken.Encoding(name="tiny-bpe", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                     special_tokens={"<|endoftext|>": len(ranks)})
+        self.vocab_size, self.eot_token = self.enc.n_vocab, self.enc.eot_token
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def bpe_model():
+    tokenizer = TinyBPE()
+    return tiny_model(vocab_size=tokenizer.vocab_size, block_size=32, seed=3).eval(), tokenizer
+
+
+def requests(kind: str, *args: tuple) -> list[Instance]:
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+LOGLIKELIHOOD = requests(
+    "loglikelihood",
+    ("Good morrow to you, my", " lord"),
+    ("Good morrow to you, my ", "lord"),  # the context's trailing space moves to the continuation
+    ("", "the king"),  # an empty context: the end-of-text token stands before it
+    (LONG, " and the night"),  # longer than block_size: the oldest context tokens go
+    ("To be", ", or not to be, that is the question"),
+)
+
+
+def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_exported_model(bpe_model, tmp_path):
+    from lm_eval.models.huggingface import HFLM
+    model, tokenizer = bpe_model
+    hf.export(model, tokenizer, tmp_path / "export")
+    theirs = HFLM(pretrained=str(tmp_path / "export"), device="cpu", batch_size=2)
+    ours = harness.TinyGPTLM(model, tokenizer, batch_size=2)
+    assert theirs.max_length == ours.max_length == 32
+    for (mine, my_greedy), (ref, ref_greedy) in zip(ours.loglikelihood(LOGLIKELIHOOD),
+                                                     theirs.loglikelihood(LOGLIKELIHOOD)):
+        assert mine == pytest.approx(ref, abs=PARITY_TOL) and my_greedy == ref_greedy
+    rolling = requests("loglikelihood_rolling", (LONG,), ("the end",))
+    assert ours.loglikelihood_rolling(rolling) == pytest.approx(theirs.loglikelihood_rolling(rolling), abs=PARITY_TOL)
+    accuracy = [run_cloze(lm)["results"]["tinygpt_cloze"] for lm in (ours, theirs)]
+    assert [a["acc,none"] for a in accuracy] == [accuracy[1]["acc,none"]] * 2
+    assert accuracy[0]["acc_norm,none"] == accuracy[1]["acc_norm,none"]
+
+
+def run_cloze(lm) -> dict:
+    import lm_eval
+    return lm_eval.simple_evaluate(model=lm, tasks=["tinygpt_cloze"], task_manager=harness.task_manager(["tinygpt_cloze"]),
+                                   log_samples=False)
+
+
+def reference_loglikelihood(model, ids: list[int], n: int) -> float:
+    """log p of the last n of ids given the others, from one unpadded full forward."""
+    logits, _, _ = model(torch.tensor([ids[:-1]]))  # (1, T, vocab)
+    logprobs = torch.log_softmax(logits[0, -n:], dim=-1)  # (n, vocab)
+    return logprobs.gather(-1, torch.tensor(ids[-n:])[:, None]).sum().item()
+
+
+def test_a_padded_batch_scores_each_request_as_alone_and_long_contexts_lose_their_oldest_tokens(bpe_model):
+    model, tokenizer = bpe_model
+    lm = harness.TinyGPTLM(model, tokenizer, batch_size=len(LOGLIKELIHOOD))
+    batched = lm.loglikelihood(LOGLIKELIHOOD)
+    one_by_one = harness.TinyGPTLM(model, tokenizer, batch_size=1).loglikelihood(LOGLIKELIHOOD)
+    assert [b[1] for b in batched] == [o[1] for o in one_by_one]
+    assert [b[0] for b in batched] == pytest.approx([o[0] for o in one_by_one], abs=1e-5)
+    context, continuation = LOGLIKELIHOOD[3].args
+    cont = tokenizer.encode(context + continuation)[len(tokenizer.encode(context)):]
+    ids = (tokenizer.encode(context) + cont)[-33:]  # block_size inputs + the last target
+    assert batched[3][0] == pytest.approx(reference_loglikelihood(model, ids, len(cont)), abs=1e-5)
+
+
+def test_rolling_loglikelihood_predicts_every_token_once(bpe_model):
+    model, tokenizer = bpe_model
+    lm = harness.TinyGPTLM(model, tokenizer)
+    short = "the king"  # one window: <|endoftext|> then the text
+    ids = [tokenizer.eot_token] + tokenizer.encode(short)
+    assert lm.loglikelihood_rolling(requests("loglikelihood_rolling", (short,))) == \
+        pytest.approx([reference_loglikelihood(model, ids, len(ids) - 1)], abs=1e-5)
+
+
+def test_generate_until_is_greedy_and_stops_before_the_stop_sequence(bpe_model):
+    model, tokenizer = bpe_model
+    lm = harness.TinyGPTLM(model, tokenizer)
+    prompt = tokenizer.encode("the king")
+    greedy = harness.generate(model, torch.tensor([prompt]), 12, temperature=0)[0, len(prompt):].tolist()
+    text = tokenizer.decode(greedy)
+    stop = text[5:7]  # a stop sequence the greedy text reaches
+    expected = text.split(stop)[0]
+    out = lm.generate_until(requests("generate_until", ("the king", {"until": [stop], "max_gen_toks": 12}),
+                                     ("the king", {"until": ["never in this text"], "max_gen_toks": 12})))
+    assert out == [expected, text]
+
+
+# ----------------------------------------------------------------------------- the command
+@pytest.fixture
+def char_checkpoint(tiny_cfg, tmp_path):
+    """A tiny char model trained 2 steps on text holding every character of tinygpt_cloze."""
+    items = [json.loads(line) for line in (harness.LOCAL_TASKS / "tinygpt_cloze.jsonl").read_text().splitlines()]
+    corpus = tmp_path / "cloze_corpus.txt"
+    corpus.write_text(make_text() + "\n".join(d["context"] + " " + " ".join(d["choices"]) for d in items) + "\n")
+    cfg = tiny_cfg(data_path=str(corpus), max_iters=2, eval_interval=2, eval_tokens=256)
+    train.train(cfg)
+    return cfg.out_dir
+
+
+def test_the_offline_task_runs_from_the_command_line_and_writes_its_json(char_checkpoint, tmp_path, capsys):
+    """From the checkpoint, and from its Hugging Face export through --init_from: the same scores."""
+    import sample
+    model, tokenizer = sample.load_model(sample.find_checkpoint(char_checkpoint), torch.device("cpu"))
+    hf.export(model, tokenizer, tmp_path / "export")
+    scores = []
+    for flag, source in (("--ckpt", char_checkpoint), ("--init_from", str(tmp_path / "export"))):
+        output = tmp_path / f"results{flag}.json"
+        harness.main([flag, source, "--tasks", "tinygpt_cloze", "--output", str(output)])
+        out = capsys.readouterr().out
+        assert "|tinygpt_cloze|" in out and "acc_norm" in out
+        written = json.loads(output.read_text())
+        assert written["n-samples"]["tinygpt_cloze"]["effective"] == 40
+        scores.append({k: v for k, v in written["results"]["tinygpt_cloze"].items() if k.startswith("acc")})
+    assert scores[0] == scores[1] and 0 <= scores[0]["acc,none"] <= 1
+
+
+def test_a_char_model_meeting_a_character_outside_its_vocabulary_fails_in_one_line(tmp_path, capsys):
+    model = tiny_model(vocab_size=5)
+    tokenizer = CharTokenizer("\nabc ")
+    lm = harness.TinyGPTLM(model, tokenizer)
+    with pytest.raises(harness.DataError, match="characters not in the model's vocabulary"):
+        lm.loglikelihood(requests("loglikelihood", ("abc", " xyz")))
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--tasks", "no_such_task"], "unknown task(s) no_such_task; list them with `lm_eval ls tasks`",
+                 marks=pytest.mark.slow),  # indexes all of the harness's tasks: ~30 s
+    (["--tasks", "tinygpt_cloze", "--batch_size", "0"], "need --batch_size >= 1"),
+])
+def test_bad_arguments_fail_in_one_line(argv, message, char_checkpoint, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        harness.main(["--ckpt", char_checkpoint, *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and message in err[-1]
+
+
+def test_a_task_needing_the_unreachable_hub_fails_at_once_in_one_line(monkeypatch, char_checkpoint, capsys):
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: "Name or service not known")
+    with pytest.raises(SystemExit):
+        harness.main(["--ckpt", char_checkpoint, "--tasks", "tinygpt_cloze,hellaswag"])
+    assert capsys.readouterr().err.strip() == (
+        "error: the Hugging Face hub is unreachable (Name or service not known) and task(s) hellaswag need "
+        "their data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
+
+
+def test_without_lm_eval_the_script_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    with pytest.raises(SystemExit) as exit_:
+        load_entry_point("scripts/harness.py")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: lm-evaluation-harness is not installed: pip install lm_eval==0.4.13"
