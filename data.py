@@ -299,9 +299,9 @@ def folder_suffix(folder: Path) -> str:
     return found[0]
 
 
-def folder_files(folder: Path) -> list[Path]:
-    """A folder's document files, sorted by path (a subfolder's files sort among them by its name)."""
-    return sorted(folder.rglob(f"*{folder_suffix(folder)}"))
+def corpus_files(path: Path) -> list[Path]:
+    """A document corpus's files: a folder's, sorted by path (a subfolder's among them by its name), or itself."""
+    return sorted(path.rglob(f"*{folder_suffix(path)}")) if path.is_dir() else [path]
 
 
 def corpus_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
@@ -312,7 +312,7 @@ def corpus_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> st
     text_column is another corpus; the default adds nothing, so names from before it stay valid.
     """
     digest = hashlib.sha256()
-    for file in folder_files(path) if path.is_dir() else [path]:
+    for file in corpus_files(path):
         info = file.stat()
         digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0{info.st_size}\0"
                       f"{info.st_mtime_ns}\n".encode())
@@ -575,7 +575,7 @@ PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a few MB of web text, whate
 
 def document_sources(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> Iterator[Source]:
     """Every document of a corpus, in order, lazily: a folder's files, a .jsonl's lines or a .parquet's rows."""
-    for file in folder_files(path) if path.is_dir() else [path]:
+    for file in corpus_files(path):
         if file.suffix == ".txt":
             yield Source("file", str(file))
         elif file.suffix == ".parquet":
@@ -742,6 +742,8 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
                       num_proc: int = 0, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN) -> Path:
     """Tokenize a document corpus (is_document_corpus) into folder/, streaming; see the module docstring."""
     num_proc = num_proc or os.cpu_count() or 1
+    for file in (f for f in corpus_files(path) if f.suffix == ".parquet"):
+        open_parquet(file, text_column)  # every shard's column, from its footer: refused now, not hours in
     # GPT-2: fetch or build the BPE ranks once, before the workers start; char: a first pass for the vocabulary.
     tok = (GPT2Tokenizer(data_dir) if tokenizer == "gpt2"
            else CharTokenizer(corpus_chars(path, num_proc, text_column)))
@@ -924,7 +926,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
                         help=helps["val_fraction"])
     parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
-                        help="tokenizer processes for document corpora (a folder, .jsonl or .parquet); 0 = one per CPU core")
+                        help="tokenizer processes for a folder, .jsonl or .parquet; 0 = one per CPU core")
     parser.add_argument("--block_size", "--block-size", type=int, default=1,
                         help="refuse a corpus whose train or val split is shorter than block_size + 1 tokens")
     args = parser.parse_args(argv)
