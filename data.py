@@ -932,6 +932,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 < args.val_fraction < 1:  # the same rule as config.validate, so train.py accepts the result
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+    if not args.text_column:
+        parser.error("--text_column must name the .jsonl field or .parquet column holding the text")
     if args.num_proc < 0 or args.block_size < 1:
         parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {args.num_proc} and {args.block_size}")
     try:

@@ -215,6 +215,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}")
     if not 0 < cfg.val_fraction < 1:
         raise ConfigError(f"val_fraction must be in (0, 1), got {cfg.val_fraction}")
+    if not cfg.text_column:
+        raise ConfigError("text_column must name the .jsonl field or .parquet column holding the text, got \"\"")
     for name, beta in (("beta1", cfg.beta1), ("beta2", cfg.beta2)):
         if not 0 <= beta < 1:
             raise ConfigError(f"{name} must be in [0, 1), got {beta}")
