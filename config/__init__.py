@@ -64,7 +64,8 @@ class TrainConfig:
     init_from: str = ""  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (hf.py)
     # --- data ---
     dataset: str = "shakespeare"  # built-in corpus name; ignored when data_path is set
-    data_path: str = ""  # a UTF-8 text file, a folder of .txt files or a .jsonl ("text" field) to train on
+    data_path: str = ""  # what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file
+    text_column: str = "text"  # the documents' text: a .jsonl's JSON field or a .parquet's column (a .txt has none)
     data_dir: str = "data"  # cache of downloaded and prepared corpora
     tokenizer: Literal["char", "gpt2"] = "char"  # char (vocab from the corpus) | gpt2 (tiktoken BPE)
     val_fraction: float = 0.1  # share held out for validation (the tail of a text file; every k-th document)
@@ -214,6 +215,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}")
     if not 0 < cfg.val_fraction < 1:
         raise ConfigError(f"val_fraction must be in (0, 1), got {cfg.val_fraction}")
+    if not cfg.text_column:
+        raise ConfigError("text_column must name the .jsonl field or .parquet column holding the text, got \"\"")
     for name, beta in (("beta1", cfg.beta1), ("beta2", cfg.beta2)):
         if not 0 <= beta < 1:
             raise ConfigError(f"{name} must be in [0, 1), got {beta}")

@@ -68,7 +68,8 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
     seed_everything(cfg.seed)
-    corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction),
+    corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
+                                 text_column=cfg.text_column),
                          cfg.block_size)
     data_gen = torch.Generator().manual_seed(cfg.seed)
     model = GPT(model_config(cfg, corpus.vocab_size)).to(device)

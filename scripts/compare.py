@@ -172,8 +172,8 @@ def make_plan(args, command: str) -> Plan:
     seeds = list(range(1, args.seeds + 1))
     runs = [Run(v.name, seed, folder / v.name / f"seed-{seed}", args.config, {**overrides[v.name], "seed": seed,
                 "out_dir": str(folder / v.name / f"seed-{seed}")}) for seed in seeds for v in variants]
-    for cfg in {(c.dataset, c.data_path): c for c in map(Run.config, runs)}.values():
-        corpus_source(cfg.dataset, cfg.data_path)  # DataError now, not after the runs before it
+    for cfg in {(c.dataset, c.data_path, c.text_column): c for c in map(Run.config, runs)}.values():
+        corpus_source(cfg.dataset, cfg.data_path, cfg.text_column)  # DataError now, not after the runs before it
     runs = pin_auto_dtype(runs)
     for run in runs:
         check_reusable(run)

@@ -468,7 +468,8 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         cfg = train.start_from(replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
+                     text_column=cfg.text_column)
     corpus = load_corpus(folder, cfg.block_size)
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
     gpt_config = model_config(cfg, corpus.vocab_size)

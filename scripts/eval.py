@@ -86,7 +86,8 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
         return x, y, data_path
     if loaded.step is None and cfg.tokenizer != "gpt2":  # a char vocabulary need not be the built-in corpus's
         raise ConfigError(f"{loaded.source} has a char vocabulary: pass the text to score with --data_path")
-    corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction),
+    corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
+                                 text_column=cfg.text_column),
                          cfg.block_size)
     limit = cfg.eval_tokens if eval_tokens < 0 else eval_tokens
     x, y = val_windows(corpus.val, cfg.block_size, limit)

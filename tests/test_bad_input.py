@@ -142,6 +142,11 @@ BAD_INPUTS = {
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--num_proc", "-1"], "--num_proc >= 0"),
         (["--val_fraction", "1"], "--val_fraction must be in (0, 1)"),
+        (["--data_path", "{tmp}", "--data_dir", "{data}"], "no .txt files and no .parquet files in this folder"),
+    ],
+    "scripts/bench_prepare.py": [
+        (["--mb", "0"], "need --mb and --doc-kb > 0"),
+        (["--repeats", "0"], "--repeats >= 1"),
     ],
     "scripts/bench.py": [
         (["--steps", "0"], "need --steps and --rounds >= 1"),  # ran one step, silently

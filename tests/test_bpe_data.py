@@ -105,7 +105,7 @@ def test_folder_equals_jsonl_whatever_the_workers_and_batches(tmp_path, cache, m
 
 
 def test_sources_are_sent_in_bounded_batches():
-    sources = [(f"doc{i}", "x" * 30) for i in range(10)]
+    sources = [data.Source("text", f"doc{i}", "x" * 30) for i in range(10)]
     batches = list(data.batched_sources(iter(sources), max_chars=100))
     assert [len(b) for b in batches] == [4, 4, 2]  # stops at >= 100 chars: memory is bounded
     assert [s for b in batches for s in b] == sources

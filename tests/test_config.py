@@ -43,6 +43,7 @@ def test_precedence_is_defaults_then_preset_then_command_line():
     (["--optimizer", "sgd"], "optimizer must be one of adamw, muon"),
     (["--optimizer", "muon", "--muon_lr", "0"], "muon_lr must be > 0 with optimizer=muon"),
     (["--muon_lr", "-0.1"], "muon_lr must be a finite number"),
+    (["--text_column", ""], "text_column must name the .jsonl field or .parquet column"),
 ])
 def test_bad_configs_fail_with_a_helpful_message(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,180 @@
+"""Parquet corpora: one document per row of a string column, through the .jsonl pipeline, read lazily.
+
+A .parquet file (or a folder of them) must prepare to exactly the files the same documents give as a
+.jsonl, whatever the shards, row groups and read batches; --text_column picks the column (or the
+.jsonl field); every bad input is one DataError line naming the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import data
+import train
+from conftest import make_text
+from data import DataError, corpus_source, prepare
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+DOCS = [make_text(n_lines=6 + i, seed=i) for i in range(13)]
+DOCS[5] = "Ça va? « oui »"  # characters no other document has: the char vocabulary is the whole corpus's
+DOCS[7] = ""  # an empty document: counted, no tokens, as in a .jsonl
+
+
+def write_parquet(path: Path, docs: list[str | None], column: str = "text", row_group_size: int | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"id": list(range(len(docs))), column: pa.array(docs, type=pa.string())})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({"id": i, field: text}) + "\n" for i, text in enumerate(docs)))
+    return path
+
+
+def assert_same_splits(a: Path, b: Path) -> None:
+    for split in ("train", "val"):
+        assert (a / f"{split}.bin").read_bytes() == (b / f"{split}.bin").read_bytes(), split
+    meta_a, meta_b = (json.loads((f / "meta.json").read_text()) for f in (a, b))
+    assert {k: v for k, v in meta_a.items() if k != "source"} == {k: v for k, v in meta_b.items() if k != "source"}
+
+
+def test_parquet_prepares_exactly_as_the_same_documents_in_jsonl(tmp_path):
+    from_parquet = prepare(data_path=str(write_parquet(tmp_path / "web.parquet", DOCS)), data_dir=str(tmp_path / "d"),
+                           num_proc=2)
+    from_jsonl = prepare(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), data_dir=str(tmp_path / "d"),
+                         num_proc=1)
+    assert_same_splits(from_parquet, from_jsonl)
+    meta = json.loads((from_parquet / "meta.json").read_text())
+    assert (meta["documents"], meta["val_documents"], meta["text_column"]) == (13, 2, "text")
+    tok = data.CharTokenizer(meta["tokenizer"]["chars"])
+    val = np.fromfile(from_parquet / "val.bin", dtype=meta["dtype"]).tolist()
+    assert tok.decode(val) == "\n" + DOCS[0] + "\n" + DOCS[10]  # documents 0 and 10, each after a newline
+
+
+def test_shards_row_groups_and_read_batches_change_nothing(tmp_path, monkeypatch):
+    whole = prepare(data_path=str(write_parquet(tmp_path / "all.parquet", DOCS)), data_dir=str(tmp_path / "d"),
+                    num_proc=1)
+    shards = tmp_path / "shards"  # sorted by relative path: a/ before b.parquet before c/
+    write_parquet(shards / "a" / "000.parquet", DOCS[:4], row_group_size=3)
+    write_parquet(shards / "b.parquet", DOCS[4:9], row_group_size=2)  # row groups end mid-shard
+    write_parquet(shards / "c" / "000.parquet", DOCS[9:], row_group_size=1)
+    monkeypatch.setattr(data, "PARQUET_BATCH_ROWS", 2)  # read batches that straddle row groups
+    monkeypatch.setattr(data, "BATCH_CHARS", 300)  # and a few documents in flight at a time
+    assert_same_splits(prepare(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=2), whole)
+
+
+def test_text_column_reads_another_column_or_field_and_names_another_folder(tmp_path, capsys):
+    parquet = write_parquet(tmp_path / "web.parquet", DOCS, column="content")
+    jsonl = write_jsonl(tmp_path / "web.jsonl", DOCS, field="content")
+    folders = [prepare(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1, text_column="content")
+               for path in (parquet, jsonl)]
+    assert_same_splits(*folders)
+    assert json.loads((folders[0] / "meta.json").read_text())["text_column"] == "content"
+    argv = ["--data_path", str(parquet), "--data_dir", str(tmp_path / "d"), "--num_proc", "1"]
+    prepared = sorted((tmp_path / "d").iterdir())
+    data.main(argv + ["--text_column", "content"])  # the flag reaches prepare: the cached folder, nothing new
+    assert sorted((tmp_path / "d").iterdir()) == prepared
+    with pytest.raises(SystemExit) as stopped:
+        data.main(argv)  # the default column, "text", is not there
+    assert stopped.value.code == 2 and "no column 'text' (its columns: id, content)" in capsys.readouterr().err
+    for path in (parquet, jsonl):
+        default, other = (corpus_source("", str(path), column)[0] for column in ("text", "content"))
+        assert default != other and default == corpus_source("", str(path))[0]
+    txt = tmp_path / "txt"
+    (txt / "a.txt").parent.mkdir()
+    (txt / "a.txt").write_text("a document")
+    assert corpus_source("", str(txt), "content") == corpus_source("", str(txt))  # a .txt has no column
+
+
+def test_default_text_column_keeps_the_folder_names_of_before(tmp_path):
+    jsonl = write_jsonl(tmp_path / "web.jsonl", DOCS)
+    info = jsonl.stat()
+    before = hashlib.sha256(f"web.jsonl\0{info.st_size}\0{info.st_mtime_ns}\n".encode()).hexdigest()
+    assert corpus_source("", str(jsonl), "text")[0] == f"web-{before[:12]}"  # prepared corpora stay cached
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing column", r"web.parquet: no column 'body' \(its columns: id, text\); .*--text_column"),
+    ("not strings", r"web.parquet: column 'text' holds int64, not strings"),
+    ("null row", r"web.parquet:row 3: null in column 'text'"),
+    ("not parquet", r"web.parquet: not a readable Parquet file"),
+    ("mixed folder", r"mixed: holds both .txt and .parquet files; pick one kind"),
+    ("jsonl field", r"web.jsonl:1: not a JSON object with a \"body\" field \(its fields: id, text\); .*--text_column"),
+])
+def test_bad_parquet_input_is_one_line_naming_the_file(tmp_path, case, expected):
+    path, column = tmp_path / "web.parquet", "text"
+    if case == "missing column":
+        write_parquet(path, DOCS)
+        column = "body"
+    elif case == "not strings":
+        pq.write_table(pa.table({"text": [1, 2, 3]}), path)
+    elif case == "null row":
+        write_parquet(path, ["one", "two", None, "four"], row_group_size=2)
+    elif case == "not parquet":
+        path.write_text('{"text": "a .jsonl by another name"}\n')
+    elif case == "mixed folder":
+        path = tmp_path / "mixed"
+        write_parquet(path / "a.parquet", DOCS)
+        (path / "b.txt").write_text("a document")
+    else:
+        path, column = write_jsonl(tmp_path / "web.jsonl", DOCS), "body"
+    with pytest.raises(DataError, match=expected) as raised:
+        prepare(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1, text_column=column)
+    assert "\n" not in str(raised.value)
+    assert not list((tmp_path / "d").glob("*-char-*"))  # nothing prepared
+
+
+def test_without_pyarrow_a_parquet_corpus_says_what_to_install(tmp_path, monkeypatch):
+    path = write_parquet(tmp_path / "web.parquet", DOCS)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow` now raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    needs = r"web.parquet: reading .parquet needs pyarrow: pip install pyarrow==26.0.1"
+    with pytest.raises(DataError, match=needs):
+        list(data.document_sources(path))
+    with pytest.raises(DataError, match=needs):
+        prepare(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1)
+
+
+def test_rows_are_read_lazily_one_batch_at_a_time(tmp_path, monkeypatch):
+    path = write_parquet(tmp_path / "many.parquet", [f"document {i}" for i in range(200)], row_group_size=10)
+    batches_read = []
+    original = pq.ParquetFile.iter_batches
+
+    def counted(self, *args, **kwargs):
+        for batch in original(self, *args, **kwargs):
+            batches_read.append(len(batch))
+            yield batch
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counted)
+    monkeypatch.setattr(data, "PARQUET_BATCH_ROWS", 4)
+    sources = data.document_sources(path)
+    assert iter(sources) is sources and not batches_read  # a generator: nothing read until asked
+    assert next(sources) == data.Source("text", f"{path}:row 1", "document 0")
+    assert batches_read == [4]  # one batch of 4 rows read for the first document, not 200 rows
+    assert [s.where for s in sources][-1] == f"{path}:row 200"
+    assert sum(batches_read) == 200
+
+
+def test_train_runs_on_a_parquet_corpus(tmp_path, tiny_cfg):
+    docs = [make_text(n_lines=40, seed=i) for i in range(10)]
+    path = write_parquet(tmp_path / "web.parquet", docs, row_group_size=4)
+    cfg = tiny_cfg(data_path=str(path), max_iters=2, eval_interval=2)
+    assert np.isfinite(train.train(cfg))
+    assert (Path(cfg.out_dir) / "last.pt").is_file()
+
+
+def test_every_shard_is_checked_before_any_document_is_read(tmp_path, monkeypatch):
+    shards = tmp_path / "shards"
+    write_parquet(shards / "a.parquet", DOCS[:6])
+    write_parquet(shards / "b.parquet", DOCS[6:], column="body")  # the last shard lacks the column
+    monkeypatch.setattr(data, "map_documents", lambda *args, **kwargs: pytest.fail("documents were read"))
+    with pytest.raises(DataError, match=r"b.parquet: no column 'text' \(its columns: id, body\)"):
+        prepare(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=1)
