@@ -23,6 +23,7 @@ lm_eval is a dev requirement, imported only here: ``pip install lm_eval==0.4.13`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -77,7 +78,10 @@ class TinyGPTLM(TemplateLM):
         return next(self.model.parameters()).device
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tok.encode(string)  # GPT-2: <|endoftext|> in the text is text, as in training
+        try:
+            return self.tok.encode(string)  # GPT-2: <|endoftext|> in the text is text, as in training
+        except DataError as err:  # a char model meets a character it never saw
+            raise DataError(f"the task's text: {err}; a char model scores only text in its own characters") from None
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tok.decode(tokens)
@@ -184,9 +188,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def task_manager(names: list[str]) -> TaskManager:
-    """The harness's index of tasks; only evals/ when every name is there (indexing all ~10,000 tasks
-    takes seconds)."""
-    return TaskManager(include_path=str(LOCAL_TASKS), include_defaults=not set(names) <= set(LOCAL_TASK_NAMES))
+    """The harness's index of tasks: evals/ alone when it holds every name (indexing all of the
+    harness's thousands of tasks takes seconds), built once per process."""
+    return index_of_tasks(include_defaults=not set(names) <= set(LOCAL_TASK_NAMES))
+
+
+@functools.cache
+def index_of_tasks(include_defaults: bool) -> TaskManager:
+    return TaskManager(include_path=str(LOCAL_TASKS), include_defaults=include_defaults)
 
 
 def check_known(names: list[str]) -> None:
@@ -218,8 +227,8 @@ def default_output(args: argparse.Namespace, names: list[str]) -> Path:
 def evaluate_tasks(lm: TinyGPTLM, names: list[str], args: argparse.Namespace) -> dict:
     """lm_eval's simple_evaluate; a task whose data cannot be fetched (no hub) is one line, not a traceback."""
     try:
-        return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager(names), num_fewshot=args.num_fewshot,
-                                       limit=args.limit, log_samples=False)
+        return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager(names),
+                                       num_fewshot=args.num_fewshot, limit=args.limit, log_samples=False)
     except (ConnectionError, OSError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"could not load the data of {', '.join(names)} ({first_line}); the harness's tasks "
@@ -234,12 +243,10 @@ def main(argv: list[str] | None = None) -> None:
         check_known(names)
         device = pick_device(args.device)
         source = args.init_from or str(find_checkpoint(args.ckpt))
-        model, tokenizer = load_pretrained(args.init_from, device) if args.init_from else load_model(Path(source), device)
-        lm = TinyGPTLM(model, tokenizer, args.batch_size)
+        weights = load_pretrained(args.init_from, device) if args.init_from else load_model(Path(source), device)
+        lm = TinyGPTLM(*weights, batch_size=args.batch_size)
         results = evaluate_tasks(lm, names, args)
-    except DataError as err:  # a char model meets a character outside its vocabulary
-        fail(f"{err}; a char model can only score text written in its own characters")
-    except (CheckpointError, ConfigError) as err:
+    except (CheckpointError, ConfigError, DataError) as err:
         fail(str(err))
     output = Path(args.output) if args.output else default_output(args, names)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")  # lm_eval's hf backend, the reference
 import hf  # noqa: E402
 import train  # noqa: E402
 from conftest import load_entry_point, make_text, tiny_model  # noqa: E402
-from data import CharTokenizer, GPT2Tokenizer  # noqa: E402
+from data import GPT2Tokenizer  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 harness = load_entry_point("scripts/harness.py")
@@ -84,8 +84,8 @@ def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_exported_model(bpe_mode
 
 def run_cloze(lm) -> dict:
     import lm_eval
-    return lm_eval.simple_evaluate(model=lm, tasks=["tinygpt_cloze"], task_manager=harness.task_manager(["tinygpt_cloze"]),
-                                   log_samples=False)
+    manager = harness.task_manager(["tinygpt_cloze"])
+    return lm_eval.simple_evaluate(model=lm, tasks=["tinygpt_cloze"], task_manager=manager, log_samples=False)
 
 
 def reference_loglikelihood(model, ids: list[int], n: int) -> float:
@@ -159,12 +159,16 @@ def test_the_offline_task_runs_from_the_command_line_and_writes_its_json(char_ch
     assert scores[0] == scores[1] and 0 <= scores[0]["acc,none"] <= 1
 
 
-def test_a_char_model_meeting_a_character_outside_its_vocabulary_fails_in_one_line(tmp_path, capsys):
-    model = tiny_model(vocab_size=5)
-    tokenizer = CharTokenizer("\nabc ")
-    lm = harness.TinyGPTLM(model, tokenizer)
-    with pytest.raises(harness.DataError, match="characters not in the model's vocabulary"):
-        lm.loglikelihood(requests("loglikelihood", ("abc", " xyz")))
+def test_a_char_model_meeting_a_character_outside_its_vocabulary_fails_in_one_line(tiny_cfg, capsys):
+    cfg = tiny_cfg(max_iters=1, eval_interval=1, eval_tokens=256)  # conftest's verse: no "W", no "'"
+    train.train(cfg)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        harness.main(["--ckpt", cfg.out_dir, "--tasks", "tinygpt_cloze"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after lm_eval's progress bars
+    assert exit_.value.code == 2
+    assert err.startswith("error: the task's text: characters not in the model's vocabulary: ")
+    assert err.endswith("; a char model scores only text in its own characters")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -194,4 +198,5 @@ def test_without_lm_eval_the_script_says_how_to_install_it(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         load_entry_point("scripts/harness.py")
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: lm-evaluation-harness is not installed: pip install lm_eval==0.4.13"
+    message = "error: lm-evaluation-harness is not installed: pip install lm_eval==0.4.13"
+    assert capsys.readouterr().err.strip() == message
