@@ -232,6 +232,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_probe_shape(cfg: TrainConfig) -> tuple[int, int, int]:
+    """The matmul dtype=auto times on a CPU: the MLP's first, at the run's tokens per micro-batch."""
+    return cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd
+
+
 def start_from(cfg: TrainConfig, out_dir: Path) -> tuple[TrainConfig, hf.Pretrained | None]:
     """With init_from, the config takes the pretrained model's shape; a fresh run also gets its weights.
 
@@ -399,9 +404,8 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
                           "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
     with distributed.main_first(device):  # rank 0 downloads pretrained weights, the others read its cache
         cfg, pretrained = start_from(cfg, out_dir)  # init_from: before anything is written
-    probe_shape = (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd)
     # dtype=auto times a matmul on CPU, and ranks timing it side by side can disagree: rank 0's choice is the job's.
-    dtype = distributed.decide_on_main(lambda: pick_dtype(cfg.dtype, device, probe_shape))
+    dtype = distributed.decide_on_main(lambda: pick_dtype(cfg.dtype, device, dtype_probe_shape(cfg)))
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     # --- data
     with distributed.main_first(device):  # rank 0 prepares the corpus, the others then read the cache

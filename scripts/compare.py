@@ -201,8 +201,7 @@ def pin_auto_dtype(runs: list[Run]) -> list[Run]:
         dtype = saved[0]
     else:
         cfg = auto[0].config()
-        shape = (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd)  # the matmul train.py probes
-        dtype = str(pick_dtype("auto", pick_device(cfg.device), shape)).removeprefix("torch.")
+        dtype = str(pick_dtype("auto", pick_device(cfg.device), train.dtype_probe_shape(cfg))).removeprefix("torch.")
     print(f"dtype auto -> {dtype} for every run of this comparison")
     return [dataclasses.replace(r, overrides={**r.overrides, "dtype": dtype}) if r in auto else r for r in runs]
 
