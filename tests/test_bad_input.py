@@ -107,7 +107,7 @@ def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_no
 ENTRY_POINTS = ["sample.py", "data.py"] + [f"scripts/{p.name}" for p in sorted((REPO / "scripts").glob("*.py"))
                                            if p.name != "doctor.py"]
 REQUIRED_ARGS = {"scripts/plot.py": ["x.jsonl"], "scripts/export_hf.py": ["run", "folder"],
-                 "scripts/vs_nanogpt.py": ["--nanogpt", "nano"]}
+                 "scripts/vs_nanogpt.py": ["--nanogpt", "nano"], "scripts/harness.py": ["--tasks", "x"]}
 
 
 @pytest.mark.parametrize("script", ENTRY_POINTS)
@@ -172,6 +172,11 @@ BAD_INPUTS = {
         (["--ckpt", "{tmp}/missing.pt"], "no such checkpoint"),
         (["--ckpt", "{run}", "--eval_tokens", "-5"], "--eval_tokens must be >= -1, got -5"),
         (["--ckpt", "{run}", "--data_path", "{run}/last.pt"], "not UTF-8 text"),
+    ],
+    "scripts/harness.py": [
+        (["--ckpt", "{tmp}/missing.pt", "--tasks", "tinygpt_cloze"], "no such checkpoint"),
+        (["--ckpt", "{run}", "--tasks", "tinygpt_cloze", "--batch_size", "0"], "need --batch_size >= 1"),
+        (["--ckpt", "{run}", "--tasks", " , "], "unknown task(s) (none given)"),
     ],
     "scripts/export_hf.py": [
         (["{run}", "{run}/metrics.jsonl/x"], "is a file, not a folder"),
