@@ -49,7 +49,7 @@ sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # the repo's modules, and ben
 import train  # noqa: E402
 from bench import parse_overrides  # noqa: E402
 from checkpoint import CheckpointError, read_config  # noqa: E402
-from config import CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
+from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
 from data import DataError, corpus_source  # noqa: E402
 from faults import RunStopped, StopOnSignal  # noqa: E402
 from runtime import fail, pick_device, pick_dtype  # noqa: E402
@@ -212,8 +212,9 @@ def check_reusable(run: Run) -> None:
     if saved is None:
         return
     planned = dataclasses.asdict(run.config())
-    changed = [f"{key}: {saved.get(key)!r} there, {value!r} now" for key, value in planned.items()
-               if key not in IGNORED_ON_REUSE and saved.get(key, "(absent)") != value]
+    # A field the run's config lacks is newer than the run, which had its default then (as a resume reads it).
+    changed = [f"{key}: {saved.get(key, DEFAULTS[key])!r} there, {value!r} now" for key, value in planned.items()
+               if key not in IGNORED_ON_REUSE and saved.get(key, DEFAULTS[key]) != value]
     if changed:
         raise ConfigError(f"{run.folder} holds a run with other settings ({'; '.join(changed)}); "
                           "pass another --out or delete that folder")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 from pathlib import Path
 
@@ -96,6 +97,20 @@ def test_a_rerun_trains_nothing_and_prints_the_same_tables(finished, monkeypatch
     monkeypatch.setattr(train, "train", no_training)
     compare.compare(argv(root / "corpus.txt", root / "exp", "base:", "same:", SLOW), StopOnSignal(install=False))
     assert (root / "exp" / "results.md").read_text() == before
+
+
+def test_runs_saved_before_a_config_field_existed_are_reused(finished, tmp_path, monkeypatch):
+    """A field added to TrainConfig after the runs (text_column, say) had its default then: no refusal."""
+    root, _ = finished
+    shutil.copytree(root / "exp", tmp_path / "exp")
+    for result in (tmp_path / "exp").glob("*/seed-*/result.json"):
+        record = json.loads(result.read_text())
+        del record["config"]["text_column"]
+        result.write_text(json.dumps(record))
+    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:", "same:", SLOW), StopOnSignal(install=False))
+    tables = [(folder / "results.md").read_text().split("\n", 1)[1] for folder in (tmp_path / "exp", root / "exp")]
+    assert tables[0] == tables[1]  # all but the first line, the command, whose --out differs
 
 
 def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finished, tmp_path, monkeypatch):
