@@ -23,7 +23,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 harness = load_entry_point("scripts/harness.py")
 MERGES = [b"th", b"he", b"in", b"er", b"an", b"ou", b"or", b"on", b"the", b" the", b" m", b"ll"]
-PARITY_TOL = 1e-4  # summed log-probabilities, fp32 on both sides; seen: ~1e-6
+PARITY_TOL = 1e-4  # summed log-probabilities, fp32 on both sides; seen: 0.0 (CPU, one thread)
 LONG = ("Now is the winter of our discontent made glorious summer by this sun of York; " * 3).strip()
 
 
@@ -117,17 +117,27 @@ def test_rolling_loglikelihood_predicts_every_token_once(bpe_model):
         pytest.approx([reference_loglikelihood(model, ids, len(ids) - 1)], abs=1e-5)
 
 
-def test_generate_until_is_greedy_and_stops_before_the_stop_sequence(bpe_model):
+def test_generate_until_is_greedy_and_stops_at_the_stop_sequence(bpe_model, monkeypatch):
     model, tokenizer = bpe_model
     lm = harness.TinyGPTLM(model, tokenizer)
     prompt = tokenizer.encode("the king")
     greedy = harness.generate(model, torch.tensor([prompt]), 12, temperature=0)[0, len(prompt):].tolist()
     text = tokenizer.decode(greedy)
     stop = text[5:7]  # a stop sequence the greedy text reaches
-    expected = text.split(stop)[0]
+    reached = next(k for k in range(1, 13) if stop in tokenizer.decode(greedy[:k]))  # tokens until it shows
+    generated = []  # new tokens per call of sample.generate
+
+    def counted(model, idx, *args, **kwargs):
+        out = harness_generate(model, idx, *args, **kwargs)
+        generated.append(out.size(1) - idx.size(1))
+        return out
+
+    harness_generate = harness.generate
+    monkeypatch.setattr(harness, "generate", counted)
     out = lm.generate_until(requests("generate_until", ("the king", {"until": [stop], "max_gen_toks": 12}),
                                      ("the king", {"until": ["never in this text"], "max_gen_toks": 12})))
-    assert out == [expected, text]
+    assert out == [text.split(stop)[0], text]
+    assert generated == [reached, 12]  # decoding ended at the stop sequence, not at max_gen_toks
 
 
 # ----------------------------------------------------------------------------- the command
