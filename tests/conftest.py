@@ -41,6 +41,20 @@ def make_text(n_lines: int = 600, seed: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Prepended to a child process's script: a wait on the network is counted in connections, not seconds.
+COUNT_CONNECTIONS = """
+import socket
+connections = []  # (port, timeout) of every TCP connection this process opens: what a wait is made of
+real_create_connection = socket.create_connection
+
+def create_connection(address, timeout=None, *args, **kwargs):
+    connections.append((address[1], timeout))
+    return real_create_connection(address, timeout, *args, **kwargs)
+
+socket.create_connection = create_connection  # this child process's own socket module, nothing else's
+"""
+
+
 @pytest.fixture(autouse=True)
 def one_thread(monkeypatch: pytest.MonkeyPatch):
     """One torch thread in every test and in its child processes (OMP_NUM_THREADS).

@@ -205,6 +205,40 @@ def assert_same_training_state(a: dict, b: dict) -> None:
                         {k: v for k, v in b.items() if k not in ignored})
 
 
+class StepClock:
+    """A wall clock that moves only when the run does: ``time()`` reads it, the run's steps and evals move it."""
+
+    def __init__(self, start: float = 1_000_000.0):
+        self.now = start  # a power-of-two step size keeps every reading exact: 0.25 * 12 == 3.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def step_clock(monkeypatch: pytest.MonkeyPatch, step_s: float, eval_s: float = 0.0) -> StepClock:
+    """train.py's wall clock, replaced by one where each optimizer step takes ``step_s`` seconds and each
+    evaluation ``eval_s``: a budget (max_time, schedule=time, compare.py --time) then ends at the same step
+    on any machine, however fast or busy. (A real clock raced: a 0.5 s budget ran out during an eval on
+    a slow day.) train.py reads the clock only through ``time.time()``."""
+    clock = StepClock()
+    real_step, real_evaluate = train.optimizer_step, train.evaluate
+
+    def optimizer_step(*args, **kwargs):
+        norm = real_step(*args, **kwargs)
+        clock.now += step_s
+        return norm
+
+    def evaluate(*args, **kwargs):
+        result = real_evaluate(*args, **kwargs)
+        clock.now += eval_s
+        return result
+
+    monkeypatch.setattr(train, "time", clock)
+    monkeypatch.setattr(train, "optimizer_step", optimizer_step)
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    return clock
+
+
 def metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train records without timings, val records) from out_dir/metrics.jsonl."""
     lines = (Path(out_dir) / "metrics.jsonl").read_text().split("\n")[:-1]  # not a line cut by a SIGKILL

@@ -14,6 +14,7 @@ import torch
 
 import train
 from conftest import load_entry_point, make_text
+from fault_injection import step_clock
 from faults import StopOnSignal, RunStopped
 
 compare = load_entry_point("scripts/compare.py")
@@ -140,15 +141,23 @@ def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finish
         assert per_seed(resumed, "base", metric) == per_seed(unstopped, "base", metric)[:2]
 
 
-def test_time_mode_gives_every_run_the_same_wall_clock(finished, tmp_path):
+def test_time_mode_gives_every_run_the_same_wall_clock(finished, tmp_path, monkeypatch):
+    """--time S: every run trains until its clock reaches S, evals and saves included, then ends with an
+    eval. On a clock where a step takes 0.25 s and an eval 0.5 s, 2 s is steps 1-4, the eval at step 4
+    (eval_interval 4), steps 5-6 and the final eval, for every seed. (On a real clock the budget may run
+    out inside an eval, whose record then says a little under S: that eval is the final one, and
+    asserting time_s >= S raced the machine's speed.)"""
     root, _ = finished
-    summary = compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:", seeds=2, budget=("--time", "0.5")),
-                              StopOnSignal(install=False))
-    assert summary["mode"] == "time" and summary["budget"] == 0.5
+    step_clock(monkeypatch, step_s=0.25, eval_s=0.5)
+    command = argv(root / "corpus.txt", tmp_path / "exp", "base:", seeds=2, budget=("--time", "2"))
+    summary = compare.compare(command + ["--set", "eval_interval=4,log_interval=1"], StopOnSignal(install=False))
+    assert summary["mode"] == "time" and summary["budget"] == 2
+    assert [r["step"] for r in row(summary, "base")["runs"]] == [6, 6]
     for seed in (1, 2):
-        records = (tmp_path / "exp" / "base" / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()
-        final = json.loads(records[-1])  # the eval the budget ended with
-        assert final["time_s"] >= 0.5 and final["step"] == row(summary, "base")["runs"][seed - 1]["step"] > 0
+        records = [json.loads(line) for line in
+                   (tmp_path / "exp" / "base" / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["step"], r["time_s"]) for r in records if "val_loss" in r] == [(4, 1.5), (6, 2.5)]
+        assert [r["time_s"] for r in records if "loss" in r] == [0.25, 0.5, 0.75, 1.0, 1.75, 2.0]
 
 
 def test_a_folder_holding_runs_with_other_settings_is_refused(finished, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,7 +46,10 @@ def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
     for result in (a, b):
         assert result["steps"] == 4 and result["tokens_per_s"] > 0 and result["peak_mib"] > 0
         assert set(result["phases_ms"]) == set(bench.PHASES)
-        assert sum(result["phases_ms"].values()) == pytest.approx(result["ms_per_step"], rel=0.5)
+        # Facts, not timings a busy machine could bend: a step's time is the sum of its phases, so each
+        # phase's median lies within the slowest step, and ms/step is the median of the per-step times.
+        assert result["ms_per_step"] == statistics.median(result["step_ms"]) and len(result["step_ms"]) == 4
+        assert all(0 < ms <= max(result["step_ms"]) for ms in result["phases_ms"].values())
     failed = run_script("scripts/bench.py", "--config", "tiny", f"data_path={cfg.data_path}",
                         f"data_dir={cfg.data_dir}", "device=cpu", "--vs", "batch_size=4", "--steps", "2",
                         "--warmup", "0", "--threads", "1", "--min-ratio", "1000", check=False)

@@ -66,9 +66,9 @@ def test_a_live_run_owns_its_folder_until_it_is_killed(tmp_path, text_file, caps
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-    started = time.time()  # the kernel released the dead owner's lock: the next run starts at once
+    # The kernel released the dead owner's lock: the next run starts at once (claim never waits on a
+    # lock, LOCK_NB refuses instead, so exit 0 is the proof that no stale lock was left).
     assert run_main(tiny_args(out, text_file, **run, resume=str(rival == "resume"))) == 0
-    assert time.time() - started < 60  # no stale lock to wait out (the run itself takes seconds)
     assert load_checkpoint(out / "last.pt")["step"] == 6
     assert [r["step"] for r in metrics(out)[0]] == list(range(1, 7))  # one run's records, none lost or doubled
     assert not (out / ".lock").exists()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import train
 from checkpoint import REQUIRED_KEYS, CheckpointWriteError, load_checkpoint, save_checkpoint
 from config import ConfigError, make_config
 from conftest import run_script, tiny_model
-from fault_injection import metrics, run_main, tiny_args
+from fault_injection import metrics, run_main, step_clock, tiny_args
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
@@ -56,30 +55,34 @@ def test_time_schedule_decays_over_max_time_and_warms_up_by_steps():
     assert train.get_lr(60, steps, 99.0) == pytest.approx(0.55)  # schedule=steps ignores the clock
 
 
-def test_max_time_stops_annealed_and_a_resume_continues_the_clock(tmp_path, text_file):
+def test_max_time_stops_annealed_and_a_resume_continues_the_clock(tmp_path, text_file, monkeypatch, capsys):
+    step_clock(monkeypatch, step_s=0.25)  # a clock that moves 0.25 s per step: 12 steps spend 3 s, anywhere
     out = tmp_path / "run"
-    timed = ("--schedule", "time", "--max_iters", "1000000", "--eval_interval", "1000000", "--warmup_iters", "2",
-             "--min_lr", "0")
-    run_script(*train_args(text_file, out, "--max_time", "3", *timed))
+    timed = dict(schedule="time", max_iters=10**6, eval_interval=10**6, warmup_iters=2, min_lr=0, dropout=0.1)
+    assert run_main(tiny_args(out, text_file, max_time=3, **timed)) == 0
     records = read_metrics(out)
     steps = [r for r in records if "loss" in r]
-    assert records[-1]["val_loss"] > 0 and records[-1]["time_s"] >= 3  # the final eval ran after the budget
-    assert 3 <= steps[-1]["time_s"] < 3 + 1.0  # stopped by the clock at the first step past it
-    lrs = [r["lr"] for r in steps[2:]]
-    assert lrs == sorted(lrs, reverse=True) and lrs[-1] < 0.05 * steps[2]["lr"]  # annealed as time ran out
+    assert [r["step"] for r in steps] == list(range(1, 13))  # stopped by the clock at the first step that spent it
+    assert [r["time_s"] for r in steps] == [0.25 * s for s in range(1, 13)]
+    assert records[-1]["val_loss"] > 0 and records[-1]["time_s"] == 3.0 and records[-1]["step"] == 12
+    cfg = make_config("tiny", max_time=3, **timed)
+    assert [r["lr"] for r in steps] == [train.get_lr(s - 1, cfg, 0.25 * (s - 1)) for s in range(1, 13)]
+    assert steps[-1]["lr"] < 0.05 * steps[1]["lr"]  # annealed as time ran out (step 12 began 2.75 s in)
     state = load_checkpoint(out / "last.pt")
-    assert state["step"] == steps[-1]["step"] and state["time_s"] >= 3
+    assert state["step"] == 12 and state["time_s"] == 3.0
 
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    again = run_script(*train_args(text_file, out, "--max_time", "3", "--resume", *timed))
-    assert "max_time reached: nothing to do; raise --max_time to continue" in again.stdout
+    assert run_main(tiny_args(out, text_file, max_time=3, resume="true", **timed)) == 0
+    assert "max_time reached: nothing to do; raise --max_time to continue" in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no step, no file touched
 
-    longer = run_script(*train_args(text_file, out, "--max_time", "5", "--resume", *timed))
-    assert "WARNING: resuming with changed settings (max_time: checkpoint 3.0 vs now 5.0)" in longer.stdout
+    assert run_main(tiny_args(out, text_file, max_time=5, resume="true", **timed)) == 0
+    assert "WARNING: resuming with changed settings (max_time: checkpoint 3.0 vs now 5.0)" in capsys.readouterr().out
     resumed = [r for r in read_metrics(out) if "loss" in r][len(steps):]
-    assert resumed and resumed[0]["time_s"] > 3 and resumed[-1]["time_s"] < 5 + 1.0
-    assert resumed[0]["lr"] < steps[2]["lr"] * 0.5  # the schedule picked up at 3 of 5 s, not from the top
+    assert [(r["step"], r["time_s"]) for r in resumed] == [(s, 0.25 * s) for s in range(13, 21)]  # the clock goes on
+    longer = make_config("tiny", max_time=5, **timed)
+    assert resumed[0]["lr"] == train.get_lr(12, longer, 3.0)  # the schedule picked up at 3 of 5 s, not from the top
+    assert resumed[0]["lr"] < steps[1]["lr"] * 0.5
 
 
 @pytest.mark.parametrize("seconds, shown", [(0, "0:00"), (83.9, "1:23"), (180, "3:00"), (3599.5, "59:59"),
@@ -88,11 +91,12 @@ def test_clock_is_minutes_and_seconds_then_hours(seconds, shown):
     assert train.clock(seconds) == shown
 
 
-def test_step_lines_show_the_run_time_against_max_time(tmp_path, text_file, capsys):
+def test_step_lines_show_the_run_time_against_max_time(tmp_path, text_file, capsys, monkeypatch):
+    step_clock(monkeypatch, step_s=30)
     step_line = re.compile(r"^step +\d+ \| loss .*")
-    assert run_main(tiny_args(tmp_path / "budget", text_file, max_iters=2, max_time=3600)) == 0
+    assert run_main(tiny_args(tmp_path / "budget", text_file, max_iters=3, max_time=3600)) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if step_line.match(line)]
-    assert len(lines) == 2 and all(re.search(r" \| 0:0\d of 1:00:00$", line) for line in lines), lines
+    assert [line.rsplit(" | ", 1)[1] for line in lines] == ["0:30 of 1:00:00", "1:00 of 1:00:00", "1:30 of 1:00:00"]
     assert run_main(tiny_args(tmp_path / "none", text_file, max_iters=2)) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if step_line.match(line)]
     assert len(lines) == 2 and not any(" of " in line for line in lines)  # no budget, nothing to count down
@@ -146,13 +150,7 @@ def test_a_format_1_checkpoint_still_resumes_and_samples(tmp_path, text_file):
 def test_an_eval_that_spends_the_budget_is_the_final_one(tmp_path, text_file, monkeypatch):
     """Before: the loop checked the clock only after a step, so an eval that crossed max_time was
     followed by one more step and a second, redundant full eval (11 s each on `small`, 2-core CPU)."""
-    real_evaluate = train.evaluate
-
-    def slow_evaluate(*args, **kwargs):
-        time.sleep(1.5)  # the eval at step 3 carries the clock past max_time
-        return real_evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(train, "evaluate", slow_evaluate)
+    step_clock(monkeypatch, step_s=0.25, eval_s=1.5)  # steps 1-3 spend 0.75 s, the eval at step 3 the rest
     out = tmp_path / "run"
     assert run_main(tiny_args(out, text_file, max_time=1, max_iters=1000, eval_interval=3)) == 0
     train_records, val_records = metrics(out)
