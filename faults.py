@@ -113,7 +113,8 @@ class NonFiniteGuard:
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, max_skipped: int,
                  device: torch.device):
         self.optimizer, self.scaler, self.max_skipped = optimizer, scaler, max_skipped
-        # found_inf is honoured by fused torch optimizers only; anything else (MuonWithAdamW) is checked per step.
+        # found_inf is honoured by fused torch optimizers and by optim.MuonAdamW (whose defaults say fused when
+        # its AdamW part is); anything else (an optimizer on MPS, say) is checked per step.
         self.fused = isinstance(optimizer, torch.optim.Optimizer) and bool(optimizer.defaults.get("fused"))
         self.bad_step = torch.full((), -1, dtype=torch.long, device=device)  # first faulty step; -1 = none
         self.skipped = torch.zeros((), dtype=torch.long, device=device)  # fp16: consecutive skips so far

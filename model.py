@@ -18,8 +18,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from optim import Muon, MuonWithAdamW
-
 
 @dataclass
 class GPTConfig:
@@ -345,25 +343,7 @@ class GPT(nn.Module):
         n_targets = (targets != -1).sum()  # scalar tensor: no host sync
         return logits, loss_sum, n_targets
 
-    def configure_optimizer(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                            device_type: str, muon_lr: float = 0.0,
-                            muon_dtype: torch.dtype = torch.float32) -> torch.optim.AdamW | MuonWithAdamW:
-        """AdamW with decay on matrices and embeddings (dim >= 2) only; each parameter exactly once.
-
-        With muon_lr > 0 the blocks' weight matrices go to Muon at that peak lr instead (optim.py) and
-        AdamW keeps the rest; muon_dtype is the precision of its Newton-Schulz iteration. Every group carries "lr_scale", its peak lr over learning_rate, which
-        the schedule multiplies. named_parameters() yields the tied wte/lm_head weight once, so it
-        cannot land in two groups.
-        """
-        hidden = [p for p in self.transformer.h.parameters() if p.dim() == 2 and p.requires_grad] if muon_lr > 0 else []
-        on_muon = {id(p) for p in hidden}
-        rest = [p for p in self.parameters() if p.requires_grad and id(p) not in on_muon]
-        groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay, "lr_scale": 1.0},
-                  {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0}]
-        fused = device_type in ("cuda", "cpu")  # fused kernels exist for these in torch >= 2.4
-        adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
-        if not hidden:
-            return adamw
-        muon = Muon([{"params": hidden, "lr_scale": muon_lr / learning_rate}], ns_dtype=muon_dtype, lr=muon_lr,
-                    weight_decay=weight_decay, momentum=0.95)
-        return MuonWithAdamW(adamw, muon)
+    def hidden_matrices(self) -> list[nn.Parameter]:
+        """The blocks' 2-D weight matrices: what Muon orthogonalises (optim.py); the embedding, position
+        table and gains are not among them."""
+        return [p for p in self.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]

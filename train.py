@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from checkpoint import (CheckpointError, CheckpointWriteError, capture_rng, library_versions, load_checkpoint,
                         read_config, remove_stale_temp_files, restore_rng, save_checkpoint, FORMAT_VERSION)
-from config import (TRAINING_FIELDS, ConfigError, TrainConfig, as_dict, changed_fields, changed_model_fields,
-                    config_from_dict, given_fields, model_config, parse_args)
+from config import (ConfigError, TrainConfig, as_dict, config_from_dict, given_fields, model_config, parse_args,
+                    resume_changes, settings_line, unused_given)
 from data import (DataError, get_batch, iterate_windows, load_corpus, prepare, token_byte_lengths, tokenizer_from_meta,
                   val_windows)
 import distributed
@@ -38,50 +38,38 @@ from distributed import Dist, all_reduce_sum, print0
 from faults import EXIT_BAD_INPUT, EXIT_PEER_LOST, NonFiniteGuard, RunStopped, StopOnSignal
 import hf
 from model import GPT, describe
-from optim import MuonWithAdamW
+from optim import DECAYS, build_optimizer
 import rundir
 from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
 import tracking
 
 
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
-    """Linear warmup to learning_rate over warmup_iters steps, then a cosine down to min_lr.
+    """Linear warmup to learning_rate over warmup_iters steps, then the lr_decay shape down to min_lr.
 
-    schedule=steps: the cosine reaches min_lr at lr_decay_iters (flat afterwards); a pure function of
-    the step, so a resumed run follows exactly the same schedule. schedule=time: it reaches min_lr
-    when ``time_s`` (the run's wall clock) reaches max_time, so a slow machine ends its budget as
+    The shape (optim.DECAYS: cosine, wsd, ...) is a function of the decay's progress, 0 -> 1, which the
+    clock measures. schedule=steps: progress reaches 1 at lr_decay_iters (min_lr afterwards); a pure
+    function of the step, so a resumed run follows exactly the same schedule. schedule=time: it reaches
+    1 when ``time_s`` (the run's wall clock) reaches max_time, so a slow machine ends its budget as
     annealed as a fast one, after fewer steps (Geiping & Goldstein 2022, "Cramming", tie the schedule
     to the time budget the same way); or at max_iters, if the steps run out first.
     """
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / cfg.warmup_iters
-    if cfg.schedule == "time":  # whichever budget runs out first ends the cosine
+    if cfg.schedule == "time":  # whichever budget runs out first ends the decay
         by_steps = (step - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters)
         progress = min(1.0, max(time_s / cfg.max_time, by_steps))
     elif step >= cfg.lr_decay_iters:
         return cfg.min_lr
     else:
         progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)  # 0 -> 1
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+    return cfg.min_lr + DECAYS[cfg.lr_decay].shape(progress, cfg) * (cfg.learning_rate - cfg.min_lr)
 
 
-def set_lr(optimizer: torch.optim.Optimizer | MuonWithAdamW, lr: float) -> None:
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set every param group to lr times its lr_scale (1 for AdamW; muon_lr / learning_rate for Muon)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_scale"]
-
-
-def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device,
-                    dtype: torch.dtype = torch.float32) -> torch.optim.AdamW | MuonWithAdamW:
-    """The optimizer the config asks for: AdamW, or Muon for the block matrices plus AdamW (optim.py).
-
-    Muon's Newton-Schulz iteration runs in bf16 only where the run's matmuls do (``dtype``, which
-    pick_dtype chose by measurement on a CPU): elsewhere bf16 is emulated and ~100x slower than fp32.
-    """
-    muon_lr = cfg.muon_lr if cfg.optimizer == "muon" else 0.0
-    muon_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type,
-                                     muon_lr, muon_dtype)
 
 
 def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scaler,
@@ -300,11 +288,8 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokeniz
                     dtype: torch.dtype) -> None:
     """Refuse a checkpoint this run cannot continue (shape, tokenizer, optimizer, scaler); warn where
     it can continue but not exactly as the run that was stopped."""
-    saved = state["config"]
-    differences = changed_model_fields(saved, cfg)
-    saved_optimizer = saved.get("optimizer", "adamw")  # format-1 checkpoints predate the field
-    if saved_optimizer != cfg.optimizer:  # their states cannot be exchanged
-        differences.append(f"optimizer: checkpoint {saved_optimizer!r} vs now {cfg.optimizer!r}")
+    changes = resume_changes(state["config"], cfg)
+    differences = changes["fixed"]
     if state["tokenizer"] != tokenizer_meta:
         differences.append("tokenizer vocabulary differs from the current corpus")
     if differences:
@@ -316,10 +301,9 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokeniz
     if state["precision"] != dtype_name(dtype):
         print0(f"WARNING: {path} was trained in {state['precision']}, this run uses {dtype_name(dtype)}: "
                f"training continues but is NOT bit-exact; pass --dtype {state['precision']} for an exact resume")
-    changed = changed_fields(saved, cfg, TRAINING_FIELDS + (("max_time",) if cfg.schedule == "time" else ()))
-    if changed:
-        print0(f"WARNING: resuming with changed settings ({'; '.join(changed)}): the new values apply from "
-               "here on, so this is not the run the checkpoint started")
+    if changes["warned"]:
+        print0(f"WARNING: resuming with changed settings ({'; '.join(changes['warned'])}): the new values apply "
+               "from here on, so this is not the run the checkpoint started")
 
 
 def check_same_corpus(path: Path, saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
@@ -338,7 +322,7 @@ def check_same_corpus(path: Path, saved: dict[str, Any] | None, now: dict[str, A
             "Resume with the same --data_path and --val_fraction, or start a new --out_dir")
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer | MuonWithAdamW, state: dict[str, Any]) -> None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Restore the moments from a checkpoint but keep this run's hyperparameters.
 
     load_state_dict also brings back the saved param-group settings (weight decay, betas, lr_scale);
@@ -443,6 +427,9 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     tokens_per_step = cfg.tokens_per_step() * ddp.world_size  # the global batch
     print0(f"model: {model.summary()}")
+    print0(settings_line(cfg))
+    for warning in unused_given(cfg):
+        print0(warning)
     print0(f"device {device}, dtype {dtype_name(dtype)}, compile {train_model is not model}, "
            f"{tokens_per_step:,} tokens/step ({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), out_dir {out_dir}")
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone

@@ -23,9 +23,35 @@ from pathlib import Path
 from typing import Any, Literal
 
 from model import GPTConfig
+from optim import DECAYS, OPTIMIZERS
 
 PRESET_DIR = Path(__file__).resolve().parent
 CORPUS_FIELDS = ("vocab_size",)  # GPTConfig fields the corpus sets, not the config
+
+# How a resume treats a field whose value differs from the checkpoint's, declared beside every field:
+#   fixed   refused in one line: the run would not be the one that was stopped (shape, tokenizer, seed,
+#           optimizer, what best_val_loss is measured on);
+#   warned  applied from the resumed step on, with a warning naming it (lr, batch, ...);
+#   free    applied silently: it changes nothing that was trained (paths, logging, max_iters).
+RESUME_RULES = ("fixed", "warned", "free")
+
+
+def rule(resume: str, default: Any) -> Any:
+    """A field with its default and its resume rule (dataclasses.field metadata)."""
+    assert resume in RESUME_RULES, resume
+    return dataclasses.field(default=default, metadata={"resume": resume})
+
+
+def fixed(default: Any) -> Any:
+    return rule("fixed", default)
+
+
+def warned(default: Any) -> Any:
+    return rule("warned", default)
+
+
+def free(default: Any) -> Any:
+    return rule("free", default)
 
 
 def model_options() -> list[dataclasses.Field]:
@@ -33,17 +59,32 @@ def model_options() -> list[dataclasses.Field]:
     return [f for f in fields(GPTConfig) if f.name not in CORPUS_FIELDS]
 
 
+def add_field(cls: type, name: str, kind: Any, default: Any, resume: str) -> None:
+    """Give ``cls`` (before @dataclass reads it) one more field, declared elsewhere (model.py, optim.py)."""
+    if name in cls.__annotations__:
+        raise TypeError(f"{name} is declared twice: in {cls.__name__} and in model.py or optim.py; keep one")
+    cls.__annotations__[name] = kind
+    setattr(cls, name, rule(resume, default))
+
+
 def with_model_options(cls: type) -> type:
-    """Give ``cls`` (before @dataclass reads it) a field for every model option, with GPTConfig's type
-    and default: an option is declared once, in model.py, and is a flat config key like any other."""
+    """Give ``cls`` a field for every model option, with GPTConfig's type and default: an option is declared
+    once, in model.py, and is a flat config key like any other. A resume must keep it, unless it acts only
+    while training (GPTConfig.TRAINING_ONLY)."""
     types = typing.get_type_hints(GPTConfig)
     for option in model_options():
-        if option.name in cls.__annotations__:
-            raise TypeError(f"{option.name} is declared in model.GPTConfig; remove it from {cls.__name__}")
         if option.default is dataclasses.MISSING:
             raise TypeError(f"GPTConfig.{option.name} needs a default: the model as it was before the option")
-        cls.__annotations__[option.name] = types[option.name]
-        setattr(cls, option.name, option.default)
+        add_field(cls, option.name, types[option.name], option.default,
+                  "warned" if option.name in GPTConfig.TRAINING_ONLY else "fixed")
+    return cls
+
+
+def with_table_options(cls: type) -> type:
+    """Give ``cls`` a field for every option an optimizer or lr decay declares with itself in optim.py."""
+    for entry in (*OPTIMIZERS.values(), *DECAYS.values()):
+        for name, option in entry.options.items():
+            add_field(cls, name, type(option.default), option.default, option.resume)
     return cls
 
 
@@ -52,48 +93,50 @@ class ConfigError(ValueError):
 
 
 @dataclass
+@with_table_options  # + muon_lr, wsd_fraction, ...: the options optim.py's optimizers and lr decays declare
 @with_model_options  # + n_layer, n_head, n_embd, block_size, dropout, bias, ...: every option of model.GPTConfig
 class TrainConfig:
+    # Each field: type = resume rule(default)  # help (--help shows it). Rules: RESUME_RULES above.
     # --- run ---
-    out_dir: str = "out/default"  # folder for last.pt, best.pt and metrics.jsonl
-    seed: int = 1337  # seeds model init, dropout and the data generator
-    device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto (bf16/fp16 on GPU; on CPU bf16 if a matmul probe finds it faster, else fp32)
-    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile: auto (on for CUDA only) | on | off
-    resume: bool = False  # continue exactly from out_dir/last.pt
-    init_from: str = ""  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (hf.py)
-    # --- data ---
-    dataset: str = "shakespeare"  # built-in corpus name; ignored when data_path is set
-    data_path: str = ""  # what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file
-    text_column: str = "text"  # the documents' text: a .jsonl's JSON field or a .parquet's column (a .txt has none)
-    data_dir: str = "data"  # cache of downloaded and prepared corpora
-    tokenizer: Literal["char", "gpt2"] = "char"  # char (vocab from the corpus) | gpt2 (tiktoken BPE)
-    val_fraction: float = 0.1  # share held out for validation (the tail of a text file; every k-th document)
-    eval_tokens: int = 0  # val targets scored per eval; 0 = the whole val split
+    out_dir: str = free("out/default")  # folder for last.pt, best.pt and metrics.jsonl
+    seed: int = fixed(1337)  # seeds model init, dropout and the data generator (a resume restores their streams)
+    device: str = free("auto")  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = free("auto")  # auto (bf16/fp16 on GPU; on CPU bf16 if a matmul probe finds it faster, else fp32)
+    compile: Literal["auto", "on", "off"] = free("auto")  # torch.compile: auto (on for CUDA only) | on | off
+    resume: bool = free(False)  # continue exactly from out_dir/last.pt
+    init_from: str = free("")  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (hf.py)
+    # --- data (a resume checks the corpus itself: Corpus.record's fingerprints of both splits) ---
+    dataset: str = free("shakespeare")  # built-in corpus name; ignored when data_path is set
+    data_path: str = free("")  # what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file
+    text_column: str = free("text")  # the documents' text: a .jsonl's JSON field or a .parquet's column (a .txt has none)
+    data_dir: str = free("data")  # cache of downloaded and prepared corpora
+    tokenizer: Literal["char", "gpt2"] = fixed("char")  # char (vocab from the corpus) | gpt2 (tiktoken BPE)
+    val_fraction: float = free(0.1)  # share held out for validation (the tail of a text file; every k-th document)
+    eval_tokens: int = fixed(0)  # val targets scored per eval; 0 = the whole val split (what best_val_loss is measured on)
     # --- model: the options are declared in model.GPTConfig and added by with_model_options ---
-    # --- optimisation ---
-    batch_size: int = 32  # sequences per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
-    max_iters: int = 2000  # optimizer steps in the whole run
-    learning_rate: float = 1e-3  # peak learning rate, reached after warmup (with optimizer=muon: AdamW's share)
-    min_lr: float = 1e-4  # floor of the cosine decay
-    warmup_iters: int = 100  # linear warmup steps
-    lr_decay_iters: int = 2000  # schedule=steps: step at which the cosine reaches min_lr (flat afterwards)
-    schedule: Literal["steps", "time"] = "steps"  # steps (bit-reproducible) | time (cosine ends at max_time or max_iters, whichever comes first)
-    weight_decay: float = 0.1  # decoupled decay of matrices and embeddings (Muon's matrices too); none on gains
-    optimizer: Literal["adamw", "muon"] = "adamw"  # adamw | muon (Muon for the blocks' weight matrices, AdamW for the rest: optim.py)
-    muon_lr: float = 0.02  # optimizer=muon: the Muon matrices' peak lr; their lr follows learning_rate's schedule times muon_lr / learning_rate
-    beta1: float = 0.9  # AdamW beta1
-    beta2: float = 0.99  # AdamW beta2
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    # --- optimisation (an optimizer's or lr decay's own options are declared with it in optim.py) ---
+    batch_size: int = warned(32)  # sequences per micro-batch
+    grad_accum: int = warned(1)  # micro-batches per optimizer step
+    max_iters: int = free(2000)  # optimizer steps in the whole run
+    optimizer: str = fixed("adamw")  # a name in optim.OPTIMIZERS
+    learning_rate: float = warned(1e-3)  # peak learning rate, reached after warmup (with optimizer=muon: AdamW's share)
+    min_lr: float = warned(1e-4)  # floor of the decay
+    warmup_iters: int = warned(100)  # linear warmup steps
+    schedule: Literal["steps", "time"] = warned("steps")  # the decay's clock: steps (bit-reproducible; over lr_decay_iters) | time (over max_time, or max_iters if the steps run out first)
+    lr_decay: str = fixed("cosine")  # the lr's shape after warmup, a name in optim.DECAYS
+    lr_decay_iters: int = warned(2000)  # schedule=steps: step at which the decay reaches min_lr (flat afterwards)
+    weight_decay: float = warned(0.1)  # decay of matrices and embeddings (AdamW's decoupled decay; Muon's matrices too); none on gains
+    beta1: float = warned(0.9)  # AdamW beta1
+    beta2: float = warned(0.99)  # AdamW beta2
+    grad_clip: float = warned(1.0)  # max global grad norm; 0 disables clipping (the norm is still logged)
     # --- logging and evaluation ---
-    log_interval: int = 50  # steps between log lines (the only steps that sync with the device)
-    eval_interval: int = 500  # steps between evaluations and checkpoints (and one at the end)
-    ckpt_interval: int = 0  # also save last.pt every this many steps (bounds the loss to a SIGKILL); 0 = only at evals
-    max_skipped_steps: int = 20  # fp16: stop after this many steps in a row skipped for overflowing gradients
-    max_time: float = 0.0  # wall-clock budget in seconds, across resumes; 0 = none (not with schedule=time). Stops cleanly, evals, saves
-    wandb: bool = False  # also log to Weights & Biases (offline unless logged in)
-    wandb_project: str = "tinygpt"  # wandb project name
+    log_interval: int = free(50)  # steps between log lines (the only steps that sync with the device)
+    eval_interval: int = free(500)  # steps between evaluations and checkpoints (and one at the end)
+    ckpt_interval: int = free(0)  # also save last.pt every this many steps (bounds the loss to a SIGKILL); 0 = only at evals
+    max_skipped_steps: int = free(20)  # fp16: stop after this many steps in a row skipped for overflowing gradients
+    max_time: float = warned(0.0)  # wall-clock budget in seconds, across resumes; 0 = none (not with schedule=time). Stops cleanly, evals, saves
+    wandb: bool = free(False)  # also log to Weights & Biases (offline unless logged in)
+    wandb_project: str = free("tinygpt")  # wandb project name
 
     # Not a field (no annotation, so no flag, no checkpoint key): the names make_config was given, by the
     # preset or the command line, whatever their value. given_fields() reads it; make_config sets it.
@@ -106,19 +149,52 @@ class TrainConfig:
 
 FIELD_TYPES = typing.get_type_hints(TrainConfig)  # name -> int, float, bool, str or Literal[...]
 DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+RESUME = {f.name: f.metadata["resume"] for f in fields(TrainConfig)}  # name -> fixed | warned | free
 MODEL_OPTIONS = tuple(f.name for f in model_options())
-# Fields a resume must keep: every model option that shapes what the weights compute, and the tokenizer.
-RESUME_FIXED = tuple(name for name in MODEL_OPTIONS if name not in GPTConfig.TRAINING_ONLY) + ("tokenizer",)
-# Fields a resume may change, though the run then differs from one never stopped (max_iters is not
-# among them: raising it only extends a step schedule; max_time is, for schedule=time).
-TRAINING_FIELDS = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters", "schedule", "muon_lr",
-                   "weight_decay", "beta1", "beta2", "grad_clip", "batch_size", "grad_accum") + GPTConfig.TRAINING_ONLY
+TABLES = {"optimizer": OPTIMIZERS, "lr_decay": DECAYS}  # fields whose values name an entry of an optim.py table
+CLOCK_USES = {"steps": ("lr_decay_iters",), "time": ()}  # what each schedule (the decay's clock) reads
 
 
 def choices(name: str) -> tuple[Any, ...]:
-    """The values a Literal-typed field allows; () for any other field."""
+    """The values a field allows: a table's names (optimizer, lr_decay) or a Literal's; () for any other field."""
+    if name in TABLES:
+        return tuple(TABLES[name])
     kind = FIELD_TYPES[name]
     return typing.get_args(kind) if typing.get_origin(kind) is Literal else ()
+
+
+def chosen_entries(cfg: TrainConfig) -> list[Any]:
+    """The table entries the config chose: its optimizer and its lr decay."""
+    return [TABLES[name][getattr(cfg, name)] for name in TABLES]
+
+
+def entry_fields(entry: Any) -> set[str]:
+    return set(entry.uses) | set(entry.options)
+
+
+def unused_fields(cfg: TrainConfig) -> set[str]:
+    """Fields that some optimizer, lr decay or clock reads but the chosen ones do not (muon_lr under adamw)."""
+    owned = {name for table in TABLES.values() for entry in table.values() for name in entry_fields(entry)}
+    owned |= {name for uses in CLOCK_USES.values() for name in uses}
+    used = {name for entry in chosen_entries(cfg) for name in entry_fields(entry)} | set(CLOCK_USES[cfg.schedule])
+    return owned - used
+
+
+def unused_given(cfg: TrainConfig) -> list[str]:
+    """A warning per field the user set (preset or command line) that this run does not read."""
+    chosen = ", ".join([f"{name}={getattr(cfg, name)}" for name in TABLES] + [f"schedule={cfg.schedule}"])
+    return [f"WARNING: {name} is set ({getattr(cfg, name)!r}) but unused: {chosen} do not read it"
+            for name in sorted(unused_fields(cfg) & given_fields(cfg))]
+
+
+def settings_line(cfg: TrainConfig) -> str:
+    """The start-up line of what trains, beside the model line: the optimizer, the lr decay, its clock and the
+    step count always, then every other setting that shapes training (resume rule fixed or warned) and differs
+    from its default. Model options are the model line's; paths and logging are not training."""
+    always = ("optimizer", *(name for name in TABLES if name != "optimizer"), "schedule", "max_iters")
+    rest = [name for name in FIELD_TYPES if name not in always and name not in MODEL_OPTIONS
+            and RESUME[name] != "free" and getattr(cfg, name) != DEFAULTS[name] and name not in unused_fields(cfg)]
+    return "settings: " + ", ".join(f"{name} {getattr(cfg, name)}" for name in (*always, *rest))
 
 
 def type_name(name: str) -> str:
@@ -135,7 +211,17 @@ def field_help() -> dict[str, str]:
             name, sep, rest = line.strip().partition(":")
             if sep and name in FIELD_TYPES and "#" in rest:
                 help_text[name] = rest.split("#", 1)[1].strip()
+    for table_field, table in TABLES.items():  # each entry of a table says what it is: its docstring's first line
+        entries = (f"{name}: {(entry_doc(entry) or name).rstrip('.')}" for name, entry in table.items())
+        help_text[table_field] += " (" + "; ".join(entries) + ")"
+        for entry in table.values():
+            help_text.update({name: option.help for name, option in entry.options.items()})
     return help_text
+
+
+def entry_doc(entry: Any) -> str:
+    function = getattr(entry, "build", None) or entry.shape
+    return (function.__doc__ or "").strip().split("\n")[0]
 
 
 def parse_value(name: str, raw: Any) -> Any:
@@ -201,7 +287,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in ("warmup_iters", "lr_decay_iters", "eval_tokens", "ckpt_interval"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "max_time", "muon_lr"):
+    for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "max_time"):
         value = getattr(cfg, name)
         if not math.isfinite(value) or value < 0:
             raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
@@ -222,8 +308,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"{name} must be in [0, 1), got {beta}")
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.device):
         raise ConfigError(f"unknown device `{cfg.device}`; use one of auto, cpu, cuda, cuda:N, mps")
-    if cfg.optimizer == "muon" and cfg.muon_lr == 0:
-        raise ConfigError("muon_lr must be > 0 with optimizer=muon")
+    for entry in (*OPTIMIZERS.values(), *DECAYS.values()):  # the options optim.py declares, by their own checks
+        for name, option in entry.options.items():
+            if not option.valid(getattr(cfg, name)):
+                raise ConfigError(f"{name} must {option.must}, got {getattr(cfg, name)}")
     if cfg.schedule == "time" and cfg.max_time == 0:
         raise ConfigError("schedule=time decays the lr over max_time: set max_time (seconds) or use schedule=steps")
     for name in FIELD_TYPES:
@@ -357,19 +445,20 @@ def parse_args(argv: list[str] | None = None, description: str = TRAIN_DESCRIPTI
     return make_config(preset, **overrides)
 
 
-def changed_model_fields(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
-    """Fields a resume must keep (RESUME_FIXED) whose value differs between a checkpoint's config and ``cfg``."""
-    return changed_fields(saved, cfg, RESUME_FIXED)
-
-
-def changed_fields(saved: dict[str, Any], cfg: TrainConfig, names: tuple[str, ...]) -> list[str]:
-    """``names`` whose value differs between a checkpoint's config and ``cfg``, described for the user.
+def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[str]]:
+    """Fields whose value differs between a checkpoint's config and ``cfg``, by resume rule, described for
+    the user: {"fixed": [...], "warned": [...]} (free fields are left out, and so are warned fields this run
+    does not read: a changed muon_lr under adamw changes nothing).
 
     A field the checkpoint lacks (saved before the field existed) meant the field's default.
     """
     saved = {**DEFAULTS, **saved}
-    return [f"{name}: checkpoint {saved[name]!r} vs now {getattr(cfg, name)!r}"
-            for name in names if saved[name] != getattr(cfg, name)]
+    unused = unused_fields(cfg)
+    changes: dict[str, list[str]] = {"fixed": [], "warned": []}
+    for name, resume in RESUME.items():
+        if resume in changes and saved[name] != getattr(cfg, name) and not (resume == "warned" and name in unused):
+            changes[resume].append(f"{name}: checkpoint {saved[name]!r} vs now {getattr(cfg, name)!r}")
+    return changes
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:

@@ -7,7 +7,8 @@
 
 A variant is NAME:KEY=VALUE[,KEY=VALUE...]: config overrides on top of the preset and of --set (which
 applies to every variant; a variant's own value wins). `base:`, nothing after the colon, is the preset
-as it is. The first variant is the baseline. Any config field works, including ones added later.
+as it is. The first variant is the baseline, or the one --vs names. Any config field works, including ones
+added later, and so does any optimizer or lr decay of optim.py's tables (muon:optimizer=muon, wsd:lr_decay=wsd).
 
 Why it works this way (docs/experiments.md, "Comparing variants honestly"):
 - --steps N: each run is N steps on a step schedule (max_iters = lr_decay_iters = N, no time cap), so
@@ -23,18 +24,22 @@ Why it works this way (docs/experiments.md, "Comparing variants honestly"):
   for the whole comparison: a precision that differed between variants would be a second variable.
 - Every (variant, seed) is train.py's own train() in EXP/NAME/seed-N. Rerunning the same command reuses
   finished runs and resumes a stopped one from its last.pt; Ctrl-C saves the current run and exits 130.
-  A run already on disk with other settings is refused, never mixed in.
+  A run already on disk with other settings is refused, never mixed in. A run made by other code (a hash
+  of the repo's training sources, edits included: code_fingerprint) is trained again, the old one moved
+  to EXP/stale/, with a line saying so: the tables never show results of code that no longer exists.
 
 Writes EXP/results.json, EXP/results.md (the printed tables) and EXP/compare.png (scripts/plot.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
@@ -60,6 +65,8 @@ OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command
          "max_iters": "--steps", "max_time": "--time"}
 IGNORED_ON_REUSE = ("out_dir", "resume")  # a moved folder, a resumed run: still the same run
 RESULT = "result.json"  # written into a run's folder once it has finished: the marker that skips it
+CODE = "code.json"  # written into a run's folder as it starts: the code it runs (code_fingerprint)
+NOT_TRAINING_CODE = ("tests", "docs", "scripts", "evals")  # folders whose .py files a training run never imports
 STEP_CAP_IN_TIME_MODE = 10**9  # --time without --steps: only the clock ends a run
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a variant's name is a folder name
 
@@ -157,6 +164,9 @@ def check_flags(args) -> None:
         raise ConfigError(f"--threads must be >= 0, got {args.threads}")
     if not args.variants:
         raise ConfigError("no variants: name at least one, e.g. base: rope:pos_emb=rope")
+    names = [text.partition(":")[0] for text in args.variants]
+    if args.vs is not None and args.vs not in names:
+        raise ConfigError(f"--vs {args.vs} names no variant; the variants are {', '.join(names)}")
 
 
 def make_plan(args, command: str) -> Plan:
@@ -220,21 +230,86 @@ def check_reusable(run: Run) -> None:
                           "pass another --out or delete that folder")
 
 
+# ----------------------------------------------------------------------------- the code a run ran
+def git(*args: str) -> str:
+    """A git command's output in the repo, or "" where there is no git or no repository."""
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def source_files() -> list[str]:
+    """The repo's .py files a training run can import, tracked or not (a fork's new module may not be added
+    yet): every one outside NOT_TRAINING_CODE, as paths relative to the repo."""
+    listed = git("ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py").splitlines()
+    paths = listed or [str(p.relative_to(REPO)) for p in REPO.rglob("*.py")]
+    return sorted(p for p in set(paths) if p.split("/")[0] not in NOT_TRAINING_CODE and (REPO / p).is_file())
+
+
+def code_fingerprint() -> dict[str, str]:
+    """What code this process trains with: a hash of those files' contents as they are on disk (uncommitted
+    edits included, so editing model.py changes it, and a commit that only touches docs does not), and
+    the commit for people to read."""
+    digest = hashlib.sha256()
+    for path in source_files():
+        digest.update(path.encode() + b"\0" + (REPO / path).read_bytes() + b"\0")
+    commit = git("rev-parse", "--short", "HEAD") or "no git"
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"hash": digest.hexdigest()[:12], "commit": commit + ("+edits" if dirty else "")}
+
+
+def saved_code(folder: Path) -> dict[str, str] | None:
+    """The code a run on disk ran (result.json's, or code.json's for a stopped run); None if it says nothing."""
+    for name, key in ((RESULT, "code"), (CODE, None)):
+        if (folder / name).is_file():
+            record = json.loads((folder / name).read_text())
+            return record.get(key) if key else record
+    return None
+
+
+def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
+    """A run on disk made by other code is not a result of this code: move it to EXP/stale/HASH/ (kept, never
+    deleted, and out of the tables and plots) and say so, so that it is trained again."""
+    if not run.folder.is_dir() or not any(run.folder.iterdir()):
+        return
+    saved = saved_code(run.folder)
+    if saved is not None and saved["hash"] == code["hash"]:
+        return
+    ran = f"code {saved['hash']} (commit {saved['commit']})" if saved else "code this version did not record"
+    stale = run.folder.parents[1] / "stale" / (saved["hash"] if saved else "unrecorded") / run.variant / run.folder.name
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    run.folder.rename(stale)
+    print(f"{where}: retraining: it ran {ran}, this is code {code['hash']} (commit {code['commit']}); "
+          f"the old run is kept in {stale}", flush=True)
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    """Written whole, then renamed: a kill never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
 # ----------------------------------------------------------------------------- running
-def run_all(plan: Plan, stop: StopOnSignal) -> None:
-    """Every run of the plan in order; finished ones are skipped, stopped ones resumed.
+def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
+    """Every run of the plan in order; finished ones are skipped, stopped ones resumed, both only if they ran
+    this very code (``code``); others are set aside and trained again.
 
     A signal during a run saves it and raises RunStopped saying how to continue. A run that stops on
     a non-finite loss is a result (the variant diverged), recorded with nan losses; the others go on.
     """
     for i, run in enumerate(plan.runs, 1):
         where = f"[{i}/{len(plan.runs)}] {run.variant} seed {run.seed}"
+        set_aside_if_stale(run, code, where)
         if (run.folder / RESULT).is_file():
             print(f"{where}: finished earlier, reusing {run.folder}", flush=True)
             continue
         resume = (run.folder / "last.pt").is_file()
         print(f"{where}: {'resuming' if resume else 'training'} in {run.folder}", flush=True)
         cfg = run.config(resume)
+        run.folder.mkdir(parents=True, exist_ok=True)
+        write_json(run.folder / CODE, code)
         try:
             train.train(cfg, stop)
         except RunStopped as err:
@@ -242,12 +317,12 @@ def run_all(plan: Plan, stop: StopOnSignal) -> None:
                 raise RunStopped(f"stopped during {run.variant} seed {run.seed} (its last.pt holds the last step "
                                  f"done); continue with the same command: {plan.command}", err.exit_code) from None
             print(f"{where}: {err}; recorded as diverged", flush=True)
-            write_result(run, cfg, diverged=str(err))
+            write_result(run, cfg, code, diverged=str(err))
             continue
-        write_result(run, cfg)
+        write_result(run, cfg, code)
 
 
-def write_result(run: Run, cfg: TrainConfig, diverged: str = "") -> None:
+def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str = "") -> None:
     """The run's final numbers, read from its metrics.jsonl and last.pt, into result.json (the marker)."""
     records = [json.loads(line) for line in (run.folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in records if "val_loss" in r]
@@ -258,10 +333,8 @@ def write_result(run: Run, cfg: TrainConfig, diverged: str = "") -> None:
               "val_loss": final.get("val_loss", math.nan), "val_bpb": final.get("val_bpb", math.nan),
               "ms_per_step": statistics.median(step_ms) if step_ms else math.nan,
               "params": parameter_count(run.folder), "diverged": diverged, "threads": torch.get_num_threads(),
-              "config": dataclasses.asdict(cfg)}
-    tmp = run.folder / (RESULT + ".tmp")  # written whole, then renamed: a kill never leaves half a marker
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(run.folder / RESULT)
+              "code": code, "config": dataclasses.asdict(cfg)}
+    write_json(run.folder / RESULT, result)
 
 
 def parameter_count(folder: Path) -> int:
@@ -299,10 +372,11 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "sd": statistics.stdev(values)}
 
 
-def summarise(plan: Plan) -> dict[str, Any]:
-    """results.json: every run's numbers, and per variant the spread, the paired test and the speed."""
+def summarise(plan: Plan, vs: str | None = None) -> dict[str, Any]:
+    """results.json: every run's numbers, and per variant the spread, the paired test against the control
+    (``vs``, else the first variant) and the speed."""
     results = {(r.variant, r.seed): json.loads((r.folder / RESULT).read_text()) for r in plan.runs}
-    base = plan.variants[0].name
+    base = vs or plan.variants[0].name
     rows = []
     for v in plan.variants:
         runs = [results[v.name, s] for s in plan.seeds]
@@ -406,6 +480,8 @@ def build_parser() -> CommandLine:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch.set_num_threads; 0 keeps torch's default. The count is part of what makes a rerun "
                              "bit-exact (it orders the float sums)")
+    parser.add_argument("--vs", default=None, metavar="NAME",
+                        help="the control each Δ and speed ratio is taken against (default: the first variant)")
     parser.add_argument("--out", type=Path, default=None,
                         help="experiment folder; None means out/compare/PRESET-Nsteps (or PRESET-Ss with --time)")
     return parser
@@ -426,8 +502,10 @@ def compare(argv: list[str], stop: StopOnSignal) -> dict[str, Any]:
     plan = make_plan(args, command_line(argv))
     print(f"{len(plan.variants)} variants x {len(plan.seeds)} seeds = {len(plan.runs)} runs in {plan.folder}, "
           f"{torch.get_num_threads()} torch thread(s)", flush=True)
-    run_all(plan, stop)
-    summary = summarise(plan)
+    code = code_fingerprint()  # once: the modules this process imported are the code its runs run
+    print(f"code {code['hash']} (commit {code['commit']}): finished runs of other code are trained again", flush=True)
+    run_all(plan, stop, code)
+    summary = summarise(plan, args.vs)
     print("\n" + write_outputs(plan, summary))
     print(f"\nwrote {plan.folder / 'results.md'}, results.json and compare.png")
     return summary

@@ -168,13 +168,13 @@ def record_precisions(monkeypatch: pytest.MonkeyPatch) -> set[str]:
 def capture_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """After train() runs (or fails), holds its 'model' and 'optimizer' objects."""
     captured: dict[str, Any] = {}
-    real = GPT.configure_optimizer
+    real = train.build_optimizer
 
-    def configure_optimizer(self, *args, **kwargs):
-        captured["model"], captured["optimizer"] = self, real(self, *args, **kwargs)
+    def build_optimizer(model, *args, **kwargs):
+        captured["model"], captured["optimizer"] = model, real(model, *args, **kwargs)
         return captured["optimizer"]
 
-    monkeypatch.setattr(GPT, "configure_optimizer", configure_optimizer)
+    monkeypatch.setattr(train, "build_optimizer", build_optimizer)
     return captured
 
 

@@ -219,6 +219,7 @@ def test_dtype_auto_is_decided_once_for_every_run(tmp_path, text_file, monkeypat
     (["x:dropout=0.1,dropout=0.2"], [], "variant `x` sets a key twice"),
     (["s:seed=7"], [], "variant `s` sets `seed`, which compare.py sets itself (with --seeds)"),
     (["a:"], ["--seeds", "1"], "--seeds 1 leaves no spread and no p-value: use --seeds 2 or more"),
+    (["a:", "b:"], ["--vs", "c"], "--vs c names no variant; the variants are a, b"),
     (["a:"], ["--set", "n_layr=3"], "unknown config key `n_layr` in the overrides; did you mean `n_layer`?"),
     ([], [], "no variants"),
 ])
@@ -235,3 +236,41 @@ def test_without_a_budget_it_asks_for_steps_or_time(tmp_path, text_file, capsys)
     with pytest.raises(SystemExit) as stopped:
         compare.main(argv(text_file, tmp_path / "exp", "a:", budget=()))
     assert stopped.value.code == 2 and "give --steps N" in capsys.readouterr().err
+
+
+def test_runs_made_by_other_code_are_trained_again_and_set_aside(finished, tmp_path, monkeypatch, capsys):
+    """The forker's loop is: edit, rerun the same command. Before, every run came back "finished earlier,
+    reusing" with the old numbers: results of code that no longer existed. Now a run whose code fingerprint
+    differs is moved to EXP/stale/ and trained again, with one line saying why."""
+    root, summary = finished
+    shutil.copytree(root / "exp", tmp_path / "exp")
+    old_code = json.loads((tmp_path / "exp" / "base" / "seed-1" / "result.json").read_text())["code"]
+    assert old_code == compare.code_fingerprint()  # the finished runs recorded the code that made them
+    edited = {"hash": "0123456789ab", "commit": old_code["commit"] + "+edits"}
+    monkeypatch.setattr(compare, "code_fingerprint", lambda: edited)
+    capsys.readouterr()
+    rerun = compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:", "same:", SLOW),
+                            StopOnSignal(install=False))
+    out = capsys.readouterr().out
+    assert out.count(f"retraining: it ran code {old_code['hash']} (commit {old_code['commit']}), this is code "
+                     "0123456789ab") == 9 and "finished earlier" not in out
+    for variant in ("base", "same", "slow"):
+        for seed in (1, 2, 3):
+            kept = tmp_path / "exp" / "stale" / old_code["hash"] / variant / f"seed-{seed}" / "result.json"
+            assert json.loads(kept.read_text())["code"] == old_code  # the old run is kept, out of the tables
+            new = tmp_path / "exp" / variant / f"seed-{seed}" / "result.json"
+            assert json.loads(new.read_text())["code"] == edited
+        assert per_seed(rerun, variant, "val_loss") == per_seed(summary, variant, "val_loss")  # same code, in truth
+    assert [label for _, label in plot.expand(tmp_path / "exp")] == ["base"] * 3 + ["same"] * 3 + ["slow"] * 3
+
+
+def test_vs_takes_every_difference_against_the_named_control(finished, tmp_path, monkeypatch):
+    root, summary = finished
+    shutil.copytree(root / "exp", tmp_path / "exp")  # its reports are rewritten: the shared folder's stay
+    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    against_slow = compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:", "same:", SLOW)
+                                   + ["--vs", "slow"], StopOnSignal(install=False))
+    assert against_slow["baseline"] == "slow" and "p" not in row(against_slow, "slow")["val_loss"]
+    assert row(against_slow, "base")["val_loss"]["diff"] == pytest.approx(-row(summary, "slow")["val_loss"]["diff"])
+    assert row(against_slow, "slow")["speed_ratio"] == 1.0
+    assert "Δ vs slow [95% CI]" in (tmp_path / "exp" / "results.md").read_text()

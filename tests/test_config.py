@@ -41,8 +41,10 @@ def test_precedence_is_defaults_then_preset_then_command_line():
     (["--config", "nope"], "no preset `nope`"),
     (["--max_iters", "2.5"], "max_iters must be int"),
     (["--optimizer", "sgd"], "optimizer must be one of adamw, muon"),
-    (["--optimizer", "muon", "--muon_lr", "0"], "muon_lr must be > 0 with optimizer=muon"),
-    (["--muon_lr", "-0.1"], "muon_lr must be a finite number"),
+    (["--optimizer", "muon", "--muon_lr", "0"], "muon_lr must be > 0, got 0.0"),
+    (["--muon_lr", "-0.1"], "muon_lr must be > 0, got -0.1"),
+    (["--lr_decay", "linear"], "lr_decay must be one of cosine, wsd"),
+    (["--wsd_fraction", "0"], "wsd_fraction must be in \\(0, 1\\], got 0.0"),
     (["--text_column", ""], "text_column must name the .jsonl field or .parquet column"),
 ])
 def test_bad_configs_fail_with_a_helpful_message(argv, message):

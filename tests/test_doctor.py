@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import runtime
 import train
 from config import parse_args
-from conftest import REPO, make_text, run_script, tiny_model
+from conftest import REPO, make_optimizer, make_text, run_script, tiny_model
 from data import CharTokenizer, get_batch
 from faults import NonFiniteGuard
 from model import GPT, GPTConfig
@@ -36,7 +36,7 @@ def random_batch(vocab_size: int = 50, batch_size: int = 4, block_size: int = 16
 
 
 def tiny_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return model.configure_optimizer(0.1, 3e-3, (0.9, 0.99), "cpu")
+    return make_optimizer(model, 0.1, 3e-3, (0.9, 0.99))
 
 
 
@@ -169,7 +169,7 @@ def test_overfit_catches_a_step_that_cannot_learn():
     model = tiny_model()
     assert doctor.check_overfit(model, tiny_optimizer(model), x, y, 1.0, CPU, torch.float32).passed
     frozen = tiny_model()
-    optimizer = frozen.configure_optimizer(0.1, 1e-7, (0.9, 0.99), "cpu")  # lr far too small
+    optimizer = make_optimizer(frozen, 0.1, 1e-7, (0.9, 0.99))  # lr far too small
     assert not doctor.check_overfit(frozen, optimizer, x, y, 1.0, CPU, torch.float32, steps=20).passed
 
 
@@ -322,7 +322,7 @@ def test_nan_guard_check_catches_a_guard_that_ignores_gradients(monkeypatch, opt
         monkeypatch.setattr(NonFiniteGuard, "step", guard_step_checking_the_loss_only)
     model = tiny_model()
     muon_lr = 0.02 if optimizer == "muon" else 0.0
-    check = doctor.check_nonfinite_gradient(model, model.configure_optimizer(0.1, 3e-3, (0.9, 0.99), "cpu", muon_lr),
+    check = doctor.check_nonfinite_gradient(model, make_optimizer(model, 0.1, 3e-3, (0.9, 0.99), muon_lr),
                                             *random_batch(), 1.0, CPU, torch.float32)
     assert check.passed != loss_only, check.measured
     if loss_only:

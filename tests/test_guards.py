@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import train
 from checkpoint import load_checkpoint
 from config import model_config
-from conftest import make_text, tiny_model
+from conftest import make_optimizer, make_text, tiny_model
 from data import CharTokenizer, get_batch, load_corpus, prepare
 from model import GPT
 from scripts import doctor
@@ -174,7 +174,7 @@ class PlainListGPT(GPT):
 def test_layers_in_a_plain_list_are_caught(model_class, passes):
     torch.manual_seed(0)
     model = model_class(tiny_model().config)
-    optimizer = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), "cpu")
+    optimizer = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99))
     check = doctor.check_gradients(model, optimizer, *random_batch())
     assert check.passed == passes, check.measured
     if not passes:

@@ -21,7 +21,7 @@ import runtime
 import sample
 import train
 from checkpoint import load_checkpoint
-from conftest import tiny_model
+from conftest import make_optimizer, tiny_model
 from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
                              on_training_forward, run_main, tiny_args)
 from faults import NonFiniteGuard
@@ -69,7 +69,7 @@ def record_optimizer_steps(monkeypatch) -> list[dict]:
 def one_step_norm(fp16_scaler: bool, dtype: torch.dtype = torch.float32) -> float:
     """The pre-clip norm train.optimizer_step returns for one step of a fresh tiny model on one batch."""
     model = tiny_model()
-    optimizer = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), "cpu")
+    optimizer = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99))
     scaler = torch.amp.GradScaler("cpu", enabled=fp16_scaler)  # works on CPU: scale 65536
     guard = NonFiniteGuard(optimizer, scaler, max_skipped=20, device=CPU)
     loss_sum, _ = train.accumulate_gradients(model, [random_batch()], scaler, CPU, dtype)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import train
-from conftest import tiny_model
+from conftest import make_optimizer, tiny_model
 from model import Rotary
 
 
@@ -70,7 +70,7 @@ def test_every_parameter_gets_a_finite_gradient_and_one_optimizer_group():
     (loss_sum / n).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
-    optimizer = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), "cpu")
+    optimizer = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99))
     in_groups = [id(p) for g in optimizer.param_groups for p in g["params"]]
     assert sorted(in_groups) == sorted(id(p) for p in model.parameters())  # each exactly once
     decayed = {id(p) for p in optimizer.param_groups[0]["params"]}
@@ -80,7 +80,7 @@ def test_every_parameter_gets_a_finite_gradient_and_one_optimizer_group():
 
 def test_muon_takes_the_block_matrices_and_adamw_the_rest():
     model = tiny_model(bias=True)
-    optimizer = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), "cpu", muon_lr=0.02)
+    optimizer = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99), muon_lr=0.02)
     on_muon = {id(p) for g in optimizer.muon.param_groups for p in g["params"]}
     in_groups = [id(p) for g in optimizer.param_groups for p in g["params"]]
     assert sorted(in_groups) == sorted(id(p) for p in model.parameters())  # each exactly once
@@ -96,7 +96,7 @@ def test_a_tiny_model_overfits_one_batch():
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 20, (4, 16), generator=gen)
     targets = torch.randint(0, 20, (4, 16), generator=gen)
-    optimizer = model.configure_optimizer(0.0, 3e-3, (0.9, 0.99), "cpu")
+    optimizer = make_optimizer(model, 0.0, 3e-3, (0.9, 0.99))
     for _ in range(150):
         _, loss_sum, n = model(idx, targets)
         optimizer.zero_grad(set_to_none=True)
