@@ -98,6 +98,20 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def use_threads(threads: int) -> int:
+    """torch.set_num_threads(threads) unless 0 (torch's default: one per core); returns the count in force.
+
+    Two jobs on a 2-core machine each want one: with torch's default both spin two OpenMP threads, and
+    each op waits at a barrier for a thread the other job has descheduled (docs/performance.md)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def threads_text(count: int) -> str:
+    return f"{count} thread" + ("" if count == 1 else "s")
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (all devices). The data order has its own generator."""
     random.seed(seed)

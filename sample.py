@@ -3,16 +3,19 @@
     python sample.py --temp 0.8                       # newest best.pt under out/
     python sample.py --ckpt out/small --prompt "ROMEO:" --num-samples 3 --top-k 40 --top-p 0.9
     python sample.py --prompt-file prompt.txt --temp 0 --no-stream
+    python sample.py --ckpt out/small --prompt "ROMEO:" --stop "\\n\\n"   # one speech: stop at a blank line
+    python sample.py --ckpt out/small --interactive                     # load once; a prompt per line
     python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (hf.py)
 
 The checkpoint carries the tokenizer, so nothing else is needed. Reads top to bottom: choosing a
 token (filters, temperature) -> the context window and its KV cache -> the generation loop ->
-streaming text -> the command line.
+streaming text and stop strings -> the command line and the prompt loop.
 """
 from __future__ import annotations
 
 import argparse
 import codecs
+import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 
 from checkpoint import CheckpointError, load_checkpoint
 from config import CommandLine, ConfigError, config_from_dict, field_help, model_config
-from data import DataError, read_text_file, tokenizer_from_meta
+from data import DataError, read_text_file, special_tokens, tokenizer_from_meta
 import hf
 from model import GPT
 from runtime import fail, pick_device
@@ -209,6 +212,54 @@ class TextStream:
         return self.utf8.decode(b"", final=True)
 
 
+class Continuations:
+    """Each sample's new text, ended at its first stop string (not included) or at an end-of-text token.
+
+    Rows stop on their own: a finished row ignores the tokens its batch still generates. ``printable``
+    is what streaming may show of a row now: its text less any tail that could still grow into a stop
+    string, so a stop string is never printed, not even in part.
+    """
+
+    def __init__(self, tokenizer, rows: int, stops: list[str], end_ids: set[int]):
+        self.streams = [TextStream(tokenizer) for _ in range(rows)]
+        self.texts = [""] * rows
+        self.done = [False] * rows
+        self.stops, self.end_ids = [s for s in stops if s], end_ids
+
+    def push(self, next_ids: torch.Tensor) -> None:
+        """Append each row's new token (B, 1) to its text, unless the row has ended."""
+        for row, token in enumerate(next_ids[:, 0].tolist()):
+            if self.done[row]:
+                continue
+            if token in self.end_ids:
+                self.done[row] = True
+                continue
+            self.texts[row] += self.streams[row].push([token])
+            self.cut(row)
+
+    def cut(self, row: int) -> None:
+        found = [at for at in (self.texts[row].find(stop) for stop in self.stops) if at >= 0]
+        if found:
+            self.texts[row], self.done[row] = self.texts[row][:min(found)], True
+
+    def finish(self) -> None:
+        """The generation is over: rows still open get their held-back bytes (as U+FFFD)."""
+        for row, done in enumerate(self.done):
+            if not done:
+                self.texts[row] += self.streams[row].flush()
+                self.cut(row)
+
+    def all_done(self) -> bool:
+        return all(self.done)
+
+    def printable(self, row: int) -> str:
+        text = self.texts[row]
+        if self.done[row]:
+            return text
+        held = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        return text[:len(text) - held]
+
+
 # ----------------------------------------------------------------------------- command line
 def add_weights_flags(parser: argparse.ArgumentParser) -> None:
     """--ckpt or --init_from: where the weights come from (also scripts/eval.py's)."""
@@ -219,18 +270,33 @@ def add_weights_flags(parser: argparse.ArgumentParser) -> None:
                              "folder / .safetensors in the Hugging Face GPT-2 layout")
 
 
+def unescape(text: str) -> str:
+    """--stop's escapes, so a shell can pass a newline: \\n, \\t and \\\\ (any other character stays as it is)."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     add_weights_flags(parser)
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
     prompt.add_argument("--prompt-file", "--prompt_file", default="", help="UTF-8 file whose text to continue")
+    prompt.add_argument("--interactive", action="store_true",
+                        help="load once, then continue each prompt read from stdin, one line each (Ctrl-D or "
+                             "Ctrl-C at the prompt quits; Ctrl-C while generating stops that continuation)")
+    parser.add_argument("--multiline", action="store_true",
+                        help="with --interactive: a prompt is every line up to an empty line")
     parser.add_argument("--num-samples", "--num_samples", type=int, default=1, help="samples, generated as one batch")
     parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=500,
                         help="tokens generated per sample")
     parser.add_argument("--temp", "--temperature", type=float, default=0.8, help="0 = greedy argmax")
     parser.add_argument("--top-k", "--top_k", type=int, default=0, help="0 = no top-k filter")
     parser.add_argument("--top-p", "--top_p", type=float, default=1.0, help="1.0 = no nucleus filter")
+    parser.add_argument("--stop", action="append", default=[], type=unescape, metavar="STR",
+                        help="end a sample at the first STR, which is not printed (repeatable; \\n is a newline)")
+    parser.add_argument("--stop-at-eot", "--stop_at_eot", action=argparse.BooleanOptionalAction, default=True,
+                        help="end a sample at the tokenizer's end-of-text token (GPT-2's <|endoftext|>; a char "
+                             "vocabulary has none)")
     parser.add_argument("--seed", type=int, default=1337, help="seeds the sampler's own torch.Generator")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="print sample 1 as it is generated (default: on when stdout is a terminal); "
@@ -242,6 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.temp >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1 \
             or args.max_new_tokens < 0:
         fail("need --temp >= 0, 0 < --top-p <= 1, --top-k >= 0, --num-samples >= 1 and --max-new-tokens >= 0")
+    if args.multiline and not args.interactive:
+        fail("--multiline reads prompts for --interactive; add --interactive, or pass the text with --prompt-file")
     if args.stream is None:
         args.stream = sys.stdout.isatty()
     return args
@@ -252,6 +320,63 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text) if text else [tokenizer.eot_token]
 
 
+def sample(model: GPT, tokenizer, text: str, args: argparse.Namespace, generator: torch.Generator) -> None:
+    """Continue ``text`` --num-samples times as one batch and print each (sample 1 streamed if --stream)."""
+    device = next(model.parameters()).device
+    prompt = prompt_ids(tokenizer, text)
+    idx = torch.tensor([prompt] * args.num_samples, dtype=torch.long, device=device)  # (N, T)
+    ends = special_tokens(tokenizer) if args.stop_at_eot else set()
+    samples = Continuations(tokenizer, args.num_samples, args.stop, ends)
+    shown = 0  # characters of sample 1 printed so far
+
+    def on_token(next_id: torch.Tensor) -> None:  # streams sample 1 only: N interleaved would be unreadable
+        nonlocal shown
+        samples.push(next_id)
+        if args.stream:
+            text_now = samples.printable(0)
+            print(text_now[shown:], end="", flush=True)
+            shown = len(text_now)
+
+    if args.stream:
+        print(text, end="", flush=True)
+    generate(model, idx, args.max_new_tokens, args.temp, args.top_k, args.top_p, generator, use_cache=args.cache,
+             on_token=on_token, stop=lambda _: samples.all_done())
+    samples.finish()
+    for row, continuation in enumerate(samples.texts):
+        print(continuation[shown:] if args.stream and row == 0 else text + continuation)
+        print("-" * 40)
+
+
+def read_prompt(multiline: bool) -> str | None:
+    """The next prompt on stdin: a line, or with ``multiline`` the lines up to an empty one. None: quit
+    (end of input, or Ctrl-C at the prompt)."""
+    mark = "> " if sys.stdin.isatty() else ""  # a marker only for a person at a terminal
+    lines: list[str] = []
+    try:
+        while True:
+            line = input(mark if not lines else "")
+            if not multiline:
+                return line
+            if line == "" and lines:
+                return "\n".join(lines)
+            lines.append(line)
+    except EOFError:
+        return "\n".join(lines) if lines else None
+    except KeyboardInterrupt:
+        return None
+
+
+def interactive(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:
+    """Prompt, streamed continuation, next prompt, until Ctrl-D or Ctrl-C at the prompt."""
+    while (text := read_prompt(args.multiline)) is not None:
+        try:
+            sample(model, tokenizer, text, args, generator)
+        except DataError as err:  # a character the vocabulary lacks: say so, ask again
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # Ctrl-C while generating: this continuation ends here
+            print("\n" + "-" * 40, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
@@ -259,25 +384,16 @@ def main(argv: list[str] | None = None) -> None:
         device = pick_device(args.device)
         model, tokenizer = load_pretrained(args.init_from, device) if args.init_from else load_model(path, device)
         text = read_text_file(Path(args.prompt_file), "--prompt-file") if args.prompt_file else args.prompt
-        prompt = prompt_ids(tokenizer, text)
+        if not args.interactive:
+            prompt_ids(tokenizer, text)  # a character the vocabulary lacks: one line now, before any output
     except (CheckpointError, ConfigError, DataError) as err:
         fail(str(err))
-    skip = 0 if text else 1  # the start token of an empty prompt is not part of the text
     print(f"# sampling from {path}", flush=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    idx = torch.tensor([prompt] * args.num_samples, dtype=torch.long, device=device)  # (N, T)
-    stream = TextStream(tokenizer)
-
-    def show(next_id: torch.Tensor) -> None:  # sample 1 only: N interleaved streams would be unreadable
-        print(stream.push([next_id[0, 0].item()]), end="", flush=True)
-
-    if args.stream:
-        print(stream.push(prompt[skip:]), end="", flush=True)
-    out = generate(model, idx, args.max_new_tokens, args.temp, args.top_k, args.top_p, generator,
-                   use_cache=args.cache, on_token=show if args.stream else None)
-    for i, row in enumerate(out.tolist()):
-        print(stream.flush() if args.stream and i == 0 else tokenizer.decode(row[skip:]))
-        print("-" * 40)
+    if args.interactive:
+        interactive(model, tokenizer, args, generator)
+    else:
+        sample(model, tokenizer, text, args, generator)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ import hf
 from model import GPT, describe
 from optim import DECAYS, build_optimizer
 import rundir
-from runtime import autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, want_compile
+from runtime import (autocast, compile_or_eager, fail, mfu, pick_device, pick_dtype, seed_everything, threads_text,
+                     use_threads, want_compile)
 import tracking
 
 
@@ -383,6 +384,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
         raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
                           "new one with another --out_dir (or delete the folder)")
     device = ddp.device
+    threads = use_threads(cfg.threads)  # before the dtype probe, which times matmuls with them
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
                           "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
@@ -430,7 +432,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     print0(settings_line(cfg))
     for warning in unused_given(cfg):
         print0(warning)
-    print0(f"device {device}, dtype {dtype_name(dtype)}, compile {train_model is not model}, "
+    print0(f"device {device}, {threads_text(threads)}, dtype {dtype_name(dtype)}, compile {train_model is not model}, "
            f"{tokens_per_step:,} tokens/step ({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), out_dir {out_dir}")
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         done = step >= cfg.max_iters or budget_spent(cfg, time_before)  # a resumed run may have nothing left to do

@@ -103,6 +103,7 @@ class TrainConfig:
     device: str = free("auto")  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = free("auto")  # auto (bf16/fp16 on GPU; on CPU bf16 if a matmul probe finds it faster, else fp32)
     compile: Literal["auto", "on", "off"] = free("auto")  # torch.compile: auto (on for CUDA only) | on | off
+    threads: int = free(0)  # torch threads for this run's ops; 0 = torch's default (one per core). Two jobs on 2 cores: 1 each
     resume: bool = free(False)  # continue exactly from out_dir/last.pt
     init_from: str = free("")  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (hf.py)
     # --- data (a resume checks the corpus itself: Corpus.record's fingerprints of both splits) ---
@@ -284,7 +285,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be > 0, got {getattr(cfg, name)}")
-    for name in ("warmup_iters", "lr_decay_iters", "eval_tokens", "ckpt_interval"):
+    for name in ("warmup_iters", "lr_decay_iters", "eval_tokens", "ckpt_interval", "threads"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "max_time"):

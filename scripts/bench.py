@@ -36,9 +36,9 @@ from data import DataError, get_batch, load_corpus, prepare  # noqa: E402
 from model import GPT  # noqa: E402
 from rundir import check_writable  # noqa: E402
 from runtime import (autocast, compile_or_eager, fail, matmul_gflops, pick_device, pick_dtype,  # noqa: E402
-                     seed_everything, want_compile)
+                     seed_everything, threads_text, use_threads, want_compile)
 from faults import NonFiniteGuard  # noqa: E402
-from train import accumulate_gradients, build_optimizer, get_lr, optimizer_step, set_lr  # noqa: E402
+from train import accumulate_gradients, build_optimizer, dtype_probe_shape, get_lr, optimizer_step, set_lr  # noqa: E402
 
 PHASES = ("data", "forward_backward", "optimizer")
 
@@ -62,11 +62,14 @@ class Bench:
     times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     losses: list[float] = field(default_factory=list)
     peak_bytes: int = 0
+    threads: int = 0  # torch threads its steps run with (set before each of its blocks: configs may differ)
 
 
 def build(name: str, cfg: TrainConfig) -> Bench:
     device = pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
+    threads = cfg.threads or torch.get_num_threads()  # 0: torch's default, as train.py runs it
+    torch.set_num_threads(threads)
+    dtype = pick_dtype(cfg.dtype, device, dtype_probe_shape(cfg))  # train.py's probe, at its shape
     seed_everything(cfg.seed)
     corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
                                  text_column=cfg.text_column),
@@ -86,7 +89,7 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     compile_s = time.perf_counter() - t0
     guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)
     return Bench(name, cfg, device, dtype, model, train_model, optimizer, scaler, guard, corpus.train, data_gen,
-                 compile_s)
+                 compile_s, threads=threads)
 
 
 def sync(device: torch.device) -> None:
@@ -145,12 +148,14 @@ def peak_memory(device: torch.device) -> int:
 def run(benches: list[Bench], steps: int, warmup: int, rounds: int) -> list[dict]:
     """Warm each config up, then time ``steps`` steps of each in ``rounds`` alternating blocks."""
     for b in benches:
+        torch.set_num_threads(b.threads)
         for _ in range(warmup):
             timed_step(b)
         b.times = {p: [] for p in PHASES}
     per_round = max(1, steps // rounds)
     for _ in range(rounds):
         for b in benches:
+            torch.set_num_threads(b.threads)
             reset_peak_memory(b.device)
             for _ in range(per_round):
                 for phase, seconds in timed_step(b).items():
@@ -182,13 +187,14 @@ def summarise(b: Bench) -> dict:
             "phases_ms": {p: statistics.median(v) * 1000 for p, v in b.times.items()},
             "model_gflops": flops_per_token * tokens / step_s / 1e9,
             "peak_mib": b.peak_bytes / 2**20, "params": b.model.num_params(),
-            "last_loss": b.losses[-1].item() if b.losses else math.nan}
+            "threads": b.threads, "last_loss": b.losses[-1].item() if b.losses else math.nan}
 
 
 def report(result: dict) -> str:
     phases = " | ".join(f"{p} {ms:.2f} ms ({ms / result['ms_per_step']:.0%})" for p, ms in result["phases_ms"].items())
     compiled = f", compiled in {result['compile_s']:.1f} s" if result["compiled"] else ""
-    return (f"[{result['name']}] {result['dtype']}{compiled}: {result['ms_per_step']:.2f} ms/step, "
+    return (f"[{result['name']}] {result['dtype']}, {threads_text(result['threads'])}{compiled}: "
+            f"{result['ms_per_step']:.2f} ms/step, "
             f"{result['tokens_per_s']:,.0f} tokens/s, {result['model_gflops']:.0f} model GFLOP/s, "
             f"peak {'allocated' if result['device'].startswith('cuda') else 'RSS'} {result['peak_mib']:.0f} MiB "
             f"(median of {result['steps']} steps)\n    {phases}")
@@ -223,7 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per config")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (compile, allocator, caches)")
     parser.add_argument("--rounds", type=int, default=4, help="alternating blocks the timed steps are split into")
-    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 keeps torch's default")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="the threads field of both configs (as threads=N); 0 keeps torch's default. "
+                             "--vs threads=2 compares thread counts")
     parser.add_argument("--matmul", action="store_true", help="measure peak matmul GFLOP/s instead")
     parser.add_argument("--min-ratio", type=float, default=0.0,
                         help="with --vs: exit 1 unless B's tokens/s is at least this many times A's")
@@ -236,15 +244,14 @@ def main(argv: list[str] | None = None) -> None:
                      f"{args.steps}, --rounds {args.rounds}, --warmup {args.warmup}, --threads {args.threads}, "
                      f"--profile {args.profile}")
     rounds = min(args.rounds, args.steps) if args.vs else 1  # one config has nothing to alternate with
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+    print(f"torch {torch.__version__}, {threads_text(torch.get_num_threads())} by default, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     try:
         if args.json:
             check_writable(args.json.parent, "--json", f".bench-probe-{os.getpid()}")  # not after minutes of timing
-        base = parse_overrides(args.overrides)
+        base = ({"threads": str(args.threads)} if args.threads else {}) | parse_overrides(args.overrides)
         if args.matmul:
+            use_threads(args.threads)
             matmul_report(pick_device(base.get("device", "auto")))
             return
         configs = [("A", make_config(args.config, out_dir="out/bench", **base))]
@@ -264,8 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(results) == 2:
         print(f"B / A: {ratio:.2f}x tokens/s")
     if args.json:
-        args.json.write_text(json.dumps({"load_average": os.getloadavg(), "threads": torch.get_num_threads(),
-                                         "results": results}, indent=1))
+        args.json.write_text(json.dumps({"load_average": os.getloadavg(), "results": results}, indent=1))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.min_ratio and not ratio >= args.min_ratio:
         sys.exit(f"check failed: B / A = {ratio:.2f}x, below --min-ratio {args.min_ratio:g}")

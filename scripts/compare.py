@@ -57,7 +57,7 @@ from checkpoint import CheckpointError, read_config  # noqa: E402
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
 from data import DataError, corpus_source  # noqa: E402
 from faults import RunStopped, StopOnSignal  # noqa: E402
-from runtime import fail, pick_device, pick_dtype  # noqa: E402
+from runtime import fail, pick_device, pick_dtype, use_threads  # noqa: E402
 from sample import load_model  # noqa: E402
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
@@ -135,7 +135,7 @@ def default_folder(preset: str, steps: int | None, seconds: float | None) -> Pat
 
 def variant_overrides(args, variants: list[Variant]) -> dict[str, dict[str, Any]]:
     """Every variant's overrides (run settings < --set < its own), each validated with make_config."""
-    common = parse_overrides(args.set)
+    common = ({"threads": args.threads} if args.threads else {}) | parse_overrides(args.set)
     check_owned(common, "--set")
     base = {**run_settings(args.steps, args.time), **common}
     make_config(args.config, **base)  # a bad preset or --set is named as such, not as a variant's fault
@@ -169,8 +169,10 @@ def check_flags(args) -> None:
         raise ConfigError(f"--vs {args.vs} names no variant; the variants are {', '.join(names)}")
 
 
-def make_plan(args, command: str) -> Plan:
-    """Validate everything the command asks for and lay out its runs; writes nothing. Raises ConfigError."""
+def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
+    """Validate everything the command asks for and lay out its runs; writes nothing. Raises ConfigError.
+
+    With ``code`` (code_fingerprint), runs on disk made by other code are not checked: they are trained again."""
     check_flags(args)
     variants = [parse_variant(text) for text in args.variants]
     names = [v.name for v in variants]
@@ -186,7 +188,8 @@ def make_plan(args, command: str) -> Plan:
         corpus_source(cfg.dataset, cfg.data_path, cfg.text_column)  # DataError now, not after the runs before it
     runs = pin_auto_dtype(runs)
     for run in runs:
-        check_reusable(run)
+        if code is None or not is_stale(run, code):
+            check_reusable(run)
     mode, budget = ("time", args.time) if args.time is not None else ("steps", args.steps)
     return Plan(folder, variants, seeds, runs, mode, budget, command)
 
@@ -268,14 +271,20 @@ def saved_code(folder: Path) -> dict[str, str] | None:
     return None
 
 
+def is_stale(run: Run, code: dict[str, str]) -> bool:
+    """A run on disk that other code made (or that recorded none)."""
+    if not run.folder.is_dir() or not any(run.folder.iterdir()):
+        return False
+    saved = saved_code(run.folder)
+    return saved is None or saved["hash"] != code["hash"]
+
+
 def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
     """A run on disk made by other code is not a result of this code: move it to EXP/stale/HASH/ (kept, never
     deleted, and out of the tables and plots) and say so, so that it is trained again."""
-    if not run.folder.is_dir() or not any(run.folder.iterdir()):
+    if not is_stale(run, code):
         return
     saved = saved_code(run.folder)
-    if saved is not None and saved["hash"] == code["hash"]:
-        return
     ran = f"code {saved['hash']} (commit {saved['commit']})" if saved else "code this version did not record"
     stale = run.folder.parents[1] / "stale" / (saved["hash"] if saved else "unrecorded") / run.variant / run.folder.name
     stale.parent.mkdir(parents=True, exist_ok=True)
@@ -478,8 +487,8 @@ def build_parser() -> CommandLine:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                         help="config overrides for every variant (repeatable); a variant's own value wins")
     parser.add_argument("--threads", type=int, default=0,
-                        help="torch.set_num_threads; 0 keeps torch's default. The count is part of what makes a rerun "
-                             "bit-exact (it orders the float sums)")
+                        help="every run's threads field (as --set threads=N); 0 keeps torch's default. The count is "
+                             "part of what makes a rerun bit-exact (it orders the float sums)")
     parser.add_argument("--vs", default=None, metavar="NAME",
                         help="the control each Δ and speed ratio is taken against (default: the first variant)")
     parser.add_argument("--out", type=Path, default=None,
@@ -497,12 +506,11 @@ def compare(argv: list[str], stop: StopOnSignal) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     check_flags(args)
     t_test()  # scipy missing: say so now, not after an hour of runs
-    if args.threads:  # before planning: dtype=auto's probe times matmuls with them
-        torch.set_num_threads(args.threads)
-    plan = make_plan(args, command_line(argv))
+    use_threads(args.threads)  # before planning: dtype=auto's probe times matmuls with them
+    code = code_fingerprint()  # once: the modules this process imported are the code its runs run
+    plan = make_plan(args, command_line(argv), code)
     print(f"{len(plan.variants)} variants x {len(plan.seeds)} seeds = {len(plan.runs)} runs in {plan.folder}, "
           f"{torch.get_num_threads()} torch thread(s)", flush=True)
-    code = code_fingerprint()  # once: the modules this process imported are the code its runs run
     print(f"code {code['hash']} (commit {code['commit']}): finished runs of other code are trained again", flush=True)
     run_all(plan, stop, code)
     summary = summarise(plan, args.vs)

@@ -31,7 +31,7 @@ from config import CommandLine, ConfigError, TrainConfig, config_from_dict, fiel
 from data import (DataError, load_corpus, prepare, read_text_file, special_tokens, tokenizer_from_meta,  # noqa: E402
                   val_windows)
 from model import GPT  # noqa: E402
-from runtime import fail, pick_device  # noqa: E402
+from runtime import fail, pick_device, use_threads  # noqa: E402
 from sample import add_weights_flags, find_checkpoint, load_pretrained  # noqa: E402
 from train import evaluate, val_byte_count  # noqa: E402
 
@@ -139,10 +139,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="", choices=["", "float32", "bfloat16", "float16"],
                         help="precision of the forward pass; default: the one the run trained in")
     parser.add_argument("--device", default="auto", help=field_help()["device"])
+    parser.add_argument("--threads", type=int, default=0, help=field_help()["threads"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     if args.batch_size < 0:
         parser.error(f"--batch_size must be >= 0, got {args.batch_size}")
+    if args.threads < 0:
+        parser.error(f"--threads must be >= 0, got {args.threads}")
     if args.eval_tokens < -1:  # -1 means "as training did"; below it nothing means anything
         parser.error(f"--eval_tokens must be >= -1, got {args.eval_tokens}")
     return args
@@ -150,6 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    use_threads(args.threads)
     try:
         device = pick_device(args.device)
         loaded = load_from_hf(args.init_from, device) if args.init_from else load(args.ckpt, device)

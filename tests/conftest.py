@@ -103,6 +103,14 @@ def make_optimizer(model: GPT, weight_decay: float = 0.1, learning_rate: float =
     return build_optimizer(model, cfg, torch.device("cpu"))
 
 
+def docs_snippet(heading: str) -> str:
+    """The body of the python block in docs/experiments.md whose first line is ``heading``."""
+    text = (REPO / "docs" / "experiments.md").read_text()
+    blocks = [block.split("```")[0] for block in text.split("```python\n")[1:]]
+    body = next(block for block in blocks if block.startswith(heading)).removeprefix(heading)
+    return body.strip("\n") + "\n"
+
+
 def run_script(*args: str, cwd: Path = REPO, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a repo script in a fresh interpreter, as a user would."""
     result = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)

@@ -171,6 +171,7 @@ BAD_INPUTS = {
     "scripts/eval.py": [
         (["--ckpt", "{tmp}/missing.pt"], "no such checkpoint"),
         (["--ckpt", "{run}", "--eval_tokens", "-5"], "--eval_tokens must be >= -1, got -5"),
+        (["--ckpt", "{run}", "--threads", "-1"], "--threads must be >= 0, got -1"),
         (["--ckpt", "{run}", "--data_path", "{run}/last.pt"], "not UTF-8 text"),
     ],
     "scripts/harness.py": [

@@ -46,6 +46,7 @@ def test_precedence_is_defaults_then_preset_then_command_line():
     (["--lr_decay", "linear"], "lr_decay must be one of cosine, wsd"),
     (["--wsd_fraction", "0"], "wsd_fraction must be in \\(0, 1\\], got 0.0"),
     (["--text_column", ""], "text_column must name the .jsonl field or .parquet column"),
+    (["--threads", "-1"], "threads must be >= 0, got -1"),
 ])
 def test_bad_configs_fail_with_a_helpful_message(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -27,7 +27,7 @@ import train
 from checkpoint import load_checkpoint, save_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
                     make_config, model_config, parse_args, validate)
-from conftest import REPO, load_entry_point, make_text
+from conftest import REPO, docs_snippet, load_entry_point, make_text
 from fault_injection import run_main, tiny_args
 from model import GPT, GPTConfig
 
@@ -241,14 +241,6 @@ def test_an_export_refusal_is_one_line_and_writes_nothing(tmp_path, corpus_file,
 
 
 # ----------------------------------------------------------------------------- a new option, end to end
-def docs_snippet(heading: str) -> str:
-    """The body of the python block in docs/experiments.md whose first line is ``heading``."""
-    text = (REPO / "docs" / "experiments.md").read_text()
-    blocks = [block.split("```")[0] for block in text.split("```python\n")[1:]]
-    body = next(block for block in blocks if block.startswith(heading)).removeprefix(heading)
-    return body.strip("\n") + "\n"
-
-
 def add_option_as_the_docs_say(repo: Path) -> str:
     """Apply docs/experiments.md's two edits (the field, its use) to a copy; returns the option's name."""
     field = docs_snippet("# model.py, in GPTConfig, after the last option:\n")

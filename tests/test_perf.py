@@ -42,7 +42,7 @@ def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
                "device=cpu", "dtype=float32", "--vs", "dtype=bfloat16", "--steps", "4", "--warmup", "1",
                "--rounds", "2", "--threads", "1", "--json", str(out))
     a, b = json.loads(out.read_text())["results"]
-    assert (a["dtype"], b["dtype"]) == ("float32", "bfloat16")
+    assert (a["dtype"], b["dtype"]) == ("float32", "bfloat16") and a["threads"] == b["threads"] == 1
     for result in (a, b):
         assert result["steps"] == 4 and result["tokens_per_s"] > 0 and result["peak_mib"] > 0
         assert set(result["phases_ms"]) == set(bench.PHASES)

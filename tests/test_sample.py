@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from config import as_dict, make_config, model_config
 from conftest import REPO, make_text, run_script, tiny_model
 from data import CharTokenizer
 from model import GPT, cached_attention
-from sample import (NextTokenLogits, TextStream, filter_logits, generate, main, pick_next,
+import sample as sample_module
+from sample import (Continuations, NextTokenLogits, TextStream, filter_logits, generate, main, pick_next, unescape,
                     prompt_ids, window_start)
 
 NEG_INF = float("-inf")
@@ -390,6 +392,144 @@ def test_sample_script_runs_as_a_command(ckpt):
     result = run_script("sample.py", "--ckpt", str(ckpt.parent), "--num-samples", "2", "--max-new-tokens", "20",
                         "--top-k", "5", "--top-p", "0.9", "--seed", "3")
     assert result.stdout.count("-" * 40) == 2 and result.stderr == ""
+
+
+# ----------------------------------------------------------------------------- stop strings
+def samples_of(ckpt: Path, capsys, *flags: str) -> list[str]:
+    """main's printed samples (prompt included, separators and the header line removed)."""
+    main(["--ckpt", str(ckpt), "--prompt", "KING:", "--max-new-tokens", "60", "--no-stream", *flags])
+    out = capsys.readouterr().out.split("\n", 1)[1]
+    return [chunk.removeprefix("\n").removesuffix("\n") for chunk in out.split("-" * 40)[:-1]]
+
+
+def first_cut(text: str, stops: list[str]) -> str:
+    return text[:min((text.find(s) for s in stops if s in text), default=len(text))]
+
+
+@pytest.mark.parametrize("flags", [["--temp", "0"], ["--temp", "1.0", "--num-samples", "3", "--seed", "5"]])
+def test_each_sample_ends_at_its_first_stop_string(ckpt, capsys, flags):
+    """Each row stops on its own (batched), at the earliest of several stops, a stop spanning two tokens
+    included; one that never appears changes nothing; the KV cache gives the text --no-cache gives."""
+    full = samples_of(ckpt, capsys, *flags)
+    span = full[0][len("KING:") + 3:][:2]  # two characters (two char tokens) the first sample does produce
+    never = "never-produced"
+    for stops in ([span], [never], [span, full[-1][-3:-1], never]):
+        stop_flags = [f for stop in stops for f in ("--stop", stop)]
+        cut = samples_of(ckpt, capsys, *flags, *stop_flags)
+        assert cut == ["KING:" + first_cut(row[len("KING:"):], stops) for row in full], stops
+        assert samples_of(ckpt, capsys, *flags, *stop_flags, "--no-cache") == cut
+    assert samples_of(ckpt, capsys, *flags, "--stop", never) == full
+
+
+def test_generation_ends_once_every_sample_has_stopped(ckpt, monkeypatch, capsys):
+    forwards = []
+    spy_forward(monkeypatch, lambda idx: forwards.append(idx.size(1)))
+    common = ["--ckpt", str(ckpt), "--prompt", "KING:", "--max-new-tokens", "60", "--no-stream", "--temp", "1"]
+    main(common)
+    new_text = capsys.readouterr().out.split("\n", 1)[1].split("-" * 40)[0][len("KING:"):]
+    stop = new_text[10:12]  # made by new tokens 11 and 12, or earlier where the pair occurs before
+    forwards.clear()
+    main(common + ["--stop", stop])
+    assert len(forwards) == new_text.index(stop) + len(stop) < 60  # a forward per token up to the stop, no more
+
+
+def test_streaming_never_prints_a_stop_string_even_in_part(ckpt, monkeypatch):
+    common = ["--ckpt", str(ckpt), "--prompt", "KING:", "--max-new-tokens", "60", "--temp", "1"]
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    main(common + ["--no-stream"])
+    new_text = terminal.getvalue().split("\n", 1)[1].split("-" * 40)[0][len("KING:"):]
+    stop = new_text[7:10]
+    kept = new_text[:new_text.index(stop)]
+    seen = []  # what the terminal showed of the continuation before each forward
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    spy_forward(monkeypatch, lambda idx: seen.append(terminal.getvalue().partition("KING:")[2]))
+    main(common + ["--stop", stop])
+    assert terminal.getvalue().split("\n", 1)[1] == "KING:" + kept + "\n" + "-" * 40 + "\n"
+    assert all(kept.startswith(shown) for shown in seen)  # never a character of the stop, not even its first
+    assert any(shown for shown in seen)  # while it did stream
+
+
+def test_continuations_hold_back_a_possible_stop_and_end_at_end_of_text():
+    tok = CharTokenizer("abcdn")
+    ids = lambda text: torch.tensor([[tok.stoi[c]] for c in text]).T  # noqa: E731 - (1, len)
+    rows = Continuations(tok, 1, ["abc"], end_ids={tok.stoi["n"]})
+    for c in "dab":
+        rows.push(ids(c)[:, :1])
+    assert rows.texts == ["dab"] and rows.printable(0) == "d"  # "ab" could still become "abc"
+    rows.push(ids("d"))
+    assert rows.printable(0) == "dabd" and not rows.all_done()
+    rows.push(ids("n"))  # the end-of-text token: ends the row, and is no text
+    rows.push(ids("a"))
+    assert rows.all_done() and rows.texts == ["dabd"]
+    assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb\\n") == "a\tb\\n" and unescape("é\\x") == "é\\x"
+
+
+def test_the_end_of_text_token_stops_a_bpe_model_unless_told_not_to(ckpt, monkeypatch, capsys):
+    """A char vocabulary has no end-of-text token; GPT-2's has one, which --stop-at-eot (default) obeys.
+    The char newline stands in for it here: special_tokens says which ids end a sample."""
+    tok = CharTokenizer("".join(sorted(set(make_text()))))
+    full = samples_of(ckpt, capsys, "--temp", "0")[0]
+    ender = full[len("KING:") + 4]
+    monkeypatch.setattr(sample_module, "special_tokens", lambda tokenizer: {tok.stoi[ender]})
+    assert samples_of(ckpt, capsys, "--temp", "0") == ["KING:" + full[len("KING:"):].split(ender)[0]]
+    assert samples_of(ckpt, capsys, "--temp", "0", "--no-stop-at-eot") == [full]
+
+
+# ----------------------------------------------------------------------------- the prompt loop
+def test_interactive_loads_once_and_continues_each_line(ckpt):
+    result = subprocess.run([sys.executable, "sample.py", "--ckpt", str(ckpt), "--interactive", "--max-new-tokens",
+                             "20", "--temp", "0"], cwd=REPO, input="KING:\nQUEEN:\n", capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == ""
+    samples = result.stdout.split("\n", 1)[1].split("-" * 40 + "\n")
+    assert samples[0].startswith("KING:") and samples[1].startswith("QUEEN:") and samples[2] == ""
+
+
+def feed(monkeypatch, lines: list) -> None:
+    """input() returns these lines in turn; an exception instance is raised instead (EOFError at the end)."""
+    queue = list(lines)
+
+    def fake_input(prompt: str = "") -> str:
+        item = queue.pop(0) if queue else EOFError()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+    monkeypatch.setattr("builtins.input", fake_input)
+
+
+def test_interactive_multiline_prompts_end_at_an_empty_line(ckpt, monkeypatch, capsys):
+    feed(monkeypatch, ["KING:", "the", "", "QUEEN:", ""])
+    main(["--ckpt", str(ckpt), "--interactive", "--multiline", "--max-new-tokens", "5", "--temp", "0", "--no-stream"])
+    samples = capsys.readouterr().out.split("\n", 1)[1].split("-" * 40 + "\n")
+    assert samples[0].startswith("KING:\nthe") and samples[1].startswith("QUEEN:") and samples[2] == ""
+
+
+def test_ctrl_c_while_generating_returns_to_the_prompt_and_at_the_prompt_quits(ckpt, monkeypatch, capsys):
+    calls = []
+    real_generate = sample_module.generate
+
+    def interrupted_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(sample_module, "generate", interrupted_first)
+    feed(monkeypatch, ["KING:", "QUEEN:", KeyboardInterrupt(), "never read"])
+    main(["--ckpt", str(ckpt), "--interactive", "--max-new-tokens", "5", "--temp", "0", "--no-stream"])
+    out = capsys.readouterr().out
+    assert len(calls) == 2 and out.split("\n", 1)[1].split("-" * 40 + "\n")[1].startswith("QUEEN:")
+    assert out.endswith("-" * 40 + "\n")  # nothing printed after Ctrl-C at the prompt
+
+
+def test_interactive_says_what_a_prompt_lacks_and_asks_again(ckpt, monkeypatch, capsys):
+    feed(monkeypatch, ["KING: €", "KING:"])
+    main(["--ckpt", str(ckpt), "--interactive", "--max-new-tokens", "3", "--temp", "0", "--no-stream"])
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1
+    assert captured.out.split("\n", 1)[1].startswith("KING:")
 
 
 # ----------------------------------------------------------------------------- the benchmark

@@ -19,7 +19,7 @@ import train
 from checkpoint import load_checkpoint, save_checkpoint
 from config import (DEFAULTS, RESUME, RESUME_RULES, TrainConfig, make_config, settings_line, unused_fields,
                     unused_given)
-from conftest import REPO, make_text
+from conftest import REPO, docs_snippet, make_text
 from fault_injection import assert_same_training_state, capture_run, run_main, tiny_args
 from optim import DECAYS, OPTIMIZERS, MuonAdamW
 
@@ -85,6 +85,18 @@ def test_a_set_option_that_the_chosen_optimizer_or_decay_does_not_read_is_warned
                                    "lr_decay=cosine, schedule=time do not read it"]
     assert run_main(tiny_args(tmp_path / "run", text_file, max_iters=1, muon_lr=0.01)) == 0
     assert unused_given(cfg)[0] in capsys.readouterr().out.splitlines()
+
+
+def test_the_thread_count_is_a_field_and_the_start_up_line_says_it(tmp_path, text_file, capsys, monkeypatch):
+    """Two jobs on 2 cores with torch's default (every core each) ran tiny at 418 ms/step against 5 ms/step
+    with one thread each; nothing said how many threads ran."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
+    calls = []
+    assert run_main(tiny_args(tmp_path / "one", text_file, max_iters=1, threads=1)) == 0
+    assert calls == [1] and "device cpu, 1 thread, dtype float32" in capsys.readouterr().out
+    assert run_main(tiny_args(tmp_path / "default", text_file, max_iters=1)) == 0
+    assert calls == [1]  # 0: torch's default, left alone
+    assert f"device cpu, {torch.get_num_threads()} thread" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- generated from the tables
@@ -173,26 +185,23 @@ def test_muon_with_adamw_is_one_torch_optimizer_and_old_checkpoints_resume(tmp_p
 
 
 # ----------------------------------------------------------------------------- a fork, end to end
-FORK_EDITS = {
-    "optim.py": '''
-
-@optimizer("sgd", uses=("weight_decay",), sgd_momentum=Option(0.9, "optimizer=sgd: momentum",
-                                                              valid=lambda v: 0 <= v < 1, must="be in [0, 1)"))
-def build_sgd(model, cfg, device, dtype):
-    """SGD with momentum (a throwaway fork's optimizer)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.SGD(adamw_groups(params, cfg.weight_decay), lr=cfg.learning_rate, momentum=cfg.sgd_momentum)
+FIELD_ANCHOR = '    wandb_project: str = free("tinygpt")  # wandb project name\n'
 
 
-@lr_decay("linear")
-def linear(progress, cfg):
-    """Straight down to min_lr (a throwaway fork's decay)."""
-    return 1.0 - progress
-''',
-    "config/__init__.py": ("    wandb_project: str = free(\"tinygpt\")  # wandb project name\n",
-                           "    wandb_project: str = free(\"tinygpt\")  # wandb project name\n"
-                           "    fork_knob: float = warned(0.5)  # a throwaway fork's training field\n"),
-}
+def fork_of_the_repo(root: Path) -> Path:
+    """A copy of the repo's code with docs/experiments.md's three declarations ("Adding a training option")
+    added as it says: an optimizer and an lr decay in optim.py, a training field in TrainConfig."""
+    fork = root / "fork"
+    ignore = shutil.ignore_patterns("tests", "docs", "out", "data", ".git", "__pycache__", "wandb", "hf")
+    shutil.copytree(REPO, fork, ignore=ignore)
+    entries = [docs_snippet(f"# optim.py, after the last @{kind} entry:\n") for kind in ("optimizer", "lr_decay")]
+    (fork / "optim.py").write_text((fork / "optim.py").read_text() + "".join("\n\n" + e for e in entries))
+    config = fork / "config" / "__init__.py"
+    field = docs_snippet("# config/__init__.py, in TrainConfig, after wandb_project:\n")
+    assert config.read_text().count(FIELD_ANCHOR) == 1, "update FIELD_ANCHOR to config/__init__.py"
+    config.write_text(config.read_text().replace(FIELD_ANCHOR, FIELD_ANCHOR + field))
+    return fork
+
 
 FORK_SCRIPT = '''
 import json, sys
@@ -215,36 +224,23 @@ def main(*args):
     return 0
 report = {}
 report["train"] = main("--out_dir", str(out / "sgd"), "--max_iters", "4", "--optimizer", "sgd", "--sgd_momentum",
-                       "0.8", "--lr_decay", "linear", "--fork_knob", "0.7", "--learning_rate", "0.1", "--min_lr", "0")
+                       "0.8", "--lr_decay", "linear", "--label_smoothing", "0.1", "--learning_rate", "0.1", "--min_lr", "0")
 state = load_checkpoint(out / "sgd" / "last.pt")
-report["saved"] = {k: state["config"][k] for k in ("optimizer", "sgd_momentum", "lr_decay", "fork_knob")}
+report["saved"] = {k: state["config"][k] for k in ("optimizer", "sgd_momentum", "lr_decay", "label_smoothing")}
 report["state"] = sorted({k for s in state["optimizer"]["state"].values() for k in s})
 report["lrs"] = [json.loads(l)["lr"] for l in (out / "sgd" / "metrics.jsonl").read_text().splitlines() if '"lr"' in l]
 report["refused"] = main("--out_dir", str(out / "sgd"), "--max_iters", "5", "--optimizer", "adamw", "--lr_decay",
-                         "linear", "--fork_knob", "0.7", "--learning_rate", "0.1", "--min_lr", "0", "--resume")
+                         "linear", "--label_smoothing", "0.1", "--learning_rate", "0.1", "--min_lr", "0", "--resume")
 report["warned"] = main("--out_dir", str(out / "sgd"), "--max_iters", "5", "--optimizer", "sgd", "--sgd_momentum",
-                        "0.7", "--lr_decay", "linear", "--fork_knob", "0.6", "--learning_rate", "0.1", "--min_lr", "0",
+                        "0.7", "--lr_decay", "linear", "--label_smoothing", "0.2", "--learning_rate", "0.1", "--min_lr", "0",
                         "--resume")
 summary = compare.compare(["--config", "tiny", "--steps", "4", "--seeds", "2", "--out", str(out / "exp"), "--set",
                            f"data_path={corpus},data_dir={out / 'data'},device=cpu", "base:",
-                           "sgd:optimizer=sgd,learning_rate=0.1,min_lr=0,lr_decay=linear,fork_knob=0.7"],
+                           "sgd:optimizer=sgd,learning_rate=0.1,min_lr=0,lr_decay=linear,label_smoothing=0.1"],
                           StopOnSignal(install=False))
 report["compared"] = [v["name"] for v in summary["variants"]]
 print("REPORT " + json.dumps(report))
 '''
-
-
-def fork_of_the_repo(root: Path) -> Path:
-    """A copy of the repo's code with one declaration added each: an optimizer, an lr decay, a training field."""
-    fork = root / "fork"
-    ignore = shutil.ignore_patterns("tests", "docs", "out", "data", ".git", "__pycache__", "wandb", "hf")
-    shutil.copytree(REPO, fork, ignore=ignore)
-    (fork / "optim.py").write_text((fork / "optim.py").read_text() + FORK_EDITS["optim.py"])
-    config = fork / "config" / "__init__.py"
-    old, new = FORK_EDITS["config/__init__.py"]
-    assert old in config.read_text()
-    config.write_text(config.read_text().replace(old, new))
-    return fork
 
 
 def test_a_forked_optimizer_decay_and_field_each_one_declaration_are_honoured_end_to_end(tmp_path):
@@ -256,20 +252,21 @@ def test_a_forked_optimizer_decay_and_field_each_one_declaration_are_honoured_en
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.split("REPORT ", 1)[1])
     assert report["train"] == 0 and report["refused"] == 2 and report["warned"] == 0
-    assert report["saved"] == {"optimizer": "sgd", "sgd_momentum": 0.8, "lr_decay": "linear", "fork_knob": 0.7}
+    assert report["saved"] == {"optimizer": "sgd", "sgd_momentum": 0.8, "lr_decay": "linear",
+                               "label_smoothing": 0.1}
     assert report["state"] == ["momentum_buffer"]  # SGD's own state: not AdamW under another name
     assert report["lrs"][1:] == pytest.approx([0.1 * (1 - p) for p in (0, 1 / 3, 2 / 3)])  # linear after warmup
     assert report["compared"] == ["base", "sgd"]
     out = result.stdout
     assert "settings: optimizer sgd, lr_decay linear, schedule steps, max_iters 4, " in out
-    assert "fork_knob 0.7" in out and "sgd_momentum 0.8" in out
+    assert "label_smoothing 0.1" in out and "sgd_momentum 0.8" in out
     assert "optimizer: checkpoint 'sgd' vs now 'adamw'" in result.stderr
-    assert "resuming with changed settings (fork_knob: checkpoint 0.7 vs now 0.6; " in out
+    assert "resuming with changed settings (label_smoothing: checkpoint 0.1 vs now 0.2; " in out
     assert "sgd_momentum: checkpoint 0.8 vs now 0.7" in out
     assert "WARNING: beta1" not in out  # beta1 is the preset's default: nothing given, nothing to warn about
     help_text = subprocess.run([sys.executable, "train.py", "--help"], cwd=fork, capture_output=True, text=True).stdout
-    assert "--sgd_momentum" in help_text and "--fork_knob" in help_text
-    assert "sgd: SGD with momentum (a throwaway fork's optimizer)" in re.sub(r"\s+", " ", help_text)
+    assert "--sgd_momentum" in help_text and "--label_smoothing" in help_text
+    assert "sgd: SGD with momentum" in re.sub(r"\s+", " ", help_text)
 
 
 def test_a_name_without_a_builder_cannot_be_given(capsys):
