@@ -36,7 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from config import TrainConfig, as_dict, resume_changes
+import distributed
+from distributed import Dist, print0
 from faults import EXIT_WRITE_FAILED
+from model import GPT
 
 FORMAT_VERSION = 2  # 2: time_s added
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss",
@@ -275,3 +279,148 @@ def git_state() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         return {"git_commit": "", "git_dirty": False}
     return {"git_commit": commit, "git_dirty": dirty}
+
+
+# ----------------------------------------------------------------------------- what a run saves, and its resume
+def checkpoint_state(model: GPT, optimizer, scaler, step: int, time_s: float, best_val: float, cfg: TrainConfig,
+                     tokenizer_meta: dict, rng_per_rank: list[dict[str, Any]], dtype: torch.dtype) -> dict[str, Any]:
+    """Everything a resume needs; built from the uncompiled model so keys carry no _orig_mod.
+
+    ``rng_per_rank`` holds every rank's random streams (one entry in a single-process run);
+    "rng" repeats rank 0's so that single-process readers need not know about ranks. "precision"
+    is the dtype the run resolved (config's dtype may say "auto").
+    """
+    return {"format_version": FORMAT_VERSION, "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step,
+            "time_s": time_s, "best_val_loss": best_val, "config": as_dict(cfg), "tokenizer": tokenizer_meta,
+            "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank, "precision": dtype_name(dtype),
+            "versions": library_versions()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optimizer, scaler,
+           data_gen: torch.Generator, dtype: torch.dtype, ddp: Dist = Dist(),
+           corpus: dict[str, Any] | None = None) -> tuple[int, float, float]:
+    """Load last.pt into the run; refuse a checkpoint of another shape, tokenizer or (``corpus``, a
+    Corpus.record) other data.
+
+    Every rank loads the same file and restores its own random streams (see rank_rng_state).
+    Returns (step, wall-clock seconds the run had spent, best val loss).
+    """
+    state = load_checkpoint(path)
+    check_resumable(path, state, cfg, tokenizer_meta, scaler.is_enabled(), dtype)
+    check_same_corpus(path, state.get("corpus"), corpus)
+    model.load_state_dict(state["model"])
+    load_optimizer_state(optimizer, state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    rng = distributed.rank_rng_state(state, ddp)
+    if rng is not None:
+        try:
+            restore_rng(rng, data_gen)
+        except CheckpointError as err:
+            raise CheckpointError(f"{path}: {err}") from None
+    done = (" (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else
+            " (max_time reached: nothing to do; raise --max_time to continue)" if cfg.out_of_time(state["time_s"])
+            else "")
+    print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
+    return state["step"], state["time_s"], state["best_val_loss"]
+
+
+def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokenizer_meta: dict, fp16_scaler: bool,
+                    dtype: torch.dtype) -> None:
+    """Refuse a checkpoint this run cannot continue (shape, tokenizer, optimizer, scaler); warn where
+    it can continue but not exactly as the run that was stopped."""
+    changes = resume_changes(state["config"], cfg)
+    differences = changes["fixed"]
+    if state["tokenizer"] != tokenizer_meta:
+        differences.append("tokenizer vocabulary differs from the current corpus")
+    if differences:
+        raise CheckpointError(f"{path} was trained with other settings: " + "; ".join(differences)
+                              + ". Use the same settings or a new --out_dir")
+    if bool(state["scaler"]) != fp16_scaler:  # fp16 <-> bf16/fp32: the scaler state cannot follow
+        raise CheckpointError(f"{path} was trained in {state['precision']}, now {dtype_name(dtype)}; fp16 runs "
+                              "carry a grad scaler, others do not: resume with --dtype " + state["precision"])
+    if state["precision"] != dtype_name(dtype):
+        print0(f"WARNING: {path} was trained in {state['precision']}, this run uses {dtype_name(dtype)}: "
+               f"training continues but is NOT bit-exact; pass --dtype {state['precision']} for an exact resume")
+    if changes["warned"]:
+        print0(f"WARNING: resuming with changed settings ({'; '.join(changes['warned'])}): the new values apply "
+               "from here on, so this is not the run the checkpoint started")
+
+
+def check_same_corpus(path: Path, saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
+    """Refuse to resume on other data (Corpus.record of each): another train split is not the run that was
+    stopped, and another val split would compare best_val_loss, and pick best.pt, across different sets.
+
+    Checkpoints saved before the record existed carry none: they resume as before, unchecked.
+    """
+    if not saved or not now:
+        return
+    changed = [split for split in ("train", "val") if saved["fingerprint"].get(split) != now["fingerprint"][split]]
+    if changed:
+        raise CheckpointError(
+            f"{path} was trained on {saved['source']} (val_fraction {saved['val_fraction']}), this run reads "
+            f"{now['source']} (val_fraction {now['val_fraction']}): its {' and '.join(changed)} split differs. "
+            "Resume with the same --data_path and --val_fraction, or start a new --out_dir")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Restore the moments from a checkpoint but keep this run's hyperparameters.
+
+    load_state_dict also brings back the saved param-group settings (weight decay, betas, lr_scale);
+    a resume with a new --muon_lr or --weight_decay must run with it, not silently with the old one.
+    """
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, mine in zip(optimizer.param_groups, settings):
+        group.update(mine)
+
+
+def refuse_to_overwrite(out_dir: Path, resume: bool) -> None:
+    """A fresh run never replaces a run already in out_dir: continuing it is --resume's job."""
+    if not resume and (out_dir / "last.pt").exists():
+        from config import ConfigError  # the user's mistake: exit 2, like every config error
+        raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
+                          "new one with another --out_dir (or delete the folder)")
+
+
+class Checkpointer:
+    """out_dir's last.pt and best.pt: what goes in them, when best.pt is written, and the resume policy.
+
+    The loop calls ``resume()`` once and ``save(step, ...)`` where it saves; both hold collectives, so every
+    rank calls them, and rank 0 alone writes. A save never writes a state that a non-finite step touched,
+    and writes best.pt before last.pt, so last.pt's best_val_loss never names a model best.pt lacks.
+    """
+
+    def __init__(self, out_dir: Path, cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, guard, data_gen: torch.Generator, corpus, dtype: torch.dtype,
+                 ddp: Dist):
+        self.out_dir, self.cfg, self.model, self.optimizer, self.scaler = out_dir, cfg, model, optimizer, scaler
+        self.guard, self.data_gen, self.corpus, self.dtype, self.ddp = guard, data_gen, corpus, dtype, ddp
+        self.saved_step: int | None = None  # the step last.pt holds, once this process knows it
+        self.last_eval: dict[str, float] = {}  # the latest eval, saved with each checkpoint (best.pt: the best)
+
+    def resume(self) -> tuple[int, float, float]:
+        """Load last.pt into the run (refusing one it cannot continue): (step, seconds spent, best val loss)."""
+        step, time_s, best_val = resume(self.out_dir / "last.pt", self.cfg, self.corpus.meta["tokenizer"],
+                                        self.model, self.optimizer, self.scaler, self.data_gen, self.dtype,
+                                        self.ddp, self.corpus.record())
+        self.saved_step = step
+        return step, time_s, best_val
+
+    def save(self, step: int, time_s: float, best_val: float, is_best: bool = False) -> None:
+        self.guard.raise_if_tripped()  # never save a state that a non-finite step touched
+        rng_per_rank = distributed.gather_to_main(capture_rng(self.data_gen))  # a collective: all ranks
+        self.saved_step = step
+        with distributed.stop_together(self.ddp.device):  # rank 0's write failing (disk full) stops every rank
+            if self.ddp.is_main:
+                state = checkpoint_state(self.model, self.optimizer, self.scaler, step, time_s, best_val, self.cfg,
+                                         self.corpus.meta["tokenizer"], rng_per_rank, self.dtype)
+                state["last_eval"] = self.last_eval
+                state["corpus"] = self.corpus.record()  # a resume on other data is refused by it
+                if is_best:
+                    save_checkpoint(state, self.out_dir / "best.pt")
+                save_checkpoint(state, self.out_dir / "last.pt")

@@ -149,3 +149,30 @@ class NonFiniteGuard:
                              EXIT_NONFINITE)
         raise RunStopped(f"non-finite loss or gradient at step {bad_step}; stopped before its update, nothing "
                          "non-finite was applied or saved; lower learning_rate or check the data", EXIT_NONFINITE)
+
+
+def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
+    """train.py's table of how a run ends on an error: (its one line, the exit code, the rank that prints it,
+    None for none), or None for an error that is a bug, whose traceback is the report.
+
+    Under torchrun one rank reports and the others stop silently (distributed.reporting_rank).
+    """
+    import distributed  # here, not at the top: distributed imports this module
+    from checkpoint import CheckpointError, CheckpointWriteError
+    from config import ConfigError
+    from data import DataError
+    from rundir import PathError
+
+    if isinstance(err, distributed.PeerFailed):  # another rank failed and prints why: this one stops silently
+        return "", err.exit_code, None
+    if isinstance(err, (RunStopped, CheckpointWriteError, PathError)):  # they carry their codes (table above)
+        return str(err), err.exit_code, distributed.reporting_rank(err)
+    if isinstance(err, (ConfigError, DataError, CheckpointError)):
+        return str(err), EXIT_BAD_INPUT, distributed.reporting_rank(err)
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C before the first step: nothing to save yet
+        return "interrupted before training started; nothing was saved", 130, distributed.reporting_rank(None)
+    reason = distributed.lost_peer(err) if isinstance(err, RuntimeError) else None
+    if reason is not None:  # a peer rank died mid-collective: it cannot say why, so this rank says so
+        return (f"another rank died without a word (killed or crashed; gloo: {reason}), so this one stops too; "
+                "the last save is intact, continue with --resume", EXIT_PEER_LOST, distributed.env_rank())
+    return None

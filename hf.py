@@ -30,9 +30,11 @@ from typing import Any
 
 import torch
 
-from config import ConfigError, TrainConfig, given_fields, model_config, replace
+from checkpoint import read_config
+from config import ConfigError, TrainConfig, config_from_dict, given_fields, model_config, replace
 from data import GPT2_EOT
-from model import GPT, GPTConfig
+from distributed import print0
+from model import GPT, GPTConfig, describe
 
 # ----------------------------------------------------------------------------- the mapping
 # (our name, Hugging Face GPT2LMHeadModel name); {i} is the block index. In forward order.
@@ -478,3 +480,26 @@ def gpt2_tokenizer_files(enc, block_size: int) -> dict[str, Any]:
             "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": special,
                                       "eos_token": special, "unk_token": special, "add_prefix_space": False,
                                       "model_max_length": block_size}}
+
+
+# ----------------------------------------------------------------------------- a run that starts from them
+def start_from(cfg: TrainConfig, out_dir: Path) -> tuple[TrainConfig, Pretrained | None]:
+    """With init_from, the config takes the pretrained model's shape; a fresh run also gets its weights.
+
+    A resume takes the shape from last.pt's config and imports nothing: the checkpoint has the weights.
+    """
+    if not cfg.init_from:
+        return cfg, None
+    if cfg.resume:
+        saved = read_config(out_dir / "last.pt") if (out_dir / "last.pt").is_file() else None
+        if saved is None:  # resume() names the missing file
+            return cfg, None
+        shape = model_config(config_from_dict(saved), 1)
+        return adopt(cfg, shape, {"kind": saved["tokenizer"]}, str(out_dir / "last.pt")), None
+    # GPT-2 has biases; a given bias=False imports a bias-free model's export (zero biases), refuses any other.
+    bias = cfg.bias if "bias" in given_fields(cfg) else True
+    pretrained = load_pretrained(cfg.init_from, cfg.block_size, bias)
+    cfg = adopt(cfg, pretrained.config, pretrained.tokenizer, cfg.init_from)
+    print0(f"init_from {cfg.init_from}: {describe(model_config(cfg, pretrained.config.vocab_size))}; "
+           f"tokenizer {cfg.tokenizer}; block_size {cfg.block_size} of {pretrained.n_positions} positions")
+    return cfg, pretrained

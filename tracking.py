@@ -22,13 +22,17 @@ wandb never blocks or crashes a run:
 """
 from __future__ import annotations
 
+import json
 import os
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from config import ConfigError, TrainConfig, as_dict
+from runtime import mfu
 
 RUN_ID_FILE = "wandb_id"  # in out_dir: the wandb run a --resume continues
 PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline
@@ -150,3 +154,101 @@ def announce(run, out_dir: Path) -> None:
         every_segment = out_dir / "wandb" / f"offline-run-*-{run.id}"  # one folder per (resumed) process
         print(f"wandb: offline run {run.id} written to {run.settings.sync_dir}; upload it later with "
               f"`wandb sync {every_segment}`", flush=True)
+
+
+# ----------------------------------------------------------------------------- the run's records
+class MetricsLog:
+    """Prints log lines and appends JSON records to out_dir/metrics.jsonl and to the tracker (wandb or none).
+
+    Only the main process (rank 0) writes; on other ranks every method does nothing.
+    """
+
+    def __init__(self, out_dir: Path, cfg: TrainConfig, enabled: bool = True, logged_through: int | None = None,
+                 tracked: bool = True):
+        self.enabled, self.max_time = enabled, cfg.max_time
+        self.file = open(out_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
+        # tracked=False: a resume with nothing left to do, which would open a wandb run just to log nothing.
+        self.tracker = start(cfg, out_dir, logged_through) if enabled and tracked else NullTracker()
+
+    def log(self, record: dict[str, Any], line: str) -> None:
+        self.record(record)
+        self.say(line)
+
+    def step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, speed: Throughput,
+             now: float, time_s: float) -> None:
+        """A training log line: the record, and the line a person reads. Reads the two tensors: a host sync."""
+        loss, grad_norm = loss.item(), grad_norm.item()
+        step_s, tokens_per_s, util = speed.lap(step, now)
+        self.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                  "mfu": util, "time_s": time_s},
+                 f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+                 f"{step_s * 1000:.1f} ms/step | {tokens_per_s:,.0f} tok/s | mfu {'n/a' if util is None else f'{util:.1%}'}"
+                 + (f" | {clock(time_s)} of {clock(self.max_time)}" if self.max_time else ""))
+
+    def eval(self, step: int, loss: float, bpb: float, time_s: float) -> dict[str, float]:
+        """An eval's record; returns it without the clock, as checkpoints keep it (last_eval). Logged before
+        the save: a resume drops records past last.pt, so a failed save leaves no trace."""
+        result = {"step": step, "val_loss": loss, "val_bpb": bpb}
+        self.record({**result, "time_s": time_s})
+        return result
+
+    def eval_line(self, step: int, loss: float, bpb: float, is_best: bool) -> None:
+        """The eval's line, printed after the save: it says "saved" only once that is true."""
+        self.say(f"step {step:>6} | val loss {loss:.4f} | val bpb {bpb:.4f}" + (" (best, saved best.pt)" if is_best else ""))
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            self.file.write(json.dumps(record) + "\n")
+            self.tracker.log(record)
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        self.tracker.finish()
+
+
+class Throughput:
+    """ms/step, tokens/s and MFU over the steps since the last log line; evals and saves are not training time."""
+
+    def __init__(self, step: int, now: float, tokens_per_step: int, flops_per_token: float, device: torch.device,
+                 dtype: torch.dtype, world_size: int):
+        self.step, self.t = step, now
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.device, self.dtype, self.world_size = device, dtype, world_size
+
+    def lap(self, step: int, now: float) -> tuple[float, float, float | None]:
+        step_s = (now - self.t) / (step - self.step)
+        tokens_per_s = self.tokens_per_step / step_s
+        self.step, self.t = step, now
+        return step_s, tokens_per_s, mfu(self.flops_per_token, tokens_per_s, self.device, self.dtype, self.world_size)
+
+    def pause(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def drop_records_after(path: Path, step: int) -> int | None:
+    """Resuming redoes the steps after last.pt that a killed run had already logged: drop those.
+
+    Returns the last step the file held before (None without a file): what a tracker already has.
+    """
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines(keepends=True)
+    steps = [json.loads(line)["step"] for line in lines if line.endswith("\n")]
+    kept = [line for line, logged in zip(lines, steps) if logged <= step]
+    if kept != lines:  # temp file + rename: a kill here must not lose the log
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return max(steps, default=None)
+
+
+def clock(seconds: float) -> str:
+    """m:ss, or h:mm:ss from an hour on: the run's time against max_time in the step lines."""
+    whole = int(seconds)
+    minutes, secs = divmod(whole, 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"

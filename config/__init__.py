@@ -147,6 +147,10 @@ class TrainConfig:
         """Tokens consumed by one optimizer step."""
         return self.batch_size * self.block_size * self.grad_accum
 
+    def out_of_time(self, time_s: float) -> bool:
+        """max_time is spent (never, when it is 0) after ``time_s`` seconds of the run's wall clock."""
+        return self.max_time > 0 and time_s >= self.max_time
+
 
 FIELD_TYPES = typing.get_type_hints(TrainConfig)  # name -> int, float, bool, str or Literal[...]
 DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}

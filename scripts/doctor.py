@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # so that `python scripts/doctor.py` finds the repo's modules
 
+import hf  # noqa: E402
 import train  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
 from config import ConfigError, TrainConfig, model_config, parse_args, replace  # noqa: E402
@@ -465,7 +466,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     biases, tokenizer): the doctor checks the code path, not the pretrained weights.
     """
     if cfg.init_from:
-        cfg = train.start_from(replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
+        cfg = hf.start_from(replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
     device = pick_device(cfg.device)
     use_threads(cfg.threads)  # before the dtype probe, which times matmuls with them, as train.py does
     dtype = pick_dtype(cfg.dtype, device, train.dtype_probe_shape(cfg))  # train.py's choice, at its probe shape

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import runtime  # noqa: E402
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 from distributed import env_rank  # noqa: E402
 from data import DataError  # noqa: E402
@@ -114,7 +115,7 @@ def poison_loss(monkeypatch: pytest.MonkeyPatch, calls: Callable[[int], bool], v
 
 def disk_full_from_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     """Checkpoint writes of ``step`` and later fail as on a full disk (ENOSPC), through the real save."""
-    real_save = train.save_checkpoint
+    real_save = checkpoint.save_checkpoint
 
     def save(state: dict, path: Path) -> None:
         if state["step"] < step:
@@ -123,7 +124,7 @@ def disk_full_from_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
             inner.setattr(torch, "save", full_disk_torch_save)
             real_save(state, path)
 
-    monkeypatch.setattr(train, "save_checkpoint", save)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save)
 
 
 def full_disk_torch_save(obj: Any, f: Any) -> None:

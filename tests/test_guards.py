@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
 import train
 from checkpoint import load_checkpoint
 from config import model_config
@@ -314,8 +315,8 @@ def test_resume_is_exact(tiny_cfg, tmp_path):
 
 RESUME_MUTANTS = {
     "no optimizer state": lambda mp: mp.setattr(torch.optim.AdamW, "load_state_dict", lambda self, state: None),
-    "no RNG state": lambda mp: mp.setattr(train, "restore_rng", lambda rng, data_gen: None),
-    "data order only": lambda mp: mp.setattr(train, "restore_rng",
+    "no RNG state": lambda mp: mp.setattr(checkpoint, "restore_rng", lambda rng, data_gen: None),
+    "data order only": lambda mp: mp.setattr(checkpoint, "restore_rng",
                                              lambda rng, data_gen: data_gen.set_state(rng["data"])),
 }
 

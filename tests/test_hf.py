@@ -248,9 +248,9 @@ def test_init_from_refuses_every_given_setting_the_weights_contradict(tmp_path, 
     cfg = parse_args(["--init_from", str(gpt2_vocab_folder)] + [a.format(preset=preset) for a in args])
     if refused:
         with pytest.raises(hf.HFError, match=refused):
-            train.start_from(cfg, tmp_path / "run")
+            hf.start_from(cfg, tmp_path / "run")
         return
-    cfg, pretrained = train.start_from(cfg, tmp_path / "run")
+    cfg, pretrained = hf.start_from(cfg, tmp_path / "run")
     shape = {name: getattr(cfg, name) for name in ("n_layer", "n_head", "n_embd", "bias", "activation", "tokenizer")}
     assert shape == dict(n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh", tokenizer="gpt2")
 
@@ -258,7 +258,7 @@ def test_init_from_refuses_every_given_setting_the_weights_contradict(tmp_path, 
 def test_a_given_bias_false_imports_the_zero_biases_of_a_bias_free_export(tmp_path):
     folder = corrupt(random_hf_gpt2(tmp_path / "hf"),
                      lambda t: [v.zero_() for k, v in t.items() if k.endswith(".bias") and not k.endswith(".attn.bias")])
-    cfg, pretrained = train.start_from(parse_args(["--init_from", str(folder), "--bias", "false", "--block_size", "16"]), tmp_path / "run")
+    cfg, pretrained = hf.start_from(parse_args(["--init_from", str(folder), "--bias", "false", "--block_size", "16"]), tmp_path / "run")
     assert not cfg.bias and not any(name.endswith(".bias") for name in pretrained.state)
 
 

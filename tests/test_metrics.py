@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import train
 from checkpoint import load_checkpoint
 from conftest import run_script, tiny_model
@@ -92,7 +93,7 @@ def test_eval_script_errors_are_one_line(tmp_path, capsys, args, message):
 
 def test_the_log_never_claims_a_best_pt_that_failed_to_save(tmp_path, text_file, monkeypatch, capsys):
     out = tmp_path / "out"
-    real_save = train.save_checkpoint
+    real_save = checkpoint.save_checkpoint
     disk_full_from_step(monkeypatch, 10)  # step 5's eval saves, step 10's (a new best) fails
     assert run_main(tiny_args(out, text_file, max_iters=10, eval_interval=5)) == 74
     captured = capsys.readouterr()
@@ -101,7 +102,7 @@ def test_the_log_never_claims_a_best_pt_that_failed_to_save(tmp_path, text_file,
     assert len(val_lines) == 1 and val_lines[0].startswith("step      5 |")
     assert val_lines[0].endswith("(best, saved best.pt)")
     assert [r["step"] for r in metrics(out)[1]] == [5, 10]  # the eval ran; its save did not
-    monkeypatch.setattr(train, "save_checkpoint", real_save)  # space again
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)  # space again
     assert run_main(tiny_args(out, text_file, max_iters=10, eval_interval=5, resume=True)) == 0
     assert [r["step"] for r in metrics(out)[1]] == [5, 10]  # the resume dropped step 10's record, then redid it
 
@@ -109,16 +110,16 @@ def test_the_log_never_claims_a_best_pt_that_failed_to_save(tmp_path, text_file,
 def test_a_kill_right_after_a_save_loses_no_val_record(tmp_path, text_file, monkeypatch):
     """Killed between writing last.pt and the log line, the run still holds the record of that eval."""
     out = tmp_path / "out"
-    real_save = train.save_checkpoint
+    real_save = checkpoint.save_checkpoint
 
     def save_then_die(state: dict, path: Path) -> None:
         real_save(state, path)
         if state["step"] == 10 and path.name == "last.pt":
             raise KeyboardInterrupt  # stands in for a SIGKILL: no line printed or record written after this
 
-    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_die)
     run_main(tiny_args(out, text_file, max_iters=10, eval_interval=5))
-    monkeypatch.setattr(train, "save_checkpoint", real_save)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
     assert [r["step"] for r in metrics(out)[1]] == [5, 10]
     assert run_main(tiny_args(out, text_file, max_iters=15, eval_interval=5, resume=True)) == 0
     assert [r["step"] for r in metrics(out)[1]] == [5, 10, 15]

@@ -152,8 +152,8 @@ def test_best_pt_only_from_a_finite_improvement_and_last_pt_always_newest(tmp_pa
     val_losses = iter([3.0, 2.0, math.nan, 2.5, 1.8])
     monkeypatch.setattr(train, "evaluate", lambda *args: train.EvalResult(next(val_losses), math.nan, 1))
     saves = []
-    real_save = train.save_checkpoint
-    monkeypatch.setattr(train, "save_checkpoint",
+    real_save = checkpoint.save_checkpoint
+    monkeypatch.setattr(checkpoint, "save_checkpoint",
                         lambda state, path: (saves.append((path.name, state["step"])), real_save(state, path)))
     assert run_main(tiny_args(tmp_path, text_file, max_iters=10, eval_interval=2)) == 0
     assert [step for name, step in saves if name == "best.pt"] == [2, 4, 10]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import tracking
 import train
 from checkpoint import REQUIRED_KEYS, CheckpointWriteError, load_checkpoint, save_checkpoint
@@ -88,7 +89,7 @@ def test_max_time_stops_annealed_and_a_resume_continues_the_clock(tmp_path, text
 @pytest.mark.parametrize("seconds, shown", [(0, "0:00"), (83.9, "1:23"), (180, "3:00"), (3599.5, "59:59"),
                                              (3600, "1:00:00"), (3725, "1:02:05")])
 def test_clock_is_minutes_and_seconds_then_hours(seconds, shown):
-    assert train.clock(seconds) == shown
+    assert tracking.clock(seconds) == shown
 
 
 def test_step_lines_show_the_run_time_against_max_time(tmp_path, text_file, capsys, monkeypatch):
@@ -123,7 +124,7 @@ def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
     (loss_sum / n).backward()
     old.step()
     new = make_optimizer(model, 0.0, 1e-3, (0.9, 0.95), muon_lr=0.01)
-    train.load_optimizer_state(new, old.state_dict())
+    checkpoint.load_optimizer_state(new, old.state_dict())
     assert [g["lr_scale"] for g in new.param_groups] == [1.0, 1.0, 10.0]  # 0.01 / 1e-3, not the saved 20
     assert all(g["weight_decay"] == 0.0 for g in new.param_groups)
     assert new.adamw.param_groups[0]["betas"] == (0.9, 0.95)
