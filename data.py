@@ -274,7 +274,8 @@ class Corpus:
                 "fingerprint": dict(self.fingerprint)}
 
 
-ACCEPTED_INPUTS = "a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file"
+ACCEPTED_INPUTS = ("a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file, or a folder of "
+                   "train.bin, val.bin and meta.json")
 DOCUMENT_SUFFIXES = (".txt", ".parquet")  # what a folder's documents may be: one kind per folder
 DEFAULT_TEXT_COLUMN = "text"
 
@@ -321,10 +322,43 @@ def corpus_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> st
     return digest.hexdigest()
 
 
+TOKENIZED_FILES = ("train.bin", "val.bin", "meta.json")  # any prepare.py's output, nanoGPT's layout
+PREPARED_ONLY = ("train_tokens", "val_tokens", "val_fraction", "fingerprint")  # meta.json keys only ours write
+
+
+def is_tokenized_folder(path: Path) -> bool:
+    """A folder that is already tokens: train.bin, val.bin and a meta.json, from this repo or anyone's script."""
+    return path.is_dir() and all((path / name).is_file() for name in TOKENIZED_FILES)
+
+
+def tokenizer_vocab_size(meta: dict) -> int | None:
+    """The vocabulary a tokenizer description implies (None for a kind this repo does not know)."""
+    return {"char": lambda: len(meta.get("chars", "")), "gpt2": lambda: GPT2_EOT + 1}.get(meta.get("kind"),
+                                                                                          lambda: None)()
+
+
+def use_tokenized_folder(folder: Path, tokenizer: str) -> Path:
+    """Someone else's train.bin/val.bin/meta.json as a corpus, used in place: its meta.json must say what
+    the tokens mean (dtype, vocab_size, tokenizer), and load_corpus then checks every id and both sizes."""
+    meta = read_meta(folder)
+    kind, implied = meta["tokenizer"]["kind"], tokenizer_vocab_size(meta["tokenizer"])
+    if implied is None:
+        raise DataError(f"{folder / 'meta.json'}: tokenizer kind {kind!r} is not one this repo can decode "
+                        "(char with its chars, or gpt2)")
+    if implied != meta["vocab_size"]:
+        raise DataError(f"{folder / 'meta.json'}: vocab_size {meta['vocab_size']} but its {kind} tokenizer has "
+                        f"{implied} tokens; write the tokenizer's own vocabulary size")
+    if kind != tokenizer:
+        raise DataError(f"{folder} holds {kind} tokens (its meta.json); pass --tokenizer {kind}")
+    return folder
+
+
 def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_COLUMN) -> tuple[str, Path | None]:
-    """(name, text file / folder / .jsonl / .parquet, or None for a built-in corpus)."""
+    """(name, text file / folder / .jsonl / .parquet / tokenized folder, or None for a built-in corpus)."""
     if data_path:
         path = Path(data_path)
+        if is_tokenized_folder(path):
+            return path.name, path
         if path.exists() and is_document_corpus(path):
             name = path.name if path.is_dir() else path.stem
             return f"{name}-{corpus_fingerprint(path, text_column)[:12]}", path
@@ -349,6 +383,8 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     written is refused (rundir.PathError) before any work. ``text_column`` names the field (.jsonl) or
     column (.parquet) holding each document's text; a .txt corpus has none and ignores it.
     """
+    if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: nothing to prepare
+        return use_tokenized_folder(Path(data_path), tokenizer)
     remove_stale_staging(Path(data_dir))
     name, path = corpus_source(dataset, data_path, text_column)
     folder = Path(data_dir) / f"{name}-{tokenizer}-val{val_fraction!r}"
@@ -794,12 +830,26 @@ def read_meta(folder: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
         raise DataError(f"{meta_file}: unreadable ({reason})") from None
+    if isinstance(meta, dict) and not any(key in meta for key in PREPARED_ONLY):
+        meta = counted_from_files(folder, meta)  # a folder tokenized by someone else's script
     bad = [key for key, kind in META_TYPES.items() if not isinstance(meta, dict) or not isinstance(meta.get(key), kind)]
     fingerprint = meta.get("fingerprint", {}) if not bad else {}  # absent in folders prepared before it
     if bad or meta["dtype"] not in TOKEN_DTYPES or "kind" not in meta["tokenizer"] or not isinstance(fingerprint, dict):
         raise DataError(f"{meta_file}: unreadable (not a prepared corpus's record: "
                         f"{', '.join(bad) or 'dtype, tokenizer or fingerprint'} missing or wrong)")
     return meta
+
+
+def counted_from_files(folder: Path, meta: dict) -> dict:
+    """A small meta.json (dtype, vocab_size, tokenizer) completed from its split files: token counts from
+    their sizes, val_fraction from the counts. Its fingerprints are the files' own when loaded."""
+    if meta.get("dtype") not in TOKEN_DTYPES:
+        return meta  # read_meta names the bad dtype
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    counts = {split: (folder / f"{split}.bin").stat().st_size // itemsize for split in SPLITS}
+    total = sum(counts.values())
+    return {**meta, "source": str(folder), "train_tokens": counts["train"], "val_tokens": counts["val"],
+            "val_fraction": counts["val"] / total if total else 0.0}
 
 
 # A fingerprint hashes the whole file up to this size (~0.1 s at sha256's ~700 MB/s, next to a few seconds

@@ -108,7 +108,7 @@ class TrainConfig:
     init_from: str = free("")  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (hf.py)
     # --- data (a resume checks the corpus itself: Corpus.record's fingerprints of both splits) ---
     dataset: str = free("shakespeare")  # built-in corpus name; ignored when data_path is set
-    data_path: str = free("")  # what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file
+    data_path: str = free("")  # what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)
     text_column: str = free("text")  # the documents' text: a .jsonl's JSON field or a .parquet's column (a .txt has none)
     data_dir: str = free("data")  # cache of downloaded and prepared corpora
     tokenizer: Literal["char", "gpt2"] = fixed("char")  # char (vocab from the corpus) | gpt2 (tiktoken BPE)

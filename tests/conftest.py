@@ -103,9 +103,9 @@ def make_optimizer(model: GPT, weight_decay: float = 0.1, learning_rate: float =
     return build_optimizer(model, cfg, torch.device("cpu"))
 
 
-def docs_snippet(heading: str) -> str:
-    """The body of the python block in docs/experiments.md whose first line is ``heading``."""
-    text = (REPO / "docs" / "experiments.md").read_text()
+def docs_snippet(heading: str, page: str = "experiments.md") -> str:
+    """The body of the python block in docs/PAGE whose first line is ``heading``."""
+    text = (REPO / "docs" / page).read_text()
     blocks = [block.split("```")[0] for block in text.split("```python\n")[1:]]
     body = next(block for block in blocks if block.startswith(heading)).removeprefix(heading)
     return body.strip("\n") + "\n"

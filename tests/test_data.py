@@ -17,8 +17,11 @@ import pytest
 import torch
 
 import data
+import sample
 import train
-from conftest import make_text, run_script
+from checkpoint import load_checkpoint
+from conftest import docs_snippet, make_text, run_script
+from fault_injection import assert_same_training_state, run_main
 from data import (CharTokenizer, DataError, GPT2Tokenizer, get_batch, load_corpus, prepare,
                   strip_gutenberg, val_windows)
 
@@ -413,3 +416,68 @@ def test_builtin_shakespeare_corpus(tmp_path):
     corpus = load_corpus(folder, block_size=256)
     tok = CharTokenizer(meta["tokenizer"]["chars"])
     assert tok.decode(corpus.train[:25].tolist()) == "ALL'S WELL THAT ENDS WELL"
+
+
+# ----------------------------------------------------------------------------- tokens written by someone else's script
+def run_the_docs_recipe(folder: Path) -> Path:
+    """docs/data.md's prepare.py, run as it is on conftest's corpus; returns the folder it writes."""
+    (folder / "my_corpus.txt").write_text(make_text())
+    recipe = docs_snippet("# prepare.py: my_corpus.txt -> data/my_tokens/{train.bin, val.bin, meta.json}\n",
+                          page="data.md")
+    subprocess.run([sys.executable, "-c", recipe], cwd=folder, check=True, timeout=120)
+    return folder / "data" / "my_tokens"
+
+
+def test_a_folder_of_someone_elses_tokens_trains_resumes_and_samples(tmp_path, capsys):
+    tokens = run_the_docs_recipe(tmp_path)
+    assert sorted(p.name for p in tokens.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    before = {p.name: p.read_bytes() for p in tokens.iterdir()}
+    run = dict(data_path=tokens, data_dir=tmp_path / "cache", device="cpu", eval_interval=3, log_interval=1)
+    args = lambda out, **more: ["--config", "tiny"] + [f"--{k}={v}" for k, v in {**run, "out_dir": out, **more}.items()]  # noqa: E731
+    assert run_main(args(tmp_path / "straight", max_iters=6)) == 0
+    assert run_main(args(tmp_path / "split", max_iters=3)) == 0
+    assert run_main(args(tmp_path / "split", max_iters=6, resume="true")) == 0
+    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
+                               load_checkpoint(tmp_path / "split" / "last.pt"))
+    assert {p.name: p.read_bytes() for p in tokens.iterdir()} == before  # used in place, never rewritten
+    assert not (tmp_path / "cache").exists()  # nothing prepared
+    record = load_checkpoint(tmp_path / "straight" / "last.pt")["corpus"]
+    assert record["source"] == str(tokens) and record["val_fraction"] == pytest.approx(0.1, abs=1e-3)
+    capsys.readouterr()
+    sample.main(["--ckpt", str(tmp_path / "straight"), "--prompt", "KING:", "--max-new-tokens", "20", "--no-stream"])
+    assert capsys.readouterr().out.split("\n", 1)[1].startswith("KING:")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda meta, folder: meta.update(vocab_size=meta["vocab_size"] + 1), "but its char tokenizer has"),
+    (lambda meta, folder: meta.update(tokenizer={"kind": "sentencepiece"}), "tokenizer kind 'sentencepiece' is not"),
+    (lambda meta, folder: meta.update(tokenizer={"kind": "gpt2"}, vocab_size=50257), "holds gpt2 tokens (its "
+                                                                                       "meta.json); pass --tokenizer gpt2"),
+    (lambda meta, folder: meta.update(dtype="int8"), "not a prepared corpus's record"),
+    (lambda meta, folder: (folder / "val.bin").write_bytes((folder / "val.bin").read_bytes()[:-1]),
+     "not a whole number of uint16 tokens"),
+    (lambda meta, folder: (folder / "train.bin").write_bytes(np.full(500, 999, np.uint16).tobytes()),
+     "token id 999 >= vocab size"),
+])
+def test_someone_elses_tokens_are_checked_like_ours(tmp_path, capsys, edit, message):
+    tokens = run_the_docs_recipe(tmp_path)
+    meta = json.loads((tokens / "meta.json").read_text())
+    edit(meta, tokens)
+    (tokens / "meta.json").write_text(json.dumps(meta))
+    args = ["--config", "tiny", f"--data_path={tokens}", f"--out_dir={tmp_path / 'out'}", "--device=cpu"]
+    assert run_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out" / "last.pt").exists()
+
+
+def test_a_resume_on_a_rewritten_token_folder_is_refused(tmp_path, capsys):
+    tokens = run_the_docs_recipe(tmp_path)
+    args = ["--config", "tiny", f"--data_path={tokens}", f"--out_dir={tmp_path / 'out'}", "--device=cpu",
+            "--max_iters=2", "--eval_interval=2"]
+    assert run_main(args) == 0
+    ids = np.fromfile(tokens / "train.bin", dtype=np.uint16)
+    ids[:10] = ids[10:20]
+    ids.tofile(tokens / "train.bin")
+    assert run_main(args[:-2] + ["--max_iters=4", "--resume"]) == 2
+    assert "its train split differs" in capsys.readouterr().err
