@@ -69,6 +69,17 @@ def pick_dtype(requested: str, device: torch.device, probe_shape: tuple[int, int
 BF16_MIN_SPEEDUP = 1.5  # CPU autocast to bf16 only when its matmuls are at least this much faster
 
 
+def dtype_probe_shape(cfg) -> tuple[int, int, int]:
+    """The matmul dtype=auto times on a CPU: the MLP's first, at the run's tokens per micro-batch."""
+    return cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd
+
+
+def run_dtype(cfg, device: torch.device) -> torch.dtype:
+    """The precision a run of ``cfg`` computes in on ``device``: the one train.py, bench.py, the doctor and
+    compare.py all use, so a benchmark or a diagnosis is of the precision the run trains in."""
+    return pick_dtype(cfg.dtype, device, dtype_probe_shape(cfg))
+
+
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", seconds: float = 0.1) -> float:
     """Measured GFLOP/s of an (m, k) @ (k, n) matmul: median of repeated timings after a warm-up.

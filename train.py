@@ -35,7 +35,7 @@ import hf
 from model import GPT
 from optim import DECAYS, build_optimizer
 import rundir
-from runtime import (autocast, compile_or_eager, fail, pick_device, pick_dtype, seed_everything, threads_text,
+from runtime import (autocast, compile_or_eager, fail, pick_device, run_dtype, seed_everything, threads_text,
                      use_threads, want_compile)
 from tracking import MetricsLog, Throughput, drop_records_after
 
@@ -148,11 +148,6 @@ def val_byte_count(y_val: torch.Tensor, tokenizer, device: torch.device) -> int:
     return int(all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
 
 
-def dtype_probe_shape(cfg: TrainConfig) -> tuple[int, int, int]:
-    """The matmul dtype=auto times on a CPU: the MLP's first, at the run's tokens per micro-batch."""
-    return cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd
-
-
 def build_model(cfg: TrainConfig, vocab_size: int, tokenizer_meta: dict, pretrained: hf.Pretrained | None) -> GPT:
     """A GPT for the corpus: randomly initialised, or holding the imported weights (init_from)."""
     model = GPT(model_config(cfg, vocab_size))
@@ -217,7 +212,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     with distributed.main_first(device):  # rank 0 downloads pretrained weights, the others read its cache
         cfg, pretrained = hf.start_from(cfg, out_dir)  # init_from: before anything is written
     # dtype=auto times a matmul on CPU, and ranks timing it side by side can disagree: rank 0's choice is the job's.
-    dtype = distributed.decide_on_main(lambda: pick_dtype(cfg.dtype, device, dtype_probe_shape(cfg)))
+    dtype = distributed.decide_on_main(lambda: run_dtype(cfg, device))
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     # --- data
     corpus, x_val, y_val, val_bytes = load_data(cfg, ddp)
@@ -241,8 +236,9 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
         elif ddp.is_main:
             (out_dir / "metrics.jsonl").unlink(missing_ok=True)
 
-    def probe(m):  # one forward/backward at the real shape, so compile errors surface here, not mid-run
-        _, loss, n = m(*get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator(), device))
+    def probe(m):  # one forward/backward at the real shape and precision: compile errors surface here, not mid-run
+        with autocast(device, dtype):  # the step's autocast, so the compiled graph is the one the step runs
+            _, loss, n = m(*get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator(), device))
         (loss / n).backward()
 
     train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)

@@ -35,10 +35,10 @@ from config import CommandLine, ConfigError, TrainConfig, make_config, model_con
 from data import DataError, get_batch, load_corpus, prepare  # noqa: E402
 from model import GPT  # noqa: E402
 from rundir import check_writable  # noqa: E402
-from runtime import (autocast, compile_or_eager, fail, matmul_gflops, pick_device, pick_dtype,  # noqa: E402
+from runtime import (autocast, compile_or_eager, fail, matmul_gflops, pick_device, run_dtype,  # noqa: E402
                      seed_everything, threads_text, use_threads, want_compile)
 from faults import NonFiniteGuard  # noqa: E402
-from train import accumulate_gradients, build_optimizer, dtype_probe_shape, get_lr, optimizer_step, set_lr  # noqa: E402
+from train import accumulate_gradients, build_optimizer, get_lr, optimizer_step, set_lr  # noqa: E402
 
 PHASES = ("data", "forward_backward", "optimizer")
 
@@ -69,7 +69,7 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     device = pick_device(cfg.device)
     threads = cfg.threads or torch.get_num_threads()  # 0: torch's default, as train.py runs it
     torch.set_num_threads(threads)
-    dtype = pick_dtype(cfg.dtype, device, dtype_probe_shape(cfg))  # train.py's probe, at its shape
+    dtype = run_dtype(cfg, device)  # train.py's choice
     seed_everything(cfg.seed)
     corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
                                  text_column=cfg.text_column),
@@ -79,9 +79,9 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     optimizer = build_optimizer(model, cfg, device, dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
-    def probe(m):  # as train.py's, but under autocast: the real step's precision, so no recompile
+    def probe(m):  # train.py's: the step's shape, under its autocast, so the step does not recompile
         with autocast(device, dtype):
-            _, loss, n = m(*get_batch(corpus.train, 1, cfg.block_size, torch.Generator(), device))
+            _, loss, n = m(*get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator(), device))
         (loss / n).backward()
 
     t0 = time.perf_counter()

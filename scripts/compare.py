@@ -57,7 +57,7 @@ from checkpoint import CheckpointError, read_config  # noqa: E402
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
 from data import DataError, corpus_source  # noqa: E402
 from faults import RunStopped, StopOnSignal  # noqa: E402
-from runtime import fail, pick_device, pick_dtype, use_threads  # noqa: E402
+from runtime import fail, pick_device, run_dtype, use_threads  # noqa: E402
 from sample import load_model  # noqa: E402
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
@@ -205,7 +205,7 @@ def saved_config(folder: Path) -> dict[str, Any] | None:
 
 def pin_auto_dtype(runs: list[Run]) -> list[Run]:
     """dtype=auto decided once for the whole comparison: as a run already on disk was, else by
-    train.py's probe (runtime.pick_dtype) at the first such run's shape. Explicit dtypes stay."""
+    train.py's choice (runtime.run_dtype) at the first such run's shape. Explicit dtypes stay."""
     auto = [run for run in runs if run.config().dtype == "auto"]
     if not auto:
         return runs
@@ -214,7 +214,7 @@ def pin_auto_dtype(runs: list[Run]) -> list[Run]:
         dtype = saved[0]
     else:
         cfg = auto[0].config()
-        dtype = str(pick_dtype("auto", pick_device(cfg.device), train.dtype_probe_shape(cfg))).removeprefix("torch.")
+        dtype = str(run_dtype(cfg, pick_device(cfg.device))).removeprefix("torch.")
     print(f"dtype auto -> {dtype} for every run of this comparison")
     return [dataclasses.replace(r, overrides={**r.overrides, "dtype": dtype}) if r in auto else r for r in runs]
 

@@ -40,7 +40,7 @@ from data import (DataError, get_batch, load_corpus, prepare, special_tokens, to
                   val_windows)
 from faults import NonFiniteGuard, RunStopped  # noqa: E402
 from model import GPT  # noqa: E402
-from runtime import compile_or_eager, pick_device, pick_dtype, use_threads, want_compile  # noqa: E402
+from runtime import compile_or_eager, pick_device, run_dtype, use_threads, want_compile  # noqa: E402
 
 # Allowed gap between the first loss and ln(vocab), as a fraction of ln(vocab). A 0.02-std init gives
 # logits of variance ~0.02² · n_embd, which adds about half that: 0.03 nats for small, 0.15 for gpt2.
@@ -469,7 +469,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         cfg = hf.start_from(replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
     device = pick_device(cfg.device)
     use_threads(cfg.threads)  # before the dtype probe, which times matmuls with them, as train.py does
-    dtype = pick_dtype(cfg.dtype, device, train.dtype_probe_shape(cfg))  # train.py's choice, at its probe shape
+    dtype = run_dtype(cfg, device)  # train.py's choice
     folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
                      text_column=cfg.text_column)
     corpus = load_corpus(folder, cfg.block_size)

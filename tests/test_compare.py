@@ -201,7 +201,7 @@ def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds(tmp_path, text_
 
 def test_dtype_auto_is_decided_once_for_every_run(tmp_path, text_file, monkeypatch):
     calls = []
-    monkeypatch.setattr(compare, "pick_dtype", lambda *a: calls.append(a) or torch.bfloat16)
+    monkeypatch.setattr(compare, "run_dtype", lambda *a: calls.append(a) or torch.bfloat16)
     args = compare.build_parser().parse_args(argv(text_file, tmp_path / "e", "a:", "wide:n_embd=64", seeds=2)
                                              + ["--set", "dtype=auto"])
     plan = compare.make_plan(args, "")

@@ -137,3 +137,22 @@ def test_vs_nanogpt_prints_both_medians_the_ratio_and_train_vs_bench(tmp_path):
     vs_bench = float(re.search(r"train.py / bench.py: ([\d.]+)x", done.stdout).group(1))
     assert vs_bench == pytest.approx(medians["tinygpt train.py"] / medians["tinygpt bench.py"], rel=0.01)
     assert (tmp_path / "data" / "tinygpt_shakespeare_char" / "meta.pkl").is_file()
+
+
+def test_train_bench_the_doctor_and_compare_choose_one_precision_for_one_config(tiny_cfg, tmp_path, monkeypatch):
+    """dtype=auto is decided by runtime.run_dtype everywhere: before, the doctor timed its probe matmul at
+    a default shape and bench.py re-typed train.py's, so "the exact config you train with" could be checked
+    in another precision. Each entry point's probe is recorded; all must be train.py's."""
+    from scripts import doctor
+    compare = __import__("conftest").load_entry_point("scripts/compare.py")
+    probes = []
+    real = runtime.pick_dtype
+    monkeypatch.setattr(runtime, "pick_dtype", lambda *args: probes.append(args) or real("float32", *args[1:]))
+    cfg = tiny_cfg(dtype="auto", max_iters=1, eval_interval=1)
+    train.train(cfg)
+    bench.build("bench", cfg)
+    doctor.run_checks(cfg)
+    compare.pin_auto_dtype([compare.Run("a", 1, tmp_path / "c", "tiny",
+                                        {"dtype": "auto", "device": "cpu", "data_path": cfg.data_path})])
+    expected = ("auto", torch.device("cpu"), (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
+    assert [p for p in probes if p[0] == "auto"] == [expected] * 4  # (the doctor's own short runs pin float32)
