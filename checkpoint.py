@@ -1,4 +1,5 @@
-"""Checkpoints: atomic writes, verified reads, and every random stream needed for an exact resume.
+"""Checkpoints: atomic writes, verified reads, every random stream needed for an exact resume, and the
+run's side of it: what last.pt and best.pt hold and when (``Checkpointer``), and the resume policy.
 
 A checkpoint holds only tensors and plain Python values, so ``torch.load(weights_only=True)`` reads
 it with no allowlist and a malicious pickle cannot run code. Every load in this repo goes through
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from config import TrainConfig, as_dict, resume_changes
+from config import ConfigError, TrainConfig, as_dict, resume_changes
 import distributed
 from distributed import Dist, print0
 from faults import EXIT_WRITE_FAILED
@@ -382,7 +383,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
 def refuse_to_overwrite(out_dir: Path, resume: bool) -> None:
     """A fresh run never replaces a run already in out_dir: continuing it is --resume's job."""
     if not resume and (out_dir / "last.pt").exists():
-        from config import ConfigError  # the user's mistake: exit 2, like every config error
         raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
                           "new one with another --out_dir (or delete the folder)")
 

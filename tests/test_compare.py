@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train
-from conftest import load_entry_point, make_text
+from conftest import REPO, load_entry_point, make_text
 from fault_injection import step_clock
 from faults import StopOnSignal, RunStopped
 
@@ -274,3 +274,20 @@ def test_vs_takes_every_difference_against_the_named_control(finished, tmp_path,
     assert row(against_slow, "base")["val_loss"]["diff"] == pytest.approx(-row(summary, "slow")["val_loss"]["diff"])
     assert row(against_slow, "slow")["speed_ratio"] == 1.0
     assert "Δ vs slow [95% CI]" in (tmp_path / "exp" / "results.md").read_text()
+
+
+def test_the_code_fingerprint_follows_the_training_sources_and_nothing_else(tmp_path, monkeypatch):
+    """Editing model.py (or adding a module train.py could import) changes it; docs and tests do not."""
+    fork = tmp_path / "fork"
+    shutil.copytree(REPO, fork, ignore=shutil.ignore_patterns(".git", "out", "data", "__pycache__", "wandb", "hf"))
+    monkeypatch.setattr(compare, "REPO", fork)  # no .git in the copy: the files are found by walking it
+    before = compare.code_fingerprint()
+    assert before["commit"] == "no git" and "model.py" in compare.source_files()
+    (fork / "docs" / "experiments.md").write_text("edited")
+    (fork / "tests" / "test_model.py").write_text("edited")
+    assert compare.code_fingerprint() == before
+    (fork / "model.py").write_text((fork / "model.py").read_text() + "\n# a fork's edit\n")
+    edited = compare.code_fingerprint()
+    assert edited["hash"] != before["hash"]
+    (fork / "swiglu.py").write_text("WIDTH = 3\n")  # a new module, not yet added to git
+    assert compare.code_fingerprint()["hash"] not in (before["hash"], edited["hash"])
