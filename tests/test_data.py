@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -21,9 +21,9 @@ import sample
 import train
 from checkpoint import load_checkpoint
 from conftest import docs_snippet, make_text, run_script
-from fault_injection import assert_same_training_state, run_main
-from data import (CharTokenizer, DataError, GPT2Tokenizer, get_batch, load_corpus, prepare,
+from data import (CharTokenizer, DataError, GPT2Tokenizer, get_batch, load_corpus, prepare, split_fingerprint,
                   strip_gutenberg, val_windows)
+from fault_injection import assert_same_training_state, run_main, tiny_args
 
 
 def test_char_tokenizer_round_trip_and_unknown_char():
@@ -170,7 +170,7 @@ def damage(folder: Path, how: str) -> None:
     ("meta.json lacks a field", None),  # old: KeyError traceback
 ])
 def test_a_damaged_corpus_is_refused_or_prepared_again_never_trained_on(tmp_path, text_file, capsys, how, refusal):
-    from fault_injection import run_main, tiny_args
+    from fault_injection import run_main
     folder = prepare(data_path=str(text_file), data_dir=str(tmp_path / "data"))
     reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"))
     damage(folder, how)
@@ -481,3 +481,45 @@ def test_a_resume_on_a_rewritten_token_folder_is_refused(tmp_path, capsys):
     ids.tofile(tokens / "train.bin")
     assert run_main(args[:-2] + ["--max_iters=4", "--resume"]) == 2
     assert "its train split differs" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- data
+def corpus_with_last_id(tiny_cfg, offset: int) -> tuple[object, int]:
+    """(the tiny config, the vocab size) on a prepared char corpus whose last train id is vocab_size + offset."""
+    cfg = tiny_cfg(max_iters=1, eval_interval=100)
+    folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    meta = json.loads((folder / "meta.json").read_text())
+    data = np.memmap(folder / "train.bin", dtype=meta["dtype"], mode="r+")
+    data[-1] = meta["vocab_size"] + offset
+    data.flush()
+    # Record the edit as prepared, so that the vocabulary check, not the fingerprint check, is what meets it.
+    meta["fingerprint"]["train"] = split_fingerprint(folder / "train.bin")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return cfg, meta["vocab_size"]
+
+
+def test_a_corpus_holding_the_id_vocab_size_is_refused(tiny_cfg):
+    """Bug caught: load_corpus checks `top > vocab_size` (the id vocab_size would index a padding row
+    of the padded embedding, silently)."""
+    cfg, vocab_size = corpus_with_last_id(tiny_cfg, 0)
+    with pytest.raises(DataError, match=rf"train\.bin: token id {vocab_size} >= vocab size {vocab_size}"):
+        train.train(cfg)
+    assert not (Path(cfg.out_dir) / "last.pt").exists()
+
+
+def test_a_corpus_whose_last_id_is_vocab_size_minus_one_trains(tiny_cfg):
+    """The boundary from the other side: the largest real id is accepted (`top >= vocab_size - 1` fails here)."""
+    cfg, _ = corpus_with_last_id(tiny_cfg, -1)
+    assert math.isfinite(train.train(cfg))
+
+
+def test_preparing_a_corpus_again_leaves_only_the_new_one(tiny_cfg):
+    """Bug caught: staged_folder without `shutil.rmtree(old, ...)` (every re-preparation leaves the
+    replaced corpus behind under a .staging-* name: the disk fills silently)."""
+    cfg = tiny_cfg()
+    first = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    (first / "meta.json").write_bytes(b"\xff not json")  # unreadable metadata: prepared again, in place
+    again = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    assert again == first
+    assert sorted(os.listdir(cfg.data_dir)) == [first.name]
+    assert json.loads((first / "meta.json").read_text())["val_fraction"] == cfg.val_fraction

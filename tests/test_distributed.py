@@ -23,7 +23,7 @@ import rundir
 import runtime
 import train
 from checkpoint import load_checkpoint
-from conftest import REPO, run_script, tiny_model
+from conftest import REPO, make_text, run_script, tiny_model
 from distributed import Dist
 from fault_injection import tiny_args
 from runtime import mfu, peak_flops
@@ -52,7 +52,6 @@ def records(out_dir: Path, key: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
     """A straight 2-rank run of STEPS; and one stopped at HALF, saved aside, then resumed to STEPS."""
-    from conftest import make_text
     root = tmp_path_factory.mktemp("ddp")
     corpus = root / "corpus.txt"
     corpus.write_text(make_text())
@@ -366,3 +365,18 @@ def test_multi_gpu_page_commands_parse_and_keep_the_gpt2_batch():
         world = int(flags["nproc_per_node"]) * int(flags.get("nnodes", 1))
         if cfg.tokenizer == "gpt2":  # the page promises these keep the preset's tokens per step
             assert cfg.tokens_per_step() * world == parse_args(["--config", "gpt2"]).tokens_per_step()
+
+
+# ----------------------------------------------------------------------------- distributed
+@pytest.mark.slow  # one torchrun launch of 2 CPU ranks (~20 s on 2 cores)
+def test_under_two_ranks_one_process_writes_each_metric_once(tmp_path, text_file):
+    """Bug caught: train.py's MetricsLog enabled on every rank (`enabled=True`): each record twice in
+    metrics.jsonl (both ranks append to it) and each log line printed twice."""
+    out = tmp_path / "out"
+    result = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                        *tiny_args(out, text_file, max_iters=4, eval_interval=2, batch_size=2), timeout=240)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    printed = [line for line in result.stdout.splitlines() if line.lstrip().startswith("step ")]
+    assert [line.split("|")[0].split()[1] for line in printed] == ["1", "2", "2", "3", "4", "4"]  # train, val

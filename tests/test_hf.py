@@ -26,7 +26,7 @@ import sample  # noqa: E402
 import train  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
 from config import ConfigError, as_dict, make_config, parse_args, resume_changes  # noqa: E402
-from conftest import COUNT_CONNECTIONS, REPO, run_script, tiny_model  # noqa: E402
+from conftest import COUNT_CONNECTIONS, REPO, make_text, run_script, tiny_model  # noqa: E402
 from data import CharTokenizer, load_corpus, prepare, val_windows  # noqa: E402
 from model import GPT  # noqa: E402
 
@@ -494,3 +494,75 @@ def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(t
     (folder / hf.CHARS_FILE).write_text("{not json")
     with pytest.raises(hf.HFError, match="not a tinygpt char list"):
         hf.load_pretrained(str(folder))
+
+
+# ----------------------------------------------------------------------------- GPT-2 interop
+CHARS = "".join(sorted(set(make_text())))  # a real char vocabulary: newline is the start token
+
+
+def exported(folder: Path) -> Path:
+    """A tiny random char model exported in the Hugging Face layout (model.safetensors, config.json)."""
+    hf.export(tiny_model(vocab_size=len(CHARS), block_size=16), CharTokenizer(CHARS), folder)
+    return folder
+
+
+def test_an_lm_head_that_differs_from_wte_is_refused_in_one_line(tmp_path):
+    """Bug caught: to_ours' tied-head check made dead (`if False:`): an untied head would be dropped
+    silently and the model would compute with wte instead."""
+    from safetensors.torch import load_file, save_file
+    folder = exported(tmp_path / "hf")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
+    save_file(tensors, folder / "model.safetensors")
+    assert hf.load_pretrained(str(folder)).config.vocab_size == len(CHARS)  # an equal head is GPT-2's own layout
+    tensors["lm_head.weight"][3, 5] += 0.5  # one weight of the head differs
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(hf.HFError, match="lm_head.weight differs from transformer.wte.weight") as error:
+        hf.load_pretrained(str(folder))
+    assert "\n" not in str(error.value)
+
+
+# A value GPT-2's code would compute differently, for each config.json field that hf.CONFIG_RULES checks.
+# A new rule fails test_every_config_rule_refuses_a_non_gpt2_value until its row is added here.
+NON_GPT2_VALUES = {
+    "activation_function": "relu",
+    "layer_norm_epsilon": 1e-6,
+    "n_inner": 64,  # the tiny model's n_embd is 32: GPT-2's MLP is 128 wide
+    "scale_attn_weights": False,
+    "scale_attn_by_inverse_layer_idx": True,
+    "tie_word_embeddings": False,
+}
+RULES = {name: (default, allowed) for name, default, allowed in hf.CONFIG_RULES}
+
+
+@pytest.mark.parametrize("name", sorted(NON_GPT2_VALUES.keys() | RULES.keys()))
+def test_every_config_rule_refuses_a_non_gpt2_value(tmp_path, name):
+    """Bug caught: a row of hf.CONFIG_RULES deleted (scale_attn_by_inverse_layer_idx: true then imports
+    silently, and the model computes other attention than the file's)."""
+    assert name in NON_GPT2_VALUES, f"add a non-GPT-2 value for the config rule {name!r} to NON_GPT2_VALUES"
+    folder = exported(tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    if name in RULES:  # GPT-2's own value, written out, is accepted
+        (folder / "config.json").write_text(json.dumps({**config, name: RULES[name][0]}))
+        hf.load_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps({**config, name: NON_GPT2_VALUES[name]}))
+    with pytest.raises(hf.HFError, match=name) as error:
+        hf.load_pretrained(str(folder))
+    assert "\n" not in str(error.value)
+
+
+def test_a_char_export_gives_transformers_our_start_token_no_end_or_pad_token_and_the_mlp_width(tmp_path):
+    """Bugs caught: export writing eos = the newline (transformers' generate would stop at every line
+    end), or no eos/bos at all (transformers then reads GPT-2's 50256, outside a char vocabulary), or
+    an n_inner other than null (the MLP width transformers builds must be 4 * n_embd)."""
+    transformers = pytest.importorskip("transformers")
+    folder = exported(tmp_path / "hf")
+    written = json.loads((folder / "config.json").read_text())
+    fields = ("bos_token_id", "eos_token_id", "pad_token_id", "n_inner")
+    assert [written.get(key, "absent") for key in fields] == [CHARS.index("\n"), None, "absent", None]
+    read = transformers.AutoConfig.from_pretrained(folder)
+    assert (read.bos_token_id, read.eos_token_id, read.pad_token_id, read.n_inner) == (CHARS.index("\n"), None, None,
+                                                                                        None)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    assert theirs.transformer.h[0].mlp.c_fc.weight.shape == (32, 4 * 32)  # Conv1D: (in, out)
+    assert (theirs.generation_config.eos_token_id, theirs.generation_config.pad_token_id) == (None, None)

@@ -19,8 +19,7 @@ import checkpoint
 import train
 from conftest import REPO
 from optim import OPTIMIZERS
-from checkpoint import (OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint,
-                        remove_stale_temp_files, save_checkpoint)
+from checkpoint import OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint, save_checkpoint
 from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
                              on_training_forward, poison_loss, run_main, signal_at, tiny_args)
 
@@ -305,3 +304,59 @@ def test_a_second_signal_during_shutdown_keeps_the_exit_code(tmp_path, text_file
     assert child.wait(timeout=60) == code
     assert lines[-1] == f"error: stopped by {name} after step 3; last.pt holds it, continue with --resume\n"
     assert load_checkpoint(out / "last.pt")["step"] == 3 and temp_files(out) == []
+
+
+# ----------------------------------------------------------------------------- checkpoint: fsync, then rename
+def test_a_checkpoint_is_fsynced_before_its_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """Bug caught: save_checkpoint without os.fsync(f.fileno()) (a power cut after the rename could
+    leave last.pt naming blocks that never reached the disk)."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino, Path(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "last.pt"
+    for step in (1, 2):  # a new file, then one replacing it
+        events.clear()
+        save_checkpoint({"step": step, "weights": torch.arange(4.0)}, path)
+        written, folder = os.stat(path).st_ino, os.stat(tmp_path).st_ino
+        assert events == [("fsync", written), ("replace", written, path), ("fsync", folder)]
+
+
+# ----------------------------------------------------------------------------- signals: the first one decides
+@pytest.fixture
+def signal_handlers():
+    """Put SIGINT's and SIGTERM's handlers back after an in-process run that a signal stopped (it leaves
+    them ignored, as a process on its way out)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("first, second, code", [(signal.SIGTERM, signal.SIGINT, 143),
+                                                  (signal.SIGINT, signal.SIGTERM, 130)],
+                         ids=["SIGTERM then SIGINT", "SIGINT then SIGTERM"])
+def test_the_first_signal_decides_the_exit_code(tmp_path, text_file, monkeypatch, capsys, signal_handlers,
+                                                first, second, code):
+    """Bug caught: StopOnSignal.handle keeps the latest signal (`self.signum = signum`): a Ctrl-C after a
+    scheduler's SIGTERM would turn a preemption (143, requeue) into an interrupt (130)."""
+    sends = {call_of(2, 1, 2): first, call_of(2, 2, 2): second}  # both inside step 2
+
+    def send(n: int, loss_sum: torch.Tensor) -> None:
+        if n in sends:
+            os.kill(os.getpid(), sends[n])
+
+    on_training_forward(monkeypatch, send)
+    assert run_main(tiny_args(tmp_path, text_file, grad_accum=2, max_iters=6, eval_interval=100)) == code
+    name = signal.Signals(first).name
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: stopped by {name} after step 2; last.pt holds it, continue with --resume")

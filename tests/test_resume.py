@@ -6,20 +6,20 @@ and its update, then saves. A checkpoint never holds a half-accumulated step.
 """
 from __future__ import annotations
 
-import os
+import random
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+import train
 from checkpoint import load_checkpoint, save_checkpoint
-from conftest import REPO, run_script
-from fault_injection import (assert_same_training_state, call_of, metrics, run_main, signal_at,
-                             tiny_args)
+from conftest import REPO, make_text, run_script
+from fault_injection import assert_same_training_state, call_of, metrics, run_main, signal_at, tiny_args
 
 
 
@@ -173,7 +173,6 @@ def test_sigkill_loses_at_most_ckpt_interval_steps_and_metrics_keep_no_duplicate
 def test_a_resume_on_other_data_is_refused_and_old_checkpoints_still_resume(tmp_path, text_file, capsys):
     # Old code: both resumes below continue without a word (exit 0), the second after re-preparing
     # the shared corpus folder in place with its new split.
-    from conftest import make_text
     out = tmp_path / "out"
     assert run_main(tiny_args(out, text_file, max_iters=2, eval_interval=2)) == 0
     (corpus_folder,) = (tmp_path / "data").iterdir()
@@ -195,3 +194,36 @@ def test_a_resume_on_other_data_is_refused_and_old_checkpoints_still_resume(tmp_
     save_checkpoint(state, out / "last.pt")
     assert run_main(tiny_args(out, text_file, max_iters=4, resume="true")) == 0  # resumes, unchecked
     assert load_checkpoint(out / "last.pt")["corpus"]["val_fraction"] == 0.1  # and records it from now on
+
+
+# ----------------------------------------------------------------------------- resume: every random stream
+def draw_from_global_streams(monkeypatch) -> list[tuple]:
+    """Each micro-batch also draws from python's, numpy's and torch's global RNGs, as user code in the
+    loop would (an augmentation, a sampler); the list of draws, in order."""
+    draws: list[tuple] = []
+    real_get_batch = train.get_batch
+
+    def get_batch(*args, **kwargs):
+        cuda = (torch.rand(1, device="cuda").item(),) if torch.cuda.is_available() else ()
+        draws.append((random.random(), float(np.random.random()), torch.rand(1).item(), *cuda))
+        return real_get_batch(*args, **kwargs)
+
+    monkeypatch.setattr(train, "get_batch", get_batch)
+    return draws
+
+
+def test_after_a_resume_every_global_random_stream_continues_as_in_a_straight_run(tiny_cfg, tmp_path, monkeypatch):
+    """Bugs caught: restore_rng without its np.random.set_state line (or random.setstate, or
+    torch.set_rng_state): the resumed run's draws are those of a freshly seeded stream."""
+    draws = draw_from_global_streams(monkeypatch)
+    common = dict(max_iters=4, eval_interval=2, compile="off")
+    train.train(tiny_cfg(out_dir=str(tmp_path / "straight"), **common))
+    straight = draws[:]
+    draws.clear()
+    train.train(tiny_cfg(out_dir=str(tmp_path / "split"), **{**common, "max_iters": 2}))
+    assert draws == straight[:2]
+    draws.clear()
+    train.train(tiny_cfg(out_dir=str(tmp_path / "split"), resume=True, **common))
+    assert len(draws) == 2
+    for name, i in (("python", 0), ("numpy", 1), ("torch_cpu", 2), ("torch_cuda", 3))[: len(draws[0])]:
+        assert [d[i] for d in draws] == [d[i] for d in straight[2:]], f"{name} stream after the resume"

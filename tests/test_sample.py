@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from checkpoint import FORMAT_VERSION, save_checkpoint
 from config import as_dict, make_config, model_config
@@ -18,8 +19,8 @@ from conftest import REPO, make_text, run_script, tiny_model
 from data import CharTokenizer
 from model import GPT, cached_attention
 import sample as sample_module
-from sample import (Continuations, NextTokenLogits, TextStream, filter_logits, generate, main, pick_next, unescape,
-                    prompt_ids, window_start)
+from sample import (Continuations, NextTokenLogits, TextStream, filter_logits, generate, main, next_token_probs,
+                    pick_next, prompt_ids, unescape, window_start)
 
 NEG_INF = float("-inf")
 
@@ -580,3 +581,50 @@ def test_bench_goal_is_a_share_of_what_the_context_makes_possible(ckpt, monkeypa
         exit_code = stopped.code
     assert exit_code == code
     assert f"{seconds['no cache'] / seconds['KV cache']:.2f}x of a possible" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- sampling: temperature
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])  # (1, 5): distinct values, no ties
+
+
+@pytest.mark.parametrize("temperature", [0.25, 0.5, 1.0, 2.0, 4.0])
+def test_the_sampling_distribution_at_temperature_t_is_softmax_of_logits_over_t(temperature):
+    """Bug caught: pick_next multiplies the logits by T instead of dividing (wrong at every T but 1)."""
+    assert torch.equal(next_token_probs(LOGITS, temperature), F.softmax(LOGITS / temperature, dim=-1))
+
+
+def test_low_temperature_sharpens_and_high_temperature_flattens():
+    """Bug caught: logits multiplied by T (T < 1 would flatten, T > 1 sharpen)."""
+    temperatures = [0.25, 0.5, 1.0, 2.0, 4.0]
+    probs = [next_token_probs(LOGITS, t)[0] for t in temperatures]
+    top = [p.max().item() for p in probs]
+    entropy = [-(p * p.log()).sum().item() for p in probs]
+    assert top == sorted(top, reverse=True) and len(set(top)) == len(top)  # colder: the top token gains
+    assert entropy == sorted(entropy) and len(set(entropy)) == len(entropy)  # hotter: closer to uniform
+    assert probs[0].argmax() == probs[-1].argmax() == 0  # the ranking itself never changes
+
+
+def test_draws_follow_the_tempered_distribution():
+    """Bug caught: logits multiplied by T. 40000 draws with a fixed generator: each token's frequency
+    lies within 5 standard deviations (< 0.013) of softmax(logits / T); T = 0.5 against T = 2 moves
+    the top token's probability by ~0.3."""
+    n, temperature = 40_000, 0.5
+    draws = pick_next(LOGITS.repeat(n, 1), temperature, generator=torch.Generator().manual_seed(0))  # (n, 1)
+    frequency = torch.bincount(draws.flatten(), minlength=5).double() / n  # (5,)
+    expected = F.softmax(LOGITS[0].double() / temperature, dim=-1)  # (5,)
+    tolerance = 5 * (expected * (1 - expected) / n).sqrt()
+    assert ((frequency - expected).abs() < tolerance).all(), (frequency.tolist(), expected.tolist())
+
+
+# ----------------------------------------------------------------------------- sampling: top-p boundary
+SORTED_PROBS = (0.5, 0.25, 0.125, 0.0625, 0.0625)  # dyadic: softmax and cumsum are exact in float32
+
+
+@pytest.mark.parametrize("top_p, n_kept", [(0.5, 1), (0.75, 2), (0.875, 3), (0.5 + 1e-6, 2), (0.75 - 1e-6, 2)])
+def test_top_p_stops_where_the_mass_reaches_p_exactly(top_p, n_kept):
+    """Bug caught: `above <= top_p` in filter_logits (a token is kept although the ones above it
+    already reach p). docs/sampling.md: the smallest set whose probability *reaches* P."""
+    logits = torch.tensor([[math.log(p) for p in SORTED_PROBS]])  # (1, 5)
+    assert F.softmax(logits, dim=-1).cumsum(-1)[0].tolist() == [0.5, 0.75, 0.875, 0.9375, 1.0]  # the premise: exact
+    kept = filter_logits(logits, top_p=top_p)[0].isfinite().tolist()
+    assert kept == [True] * n_kept + [False] * (5 - n_kept)

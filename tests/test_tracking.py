@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -215,3 +216,62 @@ def test_tracker_skips_the_steps_the_run_already_holds():
         tracker.log({"step": step})
     assert run.logged == [9, 9, 10]
     tracking.NullTracker().log({"step": 1})  # the null object takes the same calls and does nothing
+
+
+# ----------------------------------------------------------------------------- tracking
+def fake_wandb(monkeypatch) -> list[SimpleNamespace]:
+    """wandb.init replaced by a recorder: each started run's init arguments and the steps it was sent."""
+    wandb = pytest.importorskip("wandb")
+    runs: list[SimpleNamespace] = []
+
+    def init(**kwargs):
+        run = SimpleNamespace(init=kwargs, id=kwargs["id"] or f"new{len(runs)}", steps=[], offline=False,
+                              settings=SimpleNamespace(mode="disabled"), finish=lambda: None)
+        run.log = lambda record, step: run.steps.append(step)
+        runs.append(run)
+        return run
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # tracking.choose_mode then asks wandb for no login
+    monkeypatch.setattr(wandb, "init", init)
+    return runs
+
+
+def append_records(out: Path, steps: range) -> None:
+    """metrics.jsonl records of ``steps`` as an earlier process logged them before it was killed."""
+    with open(out / "metrics.jsonl", "a") as f:
+        for step in steps:
+            f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+
+
+def test_a_fresh_run_never_continues_an_old_wandb_run(tmp_path, text_file, monkeypatch):
+    """Bug caught: tracking.start reads out_dir/wandb_id without --resume (a new run appends to an old
+    one's charts)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "wandb_id").write_text("oldrun\n")  # left by an earlier run here whose last.pt was deleted
+    append_records(out, range(1, 9))
+    runs = fake_wandb(monkeypatch)
+    assert run_main(tiny_args(out, text_file, max_iters=3, eval_interval=3, wandb="true")) == 0
+    (run,) = runs
+    assert (run.init["id"], run.init["resume"]) == (None, None)
+    assert run.steps == [1, 2, 3, 3]  # every train record, then the val record of step 3
+    assert (out / "wandb_id").read_text() == "new0\n"
+
+
+@pytest.mark.parametrize("first_with_wandb", [True, False], ids=["continued", "new wandb run on resume"])
+def test_only_a_continued_wandb_run_skips_the_steps_it_holds(tmp_path, text_file, monkeypatch, first_with_wandb):
+    """Bug caught: WandbTracker given logged_through for a wandb run that is not continued (a run first
+    trained without --wandb, resumed with it, would never send the steps its killed process redid)."""
+    out = tmp_path / "out"
+    runs = fake_wandb(monkeypatch)
+    first = dict(max_iters=3, eval_interval=3) | ({"wandb": "true"} if first_with_wandb else {})
+    assert run_main(tiny_args(out, text_file, **first)) == 0
+    append_records(out, range(4, 6))  # killed after step 5; last.pt holds step 3
+    assert run_main(tiny_args(out, text_file, max_iters=6, eval_interval=3, wandb="true", resume="true")) == 0
+    resumed = runs[-1]
+    if first_with_wandb:  # the same wandb run: it already holds steps 4 and 5
+        assert (resumed.init["id"], resumed.init["resume"]) == (runs[0].id, "allow")
+        assert resumed.steps == [6, 6]
+    else:  # a new wandb run: it holds nothing yet
+        assert (resumed.init["id"], resumed.init["resume"]) == (None, None)
+        assert resumed.steps == [4, 5, 6, 6]
