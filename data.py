@@ -275,29 +275,28 @@ class Corpus:
                 "fingerprint": dict(self.fingerprint)}
 
 
-ACCEPTED_INPUTS = ("a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file, or a folder of "
-                   "train.bin, val.bin and meta.json")
-DOCUMENT_SUFFIXES = (".txt", ".parquet")  # what a folder's documents may be: one kind per folder
 DEFAULT_TEXT_COLUMN = "text"
 
 
 def is_document_corpus(path: Path) -> bool:
-    """A folder, a .jsonl or a .parquet file: many documents, prepared in parallel and streamed."""
-    return path.is_dir() or path.suffix in (".jsonl", ".parquet")
+    """A folder, or a file of a document format (.jsonl, .parquet): many documents, prepared in parallel and
+    streamed. A single .txt is one text instead."""
+    return path.is_dir() or path.suffix in DOCUMENT_FORMATS and not DOCUMENT_FORMATS[path.suffix].one_per_file
 
 
 def has_text_column(path: Path) -> bool:
     """Whether documents sit in a named field or column (.jsonl, .parquet), so text_column applies."""
-    return path.suffix in (".jsonl", ".parquet") or path.is_dir() and folder_suffix(path) == ".parquet"
+    suffix = folder_suffix(path) if path.is_dir() else path.suffix
+    return suffix in DOCUMENT_FORMATS and DOCUMENT_FORMATS[suffix].named_column
 
 
 def folder_suffix(folder: Path) -> str:
-    """The one kind of document file a folder holds, ".txt" or ".parquet"; DataError if none or both."""
-    found = [suffix for suffix in DOCUMENT_SUFFIXES if next(folder.rglob(f"*{suffix}"), None) is not None]
+    """The one kind of document file a folder holds (".txt", ".parquet", ...); DataError if none or several."""
+    found = [suffix for suffix in folder_suffixes() if next(folder.rglob(f"*{suffix}"), None) is not None]
     if not found:
-        raise DataError(f"{folder}: no .txt files and no .parquet files in this folder")
+        raise DataError(f"{folder}: no {' files and no '.join(folder_suffixes())} files in this folder")
     if len(found) > 1:
-        raise DataError(f"{folder}: holds both .txt and .parquet files; pick one kind (move the others out)")
+        raise DataError(f"{folder}: holds both {' and '.join(found)} files; pick one kind (move the others out)")
     return found[0]
 
 
@@ -364,7 +363,7 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
             name = path.name if path.is_dir() else path.stem
             return f"{name}-{corpus_fingerprint(path, text_column)[:12]}", path
         if not path.is_file():
-            raise DataError(f"{path}: no such file or folder; pass {ACCEPTED_INPUTS} with --data_path")
+            raise DataError(f"{path}: no such file or folder; pass {accepted_inputs()} with --data_path")
         return f"{path.stem}-{sha256_of(path)[:12]}", path
     if dataset not in BUILTIN_CORPORA:
         raise DataError(f"unknown dataset `{dataset}`; built in: {', '.join(BUILTIN_CORPORA)} "
@@ -688,12 +687,7 @@ PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a few MB of web text, whate
 def document_sources(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> Iterator[Source]:
     """Every document of a corpus, in order, lazily: a folder's files, a .jsonl's lines or a .parquet's rows."""
     for file in corpus_files(path):
-        if file.suffix == ".txt":
-            yield Source("file", str(file))
-        elif file.suffix == ".parquet":
-            yield from parquet_sources(file, text_column)
-        else:
-            yield from jsonl_sources(file)
+        yield from DOCUMENT_FORMATS[file.suffix].sources(file, text_column)
 
 
 def jsonl_sources(path: Path) -> Iterator[Source]:
@@ -751,6 +745,36 @@ def parquet_sources(path: Path, text_column: str) -> Iterator[Source]:
             if text is None:
                 raise DataError(f"{path}:row {row}: null in column {text_column!r}; drop or fill the row")
             yield Source("text", f"{path}:row {row}", text)
+
+
+@dataclass(frozen=True)
+class DocumentFormat:
+    """How to read one kind of document file: a suffix of DOCUMENT_FORMATS. A new format is a reader and a row."""
+    sources: Callable[[Path, str], Iterator[Source]]  # (file, text_column) -> its documents, in order, lazily
+    named_column: bool  # documents sit in a field or column that --text_column names
+    in_folders: bool  # a folder of such files is a corpus
+    one_per_file: bool = False  # each file is one document (so a single such file is one text, not a corpus)
+    check: Callable[[Path, str], object] | None = None  # a cheap look at every file before any document is read
+
+
+DOCUMENT_FORMATS: dict[str, DocumentFormat] = {
+    ".txt": DocumentFormat(lambda path, column: iter([Source("file", str(path))]), named_column=False,
+                           in_folders=True, one_per_file=True),
+    ".jsonl": DocumentFormat(lambda path, column: jsonl_sources(path), named_column=True, in_folders=False),
+    ".parquet": DocumentFormat(parquet_sources, named_column=True, in_folders=True, check=open_parquet),  # the footer
+}
+
+
+def folder_suffixes() -> tuple[str, ...]:
+    """The document formats a folder may hold (one kind per folder)."""
+    return tuple(suffix for suffix, fmt in DOCUMENT_FORMATS.items() if fmt.in_folders)
+
+
+def accepted_inputs() -> str:
+    """What --data_path takes, in words, from DOCUMENT_FORMATS."""
+    files = [suffix for suffix, fmt in DOCUMENT_FORMATS.items() if not fmt.one_per_file]
+    return (f"a .txt file, a folder of {' or '.join(folder_suffixes())} files, a {' or a '.join(files)} file, "
+            "or a folder of train.bin, val.bin and meta.json")
 
 
 def batched_sources(sources: Iterable[Source], max_chars: int) -> Iterator[list[Source]]:
@@ -854,8 +878,9 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
                       num_proc: int = 0, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN) -> Path:
     """Tokenize a document corpus (is_document_corpus) into folder/, streaming; see the module docstring."""
     num_proc = num_proc or os.cpu_count() or 1
-    for file in (f for f in corpus_files(path) if f.suffix == ".parquet"):
-        open_parquet(file, text_column)  # every shard's column, from its footer: refused now, not hours in
+    for file in corpus_files(path):  # every file looked at (a shard's column, from its footer): refused now, not hours in
+        if DOCUMENT_FORMATS[file.suffix].check is not None:
+            DOCUMENT_FORMATS[file.suffix].check(file, text_column)
     # GPT-2: fetch or build the BPE ranks once, before the workers start; char: a first pass for the vocabulary.
     tok = (GPT2Tokenizer(data_dir) if tokenizer == "gpt2"
            else CharTokenizer(corpus_chars(path, num_proc, text_column)))

@@ -561,3 +561,36 @@ def test_a_text_file_that_is_not_utf8_is_named_with_the_byte_where_it_stops_bein
     with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(invalid continuation byte at byte 70003\)"):
         data.prepare(data_path=str(path), data_dir=str(tmp_path / "data"))
     assert not (tmp_path / "data").exists() or not any((tmp_path / "data").glob("latin1*"))
+
+
+# ----------------------------------------------------------------------------- a new document format
+def tsv_sources(path: Path, text_column: str):
+    """A throwaway format: one document per line, `id<TAB>text` (the text's \\n written as a literal \\n)."""
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        yield data.Source("text", f"{path}:{number}", line.split("\t", 1)[1].replace("\\n", "\n"))
+
+
+def test_a_new_document_format_is_one_reader_and_one_table_row(tmp_path, monkeypatch):
+    """With DOCUMENT_FORMATS's row and its reader and no other edit, a .tsv corpus (and a folder of them)
+    prepares, trains and resumes exactly, its documents split like a .jsonl's."""
+    monkeypatch.setitem(data.DOCUMENT_FORMATS, ".tsv", data.DocumentFormat(tsv_sources, named_column=False,
+                                                                           in_folders=True))
+    docs = make_text(400).split(".\n")  # ~400 short documents, newlines inside some
+    escaped = [d.replace("\n", "\\n") for d in docs]
+    (tmp_path / "corpus.tsv").write_text("".join(f"{i}\t{d}\n" for i, d in enumerate(escaped)))
+    (tmp_path / "as.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert data.is_document_corpus(tmp_path / "corpus.tsv") and ".tsv" in data.accepted_inputs()
+    tsv = data.prepare(data_path=str(tmp_path / "corpus.tsv"), data_dir=str(tmp_path / "cache"), num_proc=1)
+    jsonl = data.prepare(data_path=str(tmp_path / "as.jsonl"), data_dir=str(tmp_path / "cache"), num_proc=1)
+    for name in ("train.bin", "val.bin"):  # the same documents, the same tokens
+        assert (tsv / name).read_bytes() == (jsonl / name).read_bytes()
+    run = dict(data_path=tmp_path / "corpus.tsv", data_dir=tmp_path / "cache", device="cpu", eval_interval=3)
+    args = lambda out, **more: ["--config", "tiny"] + [f"--{k}={v}" for k, v in {**run, "out_dir": out, **more}.items()]  # noqa: E731
+    assert run_main(args(tmp_path / "straight", max_iters=6)) == 0
+    assert run_main(args(tmp_path / "split", max_iters=3)) == 0
+    assert run_main(args(tmp_path / "split", max_iters=6, resume="true")) == 0
+    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
+                               load_checkpoint(tmp_path / "split" / "last.pt"))
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "corpus.tsv").rename(tmp_path / "shards" / "part-0.tsv")
+    assert data.folder_suffix(tmp_path / "shards") == ".tsv"
