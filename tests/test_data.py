@@ -428,17 +428,22 @@ def run_the_docs_recipe(folder: Path) -> Path:
     return folder / "data" / "my_tokens"
 
 
-def test_a_folder_of_someone_elses_tokens_trains_resumes_and_samples(tmp_path, capsys):
-    tokens = run_the_docs_recipe(tmp_path)
-    assert sorted(p.name for p in tokens.iterdir()) == ["meta.json", "train.bin", "val.bin"]
-    before = {p.name: p.read_bytes() for p in tokens.iterdir()}
-    run = dict(data_path=tokens, data_dir=tmp_path / "cache", device="cpu", eval_interval=3, log_interval=1)
+def trains_and_resumes_exactly(tmp_path: Path, data_path: Path) -> None:
+    """tiny on ``data_path``: 6 steps straight, and 3 then 3 more after a resume, end in the same state."""
+    run = dict(data_path=data_path, data_dir=tmp_path / "cache", device="cpu", eval_interval=3)
     args = lambda out, **more: ["--config", "tiny"] + [f"--{k}={v}" for k, v in {**run, "out_dir": out, **more}.items()]  # noqa: E731
     assert run_main(args(tmp_path / "straight", max_iters=6)) == 0
     assert run_main(args(tmp_path / "split", max_iters=3)) == 0
     assert run_main(args(tmp_path / "split", max_iters=6, resume="true")) == 0
     assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
                                load_checkpoint(tmp_path / "split" / "last.pt"))
+
+
+def test_a_folder_of_someone_elses_tokens_trains_resumes_and_samples(tmp_path, capsys):
+    tokens = run_the_docs_recipe(tmp_path)
+    assert sorted(p.name for p in tokens.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    before = {p.name: p.read_bytes() for p in tokens.iterdir()}
+    trains_and_resumes_exactly(tmp_path, tokens)
     assert {p.name: p.read_bytes() for p in tokens.iterdir()} == before  # used in place, never rewritten
     assert not (tmp_path / "cache").exists()  # nothing prepared
     record = load_checkpoint(tmp_path / "straight" / "last.pt")["corpus"]
@@ -584,13 +589,7 @@ def test_a_new_document_format_is_one_reader_and_one_table_row(tmp_path, monkeyp
     jsonl = data.prepare(data_path=str(tmp_path / "as.jsonl"), data_dir=str(tmp_path / "cache"), num_proc=1)
     for name in ("train.bin", "val.bin"):  # the same documents, the same tokens
         assert (tsv / name).read_bytes() == (jsonl / name).read_bytes()
-    run = dict(data_path=tmp_path / "corpus.tsv", data_dir=tmp_path / "cache", device="cpu", eval_interval=3)
-    args = lambda out, **more: ["--config", "tiny"] + [f"--{k}={v}" for k, v in {**run, "out_dir": out, **more}.items()]  # noqa: E731
-    assert run_main(args(tmp_path / "straight", max_iters=6)) == 0
-    assert run_main(args(tmp_path / "split", max_iters=3)) == 0
-    assert run_main(args(tmp_path / "split", max_iters=6, resume="true")) == 0
-    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
-                               load_checkpoint(tmp_path / "split" / "last.pt"))
+    trains_and_resumes_exactly(tmp_path, tmp_path / "corpus.tsv")
     (tmp_path / "shards").mkdir()
     (tmp_path / "corpus.tsv").rename(tmp_path / "shards" / "part-0.tsv")
     assert data.folder_suffix(tmp_path / "shards") == ".tsv"
