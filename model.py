@@ -27,7 +27,7 @@ class GPTConfig:
     each (with the comment as its --help), its type check, its allowed values (a Literal type lists
     them), the check that a resume keeps it (all but TRAINING_ONLY), and what a checkpoint saved
     before the field existed meant by it: the default. So a new option's default must be the model as
-    it was, GPT-2's computation; hf.py refuses to export or import any other value it does not know.
+    it was, GPT-2's computation; machinery/hf.py refuses to export or import any other value it does not know.
     docs/experiments.md walks through adding one.
     """
     vocab_size: int  # real vocabulary size, set by the corpus; the embedding is padded up for speed
@@ -344,6 +344,6 @@ class GPT(nn.Module):
         return logits, loss_sum, n_targets
 
     def hidden_matrices(self) -> list[nn.Parameter]:
-        """The blocks' 2-D weight matrices: what Muon orthogonalises (optim.py); the embedding, position
+        """The blocks' 2-D weight matrices: what Muon orthogonalises (machinery/optim.py); the embedding, position
         table and gains are not among them."""
         return [p for p in self.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]

@@ -5,7 +5,7 @@
     python sample.py --prompt-file prompt.txt --temp 0 --no-stream
     python sample.py --ckpt out/small --prompt "ROMEO:" --stop "\\n\\n"   # one speech: stop at a blank line
     python sample.py --ckpt out/small --interactive                     # load once; a prompt per line
-    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (hf.py)
+    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (machinery/hf.py)
 
 The checkpoint carries the tokenizer, so nothing else is needed. Reads top to bottom: choosing a
 token (filters, temperature) -> the context window and its KV cache -> the generation loop ->
@@ -23,12 +23,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, load_checkpoint
+from machinery.checkpoint import CheckpointError, load_checkpoint
 from config import CommandLine, ConfigError, config_from_dict, field_help, model_config
 from data import DataError, read_text_file, special_tokens, tokenizer_from_meta
-import hf
+from machinery import hf
 from model import GPT
-from runtime import fail, pick_device
+from machinery.runtime import fail, pick_device
 
 
 def find_checkpoint(ckpt: str) -> Path:
@@ -58,7 +58,7 @@ def load_model(path: Path, device: torch.device) -> tuple[GPT, object]:
 
 
 def load_pretrained(source: str, device: torch.device, data_dir: Path = Path("data")) -> tuple[GPT, object]:
-    """Model in eval mode and its tokenizer, from Hugging Face GPT-2 weights (hf.py); no checkpoint."""
+    """Model in eval mode and its tokenizer, from Hugging Face GPT-2 weights (machinery/hf.py); no checkpoint."""
     pretrained = hf.load_pretrained(source)
     if pretrained.tokenizer is None:
         raise hf.HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} (known: "

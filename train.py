@@ -6,7 +6,7 @@
 
 Reads top to bottom: the lr schedule -> one optimizer step (accumulation, clipping) -> evaluation ->
 setup (config -> data -> model -> optimizer -> resume) -> the loop. Each side concern is one call into
-the module that owns it: checkpoint.Checkpointer (what last.pt/best.pt hold, when, and the resume
+the module of machinery/ that owns it: checkpoint.Checkpointer (what last.pt/best.pt hold, when, and the resume
 policy), tracking.MetricsLog (metrics.jsonl and wandb), hf.start_from (init_from), faults (signals,
 NaN/inf and the exit codes: faults.exit_for), distributed (DDP under torchrun: the same loop, one process
 per GPU), runtime (device, precision, compile), rundir (one live run per out_dir), optim (the tables).
@@ -24,20 +24,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from checkpoint import Checkpointer, dtype_name, refuse_to_overwrite, remove_stale_temp_files
+from machinery.checkpoint import Checkpointer, dtype_name, refuse_to_overwrite, remove_stale_temp_files
 from config import ConfigError, TrainConfig, model_config, parse_args, settings_line, unused_given
 from data import (Corpus, get_batch, iterate_windows, load_corpus, prepare, token_byte_lengths, tokenizer_from_meta,
                   val_windows)
-import distributed
-from distributed import Dist, all_reduce_sum, print0
-from faults import NonFiniteGuard, StopOnSignal, exit_for
-import hf
+from machinery import distributed
+from machinery.distributed import Dist, all_reduce_sum, print0
+from machinery.faults import NonFiniteGuard, StopOnSignal, exit_for
+from machinery import hf
 from model import GPT
-from optim import DECAYS, build_optimizer
-import rundir
-from runtime import (autocast, compile_or_eager, fail, pick_device, run_dtype, seed_everything, threads_text,
+from machinery.optim import DECAYS, build_optimizer
+from machinery import rundir
+from machinery.runtime import (autocast, compile_or_eager, fail, pick_device, run_dtype, seed_everything, threads_text,
                      use_threads, want_compile)
-from tracking import MetricsLog, Throughput, drop_records_after
+from machinery.tracking import MetricsLog, Throughput, drop_records_after
 
 
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
@@ -222,7 +222,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     del pretrained  # its tensors now live in the model
     optimizer = build_optimizer(model, cfg, device, dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
-    guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)  # see faults.py for the policy
+    guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)  # see machinery/faults.py for the policy
     checkpointer = Checkpointer(out_dir, cfg, model, optimizer, scaler, guard, data_gen, corpus, dtype, ddp)
     step, time_before, best_val = 0, 0.0, math.inf  # time_before: wall clock of the run before this process
     logged_through = None  # the last step a killed run had logged (its tracker already holds it)

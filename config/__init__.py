@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from model import GPTConfig
-from optim import DECAYS, OPTIMIZERS
+from machinery.optim import DECAYS, OPTIMIZERS
 
 PRESET_DIR = Path(__file__).resolve().parent
 CORPUS_FIELDS = ("vocab_size",)  # GPTConfig fields the corpus sets, not the config
@@ -60,9 +60,9 @@ def model_options() -> list[dataclasses.Field]:
 
 
 def add_field(cls: type, name: str, kind: Any, default: Any, resume: str) -> None:
-    """Give ``cls`` (before @dataclass reads it) one more field, declared elsewhere (model.py, optim.py)."""
+    """Give ``cls`` (before @dataclass reads it) one more field, declared elsewhere (model.py, machinery/optim.py)."""
     if name in cls.__annotations__:
-        raise TypeError(f"{name} is declared twice: in {cls.__name__} and in model.py or optim.py; keep one")
+        raise TypeError(f"{name} is declared twice: in {cls.__name__} and in model.py or machinery/optim.py; keep one")
     cls.__annotations__[name] = kind
     setattr(cls, name, rule(resume, default))
 
@@ -81,7 +81,7 @@ def with_model_options(cls: type) -> type:
 
 
 def with_table_options(cls: type) -> type:
-    """Give ``cls`` a field for every option an optimizer or lr decay declares with itself in optim.py."""
+    """Give ``cls`` a field for every option an optimizer or lr decay declares with itself in machinery/optim.py."""
     for entry in (*OPTIMIZERS.values(), *DECAYS.values()):
         for name, option in entry.options.items():
             add_field(cls, name, type(option.default), option.default, option.resume)
@@ -93,7 +93,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
-@with_table_options  # + muon_lr, wsd_fraction, ...: the options optim.py's optimizers and lr decays declare
+@with_table_options  # + muon_lr, wsd_fraction, ...: the options machinery/optim.py's optimizers and lr decays declare
 @with_model_options  # + n_layer, n_head, n_embd, block_size, dropout, bias, ...: every option of model.GPTConfig
 class TrainConfig:
     # Each field: type = resume rule(default)  # help (--help shows it). Rules: RESUME_RULES above.
@@ -105,7 +105,7 @@ class TrainConfig:
     compile: Literal["auto", "on", "off"] = free("auto")  # torch.compile: auto (on for CUDA only) | on | off
     threads: int = free(0)  # torch threads for this run's ops; 0 = torch's default (one per core). Two jobs on 2 cores: 1 each
     resume: bool = free(False)  # continue exactly from out_dir/last.pt
-    init_from: str = free("")  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (hf.py)
+    init_from: str = free("")  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (machinery/hf.py)
     # --- data (a resume checks the corpus itself: Corpus.record's fingerprints of both splits) ---
     dataset: str = free("shakespeare")  # built-in corpus name; ignored when data_path is set
     data_path: str = free("")  # what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)
@@ -115,7 +115,7 @@ class TrainConfig:
     val_fraction: float = free(0.1)  # share held out for validation (the tail of a text file; every k-th document)
     eval_tokens: int = fixed(0)  # val targets scored per eval; 0 = the whole val split (what best_val_loss is measured on)
     # --- model: the options are declared in model.GPTConfig and added by with_model_options ---
-    # --- optimisation (an optimizer's or lr decay's own options are declared with it in optim.py) ---
+    # --- optimisation (an optimizer's or lr decay's own options are declared with it in machinery/optim.py) ---
     batch_size: int = warned(32)  # sequences per micro-batch
     grad_accum: int = warned(1)  # micro-batches per optimizer step
     max_iters: int = free(2000)  # optimizer steps in the whole run
@@ -156,7 +156,7 @@ FIELD_TYPES = typing.get_type_hints(TrainConfig)  # name -> int, float, bool, st
 DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 RESUME = {f.name: f.metadata["resume"] for f in fields(TrainConfig)}  # name -> fixed | warned | free
 MODEL_OPTIONS = tuple(f.name for f in model_options())
-TABLES = {"optimizer": OPTIMIZERS, "lr_decay": DECAYS}  # fields whose values name an entry of an optim.py table
+TABLES = {"optimizer": OPTIMIZERS, "lr_decay": DECAYS}  # fields whose values name an entry of an machinery/optim.py table
 CLOCK_USES = {"steps": ("lr_decay_iters",), "time": ()}  # what each schedule (the decay's clock) reads
 
 
@@ -313,7 +313,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"{name} must be in [0, 1), got {beta}")
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.device):
         raise ConfigError(f"unknown device `{cfg.device}`; use one of auto, cpu, cuda, cuda:N, mps")
-    for entry in (*OPTIMIZERS.values(), *DECAYS.values()):  # the options optim.py declares, by their own checks
+    for entry in (*OPTIMIZERS.values(), *DECAYS.values()):  # the options machinery/optim.py declares, by their own checks
         for name, option in entry.options.items():
             if not option.valid(getattr(cfg, name)):
                 raise ConfigError(f"{name} must {option.must}, got {getattr(cfg, name)}")

@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import CommandLine, ConfigError, TrainConfig, make_config, model_config  # noqa: E402
 from data import DataError, get_batch, load_corpus, prepare  # noqa: E402
 from model import GPT  # noqa: E402
-from rundir import check_writable  # noqa: E402
-from runtime import (autocast, compile_or_eager, fail, matmul_gflops, pick_device, run_dtype,  # noqa: E402
+from machinery.rundir import check_writable  # noqa: E402
+from machinery.runtime import (autocast, compile_or_eager, fail, matmul_gflops, pick_device, run_dtype,  # noqa: E402
                      seed_everything, threads_text, use_threads, want_compile)
-from faults import NonFiniteGuard  # noqa: E402
+from machinery.faults import NonFiniteGuard  # noqa: E402
 from train import accumulate_gradients, build_optimizer, get_lr, optimizer_step, set_lr  # noqa: E402
 
 PHASES = ("data", "forward_backward", "optimizer")

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from config import CommandLine, choices, field_help  # noqa: E402
 from data import DataError, import_pyarrow, prepare, shakespeare_text  # noqa: E402
-from runtime import fail  # noqa: E402
+from machinery.runtime import fail  # noqa: E402
 
 FORMATS = (".jsonl", ".parquet")
 ROW_GROUP_ROWS = 1000  # many row groups per file, as in sharded web corpora, so reading crosses them

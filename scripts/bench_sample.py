@@ -33,11 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from checkpoint import CheckpointError  # noqa: E402
+from machinery.checkpoint import CheckpointError  # noqa: E402
 from config import CommandLine, ConfigError, field_help, make_config, model_config  # noqa: E402
 from data import DataError  # noqa: E402
 from model import GPT  # noqa: E402
-from runtime import fail  # noqa: E402
+from machinery.runtime import fail  # noqa: E402
 from sample import find_checkpoint, generate, load_model, window_start  # noqa: E402
 
 SHARE_OF_POSSIBLE = 0.25  # of the possible gain, the default goal; a working cache got 0.5-0.75 (docs/sampling.md)

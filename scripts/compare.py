@@ -8,7 +8,7 @@
 A variant is NAME:KEY=VALUE[,KEY=VALUE...]: config overrides on top of the preset and of --set (which
 applies to every variant; a variant's own value wins). `base:`, nothing after the colon, is the preset
 as it is. The first variant is the baseline, or the one --vs names. Any config field works, including ones
-added later, and so does any optimizer or lr decay of optim.py's tables (muon:optimizer=muon, wsd:lr_decay=wsd).
+added later, and so does any optimizer or lr decay of machinery/optim.py's tables (muon:optimizer=muon, wsd:lr_decay=wsd).
 
 Why it works this way (docs/experiments.md, "Comparing variants honestly"):
 - --steps N: each run is N steps on a step schedule (max_iters = lr_decay_iters = N, no time cap), so
@@ -53,11 +53,11 @@ sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # the repo's modules, and ben
 
 import train  # noqa: E402
 from bench import parse_overrides  # noqa: E402
-from checkpoint import CheckpointError, read_config  # noqa: E402
+from machinery.checkpoint import CheckpointError, read_config  # noqa: E402
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
 from data import DataError, corpus_source  # noqa: E402
-from faults import RunStopped, StopOnSignal  # noqa: E402
-from runtime import fail, pick_device, run_dtype, use_threads  # noqa: E402
+from machinery.faults import RunStopped, StopOnSignal  # noqa: E402
+from machinery.runtime import fail, pick_device, run_dtype, use_threads  # noqa: E402
 from sample import load_model  # noqa: E402
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.

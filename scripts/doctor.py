@@ -32,15 +32,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # so that `python scripts/doctor.py` finds the repo's modules
 
-import hf  # noqa: E402
+from machinery import hf  # noqa: E402
 import train  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
+from machinery.checkpoint import load_checkpoint  # noqa: E402
 from config import ConfigError, TrainConfig, model_config, parse_args, replace  # noqa: E402
 from data import (DataError, get_batch, load_corpus, prepare, special_tokens, tokenizer_from_meta,  # noqa: E402
                   val_windows)
-from faults import NonFiniteGuard, RunStopped  # noqa: E402
+from machinery.faults import NonFiniteGuard, RunStopped  # noqa: E402
 from model import GPT  # noqa: E402
-from runtime import compile_or_eager, pick_device, run_dtype, use_threads, want_compile  # noqa: E402
+from machinery.runtime import compile_or_eager, pick_device, run_dtype, use_threads, want_compile  # noqa: E402
 
 # Allowed gap between the first loss and ln(vocab), as a fraction of ln(vocab). A 0.02-std init gives
 # logits of variance ~0.02² · n_embd, which adds about half that: 0.03 nats for small, 0.15 for gpt2.

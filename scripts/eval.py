@@ -3,7 +3,7 @@
     python scripts/eval.py --ckpt out/small                        # the val split of the run's own corpus
     python scripts/eval.py --ckpt out/small --data_path other.txt  # any UTF-8 text, all of it
     python scripts/eval.py --ckpt out/small --json                 # one JSON object, full precision
-    python scripts/eval.py --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights (hf.py), no checkpoint
+    python scripts/eval.py --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights (machinery/hf.py), no checkpoint
 
 By default it scores what training scored (the run's corpus and eval_tokens, its batch size and
 precision) with the same code, so best.pt's best_val_loss comes back exactly (on the device type it
@@ -26,12 +26,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from machinery.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config  # noqa: E402
 from data import (DataError, load_corpus, prepare, read_text_file, special_tokens, tokenizer_from_meta,  # noqa: E402
                   val_windows)
 from model import GPT  # noqa: E402
-from runtime import fail, pick_device, use_threads  # noqa: E402
+from machinery.runtime import fail, pick_device, use_threads  # noqa: E402
 from sample import add_weights_flags, find_checkpoint, load_pretrained  # noqa: E402
 from train import evaluate, val_byte_count  # noqa: E402
 

@@ -5,7 +5,7 @@
 
 Writes model.safetensors and config.json (GPT2LMHeadModel) and the tokenizer: vocab.json, merges.txt
 and tokenizer_config.json for GPT-2's BPE (built offline from tiktoken's ranks), or tinygpt_chars.json
-for a char model (token id i is chars[i]). The mapping itself is hf.py's table.
+for a char model (token id i is chars[i]). The mapping itself is machinery/hf.py's table.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-import hf  # noqa: E402
-from checkpoint import CheckpointError  # noqa: E402
+from machinery import hf  # noqa: E402
+from machinery.checkpoint import CheckpointError  # noqa: E402
 from config import CommandLine, ConfigError  # noqa: E402
 from data import DataError  # noqa: E402
-from rundir import PathError, check_writable  # noqa: E402
-from runtime import fail  # noqa: E402
+from machinery.rundir import PathError, check_writable  # noqa: E402
+from machinery.runtime import fail  # noqa: E402
 from sample import find_checkpoint, load_model  # noqa: E402
 
 

@@ -39,10 +39,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # so that `python scripts/gpu_check.py` finds the repo's modules
 
-from checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from machinery.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from config import CommandLine  # noqa: E402
-from rundir import PathError, check_writable  # noqa: E402
-from runtime import fail  # noqa: E402
+from machinery.rundir import PathError, check_writable  # noqa: E402
+from machinery.runtime import fail  # noqa: E402
 
 TINY = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
         "--dtype", "float32", "--compile", "off", "--tokenizer", "char", "--device", "cpu")  # config/tiny.toml

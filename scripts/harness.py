@@ -36,12 +36,12 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from checkpoint import CheckpointError  # noqa: E402
+from machinery.checkpoint import CheckpointError  # noqa: E402
 from config import CommandLine, ConfigError, field_help  # noqa: E402
 from data import DataError  # noqa: E402
-import hf  # noqa: E402
+from machinery import hf  # noqa: E402
 from model import GPT  # noqa: E402
-from runtime import fail, pick_device  # noqa: E402
+from machinery.runtime import fail, pick_device  # noqa: E402
 from sample import add_weights_flags, find_checkpoint, generate, load_model, load_pretrained  # noqa: E402
 
 try:

@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import CommandLine  # noqa: E402
-from rundir import PathError, check_writable  # noqa: E402
+from machinery.rundir import PathError, check_writable  # noqa: E402
 
 
 class MetricsError(ValueError):

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from config import CommandLine  # noqa: E402
 from data import DataError, load_corpus, prepare  # noqa: E402
-from runtime import fail  # noqa: E402
+from machinery.runtime import fail  # noqa: E402
 
 NANOGPT_DATASET = "tinygpt_shakespeare_char"
 RECIPE = ("--device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 "

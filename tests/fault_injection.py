@@ -29,10 +29,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import runtime  # noqa: E402
-import checkpoint  # noqa: E402
+from machinery import runtime  # noqa: E402
+from machinery import checkpoint  # noqa: E402
 import train  # noqa: E402
-from distributed import env_rank  # noqa: E402
+from machinery.distributed import env_rank  # noqa: E402
 from data import DataError  # noqa: E402
 from model import GPT  # noqa: E402
 

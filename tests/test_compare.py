@@ -15,7 +15,7 @@ import torch
 import train
 from conftest import REPO, load_entry_point, make_text
 from fault_injection import step_clock
-from faults import StopOnSignal, RunStopped
+from machinery.faults import StopOnSignal, RunStopped
 
 compare = load_entry_point("scripts/compare.py")
 plot = load_entry_point("scripts/plot.py")

@@ -19,7 +19,7 @@ import torch
 import data
 import sample
 import train
-from checkpoint import load_checkpoint
+from machinery.checkpoint import load_checkpoint
 from conftest import docs_snippet, make_text, run_script
 from data import (CharTokenizer, DataError, GPT2Tokenizer, get_batch, load_corpus, prepare, split_fingerprint,
                   strip_gutenberg, val_windows)

@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import distributed
-import rundir
-import runtime
+from machinery import distributed
+from machinery import rundir
+from machinery import runtime
 import train
-from checkpoint import load_checkpoint
+from machinery.checkpoint import load_checkpoint
 from conftest import REPO, make_text, run_script, tiny_model
-from distributed import Dist
+from machinery.distributed import Dist
 from fault_injection import tiny_args
-from runtime import mfu, peak_flops
+from machinery.runtime import mfu, peak_flops
 
 # Tiny preset, 2 micro-batches per step so that no_sync (local accumulation) is exercised.
 STEPS, HALF = 6, 3

@@ -14,12 +14,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import runtime
+from machinery import runtime
 import train
 from config import parse_args
 from conftest import REPO, make_optimizer, make_text, run_script, tiny_model
 from data import CharTokenizer, get_batch
-from faults import NonFiniteGuard
+from machinery.faults import NonFiniteGuard
 from model import GPT, GPTConfig
 from scripts import doctor
 

@@ -24,17 +24,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoint
-import runtime
+from machinery import checkpoint
+from machinery import runtime
 import sample
 import train
-from checkpoint import load_checkpoint
+from machinery.checkpoint import load_checkpoint
 from config import model_config
 from conftest import make_optimizer, make_text, tiny_model
 from data import CharTokenizer, get_batch, load_corpus, prepare
 from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
                              on_training_forward, run_main, tiny_args)
-from faults import NonFiniteGuard
+from machinery.faults import NonFiniteGuard
 from model import GPT
 from scripts import doctor
 

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")  # lm_eval's hf backend, the reference
 
-import hf  # noqa: E402
+from machinery import hf  # noqa: E402
 import train  # noqa: E402
 from conftest import load_entry_point, make_text, tiny_model  # noqa: E402
 from data import GPT2Tokenizer  # noqa: E402

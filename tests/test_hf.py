@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 in and out (hf.py): parity with transformers on random weights, no download.
+"""Hugging Face GPT-2 in and out (machinery/hf.py): parity with transformers on random weights, no download.
 
 transformers is a dev dependency, used here only as the reference; the code under test never imports it.
 """
@@ -21,10 +21,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-import hf  # noqa: E402
+from machinery import hf  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
+from machinery.checkpoint import load_checkpoint  # noqa: E402
 from config import ConfigError, as_dict, make_config, parse_args, resume_changes  # noqa: E402
 from conftest import COUNT_CONNECTIONS, REPO, make_text, run_script, tiny_model  # noqa: E402
 from data import CharTokenizer, load_corpus, prepare, val_windows  # noqa: E402
@@ -154,7 +154,7 @@ def test_offline_a_hub_name_fails_in_one_line(monkeypatch, capsys):
 
 LOAD_TWO_HUB_NAMES = COUNT_CONNECTIONS + """
 import json, sys
-import hf
+from machinery import hf
 for name in sys.argv[1:]:
     before = len(connections)
     try:

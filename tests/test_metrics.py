@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from machinery import checkpoint
 import train
-from checkpoint import load_checkpoint
+from machinery.checkpoint import load_checkpoint
 from conftest import run_script, tiny_model
 from data import CharTokenizer, token_byte_lengths, val_windows
 from fault_injection import disk_full_from_step, metrics, run_main, tiny_args
@@ -126,7 +126,7 @@ def test_a_kill_right_after_a_save_loses_no_val_record(tmp_path, text_file, monk
 
 
 def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_from(tmp_path, text_file, capsys):
-    import hf
+    from machinery import hf
     from sample import load_model
     out = tmp_path / "run"
     train_tiny(out, text_file)

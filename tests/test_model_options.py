@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-import hf
+from machinery import hf
 import sample
 import train
-from checkpoint import load_checkpoint, save_checkpoint
+from machinery.checkpoint import load_checkpoint, save_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
                     make_config, model_config, parse_args, validate)
 from conftest import REPO, docs_snippet, load_entry_point, make_text

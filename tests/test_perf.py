@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import runtime
+from machinery import runtime
 import train
 from conftest import REPO, run_script
 from model import causal_attention

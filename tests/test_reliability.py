@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from machinery import checkpoint
 import train
 from conftest import REPO
-from optim import OPTIMIZERS
-from checkpoint import OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint, save_checkpoint
+from machinery.optim import OPTIMIZERS
+from machinery.checkpoint import OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint, save_checkpoint
 from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
                              on_training_forward, poison_loss, run_main, signal_at, tiny_args)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import train
-from checkpoint import load_checkpoint, save_checkpoint
+from machinery.checkpoint import load_checkpoint, save_checkpoint
 from conftest import REPO, make_text, run_script
 from fault_injection import assert_same_training_state, call_of, metrics, run_main, signal_at, tiny_args
 

@@ -1,4 +1,4 @@
-"""One live run per out_dir, and folders that cannot be written fail first, in one line (rundir.py)."""
+"""One live run per out_dir, and folders that cannot be written fail first, in one line (machinery/rundir.py)."""
 from __future__ import annotations
 
 import errno
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-import rundir
+from machinery import rundir
 import train
-from checkpoint import load_checkpoint
+from machinery.checkpoint import load_checkpoint
 from conftest import REPO
 from data import prepare
 from fault_injection import metrics, run_main, tiny_args
-from rundir import PathError
+from machinery.rundir import PathError
 
 FAULTS = str(REPO / "tests" / "fault_injection.py")
 

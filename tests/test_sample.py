@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoint import FORMAT_VERSION, save_checkpoint
+from machinery.checkpoint import FORMAT_VERSION, save_checkpoint
 from config import as_dict, make_config, model_config
 from conftest import REPO, make_text, run_script, tiny_model
 from data import CharTokenizer

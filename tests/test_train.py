@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
-import tracking
+from machinery import checkpoint
+from machinery import tracking
 import train
-from checkpoint import REQUIRED_KEYS, CheckpointWriteError, load_checkpoint, save_checkpoint
+from machinery.checkpoint import REQUIRED_KEYS, CheckpointWriteError, load_checkpoint, save_checkpoint
 from config import ConfigError, make_config
 from conftest import make_optimizer, run_script, tiny_model
 from fault_injection import metrics, run_main, step_clock, tiny_args
@@ -336,7 +336,7 @@ def test_end_to_end_train_then_sample(tmp_path, text_file):
 
 def test_compiling_is_announced_before_the_probe_compiles(monkeypatch, capsys):
     """The probe is where torch.compile takes its time (100 s for gpt2 on a GPU): a line must come first."""
-    from runtime import compile_or_eager
+    from machinery.runtime import compile_or_eager
     monkeypatch.setattr(torch, "compile", lambda model: model)  # compiling itself is not what is tested
     printed_before_probe = []
     compile_or_eager(tiny_model(), True, lambda m: printed_before_probe.append(capsys.readouterr().out))
@@ -346,7 +346,7 @@ def test_compiling_is_announced_before_the_probe_compiles(monkeypatch, capsys):
 
 
 def test_a_failing_compile_warns_once_and_runs_eager(monkeypatch):
-    from runtime import compile_or_eager
+    from machinery.runtime import compile_or_eager
 
     class Broken(torch.nn.Module):
         def forward(self, *args):

@@ -1,5 +1,5 @@
 """Training options are declared once: every TrainConfig field carries its resume rule, optimizers and lr
-decays are tables (optim.py) whose names are the only ones the config accepts, and a run says what it
+decays are tables (machinery/optim.py) whose names are the only ones the config accepts, and a run says what it
 trains with. The tests below are generated from those declarations, so a new entry is tested unasked."""
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import train
-from checkpoint import load_checkpoint, save_checkpoint
+from machinery.checkpoint import load_checkpoint, save_checkpoint
 from config import (DEFAULTS, RESUME, RESUME_RULES, TrainConfig, make_config, settings_line, unused_fields,
                     unused_given)
 from conftest import REPO, docs_snippet, make_text
 from fault_injection import assert_same_training_state, capture_run, run_main, tiny_args
-from optim import DECAYS, OPTIMIZERS, MuonAdamW
+from machinery.optim import DECAYS, OPTIMIZERS, MuonAdamW
 
 
 # ----------------------------------------------------------------------------- every field has a rule
@@ -190,12 +190,12 @@ FIELD_ANCHOR = '    wandb_project: str = free("tinygpt")  # wandb project name\n
 
 def fork_of_the_repo(root: Path) -> Path:
     """A copy of the repo's code with docs/experiments.md's three declarations ("Adding a training option")
-    added as it says: an optimizer and an lr decay in optim.py, a training field in TrainConfig."""
+    added as it says: an optimizer and an lr decay in machinery/optim.py, a training field in TrainConfig."""
     fork = root / "fork"
     ignore = shutil.ignore_patterns("tests", "docs", "out", "data", ".git", "__pycache__", "wandb", "hf")
     shutil.copytree(REPO, fork, ignore=ignore)
-    entries = [docs_snippet(f"# optim.py, after the last @{kind} entry:\n") for kind in ("optimizer", "lr_decay")]
-    (fork / "optim.py").write_text((fork / "optim.py").read_text() + "".join("\n\n" + e for e in entries))
+    entries = [docs_snippet(f"# machinery/optim.py, after the last @{kind} entry:\n") for kind in ("optimizer", "lr_decay")]
+    (fork / "machinery" / "optim.py").write_text((fork / "machinery" / "optim.py").read_text() + "".join("\n\n" + e for e in entries))
     config = fork / "config" / "__init__.py"
     field = docs_snippet("# config/__init__.py, in TrainConfig, after wandb_project:\n")
     assert config.read_text().count(FIELD_ANCHOR) == 1, "update FIELD_ANCHOR to config/__init__.py"
@@ -208,10 +208,10 @@ import json, sys
 from pathlib import Path
 import torch
 import train
-from checkpoint import load_checkpoint
+from machinery.checkpoint import load_checkpoint
 sys.path.insert(0, "scripts")
 import compare
-from faults import StopOnSignal
+from machinery.faults import StopOnSignal
 
 corpus, out = sys.argv[1], Path(sys.argv[2])
 common = ["--config", "tiny", "--data_path", corpus, "--data_dir", str(out / "data"), "--device", "cpu",

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from config import ConfigError
-from distributed import print0
+from machinery.distributed import print0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

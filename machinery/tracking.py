@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from config import ConfigError, TrainConfig, as_dict
-from runtime import mfu
+from machinery.runtime import mfu
 
 RUN_ID_FILE = "wandb_id"  # in out_dir: the wandb run a --resume continues
 PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline

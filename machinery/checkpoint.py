@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from config import ConfigError, TrainConfig, as_dict, resume_changes
-import distributed
-from distributed import Dist, print0
-from faults import EXIT_WRITE_FAILED
+from machinery import distributed
+from machinery.distributed import Dist, print0
+from machinery.faults import EXIT_WRITE_FAILED
 from model import GPT
 
 FORMAT_VERSION = 2  # 2: time_s added

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from checkpoint import read_config
+from machinery.checkpoint import read_config
 from config import ConfigError, TrainConfig, config_from_dict, given_fields, model_config, replace
 from data import GPT2_EOT
-from distributed import print0
+from machinery.distributed import print0
 from model import GPT, GPTConfig, describe
 
 # ----------------------------------------------------------------------------- the mapping

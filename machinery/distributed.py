@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from faults import EXIT_BAD_INPUT
+from machinery.faults import EXIT_BAD_INPUT
 
 T = TypeVar("T")
 

@@ -6,7 +6,7 @@ train.py's exit codes, the one place they are defined (the README's "What surviv
     0     finished; or resumed a finished run (0 steps done)      last.pt of the final step
     2     bad config, data or checkpoint (caught before training); nothing written or overwritten
           out_dir or data_dir not a writable folder, or out_dir
-          owned by another live run (rundir.py)
+          owned by another live run (machinery/rundir.py)
     3     non-finite loss or gradient; in fp16, max_skipped_steps  last.pt of the last save; no
           overflowed steps in a row                                non-finite value in any checkpoint
     74    a checkpoint could not be written (disk full, I/O), or   the previous last.pt/best.pt, intact
@@ -157,11 +157,11 @@ def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
 
     Under torchrun one rank reports and the others stop silently (distributed.reporting_rank).
     """
-    import distributed  # here, not at the top: distributed imports this module
-    from checkpoint import CheckpointError, CheckpointWriteError
+    from machinery import distributed  # here, not at the top: distributed imports this module
+    from machinery.checkpoint import CheckpointError, CheckpointWriteError
     from config import ConfigError
     from data import DataError
-    from rundir import PathError
+    from machinery.rundir import PathError
 
     if isinstance(err, distributed.PeerFailed):  # another rank failed and prints why: this one stops silently
         return "", err.exit_code, None

@@ -29,7 +29,7 @@ except ImportError:  # Windows: no flock; runs go on unlocked, with a warning
     fcntl = None
 
 from config import ConfigError
-from faults import EXIT_BAD_INPUT, EXIT_WRITE_FAILED
+from machinery.faults import EXIT_BAD_INPUT, EXIT_WRITE_FAILED
 
 LOCK_NAME = ".lock"
 # A path the user must change (exit 2), as opposed to a device failing under a good one (exit 74).
