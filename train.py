@@ -3,15 +3,13 @@
     python train.py --config small              # char-level Shakespeare on a laptop CPU, minutes
     python train.py --config small --resume     # continue exactly where the last run stopped
     python train.py --help                      # every config field with its default
+    torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 
 Reads top to bottom: the lr schedule -> one optimizer step (accumulation, clipping) -> evaluation ->
-setup (config -> data -> model -> optimizer -> resume) -> the loop. Each side concern is one call into
-the module of machinery/ that owns it: checkpoint.Checkpointer (what last.pt/best.pt hold, when, and the resume
-policy), tracking.MetricsLog (metrics.jsonl and wandb), hf.start_from (init_from), faults (signals,
-NaN/inf and the exit codes: faults.exit_for), distributed (DDP under torchrun: the same loop, one process
-per GPU), runtime (device, precision, compile), rundir (one live run per out_dir), optim (the tables).
-
-    torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
+build_run (seed -> data -> model -> optimizer) -> the loop. Each side concern is one call into the module
+of machinery/ that owns it: checkpoint.Checkpointer (last.pt/best.pt and the resume policy), tracking
+(metrics.jsonl, wandb), faults (signals, NaN/inf, exit codes), distributed (DDP: one process per GPU),
+runtime (device, precision, compile), rundir (one live run per out_dir), optim (the tables), hf (init_from).
 """
 from __future__ import annotations
 
@@ -24,20 +22,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from machinery.checkpoint import Checkpointer, dtype_name, refuse_to_overwrite, remove_stale_temp_files
-from config import ConfigError, TrainConfig, model_config, parse_args, settings_line, unused_given
-from data import (Corpus, get_batch, iterate_windows, load_corpus, prepare, token_byte_lengths, tokenizer_from_meta,
-                  val_windows)
-from machinery import distributed
+from config import ConfigError, TrainConfig, model_config, parse_args
+from data import Corpus, corpus_for, get_batch, iterate_windows, token_byte_lengths, tokenizer_from_meta, val_windows
+from machinery import distributed, rundir
+from machinery.checkpoint import Checkpointer, refuse_to_overwrite, remove_stale_temp_files
 from machinery.distributed import Dist, all_reduce_sum, print0
 from machinery.faults import NonFiniteGuard, StopOnSignal, exit_for
-from machinery import hf
-from model import GPT
 from machinery.optim import DECAYS, build_optimizer
-from machinery import rundir
-from machinery.runtime import (autocast, compile_or_eager, fail, pick_device, run_dtype, seed_everything, threads_text,
-                     use_threads, want_compile)
-from machinery.tracking import MetricsLog, Throughput, drop_records_after
+from machinery.runtime import Runtime, autocast, choose_runtime, compile_for_step, fail, pick_device, seed_everything
+from machinery.tracking import MetricsLog, Throughput, continue_log, describe_run
+from model import GPT
 
 
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
@@ -148,42 +142,58 @@ def val_byte_count(y_val: torch.Tensor, tokenizer, device: torch.device) -> int:
     return int(all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, tokenizer_meta: dict, pretrained: hf.Pretrained | None) -> GPT:
-    """A GPT for the corpus: randomly initialised, or holding the imported weights (init_from)."""
-    model = GPT(model_config(cfg, vocab_size))
-    if pretrained is not None:
-        hf.check_vocab(pretrained, tokenizer_meta, vocab_size)
-        model.load_state_dict(pretrained.state)
-    return model
+@dataclass
+class Run:
+    """Everything a training step uses, built by build_run (train.py, scripts/bench.py and the doctor)."""
+    rt: Runtime  # device, threads, precision, compile
+    corpus: Corpus
+    x_val: torch.Tensor  # this rank's share of the fixed val windows, (N, T)
+    y_val: torch.Tensor  # their targets, (N, T), -1 where padded
+    val_bytes: int  # UTF-8 bytes of every rank's val targets: bits per byte's denominator
+    data_gen: torch.Generator  # the only source of this rank's training windows
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler  # active for fp16 only
+    guard: NonFiniteGuard  # skips a non-finite step, stops after max_skipped_steps (machinery/faults.py)
 
 
-def load_data(cfg: TrainConfig, ddp: Dist) -> tuple[Corpus, torch.Tensor, torch.Tensor, int]:
-    """The corpus (prepared once, by rank 0), this rank's share of the fixed val windows (N, T) and the
-    UTF-8 bytes of every rank's val targets (for bits per byte)."""
-    with distributed.main_first(ddp.device):  # rank 0 prepares the corpus, the others then read the cache
-        folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                         block_size=cfg.block_size, text_column=cfg.text_column)
-        corpus = load_corpus(folder, cfg.block_size)
+def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained=None) -> Run:
+    """Seed -> data -> model -> optimizer, in this order wherever a run is built, so its numbers are the same."""
+    ddp = ddp or Dist(device=rt.device)
+    seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
+    with distributed.main_first(rt.device):  # rank 0 prepares the corpus, the others then read the cache
+        corpus = corpus_for(cfg)
     x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
                     for w in val_windows(corpus.val, cfg.block_size, cfg.eval_tokens))
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
-    return corpus, x_val, y_val, val_byte_count(y_val, tokenizer, ddp.device)
+    data_gen = torch.Generator().manual_seed(cfg.seed + ddp.rank)
+    model = GPT(model_config(cfg, corpus.vocab_size))
+    if pretrained is not None:  # init_from: the imported weights, once their tokenizer is the corpus's
+        model.load_state_dict(pretrained.weights_for(corpus.meta["tokenizer"], corpus.vocab_size))
+    model = model.to(rt.device)
+    optimizer = build_optimizer(model, cfg, rt.device, rt.dtype)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, rt.device)
+    return Run(rt, corpus, x_val, y_val, val_byte_count(y_val, tokenizer, rt.device), data_gen, model, optimizer,
+               scaler, guard)
+
+
+def start_from(cfg: TrainConfig, out_dir: Path, ddp: Dist) -> tuple[TrainConfig, object]:
+    """init_from: the pretrained model's shape, and for a fresh run its weights (machinery/hf.py, imported
+    only then). Before anything is measured: the shape is the dtype probe's."""
+    if not cfg.init_from:
+        return cfg, None
+    from machinery import hf
+
+    with distributed.main_first(ddp.device):  # rank 0 downloads the weights, the others read its cache
+        return hf.start_from(cfg, out_dir)
 
 
 def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, ddp: Dist) -> tuple[bool, bool]:
-    """(out of time, signalled) after ``step``: host-side flags, free in a single process.
-
-    Under DDP every rank must stop on the same step (or the next collective hangs), so the ranks
-    compare flags with one all-reduce, only on log steps where the loop syncs anyway: a signal is
-    honoured within log_interval steps.
-    """
-    out_of_time = cfg.out_of_time(time.time() - t_start)
-    if not ddp.enabled:
-        return out_of_time, stop.requested
-    if step % cfg.log_interval and step != cfg.max_iters:
-        return False, False
-    flags = all_reduce_sum(torch.tensor([out_of_time, stop.requested], dtype=torch.int32, device=ddp.device))
-    return bool(flags[0]), bool(flags[1])
+    """(out of time, signalled) after ``step``. Every rank must stop on the same step (or the next
+    collective hangs): they agree on log steps only, where the loop syncs anyway (distributed.agree)."""
+    flags = cfg.out_of_time(time.time() - t_start), stop.requested
+    return distributed.agree(flags, ddp, now=step % cfg.log_interval == 0 or step == cfg.max_iters)
 
 
 def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
@@ -203,51 +213,26 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
 
 def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> float:
     """train()'s body, once this process (rank 0 for a job) owns out_dir."""
-    out_dir, device = Path(cfg.out_dir), ddp.device
+    out_dir = Path(cfg.out_dir)
     refuse_to_overwrite(out_dir, cfg.resume)
-    threads = use_threads(cfg.threads)  # before the dtype probe, which times matmuls with them
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
                           "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
-    with distributed.main_first(device):  # rank 0 downloads pretrained weights, the others read its cache
-        cfg, pretrained = hf.start_from(cfg, out_dir)  # init_from: before anything is written
-    # dtype=auto times a matmul on CPU, and ranks timing it side by side can disagree: rank 0's choice is the job's.
-    dtype = distributed.decide_on_main(lambda: run_dtype(cfg, device))
-    seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
-    # --- data
-    corpus, x_val, y_val, val_bytes = load_data(cfg, ddp)
-    data_gen = torch.Generator().manual_seed(cfg.seed + ddp.rank)  # the only source of this rank's data
-    # --- model and optimizer
-    model = build_model(cfg, corpus.vocab_size, corpus.meta["tokenizer"], pretrained).to(device)
+    cfg, pretrained = start_from(cfg, out_dir, ddp)  # init_from: before anything is written
+    rt = choose_runtime(cfg, ddp.device)  # threads, precision (dtype=auto: rank 0's choice), compile
+    run = build_run(cfg, rt, ddp, pretrained)
     del pretrained  # its tensors now live in the model
-    optimizer = build_optimizer(model, cfg, device, dtype)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
-    guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)  # see machinery/faults.py for the policy
-    checkpointer = Checkpointer(out_dir, cfg, model, optimizer, scaler, guard, data_gen, corpus, dtype, ddp)
-    step, time_before, best_val = 0, 0.0, math.inf  # time_before: wall clock of the run before this process
-    logged_through = None  # the last step a killed run had logged (its tracker already holds it)
+    model, optimizer, scaler, guard, device, dtype = run.model, run.optimizer, run.scaler, run.guard, rt.device, rt.dtype
+    checkpointer = Checkpointer(out_dir, cfg, run, ddp)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out_dir)
     with distributed.stop_together(device):  # a rank that cannot read last.pt stops them all
-        if cfg.resume:
-            step, time_before, best_val = checkpointer.resume()
-            if ddp.is_main:
-                logged_through = drop_records_after(out_dir / "metrics.jsonl", step)
-        elif ddp.is_main:
-            (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-
-    def probe(m):  # one forward/backward at the real shape and precision: compile errors surface here, not mid-run
-        with autocast(device, dtype):  # the step's autocast, so the compiled graph is the one the step runs
-            _, loss, n = m(*get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator(), device))
-        (loss / n).backward()
-
-    train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)
+        step, time_before, best_val = checkpointer.resume() if cfg.resume else (0, 0.0, math.inf)
+        logged_through = continue_log(out_dir, step, cfg.resume) if ddp.is_main else None
+    train_model = compile_for_step(model, cfg, run.corpus.train, rt)  # the model itself, unless compiled
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     tokens_per_step = cfg.tokens_per_step() * ddp.world_size  # the global batch
-    print0(f"model: {model.summary()}")
-    print0("\n".join([settings_line(cfg), *unused_given(cfg)]))
-    print0(f"device {device}, {threads_text(threads)}, dtype {dtype_name(dtype)}, compile {train_model is not model}, "
-           f"{tokens_per_step:,} tokens/step ({ddp.world_size} rank(s) x {cfg.tokens_per_step():,}), out_dir {out_dir}")
+    print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size))
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         done = step >= cfg.max_iters or cfg.out_of_time(time_before)  # a resumed run may have nothing left to do
         log = MetricsLog(out_dir, cfg, enabled=ddp.is_main, logged_through=logged_through, tracked=not done)
@@ -263,7 +248,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
         while step < cfg.max_iters and not signalled and not out_of_time:
             lr = get_lr(step, cfg, time.time() - t_start)
             set_lr(optimizer, lr)
-            batches = [get_batch(corpus.train, cfg.batch_size, cfg.block_size, data_gen, device)
+            batches = [get_batch(run.corpus.train, cfg.batch_size, cfg.block_size, run.data_gen, device)
                        for _ in range(cfg.grad_accum)]
             loss_step, n_step = accumulate_gradients(step_model, batches, scaler, device, dtype, ddp.world_size)
             grad_norm = optimizer_step(optimizer, scaler, guard, params, max_norm, step + 1, loss_step)
@@ -277,7 +262,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
             if step % cfg.eval_interval == 0 or last:
                 t_eval = time.time()
                 guard.raise_if_tripped()
-                result = evaluate(train_model, x_val, y_val, cfg.batch_size, device, dtype, val_bytes)
+                result = evaluate(train_model, run.x_val, run.y_val, cfg.batch_size, device, dtype, run.val_bytes)
                 val_loss, is_best = result.loss, math.isfinite(result.loss) and result.loss < best_val
                 best_val = val_loss if is_best else best_val
                 checkpointer.last_eval = log.eval(step, val_loss, result.bpb, time.time() - t_start)

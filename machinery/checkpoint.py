@@ -395,11 +395,10 @@ class Checkpointer:
     and writes best.pt before last.pt, so last.pt's best_val_loss never names a model best.pt lacks.
     """
 
-    def __init__(self, out_dir: Path, cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, guard, data_gen: torch.Generator, corpus, dtype: torch.dtype,
-                 ddp: Dist):
-        self.out_dir, self.cfg, self.model, self.optimizer, self.scaler = out_dir, cfg, model, optimizer, scaler
-        self.guard, self.data_gen, self.corpus, self.dtype, self.ddp = guard, data_gen, corpus, dtype, ddp
+    def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
+        """``run``: a train.Run, whose model, optimizer, scaler, guard, data order and corpus a checkpoint holds."""
+        self.out_dir, self.cfg, self.model, self.optimizer, self.scaler = out_dir, cfg, run.model, run.optimizer, run.scaler
+        self.guard, self.data_gen, self.corpus, self.dtype, self.ddp = run.guard, run.data_gen, run.corpus, run.rt.dtype, ddp
         self.saved_step: int | None = None  # the step last.pt holds, once this process knows it
         self.last_eval: dict[str, float] = {}  # the latest eval, saved with each checkpoint (best.pt: the best)
 

@@ -221,6 +221,20 @@ def decide_on_main(decide: Callable[[], T]) -> T:
     return choice[0]
 
 
+def agree(flags: tuple[bool, ...], ddp: Dist, now: bool) -> tuple[bool, ...]:
+    """Flags every rank acts on alike (stop now, out of time): each true if it is true on any rank.
+
+    In a world of one, the flags as they are, free. Under DDP one all-reduce compares them, a host
+    sync, so only when ``now`` (the loop's log steps, where it syncs anyway); all False otherwise.
+    """
+    if not ddp.enabled:
+        return flags
+    if not now:
+        return (False,) * len(flags)
+    summed = all_reduce_sum(torch.tensor(flags, dtype=torch.int32, device=ddp.device))
+    return tuple(bool(flag) for flag in summed.tolist())
+
+
 def wrap(model: torch.nn.Module, ddp: Dist) -> torch.nn.Module:
     """DistributedDataParallel around ``model`` in a world of several; ``model`` itself otherwise.
 

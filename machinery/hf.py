@@ -32,7 +32,7 @@ import torch
 
 from machinery.checkpoint import read_config
 from config import ConfigError, TrainConfig, config_from_dict, given_fields, model_config, replace
-from data import GPT2_EOT
+from machinery.tokenizers import GPT2_EOT
 from machinery.distributed import print0
 from model import GPT, GPTConfig, describe
 
@@ -117,6 +117,11 @@ class Pretrained:
     n_positions: int  # the position table's length in the file (block_size may be less)
     source: str
     tokenizer: dict | None  # {"kind": "gpt2"} or {"kind": "char", ...} if known from the files, else None
+
+    def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
+        """The state dict, for a corpus of this tokenizer and vocabulary; HFError if they are not the weights'."""
+        check_vocab(self, tokenizer_meta, vocab_size)
+        return self.state
 
 
 def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pretrained:

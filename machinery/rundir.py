@@ -8,7 +8,7 @@ with the owner's PID and host written inside for the refusal message. The kernel
 its process exits, however it exits (SIGKILL included), so a killed run never blocks its own
 ``--resume``: the file it leaves is simply locked again. A run that ends removes the file, and the
 folders it created if it wrote nothing else into them (a refused run leaves no trace). Creating and
-writing the lock file is also the write probe of out_dir; data.py probes data_dir with
+writing the lock file is also the write probe of out_dir; corpus preparation probes data_dir with
 ``check_writable`` before it prepares a corpus there.
 
 Footgun: flock is advisory. It stops a second train.py, not ``rm`` or another program; and where a

@@ -1,6 +1,8 @@
-"""Where and how the maths runs: device choice, precision, autocast, compile, and seeding.
+"""Where and how the maths runs: device choice, threads, precision, autocast, compile, and seeding.
 
-Shared by train.py and sample.py so that both pick devices and precisions the same way.
+``choose_runtime`` is the one choice of device, threads, precision and compile that train.py,
+scripts/bench.py, scripts/doctor.py, scripts/eval.py and scripts/compare.py share, so that a benchmark, a
+diagnosis or an evaluation runs as training of the same config does; sample.py picks devices the same way.
 """
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
 from config import ConfigError
-from machinery.distributed import print0
+from machinery.distributed import decide_on_main, print0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +81,42 @@ def run_dtype(cfg, device: torch.device) -> torch.dtype:
     """The precision a run of ``cfg`` computes in on ``device``: the one train.py, bench.py, the doctor and
     compare.py all use, so a benchmark or a diagnosis is of the precision the run trains in."""
     return pick_dtype(cfg.dtype, device, dtype_probe_shape(cfg))
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how a run computes."""
+    device: torch.device
+    dtype: torch.dtype  # what autocast computes in; weights and optimizer state stay fp32
+    threads: int  # torch threads in force
+    compile: bool  # torch.compile wanted (compile_for_step still falls back to eager if it fails)
+
+
+def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
+    """cfg's device (or the one torchrun gave this rank), its threads, its precision and compile setting.
+
+    Threads first: dtype=auto times matmuls with them, at the run's own shape (run_dtype). Under
+    torchrun ranks timing side by side could disagree, so rank 0's choice is the job's.
+    """
+    device = device or pick_device(cfg.device)
+    threads = use_threads(cfg.threads)
+    dtype = decide_on_main(lambda: run_dtype(cfg, device))
+    return Runtime(device, dtype, threads, want_compile(cfg.compile, device))
+
+
+def compile_for_step(model: torch.nn.Module, cfg, train_data: np.ndarray, rt: Runtime) -> torch.nn.Module:
+    """The model compiled as rt says (compile_or_eager), probed with one forward/backward of a batch of
+    the step's shape under the step's autocast: the graph compiled is the one the step runs (no
+    recompile at step 1), and compile errors surface here, not mid-run."""
+    from data import get_batch
+
+    def probe(m: torch.nn.Module) -> None:
+        x, y = get_batch(train_data, cfg.batch_size, cfg.block_size, torch.Generator(), rt.device)  # (B, T) each
+        with autocast(rt.device, rt.dtype):
+            _, loss_sum, n = m(x, y)
+        (loss_sum / n).backward()
+
+    return compile_or_eager(model, rt.compile, probe)
 
 
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,

@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from config import ConfigError, TrainConfig, as_dict
-from machinery.runtime import mfu
+from config import ConfigError, TrainConfig, as_dict, settings_line, unused_given
+from machinery.checkpoint import dtype_name
+from machinery.runtime import mfu, threads_text
 
 RUN_ID_FILE = "wandb_id"  # in out_dir: the wandb run a --resume continues
 PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline
@@ -228,6 +229,23 @@ class Throughput:
 
     def pause(self, seconds: float) -> None:
         self.t += seconds
+
+
+def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int) -> str:
+    """The start-up lines: the model, the settings (and any given but unused), where and how it computes."""
+    tokens = cfg.tokens_per_step()
+    return "\n".join([f"model: {model.summary()}", settings_line(cfg), *unused_given(cfg),
+                      f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, compile {compiled}, "
+                      f"{tokens * world_size:,} tokens/step ({world_size} rank(s) x {tokens:,}), out_dir {cfg.out_dir}"])
+
+
+def continue_log(out_dir: Path, step: int, resumed: bool) -> int | None:
+    """metrics.jsonl as a run starting at ``step`` finds it: a fresh run's is removed, a resumed run's keeps
+    its records through ``step``. Returns the last step it held before (what a tracker already has)."""
+    if resumed:
+        return drop_records_after(out_dir / "metrics.jsonl", step)
+    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    return None
 
 
 def drop_records_after(path: Path, step: int) -> int | None:

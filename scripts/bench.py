@@ -7,7 +7,7 @@
     python scripts/bench.py --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
 The step is made of train.py's own functions, so the benchmark measures what training runs: the
-same batches (data.get_batch), model (config.model_config), optimizer (train.build_optimizer), LR
+same batches (data.get_batch), model, optimizer and precision (train.build_run, runtime.choose_runtime), LR
 (train.get_lr), train.accumulate_gradients (autocast, token-count normalisation, backward) and
 train.optimizer_step (unscale, clip, the non-finite guard, update, zero_grad). tests/test_perf.py
 checks that its losses equal train.py's. Each phase ends with a device sync so its timer is honest
@@ -31,14 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from config import CommandLine, ConfigError, TrainConfig, make_config, model_config  # noqa: E402
-from data import DataError, get_batch, load_corpus, prepare  # noqa: E402
-from model import GPT  # noqa: E402
-from machinery.rundir import check_writable  # noqa: E402
-from machinery.runtime import (autocast, compile_or_eager, fail, matmul_gflops, pick_device, run_dtype,  # noqa: E402
-                     seed_everything, threads_text, use_threads, want_compile)
+from config import CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
+from data import DataError, get_batch  # noqa: E402
 from machinery.faults import NonFiniteGuard  # noqa: E402
-from train import accumulate_gradients, build_optimizer, get_lr, optimizer_step, set_lr  # noqa: E402
+from machinery.rundir import check_writable  # noqa: E402
+from machinery.runtime import (choose_runtime, compile_for_step, fail, matmul_gflops, pick_device,  # noqa: E402
+                               threads_text, use_threads)
+from model import GPT  # noqa: E402
+from train import accumulate_gradients, build_run, get_lr, optimizer_step, set_lr  # noqa: E402
 
 PHASES = ("data", "forward_backward", "optimizer")
 
@@ -66,30 +66,14 @@ class Bench:
 
 
 def build(name: str, cfg: TrainConfig) -> Bench:
-    device = pick_device(cfg.device)
-    threads = cfg.threads or torch.get_num_threads()  # 0: torch's default, as train.py runs it
-    torch.set_num_threads(threads)
-    dtype = run_dtype(cfg, device)  # train.py's choice
-    seed_everything(cfg.seed)
-    corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                                 text_column=cfg.text_column),
-                         cfg.block_size)
-    data_gen = torch.Generator().manual_seed(cfg.seed)
-    model = GPT(model_config(cfg, corpus.vocab_size)).to(device)
-    optimizer = build_optimizer(model, cfg, device, dtype)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-
-    def probe(m):  # train.py's: the step's shape, under its autocast, so the step does not recompile
-        with autocast(device, dtype):
-            _, loss, n = m(*get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator(), device))
-        (loss / n).backward()
-
+    """The run train.py would build for cfg (train.build_run), compiled as train.py compiles it."""
+    rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
+    run = build_run(cfg, rt)
     t0 = time.perf_counter()
-    train_model = compile_or_eager(model, want_compile(cfg.compile, device), probe)
+    train_model = compile_for_step(run.model, cfg, run.corpus.train, rt)
     compile_s = time.perf_counter() - t0
-    guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, device)
-    return Bench(name, cfg, device, dtype, model, train_model, optimizer, scaler, guard, corpus.train, data_gen,
-                 compile_s, threads=threads)
+    return Bench(name, cfg, rt.device, rt.dtype, run.model, train_model, run.optimizer, run.scaler, run.guard,
+                 run.corpus.train, run.data_gen, compile_s, threads=rt.threads)
 
 
 def sync(device: torch.device) -> None:

@@ -1,4 +1,4 @@
-"""Throughput of data.prepare on the same documents as a .jsonl and as a .parquet: MB/s and documents/s.
+"""Throughput of corpora.prepare on the same documents as a .jsonl and as a .parquet: MB/s and documents/s.
 
     python scripts/bench_prepare.py --mb 2                      # a quick check that it runs
     python scripts/bench_prepare.py --mb 32 --repeats 3         # the measurement, char tokenizer
@@ -35,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from config import CommandLine, choices, field_help  # noqa: E402
-from data import DataError, import_pyarrow, prepare, shakespeare_text  # noqa: E402
+from data import DataError  # noqa: E402
+from machinery.corpora import import_pyarrow, prepare, shakespeare_text  # noqa: E402
 from machinery.runtime import fail  # noqa: E402
 
 FORMATS = (".jsonl", ".parquet")
@@ -126,8 +127,9 @@ PREPARE_AND_MEASURE = """
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 import data
+from machinery import corpora  # noqa: E402
 start = time.perf_counter()
-folder = data.prepare(data_path=sys.argv[2], data_dir=sys.argv[3], tokenizer=sys.argv[4])
+folder = corpora.prepare(data_path=sys.argv[2], data_dir=sys.argv[3], tokenizer=sys.argv[4])
 seconds = time.perf_counter() - start
 meta = json.loads((folder / "meta.json").read_text())
 print(json.dumps({"seconds": seconds, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,

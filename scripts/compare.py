@@ -55,9 +55,10 @@ import train  # noqa: E402
 from bench import parse_overrides  # noqa: E402
 from machinery.checkpoint import CheckpointError, read_config  # noqa: E402
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
-from data import DataError, corpus_source  # noqa: E402
+from data import DataError  # noqa: E402
+from machinery.corpora import corpus_source  # noqa: E402
 from machinery.faults import RunStopped, StopOnSignal  # noqa: E402
-from machinery.runtime import fail, pick_device, run_dtype, use_threads  # noqa: E402
+from machinery.runtime import choose_runtime, fail, use_threads  # noqa: E402
 from sample import load_model  # noqa: E402
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
@@ -205,7 +206,7 @@ def saved_config(folder: Path) -> dict[str, Any] | None:
 
 def pin_auto_dtype(runs: list[Run]) -> list[Run]:
     """dtype=auto decided once for the whole comparison: as a run already on disk was, else by
-    train.py's choice (runtime.run_dtype) at the first such run's shape. Explicit dtypes stay."""
+    train.py's choice (runtime.choose_runtime) for the first such run's config. Explicit dtypes stay."""
     auto = [run for run in runs if run.config().dtype == "auto"]
     if not auto:
         return runs
@@ -213,8 +214,7 @@ def pin_auto_dtype(runs: list[Run]) -> list[Run]:
     if saved:
         dtype = saved[0]
     else:
-        cfg = auto[0].config()
-        dtype = str(run_dtype(cfg, pick_device(cfg.device))).removeprefix("torch.")
+        dtype = str(choose_runtime(auto[0].config()).dtype).removeprefix("torch.")
     print(f"dtype auto -> {dtype} for every run of this comparison")
     return [dataclasses.replace(r, overrides={**r.overrides, "dtype": dtype}) if r in auto else r for r in runs]
 

@@ -36,11 +36,10 @@ from machinery import hf  # noqa: E402
 import train  # noqa: E402
 from machinery.checkpoint import load_checkpoint  # noqa: E402
 from config import ConfigError, TrainConfig, model_config, parse_args, replace  # noqa: E402
-from data import (DataError, get_batch, load_corpus, prepare, special_tokens, tokenizer_from_meta,  # noqa: E402
-                  val_windows)
+from data import DataError, corpus_for, get_batch, special_tokens, tokenizer_from_meta, val_windows  # noqa: E402
 from machinery.faults import NonFiniteGuard, RunStopped  # noqa: E402
 from model import GPT  # noqa: E402
-from machinery.runtime import compile_or_eager, pick_device, run_dtype, use_threads, want_compile  # noqa: E402
+from machinery.runtime import choose_runtime, compile_for_step  # noqa: E402
 
 # Allowed gap between the first loss and ln(vocab), as a fraction of ln(vocab). A 0.02-std init gives
 # logits of variance ~0.02² · n_embd, which adds about half that: 0.03 nats for small, 0.15 for gpt2.
@@ -467,12 +466,9 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     """
     if cfg.init_from:
         cfg = hf.start_from(replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
-    device = pick_device(cfg.device)
-    use_threads(cfg.threads)  # before the dtype probe, which times matmuls with them, as train.py does
-    dtype = run_dtype(cfg, device)  # train.py's choice
-    folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                     text_column=cfg.text_column)
-    corpus = load_corpus(folder, cfg.block_size)
+    rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
+    device, dtype = rt.device, rt.dtype
+    corpus = corpus_for(cfg)
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
     gpt_config = model_config(cfg, corpus.vocab_size)
     x, y = get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(cfg.seed), device)
@@ -480,7 +476,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     with torch.device("meta"):  # shapes only, to count the parameters
         model_summary = GPT(gpt_config).summary()
-    print(f"doctor: {folder} on {device} ({str(dtype).removeprefix('torch.')}), batch {cfg.batch_size}; "
+    print(f"doctor: {corpus.folder} on {device} ({str(dtype).removeprefix('torch.')}), batch {cfg.batch_size}; "
           f"model: {model_summary}")
 
     def fresh(dropout: float | None = None) -> GPT:  # a new model per check, so no check disturbs another
@@ -490,13 +486,6 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
 
     def optimizer_for(model: GPT, lr: float = cfg.learning_rate) -> torch.optim.Optimizer:
         return train.build_optimizer(model, dataclasses.replace(cfg, learning_rate=lr), device, dtype)
-
-    probed = []  # filled when compile_or_eager runs the probe (compile on)
-
-    def probe(m: torch.nn.Module) -> None:  # as in train.py: compile errors surface on the first call
-        probed.append(True)
-        _, loss, n = m(x[:1], y[:1])
-        (loss / n).backward()
 
     dropout = cfg.dropout if cfg.dropout > 0 else FORCED_DROPOUT
     def trainable() -> tuple[GPT, torch.optim.Optimizer]:  # made inside the call: freed after its check
@@ -520,8 +509,8 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
     ]
     probe_model = fresh()
-    compiled = compile_or_eager(probe_model, want_compile(cfg.compile, device), probe)
-    checks += [check_tied(compiled), check_probe_grads(probe_model, bool(probed))]
+    compiled = compile_for_step(probe_model, cfg, corpus.train, rt)  # as train.py compiles
+    checks += [check_tied(compiled), check_probe_grads(probe_model, rt.compile)]
     small, records, state = short_run(cfg, dtype)  # last: a training run reseeds the global RNG
     return checks + [check_lr_schedule(small, records, train.get_lr), check_master_weights(state)]
 

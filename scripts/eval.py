@@ -27,11 +27,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from machinery.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config  # noqa: E402
-from data import (DataError, load_corpus, prepare, read_text_file, special_tokens, tokenizer_from_meta,  # noqa: E402
-                  val_windows)
+from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config, replace  # noqa: E402
+from data import DataError, load_corpus, read_text_file, special_tokens, tokenizer_from_meta, val_windows  # noqa: E402
+from machinery.corpora import prepare  # noqa: E402
+from machinery.runtime import Runtime, choose_runtime, fail  # noqa: E402
 from model import GPT  # noqa: E402
-from machinery.runtime import fail, pick_device, use_threads  # noqa: E402
 from sample import add_weights_flags, find_checkpoint, load_pretrained  # noqa: E402
 from train import evaluate, val_byte_count  # noqa: E402
 
@@ -151,17 +151,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def eval_runtime(loaded: Loaded, args: argparse.Namespace) -> Runtime:
+    """train.py's choice (runtime.choose_runtime) for the run's own config, with this command's --device and
+    --threads, in the precision the run trained in unless --dtype says otherwise. Scored eagerly: one pass
+    over val would not repay a compile."""
+    return choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads,
+                                  dtype=args.dtype or loaded.precision))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    use_threads(args.threads)
     try:
-        device = pick_device(args.device)
-        loaded = load_from_hf(args.init_from, device) if args.init_from else load(args.ckpt, device)
+        loaded = load_from_hf(args.init_from, torch.device("cpu")) if args.init_from else load(args.ckpt, torch.device("cpu"))
+        rt = eval_runtime(loaded, args)
+        loaded.model.to(rt.device)
         x, y, data = eval_windows(loaded, args.data_path, args.eval_tokens)
     except (CheckpointError, ConfigError, DataError) as err:
         fail(str(err))
-    report = score(loaded, x, y, data, args.batch_size or loaded.cfg.batch_size, args.dtype or loaded.precision,
-                   device)
+    report = score(loaded, x, y, data, args.batch_size or loaded.cfg.batch_size, str(rt.dtype).removeprefix("torch."),
+                   rt.device)
     if args.json:
         print(json.dumps(asdict(report)))
         return

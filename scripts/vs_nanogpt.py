@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from config import CommandLine  # noqa: E402
-from data import DataError, load_corpus, prepare  # noqa: E402
+from data import DataError, load_corpus  # noqa: E402
+from machinery.corpora import prepare  # noqa: E402
 from machinery.runtime import fail  # noqa: E402
 
 NANOGPT_DATASET = "tinygpt_shakespeare_char"

@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from machinery import runtime  # noqa: E402
 from machinery import checkpoint  # noqa: E402
+import data  # noqa: E402
 import train  # noqa: E402
 from machinery.distributed import env_rank  # noqa: E402
 from data import DataError  # noqa: E402
@@ -133,14 +134,14 @@ def full_disk_torch_save(obj: Any, f: Any) -> None:
 
 def corpus_unreadable_on_rank(monkeypatch: pytest.MonkeyPatch, broken: int) -> None:
     """load_corpus raises DataError on rank ``broken`` only (say, a node whose copy is damaged)."""
-    real_load = train.load_corpus
+    real_load = data.load_corpus
 
     def load_corpus(folder, block_size):
         if env_rank() == broken:
             raise DataError(f"{folder}: unreadable on this rank (injected)")
         return real_load(folder, block_size)
 
-    monkeypatch.setattr(train, "load_corpus", load_corpus)
+    monkeypatch.setattr(data, "load_corpus", load_corpus)
 
 
 def bf16_fast_on_rank(monkeypatch: pytest.MonkeyPatch, fast: int) -> None:

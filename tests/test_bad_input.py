@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data
+from machinery import corpora
 import train
 from conftest import REPO, load_entry_point, make_text
 from config import make_config
-from data import prepare
+from machinery.corpora import prepare
 from fault_injection import run_main, tiny_args
 
 
@@ -82,7 +82,7 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
         code = run_main(tiny_args(tmp_path / "out", ten))
     else:
         with pytest.raises(SystemExit) as stopped:
-            data.main(["--data_path", str(ten), "--data_dir", str(tmp_path / "data")])
+            corpora.main(["--data_path", str(ten), "--data_dir", str(tmp_path / "data")])
         code = stopped.value.code
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {ten}: ") and err.count("\n") == 1, err

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-import data
+from machinery import corpora
 import train
 from conftest import make_text
-from data import GPT2_EOT, DataError, GPT2Tokenizer, is_val_document, prepare, val_windows
+from data import DataError, val_windows
+from machinery.corpora import is_val_document, prepare
+from machinery.tokenizers import GPT2Tokenizer, GPT2_EOT
 from scripts import doctor
 from scripts import eval as eval_script
 
@@ -97,7 +99,7 @@ def test_folder_equals_jsonl_whatever_the_workers_and_batches(tmp_path, cache, m
     from_jsonl = prepare(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), tokenizer="gpt2",
                          data_dir=str(cache), val_fraction=0.25, num_proc=2)
     # Tiny batches (a few documents in flight at a time) and one worker change nothing in the output.
-    monkeypatch.setattr(data, "BATCH_CHARS", 500)
+    monkeypatch.setattr(corpora, "BATCH_CHARS", 500)
     from_folder = prepare(data_path=str(write_folder(tmp_path / "docs", DOCS)), tokenizer="gpt2",
                           data_dir=str(cache), val_fraction=0.25, num_proc=1)
     for split in ("train", "val"):
@@ -105,8 +107,8 @@ def test_folder_equals_jsonl_whatever_the_workers_and_batches(tmp_path, cache, m
 
 
 def test_sources_are_sent_in_bounded_batches():
-    sources = [data.Source("text", f"doc{i}", "x" * 30) for i in range(10)]
-    batches = list(data.batched_sources(iter(sources), max_chars=100))
+    sources = [corpora.Source("text", f"doc{i}", "x" * 30) for i in range(10)]
+    batches = list(corpora.batched_sources(iter(sources), max_chars=100))
     assert [len(b) for b in batches] == [4, 4, 2]  # stops at >= 100 chars: memory is bounded
     assert [s for b in batches for s in b] == sources
 

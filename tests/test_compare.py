@@ -15,6 +15,7 @@ import torch
 import train
 from conftest import REPO, load_entry_point, make_text
 from fault_injection import step_clock
+from machinery import runtime
 from machinery.faults import StopOnSignal, RunStopped
 
 compare = load_entry_point("scripts/compare.py")
@@ -201,7 +202,7 @@ def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds(tmp_path, text_
 
 def test_dtype_auto_is_decided_once_for_every_run(tmp_path, text_file, monkeypatch):
     calls = []
-    monkeypatch.setattr(compare, "run_dtype", lambda *a: calls.append(a) or torch.bfloat16)
+    monkeypatch.setattr(runtime, "run_dtype", lambda *a: calls.append(a) or torch.bfloat16)  # choose_runtime's
     args = compare.build_parser().parse_args(argv(text_file, tmp_path / "e", "a:", "wide:n_embd=64", seeds=2)
                                              + ["--set", "dtype=auto"])
     plan = compare.make_plan(args, "")

@@ -31,7 +31,8 @@ import train
 from machinery.checkpoint import load_checkpoint
 from config import model_config
 from conftest import make_optimizer, make_text, tiny_model
-from data import CharTokenizer, get_batch, load_corpus, prepare
+from data import CharTokenizer, get_batch, load_corpus
+from machinery.corpora import prepare
 from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
                              on_training_forward, run_main, tiny_args)
 from machinery.faults import NonFiniteGuard

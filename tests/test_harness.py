@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")  # lm_eval's hf backend, the reference
 from machinery import hf  # noqa: E402
 import train  # noqa: E402
 from conftest import load_entry_point, make_text, tiny_model  # noqa: E402
-from data import GPT2Tokenizer  # noqa: E402
+from machinery.tokenizers import GPT2Tokenizer  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 harness = load_entry_point("scripts/harness.py")

@@ -27,7 +27,8 @@ import train  # noqa: E402
 from machinery.checkpoint import load_checkpoint  # noqa: E402
 from config import ConfigError, as_dict, make_config, parse_args, resume_changes  # noqa: E402
 from conftest import COUNT_CONNECTIONS, REPO, make_text, run_script, tiny_model  # noqa: E402
-from data import CharTokenizer, load_corpus, prepare, val_windows  # noqa: E402
+from data import CharTokenizer, load_corpus, val_windows  # noqa: E402
+from machinery.corpora import prepare  # noqa: E402
 from model import GPT  # noqa: E402
 
 LOAD_COMPLAINTS = ("missing", "unexpected", "newly initialized", "not used", "not initialized")
@@ -406,7 +407,7 @@ def test_an_old_checkpoint_without_activation_means_exact_gelu():
 # ----------------------------------------------------------------------------- GPT-2's tokenizer files
 @pytest.mark.network  # GPT-2's ranks: tiktoken's cache or the openai-whisper sdist from PyPI (test_bpe_data.py)
 def test_hf_tokenizer_files_encode_like_tiktoken(tmp_path_factory):
-    from data import GPT2Tokenizer
+    from machinery.tokenizers import GPT2Tokenizer
     tok = GPT2Tokenizer(tmp_path_factory.mktemp("cache"))
     folder = tmp_path_factory.mktemp("tok")
     for name, content in hf.gpt2_tokenizer_files(tok.enc, 1024).items():
@@ -427,7 +428,7 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     """config/finetune_shakespeare with the hub replaced by a tiny random GPT-2 of the real vocabulary:
     import, train, export, then transformers' tokenizer and greedy generate give our tokens."""
     import huggingface_hub
-    from data import GPT2Tokenizer
+    from machinery.tokenizers import GPT2Tokenizer
     tmp = tmp_path_factory.mktemp("finetune")
     folder = random_hf_gpt2(tmp / "gpt2", vocab_size=50257, n_positions=1024)
     monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: None)  # no test reaches the real hub

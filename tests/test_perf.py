@@ -139,6 +139,31 @@ def test_vs_nanogpt_prints_both_medians_the_ratio_and_train_vs_bench(tmp_path):
     assert (tmp_path / "data" / "tinygpt_shakespeare_char" / "meta.pkl").is_file()
 
 
+@pytest.mark.parametrize("compile_wanted", [False, True], ids=["compile off", "compile on"])
+def test_train_bench_the_doctor_and_eval_get_one_runtime_from_choose_runtime(tiny_cfg, monkeypatch, compile_wanted):
+    """Device, threads, precision and the compile decision come from runtime.choose_runtime in train.py,
+    bench.py, the doctor and eval.py: each Runtime it hands out is recorded, and all must be equal. The
+    compile decision is forced both ways (the compiler itself stubbed: nothing compiles on this CPU)."""
+    from scripts import doctor
+    evaluate = __import__("conftest").load_entry_point("scripts/eval.py")
+    made, real_runtime = [], runtime.Runtime
+    monkeypatch.setattr(runtime, "Runtime", lambda *fields: made.append(real_runtime(*fields)) or made[-1])
+    monkeypatch.setattr(runtime, "want_compile", lambda setting, device: compile_wanted)
+    monkeypatch.setattr(runtime, "compile_or_eager", lambda model, enabled, probe: model)  # no compiler run
+    cfg = tiny_cfg(dtype="auto", threads=1, max_iters=1, eval_interval=1)
+    train.train(cfg)
+    entry_points = {"train.py": made[-1]}
+    bench.build("bench", cfg)
+    entry_points["bench.py"] = made[-1]
+    before_doctor = len(made)
+    doctor.run_checks(cfg)
+    entry_points["doctor.py"] = made[before_doctor]  # its own (its short training runs come after)
+    evaluate.main(["--ckpt", cfg.out_dir, "--threads", "1"])
+    entry_points["eval.py"] = made[-1]
+    assert entry_points["train.py"].compile == compile_wanted and entry_points["train.py"].threads == 1
+    assert all(rt == entry_points["train.py"] for rt in entry_points.values()), entry_points
+
+
 def test_train_bench_the_doctor_and_compare_choose_one_precision_for_one_config(tiny_cfg, tmp_path, monkeypatch):
     """dtype=auto is decided by runtime.run_dtype everywhere: before, the doctor timed its probe matmul at
     a default shape and bench.py re-typed train.py's, so "the exact config you train with" could be checked

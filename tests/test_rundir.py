@@ -16,7 +16,7 @@ from machinery import rundir
 import train
 from machinery.checkpoint import load_checkpoint
 from conftest import REPO
-from data import prepare
+from machinery.corpora import prepare
 from fault_injection import metrics, run_main, tiny_args
 from machinery.rundir import PathError
 

@@ -365,3 +365,17 @@ def test_a_failing_compile_warns_once_and_runs_eager(monkeypatch):
         assert compile_or_eager(model, True, probe) is model
     assert torch.equal(torch.get_rng_state(), state)
     assert compile_or_eager(model, False, probe) is model
+
+
+# Imported only by the call that needs them: corpus preparation, GPT-2's tokenizer, Hugging Face interop.
+NOT_AT_IMPORT = ("machinery.corpora", "machinery.tokenizers", "machinery.hf", "tiktoken", "transformers",
+                 "huggingface_hub", "safetensors", "pyarrow")
+
+
+def test_train_py_imports_no_corpus_preparation_or_hugging_face_code_at_module_level():
+    """The textbook core loads what a step needs; preparing a corpus and init_from import their modules
+    when called (data.corpus_for, train.start_from). Checked in a fresh interpreter."""
+    probe = f"import sys, train; print(sorted(m for m in {NOT_AT_IMPORT!r} if m in sys.modules))"
+    assert run_script("-c", probe).stdout.strip() == "[]"
+    loaded = run_script("-c", probe.replace("import sys, train", "import sys, train, machinery.corpora, machinery.hf"))
+    assert "machinery.corpora" in loaded.stdout and "machinery.hf" in loaded.stdout  # the probe can see them

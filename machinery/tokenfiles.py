@@ -1,0 +1,166 @@
+"""A tokenized corpus on disk: ``train.bin`` and ``val.bin`` (flat token ids, uint16 or uint32) and ``meta.json``.
+
+meta.json says what the ids mean (tokenizer, vocab_size, dtype) and, for a corpus this repo prepared
+(machinery/corpora.py), how the files were made, their token counts and fingerprints. A folder that anyone's
+script wrote, with a small meta.json (dtype, vocab_size, tokenizer), is one too: its counts come from the
+files (docs/data.md). Every open checks the files against meta.json (``open_verified``, called by
+data.load_corpus), so a damaged corpus is refused, never trained on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """Bad or missing input data; the message names the file and what is wrong."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+TOKENIZED_FILES = ("train.bin", "val.bin", "meta.json")  # any prepare.py's output, nanoGPT's layout
+PREPARED_ONLY = ("train_tokens", "val_tokens", "val_fraction", "fingerprint")  # meta.json keys only ours write
+FULL_SCAN_TOKENS = 200_000_000  # splits up to this size are checked id by id on every start
+SPOT_CHECK = 10_000_000  # tokens checked at each end of larger splits
+SPLITS = ("train", "val")
+
+
+# What a prepared corpus's meta.json must hold, and of which type, for its files to be checked against it.
+META_TYPES = {"tokenizer": dict, "vocab_size": int, "dtype": str, "val_fraction": (int, float),
+              "train_tokens": int, "val_tokens": int}
+
+
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def is_tokenized_folder(path: Path) -> bool:
+    """A folder that is already tokens: train.bin, val.bin and a meta.json, from this repo or anyone's script."""
+    return path.is_dir() and all((path / name).is_file() for name in TOKENIZED_FILES)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (GPT-2's 50257 do), else uint32: half the disk and page cache of int32."""
+    return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
+
+
+def read_meta(folder: Path) -> dict:
+    """A prepared folder's meta.json, checked for the fields load_corpus relies on; DataError (one line,
+    naming the file) if it is missing, not UTF-8, not JSON, or lacks a field."""
+    meta_file = folder / "meta.json"
+    try:
+        meta = json.loads(meta_file.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{meta_file}: missing; prepare the corpus first (python data.py)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+        raise DataError(f"{meta_file}: unreadable ({reason})") from None
+    if isinstance(meta, dict) and not any(key in meta for key in PREPARED_ONLY):
+        meta = counted_from_files(folder, meta)  # a folder tokenized by someone else's script
+    bad = [key for key, kind in META_TYPES.items() if not isinstance(meta, dict) or not isinstance(meta.get(key), kind)]
+    fingerprint = meta.get("fingerprint", {}) if not bad else {}  # absent in folders prepared before it
+    if bad or meta["dtype"] not in TOKEN_DTYPES or "kind" not in meta["tokenizer"] or not isinstance(fingerprint, dict):
+        raise DataError(f"{meta_file}: unreadable (not a prepared corpus's record: "
+                        f"{', '.join(bad) or 'dtype, tokenizer or fingerprint'} missing or wrong)")
+    return meta
+
+
+def counted_from_files(folder: Path, meta: dict) -> dict:
+    """A small meta.json (dtype, vocab_size, tokenizer) completed from its split files: token counts from
+    their sizes, val_fraction from the counts. Its fingerprints are the files' own when loaded."""
+    if meta.get("dtype") not in TOKEN_DTYPES:
+        return meta  # read_meta names the bad dtype
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    counts = {split: (folder / f"{split}.bin").stat().st_size // itemsize for split in SPLITS}
+    total = sum(counts.values())
+    return {**meta, "source": str(folder), "train_tokens": counts["train"], "val_tokens": counts["val"],
+            "val_fraction": counts["val"] / total if total else 0.0}
+
+
+# A fingerprint hashes the whole file up to this size (~0.1 s at sha256's ~700 MB/s, next to a few seconds
+# of start-up); a larger file by its size and FINGERPRINT_SAMPLES chunks spread evenly over it (milliseconds).
+FINGERPRINT_WHOLE_BYTES = 64 << 20
+FINGERPRINT_SAMPLES, FINGERPRINT_CHUNK = 256, 1 << 16
+
+
+def split_fingerprint(path: Path) -> str:
+    """sha256 of a split file's bytes, or for a file over FINGERPRINT_WHOLE_BYTES of its size and samples.
+
+    Sizes are checked exactly anyway (against meta.json's token counts); the fingerprint catches
+    tokens changed in place, everywhere in a laptop-sized corpus and at the sampled places in a larger one.
+    """
+    size = path.stat().st_size
+    if size <= FINGERPRINT_WHOLE_BYTES:
+        return sha256_of(path)
+    digest = hashlib.sha256(f"{size} bytes, sampled\n".encode())
+    with open(path, "rb") as f:
+        for i in range(FINGERPRINT_SAMPLES):
+            f.seek(i * (size - FINGERPRINT_CHUNK) // (FINGERPRINT_SAMPLES - 1))  # the first and the last chunk too
+            digest.update(f.read(FINGERPRINT_CHUNK))
+    return digest.hexdigest()
+
+
+def write_meta(staging: Path, meta: dict) -> None:
+    """meta.json last, with each split's fingerprint: what load_corpus verifies on every open."""
+    meta = {**meta, "fingerprint": {split: split_fingerprint(staging / f"{split}.bin") for split in SPLITS}}
+    (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def open_split(path: Path, meta: dict, block_size: int) -> np.ndarray:
+    """Memory-map one split after checking its size and token ids against meta.json."""
+    itemsize, folder = np.dtype(meta["dtype"]).itemsize, path.parent
+    n_bytes = path.stat().st_size
+    if n_bytes % itemsize:  # np.memmap would raise; a cut file
+        raise DataError(f"{path}: {n_bytes:,} bytes, not a whole number of {meta['dtype']} tokens (cut short?); "
+                        f"delete {folder} and prepare again")
+    size = n_bytes // itemsize
+    data = np.memmap(path, dtype=meta["dtype"], mode="r") if size else np.zeros(0, dtype=meta["dtype"])
+    # A full scan costs a read of the whole split: do it for laptop-sized corpora; web-scale ones
+    # were made by prepare() with the same tokenizer, so their ends are spot-checked only.
+    checked = data if size <= FULL_SCAN_TOKENS else np.concatenate([data[:SPOT_CHECK], data[-SPOT_CHECK:]])
+    top = int(checked.max()) if size else 0
+    if top >= meta["vocab_size"]:
+        raise DataError(f"{path}: token id {top} >= vocab size {meta['vocab_size']}; "
+                        f"delete {folder} and prepare again")
+    recorded = meta[f"{path.stem}_tokens"]
+    if size != recorded:
+        raise DataError(f"{path}: {size:,} tokens where meta.json records {recorded:,} (cut, emptied or replaced "
+                        f"after it was prepared); delete {folder} and prepare again")
+    if size < block_size + 1:
+        raise DataError(f"{path}: {size} tokens, fewer than block_size + 1 = {block_size + 1}; "
+                        "use more text or a smaller --block_size")
+    return data
+
+
+def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
+    """(meta, split -> memory-mapped ids, split -> fingerprint) of a prepared folder, every file checked
+    against its meta.json and able to feed a model of this context length. Any damage (a file cut,
+    emptied, changed or missing, an unreadable meta.json) is a one-line DataError that says to delete
+    the folder and prepare again.
+    """
+    try:
+        meta = read_meta(folder)
+    except DataError as err:
+        if not (folder / "meta.json").exists():
+            raise
+        raise DataError(f"{err}; delete {folder} and prepare again") from None
+    splits, fingerprints = {}, {}
+    for split in SPLITS:
+        path = folder / f"{split}.bin"
+        if not path.is_file():
+            raise DataError(f"{path}: missing; delete {folder} and prepare again")
+        splits[split] = open_split(path, meta, block_size)
+        fingerprints[split] = split_fingerprint(path)
+        recorded = meta.get("fingerprint", {}).get(split, fingerprints[split])  # older folders have none
+        if fingerprints[split] != recorded:
+            raise DataError(f"{path}: its tokens changed after it was prepared (the fingerprint in meta.json "
+                            f"differs); delete {folder} and prepare again")
+    return meta, splits, fingerprints
