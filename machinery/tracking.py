@@ -67,7 +67,7 @@ class WandbTracker:
 
 def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) -> NullTracker | WandbTracker:
     """The tracker the config asks for. ``logged_through``: the last step a killed run had logged
-    (train.drop_records_after), not sent again when the run resumes."""
+    (tracking.drop_records_after), not sent again when the run resumes."""
     if not cfg.wandb:
         return NullTracker()
     try:

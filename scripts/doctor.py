@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 
 from machinery import hf  # noqa: E402
 import train  # noqa: E402
-from machinery.checkpoint import load_checkpoint  # noqa: E402
+from machinery.checkpoint import dtype_name, load_checkpoint  # noqa: E402
 from config import ConfigError, TrainConfig, model_config, parse_args, replace  # noqa: E402
 from data import DataError, corpus_for, get_batch, special_tokens, tokenizer_from_meta, val_windows  # noqa: E402
 from machinery.faults import NonFiniteGuard, RunStopped  # noqa: E402
@@ -400,7 +400,7 @@ def short_run_config(cfg: TrainConfig, out_dir: str, dtype: torch.dtype) -> Trai
     """``cfg`` shrunk to a 1-layer, 16-wide model (the loop's schedule and precision handling do not
     depend on the model) for a few accumulated steps, with a warmup longer than the run so that every
     step's lr differs."""
-    return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=train.dtype_name(dtype),
+    return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=dtype_name(dtype),
                                wandb=False, init_from="", n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
                                grad_accum=SHORT_RUN_ACCUM, max_iters=SHORT_RUN_STEPS, warmup_iters=SHORT_RUN_STEPS + 1,
                                schedule="steps", max_time=0.0, log_interval=1, eval_interval=SHORT_RUN_STEPS,
@@ -440,7 +440,7 @@ def check_lr_schedule(small: TrainConfig, records: list[dict], schedule: Callabl
 def floating_dtypes(value) -> Counter:
     """How many floating-point tensors of each dtype a nested dict/list holds (a state dict)."""
     if isinstance(value, torch.Tensor):
-        return Counter([train.dtype_name(value.dtype)] if value.is_floating_point() else [])
+        return Counter([dtype_name(value.dtype)] if value.is_floating_point() else [])
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
     return sum((floating_dtypes(item) for item in items), Counter())
 

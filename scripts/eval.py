@@ -28,8 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from machinery.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config, replace  # noqa: E402
-from data import DataError, load_corpus, read_text_file, special_tokens, tokenizer_from_meta, val_windows  # noqa: E402
-from machinery.corpora import prepare  # noqa: E402
+from data import DataError, corpus_for, read_text_file, special_tokens, tokenizer_from_meta, val_windows  # noqa: E402
 from machinery.runtime import Runtime, choose_runtime, fail  # noqa: E402
 from model import GPT  # noqa: E402
 from sample import add_weights_flags, find_checkpoint, load_pretrained  # noqa: E402
@@ -84,11 +83,12 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
             raise DataError(f"{data_path}: {len(ids)} token(s); scoring needs at least 2")
         x, y = val_windows(ids, cfg.block_size, max(eval_tokens, 0))
         return x, y, data_path
-    if loaded.step is None and cfg.tokenizer != "gpt2":  # a char vocabulary need not be the built-in corpus's
+    if loaded.step is None and cfg.tokenizer != "gpt2":  # a char or BPE vocabulary need not be the built-in corpus's
         raise ConfigError(f"{loaded.source} has a char vocabulary: pass the text to score with --data_path")
-    corpus = load_corpus(prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                                 text_column=cfg.text_column),
-                         cfg.block_size)
+    corpus = corpus_for(cfg)
+    if corpus.meta["tokenizer"] != loaded.tokenizer.meta():  # say, someone else's tokens at the run's data_path
+        raise DataError(f"{corpus.folder} holds tokens of another tokenizer than {loaded.source}'s; "
+                        "pass the text to score with --data_path")
     limit = cfg.eval_tokens if eval_tokens < 0 else eval_tokens
     x, y = val_windows(corpus.val, cfg.block_size, limit)
     return x, y, f"the val split of {corpus.folder}" + (f" (eval_tokens {limit:,})" if limit else "")

@@ -76,13 +76,17 @@ def test_a_set_option_that_the_chosen_optimizer_or_decay_does_not_read_is_warned
     cfg = make_config("tiny", muon_lr=0.01, wsd_fraction=0.3)
     assert unused_fields(cfg) >= {"muon_lr", "wsd_fraction"}
     assert unused_given(cfg) == [
-        f"WARNING: {name} is set ({value}) but unused: optimizer=adamw, lr_decay=cosine, schedule=steps do not read it"
-        for name, value in (("muon_lr", 0.01), ("wsd_fraction", 0.3))]
+        f"WARNING: {name} is set ({value}) but unused: optimizer=adamw, lr_decay=cosine, schedule=steps, "
+        "tokenizer=char do not read it" for name, value in (("muon_lr", 0.01), ("wsd_fraction", 0.3))]
     assert "muon_lr" not in settings_line(cfg)
     assert unused_given(make_config("tiny", optimizer="muon", muon_lr=0.01)) == []
     timed = make_config("tiny", schedule="time", max_time=60)  # tiny sets lr_decay_iters, which time does not read
     assert unused_given(timed) == ["WARNING: lr_decay_iters is set (200) but unused: optimizer=adamw, "
-                                   "lr_decay=cosine, schedule=time do not read it"]
+                                   "lr_decay=cosine, schedule=time, tokenizer=char do not read it"]
+    assert unused_given(make_config("tiny", bpe_vocab_size=512)) == [
+        "WARNING: bpe_vocab_size is set (512) but unused: optimizer=adamw, lr_decay=cosine, schedule=steps, "
+        "tokenizer=char do not read it"]
+    assert unused_given(make_config("tiny", tokenizer="bpe", bpe_vocab_size=512)) == []
     assert run_main(tiny_args(tmp_path / "run", text_file, max_iters=1, muon_lr=0.01)) == 0
     assert unused_given(cfg)[0] in capsys.readouterr().out.splitlines()
 

@@ -1,0 +1,104 @@
+"""Train a BPE on a corpus's train split and report it, without training a model.
+
+    python scripts/tokenizer.py                                      # the built-in corpus, bpe_vocab_size's default
+    python scripts/tokenizer.py --bpe_vocab_size 512 1024 2048 4096  # several sizes, one table
+    python scripts/tokenizer.py --data_path my.txt --no-gpt2         # your text; no GPT-2 column (it needs its ranks)
+
+Each vocabulary is prepared exactly as train.py prepares it (and cached, so a later run reuses it). The
+table scores every tokenizer on the same text, the BPE's val split (never seen by its merges): tokens,
+and bytes per token (higher: more text per token, so more text per step at the same block_size),
+against char and GPT-2's 50,257 tokens. Then the longest tokens of the largest BPE, a sanity sample: on
+English they should be whole words and word pieces, with their spaces in front.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from config import DEFAULTS, CommandLine, field_help  # noqa: E402
+from data import DataError, load_corpus, tokenizer_from_meta  # noqa: E402
+from machinery.corpora import prepare  # noqa: E402
+from machinery.rundir import PathError  # noqa: E402
+from machinery.runtime import fail  # noqa: E402
+
+LONGEST = 20  # tokens shown from the largest vocabulary
+
+
+def prepared_tokenizer(args, kind: str, vocab_size: int = 0):
+    """(tokenizer, folder) of the corpus prepared with this tokenizer, as train.py would prepare it."""
+    folder = prepare(args.dataset, args.data_path, kind, args.data_dir, args.val_fraction, text_column=args.text_column,
+                     bpe_vocab_size=vocab_size or DEFAULTS["bpe_vocab_size"])
+    return tokenizer_from_meta(load_corpus(folder, 1).meta["tokenizer"], Path(args.data_dir)), folder
+
+
+def encoding_speed(tokenizer, text: str) -> tuple[int, float]:
+    """(tokens of ``text``, MB/s of its UTF-8 bytes encoded), the median of three timings."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        n = len(tokenizer.encode(text))
+        times.append(time.perf_counter() - t0)
+    return n, len(text.encode("utf-8")) / sorted(times)[1] / 1e6
+
+
+def report(args) -> str:
+    sizes = sorted(set(args.bpe_vocab_size))
+    rows, bpes, text = [], {}, None
+    for size in sizes:
+        t0 = time.perf_counter()
+        tok, folder = prepared_tokenizer(args, "bpe", size)
+        seconds = time.perf_counter() - t0
+        bpes[size] = tok
+        if text is None:  # every size splits the same characters: one val text for all
+            text = tok.decode(load_corpus(folder, 1).val.tolist())
+        rows.append((f"bpe {size}", tok, f"prepared in {seconds:.1f} s" + (" (cached)" if seconds < 1 else "")))
+    char, _ = prepared_tokenizer(args, "char")
+    rows.insert(0, ("char", char, "one token per character"))
+    if not args.no_gpt2:
+        rows.append(("gpt2", prepared_tokenizer(args, "gpt2")[0], "GPT-2's, trained on WebText"))
+    n_bytes = len(text.encode("utf-8"))
+    lines = [f"# the val split of the BPE folders: {len(text):,} characters, {n_bytes:,} UTF-8 bytes",
+             "| tokenizer | vocab | val tokens | bytes/token | tokens vs char | encodes at | note |",
+             "|---|---|---|---|---|---|---|"]
+    char_tokens = len(text)
+    for name, tok, note in rows:
+        n, speed = encoding_speed(tok, text)
+        lines.append(f"| {name} | {tok.vocab_size:,} | {n:,} | {n_bytes / n:.3f} | {n / char_tokens:.3f} | "
+                     f"{speed:.1f} MB/s | {note} |")
+    largest = bpes[sizes[-1]]
+    tokens = sorted(range(largest.eot_token), key=lambda i: (-len(largest.decode_bytes([i])), i))[:LONGEST]
+    lines.append(f"# the {LONGEST} longest of bpe {sizes[-1]}: "
+                 + ", ".join(repr(largest.decode_bytes([i]).decode("utf-8", "replace")) for i in tokens))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    helps = field_help()
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bpe_vocab_size", "--bpe-vocab-size", type=int, nargs="+",
+                        default=[DEFAULTS["bpe_vocab_size"]], help="one or more vocabulary sizes (each >= 257)")
+    parser.add_argument("--dataset", default=DEFAULTS["dataset"], help=helps["dataset"])
+    parser.add_argument("--data_path", "--data-path", default="", help=helps["data_path"])
+    parser.add_argument("--text_column", "--text-column", default=DEFAULTS["text_column"], help=helps["text_column"])
+    parser.add_argument("--data_dir", "--data-dir", default=DEFAULTS["data_dir"], help=helps["data_dir"])
+    parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
+                        help=helps["val_fraction"])
+    parser.add_argument("--no-gpt2", action="store_true", help="leave out GPT-2's column (its ranks come from PyPI once)")
+    args = parser.parse_args(argv)
+    if min(args.bpe_vocab_size) < 257:
+        parser.error(f"--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got {min(args.bpe_vocab_size)}")
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+    try:
+        print(report(args))
+    except PathError as err:
+        fail(str(err), err.exit_code)
+    except DataError as err:
+        fail(str(err))
+
+
+if __name__ == "__main__":
+    main()
