@@ -32,6 +32,7 @@ import torch
 
 from machinery.checkpoint import read_config
 from config import ConfigError, TrainConfig, config_from_dict, given_fields, model_config, replace
+from data import CharTokenizer
 from machinery.tokenizers import GPT2_EOT
 from machinery.distributed import print0
 from model import GPT, GPTConfig, describe
@@ -466,9 +467,11 @@ def char_tokenizer_files(chars: str, block_size: int) -> dict[str, Any]:
              "vocab": {ch: i for i, ch in enumerate(chars)}, "merges": []}
     tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
                  "pre_tokenizer": None, "post_processor": None, "decoder": {"type": "Fuse"}, "model": model}
-    # No special tokens: a newline is text (config.json names it bos_token_id for generate), never skipped.
+    # bos: the newline that starts our samples (config.json's bos_token_id), which lm_eval's hf backend puts
+    # before an empty context. It stays text: the vocabulary's own id, encoded and decoded as a newline.
+    start = chars[CharTokenizer(chars).eot_token]
     return {"tokenizer.json": tokenizer,
-            "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
+            "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": start,
                                       "clean_up_tokenization_spaces": False, "model_max_length": block_size}}
 
 

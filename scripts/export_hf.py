@@ -3,9 +3,11 @@
     python scripts/export_hf.py out/finetune_shakespeare hf/shakespeare
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf/shakespeare')"
 
-Writes model.safetensors and config.json (GPT2LMHeadModel) and the tokenizer: vocab.json, merges.txt
-and tokenizer_config.json for GPT-2's BPE (built offline from tiktoken's ranks), or tinygpt_chars.json
-for a char model (token id i is chars[i]). The mapping itself is machinery/hf.py's table.
+Writes model.safetensors and config.json (GPT2LMHeadModel) and the tokenizer, which AutoTokenizer loads
+to our very ids: vocab.json, merges.txt and tokenizer_config.json for a byte-level BPE (GPT-2's, built
+offline from tiktoken's ranks, or one trained with --tokenizer bpe, with tinygpt_bpe.json beside it), or
+tokenizer.json for a char model (one token per character, no merges; tinygpt_chars.json beside it). The
+weight mapping itself is machinery/hf.py's table.
 """
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
 """Shared fixtures: a small deterministic corpus and tiny configs, so every test runs in seconds."""
 from __future__ import annotations
 
+import functools
+import json
 import random
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from config import make_config  # noqa: E402
+from machinery.checkpoint import load_checkpoint  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 WORDS = ("the king queen lord lady love death night day crown sword heart blood sweet fair "
@@ -88,6 +92,22 @@ def tiny_cfg(tmp_path: Path, text_file: Path):
     return build
 
 
+@pytest.fixture
+def light_compile(monkeypatch):
+    """compile=on through dynamo (the graph capture), without inductor's codegen (minutes on a 2-core CPU).
+
+    The compile probe's two bugs (test_guards.py) live in the probe around torch.compile, not in the backend. Dynamo's caches are
+    cleared around the test so that no earlier compile (or its recompile budget) leaks in or out.
+    A fallback to eager would make the tests vacuous (eager runs no probe), so it is an error here.
+    """
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch.compile failed")
+        yield
+    torch._dynamo.reset()
+
+
 def tiny_model(vocab_size: int = 50, block_size: int = 16, dropout: float = 0.0, seed: int = 0, **kw) -> GPT:
     torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32,
@@ -117,3 +137,23 @@ def run_script(*args: str, cwd: Path = REPO, check: bool = True, timeout: int = 
     if check and result.returncode != 0:
         raise AssertionError(f"{args} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     return result
+
+
+def train_args(text_file: Path, out_dir: Path, *extra: str) -> list[str]:
+    """``python train.py`` arguments (for run_script) for the tiny preset with dropout and grad_accum 2."""
+    return ["train.py", "--config", "tiny", "--data_path", str(text_file), "--data_dir",
+            str(out_dir.parent / "data"), "--out_dir", str(out_dir), "--device", "cpu",
+            "--log_interval", "1", "--dropout", "0.1", "--grad_accum", "2", *extra]
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    """Every record of out_dir/metrics.jsonl, as logged."""
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(out_dir: str) -> dict[str, torch.Tensor]:
+    return load_checkpoint(Path(out_dir) / "last.pt")["model"]
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from machinery import runtime  # noqa: E402
 from machinery import checkpoint  # noqa: E402
+from machinery.checkpoint import load_checkpoint  # noqa: E402
 import data  # noqa: E402
 import train  # noqa: E402
 from machinery.distributed import env_rank  # noqa: E402
@@ -54,6 +55,13 @@ def run_main(args: list[str]) -> int:
     except SystemExit as exit_:
         return exit_.code
     return 0
+
+
+def run_for(tmp_path: Path, text_file: Path, name: str, **overrides) -> dict:
+    """Train the tiny preset into tmp_path/name (4 steps, then one eval of 8 windows); its last.pt."""
+    args = dict(max_iters=4, eval_interval=100, eval_tokens=256) | overrides
+    assert run_main(tiny_args(tmp_path / name, text_file, **args)) == 0
+    return load_checkpoint(tmp_path / name / "last.pt")
 
 
 def call_of(step: int, micro_batch: int, grad_accum: int) -> int:

@@ -89,20 +89,6 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ten.txt"]  # no data_dir, no out_dir
 
 
-def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_nothing(tmp_path, text_file, capsys):
-    out = tmp_path / "out"
-    assert run_main(tiny_args(out, text_file, max_iters=10, eval_interval=5)) == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert sorted(before) == ["best.pt", "last.pt", "metrics.jsonl"]
-    capsys.readouterr()
-    assert run_main(tiny_args(out, text_file, max_iters=20, n_embd=64, n_layer=3, resume="true")) == 2
-    err = capsys.readouterr().err
-    assert err == (f"error: {out / 'last.pt'} was trained with other settings: n_layer: checkpoint 2 vs now 3; "
-                   "n_embd: checkpoint 32 vs now 64. Use the same settings or a new --out_dir\n")
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-
-
-
 # Every entry point but train.py and doctor.py (whose config parser has its own tests), new scripts included.
 ENTRY_POINTS = ["sample.py", "data.py"] + [f"scripts/{p.name}" for p in sorted((REPO / "scripts").glob("*.py"))
                                            if p.name != "doctor.py"]
@@ -143,6 +129,14 @@ BAD_INPUTS = {
         (["--num_proc", "-1"], "--num_proc >= 0"),
         (["--val_fraction", "1"], "--val_fraction must be in (0, 1)"),
         (["--data_path", "{tmp}", "--data_dir", "{data}"], "no .txt files and no .parquet files in this folder"),
+        (["--tokenizer", "bpe", "--bpe_vocab_size", "256"], "--bpe_vocab_size must be >= 257"),
+        (["--data_path", "{corpus}", "--data_dir", "{data}", "--tokenizer", "bpe", "--bpe_vocab_size", "100000"],
+         "distinct merges, not the 99743 that --bpe_vocab_size 100000 needs; use at most --bpe_vocab_size"),
+    ],
+    "scripts/tokenizer.py": [
+        (["--bpe_vocab_size", "512", "100"], "--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got 100"),
+        (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
+        (["--val_fraction", "0"], "--val_fraction must be in (0, 1)"),
     ],
     "scripts/bench_prepare.py": [
         (["--mb", "0"], "need --mb and --doc-kb > 0"),

@@ -13,9 +13,7 @@ the bug is visible on a model or a batch, and by training runs compared exactly 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -24,17 +22,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery import checkpoint
 from machinery import runtime
 import sample
 import train
 from machinery.checkpoint import load_checkpoint
 from config import model_config
-from conftest import make_optimizer, make_text, tiny_model
+from conftest import final_weights, make_optimizer, make_text, same_weights, tiny_model
 from data import CharTokenizer, get_batch, load_corpus
 from machinery.corpora import prepare
-from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
-                             on_training_forward, run_main, tiny_args)
+from fault_injection import (assert_nested_equal, call_of, capture_run, metrics, on_training_forward, run_for,
+                             run_main, tiny_args)
 from machinery.faults import NonFiniteGuard
 from model import GPT
 from scripts import doctor
@@ -303,45 +300,7 @@ def test_tying_that_comes_apart_after_a_move_is_caught(move):
 
 
 # ----------------------------------------------------------------------------- whole runs
-def final_weights(out_dir: str) -> dict[str, torch.Tensor]:
-    return load_checkpoint(Path(out_dir) / "last.pt")["model"]
-
-
-def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def straight_and_resumed(tiny_cfg, tmp_path: Path, patch_resume=None) -> tuple[dict, dict]:
-    """Final weights of 8 steps in one go, and of 4 steps then a resume to 8 (patched if asked)."""
-    common = dict(max_iters=8, eval_interval=4, dropout=0.1, compile="off")
-    straight = tiny_cfg(out_dir=str(tmp_path / "straight"), **common)
-    train.train(straight)
-    split = dict(common, out_dir=str(tmp_path / "split"))
-    train.train(tiny_cfg(**dict(split, max_iters=4)))
-    if patch_resume:
-        patch_resume()
-    train.train(tiny_cfg(**split, resume=True))
-    return final_weights(straight.out_dir), final_weights(split["out_dir"])
-
-
-def test_resume_is_exact(tiny_cfg, tmp_path):
-    assert same_weights(*straight_and_resumed(tiny_cfg, tmp_path))
-
-
-RESUME_MUTANTS = {
-    "no optimizer state": lambda mp: mp.setattr(torch.optim.AdamW, "load_state_dict", lambda self, state: None),
-    "no RNG state": lambda mp: mp.setattr(checkpoint, "restore_rng", lambda rng, data_gen: None),
-    "data order only": lambda mp: mp.setattr(checkpoint, "restore_rng",
-                                             lambda rng, data_gen: data_gen.set_state(rng["data"])),
-}
-
-
-@pytest.mark.parametrize("mutant", RESUME_MUTANTS)
-def test_resume_without_optimizer_or_rng_state_is_caught(monkeypatch, tiny_cfg, tmp_path, mutant):
-    weights = straight_and_resumed(tiny_cfg, tmp_path, lambda: RESUME_MUTANTS[mutant](monkeypatch))
-    assert not same_weights(*weights)
-
-
+# (A resume's guards, exact and without optimizer or RNG state, are in test_resume.py.)
 def weights_with_eval_every(tiny_cfg, tmp_path: Path, eval_interval: int) -> dict[str, torch.Tensor]:
     cfg = tiny_cfg(out_dir=str(tmp_path / f"eval-every-{eval_interval}"), max_iters=6,
                    eval_interval=eval_interval, dropout=0.1, compile="off")
@@ -536,29 +495,6 @@ def test_sampling_runs_every_forward_without_autograd(use_cache):
 
 
 # ----------------------------------------------------------------------------- 7, 8. the compile probe
-@pytest.fixture
-def light_compile(monkeypatch):
-    """compile=on through dynamo (the graph capture), without inductor's codegen (minutes on a 2-core CPU).
-
-    The two bugs live in the probe around torch.compile, not in the backend. Dynamo's caches are
-    cleared around the test so that no earlier compile (or its recompile budget) leaks in or out.
-    A fallback to eager would make the tests vacuous (eager runs no probe), so it is an error here.
-    """
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch.compile failed")
-        yield
-    torch._dynamo.reset()
-
-
-def run_for(tmp_path: Path, text_file: Path, name: str, **overrides) -> dict:
-    """Train the tiny preset into tmp_path/name (4 steps, then one eval of 8 windows); its last.pt."""
-    args = dict(max_iters=4, eval_interval=100, eval_tokens=256) | overrides
-    assert run_main(tiny_args(tmp_path / name, text_file, **args)) == 0
-    return load_checkpoint(tmp_path / name / "last.pt")
-
-
 def test_compiled_run_sees_the_batches_and_gradients_of_an_eager_run(tmp_path, text_file, light_compile):
     """Bugs caught: the probe draws its batch from the training data stream (every batch shifts),
     and the probe's gradients left on the weights (step 1's gradient is off)."""
@@ -570,14 +506,6 @@ def test_compiled_run_sees_the_batches_and_gradients_of_an_eager_run(tmp_path, t
         assert c["loss"] == pytest.approx(e["loss"], rel=1e-5), f"loss at step {c['step']}"
         assert c["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-4), f"grad norm at step {c['step']}"
     assert torch.equal(compiled["rng"]["data"], eager["rng"]["data"]), "the data stream moved on differently"
-
-
-def test_compiled_run_resumed_equals_a_straight_compiled_run(tmp_path, text_file, light_compile):
-    """Bug caught: the probe draws from the training data stream (a resume probes again: one more draw)."""
-    straight = run_for(tmp_path, text_file, "straight", compile="on")
-    run_for(tmp_path, text_file, "split", compile="on", max_iters=2)
-    resumed = run_for(tmp_path, text_file, "split", compile="on", resume=True)
-    assert_same_training_state(straight, resumed)
 
 
 def probe_on(batch: tuple[torch.Tensor, torch.Tensor], fails: bool = False):

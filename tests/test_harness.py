@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ pytest.importorskip("accelerate")  # lm_eval's hf backend, the reference
 from machinery import hf  # noqa: E402
 import train  # noqa: E402
 from conftest import load_entry_point, make_text, tiny_model  # noqa: E402
-from machinery.tokenizers import GPT2Tokenizer  # noqa: E402
+from machinery.tokenizers import BPETokenizer  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 harness = load_entry_point("scripts/harness.py")
@@ -27,16 +28,11 @@ PARITY_TOL = 1e-4  # summed log-probabilities, fp32 on both sides; seen: 0.0 (CP
 LONG = ("Now is the winter of our discontent made glorious summer by this sun of York; " * 3).strip()
 
 
-class TinyBPE(GPT2Tokenizer):
-    """GPT-2's tokenizer class over a 269-token byte-level BPE: same pre-tokenizer, same export path."""
-
-    def __init__(self):
-        import tiktoken
-        from tiktoken_ext.openai_public import r50k_pat_str
-        ranks = {bytes([b]): b for b in range(256)} | {m: 256 + i for i, m in enumerate(MERGES)}
-        self.enc = tiktoken.Encoding(name="tiny-bpe", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                                     special_tokens={"<|endoftext|>": len(ranks)})
-        self.vocab_size, self.eot_token = self.enc.n_vocab, self.enc.eot_token
+def tiny_bpe() -> BPETokenizer:
+    """A 269-token byte-level BPE (256 bytes, MERGES, <|endoftext|>), GPT-2's pre-tokenizer: a trained BPE's path."""
+    from machinery.tokenizers import bpe_pattern
+    ranks = [bytes([b]) for b in range(256)] + MERGES
+    return BPETokenizer({"kind": "bpe", "pattern": bpe_pattern(), "ranks": [token.hex() for token in ranks]})
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +43,7 @@ def offline(monkeypatch):
 
 @pytest.fixture(scope="module")
 def bpe_model():
-    tokenizer = TinyBPE()
+    tokenizer = tiny_bpe()
     return tiny_model(vocab_size=tokenizer.vocab_size, block_size=32, seed=3).eval(), tokenizer
 
 
@@ -150,6 +146,34 @@ def char_checkpoint(tiny_cfg, tmp_path):
     cfg = tiny_cfg(data_path=str(corpus), max_iters=2, eval_interval=2, eval_tokens=256)
     train.train(cfg)
     return cfg.out_dir
+
+
+@pytest.fixture
+def bpe_checkpoint(tiny_cfg, char_checkpoint):
+    """The same corpus and steps as char_checkpoint, through a 300-token BPE trained on its train split."""
+    cfg = tiny_cfg(data_path=str(Path(char_checkpoint).parent / "cloze_corpus.txt"), max_iters=2, eval_interval=2,
+                   eval_tokens=256, tokenizer="bpe", bpe_vocab_size=300, out_dir=str(Path(char_checkpoint) / "bpe"))
+    train.train(cfg)
+    return cfg.out_dir
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_lm_evals_hf_backend_scores_an_export_as_the_adapter_scores_its_checkpoint(kind, request, tmp_path):
+    """Bug caught: a char export that transformers loaded as an empty GPT-2 tokenizer (every text -> []),
+    on which lm_eval's own backend stopped with `assert len(context_enc) > 0`."""
+    from lm_eval.models.huggingface import HFLM
+    import sample
+    checkpoint = request.getfixturevalue(f"{kind}_checkpoint")
+    model, tokenizer = sample.load_model(sample.find_checkpoint(checkpoint), torch.device("cpu"))
+    hf.export(model, tokenizer, tmp_path / "export")
+    theirs = HFLM(pretrained=str(tmp_path / "export"), device="cpu", batch_size=2)
+    ours = harness.TinyGPTLM(model.eval(), tokenizer, batch_size=2)
+    pairs = requests("loglikelihood", ("Good morrow to you, my", " lord"), ("The king is", " dead"))
+    for (mine, my_greedy), (ref, ref_greedy) in zip(ours.loglikelihood(pairs), theirs.loglikelihood(pairs)):
+        assert mine == pytest.approx(ref, abs=PARITY_TOL) and my_greedy == ref_greedy
+    accuracy = [run_cloze(lm)["results"]["tinygpt_cloze"] for lm in (ours, theirs)]
+    assert [a["acc,none"] for a in accuracy] == [accuracy[1]["acc,none"]] * 2
+    assert accuracy[0]["acc_norm,none"] == accuracy[1]["acc_norm,none"]
 
 
 def test_the_offline_task_runs_from_the_command_line_and_writes_its_json(char_checkpoint, tmp_path, capsys):

@@ -1,4 +1,10 @@
-"""Resume is exact: a run stopped at any awkward point and resumed equals the run never stopped.
+"""What a resume promises: a run stopped at any point and resumed equals the run never stopped.
+
+In order: exactness (in one process and across processes, compiled, every random stream); a stop at
+an awkward point, by a signal or a kill, then a resume; what a resume refuses (another model shape,
+optimizer, dtype or corpus, a checkpoint missing an RNG stream); the settings a resume takes from the
+new command line, and older checkpoints; a resume with nothing left to do, and the run's clock and
+tracker across a resume.
 
 Checkpoints are written only between optimizer steps, so "killed mid gradient-accumulation group"
 means: a stop request that arrives during micro-batch 2 of 4 lets the step finish all four micro-batches
@@ -11,18 +17,163 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from machinery import checkpoint
+from machinery import tracking
 import train
 from machinery.checkpoint import load_checkpoint, save_checkpoint
-from conftest import REPO, make_text, run_script
-from fault_injection import assert_same_training_state, call_of, metrics, run_main, signal_at, tiny_args
+from config import make_config
+from conftest import (REPO, final_weights, make_optimizer, make_text, read_metrics, run_script, same_weights,
+                      tiny_model, train_args)
+from fault_injection import (assert_same_training_state, call_of, metrics, run_for, run_main, signal_at, step_clock,
+                             tiny_args)
 
 
+# ----------------------------------------------------------------------------- exactness
+def straight_and_resumed(tiny_cfg, tmp_path: Path, patch_resume=None) -> tuple[dict, dict]:
+    """Final weights of 8 steps in one go, and of 4 steps then a resume to 8 (patched if asked)."""
+    common = dict(max_iters=8, eval_interval=4, dropout=0.1, compile="off")
+    straight = tiny_cfg(out_dir=str(tmp_path / "straight"), **common)
+    train.train(straight)
+    split = dict(common, out_dir=str(tmp_path / "split"))
+    train.train(tiny_cfg(**dict(split, max_iters=4)))
+    if patch_resume:
+        patch_resume()
+    train.train(tiny_cfg(**split, resume=True))
+    return final_weights(straight.out_dir), final_weights(split["out_dir"])
 
+
+def test_resume_is_exact(tiny_cfg, tmp_path):
+    assert same_weights(*straight_and_resumed(tiny_cfg, tmp_path))
+
+
+RESUME_MUTANTS = {
+    "no optimizer state": lambda mp: mp.setattr(torch.optim.AdamW, "load_state_dict", lambda self, state: None),
+    "no RNG state": lambda mp: mp.setattr(checkpoint, "restore_rng", lambda rng, data_gen: None),
+    "data order only": lambda mp: mp.setattr(checkpoint, "restore_rng",
+                                             lambda rng, data_gen: data_gen.set_state(rng["data"])),
+}
+
+
+@pytest.mark.parametrize("mutant", RESUME_MUTANTS)
+def test_resume_without_optimizer_or_rng_state_is_caught(monkeypatch, tiny_cfg, tmp_path, mutant):
+    weights = straight_and_resumed(tiny_cfg, tmp_path, lambda: RESUME_MUTANTS[mutant](monkeypatch))
+    assert not same_weights(*weights)
+
+
+def optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of an optimizer state_dict (AdamW's, or Muon + AdamW's nested pair), by path."""
+    found = {}
+    def walk(node, path):
+        if isinstance(node, torch.Tensor):
+            found[path] = node
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}/{key}")
+    walk(state, "")
+    return found
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_bit_exact_across_processes(tmp_path, text_file, optimizer):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    args = lambda out, *extra: train_args(text_file, out, "--optimizer", optimizer, "--eval_interval", "12", *extra)  # noqa: E731
+    run_script(*args(straight, "--max_iters", "24"))
+    run_script(*args(split, "--max_iters", "12"))
+    run_script(*args(split, "--max_iters", "24", "--resume"))
+    losses = lambda d: [(m["step"], m["loss"]) for m in read_metrics(d) if "loss" in m]  # noqa: E731
+    assert losses(split) == losses(straight) and len(losses(straight)) == 24
+    a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    moments_a, moments_b = optimizer_tensors(a["optimizer"]), optimizer_tensors(b["optimizer"])
+    expected = {"adamw": ("exp_avg", "exp_avg_sq"), "muon": ("exp_avg", "momentum_buffer")}[optimizer]
+    assert all(any(path.endswith(name) for path in moments_a) for name in expected)  # the moments are there
+    assert moments_a.keys() == moments_b.keys()
+    for path in moments_a:
+        assert torch.equal(moments_a[path], moments_b[path]), path
+    assert torch.equal(a["rng"]["data"], b["rng"]["data"])
+
+
+def test_resume_right_after_an_eval_and_best_save(tmp_path, text_file):
+    # The first run ends at step 10, an eval step, where it writes best.pt and last.pt.
+    assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=10, eval_interval=5)) == 0
+    assert load_checkpoint(tmp_path / "split" / "best.pt")["step"] == 10
+    assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=20, eval_interval=5, resume="true")) == 0
+    assert run_main(tiny_args(tmp_path / "straight", text_file, max_iters=20, eval_interval=5)) == 0
+    for name in ("last.pt", "best.pt"):
+        assert_same_training_state(load_checkpoint(tmp_path / "straight" / name),
+                                   load_checkpoint(tmp_path / "split" / name))
+    assert metrics(tmp_path / "straight") == metrics(tmp_path / "split")
+
+
+def test_data_order_after_resume_is_the_tail_of_the_straight_run(tmp_path, text_file, monkeypatch):
+    import train
+    drawn: list[torch.Tensor] = []
+    real_get_batch = train.get_batch
+
+    def recording_get_batch(*args, **kwargs):
+        x, y = real_get_batch(*args, **kwargs)
+        drawn.append(x.clone())
+        return x, y
+
+    monkeypatch.setattr(train, "get_batch", recording_get_batch)
+    args = dict(grad_accum=2, max_iters=12, eval_interval=4)
+    assert run_main(tiny_args(tmp_path / "straight", text_file, **args)) == 0
+    straight, drawn[:] = list(drawn), []
+    assert run_main(tiny_args(tmp_path / "split", text_file, **{**args, "max_iters": 5})) == 0
+    head, drawn[:] = list(drawn), []
+    assert run_main(tiny_args(tmp_path / "split", text_file, **args, resume="true")) == 0
+    assert len(straight) == 24 and len(head) == 10
+    assert all(torch.equal(a, b) for a, b in zip(head + drawn, straight, strict=True))
+
+
+def draw_from_global_streams(monkeypatch) -> list[tuple]:
+    """Each micro-batch also draws from python's, numpy's and torch's global RNGs, as user code in the
+    loop would (an augmentation, a sampler); the list of draws, in order."""
+    draws: list[tuple] = []
+    real_get_batch = train.get_batch
+
+    def get_batch(*args, **kwargs):
+        cuda = (torch.rand(1, device="cuda").item(),) if torch.cuda.is_available() else ()
+        draws.append((random.random(), float(np.random.random()), torch.rand(1).item(), *cuda))
+        return real_get_batch(*args, **kwargs)
+
+    monkeypatch.setattr(train, "get_batch", get_batch)
+    return draws
+
+
+def test_after_a_resume_every_global_random_stream_continues_as_in_a_straight_run(tiny_cfg, tmp_path, monkeypatch):
+    """Bugs caught: restore_rng without its np.random.set_state line (or random.setstate, or
+    torch.set_rng_state): the resumed run's draws are those of a freshly seeded stream."""
+    draws = draw_from_global_streams(monkeypatch)
+    common = dict(max_iters=4, eval_interval=2, compile="off")
+    train.train(tiny_cfg(out_dir=str(tmp_path / "straight"), **common))
+    straight = draws[:]
+    draws.clear()
+    train.train(tiny_cfg(out_dir=str(tmp_path / "split"), **{**common, "max_iters": 2}))
+    assert draws == straight[:2]
+    draws.clear()
+    train.train(tiny_cfg(out_dir=str(tmp_path / "split"), resume=True, **common))
+    assert len(draws) == 2
+    for name, i in (("python", 0), ("numpy", 1), ("torch_cpu", 2), ("torch_cuda", 3))[: len(draws[0])]:
+        assert [d[i] for d in draws] == [d[i] for d in straight[2:]], f"{name} stream after the resume"
+
+
+def test_compiled_run_resumed_equals_a_straight_compiled_run(tmp_path, text_file, light_compile):
+    """Bug caught: the probe draws from the training data stream (a resume probes again: one more draw)."""
+    straight = run_for(tmp_path, text_file, "straight", compile="on")
+    run_for(tmp_path, text_file, "split", compile="on", max_iters=2)
+    resumed = run_for(tmp_path, text_file, "split", compile="on", resume=True)
+    assert_same_training_state(straight, resumed)
+
+
+# ----------------------------------------------------------------------------- a signal or a kill, then a resume
 @pytest.mark.slow  # three fresh interpreters: ~10 s idle, ~25 s on 2 busy cores
 def test_killed_and_resumed_twice_in_fresh_processes_equals_straight_run(tmp_path, text_file):
     # fp16 so that the GradScaler has a state to restore; grad_accum 2 so that each signal lands mid-step.
@@ -63,64 +214,6 @@ def test_sigterm_mid_accumulation_finishes_the_step_then_saves(tmp_path, text_fi
     assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
                                load_checkpoint(tmp_path / "stopped" / "last.pt"))
     assert metrics(tmp_path / "straight") == metrics(tmp_path / "stopped")
-
-
-def test_resume_right_after_an_eval_and_best_save(tmp_path, text_file):
-    # The first run ends at step 10, an eval step, where it writes best.pt and last.pt.
-    assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=10, eval_interval=5)) == 0
-    assert load_checkpoint(tmp_path / "split" / "best.pt")["step"] == 10
-    assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=20, eval_interval=5, resume="true")) == 0
-    assert run_main(tiny_args(tmp_path / "straight", text_file, max_iters=20, eval_interval=5)) == 0
-    for name in ("last.pt", "best.pt"):
-        assert_same_training_state(load_checkpoint(tmp_path / "straight" / name),
-                                   load_checkpoint(tmp_path / "split" / name))
-    assert metrics(tmp_path / "straight") == metrics(tmp_path / "split")
-
-
-def test_resuming_a_finished_run_does_zero_steps_and_changes_nothing(tmp_path, text_file, monkeypatch):
-    out = tmp_path / "out"
-    assert run_main(tiny_args(out, text_file, max_iters=6)) == 0
-    before = {name: (out / name).read_bytes() for name in ("last.pt", "best.pt", "metrics.jsonl")}
-    calls = signal_at(monkeypatch, signal.SIGTERM, call=-1)  # counts training forward passes only
-    assert run_main(tiny_args(out, text_file, max_iters=6, resume="true")) == 0
-    assert calls == []
-    assert {name: (out / name).read_bytes() for name in before} == before
-
-
-def test_data_order_after_resume_is_the_tail_of_the_straight_run(tmp_path, text_file, monkeypatch):
-    import train
-    drawn: list[torch.Tensor] = []
-    real_get_batch = train.get_batch
-
-    def recording_get_batch(*args, **kwargs):
-        x, y = real_get_batch(*args, **kwargs)
-        drawn.append(x.clone())
-        return x, y
-
-    monkeypatch.setattr(train, "get_batch", recording_get_batch)
-    args = dict(grad_accum=2, max_iters=12, eval_interval=4)
-    assert run_main(tiny_args(tmp_path / "straight", text_file, **args)) == 0
-    straight, drawn[:] = list(drawn), []
-    assert run_main(tiny_args(tmp_path / "split", text_file, **{**args, "max_iters": 5})) == 0
-    head, drawn[:] = list(drawn), []
-    assert run_main(tiny_args(tmp_path / "split", text_file, **args, resume="true")) == 0
-    assert len(straight) == 24 and len(head) == 10
-    assert all(torch.equal(a, b) for a, b in zip(head + drawn, straight, strict=True))
-
-
-@pytest.mark.parametrize("stream", ["python", "numpy", "torch_cpu", "torch_cuda", "data"])
-def test_checkpoint_missing_an_rng_stream_is_refused(tmp_path, text_file, capsys, stream):
-    out = tmp_path / "out"
-    assert run_main(tiny_args(out, text_file, max_iters=3)) == 0
-    state = load_checkpoint(out / "last.pt")
-    del state["rng"][stream]
-    save_checkpoint(state, out / "last.pt")
-    before = (out / "last.pt").read_bytes()
-    capsys.readouterr()
-    assert run_main(tiny_args(out, text_file, max_iters=6, resume="true")) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and str(out / "last.pt") in err and stream in err and "not be exact" in err
-    assert (out / "last.pt").read_bytes() == before
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -170,6 +263,58 @@ def test_sigkill_loses_at_most_ckpt_interval_steps_and_metrics_keep_no_duplicate
     assert metrics(tmp_path / "straight") == metrics(out)  # the redone steps are logged once
 
 
+# ----------------------------------------------------------------------------- what a resume refuses
+@pytest.mark.parametrize("stream", ["python", "numpy", "torch_cpu", "torch_cuda", "data"])
+def test_checkpoint_missing_an_rng_stream_is_refused(tmp_path, text_file, capsys, stream):
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, max_iters=3)) == 0
+    state = load_checkpoint(out / "last.pt")
+    del state["rng"][stream]
+    save_checkpoint(state, out / "last.pt")
+    before = (out / "last.pt").read_bytes()
+    capsys.readouterr()
+    assert run_main(tiny_args(out, text_file, max_iters=6, resume="true")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(out / "last.pt") in err and stream in err and "not be exact" in err
+    assert (out / "last.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("change, message", [
+    (("--n_embd", "64"), "n_embd: checkpoint 32 vs now 64"),
+    (("--optimizer", "muon"), "optimizer: checkpoint 'adamw' vs now 'muon'"),  # their states cannot be exchanged
+])
+def test_resume_refuses_another_model_or_optimizer(tmp_path, text_file, change, message):
+    out = tmp_path / "run"
+    run_script(*train_args(text_file, out, "--max_iters", "3"))
+    before = (out / "last.pt").read_bytes()
+    result = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume", *change), check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert message in result.stderr
+    assert (out / "last.pt").read_bytes() == before
+
+
+def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_nothing(tmp_path, text_file, capsys):
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, max_iters=10, eval_interval=5)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["best.pt", "last.pt", "metrics.jsonl"]
+    capsys.readouterr()
+    assert run_main(tiny_args(out, text_file, max_iters=20, n_embd=64, n_layer=3, resume="true")) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {out / 'last.pt'} was trained with other settings: n_layer: checkpoint 2 vs now 3; "
+                   "n_embd: checkpoint 32 vs now 64. Use the same settings or a new --out_dir\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_resume_refuses_a_dtype_change_that_drops_the_grad_scaler(tmp_path, text_file):
+    out = tmp_path / "run"
+    run_script(*train_args(text_file, out, "--max_iters", "3"))
+    result = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume", "--dtype", "float16"),
+                        check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith("resume with --dtype float32") and "Traceback" not in result.stderr
+
+
 def test_a_resume_on_other_data_is_refused_and_old_checkpoints_still_resume(tmp_path, text_file, capsys):
     # Old code: both resumes below continue without a word (exit 0), the second after re-preparing
     # the shared corpus folder in place with its new split.
@@ -196,34 +341,88 @@ def test_a_resume_on_other_data_is_refused_and_old_checkpoints_still_resume(tmp_
     assert load_checkpoint(out / "last.pt")["corpus"]["val_fraction"] == 0.1  # and records it from now on
 
 
-# ----------------------------------------------------------------------------- resume: every random stream
-def draw_from_global_streams(monkeypatch) -> list[tuple]:
-    """Each micro-batch also draws from python's, numpy's and torch's global RNGs, as user code in the
-    loop would (an augmentation, a sampler); the list of draws, in order."""
-    draws: list[tuple] = []
-    real_get_batch = train.get_batch
+# ----------------------------------------------------------------------------- new settings, older checkpoints
+def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
+    model = tiny_model()
+    old = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99), muon_lr=0.02)
+    _, loss_sum, n = model(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
+    (loss_sum / n).backward()
+    old.step()
+    new = make_optimizer(model, 0.0, 1e-3, (0.9, 0.95), muon_lr=0.01)
+    checkpoint.load_optimizer_state(new, old.state_dict())
+    assert [g["lr_scale"] for g in new.param_groups] == [1.0, 1.0, 10.0]  # 0.01 / 1e-3, not the saved 20
+    assert all(g["weight_decay"] == 0.0 for g in new.param_groups)
+    assert new.adamw.param_groups[0]["betas"] == (0.9, 0.95)
+    moments = lambda opt: list(opt.state_dict()["state"].values())  # noqa: E731
+    for a, b in zip(moments(old), moments(new), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
-    def get_batch(*args, **kwargs):
-        cuda = (torch.rand(1, device="cuda").item(),) if torch.cuda.is_available() else ()
-        draws.append((random.random(), float(np.random.random()), torch.rand(1).item(), *cuda))
-        return real_get_batch(*args, **kwargs)
 
-    monkeypatch.setattr(train, "get_batch", get_batch)
-    return draws
+def test_a_format_1_checkpoint_still_resumes_and_samples(tmp_path, text_file):
+    out = tmp_path / "run"
+    run_script(*train_args(text_file, out, "--max_iters", "3"))
+    for name in ("last.pt", "best.pt"):  # as the previous version wrote them: no clock, no lr_scale
+        state = load_checkpoint(out / name)
+        del state["time_s"]
+        state["format_version"] = 1
+        for group in state["optimizer"]["param_groups"]:
+            del group["lr_scale"]
+        save_checkpoint(state, out / name)
+    resumed = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume"))
+    assert "resumed from" in resumed.stdout and load_checkpoint(out / "last.pt")["step"] == 6
+    run_script("sample.py", "--ckpt", str(out), "--max-new-tokens", "5")
 
 
-def test_after_a_resume_every_global_random_stream_continues_as_in_a_straight_run(tiny_cfg, tmp_path, monkeypatch):
-    """Bugs caught: restore_rng without its np.random.set_state line (or random.setstate, or
-    torch.set_rng_state): the resumed run's draws are those of a freshly seeded stream."""
-    draws = draw_from_global_streams(monkeypatch)
-    common = dict(max_iters=4, eval_interval=2, compile="off")
-    train.train(tiny_cfg(out_dir=str(tmp_path / "straight"), **common))
-    straight = draws[:]
-    draws.clear()
-    train.train(tiny_cfg(out_dir=str(tmp_path / "split"), **{**common, "max_iters": 2}))
-    assert draws == straight[:2]
-    draws.clear()
-    train.train(tiny_cfg(out_dir=str(tmp_path / "split"), resume=True, **common))
-    assert len(draws) == 2
-    for name, i in (("python", 0), ("numpy", 1), ("torch_cpu", 2), ("torch_cuda", 3))[: len(draws[0])]:
-        assert [d[i] for d in draws] == [d[i] for d in straight[2:]], f"{name} stream after the resume"
+# ----------------------------------------------------------------------------- nothing to do, the clock, the tracker
+def test_resuming_a_finished_run_does_zero_steps_and_changes_nothing(tmp_path, text_file, monkeypatch):
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, max_iters=6)) == 0
+    before = {name: (out / name).read_bytes() for name in ("last.pt", "best.pt", "metrics.jsonl")}
+    calls = signal_at(monkeypatch, signal.SIGTERM, call=-1)  # counts training forward passes only
+    assert run_main(tiny_args(out, text_file, max_iters=6, resume="true")) == 0
+    assert calls == []
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_max_time_stops_annealed_and_a_resume_continues_the_clock(tmp_path, text_file, monkeypatch, capsys):
+    step_clock(monkeypatch, step_s=0.25)  # a clock that moves 0.25 s per step: 12 steps spend 3 s, anywhere
+    out = tmp_path / "run"
+    timed = dict(schedule="time", max_iters=10**6, eval_interval=10**6, warmup_iters=2, min_lr=0, dropout=0.1)
+    assert run_main(tiny_args(out, text_file, max_time=3, **timed)) == 0
+    records = read_metrics(out)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))  # stopped by the clock at the first step that spent it
+    assert [r["time_s"] for r in steps] == [0.25 * s for s in range(1, 13)]
+    assert records[-1]["val_loss"] > 0 and records[-1]["time_s"] == 3.0 and records[-1]["step"] == 12
+    cfg = make_config("tiny", max_time=3, **timed)
+    assert [r["lr"] for r in steps] == [train.get_lr(s - 1, cfg, 0.25 * (s - 1)) for s in range(1, 13)]
+    assert steps[-1]["lr"] < 0.05 * steps[1]["lr"]  # annealed as time ran out (step 12 began 2.75 s in)
+    state = load_checkpoint(out / "last.pt")
+    assert state["step"] == 12 and state["time_s"] == 3.0
+
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert run_main(tiny_args(out, text_file, max_time=3, resume="true", **timed)) == 0
+    assert "max_time reached: nothing to do; raise --max_time to continue" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no step, no file touched
+
+    assert run_main(tiny_args(out, text_file, max_time=5, resume="true", **timed)) == 0
+    assert "WARNING: resuming with changed settings (max_time: checkpoint 3.0 vs now 5.0)" in capsys.readouterr().out
+    resumed = [r for r in read_metrics(out) if "loss" in r][len(steps):]
+    assert [(r["step"], r["time_s"]) for r in resumed] == [(s, 0.25 * s) for s in range(13, 21)]  # the clock goes on
+    longer = make_config("tiny", max_time=5, **timed)
+    assert resumed[0]["lr"] == train.get_lr(12, longer, 3.0)  # the schedule picked up at 3 of 5 s, not from the top
+    assert resumed[0]["lr"] < steps[1]["lr"] * 0.5
+
+
+def test_a_resume_with_nothing_left_to_do_opens_no_tracker_run(tmp_path, text_file, monkeypatch):
+    """A wandb run opened to log nothing is one more (offline) run to sync, and a wait for wandb."""
+    started = []  # cfg.resume of each tracker started
+
+    def start(cfg, out_dir, logged_through=None):
+        started.append(cfg.resume)
+        return tracking.NullTracker()
+    monkeypatch.setattr(tracking, "start", start)
+    args = tiny_args(tmp_path / "run", text_file, max_iters=2, eval_interval=2, wandb="true")
+    assert run_main(args) == 0 and started == [False]
+    assert run_main(args + ["--resume"]) == 0 and started == [False]  # max_iters reached: nothing to log
+    assert run_main(args + ["--resume", "--max_iters=3"]) == 0 and started == [False, True]  # a step to do

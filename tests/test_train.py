@@ -1,25 +1,18 @@
-"""The training loop: schedule, accumulation, evaluation, checkpoints, exact resume, end to end."""
+"""The training loop: schedule, accumulation, evaluation, checkpoints, end to end (resume: test_resume.py)."""
 from __future__ import annotations
 
-import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-from machinery import checkpoint
 from machinery import tracking
 import train
 from machinery.checkpoint import REQUIRED_KEYS, CheckpointWriteError, load_checkpoint, save_checkpoint
 from config import ConfigError, make_config
-from conftest import make_optimizer, run_script, tiny_model
+from conftest import read_metrics, run_script, tiny_model, train_args
 from fault_injection import metrics, run_main, step_clock, tiny_args
-
-
-def read_metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_lr_schedule_table():
@@ -56,36 +49,6 @@ def test_time_schedule_decays_over_max_time_and_warms_up_by_steps():
     assert train.get_lr(60, steps, 99.0) == pytest.approx(0.55)  # schedule=steps ignores the clock
 
 
-def test_max_time_stops_annealed_and_a_resume_continues_the_clock(tmp_path, text_file, monkeypatch, capsys):
-    step_clock(monkeypatch, step_s=0.25)  # a clock that moves 0.25 s per step: 12 steps spend 3 s, anywhere
-    out = tmp_path / "run"
-    timed = dict(schedule="time", max_iters=10**6, eval_interval=10**6, warmup_iters=2, min_lr=0, dropout=0.1)
-    assert run_main(tiny_args(out, text_file, max_time=3, **timed)) == 0
-    records = read_metrics(out)
-    steps = [r for r in records if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, 13))  # stopped by the clock at the first step that spent it
-    assert [r["time_s"] for r in steps] == [0.25 * s for s in range(1, 13)]
-    assert records[-1]["val_loss"] > 0 and records[-1]["time_s"] == 3.0 and records[-1]["step"] == 12
-    cfg = make_config("tiny", max_time=3, **timed)
-    assert [r["lr"] for r in steps] == [train.get_lr(s - 1, cfg, 0.25 * (s - 1)) for s in range(1, 13)]
-    assert steps[-1]["lr"] < 0.05 * steps[1]["lr"]  # annealed as time ran out (step 12 began 2.75 s in)
-    state = load_checkpoint(out / "last.pt")
-    assert state["step"] == 12 and state["time_s"] == 3.0
-
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert run_main(tiny_args(out, text_file, max_time=3, resume="true", **timed)) == 0
-    assert "max_time reached: nothing to do; raise --max_time to continue" in capsys.readouterr().out
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no step, no file touched
-
-    assert run_main(tiny_args(out, text_file, max_time=5, resume="true", **timed)) == 0
-    assert "WARNING: resuming with changed settings (max_time: checkpoint 3.0 vs now 5.0)" in capsys.readouterr().out
-    resumed = [r for r in read_metrics(out) if "loss" in r][len(steps):]
-    assert [(r["step"], r["time_s"]) for r in resumed] == [(s, 0.25 * s) for s in range(13, 21)]  # the clock goes on
-    longer = make_config("tiny", max_time=5, **timed)
-    assert resumed[0]["lr"] == train.get_lr(12, longer, 3.0)  # the schedule picked up at 3 of 5 s, not from the top
-    assert resumed[0]["lr"] < steps[1]["lr"] * 0.5
-
-
 @pytest.mark.parametrize("seconds, shown", [(0, "0:00"), (83.9, "1:23"), (180, "3:00"), (3599.5, "59:59"),
                                              (3600, "1:00:00"), (3725, "1:02:05")])
 def test_clock_is_minutes_and_seconds_then_hours(seconds, shown):
@@ -101,51 +64,6 @@ def test_step_lines_show_the_run_time_against_max_time(tmp_path, text_file, caps
     assert run_main(tiny_args(tmp_path / "none", text_file, max_iters=2)) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if step_line.match(line)]
     assert len(lines) == 2 and not any(" of " in line for line in lines)  # no budget, nothing to count down
-
-
-def test_a_resume_with_nothing_left_to_do_opens_no_tracker_run(tmp_path, text_file, monkeypatch):
-    """A wandb run opened to log nothing is one more (offline) run to sync, and a wait for wandb."""
-    started = []  # cfg.resume of each tracker started
-
-    def start(cfg, out_dir, logged_through=None):
-        started.append(cfg.resume)
-        return tracking.NullTracker()
-    monkeypatch.setattr(tracking, "start", start)
-    args = tiny_args(tmp_path / "run", text_file, max_iters=2, eval_interval=2, wandb="true")
-    assert run_main(args) == 0 and started == [False]
-    assert run_main(args + ["--resume"]) == 0 and started == [False]  # max_iters reached: nothing to log
-    assert run_main(args + ["--resume", "--max_iters=3"]) == 0 and started == [False, True]  # a step to do
-
-
-def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
-    model = tiny_model()
-    old = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99), muon_lr=0.02)
-    _, loss_sum, n = model(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
-    (loss_sum / n).backward()
-    old.step()
-    new = make_optimizer(model, 0.0, 1e-3, (0.9, 0.95), muon_lr=0.01)
-    checkpoint.load_optimizer_state(new, old.state_dict())
-    assert [g["lr_scale"] for g in new.param_groups] == [1.0, 1.0, 10.0]  # 0.01 / 1e-3, not the saved 20
-    assert all(g["weight_decay"] == 0.0 for g in new.param_groups)
-    assert new.adamw.param_groups[0]["betas"] == (0.9, 0.95)
-    moments = lambda opt: list(opt.state_dict()["state"].values())  # noqa: E731
-    for a, b in zip(moments(old), moments(new), strict=True):
-        assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_a_format_1_checkpoint_still_resumes_and_samples(tmp_path, text_file):
-    out = tmp_path / "run"
-    run_script(*train_args(text_file, out, "--max_iters", "3"))
-    for name in ("last.pt", "best.pt"):  # as the previous version wrote them: no clock, no lr_scale
-        state = load_checkpoint(out / name)
-        del state["time_s"]
-        state["format_version"] = 1
-        for group in state["optimizer"]["param_groups"]:
-            del group["lr_scale"]
-        save_checkpoint(state, out / name)
-    resumed = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume"))
-    assert "resumed from" in resumed.stdout and load_checkpoint(out / "last.pt")["step"] == 6
-    run_script("sample.py", "--ckpt", str(out), "--max-new-tokens", "5")
 
 
 def test_an_eval_that_spends_the_budget_is_the_final_one(tmp_path, text_file, monkeypatch):
@@ -237,60 +155,6 @@ def test_an_exception_mid_save_leaves_the_previous_file_intact(tmp_path, monkeyp
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temp file left behind
 
 
-def train_args(text_file: Path, out_dir: Path, *extra: str) -> list[str]:
-    return ["train.py", "--config", "tiny", "--data_path", str(text_file), "--data_dir",
-            str(out_dir.parent / "data"), "--out_dir", str(out_dir), "--device", "cpu",
-            "--log_interval", "1", "--dropout", "0.1", "--grad_accum", "2", *extra]
-
-
-def optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:
-    """Every tensor of an optimizer state_dict (AdamW's, or Muon + AdamW's nested pair), by path."""
-    found = {}
-    def walk(node, path):
-        if isinstance(node, torch.Tensor):
-            found[path] = node
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, f"{path}/{key}")
-    walk(state, "")
-    return found
-
-
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_resume_is_bit_exact_across_processes(tmp_path, text_file, optimizer):
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    args = lambda out, *extra: train_args(text_file, out, "--optimizer", optimizer, "--eval_interval", "12", *extra)  # noqa: E731
-    run_script(*args(straight, "--max_iters", "24"))
-    run_script(*args(split, "--max_iters", "12"))
-    run_script(*args(split, "--max_iters", "24", "--resume"))
-    losses = lambda d: [(m["step"], m["loss"]) for m in read_metrics(d) if "loss" in m]  # noqa: E731
-    assert losses(split) == losses(straight) and len(losses(straight)) == 24
-    a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    moments_a, moments_b = optimizer_tensors(a["optimizer"]), optimizer_tensors(b["optimizer"])
-    expected = {"adamw": ("exp_avg", "exp_avg_sq"), "muon": ("exp_avg", "momentum_buffer")}[optimizer]
-    assert all(any(path.endswith(name) for path in moments_a) for name in expected)  # the moments are there
-    assert moments_a.keys() == moments_b.keys()
-    for path in moments_a:
-        assert torch.equal(moments_a[path], moments_b[path]), path
-    assert torch.equal(a["rng"]["data"], b["rng"]["data"])
-
-
-@pytest.mark.parametrize("change, message", [
-    (("--n_embd", "64"), "n_embd: checkpoint 32 vs now 64"),
-    (("--optimizer", "muon"), "optimizer: checkpoint 'adamw' vs now 'muon'"),  # their states cannot be exchanged
-])
-def test_resume_refuses_another_model_or_optimizer(tmp_path, text_file, change, message):
-    out = tmp_path / "run"
-    run_script(*train_args(text_file, out, "--max_iters", "3"))
-    before = (out / "last.pt").read_bytes()
-    result = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume", *change), check=False)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert message in result.stderr
-    assert (out / "last.pt").read_bytes() == before
-
-
 def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, text_file):
     out = tmp_path / "run"
     run_script(*train_args(text_file, out, "--max_iters", "3"))
@@ -298,15 +162,6 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, text_file):
     result = run_script(*train_args(text_file, out, "--max_iters", "3"), check=False)
     assert result.returncode == 2 and "already holds a run (last.pt); continue it with --resume" in result.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-
-
-def test_resume_refuses_a_dtype_change_that_drops_the_grad_scaler(tmp_path, text_file):
-    out = tmp_path / "run"
-    run_script(*train_args(text_file, out, "--max_iters", "3"))
-    result = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume", "--dtype", "float16"),
-                        check=False)
-    assert result.returncode == 2
-    assert result.stderr.strip().endswith("resume with --dtype float32") and "Traceback" not in result.stderr
 
 
 def test_end_to_end_train_then_sample(tmp_path, text_file):

@@ -1,0 +1,185 @@
+"""Tokenizers: a BPE trained on the train split (deterministic, val never seen), carried in the checkpoint,
+exported so that transformers encodes exactly as we do (char and BPE), and its bad inputs in one line."""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sample
+from config import ConfigError, parse_args
+from conftest import load_entry_point, make_text, run_script
+from data import CharTokenizer, DataError, tokenizer_from_meta
+from fault_injection import run_main, tiny_args
+from machinery import hf
+from machinery.corpora import prepare
+from machinery.tokenizers import BPETokenizer, train_bpe
+
+VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's words can merge
+MIXED = "ROMEO: naïve café — 東京 🤖👍🏽\n\n\tend   of  line \n  x"  # ASCII, accents, emoji, whitespace runs
+
+
+def prepared(data_path: Path, data_dir: Path, vocab: int = VOCAB) -> Path:
+    return prepare(data_path=str(data_path), tokenizer="bpe", data_dir=str(data_dir), bpe_vocab_size=vocab)
+
+
+def ranks_of(folder: Path) -> list[str]:
+    return json.loads((folder / "meta.json").read_text())["tokenizer"]["ranks"]
+
+
+def test_preparing_twice_gives_byte_identical_files(tmp_path, text_file):
+    first, second = prepared(text_file, tmp_path / "a"), prepared(text_file, tmp_path / "b")
+    assert first.name == second.name == f"{text_file.stem}-{first.name.split('-')[1]}-bpe{VOCAB}-val0.1"
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert len(ranks_of(first)) == VOCAB - 1  # the last id is <|endoftext|>, not a merge
+
+
+def test_the_val_split_never_shapes_the_merges(tmp_path):
+    """Two texts with the same train part and different val tails (same length): the same merges. The
+    second tail repeats a word the train part never has, so merges learnt from it would show."""
+    train_part = make_text(400)
+    n_val = len(train_part) // 9  # val_fraction 0.1 of the whole: the tail is 1/9 of the train part
+    tails = [make_text(100, seed=1)[:n_val], ("zqxv " * n_val)[:n_val]]
+    folders = []
+    for i, tail in enumerate(tails):
+        path = tmp_path / f"text{i}.txt"
+        path.write_text(train_part + tail)
+        folders.append(prepared(path, tmp_path / f"data{i}"))
+    assert ranks_of(folders[0]) == ranks_of(folders[1])
+    assert (folders[0] / "val.bin").read_bytes() != (folders[1] / "val.bin").read_bytes()
+    seen_val = train_bpe([train_part + tails[1]], VOCAB, "whole").meta()["ranks"]  # the test can fail: val merges
+    with_marker = lambda ranks: [bytes.fromhex(t) for t in ranks if b"zqx" in bytes.fromhex(t)]  # noqa: E731
+    assert with_marker(seen_val) and not with_marker(ranks_of(folders[1]))
+
+
+def test_document_corpora_train_their_bpe_on_train_documents_only(tmp_path):
+    """A .jsonl's val documents (0, 10, 20, ...) differ between two corpora; the merges do not."""
+    docs = make_text(600).split("\n\n") if "\n\n" in make_text(600) else make_text(600).splitlines()
+    folders = []
+    for i, marker in enumerate(("", "zqxv zqxv zqxv ")):
+        lines = [json.dumps({"text": (marker * 20 if k % 10 == 0 else "") + doc}) for k, doc in enumerate(docs)]
+        path = tmp_path / f"web{i}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        folders.append(prepare(data_path=str(path), tokenizer="bpe", data_dir=str(tmp_path / f"d{i}"),
+                               bpe_vocab_size=VOCAB, num_proc=1))
+    assert ranks_of(folders[0]) == ranks_of(folders[1])
+    meta = json.loads((folders[0] / "meta.json").read_text())
+    assert meta["documents"] == len(docs) and "<|endoftext|> before each document" in meta["val_split"]
+
+
+def test_a_bpe_run_trains_resumes_and_samples_from_its_checkpoint_alone(tmp_path, text_file, capsys):
+    """The tokenizer travels in the checkpoint: with data_dir gone, sample.py still encodes any Unicode."""
+    out = tmp_path / "run"
+    assert run_main(tiny_args(out, text_file, tokenizer="bpe", bpe_vocab_size=VOCAB, max_iters=6, eval_interval=3)) == 0
+    assert run_main(tiny_args(out, text_file, tokenizer="bpe", bpe_vocab_size=VOCAB, max_iters=8, eval_interval=3,
+                              resume="true")) == 0
+    for folder in (text_file.parent / "data").iterdir():
+        if folder.is_dir():
+            for file in folder.iterdir():
+                file.unlink()
+    model, tokenizer = sample.load_model(out / "best.pt", torch.device("cpu"))
+    assert isinstance(tokenizer, BPETokenizer) and tokenizer.vocab_size == VOCAB == model.config.vocab_size
+    assert tokenizer.decode(tokenizer.encode(MIXED)) == MIXED  # byte-level: no character is out of vocabulary
+    capsys.readouterr()
+    sample.main(["--ckpt", str(out), "--prompt", MIXED, "--max-new-tokens", "5", "--seed", "1"])
+    assert capsys.readouterr().out.splitlines()[1].startswith(MIXED.splitlines()[0])
+
+
+@pytest.mark.parametrize("change, refused", [(["--bpe_vocab_size=300"], "bpe_vocab_size: checkpoint 320 vs now 300"),
+                                             (["--tokenizer=char"], "tokenizer: checkpoint 'bpe' vs now 'char'")])
+def test_a_resume_with_another_tokenizer_or_vocabulary_is_refused_and_writes_nothing(tmp_path, text_file, capsys,
+                                                                                     change, refused):
+    out = tmp_path / "run"
+    args = tiny_args(out, text_file, tokenizer="bpe", bpe_vocab_size=VOCAB, max_iters=3, eval_interval=3)
+    assert run_main(args) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert run_main(args + change + ["--resume=true", "--max_iters=6"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and refused in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_bad_vocabulary_sizes_are_one_line(tmp_path, text_file):
+    with pytest.raises(ConfigError, match=r"bpe_vocab_size must be >= 257 \(the 256 bytes and <\|endoftext\|>\), got 256"):
+        parse_args(["--config", "tiny", "--tokenizer", "bpe", "--bpe_vocab_size", "256"])
+    with pytest.raises(DataError, match="distinct merges, not the 9743 that --bpe_vocab_size 10000 needs") as error:
+        prepared(text_file, tmp_path / "data", vocab=10000)
+    assert "\n" not in str(error.value)
+    assert not any((tmp_path / "data").glob("*bpe*"))  # refused before any folder was written
+    parse_args(["--config", "tiny", "--tokenizer", "bpe", "--bpe_vocab_size", "257"])  # bytes alone: allowed
+
+
+def test_the_smallest_bpe_is_bytes_and_encodes_any_text(tmp_path, text_file):
+    tokenizer = tokenizer_from_meta(json.loads((prepared(text_file, tmp_path / "d", 257) / "meta.json").read_text())
+                                    ["tokenizer"])
+    assert tokenizer.encode(MIXED) == list(MIXED.encode("utf-8")) and tokenizer.eot_token == 256
+
+
+# ----------------------------------------------------------------------------- export: transformers' ids are ours
+def trained_run(tmp_path: Path, text: str, tokenizer: str) -> Path:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    out = tmp_path / f"run-{tokenizer}"
+    assert run_main(tiny_args(out, corpus, tokenizer=tokenizer, bpe_vocab_size=VOCAB, max_iters=4, eval_interval=4)) == 0
+    return out
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_an_export_gives_transformers_our_ids_and_our_greedy_text(tmp_path, kind):
+    transformers = pytest.importorskip("transformers")
+    text = make_text() + MIXED + "\n"  # a char vocabulary holds every character of MIXED
+    run = trained_run(tmp_path, text, kind)
+    model, ours = sample.load_model(run / "best.pt", torch.device("cpu"))
+    hf.export(model, ours, tmp_path / "export")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning on load
+        theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert len(theirs) == ours.vocab_size
+    for probe in (MIXED, "KING:\nThe lord speaks.\n\n", "   ", "a" * 40) + (("x \r\n\u00a0y",) if kind == "bpe" else ()):
+        assert theirs.encode(probe) == ours.encode(probe), probe
+        assert theirs.decode(ours.encode(probe)) == probe
+    their_model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export").eval()
+    prompt = torch.tensor([ours.encode("KING:\nThe")])
+    mine = sample.generate(model.eval(), prompt, 10, temperature=0)
+    greedy = their_model.generate(prompt, max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(prompt))
+    n = min(mine.shape[1], greedy.shape[1])  # a BPE export stops at <|endoftext|>; our row continues
+    assert theirs.decode(greedy[0, :n].tolist()) == ours.decode(mine[0, :n].tolist())
+
+
+def test_a_char_export_is_a_tokenizer_json_with_one_token_per_character(tmp_path):
+    files = hf.tokenizer_files(CharTokenizer(" \nab€"), 16)
+    model = files["tokenizer.json"]["model"]
+    assert model["vocab"] == {" ": 0, "\n": 1, "a": 2, "b": 3, "€": 4} and model["merges"] == []
+    assert files["tokenizer.json"]["pre_tokenizer"] is None and files["tokenizer.json"]["normalizer"] is None
+
+
+def test_an_exported_bpe_reimports_with_its_own_tokenizer(tmp_path):
+    run = trained_run(tmp_path, make_text(), "bpe")
+    model, ours = sample.load_model(run / "best.pt", torch.device("cpu"))
+    hf.export(model, ours, tmp_path / "export")
+    assert hf.read_tokenizer(tmp_path / "export", VOCAB) == ours.meta()
+    with pytest.raises(hf.HFError, match="a BPE of 320 tokens for a vocabulary of 50257"):
+        hf.read_tokenizer(tmp_path / "export", 50257)
+
+
+def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_path, text_file):
+    done = run_script("scripts/tokenizer.py", "--data_path", str(text_file), "--data_dir", str(tmp_path / "d"),
+                      "--bpe_vocab_size", "300", str(VOCAB), "--no-gpt2")
+    rows = {line.split("|")[1].strip(): line.split("|") for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert list(rows) == ["tokenizer", "char", "bpe 300", f"bpe {VOCAB}"]
+    bytes_per_token = [float(rows[name][4]) for name in ("char", "bpe 300", f"bpe {VOCAB}")]
+    assert bytes_per_token[0] == 1.0 and bytes_per_token[0] < bytes_per_token[1] < bytes_per_token[2]
+    val = np.fromfile(next((tmp_path / "d").glob(f"*bpe{VOCAB}*")) / "val.bin", dtype=np.uint16)
+    assert int(rows[f"bpe {VOCAB}"][3].replace(",", "")) == len(val)  # the table's tokens are the val split's
+    assert "longest of bpe 320" in done.stdout
+
+
+def test_the_tokenizer_script_is_an_entry_point_with_help():
+    assert "bpe_vocab_size" in run_script("scripts/tokenizer.py", "--help").stdout
+    assert callable(load_entry_point("scripts/tokenizer.py").main)
