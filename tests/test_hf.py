@@ -365,7 +365,7 @@ def test_export_script_writes_a_run_for_transformers(tmp_path, tiny_cfg):
     train.train(cfg)
     run_script("scripts/export_hf.py", cfg.out_dir, str(tmp_path / "export"))
     names = sorted(p.name for p in (tmp_path / "export").iterdir())
-    assert names == ["config.json", "model.safetensors", hf.CHARS_FILE]
+    assert names == ["config.json", "model.safetensors", hf.CHARS_FILE, "tokenizer.json", "tokenizer_config.json"]
     bad = run_script("scripts/export_hf.py", str(tmp_path / "nowhere"), str(tmp_path / "x"), check=False)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and not (tmp_path / "x").exists()
 
