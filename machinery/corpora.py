@@ -239,8 +239,7 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
         n = write_tokens(tok, chunks(), staging / "tokens.bin", dtype, progress=several)
         n_val = check_token_count(source, n, val_fraction, block_size)  # the val split is the text's tail
         split_tail(staging / "tokens.bin", n - n_val, dtype, staging / "train.bin", staging / "val.bin")
-        meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
-                "source": source, "val_fraction": val_fraction, "train_tokens": n - n_val, "val_tokens": n_val}
+        meta = corpus_meta(tok, source, val_fraction, {"train": n - n_val, "val": n_val})
         write_meta(staging, meta)
     print(f"prepared {source}: {meta['train_tokens']:,} train + {n_val:,} val tokens, "
           f"vocab {tok.vocab_size} -> {folder}")
@@ -262,12 +261,18 @@ def prepare_bpe_text(chunks: Callable[[], Iterable[str]], source: str, folder: P
         counts = {split: write_tokens(tok, cut_chunks(chunks(), cut, part), staging / f"{split}.bin", dtype, progress)
                   for split, part in (("train", "head"), ("val", "tail"))}
         check_split_lengths(source, counts, block_size)
-        write_meta(staging, {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": dtype.name,
-                             "source": source, "val_fraction": val_fraction, "train_tokens": counts["train"],
-                             "val_tokens": counts["val"], "val_split": "the last val_fraction of the characters"})
+        write_meta(staging, corpus_meta(tok, source, val_fraction, counts,
+                                        val_split="the last val_fraction of the characters"))
     print(f"prepared {source}: {counts['train']:,} train + {counts['val']:,} val tokens, "
           f"a {tok.vocab_size}-token BPE trained on the train split -> {folder}")
     return folder
+
+
+def corpus_meta(tok, source: str, val_fraction: float, counts: dict[str, int], **extra) -> dict:
+    """What meta.json says of a prepared corpus (write_meta adds the fingerprints): one schema for every kind."""
+    return {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).name,
+            "source": source, "val_fraction": val_fraction, "train_tokens": counts["train"],
+            "val_tokens": counts["val"], **extra}
 
 
 def cut_chunks(chunks: Iterable[str], cut: int, keep: Literal["head", "tail"]) -> Iterator[str]:
@@ -756,11 +761,9 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
                 n_docs, n_val_docs = n_docs + 1, n_val_docs + (split == "val")
         check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
         separator = "a newline" if tokenizer == "char" else "<|endoftext|>"
-        meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).name,
-                "source": str(path), "val_fraction": val_fraction, "train_tokens": counts["train"],
-                "val_tokens": counts["val"], "documents": n_docs, "val_documents": n_val_docs,
-                "val_split": "document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
-                             f"{separator} before each document"}
+        meta = corpus_meta(tok, str(path), val_fraction, counts, documents=n_docs, val_documents=n_val_docs,
+                           val_split="document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
+                                     f"{separator} before each document")
         if has_text_column(path):
             meta["text_column"] = text_column
         write_meta(staging, meta)

@@ -450,9 +450,9 @@ def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
     with no merges: each character is its token). Our own description beside them, for init_from."""
     kind = tokenizer.meta()["kind"]
     if kind == "gpt2":
-        return gpt2_tokenizer_files(tokenizer.enc, block_size)
+        return bpe_tokenizer_files(tokenizer.enc, block_size)
     if kind == "bpe":
-        return {**gpt2_tokenizer_files(tokenizer.enc, block_size), BPE_FILE: tokenizer.meta()}
+        return {**bpe_tokenizer_files(tokenizer.enc, block_size), BPE_FILE: tokenizer.meta()}
     return {**char_tokenizer_files(tokenizer.chars, block_size),
             CHARS_FILE: {"chars": list(tokenizer.chars),
                          "decode": "token id i is the character chars[i]: text = ''.join(chars[i] for i in ids)"}}
@@ -497,8 +497,9 @@ def bpe_parts(token: bytes, ranks: dict[bytes, int]) -> list[bytes]:
     return parts
 
 
-def gpt2_tokenizer_files(enc, block_size: int) -> dict[str, Any]:
-    """vocab.json, merges.txt and tokenizer_config.json from tiktoken's GPT-2 ranks, offline.
+def bpe_tokenizer_files(enc, block_size: int) -> dict[str, Any]:
+    """vocab.json, merges.txt and tokenizer_config.json of a byte-level BPE from its tiktoken ranks (GPT-2's
+    or one trained here), offline: a GPT2Tokenizer, whose split pattern is the one both use.
 
     A token's id is its rank; its merge is the pair BPE meets just before making it (bpe_parts).
     """

@@ -410,7 +410,7 @@ def test_hf_tokenizer_files_encode_like_tiktoken(tmp_path_factory):
     from machinery.tokenizers import GPT2Tokenizer
     tok = GPT2Tokenizer(tmp_path_factory.mktemp("cache"))
     folder = tmp_path_factory.mktemp("tok")
-    for name, content in hf.gpt2_tokenizer_files(tok.enc, 1024).items():
+    for name, content in hf.bpe_tokenizer_files(tok.enc, 1024).items():
         (folder / name).write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
     theirs = transformers.AutoTokenizer.from_pretrained(folder)
     texts = ["Hello world", "ROMEO:\nO, she doth teach the torches to burn bright!\n\n",

@@ -59,7 +59,7 @@ def test_the_val_split_never_shapes_the_merges(tmp_path):
 
 def test_document_corpora_train_their_bpe_on_train_documents_only(tmp_path):
     """A .jsonl's val documents (0, 10, 20, ...) differ between two corpora; the merges do not."""
-    docs = make_text(600).split("\n\n") if "\n\n" in make_text(600) else make_text(600).splitlines()
+    docs = make_text(600).splitlines()  # a line a document
     folders = []
     for i, marker in enumerate(("", "zqxv zqxv zqxv ")):
         lines = [json.dumps({"text": (marker * 20 if k % 10 == 0 else "") + doc}) for k, doc in enumerate(docs)]
@@ -119,6 +119,23 @@ def test_the_smallest_bpe_is_bytes_and_encodes_any_text(tmp_path, text_file):
     tokenizer = tokenizer_from_meta(json.loads((prepared(text_file, tmp_path / "d", 257) / "meta.json").read_text())
                                     ["tokenizer"])
     assert tokenizer.encode(MIXED) == list(MIXED.encode("utf-8")) and tokenizer.eot_token == 256
+
+
+def test_eval_refuses_a_val_split_made_by_another_tokenizer_than_the_checkpoints(tmp_path, text_file, capsys):
+    """Never a silently different tokenizer: the run's cached corpus now says other ids mean other text."""
+    out = tmp_path / "run"
+    assert run_main(tiny_args(out, text_file, tokenizer="bpe", bpe_vocab_size=VOCAB, max_iters=2, eval_interval=2)) == 0
+    evaluate = load_entry_point("scripts/eval.py")
+    evaluate.main(["--ckpt", str(out)])  # the same tokenizer: scored
+    meta_file = prepared(text_file, text_file.parent / "data") / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["tokenizer"]["ranks"][256], meta["tokenizer"]["ranks"][257] = meta["tokenizer"]["ranks"][257:255:-1]
+    meta_file.write_text(json.dumps(meta))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        evaluate.main(["--ckpt", str(out)])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and "holds tokens of another tokenizer" in err, err
 
 
 # ----------------------------------------------------------------------------- export: transformers' ids are ours
