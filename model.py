@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -41,15 +41,22 @@ class GPTConfig:
     pos_emb: Literal["learned", "rope"] = "learned"  # positions: learned (GPT-2's table, wpe) | rope (rotary q and k, Su et al. 2021; no table)
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # the blocks' and the final normalisation: layernorm (GPT-2) | rmsnorm (no mean, no bias)
     qk_norm: bool = False  # RMS-normalise each head's queries and keys (with gains) before attention
+    z_loss: float = 0.0  # weight of the z-loss, z_loss * logsumexp(logits)^2 per target (PaLM, Chowdhery et al. 2022): keeps the softmax's normaliser near 1; an objective term, never in val loss
 
-    # Options that act only while training (regularisation), not on what the weights compute: a
-    # resume may change them. Every other option must match the checkpoint's.
-    TRAINING_ONLY: ClassVar[tuple[str, ...]] = ("dropout",)
+    # Options that act only while training (regularisation, objective terms), not on what the weights
+    # compute: a resume may change them, and GPT-2 interop accepts any value. Every other option must
+    # match the checkpoint's.
+    TRAINING_ONLY: ClassVar[tuple[str, ...]] = ("dropout", "z_loss")
+    # Values the generated tests (tests/test_model_options.py) try for an option, where its type alone
+    # would not give a meaningful one (an int whose default 0 means "off" needs a real size).
+    TEST_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     def __post_init__(self):
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"pos_emb rope rotates channel pairs: the head size n_embd / n_head "
                              f"({self.n_embd // self.n_head}) must be even")
+        if not (math.isfinite(self.z_loss) and self.z_loss >= 0):
+            raise ValueError(f"z_loss must be a finite number >= 0 (0 = off), got {self.z_loss}")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -67,6 +74,14 @@ def describe(config: GPTConfig) -> str:
     options = [f"{f.name} {getattr(config, f.name)}" for f in fields(config)
                if f.type != "int" and getattr(config, f.name) != f.default]
     return ", ".join(sizes + [f"vocab {config.vocab_size}"]) + "; not default: " + (", ".join(options) or "none")
+
+
+class ModelOutput(NamedTuple):
+    """What GPT.forward returns; without targets only the logits are set."""
+    logits: torch.Tensor  # (B, T, vocab_size)
+    loss_sum: torch.Tensor | None = None  # summed cross-entropy over the targets: the metric
+    n_targets: torch.Tensor | None = None  # targets counted (not -1)
+    aux: dict[str, torch.Tensor] = {}  # the options' auxiliary losses, summed like loss_sum: objective only
 
 
 class LayerCache:
@@ -121,39 +136,50 @@ class KVCache:
             layer.length = 0
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of T new queries (B, nh, T, hs) over S cached plus T new keys (B, nh, S + T, hs).
+def visible_keys(config: GPTConfig, start: int, T: int, device: torch.device) -> torch.Tensor:
+    """Which keys each query may see: (T, start + T) bool, True = attend. Query i sits at position start + i.
 
-    Query i sits at position S + i and may see keys 0 .. S + i. SDPA's is_causal aligns its triangle
-    to the *top-left* corner (query i sees keys 0 .. i), which is only right when S = 0; for a single
-    query with S > 0 it would hide every key but the first. So each case gets the mask it needs.
+    The one definition of the attention mask. Every path uses it: SDPA, the CPU-bf16 matmuls, and the
+    KV cache's prefill, decode and chunked steps (start = the positions already cached). A rule that
+    narrows what a query sees (a sliding window, say) is written here and nowhere else.
+    """
+    query = torch.arange(start, start + T, device=device).unsqueeze(1)  # (T, 1) positions
+    key = torch.arange(start + T, device=device).unsqueeze(0)  # (1, start + T) positions
+    return key <= query  # (T, start + T): causal, each query sees itself and the past
+
+
+def is_plain_causal(config: GPTConfig) -> bool:
+    """Whether visible_keys is exactly the causal triangle for this config, computed from it, never declared.
+
+    Then SDPA may use its own causal kernels (flash attention on GPUs), which give the same numbers
+    without reading a mask; any other rule always runs with its mask.
+    """
+    n, cpu = config.block_size, torch.device("cpu")  # explicit: a model built under torch.device("meta") too
+    return torch.equal(visible_keys(config, 0, n, cpu), torch.ones(n, n, dtype=torch.bool, device=cpu).tril())
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, plain_causal: bool,
+              dropout_p: float) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs), where ``mask`` allows) v: T queries (B, nh, T, hs) over S + T keys (B, nh, S + T, hs).
+
+    ``mask`` (T, S + T) is visible_keys'. With a plain causal mask SDPA gets the same rule as a flag:
+    is_causal for a square (S = 0; its triangle is aligned top-left, right only then), nothing for one
+    decoding query (it sees every key); both give bit-identical numbers to the mask (tests/test_model.py).
+    In bf16 on CPU the plain matmul-softmax-matmul is ~3x faster at these sizes (scripts/bench.py
+    --profile): the CPU flash kernel's bf16 backward is slow, and SDPA's unfused "math" fallback
+    upcasts to fp32 on CPU, losing the bf16 matmul speed.
     """
     T, S = q.size(2), k.size(2) - q.size(2)
-    if S == 0:  # prefill: the ordinary causal square
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-    if T == 1:  # one decode step: the newest token may see every position, so no mask
-        return F.scaled_dot_product_attention(q, k, v)  # (B, nh, 1, hs)
-    # Several new tokens after a cached past: a causal triangle shifted right by S (True = attend).
-    mask = torch.ones(T, S + T, dtype=torch.bool, device=q.device).tril(diagonal=S)  # (T, S + T)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hs)) v with position j > i masked; (B, nh, T, hs) in and out.
-
-    SDPA picks a fused kernel (flash / memory-efficient), the fastest choice on GPUs and in fp32
-    on CPU. In bf16 on CPU the plain matmul-softmax-matmul below is ~3x faster at these sizes
-    (scripts/bench.py --profile): the CPU flash kernel's bf16 backward is slow, and SDPA's unfused
-    "math" fallback upcasts to fp32 on CPU, losing the bf16 matmul speed.
-    """
-    if not (q.device.type == "cpu" and q.dtype == torch.bfloat16):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    T = q.size(-2)
-    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T): True where j <= i
-    att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (B, nh, T, T)
-    att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
-    return att.to(v.dtype) @ v  # (B, nh, T, hs)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S + T)
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)  # (B, nh, T, S + T)
+        att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
+        return att.to(v.dtype) @ v  # (B, nh, T, hs)
+    if plain_causal and S == 0:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
+    if plain_causal and T == 1:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)  # (B, nh, 1, hs)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # (B, nh, T, hs)
 
 
 class Rotary(nn.Module):
@@ -197,8 +223,10 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
         self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
+        self.plain_causal = is_plain_causal(config)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask (T, S + T), visible_keys'."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         # Split the channels into heads and move the head axis forward.
@@ -210,11 +238,10 @@ class CausalSelfAttention(nn.Module):
         if self.rotary is not None:  # new tokens start after the cached ones
             start = cache.length if cache is not None else 0
             q, k = self.rotary(q, start), self.rotary(k, start)  # (B, nh, T, hs) each
-        if cache is None:  # training and plain inference: the sequence starts at position 0
-            y = causal_attention(q, k, v, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
-        else:  # generation: attend over the cached past too; no dropout, the cache is for inference
+        if cache is not None:  # generation: attend over the cached past too
             k, v = cache.append(k, v)  # (B, nh, S + T, hs) each
-            y = cached_attention(q, k, v)  # (B, nh, T, hs)
+        dropout_p = self.dropout if self.training and cache is None else 0.0  # the cache is for inference
+        y = attention(q, k, v, mask, self.plain_causal, dropout_p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
@@ -248,8 +275,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)  # (B, T, C)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask, cache)  # (B, T, C)
         x = x + self.mlp(self.ln_2(x))  # (B, T, C)
         return x
 
@@ -312,14 +339,16 @@ class GPT(nn.Module):
         """An empty KV cache for batch_size sequences of this model (see KVCache)."""
         return KVCache(self.config, batch_size)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
-        """Logits for every position; with targets also the *summed* loss and the count of targets.
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> ModelOutput:
+        """Logits for every position; with targets also the *summed* cross-entropy, the count of targets
+        and the auxiliary losses that options add to the objective (z_loss).
 
-        Targets equal to -1 are ignored. Returning (sum, count) instead of a mean lets the caller
-        normalise by the token count of a whole accumulated batch.
-        With a cache, idx holds the tokens that *follow* the cached ones: they get positions
-        cache.length onwards, and their keys and values are added to the cache.
-        Returns (logits (B, T, vocab_size), loss_sum or None, n_targets or None).
+        Targets equal to -1 are ignored. Returning sums instead of means lets the caller normalise by
+        the token count of a whole accumulated batch. ``loss_sum`` is plain cross-entropy, the metric
+        (val loss, bits per byte, best.pt); what a step minimises is loss_sum plus every ``aux`` term,
+        composed by train.py. With a cache, idx holds the tokens that *follow* the cached ones: they get
+        positions cache.length onwards, and their keys and values are added to the cache.
         """
         B, T = idx.shape
         start = cache.length if cache is not None else 0  # S: position of idx[:, 0]
@@ -330,18 +359,28 @@ class GPT(nn.Module):
             pos = torch.arange(start, start + T, device=idx.device)  # (T,)
             x = x + self.transformer.wpe(pos)  # (B, T, C) + (T, C) -> (B, T, C)
         x = self.transformer.drop(x)
+        mask = visible_keys(self.config, start, T, idx.device)  # (T, S + T), one for every layer
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches):
-            x = block(x, layer_cache)  # (B, T, C)
+            x = block(x, mask, layer_cache)  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
         # The padded vocab rows are dropped here: never sampled, never in the softmax of the loss.
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab_size)
         if targets is None:
-            return logits, None, None
-        loss_sum = F.cross_entropy(logits.reshape(B * T, -1).float(), targets.reshape(B * T),
-                                   ignore_index=-1, reduction="sum")  # scalar
+            return ModelOutput(logits)
+        flat_logits, flat_targets = logits.reshape(B * T, -1).float(), targets.reshape(B * T)  # (B*T, V), (B*T,)
+        loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction="sum")  # scalar
         n_targets = (targets != -1).sum()  # scalar tensor: no host sync
-        return logits, loss_sum, n_targets
+        return ModelOutput(logits, loss_sum, n_targets, self.aux_losses(flat_logits, flat_targets))
+
+    def aux_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The objective's terms beside cross-entropy, by name, each summed over the targets (B*T,) like
+        loss_sum, so the step's token-count normalisation applies to them alike. {} with every option off."""
+        aux = {}
+        if self.config.z_loss:  # log Z = logsumexp of the logits, pulled towards 0 (Chowdhery et al. 2022, sec. 5)
+            log_z = logits.logsumexp(dim=-1)[targets != -1]  # (n_targets,)
+            aux["z_loss"] = self.config.z_loss * log_z.square().sum()
+        return aux
 
     def hidden_matrices(self) -> list[nn.Parameter]:
         """The blocks' 2-D weight matrices: what Muon orthogonalises (machinery/optim.py); the embedding, position

@@ -153,12 +153,12 @@ class NextTokenLogits:
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         start = window_start(self.start, idx.size(1), self.block_size, self.keep)
         if self.cache is None:
-            logits, _, _ = self.model(idx[:, start:])  # (B, n - start, vocab)
+            logits = self.model(idx[:, start:]).logits  # (B, n - start, vocab)
         else:
             if start != self.start:  # a new window: its positions restart at 0, so must its keys
                 self.cache.reset()
             new = idx[:, start + self.cache.length:]  # (B, n - start - S): the tokens not yet cached
-            logits, _, _ = self.model(new, cache=self.cache)  # (B, n - start - S, vocab)
+            logits = self.model(new, cache=self.cache).logits  # (B, n - start - S, vocab)
         self.start = start
         return logits[:, -1, :]  # (B, vocab)
 

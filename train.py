@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -62,42 +64,81 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group["lr_scale"]
 
 
+class StepLosses(NamedTuple):
+    """One optimizer step's losses, summed over every micro-batch of this rank, as device tensors."""
+    loss_sum: torch.Tensor  # cross-entropy: the metric, logged as "loss"
+    n_targets: torch.Tensor  # targets of the whole step, every rank's: the divisor of each sum
+    aux: dict[str, torch.Tensor]  # the model's auxiliary losses (model.aux_losses), summed alike, logged by name
+
+    def objective(self) -> torch.Tensor:
+        """What the step minimised: cross-entropy plus every auxiliary term (still summed)."""
+        return self.loss_sum + sum(self.aux.values())
+
+
 def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scaler,
-                         device: torch.device, dtype: torch.dtype,
-                         world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                         device: torch.device, dtype: torch.dtype, world_size: int = 1) -> StepLosses:
     """Forward and backward over the micro-batches of one optimizer step.
 
-    Each micro-batch's *summed* loss is divided by the target count of the whole step, so the
+    The objective is composed here: the model's cross-entropy plus each auxiliary loss it returns. Each
+    micro-batch's *summed* objective is divided by the target count of the whole step, so the
     accumulated gradient equals the gradient of one big batch even when micro-batches count
     different numbers of targets (averaging per-micro-batch means would weight them wrongly).
     Under DDP the count is that of all ranks' micro-batches, the divisor compensates for DDP's
     averaging (distributed.loss_scale) and gradients are all-reduced once, on the last micro-batch.
-    Returns (this rank's summed loss, global target count) of the step as tensors: no host sync.
+    Returns the step's sums as tensors: no host sync.
     """
     n_step = all_reduce_sum(sum((y != -1).sum() for _, y in batches))  # every rank's targets
     divisor = distributed.loss_scale(n_step, world_size)  # n_step / world_size
-    loss_step = torch.zeros((), device=device)
+    loss_step, aux_step = torch.zeros((), device=device), {}
     for i, (x, y) in enumerate(batches):
         with distributed.sync_gradients(model, now=i == len(batches) - 1):
             with autocast(device, dtype):
-                _, loss_sum, _ = model(x, y)
-            scaler.scale(loss_sum / divisor).backward()
+                _, loss_sum, _, aux = model(x, y)
+            objective = loss_sum + sum(aux.values())
+            scaler.scale(objective / divisor).backward()
         loss_step += loss_sum.detach()  # detached: keeping the graph would hold every activation
-    return loss_step, n_step
+        for name, term in aux.items():
+            aux_step[name] = aux_step.get(name, 0) + term.detach()
+    return StepLosses(loss_step, n_step, aux_step)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, guard: NonFiniteGuard,
-                   params: list[torch.Tensor], max_norm: float, step: int, loss_step: torch.Tensor) -> torch.Tensor:
+                   params: list[torch.Tensor], max_norm: float, step: int, objective: torch.Tensor) -> torch.Tensor:
     """Unscale (fp16), clip, update unless non-finite (no host sync), zero the gradients.
 
     Returns the pre-clip gradient norm as a tensor; ``step`` numbers the update as the log does.
     """
     scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm
-    guard.step(step, loss_step, grad_norm)  # optimizer.step(), skipped after a non-finite step
+    guard.check(step, objective, grad_norm)  # a non-finite objective or norm is recorded on the device
+    with guard.skip_if_faulty(optimizer):  # from a recorded fault on, the update is a no-op (faults.py)
+        if scaler.is_enabled():
+            scaler.step(optimizer)  # fp16: optimizer.step(), skipped when the gradients overflowed
+        else:
+            optimizer.step()
     scaler.update()
     optimizer.zero_grad(set_to_none=True)  # set_to_none: the next backward writes, not adds
     return grad_norm
+
+
+def train_step(run: Run, step_model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], step: int,
+               lr: float, world_size: int = 1, lap: Callable[[str], None] = lambda phase: None,
+               ) -> tuple[StepLosses, torch.Tensor]:
+    """One optimizer step, numbered ``step`` (from 1): the lr, forward and backward, clip, update.
+
+    train.py's loop, scripts/bench.py and the doctor all run this function. ``step_model`` is the model
+    the forward runs through (compiled, or wrapped in DDP; run.model itself otherwise). ``lap(phase)``
+    after each phase lets scripts/bench.py time them. Returns the step's losses and its pre-clip
+    gradient norm, as device tensors.
+    """
+    set_lr(run.optimizer, lr)
+    losses = accumulate_gradients(step_model, batches, run.scaler, run.rt.device, run.rt.dtype, world_size)
+    lap("forward_backward")
+    max_norm = run.cfg.grad_clip if run.cfg.grad_clip > 0 else math.inf
+    grad_norm = optimizer_step(run.optimizer, run.scaler, run.guard, list(run.model.parameters()), max_norm, step,
+                               losses.objective())
+    lap("optimizer")
+    return losses, grad_norm
 
 
 @dataclass(frozen=True)
@@ -124,7 +165,7 @@ def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, b
                    desc="evaluating", unit="batch", disable=not progress)
     for x, y in batches:
         with autocast(device, dtype):
-            _, loss_sum, n = model(x, y)
+            _, loss_sum, n, _ = model(x, y)
         total += loss_sum.float()
         count += n
     model.train(was_training)
@@ -142,9 +183,16 @@ def val_byte_count(y_val: torch.Tensor, tokenizer, device: torch.device) -> int:
     return int(all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
 
 
+def per_target(losses: StepLosses) -> dict[str, torch.Tensor]:
+    """The step's losses per target over every rank, for the log: "loss" (cross-entropy) and each aux term."""
+    sums = {"loss": losses.loss_sum, **losses.aux}
+    return {name: all_reduce_sum(total) / losses.n_targets for name, total in sums.items()}
+
+
 @dataclass
 class Run:
     """Everything a training step uses, built by build_run (train.py, scripts/bench.py and the doctor)."""
+    cfg: TrainConfig
     rt: Runtime  # device, threads, precision, compile
     corpus: Corpus
     x_val: torch.Tensor  # this rank's share of the fixed val windows, (N, T)
@@ -174,7 +222,7 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
     optimizer = build_optimizer(model, cfg, rt.device, rt.dtype)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, rt.device)
-    return Run(rt, corpus, x_val, y_val, val_byte_count(y_val, tokenizer, rt.device), data_gen, model, optimizer,
+    return Run(cfg, rt, corpus, x_val, y_val, val_byte_count(y_val, tokenizer, rt.device), data_gen, model, optimizer,
                scaler, guard)
 
 
@@ -222,7 +270,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     rt = choose_runtime(cfg, ddp.device)  # threads, precision (dtype=auto: rank 0's choice), compile
     run = build_run(cfg, rt, ddp, pretrained)
     del pretrained  # its tensors now live in the model
-    model, optimizer, scaler, guard, device, dtype = run.model, run.optimizer, run.scaler, run.guard, rt.device, rt.dtype
+    model, guard, device, dtype = run.model, run.guard, rt.device, rt.dtype
     checkpointer = Checkpointer(out_dir, cfg, run, ddp)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out_dir)
@@ -232,12 +280,10 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     train_model = compile_for_step(model, cfg, run.corpus.train, rt)  # the model itself, unless compiled
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     tokens_per_step = cfg.tokens_per_step() * ddp.world_size  # the global batch
-    print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size))
+    print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size, guard.note))
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         done = step >= cfg.max_iters or cfg.out_of_time(time_before)  # a resumed run may have nothing left to do
         log = MetricsLog(out_dir, cfg, enabled=ddp.is_main, logged_through=logged_through, tracked=not done)
-    params = list(model.parameters())
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     t_start = time.time() - time_before  # the run's clock: max_time and schedule=time span resumes
     # model.flops_per_token once, not per log line: counting the parameters takes ~0.2 ms
     speed = Throughput(step, time.time(), tokens_per_step, model.flops_per_token(), device, dtype, ddp.world_size)
@@ -247,18 +293,16 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
         signalled, out_of_time = stop.requested, cfg.out_of_time(time_before)  # a resumed run may be done
         while step < cfg.max_iters and not signalled and not out_of_time:
             lr = get_lr(step, cfg, time.time() - t_start)
-            set_lr(optimizer, lr)
             batches = [get_batch(run.corpus.train, cfg.batch_size, cfg.block_size, run.data_gen, device)
                        for _ in range(cfg.grad_accum)]
-            loss_step, n_step = accumulate_gradients(step_model, batches, scaler, device, dtype, ddp.world_size)
-            grad_norm = optimizer_step(optimizer, scaler, guard, params, max_norm, step + 1, loss_step)
+            losses, grad_norm = train_step(run, step_model, batches, step + 1, lr, ddp.world_size)
             step += 1
             out_of_time, signalled = halt_flags(cfg, step, stop, t_start, ddp)
             last = step == cfg.max_iters or out_of_time
             if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
                 guard.raise_if_tripped()
                 now = time.time()
-                log.step(step, all_reduce_sum(loss_step) / n_step, lr, grad_norm, speed, now, now - t_start)
+                log.step(step, per_target(losses), lr, grad_norm, speed, now, now - t_start)
             if step % cfg.eval_interval == 0 or last:
                 t_eval = time.time()
                 guard.raise_if_tripped()

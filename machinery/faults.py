@@ -23,9 +23,11 @@ code (distributed.stop_together).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -93,17 +95,33 @@ class StopOnSignal:
                           128 + self.signum)
 
 
-class NonFiniteGuard:
-    """Keeps NaN/inf out of the weights without a host sync per step; the loop's optimizer step.
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's step() honours a ``found_inf`` tensor (1.0: make this update a no-op on the device).
 
-    fp32/bf16: from the first step whose loss or gradient norm is not finite, every update is a no-op
-    *on the device*: the verdict goes to the fused AdamW kernel as ``found_inf``, the hook GradScaler
-    uses to skip a step (the kernel also undoes its step count). The host reads the verdict only where
-    the loop syncs anyway (log lines, evals, saves) and stops there, weights and optimizer state being
-    those before the bad step. Cost: two isfinite ops per step, and up to log_interval - 1 wasted steps
-    after a fault. Checking every step instead would cost a sync per step on CUDA, which stalls the
-    host's run-ahead (the data loading and kernel launches of the next step). Optimizers without the
-    hook (not fused, e.g. on MPS) fall back to that sync per step.
+    torch's fused optimizers do (they say so with ``_step_supports_amp_scaling``, GradScaler's hook), and
+    so do optim.Muon and optim.MuonAdamW (``skips_on_found_inf``); a plain step() does not.
+    """
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False) or getattr(optimizer, "skips_on_found_inf", False))
+
+
+class NonFiniteGuard:
+    """Keeps NaN/inf out of the weights without a host sync per step, for any torch.optim.Optimizer.
+
+    fp32/bf16: from the first step whose loss or gradient norm is not finite (``check``), every update
+    is a no-op *on the device* (``skip_if_faulty`` around optimizer.step()). The host reads the verdict
+    only where the loop syncs anyway (log lines, evals, saves) and stops there, weights and optimizer
+    state being those before the bad step. Cost: two isfinite ops per step, and up to log_interval - 1
+    wasted steps after a fault; checking every step instead would cost a sync per step on CUDA, which
+    stalls the host's run-ahead (the data loading and kernel launches of the next step).
+    How the update becomes a no-op depends on the optimizer (skips_on_device):
+      - fused torch optimizers, optim.Muon and optim.MuonAdamW get the verdict as ``found_inf``, the hook
+        GradScaler uses to skip a step (fused AdamW also undoes its step count);
+      - any other (a plain step(): torch's SGD, a hand-written Lion, anything on MPS) steps as usual, and
+        the guard then puts back copies of the weights and of the optimizer's tensor state taken just
+        before, where the verdict says so (torch.where: no host read). That costs one copy of both per
+        step; ``note`` says so once at start. Non-tensor state (a Python int step count) is not put back,
+        nor is state that a faulty *first* update created; the run stops at the next sync regardless,
+        and nothing a fault touched is ever saved (Checkpointer.save checks first).
 
     fp16: GradScaler skips a step whose gradients overflow and halves its scale (its normal way of
     finding the scale). The guard counts consecutive skips on the device and stops the run at the next
@@ -112,28 +130,45 @@ class NonFiniteGuard:
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, max_skipped: int,
                  device: torch.device):
-        self.optimizer, self.scaler, self.max_skipped = optimizer, scaler, max_skipped
-        # found_inf is honoured by fused torch optimizers and by optim.MuonAdamW (whose defaults say fused when
-        # its AdamW part is); anything else (an optimizer on MPS, say) is checked per step.
-        self.fused = isinstance(optimizer, torch.optim.Optimizer) and bool(optimizer.defaults.get("fused"))
+        self.scaler, self.max_skipped = scaler, max_skipped
+        self.on_device = skips_on_device(optimizer)
         self.bad_step = torch.full((), -1, dtype=torch.long, device=device)  # first faulty step; -1 = none
         self.skipped = torch.zeros((), dtype=torch.long, device=device)  # fp16: consecutive skips so far
+        self.note = None if self.on_device or scaler.is_enabled() else (
+            f"note: {type(optimizer).__name__} has no found_inf hook (skips_on_device): each step keeps a copy of "
+            "the weights and optimizer state to undo a non-finite update without a host sync")
 
-    def step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """The update of ``step`` (numbered as in the log), skipped if it or an earlier step was faulty."""
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Record on the device whether ``step`` (numbered as in the log) is faulty: no host sync."""
         if self.scaler.is_enabled():  # fp16: GradScaler decides on the (unscaled) gradients, as we do
             self.skipped = (self.skipped + 1) * ~torch.isfinite(grad_norm)  # back to 0 on a good step
             self.record(step, self.skipped >= self.max_skipped)
-            self.scaler.step(self.optimizer)
             return
         self.record(step, ~(torch.isfinite(loss) & torch.isfinite(grad_norm)))
-        if not self.fused:
-            self.raise_if_tripped()  # the one host sync per step, for optimizers without the hook
-            self.optimizer.step()
+
+    @contextlib.contextmanager
+    def skip_if_faulty(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """Around optimizer.step(): the update is a no-op on the device once a fault has been recorded."""
+        if self.scaler.is_enabled():  # fp16: GradScaler skips overflowed steps itself, and check() counts them
+            yield
             return
-        self.optimizer.found_inf = (self.bad_step >= 0).float()  # 1.0 makes the fused update a no-op
-        self.optimizer.step()
-        del self.optimizer.found_inf
+        faulty = self.bad_step >= 0  # a device bool: never read here
+        if self.on_device:
+            optimizer.found_inf = faulty.float()  # 1.0 makes the update a no-op
+            try:
+                yield
+            finally:
+                del optimizer.found_inf
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        before = {p: (p.detach().clone(), {k: v.clone() for k, v in optimizer.state[p].items()
+                                          if isinstance(v, torch.Tensor)}) for p in params}
+        yield
+        with torch.no_grad():
+            for p, (weight, state) in before.items():
+                p.copy_(torch.where(faulty, weight, p))
+                for key, old in state.items():
+                    optimizer.state[p][key] = torch.where(faulty, old, optimizer.state[p][key])
 
     def record(self, step: int, faulty: torch.Tensor) -> None:
         self.bad_step = torch.where((self.bad_step < 0) & faulty, step, self.bad_step)

@@ -77,14 +77,13 @@ CONFIG_RULES = (  # config.json fields that change the computation: (name, GPT-2
     ("scale_attn_by_inverse_layer_idx", False, (False,)),
     ("tie_word_embeddings", True, (True,)),
 )
-ANY = None  # in GPT2_OPTIONS: the GPT-2 layout holds every value of this option
+ANY = None  # in GPT2_OPTIONS: the GPT-2 layout holds every value of this option (as it does every training-only one)
 # Each model option (model.GPTConfig) -> the values GPT-2's layout computes. An option not listed (a
 # fork's new one) is GPT-2's only at its default: export and --init_from refuse any other value by
 # name, so a variant is never passed off as GPT-2 nor silently dropped on import.
 GPT2_OPTIONS = {
     "block_size": ANY,  # n_positions
     "n_layer": ANY, "n_head": ANY, "n_embd": ANY,
-    "dropout": ANY,  # the *_pdrop fields; training only
     "bias": ANY,  # bias-free models export zero biases
     "activation": ("gelu", "gelu_tanh"),  # activation_function gelu / gelu_new (see ACTIVATIONS)
 }
@@ -333,7 +332,8 @@ def gpt2_refusals(config: GPTConfig) -> list[str]:
     """Every option of ``config`` GPT-2's layout cannot compute, as "name value (GPT-2: ...)"; [] if none."""
     refusals = []
     for option in fields(config):
-        allowed = GPT2_OPTIONS.get(option.name, (option.default,))
+        # A training-only option (dropout, z_loss) changes how the weights were trained, not what they compute.
+        allowed = ANY if option.name in GPTConfig.TRAINING_ONLY else GPT2_OPTIONS.get(option.name, (option.default,))
         value = getattr(config, option.name)
         if option.name != "vocab_size" and allowed is not ANY and value not in allowed:
             refusals.append(f"{option.name} {value!r} (GPT-2 computes {' or '.join(map(repr, allowed))})")

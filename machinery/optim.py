@@ -149,6 +149,8 @@ class Muon(torch.optim.Muon):
     the device when ``found_inf`` (a 0-dim tensor, set by faults.NonFiniteGuard) is 1, as fused AdamW does.
     State and param groups are torch's, so checkpoints are unchanged."""
 
+    skips_on_found_inf = True  # faults.skips_on_device: step() honours found_inf
+
     def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs: Any):
         if kwargs.get("adjust_lr_fn") not in (None, "original"):  # step() implements torch's default only
             raise ValueError(f"adjust_lr_fn {kwargs['adjust_lr_fn']!r} is not supported here; use the default")
@@ -193,6 +195,11 @@ class MuonAdamW(torch.optim.Optimizer):
                 group["kind"] = kind
         super().__init__(adamw.param_groups + muon.param_groups, {"fused": adamw.defaults.get("fused")})
         self.share()
+
+    @property
+    def skips_on_found_inf(self) -> bool:
+        """faults.skips_on_device: both parts honour found_inf when the AdamW part is fused (on MPS it is not)."""
+        return bool(getattr(self.adamw, "_step_supports_amp_scaling", False))
 
     def share(self) -> None:
         """Point both parts at this optimizer's groups and state (load_state_dict replaces them)."""

@@ -113,7 +113,7 @@ def compile_for_step(model: torch.nn.Module, cfg, train_data: np.ndarray, rt: Ru
     def probe(m: torch.nn.Module) -> None:
         x, y = get_batch(train_data, cfg.batch_size, cfg.block_size, torch.Generator(), rt.device)  # (B, T) each
         with autocast(rt.device, rt.dtype):
-            _, loss_sum, n = m(x, y)
+            _, loss_sum, n, _ = m(x, y)
         (loss_sum / n).backward()
 
     return compile_or_eager(model, rt.compile, probe)

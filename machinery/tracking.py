@@ -175,14 +175,16 @@ class MetricsLog:
         self.record(record)
         self.say(line)
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, speed: Throughput,
+    def step(self, step: int, losses: dict[str, torch.Tensor], lr: float, grad_norm: torch.Tensor, speed: Throughput,
              now: float, time_s: float) -> None:
-        """A training log line: the record, and the line a person reads. Reads the two tensors: a host sync."""
-        loss, grad_norm = loss.item(), grad_norm.item()
+        """A training log line: the record, and the line a person reads. ``losses`` per target: "loss" (the
+        cross-entropy) and each auxiliary term of the objective by name. Reads the tensors: a host sync."""
+        values, grad_norm = {name: value.item() for name, value in losses.items()}, grad_norm.item()
         step_s, tokens_per_s, util = speed.lap(step, now)
-        self.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+        terms = "".join(f" | {name} {value:.4g}" for name, value in values.items() if name != "loss")
+        self.log({"step": step, **values, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "mfu": util, "time_s": time_s},
-                 f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+                 f"step {step:>6} | loss {values['loss']:.4f}{terms} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                  f"{step_s * 1000:.1f} ms/step | {tokens_per_s:,.0f} tok/s | mfu {'n/a' if util is None else f'{util:.1%}'}"
                  + (f" | {clock(time_s)} of {clock(self.max_time)}" if self.max_time else ""))
 
@@ -231,10 +233,11 @@ class Throughput:
         self.t += seconds
 
 
-def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int) -> str:
-    """The start-up lines: the model, the settings (and any given but unused), where and how it computes."""
+def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int, note: str | None = None) -> str:
+    """The start-up lines: the model, the settings (and any given but unused, and ``note``, the guard's), where
+    and how it computes."""
     tokens = cfg.tokens_per_step()
-    return "\n".join([f"model: {model.summary()}", settings_line(cfg), *unused_given(cfg),
+    return "\n".join([f"model: {model.summary()}", settings_line(cfg), *unused_given(cfg), *([note] if note else []),
                       f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, compile {compiled}, "
                       f"{tokens * world_size:,} tokens/step ({world_size} rank(s) x {tokens:,}), out_dir {cfg.out_dir}"])
 

@@ -38,7 +38,7 @@ from machinery.rundir import check_writable  # noqa: E402
 from machinery.runtime import (choose_runtime, compile_for_step, fail, matmul_gflops, pick_device,  # noqa: E402
                                threads_text, use_threads)
 from model import GPT  # noqa: E402
-from train import accumulate_gradients, build_run, get_lr, optimizer_step, set_lr  # noqa: E402
+from train import Run, build_run, get_lr, train_step  # noqa: E402
 
 PHASES = ("data", "forward_backward", "optimizer")
 
@@ -48,21 +48,26 @@ class Bench:
     """One config, built exactly as train.py builds it, plus the timings collected for it."""
     name: str
     cfg: TrainConfig
-    device: torch.device
-    dtype: torch.dtype
-    model: GPT
-    train_model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    guard: NonFiniteGuard
-    train_data: object
-    data_gen: torch.Generator
+    run: Run  # train.build_run's: model, optimizer, scaler, guard, data
+    train_model: torch.nn.Module  # what the forward runs through: compiled as train.py compiles it
     compile_s: float
     step: int = 0
     times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     losses: list[float] = field(default_factory=list)
     peak_bytes: int = 0
     threads: int = 0  # torch threads its steps run with (set before each of its blocks: configs may differ)
+
+    @property
+    def device(self) -> torch.device:
+        return self.run.rt.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.run.rt.dtype
+
+    @property
+    def model(self) -> GPT:
+        return self.run.model
 
 
 def build(name: str, cfg: TrainConfig) -> Bench:
@@ -72,8 +77,7 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     t0 = time.perf_counter()
     train_model = compile_for_step(run.model, cfg, run.corpus.train, rt)
     compile_s = time.perf_counter() - t0
-    return Bench(name, cfg, rt.device, rt.dtype, run.model, train_model, run.optimizer, run.scaler, run.guard,
-                 run.corpus.train, run.data_gen, compile_s, threads=rt.threads)
+    return Bench(name, cfg, run, train_model, compile_s, threads=rt.threads)
 
 
 def sync(device: torch.device) -> None:
@@ -84,25 +88,23 @@ def sync(device: torch.device) -> None:
 
 
 def timed_step(b: Bench) -> dict[str, float]:
-    """One optimizer step of train.py's own functions, with a synchronised timer around each phase."""
+    """One optimizer step of train.py's own train_step, with a synchronised timer around each phase."""
     cfg, device, clock = b.cfg, b.device, time.perf_counter
+    times, t = {}, [clock()]
+
+    def lap(phase: str) -> None:  # train_step calls it after each of its phases
+        sync(device)
+        times[phase], t[0] = clock() - t[0], clock()
+
     sync(device)
-    t0 = clock()
-    set_lr(b.optimizer, get_lr(b.step, cfg))
-    batches = [get_batch(b.train_data, cfg.batch_size, cfg.block_size, b.data_gen, device)
+    t[0] = clock()
+    batches = [get_batch(b.run.corpus.train, cfg.batch_size, cfg.block_size, b.run.data_gen, device)
                for _ in range(cfg.grad_accum)]
-    sync(device)
-    t1 = clock()
-    loss_step, n_step = accumulate_gradients(b.train_model, batches, b.scaler, device, b.dtype)
-    sync(device)
-    t2 = clock()
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    optimizer_step(b.optimizer, b.scaler, b.guard, list(b.model.parameters()), max_norm, b.step + 1, loss_step)
-    sync(device)
-    t3 = clock()
+    lap("data")
+    losses, _ = train_step(b.run, b.train_model, batches, b.step + 1, get_lr(b.step, cfg), lap=lap)
     b.step += 1
-    b.losses.append(loss_step / n_step)  # a tensor: .item() only after timing, no sync in the step
-    return {"data": t1 - t0, "forward_backward": t2 - t1, "optimizer": t3 - t2}
+    b.losses.append(losses.loss_sum / losses.n_targets)  # a tensor: .item() only after timing, no sync in the step
+    return times
 
 
 def reset_peak_memory(device: torch.device) -> None:

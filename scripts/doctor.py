@@ -150,7 +150,7 @@ def check_init_loss(model: GPT, x: torch.Tensor, y: torch.Tensor,
     """A fresh model should be equally unsure of every token: loss ~ ln(vocab_size), within a fraction."""
     vocab_size = model.config.vocab_size
     with torch.no_grad():
-        _, loss_sum, n = model(x, y)
+        _, loss_sum, n, _ = model(x, y)
     loss = (loss_sum / n).item()
     expected = math.log(vocab_size)
     allowed = tolerance * expected
@@ -177,7 +177,7 @@ def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
 def check_gradients(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Check:
     """Every parameter gets a finite, non-zero gradient and sits in exactly one optimizer group."""
     model.zero_grad(set_to_none=True)
-    _, loss_sum, n = model(x, y)
+    _, loss_sum, n, _ = model(x, y)
     loss = loss_sum / n
     registered = {id(p) for p in model.parameters()}
     # A tensor the loss uses but the model does not register (a layer in a plain list) is never
@@ -222,28 +222,29 @@ def check_causal(model: GPT, x: torch.Tensor, tolerance: float = CAUSAL_TOLERANC
     return Check("causal", passed, f"max |Δ past logit| {diff:.1e} (limit {tolerance:.0e})", meaning)
 
 
-def check_overfit(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-                  max_norm: float, device: torch.device, dtype: torch.dtype, steps: int = OVERFIT_STEPS,
+def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, steps: int = OVERFIT_STEPS,
                   threshold: float = OVERFIT_THRESHOLD) -> Check:
-    """train.py's step, repeated on one small batch, must drive its loss below ``threshold``."""
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    guard = NonFiniteGuard(optimizer, scaler, max_skipped=steps, device=device)
-    params = list(model.parameters())
+    """train.py's step (train.train_step), repeated on one small batch at ``lr``, must drive its loss below ``threshold``."""
     first = loss = math.nan
     for step in range(1, steps + 1):
-        loss_sum, n = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
-        train.optimizer_step(optimizer, scaler, guard, params, max_norm, step, loss_sum)
-        loss = (loss_sum / n).item()  # the loss before this step's update
+        losses, _ = train.train_step(run, run.model, [(x, y)], step, lr)
+        loss = (losses.loss_sum / losses.n_targets).item()  # the loss before this step's update
         first = loss if step == 1 else first
         if loss < threshold:
             break
     passed = loss < threshold
     meaning = ("model, loss and optimizer step can learn" if passed else
                "cannot even memorise one batch: check the lr, zero_grad, the loss and the optimizer groups")
-    lr = optimizer.param_groups[0]["lr"]  # AdamW's (Muon's groups come after it)
     return Check("overfit", passed,
                  f"{first:.3f} -> {loss:.3f} in {step} steps at lr {lr:.1e} (need < {threshold} within {steps})",
                  meaning)
+
+
+def overfit_run(cfg: TrainConfig, rt, steps: int = OVERFIT_STEPS) -> train.Run:
+    """The run train.py builds (train.build_run: model, optimizer, scaler, guard), at the overfit check's lr, with
+    a guard that stops only after ``steps`` fp16 skips in a row."""
+    run = train.build_run(replace(cfg, learning_rate=overfit_lr(cfg)), rt)
+    return dataclasses.replace(run, guard=NonFiniteGuard(run.optimizer, run.scaler, steps, rt.device))
 
 
 def overfit_lr(cfg: TrainConfig) -> float:
@@ -270,7 +271,7 @@ def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
     scaler = torch.amp.GradScaler(device.type, enabled=True)
     guard = NonFiniteGuard(optimizer, scaler, max_skipped=1, device=device)
     params = list(model.parameters())
-    loss_sum, _ = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
+    loss_sum, _, _ = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
     scale = scaler.get_scale()  # a power of two: dividing by it is exact
     grads = [p.grad.float() for p in params if p.grad is not None]  # a missing one is the 'gradients' check's finding
     true_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item() / scale
@@ -292,7 +293,7 @@ def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: to
     guard = NonFiniteGuard(optimizer, scaler, max_skipped=1, device=device)  # fp16: the first skip stops
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
-    loss_sum, n = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
+    loss_sum, n, _ = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
     poisoned = next(p for p in reversed(params) if p.grad is not None)
     poisoned.grad.view(-1)[0] = math.nan  # one bad element, as an overflow in one layer's backward gives
     try:
@@ -492,7 +493,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         model = fresh()
         return model, optimizer_for(model)
 
-    grad_model, fit_model = fresh(), fresh()
+    grad_model = fresh()
     few_x, few_y = x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
     checks = [
         check_init_loss(fresh(), x, y),
@@ -501,8 +502,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_round_trip(tokenizer, np.asarray(corpus.val[:SAMPLE_TOKENS])),
         check_gradients(grad_model, optimizer_for(grad_model), few_x, few_y),
         check_causal(fresh(), few_x),
-        check_overfit(fit_model, optimizer_for(fit_model, overfit_lr(cfg)), x[:OVERFIT_SEQUENCES],
-                      y[:OVERFIT_SEQUENCES], max_norm, device, dtype),
+        check_overfit(overfit_run(cfg, rt), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES], overfit_lr(cfg)),
         check_grad_norm(*trainable(), few_x, few_y, device, dtype),
         check_nonfinite_gradient(*trainable(), few_x, few_y, max_norm, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),

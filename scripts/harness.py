@@ -114,7 +114,7 @@ class TinyGPTLM(TemplateLM):
         idx = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)  # (B, T), right-padded
         for row, ids in enumerate(inputs):
             idx[row, : len(ids)] = torch.tensor(ids)
-        logits, _, _ = self.model(idx.to(self.device))  # (B, T, vocab)
+        logits = self.model(idx.to(self.device)).logits  # (B, T, vocab)
         answers = []
         for row, (ids, (_, continuation)) in enumerate(zip(inputs, pairs)):
             n = len(continuation)

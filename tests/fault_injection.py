@@ -80,9 +80,9 @@ def on_training_forward(monkeypatch: pytest.MonkeyPatch,
         if not (self.training and targets is not None):
             return real_forward(self, idx, targets)  # eval, sampling
         calls.append(len(calls) + 1)
-        logits, loss_sum, n = real_forward(self, idx, targets)
-        replaced = hook(calls[-1], loss_sum)
-        return logits, (loss_sum if replaced is None else replaced), n
+        out = real_forward(self, idx, targets)
+        replaced = hook(calls[-1], out.loss_sum)
+        return out if replaced is None else out._replace(loss_sum=replaced)
 
     monkeypatch.setattr(GPT, "forward", forward)
     return calls

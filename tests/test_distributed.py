@@ -244,14 +244,14 @@ def test_loss_scale_makes_ddp_average_equal_the_global_mean_gradient(world_size)
     x = torch.randint(50, (2 * world_size, 8), generator=gen)
     y = torch.randint(50, (2 * world_size, 8), generator=gen)
     y[0, :5] = -1  # ranks count different numbers of targets
-    _, loss_sum, n = model(x, y)
+    _, loss_sum, n, _ = model(x, y)
     (loss_sum / n).backward()
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     n_global = (y != -1).sum()
     per_rank = []
     for xr, yr in zip(x.chunk(world_size), y.chunk(world_size)):
-        _, loss_sum_r, _ = model(xr, yr)
+        _, loss_sum_r, _, _ = model(xr, yr)
         (loss_sum_r / distributed.loss_scale(n_global, world_size)).backward()
         per_rank.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad()
@@ -301,7 +301,7 @@ def test_gradients_are_all_reduced_once_per_step_on_the_last_micro_batch(monkeyp
         for i in range(3):
             micro["i"] = i
             with distributed.sync_gradients(ddp_model, now=i == 2):
-                _, loss_sum, n = ddp_model(x, x)
+                _, loss_sum, n, _ = ddp_model(x, x)
                 (loss_sum / n).backward()
         assert len(synced_in) > 0 and set(synced_in) == {2}
     finally:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from machinery import runtime
 import train
+from machinery.runtime import choose_runtime
 from config import parse_args
 from conftest import REPO, make_optimizer, make_text, run_script, tiny_model
 from data import CharTokenizer, get_batch
@@ -164,13 +165,12 @@ def test_gradients_catches_a_parameter_without_gradient():
     assert "unused.weight: no grad" in check.measured
 
 
-def test_overfit_catches_a_step_that_cannot_learn():
-    x, y = random_batch(batch_size=2)
-    model = tiny_model()
-    assert doctor.check_overfit(model, tiny_optimizer(model), x, y, 1.0, CPU, torch.float32).passed
-    frozen = tiny_model()
-    optimizer = make_optimizer(frozen, 0.1, 1e-7, (0.9, 0.99))  # lr far too small
-    assert not doctor.check_overfit(frozen, optimizer, x, y, 1.0, CPU, torch.float32, steps=20).passed
+def test_overfit_catches_a_step_that_cannot_learn(tiny_cfg):
+    cfg = tiny_cfg()
+    run = doctor.overfit_run(cfg, choose_runtime(cfg))
+    x, y = random_batch(vocab_size=run.model.config.vocab_size, batch_size=2, block_size=cfg.block_size)
+    assert doctor.check_overfit(run, x, y, 3e-3).passed
+    assert not doctor.check_overfit(doctor.overfit_run(cfg, choose_runtime(cfg)), x, y, 1e-7, steps=20).passed  # lr far too small
 
 
 def test_dropout_that_ignores_the_mode_is_caught(monkeypatch):
@@ -190,7 +190,7 @@ def evaluate_on_random_windows(model, x_val, y_val, batch_size, device, dtype):
 def evaluate_left_in_eval_mode(model, x_val, y_val, batch_size, device, dtype):
     """Forgets to switch back to train mode: dropout is off for the rest of training."""
     model.eval()
-    _, loss_sum, n = model(x_val, y_val)
+    _, loss_sum, n, _ = model(x_val, y_val)
     return train.EvalResult((loss_sum / n).item(), math.nan, n.item())
 
 
@@ -234,7 +234,7 @@ def test_probe_grads_check_catches_gradients_left_by_the_compile_probe(light_com
 
     def probe(m):  # as the doctor's and train.py's: one forward/backward
         ran.append(True)
-        _, loss_sum, n = m(*random_batch())
+        _, loss_sum, n, _ = m(*random_batch())
         (loss_sum / n).backward()
 
     assert compile_or_eager(model, True, probe) is not model  # it compiled, and so it probed
@@ -281,7 +281,9 @@ def clip_before_unscale(optimizer, scaler, guard, params, max_norm, step, loss_s
     """The bug: train.optimizer_step clipping the gradients while they are still multiplied by the loss scale."""
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     scaler.unscale_(optimizer)
-    guard.step(step, loss_step, grad_norm)
+    guard.check(step, loss_step, grad_norm)
+    with guard.skip_if_faulty(optimizer):
+        optimizer.step()
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
@@ -292,7 +294,9 @@ def norm_after_clip(optimizer, scaler, guard, params, max_norm, step, loss_step)
     scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(params, max_norm)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    guard.step(step, loss_step, grad_norm)
+    guard.check(step, loss_step, grad_norm)
+    with guard.skip_if_faulty(optimizer):
+        optimizer.step()
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
@@ -307,19 +311,19 @@ def test_grad_norm_check_catches_a_wrong_logged_norm(monkeypatch, step, passes):
     assert check.passed == passes, check.measured
 
 
-REAL_GUARD_STEP = NonFiniteGuard.step
+REAL_GUARD_CHECK = NonFiniteGuard.check
 
 
-def guard_step_checking_the_loss_only(self, step, loss, grad_norm):
+def guard_check_of_the_loss_only(self, step, loss, grad_norm):
     """The bug: NonFiniteGuard judges a step by its loss alone (its gradient norm is not looked at)."""
-    REAL_GUARD_STEP(self, step, loss, torch.zeros_like(grad_norm))
+    REAL_GUARD_CHECK(self, step, loss, torch.zeros_like(grad_norm))
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # the fused found_inf path; the per-step host check
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # both skip on the device (found_inf)
 @pytest.mark.parametrize("loss_only", [False, True], ids=["real", "loss only"])
 def test_nan_guard_check_catches_a_guard_that_ignores_gradients(monkeypatch, optimizer, loss_only):
     if loss_only:
-        monkeypatch.setattr(NonFiniteGuard, "step", guard_step_checking_the_loss_only)
+        monkeypatch.setattr(NonFiniteGuard, "check", guard_check_of_the_loss_only)
     model = tiny_model()
     muon_lr = 0.02 if optimizer == "muon" else 0.0
     check = doctor.check_nonfinite_gradient(model, make_optimizer(model, 0.1, 3e-3, (0.9, 0.99), muon_lr),

@@ -33,7 +33,7 @@ from machinery.corpora import prepare
 from fault_injection import (assert_nested_equal, call_of, capture_run, metrics, on_training_forward, run_for,
                              run_main, tiny_args)
 from machinery.faults import NonFiniteGuard
-from model import GPT
+from model import GPT, ModelOutput
 from scripts import doctor
 
 CPU = torch.device("cpu")
@@ -76,7 +76,7 @@ def test_evaluation_keeping_every_graph_alive_is_caught():
 
 def test_accumulation_keeps_no_graph_in_its_running_loss():
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss_sum, n = train.accumulate_gradients(tiny_model(), [random_batch(), random_batch(seed=1)], scaler,
+    loss_sum, n, _ = train.accumulate_gradients(tiny_model(), [random_batch(), random_batch(seed=1)], scaler,
                                              CPU, torch.float32)
     assert loss_sum.grad_fn is None and not loss_sum.requires_grad
     assert n.item() == 2 * 4 * 16
@@ -87,11 +87,11 @@ def per_microbatch_mean(model, batches, scaler, device, dtype, world_size=1):
     """train.accumulate_gradients with the bug: the mean of the micro-batches' own mean losses."""
     loss_step, n_step = torch.zeros(()), torch.zeros((), dtype=torch.long)
     for x, y in batches:
-        _, loss_sum, n = model(x, y)
+        _, loss_sum, n, _ = model(x, y)
         (loss_sum / n / len(batches)).backward()  # the bug: weighs micro-batches, not tokens
         loss_step += loss_sum.detach()
         n_step += n
-    return loss_step, n_step
+    return train.StepLosses(loss_step, n_step, {})
 
 
 def record_steps(monkeypatch, cfg) -> list[tuple[list, list[torch.Tensor], list[torch.Tensor]]]:
@@ -130,7 +130,7 @@ def one_batch_gradients(cfg, vocab_size: int, weights: list[torch.Tensor], micro
             p.copy_(w)
     x = torch.cat([x for x, _ in micro_batches])
     y = torch.cat([y for _, y in micro_batches])
-    _, loss_sum, n = model(x, y)
+    _, loss_sum, n, _ = model(x, y)
     (loss_sum / n).backward()
     return [p.grad for p in model.parameters()]
 
@@ -198,12 +198,12 @@ class BroadcastLossGPT(GPT):
     """The bug: a hand-written cross-entropy where (N, 1) - (N,) broadcasts to (N, N)."""
 
     def forward(self, idx, targets=None):
-        logits, _, _ = super().forward(idx)
+        logits = super().forward(idx).logits
         flat = logits.reshape(-1, logits.size(-1))  # (N, V)
         log_norm = flat.logsumexp(-1, keepdim=True)  # (N, 1)
         picked = flat.gather(1, targets.reshape(-1, 1)).squeeze(1)  # (N,)
         loss_sum = (log_norm - picked).sum()  # the bug: (N, 1) - (N,) is (N, N), summed
-        return logits, loss_sum, (targets != -1).sum()
+        return ModelOutput(logits, loss_sum, (targets != -1).sum(), {})
 
 
 @pytest.mark.parametrize("model_class, passes", [pytest.param(GPT, True, id="real"),
@@ -214,7 +214,7 @@ def test_broadcasting_loss_is_caught(model_class, passes):
     x, y = random_batch()
     assert doctor.check_init_loss(model, x, y).passed == passes
     # And directly: the summed loss must be the sum of the per-token losses.
-    logits, loss_sum, _ = model(x, y)
+    logits, loss_sum, _, _ = model(x, y)
     per_token = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
     assert torch.allclose(loss_sum, per_token.sum(), rtol=1e-5) == passes
 
@@ -372,7 +372,7 @@ def one_step_norm(fp16_scaler: bool, dtype: torch.dtype = torch.float32) -> floa
     optimizer = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99))
     scaler = torch.amp.GradScaler("cpu", enabled=fp16_scaler)  # works on CPU: scale 65536
     guard = NonFiniteGuard(optimizer, scaler, max_skipped=20, device=CPU)
-    loss_sum, _ = train.accumulate_gradients(model, [random_batch()], scaler, CPU, dtype)
+    loss_sum, _, _ = train.accumulate_gradients(model, [random_batch()], scaler, CPU, dtype)
     return train.optimizer_step(optimizer, scaler, guard, list(model.parameters()), 1.0, 1, loss_sum).item()
 
 
@@ -511,7 +511,7 @@ def test_compiled_run_sees_the_batches_and_gradients_of_an_eager_run(tmp_path, t
 def probe_on(batch: tuple[torch.Tensor, torch.Tensor], fails: bool = False):
     """train.py's probe: one forward/backward; optionally the compiler then fails."""
     def probe(m: torch.nn.Module) -> None:
-        _, loss_sum, n = m(*batch)
+        _, loss_sum, n, _ = m(*batch)
         (loss_sum / n).backward()
         if fails:
             raise RuntimeError("inductor exploded")

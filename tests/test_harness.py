@@ -86,7 +86,7 @@ def run_cloze(lm) -> dict:
 
 def reference_loglikelihood(model, ids: list[int], n: int) -> float:
     """log p of the last n of ids given the others, from one unpadded full forward."""
-    logits, _, _ = model(torch.tensor([ids[:-1]]))  # (1, T, vocab)
+    logits, _, _, _ = model(torch.tensor([ids[:-1]]))  # (1, T, vocab)
     logprobs = torch.log_softmax(logits[0, -n:], dim=-1)  # (n, vocab)
     return logprobs.gather(-1, torch.tensor(ids[-n:])[:, None]).sum().item()
 

@@ -12,7 +12,7 @@ from machinery import checkpoint
 import train
 from machinery.checkpoint import load_checkpoint
 from conftest import run_script, tiny_model
-from data import CharTokenizer, token_byte_lengths, val_windows
+from data import CharTokenizer, load_corpus, token_byte_lengths, val_windows
 from fault_injection import disk_full_from_step, metrics, run_main, tiny_args
 from scripts import eval as eval_script
 
@@ -139,3 +139,37 @@ def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_fro
     with pytest.raises(SystemExit, match="2"):  # a char vocabulary need not be the built-in corpus's
         eval_script.main(["--init_from", str(tmp_path / "hf")])
     assert "pass the text to score with --data_path" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- objective and metric apart
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_objective_term_trains_but_never_reaches_val_loss_or_best_pt(tmp_path, text_file, capsys):
+    """z_loss (a model option adding an auxiliary loss) is minimised, logged by name beside the loss, and kept
+    out of every metric. Before, one loss_sum was both: z_loss in GPT.forward's loss raised val loss and bits
+    per byte by the auxiliary term and chose best.pt by it (3.2302 logged vs 3.1086 plain cross-entropy)."""
+    args = dict(max_iters=6, eval_interval=3, eval_tokens=512)
+    assert run_main(tiny_args(tmp_path / "plain", text_file, **args)) == 0
+    assert run_main(tiny_args(tmp_path / "z", text_file, z_loss=0.5, **args)) == 0  # large, so the term shows
+    out = capsys.readouterr().out
+    plain, z = (read_metrics(tmp_path / name) for name in ("plain", "z"))
+    steps = [r for r in z if "val_loss" not in r]
+    assert all(r["z_loss"] > 0.1 for r in steps) and all("z_loss" not in r for r in plain)
+    assert f"| z_loss {steps[0]['z_loss']:.4g} |" in out  # the step line names the term
+    # Step 1's logged loss is cross-entropy before any update: the same with or without the term...
+    assert steps[0]["loss"] == next(r for r in plain if "val_loss" not in r)["loss"]
+    # ...and the term is in the gradient: the weights moved elsewhere.
+    weights = [load_checkpoint(tmp_path / name / "last.pt")["model"] for name in ("plain", "z")]
+    assert not torch.equal(weights[0]["lm_head.weight"], weights[1]["lm_head.weight"])
+    # Val loss, bits per byte and best.pt are plain cross-entropy: eval.py scores best.pt exactly so.
+    best = load_checkpoint(tmp_path / "z" / "best.pt")
+    report = eval_in_process(capsys, "--ckpt", str(tmp_path / "z" / "best.pt"))
+    assert report["val_loss"] == best["best_val_loss"] == min(r["val_loss"] for r in z if "val_loss" in r)
+    model = eval_script.load(str(tmp_path / "z" / "best.pt"), torch.device("cpu")).model.eval()
+    x, y = val_windows(load_corpus(next((tmp_path / "data").glob("*/meta.json")).parent, 32).val, 32, 512)
+    with torch.no_grad():
+        _, loss_sum, n, aux = model(x, y)
+    assert aux["z_loss"] > 0.1 * n  # the model still computes the term; the metric leaves it out
+    assert report["val_loss"] == pytest.approx((loss_sum / n).item(), rel=1e-6)

@@ -9,13 +9,14 @@ import torch.nn.functional as F
 
 import train
 from conftest import make_optimizer, tiny_model
+import model as model_module
 from model import Rotary
 
 
 def test_output_shapes_and_padded_vocab():
     model = tiny_model(vocab_size=50)
     idx = torch.randint(0, 50, (3, 16))
-    logits, loss_sum, n = model(idx)
+    logits, loss_sum, n, _ = model(idx)
     assert logits.shape == (3, 16, 50)  # the padded rows never leave the model
     assert model.lm_head.weight.shape == (64, 32)  # 50 padded up to a multiple of 64
     assert loss_sum is None and n is None
@@ -38,7 +39,7 @@ def test_loss_at_init_is_close_to_uniform():
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 50, (8, 16), generator=gen)
     targets = torch.randint(0, 50, (8, 16), generator=gen)
-    _, loss_sum, n = model(idx, targets)
+    _, loss_sum, n, _ = model(idx, targets)
     assert abs(loss_sum.item() / n.item() - math.log(50)) < 0.1
 
 
@@ -47,7 +48,7 @@ def test_summed_loss_ignores_minus_one_and_counts_targets():
     idx = torch.randint(0, 50, (2, 16))
     targets = torch.randint(0, 50, (2, 16))
     targets[1, 10:] = -1
-    logits, loss_sum, n = model(idx, targets)
+    logits, loss_sum, n, _ = model(idx, targets)
     mask = targets != -1
     expected = F.cross_entropy(logits[mask], targets[mask], reduction="sum")
     assert n.item() == 26
@@ -66,7 +67,7 @@ def test_init_follows_gpt2():
 def test_every_parameter_gets_a_finite_gradient_and_one_optimizer_group():
     model = tiny_model(bias=True)
     idx = torch.randint(0, 50, (4, 16))
-    _, loss_sum, n = model(idx, torch.roll(idx, -1, 1))
+    _, loss_sum, n, _ = model(idx, torch.roll(idx, -1, 1))
     (loss_sum / n).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
@@ -98,7 +99,7 @@ def test_a_tiny_model_overfits_one_batch():
     targets = torch.randint(0, 20, (4, 16), generator=gen)
     optimizer = make_optimizer(model, 0.0, 3e-3, (0.9, 0.99))
     for _ in range(150):
-        _, loss_sum, n = model(idx, targets)
+        _, loss_sum, n, _ = model(idx, targets)
         optimizer.zero_grad(set_to_none=True)
         (loss_sum / n).backward()
         optimizer.step()
@@ -145,3 +146,48 @@ def test_qk_norm_gives_each_head_unit_rms_queries_and_keys_at_init():
     attn = tiny_model(qk_norm=True).transformer.h[0].attn
     q = torch.randn(2, 2, 5, 16) * 7.0  # (B, nh, T, hs)
     torch.testing.assert_close(attn.q_norm(q).pow(2).mean(-1), torch.ones(2, 2, 5), atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------- one attention mask
+def windowed(window: int):
+    """visible_keys narrowed to a sliding window, as a fork would write it (docs/experiments.md)."""
+    real = model_module.visible_keys
+
+    def visible_keys(config, start, T, device):
+        mask = real(config, start, T, device)  # (T, S + T)
+        query = torch.arange(start, start + T, device=device).unsqueeze(1)  # (T, 1)
+        return mask & (query - torch.arange(start + T, device=device).unsqueeze(0) < window)
+    return visible_keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["SDPA", "CPU-bf16 matmuls"])
+def test_every_attention_path_follows_the_one_mask(monkeypatch, dtype):
+    """The rule lives in visible_keys alone: change it there and the full forward, the KV cache's prefill,
+    decode and chunked steps, in fp32 (SDPA) and bf16 (the matmul path), all follow. Before, three places
+    encoded "causal" and a window honoured in two was ignored by the cache (logits off by up to 0.43)."""
+    monkeypatch.setattr(model_module, "visible_keys", windowed(4))
+    model = tiny_model(seed=0).eval()
+    assert not model.transformer.h[0].attn.plain_causal  # derived from the mask, not declared
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))  # (2, 16)
+    older = idx.clone()
+    older[:, :8] = (older[:, :8] + 1) % 50  # positions 0..7 differ
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        full, full_older = model(idx).logits, model(older).logits  # (2, 16, 50) each
+        cache = model.new_cache(2)
+        parts = [model(idx[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 6), (6, 7), (7, 12), (12, 16)]]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(torch.cat(parts, dim=1).float(), full.float(), atol=tolerance, rtol=0)
+    # Two layers of a 4-wide window see 7 positions back: from position 15 on nothing older than 8 reaches.
+    torch.testing.assert_close(full[:, 15:], full_older[:, 15:], atol=0, rtol=0)
+    assert not torch.allclose(full[:, 8:11].float(), full_older[:, 8:11].float())
+
+
+@pytest.mark.parametrize("S, T", [(0, 16), (7, 1), (5, 4)], ids=["square", "one decode step", "chunk after a past"])
+def test_sdpa_causal_fast_paths_give_the_masks_numbers(S, T):
+    """With the plain causal rule SDPA gets it as a flag (is_causal, or no mask for one query): the same
+    numbers, bit for bit on this CPU in fp32, as the mask itself; any other rule runs with its mask."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, T, 8, generator=gen)
+    k, v = torch.randn(2, 2, S + T, 8, generator=gen), torch.randn(2, 2, S + T, 8, generator=gen)
+    mask = model_module.visible_keys(tiny_model().config, S, T, q.device)  # (T, S + T)
+    assert torch.equal(model_module.attention(q, k, v, mask, True, 0.0), model_module.attention(q, k, v, mask, False, 0.0))

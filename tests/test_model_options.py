@@ -36,15 +36,18 @@ VOCAB = 40
 
 
 def other_values(name: str) -> list[Any]:
-    """Values of an option other than the base preset's, from its type alone: every other choice of a
-    Literal, the other bool, twice an int, another float. A plain str option has no such list."""
+    """Values of an option other than the base preset's: those it declares (GPTConfig.TEST_VALUES), else from
+    its type alone: every other choice of a Literal, the other bool, a real size for an int (twice the base,
+    or 2 where the base is 0, which often means "off"), another float. A plain str option has no such list."""
     base, kind = getattr(make_config(BASE), name), FIELD_TYPES[name]
+    if name in GPTConfig.TEST_VALUES:
+        return [value for value in GPTConfig.TEST_VALUES[name] if value != base]
     if choices(name):
         return [value for value in choices(name) if value != base]
     if kind is bool:
         return [not base]
     if kind is int:
-        return [2 * base]
+        return [2 * base if base else 2]
     if kind is float:
         return [0.5 if base != 0.5 else 0.25]
     raise AssertionError(f"GPTConfig.{name}: declare a str option's values with Literal[...], so they are checked")
@@ -88,23 +91,43 @@ def test_a_bad_value_of_every_option_is_refused(name):
             validate(TrainConfig(**{name: bad_value(name)}))
 
 
-def forward_in_train_mode(config: GPTConfig) -> tuple[dict[str, tuple], torch.Tensor]:
-    """Parameter shapes and training-mode logits of a model of ``config``, all randomness seeded."""
+def train_mode_step(config: GPTConfig) -> tuple[dict[str, tuple], torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Parameter shapes, training-mode logits, the objective a step minimises (cross-entropy plus every
+    auxiliary term) and its gradients, for a model of ``config`` on one batch, all randomness seeded."""
     torch.manual_seed(0)
     model = GPT(config)
-    idx = torch.arange(16).remainder(VOCAB).view(1, 16)  # (1, 16)
+    idx = torch.arange(17).remainder(VOCAB).view(1, 17)  # (1, 17)
     torch.manual_seed(1)  # the same dropout masks for both models
-    logits, _, _ = model(idx)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}, logits
+    logits, loss_sum, _, aux = model(idx[:, :-1], idx[:, 1:])
+    objective = loss_sum + sum(aux.values())
+    objective.backward()
+    grads = [p.grad for p in model.parameters()]
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}, logits.detach(), objective.detach(), grads
 
 
 @pytest.mark.parametrize("name, value", CASES)
 def test_every_option_reaches_the_model_and_changes_it(name, value):
+    """What it changes may be the shapes, the logits, or only the objective and so its gradients (z_loss)."""
     base, variant = make_config(BASE), make_config(BASE, **{name: value})
     assert getattr(model_config(variant, VOCAB), name) == value
-    shapes_a, logits_a = forward_in_train_mode(model_config(base, VOCAB))
-    shapes_b, logits_b = forward_in_train_mode(model_config(variant, VOCAB))
-    assert shapes_a != shapes_b or not torch.equal(logits_a, logits_b), f"{name}={value} changed nothing"
+    shapes_a, logits_a, objective_a, grads_a = train_mode_step(model_config(base, VOCAB))
+    shapes_b, logits_b, objective_b, grads_b = train_mode_step(model_config(variant, VOCAB))
+    if shapes_a != shapes_b:
+        return
+    same_grads = all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert not (torch.equal(logits_a, logits_b) and torch.equal(objective_a, objective_b) and same_grads), \
+        f"{name}={value} changed nothing: not the shapes, the logits, the objective or the gradients"
+
+
+NUMERIC_OPTIONS = [name for name in MODEL_OPTIONS if FIELD_TYPES[name] in (int, float)]
+
+
+@pytest.mark.parametrize("name", NUMERIC_OPTIONS)
+def test_a_negative_value_of_every_numeric_option_is_refused_by_its_check(name):
+    """A size, a probability or a weight is never negative: before, a negative window trained silently as full
+    attention. The option's own check (validate, or GPTConfig.__post_init__) refuses it in one line naming it."""
+    with pytest.raises(ConfigError, match=f"^{name} must be"):
+        make_config(BASE, **{name: -1})
 
 
 def every_value_of_every_option() -> list:
@@ -214,6 +237,10 @@ def pretrained_config() -> GPTConfig:
 def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(monkeypatch, name, value):
     variant = make_config(BASE, **{name: value})
     model = GPT(model_config(variant, VOCAB))
+    if name in GPTConfig.TRAINING_ONLY:  # how the weights were trained, not what they compute: never "another model"
+        assert "transformer.wte.weight" in hf.to_hf(model)
+        assert getattr(hf.adopt(variant, pretrained_config(), None, "gpt2-folder"), name) == value
+        return
     if gpt2_computes(name, value):
         assert "transformer.wte.weight" in hf.to_hf(model)
         if name not in hf.IMPORTED:  # an option the weights fix is checked against them (test_hf.py)
@@ -271,3 +298,61 @@ def test_a_new_option_needs_no_other_edit(tmp_path):
     # The new option's cases: flag and preset key, reaches the model, causal, KV cache, saved/shown/kept,
     # GPT-2 refusal; its bad value.
     assert summary.startswith("7 passed"), summary
+
+
+# ----------------------------------------------------------------------------- a mask fork, end to end
+def copy_of_the_repo(root: Path) -> Path:
+    """The repo's tracked and untracked-but-not-ignored files, copied to root/fork."""
+    repo = root / "fork"
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout
+    for relative in files.split():
+        if (REPO / relative).is_file():
+            (repo / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / relative, repo / relative)
+    return repo
+
+
+def insert(path: Path, anchor: str, text: str, after: bool = False) -> None:
+    source = path.read_text()
+    assert source.count(anchor) == 1, f"update the anchor {anchor!r} to {path.name}"
+    path.write_text(source.replace(anchor, anchor + text if after else text + anchor))
+
+
+def add_window_as_the_docs_say(repo: Path) -> None:
+    """docs/experiments.md's three edits for a sliding window: the field, its check, the mask."""
+    model_py = repo / "model.py"
+    insert(model_py, "\n\n    # Options that act only while training",
+           "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (a window):\n").rstrip("\n"))
+    insert(model_py, "\n    @property\n    def padded_vocab_size", docs_snippet("# model.py, at the end of GPTConfig.__post_init__:\n"))
+    insert(model_py, "    return key <= query  # (T, start + T)", docs_snippet("# model.py, in visible_keys, before its return:\n"))
+
+
+def pytest_in(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=repo,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow  # two fresh pytests, a training run and four samples in a copy of the repo: ~60 s
+def test_a_window_fork_is_one_mask_edit(tmp_path):
+    repo = copy_of_the_repo(tmp_path)
+    add_window_as_the_docs_say(repo)
+    result = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window")
+    assert result.returncode == 0, result.stdout[-3000:]
+    # flag and preset key, reaches the model, its negative value, causal, KV cache, saved/shown/kept, GPT-2
+    # refusal, its bad value
+    assert result.stdout.strip().splitlines()[-1].startswith("8 passed"), result.stdout[-500:]
+    (tmp_path / "corpus.txt").write_text(make_text())
+    run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
+                                                                  max_iters=30, eval_interval=30, attn_window=4)],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    texts = [subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path / "run"), "--temp", "0",
+                             "--max-new-tokens", "80", "--no-stream", *flags], cwd=repo, capture_output=True,
+                            text=True, timeout=120).stdout for flags in ([], ["--no-cache"])]
+    assert texts[0] == texts[1] and len(texts[0]) > 80
+    # The teeth: a cache that keeps its own causal mask (the bug this page once had) fails the generated test.
+    insert(repo / "model.py", "        layer_caches = cache.layers if cache",
+           "        mask = mask if cache is None else torch.ones_like(mask).tril(diagonal=start)  # the bug\n")
+    broken = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window and kv_cache")
+    assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from machinery import runtime
 import train
 from conftest import REPO, run_script
-from model import causal_attention
+from model import GPTConfig, attention, visible_keys
 
 sys.path.insert(0, str(REPO / "scripts"))
 import bench  # noqa: E402
@@ -75,6 +75,12 @@ def test_matmul_probe_measures_and_leaves_rng_alone():
     state = torch.get_rng_state()
     assert runtime.matmul_gflops(64, 32, 16, torch.float32, seconds=0.01) > 0
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """model.attention over a sequence of its own (no cache), with visible_keys' causal mask."""
+    T = q.size(2)
+    return attention(q, k, v, visible_keys(GPTConfig(vocab_size=1, block_size=T), 0, T, q.device), True, dropout_p)
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])

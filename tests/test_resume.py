@@ -345,7 +345,7 @@ def test_a_resume_on_other_data_is_refused_and_old_checkpoints_still_resume(tmp_
 def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
     model = tiny_model()
     old = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99), muon_lr=0.02)
-    _, loss_sum, n = model(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
+    _, loss_sum, n, _ = model(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
     (loss_sum / n).backward()
     old.step()
     new = make_optimizer(model, 0.0, 1e-3, (0.9, 0.95), muon_lr=0.01)

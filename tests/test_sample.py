@@ -17,7 +17,7 @@ from machinery.checkpoint import FORMAT_VERSION, save_checkpoint
 from config import as_dict, make_config, model_config
 from conftest import REPO, make_text, run_script, tiny_model
 from data import CharTokenizer
-from model import GPT, cached_attention
+from model import GPT, GPTConfig, attention, visible_keys
 import sample as sample_module
 from sample import (Continuations, NextTokenLogits, TextStream, filter_logits, generate, main, next_token_probs,
                     pick_next, prompt_ids, unescape, window_start)
@@ -72,12 +72,20 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return scores.masked_fill(~allowed, NEG_INF).softmax(dim=-1) @ v  # (B, nh, T, hs)
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain_causal: bool = True) -> torch.Tensor:
+    """model.attention of T new queries after S cached keys, with visible_keys' mask, as a layer computes it."""
+    T, S = q.size(2), k.size(2) - q.size(2)
+    mask = visible_keys(GPTConfig(vocab_size=1, block_size=S + T), S, T, q.device)  # (T, S + T)
+    return attention(q, k, v, mask, plain_causal, 0.0)
+
+
 @pytest.mark.parametrize("S, T", [(0, 5), (4, 1), (4, 3), (1, 6)])
-def test_cached_attention_masks_like_textbook_attention(S, T):
+@pytest.mark.parametrize("plain_causal", [True, False], ids=["SDPA's own causal paths", "the mask"])
+def test_cached_attention_masks_like_textbook_attention(S, T, plain_causal):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 2, T, 8, generator=gen)
     k, v = torch.randn(2, 2, S + T, 8, generator=gen), torch.randn(2, 2, S + T, 8, generator=gen)
-    torch.testing.assert_close(cached_attention(q, k, v), naive_attention(q, k, v), atol=1e-6, rtol=0)
+    torch.testing.assert_close(cached_attention(q, k, v, plain_causal), naive_attention(q, k, v), atol=1e-6, rtol=0)
 
 
 def test_is_causal_with_one_query_is_the_wrong_mask():
@@ -93,7 +101,7 @@ def test_is_causal_with_one_query_is_the_wrong_mask():
 def test_prefill_decode_and_extension_equal_one_full_forward():
     model = varied_model()
     idx = random_ids(3, 16)
-    full, _, _ = model(idx)  # (3, 16, vocab)
+    full, _, _, _ = model(idx)  # (3, 16, vocab)
     cache = model.new_cache(3)
     parts = [model(idx[:, a:b], cache=cache)[0] for a, b in [(0, 5), (5, 6), (6, 7), (7, 12), (12, 16)]]
     assert cache.length == 16
@@ -105,7 +113,7 @@ def test_cache_takes_the_dtype_of_the_keys_under_autocast():
     idx = random_ids(2, 12)
     cache = model.new_cache(2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        full, _, _ = model(idx)  # (2, 12, vocab)
+        full, _, _, _ = model(idx)  # (2, 12, vocab)
         parts = [model(idx[:, :8], cache=cache)[0], model(idx[:, 8:9], cache=cache)[0],
                  model(idx[:, 9:], cache=cache)[0]]
     assert cache.layers[0].k.dtype == torch.bfloat16
@@ -126,7 +134,7 @@ def test_cache_refuses_to_run_past_block_size():
 def test_forward_without_a_cache_still_trains():
     model = tiny_model(block_size=16)
     idx, targets = random_ids(2, 16), random_ids(2, 16, seed=2)
-    logits, loss_sum, n = model(idx, targets)
+    logits, loss_sum, n, _ = model(idx, targets)
     expected = torch.nn.functional.cross_entropy(logits.reshape(32, 50), targets.reshape(32), reduction="sum")
     torch.testing.assert_close(loss_sum, expected)
     loss_sum.backward()

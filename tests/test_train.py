@@ -104,10 +104,10 @@ def test_accumulation_equals_one_big_batch_even_with_uneven_token_counts():
     cpu = torch.device("cpu")
 
     accumulated = tiny_model()
-    loss_sum, n = train.accumulate_gradients(accumulated, batches, scaler, cpu, torch.float32)
+    loss_sum, n, _ = train.accumulate_gradients(accumulated, batches, scaler, cpu, torch.float32)
     big = tiny_model()
     x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    big_loss, big_n = train.accumulate_gradients(big, [(x, y)], scaler, cpu, torch.float32)
+    big_loss, big_n, _ = train.accumulate_gradients(big, [(x, y)], scaler, cpu, torch.float32)
     assert n.item() == big_n.item() == 54
     torch.testing.assert_close(loss_sum, big_loss, rtol=1e-6, atol=1e-5)
     for g_acc, g_big in zip(grads_of(accumulated), grads_of(big)):
@@ -116,7 +116,7 @@ def test_accumulation_equals_one_big_batch_even_with_uneven_token_counts():
     # The teeth: averaging per-micro-batch means gives a different gradient.
     naive = tiny_model()
     for xb, yb in batches:
-        _, ls, nb = naive(xb, yb)
+        _, ls, nb, _ = naive(xb, yb)
         (ls / nb / len(batches)).backward()
     assert max((a - b).abs().max().item() for a, b in zip(grads_of(naive), grads_of(big))) > 1e-4
 
@@ -134,7 +134,7 @@ def test_evaluate_restores_train_mode_and_draws_no_randomness():
     assert train.evaluate(model, x, y, 3, torch.device("cpu"), torch.float32).loss == pytest.approx(first.loss, rel=1e-6)
     model.eval()
     with torch.no_grad():
-        _, loss_sum, n = model(x, y)
+        _, loss_sum, n, _ = model(x, y)
     assert first.loss == pytest.approx(loss_sum.item() / n.item(), rel=1e-6)  # token-weighted mean
     assert first.tokens == n.item() == 4 * 16 + 3 and math.isnan(first.bpb)  # no byte count given: no bpb
 

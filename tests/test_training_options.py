@@ -110,7 +110,7 @@ def optimizer_state_kinds(name: str) -> frozenset:
     from conftest import tiny_model
     model = tiny_model()
     optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))
-    _, loss_sum, n = model(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
+    _, loss_sum, n, _ = model(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
     (loss_sum / n).backward()
     optimizer.step()
     return frozenset(frozenset(state) for state in optimizer.state_dict()["state"].values())
