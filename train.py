@@ -5,7 +5,8 @@
     python train.py --help                      # every config field with its default
     torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 
-Reads top to bottom: the lr schedule -> one optimizer step (accumulation, clipping) -> evaluation ->
+Reads top to bottom: the lr schedule -> one optimizer step (train_step: the objective composed and
+accumulated, clipping, optimizer.step() under the non-finite guard) -> evaluation (cross-entropy only) ->
 build_run (seed -> data -> model -> optimizer) -> the loop. Each side concern is one call into the module
 of machinery/ that owns it: checkpoint.Checkpointer (last.pt/best.pt and the resume policy), tracking
 (metrics.jsonl, wandb), faults (signals, NaN/inf, exit codes), distributed (DDP: one process per GPU),
