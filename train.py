@@ -38,25 +38,16 @@ from model import GPT
 
 
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
-    """Linear warmup to learning_rate over warmup_iters steps, then the lr_decay shape down to min_lr.
+    """The lr of ``step`` (0-based), ``time_s`` seconds into the run: the lr_decay entry's curve, whole.
 
-    The shape (optim.DECAYS: cosine, wsd, ...) is a function of the decay's progress, 0 -> 1, which the
-    clock measures. schedule=steps: progress reaches 1 at lr_decay_iters (min_lr afterwards); a pure
-    function of the step, so a resumed run follows exactly the same schedule. schedule=time: it reaches
-    1 when ``time_s`` (the run's wall clock) reaches max_time, so a slow machine ends its budget as
-    annealed as a fast one, after fewer steps (Geiping & Goldstein 2022, "Cramming", tie the schedule
-    to the time budget the same way); or at max_iters, if the steps run out first.
+    Each entry of optim.DECAYS owns its curve, and nothing here bends it (no floor, no end of its own).
+    A progress decay (cosine, wsd) warms up over warmup_iters, then follows its shape from learning_rate
+    down to min_lr as its progress goes 0 -> 1, which the clock measures: schedule=steps reaches 1 at
+    lr_decay_iters, a pure function of the step (a resumed run follows exactly the same schedule);
+    schedule=time at max_time on the run's wall clock (optim.shaped_curve). A step schedule (@lr_schedule)
+    is a function of the step alone, so schedule=time is refused for it (config.validate).
     """
-    if step < cfg.warmup_iters:
-        return cfg.learning_rate * (step + 1) / cfg.warmup_iters
-    if cfg.schedule == "time":  # whichever budget runs out first ends the decay
-        by_steps = (step - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters)
-        progress = min(1.0, max(time_s / cfg.max_time, by_steps))
-    elif step >= cfg.lr_decay_iters:
-        return cfg.min_lr
-    else:
-        progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)  # 0 -> 1
-    return cfg.min_lr + DECAYS[cfg.lr_decay].shape(progress, cfg) * (cfg.learning_rate - cfg.min_lr)
+    return DECAYS[cfg.lr_decay].lr(step, cfg, time_s)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import re
@@ -22,8 +23,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from model import GPTConfig
-from machinery.optim import DECAYS, OPTIMIZERS
+import torch
+
+from model import GPT, GPTConfig
+from machinery.optim import CLOCKS, DECAYS, OPTIMIZERS
 
 PRESET_DIR = Path(__file__).resolve().parent
 CORPUS_FIELDS = ("vocab_size",)  # GPTConfig fields the corpus sets, not the config
@@ -93,7 +96,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
-@with_table_options  # + muon_lr, wsd_fraction, ...: the options machinery/optim.py's optimizers and lr decays declare
+@with_table_options  # + muon_lr, wsd_fraction, ...: the options machinery/optim.py's optimizers and lr schedules declare
 @with_model_options  # + n_layer, n_head, n_embd, block_size, dropout, bias, ...: every option of model.GPTConfig
 class TrainConfig:
     # Each field: type = resume rule(default)  # help (--help shows it). Rules: RESUME_RULES above.
@@ -124,9 +127,9 @@ class TrainConfig:
     learning_rate: float = warned(1e-3)  # peak learning rate, reached after warmup (with optimizer=muon: AdamW's share)
     min_lr: float = warned(1e-4)  # floor of the decay
     warmup_iters: int = warned(100)  # linear warmup steps
-    schedule: Literal["steps", "time"] = warned("steps")  # the decay's clock: steps (bit-reproducible; over lr_decay_iters) | time (over max_time, or max_iters if the steps run out first)
-    lr_decay: str = fixed("cosine")  # the lr's shape after warmup, a name in optim.DECAYS
-    lr_decay_iters: int = warned(2000)  # schedule=steps: step at which the decay reaches min_lr (flat afterwards)
+    schedule: Literal[CLOCKS] = warned("steps")  # a progress decay's clock: steps (bit-reproducible; over lr_decay_iters) | time (over max_time, or max_iters if the steps run out first)
+    lr_decay: str = fixed("cosine")  # the lr schedule, a name in optim.DECAYS
+    lr_decay_iters: int = warned(2000)  # a progress decay under schedule=steps: the step at which it reaches min_lr (flat afterwards)
     weight_decay: float = warned(0.1)  # decay of matrices and embeddings (AdamW's decoupled decay; Muon's matrices too); none on gains
     beta1: float = warned(0.9)  # AdamW beta1
     beta2: float = warned(0.99)  # AdamW beta2
@@ -158,7 +161,6 @@ DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 RESUME = {f.name: f.metadata["resume"] for f in fields(TrainConfig)}  # name -> fixed | warned | free
 MODEL_OPTIONS = tuple(f.name for f in model_options())
 TABLES = {"optimizer": OPTIMIZERS, "lr_decay": DECAYS}  # fields whose values name an entry of an machinery/optim.py table
-CLOCK_USES = {"steps": ("lr_decay_iters",), "time": ()}  # what each schedule (the decay's clock) reads
 TOKENIZER_USES = {"char": (), "gpt2": (), "bpe": ("bpe_vocab_size",)}  # what each tokenizer reads
 
 
@@ -170,22 +172,100 @@ def choices(name: str) -> tuple[Any, ...]:
     return typing.get_args(kind) if typing.get_origin(kind) is Literal else ()
 
 
-def chosen_entries(cfg: TrainConfig) -> list[Any]:
-    """The table entries the config chose: its optimizer and its lr decay."""
-    return [TABLES[name][getattr(cfg, name)] for name in TABLES]
+# ----------------------------------------------------------------------------- what each choice reads
+# Which fields an optimizer or an lr schedule (under each clock) reads is recorded, never declared: the
+# optimizer is built on a throwaway model and the curve drawn at a few steps, each through a ReadRecorder
+# of the config. A declared list would drift from the code, silently: a field listed by mistake was
+# "unused" in every run of the other entries, a field missing was warned unused while read, and its
+# change on resume applied without a word. tests/test_training_options.py checks the recording against
+# perturbing each field.
+CHOOSERS = (*TABLES, "schedule", "tokenizer")  # the fields that choose what reads the others: never unused
+LOOP_FIELDS = ("max_iters", "max_time")  # train.py's loop stops on them, whatever the choices: never unused
+# (schedule=time's curve reads them too; a test checks this list against what the run's code reads)
 
 
-def entry_fields(entry: Any) -> set[str]:
-    return set(entry.uses) | set(entry.options)
+class ReadRecorder:
+    """A stand-in for a config that records the name of every attribute read through it (``reads``).
+
+    The config's own methods run on the recorder, so what they read is recorded too. Writes are refused:
+    an entry reads its config, it does not change it. Footgun: a read that bypasses the recorder (a
+    global, a config captured elsewhere) is not seen; the perturbation test catches one.
+    """
+
+    def __init__(self, cfg: Any):
+        object.__setattr__(self, "wrapped", cfg)
+        object.__setattr__(self, "reads", set())
+
+    def __getattr__(self, name: str) -> Any:  # called for every name the recorder itself lacks: the fields
+        self.reads.add(name)
+        method = getattr(type(self.wrapped), name, None)
+        if inspect.isfunction(method):
+            return method.__get__(self)  # the method reads through the recorder
+        return getattr(self.wrapped, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a table entry set config.{name}; entries read the config, never write it")
+
+
+def throwaway_model() -> GPT:
+    """A one-layer model to build optimizers on, made without touching the global RNG (a run's stream: the
+    recording happens at start-up, after the seed or a checkpoint set it)."""
+    with torch.random.fork_rng(devices=[]):  # the CPU generator, which init draws from, put back after
+        return GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=8, block_size=4))
+
+
+def curve_points(cfg: TrainConfig) -> list[tuple[int, float]]:
+    """(step, seconds) at which a curve is drawn to record what it reads: every side of every step and time
+    a curve may branch on (warmup's end, lr_decay_iters, max_iters, max_time) and far past them."""
+    ends = (cfg.warmup_iters, cfg.lr_decay_iters, cfg.max_iters)
+    steps = sorted({0, 1, 2 * sum(ends) + 1} | {max(0, end + d) for end in ends for d in (-1, 0, 1)})
+    seconds = (0.0, cfg.max_time / 2, cfg.max_time, 2 * cfg.max_time)
+    return [(step, time_s) for step in steps for time_s in seconds]
+
+
+def record_reads(field: str, name: str, cfg: TrainConfig) -> frozenset[str]:
+    """The TrainConfig fields that entry ``name`` of TABLES[field] reads under ``cfg``: an optimizer while it
+    builds (on CPU, in fp32), an lr schedule while its curve is drawn at curve_points under cfg.schedule."""
+    recorder = ReadRecorder(cfg)
+    if field == "optimizer":
+        OPTIMIZERS[name].build(throwaway_model(), recorder, torch.device("cpu"), torch.float32)
+    else:
+        for step, time_s in curve_points(cfg):
+            DECAYS[name].lr(step, recorder, time_s)
+    return frozenset(recorder.reads & set(FIELD_TYPES))
+
+
+def with_clock(cfg: TrainConfig, clock: str) -> TrainConfig:
+    """``cfg`` under another schedule (a budget of 1 s where schedule=time has none: its curve divides by it)."""
+    return dataclasses.replace(cfg, schedule=clock, max_time=(cfg.max_time or 1.0) if clock == "time" else cfg.max_time)
+
+
+@functools.lru_cache(maxsize=512)
+def recorded_reads(values: tuple[Any, ...], entries: tuple[Any, ...]) -> tuple[frozenset[str], frozenset[str]]:
+    """(what the config's own optimizer and lr schedule read, what any optimizer or schedule reads under any
+    clock it allows), for the config of these field values (FIELD_TYPES order): recorded once per config and
+    per state of the tables (``entries``: a test may declare an entry for its duration)."""
+    cfg = TrainConfig(**dict(zip(FIELD_TYPES, values)))
+    own = record_reads("optimizer", cfg.optimizer, cfg) | record_reads("lr_decay", cfg.lr_decay,
+                                                                       with_clock(cfg, cfg.schedule))
+    anyone = {read for name in OPTIMIZERS for read in record_reads("optimizer", name, cfg)}
+    anyone |= {read for name, entry in DECAYS.items() for clock in entry.clocks
+               for read in record_reads("lr_decay", name, with_clock(cfg, clock))}
+    return own, frozenset(anyone)
+
+
+def choice_reads(cfg: TrainConfig) -> tuple[frozenset[str], frozenset[str]]:
+    """(what this run's optimizer and lr schedule read, what some optimizer or schedule reads), recorded."""
+    entries = tuple((field, name, id(entry)) for field, table in TABLES.items() for name, entry in table.items())
+    return recorded_reads(tuple(getattr(cfg, name) for name in FIELD_TYPES), entries)
 
 
 def unused_fields(cfg: TrainConfig) -> set[str]:
-    """Fields that some optimizer, lr decay or clock reads but the chosen ones do not (muon_lr under adamw)."""
-    owned = {name for table in TABLES.values() for entry in table.values() for name in entry_fields(entry)}
-    owned |= {name for uses in (*CLOCK_USES.values(), *TOKENIZER_USES.values()) for name in uses}
-    used = ({name for entry in chosen_entries(cfg) for name in entry_fields(entry)} | set(CLOCK_USES[cfg.schedule])
-            | set(TOKENIZER_USES[cfg.tokenizer]))
-    return owned - used
+    """Fields that some optimizer, lr schedule, clock or tokenizer reads but this run's do not (muon_lr under
+    adamw, lr_decay_iters under schedule=time). Neither the choosing fields nor the loop's are ever unused."""
+    own, anyone = choice_reads(cfg)
+    owned = set(anyone) | {name for uses in TOKENIZER_USES.values() for name in uses}
+    return owned - own - set(TOKENIZER_USES[cfg.tokenizer]) - set(CHOOSERS) - set(MODEL_OPTIONS) - set(LOOP_FIELDS)
 
 
 def unused_given(cfg: TrainConfig) -> list[str]:
@@ -201,8 +281,9 @@ def settings_line(cfg: TrainConfig) -> str:
     step count always, then every other setting that shapes training (resume rule fixed or warned) and differs
     from its default. Model options are the model line's; paths and logging are not training."""
     always = ("optimizer", *(name for name in TABLES if name != "optimizer"), "schedule", "max_iters")
+    unused = unused_fields(cfg)
     rest = [name for name in FIELD_TYPES if name not in always and name not in MODEL_OPTIONS
-            and RESUME[name] != "free" and getattr(cfg, name) != DEFAULTS[name] and name not in unused_fields(cfg)]
+            and RESUME[name] != "free" and getattr(cfg, name) != DEFAULTS[name] and name not in unused]
     return "settings: " + ", ".join(f"{name} {getattr(cfg, name)}" for name in (*always, *rest))
 
 
@@ -221,16 +302,11 @@ def field_help() -> dict[str, str]:
             if sep and name in FIELD_TYPES and "#" in rest:
                 help_text[name] = rest.split("#", 1)[1].strip()
     for table_field, table in TABLES.items():  # each entry of a table says what it is: its docstring's first line
-        entries = (f"{name}: {(entry_doc(entry) or name).rstrip('.')}" for name, entry in table.items())
+        entries = (f"{name}: {(entry.doc or name).rstrip('.')}" for name, entry in table.items())
         help_text[table_field] += " (" + "; ".join(entries) + ")"
         for entry in table.values():
             help_text.update({name: option.help for name, option in entry.options.items()})
     return help_text
-
-
-def entry_doc(entry: Any) -> str:
-    function = getattr(entry, "build", None) or entry.shape
-    return (function.__doc__ or "").strip().split("\n")[0]
 
 
 def parse_value(name: str, raw: Any) -> Any:
@@ -329,6 +405,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         allowed = choices(name)
         if allowed and getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got `{getattr(cfg, name)}`")
+    if cfg.schedule not in DECAYS[cfg.lr_decay].clocks:  # a step schedule: its curve counts steps only
+        driven = ", ".join(name for name, entry in DECAYS.items() if cfg.schedule in entry.clocks)
+        raise ConfigError(f"lr_decay={cfg.lr_decay} is a function of the step, which schedule={cfg.schedule} cannot "
+                          f"drive; use schedule=steps, or an lr_decay that it can ({driven})")
     try:
         model_config(cfg, vocab_size=1)  # the model's own checks of its options (GPTConfig.__post_init__)
     except ValueError as err:

@@ -1,11 +1,17 @@
-"""How the weights move: the optimizers and the shapes of the lr decay, each one entry of a table.
+"""How the weights move: the optimizers and the lr schedules, each one entry of a table.
 
-An entry is a builder (or a function of progress) declared together with the config fields it reads:
-``uses`` names fields TrainConfig already has (shared by several entries), ``options`` declares new
-ones (an ``Option``: default, help, check), which config.TrainConfig adopts as flags. The names the
-config accepts for ``optimizer`` and ``lr_decay`` are these tables' keys, so a name without a builder
-cannot be given, and a field that only other entries read is reported as unused (config.unused_fields).
-docs/experiments.md, "Adding a training option", walks through adding one.
+An entry is a builder (an optimizer) or a curve (an lr schedule), declared with the options it brings:
+each ``Option`` (default, help, check) becomes a TrainConfig field, a flag and a checkpoint key. Which
+config fields an entry reads is never declared: config records it, by building the optimizer and drawing
+the curve through a config that notes every field read (config.choice_reads), so a warning that a field
+is unused, the start-up line and the resume warnings follow the code as it is. The names the config
+accepts for ``optimizer`` and ``lr_decay`` are these tables' keys, so a name without a builder cannot be
+given. docs/experiments.md, "Adding a training option", walks through adding one.
+
+An lr schedule owns its whole curve, as a function of the step. Two decorators declare one:
+``@lr_decay`` gives a shape of the decay's progress (0 -> 1) the standard curve around it (warmup, the
+clock, min_lr after the end: ``shaped_curve``), which either clock can drive; ``@lr_schedule`` gives a
+function of the step that is the whole curve itself, which schedule=time cannot drive.
 
 Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; Liu et al. 2025, "Muon is
 Scalable for LLM Training") replaces the update of a 2-D hidden weight by the semi-orthogonal matrix
@@ -20,9 +26,10 @@ ran at 1 GFLOP/s against 98 in fp32, and the `small` preset's step took 1.1 s in
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +37,8 @@ import torch
 if TYPE_CHECKING:  # annotations only: config imports this module
     from config import TrainConfig
     from model import GPT
+
+CLOCKS = ("steps", "time")  # the values of TrainConfig.schedule: what measures a progress decay's progress
 
 
 @dataclass(frozen=True)
@@ -42,37 +51,72 @@ class Option:
     resume: str = "warned"  # how a resume treats a change (config's rules: fixed, warned, free)
 
 
+def first_line(function: Callable) -> str:
+    """What an entry is, for --help: its function's docstring's first line."""
+    return (function.__doc__ or "").strip().split("\n")[0]
+
+
 @dataclass(frozen=True)
 class OptimizerEntry:
     build: Callable[[GPT, TrainConfig, torch.device, torch.dtype], torch.optim.Optimizer]
-    uses: tuple[str, ...]  # existing TrainConfig fields it reads, beside learning_rate
     options: dict[str, Option]  # fields of its own
+
+    @property
+    def doc(self) -> str:
+        return first_line(self.build)
 
 
 @dataclass(frozen=True)
-class DecayEntry:
-    shape: Callable[[float, TrainConfig], float]  # progress in [0, 1] -> share of (peak - min_lr) left, 1 -> 0
-    uses: tuple[str, ...]
-    options: dict[str, Option] = field(default_factory=dict)
+class ScheduleEntry:
+    lr: Callable[[int, TrainConfig, float], float]  # (step, config, seconds into the run) -> the lr: the whole curve
+    options: dict[str, Option]  # fields of its own
+    clocks: tuple[str, ...]  # the schedule values (CLOCKS) that can drive it
+    declared: Callable  # the function the decorator was given (its docstring is the entry's help)
+
+    @property
+    def doc(self) -> str:
+        return first_line(self.declared)
 
 
 OPTIMIZERS: dict[str, OptimizerEntry] = {}
-DECAYS: dict[str, DecayEntry] = {}
+DECAYS: dict[str, ScheduleEntry] = {}  # TrainConfig.lr_decay names one: a progress decay or a step schedule
 
 
-def optimizer(name: str, uses: tuple[str, ...] = (), **options: Option):
-    """Declare an optimizer: ``@optimizer("sgd", uses=("weight_decay",), momentum=Option(0.9, "..."))``."""
+def own_options(decorator: str, name: str, options: dict[str, Any]) -> dict[str, Option]:
+    """An entry's keyword arguments, each of which must be an Option (a fork written for ``uses=`` fails here)."""
+    for key, option in options.items():
+        if not isinstance(option, Option):
+            raise TypeError(f"@{decorator}({name!r}, {key}=...): not an Option; the fields an entry reads are "
+                            "recorded (config.choice_reads), never declared, so there is no uses=")
+    return options
+
+
+def optimizer(name: str, **options: Option):
+    """Declare an optimizer: ``@optimizer("sgd", sgd_momentum=Option(0.9, "..."))`` on a builder
+    (model, cfg, device, dtype) -> torch.optim.Optimizer whose every param group has an "lr_scale"."""
     def register(build):
-        OPTIMIZERS[name] = OptimizerEntry(build, uses, options)
+        OPTIMIZERS[name] = OptimizerEntry(build, own_options("optimizer", name, options))
         return build
     return register
 
 
-def lr_decay(name: str, uses: tuple[str, ...] = (), **options: Option):
-    """Declare a shape of the lr decay after warmup: a function of progress (0 -> 1) and the config."""
+def lr_decay(name: str, **options: Option):
+    """Declare a progress decay: a shape (progress 0 -> 1, cfg) -> the share of learning_rate - min_lr left,
+    1 -> 0. It gets the standard curve (``shaped_curve``), which schedule=steps or schedule=time drives."""
     def register(shape):
-        DECAYS[name] = DecayEntry(shape, uses, options)
+        DECAYS[name] = ScheduleEntry(functools.partial(shaped_curve, shape), own_options("lr_decay", name, options),
+                                     CLOCKS, shape)
         return shape
+    return register
+
+
+def lr_schedule(name: str, **options: Option):
+    """Declare a step schedule: a function (step, cfg) -> lr that is the whole curve (its warmup or none, its
+    floor, what it does past any end). It counts steps, so schedule=time cannot drive it (config refuses)."""
+    def register(curve):
+        DECAYS[name] = ScheduleEntry(lambda step, cfg, time_s: curve(step, cfg),
+                                     own_options("lr_schedule", name, options), ("steps",), curve)
+        return curve
     return register
 
 
@@ -89,7 +133,7 @@ def adamw_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0}]
 
 
-@optimizer("adamw", uses=("weight_decay", "beta1", "beta2"))
+@optimizer("adamw")
 def build_adamw(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> torch.optim.AdamW:
     """torch's AdamW (decoupled weight decay, Loshchilov & Hutter 2019), fused where it can be."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied wte/lm_head weight once
@@ -97,9 +141,9 @@ def build_adamw(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch
                              betas=(cfg.beta1, cfg.beta2), fused=fused_here(device))
 
 
-@optimizer("muon", uses=("weight_decay", "beta1", "beta2"),
-           muon_lr=Option(0.02, "the Muon matrices' peak lr; their lr follows learning_rate's schedule times "
-                                "muon_lr / learning_rate", valid=lambda v: math.isfinite(v) and v > 0, must="be > 0"))
+@optimizer("muon", muon_lr=Option(0.02, "the Muon matrices' peak lr; their lr follows learning_rate's schedule "
+                                        "times muon_lr / learning_rate",
+                                  valid=lambda v: math.isfinite(v) and v > 0, must="be > 0"))
 def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> MuonAdamW:
     """Muon for the blocks' weight matrices, AdamW (learning_rate) for the rest, as one optimizer.
 
@@ -237,7 +281,30 @@ def merge_pair_state(adamw: dict[str, Any], muon: dict[str, Any]) -> dict[str, A
     return {"state": state, "param_groups": groups}
 
 
-# ----------------------------------------------------------------------------- lr decay shapes
+# ----------------------------------------------------------------------------- lr schedules
+def shaped_curve(shape: Callable[[float, TrainConfig], float], step: int, cfg: TrainConfig, time_s: float) -> float:
+    """A progress decay's curve: linear warmup to learning_rate over warmup_iters steps, then ``shape`` from
+    the peak down to min_lr as the decay's progress goes 0 -> 1, and min_lr once it is 1.
+
+    The clock measures the progress. schedule=steps: it reaches 1 at lr_decay_iters (min_lr from there
+    on, where every shape has arrived already: shape(1) = 0); a pure function of the step, so a resumed
+    run follows exactly the same schedule. schedule=time: it reaches 1 when ``time_s`` (the run's wall
+    clock) reaches max_time, so a slow machine ends its budget as annealed as a fast one, after fewer
+    steps (Geiping & Goldstein 2022, "Cramming", tie the schedule to the time budget the same way); or at
+    max_iters, if the steps run out first.
+    """
+    if step < cfg.warmup_iters:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_iters
+    if cfg.schedule == "time":  # whichever budget runs out first ends the decay
+        by_steps = (step - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters)
+        progress = min(1.0, max(time_s / cfg.max_time, by_steps))
+    elif step >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    else:
+        progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)  # 0 -> 1
+    return cfg.min_lr + shape(progress, cfg) * (cfg.learning_rate - cfg.min_lr)
+
+
 @lr_decay("cosine")
 def cosine(progress: float, cfg: TrainConfig) -> float:
     """Half a cosine from the peak down to min_lr.

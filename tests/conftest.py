@@ -123,6 +123,15 @@ def make_optimizer(model: GPT, weight_decay: float = 0.1, learning_rate: float =
     return build_optimizer(model, cfg, torch.device("cpu"))
 
 
+def declare_entry(monkeypatch: pytest.MonkeyPatch, decorator, name: str, function) -> None:
+    """Declare a table entry for one test with machinery/optim.py's own decorator; gone again after the test.
+
+    No options: TrainConfig's fields are made once, at import."""
+    from machinery.optim import DECAYS, OPTIMIZERS, optimizer
+    monkeypatch.setitem(OPTIMIZERS if decorator is optimizer else DECAYS, name, None)  # undone: the key removed
+    decorator(name)(function)
+
+
 def docs_snippet(heading: str, page: str = "experiments.md") -> str:
     """The body of the python block in docs/PAGE whose first line is ``heading``."""
     text = (REPO / "docs" / page).read_text()

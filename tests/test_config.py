@@ -1,12 +1,13 @@
 """Configuration: presets, command-line overrides, and errors that say what to fix."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 
 import pytest
 
-from config import ConfigError, TrainConfig, build_parser, make_config, parse_args
-from conftest import run_script
+from config import FIELD_TYPES, ConfigError, TrainConfig, build_parser, make_config, parse_args
+from conftest import REPO, run_script
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "gpt2"])
@@ -74,3 +75,37 @@ def test_a_config_error_writes_nothing_and_prints_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == ["error: unknown config key `max_iter` in the command line; "
                                                   "did you mean `max_iters`?"]
     assert not out_dir.exists()
+
+
+# ----------------------------------------------------------------------------- every field is read
+def config_reads(source: str) -> set[str]:
+    """Attribute names read from a config in ``source``: ``NAME`` of every ``cfg.NAME``, ``config.NAME``,
+    ``self.config.NAME`` (whatever object ends in a name holding "cfg" or "config")."""
+    def config_like(node: ast.AST) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return "cfg" in name or "config" in name
+    return {node.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and config_like(node.value)}
+
+
+def unread_fields(sources: dict[str, str], names: set[str]) -> set[str]:
+    """The field names that no source reads. config/__init__.py does not count: it reads every field to check,
+    list, save and compare it, which is not a use."""
+    read = set().union(*(config_reads(text) for path, text in sources.items() if path != "config/__init__.py"))
+    return names - read
+
+
+def test_every_config_field_is_read_by_the_code():
+    """A field declared in TrainConfig (or an Option) that no code reads would be accepted, shown, saved,
+    compared on resume and ignored. Scans the repo's sources outside tests/ for attribute reads."""
+    sources = {str(path.relative_to(REPO)): path.read_text() for path in REPO.rglob("*.py")
+               if path.relative_to(REPO).parts[0] not in ("tests", "out", "data", "hf", "wandb")
+               and not path.relative_to(REPO).parts[0].startswith(".")}
+    assert {"train.py", "model.py", "machinery/optim.py", "config/__init__.py"} <= set(sources)
+    assert unread_fields(sources, set(FIELD_TYPES)) == set()
+    # The teeth: a field only declared, or only validated, is unread; its first use anywhere makes it read.
+    declared = {"config/__init__.py": "class TrainConfig:\n    label_smoothing: float = warned(0.0)\n\n"
+                                      "def validate(cfg):\n    return cfg.label_smoothing >= 0\n"}
+    assert unread_fields({**sources, **declared}, {*FIELD_TYPES, "label_smoothing"}) == {"label_smoothing"}
+    used = {"train.py": sources["train.py"] + "\nsmoothing = cfg.label_smoothing\n"}
+    assert unread_fields({**sources, **declared, **used}, {*FIELD_TYPES, "label_smoothing"}) == set()

@@ -1,8 +1,10 @@
 """Training options are declared once: every TrainConfig field carries its resume rule, optimizers and lr
-decays are tables (machinery/optim.py) whose names are the only ones the config accepts, and a run says what it
-trains with. The tests below are generated from those declarations, so a new entry is tested unasked."""
+schedules are tables (machinery/optim.py) whose names are the only ones the config accepts, what each entry
+reads is recorded (never declared), and a run says what it trains with. The tests below are generated from
+those declarations, so a new entry is tested unasked."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 import itertools
 import json
@@ -17,11 +19,13 @@ import torch
 
 import train
 from machinery.checkpoint import load_checkpoint, save_checkpoint
-from config import (DEFAULTS, RESUME, RESUME_RULES, TrainConfig, make_config, settings_line, unused_fields,
-                    unused_given)
+import config
+from config import (CHOOSERS, DEFAULTS, FIELD_TYPES, LOOP_FIELDS, MODEL_OPTIONS, RESUME, RESUME_RULES, TABLES,
+                    ReadRecorder, TrainConfig, choice_reads, make_config, record_reads, settings_line, throwaway_model,
+                    unused_fields, unused_given)
 from conftest import REPO, docs_snippet, make_text
 from fault_injection import assert_same_training_state, capture_run, run_main, tiny_args
-from machinery.optim import DECAYS, OPTIMIZERS, MuonAdamW
+from machinery.optim import CLOCKS, DECAYS, OPTIMIZERS, MuonAdamW
 
 
 # ----------------------------------------------------------------------------- every field has a rule
@@ -123,16 +127,141 @@ def test_each_optimizer_keeps_its_own_kind_of_state():
     assert kinds["muon"] > kinds["adamw"]  # Muon's momentum beside AdamW's moments
 
 
-def test_each_lr_decay_draws_its_own_curve_from_the_peak_to_min_lr():
-    curves = {}
-    for name in DECAYS:
-        cfg = make_config(None, lr_decay=name, learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
-        curves[name] = [train.get_lr(step, cfg) for step in range(120)]
-        assert curves[name][9] == curves[name][10] == 1.0  # warmup ends at the peak, the decay starts there
-        assert curves[name][110:] == [0.1] * 10  # min_lr from lr_decay_iters on
-        assert curves[name] == sorted(curves[name][:10]) + sorted(curves[name][10:], reverse=True)
+SCHEDULE_CASE = dict(learning_rate=1.0, min_lr=0.1, lr_decay_iters=1100, max_iters=1500)
+WARMUP = 100  # a warmup step moves the lr by peak / WARMUP: no step of any curve may move it more
+
+
+def curve_of(name: str, warmup_iters: int) -> tuple[TrainConfig, list[float]]:
+    cfg = make_config(None, lr_decay=name, warmup_iters=warmup_iters, **SCHEDULE_CASE)
+    return cfg, [train.get_lr(step, cfg) for step in range(cfg.max_iters)]
+
+
+@pytest.mark.parametrize("warmup_iters", [WARMUP, 0], ids=["warmup", "no-warmup"])
+@pytest.mark.parametrize("name", list(DECAYS))
+def test_each_lr_schedule_draws_a_curve_of_its_kind(name, warmup_iters):
+    """Before: get_lr cut every curve to min_lr at lr_decay_iters, so a step schedule fell off a cliff there
+    (inverse-sqrt: 9.51e-04 at step 199, 3.00e-04 at step 200), and this test required the cut of every entry."""
+    cfg, curve = curve_of(name, warmup_iters)
+    peak, floor = cfg.learning_rate, cfg.min_lr
+    rise = warmup_iters if "warmup_iters" in choice_reads(cfg)[0] else 0  # a step schedule may have no warmup
+    assert curve[:rise] == sorted(set(curve[:rise]))  # the warmup rises, every step
+    assert curve[rise] == peak and curve[rise - 1 if rise else 0] == peak  # to the peak, where the decay starts
+    assert curve[rise:] == sorted(curve[rise:], reverse=True)  # and never rises again
+    assert min(curve[rise:]) >= floor  # nor falls below min_lr (a warmup may start under it)
+    assert max(abs(b - a) for a, b in zip(curve, curve[1:])) <= peak / WARMUP + 1e-12  # no cliff anywhere
+    if DECAYS[name].clocks == CLOCKS:  # a progress decay (@lr_decay): the standard curve's end
+        assert curve[cfg.lr_decay_iters:] == [floor] * (cfg.max_iters - cfg.lr_decay_iters)
+
+
+def test_each_lr_schedule_draws_its_own_curve():
+    curves = {name: curve_of(name, WARMUP)[1] for name in DECAYS}
     for a, b in itertools.combinations(curves, 2):
         assert curves[a] != curves[b], f"lr_decay {a} and {b} draw the same curve"
+
+
+# ----------------------------------------------------------------------------- what an entry reads: recorded
+NUMERIC = [name for name, kind in FIELD_TYPES.items() if kind in (int, float)]
+READ_CASE = dict(warmup_iters=10, lr_decay_iters=60, max_iters=80, max_time=40)  # each end inside 100 steps
+CHOICES = [("optimizer", name, "steps") for name in OPTIMIZERS] + [
+    ("lr_decay", name, clock) for name, entry in DECAYS.items() for clock in entry.clocks]
+
+
+def perturbed(cfg: TrainConfig, name: str) -> TrainConfig:
+    """``cfg`` with one numeric field moved a little (kept in [0, 1) where it was there: betas, fractions)."""
+    value = getattr(cfg, name)
+    return dataclasses.replace(cfg, **{name: value + 1 if isinstance(value, int) else value * 0.75 + 0.01})
+
+
+def made_by(field: str, name: str, cfg: TrainConfig) -> object:
+    """What an entry makes of ``cfg``: an optimizer's param groups (all but the params) and defaults, or an lr
+    curve over 100 steps at 0.5 s a step and at 0.125 s (under schedule=time, the clock leads the first, and
+    max_iters the second: READ_CASE's 40 s are spent at step 80 or step 320)."""
+    if field == "optimizer":
+        built = OPTIMIZERS[name].build(throwaway_model(), cfg, torch.device("cpu"), torch.float32)
+        return [{k: v for k, v in group.items() if k != "params"} for group in built.param_groups], built.defaults
+    return [DECAYS[name].lr(step, cfg, step * step_s) for step_s in (0.5, 0.125) for step in range(100)]
+
+
+def misread(field: str, name: str, clock: str) -> tuple[set[str], set[str]]:
+    """(fields whose change changes what the entry makes but which the recording missed, fields recorded as
+    read whose change changes nothing): both empty when the recording is the truth."""
+    cfg = make_config(None, schedule=clock, **{field: name}, **READ_CASE)
+    recorded, made = record_reads(field, name, cfg), made_by(field, name, cfg)
+    changed = {f for f in NUMERIC if made_by(field, name, perturbed(cfg, f)) != made}
+    return changed - recorded, (recorded & set(NUMERIC)) - changed
+
+
+@pytest.mark.parametrize("field, name, clock", CHOICES, ids=[f"{f}={n}-{c}" for f, n, c in CHOICES])
+def test_what_an_entry_reads_is_recorded_and_is_what_changes_it(field, name, clock):
+    """uses=(...) was kept by hand: uses=("warmup_iters",) on a new decay made every cosine run warn that
+    warmup_iters was unused, and a Lion entry without beta1 warned "unused" for a field it read, and let a
+    resume change it without a word. Now the reads are recorded; here every numeric field is perturbed in
+    turn, and the fields whose change alters the optimizer or the curve must be exactly those recorded."""
+    hidden, idle = misread(field, name, clock)
+    assert hidden == set(), f"{field}={name} depends on {hidden} through a read the recorder did not see"
+    assert idle == set(), f"{field}={name} is recorded reading {idle}, whose change changes nothing"
+    cfg = make_config(None, schedule=clock, **{field: name}, **READ_CASE)
+    assert set(TABLES[field][name].options) <= record_reads(field, name, cfg), "an Option its entry never reads"
+
+
+def test_a_read_around_the_recorder_and_a_recorded_read_that_does_nothing_are_both_caught(monkeypatch):
+    """The teeth of the test above: a recorder blind to beta1, then a recording that claims grad_clip."""
+    real_getattr = ReadRecorder.__getattr__
+    monkeypatch.setattr(ReadRecorder, "__getattr__", lambda self, attr: getattr(self.wrapped, attr)
+                        if attr == "beta1" else real_getattr(self, attr))
+    assert misread("optimizer", "adamw", "steps") == ({"beta1"}, set())
+    monkeypatch.undo()
+    real_record = config.record_reads
+    monkeypatch.setitem(globals(), "record_reads", lambda *args: real_record(*args) | {"grad_clip"})  # misread's
+    assert misread("lr_decay", "cosine", "steps") == (set(), {"grad_clip"})
+
+
+def test_an_entry_declared_the_old_way_with_uses_fails_at_import_saying_why():
+    from machinery.optim import optimizer
+    with pytest.raises(TypeError, match=r"@optimizer\('sgd', uses=...\): not an Option; .* there is no uses="):
+        optimizer("sgd", uses=("weight_decay",))(lambda model, cfg, device, dtype: None)
+    assert "sgd" not in OPTIMIZERS
+
+
+def test_recording_leaves_the_random_streams_alone_and_runs_once_per_config():
+    """The recording builds a model (whose init draws from the global RNG) at a run's start, after the RNG was
+    seeded or restored from a checkpoint: it must not move the stream the run's dropout then draws from."""
+    state, recorded = torch.get_rng_state(), config.recorded_reads.cache_info().misses
+    cfg = make_config("tiny", seed=4242)
+    unused_fields(cfg)
+    assert config.recorded_reads.cache_info().misses == recorded + 1  # recorded here, not by an earlier test
+    assert torch.equal(torch.get_rng_state(), state)
+    hits = config.recorded_reads.cache_info().hits
+    assert unused_fields(make_config("tiny", seed=4242)) == unused_fields(cfg)  # an equal config: from the cache
+    assert config.recorded_reads.cache_info().hits == hits + 2
+
+
+def cfg_reads(path: Path, skip: tuple[str, ...] = ()) -> set[str]:
+    """Attribute names read as ``cfg.NAME`` in a source file, outside the functions named in ``skip``."""
+    tree = ast.parse(path.read_text())
+    nodes = [node for top in tree.body if not (isinstance(top, ast.FunctionDef) and top.name in skip)
+             for node in ast.walk(top)]
+    return {node.attr for node in nodes if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "cfg"}
+
+
+def test_loop_fields_are_the_fields_the_run_reads_that_only_some_choices_read():
+    """A field some optimizer or schedule reads counts as unused under the others, unless the run reads it anyway
+    (max_time: the loop stops on it whatever the schedule). LOOP_FIELDS names those; it must be exactly the
+    fields the run's code reads (train.py outside the lr curve, data.py, machinery/ but the tables), that some
+    choices read, and not every combination of them does."""
+    run_code = [(REPO / "train.py", ("get_lr", "set_lr")), (REPO / "data.py", ())]
+    run_code += [(path, ()) for path in sorted((REPO / "machinery").glob("*.py")) if path.name != "optim.py"]
+    run_reads = set().union(*(cfg_reads(path, skip) for path, skip in run_code))
+    method_reads = {"out_of_time": {"max_time"}, "tokens_per_step": {"batch_size", "block_size", "grad_accum"}}
+    assert {name for name in run_reads if callable(getattr(TrainConfig, name, None))} <= set(method_reads)
+    run_reads |= {read for method, reads in method_reads.items() if method in run_reads for read in reads}
+    combos = [record_reads("optimizer", opt, cfg) | record_reads("lr_decay", decay, cfg)
+              for opt in OPTIMIZERS for decay, entry in DECAYS.items() for clock in entry.clocks
+              for cfg in [make_config(None, optimizer=opt, lr_decay=decay, schedule=clock, **READ_CASE)]]
+    some_choices = set().union(*combos) - set(CHOOSERS) - set(MODEL_OPTIONS)
+    every_run = set.intersection(*map(set, combos))
+    assert set(LOOP_FIELDS) == (run_reads & some_choices) - every_run
 
 
 def test_wsd_is_flat_then_linear_over_its_final_fraction():
@@ -192,18 +321,28 @@ def test_muon_with_adamw_is_one_torch_optimizer_and_old_checkpoints_resume(tmp_p
 FIELD_ANCHOR = '    wandb_project: str = free("tinygpt")  # wandb project name\n'
 
 
-def fork_of_the_repo(root: Path) -> Path:
-    """A copy of the repo's code with docs/experiments.md's three declarations ("Adding a training option")
-    added as it says: an optimizer and an lr decay in machinery/optim.py, a training field in TrainConfig."""
+SGD = "# machinery/optim.py, after the last @optimizer entry:\n"  # the headings of the page's python blocks
+LINEAR = "# machinery/optim.py, after the last @lr_decay entry:\n"
+LION = "# machinery/optim.py, after the last @optimizer entry (Lion):\n"
+INVERSE_SQRT = "# machinery/optim.py, after the last @lr_decay entry (inverse-sqrt):\n"
+
+
+def fork_of_the_repo(root: Path, entries: tuple[str, ...] = (SGD, LINEAR), field: bool = True,
+                     tests: bool = False) -> Path:
+    """A copy of the repo's code with docs/experiments.md's declarations ("Adding a training option") added
+    as it says: the blocks headed ``entries`` at the end of machinery/optim.py, and (``field``) its training
+    field in TrainConfig. With ``tests``, the copy has the test suite too, to run there."""
     fork = root / "fork"
-    ignore = shutil.ignore_patterns("tests", "docs", "out", "data", ".git", "__pycache__", "wandb", "hf")
+    ignore = shutil.ignore_patterns(*([] if tests else ["tests"]), "docs", "out", "data", ".git", "__pycache__",
+                                    "wandb", "hf")
     shutil.copytree(REPO, fork, ignore=ignore)
-    entries = [docs_snippet(f"# machinery/optim.py, after the last @{kind} entry:\n") for kind in ("optimizer", "lr_decay")]
-    (fork / "machinery" / "optim.py").write_text((fork / "machinery" / "optim.py").read_text() + "".join("\n\n" + e for e in entries))
-    config = fork / "config" / "__init__.py"
-    field = docs_snippet("# config/__init__.py, in TrainConfig, after wandb_project:\n")
-    assert config.read_text().count(FIELD_ANCHOR) == 1, "update FIELD_ANCHOR to config/__init__.py"
-    config.write_text(config.read_text().replace(FIELD_ANCHOR, FIELD_ANCHOR + field))
+    optim_file = fork / "machinery" / "optim.py"
+    optim_file.write_text(optim_file.read_text() + "".join("\n\n" + docs_snippet(heading) for heading in entries))
+    if field:
+        config_file = fork / "config" / "__init__.py"
+        assert config_file.read_text().count(FIELD_ANCHOR) == 1, "update FIELD_ANCHOR to config/__init__.py"
+        declaration = docs_snippet("# config/__init__.py, in TrainConfig, after wandb_project:\n")
+        config_file.write_text(config_file.read_text().replace(FIELD_ANCHOR, FIELD_ANCHOR + declaration))
     return fork
 
 
@@ -276,3 +415,135 @@ def test_a_forked_optimizer_decay_and_field_each_one_declaration_are_honoured_en
 def test_a_name_without_a_builder_cannot_be_given(capsys):
     assert run_main(["--config", "tiny", "--optimizer", "sgd"]) == 2
     assert "optimizer must be one of adamw, muon, got `sgd`" in capsys.readouterr().err
+
+
+RECIPES_SCRIPT = '''
+import contextlib, io, json, sys
+from pathlib import Path
+import torch
+import train
+from config import make_config, unused_given
+from machinery.checkpoint import load_checkpoint
+sys.path.insert(0, "tests")
+from fault_injection import assert_same_training_state
+
+corpus, out = sys.argv[1], Path(sys.argv[2])
+common = ["--config", "tiny", "--data_path", corpus, "--data_dir", str(out / "data"), "--device", "cpu",
+          "--log_interval", "1", "--eval_interval", "3", "--optimizer", "lion", "--lr_decay", "inverse_sqrt",
+          "--warmup_iters", "2", "--rsqrt_timescale", "50"]
+def main(*args):
+    """train.main on the common arguments: its exit code, and what it printed."""
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        try:
+            train.main(common + list(args))
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+    return {"code": code, "out": printed.getvalue(), "err": errors.getvalue()}
+
+report = {"tiny": {step: train.get_lr(step, make_config("tiny", lr_decay="inverse_sqrt")) for step in (19, 199, 200)},
+          "cosine_200": train.get_lr(200, make_config("tiny")),
+          "cold": [train.get_lr(step, make_config("tiny", lr_decay="inverse_sqrt", warmup_iters=0)) for step in (0, 100)],
+          "adamw_warned": unused_given(make_config("tiny", lr_decay="inverse_sqrt")),
+          "lion_warned": unused_given(make_config("tiny", optimizer="lion", muon_lr=0.01))}
+report["straight"] = main("--out_dir", str(out / "straight"), "--max_iters", "6")
+state = load_checkpoint(out / "straight" / "last.pt")
+report["state"] = [sorted(s) for s in state["optimizer"]["state"].values()]
+report["state_shapes"] = [list(s["momentum"].shape) for s in state["optimizer"]["state"].values()]
+report["param_shapes"] = [list(p.shape) for name, p in state["model"].items() if name != "lm_head.weight"]  # tied
+report["lrs"] = [json.loads(l)["lr"] for l in (out / "straight" / "metrics.jsonl").read_text().splitlines() if \'"lr"\' in l]
+report["split"] = main("--out_dir", str(out / "split"), "--max_iters", "3")
+report["resumed"] = main("--out_dir", str(out / "split"), "--max_iters", "6", "--resume")
+assert_same_training_state(state, load_checkpoint(out / "split" / "last.pt"))  # raises unless bit for bit
+report["beta1"] = main("--out_dir", str(out / "split"), "--max_iters", "7", "--resume", "--beta1", "0.8")
+report["timed"] = main("--out_dir", str(out / "timed"), "--schedule", "time", "--max_time", "60")
+print("REPORT " + json.dumps(report))
+'''
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.slow
+def test_the_recipes_of_this_page_fork_the_repo_end_to_end(tmp_path):
+    """docs/experiments.md's inverse-sqrt and Lion recipes, taken from the page, in a copy of the repo with its
+    tests: flags, start-up lines, the curve with and without warmup and without a cliff, schedule=time
+    refused, unused fields warned, Lion's own state, resumes (bit for bit; a changed beta1 warned), then the
+    copy's own generated tests for the two entries. (Its name names neither, so the copy never runs it.)"""
+    fork = fork_of_the_repo(tmp_path, entries=(LION, INVERSE_SQRT), field=False, tests=True)
+    (tmp_path / "corpus.txt").write_text(make_text())
+    result = subprocess.run([sys.executable, "-c", RECIPES_SCRIPT, str(tmp_path / "corpus.txt"), str(tmp_path / "o")],
+                            cwd=fork, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("REPORT ", 1)[1])
+    page = one_line((REPO / "docs" / "experiments.md").read_text())
+
+    # The curve on tiny (warmup 20, lr 3e-3): no cliff at lr_decay_iters (200), as the page says.
+    tiny = {int(step): lr for step, lr in report["tiny"].items()}
+    assert tiny[19] == 3e-3 and f"{tiny[199]:.2e}" == "1.80e-03" and f"{tiny[200]:.2e}" == "1.79e-03"
+    assert "the lr is 1.80e-03 at step 199 and 1.79e-03 at step 200, where a cosine is at `min_lr` already" in page
+    assert report["cosine_200"] == 3e-4
+    assert report["cold"] == [3e-3, pytest.approx(3e-3 / 2 ** 0.5)]  # no warmup: the peak at step 0, 1/sqrt(2) at T
+    # What it does not read is warned about, in the words the page quotes.
+    warned = ("WARNING: lr_decay_iters is set (200) but unused: optimizer=adamw, lr_decay=inverse_sqrt, "
+              "schedule=steps, tokenizer=char do not read it")
+    assert report["adamw_warned"] == [warned] and one_line(f"`{warned}`") in page
+    assert report["lion_warned"] == ["WARNING: muon_lr is set (0.01) but unused: optimizer=lion, lr_decay=cosine, "
+                                     "schedule=steps, tokenizer=char do not read it"]
+
+    # A run: flags, start-up lines, the lr it logged (warmup 2, then peak / sqrt(1 + k / 50)).
+    straight = report["straight"]
+    assert straight["code"] == 0, straight["err"][-2000:]
+    lines = straight["out"].splitlines()
+    settings = next(line for line in lines if line.startswith("settings: "))
+    assert settings.startswith("settings: optimizer lion, lr_decay inverse_sqrt, schedule steps, max_iters 6, ")
+    assert "rsqrt_timescale 50" in settings and "lr_decay_iters" not in settings
+    assert ("WARNING: lr_decay_iters is set (200) but unused: optimizer=lion, lr_decay=inverse_sqrt, "
+            "schedule=steps, tokenizer=char do not read it") in lines
+    assert report["lrs"] == pytest.approx([1.5e-3, 3e-3] + [3e-3 / (1 + k / 50) ** 0.5 for k in range(4)])
+    # Lion's state is its own: one momentum tensor per weight.
+    assert report["state"] == [["momentum"]] * len(report["state"]) and report["state_shapes"]
+    assert sorted(map(tuple, report["state_shapes"])) == sorted(map(tuple, report["param_shapes"]))
+    # Resumes: bit for bit (the script compared the checkpoints), and a changed beta1 warned.
+    assert report["split"]["code"] == report["resumed"]["code"] == 0
+    assert report["beta1"]["code"] == 0
+    assert "resuming with changed settings (beta1: checkpoint 0.9 vs now 0.8)" in report["beta1"]["out"]
+    assert "`beta1: checkpoint 0.9 vs now 0.8`" in page
+    # schedule=time cannot drive a step schedule: one line, naming both, as the page quotes it.
+    timed = report["timed"]
+    refusal = ("error: lr_decay=inverse_sqrt is a function of the step, which schedule=time cannot drive; "
+               "use schedule=steps, or an lr_decay that it can (cosine, wsd)")
+    assert timed["code"] == 2 and timed["err"] == refusal + "\n" and one_line(f"`{refusal}`") in page
+    assert not (tmp_path / "o" / "timed").exists()
+
+    help_text = one_line(subprocess.run([sys.executable, "train.py", "--help"], cwd=fork, capture_output=True,
+                                        text=True).stdout)
+    assert "--rsqrt_timescale" in help_text and "lion: Lion: the sign of momentum and gradient" in help_text
+    assert "inverse_sqrt: Linear warmup, then the peak / sqrt(1 + steps since warmup / rsqrt_timescale)" in help_text
+
+    # The copy's own generated tests, for the two entries: schedule curves, recorded reads, state, resumes.
+    def pytest_in_the_copy(name: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--basetemp",
+                               str(tmp_path / name), *args], cwd=fork, capture_output=True, text=True, timeout=600)
+
+    generated = pytest_in_the_copy("generated", "tests/test_training_options.py", "tests/test_config.py", "-k",
+                                   "lion or inverse_sqrt or own_kind_of_state or its_own_curve or loop_fields "
+                                   "or every_config_field_is_read")
+    assert generated.returncode == 0, generated.stdout[-4000:]
+    for test in ("test_each_optimizer_keeps_its_own_kind_of_state",
+                 "test_each_lr_schedule_draws_a_curve_of_its_kind[inverse_sqrt-warmup]",
+                 "test_each_lr_schedule_draws_a_curve_of_its_kind[inverse_sqrt-no-warmup]",
+                 "test_what_an_entry_reads_is_recorded_and_is_what_changes_it[optimizer=lion-steps]",
+                 "test_what_an_entry_reads_is_recorded_and_is_what_changes_it[lr_decay=inverse_sqrt-steps]",
+                 "test_each_choice_resumes_exactly_and_is_refused_under_another[optimizer-lion]",
+                 "test_each_choice_resumes_exactly_and_is_refused_under_another[lr_decay-inverse_sqrt]"):
+        assert f"PASSED tests/test_training_options.py::{test}" in generated.stdout, test
+    # And the reliability tests generated for every optimizer (a NaN stops the run before its update; no host
+    # sync on steps that do not log), which a plain step() must pass too. They need faults.NonFiniteGuard to
+    # keep a plain-step optimizer's bad update out without a host sync per step; until it does, all three fail
+    # (the guard syncs at step 4 and stops there: 8 forward passes, not 10; and 12 host reads, not 16).
+    reliability = pytest_in_the_copy("reliability", "tests/test_reliability.py", "-k", "lion")
+    assert reliability.returncode == 0, reliability.stdout[-4000:]
+    assert "3 passed" in reliability.stdout
