@@ -7,8 +7,8 @@
     python scripts/bench.py --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
 The step is made of train.py's own functions, so the benchmark measures what training runs: the
-same batches (data.get_batch), model, optimizer and precision (train.build_run, runtime.choose_runtime), LR
-(train.get_lr), train.accumulate_gradients (autocast, token-count normalisation, backward) and
+same batches (the run's training stream, data.LOADERS), model, optimizer and precision (train.build_run,
+runtime.choose_runtime), LR (train.get_lr), train.accumulate_gradients (autocast, token-count normalisation, backward) and
 train.optimizer_step (unscale, clip, the non-finite guard, update, zero_grad). tests/test_perf.py
 checks that its losses equal train.py's. Each phase ends with a device sync so its timer is honest
 (on CPU the ops are synchronous anyway); --profile N adds the profiler's top N ops. Warm-up steps are
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from config import CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
-from data import DataError, get_batch  # noqa: E402
+from data import DataError, TrainingStream  # noqa: E402
 from machinery.faults import NonFiniteGuard  # noqa: E402
 from machinery.rundir import check_writable  # noqa: E402
 from machinery.runtime import (choose_runtime, compile_for_step, fail, matmul_gflops, pick_device,  # noqa: E402
@@ -55,8 +55,7 @@ class Bench:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     guard: NonFiniteGuard
-    train_data: object
-    data_gen: torch.Generator
+    stream: TrainingStream  # the run's training batches, as train.py draws them
     compile_s: float
     step: int = 0
     times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
@@ -70,10 +69,10 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
     run = build_run(cfg, rt)
     t0 = time.perf_counter()
-    train_model = compile_for_step(run.model, cfg, run.corpus.train, rt)
+    train_model = compile_for_step(run.model, run.stream, rt)
     compile_s = time.perf_counter() - t0
     return Bench(name, cfg, rt.device, rt.dtype, run.model, train_model, run.optimizer, run.scaler, run.guard,
-                 run.corpus.train, run.data_gen, compile_s, threads=rt.threads)
+                 run.stream, compile_s, threads=rt.threads)
 
 
 def sync(device: torch.device) -> None:
@@ -89,8 +88,7 @@ def timed_step(b: Bench) -> dict[str, float]:
     sync(device)
     t0 = clock()
     set_lr(b.optimizer, get_lr(b.step, cfg))
-    batches = [get_batch(b.train_data, cfg.batch_size, cfg.block_size, b.data_gen, device)
-               for _ in range(cfg.grad_accum)]
+    batches = [b.stream.next() for _ in range(cfg.grad_accum)]
     sync(device)
     t1 = clock()
     loss_step, n_step = accumulate_gradients(b.train_model, batches, b.scaler, device, b.dtype)
