@@ -222,9 +222,10 @@ class PackedDocuments(TrainingStream):
     one after another; the one that does not fit is cropped at the row's end and the rest of it dropped.
     Documents come in a shuffled order, a new shuffle each epoch, from the stream's generator.
 
-    nanochat's BOS-aligned loader (nanochat/dataloader.py), without its best-fit search: no row starts
-    mid-document, so every document is read from its beginning. The cost is the cropped tails. Tokens before
-    the split's first separator (a char text file's first line) belong to no document and are never read.
+    nanochat's tokenizing_distributed_data_loader_bos_bestfit (nanochat/dataloader.py), without its best-fit
+    search: no row starts mid-document, so every token sees its document from the start; the cost is the
+    cropped tails (nanochat's docstring counts ~35% of tokens at T = 2048, with best fit). Tokens before the
+    split's first separator (a char text file's first line) belong to no document and are never read.
     """
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device: torch.device,
