@@ -7,15 +7,18 @@ Preparing (``corpus_for``) turns a corpus into a folder, once, cached in data_di
 ``val.bin`` (flat token ids) and ``meta.json`` (the tokenizer and how the files were made). The
 machinery for that (the built-in corpus's download, document formats, worker pools, staging, the
 checks) is machinery/corpora.py and machinery/tokenfiles.py, a second read. What a step touches is
-here: the splits, memory-mapped (``load_corpus``); random training windows drawn from their own
-``torch.Generator`` (``get_batch``); fixed validation windows, so every eval scores the same tokens
-(``val_windows``).
+here: the splits, memory-mapped (``load_corpus``); the training stream, an object whose ``next()`` is one
+micro-batch and whose ``state_dict()`` the checkpoint keeps, so a resume continues it exactly (``LOADERS``:
+random windows, ``get_batch``, or documents packed into rows that each begin at a document's start); fixed
+validation windows, so every eval scores the same tokens (``val_windows``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+import copy
 
 import numpy as np
 import torch
@@ -138,11 +141,177 @@ def get_batch(data: np.ndarray, batch_size: int, block_size: int, generator: tor
     """Random windows; targets are the inputs shifted left by one. Draws only from ``generator``."""
     starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)  # (B,)
     windows = np.stack([data[s: s + block_size + 1] for s in starts.tolist()]).astype(np.int64)
-    windows = torch.from_numpy(windows)  # (B, T + 1)
-    x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each: y[:, t] is the token after x[:, t]
+    return inputs_and_targets(torch.from_numpy(windows), device)  # windows: (B, T + 1)
+
+
+def inputs_and_targets(rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of T + 1 tokens (B, T + 1) -> (x, y) on ``device``: y is x shifted left by one.
+
+    To a GPU through pinned memory, so that the copy can overlap the compute (non_blocking)."""
+    x, y = rows[:, :-1], rows[:, 1:]  # (B, T) each: y[:, t] is the token after x[:, t]
     if device.type == "cuda":
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
+
+
+# ----------------------------------------------------------------------------- the training stream
+class TrainingStream:
+    """Where one rank's training batches come from: ``next()`` is one micro-batch, (x, y), each (B, T) on
+    the run's device; ``state_dict()`` is its place in the stream, which checkpoints keep and
+    ``load_state_dict()`` returns to, so a resumed run draws exactly the batches the stopped one would have.
+
+    A loader is a subclass and one row of LOADERS. It draws only from its own generator, seeded ``seed``
+    (``restart``), never from a global RNG, so that nothing else in the run moves its batches.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device: torch.device,
+                 separator: int | None):
+        """``separator``: the id that begins each document (document_separator), None where there is none."""
+        self.tokens, self.batch_size, self.block_size = tokens, batch_size, block_size
+        self.seed, self.device, self.separator = seed, device, separator
+        self.restart()
+
+    def restart(self) -> None:
+        """Go to the start of the stream: a generator seeded ``seed``, nothing drawn yet."""
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def stretches(self, row: np.ndarray) -> list[np.ndarray]:
+        """The parts of a row (T + 1,) that are read straight from the split, in order (the doctor checks that
+        each occurs in it). A random window is one."""
+        return [row]
+
+    def first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch a fresh stream of these settings draws first, for the compile probe and the doctor.
+
+        Drawn by a copy, so this stream stays where it is (a probe that drew from it would shift every
+        batch of the run, and a resume, which probes again, would shift them once more)."""
+        fresh = copy.copy(self)  # shares the tokens and any index of them; restart gives it its own generator
+        fresh.restart()
+        return fresh.next()
+
+
+class RandomWindows(TrainingStream):
+    """Windows of T + 1 tokens at uniformly random offsets of the split, drawn independently (nanoGPT's
+    get_batch): a row may begin anywhere, mid-document or mid-word, and run across documents."""
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return get_batch(self.tokens, self.batch_size, self.block_size, self.generator, self.device)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict | torch.Tensor) -> None:
+        """Also takes a bare generator state (a ByteTensor): what a checkpoint saved before the stream
+        existed holds as its data order (rng["data"]), so such a run resumes exactly."""
+        if isinstance(state, torch.Tensor):
+            state = {"generator": state}
+        self.generator.set_state(state["generator"])
+
+
+class PackedDocuments(TrainingStream):
+    """Rows that each begin at a document's first token, its separator (the BOS), filled with whole documents
+    one after another; the one that does not fit is cropped at the row's end and the rest of it dropped.
+    Documents come in a shuffled order, a new shuffle each epoch, from the stream's generator.
+
+    nanochat's tokenizing_distributed_data_loader_bos_bestfit (nanochat/dataloader.py), without its best-fit
+    search: no row starts mid-document, so every token sees its document from the start; the cost is the
+    cropped tails (nanochat's docstring counts ~35% of tokens at T = 2048, with best fit). Tokens before the
+    split's first separator (a char text file's first line) belong to no document and are never read.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device: torch.device,
+                 separator: int | None):
+        self.starts = document_starts(tokens, separator)  # (D,): where each document begins
+        if len(self.starts) < 2:  # one document would give every row its same first T + 1 tokens
+            kind = "no document separator" if separator is None else f"separator id {separator}"
+            raise DataError(f"holds {len(self.starts)} document start{'' if len(self.starts) == 1 else 's'} ({kind}), "
+                            "and rows that begin at documents need two or more: prepare a folder of documents, a "
+                            ".jsonl or a .parquet (docs/data.md)")
+        self.ends = np.append(self.starts[1:], len(tokens))  # (D,): each ends where the next begins
+        super().__init__(tokens, batch_size, block_size, seed, device, separator)
+
+    def restart(self) -> None:
+        super().restart()
+        self.begin_epoch(0)
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Shuffle the documents for ``epoch``; the generator's state before the shuffle is kept, so that
+        a resume can draw the same order again."""
+        self.epoch, self.position = epoch, 0  # position: documents of this epoch's order already read
+        self.epoch_state = self.generator.get_state()
+        self.order = torch.randperm(len(self.starts), generator=self.generator).numpy()  # (D,)
+
+    def next_document(self) -> np.ndarray:
+        if self.position == len(self.order):
+            self.begin_epoch(self.epoch + 1)
+        doc = self.order[self.position]
+        self.position += 1
+        return self.tokens[self.starts[doc]: self.ends[doc]]
+
+    def row(self) -> np.ndarray:
+        """T + 1 tokens: whole documents while they fit, then the next one cropped to what is left."""
+        pieces, room = [], self.block_size + 1
+        while room > 0:
+            pieces.append(self.next_document()[:room])
+            room -= len(pieces[-1])
+        return np.concatenate(pieces)  # (T + 1,)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = np.stack([self.row() for _ in range(self.batch_size)]).astype(np.int64)  # (B, T + 1)
+        return inputs_and_targets(torch.from_numpy(rows), self.device)
+
+    def stretches(self, row: np.ndarray) -> list[np.ndarray]:
+        """One per document: the row cut before each separator after its first token."""
+        return np.split(row, np.flatnonzero(row[1:] == self.separator) + 1)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.epoch_state, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.begin_epoch(state["epoch"])  # draws this epoch's order again
+        self.position = state["position"]
+
+
+def document_starts(tokens: np.ndarray, separator: int | None, chunk: int = 1 << 24) -> np.ndarray:
+    """Offsets (D,) of every ``separator`` in ``tokens``, read a chunk at a time: no mask as large as the split."""
+    if separator is None:
+        return np.zeros(0, dtype=np.int64)
+    found = [start + np.flatnonzero(tokens[start: start + chunk] == separator)
+             for start in range(0, len(tokens), chunk)]
+    return np.concatenate(found).astype(np.int64) if found else np.zeros(0, dtype=np.int64)
+
+
+def document_separator(tokenizer) -> int | None:
+    """The id that begins each document of a prepared corpus (machinery/corpora.py, encode_document): GPT-2's or a
+    BPE's <|endoftext|>, a char vocabulary's newline; None for a char vocabulary without a newline."""
+    eot = tokenizer.eot_token
+    return eot if eot in special_tokens(tokenizer) or tokenizer.decode([eot]) == "\n" else None
+
+
+# How training batches are drawn: TrainConfig.loader names a row (its allowed values are these names).
+LOADERS: dict[str, type[TrainingStream]] = {"random_windows": RandomWindows, "bos_packed": PackedDocuments}
+
+
+def training_stream(cfg, corpus: Corpus, tokenizer, rank: int, device: torch.device) -> TrainingStream:
+    """The loader cfg.loader names, over the train split, seeded cfg.seed + rank: each DDP rank its own batches.
+    A corpus the loader cannot read is a one-line DataError naming the file and the fix."""
+    try:
+        return LOADERS[cfg.loader](corpus.train, cfg.batch_size, cfg.block_size, cfg.seed + rank, device,
+                                   document_separator(tokenizer))
+    except DataError as err:
+        others = " or ".join(f"--loader {name}" for name in LOADERS if name != cfg.loader)
+        raise DataError(f"{corpus.folder / 'train.bin'} {err}, or train with {others} instead of --loader "
+                        f"{cfg.loader}") from None
 
 
 def val_windows(data: np.ndarray, block_size: int, max_targets: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

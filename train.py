@@ -26,7 +26,8 @@ import torch
 from tqdm import tqdm
 
 from config import ConfigError, TrainConfig, model_config, parse_args
-from data import Corpus, corpus_for, get_batch, iterate_windows, token_byte_lengths, tokenizer_from_meta, val_windows
+from data import (Corpus, TrainingStream, corpus_for, iterate_windows, token_byte_lengths, tokenizer_from_meta,
+                  training_stream, val_windows)
 from machinery import distributed, rundir
 from machinery.checkpoint import Checkpointer, refuse_to_overwrite, remove_stale_temp_files
 from machinery.distributed import Dist, all_reduce_sum, print0
@@ -190,7 +191,7 @@ class Run:
     x_val: torch.Tensor  # this rank's share of the fixed val windows, (N, T)
     y_val: torch.Tensor  # their targets, (N, T), -1 where padded
     val_bytes: int  # UTF-8 bytes of every rank's val targets: bits per byte's denominator
-    data_gen: torch.Generator  # the only source of this rank's training windows
+    stream: TrainingStream  # this rank's training batches (data.LOADERS); its state_dict is in every checkpoint
     model: GPT
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # active for fp16 only
@@ -206,7 +207,7 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
     x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
                     for w in val_windows(corpus.val, cfg.block_size, cfg.eval_tokens))
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
-    data_gen = torch.Generator().manual_seed(cfg.seed + ddp.rank)
+    stream = training_stream(cfg, corpus, tokenizer, ddp.rank, rt.device)  # draws from its own generator only
     model = GPT(model_config(cfg, corpus.vocab_size))
     if pretrained is not None:  # init_from: the imported weights, once their tokenizer is the corpus's
         model.load_state_dict(pretrained.weights_for(corpus.meta["tokenizer"], corpus.vocab_size))
@@ -214,7 +215,7 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
     optimizer = build_optimizer(model, cfg, rt.device, rt.dtype)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, rt.device)
-    return Run(cfg, rt, corpus, x_val, y_val, val_byte_count(y_val, tokenizer, rt.device), data_gen, model, optimizer,
+    return Run(cfg, rt, corpus, x_val, y_val, val_byte_count(y_val, tokenizer, rt.device), stream, model, optimizer,
                scaler, guard)
 
 
@@ -269,7 +270,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     with distributed.stop_together(device):  # a rank that cannot read last.pt stops them all
         step, time_before, best_val = checkpointer.resume() if cfg.resume else (0, 0.0, math.inf)
         logged_through = continue_log(out_dir, step, cfg.resume) if ddp.is_main else None
-    train_model = compile_for_step(model, cfg, run.corpus.train, rt)  # the model itself, unless compiled
+    train_model = compile_for_step(model, run.stream, rt)  # the model itself, unless compiled
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     tokens_per_step = cfg.tokens_per_step() * ddp.world_size  # the global batch
     print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size, guard.note))
@@ -285,8 +286,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
         signalled, out_of_time = stop.requested, cfg.out_of_time(time_before)  # a resumed run may be done
         while step < cfg.max_iters and not signalled and not out_of_time:
             lr = get_lr(step, cfg, time.time() - t_start)
-            batches = [get_batch(run.corpus.train, cfg.batch_size, cfg.block_size, run.data_gen, device)
-                       for _ in range(cfg.grad_accum)]
+            batches = [run.stream.next() for _ in range(cfg.grad_accum)]
             losses, grad_norm = train_step(run, step_model, batches, step + 1, lr, ddp.world_size)
             step += 1
             out_of_time, signalled = halt_flags(cfg, step, stop, t_start, ddp)

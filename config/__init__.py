@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from data import LOADERS
 from model import GPT, GPTConfig
 from machinery.optim import CLOCKS, DECAYS, OPTIMIZERS
 
@@ -118,6 +119,7 @@ class TrainConfig:
     bpe_vocab_size: int = fixed(2048)  # tokenizer=bpe: tokens in all (256 bytes, the merges, <|endoftext|>); >= 257
     val_fraction: float = free(0.1)  # share held out for validation (the tail of a text file; every k-th document)
     eval_tokens: int = fixed(0)  # val targets scored per eval; 0 = the whole val split (what best_val_loss is measured on)
+    loader: str = fixed("random_windows")  # how training batches are drawn, a name in data.LOADERS (docs/data.md, "The training stream")
     # --- model: the options are declared in model.GPTConfig and added by with_model_options ---
     # --- optimisation (an optimizer's or lr decay's own options are declared with it in machinery/optim.py) ---
     batch_size: int = warned(32)  # sequences per micro-batch
@@ -168,6 +170,8 @@ def choices(name: str) -> tuple[Any, ...]:
     """The values a field allows: a table's names (optimizer, lr_decay) or a Literal's; () for any other field."""
     if name in TABLES:
         return tuple(TABLES[name])
+    if name == "loader":  # a loader is a class and a row of data.LOADERS
+        return tuple(LOADERS)
     kind = FIELD_TYPES[name]
     return typing.get_args(kind) if typing.get_origin(kind) is Literal else ()
 

@@ -8,8 +8,9 @@ it with no allowlist and a malicious pickle cannot run code. Every load in this 
 Keys (``REQUIRED_KEYS``): format_version, model (state_dict), optimizer (state_dict), scaler (GradScaler
 state_dict, empty unless fp16), step (optimizer steps done), time_s (the run's wall clock at that step,
 evals included: a resumed run continues its max_time budget and time schedule), best_val_loss, config (TrainConfig as a
-dict), tokenizer (its description), rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, data),
-rng_per_rank (the same for every DDP rank, in rank order; one entry in a single process), precision
+dict), tokenizer (its description), rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, and data: the training
+stream's state_dict, data.TrainingStream; before the stream, its generator's bare state, which data.RandomWindows
+still reads), rng_per_rank (the same for every DDP rank, in rank order; one entry in a single process), precision
 (the dtype the run resolved: float32, bfloat16 or float16), versions (python, torch, numpy, tiktoken, git commit and dirty flag).
 ``OPTIONAL_KEYS``: last_eval (the latest eval before the save: step, val_loss, val_bpb; in best.pt, the
 best one; empty until this process has run an eval), corpus (the data trained on: source, val_fraction
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from config import ConfigError, TrainConfig, as_dict, resume_changes
+from data import TrainingStream
 from machinery import distributed
 from machinery.distributed import Dist, print0
 from machinery.faults import EXIT_WRITE_FAILED
@@ -230,8 +232,9 @@ def unpickler_reason(err: Exception) -> str:
     return reason[:300] or "the weights_only unpickler refused it; torch gave no reason"
 
 
-def capture_rng(data_generator: torch.Generator) -> dict[str, Any]:
-    """Every random stream the training run reads: python, numpy, torch CPU and CUDA, the data order."""
+def capture_rng(stream: TrainingStream) -> dict[str, Any]:
+    """Every random stream the training run reads: python, numpy, torch CPU and CUDA, and where the training
+    stream is (its state_dict: its generator, and for a loader with epochs, the epoch and position)."""
     np_state = np.random.get_state()
     return {
         "python": random.getstate(),
@@ -239,14 +242,14 @@ def capture_rng(data_generator: torch.Generator) -> dict[str, Any]:
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
         "torch_cpu": torch.get_rng_state(),
         "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "data": data_generator.get_state(),
+        "data": stream.state_dict(),
     }
 
 
 RNG_STREAMS = ("python", "numpy", "torch_cpu", "torch_cuda", "data")
 
 
-def restore_rng(rng: dict[str, Any], data_generator: torch.Generator) -> None:
+def restore_rng(rng: dict[str, Any], stream: TrainingStream) -> None:
     """Put every random stream back; refuse a checkpoint that lacks one (an inexact resume)."""
     missing = [name for name in RNG_STREAMS if name not in rng]
     if missing:
@@ -259,7 +262,7 @@ def restore_rng(rng: dict[str, Any], data_generator: torch.Generator) -> None:
     torch.set_rng_state(rng["torch_cpu"])
     if torch.cuda.is_available() and rng["torch_cuda"]:
         torch.cuda.set_rng_state_all(rng["torch_cuda"])
-    data_generator.set_state(rng["data"])
+    stream.load_state_dict(rng["data"])
 
 
 def library_versions() -> dict[str, Any]:
@@ -303,7 +306,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optimizer, scaler,
-           data_gen: torch.Generator, dtype: torch.dtype, ddp: Dist = Dist(),
+           stream: TrainingStream, dtype: torch.dtype, ddp: Dist = Dist(),
            corpus: dict[str, Any] | None = None) -> tuple[int, float, float]:
     """Load last.pt into the run; refuse a checkpoint of another shape, tokenizer or (``corpus``, a
     Corpus.record) other data.
@@ -320,7 +323,7 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
     rng = distributed.rank_rng_state(state, ddp)
     if rng is not None:
         try:
-            restore_rng(rng, data_gen)
+            restore_rng(rng, stream)
         except CheckpointError as err:
             raise CheckpointError(f"{path}: {err}") from None
     done = (" (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else
@@ -396,23 +399,23 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
-        """``run``: a train.Run, whose model, optimizer, scaler, guard, data order and corpus a checkpoint holds."""
+        """``run``: a train.Run, whose model, optimizer, scaler, guard, training stream and corpus a checkpoint holds."""
         self.out_dir, self.cfg, self.model, self.optimizer, self.scaler = out_dir, cfg, run.model, run.optimizer, run.scaler
-        self.guard, self.data_gen, self.corpus, self.dtype, self.ddp = run.guard, run.data_gen, run.corpus, run.rt.dtype, ddp
+        self.guard, self.stream, self.corpus, self.dtype, self.ddp = run.guard, run.stream, run.corpus, run.rt.dtype, ddp
         self.saved_step: int | None = None  # the step last.pt holds, once this process knows it
         self.last_eval: dict[str, float] = {}  # the latest eval, saved with each checkpoint (best.pt: the best)
 
     def resume(self) -> tuple[int, float, float]:
         """Load last.pt into the run (refusing one it cannot continue): (step, seconds spent, best val loss)."""
         step, time_s, best_val = resume(self.out_dir / "last.pt", self.cfg, self.corpus.meta["tokenizer"],
-                                        self.model, self.optimizer, self.scaler, self.data_gen, self.dtype,
+                                        self.model, self.optimizer, self.scaler, self.stream, self.dtype,
                                         self.ddp, self.corpus.record())
         self.saved_step = step
         return step, time_s, best_val
 
     def save(self, step: int, time_s: float, best_val: float, is_best: bool = False) -> None:
         self.guard.raise_if_tripped()  # never save a state that a non-finite step touched
-        rng_per_rank = distributed.gather_to_main(capture_rng(self.data_gen))  # a collective: all ranks
+        rng_per_rank = distributed.gather_to_main(capture_rng(self.stream))  # a collective: all ranks
         self.saved_step = step
         with distributed.stop_together(self.ddp.device):  # rank 0's write failing (disk full) stops every rank
             if self.ddp.is_main:

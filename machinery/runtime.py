@@ -104,14 +104,14 @@ def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
     return Runtime(device, dtype, threads, want_compile(cfg.compile, device))
 
 
-def compile_for_step(model: torch.nn.Module, cfg, train_data: np.ndarray, rt: Runtime) -> torch.nn.Module:
-    """The model compiled as rt says (compile_or_eager), probed with one forward/backward of a batch of
-    the step's shape under the step's autocast: the graph compiled is the one the step runs (no
-    recompile at step 1), and compile errors surface here, not mid-run."""
-    from data import get_batch
-
+def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Module:
+    """The model compiled as rt says (compile_or_eager), probed with one forward/backward of the training
+    ``stream``'s (a data.TrainingStream) first batch under the step's autocast: the graph compiled is the one the
+    step runs (no recompile at step 1), and compile errors surface here, not mid-run. The probe moves no random
+    stream: its batch comes from a copy of the stream (first_batch), and compile_or_eager forks the global RNG
+    around it (dropout draws from it), so a compiled run resumes as exactly as an eager one."""
     def probe(m: torch.nn.Module) -> None:
-        x, y = get_batch(train_data, cfg.batch_size, cfg.block_size, torch.Generator(), rt.device)  # (B, T) each
+        x, y = stream.first_batch()  # (B, T) each
         with autocast(rt.device, rt.dtype):
             _, loss_sum, n, _ = m(x, y)
         (loss_sum / n).backward()

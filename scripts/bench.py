@@ -7,8 +7,8 @@
     python scripts/bench.py --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
 The step is made of train.py's own functions, so the benchmark measures what training runs: the
-same batches (data.get_batch), model, optimizer and precision (train.build_run, runtime.choose_runtime), LR
-(train.get_lr), train.accumulate_gradients (autocast, token-count normalisation, backward) and
+same batches (the run's training stream, data.LOADERS), model, optimizer and precision (train.build_run,
+runtime.choose_runtime), LR (train.get_lr), train.accumulate_gradients (autocast, token-count normalisation, backward) and
 train.optimizer_step (unscale, clip, the non-finite guard, update, zero_grad). tests/test_perf.py
 checks that its losses equal train.py's. Each phase ends with a device sync so its timer is honest
 (on CPU the ops are synchronous anyway); --profile N adds the profiler's top N ops. Warm-up steps are
@@ -32,8 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from config import CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
-from data import DataError, get_batch  # noqa: E402
-from machinery.faults import NonFiniteGuard  # noqa: E402
+from data import DataError  # noqa: E402
 from machinery.rundir import check_writable  # noqa: E402
 from machinery.runtime import (choose_runtime, compile_for_step, fail, matmul_gflops, pick_device,  # noqa: E402
                                threads_text, use_threads)
@@ -75,7 +74,7 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
     run = build_run(cfg, rt)
     t0 = time.perf_counter()
-    train_model = compile_for_step(run.model, cfg, run.corpus.train, rt)
+    train_model = compile_for_step(run.model, run.stream, rt)
     compile_s = time.perf_counter() - t0
     return Bench(name, cfg, run, train_model, compile_s, threads=rt.threads)
 
@@ -98,8 +97,7 @@ def timed_step(b: Bench) -> dict[str, float]:
 
     sync(device)
     t[0] = clock()
-    batches = [get_batch(b.run.corpus.train, cfg.batch_size, cfg.block_size, b.run.data_gen, device)
-               for _ in range(cfg.grad_accum)]
+    batches = [b.run.stream.next() for _ in range(cfg.grad_accum)]
     lap("data")
     losses, _ = train_step(b.run, b.train_model, batches, b.step + 1, get_lr(b.step, cfg), lap=lap)
     b.step += 1

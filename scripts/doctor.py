@@ -6,7 +6,7 @@
 Prints one line per check: PASS or FAIL, the measured figure, and what it means. Exit status 1 if
 any check fails. Each check is a small function taking what it needs (a model, a batch, a
 tokenizer) and returning a ``Check``, so tests can call it on deliberately broken variants. The
-checks go through the repo's own code paths (``get_batch``, ``train.build_optimizer``,
+checks go through the repo's own code paths (the training stream, ``train.build_optimizer``,
 ``train.accumulate_gradients``, ``train.optimizer_step``, ``NonFiniteGuard``, ``train.evaluate``,
 ``compile_or_eager``, and a few steps of ``train.train`` itself), so a bug there shows up here.
 """
@@ -36,7 +36,7 @@ from machinery import hf  # noqa: E402
 import train  # noqa: E402
 from machinery.checkpoint import dtype_name, load_checkpoint  # noqa: E402
 from config import ConfigError, TrainConfig, model_config, parse_args, replace  # noqa: E402
-from data import DataError, corpus_for, get_batch, special_tokens, tokenizer_from_meta, val_windows  # noqa: E402
+from data import DataError, corpus_for, special_tokens, tokenizer_from_meta, training_stream, val_windows  # noqa: E402
 from machinery.faults import NonFiniteGuard, RunStopped  # noqa: E402
 from model import GPT  # noqa: E402
 from machinery.runtime import choose_runtime, compile_for_step  # noqa: E402
@@ -77,12 +77,14 @@ def window_starts(data: np.ndarray, window: np.ndarray) -> np.ndarray:
     return starts
 
 
-def check_batch(x: torch.Tensor, y: torch.Tensor, data: np.ndarray, tokenizer) -> Check:
-    """Targets are the inputs shifted left by one, and the window really occurs in the data."""
+def check_batch(x: torch.Tensor, y: torch.Tensor, data: np.ndarray, tokenizer,
+                stretches: Callable[[np.ndarray], list[np.ndarray]] = lambda row: [row]) -> Check:
+    """Targets are the inputs shifted left by one, and the window really occurs in the data: each of its
+    ``stretches`` (the stream's: a random window is one, a row of packed documents one per document)."""
     x, y = x.cpu(), y.cpu()
     shifted = torch.equal(x[:, 1:], y[:, :-1])  # y[:, t] must be x[:, t + 1]
     row = np.append(x[0].numpy(), y[0, -1].item())  # the T + 1 tokens the first window spans
-    in_data = shifted and window_starts(data, row).size > 0
+    in_data = shifted and all(window_starts(data, piece).size > 0 for piece in stretches(row))
     text_x = tokenizer.decode(x[0, :24].tolist())[:24]
     text_y = tokenizer.decode(y[0, :24].tolist())[:24]
     meaning = ("y[t] is the token after x[t], read straight from the corpus" if in_data else
@@ -472,7 +474,8 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     corpus = corpus_for(cfg)
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
     gpt_config = model_config(cfg, corpus.vocab_size)
-    x, y = get_batch(corpus.train, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(cfg.seed), device)
+    stream = training_stream(cfg, corpus, tokenizer, 0, device)  # rank 0's, as train.py builds it
+    x, y = stream.first_batch()  # (B, T) each: the run's first batch; no random stream moves
     x_val, y_val = val_windows(corpus.val, cfg.block_size, max_targets=2 * cfg.block_size)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     with torch.device("meta"):  # shapes only, to count the parameters
@@ -497,7 +500,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     few_x, few_y = x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
     checks = [
         check_init_loss(fresh(), x, y),
-        check_batch(x, y, corpus.train, tokenizer),
+        check_batch(x, y, corpus.train, tokenizer, stream.stretches),
         check_token_range({"train": corpus.train, "val": corpus.val}, gpt_config.vocab_size),
         check_round_trip(tokenizer, np.asarray(corpus.val[:SAMPLE_TOKENS])),
         check_gradients(grad_model, optimizer_for(grad_model), few_x, few_y),
@@ -509,7 +512,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
     ]
     probe_model = fresh()
-    compiled = compile_for_step(probe_model, cfg, corpus.train, rt)  # as train.py compiles
+    compiled = compile_for_step(probe_model, stream, rt)  # as train.py compiles
     checks += [check_tied(compiled), check_probe_grads(probe_model, rt.compile)]
     small, records, state = short_run(cfg, dtype)  # last: a training run reseeds the global RNG
     return checks + [check_lr_schedule(small, records, train.get_lr), check_master_weights(state)]

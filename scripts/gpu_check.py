@@ -190,9 +190,12 @@ def check_rng(plan: Plan) -> Check:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Exact equality of nested lists/tuples of tensors and plain values."""
+    """Exact equality of nested dicts, lists and tuples of tensors and plain values (the training stream's
+    state is a dict)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b

@@ -16,16 +16,18 @@ import numpy as np
 import pytest
 import torch
 
+import data
 from machinery import corpora, tokenfiles
 import sample
 import train
 from machinery.checkpoint import load_checkpoint
 from conftest import docs_snippet, make_text, run_script
-from data import CharTokenizer, DataError, get_batch, load_corpus, val_windows
+from data import (LOADERS, CharTokenizer, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
+                  val_windows)
 from machinery.corpora import prepare, strip_gutenberg
 from machinery.tokenfiles import split_fingerprint
 from machinery.tokenizers import GPT2Tokenizer
-from fault_injection import assert_same_training_state, run_main, tiny_args
+from fault_injection import assert_nested_equal, assert_same_training_state, run_main, tiny_args
 
 
 def test_char_tokenizer_round_trip_and_unknown_char():
@@ -101,6 +103,129 @@ def test_batches_are_shifted_and_come_only_from_their_generator():
     assert torch.equal(torch.get_rng_state(), global_state)  # the global RNG was not touched
     x2, _ = get_batch(tokens, 4, 16, torch.Generator().manual_seed(3), torch.device("cpu"))
     assert torch.equal(x, x2)
+
+
+# ----------------------------------------------------------------------------- the training stream
+CPU = torch.device("cpu")
+SEP = 0  # the separator of the synthetic corpora below: every document begins with it
+
+
+def packed_corpus(lengths: list[int], lead: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+    """Documents of these lengths, document k being [SEP, k + 1, k + 1, ...], after ``lead`` tokens of no
+    document (99); their concatenation, the train split."""
+    docs = [np.array([SEP] + [k + 1] * (n - 1), dtype=np.uint16) for k, n in enumerate(lengths)]
+    return docs, np.concatenate([np.full(lead, 99, dtype=np.uint16), *docs])
+
+
+def rows_of(batch: tuple[torch.Tensor, torch.Tensor]) -> list[np.ndarray]:
+    """The T + 1 tokens each row of (x, y) spans."""
+    x, y = batch
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    return list(torch.cat([x, y[:, -1:]], dim=1).numpy())  # (T + 1,) each
+
+
+def pieces_of(row: np.ndarray) -> list[np.ndarray]:
+    """A row cut before each separator."""
+    return np.split(row, np.flatnonzero(row[1:] == SEP) + 1)
+
+
+def test_random_windows_draw_get_batchs_windows_and_resume_from_their_state_or_a_bare_generator_state():
+    tokens = np.arange(1000, dtype=np.uint16)
+    stream, generator = RandomWindows(tokens, 4, 16, 3, CPU, None), torch.Generator().manual_seed(3)
+    for _ in range(3):  # the windows get_batch draws from a generator seeded like the stream: the golden runs' batches
+        assert_nested_equal(stream.next(), get_batch(tokens, 4, 16, generator, CPU))
+    state = stream.state_dict()
+    ahead = [stream.next() for _ in range(3)]
+    for saved in (state, state["generator"]):  # a state_dict, and what checkpoints before the stream hold
+        resumed = RandomWindows(tokens, 4, 16, 3, CPU, None)
+        resumed.load_state_dict(saved)
+        assert_nested_equal([resumed.next() for _ in range(3)], ahead)
+
+
+def test_packed_rows_begin_at_a_document_and_hold_whole_documents_then_one_cropped():
+    docs, tokens = packed_corpus([3, 5, 2, 9, 4, 2, 6, 12, 2], lead=2)
+    stream = PackedDocuments(tokens, 3, 7, 0, CPU, SEP)  # rows of T + 1 = 8 tokens
+    rows = [row for _ in range(6) for row in rows_of(stream.next())]
+    assert len(rows) == 18 and all(len(row) == 8 for row in rows)
+    for row in rows:
+        assert row[0] == SEP and 99 not in row  # at a document's start; the lead belongs to no document
+        *whole, last = pieces_of(row)
+        assert all(np.array_equal(piece, docs[piece[1] - 1]) for piece in whole)
+        assert len(last) == 1 or np.array_equal(last, docs[last[1] - 1][: len(last)])  # cropped, from its start
+
+
+def test_packed_documents_come_once_each_per_epoch_in_a_new_shuffle_each_epoch():
+    docs, tokens = packed_corpus([4] * 6)
+    stream = PackedDocuments(tokens, 3, 7, 0, CPU, SEP)  # 3 rows of 2 whole documents: one batch, one epoch
+    epochs = [[piece[1] - 1 for row in rows_of(stream.next()) for piece in pieces_of(row)] for _ in range(3)]
+    assert all(sorted(order) == list(range(6)) for order in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert epochs[0] == torch.randperm(6, generator=torch.Generator().manual_seed(0)).tolist()  # its own generator's
+
+
+def test_packed_documents_resume_mid_epoch_exactly():
+    _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3])
+    stream = PackedDocuments(tokens, 2, 7, 5, CPU, SEP)
+    for _ in range(3):
+        stream.next()
+    state = stream.state_dict()
+    assert state["epoch"] == 1 and 0 < state["position"] < 11  # mid-epoch, the first shuffle done
+    ahead = [stream.next() for _ in range(10)]  # across more epochs
+    assert stream.state_dict()["epoch"] >= 3
+    resumed = PackedDocuments(tokens, 2, 7, 5, CPU, SEP)
+    resumed.load_state_dict(state)
+    assert_nested_equal([resumed.next() for _ in range(10)], ahead)
+    assert_nested_equal(resumed.state_dict(), stream.state_dict())
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_first_batch_is_a_fresh_streams_and_moves_no_random_stream(loader):
+    """The compile probe's and the doctor's batch: the stream, and torch's global RNG, stay where they were."""
+    _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3])
+    stream = LOADERS[loader](tokens, 2, 7, 5, CPU, SEP)
+    first = stream.next()
+    stream.next()
+    state, global_state = stream.state_dict(), torch.get_rng_state()
+    assert_nested_equal(stream.first_batch(), first)
+    assert_nested_equal(stream.state_dict(), state)
+    assert torch.equal(torch.get_rng_state(), global_state)
+
+
+@pytest.mark.parametrize("text, starts", [("the king " * 60, "0 document starts (no document separator)"),
+                                          ("the king " * 30 + "\n" + "the queen " * 30, "1 document start (")],
+                         ids=["no newline", "one newline"])
+def test_packing_a_corpus_without_two_documents_is_refused_in_one_line_before_a_file_is_written(
+        tmp_path, capsys, text, starts):
+    """No newline in a char vocabulary: no separator at all; one newline: every row the same first tokens."""
+    text_file = tmp_path / "one.txt"
+    text_file.write_text(text)
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, loader="bos_packed", block_size=16)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "train.bin holds " + starts in err, err
+    assert err.rstrip().endswith(", or train with --loader random_windows instead of --loader bos_packed")
+    assert not out.exists()
+    assert run_main(tiny_args(out, text_file, loader="random_windows", block_size=16, max_iters=1)) == 0
+
+
+def test_a_prepared_document_corpus_packs_into_rows_of_its_whole_documents(tmp_path, tiny_cfg):
+    """Documents of several lines, under a BPE, whose separator <|endoftext|> is no text (under a char
+    vocabulary the separator is the newline, so its documents are lines)."""
+    docs = [make_text(n_lines=1 + i % 3, seed=i) for i in range(60)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
+    cfg = tiny_cfg(data_path=str(jsonl), tokenizer="bpe", bpe_vocab_size=300, loader="bos_packed", block_size=64)
+    corpus = data.corpus_for(cfg)
+    tokenizer = data.tokenizer_from_meta(corpus.meta["tokenizer"])
+    stream = data.training_stream(cfg, corpus, tokenizer, 0, CPU)
+    packed = 0
+    for row in rows_of(stream.next()):
+        pieces = stream.stretches(row)
+        assert all(piece[0] == tokenizer.eot_token for piece in pieces)  # each begins a document
+        *whole, last = [tokenizer.decode(piece[1:].tolist()) for piece in pieces]
+        assert all(text in docs for text in whole) and any(text.startswith(last) for text in docs)
+        packed += len(whole) > 0
+    assert packed > 0  # some rows hold a whole document and the start of another
 
 
 def test_val_windows_count_every_target_once():

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import data
 from machinery import distributed
 from machinery import rundir
 from machinery import runtime
@@ -72,13 +73,13 @@ def test_ddp_two_ranks_equal_one_process_with_the_union_batch(ddp_runs, tiny_cfg
                    out_dir=str(tmp_path / "single"), batch_size=2 * B, grad_accum=2, max_iters=STEPS,
                    eval_interval=HALF)
     rank_gens = [torch.Generator().manual_seed(cfg.seed + rank) for rank in range(2)]
-    real_get_batch = train.get_batch
+    real_get_batch = data.get_batch  # what the random_windows stream draws with
 
     def union_of_ranks(data, batch_size, block_size, generator, device):
         parts = [real_get_batch(data, batch_size // 2, block_size, g, device) for g in rank_gens]
         return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
-    monkeypatch.setattr(train, "get_batch", union_of_ranks)
+    monkeypatch.setattr(data, "get_batch", union_of_ranks)
     train.train(cfg)
 
     single, ddp = Path(cfg.out_dir), ddp_runs / "full"
@@ -106,8 +107,8 @@ def test_ddp_kill_and_resume_is_exact(ddp_runs):
         assert torch.equal(got["model"][name], tensor), name
     # Both ranks' random streams are in the checkpoint, and they differ (each rank its own windows).
     rngs = got["rng_per_rank"]
-    assert len(rngs) == 2 and not torch.equal(rngs[0]["data"], rngs[1]["data"])
-    assert torch.equal(got["rng"]["data"], rngs[0]["data"])
+    assert len(rngs) == 2 and not torch.equal(rngs[0]["data"]["generator"], rngs[1]["data"]["generator"])
+    assert torch.equal(got["rng"]["data"]["generator"], rngs[0]["data"]["generator"])
 
 
 @pytest.mark.slow  # shares ~30 s of torchrun launches (module fixture)

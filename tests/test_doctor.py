@@ -19,7 +19,7 @@ import train
 from machinery.runtime import choose_runtime
 from config import parse_args
 from conftest import REPO, make_optimizer, make_text, run_script, tiny_model
-from data import CharTokenizer, get_batch
+from data import CharTokenizer, PackedDocuments, get_batch
 from machinery.faults import NonFiniteGuard
 from model import GPT, GPTConfig
 from scripts import doctor
@@ -115,6 +115,19 @@ def test_batch_from_another_corpus_is_caught():
     assert doctor.check_batch(x, y, data, tokenizer).passed
     other = tokenizer.encode_array(make_text(seed=1)).astype(np.uint16)
     assert not doctor.check_batch(x, y, other, tokenizer).passed  # shifted, but not this corpus
+
+
+def test_a_batch_of_packed_documents_is_checked_document_by_document():
+    """A row of shuffled documents occurs nowhere in the corpus as a whole; each of its documents does."""
+    text = make_text()
+    tokenizer = CharTokenizer("".join(sorted(set(text))))
+    data = tokenizer.encode_array(text).astype(np.uint16)
+    stream = PackedDocuments(data, 4, 64, 0, CPU, tokenizer.eot_token)  # char documents: lines
+    x, y = stream.first_batch()
+    assert doctor.check_batch(x, y, data, tokenizer, stream.stretches).passed
+    assert not doctor.check_batch(x, y, data, tokenizer).passed  # read as one window, it is not the corpus's
+    other = tokenizer.encode_array(make_text(seed=1)).astype(np.uint16)
+    assert not doctor.check_batch(x, y, other, tokenizer, stream.stretches).passed
 
 
 def test_token_ids_past_the_vocab_are_caught():

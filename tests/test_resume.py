@@ -12,6 +12,7 @@ and its update, then saves. A checkpoint never holds a half-accumulated step.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import subprocess
@@ -23,15 +24,17 @@ import numpy as np
 import pytest
 import torch
 
-from machinery import checkpoint
+import data
+from machinery import checkpoint, runtime
 from machinery import tracking
 import train
 from machinery.checkpoint import load_checkpoint, save_checkpoint
 from config import make_config
+from data import LOADERS
 from conftest import (REPO, final_weights, make_optimizer, make_text, read_metrics, run_script, same_weights,
                       tiny_model, train_args)
-from fault_injection import (assert_same_training_state, call_of, metrics, run_for, run_main, signal_at, step_clock,
-                             tiny_args)
+from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, metrics, run_for, run_main,
+                             signal_at, step_clock, tiny_args)
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -54,9 +57,9 @@ def test_resume_is_exact(tiny_cfg, tmp_path):
 
 RESUME_MUTANTS = {
     "no optimizer state": lambda mp: mp.setattr(torch.optim.AdamW, "load_state_dict", lambda self, state: None),
-    "no RNG state": lambda mp: mp.setattr(checkpoint, "restore_rng", lambda rng, data_gen: None),
+    "no RNG state": lambda mp: mp.setattr(checkpoint, "restore_rng", lambda rng, stream: None),
     "data order only": lambda mp: mp.setattr(checkpoint, "restore_rng",
-                                             lambda rng, data_gen: data_gen.set_state(rng["data"])),
+                                             lambda rng, stream: stream.load_state_dict(rng["data"])),
 }
 
 
@@ -97,7 +100,7 @@ def test_resume_is_bit_exact_across_processes(tmp_path, text_file, optimizer):
     assert moments_a.keys() == moments_b.keys()
     for path in moments_a:
         assert torch.equal(moments_a[path], moments_b[path]), path
-    assert torch.equal(a["rng"]["data"], b["rng"]["data"])
+    assert_nested_equal(a["rng"]["data"], b["rng"]["data"])  # the training stream's state
 
 
 def test_resume_right_after_an_eval_and_best_save(tmp_path, text_file):
@@ -113,16 +116,15 @@ def test_resume_right_after_an_eval_and_best_save(tmp_path, text_file):
 
 
 def test_data_order_after_resume_is_the_tail_of_the_straight_run(tmp_path, text_file, monkeypatch):
-    import train
     drawn: list[torch.Tensor] = []
-    real_get_batch = train.get_batch
+    real_next = data.RandomWindows.next
 
-    def recording_get_batch(*args, **kwargs):
-        x, y = real_get_batch(*args, **kwargs)
+    def recording_next(self):
+        x, y = real_next(self)
         drawn.append(x.clone())
         return x, y
 
-    monkeypatch.setattr(train, "get_batch", recording_get_batch)
+    monkeypatch.setattr(data.RandomWindows, "next", recording_next)
     args = dict(grad_accum=2, max_iters=12, eval_interval=4)
     assert run_main(tiny_args(tmp_path / "straight", text_file, **args)) == 0
     straight, drawn[:] = list(drawn), []
@@ -137,14 +139,14 @@ def draw_from_global_streams(monkeypatch) -> list[tuple]:
     """Each micro-batch also draws from python's, numpy's and torch's global RNGs, as user code in the
     loop would (an augmentation, a sampler); the list of draws, in order."""
     draws: list[tuple] = []
-    real_get_batch = train.get_batch
+    real_next = data.RandomWindows.next
 
-    def get_batch(*args, **kwargs):
+    def next_batch(self):
         cuda = (torch.rand(1, device="cuda").item(),) if torch.cuda.is_available() else ()
         draws.append((random.random(), float(np.random.random()), torch.rand(1).item(), *cuda))
-        return real_get_batch(*args, **kwargs)
+        return real_next(self)
 
-    monkeypatch.setattr(train, "get_batch", get_batch)
+    monkeypatch.setattr(data.RandomWindows, "next", next_batch)
     return draws
 
 
@@ -165,12 +167,80 @@ def test_after_a_resume_every_global_random_stream_continues_as_in_a_straight_ru
         assert [d[i] for d in draws] == [d[i] for d in straight[2:]], f"{name} stream after the resume"
 
 
-def test_compiled_run_resumed_equals_a_straight_compiled_run(tmp_path, text_file, light_compile):
-    """Bug caught: the probe draws from the training data stream (a resume probes again: one more draw)."""
-    straight = run_for(tmp_path, text_file, "straight", compile="on")
-    run_for(tmp_path, text_file, "split", compile="on", max_iters=2)
-    resumed = run_for(tmp_path, text_file, "split", compile="on", resume=True)
+@pytest.mark.parametrize("loader", LOADERS)
+def test_compiled_run_with_dropout_resumed_equals_a_straight_compiled_run(tmp_path, text_file, light_compile, loader):
+    """Bugs caught: the probe draws from the training data stream (a resume probes again: one more draw), or
+    its dropout from the global RNG outside fork_rng."""
+    run = dict(compile="on", dropout=0.1, loader=loader)
+    straight = run_for(tmp_path, text_file, "straight", **run)
+    run_for(tmp_path, text_file, "split", max_iters=2, **run)
+    resumed = run_for(tmp_path, text_file, "split", resume=True, **run)
     assert_same_training_state(straight, resumed)
+
+
+def global_rng_states() -> dict:
+    """python's, numpy's and torch's global random states (CPU, and CUDA where there is one)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    name, keys, *rest = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch_cpu": torch.get_rng_state(),
+            "torch_cuda": cuda}
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_the_compile_probe_moves_neither_the_training_stream_nor_the_global_rng(tiny_cfg, light_compile,
+                                                                                 monkeypatch, loader):
+    cfg = tiny_cfg(compile="on", dropout=0.1, loader=loader)
+    rt = runtime.choose_runtime(cfg)
+    run = train.build_run(cfg, rt)
+    run.stream.next()  # somewhere past the stream's start, as on a resume
+    stream_before, rng_before = run.stream.state_dict(), global_rng_states()
+    assert runtime.compile_for_step(run.model, run.stream, rt) is not run.model  # compiled and probed
+    assert_nested_equal(run.stream.state_dict(), stream_before)
+    assert_nested_equal(global_rng_states(), rng_before)
+    # The probe's dropout does draw from the global RNG: without fork_rng it moves, so the check above bites.
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices=None: contextlib.nullcontext())
+    torch._dynamo.reset()
+    runtime.compile_for_step(run.model, run.stream, rt)
+    assert not torch.equal(torch.get_rng_state(), rng_before["torch_cpu"])
+
+
+# ----------------------------------------------------------------------------- each loader, and older checkpoints
+@pytest.mark.parametrize("loader", LOADERS)
+def test_each_loader_resumes_exactly_mid_stream(tmp_path, loader):
+    """The stream's state_dict is in last.pt: the resumed run draws the batches the straight one drew. A small
+    corpus, so that bos_packed is stopped mid-epoch after a reshuffle."""
+    corpus = tmp_path / "small.txt"
+    corpus.write_text(make_text(n_lines=60))
+    run = dict(loader=loader, dropout=0.1, grad_accum=2, max_iters=8, eval_interval=4)
+    assert run_main(tiny_args(tmp_path / "straight", corpus, **run)) == 0
+    assert run_main(tiny_args(tmp_path / "split", corpus, **{**run, "max_iters": 3})) == 0
+    stopped = load_checkpoint(tmp_path / "split" / "last.pt")["rng"]["data"]
+    if loader == "bos_packed":
+        assert stopped["epoch"] >= 1 and stopped["position"] > 0, stopped
+    assert run_main(tiny_args(tmp_path / "split", corpus, **run, resume="true")) == 0
+    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
+                               load_checkpoint(tmp_path / "split" / "last.pt"))
+    assert metrics(tmp_path / "straight")[0] == metrics(tmp_path / "split")[0]  # every step's loss and grad norm
+
+
+def as_checkpoint_before_the_stream(state: dict) -> dict:
+    """``state`` as saved before the training stream: each rank's data order the generator's bare state
+    (a ByteTensor), and no loader in the config."""
+    old = [{**rng, "data": rng["data"]["generator"]} for rng in state["rng_per_rank"]]
+    config = {k: v for k, v in state["config"].items() if k != "loader"}
+    return {**state, "rng": old[0], "rng_per_rank": old, "config": config}
+
+
+def test_a_checkpoint_from_before_the_stream_resumes_exactly(tmp_path, text_file):
+    run = dict(grad_accum=2, dropout=0.1, max_iters=8, eval_interval=4)
+    assert run_main(tiny_args(tmp_path / "straight", text_file, **run)) == 0
+    assert run_main(tiny_args(tmp_path / "old", text_file, **{**run, "max_iters": 4})) == 0
+    old = as_checkpoint_before_the_stream(load_checkpoint(tmp_path / "old" / "last.pt"))
+    save_checkpoint(old, tmp_path / "old" / "last.pt")
+    assert isinstance(load_checkpoint(tmp_path / "old" / "last.pt")["rng"]["data"], torch.Tensor)
+    assert run_main(tiny_args(tmp_path / "old", text_file, **run, resume="true")) == 0
+    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
+                               load_checkpoint(tmp_path / "old" / "last.pt"))
 
 
 # ----------------------------------------------------------------------------- a signal or a kill, then a resume
