@@ -159,3 +159,15 @@ def test_what_documented_commands_write_into_the_repo_is_ignored_by_git():
     paths = ["hf/shakespeare/config.json", "loss.png", "out/small/best.pt", "data/x/train.bin"]
     ignored = subprocess.run(["git", "check-ignore", *paths], cwd=REPO, capture_output=True, text=True).stdout
     assert ignored.split() == paths
+
+
+def test_the_readmes_reading_path_counts_the_lines_the_files_have():
+    """The README says how long each core file is and the first pass in all; those numbers are the files'."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    path = text.split("## Read the code in this order", 1)[1].split("Second pass", 1)[0]
+    stated = {name: int(count) for name, count in re.findall(r"`(\w+\.py)` \((\d[\d,]*):", path.replace(",", ""))}
+    assert set(stated) == {"model.py", "data.py", "train.py"}, stated
+    actual = {name: len((REPO / name).read_text().splitlines()) for name in stated}
+    assert stated == actual
+    total = int(re.search(r"First pass, ([\d,]+) lines", path).group(1).replace(",", ""))
+    assert total == sum(actual.values())
