@@ -11,7 +11,9 @@ Unsupervised Multitask Learners") for pre-norm and the residual-scaled init; Vas
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
@@ -65,14 +67,17 @@ class GPTConfig:
 
 
 def describe(config: GPTConfig) -> str:
-    """The model in one line: its integer sizes, then every other option that is not at its default.
+    """The model in one line: its sizes (the int options that are never 0), then every other option that is not
+    at its default (an int option whose default 0 means "off", like a fork's attn_window, is one of those).
 
-    "n_layer 3, n_head 4, n_embd 128, block_size 64, vocab 65; not default: activation gelu_tanh"
+    "block_size 64, n_layer 3, n_head 4, n_embd 128, vocab 65; not default: activation gelu_tanh"
     """
-    sizes = [f"{f.name} {getattr(config, f.name)}" for f in fields(config)
-             if f.type == "int" and f.name != "vocab_size"]
+    def is_size(f) -> bool:
+        return f.type == "int" and f.name != "vocab_size" and f.default != 0
+
+    sizes = [f"{f.name} {getattr(config, f.name)}" for f in fields(config) if is_size(f)]
     options = [f"{f.name} {getattr(config, f.name)}" for f in fields(config)
-               if f.type != "int" and getattr(config, f.name) != f.default]
+               if not is_size(f) and f.name != "vocab_size" and getattr(config, f.name) != f.default]
     return ", ".join(sizes + [f"vocab {config.vocab_size}"]) + "; not default: " + (", ".join(options) or "none")
 
 
@@ -81,7 +86,7 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, vocab_size)
     loss_sum: torch.Tensor | None = None  # summed cross-entropy over the targets: the metric
     n_targets: torch.Tensor | None = None  # targets counted (not -1)
-    aux: dict[str, torch.Tensor] = {}  # the options' auxiliary losses, summed like loss_sum: objective only
+    aux: Mapping[str, torch.Tensor] = MappingProxyType({})  # the options' auxiliary losses, summed like loss_sum: objective only
 
 
 class LayerCache:

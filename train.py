@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -64,8 +64,13 @@ class StepLosses(NamedTuple):
     aux: dict[str, torch.Tensor]  # the model's auxiliary losses (model.aux_losses), summed alike, logged by name
 
     def objective(self) -> torch.Tensor:
-        """What the step minimised: cross-entropy plus every auxiliary term (still summed)."""
-        return self.loss_sum + sum(self.aux.values())
+        """What the step minimised (still summed)."""
+        return objective_sum(self.loss_sum, self.aux)
+
+
+def objective_sum(loss_sum: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The loss a step minimises: the cross-entropy plus every auxiliary term the model returns."""
+    return loss_sum + sum(aux.values())
 
 
 def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scaler,
@@ -87,8 +92,7 @@ def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tenso
         with distributed.sync_gradients(model, now=i == len(batches) - 1):
             with autocast(device, dtype):
                 _, loss_sum, _, aux = model(x, y)
-            objective = loss_sum + sum(aux.values())
-            scaler.scale(objective / divisor).backward()
+            scaler.scale(objective_sum(loss_sum, aux) / divisor).backward()
         loss_step += loss_sum.detach()  # detached: keeping the graph would hold every activation
         for name, term in aux.items():
             aux_step[name] = aux_step.get(name, 0) + term.detach()

@@ -184,8 +184,13 @@ def choices(name: str) -> tuple[Any, ...]:
 # change on resume applied without a word. tests/test_training_options.py checks the recording against
 # perturbing each field.
 CHOOSERS = (*TABLES, "schedule", "tokenizer")  # the fields that choose what reads the others: never unused
-LOOP_FIELDS = ("max_iters", "max_time")  # train.py's loop stops on them, whatever the choices: never unused
-# (schedule=time's curve reads them too; a test checks this list against what the run's code reads)
+# The fields the rest of the run reads whatever the choices (the loop, the data, the checkpoint), so never
+# unused even where a fork's optimizer or schedule reads one too (batch_size, for a linear-scaling rule).
+# tests/test_training_options.py checks it against what that code reads (ast), in both directions.
+LOOP_FIELDS = ("batch_size", "ckpt_interval", "compile", "data_dir", "data_path", "dataset", "device", "dtype",
+               "eval_interval", "eval_tokens", "grad_accum", "grad_clip", "init_from", "loader", "log_interval",
+               "max_iters", "max_skipped_steps", "max_time", "out_dir", "resume", "seed", "text_column", "threads",
+               "val_fraction", "wandb", "wandb_project")
 
 
 class ReadRecorder:
@@ -230,12 +235,16 @@ def curve_points(cfg: TrainConfig) -> list[tuple[int, float]]:
 def record_reads(field: str, name: str, cfg: TrainConfig) -> frozenset[str]:
     """The TrainConfig fields that entry ``name`` of TABLES[field] reads under ``cfg``: an optimizer while it
     builds (on CPU, in fp32), an lr schedule while its curve is drawn at curve_points under cfg.schedule."""
-    recorder = ReadRecorder(cfg)
-    if field == "optimizer":
-        OPTIMIZERS[name].build(throwaway_model(), recorder, torch.device("cpu"), torch.float32)
-    else:
-        for step, time_s in curve_points(cfg):
-            DECAYS[name].lr(step, recorder, time_s)
+    recorder, entry = ReadRecorder(cfg), TABLES[field][name]
+    try:
+        with torch.random.fork_rng(devices=[]):  # a builder that draws from the global RNG moves no run's stream
+            if field == "optimizer":
+                entry.build(throwaway_model(), recorder, torch.device("cpu"), torch.float32)
+            else:
+                for step, time_s in curve_points(cfg):
+                    entry.lr(step, recorder, time_s)
+    except Exception:  # an entry that cannot build here (a CUDA-only optimizer): its own options, at least
+        return frozenset(entry.options)
     return frozenset(recorder.reads & set(FIELD_TYPES))
 
 

@@ -415,6 +415,7 @@ class Checkpointer:
 
     def save(self, step: int, time_s: float, best_val: float, is_best: bool = False) -> None:
         self.guard.raise_if_tripped()  # never save a state that a non-finite step touched
+        self.guard.raise_if_weights_not_finite(self.model, step)  # nor one that an overflowing update made
         rng_per_rank = distributed.gather_to_main(capture_rng(self.stream))  # a collective: all ranks
         self.saved_step = step
         with distributed.stop_together(self.ddp.device):  # rank 0's write failing (disk full) stops every rank

@@ -173,6 +173,14 @@ class NonFiniteGuard:
     def record(self, step: int, faulty: torch.Tensor) -> None:
         self.bad_step = torch.where((self.bad_step < 0) & faulty, step, self.bad_step)
 
+    def raise_if_weights_not_finite(self, model: torch.nn.Module, step: int) -> None:
+        """Stop before a save if any weight is not finite: an update that overflowed (a finite loss and gradient,
+        times a huge lr) is the one fault check() cannot see before it is applied. One host read: saves only."""
+        if not torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all():
+            raise RunStopped(f"the weights are not finite after step {step} (an update overflowed them); stopped "
+                             "before saving, so last.pt and best.pt hold the last finite state; lower learning_rate",
+                             EXIT_NONFINITE)
+
     def raise_if_tripped(self) -> None:
         """Stop the run if a fault was recorded. Reads one device scalar: call it where the loop syncs."""
         bad_step = int(self.bad_step)

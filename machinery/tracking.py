@@ -179,6 +179,9 @@ class MetricsLog:
              now: float, time_s: float) -> None:
         """A training log line: the record, and the line a person reads. ``losses`` per target: "loss" (the
         cross-entropy) and each auxiliary term of the objective by name. Reads the tensors: a host sync."""
+        clash = set(losses) & {"step", "lr", "grad_norm", "tokens_per_s", "mfu", "time_s", "val_loss", "val_bpb"}
+        if clash:  # it would overwrite that key of metrics.jsonl, silently
+            raise ValueError(f"an auxiliary loss is named {sorted(clash)[0]!r}, a key of metrics.jsonl; rename it")
         values, grad_norm = {name: value.item() for name, value in losses.items()}, grad_norm.item()
         step_s, tokens_per_s, util = speed.lap(step, now)
         terms = "".join(f" | {name} {value:.4g}" for name, value in values.items() if name != "loss")

@@ -190,7 +190,7 @@ def test_every_option_is_saved_shown_and_kept_by_a_resume(tmp_path, corpus_file,
     out_dir = tmp_path / "run"
     assert run_main(run_args(out_dir, corpus_file, **{name: value})) == 0
     model_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
-    shown = FIELD_TYPES[name] is int or value != DEFAULTS[name]  # sizes always, other options when not default
+    shown = FIELD_TYPES[name] is int and DEFAULTS[name] != 0 or value != DEFAULTS[name]  # sizes always, others when set
     assert (f"{name} {value}" in model_line) == shown, model_line
     saved = load_checkpoint(out_dir / "last.pt")
     assert saved["config"][name] == value

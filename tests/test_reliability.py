@@ -391,3 +391,18 @@ def test_an_optimizer_that_cannot_skip_on_the_device_is_said_once_at_start(tmp_p
     lines = [line for line in capsys.readouterr().out.splitlines() if "found_inf hook" in line]
     assert lines == ["note: SGD has no found_inf hook (skips_on_device): each step keeps a copy of the weights "
                      "and optimizer state to undo a non-finite update without a host sync"]
+
+
+@pytest.mark.parametrize("eval_interval", [1, 5], ids=["a save after every step", "the first save at the end"])
+def test_an_update_that_overflows_the_weights_is_never_saved(tmp_path, text_file, capsys, eval_interval):
+    """A finite loss and gradient times lr 3e38 overflow the weights in one update, which the guard's check of
+    the loss and gradient norm cannot see. Before, such a run saved them (last.pt all inf) and exited 0."""
+    out = tmp_path / "run"
+    code = run_main(tiny_args(out, text_file, warmup_iters=0, max_iters=5, eval_interval=eval_interval,
+                              learning_rate=3e38, min_lr=0))
+    err = capsys.readouterr().err.strip()
+    assert code == 3 and err.splitlines() == [err]
+    # Saving after step 1 finds the weights; without that save, step 2's loss (of the inf weights) is the sign.
+    assert ("the weights are not finite after step 1" if eval_interval == 1 else "non-finite loss or gradient at step 2") in err
+    for name in ("last.pt", "best.pt"):  # none saved at all: the first save would have held step 1's
+        assert not (out / name).exists()

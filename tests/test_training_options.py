@@ -148,9 +148,13 @@ def test_each_lr_schedule_draws_a_curve_of_its_kind(name, warmup_iters):
     assert curve[rise] == peak and curve[rise - 1 if rise else 0] == peak  # to the peak, where the decay starts
     assert curve[rise:] == sorted(curve[rise:], reverse=True)  # and never rises again
     assert min(curve[rise:]) >= floor  # nor falls below min_lr (a warmup may start under it)
-    assert max(abs(b - a) for a, b in zip(curve, curve[1:])) <= peak / WARMUP + 1e-12  # no cliff anywhere
-    if DECAYS[name].clocks == CLOCKS:  # a progress decay (@lr_decay): the standard curve's end
+    if DECAYS[name].clocks == CLOCKS:  # a progress decay (@lr_decay): no cliff, and the standard curve's end
+        jumps = [(step, b - a) for step, (a, b) in enumerate(zip(curve, curve[1:]), start=1)]
+        step, jump = max(jumps, key=lambda j: abs(j[1]))
+        assert abs(jump) <= peak / WARMUP + 1e-12, f"{name} jumps by {jump:.3g} at step {step}: a cliff"
         assert curve[cfg.lr_decay_iters:] == [floor] * (cfg.max_iters - cfg.lr_decay_iters)
+    # A step schedule (@lr_schedule) owns its whole curve, jumps included (a step decay has them): get_lr adds
+    # none (test_get_lr_is_the_schedules_own_curve_and_cuts_nothing), and a recipe states its own shape.
 
 
 def test_each_lr_schedule_draws_its_own_curve():
@@ -241,15 +245,17 @@ def cfg_reads(path: Path, skip: tuple[str, ...] = ()) -> set[str]:
     tree = ast.parse(path.read_text())
     nodes = [node for top in tree.body if not (isinstance(top, ast.FunctionDef) and top.name in skip)
              for node in ast.walk(top)]
-    return {node.attr for node in nodes if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-            and node.value.id == "cfg"}
+    def is_cfg(value: ast.expr) -> bool:  # cfg, or something's .cfg (run.cfg)
+        return isinstance(value, ast.Name) and value.id == "cfg" or isinstance(value, ast.Attribute) and value.attr == "cfg"
+    return {node.attr for node in nodes if isinstance(node, ast.Attribute) and is_cfg(node.value)}
 
 
 def test_loop_fields_are_the_fields_the_run_reads_that_only_some_choices_read():
     """A field some optimizer or schedule reads counts as unused under the others, unless the run reads it anyway
-    (max_time: the loop stops on it whatever the schedule). LOOP_FIELDS names those; it must be exactly the
-    fields the run's code reads (train.py outside the lr curve, data.py, machinery/ but the tables), that some
-    choices read, and not every combination of them does."""
+    (max_time: the loop stops on it whatever the schedule). LOOP_FIELDS names every field the run's code reads
+    (train.py outside the lr curve, data.py, machinery/ but the tables), so a fork's entry that reads one too
+    (batch_size, for a linear-scaling rule) needs no edit; it must hold at least those that some choices read
+    and not every combination does, and nothing the run does not read."""
     run_code = [(REPO / "train.py", ("get_lr", "set_lr")), (REPO / "data.py", ())]
     run_code += [(path, ()) for path in sorted((REPO / "machinery").glob("*.py")) if path.name != "optim.py"]
     run_reads = set().union(*(cfg_reads(path, skip) for path, skip in run_code))
@@ -261,7 +267,9 @@ def test_loop_fields_are_the_fields_the_run_reads_that_only_some_choices_read():
               for cfg in [make_config(None, optimizer=opt, lr_decay=decay, schedule=clock, **READ_CASE)]]
     some_choices = set().union(*combos) - set(CHOOSERS) - set(MODEL_OPTIONS)
     every_run = set.intersection(*map(set, combos))
-    assert set(LOOP_FIELDS) == (run_reads & some_choices) - every_run
+    needed, read = (run_reads & some_choices) - every_run, run_reads - {"bpe_vocab_size"}  # the tokenizer's: TOKENIZER_USES
+    assert needed <= set(LOOP_FIELDS), f"add {sorted(needed - set(LOOP_FIELDS))} to config.LOOP_FIELDS: the run reads them"
+    assert set(LOOP_FIELDS) <= read, f"drop {sorted(set(LOOP_FIELDS) - read)} from config.LOOP_FIELDS: the run does not read them"
 
 
 def test_wsd_is_flat_then_linear_over_its_final_fraction():
@@ -414,7 +422,7 @@ def test_a_forked_optimizer_decay_and_field_each_one_declaration_are_honoured_en
 
 def test_a_name_without_a_builder_cannot_be_given(capsys):
     assert run_main(["--config", "tiny", "--optimizer", "sgd"]) == 2
-    assert "optimizer must be one of adamw, muon, got `sgd`" in capsys.readouterr().err
+    assert f"optimizer must be one of {', '.join(OPTIMIZERS)}, got `sgd`" in capsys.readouterr().err
 
 
 RECIPES_SCRIPT = '''
