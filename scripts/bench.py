@@ -1,10 +1,10 @@
 """Training throughput: ms/step, tokens/s, where a step's time goes, model FLOP/s, peak memory.
 
-    python scripts/bench.py --config nanogpt_cpu                      # one config
-    python scripts/bench.py --config nanogpt_cpu --vs dtype=bfloat16  # two configs, interleaved, ratio
-    python scripts/bench.py --config small compile=on --steps 200     # KEY=VALUE overrides any field
-    python scripts/bench.py --matmul                                  # fp32 / bf16 matmul peak GFLOP/s
-    python scripts/bench.py --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
+    python -m scripts.bench --config nanogpt_cpu                      # one config
+    python -m scripts.bench --config nanogpt_cpu --vs dtype=bfloat16  # two configs, interleaved, ratio
+    python -m scripts.bench --config small compile=on --steps 200     # KEY=VALUE overrides any field
+    python -m scripts.bench --matmul                                  # fp32 / bf16 matmul peak GFLOP/s
+    python -m scripts.bench --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
 The step is made of train.py's own functions, so the benchmark measures what training runs: the
 same batches (the run's training stream, data.LOADERS), model, optimizer and precision (train.build_run,
@@ -29,15 +29,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from config import CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
-from data import DataError  # noqa: E402
-from machinery.rundir import check_writable  # noqa: E402
-from machinery.runtime import (choose_runtime, compile_for_step, fail, matmul_gflops, pick_device,  # noqa: E402
+from config import CommandLine, ConfigError, TrainConfig, make_config
+from data import DataError
+from machinery.rundir import check_writable
+from machinery.runtime import (choose_runtime, compile_for_step, fail, matmul_gflops, pick_device,
                                threads_text, use_threads)
-from model import GPT  # noqa: E402
-from train import Run, build_run, get_lr, train_step  # noqa: E402
+from model import GPT
+from train import Run, build_run, get_lr, train_step
 
 PHASES = ("data", "forward_backward", "optimizer")
 

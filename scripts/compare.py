@@ -1,9 +1,9 @@
 """Compare config variants over several seeds: equal steps, interleaved runs, a paired t-test.
 
-    python scripts/compare.py --config small --steps 1500 --seeds 3 base: muon:optimizer=muon
-    python scripts/compare.py --config tiny --steps 200 --seeds 3 base: low_lr:learning_rate=3e-4,min_lr=3e-5
-    python scripts/compare.py --config small --time 180 --seeds 3 base: wide:n_embd=192   # equal wall time
-    python scripts/compare.py --config tiny --steps 200 --seeds 2 --set batch_size=16 base: drop:dropout=0.1
+    python -m scripts.compare --config small --steps 1500 --seeds 3 base: muon:optimizer=muon
+    python -m scripts.compare --config tiny --steps 200 --seeds 3 base: low_lr:learning_rate=3e-4,min_lr=3e-5
+    python -m scripts.compare --config small --time 180 --seeds 3 base: wide:n_embd=192   # equal wall time
+    python -m scripts.compare --config tiny --steps 200 --seeds 2 --set batch_size=16 base: drop:dropout=0.1
 
 A variant is NAME:KEY=VALUE[,KEY=VALUE...]: config overrides on top of the preset and of --set (which
 applies to every variant; a variant's own value wins). `base:`, nothing after the colon, is the preset
@@ -48,18 +48,17 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # the repo's modules, and bench.py / plot.py beside this file
+import train
+from machinery.checkpoint import CheckpointError, read_config
+from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config
+from data import DataError
+from machinery.corpora import corpus_source
+from machinery.faults import RunStopped, StopOnSignal
+from machinery.runtime import choose_runtime, fail, use_threads
+from sample import load_model
+from scripts.bench import parse_overrides
 
-import train  # noqa: E402
-from bench import parse_overrides  # noqa: E402
-from machinery.checkpoint import CheckpointError, read_config  # noqa: E402
-from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
-from data import DataError  # noqa: E402
-from machinery.corpora import corpus_source  # noqa: E402
-from machinery.faults import RunStopped, StopOnSignal  # noqa: E402
-from machinery.runtime import choose_runtime, fail, use_threads  # noqa: E402
-from sample import load_model  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
 OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command", "schedule": "--steps/--time",
@@ -67,7 +66,7 @@ OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command
 IGNORED_ON_REUSE = ("out_dir", "resume")  # a moved folder, a resumed run: still the same run
 RESULT = "result.json"  # written into a run's folder once it has finished: the marker that skips it
 CODE = "code.json"  # written into a run's folder as it starts: the code it runs (code_fingerprint)
-NOT_TRAINING_CODE = ("tests", "docs", "scripts", "evals")  # folders whose .py files a training run never imports
+NOT_TRAINING_CODE = ("tests", "docs", "scripts", "dev", "evals")  # folders whose .py files a training run never imports
 STEP_CAP_IN_TIME_MODE = 10**9  # --time without --steps: only the clock ends a run
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a variant's name is a folder name
 
@@ -462,7 +461,7 @@ def report(summary: dict[str, Any]) -> str:
 
 def write_outputs(plan: Plan, summary: dict[str, Any]) -> str:
     """results.json, results.md and compare.png in the experiment folder; returns the report."""
-    import plot  # matplotlib: only once there is something to draw
+    from scripts import plot  # matplotlib: only once there is something to draw
 
     text = report(summary)
     (plan.folder / "results.json").write_text(json.dumps(summary, indent=1))
@@ -498,7 +497,7 @@ def build_parser() -> CommandLine:
 
 def command_line(argv: list[str]) -> str:
     """The command as typed, for the line that says how to continue."""
-    return shlex.join(["python", "scripts/compare.py", *argv])
+    return shlex.join(["python", "-m", "scripts.compare", *argv])
 
 
 def compare(argv: list[str], stop: StopOnSignal) -> dict[str, Any]:

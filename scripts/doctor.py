@@ -1,7 +1,7 @@
 """The doctor: the "my loss won't go down" checklist, run on your real config and data.
 
-    python scripts/doctor.py --config small              # same config and overrides as train.py
-    python scripts/doctor.py --config small --dropout 0.1
+    python -m scripts.doctor --config small              # same config and overrides as train.py
+    python -m scripts.doctor --config small --dropout 0.1
 
 Prints one line per check: PASS or FAIL, the measured figure, and what it means. Exit status 1 if
 any check fails. Each check is a small function taking what it needs (a model, a batch, a
@@ -28,18 +28,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # so that `python scripts/doctor.py` finds the repo's modules
+from machinery import hf
+import train
+from machinery.checkpoint import dtype_name, load_checkpoint
+from config import ConfigError, TrainConfig, model_config, parse_args, replace
+from data import DataError, corpus_for, special_tokens, tokenizer_from_meta, training_stream, val_windows
+from machinery.faults import NonFiniteGuard, RunStopped
+from model import GPT
+from machinery.runtime import choose_runtime, compile_for_step
 
-from machinery import hf  # noqa: E402
-import train  # noqa: E402
-from machinery.checkpoint import dtype_name, load_checkpoint  # noqa: E402
-from config import ConfigError, TrainConfig, model_config, parse_args, replace  # noqa: E402
-from data import DataError, corpus_for, special_tokens, tokenizer_from_meta, training_stream, val_windows  # noqa: E402
-from machinery.faults import NonFiniteGuard, RunStopped  # noqa: E402
-from model import GPT  # noqa: E402
-from machinery.runtime import choose_runtime, compile_for_step  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 # Allowed gap between the first loss and ln(vocab), as a fraction of ln(vocab). A 0.02-std init gives
 # logits of variance ~0.02² · n_embd, which adds about half that: 0.03 nats for small, 0.15 for gpt2.

@@ -1,9 +1,9 @@
 """Score a checkpoint: val loss (nats/token) and bits per byte, with training's own evaluate().
 
-    python scripts/eval.py --ckpt out/small                        # the val split of the run's own corpus
-    python scripts/eval.py --ckpt out/small --data_path other.txt  # any UTF-8 text, all of it
-    python scripts/eval.py --ckpt out/small --json                 # one JSON object, full precision
-    python scripts/eval.py --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights (machinery/hf.py), no checkpoint
+    python -m scripts.eval --ckpt out/small                        # the val split of the run's own corpus
+    python -m scripts.eval --ckpt out/small --data_path other.txt  # any UTF-8 text, all of it
+    python -m scripts.eval --ckpt out/small --json                 # one JSON object, full precision
+    python -m scripts.eval --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights (machinery/hf.py), no checkpoint
 
 By default it scores what training scored (the run's corpus and eval_tokens, its batch size and
 precision) with the same code, so best.pt's best_val_loss comes back exactly (on the device type it
@@ -23,16 +23,15 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from machinery.checkpoint import CheckpointError, load_checkpoint
+from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config, replace
+from data import DataError, corpus_for, read_text_file, special_tokens, tokenizer_from_meta, val_windows
+from machinery.runtime import Runtime, choose_runtime, fail
+from model import GPT
+from sample import add_weights_flags, find_checkpoint, load_pretrained
+from train import evaluate, val_byte_count
 
-from machinery.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config, replace  # noqa: E402
-from data import DataError, corpus_for, read_text_file, special_tokens, tokenizer_from_meta, val_windows  # noqa: E402
-from machinery.runtime import Runtime, choose_runtime, fail  # noqa: E402
-from model import GPT  # noqa: E402
-from sample import add_weights_flags, find_checkpoint, load_pretrained  # noqa: E402
-from train import evaluate, val_byte_count  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 PROGRESS_BATCHES = 20  # show a progress bar from this many batches on (and only in a terminal)
 

@@ -1,6 +1,6 @@
 """Export a trained run to a folder that Hugging Face transformers loads as GPT-2.
 
-    python scripts/export_hf.py out/finetune_shakespeare hf/shakespeare
+    python -m scripts.export_hf out/finetune_shakespeare hf/shakespeare
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf/shakespeare')"
 
 Writes model.safetensors and config.json (GPT2LMHeadModel) and the tokenizer, which AutoTokenizer loads
@@ -12,20 +12,17 @@ weight mapping itself is machinery/hf.py's table.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from machinery import hf  # noqa: E402
-from machinery.checkpoint import CheckpointError  # noqa: E402
-from config import CommandLine, ConfigError  # noqa: E402
-from data import DataError  # noqa: E402
-from machinery.rundir import PathError, check_writable  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
-from sample import find_checkpoint, load_model  # noqa: E402
+from machinery import hf
+from machinery.checkpoint import CheckpointError
+from config import CommandLine, ConfigError
+from data import DataError
+from machinery.rundir import PathError, check_writable
+from machinery.runtime import fail
+from sample import find_checkpoint, load_model
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,8 @@
 """Score a checkpoint with EleutherAI's lm-evaluation-harness: HellaSwag, LAMBADA, ARC, ... natively.
 
-    python scripts/harness.py --ckpt out/small --tasks tinygpt_cloze       # the repo's offline task (evals/)
-    python scripts/harness.py --init_from gpt2 --tasks hellaswag,lambada_openai   # the tasks' data: HF hub
-    python scripts/harness.py --ckpt out/gpt2-run --tasks arc_easy --limit 200    # a quick look, not a result
+    python -m scripts.harness --ckpt out/small --tasks tinygpt_cloze       # the repo's offline task (evals/)
+    python -m scripts.harness --init_from gpt2 --tasks hellaswag,lambada_openai   # the tasks' data: HF hub
+    python -m scripts.harness --ckpt out/gpt2-run --tasks arc_easy --limit 200    # a quick look, not a result
 
 ``TinyGPTLM`` is lm_eval's model interface (``TemplateLM``) over our GPT and tokenizer, so no export
 is needed and char-level models work too. The harness builds the prompts, runs its own
@@ -26,23 +26,21 @@ import argparse
 import functools
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from machinery.checkpoint import CheckpointError
+from config import CommandLine, ConfigError, field_help
+from data import DataError
+from machinery import hf
+from model import GPT
+from machinery.runtime import fail, pick_device
+from sample import add_weights_flags, find_checkpoint, generate, load_model, load_pretrained
 
-from machinery.checkpoint import CheckpointError  # noqa: E402
-from config import CommandLine, ConfigError, field_help  # noqa: E402
-from data import DataError  # noqa: E402
-from machinery import hf  # noqa: E402
-from model import GPT  # noqa: E402
-from machinery.runtime import fail, pick_device  # noqa: E402
-from sample import add_weights_flags, find_checkpoint, generate, load_model, load_pretrained  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 try:
     import lm_eval

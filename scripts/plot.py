@@ -1,11 +1,11 @@
 """Loss curves: one or more runs' metrics.jsonl -> a PNG of train and val loss against step and wall time.
 
-    python scripts/plot.py out/small/metrics.jsonl -o docs/small.png
-    python scripts/plot.py out/a/metrics.jsonl out/b/metrics.jsonl --labels fp32 bf16 -o cmp.png
-    python scripts/plot.py out/small/metrics.jsonl --ref 70:1.87 --ref 200:1.62 --ref-label nanoGPT
-    python scripts/plot.py out/char/metrics.jsonl out/bpe/metrics.jsonl --bpb -o cmp.png   # + val bits per byte
-    python scripts/plot.py out/compare/tiny-200steps --bpb -o cmp.png       # compare.py's variants, seeds as a band
-    python scripts/plot.py out/a/seed-1 out/a/seed-2 out/b/seed-1 out/b/seed-2 --labels a a b b
+    python -m scripts.plot out/small/metrics.jsonl -o docs/small.png
+    python -m scripts.plot out/a/metrics.jsonl out/b/metrics.jsonl --labels fp32 bf16 -o cmp.png
+    python -m scripts.plot out/small/metrics.jsonl --ref 70:1.87 --ref 200:1.62 --ref-label nanoGPT
+    python -m scripts.plot out/char/metrics.jsonl out/bpe/metrics.jsonl --bpb -o cmp.png   # + val bits per byte
+    python -m scripts.plot out/compare/tiny-200steps --bpb -o cmp.png       # compare.py's variants, seeds as a band
+    python -m scripts.plot out/a/seed-1 out/a/seed-2 out/b/seed-1 out/b/seed-2 --labels a a b b
 
 Train loss comes from the log records (``loss``), val loss from the eval records (``val_loss``);
 ``time_s`` is train.py's wall clock since the first step. ``--ref`` adds fixed (seconds, val loss)
@@ -22,17 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import matplotlib
+import matplotlib.pyplot as plt
 
-matplotlib.use("Agg")  # files only, no display needed
-import matplotlib.pyplot as plt  # noqa: E402
+from config import CommandLine
+from machinery.rundir import PathError, check_writable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from config import CommandLine  # noqa: E402
-from machinery.rundir import PathError, check_writable  # noqa: E402
+matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import
 
 
 class MetricsError(ValueError):

@@ -1,9 +1,9 @@
 """Train a BPE on a corpus's train split and report it, without training a model.
 
-    python scripts/tokenizer.py                                      # the built-in corpus, bpe_vocab_size's default
-    python scripts/tokenizer.py --bpe_vocab_size 512 1024 2048 4096  # several sizes, one table
-    python scripts/tokenizer.py --data_path my.txt --no-gpt2         # your text; no GPT-2 column (it needs its ranks)
-    python scripts/tokenizer.py --compare-trainers --bpe_vocab_size 1024 4096   # rustbpe against HF tokenizers
+    python -m scripts.tokenizer                                      # the built-in corpus, bpe_vocab_size's default
+    python -m scripts.tokenizer --bpe_vocab_size 512 1024 2048 4096  # several sizes, one table
+    python -m scripts.tokenizer --data_path my.txt --no-gpt2         # your text; no GPT-2 column (it needs its ranks)
+    python -m scripts.tokenizer --compare-trainers --bpe_vocab_size 1024 4096   # rustbpe against HF tokenizers
 
 Each vocabulary is prepared exactly as train.py prepares it (and cached, so a later run reuses it). The
 table scores every tokenizer on the same text, the BPE's val split (never seen by its merges): tokens,
@@ -13,17 +13,14 @@ English they should be whole words and word pieces, with their spaces in front.
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from config import DEFAULTS, CommandLine, field_help  # noqa: E402
-from data import DataError, load_corpus, tokenizer_from_meta  # noqa: E402
-from machinery.corpora import prepare  # noqa: E402
-from machinery.rundir import PathError  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
+from config import DEFAULTS, CommandLine, field_help
+from data import DataError, load_corpus, tokenizer_from_meta
+from machinery.corpora import prepare
+from machinery.rundir import PathError
+from machinery.runtime import fail
 
 LONGEST = 20  # tokens shown from the largest vocabulary
 

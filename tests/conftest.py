@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import random
 import subprocess
@@ -12,25 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from config import make_config
+from machinery.checkpoint import load_checkpoint
+from model import GPT, GPTConfig
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from config import make_config  # noqa: E402
-from machinery.checkpoint import load_checkpoint  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-
+# Every tool, as `python -m NAME` runs it from the repo root: the user's (scripts/) and the developers' (dev/).
+TOOLS = [f"{package}.{path.stem}" for package in ("scripts", "dev")
+         for path in sorted((REPO / package).glob("*.py")) if path.stem != "__init__"]
 WORDS = ("the king queen lord lady love death night day crown sword heart blood sweet fair "
          "foul good ill speak hear see come go stay fly rest sleep wake").split()
 
 
-def load_entry_point(relative: str):
-    """Import a script by its path in the repo (scripts/ is not a package), as `python SCRIPT` runs it."""
-    import importlib.util
-    name = Path(relative).stem + "_under_test"
-    spec = importlib.util.spec_from_file_location(name, REPO / relative)
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
+def entry_point(name: str):
+    """The module behind an entry point as the docs write it: a core file (``train.py``), a tool (``scripts.eval``)."""
+    return importlib.import_module(name.removesuffix(".py"))
 
 
 def make_text(n_lines: int = 600, seed: int = 0) -> str:
@@ -141,7 +138,8 @@ def docs_snippet(heading: str, page: str = "experiments.md") -> str:
 
 
 def run_script(*args: str, cwd: Path = REPO, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a repo script in a fresh interpreter, as a user would."""
+    """Run a repo script in a fresh interpreter, as a user would: ``run_script("train.py", ...)``,
+    ``run_script("-m", "scripts.eval", ...)``."""
     result = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{args} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")

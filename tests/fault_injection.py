@@ -2,12 +2,13 @@
 
 Imported by the reliability tests. Also a script, so a fresh process can be broken the same way:
 
-    python tests/fault_injection.py --signal SIGTERM --at-call 13 -- --config tiny --out_dir ...
+    python -m tests.fault_injection --signal SIGTERM --at-call 13 -- --config tiny --out_dir ...
 
 runs train.py's main with the given arguments and sends the signal to itself just before the 13th
 training forward pass (micro-batch), i.e. in the middle of an optimizer step. The other options break
 one rank of a DDP job (RANK as torchrun sets it), or hold a live run mid-step: see
-``python tests/fault_injection.py --help``.
+``python -m tests.fault_injection --help``. A child process runs it as ``[sys.executable, *AS_A_SCRIPT, ...]``
+from the repo root, which ``-m`` puts first on the module path: the child imports this checkout's train.py.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -26,18 +26,16 @@ from typing import Any, Callable
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from machinery import runtime
+from machinery import checkpoint
+from machinery.checkpoint import load_checkpoint
+import data
+import train
+from machinery.distributed import env_rank
+from data import DataError
+from model import GPT
 
-from machinery import runtime  # noqa: E402
-from machinery import checkpoint  # noqa: E402
-from machinery.checkpoint import load_checkpoint  # noqa: E402
-import data  # noqa: E402
-import train  # noqa: E402
-from machinery.distributed import env_rank  # noqa: E402
-from data import DataError  # noqa: E402
-from model import GPT  # noqa: E402
-
+AS_A_SCRIPT = ("-m", "tests.fault_injection")  # python's arguments that run this file's main, from the repo root
 
 
 def tiny_args(out_dir: Path, text_file: Path, **overrides: Any) -> list[str]:

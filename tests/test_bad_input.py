@@ -9,7 +9,7 @@ import pytest
 
 from machinery import corpora
 import train
-from conftest import REPO, load_entry_point, make_text
+from conftest import TOOLS, entry_point, make_text
 from config import make_config
 from machinery.corpora import prepare
 from fault_injection import run_main, tiny_args
@@ -90,16 +90,15 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
 
 
 # Every entry point but train.py and doctor.py (whose config parser has its own tests), new scripts included.
-ENTRY_POINTS = ["sample.py", "data.py"] + [f"scripts/{p.name}" for p in sorted((REPO / "scripts").glob("*.py"))
-                                           if p.name != "doctor.py"]
-REQUIRED_ARGS = {"scripts/plot.py": ["x.jsonl"], "scripts/export_hf.py": ["run", "folder"],
-                 "scripts/vs_nanogpt.py": ["--nanogpt", "nano"], "scripts/harness.py": ["--tasks", "x"]}
+ENTRY_POINTS = ["sample.py", "data.py"] + [tool for tool in TOOLS if tool != "scripts.doctor"]
+REQUIRED_ARGS = {"scripts.plot": ["x.jsonl"], "scripts.export_hf": ["run", "folder"],
+                 "dev.vs_nanogpt": ["--nanogpt", "nano"], "scripts.harness": ["--tasks", "x"]}
 
 
 @pytest.mark.parametrize("script", ENTRY_POINTS)
 def test_every_entry_point_answers_an_unknown_flag_in_one_line(capsys, script):
     with pytest.raises(SystemExit) as stopped:
-        load_entry_point(script).main(["--seeed", "1"] + REQUIRED_ARGS.get(script, []))
+        entry_point(script).main(["--seeed", "1"] + REQUIRED_ARGS.get(script, []))
     err = capsys.readouterr().err
     assert stopped.value.code == 2
     assert err.startswith("error: unknown flag `--seeed`") and err.count("\n") == 1, err
@@ -133,62 +132,62 @@ BAD_INPUTS = {
         (["--data_path", "{corpus}", "--data_dir", "{data}", "--tokenizer", "bpe", "--bpe_vocab_size", "100000"],
          "distinct merges, not the 99743 that --bpe_vocab_size 100000 needs; use at most --bpe_vocab_size"),
     ],
-    "scripts/tokenizer.py": [
+    "scripts.tokenizer": [
         (["--bpe_vocab_size", "512", "100"], "--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got 100"),
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--val_fraction", "0"], "--val_fraction must be in (0, 1)"),
     ],
-    "scripts/bench_prepare.py": [
+    "dev.bench_prepare": [
         (["--mb", "0"], "need --mb and --doc-kb > 0"),
         (["--repeats", "0"], "--repeats >= 1"),
     ],
-    "scripts/bench.py": [
+    "scripts.bench": [
         (["--steps", "0"], "need --steps and --rounds >= 1"),  # ran one step, silently
         (["--warmup", "-1"], "--warmup, --threads and --profile >= 0"),
         (["n_layer"], "override `n_layer` must look like KEY=VALUE"),
         (["--json", "{run}/metrics.jsonl/x.json"], "is a file, not a folder"),
     ],
-    "scripts/bench_sample.py": [
+    "dev.bench_sample": [
         (["--ckpt", "{tmp}"], "no best.pt or last.pt in this folder"),
         (["--ckpt", "{run}/metrics.jsonl"], "not a tinygpt checkpoint"),
         (["--n-head", "3"], "must be divisible by n_head (3)"),
         (["--repeats", "0"], "need --tokens, --repeats and --vocab-size >= 1"),
     ],
-    "scripts/compare.py": [
+    "scripts.compare": [
         (["a:"], "give --steps N"),
         (["--steps", "0", "a:"], "--steps must be > 0"),
     ],
-    "scripts/doctor.py": [
+    "scripts.doctor": [
         (["--config", "nope"], "no preset `nope`"),
         (["--n_head", "3"], "n_head"),
     ],
-    "scripts/eval.py": [
+    "scripts.eval": [
         (["--ckpt", "{tmp}/missing.pt"], "no such checkpoint"),
         (["--ckpt", "{run}", "--eval_tokens", "-5"], "--eval_tokens must be >= -1, got -5"),
         (["--ckpt", "{run}", "--threads", "-1"], "--threads must be >= 0, got -1"),
         (["--ckpt", "{run}", "--data_path", "{run}/last.pt"], "not UTF-8 text"),
     ],
-    "scripts/harness.py": [
+    "scripts.harness": [
         (["--ckpt", "{tmp}/missing.pt", "--tasks", "tinygpt_cloze"], "no such checkpoint"),
         (["--ckpt", "{run}", "--tasks", "tinygpt_cloze", "--batch_size", "0"], "need --batch_size >= 1"),
         (["--ckpt", "{run}", "--tasks", " , "], "unknown task(s) (none given)"),
     ],
-    "scripts/export_hf.py": [
+    "scripts.export_hf": [
         (["{run}", "{run}/metrics.jsonl/x"], "is a file, not a folder"),
         (["{tmp}/missing", "{tmp}/hf"], "no such checkpoint"),
     ],
-    "scripts/gpu_check.py": [
+    "dev.gpu_check": [
         (["--dry-run", "--steps", "3"], "--steps must be even and >= 2"),
         (["--dry-run", "--out_dir", "{run}/metrics.jsonl/x"], "is a file, not a folder"),
     ],
-    "scripts/plot.py": [
+    "scripts.plot": [
         (["{run}/metrics.jsonl", "--labels", "a", "b"], "2 --labels for 1 arguments"),
         (["{run}/last.pt"], "not a metrics.jsonl (not UTF-8 text)"),
         (["{tmp}/missing"], "no such file"),
         (["{run}", "-o", "{run}/metrics.jsonl/x.png"], "is a file, not a folder"),
         (["{run}", "--ref", "70"], "SECONDS:LOSS"),
     ],
-    "scripts/vs_nanogpt.py": [
+    "dev.vs_nanogpt": [
         (["--nanogpt", "nano", "--steps", "10", "--skip", "10"], "--skip 10 must be at least 0 and below --steps 10"),
         (["--nanogpt", "{tmp}"], "is not a nanoGPT checkout"),
         (["--nanogpt", "nano", "--rounds", "0"], "--rounds must be >= 1"),
@@ -214,7 +213,7 @@ def files_under(*folders: Path) -> list[Path]:
 @pytest.mark.parametrize("script, argv, expected",
                          [(script, argv, expected) for script, rows in BAD_INPUTS.items() for argv, expected in rows])
 def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(tmp_path, capsys, trained, script, argv, expected):
-    main = train.main if script == "train.py" else load_entry_point(script).main
+    main = train.main if script == "train.py" else entry_point(script).main
     before = files_under(tmp_path, Path(trained["run"]).parent)
     try:
         code = main([arg.format(tmp=tmp_path, **trained) for arg in argv])  # doctor.py returns its code
@@ -226,6 +225,6 @@ def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(tmp_path, capsys, t
 
 
 def test_every_entry_point_has_rows_in_the_bad_input_table():
-    entry_points = {"train.py", "sample.py", "data.py"} | {f"scripts/{p.name}" for p in (REPO / "scripts").glob("*.py")}
+    entry_points = {"train.py", "sample.py", "data.py", *TOOLS}
     missing = sorted(entry_points - set(BAD_INPUTS))
     assert not missing, f"add rows of bad input for {missing} to BAD_INPUTS"

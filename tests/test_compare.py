@@ -13,13 +13,11 @@ import pytest
 import torch
 
 import train
-from conftest import REPO, load_entry_point, make_text
+from conftest import REPO, make_text
 from fault_injection import step_clock
 from machinery import runtime
 from machinery.faults import StopOnSignal, RunStopped
-
-compare = load_entry_point("scripts/compare.py")
-plot = load_entry_point("scripts/plot.py")
+from scripts import compare, plot
 
 STEPS = 40  # tiny: ~0.5 s a run; the loss falls from ~3.9 to ~2.8 at the preset's lr, barely at 1/100 of it
 SLOW = "slow:learning_rate=3e-5,min_lr=3e-6"  # 100x smaller lr (min_lr must stay below it)
@@ -132,7 +130,7 @@ def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finish
     with pytest.raises(RunStopped) as stopped:
         compare.compare(command, stop)
     assert stopped.value.exit_code == 130
-    assert "continue with the same command: python scripts/compare.py" in str(stopped.value)
+    assert "continue with the same command: python -m scripts.compare" in str(stopped.value)
     seed_2 = tmp_path / "exp" / "base" / "seed-2"
     assert (seed_2 / "last.pt").is_file() and not (seed_2 / "result.json").exists()
 

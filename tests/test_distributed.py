@@ -26,7 +26,7 @@ import train
 from machinery.checkpoint import load_checkpoint
 from conftest import REPO, make_text, run_script, tiny_model
 from machinery.distributed import Dist
-from fault_injection import tiny_args
+from fault_injection import AS_A_SCRIPT, tiny_args
 from machinery.runtime import mfu, peak_flops
 
 # Tiny preset, 2 micro-batches per step so that no_sync (local accumulation) is exercised.
@@ -125,7 +125,7 @@ def test_resume_with_another_world_size_runs_and_warns(ddp_runs, tiny_cfg, tmp_p
 
 
 # ----------------------------------------------------------------------------- failures under DDP
-FAULTS = str(REPO / "tests" / "fault_injection.py")
+FAULTS = AS_A_SCRIPT
 
 
 def launch_ranks(tmp_path: Path, *args: str, world_size: int = 2,
@@ -162,7 +162,7 @@ def test_a_failed_checkpoint_write_on_rank_0_stops_every_rank_with_74(tmp_path, 
     # Saves at steps 2 and 4; from step 4 on rank 0's disk is full. Without the ranks comparing the
     # outcome of the save, rank 1 goes on to step 5's all-reduce and waits there for rank 0.
     out = tmp_path / "out"
-    ranks = launch_ranks(tmp_path, FAULTS, "--disk-full-from-step", "4", "--",
+    ranks = launch_ranks(tmp_path, *FAULTS, "--disk-full-from-step", "4", "--",
                          *tiny_args(out, text_file, max_iters=6, eval_interval=2))
     assert [r.returncode for r in ranks] == [74, 74]
     assert re.fullmatch(r"error: could not write \S+ \(No space left on device\); the previous (best|last)\.pt "
@@ -181,7 +181,7 @@ def test_an_error_every_rank_has_is_printed_once_by_rank_0(tmp_path, text_file, 
 
 
 def test_an_error_only_one_rank_has_is_printed_by_that_rank(tmp_path, text_file):
-    ranks = launch_ranks(tmp_path, FAULTS, "--corpus-unreadable-on-rank", "1", "--",
+    ranks = launch_ranks(tmp_path, *FAULTS, "--corpus-unreadable-on-rank", "1", "--",
                          *tiny_args(tmp_path / "out", text_file))
     assert [r.returncode for r in ranks] == [2, 2]
     assert ranks[0].stderr == ""  # rank 0 is fine: it stops silently, as rank 1 failed
@@ -191,7 +191,7 @@ def test_an_error_only_one_rank_has_is_printed_by_that_rank(tmp_path, text_file)
 
 def test_every_rank_trains_in_the_precision_rank_0_chose(tmp_path, text_file):
     # The dtype=auto probe favours bf16 on rank 1 only: rank 0 picks fp32, and so must rank 1.
-    ranks = launch_ranks(tmp_path, FAULTS, "--bf16-fast-on-rank", "1", "--precisions-to", str(tmp_path), "--",
+    ranks = launch_ranks(tmp_path, *FAULTS, "--bf16-fast-on-rank", "1", "--precisions-to", str(tmp_path), "--",
                          *tiny_args(tmp_path / "out", text_file, dtype="auto", max_iters=1, eval_interval=1))
     assert [r.returncode for r in ranks] == [0, 0], [r.stderr for r in ranks]
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [["float32"]] * 2
@@ -215,7 +215,7 @@ def test_a_busy_out_dir_stops_every_rank_before_anything_is_written(tmp_path, te
 def test_a_rank_killed_mid_step_leaves_one_line_on_the_survivor(tmp_path, text_file):
     # Old code: rank 0 prints gloo's "Connection reset/closed by peer" RuntimeError traceback, exit 1.
     out = tmp_path / "out"
-    ranks = launch_ranks(tmp_path, FAULTS, "--signal", "SIGKILL", "--signal-rank", "1", "--at-call", "3", "--",
+    ranks = launch_ranks(tmp_path, *FAULTS, "--signal", "SIGKILL", "--signal-rank", "1", "--at-call", "3", "--",
                          *tiny_args(out, text_file, eval_interval=2))
     assert [r.returncode for r in ranks] == [75, -9]
     assert re.fullmatch(r"error: another rank died without a word \(killed or crashed; gloo: Connection (closed|reset) "

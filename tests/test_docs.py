@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 import config
-from conftest import REPO, load_entry_point
+from conftest import REPO, TOOLS, entry_point
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-ENTRY = re.compile(r"^(train|sample|data)\.py$|^scripts/\w+\.py$")
+ENTRY = re.compile(r"^(train|sample|data)\.py$")  # the core's entry points, run as files: python train.py
+TOOL = re.compile(r"^(scripts|dev)\.[a-z_]\w*$")  # the tools, as modules from the repo root: python -m scripts.eval
+# (lowercase, as module names are: `python -m scripts.NAME` in prose is a placeholder, not a command)
+AS_A_FILE = re.compile(r"^(scripts|dev)/\w+\.py$")  # a tool run as a file: it would not find the repo's modules
 
 
 class Parsed(Exception):
@@ -31,7 +34,7 @@ def code_fragments(text: str) -> list[str]:
 
 
 def commands(page: Path) -> list[tuple[str, list[str]]]:
-    """(script, argv) of every `python SCRIPT ...` or `torchrun ... SCRIPT ...` written on the page."""
+    """(script, argv) of every `python SCRIPT ...`, `python -m TOOL ...` or `torchrun ... SCRIPT ...` on the page."""
     text = page.read_text()
     variables = dict(re.findall(r'\b([A-Z][A-Z0-9_]+)="([^"]*)"', text))  # e.g. ADAMW="--optimizer adamw"
     found = []
@@ -39,11 +42,11 @@ def commands(page: Path) -> list[tuple[str, list[str]]]:
         for name, value in variables.items():
             fragment = fragment.replace(f"${name}", value)
         for part in re.split(r"&&|;", fragment):
-            if not re.search(r"\b(python|torchrun)\s.*(\.py)\b", part):
+            if not re.search(r"\b(python|torchrun)\s.*(\.py\b|-m (scripts|dev)\.)", part):
                 continue  # prose in backticks, a log line, an error message
             words = shlex.split(part.replace("\\|", "|"), comments=True)  # a broken quote fails here, loudly
-            starts = [i for i, w in enumerate(words) if ENTRY.match(w) and i > 0
-                      and (words[i - 1] == "python" or words[0] == "torchrun")]
+            starts = [i for i, w in enumerate(words) if any(kind.match(w) for kind in (ENTRY, TOOL, AS_A_FILE))
+                      and i > 0 and (words[i - 1] in ("python", "-m") or words[0] == "torchrun")]
             if starts:
                 found.append((words[starts[0]], words[starts[0] + 1:]))
     return found
@@ -51,7 +54,7 @@ def commands(page: Path) -> list[tuple[str, list[str]]]:
 
 def dry_parse(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Parse argv as the script would, then stop; raises SystemExit(2) on a flag it does not know."""
-    if script in ("train.py", "scripts/doctor.py"):  # both read the training config's command line
+    if script in ("train.py", "scripts.doctor"):  # both read the training config's command line
         config.parse_args(argv)
         return
     original = config.CommandLine.parse_args
@@ -62,7 +65,7 @@ def dry_parse(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(config.CommandLine, "parse_args", parse_then_stop)
     with pytest.raises(Parsed):
-        load_entry_point(script).main(argv)
+        entry_point(script).main(argv)
 
 
 ALL_COMMANDS = [(page, script, argv) for page in PAGES for script, argv in commands(page)]
@@ -70,12 +73,15 @@ ALL_COMMANDS = [(page, script, argv) for page in PAGES for script, argv in comma
 
 def test_the_pages_print_commands_for_every_entry_point():
     scripts = {script for _, script, _ in ALL_COMMANDS}
-    assert {"train.py", "sample.py", "data.py", "scripts/doctor.py", "scripts/bench.py"} <= scripts
+    assert {"train.py", "sample.py", "data.py", "scripts.doctor", "scripts.bench"} <= scripts
 
 
 @pytest.mark.parametrize("page, script, argv", ALL_COMMANDS,
                          ids=[f"{p.name}:{s}:{' '.join(a)[:60]}" for p, s, a in ALL_COMMANDS])
 def test_every_printed_command_parses(page, script, argv, monkeypatch, capsys):
+    module = script.removesuffix(".py").replace("/", ".")
+    assert not AS_A_FILE.match(script), (f"{page.name}: `python {script}` finds neither config/ nor machinery/ "
+                                         f"(or, installed, another checkout's): write `python -m {module}`")
     try:
         dry_parse(script, argv, monkeypatch)
     except SystemExit as stop:  # --help exits 0; anything else is a flag the code no longer has
@@ -101,14 +107,13 @@ def test_the_readme_fits_in_one_sitting():
 
 
 # ----------------------------------------------------------------------------- --help
-HELP_ENTRY_POINTS = ["train.py", "sample.py", "data.py"] + [f"scripts/{p.name}"
-                                                         for p in sorted((REPO / "scripts").glob("*.py"))]
+HELP_ENTRY_POINTS = ["train.py", "sample.py", "data.py", *TOOLS]
 
 
 def help_of(script: str, argv: tuple[str, ...], capsys) -> str:
-    """What `python SCRIPT ARGV --help` prints (argparse exits 0 after it)."""
+    """What `python SCRIPT ARGV --help` (or `python -m TOOL ARGV --help`) prints (argparse exits 0 after it)."""
     with pytest.raises(SystemExit) as stopped:
-        load_entry_point(script).main([*argv, "--help"])
+        entry_point(script).main([*argv, "--help"])
     assert stopped.value.code == 0
     return capsys.readouterr().out
 
@@ -147,8 +152,8 @@ def test_help_with_a_preset_shows_the_presets_values_as_the_defaults(capsys):
 
 
 def test_the_doctors_help_describes_the_doctor(capsys):
-    text = help_of("scripts/doctor.py", ("--config", "tiny"), capsys)
-    doctor = load_entry_point("scripts/doctor.py").__doc__.split("\n")[0]
+    text = help_of("scripts.doctor", ("--config", "tiny"), capsys)
+    doctor = entry_point("scripts.doctor").__doc__.split("\n")[0]
     assert doctor in " ".join(text.split()) and "Train a tiny GPT" not in text
 
 

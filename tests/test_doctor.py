@@ -69,7 +69,7 @@ def test_a_config_mistake_exits_2():
 
 
 def test_the_script_runs_from_the_command_line():
-    result = run_script("scripts/doctor.py", "--help")
+    result = run_script("-m", "scripts.doctor", "--help")
     assert "--block_size" in result.stdout  # the same flags as train.py, from config.parse_args
 
 
@@ -97,8 +97,8 @@ def test_docs_document_every_check():
     section = (REPO / "docs" / "doctor.md").read_text()
     documented = [line.split("`")[1] for line in section.splitlines() if line.startswith("| `")]
     assert documented == CHECK_NAMES
-    command = next(line for line in section.splitlines() if line.startswith("python scripts/doctor.py"))
-    parse_args(command.split()[2:])  # the page's flags are real ones
+    command = next(line for line in section.splitlines() if line.startswith("python -m scripts.doctor"))
+    parse_args(command.split()[3:])  # the page's flags are real ones (after `python -m scripts.doctor`)
 
 
 def test_window_starts_finds_every_occurrence():

@@ -6,6 +6,7 @@ needs GPT-2's ranks from PyPI. The repo's task (evals/tinygpt_cloze.yaml) runs w
 """
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -13,16 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("lm_eval")
+from machinery import hf
+import train
+from conftest import make_text, tiny_model
+from machinery.tokenizers import BPETokenizer
+
+Instance = pytest.importorskip("lm_eval.api.instance").Instance
 pytest.importorskip("accelerate")  # lm_eval's hf backend, the reference
-
-from machinery import hf  # noqa: E402
-import train  # noqa: E402
-from conftest import load_entry_point, make_text, tiny_model  # noqa: E402
-from machinery.tokenizers import BPETokenizer  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
-
-harness = load_entry_point("scripts/harness.py")
+harness = importlib.import_module("scripts.harness")  # it imports lm_eval: only once it is known to be there
 MERGES = [b"th", b"he", b"in", b"er", b"an", b"ou", b"or", b"on", b"the", b" the", b" m", b"ll"]
 PARITY_TOL = 1e-4  # summed log-probabilities, fp32 on both sides; seen: 0.0 (CPU, one thread)
 LONG = ("Now is the winter of our discontent made glorious summer by this sun of York; " * 3).strip()
@@ -229,8 +228,9 @@ def test_a_task_needing_the_unreachable_hub_fails_at_once_in_one_line(monkeypatc
 
 def test_without_lm_eval_the_script_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    monkeypatch.delitem(sys.modules, "scripts.harness")  # imported afresh, as `python -m scripts.harness` starts
     with pytest.raises(SystemExit) as exit_:
-        load_entry_point("scripts/harness.py")
+        importlib.import_module("scripts.harness")
     assert exit_.value.code == 2
     message = "error: lm-evaluation-harness is not installed: pip install lm_eval==0.4.13"
     assert capsys.readouterr().err.strip() == message

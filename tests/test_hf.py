@@ -17,19 +17,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
+from machinery import hf
+import sample
+import train
+from machinery.checkpoint import load_checkpoint
+from config import ConfigError, as_dict, make_config, parse_args, resume_changes
+from conftest import COUNT_CONNECTIONS, REPO, make_text, run_script, tiny_model
+from data import CharTokenizer, load_corpus, val_windows
+from machinery.corpora import prepare
+from model import GPT
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from machinery import hf  # noqa: E402
-import sample  # noqa: E402
-import train  # noqa: E402
-from machinery.checkpoint import load_checkpoint  # noqa: E402
-from config import ConfigError, as_dict, make_config, parse_args, resume_changes  # noqa: E402
-from conftest import COUNT_CONNECTIONS, REPO, make_text, run_script, tiny_model  # noqa: E402
-from data import CharTokenizer, load_corpus, val_windows  # noqa: E402
-from machinery.corpora import prepare  # noqa: E402
-from model import GPT  # noqa: E402
 
 LOAD_COMPLAINTS = ("missing", "unexpected", "newly initialized", "not used", "not initialized")
 
@@ -363,10 +363,10 @@ def test_export_then_import_is_the_identity_and_sample_reads_it(tmp_path, capsys
 def test_export_script_writes_a_run_for_transformers(tmp_path, tiny_cfg):
     cfg = tiny_cfg(max_iters=2, eval_interval=2)
     train.train(cfg)
-    run_script("scripts/export_hf.py", cfg.out_dir, str(tmp_path / "export"))
+    run_script("-m", "scripts.export_hf", cfg.out_dir, str(tmp_path / "export"))
     names = sorted(p.name for p in (tmp_path / "export").iterdir())
     assert names == ["config.json", "model.safetensors", hf.CHARS_FILE, "tokenizer.json", "tokenizer_config.json"]
-    bad = run_script("scripts/export_hf.py", str(tmp_path / "nowhere"), str(tmp_path / "x"), check=False)
+    bad = run_script("-m", "scripts.export_hf", str(tmp_path / "nowhere"), str(tmp_path / "x"), check=False)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and not (tmp_path / "x").exists()
 
 
@@ -437,7 +437,7 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
                       dtype="float32", max_iters=2, eval_interval=2, eval_tokens=512, batch_size=2, block_size=64)
     assert cfg.init_from == "gpt2" and cfg.learning_rate <= 1e-4
     train.train(cfg)
-    run_script("scripts/export_hf.py", cfg.out_dir, str(tmp / "export"))
+    run_script("-m", "scripts.export_hf", cfg.out_dir, str(tmp / "export"))
     model, tokenizer = sample.load_model(tmp / "run" / "best.pt", torch.device("cpu"))
     assert isinstance(tokenizer, GPT2Tokenizer) and model.config.activation == "gelu_tanh"
     theirs, complaints = from_pretrained(tmp / "export")

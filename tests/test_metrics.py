@@ -59,7 +59,7 @@ def test_eval_script_reproduces_the_logged_best_val_loss_exactly(tmp_path, text_
         assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2), rel=1e-9)
     assert best["last_eval"]["val_loss"] == best["best_val_loss"] == min(r["val_loss"] for r in vals)
 
-    report = json.loads(run_script("scripts/eval.py", "--ckpt", str(out), "--json").stdout)
+    report = json.loads(run_script("-m", "scripts.eval", "--ckpt", str(out), "--json").stdout)
     assert report["val_loss"] == best["best_val_loss"]  # exactly: the same windows, batches and code
     assert report["val_bpb"] == best["last_eval"]["val_bpb"]
     (meta,) = [json.loads(p.read_text()) for p in (tmp_path / "data").glob("*/meta.json")]

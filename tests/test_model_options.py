@@ -27,7 +27,7 @@ import train
 from machinery.checkpoint import load_checkpoint, save_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
                     make_config, model_config, parse_args, validate)
-from conftest import REPO, docs_snippet, load_entry_point, make_text
+from conftest import REPO, docs_snippet, make_text
 from fault_injection import run_main, tiny_args
 from model import GPT, GPTConfig
 
@@ -258,7 +258,7 @@ def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(mo
 def test_an_export_refusal_is_one_line_and_writes_nothing(tmp_path, corpus_file, monkeypatch, capsys):
     assert run_main(run_args(tmp_path / "run", corpus_file, activation="gelu_tanh")) == 0
     monkeypatch.setitem(hf.GPT2_OPTIONS, "activation", ("gelu",))
-    export_hf = load_entry_point("scripts/export_hf.py")
+    from scripts import export_hf
     with pytest.raises(SystemExit) as stopped:
         export_hf.main([str(tmp_path / "run"), str(tmp_path / "hf")])
     err = capsys.readouterr().err.strip()

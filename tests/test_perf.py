@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,13 +13,9 @@ import torch.nn.functional as F
 
 from machinery import runtime
 import train
-from conftest import REPO, run_script
+from conftest import run_script
 from model import GPTConfig, attention, visible_keys
-
-sys.path.insert(0, str(REPO / "scripts"))
-import bench  # noqa: E402
-import plot  # noqa: E402
-
+from scripts import bench, plot
 
 
 def test_bench_step_is_train_step(tiny_cfg):
@@ -38,7 +33,7 @@ def test_bench_step_is_train_step(tiny_cfg):
 def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
     cfg = tiny_cfg()
     out = tmp_path / "bench.json"
-    run_script("scripts/bench.py", "--config", "tiny", f"data_path={cfg.data_path}", f"data_dir={cfg.data_dir}",
+    run_script("-m", "scripts.bench", "--config", "tiny", f"data_path={cfg.data_path}", f"data_dir={cfg.data_dir}",
                "device=cpu", "dtype=float32", "--vs", "dtype=bfloat16", "--steps", "4", "--warmup", "1",
                "--rounds", "2", "--threads", "1", "--json", str(out))
     a, b = json.loads(out.read_text())["results"]
@@ -50,14 +45,14 @@ def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
         # phase's median lies within the slowest step, and ms/step is the median of the per-step times.
         assert result["ms_per_step"] == statistics.median(result["step_ms"]) and len(result["step_ms"]) == 4
         assert all(0 < ms <= max(result["step_ms"]) for ms in result["phases_ms"].values())
-    failed = run_script("scripts/bench.py", "--config", "tiny", f"data_path={cfg.data_path}",
+    failed = run_script("-m", "scripts.bench", "--config", "tiny", f"data_path={cfg.data_path}",
                         f"data_dir={cfg.data_dir}", "device=cpu", "--vs", "batch_size=4", "--steps", "2",
                         "--warmup", "0", "--threads", "1", "--min-ratio", "1000", check=False)
     assert failed.returncode == 1 and "below --min-ratio" in failed.stderr
 
 
 def test_bench_rejects_malformed_override(tmp_path):
-    result = run_script("scripts/bench.py", "--config", "tiny", "dtype", check=False)
+    result = run_script("-m", "scripts.bench", "--config", "tiny", "dtype", check=False)
     assert result.returncode != 0 and "KEY=VALUE" in result.stderr
 
 
@@ -133,7 +128,7 @@ def test_vs_nanogpt_prints_both_medians_the_ratio_and_train_vs_bench(tmp_path):
     ratio is 1000 / our median, which proves the ratio is theirs over ours and not the inverse."""
     (tmp_path / "train.py").write_text(FAKE_NANOGPT)
     (tmp_path / "model.py").write_text("")
-    done = run_script("scripts/vs_nanogpt.py", "--nanogpt", str(tmp_path), "--rounds", "1", "--steps", "8",
+    done = run_script("-m", "dev.vs_nanogpt", "--nanogpt", str(tmp_path), "--rounds", "1", "--steps", "8",
                       "--skip", "2", "--bench")
     medians = {name: float(ms) for name, ms in re.findall(r"^(.+?)\s+median\s+([\d.]+) ms/step", done.stdout, re.M)}
     assert set(medians) == {"nanoGPT train.py", "tinygpt train.py", "tinygpt bench.py"}
@@ -151,7 +146,7 @@ def test_train_bench_the_doctor_and_eval_get_one_runtime_from_choose_runtime(tin
     bench.py, the doctor and eval.py: each Runtime it hands out is recorded, and all must be equal. The
     compile decision is forced both ways (the compiler itself stubbed: nothing compiles on this CPU)."""
     from scripts import doctor
-    evaluate = __import__("conftest").load_entry_point("scripts/eval.py")
+    from scripts import eval as evaluate
     made, real_runtime = [], runtime.Runtime
     monkeypatch.setattr(runtime, "Runtime", lambda *fields: made.append(real_runtime(*fields)) or made[-1])
     monkeypatch.setattr(runtime, "want_compile", lambda setting, device: compile_wanted)
@@ -174,8 +169,7 @@ def test_train_bench_the_doctor_and_compare_choose_one_precision_for_one_config(
     """dtype=auto is decided by runtime.run_dtype everywhere: before, the doctor timed its probe matmul at
     a default shape and bench.py re-typed train.py's, so "the exact config you train with" could be checked
     in another precision. Each entry point's probe is recorded; all must be train.py's."""
-    from scripts import doctor
-    compare = __import__("conftest").load_entry_point("scripts/compare.py")
+    from scripts import compare, doctor
     probes = []
     real = runtime.pick_dtype
     monkeypatch.setattr(runtime, "pick_dtype", lambda *args: probes.append(args) or real("float32", *args[1:]))

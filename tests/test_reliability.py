@@ -21,8 +21,8 @@ from conftest import REPO
 from machinery import optim
 from machinery.optim import OPTIMIZERS
 from machinery.checkpoint import OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint, save_checkpoint
-from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, capture_run, metrics,
-                             on_training_forward, poison_loss, run_main, signal_at, tiny_args)
+from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, capture_run,
+                             metrics, on_training_forward, poison_loss, run_main, signal_at, tiny_args)
 
 
 
@@ -312,7 +312,7 @@ def test_a_second_signal_during_shutdown_keeps_the_exit_code(tmp_path, text_file
     # still see 143/130, not a death by the signal (-15/-2) that it would take for a crash.
     out, lingering = tmp_path / "out", tmp_path / "second signal sent"
     name = signal.Signals(signum).name
-    child = subprocess.Popen([sys.executable, str(REPO / "tests" / "fault_injection.py"), "--signal", name,
+    child = subprocess.Popen([sys.executable, *AS_A_SCRIPT, "--signal", name,
                               "--at-call", "3", "--linger-until", str(lingering), "--",
                               *tiny_args(out, text_file, max_iters=10, eval_interval=100)],
                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -33,8 +33,8 @@ from config import make_config
 from data import LOADERS
 from conftest import (REPO, final_weights, make_optimizer, make_text, read_metrics, run_script, same_weights,
                       tiny_model, train_args)
-from fault_injection import (assert_nested_equal, assert_same_training_state, call_of, metrics, run_for, run_main,
-                             signal_at, step_clock, tiny_args)
+from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, metrics, run_for,
+                             run_main, signal_at, step_clock, tiny_args)
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -251,10 +251,9 @@ def test_killed_and_resumed_twice_in_fresh_processes_equals_straight_run(tmp_pat
     a_dir, b_dir = tmp_path / "A", tmp_path / "BCD"
     assert run_main(tiny_args(a_dir, text_file, **common)) == 0  # A: 20 steps straight (the reference)
     # B, C and D each run in a fresh interpreter, so nothing but the checkpoint carries over.
-    driver = str(REPO / "tests" / "fault_injection.py")
     # B: SIGTERM during step 7 (its 2nd micro-batch); C: resumed, SIGTERM during step 13 (its 6th step).
     for at_call, resume, expected_step in ((call_of(7, 2, 2), "false", 7), (call_of(6, 1, 2), "true", 13)):
-        result = run_script(driver, "--signal", "SIGTERM", "--at-call", str(at_call), "--",
+        result = run_script(*AS_A_SCRIPT, "--signal", "SIGTERM", "--at-call", str(at_call), "--",
                             *tiny_args(b_dir, text_file, resume=resume, **common), check=False)
         assert result.returncode == 143, result.stderr
         assert load_checkpoint(b_dir / "last.pt")["step"] == expected_step

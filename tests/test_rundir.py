@@ -17,10 +17,10 @@ import train
 from machinery.checkpoint import load_checkpoint
 from conftest import REPO
 from machinery.corpora import prepare
-from fault_injection import metrics, run_main, tiny_args
+from fault_injection import AS_A_SCRIPT, metrics, run_main, tiny_args
 from machinery.rundir import PathError
 
-FAULTS = str(REPO / "tests" / "fault_injection.py")
+FAULTS = AS_A_SCRIPT
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
@@ -37,7 +37,7 @@ def one_line_error(err: str) -> str:
 def start_owner(out: Path, args: list[str], ready: Path, log: Path) -> subprocess.Popen:
     """A real run in its own process, held inside step 3 until killed."""
     with open(log, "w") as stderr:  # a file, not a pipe: a full pipe would block the owner
-        owner = subprocess.Popen([sys.executable, FAULTS, "--hang-at-call", "3", "--ready", str(ready), "--", *args],
+        owner = subprocess.Popen([sys.executable, *FAULTS, "--hang-at-call", "3", "--ready", str(ready), "--", *args],
                                  cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.time() + 120
     while not ready.exists():

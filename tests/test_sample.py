@@ -2,7 +2,6 @@
 and the command line. All fp32 on CPU, tiny models, a few seconds in all."""
 from __future__ import annotations
 
-import importlib.util
 import io
 import math
 import subprocess
@@ -17,6 +16,7 @@ from machinery.checkpoint import FORMAT_VERSION, save_checkpoint
 from config import as_dict, make_config, model_config
 from conftest import REPO, make_text, run_script, tiny_model
 from data import CharTokenizer
+from dev import bench_sample
 from model import GPT, GPTConfig, attention, visible_keys
 import sample as sample_module
 from sample import (Continuations, NextTokenLogits, TextStream, filter_logits, generate, main, next_token_probs,
@@ -542,15 +542,8 @@ def test_interactive_says_what_a_prompt_lacks_and_asks_again(ckpt, monkeypatch, 
 
 
 # ----------------------------------------------------------------------------- the benchmark
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_sample", REPO / "scripts" / "bench_sample.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_bench_fails_when_cached_text_differs(monkeypatch, capsys):
-    bench = load_bench()
+    bench = bench_sample
     small = ["--block-size", "8", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--tokens", "20",
              "--repeats", "1", "--min-speedup", "0", "--threads", "0"]  # 0: leave torch alone
     bench.main(small)  # same text, no speed-up demanded: passes
@@ -567,7 +560,7 @@ def test_bench_fails_when_cached_text_differs(monkeypatch, capsys):
 
 def test_bench_mean_window_follows_the_window_policy():
     # block 4, keep 2: windows 1, 2, 3, 4, then a restart at the last 2 tokens: 2, 3
-    assert load_bench().mean_window(block_size=4, prompt_tokens=1, new_tokens=6) == (1 + 2 + 3 + 4 + 2 + 3) / 6
+    assert bench_sample.mean_window(block_size=4, prompt_tokens=1, new_tokens=6) == (1 + 2 + 3 + 4 + 2 + 3) / 6
 
 
 @pytest.mark.parametrize("seconds, code", [
@@ -577,7 +570,7 @@ def test_bench_mean_window_follows_the_window_policy():
 ])
 def test_bench_goal_is_a_share_of_what_the_context_makes_possible(ckpt, monkeypatch, capsys, seconds, code):
     """The goal was a flat 5x, so `small` (block 64, 2.3x) failed; now it follows the measured possible gain."""
-    bench = load_bench()
+    bench = bench_sample
     monkeypatch.setattr(bench, "time_generate",
                         lambda model, prompt, tokens, use_cache: (seconds["KV cache" if use_cache else "no cache"],
                                                                   torch.zeros(1, tokens + 1)))

@@ -12,7 +12,7 @@ import torch
 
 import sample
 from config import ConfigError, parse_args
-from conftest import load_entry_point, make_text, run_script
+from conftest import make_text, run_script
 from data import CharTokenizer, DataError, tokenizer_from_meta
 from fault_injection import run_main, tiny_args
 from machinery import hf
@@ -125,7 +125,7 @@ def test_eval_refuses_a_val_split_made_by_another_tokenizer_than_the_checkpoints
     """Never a silently different tokenizer: the run's cached corpus now says other ids mean other text."""
     out = tmp_path / "run"
     assert run_main(tiny_args(out, text_file, tokenizer="bpe", bpe_vocab_size=VOCAB, max_iters=2, eval_interval=2)) == 0
-    evaluate = load_entry_point("scripts/eval.py")
+    from scripts import eval as evaluate
     evaluate.main(["--ckpt", str(out)])  # the same tokenizer: scored
     meta_file = prepared(text_file, text_file.parent / "data") / "meta.json"
     meta = json.loads(meta_file.read_text())
@@ -186,7 +186,7 @@ def test_an_exported_bpe_reimports_with_its_own_tokenizer(tmp_path):
 
 
 def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_path, text_file):
-    done = run_script("scripts/tokenizer.py", "--data_path", str(text_file), "--data_dir", str(tmp_path / "d"),
+    done = run_script("-m", "scripts.tokenizer", "--data_path", str(text_file), "--data_dir", str(tmp_path / "d"),
                       "--bpe_vocab_size", "300", str(VOCAB), "--no-gpt2")
     rows = {line.split("|")[1].strip(): line.split("|") for line in done.stdout.splitlines() if line.startswith("| ")}
     assert list(rows) == ["tokenizer", "char", "bpe 300", f"bpe {VOCAB}"]
@@ -199,7 +199,7 @@ def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_
 
 def test_the_trainer_comparison_times_both_libraries_and_each_repeats_its_merges(tmp_path, text_file):
     pytest.importorskip("tokenizers")
-    done = run_script("scripts/tokenizer.py", "--compare-trainers", "--data_path", str(text_file), "--data_dir",
+    done = run_script("-m", "scripts.tokenizer", "--compare-trainers", "--data_path", str(text_file), "--data_dir",
                       str(tmp_path / "d"), "--bpe_vocab_size", "300")
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "trainer" not in line]
     assert [(r[0].strip(), r[1].strip(), r[3].strip()) for r in rows] == [("rustbpe", "300", "True"),
@@ -207,5 +207,6 @@ def test_the_trainer_comparison_times_both_libraries_and_each_repeats_its_merges
 
 
 def test_the_tokenizer_script_is_an_entry_point_with_help():
-    assert "bpe_vocab_size" in run_script("scripts/tokenizer.py", "--help").stdout
-    assert callable(load_entry_point("scripts/tokenizer.py").main)
+    assert "bpe_vocab_size" in run_script("-m", "scripts.tokenizer", "--help").stdout
+    from scripts import tokenizer
+    assert callable(tokenizer.main)

@@ -21,7 +21,7 @@ from conftest import COUNT_CONNECTIONS, REPO
 from fault_injection import run_main, tiny_args
 
 wandb = pytest.importorskip("wandb")
-from wandb.proto import wandb_internal_pb2  # noqa: E402
+wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
 
 # ----------------------------------------------------------------------------- reading an offline run

@@ -360,9 +360,8 @@ from pathlib import Path
 import torch
 import train
 from machinery.checkpoint import load_checkpoint
-sys.path.insert(0, "scripts")
-import compare
 from machinery.faults import StopOnSignal
+from scripts import compare
 
 corpus, out = sys.argv[1], Path(sys.argv[2])
 common = ["--config", "tiny", "--data_path", corpus, "--data_dir", str(out / "data"), "--device", "cpu",
@@ -432,8 +431,7 @@ import torch
 import train
 from config import make_config, unused_given
 from machinery.checkpoint import load_checkpoint
-sys.path.insert(0, "tests")
-from fault_injection import assert_same_training_state
+from tests.fault_injection import assert_same_training_state
 
 corpus, out = sys.argv[1], Path(sys.argv[2])
 common = ["--config", "tiny", "--data_path", corpus, "--data_dir", str(out / "data"), "--device", "cpu",

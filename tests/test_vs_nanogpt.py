@@ -1,16 +1,16 @@
-"""scripts/vs_nanogpt.py reads both logs right: ours as train.py prints it today, nanoGPT's as its
+"""dev/vs_nanogpt.py reads both logs right: ours as train.py prints it today, nanoGPT's as its
 train.py prints it (that script is not in this repo, so its line format is pinned here)."""
 from __future__ import annotations
 
 import pytest
 
-from conftest import load_entry_point
+from dev import vs_nanogpt
 from fault_injection import run_main, tiny_args
 
 
 @pytest.fixture(scope="module")
 def vs():
-    return load_entry_point("scripts/vs_nanogpt.py")
+    return vs_nanogpt
 
 
 def test_our_step_times_are_read_from_train_py_log(vs, tmp_path, text_file, capsys):

@@ -1,9 +1,9 @@
 """Throughput of corpora.prepare on the same documents as a .jsonl and as a .parquet: MB/s and documents/s.
 
-    python scripts/bench_prepare.py --mb 2                      # a quick check that it runs
-    python scripts/bench_prepare.py --mb 32 --repeats 3         # the measurement, char tokenizer
-    python scripts/bench_prepare.py --mb 32 --tokenizer gpt2    # GPT-2 BPE
-    python scripts/bench_prepare.py --one-txt --mb 1000 --synthetic   # one 1 GB .txt: time and peak memory
+    python -m dev.bench_prepare --mb 2                          # a quick check that it runs
+    python -m dev.bench_prepare --mb 32 --repeats 3             # the measurement, char tokenizer
+    python -m dev.bench_prepare --mb 32 --tokenizer gpt2        # GPT-2 BPE
+    python -m dev.bench_prepare --one-txt --mb 1000 --synthetic       # one 1 GB .txt: time and peak memory
 
 --one-txt prepares a single text file of --mb megabytes instead, in a fresh process, and reports its time
 and peak resident memory (getrusage's ru_maxrss): a text file is tokenized a piece at a time, so the peak
@@ -32,12 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from config import CommandLine, choices, field_help  # noqa: E402
-from data import DataError  # noqa: E402
-from machinery.corpora import import_pyarrow, prepare, shakespeare_text  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
+from config import CommandLine, choices, field_help
+from data import DataError
+from machinery.corpora import import_pyarrow, prepare, shakespeare_text
+from machinery.runtime import fail
 
 FORMATS = (".jsonl", ".parquet")
 ROW_GROUP_ROWS = 1000  # many row groups per file, as in sharded web corpora, so reading crosses them
@@ -125,11 +123,10 @@ def print_table(times: dict[str, list[float]], total_bytes: int, n_docs: int) ->
 
 PREPARE_AND_MEASURE = """
 import json, resource, sys, time
-sys.path.insert(0, sys.argv[1])
 import data
-from machinery import corpora  # noqa: E402
+from machinery import corpora
 start = time.perf_counter()
-folder = corpora.prepare(data_path=sys.argv[2], data_dir=sys.argv[3], tokenizer=sys.argv[4])
+folder = corpora.prepare(data_path=sys.argv[1], data_dir=sys.argv[2], tokenizer=sys.argv[3])
 seconds = time.perf_counter() - start
 meta = json.loads((folder / "meta.json").read_text())
 print(json.dumps({"seconds": seconds, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
@@ -149,9 +146,9 @@ def one_text_file(paragraphs: list[str], total_bytes: int, tmp: Path, tokenizer:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; python "
           f"{platform.python_version()}; one .txt of {path.stat().st_size / 1e6:,.0f} MB, tokenizer {tokenizer}; "
           f"loadavg {os.getloadavg()[0]:.2f}", flush=True)
-    repo = str(Path(__file__).resolve().parent.parent)
-    out = subprocess.run([sys.executable, "-c", PREPARE_AND_MEASURE, repo, str(path), str(tmp / "data"), tokenizer],
-                         capture_output=True, text=True)
+    repo = Path(__file__).resolve().parent.parent  # `python -c` imports from its working folder: this checkout
+    out = subprocess.run([sys.executable, "-c", PREPARE_AND_MEASURE, str(path.resolve()), str((tmp / "data").resolve()),
+                          tokenizer], cwd=repo, capture_output=True, text=True)
     if out.returncode:
         fail(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"prepare exited {out.returncode}")
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,9 +1,9 @@
 """Tokens per second of sample.py's generator with and without the KV cache, and a check that both
 give the same greedy text.
 
-    python scripts/bench_sample.py                  # block_size 256, 1000 new tokens, CPU, fp32
-    python scripts/bench_sample.py --block-size 64  # the speed-up at another context length
-    python scripts/bench_sample.py --ckpt out/small # a trained checkpoint (file or run folder) instead
+    python -m dev.bench_sample                      # block_size 256, 1000 new tokens, CPU, fp32
+    python -m dev.bench_sample --block-size 64      # the speed-up at another context length
+    python -m dev.bench_sample --ckpt out/small     # a trained checkpoint (file or run folder) instead
 
 The default model is the width and depth of the `small` preset of before (n_layer 4, n_head 4, n_embd 128, char vocab 65)
 with block_size 256, randomly initialised: speed does not depend on the weights. Each path runs once
@@ -26,19 +26,16 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from machinery.checkpoint import CheckpointError  # noqa: E402
-from config import CommandLine, ConfigError, field_help, make_config, model_config  # noqa: E402
-from data import DataError  # noqa: E402
-from model import GPT  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
-from sample import find_checkpoint, generate, load_model, window_start  # noqa: E402
+from machinery.checkpoint import CheckpointError
+from config import CommandLine, ConfigError, field_help, make_config, model_config
+from data import DataError
+from model import GPT
+from machinery.runtime import fail
+from sample import find_checkpoint, generate, load_model, window_start
 
 SHARE_OF_POSSIBLE = 0.25  # of the possible gain, the default goal; a working cache got 0.5-0.75 (docs/sampling.md)
 MIN_POSSIBLE = 1.5  # below this possible speed-up the cache cannot matter, and the speed is not judged

@@ -1,7 +1,7 @@
 """tinygpt's train.py side by side with nanoGPT's own train.py, at nanoGPT's README CPU recipe.
 
-    python scripts/vs_nanogpt.py --nanogpt ~/src/nanoGPT                 # 3 alternating rounds of 300 steps
-    python scripts/vs_nanogpt.py --nanogpt ~/src/nanoGPT --min-ratio 2   # a check: exit 1 below 2x
+    python -m dev.vs_nanogpt --nanogpt ~/src/nanoGPT                     # 3 alternating rounds of 300 steps
+    python -m dev.vs_nanogpt --nanogpt ~/src/nanoGPT --min-ratio 2       # a check: exit 1 below 2x
 
 nanoGPT is not part of this repo: pass a checkout of github.com/karpathy/nanoGPT. Its train.py runs
 unchanged with the flags of its README's CPU command (4 layers, 4 heads, width 128, block 64, batch
@@ -30,13 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from config import CommandLine
+from data import DataError, load_corpus
+from machinery.corpora import prepare
+from machinery.runtime import fail
 
-from config import CommandLine  # noqa: E402
-from data import DataError, load_corpus  # noqa: E402
-from machinery.corpora import prepare  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 NANOGPT_DATASET = "tinygpt_shakespeare_char"
 RECIPE = ("--device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 "
@@ -83,7 +82,7 @@ def theirs(nanogpt: Path, steps: int, out_dir: Path) -> list[float]:
 def bench(steps: int, skip: int, out_dir: Path) -> list[float]:
     """scripts/bench.py's per-step times for the same config: ``skip`` warm-up steps, then the rest."""
     report = out_dir / "bench.json"
-    run([sys.executable, "scripts/bench.py", "--config", "nanogpt_cpu", "--steps", str(steps - skip),
+    run([sys.executable, "-m", "scripts.bench", "--config", "nanogpt_cpu", "--steps", str(steps - skip),
          "--warmup", str(skip), "--rounds", "1", "--json", str(report)], REPO)
     return json.loads(report.read_text())["results"][0]["step_ms"]
 

@@ -1,7 +1,7 @@
 """The GPU path, checked end to end in one command: train, DDP, resume, RNG on resume, sample.
 
-    python scripts/gpu_check.py                    # a CUDA machine: gpt2 preset, bf16, compile; ~5 min
-    python scripts/gpu_check.py --dry-run          # the same commands on CPU, tiny model; 1-2 min
+    python -m dev.gpu_check                        # a CUDA machine: gpt2 preset, bf16, compile; ~5 min
+    python -m dev.gpu_check --dry-run              # the same commands on CPU, tiny model; 1-2 min
 
 Each check runs the repo's own entry points (train.py, torchrun train.py, sample.py) in fresh
 processes, printing every command before it runs so that it can be rerun by hand, and reads what
@@ -35,14 +35,12 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # so that `python scripts/gpu_check.py` finds the repo's modules
+from machinery.checkpoint import CheckpointError, load_checkpoint
+from config import CommandLine
+from machinery.rundir import PathError, check_writable
+from machinery.runtime import fail
 
-from machinery.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from config import CommandLine  # noqa: E402
-from machinery.rundir import PathError, check_writable  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 TINY = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
         "--dtype", "float32", "--compile", "off", "--tokenizer", "char", "--device", "cpu")  # config/tiny.toml

@@ -1,0 +1,87 @@
+"""How the repo's code finds itself: the tools are modules run from the repo root (`python -m scripts.eval`),
+so every checkout runs its own code, with nothing installed and no file editing the module search path."""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TOOLS
+
+# Ways a file can reach past the import system: appending to the search path, silencing the import order
+# lint that such an edit needs, importing a file by its path (the tests' old way into scripts/).
+PATH_EDIT = re.compile(r"sys\.path\s*(\.(insert|append|extend)\(|\[[^\]]*\]\s*=|\+?=)")
+ORDER_SILENCED = re.compile(r"noqa:\s*E402")
+BY_FILE_PATH = re.compile(r"spec_from_file_location\(")
+CORE = ("model", "data", "train", "sample", "config", "machinery")  # what a tool imports from the repo
+
+
+def python_files() -> list[Path]:
+    """The repo's .py files: git's list where there is one (tracked and new), else every one under the root."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py"], cwd=REPO,
+                            capture_output=True, text=True)
+    if listed.returncode == 0 and listed.stdout.strip():
+        return [REPO / name for name in listed.stdout.split() if (REPO / name).is_file()]
+    return [p for p in REPO.rglob("*.py") if not {"out", "data", ".git"} & set(p.relative_to(REPO).parts)]
+
+
+def test_no_file_edits_the_module_search_path_or_silences_the_import_order():
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}" for path in python_files()
+             for number, line in enumerate(path.read_text().splitlines(), start=1)
+             if any(pattern.search(line) for pattern in (PATH_EDIT, ORDER_SILENCED, BY_FILE_PATH))]
+    assert not found, "import the repo's modules by name, run tools with python -m:\n" + "\n".join(found)
+
+
+def test_every_tool_is_a_module_of_a_package():
+    """`python -m scripts.eval` needs scripts/ to be a package; a regular one, so that no `scripts` installed
+    elsewhere on the path can merge into it (a namespace package would)."""
+    assert (REPO / "scripts" / "__init__.py").is_file() and (REPO / "dev" / "__init__.py").is_file()
+    assert {"scripts.eval", "scripts.doctor", "scripts.bench", "dev.gpu_check"} <= set(TOOLS)
+
+
+def test_the_tests_import_this_checkouts_modules():
+    for name in (*CORE, "scripts", "dev"):
+        importlib.import_module(name)
+    loaded = {name: module for name, module in sys.modules.items()
+              if name.split(".")[0] in (*CORE, "scripts", "dev") and getattr(module, "__file__", None)}
+    assert set(CORE) | {"scripts", "dev"} <= set(loaded)
+    elsewhere = {name: module.__file__ for name, module in loaded.items()
+                 if not Path(module.__file__).resolve().is_relative_to(REPO)}
+    assert not elsewhere, f"imported from outside {REPO}: {elsewhere}"
+
+
+@pytest.fixture
+def another_checkout(tmp_path: Path) -> Path:
+    """A second copy of the repo's top-level names whose every module fails on import: on PYTHONPATH it stands in
+    for what `pip install -e` of another clone puts on the path (an editable install's finder is asked later still)."""
+    other = tmp_path / "other-checkout"
+    other.mkdir()
+    for name in ("model", "data", "train", "sample"):
+        (other / f"{name}.py").write_text(f"raise ImportError('the other checkout: {name}')\n")
+    for package in ("config", "machinery", "scripts", "dev"):
+        (other / package).mkdir()
+        (other / package / "__init__.py").write_text(f"raise ImportError('the other checkout: {package}')\n")
+    return other
+
+
+@pytest.mark.parametrize("tool", ["scripts.eval", "dev.gpu_check"])
+def test_a_tool_run_as_a_module_imports_this_checkout_even_with_another_on_the_path(another_checkout, tool):
+    env = os.environ | {"PYTHONPATH": str(another_checkout)}
+    result = subprocess.run([sys.executable, "-m", tool, "--help"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "the other checkout" not in result.stderr, result.stderr
+    assert "usage:" in result.stdout
+
+
+def test_a_tool_run_as_a_file_would_import_whatever_the_path_holds(another_checkout):
+    """Why the README writes `python -m scripts.eval`: as a file, the tool's own folder is first on the path and
+    the repo root is not on it, so its imports come from anything else there, here the other checkout."""
+    env = os.environ | {"PYTHONPATH": str(another_checkout)}
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "eval.py"), "--help"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "the other checkout" in result.stderr
