@@ -2,7 +2,7 @@
 
     python train.py --config finetune_shakespeare           # fine-tune GPT-2 (init_from = "gpt2")
     python sample.py --init_from gpt2 --prompt "Hello"       # sample GPT-2 itself, no checkpoint
-    python scripts/export_hf.py out/finetune_shakespeare hf/shakespeare   # a folder transformers loads
+    python -m scripts.export_hf out/finetune_shakespeare hf/shakespeare   # a folder transformers loads
 
 The whole mapping is the table NAMES below, read top to bottom and used in both directions. Our
 parameter names are GPT-2's, so names map one to one; what differs is data: Hugging Face's GPT-2
