@@ -33,11 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from machinery.checkpoint import CheckpointError  # noqa: E402
-from config import CommandLine, ConfigError, field_help, make_config, model_config  # noqa: E402
-from data import DataError  # noqa: E402
+from config import CommandLine, field_help, make_config, model_config  # noqa: E402
+from machinery.errors import TinyGPTError, exit_on  # noqa: E402
 from model import GPT  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
 from sample import find_checkpoint, generate, load_model, window_start  # noqa: E402
 
 SHARE_OF_POSSIBLE = 0.25  # of the possible gain, the default goal; a working cache got 0.5-0.75 (docs/sampling.md)
@@ -117,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     try:
         model, weights = build_model(args)
-    except (CheckpointError, ConfigError, DataError) as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     cfg = model.config
     prompt = torch.zeros(1, 1, dtype=torch.long)  # (1, 1): one start token, batch 1
     window = mean_window(cfg.block_size, prompt.size(1), args.tokens)

@@ -53,12 +53,12 @@ sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # the repo's modules, and ben
 
 import train  # noqa: E402
 from bench import parse_overrides  # noqa: E402
-from machinery.checkpoint import CheckpointError, read_config  # noqa: E402
+from machinery.checkpoint import read_config  # noqa: E402
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config  # noqa: E402
-from data import DataError  # noqa: E402
+from machinery.errors import TinyGPTError, exit_on, fail  # noqa: E402
 from machinery.corpora import corpus_source  # noqa: E402
 from machinery.faults import RunStopped, StopOnSignal  # noqa: E402
-from machinery.runtime import choose_runtime, fail, use_threads  # noqa: E402
+from machinery.runtime import choose_runtime, use_threads  # noqa: E402
 from sample import load_model  # noqa: E402
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
@@ -524,10 +524,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         compare(argv, StopOnSignal())
-    except (ConfigError, DataError, CheckpointError) as err:
-        fail(str(err), 2)
-    except RunStopped as err:
-        fail(str(err), err.exit_code)
+    except TinyGPTError as err:  # bad input (2), a run that stopped (3, 130, 143): its line and code
+        exit_on(err)
     except KeyboardInterrupt:  # between runs, outside train's own handler: finished runs are on disk
         fail(f"interrupted; finished runs are kept; continue with the same command: {command_line(argv)}", 130)
 

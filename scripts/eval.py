@@ -26,10 +26,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from machinery.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from machinery.checkpoint import load_checkpoint  # noqa: E402
 from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config, replace  # noqa: E402
-from data import DataError, corpus_for, read_text_file, special_tokens, tokenizer_from_meta, val_windows  # noqa: E402
-from machinery.runtime import Runtime, choose_runtime, fail  # noqa: E402
+from data import DataError, corpus_for, special_tokens, tokenizer_from_meta, val_windows  # noqa: E402
+from machinery.corpora import read_text_file  # noqa: E402
+from machinery.errors import TinyGPTError, exit_on  # noqa: E402
+from machinery.runtime import Runtime, choose_runtime  # noqa: E402
 from model import GPT  # noqa: E402
 from sample import add_weights_flags, find_checkpoint, load_pretrained  # noqa: E402
 from train import evaluate, val_byte_count  # noqa: E402
@@ -166,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         rt = eval_runtime(loaded, args)
         loaded.model.to(rt.device)
         x, y, data = eval_windows(loaded, args.data_path, args.eval_tokens)
-    except (CheckpointError, ConfigError, DataError) as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     report = score(loaded, x, y, data, args.batch_size or loaded.cfg.batch_size, str(rt.dtype).removeprefix("torch."),
                    rt.device)
     if args.json:

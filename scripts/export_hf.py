@@ -20,11 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from machinery import hf  # noqa: E402
-from machinery.checkpoint import CheckpointError  # noqa: E402
-from config import CommandLine, ConfigError  # noqa: E402
-from data import DataError  # noqa: E402
-from machinery.rundir import PathError, check_writable  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
+from config import CommandLine  # noqa: E402
+from machinery.errors import TinyGPTError, exit_on  # noqa: E402
+from machinery.rundir import check_writable  # noqa: E402
 from sample import find_checkpoint, load_model  # noqa: E402
 
 
@@ -38,10 +36,8 @@ def main(argv: list[str] | None = None) -> None:
         path = find_checkpoint(args.run)
         model, tokenizer = load_model(path, torch.device("cpu"))
         written = hf.export(model, tokenizer, Path(args.out))
-    except PathError as err:
-        fail(str(err), err.exit_code)
-    except (CheckpointError, ConfigError, DataError) as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     print(f"exported {path} -> {args.out}: {', '.join(p.name for p in written)}")
 
 

@@ -41,8 +41,8 @@ if str(REPO) not in sys.path:
 
 from machinery.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from config import CommandLine  # noqa: E402
-from machinery.rundir import PathError, check_writable  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
+from machinery.errors import TinyGPTError, exit_on  # noqa: E402
+from machinery.rundir import check_writable  # noqa: E402
 
 TINY = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
         "--dtype", "float32", "--compile", "off", "--tokenizer", "char", "--device", "cpu")  # config/tiny.toml
@@ -253,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
     try:
         check_writable(args.out_dir, "--out_dir", f".gpu_check-probe-{os.getpid()}")
-    except PathError as err:
-        fail(str(err), err.exit_code)
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     plan = make_plan(args)
     marker = plan.out / ".written_by_gpu_check"  # never delete runs this script did not make
     if plan.out.is_dir() and any(plan.out.iterdir()) and not marker.is_file():

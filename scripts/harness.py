@@ -36,12 +36,12 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from machinery.checkpoint import CheckpointError  # noqa: E402
 from config import CommandLine, ConfigError, field_help  # noqa: E402
 from data import DataError  # noqa: E402
+from machinery.errors import TinyGPTError, exit_on, fail  # noqa: E402
 from machinery import hf  # noqa: E402
 from model import GPT  # noqa: E402
-from machinery.runtime import fail, pick_device  # noqa: E402
+from machinery.runtime import pick_device  # noqa: E402
 from sample import add_weights_flags, find_checkpoint, generate, load_model, load_pretrained  # noqa: E402
 
 try:
@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         weights = load_pretrained(args.init_from, device) if args.init_from else load_model(Path(source), device)
         lm = TinyGPTLM(*weights, batch_size=args.batch_size)
         results = evaluate_tasks(lm, names, args)
-    except (CheckpointError, ConfigError, DataError) as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     output = Path(args.output) if args.output else default_output(args, names)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=2, default=lm_utils.handle_non_serializable) + "\n")

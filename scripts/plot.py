@@ -32,10 +32,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import CommandLine  # noqa: E402
-from machinery.rundir import PathError, check_writable  # noqa: E402
+from machinery.errors import DataError, TinyGPTError, exit_on  # noqa: E402
+from machinery.rundir import check_writable  # noqa: E402
 
 
-class MetricsError(ValueError):
+class MetricsError(DataError):
     """A file that is not a metrics.jsonl of train.py; the message names it (and the line)."""
 
 
@@ -213,8 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_writable(args.out.parent, "-o", f".plot-probe-{os.getpid()}")  # before the work, not after it
         print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")
-    except (MetricsError, PathError) as err:
-        parser.error(str(err))
+    except TinyGPTError as err:  # a file that is no metrics.jsonl, an -o to change: one line and its exit code
+        exit_on(err)
 
 
 if __name__ == "__main__":

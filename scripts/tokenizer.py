@@ -20,10 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from config import DEFAULTS, CommandLine, field_help  # noqa: E402
-from data import DataError, load_corpus, tokenizer_from_meta  # noqa: E402
+from data import load_corpus, tokenizer_from_meta  # noqa: E402
 from machinery.corpora import prepare  # noqa: E402
-from machinery.rundir import PathError  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
+from machinery.errors import TinyGPTError, exit_on  # noqa: E402
 
 LONGEST = 20  # tokens shown from the largest vocabulary
 
@@ -128,10 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
     try:
         print(compare_trainers(args) if args.compare_trainers else report(args))
-    except PathError as err:
-        fail(str(err), err.exit_code)
-    except DataError as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from config import CommandLine  # noqa: E402
-from data import DataError, load_corpus  # noqa: E402
+from data import load_corpus  # noqa: E402
+from machinery.errors import TinyGPTError, exit_on  # noqa: E402
 from machinery.corpora import prepare  # noqa: E402
-from machinery.runtime import fail  # noqa: E402
 
 NANOGPT_DATASET = "tinygpt_shakespeare_char"
 RECIPE = ("--device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 "
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                      "clone github.com/karpathy/nanoGPT and pass its folder")
     try:
         export_corpus(args.nanogpt.resolve())
-    except DataError as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     timings = {"nanoGPT train.py": [], "tinygpt train.py": []}
     with tempfile.TemporaryDirectory() as tmp:
