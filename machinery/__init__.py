@@ -23,12 +23,12 @@ count like any other. tests/test_layers.py reads the list below and checks every
 against it. A bare name is a module of this folder; a name ending in / is every file of that folder.
 
     1  errors cli model.py: need nothing of the project
-    2  tokenfiles downloads rundir distributed optim: one concern each, on the first layer alone
+    2  tokenfiles downloads rundir distributed optim: one concern each, needing little more than errors
     3  tokenizers: below everything that makes or reads tokens
     4  corpora: preparation, below data.py, which calls it
     5  data.py: what a training step touches
     6  config/: the config, assembled from the options model.py, data.py and the tables declare
-    7  checkpoint faults runtime tracking hf: what a run calls, each knowing the config
+    7  checkpoint faults runtime tracking hf: what a run calls, free to read the config
     8  train.py sample.py scripts/ evals/: the entry points
 
 Read the core first (README, "Read the code in this order"); these are the second pass. Nothing here is
