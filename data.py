@@ -1,75 +1,34 @@
-"""Data: a corpus tokenized once, its tokenizer, and the batches a training step draws.
+"""Data: a corpus tokenized once, and the batches a training step draws.
 
     python data.py                      # prepare the built-in Shakespeare corpus (cached in data/)
     python data.py --data_path my.txt   # prepare any UTF-8 text file, folder, .jsonl or .parquet (--help)
 
-Preparing (``corpus_for``) turns a corpus into a folder, once, cached in data_dir: ``train.bin`` and
-``val.bin`` (flat token ids) and ``meta.json`` (the tokenizer and how the files were made). The
-machinery for that (the built-in corpus's download, document formats, worker pools, staging, the
-checks) is machinery/corpora.py and machinery/tokenfiles.py, a second read. What a step touches is
-here: the splits, memory-mapped (``load_corpus``); the training stream, an object whose ``next()`` is one
-micro-batch and whose ``state_dict()`` the checkpoint keeps, so a resume continues it exactly (``LOADERS``:
-random windows, ``get_batch``, or documents packed into rows that each begin at a document's start); fixed
-validation windows, so every eval scores the same tokens (``val_windows``).
+Preparing (``corpus_for``) turns the corpus a run names (``CorpusOptions``: python data.py's flags, and
+train.py's) into a folder, once, cached in data_dir: ``train.bin`` and ``val.bin`` (flat token ids) and
+``meta.json`` (the tokenizer and how the files were made). The machinery for that (the built-in corpus's
+download, document formats, worker pools, staging, the checks) is machinery/corpora.py and
+machinery/tokenfiles.py, and every tokenizer (one id per character, GPT-2's BPE, your own) is
+machinery/tokenizers.py: a second read. What a step touches is here: the splits, memory-mapped
+(``load_corpus``); the training stream, an object whose ``next()`` is one micro-batch and whose
+``state_dict()`` the checkpoint keeps, so a resume continues it exactly (``LOADERS``: random windows,
+``get_batch``, or documents packed into rows that each begin at a document's start); fixed validation
+windows, so every eval scores the same tokens (``val_windows``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import ClassVar, Iterator, Literal
 
 import copy
 
 import numpy as np
 import torch
 
-from machinery.tokenfiles import DataError, open_verified
-
-
-def read_text_file(path: Path, flag: str = "--data_path") -> str:
-    """The file's text; errors name ``flag``, the option the user gave the path with."""
-    if not path.is_file():
-        raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with {flag}")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-
-
-class CharTokenizer:
-    """One id per character, the vocabulary being the sorted set of characters of the corpus."""
-
-    def __init__(self, chars: str):
-        self.chars = chars
-        self.vocab_size = len(chars)
-        self.stoi = {ch: i for i, ch in enumerate(chars)}
-        self.eot_token = self.stoi.get("\n", 0)  # a newline is the natural "start" of char text
-        self.special_ids = frozenset()  # every id is a character of text
-
-    def encode(self, text: str) -> list[int]:
-        missing = sorted(set(text) - self.stoi.keys())
-        if missing:
-            raise DataError(f"characters not in the model's vocabulary: {''.join(missing)!r}")
-        return [self.stoi[ch] for ch in text]
-
-    def encode_array(self, text: str) -> np.ndarray:
-        """Fast vectorised encode for whole corpora."""
-        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        table = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted, since chars is
-        ids = np.searchsorted(table, codes)
-        if len(codes) and (ids.max() >= len(table) or not np.array_equal(table[ids], codes)):
-            return np.array(self.encode(text), dtype=np.int64)  # raises with the missing chars
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
-
-    def decode_bytes(self, ids: list[int]) -> bytes:
-        """UTF-8 bytes of decode(ids); every tokenizer has this, so streaming code needs one path."""
-        return self.decode(ids).encode("utf-8")
-
-    def meta(self) -> dict:
-        return {"kind": "char", "chars": self.chars}
+from machinery.cli import CommandLine, add_field_flags
+from machinery.errors import DataError, TinyGPTError, exit_on
+from machinery.tokenfiles import open_verified
+from machinery.tokenizers import tokenizer_from_meta  # noqa: F401 - imported from here by scripts; its home is there
 
 
 def special_tokens(tokenizer) -> set[int]:
@@ -87,17 +46,6 @@ def token_byte_lengths(tokenizer) -> torch.Tensor:
     special = special_tokens(tokenizer)
     return torch.tensor([0 if i in special else len(tokenizer.decode_bytes([i]))
                          for i in range(tokenizer.vocab_size)], dtype=torch.long)
-
-
-def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
-    """Rebuild the tokenizer a corpus or checkpoint was made with."""
-    if meta["kind"] == "char":
-        return CharTokenizer(meta["chars"])
-    if meta["kind"] in ("gpt2", "bpe"):
-        from machinery.tokenizers import BPETokenizer, GPT2Tokenizer  # tiktoken: only runs that use it
-
-        return GPT2Tokenizer(cache) if meta["kind"] == "gpt2" else BPETokenizer(meta)
-    raise DataError(f"unknown tokenizer kind {meta['kind']!r}")
 
 
 @dataclass
@@ -127,12 +75,29 @@ def load_corpus(folder: Path, block_size: int) -> Corpus:
     return Corpus(folder, meta, splits["train"], splits["val"], fingerprints)
 
 
-def corpus_for(cfg) -> Corpus:
-    """The corpus a TrainConfig names, tokenized once into cfg.data_dir (cached), then opened."""
-    from machinery.corpora import prepare  # downloads, formats, worker pools: imported when a run needs them
+@dataclass(frozen=True)
+class CorpusOptions:
+    """Which corpus, tokenizer and val split a run prepares (corpus_for). Each field is a TrainConfig field too
+    (config.with_corpus_options) and a flag of both train.py and python data.py; its comment is the help of
+    both. A resume must keep the FIXED ones (another tokenizer is another model); the others it may change, as
+    it checks the corpus itself (Corpus.record)."""
+    dataset: str = "shakespeare"  # built-in corpus name; ignored when data_path is set
+    data_path: str = ""  # what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)
+    text_column: str = "text"  # the documents' text: a .jsonl's JSON field or a .parquet's column (a .txt has none)
+    data_dir: str = "data"  # cache of downloaded and prepared corpora
+    tokenizer: Literal["char", "gpt2", "bpe"] = "char"  # char (vocab from the corpus) | gpt2 (GPT-2's BPE, 50,257 tokens) | bpe (a byte-level BPE trained on the train split)
+    bpe_vocab_size: int = 2048  # tokenizer=bpe: tokens in all (256 bytes, the merges, <|endoftext|>); >= 257
+    val_fraction: float = 0.1  # share held out for validation (the tail of a text file; every k-th document)
 
-    folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                     block_size=cfg.block_size, text_column=cfg.text_column, bpe_vocab_size=cfg.bpe_vocab_size)
+    FIXED: ClassVar[tuple[str, ...]] = ("tokenizer", "bpe_vocab_size")
+
+
+def corpus_for(cfg) -> Corpus:
+    """The corpus a TrainConfig names (its CorpusOptions), tokenized once into cfg.data_dir (cached), then opened."""
+    from machinery import corpora  # downloads, formats, worker pools: imported when a run needs them
+
+    folder = corpora.prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
+                             block_size=cfg.block_size, text_column=cfg.text_column, bpe_vocab_size=cfg.bpe_vocab_size)
     return load_corpus(folder, cfg.block_size)
 
 
@@ -338,10 +303,29 @@ def iterate_windows(x: torch.Tensor, y: torch.Tensor, batch_size: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python data.py: prepare a corpus without training (the command line of machinery/corpora.py)."""
-    from machinery.corpora import main as prepare_command
+    """python data.py: prepare a corpus without training; its flags are CorpusOptions's, with train.py's words."""
+    from machinery import corpora
 
-    prepare_command(argv)
+    parser = CommandLine(description="Prepare a corpus into token files.")
+    add_field_flags(parser, CorpusOptions)  # --dataset, --data_path, ...: train.py's flags of the same names
+    parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
+                        help="tokenizer processes for a folder, .jsonl or .parquet; 0 = one per CPU core")
+    parser.add_argument("--block_size", "--block-size", type=int, default=1,
+                        help="refuse a corpus whose train or val split is shorter than block_size + 1 tokens")
+    args = parser.parse_args(argv)
+    if not 0 < args.val_fraction < 1:  # the same rule as config.validate, so train.py accepts the result
+        parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+    if not args.text_column:
+        parser.error("--text_column must name the .jsonl field or .parquet column holding the text")
+    if args.bpe_vocab_size < 257:  # the same rule as config.validate
+        parser.error(f"--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got {args.bpe_vocab_size}")
+    if args.num_proc < 0 or args.block_size < 1:
+        parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {args.num_proc} and {args.block_size}")
+    try:
+        corpora.prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction,
+                        args.num_proc, args.block_size, args.text_column, args.bpe_vocab_size)
+    except TinyGPTError as err:  # a bad corpus (2), a data_dir to change (2) or failing its write probe (74)
+        exit_on(err)
 
 
 if __name__ == "__main__":

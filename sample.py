@@ -23,12 +23,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from machinery.checkpoint import CheckpointError, load_checkpoint
-from config import CommandLine, ConfigError, config_from_dict, field_help, model_config
-from data import DataError, read_text_file, special_tokens, tokenizer_from_meta
+from config import CommandLine, config_from_dict, field_help, model_config
+from data import special_tokens
 from machinery import hf
+from machinery.checkpoint import load_checkpoint
+from machinery.corpora import read_text_file
+from machinery.errors import CheckpointError, DataError, HFError, TinyGPTError, exit_on, fail
+from machinery.runtime import pick_device
+from machinery.tokenizers import CHARS_FILE, GPT2_VOCAB, tokenizer_from_meta
 from model import GPT
-from machinery.runtime import fail, pick_device
 
 
 def find_checkpoint(ckpt: str) -> Path:
@@ -61,8 +64,8 @@ def load_pretrained(source: str, device: torch.device, data_dir: Path = Path("da
     """Model in eval mode and its tokenizer, from Hugging Face GPT-2 weights (machinery/hf.py); no checkpoint."""
     pretrained = hf.load_pretrained(source)
     if pretrained.tokenizer is None:
-        raise hf.HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} (known: "
-                         f"GPT-2's BPE, {hf.GPT2_VOCAB} tokens, or a char list in {hf.CHARS_FILE})")
+        raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} (known: "
+                      f"GPT-2's BPE, {GPT2_VOCAB} tokens, or a char list in {CHARS_FILE})")
     tokenizer = tokenizer_from_meta(pretrained.tokenizer, data_dir)
     model = GPT(pretrained.config)
     model.load_state_dict(pretrained.state)
@@ -386,8 +389,8 @@ def main(argv: list[str] | None = None) -> None:
         text = read_text_file(Path(args.prompt_file), "--prompt-file") if args.prompt_file else args.prompt
         if not args.interactive:
             prompt_ids(tokenizer, text)  # a character the vocabulary lacks: one line now, before any output
-    except (CheckpointError, ConfigError, DataError) as err:
-        fail(str(err))
+    except TinyGPTError as err:  # a bad checkpoint, config, device or prompt: one line and its exit code
+        exit_on(err)
     print(f"# sampling from {path}", flush=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     if args.interactive:

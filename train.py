@@ -9,7 +9,7 @@ Reads top to bottom: the lr schedule -> one optimizer step (train_step: the obje
 accumulated, clipping, optimizer.step() under the non-finite guard) -> evaluation (cross-entropy only) ->
 build_run (seed -> data -> model -> optimizer) -> the loop. Each side concern is one call into the module
 of machinery/ that owns it: checkpoint.Checkpointer (last.pt/best.pt and the resume policy), tracking
-(metrics.jsonl, wandb), faults (signals, NaN/inf, exit codes), distributed (DDP: one process per GPU),
+(metrics.jsonl, wandb), faults (signals, NaN/inf), errors (exit codes), distributed (DDP: one process per GPU),
 runtime (device, precision, compile), rundir (one live run per out_dir), optim (the tables), hf (init_from).
 """
 from __future__ import annotations
@@ -25,15 +25,16 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from config import ConfigError, TrainConfig, model_config, parse_args
-from data import (Corpus, TrainingStream, corpus_for, iterate_windows, token_byte_lengths, tokenizer_from_meta,
-                  training_stream, val_windows)
+from config import TrainConfig, model_config, parse_args
+from data import Corpus, TrainingStream, corpus_for, iterate_windows, token_byte_lengths, training_stream, val_windows
 from machinery import distributed, rundir
 from machinery.checkpoint import Checkpointer, refuse_to_overwrite, remove_stale_temp_files
 from machinery.distributed import Dist, all_reduce_sum, print0
-from machinery.faults import NonFiniteGuard, StopOnSignal, exit_for
+from machinery.errors import ConfigError, exit_for, fail
+from machinery.faults import NonFiniteGuard, StopOnSignal, run_error
 from machinery.optim import DECAYS, build_optimizer
-from machinery.runtime import Runtime, autocast, choose_runtime, compile_for_step, fail, pick_device, seed_everything
+from machinery.runtime import Runtime, autocast, choose_runtime, compile_for_step, pick_device, seed_everything
+from machinery.tokenizers import tokenizer_from_meta
 from machinery.tracking import MetricsLog, Throughput, continue_log, describe_run
 from model import GPT
 
@@ -325,13 +326,13 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    """train.py's command line: each error is one line and an exit code (faults.exit_for), once per job."""
+    """train.py's command line: each error is one line and its exit code (errors.exit_for), once per job."""
     try:
         train(parse_args(argv), StopOnSignal())
         distributed.teardown()  # not on errors: its barrier would wait for ranks that have failed
         return
     except (Exception, KeyboardInterrupt) as err:
-        ending = exit_for(err)
+        ending = exit_for(run_error(err))  # Ctrl-C before the first step, a lost peer: faults.run_error
         if ending is None:
             raise
     distributed.abandon()  # out here the traceback, which holds the DDP model, is already gone

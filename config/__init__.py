@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import functools
 import inspect
 import math
 import re
-import sys
 import tomllib
 import typing
 from dataclasses import dataclass, fields
@@ -25,8 +23,10 @@ from typing import Any, Literal
 
 import torch
 
-from data import LOADERS
+from data import LOADERS, CorpusOptions
 from model import GPT, GPTConfig
+from machinery.cli import CommandLine, did_you_mean, field_comments
+from machinery.errors import ConfigError
 from machinery.optim import CLOCKS, DECAYS, OPTIMIZERS
 
 PRESET_DIR = Path(__file__).resolve().parent
@@ -64,9 +64,11 @@ def model_options() -> list[dataclasses.Field]:
 
 
 def add_field(cls: type, name: str, kind: Any, default: Any, resume: str) -> None:
-    """Give ``cls`` (before @dataclass reads it) one more field, declared elsewhere (model.py, machinery/optim.py)."""
+    """Give ``cls`` (before @dataclass reads it) one more field, declared elsewhere (model.py, data.py,
+    machinery/optim.py)."""
     if name in cls.__annotations__:
-        raise TypeError(f"{name} is declared twice: in {cls.__name__} and in model.py or machinery/optim.py; keep one")
+        raise TypeError(f"{name} is declared twice: in {cls.__name__} and in model.py, data.py or machinery/optim.py; "
+                        "keep one")
     cls.__annotations__[name] = kind
     setattr(cls, name, rule(resume, default))
 
@@ -84,6 +86,17 @@ def with_model_options(cls: type) -> type:
     return cls
 
 
+def with_corpus_options(cls: type) -> type:
+    """Give ``cls`` a field for every option of data.CorpusOptions (the corpus, its tokenizer, its split), with its
+    type and default: declared once, in data.py, whose command line (python data.py) takes its flags from them too
+    and so needs nothing of config, which is assembled from data.py."""
+    types = typing.get_type_hints(CorpusOptions)
+    for option in fields(CorpusOptions):
+        add_field(cls, option.name, types[option.name], option.default,
+                  "fixed" if option.name in CorpusOptions.FIXED else "free")
+    return cls
+
+
 def with_table_options(cls: type) -> type:
     """Give ``cls`` a field for every option an optimizer or lr decay declares with itself in machinery/optim.py."""
     for entry in (*OPTIMIZERS.values(), *DECAYS.values()):
@@ -92,11 +105,8 @@ def with_table_options(cls: type) -> type:
     return cls
 
 
-class ConfigError(ValueError):
-    """A configuration mistake the user can fix; the message says how."""
-
-
 @dataclass
+@with_corpus_options  # + dataset, data_path, tokenizer, val_fraction, ...: every option of data.CorpusOptions
 @with_table_options  # + muon_lr, wsd_fraction, ...: the options machinery/optim.py's optimizers and lr schedules declare
 @with_model_options  # + n_layer, n_head, n_embd, block_size, dropout, bias, ...: every option of model.GPTConfig
 class TrainConfig:
@@ -110,14 +120,8 @@ class TrainConfig:
     threads: int = free(0)  # torch threads for this run's ops; 0 = torch's default (one per core). Two jobs on 2 cores: 1 each
     resume: bool = free(False)  # continue exactly from out_dir/last.pt
     init_from: str = free("")  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (machinery/hf.py)
-    # --- data (a resume checks the corpus itself: Corpus.record's fingerprints of both splits) ---
-    dataset: str = free("shakespeare")  # built-in corpus name; ignored when data_path is set
-    data_path: str = free("")  # what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)
-    text_column: str = free("text")  # the documents' text: a .jsonl's JSON field or a .parquet's column (a .txt has none)
-    data_dir: str = free("data")  # cache of downloaded and prepared corpora
-    tokenizer: Literal["char", "gpt2", "bpe"] = fixed("char")  # char (vocab from the corpus) | gpt2 (GPT-2's BPE, 50,257 tokens) | bpe (a byte-level BPE trained on the train split)
-    bpe_vocab_size: int = fixed(2048)  # tokenizer=bpe: tokens in all (256 bytes, the merges, <|endoftext|>); >= 257
-    val_fraction: float = free(0.1)  # share held out for validation (the tail of a text file; every k-th document)
+    # --- data: the corpus, its tokenizer and its split are declared in data.CorpusOptions and added by
+    # with_corpus_options (a resume checks the corpus itself: Corpus.record's fingerprints of both splits) ---
     eval_tokens: int = fixed(0)  # val targets scored per eval; 0 = the whole val split (what best_val_loss is measured on)
     loader: str = fixed("random_windows")  # how training batches are drawn, a name in data.LOADERS (docs/data.md, "The training stream")
     # --- model: the options are declared in model.GPTConfig and added by with_model_options ---
@@ -162,6 +166,7 @@ FIELD_TYPES = typing.get_type_hints(TrainConfig)  # name -> int, float, bool, st
 DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 RESUME = {f.name: f.metadata["resume"] for f in fields(TrainConfig)}  # name -> fixed | warned | free
 MODEL_OPTIONS = tuple(f.name for f in model_options())
+CORPUS_OPTIONS = tuple(f.name for f in fields(CorpusOptions))
 TABLES = {"optimizer": OPTIMIZERS, "lr_decay": DECAYS}  # fields whose values name an entry of an machinery/optim.py table
 TOKENIZER_USES = {"char": (), "gpt2": (), "bpe": ("bpe_vocab_size",)}  # what each tokenizer reads
 
@@ -307,13 +312,11 @@ def type_name(name: str) -> str:
 
 
 def field_help() -> dict[str, str]:
-    """The comment beside each field (TrainConfig's here, the model's in GPTConfig), so --help never drifts."""
+    """The comment beside each field (TrainConfig's here, the model's in GPTConfig, the corpus's in
+    data.CorpusOptions), so --help never drifts."""
     help_text = {}
-    for cls in (TrainConfig, GPTConfig):
-        for line in inspect.getsource(cls).splitlines():
-            name, sep, rest = line.strip().partition(":")
-            if sep and name in FIELD_TYPES and "#" in rest:
-                help_text[name] = rest.split("#", 1)[1].strip()
+    for cls in (TrainConfig, GPTConfig, CorpusOptions):
+        help_text.update({name: text for name, text in field_comments(cls).items() if name in FIELD_TYPES})
     for table_field, table in TABLES.items():  # each entry of a table says what it is: its docstring's first line
         entries = (f"{name}: {(entry.doc or name).rstrip('.')}" for name, entry in table.items())
         help_text[table_field] += " (" + "; ".join(entries) + ")"
@@ -346,12 +349,6 @@ def parse_value(name: str, raw: Any) -> Any:
         return str(raw)
     except ValueError:
         raise ConfigError(f"{name} must be {kind}, got {raw!r}") from None
-
-
-def did_you_mean(word: str, known: list[str], what: str) -> str:
-    """The end of an unknown-name error: the closest known name, or where to find them all."""
-    close = difflib.get_close_matches(word, known, n=1)
-    return f"; did you mean `{close[0]}`?" if close else f"; run with --help to list every {what}"
 
 
 def unknown_key_error(key: str, where: str) -> ConfigError:
@@ -475,6 +472,7 @@ def build_parser(preset: str | None = None, description: str = TRAIN_DESCRIPTION
     parser = CommandLine(description=description)
     parser.add_argument("--config", default=None,
                         help="preset name in config/ (tiny, small, gpt2, nanogpt_cpu, finetune_shakespeare) or a path to a .toml file")
+    data_group = parser.add_argument_group("data options (declared in data.py's CorpusOptions)")
     model_group = parser.add_argument_group("model options (declared in model.py's GPTConfig)")
     helps = field_help()
     from_preset = load_preset(preset) if preset else {}
@@ -484,7 +482,8 @@ def build_parser(preset: str | None = None, description: str = TRAIN_DESCRIPTION
         metavar = "{" + ",".join(choices(f.name)) + "}" if choices(f.name) else type_name(f.name).upper()
         default = f"{from_preset[f.name]}, from {preset}; else {f.default}" if f.name in from_preset else f.default
         # nargs="?" lets booleans stand alone (--resume) or take a value (--resume false).
-        (model_group if f.name in MODEL_OPTIONS else parser).add_argument(
+        group = model_group if f.name in MODEL_OPTIONS else data_group if f.name in CORPUS_OPTIONS else parser
+        group.add_argument(
             *flags, dest=f.name, default=argparse.SUPPRESS, metavar=metavar, nargs="?" if is_bool else None,
             const="true" if is_bool else None,
             help=helps.get(f.name, "") + (f" (default: {default})" if default != "" else ""))  # "": said in the help
@@ -496,44 +495,6 @@ def preset_given(argv: list[str] | None) -> str | None:
     early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     early.add_argument("--config", default=None)
     return early.parse_known_args(argv)[0].config
-
-
-class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds "(default: X)" to a flag's help, except where the help already says what its default means
-    (``(default: newest out/**/best.pt)``) or X would print as nothing: never two defaults, never an empty one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if re.search(r"\(default|default:", text) or action.default in (None, ""):
-            return text
-        return super()._get_help_string(action)
-
-
-class CommandLine(argparse.ArgumentParser):
-    """argparse with train.py's manners, for every other entry point: a mistake is one line, never
-    the usage block. ``error: unknown flag `--tmp`; did you mean `--temp`?`` then exit code 2.
-    """
-
-    def __init__(self, **kwargs: Any):
-        kwargs.setdefault("formatter_class", DefaultsOnce)
-        super().__init__(allow_abbrev=False, **kwargs)  # an abbreviation that later grows ambiguous breaks scripts
-
-    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's signature
-        parsed, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            self.error(self.unknown_message(unknown))
-        return parsed
-
-    def unknown_message(self, unknown: list[str]) -> str:
-        flag = next((u.split("=")[0] for u in unknown if u.startswith("-")), None)
-        if flag is None:
-            return f"unexpected argument `{unknown[0]}`; run with --help to list every flag"
-        known = [s for action in self._actions for s in action.option_strings]
-        return f"unknown flag `{flag}`" + did_you_mean(flag, known, "flag")
-
-    def error(self, message: str):  # argparse calls this for bad values and missing arguments too
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def parse_args(argv: list[str] | None = None, description: str = TRAIN_DESCRIPTION) -> TrainConfig:

@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 
 from config import CommandLine, choices, field_help
-from data import DataError
+from machinery.errors import TinyGPTError, exit_on, fail
 from machinery.corpora import import_pyarrow, prepare, shakespeare_text
-from machinery.runtime import fail
 
 FORMATS = (".jsonl", ".parquet")
 ROW_GROUP_ROWS = 1000  # many row groups per file, as in sharded web corpora, so reading crosses them
@@ -188,8 +187,8 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.repeats):
                 for fmt, path in files.items():  # alternate, so a burst of load hits both formats alike
                     times[fmt].append(time_prepare(path, cache, args.tokenizer, num_proc)[0])
-    except DataError as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     print_table(times, total_bytes, len(docs))
     same = metas[".jsonl"]["fingerprint"] == metas[".parquet"]["fingerprint"]
     print(f"\ntoken files identical across formats: {same} ({metas['.jsonl']['train_tokens']:,} train + "

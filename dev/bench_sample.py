@@ -30,12 +30,10 @@ from typing import Callable
 
 import torch
 
-from machinery.checkpoint import CheckpointError
-from config import CommandLine, ConfigError, field_help, make_config, model_config
-from data import DataError
+from config import CommandLine, field_help, make_config, model_config
 from model import GPT
-from machinery.runtime import fail
 from sample import find_checkpoint, generate, load_model, window_start
+from machinery.errors import TinyGPTError, exit_on
 
 SHARE_OF_POSSIBLE = 0.25  # of the possible gain, the default goal; a working cache got 0.5-0.75 (docs/sampling.md)
 MIN_POSSIBLE = 1.5  # below this possible speed-up the cache cannot matter, and the speed is not judged
@@ -114,8 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     try:
         model, weights = build_model(args)
-    except (CheckpointError, ConfigError, DataError) as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     cfg = model.config
     prompt = torch.zeros(1, 1, dtype=torch.long)  # (1, 1): one start token, batch 1
     window = mean_window(cfg.block_size, prompt.size(1), args.tokens)

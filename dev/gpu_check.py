@@ -37,8 +37,8 @@ import torch
 
 from machinery.checkpoint import CheckpointError, load_checkpoint
 from config import CommandLine
-from machinery.rundir import PathError, check_writable
-from machinery.runtime import fail
+from machinery.rundir import check_writable
+from machinery.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
     try:
         check_writable(args.out_dir, "--out_dir", f".gpu_check-probe-{os.getpid()}")
-    except PathError as err:
-        fail(str(err), err.exit_code)
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     plan = make_plan(args)
     marker = plan.out / ".written_by_gpu_check"  # never delete runs this script did not make
     if plan.out.is_dir() and any(plan.out.iterdir()) and not marker.is_file():

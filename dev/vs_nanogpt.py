@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from config import CommandLine
-from data import DataError, load_corpus
+from data import load_corpus
 from machinery.corpora import prepare
-from machinery.runtime import fail
+from machinery.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
                      "clone github.com/karpathy/nanoGPT and pass its folder")
     try:
         export_corpus(args.nanogpt.resolve())
-    except DataError as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     timings = {"nanoGPT train.py": [], "tinygpt train.py": []}
     with tempfile.TemporaryDirectory() as tmp:

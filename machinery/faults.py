@@ -1,25 +1,8 @@
-"""How a training run stops when something goes wrong: signals, non-finite numbers, exit codes.
+"""How a training run stops when something goes wrong: signals and non-finite numbers.
 
-train.py's exit codes, the one place they are defined (the README's "What survives a crash" repeats them):
-
-    code  cause                                                  what is on disk afterwards
-    0     finished; or resumed a finished run (0 steps done)      last.pt of the final step
-    2     bad config, data or checkpoint (caught before training); nothing written or overwritten
-          out_dir or data_dir not a writable folder, or out_dir
-          owned by another live run (machinery/rundir.py)
-    3     non-finite loss or gradient; in fp16, max_skipped_steps  last.pt of the last save; no
-          overflowed steps in a row                                non-finite value in any checkpoint
-    74    a checkpoint could not be written (disk full, I/O), or   the previous last.pt/best.pt, intact
-          out_dir/data_dir failed its write probe with an I/O error
-    75    under torchrun: another rank died without a word         the last save, intact; --resume
-          (SIGKILL, a crash), so this one stops too
-    130   SIGINT (Ctrl-C): the current step finished, then saved   last.pt of that step; resume is exact
-    143   SIGTERM (e.g. preemption): the same                      last.pt of that step; resume is exact
-
-130 and 143 follow the shell's 128 + signal-number convention, so schedulers that requeue preempted
-jobs recognise them; 74 is EX_IOERR and 75 EX_TEMPFAIL ("try again later") from sysexits.h. Under
-torchrun, a rank that stops because another rank failed prints nothing and exits with that rank's
-code (distributed.stop_together).
+A stop is an errors.RunStopped carrying its exit code (machinery/errors.py defines every code, the one
+place they are). ``run_error`` names the two endings only a run has, Ctrl-C before its first step and a
+peer rank lost mid-collective, so that train.py ends through errors.exit_for like every entry point.
 """
 from __future__ import annotations
 
@@ -31,18 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
-EXIT_BAD_INPUT = 2
-EXIT_NONFINITE = 3
-EXIT_WRITE_FAILED = 74
-EXIT_PEER_LOST = 75
-
-
-class RunStopped(Exception):
-    """Training stopped early on purpose; str() is the one-line reason, exit_code the process's code."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
+from machinery import distributed
+from machinery.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PEER_LOST, RunStopped, TinyGPTError
 
 
 class StopOnSignal:
@@ -194,28 +167,18 @@ class NonFiniteGuard:
                          "non-finite was applied or saved; lower learning_rate or check the data", EXIT_NONFINITE)
 
 
-def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
-    """train.py's table of how a run ends on an error: (its one line, the exit code, the rank that prints it,
-    None for none), or None for an error that is a bug, whose traceback is the report.
+def run_error(err: BaseException) -> BaseException:
+    """``err`` as train.py reports it: Ctrl-C before the first step, or a collective failing because a peer
+    rank died, as the RunStopped it means (errors.exit_for then gives its line and code); any other as it is.
 
-    Under torchrun one rank reports and the others stop silently (distributed.reporting_rank).
+    A dead peer cannot say why, so every rank that notices says so, each naming itself (reporting_rank).
     """
-    from machinery import distributed  # here, not at the top: distributed imports this module
-    from machinery.checkpoint import CheckpointError, CheckpointWriteError
-    from config import ConfigError
-    from data import DataError
-    from machinery.rundir import PathError
-
-    if isinstance(err, distributed.PeerFailed):  # another rank failed and prints why: this one stops silently
-        return "", err.exit_code, None
-    if isinstance(err, (RunStopped, CheckpointWriteError, PathError)):  # they carry their codes (table above)
-        return str(err), err.exit_code, distributed.reporting_rank(err)
-    if isinstance(err, (ConfigError, DataError, CheckpointError)):
-        return str(err), EXIT_BAD_INPUT, distributed.reporting_rank(err)
-    if isinstance(err, KeyboardInterrupt):  # Ctrl-C before the first step: nothing to save yet
-        return "interrupted before training started; nothing was saved", 130, distributed.reporting_rank(None)
-    reason = distributed.lost_peer(err) if isinstance(err, RuntimeError) else None
-    if reason is not None:  # a peer rank died mid-collective: it cannot say why, so this rank says so
-        return (f"another rank died without a word (killed or crashed; gloo: {reason}), so this one stops too; "
-                "the last save is intact, continue with --resume", EXIT_PEER_LOST, distributed.env_rank())
-    return None
+    if isinstance(err, KeyboardInterrupt):  # before the first step: nothing to save yet
+        return RunStopped("interrupted before training started; nothing was saved", EXIT_INTERRUPTED)
+    reason = None if isinstance(err, TinyGPTError) else distributed.lost_peer(err)  # a refusal says its own line
+    if reason is None:
+        return err
+    stopped = RunStopped(f"another rank died without a word (killed or crashed; gloo: {reason}), so this one "
+                         "stops too; the last save is intact, continue with --resume", EXIT_PEER_LOST)
+    stopped.reporting_rank = distributed.env_rank()
+    return stopped

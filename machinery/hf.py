@@ -17,7 +17,8 @@ Weights come as a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, or any "owne
 by huggingface_hub into its cache (HF_HOME, HF_HUB_OFFLINE apply), or a local folder holding
 model.safetensors (+ config.json), or a bare .safetensors file. A bare file's n_head comes from a
 config.json beside it or, for the four GPT-2 sizes, from KNOWN_HEADS. transformers is never
-imported here; huggingface_hub only when a hub name is used.
+imported here; huggingface_hub only when a hub name is used. The tokenizer's files in such a folder
+(vocab.json and merges.txt, or our char list) are machinery/tokenizers.py's: tokenizer_files, read_tokenizer.
 """
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ from typing import Any
 import torch
 
 from machinery.checkpoint import read_config
-from config import ConfigError, TrainConfig, config_from_dict, given_fields, model_config, replace
-from data import CharTokenizer
-from machinery.tokenizers import GPT2_EOT
+from config import TrainConfig, config_from_dict, given_fields, model_config, replace
 from machinery.distributed import print0
+from machinery.errors import HFError
+from machinery.tokenizers import CHARS_FILE, read_tokenizer, tokenizer_files
 from model import GPT, GPTConfig, describe
 
 # ----------------------------------------------------------------------------- the mapping
@@ -87,13 +88,6 @@ GPT2_OPTIONS = {
     "bias": ANY,  # bias-free models export zero biases
     "activation": ("gelu", "gelu_tanh"),  # activation_function gelu / gelu_new (see ACTIVATIONS)
 }
-GPT2_VOCAB = GPT2_EOT + 1  # GPT-2's BPE: 50256 byte-level tokens, then <|endoftext|>
-CHARS_FILE = "tinygpt_chars.json"  # a char model's vocabulary: token id i is chars[i]
-BPE_FILE = "tinygpt_bpe.json"  # a trained BPE's description (machinery/tokenizers.py): pattern and ranks
-
-
-class HFError(ConfigError):
-    """Weights or a config that do not fit this model; the message names the key and the fix."""
 
 
 def expand(n_layer: int) -> list[tuple[str, str]]:
@@ -300,31 +294,6 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: in
     return state
 
 
-def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
-    """The tokenizer a folder's weights were trained with, if it can tell: our char list, our BPE, or GPT-2's."""
-    chars_file = folder / CHARS_FILE
-    if chars_file.is_file():
-        try:
-            chars = "".join(json.loads(chars_file.read_text(encoding="utf-8"))["chars"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise HFError(f"{chars_file}: not a tinygpt char list ({type(err).__name__}: {err}); "
-                          'it must be JSON {"chars": [...]}') from None
-        if len(chars) != vocab_size:
-            raise HFError(f"{chars_file}: {len(chars)} characters for a vocabulary of {vocab_size}")
-        return {"kind": "char", "chars": chars}
-    bpe_file = folder / BPE_FILE
-    if bpe_file.is_file():
-        try:
-            meta = json.loads(bpe_file.read_text(encoding="utf-8"))
-            size = len(meta["ranks"]) + 1 if meta["kind"] == "bpe" and isinstance(meta["pattern"], str) else None
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise HFError(f"{bpe_file}: not a tinygpt BPE ({type(err).__name__}: {err})") from None
-        if size != vocab_size:
-            raise HFError(f"{bpe_file}: a BPE of {size} tokens for a vocabulary of {vocab_size}")
-        return meta
-    return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else None
-
-
 IMPORTED = ("n_layer", "n_head", "n_embd", "bias", "activation")  # the options a GPT-2 file fixes
 
 
@@ -442,85 +411,6 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
         (folder / name).write_text(text, encoding="utf-8")
         written.append(folder / name)
     return written
-
-
-def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
-    """Files AutoTokenizer loads to the same ids as ours: for a byte-level BPE (GPT-2's or one trained here)
-    vocab.json, merges.txt and tokenizer_config.json; for a char vocabulary a tokenizer.json (a BPE
-    with no merges: each character is its token). Our own description beside them, for init_from."""
-    kind = tokenizer.meta()["kind"]
-    if kind == "gpt2":
-        return bpe_tokenizer_files(tokenizer.enc, block_size)
-    if kind == "bpe":
-        return {**bpe_tokenizer_files(tokenizer.enc, block_size), BPE_FILE: tokenizer.meta()}
-    return {**char_tokenizer_files(tokenizer.chars, block_size),
-            CHARS_FILE: {"chars": list(tokenizer.chars),
-                         "decode": "token id i is the character chars[i]: text = ''.join(chars[i] for i in ids)"}}
-
-
-def char_tokenizer_files(chars: str, block_size: int) -> dict[str, Any]:
-    """tokenizer.json and tokenizer_config.json of a char vocabulary, for the tokenizers library: a BPE
-    model with one token per character and no merges, no normaliser and no pre-tokeniser (so spaces and
-    newlines are characters like any other), and a decoder that joins the tokens as they are."""
-    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-             "vocab": {ch: i for i, ch in enumerate(chars)}, "merges": []}
-    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-                 "pre_tokenizer": None, "post_processor": None, "decoder": {"type": "Fuse"}, "model": model}
-    # bos: the newline that starts our samples (config.json's bos_token_id), which lm_eval's hf backend puts
-    # before an empty context. It stays text: the vocabulary's own id, encoded and decoded as a newline.
-    start = chars[CharTokenizer(chars).eot_token]
-    return {"tokenizer.json": tokenizer,
-            "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": start,
-                                      "clean_up_tokenization_spaces": False, "model_max_length": block_size}}
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for every byte (Radford et al.'s encoder.py): printable Latin-1
-    bytes stand for themselves, the others for chr(256 + n) in byte order, so that no BPE token
-    holds whitespace or control characters in vocab.json / merges.txt."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
-
-
-def bpe_parts(token: bytes, ranks: dict[bytes, int]) -> list[bytes]:
-    """Byte-level BPE of ``token`` using only merges ranked below the token's own rank: the two
-    parts whose merge made it (tiktoken's merge loop: always the lowest-ranked adjacent pair)."""
-    limit = ranks[token]
-    parts = [bytes([b]) for b in token]
-    while len(parts) > 2:
-        rank, i = min((ranks.get(parts[j] + parts[j + 1], limit), j) for j in range(len(parts) - 1))
-        if rank >= limit:
-            break
-        parts[i: i + 2] = [parts[i] + parts[i + 1]]
-    return parts
-
-
-def bpe_tokenizer_files(enc, block_size: int) -> dict[str, Any]:
-    """vocab.json, merges.txt and tokenizer_config.json of a byte-level BPE from its tiktoken ranks (GPT-2's
-    or one trained here), offline: a GPT2Tokenizer, whose split pattern is the one both use.
-
-    A token's id is its rank; its merge is the pair BPE meets just before making it (bpe_parts).
-    """
-    eot = enc.eot_token
-    tokens = [enc.decode_single_token_bytes(i) for i in range(eot)]  # id = rank; <|endoftext|> last
-    ranks = {t: i for i, t in enumerate(tokens)}
-    to_text = bytes_to_unicode()
-    show = lambda t: "".join(to_text[b] for b in t)  # noqa: E731
-    merges = []
-    for token in tokens:
-        if len(token) > 1:
-            parts = bpe_parts(token, ranks)
-            if len(parts) != 2:
-                raise HFError(f"BPE token {ranks[token]} ({token!r}) is not the merge of two tokens")
-            merges.append(f"{show(parts[0])} {show(parts[1])}")
-    vocab = {show(t): i for i, t in enumerate(tokens)} | {"<|endoftext|>": eot}
-    special = "<|endoftext|>"
-    return {"vocab.json": vocab, "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
-            "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": special,
-                                      "eos_token": special, "unk_token": special, "add_prefix_space": False,
-                                      "model_max_length": block_size}}
 
 
 # ----------------------------------------------------------------------------- a run that starts from them

@@ -34,9 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # annotations only: config imports this module
-    from config import TrainConfig
+if TYPE_CHECKING:  # annotations only
     from model import GPT
+
+# What an entry is given: a config.TrainConfig (or, while config records what it reads, a stand-in for one).
+# Not imported: config is assembled from these tables, so it sits above this module (machinery/__init__.py).
+Config = Any
 
 CLOCKS = ("steps", "time")  # the values of TrainConfig.schedule: what measures a progress decay's progress
 
@@ -58,7 +61,7 @@ def first_line(function: Callable) -> str:
 
 @dataclass(frozen=True)
 class OptimizerEntry:
-    build: Callable[[GPT, TrainConfig, torch.device, torch.dtype], torch.optim.Optimizer]
+    build: Callable[[GPT, Config, torch.device, torch.dtype], torch.optim.Optimizer]
     options: dict[str, Option]  # fields of its own
 
     @property
@@ -68,7 +71,7 @@ class OptimizerEntry:
 
 @dataclass(frozen=True)
 class ScheduleEntry:
-    lr: Callable[[int, TrainConfig, float], float]  # (step, config, seconds into the run) -> the lr: the whole curve
+    lr: Callable[[int, Config, float], float]  # (step, config, seconds into the run) -> the lr: the whole curve
     options: dict[str, Option]  # fields of its own
     clocks: tuple[str, ...]  # the schedule values (CLOCKS) that can drive it
     declared: Callable  # the function the decorator was given (its docstring is the entry's help)
@@ -134,7 +137,7 @@ def adamw_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
 
 
 @optimizer("adamw")
-def build_adamw(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> torch.optim.AdamW:
+def build_adamw(model: GPT, cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.optim.AdamW:
     """torch's AdamW (decoupled weight decay, Loshchilov & Hutter 2019), fused where it can be."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied wte/lm_head weight once
     return torch.optim.AdamW(adamw_groups(params, cfg.weight_decay), lr=cfg.learning_rate,
@@ -144,7 +147,7 @@ def build_adamw(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch
 @optimizer("muon", muon_lr=Option(0.02, "the Muon matrices' peak lr; their lr follows learning_rate's schedule "
                                         "times muon_lr / learning_rate",
                                   valid=lambda v: math.isfinite(v) and v > 0, must="be > 0"))
-def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> MuonAdamW:
+def build_muon(model: GPT, cfg: Config, device: torch.device, dtype: torch.dtype) -> MuonAdamW:
     """Muon for the blocks' weight matrices, AdamW (learning_rate) for the rest, as one optimizer.
 
     The Newton-Schulz iteration runs in bf16 only where the run's matmuls do (``dtype``, which
@@ -161,7 +164,7 @@ def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.
     return MuonAdamW(adamw, muon)
 
 
-def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device,
+def build_optimizer(model: GPT, cfg: Config, device: torch.device,
                     dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
     """The optimizer the config names, from the table (config refuses a name it does not hold)."""
     return OPTIMIZERS[cfg.optimizer].build(model, cfg, device, dtype)
@@ -282,7 +285,7 @@ def merge_pair_state(adamw: dict[str, Any], muon: dict[str, Any]) -> dict[str, A
 
 
 # ----------------------------------------------------------------------------- lr schedules
-def shaped_curve(shape: Callable[[float, TrainConfig], float], step: int, cfg: TrainConfig, time_s: float) -> float:
+def shaped_curve(shape: Callable[[float, Config], float], step: int, cfg: Config, time_s: float) -> float:
     """A progress decay's curve: linear warmup to learning_rate over warmup_iters steps, then ``shape`` from
     the peak down to min_lr as the decay's progress goes 0 -> 1, and min_lr once it is 1.
 
@@ -306,7 +309,7 @@ def shaped_curve(shape: Callable[[float, TrainConfig], float], step: int, cfg: T
 
 
 @lr_decay("cosine")
-def cosine(progress: float, cfg: TrainConfig) -> float:
+def cosine(progress: float, cfg: Config) -> float:
     """Half a cosine from the peak down to min_lr.
 
     Loshchilov & Hutter 2017 (SGDR), without restarts: GPT-2's and nanoGPT's schedule."""
@@ -316,7 +319,7 @@ def cosine(progress: float, cfg: TrainConfig) -> float:
 @lr_decay("wsd", wsd_fraction=Option(0.2, "lr_decay=wsd: the final share of the decay's span spent going "
                                           "linearly down to min_lr (flat at the peak before it)",
                                      valid=lambda v: 0 < v <= 1, must="be in (0, 1]", resume="fixed"))
-def warmup_stable_decay(progress: float, cfg: TrainConfig) -> float:
+def warmup_stable_decay(progress: float, cfg: Config) -> float:
     """Flat at the peak, then linear down to min_lr over the last wsd_fraction (warmup-stable-decay).
 
     Hu et al. 2024 (MiniCPM, arXiv:2404.06395) introduced it; Hägele et al. 2024 (arXiv:2405.18392) find a

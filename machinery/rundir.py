@@ -28,23 +28,13 @@ try:
 except ImportError:  # Windows: no flock; runs go on unlocked, with a warning
     fcntl = None
 
-from config import ConfigError
-from machinery.faults import EXIT_BAD_INPUT, EXIT_WRITE_FAILED
+from machinery.errors import EXIT_WRITE_FAILED, PathError
 
 LOCK_NAME = ".lock"
 # A path the user must change (exit 2), as opposed to a device failing under a good one (exit 74).
 BAD_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR,
                    errno.ENAMETOOLONG, errno.ELOOP}
 CLAIM_ATTEMPTS = 5  # a lock file removed by its owner between our open and our flock: try the new one
-
-
-class PathError(ConfigError):
-    """A folder the run cannot use; str() is one line. exit_code: 2 for a path to change (a file in
-    the way, read-only, in use by another run), 74 (EX_IOERR) for an I/O failure under a good path."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def os_failure(folder: Path, flag: str, err: OSError) -> PathError:

@@ -10,7 +10,6 @@ import contextlib
 import random
 import re
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from config import ConfigError
+from machinery.errors import ConfigError
 from machinery.distributed import decide_on_main, print0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -249,14 +248,3 @@ def mfu(flops_per_token: float, tokens_per_s: float, device: torch.device, dtype
     if peak is None:
         return None
     return flops_per_token * tokens_per_s / (peak * world_size)
-
-
-def fail(message: str, code: int = 2, rank: int | None = 0) -> None:
-    """Print a one-line error for the user and exit; no traceback.
-
-    Under torchrun, ``rank`` is the rank printing it: a rank other than 0 names itself, and None
-    exits silently (rank 0 prints the same error for the job; see distributed.reporting_rank).
-    """
-    if rank is not None:
-        print(f"rank {rank}: error: {message}" if rank else f"error: {message}", file=sys.stderr)
-    sys.exit(code)

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-class DataError(ValueError):
-    """Bad or missing input data; the message names the file and what is wrong."""
+from machinery.errors import DataError
 
 
 def sha256_of(path: Path) -> str:

@@ -1,24 +1,66 @@
-"""Tokenizers beyond the textbook's characters: byte-level BPEs through tiktoken, GPT-2's and your own.
+"""Every tokenizer: one id per character (CharTokenizer), GPT-2's byte-level BPE and your own, and the files
+that hand each of them to Hugging Face.
 
-data.CharTokenizer is the one to read first; every tokenizer here has its interface (vocab_size, eot_token,
-special_ids, encode, encode_array, decode, decode_bytes, meta), and data.tokenizer_from_meta rebuilds any of
-them from the description a corpus or checkpoint keeps. Imported only by runs that use one.
+CharTokenizer is the one to read first; every tokenizer has its interface (vocab_size, eot_token, special_ids,
+encode, encode_array, decode, decode_bytes, meta), and ``tokenizer_from_meta`` rebuilds any of them from the
+description a corpus or checkpoint keeps. The byte-level BPEs are encoded by tiktoken, imported only by runs
+that use one. ``tokenizer_files`` writes what transformers' AutoTokenizer loads to the same ids (export_hf),
+``read_tokenizer`` reads our own description back from such a folder (init_from).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import tarfile
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
-from machinery.tokenfiles import DataError
+from machinery.downloads import pip_download_sdist, staging_prefix
+from machinery.errors import DataError, HFError
+
+
+class CharTokenizer:
+    """One id per character, the vocabulary being the sorted set of characters of the corpus."""
+
+    def __init__(self, chars: str):
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self.stoi = {ch: i for i, ch in enumerate(chars)}
+        self.eot_token = self.stoi.get("\n", 0)  # a newline is the natural "start" of char text
+        self.special_ids = frozenset()  # every id is a character of text
+
+    def encode(self, text: str) -> list[int]:
+        missing = sorted(set(text) - self.stoi.keys())
+        if missing:
+            raise DataError(f"characters not in the model's vocabulary: {''.join(missing)!r}")
+        return [self.stoi[ch] for ch in text]
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Fast vectorised encode for whole corpora."""
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        table = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted, since chars is
+        ids = np.searchsorted(table, codes)
+        if len(codes) and (ids.max() >= len(table) or not np.array_equal(table[ids], codes)):
+            return np.array(self.encode(text), dtype=np.int64)  # raises with the missing chars
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """UTF-8 bytes of decode(ids); every tokenizer has this, so streaming code needs one path."""
+        return self.decode(ids).encode("utf-8")
+
+    def meta(self) -> dict:
+        return {"kind": "char", "chars": self.chars}
 
 
 WHISPER_SDIST = "openai-whisper==20250625"
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_EOT = 50256  # <|endoftext|>
+GPT2_VOCAB = GPT2_EOT + 1  # GPT-2's BPE: 50256 byte-level tokens, then <|endoftext|>
 
 
 class TiktokenTokenizer:
@@ -121,8 +163,6 @@ def load_gpt2_encoding(cache: Path):
 
 def extract_gpt2_ranks(cache: Path, ranks_file: Path) -> None:
     """gpt2.tiktoken out of the openai-whisper sdist (from PyPI, the registry reachable everywhere), checked."""
-    from machinery.corpora import pip_download_sdist, staging_prefix  # downloads are corpus preparation's
-
     sdist = pip_download_sdist(WHISPER_SDIST, cache / "downloads", sha256=None)  # the file inside is checked
     with tarfile.open(sdist) as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
@@ -137,6 +177,124 @@ def extract_gpt2_ranks(cache: Path, ranks_file: Path) -> None:
 
 def tokenizer_vocab_size(meta: dict) -> int | None:
     """The vocabulary a tokenizer description implies (None for a kind this repo does not know)."""
-    sizes = {"char": lambda: len(meta.get("chars", "")), "gpt2": lambda: GPT2_EOT + 1,
+    sizes = {"char": lambda: len(meta.get("chars", "")), "gpt2": lambda: GPT2_VOCAB,
              "bpe": lambda: len(meta.get("ranks", [])) + 1}
     return sizes.get(meta.get("kind"), lambda: None)()
+
+
+def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
+    """Rebuild the tokenizer a corpus or checkpoint was made with."""
+    if meta["kind"] == "char":
+        return CharTokenizer(meta["chars"])
+    if meta["kind"] in ("gpt2", "bpe"):  # tiktoken is imported by them: only runs that use one import it
+        return GPT2Tokenizer(cache) if meta["kind"] == "gpt2" else BPETokenizer(meta)
+    raise DataError(f"unknown tokenizer kind {meta['kind']!r}")
+
+
+# ----------------------------------------------------------------------------- files for Hugging Face
+CHARS_FILE = "tinygpt_chars.json"  # a char model's vocabulary: token id i is chars[i]
+BPE_FILE = "tinygpt_bpe.json"  # a trained BPE's description (BPETokenizer.meta): pattern and ranks
+
+
+def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
+    """Files AutoTokenizer loads to the same ids as ours: for a byte-level BPE (GPT-2's or one trained here)
+    vocab.json, merges.txt and tokenizer_config.json; for a char vocabulary a tokenizer.json (a BPE
+    with no merges: each character is its token). Our own description beside them, for init_from."""
+    kind = tokenizer.meta()["kind"]
+    if kind == "gpt2":
+        return bpe_tokenizer_files(tokenizer.enc, block_size)
+    if kind == "bpe":
+        return {**bpe_tokenizer_files(tokenizer.enc, block_size), BPE_FILE: tokenizer.meta()}
+    return {**char_tokenizer_files(tokenizer.chars, block_size),
+            CHARS_FILE: {"chars": list(tokenizer.chars),
+                         "decode": "token id i is the character chars[i]: text = ''.join(chars[i] for i in ids)"}}
+
+
+def char_tokenizer_files(chars: str, block_size: int) -> dict[str, Any]:
+    """tokenizer.json and tokenizer_config.json of a char vocabulary, for the tokenizers library: a BPE
+    model with one token per character and no merges, no normaliser and no pre-tokeniser (so spaces and
+    newlines are characters like any other), and a decoder that joins the tokens as they are."""
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+             "vocab": {ch: i for i, ch in enumerate(chars)}, "merges": []}
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+                 "pre_tokenizer": None, "post_processor": None, "decoder": {"type": "Fuse"}, "model": model}
+    # bos: the newline that starts our samples (config.json's bos_token_id), which lm_eval's hf backend puts
+    # before an empty context. It stays text: the vocabulary's own id, encoded and decoded as a newline.
+    start = chars[CharTokenizer(chars).eot_token]
+    return {"tokenizer.json": tokenizer,
+            "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": start,
+                                      "clean_up_tokenization_spaces": False, "model_max_length": block_size}}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte (Radford et al.'s encoder.py): printable Latin-1
+    bytes stand for themselves, the others for chr(256 + n) in byte order, so that no BPE token
+    holds whitespace or control characters in vocab.json / merges.txt."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def bpe_parts(token: bytes, ranks: dict[bytes, int]) -> list[bytes]:
+    """Byte-level BPE of ``token`` using only merges ranked below the token's own rank: the two
+    parts whose merge made it (tiktoken's merge loop: always the lowest-ranked adjacent pair)."""
+    limit = ranks[token]
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        rank, i = min((ranks.get(parts[j] + parts[j + 1], limit), j) for j in range(len(parts) - 1))
+        if rank >= limit:
+            break
+        parts[i: i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def bpe_tokenizer_files(enc, block_size: int) -> dict[str, Any]:
+    """vocab.json, merges.txt and tokenizer_config.json of a byte-level BPE from its tiktoken ranks (GPT-2's
+    or one trained here), offline: a GPT2Tokenizer, whose split pattern is the one both use.
+
+    A token's id is its rank; its merge is the pair BPE meets just before making it (bpe_parts).
+    """
+    eot = enc.eot_token
+    tokens = [enc.decode_single_token_bytes(i) for i in range(eot)]  # id = rank; <|endoftext|> last
+    ranks = {t: i for i, t in enumerate(tokens)}
+    to_text = bytes_to_unicode()
+    show = lambda t: "".join(to_text[b] for b in t)  # noqa: E731
+    merges = []
+    for token in tokens:
+        if len(token) > 1:
+            parts = bpe_parts(token, ranks)
+            if len(parts) != 2:
+                raise HFError(f"BPE token {ranks[token]} ({token!r}) is not the merge of two tokens")
+            merges.append(f"{show(parts[0])} {show(parts[1])}")
+    vocab = {show(t): i for i, t in enumerate(tokens)} | {"<|endoftext|>": eot}
+    special = "<|endoftext|>"
+    return {"vocab.json": vocab, "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
+            "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": special,
+                                      "eos_token": special, "unk_token": special, "add_prefix_space": False,
+                                      "model_max_length": block_size}}
+
+
+def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
+    """The tokenizer a folder's weights were trained with, if it can tell: our char list, our BPE, or GPT-2's."""
+    chars_file = folder / CHARS_FILE
+    if chars_file.is_file():
+        try:
+            chars = "".join(json.loads(chars_file.read_text(encoding="utf-8"))["chars"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise HFError(f"{chars_file}: not a tinygpt char list ({type(err).__name__}: {err}); "
+                          'it must be JSON {"chars": [...]}') from None
+        if len(chars) != vocab_size:
+            raise HFError(f"{chars_file}: {len(chars)} characters for a vocabulary of {vocab_size}")
+        return {"kind": "char", "chars": chars}
+    bpe_file = folder / BPE_FILE
+    if bpe_file.is_file():
+        try:
+            meta = json.loads(bpe_file.read_text(encoding="utf-8"))
+            size = len(meta["ranks"]) + 1 if meta["kind"] == "bpe" and isinstance(meta["pattern"], str) else None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise HFError(f"{bpe_file}: not a tinygpt BPE ({type(err).__name__}: {err})") from None
+        if size != vocab_size:
+            raise HFError(f"{bpe_file}: a BPE of {size} tokens for a vocabulary of {vocab_size}")
+        return meta
+    return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else None

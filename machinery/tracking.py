@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from config import ConfigError, TrainConfig, as_dict, settings_line, unused_given
+from config import TrainConfig, as_dict, settings_line, unused_given
 from machinery.checkpoint import dtype_name
+from machinery.errors import ConfigError
 from machinery.runtime import mfu, threads_text
 
 RUN_ID_FILE = "wandb_id"  # in out_dir: the wandb run a --resume continues

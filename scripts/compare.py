@@ -49,14 +49,14 @@ from typing import Any
 import torch
 
 import train
-from machinery.checkpoint import CheckpointError, read_config
+from machinery.checkpoint import read_config
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config
-from data import DataError
 from machinery.corpora import corpus_source
 from machinery.faults import RunStopped, StopOnSignal
-from machinery.runtime import choose_runtime, fail, use_threads
+from machinery.runtime import choose_runtime, use_threads
 from sample import load_model
 from scripts.bench import parse_overrides
+from machinery.errors import TinyGPTError, exit_on, fail
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -523,10 +523,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         compare(argv, StopOnSignal())
-    except (ConfigError, DataError, CheckpointError) as err:
-        fail(str(err), 2)
-    except RunStopped as err:
-        fail(str(err), err.exit_code)
+    except TinyGPTError as err:  # bad input (2), a run that stopped (3, 130, 143): its line and code
+        exit_on(err)
     except KeyboardInterrupt:  # between runs, outside train's own handler: finished runs are on disk
         fail(f"interrupted; finished runs are kept; continue with the same command: {command_line(argv)}", 130)
 

@@ -31,11 +31,12 @@ import torch
 from machinery import hf
 import train
 from machinery.checkpoint import dtype_name, load_checkpoint
-from config import ConfigError, TrainConfig, model_config, parse_args, replace
-from data import DataError, corpus_for, special_tokens, tokenizer_from_meta, training_stream, val_windows
+from config import TrainConfig, model_config, parse_args, replace
+from data import corpus_for, special_tokens, tokenizer_from_meta, training_stream, val_windows
 from machinery.faults import NonFiniteGuard, RunStopped
 from model import GPT
 from machinery.runtime import choose_runtime, compile_for_step
+from machinery.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -526,17 +527,13 @@ def print_table(checks: list[Check]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every check and print the table; 0 if all pass, 1 if any fails, 2 on a config error."""
+    """Run every check and print the table; 0 if all pass, 1 if any fails; bad config or data exits as train.py."""
     t_start = time.time()
     try:
         cfg = parse_args(argv, __doc__.split("\n")[0] + " Takes train.py's flags.")
         checks = run_checks(cfg)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except DataError as err:
-        print(f"FAIL  data  {err}")
-        return 1
+    except TinyGPTError as err:  # bad config or data: one line and its exit code, as in train.py
+        exit_on(err)
     print_table(checks)
     failed = [c.name for c in checks if not c.passed]
     print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {time.time() - t_start:.1f} s"

@@ -23,13 +23,15 @@ from pathlib import Path
 
 import torch
 
-from machinery.checkpoint import CheckpointError, load_checkpoint
+from machinery.checkpoint import load_checkpoint
 from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config, replace
-from data import DataError, corpus_for, read_text_file, special_tokens, tokenizer_from_meta, val_windows
-from machinery.runtime import Runtime, choose_runtime, fail
+from data import DataError, corpus_for, special_tokens, tokenizer_from_meta, val_windows
+from machinery.runtime import Runtime, choose_runtime
 from model import GPT
 from sample import add_weights_flags, find_checkpoint, load_pretrained
 from train import evaluate, val_byte_count
+from machinery.corpora import read_text_file
+from machinery.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -165,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         rt = eval_runtime(loaded, args)
         loaded.model.to(rt.device)
         x, y, data = eval_windows(loaded, args.data_path, args.eval_tokens)
-    except (CheckpointError, ConfigError, DataError) as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     report = score(loaded, x, y, data, args.batch_size or loaded.cfg.batch_size, str(rt.dtype).removeprefix("torch."),
                    rt.device)
     if args.json:

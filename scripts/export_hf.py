@@ -17,12 +17,10 @@ from pathlib import Path
 import torch
 
 from machinery import hf
-from machinery.checkpoint import CheckpointError
-from config import CommandLine, ConfigError
-from data import DataError
-from machinery.rundir import PathError, check_writable
-from machinery.runtime import fail
+from config import CommandLine
+from machinery.rundir import check_writable
 from sample import find_checkpoint, load_model
+from machinery.errors import TinyGPTError, exit_on
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,10 +33,8 @@ def main(argv: list[str] | None = None) -> None:
         path = find_checkpoint(args.run)
         model, tokenizer = load_model(path, torch.device("cpu"))
         written = hf.export(model, tokenizer, Path(args.out))
-    except PathError as err:
-        fail(str(err), err.exit_code)
-    except (CheckpointError, ConfigError, DataError) as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     print(f"exported {path} -> {args.out}: {', '.join(p.name for p in written)}")
 
 

@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from machinery.checkpoint import CheckpointError
 from config import CommandLine, ConfigError, field_help
 from data import DataError
 from machinery import hf
 from model import GPT
-from machinery.runtime import fail, pick_device
+from machinery.runtime import pick_device
 from sample import add_weights_flags, find_checkpoint, generate, load_model, load_pretrained
+from machinery.errors import TinyGPTError, exit_on, fail
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         weights = load_pretrained(args.init_from, device) if args.init_from else load_model(Path(source), device)
         lm = TinyGPTLM(*weights, batch_size=args.batch_size)
         results = evaluate_tasks(lm, names, args)
-    except (CheckpointError, ConfigError, DataError) as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
     output = Path(args.output) if args.output else default_output(args, names)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=2, default=lm_utils.handle_non_serializable) + "\n")

@@ -28,12 +28,13 @@ import matplotlib
 import matplotlib.pyplot as plt
 
 from config import CommandLine
-from machinery.rundir import PathError, check_writable
+from machinery.rundir import check_writable
+from machinery.errors import DataError, TinyGPTError, exit_on
 
 matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import
 
 
-class MetricsError(ValueError):
+class MetricsError(DataError):
     """A file that is not a metrics.jsonl of train.py; the message names it (and the line)."""
 
 
@@ -211,8 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_writable(args.out.parent, "-o", f".plot-probe-{os.getpid()}")  # before the work, not after it
         print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")
-    except (MetricsError, PathError) as err:
-        parser.error(str(err))
+    except TinyGPTError as err:  # a file that is no metrics.jsonl, an -o to change: one line and its exit code
+        exit_on(err)
 
 
 if __name__ == "__main__":

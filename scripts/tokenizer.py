@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 from config import DEFAULTS, CommandLine, field_help
-from data import DataError, load_corpus, tokenizer_from_meta
+from data import load_corpus, tokenizer_from_meta
 from machinery.corpora import prepare
-from machinery.rundir import PathError
-from machinery.runtime import fail
+from machinery.errors import TinyGPTError, exit_on
 
 LONGEST = 20  # tokens shown from the largest vocabulary
 
@@ -125,10 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
     try:
         print(compare_trainers(args) if args.compare_trainers else report(args))
-    except PathError as err:
-        fail(str(err), err.exit_code)
-    except DataError as err:
-        fail(str(err))
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
 
 
 if __name__ == "__main__":

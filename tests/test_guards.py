@@ -29,7 +29,8 @@ import train
 from machinery.checkpoint import load_checkpoint
 from config import model_config
 from conftest import final_weights, make_optimizer, make_text, same_weights, tiny_model
-from data import CharTokenizer, get_batch, load_corpus
+from data import get_batch, load_corpus
+from machinery.tokenizers import CharTokenizer
 from machinery.corpora import prepare
 from fault_injection import (assert_nested_equal, call_of, capture_run, metrics, on_training_forward, run_for,
                              run_main, tiny_args)

@@ -25,9 +25,10 @@ import train
 from machinery.checkpoint import load_checkpoint
 from config import ConfigError, as_dict, make_config, parse_args, resume_changes
 from conftest import COUNT_CONNECTIONS, REPO, make_text, run_script, tiny_model
-from data import CharTokenizer, load_corpus, val_windows
+from data import load_corpus, val_windows
 from machinery.corpora import prepare
 from model import GPT
+from machinery.tokenizers import CharTokenizer, bpe_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 
@@ -410,7 +411,7 @@ def test_hf_tokenizer_files_encode_like_tiktoken(tmp_path_factory):
     from machinery.tokenizers import GPT2Tokenizer
     tok = GPT2Tokenizer(tmp_path_factory.mktemp("cache"))
     folder = tmp_path_factory.mktemp("tok")
-    for name, content in hf.bpe_tokenizer_files(tok.enc, 1024).items():
+    for name, content in bpe_tokenizer_files(tok.enc, 1024).items():
         (folder / name).write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
     theirs = transformers.AutoTokenizer.from_pretrained(folder)
     texts = ["Hello world", "ROMEO:\nO, she doth teach the torches to burn bright!\n\n",

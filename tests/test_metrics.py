@@ -12,7 +12,8 @@ from machinery import checkpoint
 import train
 from machinery.checkpoint import load_checkpoint
 from conftest import run_script, tiny_model
-from data import CharTokenizer, load_corpus, token_byte_lengths, val_windows
+from data import load_corpus, token_byte_lengths, val_windows
+from machinery.tokenizers import CharTokenizer
 from fault_injection import disk_full_from_step, metrics, run_main, tiny_args
 from scripts import eval as eval_script
 

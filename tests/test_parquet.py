@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import data
-from machinery import corpora
+from machinery import corpora, tokenizers
 import train
 from conftest import make_text
 from data import DataError
@@ -56,7 +56,7 @@ def test_parquet_prepares_exactly_as_the_same_documents_in_jsonl(tmp_path):
     assert_same_splits(from_parquet, from_jsonl)
     meta = json.loads((from_parquet / "meta.json").read_text())
     assert (meta["documents"], meta["val_documents"], meta["text_column"]) == (13, 2, "text")
-    tok = data.CharTokenizer(meta["tokenizer"]["chars"])
+    tok = tokenizers.CharTokenizer(meta["tokenizer"]["chars"])
     val = np.fromfile(from_parquet / "val.bin", dtype=meta["dtype"]).tolist()
     assert tok.decode(val) == "\n" + DOCS[0] + "\n" + DOCS[10]  # documents 0 and 10, each after a newline
 
@@ -82,10 +82,10 @@ def test_text_column_reads_another_column_or_field_and_names_another_folder(tmp_
     assert json.loads((folders[0] / "meta.json").read_text())["text_column"] == "content"
     argv = ["--data_path", str(parquet), "--data_dir", str(tmp_path / "d"), "--num_proc", "1"]
     prepared = sorted((tmp_path / "d").iterdir())
-    corpora.main(argv + ["--text_column", "content"])  # the flag reaches prepare: the cached folder, nothing new
+    data.main(argv + ["--text_column", "content"])  # the flag reaches prepare: the cached folder, nothing new
     assert sorted((tmp_path / "d").iterdir()) == prepared
     with pytest.raises(SystemExit) as stopped:
-        corpora.main(argv)  # the default column, "text", is not there
+        data.main(argv)  # the default column, "text", is not there
     assert stopped.value.code == 2 and "no column 'text' (its columns: id, content)" in capsys.readouterr().err
     for path in (parquet, jsonl):
         default, other = (corpus_source("", str(path), column)[0] for column in ("text", "content"))

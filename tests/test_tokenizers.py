@@ -13,11 +13,11 @@ import torch
 import sample
 from config import ConfigError, parse_args
 from conftest import make_text, run_script
-from data import CharTokenizer, DataError, tokenizer_from_meta
+from data import DataError
 from fault_injection import run_main, tiny_args
 from machinery import hf
 from machinery.corpora import prepare
-from machinery.tokenizers import BPETokenizer, train_bpe
+from machinery.tokenizers import BPETokenizer, CharTokenizer, tokenizer_files, tokenizer_from_meta, train_bpe
 
 VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's words can merge
 MIXED = "ROMEO: naïve café — 東京 🤖👍🏽\n\n\tend   of  line \n  x"  # ASCII, accents, emoji, whitespace runs
@@ -170,7 +170,7 @@ def test_an_export_gives_transformers_our_ids_and_our_greedy_text(tmp_path, kind
 
 
 def test_a_char_export_is_a_tokenizer_json_with_one_token_per_character(tmp_path):
-    files = hf.tokenizer_files(CharTokenizer(" \nab€"), 16)
+    files = tokenizer_files(CharTokenizer(" \nab€"), 16)
     model = files["tokenizer.json"]["model"]
     assert model["vocab"] == {" ": 0, "\n": 1, "a": 2, "b": 3, "€": 4} and model["merges"] == []
     assert files["tokenizer.json"]["pre_tokenizer"] is None and files["tokenizer.json"]["normalizer"] is None

@@ -247,9 +247,10 @@ def test_a_failing_compile_warns_once_and_runs_eager(monkeypatch):
     assert compile_or_eager(model, False, probe) is model
 
 
-# Imported only by the call that needs them: corpus preparation, GPT-2's tokenizer, Hugging Face interop.
-NOT_AT_IMPORT = ("machinery.corpora", "machinery.tokenizers", "machinery.hf", "tiktoken", "transformers",
-                 "huggingface_hub", "safetensors", "pyarrow")
+# Imported only by the call that needs them: corpus preparation, GPT-2's tokenizer (tiktoken: machinery/tokenizers.py,
+# the home of every tokenizer, imports it only to build a BPE), Hugging Face interop.
+NOT_AT_IMPORT = ("machinery.corpora", "machinery.hf", "tiktoken", "transformers", "huggingface_hub", "safetensors",
+                 "pyarrow")
 
 
 def test_train_py_imports_no_corpus_preparation_or_hugging_face_code_at_module_level():
