@@ -53,7 +53,8 @@ FAILS_AT = {
 
 def entry_points() -> list[str]:
     """Every command a user or developer runs: the core's three and each file of scripts/ (and of dev/, if any)."""
-    tools = sorted(f"{folder}/{path.name}" for folder in ("scripts", "dev") for path in (REPO / folder).glob("*.py"))
+    tools = sorted(f"{folder}/{path.name}" for folder in ("scripts", "dev") for path in (REPO / folder).glob("*.py")
+                   if path.name != "__init__.py")  # the packages' lists of their tools
     return ["train.py", "sample.py", "data.py", *tools]
 
 
