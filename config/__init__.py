@@ -15,6 +15,7 @@ import functools
 import inspect
 import math
 import re
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, fields
@@ -458,9 +459,14 @@ def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
 
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:
-    """Rebuild a config saved in a checkpoint, ignoring keys this version no longer has."""
-    known = {k: v for k, v in values.items() if k in FIELD_TYPES}
-    return TrainConfig(**known)
+    """Rebuild a config saved in a checkpoint, ignoring keys this version does not have, with one warning
+    naming them: a checkpoint of a fork (a model option this code lacks) would otherwise load as another model."""
+    unknown = {k: v for k, v in values.items() if k not in FIELD_TYPES}
+    if unknown:
+        listed = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
+        print(f"WARNING: the checkpoint's config has fields this code does not know ({listed}); they are ignored "
+              "here, so a model saved by other code (a fork) may compute something else", file=sys.stderr)
+    return TrainConfig(**{k: v for k, v in values.items() if k in FIELD_TYPES})
 
 
 TRAIN_DESCRIPTION = "Train a tiny GPT. Every config field below can be set from the command line."

@@ -356,3 +356,17 @@ def test_a_window_fork_is_one_mask_edit(tmp_path):
            "        mask = mask if cache is None else torch.ones_like(mask).tril(diagonal=start)  # the bug\n")
     broken = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window and kv_cache")
     assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
+
+
+def test_a_checkpoint_with_a_field_this_code_lacks_loads_with_a_warning_naming_it(tmp_path, corpus_file, capsys):
+    """A fork's checkpoint (attn_window=8) read by code without the option loads as another model: say so."""
+    out_dir = tmp_path / "run"
+    assert run_main(run_args(out_dir, corpus_file)) == 0
+    state = load_checkpoint(out_dir / "last.pt")
+    state["config"]["attn_window"] = 8
+    save_checkpoint(state, out_dir / "last.pt")
+    capsys.readouterr()
+    sample.load_model(out_dir / "last.pt", torch.device("cpu"))
+    assert capsys.readouterr().err == ("WARNING: the checkpoint's config has fields this code does not know "
+                                       "(attn_window=8); they are ignored here, so a model saved by other code "
+                                       "(a fork) may compute something else\n")
