@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from config import CommandLine, config_from_dict, field_help, model_config
 from data import special_tokens
-from machinery import hf
+from machinery import hf, lora
 from machinery.checkpoint import load_checkpoint
 from machinery.corpora import read_text_file
 from machinery.errors import CheckpointError, DataError, HFError, TinyGPTError, exit_on, fail
@@ -56,7 +56,11 @@ def load_model(path: Path, device: torch.device) -> tuple[GPT, object]:
     cfg = config_from_dict(state["config"])
     tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
     model = GPT(model_config(cfg, tokenizer.vocab_size))
-    model.load_state_dict(state["model"])
+    if "lora" in state:  # adapters only: put on the base they were trained on (init_from), merged (machinery/lora.py)
+        model.load_state_dict(hf.load_pretrained(cfg.init_from, cfg.block_size, cfg.bias).state)
+        model = lora.load_adapted(state, model, str(path))
+    else:
+        model.load_state_dict(state["model"])
     return model.to(device).eval(), tokenizer
 
 
