@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from config import CommandLine, make_config
+from config import CommandLine, ConfigError, TrainConfig, make_config
 from machinery.checkpoint import Checkpointer
 from machinery.distributed import Dist
 from machinery.errors import TinyGPTError, exit_on
@@ -29,9 +29,8 @@ BLOCK = 5  # steps per alternating block
 WARMUP = 3  # steps per run before timing: allocator and kernels warm
 
 
-def build(preset: str, overrides: dict[str, object]) -> Run:
+def build(cfg: TrainConfig) -> Run:
     """The run train.py would build (no init_from import: a random base, see the docstring)."""
-    cfg = make_config(preset, **overrides)
     return build_run(cfg, choose_runtime(cfg))
 
 
@@ -99,10 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data_path", default="", help="a text file instead of the preset's corpus")
     args = parser.parse_args(argv)
     try:
-        common = {"data_path": args.data_path, "data_dir": tempfile.gettempdir()} if args.data_path else {}
-        runs = {"full": build(args.config, common)}
-        runs[f"lora r{args.rank} {args.targets}"] = build(args.config, dict(
-            common, lora_rank=args.rank, lora_alpha=args.alpha, lora_targets=args.targets, init_from="(random base)"))
+        if args.rank < 1 or args.steps < 1:
+            raise ConfigError(f"need --rank and --steps >= 1, got --rank {args.rank} --steps {args.steps}")
+        common = {"data_path": args.data_path} if args.data_path else {}
+        lora = dict(lora_rank=args.rank, lora_alpha=args.alpha, lora_targets=args.targets, init_from="(random base)")
+        configs = {"full": make_config(args.config, **common),  # both checked before either is built
+                   f"lora r{args.rank} {args.targets}": make_config(args.config, **common, **lora)}
+        runs = {name: build(cfg) for name, cfg in configs.items()}
         times = measure(runs, args.steps)
     except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
         exit_on(err)
