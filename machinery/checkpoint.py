@@ -14,8 +14,9 @@ still reads), rng_per_rank (the same for every DDP rank, in rank order; one entr
 (the dtype the run resolved: float32, bfloat16 or float16), versions (python, torch, numpy, tiktoken, git commit and dirty flag).
 ``OPTIONAL_KEYS``: last_eval (the latest eval before the save: step, val_loss, val_bpb; in best.pt, the
 best one; empty until this process has run an eval), corpus (the data trained on: source, val_fraction
-and each split's fingerprint, data.Corpus.record; a resume on other data is refused), lora (a LoRA run: its base,
-the base's fingerprint and the adapters' shape, machinery/lora.record; a resume or a sample on another base is refused).
+and each split's fingerprint, data.Corpus.record; a resume on other data is refused). ``LORA_KEYS``, a LoRA run's
+only: lora (its base, the base's fingerprint and the adapters' shape, machinery/lora.record; a resume or a sample on
+another base is refused).
 
 On disk a checkpoint is the zip archive torch.save writes, with the sha256 of the archive stored in
 the zip comment (``tinygpt-sha256:<hex>``). Zip readers, torch.load included, ignore the comment;
@@ -49,7 +50,8 @@ from model import GPT
 FORMAT_VERSION = 2  # 2: time_s added
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss",
                  "config", "tokenizer", "rng", "rng_per_rank", "precision", "versions")
-OPTIONAL_KEYS = ("last_eval", "corpus", "lora")  # last_eval, corpus: since bits per byte / issue 23; lora: LoRA runs
+OPTIONAL_KEYS = ("last_eval", "corpus")  # written by train.py since bits per byte / issue 23; older checkpoints lack them
+LORA_KEYS = ("lora",)  # written by a LoRA run (lora_rank > 0) only
 
 
 DIGEST_PREFIX = b"tinygpt-sha256:"

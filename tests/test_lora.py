@@ -17,7 +17,7 @@ from conftest import make_text, tiny_model
 from data import load_corpus
 from fault_injection import assert_nested_equal, metrics
 from machinery import hf, lora
-from machinery.checkpoint import load_checkpoint
+from machinery.checkpoint import LORA_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, load_checkpoint
 from machinery.corpora import prepare
 from machinery.errors import CheckpointError
 from machinery.runtime import Runtime
@@ -159,6 +159,7 @@ def test_the_optimizer_sees_and_steps_only_the_adapters(corpus_paths, base_folde
 
 def test_a_lora_checkpoint_holds_the_adapters_and_the_bases_fingerprint_not_the_base(trained, base_folder):
     state = load_checkpoint(trained / "last.pt")
+    assert sorted(state) == sorted(REQUIRED_KEYS + OPTIONAL_KEYS + LORA_KEYS)
     pretrained = hf.load_pretrained(str(base_folder), 32)
     base = tiny_model(vocab_size=pretrained.config.vocab_size, block_size=32, bias=True, activation="gelu_tanh")
     base.load_state_dict(pretrained.state)
