@@ -11,11 +11,13 @@
                  Hugging Face (tokenizer_files, read_tokenizer)
     corpora      corpus preparation (python data.py): the built-in corpus, text files, document formats
                  (DOCUMENT_FORMATS), worker pools, staging
+    chat         conversations: the chat template, the loss mask it implies, a .jsonl of them prepared
     checkpoint   what last.pt and best.pt hold, atomic writes, verified reads, the resume policy (Checkpointer)
     faults       signals, the NaN/inf guard, and the stops only a run has (run_error)
     runtime      where and how a run computes (choose_runtime: device, threads, precision, compile), MFU
     tracking     metrics.jsonl and Weights & Biases (MetricsLog), ms/step and MFU (Throughput)
-    hf           GPT-2 / Hugging Face weights in and out; init_from (start_from)
+    hf           GPT-2 / Hugging Face weights in and out
+    finetune     init_from: a run of this repo or GPT-2's weights, the vocabulary grown by chat markers
 
 Layers, lowest first. A module imports only from its own layer and the layers below it, never from one
 above, and the imports form no cycle: lazy imports (inside a function) and those under TYPE_CHECKING
@@ -25,10 +27,10 @@ against it. A bare name is a module of this folder; a name ending in / is every 
     1  errors cli model.py: need nothing of the project
     2  tokenfiles downloads rundir distributed optim: one concern each, needing little more than errors
     3  tokenizers: below everything that makes or reads tokens
-    4  corpora: preparation, below data.py, which calls it
+    4  corpora chat: preparation (of texts, documents and conversations), below data.py, which calls it
     5  data.py: what a training step touches
     6  config/: the config, assembled from the options model.py, data.py and the tables declare
-    7  checkpoint faults runtime tracking hf: what a run calls, free to read the config
+    7  checkpoint faults runtime tracking hf finetune: what a run calls, free to read the config
     8  train.py sample.py scripts/ dev/ evals/: the entry points (the user's tools, the developers' checks)
 
 Read the core first (README, "Read the code in this order"); these are the second pass. Nothing here is

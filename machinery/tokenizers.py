@@ -114,6 +114,46 @@ class BPETokenizer(TiktokenTokenizer):
         return self.description
 
 
+class ChatTokenizer:
+    """A tokenizer with role markers after its vocabulary: ``base``'s ids unchanged, then one id per marker.
+
+    The markers are special tokens: ``encode`` never makes them from text (a user who types "<|user|>" types
+    text), only the chat template places them (machinery/chat.py). They take the ids base.vocab_size
+    onwards, which a model trained on ``base`` holds in its padded embedding rows, or in grown ones.
+    """
+
+    def __init__(self, base, markers: tuple[str, ...]):
+        self.base, self.markers = base, markers
+        self.vocab_size = base.vocab_size + len(markers)
+        self.marker_ids = {text: base.vocab_size + i for i, text in enumerate(markers)}  # "<|user|>" -> id
+        self.eot_token = base.eot_token
+        self.special_ids = frozenset(base.special_ids | set(self.marker_ids.values()))
+
+    def encode(self, text: str) -> list[int]:
+        return self.base.encode(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return self.base.encode_array(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """The base's bytes, with each marker written as its text (a marker is no text, but a log shows it)."""
+        out, run = [], []
+        for i in ids:
+            if i < self.base.vocab_size:
+                run.append(i)
+                continue
+            out.append(self.base.decode_bytes(run))
+            out.append(self.markers[i - self.base.vocab_size].encode())
+            run = []
+        return b"".join([*out, self.base.decode_bytes(run)])
+
+    def meta(self) -> dict:
+        return {**self.base.meta(), "chat_tokens": list(self.markers)}
+
+
 EOT_TEXT = "<|endoftext|>"
 BYTES = 256  # a byte-level BPE starts from every byte: its smallest vocabulary is these and <|endoftext|>
 
@@ -179,11 +219,19 @@ def tokenizer_vocab_size(meta: dict) -> int | None:
     """The vocabulary a tokenizer description implies (None for a kind this repo does not know)."""
     sizes = {"char": lambda: len(meta.get("chars", "")), "gpt2": lambda: GPT2_VOCAB,
              "bpe": lambda: len(meta.get("ranks", [])) + 1}
-    return sizes.get(meta.get("kind"), lambda: None)()
+    base = sizes.get(meta.get("kind"), lambda: None)()
+    return None if base is None else base + len(meta.get("chat_tokens", []))
+
+
+def without_chat(meta: dict) -> dict:
+    """The description of a chat tokenizer's base (ChatTokenizer.base): itself for any other."""
+    return {key: value for key, value in meta.items() if key != "chat_tokens"}
 
 
 def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
     """Rebuild the tokenizer a corpus or checkpoint was made with."""
+    if "chat_tokens" in meta:  # a chat model: its base tokenizer, then the role markers
+        return ChatTokenizer(tokenizer_from_meta(without_chat(meta), cache), tuple(meta["chat_tokens"]))
     if meta["kind"] == "char":
         return CharTokenizer(meta["chars"])
     if meta["kind"] in ("gpt2", "bpe"):  # tiktoken is imported by them: only runs that use one import it
