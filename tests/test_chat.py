@@ -156,3 +156,57 @@ def test_train_py_refuses_a_malformed_file_in_one_line_exit_2_writing_nothing(tm
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {path}:6: message 0 has role 'bot'")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """A tiny chat model trained from scratch on conversations (char tokenizer and the markers)."""
+    folder = tmp_path_factory.mktemp("chat")
+    chats = write_chats(folder / "chats.jsonl", n=60)
+    run_script("train.py", "--config", "tiny", "--data_path", str(chats), "--data_dir", str(folder / "data"),
+               "--out_dir", str(folder / "out"), "--device", "cpu", "--max_iters", "30", "--eval_interval", "30", "--block_size", "64",
+               "--chat_overflow", "truncate")
+    return folder / "out"
+
+
+def chat(run: Path, lines: list[str], *extra: str):
+    import subprocess
+    import sys
+    from conftest import REPO
+    return subprocess.run([sys.executable, "sample.py", "--ckpt", str(run), "--chat", "--temp", "0", *extra],
+                          input="".join(line + "\n" for line in lines), cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_saying_so_once(chat_run):
+    result = chat(chat_run, ["the king", "sweet lord", "fair day", "love", "the night"], "--system", "the lord")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out[0].startswith("# sampling from")
+    replies = [line for line in out[1:] if not line.startswith("(the context is full")]
+    assert len(replies) == 5  # one reply a turn, each ended at its <|end|> (or the window)
+    assert not any("<|" in line for line in replies)  # no marker is ever printed
+    assert sum(line.startswith("(the context is full") for line in out) == 1  # block_size 32: turns are dropped
+
+
+def test_chat_refuses_a_model_without_markers(tmp_path, text_file):
+    run_script("train.py", "--config", "tiny", "--data_path", str(text_file), "--data_dir", str(tmp_path / "data"),
+               "--out_dir", str(tmp_path / "out"), "--device", "cpu", "--max_iters", "2", "--eval_interval", "2")
+    result = chat(tmp_path / "out", ["hi"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: this model has no chat markers; fine-tune it on conversations first "
+                                     "(docs/finetuning.md) or drop --chat")
+
+
+def test_a_dialogue_drops_the_oldest_turns_never_the_system_prompt():
+    from machinery.chat import Dialogue
+    t = tok()
+    dialogue = Dialogue(t, block_size=40, room=10, system="be kind")
+    first = dialogue.prompt("hello there")
+    dialogue.reply("yes")
+    assert dialogue.dropped == 0 and first == render(t, [("system", "be kind"), ("user", "hello there")], reply=True)
+    ids = dialogue.prompt("and now")
+    assert dialogue.dropped >= 1 and len(ids) <= 30
+    assert ids[:3] == render(t, [("system", "be kind")])[:3]  # <|begin|><|system|>b...: the system prompt stays
+    with pytest.raises(DataError, match="say it shorter"):
+        dialogue.prompt("the king " * 5)
