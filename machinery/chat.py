@@ -47,6 +47,15 @@ def render(tokenizer: ChatTokenizer, messages: list[Message], reply: bool = Fals
     return out + [ids[ASSISTANT]] if reply else out
 
 
+def hf_chat_template() -> str:
+    """The template as Jinja, for tokenizer_config.json's chat_template: transformers' apply_chat_template
+    renders the same markers around the same texts, so its ids are ours (tests/test_chat.py)."""
+    roles = " ".join(f"{{%- if message['role'] == '{role}' %}}{{{{ '{marker}' }}}}{{%- endif %}}"
+                     for role, marker in ROLES.items())
+    return (f"{{{{- '{BEGIN}' }}}}{{%- for message in messages %}}{roles}{{{{ message['content'] + '{END}' }}}}"
+            f"{{%- endfor %}}{{%- if add_generation_prompt %}}{{{{ '{ASSISTANT}' }}}}{{%- endif %}}")
+
+
 def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
     """(N,) bool: which tokens of a conversation are targets, those whose last marker before is <|assistant|>."""
     markers = np.array(sorted(tokenizer.marker_ids.values()))

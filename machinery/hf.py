@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from machinery import chat
 from machinery.checkpoint import read_config
 from config import TrainConfig, config_from_dict, given_fields, model_config, replace
 from machinery.distributed import print0
@@ -421,7 +422,11 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     is_gpt2 = tokenizer.meta()["kind"] == "gpt2"
     # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end.
     bos, eos = (tokenizer.eot_token, tokenizer.eot_token) if is_gpt2 else (tokenizer.eot_token, None)
+    if hasattr(tokenizer, "marker_ids"):  # a chat model: a reply ends at <|end|>, and the template travels
+        eos = tokenizer.marker_ids[chat.END]
     files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, model.config.block_size)}
+    if hasattr(tokenizer, "marker_ids"):
+        files["tokenizer_config.json"]["chat_template"] = chat.hf_chat_template()
     if folder.exists() and any(folder.iterdir()):  # another model's tokenizer files would be loaded beside ours
         raise HFError(f"{folder} is not empty; export into a new folder (or delete this one first)")
     folder.mkdir(parents=True, exist_ok=True)

@@ -248,6 +248,8 @@ def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
     """Files AutoTokenizer loads to the same ids as ours: for a byte-level BPE (GPT-2's or one trained here)
     vocab.json, merges.txt and tokenizer_config.json; for a char vocabulary a tokenizer.json (a BPE
     with no merges: each character is its token). Our own description beside them, for init_from."""
+    if isinstance(tokenizer, ChatTokenizer):
+        return with_markers(tokenizer_files(tokenizer.base, block_size), tokenizer.marker_ids)
     kind = tokenizer.meta()["kind"]
     if kind == "gpt2":
         return bpe_tokenizer_files(tokenizer.enc, block_size)
@@ -256,6 +258,21 @@ def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
     return {**char_tokenizer_files(tokenizer.chars, block_size),
             CHARS_FILE: {"chars": list(tokenizer.chars),
                          "decode": "token id i is the character chars[i]: text = ''.join(chars[i] for i in ids)"}}
+
+
+def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, Any]:
+    """A base tokenizer's files and a chat tokenizer's role markers, as special added tokens (never split,
+    never made from text): in tokenizer.json (char) or tokenizer_config.json's added_tokens_decoder (BPE)."""
+    added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for text, i in markers.items()]
+    files = json.loads(json.dumps(files))  # a copy: the base's files stay as they are
+    if "tokenizer.json" in files:
+        files["tokenizer.json"]["added_tokens"] += added
+    else:
+        files["tokenizer_config.json"]["added_tokens_decoder"] = {
+            str(token.pop("id")): token for token in added}
+    files["tokenizer_config.json"]["additional_special_tokens"] = list(markers)
+    return files
 
 
 def char_tokenizer_files(chars: str, block_size: int) -> dict[str, Any]:

@@ -210,3 +210,30 @@ def test_a_dialogue_drops_the_oldest_turns_never_the_system_prompt():
     assert ids[:3] == render(t, [("system", "be kind")])[:3]  # <|begin|><|system|>b...: the system prompt stays
     with pytest.raises(DataError, match="say it shorter"):
         dialogue.prompt("the king " * 5)
+
+
+def base_tokenizer_of(kind: str, cache: Path):
+    from machinery.tokenizers import GPT2Tokenizer, train_bpe
+    from conftest import make_text
+    if kind == "char":
+        return CharTokenizer(CHARS)
+    return GPT2Tokenizer(cache) if kind == "gpt2" else train_bpe([make_text()], 300, "test")
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)])
+def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
+    """AutoTokenizer.apply_chat_template on the export renders the same markers around the same texts: our ids."""
+    transformers = pytest.importorskip("transformers")
+    from machinery import hf
+    t = chat_tokenizer(base_tokenizer_of(kind, tmp_path / "cache"))
+    hf.export(tiny_model(vocab_size=t.vocab_size), t, tmp_path / "export")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    messages = [("system", "the lord, be fair"), ("user", "what day is it?"), ("assistant", "a sweet one, my king."),
+                ("user", "and the night?")]
+    as_dicts = [{"role": role, "content": content} for role, content in messages]
+    assert theirs.apply_chat_template(as_dicts, tokenize=True, return_dict=False) == render(t, messages)
+    assert theirs.apply_chat_template(as_dicts, add_generation_prompt=True, tokenize=True, return_dict=False) == \
+        render(t, messages, reply=True)
+    assert theirs.decode(render(t, messages)) == t.decode(render(t, messages))  # markers decode as their text
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["eos_token_id"] == t.marker_ids[END]  # generate() stops where our chat stops
