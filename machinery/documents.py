@@ -131,7 +131,8 @@ def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction:
                           mininterval=1.0), bpe_vocab_size, str(path))
 
 
-def write_splits(documents: Iterable[np.ndarray], staging: Path, val_fraction: float) -> tuple[dict[str, int], int, int]:
+def write_splits(documents: Iterable[np.ndarray], staging: Path,
+                 val_fraction: float) -> tuple[dict[str, int], int, int]:
     """Each document's ids appended to staging's train.bin or val.bin (is_val_document), as they come:
     (tokens per split, documents, val documents)."""
     counts, n_docs, n_val_docs = {"train": 0, "val": 0}, 0, 0
