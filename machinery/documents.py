@@ -29,7 +29,7 @@ from tqdm import tqdm
 from machinery.formats import DEFAULT_TEXT_COLUMN, Source, check_files, document_sources, document_text, has_text_column
 from machinery.staging import staged_folder
 from machinery.tokenfiles import check_split_lengths, corpus_meta, token_dtype, write_meta
-from machinery.tokenizers import CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
+from machinery.tokenizers import CharTokenizer, GPT2Tokenizer, TiktokenTokenizer, tokenizer_from_meta, train_bpe
 
 BATCH_CHARS = 1 << 25  # ~32 MB of text in flight at once: what bounds memory, not the corpus size
 T = TypeVar("T")
@@ -76,7 +76,7 @@ def map_documents(path: Path, work: Callable[[Source], T], num_proc: int,
 
 
 @functools.cache
-def worker_tokenizer(tokenizer_meta: str, cache: str):
+def worker_tokenizer(tokenizer_meta: str, cache: str) -> CharTokenizer | TiktokenTokenizer:
     """The tokenizer of a meta.json entry (as JSON, so hashable), built once per process and then reused:
     a worker builds it for its first document (GPT-2's ranks are read once, not once a batch)."""
     return tokenizer_from_meta(json.loads(tokenizer_meta), Path(cache))
@@ -118,7 +118,7 @@ def corpus_chars(path: Path, num_proc: int, text_column: str = DEFAULT_TEXT_COLU
 
 
 def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
-                       text_column: str, bpe_vocab_size: int):
+                       text_column: str, bpe_vocab_size: int) -> CharTokenizer | TiktokenTokenizer:
     """GPT-2's BPE, fetched or built once before the workers start; a BPE trained on the train documents
     (a first pass: val never shapes the merges); or a char vocabulary (a first pass for its characters)."""
     if tokenizer == "gpt2":
