@@ -303,7 +303,7 @@ def document_starts(tokens: np.ndarray, separator: int | None, chunk: int = 1 <<
 
 
 def document_separator(tokenizer) -> int | None:
-    """The id that begins each document of a prepared corpus (machinery/corpora.py, encode_document): GPT-2's or a
+    """The id that begins each document of a prepared corpus (machinery/documents.py, encode_document): GPT-2's or a
     BPE's <|endoftext|>, a char vocabulary's newline; None for a char vocabulary without a newline."""
     eot = tokenizer.eot_token
     return eot if eot in special_tokens(tokenizer) or tokenizer.decode([eot]) == "\n" else None

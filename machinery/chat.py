@@ -242,8 +242,8 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
     None trains one of kind ``tokenizer`` as from scratch. Each split is its conversations one after another,
     each starting with <|begin|>; meta.json's ``lines`` gives each one's line in the file.
     """
-    from machinery.corpora import corpus_meta, staged_folder  # preparation's machinery: below data.py as this is
-    from machinery.tokenfiles import sha256_of, token_dtype, write_meta
+    from machinery.staging import staged_folder  # preparation's machinery: below data.py as this is
+    from machinery.tokenfiles import corpus_meta, sha256_of, token_dtype, write_meta
 
     conversations, lines = read_conversations(path)
     val = [is_val(i, val_fraction) for i in range(len(conversations))]
@@ -291,7 +291,7 @@ def exchanges(text: str) -> list[tuple[str, str]]:
 def shakespeare_dialogue(data_dir: Path) -> Path:
     """data_dir/shakespeare_chat.jsonl, made once from the built-in plays: each exchange a user turn (a speech)
     and an assistant turn (the reply that follows it in the play)."""
-    from machinery.corpora import shakespeare_text
+    from machinery.shakespeare import shakespeare_text
 
     path = data_dir / f"{SHAKESPEARE_CHAT}.jsonl"
     if not path.is_file():
