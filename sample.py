@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from config import CommandLine, field_help
 from data import special_tokens
-from machinery.corpora import read_text_file
+from machinery.formats import read_text_file
 from machinery.errors import DataError, TinyGPTError, exit_on, fail
 from machinery.loading import add_weights_flags, load_weights
 from machinery.runtime import pick_device

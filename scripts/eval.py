@@ -28,7 +28,7 @@ from data import DataError, corpus_for, special_tokens, val_windows
 from machinery.loading import Loaded, add_weights_flags, load_weights
 from machinery.runtime import Runtime, choose_runtime
 from train import evaluate, val_byte_count
-from machinery.corpora import read_text_file
+from machinery.formats import read_text_file
 from machinery.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent
