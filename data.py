@@ -28,7 +28,6 @@ import torch
 from machinery.cli import CommandLine, add_field_flags
 from machinery.errors import DataError, TinyGPTError, exit_on
 from machinery.tokenfiles import open_verified
-from machinery.tokenizers import tokenizer_from_meta  # noqa: F401 - imported from here by scripts; its home is there
 
 
 def special_tokens(tokenizer) -> set[int]:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 from config import DEFAULTS, CommandLine, field_help
-from data import load_corpus, tokenizer_from_meta
+from data import load_corpus
+from machinery.tokenizers import tokenizer_from_meta
 from machinery.corpora import prepare
 from machinery.errors import TinyGPTError, exit_on
 
