@@ -29,7 +29,6 @@ from machinery.chat import BEGIN, check_fit, chat_source, conversation_rows, is_
 from machinery.cli import CommandLine, add_field_flags
 from machinery.errors import DataError, TinyGPTError, exit_on
 from machinery.tokenfiles import open_verified
-from machinery.tokenizers import tokenizer_from_meta  # noqa: F401 - imported from here by scripts; its home is there
 
 
 def special_tokens(tokenizer) -> set[int]:

@@ -8,9 +8,9 @@
     python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (machinery/hf.py)
     python sample.py --ckpt out/chat_small --chat                       # a conversation, a turn per line
 
-The checkpoint carries the tokenizer, so nothing else is needed. Reads top to bottom: choosing a
-token (filters, temperature) -> the context window and its KV cache -> the generation loop ->
-streaming text and stop strings -> the command line and the prompt loop.
+The checkpoint carries the tokenizer, so nothing else is needed (machinery/loading.py loads them). Reads
+top to bottom: choosing a token (filters, temperature) -> the context window and its KV cache -> the
+generation loop -> streaming text and stop strings -> the command line and the prompt loop.
 """
 from __future__ import annotations
 
@@ -24,54 +24,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from config import CommandLine, config_from_dict, field_help, model_config
+from config import CommandLine, field_help
 from data import special_tokens
-from machinery import hf
 from machinery.chat import Dialogue
-from machinery.checkpoint import load_checkpoint
-from machinery.corpora import read_text_file
-from machinery.errors import CheckpointError, DataError, HFError, TinyGPTError, exit_on, fail
+from machinery.formats import read_text_file
+from machinery.errors import DataError, TinyGPTError, exit_on, fail
+from machinery.loading import add_weights_flags, load_weights
 from machinery.runtime import pick_device
-from machinery.tokenizers import CHARS_FILE, GPT2_VOCAB, tokenizer_from_meta
 from model import GPT
-
-
-def find_checkpoint(ckpt: str) -> Path:
-    """A file as given; a folder's best.pt (else last.pt); by default the newest best.pt under out/."""
-    if ckpt:
-        path = Path(ckpt)
-        if path.is_dir():
-            for name in ("best.pt", "last.pt"):
-                if (path / name).is_file():
-                    return path / name
-            raise CheckpointError(f"{path}: no best.pt or last.pt in this folder")
-        return path
-    found = sorted(Path("out").glob("**/best.pt"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise CheckpointError("no checkpoint found under out/; train one first: python train.py --config small")
-    return found[-1]
-
-
-def load_model(path: Path, device: torch.device) -> tuple[GPT, object]:
-    """Model in eval mode and its tokenizer, from a checkpoint."""
-    state = load_checkpoint(path)  # to CPU: the optimizer state it also holds never needs the GPU
-    cfg = config_from_dict(state["config"])
-    tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
-    model = GPT(model_config(cfg, tokenizer.vocab_size))
-    model.load_state_dict(state["model"])
-    return model.to(device).eval(), tokenizer
-
-
-def load_pretrained(source: str, device: torch.device, data_dir: Path = Path("data")) -> tuple[GPT, object]:
-    """Model in eval mode and its tokenizer, from Hugging Face GPT-2 weights (machinery/hf.py); no checkpoint."""
-    pretrained = hf.load_pretrained(source)
-    if pretrained.tokenizer is None:
-        raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} (known: "
-                      f"GPT-2's BPE, {GPT2_VOCAB} tokens, or a char list in {CHARS_FILE})")
-    tokenizer = tokenizer_from_meta(pretrained.tokenizer, data_dir)
-    model = GPT(pretrained.config)
-    model.load_state_dict(pretrained.state)
-    return model.to(device).eval(), tokenizer
 
 
 # ----------------------------------------------------------------------------- choosing a token
@@ -266,15 +226,6 @@ class Continuations:
 
 
 # ----------------------------------------------------------------------------- command line
-def add_weights_flags(parser: argparse.ArgumentParser) -> None:
-    """--ckpt or --init_from: where the weights come from (also scripts/eval.py's)."""
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
-    source.add_argument("--init_from", "--init-from", default="",
-                        help="pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a "
-                             "folder / .safetensors in the Hugging Face GPT-2 layout")
-
-
 def unescape(text: str) -> str:
     """--stop's escapes, so a shell can pass a newline: \\n, \\t and \\\\ (any other character stays as it is)."""
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
@@ -426,9 +377,9 @@ def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Gener
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        path = args.init_from or find_checkpoint(args.ckpt)
         device = pick_device(args.device)
-        model, tokenizer = load_pretrained(args.init_from, device) if args.init_from else load_model(path, device)
+        loaded = load_weights(args, device)  # machinery/loading.py: --ckpt's checkpoint or --init_from's weights
+        model, tokenizer = loaded.model, loaded.tokenizer
         text = read_text_file(Path(args.prompt_file), "--prompt-file") if args.prompt_file else args.prompt
         if args.chat:
             tokenizer.encode(args.system)  # a character the vocabulary lacks: one line now, not at every turn
@@ -436,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
             prompt_ids(tokenizer, text)  # a character the vocabulary lacks: one line now, before any output
     except TinyGPTError as err:  # a bad checkpoint, config, device or prompt: one line and its exit code
         exit_on(err)
-    print(f"# sampling from {path}", flush=True)
+    print(f"# sampling from {loaded.source}", flush=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     if args.chat:
         chat(model, tokenizer, args, generator)

@@ -2,6 +2,7 @@
 
     errors       every error the user is shown, each with its exit code; the one way out (exit_for, fail, exit_on)
     cli          command lines with train.py's manners: a mistake is one line; help is the fields' comments
+    files        files written whole or not at all (atomic_write: temp file, fsync, rename)
     tokenfiles   a tokenized folder on disk (train.bin, val.bin, meta.json) and its verification
     staging      written aside under a staging name, then renamed into place; what a killed prepare left, removed
     downloads    source distributions from PyPI, verified
@@ -22,19 +23,21 @@
     tracking     metrics.jsonl and Weights & Biases (MetricsLog), ms/step and MFU (Throughput)
     hf           GPT-2 / Hugging Face weights in and out
     finetune     init_from: a run of this repo or GPT-2's weights, the vocabulary grown by chat markers
+    loading      a model for use: a checkpoint found and loaded, or pretrained weights, as one Loaded;
+                 the --ckpt / --init_from flags
 
 Layers, lowest first. A module imports only from its own layer and the layers below it, never from one
 above, and the imports form no cycle: lazy imports (inside a function) and those under TYPE_CHECKING
 count like any other. tests/test_layers.py reads the list below and checks every import of the repo
 against it. A bare name is a module of this folder; a name ending in / is every file of that folder.
 
-    1  errors cli model.py: need nothing of the project
+    1  errors cli files model.py: need nothing of the project
     2  tokenfiles staging downloads rundir distributed optim: one concern each, needing little more than errors
     3  tokenizers: below everything that makes or reads tokens
     4  shakespeare texts formats documents corpora chat: preparation (corpora.prepare; chat's conversations), below data.py, which calls it
     5  data.py: what a training step touches
     6  config/: the config, assembled from the options model.py, data.py and the tables declare
-    7  checkpoint faults runtime tracking hf finetune: what a run calls, free to read the config
+    7  checkpoint faults runtime tracking hf finetune loading: what a run calls, free to read the config
     8  train.py sample.py scripts/ dev/ evals/: the entry points (the user's tools, the developers' checks)
 
 Read the core first (README, "Read the code in this order"); these are the second pass. Nothing here is

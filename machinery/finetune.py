@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from config import MODEL_OPTIONS, TrainConfig, config_from_dict, given_fields, model_config, replace
-from machinery.checkpoint import load_checkpoint, read_config
+from machinery.checkpoint import read_config
 from machinery.distributed import print0
 from machinery.errors import HFError
 from machinery.hf import fit_vocab
-from machinery.tokenizers import tokenizer_vocab_size
+from machinery.loading import from_checkpoint
 from model import GPTConfig, describe
 
 RUN_FILES = ("best.pt", "last.pt")  # a run folder's weights, in order of preference
@@ -47,18 +47,17 @@ class RunWeights:
 
 
 def load_run(path: Path, block_size: int) -> RunWeights:
-    """A run's best (or last) weights, its model options and tokenizer; block_size crops positions."""
-    state = load_checkpoint(path)
-    saved = model_config(config_from_dict(state["config"]), state["model"]["transformer.wte.weight"].shape[0])
-    vocab = tokenizer_vocab_size(state["tokenizer"]) or saved.vocab_size
+    """A run's weights, its model options and tokenizer (loading.from_checkpoint); block_size crops positions."""
+    loaded = from_checkpoint(path)
+    saved = loaded.model.config
     if block_size > saved.block_size:
         raise HFError(f"block_size {block_size} exceeds the {saved.block_size} positions of {path}; use "
                       f"--block_size {saved.block_size} or less")
-    config = GPTConfig(**{**saved.__dict__, "vocab_size": vocab, "block_size": block_size or saved.block_size})
-    weights = dict(state["model"])
+    config = GPTConfig(**{**saved.__dict__, "block_size": block_size or saved.block_size})
+    weights = loaded.model.state_dict()
     if "transformer.wpe.weight" in weights:
         weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][: config.block_size]  # (T, C)
-    return RunWeights(config, weights, str(path), state["tokenizer"])
+    return RunWeights(config, weights, str(path), loaded.tokenizer.meta())
 
 
 def adopt_run(cfg: TrainConfig, base: GPTConfig, tokenizer: dict, source: str) -> TrainConfig:

@@ -36,6 +36,7 @@ from machinery.checkpoint import read_config
 from config import TrainConfig, config_from_dict, given_fields, model_config, replace
 from machinery.distributed import print0
 from machinery.errors import HFError
+from machinery.files import atomic_write, atomic_write_text
 from machinery.tokenizers import CHARS_FILE, read_tokenizer, tokenizer_files, tokenizer_vocab_size, without_chat
 from model import GPT, GPTConfig, describe
 
@@ -416,7 +417,7 @@ def hf_config(config: GPTConfig, bos: int | None, eos: int | None) -> dict[str, 
 
 def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     """Write model.safetensors, config.json and the tokenizer's files to ``folder``; returns them."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     weights = to_hf(model)
     is_gpt2 = tokenizer.meta()["kind"] == "gpt2"
@@ -430,11 +431,12 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     if folder.exists() and any(folder.iterdir()):  # another model's tokenizer files would be loaded beside ours
         raise HFError(f"{folder} is not empty; export into a new folder (or delete this one first)")
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # Each file whole or absent (files.atomic_write): a kill mid-export never leaves a truncated one to load.
+    atomic_write(folder / "model.safetensors", lambda f: f.write(save(weights, metadata={"format": "pt"})))
     written = [folder / "model.safetensors"]
     for name, content in files.items():
         text = content if isinstance(content, str) else json.dumps(content, indent=1, ensure_ascii=False) + "\n"
-        (folder / name).write_text(text, encoding="utf-8")
+        atomic_write_text(folder / name, text)
         written.append(folder / name)
     return written
 

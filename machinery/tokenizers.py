@@ -17,7 +17,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from machinery.downloads import pip_download_sdist, staging_prefix
+from machinery.downloads import pip_download_sdist
+from machinery.staging import staging_prefix
 from machinery.errors import DataError, HFError
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import data
-from machinery import corpora, downloads, formats, shakespeare, staging, texts, tokenfiles
+from machinery import corpora, downloads, formats, shakespeare, staging, texts, tokenfiles, tokenizers
 import sample
 import train
 from machinery.checkpoint import load_checkpoint
@@ -217,7 +217,7 @@ def test_a_prepared_document_corpus_packs_into_rows_of_its_whole_documents(tmp_p
     jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
     cfg = tiny_cfg(data_path=str(jsonl), tokenizer="bpe", bpe_vocab_size=300, loader="bos_packed", block_size=64)
     corpus = data.corpus_for(cfg)
-    tokenizer = data.tokenizer_from_meta(corpus.meta["tokenizer"])
+    tokenizer = tokenizers.tokenizer_from_meta(corpus.meta["tokenizer"])
     stream = data.training_stream(cfg, corpus, tokenizer, 0, CPU)
     packed = 0
     for row in rows_of(stream.next()):
