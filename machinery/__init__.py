@@ -16,11 +16,13 @@
     formats      the document formats (DOCUMENT_FORMATS: .txt, .jsonl, .parquet, folders) and their readers
     documents    a corpus of documents tokenized by a pool of workers, streamed; val every k-th document
     corpora      corpus preparation (python data.py): prepare, the one entry; corpus names, the cache
+    chat         conversations: the chat template, the loss mask it implies, a .jsonl of them prepared
     checkpoint   what last.pt and best.pt hold, atomic writes, verified reads, the resume policy (Checkpointer)
     faults       signals, the NaN/inf guard, and the stops only a run has (run_error)
     runtime      where and how a run computes (choose_runtime: device, threads, precision, compile), MFU
     tracking     metrics.jsonl and Weights & Biases (MetricsLog), ms/step and MFU (Throughput)
-    hf           GPT-2 / Hugging Face weights in and out; init_from (start_from)
+    hf           GPT-2 / Hugging Face weights in and out
+    finetune     init_from: a run of this repo or GPT-2's weights, the vocabulary grown by chat markers
     loading      a model for use: a checkpoint found and loaded, or pretrained weights, as one Loaded;
                  the --ckpt / --init_from flags
 
@@ -32,10 +34,10 @@ against it. A bare name is a module of this folder; a name ending in / is every 
     1  errors cli files model.py: need nothing of the project
     2  tokenfiles staging downloads rundir distributed optim: one concern each, needing little more than errors
     3  tokenizers: below everything that makes or reads tokens
-    4  shakespeare texts formats documents corpora: preparation (corpora.prepare), below data.py, which calls it
+    4  shakespeare texts formats documents corpora chat: preparation (corpora.prepare; chat's conversations), below data.py, which calls it
     5  data.py: what a training step touches
     6  config/: the config, assembled from the options model.py, data.py and the tables declare
-    7  checkpoint faults runtime tracking hf loading: what a run calls, free to read the config
+    7  checkpoint faults runtime tracking hf finetune loading: what a run calls, free to read the config
     8  train.py sample.py scripts/ dev/ evals/: the entry points (the user's tools, the developers' checks)
 
 Read the core first (README, "Read the code in this order"); these are the second pass. Nothing here is
