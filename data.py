@@ -25,10 +25,10 @@ import copy
 import numpy as np
 import torch
 
+from machinery.chat import BEGIN, check_fit, chat_source, conversation_rows, is_chat, val_rows
 from machinery.cli import CommandLine, add_field_flags
 from machinery.errors import DataError, TinyGPTError, exit_on
 from machinery.tokenfiles import open_verified
-from machinery.tokenizers import tokenizer_from_meta  # noqa: F401 - imported from here by scripts; its home is there
 
 
 def special_tokens(tokenizer) -> set[int]:
@@ -92,12 +92,23 @@ class CorpusOptions:
     FIXED: ClassVar[tuple[str, ...]] = ("tokenizer", "bpe_vocab_size")
 
 
-def corpus_for(cfg) -> Corpus:
-    """The corpus a TrainConfig names (its CorpusOptions), tokenized once into cfg.data_dir (cached), then opened."""
-    from machinery import corpora  # downloads, formats, worker pools: imported when a run needs them
+def corpus_for(cfg, base_tokenizer: dict | None = None) -> Corpus:
+    """The corpus a TrainConfig names (its CorpusOptions), tokenized once into cfg.data_dir (cached), then opened.
 
-    folder = corpora.prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                             block_size=cfg.block_size, text_column=cfg.text_column, bpe_vocab_size=cfg.bpe_vocab_size)
+    A .jsonl of conversations (or the built-in shakespeare_chat) is prepared by machinery/chat.py, with
+    ``base_tokenizer`` (the fine-tuned model's, init_from) and its role markers."""
+    from machinery import chat, corpora  # downloads, formats, worker pools: imported when a run needs them
+
+    path = Path(cfg.data_path) if cfg.data_path else None
+    if path is None and cfg.dataset == chat.SHAKESPEARE_CHAT:
+        path = chat.shakespeare_dialogue(Path(cfg.data_dir))
+    if path is not None and chat.is_conversations(path):
+        folder = chat.prepare_conversations(path, Path(cfg.data_dir), cfg.tokenizer, cfg.val_fraction,
+                                            base_tokenizer, cfg.bpe_vocab_size)
+    else:
+        folder = corpora.prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
+                                 block_size=cfg.block_size, text_column=cfg.text_column,
+                                 bpe_vocab_size=cfg.bpe_vocab_size)
     return load_corpus(folder, cfg.block_size)
 
 
@@ -247,6 +258,40 @@ class PackedDocuments(TrainingStream):
         self.position = state["position"]
 
 
+class Conversations(PackedDocuments):
+    """One conversation a row, in a shuffled order (a new one each epoch), padded to the batch's longest; the
+    targets are the assistant's tokens only (machinery/chat.py: ``targets``), -1 elsewhere and in the padding.
+
+    The stream of a conversation corpus (machinery/chat.py), whatever cfg.loader says: a row never holds two
+    conversations, so each token sees its own conversation from its start and nothing else. A conversation
+    longer than block_size + 1 tokens is refused, or with overflow="truncate" cut there (said once).
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device: torch.device,
+                 tokenizer, overflow: str = "refuse", source: tuple[str, list[int]] = ("the train split", [])):
+        """``source``: the file and the line of each conversation, for a refusal to name (meta.json's lines)."""
+        self.tokenizer = tokenizer
+        super().__init__(tokens, batch_size, block_size, seed, device, tokenizer.marker_ids[BEGIN])
+        check_fit(self.ends - self.starts, block_size, overflow, source)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [self.next_document()[: self.block_size + 1] for _ in range(self.batch_size)]
+        x, y = conversation_rows(rows, self.tokenizer, max(map(len, rows)) - 1)
+        return x.to(self.device), y.to(self.device)
+
+    def stretches(self, row: np.ndarray) -> list[np.ndarray]:
+        return [row]
+
+
+def eval_windows(corpus: Corpus, tokenizer, block_size: int, max_targets: int = 0,
+                 overflow: str = "refuse") -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed val windows: val_windows over a text's tokens; for a chat corpus one conversation a row, block_size
+    wide, scored on the assistant's tokens only (chat.val_rows)."""
+    if is_chat(corpus):
+        return val_rows(corpus, tokenizer, block_size, overflow)
+    return val_windows(corpus.val, block_size, max_targets)
+
+
 def document_starts(tokens: np.ndarray, separator: int | None, chunk: int = 1 << 24) -> np.ndarray:
     """Offsets (D,) of every ``separator`` in ``tokens``, read a chunk at a time: no mask as large as the split."""
     if separator is None:
@@ -257,7 +302,7 @@ def document_starts(tokens: np.ndarray, separator: int | None, chunk: int = 1 <<
 
 
 def document_separator(tokenizer) -> int | None:
-    """The id that begins each document of a prepared corpus (machinery/corpora.py, encode_document): GPT-2's or a
+    """The id that begins each document of a prepared corpus (machinery/documents.py, encode_document): GPT-2's or a
     BPE's <|endoftext|>, a char vocabulary's newline; None for a char vocabulary without a newline."""
     eot = tokenizer.eot_token
     return eot if eot in special_tokens(tokenizer) or tokenizer.decode([eot]) == "\n" else None
@@ -270,6 +315,9 @@ LOADERS: dict[str, type[TrainingStream]] = {"random_windows": RandomWindows, "bo
 def training_stream(cfg, corpus: Corpus, tokenizer, rank: int, device: torch.device) -> TrainingStream:
     """The loader cfg.loader names, over the train split, seeded cfg.seed + rank: each DDP rank its own batches.
     A corpus the loader cannot read is a one-line DataError naming the file and the fix."""
+    if is_chat(corpus):
+        return Conversations(corpus.train, cfg.batch_size, cfg.block_size, cfg.seed + rank, device, tokenizer,
+                             cfg.chat_overflow, chat_source(corpus, "train"))
     try:
         return LOADERS[cfg.loader](corpus.train, cfg.batch_size, cfg.block_size, cfg.seed + rank, device,
                                    document_separator(tokenizer))

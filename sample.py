@@ -6,10 +6,11 @@
     python sample.py --ckpt out/small --prompt "ROMEO:" --stop "\\n\\n"   # one speech: stop at a blank line
     python sample.py --ckpt out/small --interactive                     # load once; a prompt per line
     python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (machinery/hf.py)
+    python sample.py --ckpt out/chat_small --chat                       # a conversation, a turn per line
 
-The checkpoint carries the tokenizer, so nothing else is needed. Reads top to bottom: choosing a
-token (filters, temperature) -> the context window and its KV cache -> the generation loop ->
-streaming text and stop strings -> the command line and the prompt loop.
+The checkpoint carries the tokenizer, so nothing else is needed (machinery/loading.py loads them). Reads
+top to bottom: choosing a token (filters, temperature) -> the context window and its KV cache -> the
+generation loop -> streaming text and stop strings -> the command line and the prompt loop.
 """
 from __future__ import annotations
 
@@ -23,57 +24,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from config import CommandLine, config_from_dict, field_help, model_config
+from config import CommandLine, field_help
 from data import special_tokens
-from machinery import hf, lora
-from machinery.checkpoint import load_checkpoint
-from machinery.corpora import read_text_file
-from machinery.errors import CheckpointError, DataError, HFError, TinyGPTError, exit_on, fail
+from machinery.chat import Dialogue
+from machinery.formats import read_text_file
+from machinery.errors import DataError, TinyGPTError, exit_on, fail
+from machinery.loading import add_weights_flags, load_weights
 from machinery.runtime import pick_device
-from machinery.tokenizers import CHARS_FILE, GPT2_VOCAB, tokenizer_from_meta
 from model import GPT
-
-
-def find_checkpoint(ckpt: str) -> Path:
-    """A file as given; a folder's best.pt (else last.pt); by default the newest best.pt under out/."""
-    if ckpt:
-        path = Path(ckpt)
-        if path.is_dir():
-            for name in ("best.pt", "last.pt"):
-                if (path / name).is_file():
-                    return path / name
-            raise CheckpointError(f"{path}: no best.pt or last.pt in this folder")
-        return path
-    found = sorted(Path("out").glob("**/best.pt"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise CheckpointError("no checkpoint found under out/; train one first: python train.py --config small")
-    return found[-1]
-
-
-def load_model(path: Path, device: torch.device) -> tuple[GPT, object]:
-    """Model in eval mode and its tokenizer, from a checkpoint."""
-    state = load_checkpoint(path)  # to CPU: the optimizer state it also holds never needs the GPU
-    cfg = config_from_dict(state["config"])
-    tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
-    model = GPT(model_config(cfg, tokenizer.vocab_size))
-    if "lora" in state:  # adapters only: put on the base they were trained on (init_from), merged (machinery/lora.py)
-        model.load_state_dict(hf.load_pretrained(cfg.init_from, cfg.block_size, cfg.bias).state)
-        model = lora.load_adapted(state, model, str(path))
-    else:
-        model.load_state_dict(state["model"])
-    return model.to(device).eval(), tokenizer
-
-
-def load_pretrained(source: str, device: torch.device, data_dir: Path = Path("data")) -> tuple[GPT, object]:
-    """Model in eval mode and its tokenizer, from Hugging Face GPT-2 weights (machinery/hf.py); no checkpoint."""
-    pretrained = hf.load_pretrained(source)
-    if pretrained.tokenizer is None:
-        raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} (known: "
-                      f"GPT-2's BPE, {GPT2_VOCAB} tokens, or a char list in {CHARS_FILE})")
-    tokenizer = tokenizer_from_meta(pretrained.tokenizer, data_dir)
-    model = GPT(pretrained.config)
-    model.load_state_dict(pretrained.state)
-    return model.to(device).eval(), tokenizer
 
 
 # ----------------------------------------------------------------------------- choosing a token
@@ -268,15 +226,6 @@ class Continuations:
 
 
 # ----------------------------------------------------------------------------- command line
-def add_weights_flags(parser: argparse.ArgumentParser) -> None:
-    """--ckpt or --init_from: where the weights come from (also scripts/eval.py's)."""
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
-    source.add_argument("--init_from", "--init-from", default="",
-                        help="pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a "
-                             "folder / .safetensors in the Hugging Face GPT-2 layout")
-
-
 def unescape(text: str) -> str:
     """--stop's escapes, so a shell can pass a newline: \\n, \\t and \\\\ (any other character stays as it is)."""
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
@@ -291,8 +240,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     prompt.add_argument("--interactive", action="store_true",
                         help="load once, then continue each prompt read from stdin, one line each (Ctrl-D or "
                              "Ctrl-C at the prompt quits; Ctrl-C while generating stops that continuation)")
+    prompt.add_argument("--chat", action="store_true",
+                        help="a conversation with a chat model (fine-tuned on conversations): each line read from "
+                             "stdin is your turn, the reply streams until its end marker (Ctrl-D quits)")
+    parser.add_argument("--system", default="", help="with --chat: the system prompt, kept however long the talk")
     parser.add_argument("--multiline", action="store_true",
-                        help="with --interactive: a prompt is every line up to an empty line")
+                        help="with --interactive or --chat: a prompt is every line up to an empty line")
     parser.add_argument("--num-samples", "--num_samples", type=int, default=1, help="samples, generated as one batch")
     parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=500,
                         help="tokens generated per sample")
@@ -315,8 +268,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.temp >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1 \
             or args.max_new_tokens < 0:
         fail("need --temp >= 0, 0 < --top-p <= 1, --top-k >= 0, --num-samples >= 1 and --max-new-tokens >= 0")
-    if args.multiline and not args.interactive:
+    if args.multiline and not (args.interactive or args.chat):
         fail("--multiline reads prompts for --interactive; add --interactive, or pass the text with --prompt-file")
+    if args.system and not args.chat:
+        fail("--system is the system prompt of a --chat; add --chat")
     if args.stream is None:
         args.stream = sys.stdout.isatty()
     return args
@@ -384,20 +339,59 @@ def interactive(model: GPT, tokenizer, args: argparse.Namespace, generator: torc
             print("\n" + "-" * 40, flush=True)
 
 
+def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:
+    """A conversation on stdin: each line is the user's turn, the assistant's reply is streamed until its
+    <|end|> (or any other marker: the model must not write the user's part), the oldest turns dropped as
+    the context fills (said once)."""
+    if not hasattr(tokenizer, "marker_ids"):
+        fail("this model has no chat markers; fine-tune it on conversations first (docs/finetuning.md) or drop --chat")
+    block_size = model.config.block_size
+    dialogue = Dialogue(tokenizer, block_size, min(args.max_new_tokens, block_size // 2), args.system)
+    device, warned = next(model.parameters()).device, False
+    while (text := read_prompt(args.multiline)) is not None:
+        try:
+            prompt = dialogue.prompt(text)
+        except DataError as err:  # a character the vocabulary lacks, a message too long: say so, ask again
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            continue
+        if dialogue.dropped and not warned:
+            print("(the context is full: the oldest turns are dropped from now on; the system prompt stays)", flush=True)
+            warned = True
+        reply = Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()))
+        shown = 0
+
+        def on_token(next_id: torch.Tensor) -> None:
+            nonlocal shown
+            reply.push(next_id)
+            print(reply.printable(0)[shown:], end="", flush=True)
+            shown = len(reply.printable(0))
+
+        idx = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
+        generate(model, idx, block_size - len(prompt), args.temp, args.top_k, args.top_p, generator,
+                 use_cache=args.cache, on_token=on_token, stop=lambda _: reply.all_done())  # never past the window
+        reply.finish()
+        print(reply.texts[0][shown:], flush=True)
+        dialogue.reply(reply.texts[0])
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        path = args.init_from or find_checkpoint(args.ckpt)
         device = pick_device(args.device)
-        model, tokenizer = load_pretrained(args.init_from, device) if args.init_from else load_model(path, device)
+        loaded = load_weights(args, device)  # machinery/loading.py: --ckpt's checkpoint or --init_from's weights
+        model, tokenizer = loaded.model, loaded.tokenizer
         text = read_text_file(Path(args.prompt_file), "--prompt-file") if args.prompt_file else args.prompt
-        if not args.interactive:
+        if args.chat:
+            tokenizer.encode(args.system)  # a character the vocabulary lacks: one line now, not at every turn
+        elif not args.interactive:
             prompt_ids(tokenizer, text)  # a character the vocabulary lacks: one line now, before any output
     except TinyGPTError as err:  # a bad checkpoint, config, device or prompt: one line and its exit code
         exit_on(err)
-    print(f"# sampling from {path}", flush=True)
+    print(f"# sampling from {loaded.source}", flush=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    if args.interactive:
+    if args.chat:
+        chat(model, tokenizer, args, generator)
+    elif args.interactive:
         interactive(model, tokenizer, args, generator)
     else:
         sample(model, tokenizer, text, args, generator)

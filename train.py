@@ -26,7 +26,8 @@ import torch
 from tqdm import tqdm
 
 from config import TrainConfig, model_config, parse_args
-from data import Corpus, TrainingStream, corpus_for, iterate_windows, token_byte_lengths, training_stream, val_windows
+from data import (Corpus, TrainingStream, corpus_for, eval_windows, iterate_windows, token_byte_lengths,
+                  training_stream)
 from machinery import distributed, lora, rundir
 from machinery.checkpoint import Checkpointer, refuse_to_overwrite, remove_stale_temp_files
 from machinery.distributed import Dist, all_reduce_sum, print0
@@ -208,10 +209,10 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
     ddp = ddp or Dist(device=rt.device)
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     with distributed.main_first(rt.device):  # rank 0 prepares the corpus, the others then read the cache
-        corpus = corpus_for(cfg)
-    x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
-                    for w in val_windows(corpus.val, cfg.block_size, cfg.eval_tokens))
+        corpus = corpus_for(cfg, pretrained.tokenizer if pretrained is not None else None)
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
+    x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
+                    for w in eval_windows(corpus, tokenizer, cfg.block_size, cfg.eval_tokens, cfg.chat_overflow))
     stream = training_stream(cfg, corpus, tokenizer, ddp.rank, rt.device)  # draws from its own generator only
     model = GPT(model_config(cfg, corpus.vocab_size))
     if pretrained is not None:  # init_from: the imported weights, once their tokenizer is the corpus's
@@ -227,14 +228,14 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
 
 
 def start_from(cfg: TrainConfig, out_dir: Path, ddp: Dist) -> tuple[TrainConfig, object]:
-    """init_from: the pretrained model's shape, and for a fresh run its weights (machinery/hf.py, imported
-    only then). Before anything is measured: the shape is the dtype probe's."""
+    """init_from: the base model's shape, and for a fresh run its weights (a run of this repo or GPT-2's:
+    machinery/finetune.py, imported only then). Before anything is measured: the shape is the dtype probe's."""
     if not cfg.init_from:
         return cfg, None
-    from machinery import hf
+    from machinery import finetune
 
     with distributed.main_first(ddp.device):  # rank 0 downloads the weights, the others read its cache
-        return hf.start_from(cfg, out_dir)
+        return finetune.start_from(cfg, out_dir)
 
 
 def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, ddp: Dist) -> tuple[bool, bool]:

@@ -126,6 +126,7 @@ class TrainConfig:
     # with_corpus_options (a resume checks the corpus itself: Corpus.record's fingerprints of both splits) ---
     eval_tokens: int = fixed(0)  # val targets scored per eval; 0 = the whole val split (what best_val_loss is measured on)
     loader: str = fixed("random_windows")  # how training batches are drawn, a name in data.LOADERS (docs/data.md, "The training stream")
+    chat_overflow: Literal["refuse", "truncate"] = fixed("refuse")  # a conversation longer than block_size + 1 tokens: refuse the run (naming its line) | truncate it there
     # --- model: the options are declared in model.GPTConfig and added by with_model_options ---
     # --- optimisation (an optimizer's or lr decay's own options are declared with it in machinery/optim.py) ---
     batch_size: int = warned(32)  # sequences per micro-batch
@@ -199,7 +200,7 @@ CHOOSERS = (*TABLES, "schedule", "tokenizer")  # the fields that choose what rea
 # The fields the rest of the run reads whatever the choices (the loop, the data, the checkpoint), so never
 # unused even where a fork's optimizer or schedule reads one too (batch_size, for a linear-scaling rule).
 # tests/test_training_options.py checks it against what that code reads (ast), in both directions.
-LOOP_FIELDS = ("batch_size", "ckpt_interval", "compile", "data_dir", "data_path", "dataset", "device", "dtype",
+LOOP_FIELDS = ("batch_size", "chat_overflow", "ckpt_interval", "compile", "data_dir", "data_path", "dataset", "device", "dtype",
                "eval_interval", "eval_tokens", "grad_accum", "grad_clip", "init_from", "loader", "log_interval",
                "max_iters", "max_skipped_steps", "max_time", "out_dir", "resume", "seed", "text_column", "threads",
                "val_fraction", "wandb", "wandb_project")

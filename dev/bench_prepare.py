@@ -34,7 +34,9 @@ from pathlib import Path
 
 from config import CommandLine, choices, field_help
 from machinery.errors import TinyGPTError, exit_on, fail
-from machinery.corpora import import_pyarrow, prepare, shakespeare_text
+from machinery.corpora import prepare
+from machinery.formats import import_pyarrow
+from machinery.shakespeare import shakespeare_text
 
 FORMATS = (".jsonl", ".parquet")
 ROW_GROUP_ROWS = 1000  # many row groups per file, as in sharded web corpora, so reading crosses them

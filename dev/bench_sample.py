@@ -32,7 +32,8 @@ import torch
 
 from config import CommandLine, field_help, make_config, model_config
 from model import GPT
-from sample import find_checkpoint, generate, load_model, window_start
+from machinery.loading import find_checkpoint, from_checkpoint
+from sample import generate, window_start
 from machinery.errors import TinyGPTError, exit_on
 
 SHARE_OF_POSSIBLE = 0.25  # of the possible gain, the default goal; a working cache got 0.5-0.75 (docs/sampling.md)
@@ -76,7 +77,7 @@ def build_model(args) -> tuple[GPT, str]:
     """The model to time and what it is: a checkpoint's (file or run folder), or a random init."""
     if args.ckpt:
         path = find_checkpoint(args.ckpt)
-        return load_model(path, torch.device("cpu"))[0], f"checkpoint {path}"
+        return from_checkpoint(path).model, f"checkpoint {path}"
     shape = make_config(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
     torch.manual_seed(0)
     return GPT(model_config(shape, args.vocab_size)).eval(), "random init"

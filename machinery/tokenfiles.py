@@ -106,10 +106,30 @@ def split_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
+def corpus_meta(tok, source: str, val_fraction: float, counts: dict[str, int], **extra) -> dict:
+    """What meta.json says of a prepared corpus (write_meta adds the fingerprints): one schema for every kind."""
+    return {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).name,
+            "source": source, "val_fraction": val_fraction, "train_tokens": counts["train"],
+            "val_tokens": counts["val"], **extra}
+
+
 def write_meta(staging: Path, meta: dict) -> None:
     """meta.json last, with each split's fingerprint: what load_corpus verifies on every open."""
     meta = {**meta, "fingerprint": {split: split_fingerprint(staging / f"{split}.bin") for split in SPLITS}}
     (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) -> None:
+    """Refuse splits that cannot fill one window of block_size inputs and their targets.
+
+    open_split checks the same on every start; preparation checks it too, so that a corpus too short for
+    the run is refused before its files are written, not cached and then refused.
+    """
+    for split, n in tokens.items():
+        if n < block_size + 1:
+            raise DataError(f"{source}: the {split} split would hold {n} tokens, fewer than block_size + 1 = "
+                            f"{block_size + 1}; use more text, a smaller --block_size"
+                            + (" or a larger --val_fraction" if split == "val" else ""))
 
 
 def open_split(path: Path, meta: dict, block_size: int) -> np.ndarray:

@@ -17,7 +17,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from machinery.downloads import pip_download_sdist, staging_prefix
+from machinery.downloads import pip_download_sdist
+from machinery.staging import staging_prefix
 from machinery.errors import DataError, HFError
 
 
@@ -114,6 +115,46 @@ class BPETokenizer(TiktokenTokenizer):
         return self.description
 
 
+class ChatTokenizer:
+    """A tokenizer with role markers after its vocabulary: ``base``'s ids unchanged, then one id per marker.
+
+    The markers are special tokens: ``encode`` never makes them from text (a user who types "<|user|>" types
+    text), only the chat template places them (machinery/chat.py). They take the ids base.vocab_size
+    onwards, which a model trained on ``base`` holds in its padded embedding rows, or in grown ones.
+    """
+
+    def __init__(self, base, markers: tuple[str, ...]):
+        self.base, self.markers = base, markers
+        self.vocab_size = base.vocab_size + len(markers)
+        self.marker_ids = {text: base.vocab_size + i for i, text in enumerate(markers)}  # "<|user|>" -> id
+        self.eot_token = base.eot_token
+        self.special_ids = frozenset(base.special_ids | set(self.marker_ids.values()))
+
+    def encode(self, text: str) -> list[int]:
+        return self.base.encode(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return self.base.encode_array(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """The base's bytes, with each marker written as its text (a marker is no text, but a log shows it)."""
+        out, run = [], []
+        for i in ids:
+            if i < self.base.vocab_size:
+                run.append(i)
+                continue
+            out.append(self.base.decode_bytes(run))
+            out.append(self.markers[i - self.base.vocab_size].encode())
+            run = []
+        return b"".join([*out, self.base.decode_bytes(run)])
+
+    def meta(self) -> dict:
+        return {**self.base.meta(), "chat_tokens": list(self.markers)}
+
+
 EOT_TEXT = "<|endoftext|>"
 BYTES = 256  # a byte-level BPE starts from every byte: its smallest vocabulary is these and <|endoftext|>
 
@@ -179,11 +220,19 @@ def tokenizer_vocab_size(meta: dict) -> int | None:
     """The vocabulary a tokenizer description implies (None for a kind this repo does not know)."""
     sizes = {"char": lambda: len(meta.get("chars", "")), "gpt2": lambda: GPT2_VOCAB,
              "bpe": lambda: len(meta.get("ranks", [])) + 1}
-    return sizes.get(meta.get("kind"), lambda: None)()
+    base = sizes.get(meta.get("kind"), lambda: None)()
+    return None if base is None else base + len(meta.get("chat_tokens", []))
+
+
+def without_chat(meta: dict) -> dict:
+    """The description of a chat tokenizer's base (ChatTokenizer.base): itself for any other."""
+    return {key: value for key, value in meta.items() if key != "chat_tokens"}
 
 
 def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
     """Rebuild the tokenizer a corpus or checkpoint was made with."""
+    if "chat_tokens" in meta:  # a chat model: its base tokenizer, then the role markers
+        return ChatTokenizer(tokenizer_from_meta(without_chat(meta), cache), tuple(meta["chat_tokens"]))
     if meta["kind"] == "char":
         return CharTokenizer(meta["chars"])
     if meta["kind"] in ("gpt2", "bpe"):  # tiktoken is imported by them: only runs that use one import it
@@ -200,6 +249,8 @@ def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
     """Files AutoTokenizer loads to the same ids as ours: for a byte-level BPE (GPT-2's or one trained here)
     vocab.json, merges.txt and tokenizer_config.json; for a char vocabulary a tokenizer.json (a BPE
     with no merges: each character is its token). Our own description beside them, for init_from."""
+    if isinstance(tokenizer, ChatTokenizer):
+        return with_markers(tokenizer_files(tokenizer.base, block_size), tokenizer.marker_ids)
     kind = tokenizer.meta()["kind"]
     if kind == "gpt2":
         return bpe_tokenizer_files(tokenizer.enc, block_size)
@@ -208,6 +259,21 @@ def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
     return {**char_tokenizer_files(tokenizer.chars, block_size),
             CHARS_FILE: {"chars": list(tokenizer.chars),
                          "decode": "token id i is the character chars[i]: text = ''.join(chars[i] for i in ids)"}}
+
+
+def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, Any]:
+    """A base tokenizer's files and a chat tokenizer's role markers, as special added tokens (never split,
+    never made from text): in tokenizer.json (char) or tokenizer_config.json's added_tokens_decoder (BPE)."""
+    added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for text, i in markers.items()]
+    files = json.loads(json.dumps(files))  # a copy: the base's files stay as they are
+    if "tokenizer.json" in files:
+        files["tokenizer.json"]["added_tokens"] += added
+    else:
+        files["tokenizer_config.json"]["added_tokens_decoder"] = {
+            str(token.pop("id")): token for token in added}
+    files["tokenizer_config.json"]["additional_special_tokens"] = list(markers)
+    return files
 
 
 def char_tokenizer_files(chars: str, block_size: int) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import torch
 from config import TrainConfig, as_dict, settings_line, unused_given
 from machinery.checkpoint import dtype_name
 from machinery.errors import ConfigError
+from machinery.files import atomic_write_text
 from machinery.runtime import mfu, threads_text
 
 RUN_ID_FILE = "wandb_id"  # in out_dir: the wandb run a --resume continues
@@ -265,10 +266,8 @@ def drop_records_after(path: Path, step: int) -> int | None:
     lines = path.read_text().splitlines(keepends=True)
     steps = [json.loads(line)["step"] for line in lines if line.endswith("\n")]
     kept = [line for line, logged in zip(lines, steps) if logged <= step]
-    if kept != lines:  # temp file + rename: a kill here must not lose the log
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+    if kept != lines:  # written whole, then renamed: a kill here must not lose the log
+        atomic_write_text(path, "".join(kept))
     return max(steps, default=None)
 
 

@@ -39,7 +39,6 @@ import math
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
@@ -49,14 +48,15 @@ from typing import Any
 import torch
 
 import train
-from machinery.checkpoint import read_config
+from machinery.checkpoint import git, git_state, read_config
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config
 from machinery.corpora import corpus_source
 from machinery.faults import RunStopped, StopOnSignal
 from machinery.runtime import choose_runtime, use_threads
-from sample import load_model
+from machinery.loading import from_checkpoint
 from scripts.bench import parse_overrides
 from machinery.errors import TinyGPTError, exit_on, fail
+from machinery.files import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,6 +68,7 @@ RESULT = "result.json"  # written into a run's folder once it has finished: the 
 CODE = "code.json"  # written into a run's folder as it starts: the code it runs (code_fingerprint)
 NOT_TRAINING_CODE = ("tests", "docs", "scripts", "dev", "evals")  # folders whose .py files a training run never imports
 STEP_CAP_IN_TIME_MODE = 10**9  # --time without --steps: only the clock ends a run
+SHORT_COMMIT = 7  # hex digits of the commit shown beside a code hash (git's own short form)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a variant's name is a folder name
 
 
@@ -233,18 +234,10 @@ def check_reusable(run: Run) -> None:
 
 
 # ----------------------------------------------------------------------------- the code a run ran
-def git(*args: str) -> str:
-    """A git command's output in the repo, or "" where there is no git or no repository."""
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def source_files() -> list[str]:
     """The repo's .py files a training run can import, tracked or not (a fork's new module may not be added
     yet): every one outside NOT_TRAINING_CODE, as paths relative to the repo."""
-    listed = git("ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py").splitlines()
+    listed = git("ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py", cwd=REPO).splitlines()
     paths = listed or [str(p.relative_to(REPO)) for p in REPO.rglob("*.py")]
     return sorted(p for p in set(paths) if p.split("/")[0] not in NOT_TRAINING_CODE and (REPO / p).is_file())
 
@@ -256,9 +249,9 @@ def code_fingerprint() -> dict[str, str]:
     digest = hashlib.sha256()
     for path in source_files():
         digest.update(path.encode() + b"\0" + (REPO / path).read_bytes() + b"\0")
-    commit = git("rev-parse", "--short", "HEAD") or "no git"
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {"hash": digest.hexdigest()[:12], "commit": commit + ("+edits" if dirty else "")}
+    state = git_state()  # what checkpoints record as versions, short
+    commit = state["git_commit"][:SHORT_COMMIT] or "no git"
+    return {"hash": digest.hexdigest()[:12], "commit": commit + ("+edits" if state["git_dirty"] else "")}
 
 
 def saved_code(folder: Path) -> dict[str, str] | None:
@@ -293,10 +286,8 @@ def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
 
 
 def write_json(path: Path, record: dict[str, Any]) -> None:
-    """Written whole, then renamed: a kill never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    """Written whole, then renamed (files.atomic_write): a kill never leaves half a file."""
+    atomic_write_text(path, json.dumps(record, indent=1))
 
 
 # ----------------------------------------------------------------------------- running
@@ -350,7 +341,7 @@ def parameter_count(folder: Path) -> int:
     table), from the run's last.pt (0 if there is none)."""
     if not (folder / "last.pt").is_file():
         return 0
-    return load_model(folder / "last.pt", torch.device("cpu"))[0].num_params(non_embedding=False)
+    return from_checkpoint(folder / "last.pt").model.num_params(non_embedding=False)
 
 
 # ----------------------------------------------------------------------------- statistics and tables
@@ -464,8 +455,8 @@ def write_outputs(plan: Plan, summary: dict[str, Any]) -> str:
     from scripts import plot  # matplotlib: only once there is something to draw
 
     text = report(summary)
-    (plan.folder / "results.json").write_text(json.dumps(summary, indent=1))
-    (plan.folder / "results.md").write_text(text + "\n")
+    write_json(plan.folder / "results.json", summary)
+    atomic_write_text(plan.folder / "results.md", text + "\n")
     paths = [run.folder / "metrics.jsonl" for run in plan.runs]
     plot.plot(paths, plan.folder / "compare.png", labels=[run.variant for run in plan.runs], bpb=True,
               title=f"{len(plan.seeds)} seeds per variant: mean, min-max band")

@@ -32,10 +32,11 @@ from machinery import hf
 import train
 from machinery.checkpoint import dtype_name, load_checkpoint
 from config import TrainConfig, model_config, parse_args, replace
-from data import corpus_for, special_tokens, tokenizer_from_meta, training_stream, val_windows
+from data import corpus_for, special_tokens, training_stream, val_windows
 from machinery.faults import NonFiniteGuard, RunStopped
 from model import GPT
 from machinery.runtime import choose_runtime, compile_for_step
+from machinery.tokenizers import tokenizer_from_meta
 from machinery.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent

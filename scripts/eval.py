@@ -15,60 +15,36 @@ For the field's benchmarks (HellaSwag, LAMBADA, ...) see scripts/harness.py and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from machinery.checkpoint import load_checkpoint
-from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config, replace
-from data import DataError, corpus_for, special_tokens, tokenizer_from_meta, val_windows
+from config import CommandLine, ConfigError, field_help, replace
+from data import DataError, corpus_for, special_tokens, val_windows
+from machinery.loading import Loaded, add_weights_flags, load_weights
 from machinery.runtime import Runtime, choose_runtime
-from model import GPT
-from sample import add_weights_flags, find_checkpoint, load_pretrained
 from train import evaluate, val_byte_count
-from machinery.corpora import read_text_file
+from machinery.formats import read_text_file
 from machinery.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent
 
 PROGRESS_BATCHES = 20  # show a progress bar from this many batches on (and only in a terminal)
+PRETRAINED_BATCH = 8  # windows per forward for pretrained weights (GPT-2's are 1,024 tokens each)
 
 
-@dataclass
-class Loaded:
-    """A model to score and what scoring it the way training did needs."""
-    model: GPT  # in eval mode, on the device
-    tokenizer: object
-    cfg: TrainConfig  # the training config (block_size, corpus, eval_tokens, batch_size)
-    precision: str  # the dtype training ran in: float32, bfloat16, float16
-    source: str  # where the weights came from, for the report
-    step: int | None  # optimizer steps behind the weights
-    best_val_loss: float  # as logged by training
-
-
-def load(ckpt: str, device: torch.device) -> Loaded:
-    """The one place the model comes from (a checkpoint file or run folder)."""
-    path = find_checkpoint(ckpt)
-    state = load_checkpoint(path)
-    cfg = config_from_dict(state["config"])
-    tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
-    model = GPT(model_config(cfg, tokenizer.vocab_size))
-    model.load_state_dict(state["model"])
-    return Loaded(model.to(device).eval(), tokenizer, cfg, state["precision"], str(path), state["step"],
-                  state["best_val_loss"])
-
-
-def load_from_hf(source: str, device: torch.device) -> Loaded:
-    """Pretrained weights (a hub name, folder or .safetensors, as --init_from takes them): no run behind
-    them, so windows of the model's own block_size, fp32, and GPT-2's tokenizer on the built-in corpus."""
-    model, tokenizer = load_pretrained(source, device)
-    cfg = TrainConfig(block_size=model.config.block_size, batch_size=8, eval_tokens=0,
-                      tokenizer="gpt2" if tokenizer.meta()["kind"] == "gpt2" else "char")
-    return Loaded(model, tokenizer, cfg, "float32", source, None, math.nan)
+def load(args: argparse.Namespace) -> Loaded:
+    """The weights --ckpt or --init_from chose (machinery/loading.py), on the CPU until the runtime is chosen.
+    Pretrained weights have no run behind them: windows of the model's own block_size, PRETRAINED_BATCH
+    at a time, fp32, and GPT-2's tokenizer on the built-in corpus."""
+    loaded = load_weights(args)
+    if loaded.step is None:
+        loaded = dataclasses.replace(loaded, cfg=replace(loaded.cfg, batch_size=PRETRAINED_BATCH))
+    return loaded
 
 
 def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -163,7 +139,7 @@ def eval_runtime(loaded: Loaded, args: argparse.Namespace) -> Runtime:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        loaded = load_from_hf(args.init_from, torch.device("cpu")) if args.init_from else load(args.ckpt, torch.device("cpu"))
+        loaded = load(args)
         rt = eval_runtime(loaded, args)
         loaded.model.to(rt.device)
         x, y, data = eval_windows(loaded, args.data_path, args.eval_tokens)

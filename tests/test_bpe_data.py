@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from machinery import corpora
+from machinery import documents, formats
 import train
 from conftest import make_text
 from data import DataError, val_windows
-from machinery.corpora import is_val_document, prepare
+from machinery.corpora import prepare
+from machinery.documents import is_val_document
 from machinery.tokenizers import GPT2Tokenizer, GPT2_EOT
 from scripts import doctor
 from scripts import eval as eval_script
@@ -99,7 +100,7 @@ def test_folder_equals_jsonl_whatever_the_workers_and_batches(tmp_path, cache, m
     from_jsonl = prepare(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), tokenizer="gpt2",
                          data_dir=str(cache), val_fraction=0.25, num_proc=2)
     # Tiny batches (a few documents in flight at a time) and one worker change nothing in the output.
-    monkeypatch.setattr(corpora, "BATCH_CHARS", 500)
+    monkeypatch.setattr(documents, "BATCH_CHARS", 500)
     from_folder = prepare(data_path=str(write_folder(tmp_path / "docs", DOCS)), tokenizer="gpt2",
                           data_dir=str(cache), val_fraction=0.25, num_proc=1)
     for split in ("train", "val"):
@@ -107,8 +108,8 @@ def test_folder_equals_jsonl_whatever_the_workers_and_batches(tmp_path, cache, m
 
 
 def test_sources_are_sent_in_bounded_batches():
-    sources = [corpora.Source("text", f"doc{i}", "x" * 30) for i in range(10)]
-    batches = list(corpora.batched_sources(iter(sources), max_chars=100))
+    sources = [formats.Source("text", f"doc{i}", "x" * 30) for i in range(10)]
+    batches = list(documents.batched_sources(iter(sources), max_chars=100))
     assert [len(b) for b in batches] == [4, 4, 2]  # stops at >= 100 chars: memory is bounded
     assert [s for b in batches for s in b] == sources
 

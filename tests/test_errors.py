@@ -34,12 +34,13 @@ FAILURES = {
 # {nanogpt}: a folder that looks like nanoGPT's checkout). A new entry point brings its row.
 FAILS_AT = {
     "train.py": ("train", []),
-    "sample.py": ("find_checkpoint", []),
+    "sample.py": ("load_weights", []),
     "data.py": ("machinery.corpora:prepare", []),
     "bench.py": ("parse_overrides", []),
     "bench_prepare.py": ("shakespeare_text", []),
     "bench_sample.py": ("build_model", []),
     "bench_lora.py": ("build", []),
+    "bpe_trainers.py": ("compare_trainers", []),
     "compare.py": ("compare", []),
     "doctor.py": ("run_checks", []),
     "eval.py": ("load", []),

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from machinery import hf
+from machinery.loading import find_checkpoint, from_checkpoint
 import train
 from conftest import make_text, tiny_model
 from machinery.tokenizers import BPETokenizer
@@ -161,9 +162,9 @@ def test_lm_evals_hf_backend_scores_an_export_as_the_adapter_scores_its_checkpoi
     """Bug caught: a char export that transformers loaded as an empty GPT-2 tokenizer (every text -> []),
     on which lm_eval's own backend stopped with `assert len(context_enc) > 0`."""
     from lm_eval.models.huggingface import HFLM
-    import sample
     checkpoint = request.getfixturevalue(f"{kind}_checkpoint")
-    model, tokenizer = sample.load_model(sample.find_checkpoint(checkpoint), torch.device("cpu"))
+    loaded = from_checkpoint(find_checkpoint(checkpoint))
+    model, tokenizer = loaded.model, loaded.tokenizer
     hf.export(model, tokenizer, tmp_path / "export")
     theirs = HFLM(pretrained=str(tmp_path / "export"), device="cpu", batch_size=2)
     ours = harness.TinyGPTLM(model.eval(), tokenizer, batch_size=2)
@@ -177,8 +178,8 @@ def test_lm_evals_hf_backend_scores_an_export_as_the_adapter_scores_its_checkpoi
 
 def test_the_offline_task_runs_from_the_command_line_and_writes_its_json(char_checkpoint, tmp_path, capsys):
     """From the checkpoint, and from its Hugging Face export through --init_from: the same scores."""
-    import sample
-    model, tokenizer = sample.load_model(sample.find_checkpoint(char_checkpoint), torch.device("cpu"))
+    loaded = from_checkpoint(find_checkpoint(char_checkpoint))
+    model, tokenizer = loaded.model, loaded.tokenizer
     hf.export(model, tokenizer, tmp_path / "export")
     scores = []
     for flag, source in (("--ckpt", char_checkpoint), ("--init_from", str(tmp_path / "export"))):

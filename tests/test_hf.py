@@ -27,6 +27,7 @@ from config import ConfigError, as_dict, make_config, parse_args, resume_changes
 from conftest import COUNT_CONNECTIONS, REPO, make_text, run_script, tiny_model
 from data import load_corpus, val_windows
 from machinery.corpora import prepare
+from machinery.loading import from_checkpoint
 from model import GPT
 from machinery.tokenizers import CharTokenizer, bpe_tokenizer_files
 
@@ -439,7 +440,8 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     assert cfg.init_from == "gpt2" and cfg.learning_rate <= 1e-4
     train.train(cfg)
     run_script("-m", "scripts.export_hf", cfg.out_dir, str(tmp / "export"))
-    model, tokenizer = sample.load_model(tmp / "run" / "best.pt", torch.device("cpu"))
+    loaded = from_checkpoint(tmp / "run" / "best.pt")
+    model, tokenizer = loaded.model, loaded.tokenizer
     assert isinstance(tokenizer, GPT2Tokenizer) and model.config.activation == "gelu_tanh"
     theirs, complaints = from_pretrained(tmp / "export")
     assert complaints == []
@@ -482,17 +484,17 @@ def test_the_doctor_passes_every_check_on_the_finetune_preset_with_a_local_gpt2_
 def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(tmp_path, tiny_cfg, capsys):
     """The doctor checks an init_from config at the imported shape; an export never mixes two models'
     files; a broken char list is one line."""
-    from sample import load_model
     from scripts import doctor
     cfg = tiny_cfg(out_dir=str(tmp_path / "run"), max_iters=4, eval_interval=4)
     train.train(cfg)
     folder = tmp_path / "hf"
-    hf.export(*load_model(tmp_path / "run" / "best.pt", torch.device("cpu")), folder)
+    loaded = from_checkpoint(tmp_path / "run" / "best.pt")
+    hf.export(loaded.model, loaded.tokenizer, folder)
     assert doctor.main(["--config", "tiny", "--init_from", str(folder), "--data_path", cfg.data_path,
                         "--data_dir", cfg.data_dir, "--out_dir", str(tmp_path / "doc")]) == 0
     assert "15/15 checks passed" in capsys.readouterr().out
     with pytest.raises(hf.HFError, match="is not empty; export into a new folder"):
-        hf.export(*load_model(tmp_path / "run" / "best.pt", torch.device("cpu")), folder)
+        hf.export(loaded.model, loaded.tokenizer, folder)
     (folder / hf.CHARS_FILE).write_text("{not json")
     with pytest.raises(hf.HFError, match="not a tinygpt char list"):
         hf.load_pretrained(str(folder))

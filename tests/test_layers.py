@@ -142,7 +142,7 @@ def test_the_graph_sees_the_imports_that_matter():
     graph = import_graph(sources)
     assert "scripts/bench.py" in graph["scripts/compare.py"]  # `from bench import parse_overrides`
     assert {"machinery/distributed.py", "machinery/rundir.py"} <= graph["train.py"]  # `from machinery import ...`
-    assert "machinery/hf.py" in graph["train.py"]  # imported inside start_from, only for init_from
+    assert "machinery/finetune.py" in graph["train.py"]  # imported inside start_from, only for init_from
     assert "machinery/errors.py" in graph["machinery/tokenizers.py"]  # the bottom, from everywhere
     assert graph["machinery/errors.py"] == set()
 

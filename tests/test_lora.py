@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import sample
+from machinery import loading
+from machinery.loading import from_checkpoint
 import train
 from config import ConfigError, make_config
 from conftest import make_text, tiny_model
@@ -195,7 +196,7 @@ def test_a_resume_on_another_base_is_refused_naming_both_fingerprints(corpus_pat
 def test_sampling_a_lora_run_merges_its_adapters_and_refuses_a_changed_base(corpus_paths, trained, base_folder,
                                                                            tmp_path, monkeypatch):
     state = load_checkpoint(trained / "last.pt")
-    model, _ = sample.load_model(trained / "last.pt", torch.device("cpu"))
+    model = from_checkpoint(trained / "last.pt").model
     assert not lora.adapters(model)
     cfg, pretrained = hf.start_from(lora_cfg(corpus_paths, tmp_path / "x", base_folder), tmp_path / "x")
     run = train.build_run(cfg, CPU, pretrained=pretrained)
@@ -205,9 +206,9 @@ def test_sampling_a_lora_run_merges_its_adapters_and_refuses_a_changed_base(corp
         assert (model(idx).logits - run.model.eval()(idx).logits).abs().max() <= 1e-5
     changed = export_base(corpus_paths, tmp_path / "changed", seed=2)
     monkeypatch.setitem(state["config"], "init_from", str(changed))  # as if the base folder had been replaced
-    monkeypatch.setattr(sample, "load_checkpoint", lambda path: state)
+    monkeypatch.setattr(loading, "load_checkpoint", lambda path: state)
     with pytest.raises(CheckpointError, match="its LoRA adapters were trained on base"):
-        sample.load_model(trained / "last.pt", torch.device("cpu"))
+        from_checkpoint(trained / "last.pt")
 
 
 # ----------------------------------------------------------------------------- PEFT
@@ -215,7 +216,7 @@ def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_our_logits(t
     peft = pytest.importorskip("peft", reason="peft is not installed (requirements-dev.txt): no PEFT round trip")
     transformers = pytest.importorskip("transformers")
     export_hf.main([str(trained), str(tmp_path / "merged"), "--peft", str(tmp_path / "adapters")])
-    ours, _ = sample.load_model(trained / "best.pt", torch.device("cpu"))
+    ours = from_checkpoint(trained / "best.pt").model
     idx = IDX % ours.config.vocab_size
     base = transformers.GPT2LMHeadModel.from_pretrained(base_folder).eval()  # the base as hf.export wrote it
     with torch.no_grad():

@@ -11,6 +11,7 @@ import torch
 from machinery import checkpoint
 import train
 from machinery.checkpoint import load_checkpoint
+from machinery.loading import from_checkpoint
 from conftest import run_script, tiny_model
 from data import load_corpus, token_byte_lengths, val_windows
 from machinery.tokenizers import CharTokenizer
@@ -128,10 +129,10 @@ def test_a_kill_right_after_a_save_loses_no_val_record(tmp_path, text_file, monk
 
 def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_from(tmp_path, text_file, capsys):
     from machinery import hf
-    from sample import load_model
     out = tmp_path / "run"
     train_tiny(out, text_file)
-    hf.export(*load_model(out / "best.pt", torch.device("cpu")), tmp_path / "hf")  # bias-free: zero biases
+    loaded = from_checkpoint(out / "best.pt")
+    hf.export(loaded.model, loaded.tokenizer, tmp_path / "hf")  # bias-free: zero biases
     args = ("--data_path", str(text_file), "--json", "--batch_size", "4")
     from_ckpt = eval_in_process(capsys, "--ckpt", str(out), *args)
     from_hf = eval_in_process(capsys, "--init_from", str(tmp_path / "hf"), *args)
@@ -168,7 +169,7 @@ def test_an_objective_term_trains_but_never_reaches_val_loss_or_best_pt(tmp_path
     best = load_checkpoint(tmp_path / "z" / "best.pt")
     report = eval_in_process(capsys, "--ckpt", str(tmp_path / "z" / "best.pt"))
     assert report["val_loss"] == best["best_val_loss"] == min(r["val_loss"] for r in z if "val_loss" in r)
-    model = eval_script.load(str(tmp_path / "z" / "best.pt"), torch.device("cpu")).model.eval()
+    model = from_checkpoint(tmp_path / "z" / "best.pt").model
     x, y = val_windows(load_corpus(next((tmp_path / "data").glob("*/meta.json")).parent, 32).val, 32, 512)
     with torch.no_grad():
         _, loss_sum, n, aux = model(x, y)

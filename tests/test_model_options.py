@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from machinery import hf
-import sample
 import train
 from machinery.checkpoint import load_checkpoint, save_checkpoint
+from machinery.loading import from_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
                     make_config, model_config, parse_args, validate)
 from conftest import REPO, docs_snippet, make_text
@@ -194,7 +194,7 @@ def test_every_option_is_saved_shown_and_kept_by_a_resume(tmp_path, corpus_file,
     assert (f"{name} {value}" in model_line) == shown, model_line
     saved = load_checkpoint(out_dir / "last.pt")
     assert saved["config"][name] == value
-    model, _ = sample.load_model(out_dir / "last.pt", torch.device("cpu"))
+    model = from_checkpoint(out_dir / "last.pt").model
     assert getattr(model.config, name) == value
     before = (out_dir / "last.pt").read_bytes()
     code = run_main(run_args(out_dir, corpus_file, resume="true"))  # the base preset's value
@@ -218,7 +218,7 @@ def test_a_checkpoint_saved_before_the_newer_options_still_resumes(tmp_path, cor
     save_checkpoint(state, out_dir / "last.pt")
     assert run_main(run_args(out_dir, corpus_file, resume="true", max_iters=4)) == 0
     assert load_checkpoint(out_dir / "last.pt")["step"] == 4
-    model, _ = sample.load_model(out_dir / "last.pt", torch.device("cpu"))
+    model = from_checkpoint(out_dir / "last.pt").model
     assert model.config == model_config(make_config(BASE), model.config.vocab_size)
 
 
@@ -366,7 +366,7 @@ def test_a_checkpoint_with_a_field_this_code_lacks_loads_with_a_warning_naming_i
     state["config"]["attn_window"] = 8
     save_checkpoint(state, out_dir / "last.pt")
     capsys.readouterr()
-    sample.load_model(out_dir / "last.pt", torch.device("cpu"))
+    from_checkpoint(out_dir / "last.pt")
     assert capsys.readouterr().err == ("WARNING: the checkpoint's config has fields this code does not know "
                                        "(attn_window=8); they are ignored here, so a model saved by other code "
                                        "(a fork) may compute something else\n")

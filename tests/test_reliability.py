@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from machinery import checkpoint
+from machinery import checkpoint, files
 import train
 from conftest import REPO
 from machinery import optim
@@ -80,7 +80,7 @@ def test_sigkill_during_checkpoint_writes_15_times(tmp_path, text_file):
 
 
 def open_on_full_disk(path, mode="r", *args, **kwargs):
-    """open() where checkpoint temp files land on /dev/full: every write fails with ENOSPC."""
+    """open() where temp files (files.atomic_write) land on /dev/full: every write fails with ENOSPC."""
     if ".tmp-" not in str(path):
         return builtins.open(path, mode, *args, **kwargs)
     Path(path).touch()  # the temp file exists, as on a real disk that filled up mid-write
@@ -102,7 +102,7 @@ def test_disk_full_keeps_previous_checkpoints_and_exits_74(tmp_path, text_file, 
     assert run_main(tiny_args(out, text_file, max_iters=10, eval_interval=5)) == 0
     before = {name: (out / name).read_bytes() for name in ("last.pt", "best.pt")}
     if failure.startswith("ENOSPC"):
-        monkeypatch.setattr(checkpoint, "open", open_on_full_disk, raising=False)
+        monkeypatch.setattr(files, "open", open_on_full_disk, raising=False)
     else:
         monkeypatch.setattr(torch, "save", torch_save_on_full_disk)
     capsys.readouterr()

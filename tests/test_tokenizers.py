@@ -17,6 +17,7 @@ from data import DataError
 from fault_injection import run_main, tiny_args
 from machinery import hf
 from machinery.corpora import prepare
+from machinery.loading import from_checkpoint
 from machinery.tokenizers import BPETokenizer, CharTokenizer, tokenizer_files, tokenizer_from_meta, train_bpe
 
 VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's words can merge
@@ -82,7 +83,8 @@ def test_a_bpe_run_trains_resumes_and_samples_from_its_checkpoint_alone(tmp_path
         if folder.is_dir():
             for file in folder.iterdir():
                 file.unlink()
-    model, tokenizer = sample.load_model(out / "best.pt", torch.device("cpu"))
+    loaded = from_checkpoint(out / "best.pt")
+    model, tokenizer = loaded.model, loaded.tokenizer
     assert isinstance(tokenizer, BPETokenizer) and tokenizer.vocab_size == VOCAB == model.config.vocab_size
     assert tokenizer.decode(tokenizer.encode(MIXED)) == MIXED  # byte-level: no character is out of vocabulary
     capsys.readouterr()
@@ -152,7 +154,8 @@ def test_an_export_gives_transformers_our_ids_and_our_greedy_text(tmp_path, kind
     transformers = pytest.importorskip("transformers")
     text = make_text() + MIXED + "\n"  # a char vocabulary holds every character of MIXED
     run = trained_run(tmp_path, text, kind)
-    model, ours = sample.load_model(run / "best.pt", torch.device("cpu"))
+    loaded = from_checkpoint(run / "best.pt")
+    model, ours = loaded.model, loaded.tokenizer
     hf.export(model, ours, tmp_path / "export")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning on load
@@ -178,7 +181,8 @@ def test_a_char_export_is_a_tokenizer_json_with_one_token_per_character(tmp_path
 
 def test_an_exported_bpe_reimports_with_its_own_tokenizer(tmp_path):
     run = trained_run(tmp_path, make_text(), "bpe")
-    model, ours = sample.load_model(run / "best.pt", torch.device("cpu"))
+    loaded = from_checkpoint(run / "best.pt")
+    model, ours = loaded.model, loaded.tokenizer
     hf.export(model, ours, tmp_path / "export")
     assert hf.read_tokenizer(tmp_path / "export", VOCAB) == ours.meta()
     with pytest.raises(hf.HFError, match="a BPE of 320 tokens for a vocabulary of 50257"):
@@ -199,8 +203,8 @@ def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_
 
 def test_the_trainer_comparison_times_both_libraries_and_each_repeats_its_merges(tmp_path, text_file):
     pytest.importorskip("tokenizers")
-    done = run_script("-m", "scripts.tokenizer", "--compare-trainers", "--data_path", str(text_file), "--data_dir",
-                      str(tmp_path / "d"), "--bpe_vocab_size", "300")
+    done = run_script("-m", "dev.bpe_trainers", "--data_path", str(text_file), "--data_dir", str(tmp_path / "d"),
+                      "--bpe_vocab_size", "300")
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "trainer" not in line]
     assert [(r[0].strip(), r[1].strip(), r[3].strip()) for r in rows] == [("rustbpe", "300", "True"),
                                                                           ("tokenizers", "300", "True")]

@@ -1,0 +1,303 @@
+"""Conversations: the chat template, the loss mask it implies, and a .jsonl of conversations prepared as a corpus.
+
+One template for every tokenizer. A conversation is its markers and its turns' text, as token ids:
+
+    <|begin|> <|system|> ... <|end|> <|user|> ... <|end|> <|assistant|> ... <|end|> <|user|> ...
+
+The markers are special tokens after the base vocabulary (tokenizers.ChatTokenizer), never made from text.
+What is learned follows from the ids alone (``learned``): a token is a target when the last marker before it
+is <|assistant|>, that is an assistant's text and the <|end|> that closes it. The prompt, the other roles'
+turns and the padding are targets -1, which the token-normalised loss of train.py does not count. Nothing
+stores the mask, so nothing can drift from it.
+
+A line of a .jsonl is ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`` (the
+format of OpenAI fine-tuning files and Hugging Face chat datasets) or ``{"prompt": "...", "completion":
+"..."}`` (one user turn, one assistant turn). Every line is checked before anything is written: a bad one
+is one DataError naming its line. The val split holds whole conversations (every k-th, as for documents).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from machinery.errors import DataError
+from machinery.tokenizers import ChatTokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
+
+BEGIN, SYSTEM, USER, ASSISTANT, END = MARKERS = ("<|begin|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+ROLES = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
+Message = tuple[str, str]  # (role, content)
+
+
+def chat_tokenizer(base) -> ChatTokenizer:
+    """``base`` with the template's markers (itself if it has them already: a chat model fine-tuned again)."""
+    return base if isinstance(base, ChatTokenizer) else ChatTokenizer(base, MARKERS)
+
+
+def render(tokenizer: ChatTokenizer, messages: list[Message], reply: bool = False) -> list[int]:
+    """The ids of a conversation; ``reply`` ends them with <|assistant|>: the prompt of the next turn."""
+    ids = tokenizer.marker_ids
+    out = [ids[BEGIN]]
+    for role, content in messages:
+        out += [ids[ROLES[role]], *tokenizer.encode(content), ids[END]]
+    return out + [ids[ASSISTANT]] if reply else out
+
+
+def hf_chat_template() -> str:
+    """The template as Jinja, for tokenizer_config.json's chat_template: transformers' apply_chat_template
+    renders the same markers around the same texts, so its ids are ours (tests/test_chat.py)."""
+    roles = " ".join(f"{{%- if message['role'] == '{role}' %}}{{{{ '{marker}' }}}}{{%- endif %}}"
+                     for role, marker in ROLES.items())
+    return (f"{{{{- '{BEGIN}' }}}}{{%- for message in messages %}}{roles}{{{{ message['content'] + '{END}' }}}}"
+            f"{{%- endfor %}}{{%- if add_generation_prompt %}}{{{{ '{ASSISTANT}' }}}}{{%- endif %}}")
+
+
+def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
+    """(N,) bool: which tokens of a conversation are targets, those whose last marker before is <|assistant|>."""
+    markers = np.array(sorted(tokenizer.marker_ids.values()))
+    position = np.arange(len(tokens))
+    last = np.maximum.accumulate(np.where(np.isin(tokens, markers), position, -1))  # last marker at or before
+    before = np.concatenate([[-1], last[:-1]])  # the last marker strictly before each token
+    return (before >= 0) & (tokens[np.maximum(before, 0)] == tokenizer.marker_ids[ASSISTANT])
+
+
+def targets(row: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
+    """A conversation's inputs' targets, (N - 1,): the next token where it is learned, -1 elsewhere."""
+    return np.where(learned(row, tokenizer)[1:], row[1:], -1)
+
+
+class Dialogue:
+    """A conversation held turn by turn (sample.py --chat): the messages so far, rendered to fit the context.
+
+    When the prompt of the next reply (with ``room`` tokens left for the reply) would not fit in block_size,
+    the oldest turns go first, never the system prompt; ``dropped`` counts the turns gone.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, block_size: int, room: int, system: str = ""):
+        self.tokenizer, self.block_size, self.room = tokenizer, block_size, room
+        self.system = [("system", system)] if system else []
+        self.turns: list[Message] = []
+        self.dropped = 0
+
+    def prompt(self, user: str) -> list[int]:
+        """The ids that ask for the assistant's reply to ``user``: the conversation, the oldest turns dropped
+        until it fits (the last user turn alone too long is a DataError)."""
+        self.turns.append(("user", user))
+        while len(ids := render(self.tokenizer, self.system + self.turns, reply=True)) > self.block_size - self.room:
+            if len(self.turns) == 1:
+                self.turns.pop()
+                raise DataError(f"the message is {len(ids)} tokens with the conversation's markers, more than the "
+                                f"{self.block_size - self.room} the context leaves beside a reply; say it shorter")
+            self.turns.pop(0)
+            self.dropped += 1
+        return ids
+
+    def reply(self, text: str) -> None:
+        self.turns.append(("assistant", text))
+
+
+# ----------------------------------------------------------------------------- conversations as rows of a batch
+def check_fit(lengths: np.ndarray, block_size: int, overflow: str, source: tuple[str, list[int]]) -> None:
+    """Refuse (or, truncating, count once) the conversations longer than block_size + 1 tokens."""
+    long, (path, lines) = np.flatnonzero(lengths > block_size + 1), source
+    if len(long) and overflow == "refuse":
+        where = f"{path}:{lines[long[0]]}" if len(lines) == len(lengths) else f"{path}, conversation {long[0]}"
+        raise DataError(f"{where}: a conversation of {lengths[long[0]]} tokens ({len(long)} such in all) does not fit "
+                        f"block_size + 1 = {block_size + 1}; pass --chat_overflow truncate to cut them there (their "
+                        "tails are not learned), a larger --block_size, or shorten them")
+    if len(long):
+        print(f"{path}: {len(long)} of {len(lengths)} conversations cut at block_size + 1 = {block_size + 1} tokens")
+
+
+def conversation_rows(rows: list[np.ndarray], tokenizer, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conversations (each T_i + 1 tokens) -> inputs and masked targets, (B, width) each; 0 / -1 as padding."""
+    x = torch.zeros(len(rows), width, dtype=torch.long)
+    y = torch.full((len(rows), width), -1, dtype=torch.long)
+    for i, row in enumerate(rows):
+        row = np.asarray(row, dtype=np.int64)
+        x[i, : len(row) - 1] = torch.from_numpy(row[:-1])
+        y[i, : len(row) - 1] = torch.from_numpy(targets(row, tokenizer))
+    return x, y  # (B, width) each
+
+
+def is_chat(corpus) -> bool:
+    """A prepared corpus of conversations (prepare_conversations), not of text."""
+    return corpus.meta.get("format") == "conversations"
+
+
+def chat_source(corpus, split: str) -> tuple[str, list[int]]:
+    """(the .jsonl a chat corpus was made from, each of the split's conversations' line in it)."""
+    return corpus.meta["source"], corpus.meta.get("lines", {}).get(split, [])
+
+
+def val_rows(corpus, tokenizer: ChatTokenizer, block_size: int, overflow: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chat corpus's fixed val windows: one conversation a row, (N, block_size) each, padded and masked."""
+    starts = np.flatnonzero(np.asarray(corpus.val) == tokenizer.marker_ids[BEGIN])
+    ends = np.append(starts[1:], len(corpus.val))
+    check_fit(ends - starts, block_size, overflow, chat_source(corpus, "val"))
+    return conversation_rows([corpus.val[s: min(e, s + block_size + 1)] for s, e in zip(starts, ends)], tokenizer,
+                             block_size)
+
+
+# ----------------------------------------------------------------------------- a .jsonl of conversations
+def is_conversations(path: Path) -> bool:
+    """A .jsonl whose first record holds ``messages`` or ``prompt``: conversations, not documents."""
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with open(path, encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and ("messages" in record or "prompt" in record)
+
+
+def parse_line(text: str, where: str) -> list[Message]:
+    """One line's conversation, or a DataError naming ``where`` (file:line) and what is wrong."""
+    try:
+        record = json.loads(text)
+    except ValueError as err:
+        raise DataError(f"{where}: not JSON ({err})") from None
+    if isinstance(record, dict) and "messages" not in record and "prompt" in record:
+        record = {"messages": [{"role": "user", "content": record["prompt"]},
+                               {"role": "assistant", "content": record.get("completion")}]}
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
+        raise DataError(f"{where}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} or "
+                        '{"prompt": ..., "completion": ...}')
+    messages = [parse_message(m, where, i) for i, m in enumerate(record["messages"])]
+    if not any(role == "assistant" for role, _ in messages):
+        raise DataError(f"{where}: no assistant turn, so nothing to learn; give each conversation one or more")
+    return messages
+
+
+def parse_message(message, where: str, index: int) -> Message:
+    if not isinstance(message, dict) or "role" not in message:
+        raise DataError(f"{where}: message {index} has no role (each is {{\"role\": ..., \"content\": ...}})")
+    role, content = message["role"], message.get("content")
+    if role not in ROLES:
+        raise DataError(f"{where}: message {index} has role {role!r}; use one of {', '.join(ROLES)}")
+    if role == "system" and index:
+        raise DataError(f"{where}: message {index} is a system message; only the first may be")
+    if not isinstance(content, str):
+        raise DataError(f"{where}: message {index} ({role}) has content {type(content).__name__}, not a string")
+    if role == "assistant" and not content:
+        raise DataError(f"{where}: message {index} is an empty assistant turn; it would teach the model to say "
+                        "nothing")
+    return role, content
+
+
+def read_conversations(path: Path) -> tuple[list[list[Message]], list[int]]:
+    """Every conversation of ``path`` and its line number; the whole file is checked first."""
+    conversations, lines = [], []
+    with open(path, encoding="utf-8") as f:
+        for number, text in enumerate(f, start=1):
+            if text.strip():
+                conversations.append(parse_line(text, f"{path}:{number}"))
+                lines.append(number)
+    if not conversations:
+        raise DataError(f"{path}: no conversations in the file")
+    return conversations, lines
+
+
+def is_val(index: int, val_fraction: float) -> bool:
+    """Conversation ``index`` is val when ceil((i+1)f) > ceil(if): every 1/f-th one, spread over the file."""
+    return int(np.ceil((index + 1) * val_fraction)) > int(np.ceil(index * val_fraction))
+
+
+def base_tokenizer(kind: str, conversations: list[list[Message]], val: list[bool], data_dir: Path,
+                   bpe_vocab_size: int, source: str):
+    """A tokenizer for conversations trained from scratch: their characters, GPT-2's BPE, or a BPE of the train
+    conversations."""
+    texts = [content for conversation in conversations for _, content in conversation]
+    if kind == "char":
+        return CharTokenizer("".join(sorted(set("".join(texts)))))
+    if kind == "gpt2":
+        return GPT2Tokenizer(data_dir)
+    train_texts = [c for conversation, v in zip(conversations, val) if not v for _, c in conversation]
+    return train_bpe(train_texts, bpe_vocab_size, source)
+
+
+def encode_all(tokenizer: ChatTokenizer, conversations: list[list[Message]], lines: list[int],
+               path: Path) -> list[np.ndarray]:
+    """Each conversation's ids; a character the tokenizer lacks is a DataError naming the line."""
+    encoded = []
+    for conversation, line in zip(conversations, lines):
+        try:
+            encoded.append(np.array(render(tokenizer, conversation), dtype=np.int64))
+        except DataError as err:
+            raise DataError(f"{path}:{line}: {err}; the base model's tokenizer cannot write it") from None
+    return encoded
+
+
+def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fraction: float,
+                          base_meta: dict | None = None, bpe_vocab_size: int = 2048) -> Path:
+    """Tokenize a .jsonl of conversations once into data_dir (cached by the file's and the tokenizer's hash).
+
+    ``base_meta``: the tokenizer of the model fine-tuned (init_from), whose ids the conversations must use;
+    None trains one of kind ``tokenizer`` as from scratch. Each split is its conversations one after another,
+    each starting with <|begin|>; meta.json's ``lines`` gives each one's line in the file.
+    """
+    from machinery.staging import staged_folder  # preparation's machinery: below data.py as this is
+    from machinery.tokenfiles import corpus_meta, sha256_of, token_dtype, write_meta
+
+    conversations, lines = read_conversations(path)
+    val = [is_val(i, val_fraction) for i in range(len(conversations))]
+    if base_meta is not None:
+        tok = chat_tokenizer(tokenizer_from_meta(base_meta, data_dir))
+    else:
+        tok = chat_tokenizer(base_tokenizer(tokenizer, conversations, val, data_dir, bpe_vocab_size, str(path)))
+    label = hashlib.sha256(json.dumps(tok.meta(), sort_keys=True).encode()).hexdigest()[:8]
+    folder = data_dir / f"{path.stem}-{sha256_of(path)[:12]}-{tok.meta()['kind']}{label}-val{val_fraction!r}"
+    if (folder / "meta.json").is_file():
+        return folder
+    encoded = encode_all(tok, conversations, lines, path)
+    splits = {split: [ids for ids, v in zip(encoded, val) if v == (split == "val")] for split in ("train", "val")}
+    if not splits["val"] or not splits["train"]:
+        raise DataError(f"{path}: {len(conversations)} conversation(s) cannot make both splits at val_fraction "
+                        f"{val_fraction}; add conversations or change --val_fraction")
+    dtype = token_dtype(tok.vocab_size)
+    with staged_folder(folder) as staging:
+        for split, rows in splits.items():
+            np.concatenate(rows).astype(dtype).tofile(staging / f"{split}.bin")
+        counts = {split: sum(map(len, rows)) for split, rows in splits.items()}
+        meta = corpus_meta(tok, str(path), val_fraction, counts, format="conversations",
+                           lines={split: [n for n, v in zip(lines, val) if v == (split == "val")]
+                                  for split in ("train", "val")},
+                           val_split="conversation i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction)")
+        write_meta(staging, meta)
+    print(f"prepared {path}: {len(splits['train']):,} train + {len(splits['val']):,} val conversations, "
+          f"{counts['train']:,} + {counts['val']:,} tokens -> {folder}")
+    return folder
+
+
+# ----------------------------------------------------------------------------- a built-in demo: the plays' exchanges
+SHAKESPEARE_CHAT = "shakespeare_chat"
+SPEECH = re.compile(r"([A-Z][A-Z .'-]+)\.\n(.+)", re.S)  # "HELENA.\nWhat is your pleasure, madam?"
+MAX_EXCHANGE_CHARS = 58  # both speeches, so a conversation fits small's block_size of 64 with its 6 markers
+
+
+def exchanges(text: str) -> list[tuple[str, str]]:
+    """Pairs of consecutive speeches by two speakers in the plays, both short: a line, and its reply."""
+    speeches = [SPEECH.fullmatch(block.strip("\n")) for block in text.split("\n\n")]
+    return [(a.group(2), b.group(2)) for a, b in zip(speeches, speeches[1:])
+            if a and b and a.group(1) != b.group(1) and len(a.group(2)) + len(b.group(2)) <= MAX_EXCHANGE_CHARS]
+
+
+def shakespeare_dialogue(data_dir: Path) -> Path:
+    """data_dir/shakespeare_chat.jsonl, made once from the built-in plays: each exchange a user turn (a speech)
+    and an assistant turn (the reply that follows it in the play)."""
+    from machinery.shakespeare import shakespeare_text
+
+    path = data_dir / f"{SHAKESPEARE_CHAT}.jsonl"
+    if not path.is_file():
+        lines = [json.dumps({"messages": [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]})
+                 for line, reply in exchanges(shakespeare_text(data_dir))]
+        staged = path.with_name(f".{path.name}.partial")
+        staged.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        staged.replace(path)  # whole or absent
+    return path

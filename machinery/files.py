@@ -1,0 +1,63 @@
+"""Files written whole or not at all: ``atomic_write`` (a temp file beside the target, fsync, rename).
+
+    atomic_write(path, lambda f: f.write(data))          # any bytes a callable writes to a binary file
+    atomic_write_text(path, json.dumps(record) + "\\n")  # text, as UTF-8
+
+A kill, a crash or a full disk at any moment leaves the old file or the new one, never half of one:
+the bytes go to ``.NAME.tmp-PID`` in the same folder (a rename is atomic only within one file
+system), are fsynced, and only then renamed over NAME; the folder is fsynced after, so the rename
+itself survives a power cut. On any failure the temp file is removed and the error goes on to the
+caller, which names it (checkpoint.save_checkpoint: CheckpointWriteError). Checkpoints, the trimmed
+metrics.jsonl, compare's records and results and the Hugging Face export are written this way.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+TEMP_MARK = ".tmp-"  # in every temp file's name: .NAME.tmp-PID (checkpoint.remove_stale_temp_files looks for it)
+
+
+def temp_path(path: Path) -> Path:
+    """Where ``path`` is written before its rename: hidden, beside it, named after this process."""
+    return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Replace ``path`` by what ``write`` writes to the binary file it is handed, or leave it as it was.
+
+    The file handed over is the temp file, open for writing and seekable. Any exception, in ``write``
+    or in the fsync or rename, removes the temp file and is raised again unchanged.
+    """
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the data on disk before the name points at it
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a bug in ``write``, Ctrl-C: no temp file outlives the write
+        tmp.unlink(missing_ok=True)
+        raise
+    sync_folder(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """atomic_write of ``text`` as UTF-8."""
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync a folder so that a rename inside it survives a power cut (a no-op where unsupported)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

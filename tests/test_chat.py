@@ -1,0 +1,239 @@
+"""Conversations: the template, the loss mask it implies, their preparation and a fine-tune from a run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import run_script, tiny_model
+from data import Conversations, conversation_rows, eval_windows, load_corpus
+from machinery.chat import ASSISTANT, BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render
+from machinery.errors import DataError
+from machinery.tokenizers import CharTokenizer, tokenizer_from_meta
+from train import accumulate_gradients
+
+CHARS = "".join(sorted(set("abcdefghijklmnopqrstuvwxyz ,.?!'\n")))
+
+
+def tok():
+    return chat_tokenizer(CharTokenizer(CHARS))
+
+
+def conversation(user: str, reply: str, *more: str) -> list[tuple[str, str]]:
+    turns = [("user", user), ("assistant", reply)]
+    return turns + [("user", text) if i % 2 == 0 else ("assistant", text) for i, text in enumerate(more)]
+
+
+def write_chats(path: Path, n: int = 40, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    words = "the king queen lord love night day sword heart sweet fair".split()
+    with open(path, "w") as f:
+        for i in range(n):
+            user = " ".join(rng.choice(words, rng.integers(1, 4)))
+            reply = " ".join(rng.choice(words, rng.integers(1, 6)))
+            record = ({"prompt": user, "completion": reply} if i % 3 == 0 else
+                      {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]})
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def test_markers_are_new_ids_never_made_from_text():
+    t = tok()
+    assert sorted(t.marker_ids.values()) == list(range(len(CHARS), len(CHARS) + 5))
+    assert t.encode("ab") == CharTokenizer(CHARS).encode("ab")
+    with pytest.raises(DataError):  # "<|user|>" typed in a message is text, which these chars cannot write
+        t.encode("<|user|>")
+    assert t.decode(render(t, [("user", "hi")])) == f"{BEGIN}{USER}hi{END}"
+    assert tokenizer_from_meta(t.meta()).marker_ids == t.marker_ids  # a checkpoint's description rebuilds it
+
+
+def test_only_the_assistants_text_and_its_end_are_learned():
+    t = tok()
+    ids = np.array(render(t, conversation("hi", "yes", "and", "no")))
+    text = [t.decode([i]) for i in ids]
+    assert [s for s, keep in zip(text, learned(ids, t)) if keep] == ["y", "e", "s", END, "n", "o", END]
+
+
+def test_a_masked_target_changes_no_gradient_and_a_learned_one_does():
+    """A trailing user turn is only ever a masked target (and an input to padding): changing it changes nothing;
+    changing the assistant's text does."""
+    t = tok()
+
+    def grads(*turns):
+        x, y = conversation_rows([np.array(render(t, conversation(*turns)))], t, 64)
+        model = tiny_model(vocab_size=t.vocab_size, block_size=64)
+        model(x, y).loss_sum.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    base = grads("hi there", "yes my lord", "what say you")
+    assert all(torch.equal(a, b) for a, b in zip(base, grads("hi there", "yes my lord", "nothing at al")))
+    assert not all(torch.equal(a, b) for a, b in zip(base, grads("hi there", "no my lady", "what say you")))
+
+
+def test_every_reply_token_weighs_alike_in_a_batch_of_short_and_long_replies():
+    """The step's gradient is the mean over every learned token of the step, not the mean of each reply's mean."""
+    t = tok()
+    rows = [np.array(render(t, conversation("hi", "ay"))),
+            np.array(render(t, conversation("hi", "the king is dead and the queen is fair")))]
+    batches = [conversation_rows([row], t, len(row) - 1) for row in rows]
+    model = tiny_model(vocab_size=t.vocab_size, block_size=64)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    accumulate_gradients(model, batches, scaler, torch.device("cpu"), torch.float32)
+    stepped = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = torch.cat([model(x).logits.flatten(0, 1) for x, _ in batches])  # (N, V)
+    y = torch.cat([y.flatten() for _, y in batches])
+    F.cross_entropy(logits, y, ignore_index=-1, reduction="mean").backward()  # the mean over learned tokens
+    assert (y != -1).sum() == 3 + 39  # "ay" and the long reply, each with its <|end|>
+    for a, p in zip(stepped, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_rows_hold_one_whole_conversation_padded_and_masked(tmp_path):
+    folder = prepare_conversations(write_chats(tmp_path / "chats.jsonl"), tmp_path / "data", "char", 0.25)
+    corpus = load_corpus(folder, 16)
+    t = tokenizer_from_meta(corpus.meta["tokenizer"])
+    stream = Conversations(corpus.train, 8, 64, 0, torch.device("cpu"), t)
+    x, y = stream.next()
+    assert (x[:, 0] == t.marker_ids[BEGIN]).all()  # every row begins a conversation
+    for xi, yi in zip(x, y):
+        ends = (xi == t.marker_ids[BEGIN]).nonzero()
+        assert len(ends) == 1  # and holds no second one
+    x_val, y_val = eval_windows(corpus, t, 64)
+    assert x_val.shape == (10, 64) and (x_val[:, 0] == t.marker_ids[BEGIN]).all()  # 40 conversations, every 4th val
+    assert corpus.meta["lines"]["val"] == [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]
+    assert ((y_val != -1).sum(1) > 0).all()  # each val conversation is scored on its reply
+
+
+def test_a_conversation_longer_than_the_context_is_refused_naming_its_line_or_cut_when_asked(tmp_path, capsys):
+    path = write_chats(tmp_path / "chats.jsonl", n=9)
+    with open(path, "a") as f:
+        f.write(json.dumps({"prompt": "a long one", "completion": "the king " * 20}) + "\n")
+    corpus = load_corpus(prepare_conversations(path, tmp_path / "data", "char", 0.25), 16)
+    t = tokenizer_from_meta(corpus.meta["tokenizer"])
+    with pytest.raises(DataError, match=r"chats.jsonl:10: a conversation of 195 tokens .* --chat_overflow truncate"):
+        Conversations(corpus.train, 2, 64, 0, torch.device("cpu"), t, source=(corpus.meta["source"],
+                                                                               corpus.meta["lines"]["train"]))
+    stream = Conversations(corpus.train, 2, 64, 0, torch.device("cpu"), t, overflow="truncate")
+    assert "1 of 7 conversations cut at block_size + 1 = 65 tokens" in capsys.readouterr().out
+    assert all(stream.next()[0].shape[1] <= 64 for _ in range(8))
+
+
+BAD_LINES = {
+    "not JSON": ("{oops", "not JSON"),
+    "no messages": ('{"text": "hi"}', "expected"),
+    "missing role": ('{"messages": [{"content": "hi"}]}', "message 0 has no role"),
+    "unknown role": ('{"messages": [{"role": "bot", "content": "hi"}]}', "role 'bot'; use one of system, user"),
+    "content not a string": ('{"messages": [{"role": "user", "content": 3}]}', "has content int, not a string"),
+    "empty assistant turn": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}',
+                             "empty assistant turn"),
+    "no assistant turn": ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
+    "system not first": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}, '
+                         '{"role": "assistant", "content": "y"}]}', "only the first may be"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_LINES)
+def test_a_malformed_line_is_one_error_naming_its_line(tmp_path, kind):
+    path = write_chats(tmp_path / "chats.jsonl", n=5)
+    with open(path, "a") as f:
+        f.write(BAD_LINES[kind][0] + "\n")
+    with pytest.raises(DataError, match=f"chats.jsonl:6: .*{BAD_LINES[kind][1]}"):
+        prepare_conversations(path, tmp_path / "data", "char", 0.25)
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())
+
+
+def test_train_py_refuses_a_malformed_file_in_one_line_exit_2_writing_nothing(tmp_path):
+    path = write_chats(tmp_path / "chats.jsonl", n=5)
+    with open(path, "a") as f:
+        f.write(BAD_LINES["unknown role"][0] + "\n")
+    result = run_script("train.py", "--config", "tiny", "--data_path", str(path), "--data_dir", str(tmp_path / "data"),
+                        "--out_dir", str(tmp_path / "out"), "--device", "cpu", check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {path}:6: message 0 has role 'bot'")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """A tiny chat model trained from scratch on conversations (char tokenizer and the markers)."""
+    folder = tmp_path_factory.mktemp("chat")
+    chats = write_chats(folder / "chats.jsonl", n=60)
+    run_script("train.py", "--config", "tiny", "--data_path", str(chats), "--data_dir", str(folder / "data"),
+               "--out_dir", str(folder / "out"), "--device", "cpu", "--max_iters", "30", "--eval_interval", "30", "--block_size", "64",
+               "--chat_overflow", "truncate")
+    return folder / "out"
+
+
+def chat(run: Path, lines: list[str], *extra: str):
+    import subprocess
+    import sys
+    from conftest import REPO
+    return subprocess.run([sys.executable, "sample.py", "--ckpt", str(run), "--chat", "--temp", "0", *extra],
+                          input="".join(line + "\n" for line in lines), cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_saying_so_once(chat_run):
+    result = chat(chat_run, ["the king", "sweet lord", "fair day", "love", "the night"], "--system", "the lord")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out[0].startswith("# sampling from")
+    replies = [line for line in out[1:] if not line.startswith("(the context is full")]
+    assert len(replies) == 5  # one reply a turn, each ended at its <|end|> (or the window)
+    assert not any("<|" in line for line in replies)  # no marker is ever printed
+    assert sum(line.startswith("(the context is full") for line in out) == 1  # block_size 32: turns are dropped
+
+
+def test_chat_refuses_a_model_without_markers(tmp_path, text_file):
+    run_script("train.py", "--config", "tiny", "--data_path", str(text_file), "--data_dir", str(tmp_path / "data"),
+               "--out_dir", str(tmp_path / "out"), "--device", "cpu", "--max_iters", "2", "--eval_interval", "2")
+    result = chat(tmp_path / "out", ["hi"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: this model has no chat markers; fine-tune it on conversations first "
+                                     "(docs/finetuning.md) or drop --chat")
+
+
+def test_a_dialogue_drops_the_oldest_turns_never_the_system_prompt():
+    from machinery.chat import Dialogue
+    t = tok()
+    dialogue = Dialogue(t, block_size=40, room=10, system="be kind")
+    first = dialogue.prompt("hello there")
+    dialogue.reply("yes")
+    assert dialogue.dropped == 0 and first == render(t, [("system", "be kind"), ("user", "hello there")], reply=True)
+    ids = dialogue.prompt("and now")
+    assert dialogue.dropped >= 1 and len(ids) <= 30
+    assert ids[:3] == render(t, [("system", "be kind")])[:3]  # <|begin|><|system|>b...: the system prompt stays
+    with pytest.raises(DataError, match="say it shorter"):
+        dialogue.prompt("the king " * 5)
+
+
+def base_tokenizer_of(kind: str, cache: Path):
+    from machinery.tokenizers import GPT2Tokenizer, train_bpe
+    from conftest import make_text
+    if kind == "char":
+        return CharTokenizer(CHARS)
+    return GPT2Tokenizer(cache) if kind == "gpt2" else train_bpe([make_text()], 300, "test")
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)])
+def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
+    """AutoTokenizer.apply_chat_template on the export renders the same markers around the same texts: our ids."""
+    transformers = pytest.importorskip("transformers")
+    from machinery import hf
+    t = chat_tokenizer(base_tokenizer_of(kind, tmp_path / "cache"))
+    hf.export(tiny_model(vocab_size=t.vocab_size), t, tmp_path / "export")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    messages = [("system", "the lord, be fair"), ("user", "what day is it?"), ("assistant", "a sweet one, my king."),
+                ("user", "and the night?")]
+    as_dicts = [{"role": role, "content": content} for role, content in messages]
+    assert theirs.apply_chat_template(as_dicts, tokenize=True, return_dict=False) == render(t, messages)
+    assert theirs.apply_chat_template(as_dicts, add_generation_prompt=True, tokenize=True, return_dict=False) == \
+        render(t, messages, reply=True)
+    assert theirs.decode(render(t, messages)) == t.decode(render(t, messages))  # markers decode as their text
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["eos_token_id"] == t.marker_ids[END]  # generate() stops where our chat stops

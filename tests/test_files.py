@@ -1,0 +1,67 @@
+"""files.atomic_write: a file is replaced whole or left as it was, and no temp file outlives a write."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from machinery import files
+from machinery.files import atomic_write, atomic_write_text
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_write_replaces_the_file_whole(tmp_path):
+    path = tmp_path / "record.json"
+    atomic_write_text(path, "old\n")
+    atomic_write(path, lambda f: f.write(b"new, and longer\n"))
+    assert path.read_bytes() == b"new, and longer\n"
+    assert listing(tmp_path) == ["record.json"]
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temp_file(tmp_path, failure):
+    path = tmp_path / "results.md"
+    path.write_text("the old results\n")
+    seen = []
+
+    def half_then_fail(f) -> None:
+        f.write(b"the first half of the new res")
+        seen.append(listing(tmp_path))  # the half-written bytes are in a temp file, not in results.md
+        raise failure
+
+    with pytest.raises(type(failure)):
+        atomic_write(path, half_then_fail)
+    assert seen == [[f".results.md.tmp-{os.getpid()}", "results.md"]]
+    assert path.read_text() == "the old results\n"
+    assert listing(tmp_path) == ["results.md"]
+
+
+def test_a_failed_rename_leaves_no_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+
+    def cannot_rename(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", cannot_rename)
+    with pytest.raises(PermissionError):
+        atomic_write(path, lambda f: f.write(b"weights"))
+    assert listing(tmp_path) == []
+
+
+def test_the_data_is_fsynced_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.fstat(fd).st_ino)) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda src, dst: events.append(("replace", Path(dst))) or real_replace(src, dst))
+    path = tmp_path / "metrics.jsonl"
+    atomic_write_text(path, '{"step": 1}\n')
+    assert events == [("fsync", path.stat().st_ino), ("replace", path), ("fsync", tmp_path.stat().st_ino)]
+
+
+def test_the_temp_file_is_hidden_beside_the_target_and_carries_the_mark(tmp_path):
+    tmp = files.temp_path(tmp_path / "last.pt")
+    assert tmp.parent == tmp_path and tmp.name.startswith(".last.pt") and files.TEMP_MARK in tmp.name

@@ -1,0 +1,75 @@
+"""init_from a run of this repo: its shape, options, tokenizer and best weights start a fresh run elsewhere."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import read_metrics, run_script
+from machinery.checkpoint import load_checkpoint
+from config import config_from_dict, make_config, model_config
+from machinery import finetune
+from machinery.tokenizers import tokenizer_vocab_size
+from model import GPT
+from conftest import make_text
+from test_chat import write_chats
+
+
+def train(text_file, out_dir, *extra):
+    return run_script("train.py", "--config", "tiny", "--data_path", str(text_file), "--data_dir",
+                      str(out_dir.parent / "data"), "--out_dir", str(out_dir), "--device", "cpu", "--log_interval", "1",
+                      *extra)
+
+
+def model_of(path):
+    state = load_checkpoint(path)
+    model = GPT(model_config(config_from_dict(state["config"]), tokenizer_vocab_size(state["tokenizer"])))
+    model.load_state_dict(state["model"])
+    return model.eval(), state
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """A tiny RoPE + RMSNorm char run: options a GPT-2 import would refuse."""
+    folder = tmp_path_factory.mktemp("base")
+    text = folder / "corpus.txt"
+    text.write_text(make_text())
+    train(text, folder / "out", "--max_iters", "20", "--eval_interval", "10", "--pos_emb", "rope", "--norm", "rmsnorm")
+    return folder / "out", text
+
+
+def test_a_run_folder_starts_a_chat_fine_tune_with_its_shape_options_tokenizer_and_best_weights(base_run, tmp_path):
+    base, text = base_run
+    chats = write_chats(tmp_path / "chats.jsonl")
+    out = tmp_path / "chat"
+    result = train(chats, out, "--init_from", str(base), "--max_iters", "4", "--eval_interval", "2",
+                   "--chat_overflow", "truncate")
+    assert f"init_from {base / 'best.pt'}" in result.stdout
+    tuned, state = model_of(out / "best.pt")
+    assert tuned.config.pos_emb == "rope" and tuned.config.norm == "rmsnorm"  # adopted, never passed
+    base_model, base_state = model_of(base / "best.pt")
+    assert state["tokenizer"] == {**base_state["tokenizer"], "chat_tokens": state["tokenizer"]["chat_tokens"]}
+    assert tuned.config.vocab_size == base_model.config.vocab_size + 5  # the markers, in the padded rows
+    assert [r["step"] for r in read_metrics(out) if "loss" in r][0] == 1  # a fresh run, not a resume
+
+
+def test_at_step_0_the_fine_tune_computes_the_bases_logits_on_the_bases_tokens(base_run, tmp_path):
+    base, _ = base_run
+    weights = finetune.load_run(base / "best.pt", 0)
+    _, base_state = model_of(base / "best.pt")
+    meta = {**base_state["tokenizer"], "chat_tokens": ["a", "b", "c", "d", "e"]}
+    vocab = weights.config.vocab_size + 5
+    model = GPT(model_config(make_config("tiny", pos_emb="rope", norm="rmsnorm"), vocab))
+    model.load_state_dict(weights.weights_for(meta, vocab))
+    base_model, _ = model_of(base / "best.pt")
+    x = torch.randint(weights.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x).logits[..., : weights.config.vocab_size], base_model(x).logits)
+
+
+def test_a_flag_that_contradicts_the_base_is_one_line(base_run, tmp_path):
+    base, text = base_run
+    result = run_script("train.py", "--config", "tiny", "--data_path", str(text), "--data_dir", str(tmp_path / "data"),
+                        "--out_dir", str(tmp_path / "out"), "--init_from", str(base), "--n_layer", "3", check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: --n_layer 3 conflicts with {base / 'best.pt'}, a run with n_layer 2; drop "
+                                     "--n_layer (or that key from the preset): with --init_from the base fixes the model")

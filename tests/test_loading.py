@@ -1,0 +1,97 @@
+"""machinery/loading.py: the one place a model comes back, from a run's checkpoint or from pretrained weights."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from config import make_config
+from conftest import make_text
+from machinery import hf
+from machinery.checkpoint import load_checkpoint
+from machinery.errors import CheckpointError, HFError
+from machinery.loading import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_pretrained, load_weights
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A tiny run, 4 steps, evaluated at 2 and 4: best.pt and last.pt."""
+    root = tmp_path_factory.mktemp("loading")
+    (root / "corpus.txt").write_text(make_text())
+    train.train(make_config("tiny", data_path=str(root / "corpus.txt"), data_dir=str(root / "data"),
+                            out_dir=str(root / "run"), device="cpu", max_iters=4, eval_interval=2))
+    return root / "run"
+
+
+def test_a_run_folder_gives_its_best_pt_else_its_last_pt_and_a_file_is_taken_as_given(run, tmp_path):
+    assert find_checkpoint(str(run)) == run / "best.pt"
+    only_last = tmp_path / "only_last"
+    only_last.mkdir()
+    shutil.copy(run / "last.pt", only_last / "last.pt")
+    assert find_checkpoint(str(only_last)) == only_last / "last.pt"
+    assert find_checkpoint(str(run / "last.pt")) == run / "last.pt"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="empty: no best.pt or last.pt in this folder"):
+        find_checkpoint(str(tmp_path / "empty"))
+
+
+def test_no_flag_gives_the_newest_best_pt_under_out_or_says_how_to_make_one(run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="no checkpoint found under out/; train one first"):
+        find_checkpoint("")
+    for name, age in (("old", 100), ("new", 0)):
+        (tmp_path / "out" / name).mkdir(parents=True)
+        shutil.copy(run / "best.pt", tmp_path / "out" / name / "best.pt")
+        os.utime(tmp_path / "out" / name / "best.pt", (1e9 - age, 1e9 - age))
+    assert find_checkpoint("") == Path("out") / "new" / "best.pt"
+
+
+def test_a_checkpoint_loads_as_the_model_it_saved_in_eval_mode_with_what_the_run_logged(run):
+    state = load_checkpoint(run / "last.pt")
+    loaded = from_checkpoint(run / "last.pt")
+    assert not loaded.model.training and next(loaded.model.parameters()).device.type == "cpu"
+    assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in state["model"].items())
+    assert (loaded.step, loaded.best_val_loss, loaded.precision) == (4, state["best_val_loss"], state["precision"])
+    assert loaded.source == str(run / "last.pt") and loaded.cfg.max_iters == 4
+    assert loaded.tokenizer.meta() == state["tokenizer"]
+
+
+def test_pretrained_weights_load_with_a_config_of_their_shape_and_no_run_behind_them(run, tmp_path):
+    trained = from_checkpoint(run / "best.pt")
+    hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
+    loaded = from_pretrained(str(tmp_path / "hf"))
+    assert not loaded.model.training
+    assert (loaded.step, loaded.precision, loaded.source) == (None, "float32", str(tmp_path / "hf"))
+    assert math.isnan(loaded.best_val_loss)
+    shape = ("n_layer", "n_head", "n_embd", "block_size")
+    assert [getattr(loaded.cfg, k) for k in shape] == [getattr(trained.model.config, k) for k in shape]
+    assert loaded.cfg.tokenizer == "char" and loaded.tokenizer.meta() == trained.tokenizer.meta()
+    ids = torch.tensor([trained.tokenizer.encode("the king")])
+    torch.testing.assert_close(loaded.model(ids).logits, trained.model(ids).logits)
+
+
+def test_weights_without_a_known_tokenizer_are_refused_in_one_line(run, tmp_path):
+    trained = from_checkpoint(run / "best.pt")
+    hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
+    (tmp_path / "hf" / hf.CHARS_FILE).unlink()
+    with pytest.raises(HFError, match="no tokenizer for a vocabulary of"):
+        from_pretrained(str(tmp_path / "hf"))
+
+
+def test_the_flags_choose_the_weights(run, tmp_path):
+    trained = from_checkpoint(run / "best.pt")
+    hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
+    parser = argparse.ArgumentParser()
+    add_weights_flags(parser)
+    chosen = {flag: load_weights(parser.parse_args([flag, value]))
+              for flag, value in (("--ckpt", str(run)), ("--init_from", str(tmp_path / "hf")))}
+    assert isinstance(chosen["--ckpt"], Loaded) and chosen["--ckpt"].source == str(run / "best.pt")
+    assert chosen["--init_from"].step is None
+    with pytest.raises(SystemExit):  # one source of weights, not two
+        parser.parse_args(["--ckpt", str(run), "--init_from", "gpt2"])
