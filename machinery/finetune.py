@@ -8,56 +8,16 @@ the checkpoint is refused in one line; block_size may shrink (a learned position
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from config import MODEL_OPTIONS, TrainConfig, config_from_dict, given_fields, model_config, replace
 from machinery.checkpoint import read_config
 from machinery.distributed import print0
 from machinery.errors import HFError
-from machinery.hf import fit_vocab
-from machinery.loading import from_checkpoint
+from machinery.loading import load_run, run_checkpoint
 from model import GPTConfig, describe
 
-RUN_FILES = ("best.pt", "last.pt")  # a run folder's weights, in order of preference
 KEPT = ("block_size", *GPTConfig.TRAINING_ONLY)  # options a fine-tune chooses itself; every other is the base's
-
-
-def run_checkpoint(source: str) -> Path | None:
-    """The checkpoint ``source`` names if it is a run of this repo (a .pt, or a folder holding best.pt or
-    last.pt), else None: a Hugging Face folder, a .safetensors file or a hub name."""
-    path = Path(source)
-    if path.suffix == ".pt":
-        return path
-    return next((path / name for name in RUN_FILES if (path / name).is_file()), None) if path.is_dir() else None
-
-
-@dataclass
-class RunWeights:
-    """A run's weights, ready for a model of the corpus's vocabulary (weights_for), like hf.Pretrained's."""
-    config: GPTConfig
-    state: dict[str, torch.Tensor]
-    source: str
-    tokenizer: dict  # the run's tokenizer description (checkpoint["tokenizer"])
-
-    def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
-        return fit_vocab(self.state, self.tokenizer, tokenizer_meta, vocab_size, self.source)
-
-
-def load_run(path: Path, block_size: int) -> RunWeights:
-    """A run's weights, its model options and tokenizer (loading.from_checkpoint); block_size crops positions."""
-    loaded = from_checkpoint(path)
-    saved = loaded.model.config
-    if block_size > saved.block_size:
-        raise HFError(f"block_size {block_size} exceeds the {saved.block_size} positions of {path}; use "
-                      f"--block_size {saved.block_size} or less")
-    config = GPTConfig(**{**saved.__dict__, "block_size": block_size or saved.block_size})
-    weights = loaded.model.state_dict()
-    if "transformer.wpe.weight" in weights:
-        weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][: config.block_size]  # (T, C)
-    return RunWeights(config, weights, str(path), loaded.tokenizer.meta())
 
 
 def adopt_run(cfg: TrainConfig, base: GPTConfig, tokenizer: dict, source: str) -> TrainConfig:
@@ -76,14 +36,15 @@ def adopt_run(cfg: TrainConfig, base: GPTConfig, tokenizer: dict, source: str) -
 def start_from(cfg: TrainConfig, out_dir: Path) -> tuple[TrainConfig, object]:
     """init_from for train.py: the config takes the base's shape; a fresh run also gets its weights.
 
-    A resume takes the shape from the base again and imports nothing: last.pt has the weights.
+    A resume takes the shape from the base again and imports nothing: last.pt has the weights (a LoRA run's
+    last.pt holds only its adapters, so its resume imports the base again).
     """
     path = run_checkpoint(cfg.init_from)
     if path is None:
         from machinery import hf
 
         return hf.start_from(cfg, out_dir)
-    if cfg.resume:
+    if cfg.resume and not cfg.lora_rank:  # last.pt has the weights; a LoRA run's only its adapters: import the base
         saved = read_config(path)
         if saved is None:
             raise HFError(f"{cfg.init_from}: cannot read the config of {path}, the base of this run")

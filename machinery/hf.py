@@ -445,11 +445,12 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
 def start_from(cfg: TrainConfig, out_dir: Path) -> tuple[TrainConfig, Pretrained | None]:
     """With init_from, the config takes the pretrained model's shape; a fresh run also gets its weights.
 
-    A resume takes the shape from last.pt's config and imports nothing: the checkpoint has the weights.
+    A resume takes the shape from last.pt's config and imports nothing: the checkpoint has the weights. A LoRA
+    run's checkpoint holds only its adapters (machinery/lora.py): its resume imports the base again.
     """
     if not cfg.init_from:
         return cfg, None
-    if cfg.resume:
+    if cfg.resume and not cfg.lora_rank:
         saved = read_config(out_dir / "last.pt") if (out_dir / "last.pt").is_file() else None
         if saved is None:  # resume() names the missing file
             return cfg, None

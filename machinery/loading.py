@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from config import TrainConfig, config_from_dict, model_config
-from machinery import hf
+from machinery import hf, lora
 from machinery.checkpoint import load_checkpoint
 from machinery.errors import CheckpointError, HFError
+from machinery.hf import fit_vocab
 from machinery.tokenizers import CHARS_FILE, GPT2_VOCAB, tokenizer_from_meta
-from model import GPT
+from model import GPT, GPTConfig
 
 CPU = torch.device("cpu")
 
@@ -59,14 +60,65 @@ def find_checkpoint(ckpt: str) -> Path:
 
 
 def from_checkpoint(path: Path, device: torch.device = CPU) -> Loaded:
-    """The weights, config and tokenizer of a checkpoint file (verified: checkpoint.load_checkpoint)."""
+    """The weights, config and tokenizer of a checkpoint file (verified: checkpoint.load_checkpoint). A LoRA run's
+    holds only its adapters: they go on the base it was trained from (init_from, checked by fingerprint), merged."""
     state = load_checkpoint(path)  # to CPU: the optimizer state it also holds never needs the GPU
     cfg = config_from_dict(state["config"])
     tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
     model = GPT(model_config(cfg, tokenizer.vocab_size))
-    model.load_state_dict(state["model"])
+    if "lora" in state:
+        model.load_state_dict(base_weights(cfg).weights_for(state["tokenizer"], tokenizer.vocab_size))
+        model = lora.load_adapted(state, model, str(path))
+    else:
+        model.load_state_dict(state["model"])
     return Loaded(model.to(device).eval(), tokenizer, cfg, state["precision"], str(path), state["step"],
                   state["best_val_loss"])
+
+
+# ----------------------------------------------------------------------------- what a fine-tune starts from
+RUN_FILES = ("best.pt", "last.pt")  # a run folder's weights, in order of preference
+
+
+def run_checkpoint(source: str) -> Path | None:
+    """The checkpoint ``source`` names if it is a run of this repo (a .pt, or a folder holding best.pt or
+    last.pt), else None: a Hugging Face folder, a .safetensors file or a hub name."""
+    path = Path(source)
+    if path.suffix == ".pt":
+        return path
+    return next((path / name for name in RUN_FILES if (path / name).is_file()), None) if path.is_dir() else None
+
+
+@dataclass
+class RunWeights:
+    """A run's weights, ready for a model of the corpus's vocabulary (weights_for), like hf.Pretrained's."""
+    config: GPTConfig
+    state: dict[str, torch.Tensor]
+    source: str
+    tokenizer: dict  # the run's tokenizer description (checkpoint["tokenizer"])
+
+    def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
+        return fit_vocab(self.state, self.tokenizer, tokenizer_meta, vocab_size, self.source)
+
+
+def load_run(path: Path, block_size: int) -> RunWeights:
+    """A run's weights, its model options and tokenizer (loading.from_checkpoint); block_size crops positions."""
+    loaded = from_checkpoint(path)  # a LoRA run as a base: merged
+    saved = loaded.model.config
+    if block_size > saved.block_size:
+        raise HFError(f"block_size {block_size} exceeds the {saved.block_size} positions of {path}; use "
+                      f"--block_size {saved.block_size} or less")
+    config = GPTConfig(**{**saved.__dict__, "block_size": block_size or saved.block_size})
+    weights = loaded.model.state_dict()
+    if "transformer.wpe.weight" in weights:
+        weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][: config.block_size]  # (T, C)
+    return RunWeights(config, weights, str(path), loaded.tokenizer.meta())
+
+
+def base_weights(cfg: TrainConfig):
+    """The weights ``cfg.init_from`` names, as a fine-tune starts from them: a run's (RunWeights) or GPT-2's
+    (hf.Pretrained), each with ``weights_for(tokenizer, vocab_size)``."""
+    path = run_checkpoint(cfg.init_from)
+    return load_run(path, cfg.block_size) if path else hf.load_pretrained(cfg.init_from, cfg.block_size, cfg.bias)
 
 
 def from_pretrained(source: str, device: torch.device = CPU, data_dir: Path = Path("data")) -> Loaded:

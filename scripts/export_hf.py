@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from machinery import hf
+from machinery import hf, lora
+from machinery.checkpoint import load_checkpoint
 from config import CommandLine
 from machinery.rundir import check_writable
 from machinery.loading import find_checkpoint, from_checkpoint
@@ -25,12 +26,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="run folder (its best.pt, else last.pt) or a checkpoint file")
     parser.add_argument("out", help="folder to write (created; files of the same names are replaced)")
+    parser.add_argument("--peft", default="", metavar="DIR",
+                        help="a LoRA run (--lora_rank): also write its adapters to DIR in PEFT's format "
+                             "(adapter_config.json, adapter_model.safetensors), for peft.PeftModel on the base")
     args = parser.parse_args(argv)
     try:
         check_writable(Path(args.out), "output folder", f".export-probe-{os.getpid()}")  # before loading anything
         path = find_checkpoint(args.run)
         loaded = from_checkpoint(path)
-        written = hf.export(loaded.model, loaded.tokenizer, Path(args.out))
+        adapters = lora.export_peft(load_checkpoint(path), Path(args.peft)) if args.peft else []  # refused first
+        written = hf.export(loaded.model, loaded.tokenizer, Path(args.out)) + adapters  # a LoRA run's: merged
     except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
         exit_on(err)
     print(f"exported {path} -> {args.out}: {', '.join(p.name for p in written)}")

@@ -151,6 +151,10 @@ BAD_INPUTS = {
         (["n_layer"], "override `n_layer` must look like KEY=VALUE"),
         (["--json", "{run}/metrics.jsonl/x.json"], "is a file, not a folder"),
     ],
+    "dev.bench_lora": [
+        (["--rank", "0"], "need --rank and --steps >= 1"),
+        (["--data_path", "{corpus}", "--targets", "mlp.fc"], "lora_targets names mlp.fc, which is not among"),
+    ],
     "dev.bench_sample": [
         (["--ckpt", "{tmp}"], "no best.pt or last.pt in this folder"),
         (["--ckpt", "{run}/metrics.jsonl"], "not a tinygpt checkpoint"),

@@ -1,0 +1,198 @@
+"""LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): fine-tune a trained model by
+freezing it and training, beside some of its Linear layers, a low-rank update B A.
+
+    python train.py --init_from gpt2 --lora_rank 8 --out_dir out/lora      # adapters on GPT-2's c_attn
+    python sample.py --ckpt out/lora                                      # the base again, adapters merged in
+    python -m scripts.export_hf out/lora hf/lora --peft hf/lora_adapters  # merged model + PEFT's adapters
+
+A layer W (out, in) becomes y = W x + scale * B (A (dropout(x))), scale = alpha / rank, with A (rank, in)
+initialised like PEFT's default (kaiming-uniform, a = sqrt(5): nn.Linear's own init) and B (out, rank) zeros,
+so the adapted model computes exactly the base at step 0. Only A and B train; a checkpoint holds them, the
+base's fingerprint (a sha256 of its weights) and where the base came from (init_from), never the base itself,
+so a resume or a sample imports the base again and refuses one whose fingerprint differs. ``merge`` folds
+B A into W and gives back a plain GPT; ``export_peft`` writes PEFT's files, which
+``peft.PeftModel.from_pretrained`` loads onto the base exported by machinery/hf.py.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from machinery.errors import CheckpointError
+from model import GPT
+
+# The Linear layers of a block that may get an adapter, as PEFT names them for GPT-2 (module-name suffixes).
+TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+ADAPTER_KEYS = (".lora_A.", ".lora_B.")  # what marks an adapter's weight in a state dict, ours and PEFT's
+PEFT_PREFIX = "base_model.model."  # PeftModel wraps GPT2LMHeadModel: its weights' names gain this prefix
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus a trained low-rank update: y = base(x) + scale * lora_B(lora_A(dropout(x)))."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.base, self.rank, self.alpha = base, rank, alpha
+        self.scale = alpha / rank  # the update's size does not grow with the rank (Hu et al., sec. 4.1)
+        self.dropout = nn.Dropout(dropout)
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=base.weight.device)  # weight (rank, in)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device)  # weight (out, rank)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's default init of A
+        nn.init.zeros_(self.lora_B.weight)  # B A = 0: the base's outputs, exactly, until the first step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out)."""
+        return self.base(x) + self.scale * self.lora_B(self.lora_A(self.dropout(x)))  # (..., rank) in between
+
+    def delta(self) -> torch.Tensor:
+        """The update as a matrix, scale * B A: (out, rank) @ (rank, in) -> (out, in), W's shape."""
+        return self.scale * (self.lora_B.weight @ self.lora_A.weight)
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """"attn.c_attn,mlp.c_fc" -> the target names; ValueError naming any unknown one and the allowed list."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in TARGETS]
+    if unknown or not names:
+        said = f"names {', '.join(unknown)}, which is not among" if unknown else "is empty; name one or more of"
+        raise ValueError(f"lora_targets {said} {', '.join(TARGETS)} (comma-separated)")
+    return names
+
+
+def add_adapters(model: GPT, rank: int, alpha: float, dropout: float, targets: str | tuple[str, ...]) -> GPT:
+    """Freeze every weight of ``model`` and wrap each target Linear of every block in a LoRALinear, in place.
+
+    The adapters are created on the base's device and draw A's init from the global RNG, so call it at the
+    same point of start-up every time (train.build_run: after the base weights load).
+    """
+    names = parse_targets(targets) if isinstance(targets, str) else targets
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.transformer.h:
+        for name in names:
+            parent, attr = block.get_submodule(name.split(".")[0]), name.split(".")[1]
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), rank, alpha, dropout))
+    return model
+
+
+def adapters(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every adapted layer of ``model`` by its module name ("transformer.h.0.attn.c_attn"); {} for a plain GPT."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' weights only (what a LoRA checkpoint holds as "model"), by their names in ``model``."""
+    return {name: t for name, t in model.state_dict().items() if any(key in name for key in ADAPTER_KEYS)}
+
+
+def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Copy saved adapters into an adapted model; CheckpointError unless the names match exactly."""
+    mine = adapter_state(model)
+    if mine.keys() != state.keys():
+        odd = sorted(mine.keys() ^ state.keys())
+        raise CheckpointError(f"{where}: its adapters do not fit this model (first mismatch: {odd[0]}); the rank or "
+                              "targets differ")
+    model.load_state_dict(state, strict=False)  # strict=False: the base's weights are not in ``state``
+
+
+def merge(model: GPT) -> GPT:
+    """A plain GPT computing what the adapted ``model`` computes: each W + scale * B A, adapters gone.
+
+    A copy: ``model`` keeps its adapters (deepcopy keeps the tied wte / lm_head weight one tensor).
+    """
+    return fold(copy.deepcopy(model))
+
+
+def fold(model: GPT) -> GPT:
+    """merge() in place: each LoRALinear replaced by its base Linear with B A folded in; every weight trains again."""
+    for name, layer in adapters(model).items():
+        parent, attr = name.rsplit(".", 1)
+        with torch.no_grad():
+            layer.base.weight += layer.delta()  # (out, in)
+        setattr(model.get_submodule(parent), attr, layer.base)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """sha256 of the base weights (every parameter but the adapters, in model order, as fp32 bytes).
+
+    The same for the plain base and for it adapted, on any device; one pass of sha256 over the weights, cheap
+    next to importing them. The tied wte / lm_head weight counts once (named_parameters gives a shared tensor once).
+    """
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if not any(key in f".{name}" for key in ADAPTER_KEYS):
+            tensor = p.detach().to("cpu", torch.float32).contiguous()
+            digest.update(str(tuple(tensor.shape)).encode())
+            digest.update(memoryview(tensor.numpy()).cast("B"))
+    return digest.hexdigest()
+
+
+def record(model: GPT, base: str, fingerprint: str) -> dict[str, Any]:
+    """What a LoRA checkpoint says beside its adapters: where the base came from and its fingerprint, and the
+    adapters' shape (rank, alpha, dropout, targets), read from the adapted ``model``."""
+    layers = list(adapters(model).values())
+    if not layers:
+        raise ValueError("record(): the model has no adapters")
+    targets = tuple(dict.fromkeys(name.split(".", 3)[3] for name in adapters(model)))  # "attn.c_attn", in order
+    return {"base": base, "fingerprint": fingerprint, "rank": layers[0].rank, "alpha": layers[0].alpha,
+            "dropout": layers[0].dropout.p, "targets": list(targets)}
+
+
+def check_base(saved: dict[str, Any], fingerprint: str, where: str) -> None:
+    """Refuse adapters trained on another base than the one loaded now (its fingerprint), in one line."""
+    if saved["fingerprint"] != fingerprint:
+        raise CheckpointError(
+            f"{where}: its LoRA adapters were trained on base {saved['base']} (fingerprint "
+            f"{saved['fingerprint'][:12]}), but the base loaded now has fingerprint {fingerprint[:12]}: pass "
+            f"--init_from {saved['base']} as it was then, or train new adapters in a new --out_dir")
+
+
+def load_adapted(state: dict[str, Any], base_model: GPT, where: str = "checkpoint") -> GPT:
+    """A LoRA checkpoint's model as a plain GPT: its adapters on ``base_model`` (checked against the saved
+    fingerprint), merged. ``base_model`` is whatever init_from loaded. Footgun: it is consumed (adapted, then
+    merged in place: no copy of a large base), and what comes back is that same module."""
+    saved = state["lora"]
+    check_base(saved, base_fingerprint(base_model), where)
+    adapted = add_adapters(base_model, saved["rank"], saved["alpha"], saved["dropout"], tuple(saved["targets"]))
+    load_adapter_state(adapted, state["model"], where)
+    return fold(adapted)
+
+
+# ----------------------------------------------------------------------------- PEFT's format
+def peft_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """adapter_config.json for a record(): GPT-2's four matrices are transformers Conv1D layers, (in, out),
+    hence fan_in_fan_out. PEFT fills every field left out with its default."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": saved["rank"], "lora_alpha": saved["alpha"],
+            "lora_dropout": saved["dropout"], "target_modules": list(saved["targets"]), "fan_in_fan_out": True,
+            "bias": "none", "base_model_name_or_path": saved["base"], "inference_mode": True}
+
+
+def to_peft(adapter_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapters (adapter_state's names) under PEFT's names. No transpose: PEFT's lora_A / lora_B are nn.Linear
+    layers whatever the base (A (rank, in), B (out, rank), as ours); fan_in_fan_out transposes only the Conv1D
+    base weight, when PEFT merges."""
+    return {PEFT_PREFIX + name: t.detach().float().contiguous().clone() for name, t in adapter_weights.items()}
+
+
+def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
+    """A LoRA checkpoint's adapters as PEFT's adapter_config.json and adapter_model.safetensors in ``folder``."""
+    from safetensors.torch import save_file
+
+    if "lora" not in state:
+        raise CheckpointError("not a LoRA run: only a run trained with --lora_rank has adapters to export in "
+                              "PEFT's format; export the model alone (drop --peft)")
+    folder.mkdir(parents=True, exist_ok=True)
+    weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
+    save_file(to_peft(state["model"]), str(weights), metadata={"format": "pt"})
+    config.write_text(json.dumps(peft_config(state["lora"]), indent=1) + "\n", encoding="utf-8")
+    return [config, weights]

@@ -1,0 +1,235 @@
+"""LoRA (machinery/lora.py): the adapted model starts as its base exactly, only the adapters train, merging changes
+no logit, a resume is bit-exact and refuses another base, and PEFT loads the exported adapters to our logits.
+
+The base is a random tiny GPT exported by machinery/hf.py into a Hugging Face folder, which --init_from reads.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from machinery import loading
+from machinery.loading import from_checkpoint
+import train
+from config import ConfigError, make_config
+from conftest import make_text, tiny_model
+from data import load_corpus
+from fault_injection import assert_nested_equal, metrics
+from machinery import hf, lora
+from machinery.checkpoint import LORA_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, load_checkpoint
+from machinery.corpora import prepare
+from machinery.errors import CheckpointError
+from machinery.runtime import Runtime
+from machinery.tokenizers import tokenizer_from_meta
+from scripts import export_hf
+
+CPU = Runtime(torch.device("cpu"), torch.float32, 1, False)
+TARGETS = "attn.c_attn,mlp.c_proj"  # an attention and an MLP layer: PEFT must tell mlp.c_proj from attn.c_proj
+
+
+def adapted(targets: str = ",".join(lora.TARGETS), dropout: float = 0.0, seed: int = 0):
+    """A tiny random model, and a copy of it with rank-4 adapters (alpha 8) on ``targets``."""
+    base = tiny_model(seed=seed).eval()
+    model = lora.add_adapters(tiny_model(seed=seed), 4, 8.0, dropout, targets)
+    return base, model
+
+
+def randomize_adapters(model: torch.nn.Module) -> None:
+    """Non-zero B matrices: as if trained, so that the update shows in the logits."""
+    with torch.no_grad():
+        for layer in lora.adapters(model).values():
+            layer.lora_B.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(3))
+
+
+IDX = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+# ----------------------------------------------------------------------------- the adapters
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_adapters_at_step_0_give_the_bases_logits_exactly(mode):
+    base, model = adapted(dropout=0.5)  # adapter dropout too: B = 0 cancels whatever it drops
+    getattr(model, mode)()
+    assert len(lora.adapters(model)) == 2 * len(lora.TARGETS)
+    assert torch.equal(model(IDX).logits, base(IDX).logits)
+    randomize_adapters(model)  # the check can fail: an update that is not zero shows
+    assert not torch.equal(model(IDX).logits, base(IDX).logits)
+
+
+def test_adding_adapters_freezes_every_base_weight_and_keeps_the_fingerprint():
+    base, model = adapted(TARGETS)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(lora.adapter_state(model)) and trainable
+    assert all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    assert {name.split(".", 3)[3].rsplit(".", 2)[0] for name in trainable} == set(TARGETS.split(","))
+    assert lora.base_fingerprint(model) == lora.base_fingerprint(base)
+    with torch.no_grad():
+        base.transformer.h[1].mlp.c_fc.weight[0, 0] += 1e-6  # one weight of another base
+    assert lora.base_fingerprint(model) != lora.base_fingerprint(base)
+
+
+def test_merged_model_is_a_plain_gpt_with_the_adapted_logits():
+    base, model = adapted()
+    randomize_adapters(model)
+    merged = lora.merge(model).eval()
+    with torch.no_grad():
+        diff = (merged(IDX).logits - model.eval()(IDX).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+    assert merged.state_dict().keys() == base.state_dict().keys()  # no adapter key: loads as any GPT
+    assert merged.lm_head.weight is merged.transformer.wte.weight
+    assert all(p.requires_grad for p in merged.parameters())
+    assert lora.adapters(model) and not lora.adapters(merged)  # a copy: the adapted model keeps its adapters
+    assert not torch.equal(merged.transformer.h[0].attn.c_attn.weight, base.transformer.h[0].attn.c_attn.weight)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(lora_rank=4), "LoRA adapts a trained model: pass --init_from"),
+    (dict(lora_rank=4, init_from="gpt2", lora_targets="attn.c_attn,mlp.fc"),
+     "lora_targets names mlp.fc, which is not among attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj"),
+    (dict(lora_rank=4, init_from="gpt2", lora_targets=" , "), "lora_targets is empty"),
+    (dict(lora_rank=-1), "lora_rank must be >= 0"),
+    (dict(lora_rank=4, init_from="gpt2", lora_alpha=0.0), "lora_alpha must be a finite number > 0"),
+    (dict(lora_rank=4, init_from="gpt2", lora_dropout=1.0), "lora_dropout must be in"),
+])
+def test_bad_lora_settings_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        make_config(None, **overrides)
+    assert "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- runs
+@pytest.fixture(scope="module")
+def corpus_paths(tmp_path_factory) -> tuple[Path, Path]:
+    """(a text file, its data_dir) shared by this module's runs."""
+    root = tmp_path_factory.mktemp("lora_corpus")
+    (root / "corpus.txt").write_text(make_text())
+    return root / "corpus.txt", root / "data"
+
+
+def export_base(corpus_paths: tuple[Path, Path], folder: Path, seed: int = 0) -> Path:
+    """A random tiny GPT-2-layout model for the corpus's char vocabulary, as a Hugging Face folder (hf.export)."""
+    text, data_dir = corpus_paths
+    corpus = load_corpus(prepare(data_path=str(text), tokenizer="char", data_dir=str(data_dir)), 32)
+    model = tiny_model(vocab_size=corpus.vocab_size, block_size=32, seed=seed, bias=True, activation="gelu_tanh")
+    with torch.no_grad():  # biases and gains too: a base whose every weight counts
+        for p in model.parameters():
+            p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(seed))
+    hf.export(model, tokenizer_from_meta(corpus.meta["tokenizer"]), folder)
+    return folder
+
+
+def lora_cfg(corpus_paths, out_dir: Path, base: Path, **overrides):
+    text, data_dir = corpus_paths
+    values = dict(data_path=str(text), data_dir=str(data_dir), out_dir=str(out_dir), device="cpu", log_interval=1,
+                  init_from=str(base), lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS, max_iters=8,
+                  eval_interval=4, eval_tokens=512, compile="off", dropout=0.1, lora_dropout=0.1)
+    return make_config("tiny", **(values | overrides))
+
+
+@pytest.fixture(scope="module")
+def base_folder(corpus_paths, tmp_path_factory) -> Path:
+    return export_base(corpus_paths, tmp_path_factory.mktemp("lora_base") / "hf")
+
+
+@pytest.fixture(scope="module")
+def trained(corpus_paths, base_folder, tmp_path_factory) -> Path:
+    """A LoRA run's folder: 8 steps at a high lr without warmup, so that the adapters moved visibly."""
+    out = tmp_path_factory.mktemp("lora_run") / "run"
+    train.train(lora_cfg(corpus_paths, out, base_folder, learning_rate=2e-2, min_lr=2e-3, warmup_iters=0))
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_optimizer_sees_and_steps_only_the_adapters(corpus_paths, base_folder, tmp_path, optimizer):
+    cfg, pretrained = hf.start_from(lora_cfg(corpus_paths, tmp_path / "out", base_folder, optimizer=optimizer),
+                                    tmp_path / "out")
+    run = train.build_run(cfg, CPU, pretrained=pretrained)
+    adapter_params = {id(p) for layer in lora.adapters(run.model).values()
+                      for p in (layer.lora_A.weight, layer.lora_B.weight)}
+    optimized = [p for group in run.optimizer.param_groups for p in group["params"]]
+    assert {id(p) for p in optimized} == adapter_params and len(optimized) == len(adapter_params)
+    assert sum(p.numel() for p in optimized) == sum(t.numel() for t in lora.adapter_state(run.model).values())
+    before = {name: t.clone() for name, t in run.model.state_dict().items()}
+    train.train_step(run, run.model, [run.stream.next()], 1, 1e-2)
+    after = run.model.state_dict()
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert moved and moved <= set(lora.adapter_state(run.model))  # the base never moves (A's moves from step 2)
+    assert {id(p) for p in run.optimizer.state} <= adapter_params and run.optimizer.state
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_the_bases_fingerprint_not_the_base(trained, base_folder):
+    state = load_checkpoint(trained / "last.pt")
+    assert sorted(state) == sorted(REQUIRED_KEYS + OPTIONAL_KEYS + LORA_KEYS)
+    pretrained = hf.load_pretrained(str(base_folder), 32)
+    base = tiny_model(vocab_size=pretrained.config.vocab_size, block_size=32, bias=True, activation="gelu_tanh")
+    base.load_state_dict(pretrained.state)
+    assert state["lora"] == {"base": str(base_folder), "fingerprint": lora.base_fingerprint(base), "rank": 4,
+                             "alpha": 8.0, "dropout": 0.1, "targets": TARGETS.split(",")}
+    assert set(state["model"]) == {f"transformer.h.{i}.{target}.lora_{m}.weight" for i in range(2)
+                                   for target in TARGETS.split(",") for m in "AB"}
+    assert load_checkpoint(trained / "best.pt")["lora"] == state["lora"]
+
+
+def test_lora_resume_is_bit_exact(corpus_paths, base_folder, tmp_path):
+    """8 steps straight == 4 steps, a resume (the base imported again), 4 more: adapters, moments, metrics."""
+    train.train(lora_cfg(corpus_paths, tmp_path / "straight", base_folder))
+    train.train(lora_cfg(corpus_paths, tmp_path / "split", base_folder, max_iters=4))
+    train.train(lora_cfg(corpus_paths, tmp_path / "split", base_folder, resume=True))
+    a, b = load_checkpoint(tmp_path / "straight" / "last.pt"), load_checkpoint(tmp_path / "split" / "last.pt")
+    for key in ("model", "optimizer", "rng", "lora", "step", "best_val_loss"):
+        assert_nested_equal(a[key], b[key], key)
+    assert metrics(tmp_path / "straight") == metrics(tmp_path / "split")
+    assert any(t.abs().sum() > 0 for name, t in a["model"].items() if "lora_B" in name)  # the adapters trained
+
+
+def test_a_resume_on_another_base_is_refused_naming_both_fingerprints(corpus_paths, trained, tmp_path):
+    other = export_base(corpus_paths, tmp_path / "other", seed=1)
+    saved = load_checkpoint(trained / "last.pt")["lora"]["fingerprint"]
+    with pytest.raises(CheckpointError, match=f"trained on base .* \\(fingerprint {saved[:12]}\\), but the base "
+                                              r"loaded now has fingerprint [0-9a-f]{12}: pass --init_from") as err:
+        train.train(lora_cfg(corpus_paths, trained, other, max_iters=12, resume=True))
+    assert "\n" not in str(err.value)
+    assert load_checkpoint(trained / "last.pt")["step"] == 8  # nothing was written
+
+
+def test_sampling_a_lora_run_merges_its_adapters_and_refuses_a_changed_base(corpus_paths, trained, base_folder,
+                                                                           tmp_path, monkeypatch):
+    state = load_checkpoint(trained / "last.pt")
+    model = from_checkpoint(trained / "last.pt").model
+    assert not lora.adapters(model)
+    cfg, pretrained = hf.start_from(lora_cfg(corpus_paths, tmp_path / "x", base_folder), tmp_path / "x")
+    run = train.build_run(cfg, CPU, pretrained=pretrained)
+    lora.load_adapter_state(run.model, state["model"], "test")
+    idx = IDX % pretrained.config.vocab_size
+    with torch.no_grad():
+        assert (model(idx).logits - run.model.eval()(idx).logits).abs().max() <= 1e-5
+    changed = export_base(corpus_paths, tmp_path / "changed", seed=2)
+    monkeypatch.setitem(state["config"], "init_from", str(changed))  # as if the base folder had been replaced
+    monkeypatch.setattr(loading, "load_checkpoint", lambda path: state)
+    with pytest.raises(CheckpointError, match="its LoRA adapters were trained on base"):
+        from_checkpoint(trained / "last.pt")
+
+
+# ----------------------------------------------------------------------------- PEFT
+def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_our_logits(trained, base_folder, tmp_path):
+    peft = pytest.importorskip("peft", reason="peft is not installed (requirements-dev.txt): no PEFT round trip")
+    transformers = pytest.importorskip("transformers")
+    export_hf.main([str(trained), str(tmp_path / "merged"), "--peft", str(tmp_path / "adapters")])
+    ours = from_checkpoint(trained / "best.pt").model
+    idx = IDX % ours.config.vocab_size
+    base = transformers.GPT2LMHeadModel.from_pretrained(base_folder).eval()  # the base as hf.export wrote it
+    with torch.no_grad():
+        base_logits = base(idx).logits
+        peft_logits = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()(idx).logits
+        merged_logits = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "merged").eval()(idx).logits
+        our_logits = ours(idx).logits
+    assert (peft_logits - our_logits).abs().max() <= 1e-5
+    assert (merged_logits - our_logits).abs().max() <= 1e-5
+    assert (base_logits - our_logits).abs().max() > 1e-3  # the adapters changed the model: the check can fail
+
+
+def test_peft_export_of_a_run_without_adapters_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(CheckpointError, match="not a LoRA run"):
+        lora.export_peft({"model": {}}, tmp_path / "adapters")
+    assert not (tmp_path / "adapters").exists()
