@@ -9,10 +9,12 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import train
 from config import make_config
 from machinery.checkpoint import load_checkpoint
 from model import GPT, GPTConfig
@@ -78,15 +80,44 @@ def text_file(tmp_path: Path) -> Path:
     return path
 
 
+def tiny_run(out_dir: Path | str, text_file: Path | str) -> dict[str, Any]:
+    """The settings of every test's tiny run: the tiny preset on a local corpus, on CPU, logging every step.
+
+    The one source of a tiny run: tiny_cfg makes them a TrainConfig, tiny_args a command line. The
+    prepared data goes beside the corpus, so a run writes only under the corpus's and out_dir's folders."""
+    return dict(data_path=str(text_file), data_dir=str(Path(text_file).parent / "data"), out_dir=str(out_dir),
+                device="cpu", log_interval=1)
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path: Path, text_file: Path):
-    """Factory: the tiny preset on the local corpus, writing only under tmp_path."""
+    """Factory: tiny_run's TrainConfig on the local corpus, writing only under tmp_path."""
     def build(**overrides):
-        values = dict(data_path=str(text_file), data_dir=str(tmp_path / "data"),
-                      out_dir=str(tmp_path / "out"), device="cpu", log_interval=1)
-        values.update(overrides)
-        return make_config("tiny", **values)
+        return make_config("tiny", **tiny_run(tmp_path / "out", text_file) | overrides)
     return build
+
+
+def tiny_args(out_dir: Path | str, text_file: Path | str, **overrides: Any) -> list[str]:
+    """train.py's command line for a short tiny run (10 steps, an eval every 5): for run_main, or run_script
+    after "train.py"."""
+    values = tiny_run(out_dir, text_file) | dict(eval_interval=5, max_iters=10) | overrides
+    return ["--config", "tiny"] + [f"--{key}={value}" for key, value in values.items()]
+
+
+def run_main(args: list[str]) -> int:
+    """train.main in this process; returns its exit code."""
+    try:
+        train.main(args)
+    except SystemExit as exit_:
+        return exit_.code
+    return 0
+
+
+def run_for(tmp_path: Path, text_file: Path, name: str, **overrides: Any) -> dict:
+    """Train the tiny preset into tmp_path/name (4 steps, then one eval of 8 windows); its last.pt."""
+    args = dict(max_iters=4, eval_interval=100, eval_tokens=256) | overrides
+    assert run_main(tiny_args(tmp_path / name, text_file, **args)) == 0
+    return load_checkpoint(tmp_path / name / "last.pt")
 
 
 @pytest.fixture
@@ -103,6 +134,13 @@ def light_compile(monkeypatch):
         warnings.filterwarnings("error", message="torch.compile failed")
         yield
     torch._dynamo.reset()
+
+
+def random_batch(vocab_size: int = 50, batch_size: int = 4, block_size: int = 16,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets cut from random token rows."""
+    rows = torch.randint(vocab_size, (batch_size, block_size + 1), generator=torch.Generator().manual_seed(seed))
+    return rows[:, :-1], rows[:, 1:]  # (B, T) each
 
 
 def tiny_model(vocab_size: int = 50, block_size: int = 16, dropout: float = 0.0, seed: int = 0, **kw) -> GPT:
@@ -146,16 +184,18 @@ def run_script(*args: str, cwd: Path = REPO, check: bool = True, timeout: int = 
     return result
 
 
-def train_args(text_file: Path, out_dir: Path, *extra: str) -> list[str]:
-    """``python train.py`` arguments (for run_script) for the tiny preset with dropout and grad_accum 2."""
-    return ["train.py", "--config", "tiny", "--data_path", str(text_file), "--data_dir",
-            str(out_dir.parent / "data"), "--out_dir", str(out_dir), "--device", "cpu",
-            "--log_interval", "1", "--dropout", "0.1", "--grad_accum", "2", *extra]
+def read_metrics(out_dir: Path | str) -> list[dict]:
+    """Every record of out_dir/metrics.jsonl, as logged: not a last line a kill cut short (no newline yet)."""
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines]
 
 
-def read_metrics(out_dir: Path) -> list[dict]:
-    """Every record of out_dir/metrics.jsonl, as logged."""
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+def metrics(out_dir: Path | str) -> tuple[list[dict], list[dict]]:
+    """(train records without timings, val records) of out_dir's log: what two runs that should agree share."""
+    records = read_metrics(out_dir)
+    train_records = [{k: r[k] for k in ("step", "loss", "lr", "grad_norm")} for r in records if "loss" in r]
+    val_records = [{k: r[k] for k in ("step", "val_loss")} for r in records if "val_loss" in r]
+    return train_records, val_records
 
 
 def final_weights(out_dir: str) -> dict[str, torch.Tensor]:

@@ -28,7 +28,6 @@ import torch
 
 from machinery import runtime
 from machinery import checkpoint
-from machinery.checkpoint import load_checkpoint
 import data
 import train
 from machinery.distributed import env_rank
@@ -36,30 +35,6 @@ from data import DataError
 from model import GPT
 
 AS_A_SCRIPT = ("-m", "tests.fault_injection")  # python's arguments that run this file's main, from the repo root
-
-
-def tiny_args(out_dir: Path, text_file: Path, **overrides: Any) -> list[str]:
-    """train.py arguments for the tiny preset on a local corpus, logging every step."""
-    values = dict(data_path=text_file, data_dir=Path(text_file).parent / "data", out_dir=out_dir,
-                  device="cpu", log_interval=1, eval_interval=5, max_iters=10)
-    values.update(overrides)
-    return ["--config", "tiny"] + [f"--{key}={value}" for key, value in values.items()]
-
-
-def run_main(args: list[str]) -> int:
-    """train.main in this process; returns its exit code."""
-    try:
-        train.main(args)
-    except SystemExit as exit_:
-        return exit_.code
-    return 0
-
-
-def run_for(tmp_path: Path, text_file: Path, name: str, **overrides) -> dict:
-    """Train the tiny preset into tmp_path/name (4 steps, then one eval of 8 windows); its last.pt."""
-    args = dict(max_iters=4, eval_interval=100, eval_tokens=256) | overrides
-    assert run_main(tiny_args(tmp_path / name, text_file, **args)) == 0
-    return load_checkpoint(tmp_path / name / "last.pt")
 
 
 def call_of(step: int, micro_batch: int, grad_accum: int) -> int:
@@ -245,15 +220,6 @@ def step_clock(monkeypatch: pytest.MonkeyPatch, step_s: float, eval_s: float = 0
     monkeypatch.setattr(train, "optimizer_step", optimizer_step)
     monkeypatch.setattr(train, "evaluate", evaluate)
     return clock
-
-
-def metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(train records without timings, val records) from out_dir/metrics.jsonl."""
-    lines = (Path(out_dir) / "metrics.jsonl").read_text().split("\n")[:-1]  # not a line cut by a SIGKILL
-    records = [json.loads(line) for line in lines]
-    train_records = [{k: r[k] for k in ("step", "loss", "lr", "grad_norm")} for r in records if "loss" in r]
-    val_records = [{k: r[k] for k in ("step", "val_loss")} for r in records if "val_loss" in r]
-    return train_records, val_records
 
 
 def main() -> None:

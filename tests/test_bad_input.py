@@ -9,10 +9,9 @@ import pytest
 
 import data
 import train
-from conftest import TOOLS, entry_point, make_text
+from conftest import TOOLS, entry_point, make_text, run_main, tiny_args, tiny_run
 from config import make_config
 from machinery.corpora import prepare
-from fault_injection import run_main, tiny_args
 
 
 
@@ -22,17 +21,18 @@ def no_model(monkeypatch):
     monkeypatch.setattr(train, "GPT", lambda *args, **kwargs: pytest.fail("the model was built"))
 
 
+# One mistake of each kind (test_config.py holds every message): a typo, bad values, a shape that cannot be.
 @pytest.mark.parametrize("bad, names", [
-    (["--max_itres", "5"], "did you mean `max_iters`?"),
-    (["--learning_rate", "-1"], "learning_rate"),
-    (["--n_head", "3"], "n_head"),
-    (["--dtype", "float8"], "float8"),
-    (["--ckpt_interval", "-1"], "ckpt_interval"),
-    (["--max_skipped_steps", "0"], "max_skipped_steps"),
+    ("--max_itres 5", "did you mean `max_iters`?"),
+    ("--learning_rate -1", "learning_rate"),
+    ("--n_head 3", "n_head"),
+    ("--dtype float8", "float8"),
+    ("--ckpt_interval -1", "ckpt_interval"),
+    ("--max_skipped_steps 0", "max_skipped_steps"),
 ])
 def test_config_mistakes_fail_before_any_file_is_written(tmp_path, text_file, capsys, bad, names):
     out = tmp_path / "out"
-    assert run_main(tiny_args(out, text_file) + bad) == 2
+    assert run_main(tiny_args(out, text_file) + bad.split()) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and names in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]  # no out_dir, no data_dir
@@ -209,8 +209,7 @@ def trained(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("trained")
     corpus = root / "corpus.txt"
     corpus.write_text(make_text())
-    train.train(make_config("tiny", data_path=str(corpus), data_dir=str(root / "data"), out_dir=str(root / "run"),
-                            device="cpu", max_iters=2, eval_interval=2))
+    train.train(make_config("tiny", **tiny_run(root / "run", corpus) | dict(max_iters=2, eval_interval=2)))
     return {"run": str(root / "run"), "corpus": str(corpus), "data": str(root / "data")}
 
 

@@ -14,7 +14,7 @@ import torch
 
 from machinery import documents, formats
 import train
-from conftest import make_text
+from conftest import make_text, read_metrics, tiny_args
 from data import DataError, val_windows
 from machinery.corpora import prepare
 from machinery.documents import is_val_document
@@ -143,7 +143,7 @@ def test_train_runs_on_a_bpe_jsonl_corpus(tmp_path, cache, tiny_cfg):
                    eval_interval=2, eval_tokens=256)
     val_loss = train.train(cfg)
     assert abs(val_loss - np.log(50257)) < 1.0  # about uniform over the 50257 tokens after 2 steps
-    records = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(cfg.out_dir)
     assert [r["mfu"] for r in records if "loss" in r] == [None, None]  # CPU: n/a, never a number
     (val,) = [r for r in records if "val_loss" in r]
     assert 0 < val["val_bpb"] < val["val_loss"] / np.log(2)  # BPE tokens hold several bytes each
@@ -168,7 +168,6 @@ def test_doctor_round_trips_each_document_and_still_catches_a_lossy_bpe(tok, cac
 @pytest.mark.slow  # the doctor's 15 checks with a 50257-token head: ~40 s on 2 cores
 def test_the_doctor_passes_every_check_on_a_jsonl_corpus(tmp_path, cache, capsys):
     corpus = write_jsonl(tmp_path / "web.jsonl", DOCS * 3)
-    argv = ["--config", "tiny", "--data_path", str(corpus), "--tokenizer", "gpt2", "--val_fraction", "0.05",
-            "--data_dir", str(cache), "--device", "cpu"]
+    argv = tiny_args(tmp_path / "out", corpus, tokenizer="gpt2", val_fraction=0.05, data_dir=cache)
     assert doctor.main(argv) == 0, capsys.readouterr().out
     assert "15/15 checks passed" in capsys.readouterr().out

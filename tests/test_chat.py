@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_script, tiny_model
+from conftest import REPO, run_script, tiny_args, tiny_model
 from data import Conversations, conversation_rows, eval_windows, load_corpus
-from machinery.chat import ASSISTANT, BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render
+from machinery.chat import BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render
 from machinery.errors import DataError
 from machinery.tokenizers import CharTokenizer, tokenizer_from_meta
 from train import accumulate_gradients
@@ -151,8 +153,7 @@ def test_train_py_refuses_a_malformed_file_in_one_line_exit_2_writing_nothing(tm
     path = write_chats(tmp_path / "chats.jsonl", n=5)
     with open(path, "a") as f:
         f.write(BAD_LINES["unknown role"][0] + "\n")
-    result = run_script("train.py", "--config", "tiny", "--data_path", str(path), "--data_dir", str(tmp_path / "data"),
-                        "--out_dir", str(tmp_path / "out"), "--device", "cpu", check=False)
+    result = run_script("train.py", *tiny_args(tmp_path / "out", path), check=False)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {path}:6: message 0 has role 'bot'")
     assert not (tmp_path / "out").exists()
@@ -163,16 +164,12 @@ def chat_run(tmp_path_factory):
     """A tiny chat model trained from scratch on conversations (char tokenizer and the markers)."""
     folder = tmp_path_factory.mktemp("chat")
     chats = write_chats(folder / "chats.jsonl", n=60)
-    run_script("train.py", "--config", "tiny", "--data_path", str(chats), "--data_dir", str(folder / "data"),
-               "--out_dir", str(folder / "out"), "--device", "cpu", "--max_iters", "30", "--eval_interval", "30", "--block_size", "64",
-               "--chat_overflow", "truncate")
+    run_script("train.py", *tiny_args(folder / "out", chats, max_iters=30, eval_interval=30, block_size=64,
+                                      chat_overflow="truncate"))
     return folder / "out"
 
 
 def chat(run: Path, lines: list[str], *extra: str):
-    import subprocess
-    import sys
-    from conftest import REPO
     return subprocess.run([sys.executable, "sample.py", "--ckpt", str(run), "--chat", "--temp", "0", *extra],
                           input="".join(line + "\n" for line in lines), cwd=REPO, capture_output=True, text=True,
                           timeout=120)
@@ -190,8 +187,7 @@ def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_s
 
 
 def test_chat_refuses_a_model_without_markers(tmp_path, text_file):
-    run_script("train.py", "--config", "tiny", "--data_path", str(text_file), "--data_dir", str(tmp_path / "data"),
-               "--out_dir", str(tmp_path / "out"), "--device", "cpu", "--max_iters", "2", "--eval_interval", "2")
+    run_script("train.py", *tiny_args(tmp_path / "out", text_file, max_iters=2, eval_interval=2))
     result = chat(tmp_path / "out", ["hi"])
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: this model has no chat markers; fine-tune it on conversations first "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train
-from conftest import REPO, make_text
+from conftest import REPO, make_text, read_metrics
 from fault_injection import step_clock
 from machinery import runtime
 from machinery.faults import StopOnSignal, RunStopped
@@ -153,8 +153,7 @@ def test_time_mode_gives_every_run_the_same_wall_clock(finished, tmp_path, monke
     assert summary["mode"] == "time" and summary["budget"] == 2
     assert [r["step"] for r in row(summary, "base")["runs"]] == [6, 6]
     for seed in (1, 2):
-        records = [json.loads(line) for line in
-                   (tmp_path / "exp" / "base" / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(tmp_path / "exp" / "base" / f"seed-{seed}")
         assert [(r["step"], r["time_s"]) for r in records if "val_loss" in r] == [(4, 1.5), (6, 2.5)]
         assert [r["time_s"] for r in records if "loss" in r] == [0.25, 0.5, 0.75, 1.0, 1.75, 2.0]
 

@@ -1,4 +1,4 @@
-"""Corpus preparation, tokenizers, training batches and validation windows."""
+"""Corpus preparation, training batches and validation windows (the tokenizers: test_tokenizers.py)."""
 from __future__ import annotations
 
 import io
@@ -21,23 +21,14 @@ from machinery import corpora, downloads, formats, shakespeare, staging, texts, 
 import sample
 import train
 from machinery.checkpoint import load_checkpoint
-from conftest import docs_snippet, make_text, run_script
+from conftest import docs_snippet, make_text, run_main, run_script, tiny_args
 from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
                   val_windows)
 from machinery.corpora import prepare
 from machinery.shakespeare import strip_gutenberg
 from machinery.tokenfiles import split_fingerprint
-from machinery.tokenizers import CharTokenizer, GPT2Tokenizer
-from fault_injection import assert_nested_equal, assert_same_training_state, run_main, tiny_args
-
-
-def test_char_tokenizer_round_trip_and_unknown_char():
-    tok = CharTokenizer("".join(sorted(set("hello world\n"))))
-    text = "hello\nworld"
-    assert tok.decode(tok.encode(text)) == text
-    assert tok.encode_array(text).tolist() == tok.encode(text)
-    with pytest.raises(DataError, match="not in the model's vocabulary: 'z'"):
-        tok.encode("hez")
+from machinery.tokenizers import CharTokenizer
+from fault_injection import assert_nested_equal, assert_same_training_state
 
 
 def test_prepare_a_text_file(tmp_path, text_file):
@@ -298,7 +289,6 @@ def damage(folder: Path, how: str) -> None:
     ("meta.json lacks a field", None),  # old: KeyError traceback
 ])
 def test_a_damaged_corpus_is_refused_or_prepared_again_never_trained_on(tmp_path, text_file, capsys, how, refusal):
-    from fault_injection import run_main
     folder = prepare(data_path=str(text_file), data_dir=str(tmp_path / "data"))
     reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"))
     damage(folder, how)
@@ -521,22 +511,6 @@ def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
 
 
 @pytest.mark.network
-def test_gpt2_tokenizer_offline_fallback(tmp_path, monkeypatch):
-    import tiktoken
-
-    def no_internet(name):
-        raise ConnectionError("no route to the tiktoken download host")
-
-    monkeypatch.setattr(tiktoken, "get_encoding", no_internet)
-    tok = GPT2Tokenizer(tmp_path)  # built from the whisper sdist's gpt2.tiktoken, checked by sha256
-    assert tok.encode("Hello world") == [15496, 995]
-    assert tok.vocab_size == 50257 and tok.eot_token == 50256
-    text = "Thou art more lovely — and more temperate 🌹\n"
-    assert tok.decode(tok.encode(text)) == text
-    assert (tmp_path / "tokenizers" / "gpt2.tiktoken").is_file()
-
-
-@pytest.mark.network
 def test_builtin_shakespeare_corpus(tmp_path):
     folder = prepare("shakespeare", data_dir=str(tmp_path))
     meta = json.loads((folder / "meta.json").read_text())
@@ -559,8 +533,9 @@ def run_the_docs_recipe(folder: Path) -> Path:
 
 def trains_and_resumes_exactly(tmp_path: Path, data_path: Path) -> None:
     """tiny on ``data_path``: 6 steps straight, and 3 then 3 more after a resume, end in the same state."""
-    run = dict(data_path=data_path, data_dir=tmp_path / "cache", device="cpu", eval_interval=3)
-    args = lambda out, **more: ["--config", "tiny"] + [f"--{k}={v}" for k, v in {**run, "out_dir": out, **more}.items()]  # noqa: E731
+    def args(out: Path, **more) -> list[str]:
+        return tiny_args(out, data_path, data_dir=tmp_path / "cache", eval_interval=3, **more)
+
     assert run_main(args(tmp_path / "straight", max_iters=6)) == 0
     assert run_main(args(tmp_path / "split", max_iters=3)) == 0
     assert run_main(args(tmp_path / "split", max_iters=6, resume="true")) == 0
@@ -598,8 +573,7 @@ def test_someone_elses_tokens_are_checked_like_ours(tmp_path, capsys, edit, mess
     meta = json.loads((tokens / "meta.json").read_text())
     edit(meta, tokens)
     (tokens / "meta.json").write_text(json.dumps(meta))
-    args = ["--config", "tiny", f"--data_path={tokens}", f"--out_dir={tmp_path / 'out'}", "--device=cpu"]
-    assert run_main(args) == 2
+    assert run_main(tiny_args(tmp_path / "out", tokens)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "out" / "last.pt").exists()
@@ -607,13 +581,11 @@ def test_someone_elses_tokens_are_checked_like_ours(tmp_path, capsys, edit, mess
 
 def test_a_resume_on_a_rewritten_token_folder_is_refused(tmp_path, capsys):
     tokens = run_the_docs_recipe(tmp_path)
-    args = ["--config", "tiny", f"--data_path={tokens}", f"--out_dir={tmp_path / 'out'}", "--device=cpu",
-            "--max_iters=2", "--eval_interval=2"]
-    assert run_main(args) == 0
+    assert run_main(tiny_args(tmp_path / "out", tokens, max_iters=2, eval_interval=2)) == 0
     ids = np.fromfile(tokens / "train.bin", dtype=np.uint16)
     ids[:10] = ids[10:20]
     ids.tofile(tokens / "train.bin")
-    assert run_main(args[:-2] + ["--max_iters=4", "--resume"]) == 2
+    assert run_main(tiny_args(tmp_path / "out", tokens, max_iters=4, resume="true")) == 2
     assert "its train split differs" in capsys.readouterr().err
 
 

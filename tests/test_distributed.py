@@ -24,30 +24,28 @@ from machinery import rundir
 from machinery import runtime
 import train
 from machinery.checkpoint import load_checkpoint
-from conftest import REPO, make_text, run_script, tiny_model
+from conftest import REPO, make_text, read_metrics, run_script, tiny_args, tiny_model
 from machinery.distributed import Dist
-from fault_injection import AS_A_SCRIPT, tiny_args
+from fault_injection import AS_A_SCRIPT
 from machinery.runtime import mfu, peak_flops
 
-# Tiny preset, 2 micro-batches per step so that no_sync (local accumulation) is exercised.
 STEPS, HALF = 6, 3
-RUN_ARGS = ("--config", "tiny", "--device", "cpu", "--log_interval", "1", "--eval_interval", str(HALF),
-            "--grad_accum", "2")
 B = 4  # sequences per micro-batch per rank
 # Measured: losses agree to ~1e-7 relative and weights to ~2e-8 absolute after 6 AdamW steps (fp32;
 # the two layouts add the same numbers in a different order). The bounds leave a margin of ~100x.
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
 
 
-def torchrun(*args: str) -> None:
-    """Two CPU processes under torchrun, as the README runs it; --standalone picks a free port."""
+def torchrun(out_dir: Path, corpus: Path, **overrides) -> None:
+    """A tiny run in two CPU processes under torchrun, as the README runs it; --standalone picks a free port.
+
+    Two micro-batches per step, so that no_sync (local accumulation) is exercised."""
     run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-               *RUN_ARGS, *args, timeout=240)
+               *tiny_args(out_dir, corpus, eval_interval=HALF, grad_accum=2, batch_size=B, **overrides), timeout=240)
 
 
 def records(out_dir: Path, key: str) -> dict[int, float]:
-    lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[key] for r in lines if key in r}
+    return {r["step"]: r[key] for r in read_metrics(out_dir) if key in r}
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +54,11 @@ def ddp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     corpus = root / "corpus.txt"
     corpus.write_text(make_text())
-    common = ("--data_path", str(corpus), "--data_dir", str(root / "data"), "--batch_size", str(B))
-    torchrun(*common, "--out_dir", str(root / "full"), "--max_iters", str(STEPS))
-    torchrun(*common, "--out_dir", str(root / "resumed"), "--max_iters", str(HALF))
+    torchrun(root / "full", corpus, max_iters=STEPS)
+    torchrun(root / "resumed", corpus, max_iters=HALF)
     (root / "half").mkdir()
     shutil.copy(root / "resumed" / "last.pt", root / "half" / "last.pt")  # the state at HALF, kept
-    torchrun(*common, "--out_dir", str(root / "resumed"), "--max_iters", str(STEPS), "--resume")
+    torchrun(root / "resumed", corpus, max_iters=STEPS, resume="true")
     return root
 
 
@@ -376,7 +373,7 @@ def test_under_two_ranks_one_process_writes_each_metric_once(tmp_path, text_file
     out = tmp_path / "out"
     result = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
                         *tiny_args(out, text_file, max_iters=4, eval_interval=2, batch_size=2), timeout=240)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out)
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     printed = [line for line in result.stdout.splitlines() if line.lstrip().startswith("step ")]

@@ -5,9 +5,6 @@ own behaviour (exit status, table of checks) and the checks those guards do not 
 """
 from __future__ import annotations
 
-import functools
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -18,7 +15,7 @@ from machinery import runtime
 import train
 from machinery.runtime import choose_runtime
 from config import parse_args
-from conftest import REPO, make_optimizer, make_text, run_script, tiny_model
+from conftest import REPO, make_optimizer, make_text, random_batch, run_script, tiny_args, tiny_model
 from data import PackedDocuments, get_batch
 from machinery.tokenizers import CharTokenizer
 from machinery.faults import NonFiniteGuard
@@ -31,23 +28,13 @@ CHECK_NAMES = ["init loss", "batch", "token ids", "round trip", "gradients", "ca
                "master weights"]
 
 
-def random_batch(vocab_size: int = 50, batch_size: int = 4, block_size: int = 16,
-                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = torch.randint(vocab_size, (batch_size, block_size + 1), generator=torch.Generator().manual_seed(seed))
-    return rows[:, :-1], rows[:, 1:]  # (B, T) each
-
-
 def tiny_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return make_optimizer(model, 0.1, 3e-3, (0.9, 0.99))
 
 
 
 # ----------------------------------------------------------------------------- the whole run
-def doctor_argv(cfg) -> list[str]:
-    return ["--config", "tiny", "--data_path", cfg.data_path, "--data_dir", cfg.data_dir, "--device", "cpu"]
-
-
-def test_every_check_passes_on_the_tiny_config(monkeypatch, tiny_cfg):
+def test_every_check_passes_on_the_tiny_config(monkeypatch, tmp_path, text_file):
     results, real_run_checks = [], doctor.run_checks
 
     def recording_run_checks(cfg):
@@ -55,14 +42,14 @@ def test_every_check_passes_on_the_tiny_config(monkeypatch, tiny_cfg):
         return results
 
     monkeypatch.setattr(doctor, "run_checks", recording_run_checks)
-    assert doctor.main(doctor_argv(tiny_cfg())) == 0
+    assert doctor.main(tiny_args(tmp_path / "out", text_file)) == 0
     assert [c.name for c in results] == CHECK_NAMES
     assert all(c.passed for c in results)
 
 
-def test_a_failed_check_exits_1(monkeypatch, tiny_cfg):
+def test_a_failed_check_exits_1(monkeypatch, tmp_path, text_file):
     monkeypatch.setattr(doctor, "tokenizer_from_meta", lambda meta, cache: LowercasingTokenizer(meta["chars"]))
-    assert doctor.main(doctor_argv(tiny_cfg())) == 1
+    assert doctor.main(tiny_args(tmp_path / "out", text_file)) == 1
 
 
 def test_a_config_mistake_exits_2():
@@ -196,44 +183,12 @@ def test_dropout_that_ignores_the_mode_is_caught(monkeypatch):
     assert not doctor.check_dropout_modes(tiny_model(dropout=0.1), x).passed
 
 
-def evaluate_on_random_windows(model, x_val, y_val, batch_size, device, dtype):
-    """Draws its windows from the global RNG: shifts every later dropout mask."""
-    pick = torch.randint(len(x_val), (batch_size,))
-    return train.evaluate(model, x_val[pick], y_val[pick], batch_size, device, dtype)
-
-
-@torch.no_grad()
-def evaluate_left_in_eval_mode(model, x_val, y_val, batch_size, device, dtype):
-    """Forgets to switch back to train mode: dropout is off for the rest of training."""
-    model.eval()
-    _, loss_sum, n, _ = model(x_val, y_val)
-    return train.EvalResult((loss_sum / n).item(), math.nan, n.item())
-
-
-@pytest.mark.parametrize("evaluate, problem", [(evaluate_on_random_windows, "global RNG"),
-                                               (evaluate_left_in_eval_mode, "left the model in eval mode")])
-def test_evaluate_check_names_the_problem(evaluate, problem):
-    x_val, y_val = random_batch(batch_size=6)
-    check = doctor.check_evaluate(evaluate, tiny_model(dropout=0.1), x_val, y_val, 4, CPU, torch.float32)
-    assert not check.passed
-    assert problem in check.measured
-
-
 def test_graph_leaves_are_the_parameters_the_loss_uses():
     used, unused = nn.Linear(3, 2), nn.Linear(3, 2)
     loss = used(torch.ones(1, 3)).sum()
     leaves = {id(t) for t in doctor.graph_leaves(loss)}
     assert leaves == {id(used.weight), id(used.bias)}
     assert id(unused.weight) not in leaves
-
-
-@pytest.fixture
-def light_compile(monkeypatch):
-    """compile=on through dynamo without inductor's codegen (minutes on a 2-core CPU); fresh caches."""
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def compile_leaving_gradients(model, enabled, probe):
@@ -297,12 +252,7 @@ def clip_before_unscale(optimizer, scaler, guard, params, max_norm, step, loss_s
     """The bug: train.optimizer_step clipping the gradients while they are still multiplied by the loss scale."""
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     scaler.unscale_(optimizer)
-    guard.check(step, loss_step, grad_norm)
-    with guard.skip_if_faulty(optimizer):
-        optimizer.step()
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return rest_of_the_step(optimizer, scaler, guard, step, loss_step, grad_norm)
 
 
 def norm_after_clip(optimizer, scaler, guard, params, max_norm, step, loss_step):
@@ -310,6 +260,11 @@ def norm_after_clip(optimizer, scaler, guard, params, max_norm, step, loss_step)
     scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(params, max_norm)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    return rest_of_the_step(optimizer, scaler, guard, step, loss_step, grad_norm)
+
+
+def rest_of_the_step(optimizer, scaler, guard, step, loss_step, grad_norm) -> torch.Tensor:
+    """train.optimizer_step after its norm, unbroken (fp32: no scaler.step): the guard, the update, the clean-up."""
     guard.check(step, loss_step, grad_norm)
     with guard.skip_if_faulty(optimizer):
         optimizer.step()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, tiny_args
 from machinery.checkpoint import load_checkpoint
 from config import config_from_dict, make_config, model_config
 from machinery import finetune
@@ -14,10 +14,8 @@ from conftest import make_text
 from test_chat import write_chats
 
 
-def train(text_file, out_dir, *extra):
-    return run_script("train.py", "--config", "tiny", "--data_path", str(text_file), "--data_dir",
-                      str(out_dir.parent / "data"), "--out_dir", str(out_dir), "--device", "cpu", "--log_interval", "1",
-                      *extra)
+def train(text_file, out_dir, check=True, **overrides):
+    return run_script("train.py", *tiny_args(out_dir, text_file, **overrides), check=check)
 
 
 def model_of(path):
@@ -33,7 +31,7 @@ def base_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("base")
     text = folder / "corpus.txt"
     text.write_text(make_text())
-    train(text, folder / "out", "--max_iters", "20", "--eval_interval", "10", "--pos_emb", "rope", "--norm", "rmsnorm")
+    train(text, folder / "out", max_iters=20, eval_interval=10, pos_emb="rope", norm="rmsnorm")
     return folder / "out", text
 
 
@@ -41,8 +39,7 @@ def test_a_run_folder_starts_a_chat_fine_tune_with_its_shape_options_tokenizer_a
     base, text = base_run
     chats = write_chats(tmp_path / "chats.jsonl")
     out = tmp_path / "chat"
-    result = train(chats, out, "--init_from", str(base), "--max_iters", "4", "--eval_interval", "2",
-                   "--chat_overflow", "truncate")
+    result = train(chats, out, init_from=base, max_iters=4, eval_interval=2, chat_overflow="truncate")
     assert f"init_from {base / 'best.pt'}" in result.stdout
     tuned, state = model_of(out / "best.pt")
     assert tuned.config.pos_emb == "rope" and tuned.config.norm == "rmsnorm"  # adopted, never passed
@@ -68,8 +65,7 @@ def test_at_step_0_the_fine_tune_computes_the_bases_logits_on_the_bases_tokens(b
 
 def test_a_flag_that_contradicts_the_base_is_one_line(base_run, tmp_path):
     base, text = base_run
-    result = run_script("train.py", "--config", "tiny", "--data_path", str(text), "--data_dir", str(tmp_path / "data"),
-                        "--out_dir", str(tmp_path / "out"), "--init_from", str(base), "--n_layer", "3", check=False)
+    result = train(text, tmp_path / "out", check=False, init_from=base, n_layer=3)
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: --n_layer 3 conflicts with {base / 'best.pt'}, a run with n_layer 2; drop "
                                      "--n_layer (or that key from the preset): with --init_from the base fixes the model")

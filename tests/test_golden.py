@@ -11,14 +11,11 @@ clipping +0.013, another seed -0.093.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
 import train
 from config import make_config
+from conftest import read_metrics
 
 TOLERANCE = 0.005  # nats/token, absolute
 # step -> (train loss, val loss), tiny preset, seed 1337, float32, 1 thread.
@@ -27,10 +24,9 @@ GOLDEN_SHAKESPEARE = {100: (3.0895, 3.0032), 200: (2.9243, 2.7919)}  # the built
 
 
 
-def losses_at(metrics: Path) -> dict[int, tuple[float, float]]:
+def losses_at(out_dir: str) -> dict[int, tuple[float, float]]:
     train_loss, val_loss = {}, {}
-    for line in metrics.read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics(out_dir):
         if "val_loss" in record:
             val_loss[record["step"]] = record["val_loss"]
         else:
@@ -40,7 +36,7 @@ def losses_at(metrics: Path) -> dict[int, tuple[float, float]]:
 
 def check_golden(cfg, golden: dict[int, tuple[float, float]]) -> None:
     final = train.train(cfg)
-    got = losses_at(Path(cfg.out_dir) / "metrics.jsonl")
+    got = losses_at(cfg.out_dir)
     assert sorted(got) == sorted(golden)
     recorded = "{" + ", ".join(f"{step}: ({t:.4f}, {v:.4f})" for step, (t, v) in sorted(got.items())) + "}"
     rerecord = (f"; if the change is meant to alter training, paste this run's values {recorded} over the golden "

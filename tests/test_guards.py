@@ -28,25 +28,18 @@ import sample
 import train
 from machinery.checkpoint import load_checkpoint
 from config import model_config
-from conftest import final_weights, make_optimizer, make_text, same_weights, tiny_model
+from conftest import (final_weights, make_optimizer, make_text, metrics, random_batch, run_for, run_main, same_weights,
+                      tiny_args, tiny_model)
 from data import get_batch, load_corpus
 from machinery.tokenizers import CharTokenizer
 from machinery.corpora import prepare
-from fault_injection import (assert_nested_equal, call_of, capture_run, metrics, on_training_forward, run_for,
-                             run_main, tiny_args)
+from fault_injection import assert_nested_equal, call_of, capture_run, on_training_forward
 from machinery.faults import NonFiniteGuard
 from model import GPT, ModelOutput
 from scripts import doctor
 
 CPU = torch.device("cpu")
 
-
-
-def random_batch(vocab_size: int = 50, batch_size: int = 4, block_size: int = 16,
-                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets cut from random token rows."""
-    rows = torch.randint(vocab_size, (batch_size, block_size + 1), generator=torch.Generator().manual_seed(seed))
-    return rows[:, :-1], rows[:, 1:]  # (B, T) each
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -74,6 +67,31 @@ def test_evaluation_keeping_every_graph_alive_is_caught():
     check = check_evaluate(train.evaluate.__wrapped__)
     assert not check.passed
     assert "autograd graph" in check.measured
+
+
+REAL_EVALUATE = train.evaluate  # kept: the training-run guards below monkeypatch train.evaluate
+
+
+def evaluate_on_random_windows(model, x_val, y_val, batch_size, device, dtype, *args):
+    """The bug: evaluation samples its windows from the global RNG that training also uses."""
+    pick = torch.randint(len(x_val), (batch_size,))
+    return REAL_EVALUATE(model, x_val[pick], y_val[pick], batch_size, device, dtype, *args)
+
+
+@torch.no_grad()
+def evaluate_left_in_eval_mode(model, x_val, y_val, batch_size, device, dtype, *args):
+    """The bug: evaluation forgets to switch back to train mode, so dropout is off for the rest of training."""
+    model.eval()
+    _, loss_sum, n, _ = model(x_val, y_val)
+    return train.EvalResult((loss_sum / n).item(), math.nan, n.item())
+
+
+@pytest.mark.parametrize("evaluate, problem", [(evaluate_on_random_windows, "global RNG"),
+                                               (evaluate_left_in_eval_mode, "left the model in eval mode")])
+def test_evaluate_check_names_the_problem(evaluate, problem):
+    check = check_evaluate(evaluate)
+    assert not check.passed
+    assert problem in check.measured
 
 
 def test_accumulation_keeps_no_graph_in_its_running_loss():
@@ -314,15 +332,6 @@ def test_evaluation_does_not_change_training(tiny_cfg, tmp_path):
     # Dropout reads the global RNG, so an eval that drew from it would change the later steps.
     assert same_weights(weights_with_eval_every(tiny_cfg, tmp_path, 1),
                         weights_with_eval_every(tiny_cfg, tmp_path, 6))
-
-
-REAL_EVALUATE = train.evaluate
-
-
-def evaluate_on_random_windows(model, x_val, y_val, batch_size, device, dtype, *args):
-    """The bug: evaluation samples its windows from the global RNG that training also uses."""
-    pick = torch.randint(len(x_val), (batch_size,))
-    return REAL_EVALUATE(model, x_val[pick], y_val[pick], batch_size, device, dtype, *args)
 
 
 EVAL_RNG_MUTANTS = {

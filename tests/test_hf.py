@@ -24,7 +24,7 @@ import sample
 import train
 from machinery.checkpoint import load_checkpoint
 from config import ConfigError, as_dict, make_config, parse_args, resume_changes
-from conftest import COUNT_CONNECTIONS, REPO, make_text, run_script, tiny_model
+from conftest import COUNT_CONNECTIONS, REPO, make_text, read_metrics, run_script, tiny_args, tiny_model
 from data import load_corpus, val_windows
 from machinery.corpora import prepare
 from machinery.loading import from_checkpoint
@@ -393,8 +393,7 @@ def test_fine_tuning_an_import_lowers_val_loss_and_resumes_bit_exact(tmp_path, t
     assert (a["config"]["activation"], a["config"]["bias"], a["config"]["n_embd"]) == ("gelu_tanh", True, 32)
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
-    metrics = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    losses = lambda d: [(m["step"], m.get("loss"), m.get("val_loss")) for m in metrics(d)]  # noqa: E731
+    losses = lambda d: [(m["step"], m.get("loss"), m.get("val_loss")) for m in read_metrics(tmp_path / d)]  # noqa: E731
     assert losses("split") == losses("straight")
 
 
@@ -454,14 +453,12 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     assert torch.equal(ours[:, : greedy.shape[1]], greedy)
 
 
-def test_the_doctor_checks_a_fine_tuning_config_at_an_lr_for_its_random_init(tmp_path, tiny_cfg, capsys):
+def test_the_doctor_checks_a_fine_tuning_config_at_an_lr_for_its_random_init(tmp_path, text_file, capsys):
     """A fine-tuning lr (finetune_shakespeare's 6e-5) is for pretrained weights; the doctor's random init
     cannot memorise a batch at it, which says nothing about the step: overfit runs at a random init's lr."""
     from scripts import doctor
-    cfg = tiny_cfg()
     folder = random_hf_gpt2(tmp_path / "hf")
-    argv = ["--config", "tiny", "--init_from", str(folder), "--block_size", "16", "--learning_rate", "6e-5",
-            "--min_lr", "6e-6", "--data_path", cfg.data_path, "--data_dir", cfg.data_dir, "--out_dir", cfg.out_dir, "--device", "cpu"]
+    argv = tiny_args(tmp_path / "out", text_file, init_from=folder, block_size=16, learning_rate=6e-5, min_lr=6e-6)
     code, out = doctor.main(argv), capsys.readouterr()
     assert code == 0, out.out + out.err
     overfit = next(line for line in out.out.splitlines() if line.startswith("PASS  overfit"))
@@ -481,7 +478,7 @@ def test_the_doctor_passes_every_check_on_the_finetune_preset_with_a_local_gpt2_
     assert "15/15 checks passed" in out.out
 
 
-def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(tmp_path, tiny_cfg, capsys):
+def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(tmp_path, text_file, tiny_cfg, capsys):
     """The doctor checks an init_from config at the imported shape; an export never mixes two models'
     files; a broken char list is one line."""
     from scripts import doctor
@@ -490,8 +487,7 @@ def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(t
     folder = tmp_path / "hf"
     loaded = from_checkpoint(tmp_path / "run" / "best.pt")
     hf.export(loaded.model, loaded.tokenizer, folder)
-    assert doctor.main(["--config", "tiny", "--init_from", str(folder), "--data_path", cfg.data_path,
-                        "--data_dir", cfg.data_dir, "--out_dir", str(tmp_path / "doc")]) == 0
+    assert doctor.main(tiny_args(tmp_path / "doc", text_file, init_from=folder)) == 0
     assert "15/15 checks passed" in capsys.readouterr().out
     with pytest.raises(hf.HFError, match="is not empty; export into a new folder"):
         hf.export(loaded.model, loaded.tokenizer, folder)

@@ -14,9 +14,9 @@ from machinery import loading
 from machinery.loading import from_checkpoint
 import train
 from config import ConfigError, make_config
-from conftest import make_text, tiny_model
+from conftest import make_text, metrics, tiny_model, tiny_run
 from data import load_corpus
-from fault_injection import assert_nested_equal, metrics
+from fault_injection import assert_nested_equal
 from machinery import hf, lora
 from machinery.checkpoint import LORA_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, load_checkpoint
 from machinery.corpora import prepare
@@ -121,9 +121,9 @@ def export_base(corpus_paths: tuple[Path, Path], folder: Path, seed: int = 0) ->
 
 def lora_cfg(corpus_paths, out_dir: Path, base: Path, **overrides):
     text, data_dir = corpus_paths
-    values = dict(data_path=str(text), data_dir=str(data_dir), out_dir=str(out_dir), device="cpu", log_interval=1,
-                  init_from=str(base), lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS, max_iters=8,
-                  eval_interval=4, eval_tokens=512, compile="off", dropout=0.1, lora_dropout=0.1)
+    values = tiny_run(out_dir, text) | dict(data_dir=str(data_dir), init_from=str(base), lora_rank=4, lora_alpha=8.0,
+                                            lora_targets=TARGETS, max_iters=8, eval_interval=4, eval_tokens=512,
+                                            compile="off", dropout=0.1, lora_dropout=0.1)
     return make_config("tiny", **(values | overrides))
 
 

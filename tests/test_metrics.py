@@ -12,10 +12,10 @@ from machinery import checkpoint
 import train
 from machinery.checkpoint import load_checkpoint
 from machinery.loading import from_checkpoint
-from conftest import run_script, tiny_model
+from conftest import metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
 from data import load_corpus, token_byte_lengths, val_windows
 from machinery.tokenizers import CharTokenizer
-from fault_injection import disk_full_from_step, metrics, run_main, tiny_args
+from fault_injection import disk_full_from_step
 from scripts import eval as eval_script
 
 CPU = torch.device("cpu")
@@ -40,9 +40,9 @@ def test_byte_count_of_multibyte_characters_matches_a_hand_count():
     assert train.val_byte_count(y, tok, CPU) == 17 == len(text.encode()) - 1
 
 
-def train_tiny(out: Path, text_file: Path, *extra: str) -> None:
-    run_script("train.py", "--config", "tiny", "--data_path", str(text_file), "--data_dir", str(out.parent / "data"),
-               "--out_dir", str(out), "--device", "cpu", "--max_iters", "20", "--eval_interval", "10", *extra)
+def train_tiny(out: Path, text_file: Path) -> None:
+    """20 steps, an eval every 10, in a fresh interpreter as a user runs it."""
+    run_script("train.py", *tiny_args(out, text_file, max_iters=20, eval_interval=10))
 
 
 def eval_in_process(capsys, *args: str) -> dict:
@@ -55,7 +55,7 @@ def test_eval_script_reproduces_the_logged_best_val_loss_exactly(tmp_path, text_
     out = tmp_path / "run"
     train_tiny(out, text_file)
     best = load_checkpoint(out / "best.pt")
-    vals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    vals = [r for r in read_metrics(out) if "val_loss" in r]
     assert [r["step"] for r in vals] == [10, 20]
     for r in vals:  # the corpus is ASCII: one byte per character, per token
         assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2), rel=1e-9)
@@ -144,10 +144,6 @@ def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_fro
 
 
 # ----------------------------------------------------------------------------- objective and metric apart
-def read_metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_an_objective_term_trains_but_never_reaches_val_loss_or_best_pt(tmp_path, text_file, capsys):
     """z_loss (a model option adding an auxiliary loss) is minimised, logged by name beside the loss, and kept
     out of every metric. Before, one loss_sum was both: z_loss in GPT.forward's loss raised val loss and bits

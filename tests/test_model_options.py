@@ -27,8 +27,7 @@ from machinery.checkpoint import load_checkpoint, save_checkpoint
 from machinery.loading import from_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
                     make_config, model_config, parse_args, validate)
-from conftest import REPO, docs_snippet, make_text
-from fault_injection import run_main, tiny_args
+from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
 from model import GPT, GPTConfig
 
 BASE = "tiny"  # the preset every case starts from

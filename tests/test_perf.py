@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 
 from machinery import runtime
 import train
-from conftest import run_script
+from conftest import read_metrics, run_script
 from model import GPTConfig, attention, visible_keys
 from scripts import bench, plot
 
@@ -22,7 +21,7 @@ def test_bench_step_is_train_step(tiny_cfg):
     """Same seed, same config: bench's timed steps give exactly train.py's per-step losses."""
     cfg = tiny_cfg(dtype="float32", compile="off", max_iters=6, eval_interval=100)
     train.train(cfg)
-    logged = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    logged = read_metrics(cfg.out_dir)
     train_losses = [r["loss"] for r in logged if "val_loss" not in r]
     b = bench.build("tiny", cfg)
     for _ in range(6):

@@ -17,12 +17,13 @@ import torch
 
 from machinery import checkpoint, files
 import train
-from conftest import REPO
+from conftest import REPO, metrics, run_main, tiny_args
 from machinery import optim
 from machinery.optim import OPTIMIZERS
-from machinery.checkpoint import OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint, save_checkpoint
+from machinery.checkpoint import (OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, CheckpointWriteError,
+                                 load_checkpoint, save_checkpoint)
 from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, capture_run,
-                             metrics, on_training_forward, poison_loss, run_main, signal_at, tiny_args)
+                             on_training_forward, poison_loss, signal_at)
 
 
 
@@ -41,6 +42,22 @@ def all_tensors(value) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- checkpoint files
+def test_an_exception_mid_save_leaves_the_previous_file_intact(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    save_checkpoint({"step": 1}, path)
+    before = path.read_bytes()
+
+    def broken_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise RuntimeError("disk went away")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(CheckpointWriteError, match="disk went away.*previous last.pt is intact"):
+        save_checkpoint({"step": 2}, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temp file left behind
+
+
 def fake_state(step: int, values: torch.Tensor) -> dict:
     """A checkpoint-shaped state whose one big tensor says which step wrote it."""
     return {key: {} for key in REQUIRED_KEYS} | {"step": step, "model": {"w": values}}

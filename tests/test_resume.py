@@ -31,10 +31,9 @@ import train
 from machinery.checkpoint import load_checkpoint, save_checkpoint
 from config import make_config
 from data import LOADERS
-from conftest import (REPO, final_weights, make_optimizer, make_text, read_metrics, run_script, same_weights,
-                      tiny_model, train_args)
-from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, metrics, run_for,
-                             run_main, signal_at, step_clock, tiny_args)
+from conftest import (REPO, final_weights, make_optimizer, make_text, metrics, read_metrics, run_for, run_main,
+                      run_script, same_weights, tiny_args, tiny_model)
+from fault_injection import AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, signal_at, step_clock
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -85,10 +84,13 @@ def optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_is_bit_exact_across_processes(tmp_path, text_file, optimizer):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    args = lambda out, *extra: train_args(text_file, out, "--optimizer", optimizer, "--eval_interval", "12", *extra)  # noqa: E731
-    run_script(*args(straight, "--max_iters", "24"))
-    run_script(*args(split, "--max_iters", "12"))
-    run_script(*args(split, "--max_iters", "24", "--resume"))
+    def args(out, **more):  # dropout and 2 micro-batches a step: the RNG streams and the accumulation resume too
+        return "train.py", *tiny_args(out, text_file, optimizer=optimizer, eval_interval=12, dropout=0.1, grad_accum=2,
+                                      **more)
+
+    run_script(*args(straight, max_iters=24))
+    run_script(*args(split, max_iters=12))
+    run_script(*args(split, max_iters=24, resume="true"))
     losses = lambda d: [(m["step"], m["loss"]) for m in read_metrics(d) if "loss" in m]  # noqa: E731
     assert losses(split) == losses(straight) and len(losses(straight)) == 24
     a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
@@ -354,9 +356,9 @@ def test_checkpoint_missing_an_rng_stream_is_refused(tmp_path, text_file, capsys
 ])
 def test_resume_refuses_another_model_or_optimizer(tmp_path, text_file, change, message):
     out = tmp_path / "run"
-    run_script(*train_args(text_file, out, "--max_iters", "3"))
+    run_script("train.py", *tiny_args(out, text_file, max_iters=3))
     before = (out / "last.pt").read_bytes()
-    result = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume", *change), check=False)
+    result = run_script("train.py", *tiny_args(out, text_file, max_iters=6, resume="true"), *change, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert message in result.stderr
     assert (out / "last.pt").read_bytes() == before
@@ -377,8 +379,8 @@ def test_resume_with_another_model_shape_lists_the_differences_and_overwrites_no
 
 def test_resume_refuses_a_dtype_change_that_drops_the_grad_scaler(tmp_path, text_file):
     out = tmp_path / "run"
-    run_script(*train_args(text_file, out, "--max_iters", "3"))
-    result = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume", "--dtype", "float16"),
+    run_script("train.py", *tiny_args(out, text_file, max_iters=3))
+    result = run_script("train.py", *tiny_args(out, text_file, max_iters=6, resume="true", dtype="float16"),
                         check=False)
     assert result.returncode == 2
     assert result.stderr.strip().endswith("resume with --dtype float32") and "Traceback" not in result.stderr
@@ -429,7 +431,7 @@ def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
 
 def test_a_format_1_checkpoint_still_resumes_and_samples(tmp_path, text_file):
     out = tmp_path / "run"
-    run_script(*train_args(text_file, out, "--max_iters", "3"))
+    run_script("train.py", *tiny_args(out, text_file, max_iters=3))
     for name in ("last.pt", "best.pt"):  # as the previous version wrote them: no clock, no lr_scale
         state = load_checkpoint(out / name)
         del state["time_s"]
@@ -437,7 +439,7 @@ def test_a_format_1_checkpoint_still_resumes_and_samples(tmp_path, text_file):
         for group in state["optimizer"]["param_groups"]:
             del group["lr_scale"]
         save_checkpoint(state, out / name)
-    resumed = run_script(*train_args(text_file, out, "--max_iters", "6", "--resume"))
+    resumed = run_script("train.py", *tiny_args(out, text_file, max_iters=6, resume="true"))
     assert "resumed from" in resumed.stdout and load_checkpoint(out / "last.pt")["step"] == 6
     run_script("sample.py", "--ckpt", str(out), "--max-new-tokens", "5")
 

@@ -15,9 +15,9 @@ import pytest
 from machinery import rundir
 import train
 from machinery.checkpoint import load_checkpoint
-from conftest import REPO
+from conftest import REPO, metrics, run_main, tiny_args
 from machinery.corpora import prepare
-from fault_injection import AS_A_SCRIPT, metrics, run_main, tiny_args
+from fault_injection import AS_A_SCRIPT
 from machinery.rundir import PathError
 
 FAULTS = AS_A_SCRIPT

@@ -14,8 +14,7 @@ import torch
 import sample
 import train
 from machinery.checkpoint import REQUIRED_KEYS, CheckpointError, load_checkpoint, save_checkpoint
-from conftest import REPO, run_script
-from fault_injection import run_main, tiny_args
+from conftest import REPO, run_main, run_script, tiny_args
 
 
 

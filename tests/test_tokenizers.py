@@ -1,5 +1,6 @@
-"""Tokenizers: a BPE trained on the train split (deterministic, val never seen), carried in the checkpoint,
-exported so that transformers encodes exactly as we do (char and BPE), and its bad inputs in one line."""
+"""Tokenizers (machinery/tokenizers.py): char and GPT-2 round trips; a BPE trained on the train split (deterministic,
+val never seen), carried in the checkpoint, exported so that transformers encodes exactly as we do (char and BPE),
+and its bad inputs in one line."""
 from __future__ import annotations
 
 import json
@@ -12,18 +13,44 @@ import torch
 
 import sample
 from config import ConfigError, parse_args
-from conftest import make_text, run_script
+from conftest import make_text, run_main, run_script, tiny_args
 from data import DataError
-from fault_injection import run_main, tiny_args
 from machinery import hf
 from machinery.corpora import prepare
 from machinery.loading import from_checkpoint
-from machinery.tokenizers import BPETokenizer, CharTokenizer, tokenizer_files, tokenizer_from_meta, train_bpe
+from machinery.tokenizers import BPETokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_files, tokenizer_from_meta, train_bpe
 
 VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's words can merge
 MIXED = "ROMEO: naïve café — 東京 🤖👍🏽\n\n\tend   of  line \n  x"  # ASCII, accents, emoji, whitespace runs
 
 
+# ----------------------------------------------------------------------------- char and GPT-2: nothing to train
+def test_char_tokenizer_round_trip_and_unknown_char():
+    tok = CharTokenizer("".join(sorted(set("hello world\n"))))
+    text = "hello\nworld"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode_array(text).tolist() == tok.encode(text)
+    with pytest.raises(DataError, match="not in the model's vocabulary: 'z'"):
+        tok.encode("hez")
+
+
+@pytest.mark.network
+def test_gpt2_tokenizer_offline_fallback(tmp_path, monkeypatch):
+    import tiktoken
+
+    def no_internet(name):
+        raise ConnectionError("no route to the tiktoken download host")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", no_internet)
+    tok = GPT2Tokenizer(tmp_path)  # built from the whisper sdist's gpt2.tiktoken, checked by sha256
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.vocab_size == 50257 and tok.eot_token == 50256
+    text = "Thou art more lovely — and more temperate 🌹\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert (tmp_path / "tokenizers" / "gpt2.tiktoken").is_file()
+
+
+# ----------------------------------------------------------------------------- BPE: trained on the train split
 def prepared(data_path: Path, data_dir: Path, vocab: int = VOCAB) -> Path:
     return prepare(data_path=str(data_path), tokenizer="bpe", data_dir=str(data_dir), bpe_vocab_size=vocab)
 

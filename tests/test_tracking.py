@@ -17,8 +17,7 @@ import pytest
 
 from machinery import tracking
 from config import ConfigError
-from conftest import COUNT_CONNECTIONS, REPO
-from fault_injection import run_main, tiny_args
+from conftest import COUNT_CONNECTIONS, REPO, read_metrics, run_main, tiny_args
 
 wandb = pytest.importorskip("wandb")
 wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
@@ -59,8 +58,7 @@ def offline_run(folder: Path) -> tuple[str, list[dict]]:
 def jsonl_rows(out: Path) -> list[dict]:
     """metrics.jsonl merged per step, as wandb merges the train and val records of one step into a row."""
     rows: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics(out):
         rows.setdefault(record["step"], {}).update(record)
     return [rows[step] for step in sorted(rows)]
 

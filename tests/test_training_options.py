@@ -23,8 +23,8 @@ import config
 from config import (CHOOSERS, DEFAULTS, FIELD_TYPES, LOOP_FIELDS, MODEL_OPTIONS, RESUME, RESUME_RULES, TABLES,
                     ReadRecorder, TrainConfig, choice_reads, make_config, record_reads, settings_line, throwaway_model,
                     unused_fields, unused_given)
-from conftest import REPO, docs_snippet, make_text
-from fault_injection import assert_same_training_state, capture_run, run_main, tiny_args
+from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
+from fault_injection import assert_same_training_state, capture_run
 from machinery.optim import CLOCKS, DECAYS, OPTIMIZERS, MuonAdamW
 
 
@@ -431,6 +431,7 @@ import torch
 import train
 from config import make_config, unused_given
 from machinery.checkpoint import load_checkpoint
+from tests.conftest import read_metrics
 from tests.fault_injection import assert_same_training_state
 
 corpus, out = sys.argv[1], Path(sys.argv[2])
@@ -458,7 +459,7 @@ state = load_checkpoint(out / "straight" / "last.pt")
 report["state"] = [sorted(s) for s in state["optimizer"]["state"].values()]
 report["state_shapes"] = [list(s["momentum"].shape) for s in state["optimizer"]["state"].values()]
 report["param_shapes"] = [list(p.shape) for name, p in state["model"].items() if name != "lm_head.weight"]  # tied
-report["lrs"] = [json.loads(l)["lr"] for l in (out / "straight" / "metrics.jsonl").read_text().splitlines() if \'"lr"\' in l]
+report["lrs"] = [r["lr"] for r in read_metrics(out / "straight") if "lr" in r]
 report["split"] = main("--out_dir", str(out / "split"), "--max_iters", "3")
 report["resumed"] = main("--out_dir", str(out / "split"), "--max_iters", "6", "--resume")
 assert_same_training_state(state, load_checkpoint(out / "split" / "last.pt"))  # raises unless bit for bit

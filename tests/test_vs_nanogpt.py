@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dev import vs_nanogpt
-from fault_injection import run_main, tiny_args
+from conftest import run_main, tiny_args
 
 
 @pytest.fixture(scope="module")
