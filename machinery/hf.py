@@ -25,14 +25,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from machinery.checkpoint import read_config
-from config import TrainConfig, config_from_dict, given_fields, model_config, replace
+from config import TrainConfig, config_from_dict, given_fields, model_config
 from machinery.distributed import print0
 from machinery.errors import HFError
 from machinery.tokenizers import CHARS_FILE, read_tokenizer, tokenizer_files

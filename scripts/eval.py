@@ -18,13 +18,13 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from machinery.checkpoint import load_checkpoint
-from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config, replace
+from config import CommandLine, ConfigError, TrainConfig, config_from_dict, field_help, model_config
 from data import DataError, corpus_for, special_tokens, tokenizer_from_meta, val_windows
 from machinery.runtime import Runtime, choose_runtime
 from model import GPT
