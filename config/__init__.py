@@ -44,11 +44,11 @@ CORPUS_FIELDS = ("vocab_size",)  # GPTConfig fields the corpus sets, not the con
 RESUME_RULES = ("fixed", "warned", "free")
 
 
-def rule(resume: str, default: Any, help: str, declared: str = "config/__init__.py, RunFields") -> Any:
-    """A config field: its default, its help (--help and help(TrainConfig) show it), its resume rule and where
-    it is declared (dataclasses.field metadata)."""
+def rule(resume: str, default: Any, help: str, **declared: str) -> Any:
+    """A config field: its default, its help (--help and help(TrainConfig) show it), its resume rule and, for one
+    declared in another file, where (``declared="model.py, GPTConfig"``): dataclasses.field metadata."""
     assert resume in RESUME_RULES, resume
-    return dataclasses.field(default=default, metadata={"resume": resume, "help": help, "declared": declared})
+    return dataclasses.field(default=default, metadata={"resume": resume, "help": help, **declared})
 
 
 def fixed(default: Any, help: str) -> Any:
@@ -93,7 +93,7 @@ def model_fields() -> list[Declared]:
         if option.default is dataclasses.MISSING:
             raise TypeError(f"GPTConfig.{option.name} needs a default: the model as it was before the option")
         resume = "warned" if option.name in GPTConfig.TRAINING_ONLY else "fixed"
-        field = rule(resume, option.default, declared_help("GPTConfig", option), "model.py, GPTConfig")
+        field = rule(resume, option.default, declared_help("GPTConfig", option), declared="model.py, GPTConfig")
         declared.append((option.name, types[option.name], field))
     return declared
 
@@ -101,7 +101,7 @@ def model_fields() -> list[Declared]:
 def table_fields() -> list[Declared]:
     """A field for every option an optimizer or lr decay declares with itself in machinery/optim.py."""
     return [(name, type(option.default), rule(option.resume, option.default, option.help,
-                                              f"machinery/optim.py, {table}={entry_name}"))
+                                              declared=f"machinery/optim.py, {table}={entry_name}"))
             for table, entries in (("optimizer", OPTIMIZERS), ("lr_decay", DECAYS))
             for entry_name, entry in entries.items() for name, option in entry.options.items()]
 
@@ -113,7 +113,7 @@ def corpus_fields() -> list[Declared]:
     types = typing.get_type_hints(CorpusOptions)
     return [(option.name, types[option.name], rule("fixed" if option.name in CorpusOptions.FIXED else "free",
                                                    option.default, declared_help("CorpusOptions", option),
-                                                   "data.py, CorpusOptions"))
+                                                   declared="data.py, CorpusOptions"))
             for option in fields(CorpusOptions)]
 
 
@@ -194,7 +194,7 @@ class TrainConfig(CorpusFields, TableFields, ModelFields, RunFields):
     # or the command line, whatever their value (given_fields reads it). A field, so that dataclasses.replace
     # keeps it and a checkpoint saves it; left out of ==, which compares what two configs train.
     given: tuple[str, ...] = dataclasses.field(default=(), compare=False, metadata={
-        "declared": "config/__init__.py, TrainConfig", "help": "the options make_config was given, whatever their value"})
+        "help": "the options make_config was given, whatever their value"})
 
     def tokens_per_step(self) -> int:
         """Tokens consumed by one optimizer step."""
@@ -377,10 +377,18 @@ def field_doc(f: dataclasses.Field, help_text: str) -> list[str]:
                                          break_on_hyphens=False)]
 
 
+def declared_in(f: dataclasses.Field) -> str:
+    """Where a field of TrainConfig is declared: the file and class its metadata names, else the class here."""
+    if "declared" in f.metadata:
+        return f.metadata["declared"]
+    owner = next(cls for cls in TrainConfig.__mro__ if f.name in cls.__dict__.get("__annotations__", {}))
+    return f"config/__init__.py, {owner.__name__}"
+
+
 def fields_doc() -> str:
-    """help(TrainConfig)'s list of every field, under where it is declared (the fields' own record of it)."""
+    """help(TrainConfig)'s list of every field, under where it is declared."""
     helps, lines = field_help(), ["Fields, by where each is declared (name: type = default, resume rule):"]
-    for declared, group in itertools.groupby(fields(TrainConfig), key=lambda f: f.metadata["declared"]):
+    for declared, group in itertools.groupby(fields(TrainConfig), key=declared_in):
         lines += ["", f"{declared}:"]
         for f in group:
             lines += field_doc(f, helps.get(f.name, f.metadata["help"]))
