@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from machinery.chat import BEGIN, check_fit, chat_source, conversation_rows, is_chat, val_rows
-from machinery.cli import CommandLine, add_field_flags
+from machinery.cli import CommandLine, add_field_flags, option
 from machinery.errors import DataError, TinyGPTError, exit_on
 from machinery.tokenfiles import open_verified
 
@@ -78,16 +78,16 @@ def load_corpus(folder: Path, block_size: int) -> Corpus:
 @dataclass(frozen=True)
 class CorpusOptions:
     """Which corpus, tokenizer and val split a run prepares (corpus_for). Each field is a TrainConfig field too
-    (config.with_corpus_options) and a flag of both train.py and python data.py; its comment is the help of
+    (config.CorpusFields) and a flag of both train.py and python data.py; its help (``option``) is the help of
     both. A resume must keep the FIXED ones (another tokenizer is another model); the others it may change, as
     it checks the corpus itself (Corpus.record)."""
-    dataset: str = "shakespeare"  # built-in corpus name; ignored when data_path is set
-    data_path: str = ""  # what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)
-    text_column: str = "text"  # the documents' text: a .jsonl's JSON field or a .parquet's column (a .txt has none)
-    data_dir: str = "data"  # cache of downloaded and prepared corpora
-    tokenizer: Literal["char", "gpt2", "bpe"] = "char"  # char (vocab from the corpus) | gpt2 (GPT-2's BPE, 50,257 tokens) | bpe (a byte-level BPE trained on the train split)
-    bpe_vocab_size: int = 2048  # tokenizer=bpe: tokens in all (256 bytes, the merges, <|endoftext|>); >= 257
-    val_fraction: float = 0.1  # share held out for validation (the tail of a text file; every k-th document)
+    dataset: str = option("shakespeare", "built-in corpus name; ignored when data_path is set")
+    data_path: str = option("", "what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)")
+    text_column: str = option("text", "the documents' text: a .jsonl's JSON field or a .parquet's column (a .txt has none)")
+    data_dir: str = option("data", "cache of downloaded and prepared corpora")
+    tokenizer: Literal["char", "gpt2", "bpe"] = option("char", "char (vocab from the corpus) | gpt2 (GPT-2's BPE, 50,257 tokens) | bpe (a byte-level BPE trained on the train split)")
+    bpe_vocab_size: int = option(2048, "tokenizer=bpe: tokens in all (256 bytes, the merges, <|endoftext|>); >= 257")
+    val_fraction: float = option(0.1, "share held out for validation (the tail of a text file; every k-th document)")
 
     FIXED: ClassVar[tuple[str, ...]] = ("tokenizer", "bpe_vocab_size")
 

@@ -2,6 +2,7 @@
 
     python train.py --config small --max-iters 500 --learning_rate=3e-4
     python train.py --help            # every field, its default and what it does
+    python -c "from config import TrainConfig; help(TrainConfig)"  # the same, and where each is declared
 
 A preset is a TOML file in this folder (``config/small.toml``) or any path to one. Precedence:
 dataclass defaults < preset < command line. Unknown keys and bad values raise ``ConfigError`` with a
@@ -13,9 +14,11 @@ import argparse
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import re
 import sys
+import textwrap
 import tomllib
 import typing
 from dataclasses import dataclass, fields
@@ -26,7 +29,7 @@ import torch
 
 from data import LOADERS, CorpusOptions
 from model import GPT, GPTConfig
-from machinery.cli import CommandLine, did_you_mean, field_comments
+from machinery.cli import CommandLine, did_you_mean
 from machinery import lora
 from machinery.errors import ConfigError
 from machinery.optim import CLOCKS, DECAYS, OPTIMIZERS
@@ -42,22 +45,32 @@ CORPUS_FIELDS = ("vocab_size",)  # GPTConfig fields the corpus sets, not the con
 RESUME_RULES = ("fixed", "warned", "free")
 
 
-def rule(resume: str, default: Any) -> Any:
-    """A field with its default and its resume rule (dataclasses.field metadata)."""
+def rule(resume: str, default: Any, help: str, **declared: str) -> Any:
+    """A config field: its default, its help (--help and help(TrainConfig) show it), its resume rule and, for one
+    declared in another file, where (``declared="model.py, GPTConfig"``): dataclasses.field metadata."""
     assert resume in RESUME_RULES, resume
-    return dataclasses.field(default=default, metadata={"resume": resume})
+    return dataclasses.field(default=default, metadata={"resume": resume, "help": help, **declared})
 
 
-def fixed(default: Any) -> Any:
-    return rule("fixed", default)
+def fixed(default: Any, help: str) -> Any:
+    return rule("fixed", default, help)
 
 
-def warned(default: Any) -> Any:
-    return rule("warned", default)
+def warned(default: Any, help: str) -> Any:
+    return rule("warned", default, help)
 
 
-def free(default: Any) -> Any:
-    return rule("free", default)
+def free(default: Any, help: str) -> Any:
+    return rule("free", default, help)
+
+
+# ----------------------------------------------------------------------------- the fields declared elsewhere
+# Three groups of TrainConfig's fields are declared beside the code they configure, each with its type,
+# default and help, and made here into a dataclass that TrainConfig inherits, with a resume rule:
+#   ModelFields   model.py's GPTConfig (all but vocab_size): fixed, unless GPTConfig.TRAINING_ONLY (warned)
+#   TableFields   the Options of machinery/optim.py's optimizers and lr decays: the rule each Option says
+#   CorpusFields  data.py's CorpusOptions: fixed if CorpusOptions.FIXED, else free (a resume checks the corpus)
+Declared = tuple[str, Any, dataclasses.Field]  # (name, type, field): what dataclasses.make_dataclass takes
 
 
 def model_options() -> list[dataclasses.Field]:
@@ -65,101 +78,130 @@ def model_options() -> list[dataclasses.Field]:
     return [f for f in fields(GPTConfig) if f.name not in CORPUS_FIELDS]
 
 
-def add_field(cls: type, name: str, kind: Any, default: Any, resume: str) -> None:
-    """Give ``cls`` (before @dataclass reads it) one more field, declared elsewhere (model.py, data.py,
-    machinery/optim.py)."""
-    if name in cls.__annotations__:
-        raise TypeError(f"{name} is declared twice: in {cls.__name__} and in model.py, data.py or machinery/optim.py; "
-                        "keep one")
-    cls.__annotations__[name] = kind
-    setattr(cls, name, rule(resume, default))
+def declared_help(owner: str, option: dataclasses.Field) -> str:
+    """An option's help, which its declaration must give (``option(default, help)``, machinery/cli.py)."""
+    if not option.metadata.get("help"):
+        raise TypeError(f'{owner}.{option.name} has no help: declare it as option(default, "what it does")')
+    return option.metadata["help"]
 
 
-def with_model_options(cls: type) -> type:
-    """Give ``cls`` a field for every model option, with GPTConfig's type and default: an option is declared
-    once, in model.py, and is a flat config key like any other. A resume must keep it, unless it acts only
-    while training (GPTConfig.TRAINING_ONLY)."""
-    types = typing.get_type_hints(GPTConfig)
+def model_fields() -> list[Declared]:
+    """A field for every model option, with GPTConfig's type, default and help: an option is declared once, in
+    model.py, and is a flat config key like any other. A resume must keep it, unless it acts only while
+    training (GPTConfig.TRAINING_ONLY)."""
+    types, declared = typing.get_type_hints(GPTConfig), []
     for option in model_options():
         if option.default is dataclasses.MISSING:
             raise TypeError(f"GPTConfig.{option.name} needs a default: the model as it was before the option")
-        add_field(cls, option.name, types[option.name], option.default,
-                  "warned" if option.name in GPTConfig.TRAINING_ONLY else "fixed")
-    return cls
+        resume = "warned" if option.name in GPTConfig.TRAINING_ONLY else "fixed"
+        field = rule(resume, option.default, declared_help("GPTConfig", option), declared="model.py, GPTConfig")
+        declared.append((option.name, types[option.name], field))
+    return declared
 
 
-def with_corpus_options(cls: type) -> type:
-    """Give ``cls`` a field for every option of data.CorpusOptions (the corpus, its tokenizer, its split), with its
-    type and default: declared once, in data.py, whose command line (python data.py) takes its flags from them too
-    and so needs nothing of config, which is assembled from data.py."""
+def table_fields() -> list[Declared]:
+    """A field for every option an optimizer or lr decay declares with itself in machinery/optim.py."""
+    return [(name, type(option.default), rule(option.resume, option.default, option.help,
+                                              declared=f"machinery/optim.py, {table}={entry_name}"))
+            for table, entries in (("optimizer", OPTIMIZERS), ("lr_decay", DECAYS))
+            for entry_name, entry in entries.items() for name, option in entry.options.items()]
+
+
+def corpus_fields() -> list[Declared]:
+    """A field for every option of data.CorpusOptions (the corpus, its tokenizer, its split), with its type,
+    default and help: declared once, in data.py, whose command line (python data.py) takes its flags from them
+    too and so needs nothing of config, which is assembled from data.py."""
     types = typing.get_type_hints(CorpusOptions)
-    for option in fields(CorpusOptions):
-        add_field(cls, option.name, types[option.name], option.default,
-                  "fixed" if option.name in CorpusOptions.FIXED else "free")
-    return cls
+    return [(option.name, types[option.name], rule("fixed" if option.name in CorpusOptions.FIXED else "free",
+                                                   option.default, declared_help("CorpusOptions", option),
+                                                   declared="data.py, CorpusOptions"))
+            for option in fields(CorpusOptions)]
 
 
-def with_table_options(cls: type) -> type:
-    """Give ``cls`` a field for every option an optimizer or lr decay declares with itself in machinery/optim.py."""
-    for entry in (*OPTIMIZERS.values(), *DECAYS.values()):
-        for name, option in entry.options.items():
-            add_field(cls, name, type(option.default), option.default, option.resume)
+def fields_class(name: str, doc: str, declared: list[Declared]) -> type:
+    """A dataclass of fields declared elsewhere, for TrainConfig to inherit (a name declared twice, by two
+    entries of machinery/optim.py, fails here: "Field name duplicated")."""
+    return dataclasses.make_dataclass(name, declared, namespace={"__doc__": doc, "__module__": __name__})
+
+
+ModelFields = fields_class("ModelFields", "n_layer, n_head, n_embd, ...: model.py's GPTConfig", model_fields())
+TableFields = fields_class("TableFields", "muon_lr, wsd_fraction, ...: machinery/optim.py's entries", table_fields())
+CorpusFields = fields_class("CorpusFields", "dataset, data_path, tokenizer, ...: data.py's CorpusOptions",
+                           corpus_fields())
+
+
+@dataclass
+class RunFields:
+    """TrainConfig's own fields, declared here: the run, its evaluation, its optimisation and its logging."""
+    # Each field: type = resume rule(default, help). Rules: RESUME_RULES above; the help is --help's.
+    # --- run ---
+    out_dir: str = free("out/default", "folder for last.pt, best.pt and metrics.jsonl")
+    seed: int = fixed(1337, "seeds model init, dropout and the data generator (a resume restores their streams)")
+    device: str = free("auto", "auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = free("auto", "auto (bf16/fp16 on GPU; on CPU bf16 if a matmul probe finds it faster, else fp32)")
+    compile: Literal["auto", "on", "off"] = free("auto", "torch.compile: auto (on for CUDA only) | on | off")
+    threads: int = free(0, "torch threads for this run's ops; 0 = torch's default (one per core). Two jobs on 2 cores: 1 each")
+    resume: bool = free(False, "continue exactly from out_dir/last.pt")
+    init_from: str = free("", 'start from trained weights: a run of this repo (its folder or a .pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (machinery/finetune.py)')
+    # --- data: the corpus, its tokenizer and its split are CorpusFields (a resume checks the corpus itself:
+    # Corpus.record's fingerprints of both splits) ---
+    eval_tokens: int = fixed(0, "val targets scored per eval; 0 = the whole val split (what best_val_loss is measured on)")
+    loader: str = fixed("random_windows", 'how training batches are drawn, a name in data.LOADERS (docs/data.md, "The training stream")')
+    chat_overflow: Literal["refuse", "truncate"] = fixed("refuse", "a conversation longer than block_size + 1 tokens: refuse the run (naming its line) | truncate it there")
+    # --- optimisation (an optimizer's or lr decay's own options are TableFields) ---
+    batch_size: int = warned(32, "sequences per micro-batch")
+    grad_accum: int = warned(1, "micro-batches per optimizer step")
+    max_iters: int = free(2000, "optimizer steps in the whole run")
+    optimizer: str = fixed("adamw", "a name in optim.OPTIMIZERS")
+    learning_rate: float = warned(1e-3, "peak learning rate, reached after warmup (with optimizer=muon: AdamW's share)")
+    min_lr: float = warned(1e-4, "floor of the decay")
+    warmup_iters: int = warned(100, "linear warmup steps")
+    schedule: Literal[CLOCKS] = warned("steps", "a progress decay's clock: steps (bit-reproducible; over lr_decay_iters) | time (over max_time, or max_iters if the steps run out first)")
+    lr_decay: str = fixed("cosine", "the lr schedule, a name in optim.DECAYS")
+    lr_decay_iters: int = warned(2000, "a progress decay under schedule=steps: the step at which it reaches min_lr (flat afterwards)")
+    weight_decay: float = warned(0.1, "decay of matrices and embeddings (AdamW's decoupled decay; Muon's matrices too); none on gains")
+    beta1: float = warned(0.9, "AdamW beta1")
+    beta2: float = warned(0.99, "AdamW beta2")
+    grad_clip: float = warned(1.0, "max global grad norm; 0 disables clipping (the norm is still logged)")
+    # --- logging and evaluation ---
+    log_interval: int = free(50, "steps between log lines (the only steps that sync with the device)")
+    eval_interval: int = free(500, "steps between evaluations and checkpoints (and one at the end)")
+    ckpt_interval: int = free(0, "also save last.pt every this many steps (bounds the loss to a SIGKILL); 0 = only at evals")
+    max_skipped_steps: int = free(20, "fp16: stop after this many steps in a row skipped for overflowing gradients")
+    max_time: float = warned(0.0, "wall-clock budget in seconds, across resumes; 0 = none (not with schedule=time). Stops cleanly, evals, saves")
+    wandb: bool = free(False, "also log to Weights & Biases (offline unless logged in)")
+    wandb_project: str = free("tinygpt", "wandb project name")
+    # --- fine-tuning ---
+    lora_rank: int = fixed(0, "LoRA (Hu et al. 2021): freeze the init_from model, train rank-R adapters beside its lora_targets; 0 = off (train every weight). machinery/lora.py")
+    lora_alpha: float = fixed(16.0, "LoRA's scale is lora_alpha / lora_rank")
+    lora_dropout: float = warned(0.0, "dropout on the adapters' input, while training")
+    lora_targets: str = fixed("attn.c_attn", "the Linear layers of every block that get adapters, comma-separated: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (attn.c_attn: PEFT's GPT-2 default)")
+
+
+def declared_once(cls: type) -> type:
+    """Refuse a field declared in two of TrainConfig's groups (model.py, data.py, machinery/optim.py, here): under
+    inheritance one declaration would silently win."""
+    where: dict[str, str] = {}
+    for group in (*cls.__bases__, cls):
+        for name in group.__dict__.get("__annotations__", {}):
+            if name in where:
+                raise TypeError(f"{name} is declared twice: in {where[name]} and in {group.__name__}; keep one")
+            where[name] = group.__name__
     return cls
 
 
 @dataclass
-@with_corpus_options  # + dataset, data_path, tokenizer, val_fraction, ...: every option of data.CorpusOptions
-@with_table_options  # + muon_lr, wsd_fraction, ...: the options machinery/optim.py's optimizers and lr schedules declare
-@with_model_options  # + n_layer, n_head, n_embd, block_size, dropout, bias, ...: every option of model.GPTConfig
-class TrainConfig:
-    # Each field: type = resume rule(default)  # help (--help shows it). Rules: RESUME_RULES above.
-    # --- run ---
-    out_dir: str = free("out/default")  # folder for last.pt, best.pt and metrics.jsonl
-    seed: int = fixed(1337)  # seeds model init, dropout and the data generator (a resume restores their streams)
-    device: str = free("auto")  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = free("auto")  # auto (bf16/fp16 on GPU; on CPU bf16 if a matmul probe finds it faster, else fp32)
-    compile: Literal["auto", "on", "off"] = free("auto")  # torch.compile: auto (on for CUDA only) | on | off
-    threads: int = free(0)  # torch threads for this run's ops; 0 = torch's default (one per core). Two jobs on 2 cores: 1 each
-    resume: bool = free(False)  # continue exactly from out_dir/last.pt
-    init_from: str = free("")  # start from pretrained weights: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (machinery/hf.py)
-    # --- data: the corpus, its tokenizer and its split are declared in data.CorpusOptions and added by
-    # with_corpus_options (a resume checks the corpus itself: Corpus.record's fingerprints of both splits) ---
-    eval_tokens: int = fixed(0)  # val targets scored per eval; 0 = the whole val split (what best_val_loss is measured on)
-    loader: str = fixed("random_windows")  # how training batches are drawn, a name in data.LOADERS (docs/data.md, "The training stream")
-    chat_overflow: Literal["refuse", "truncate"] = fixed("refuse")  # a conversation longer than block_size + 1 tokens: refuse the run (naming its line) | truncate it there
-    # --- model: the options are declared in model.GPTConfig and added by with_model_options ---
-    # --- optimisation (an optimizer's or lr decay's own options are declared with it in machinery/optim.py) ---
-    batch_size: int = warned(32)  # sequences per micro-batch
-    grad_accum: int = warned(1)  # micro-batches per optimizer step
-    max_iters: int = free(2000)  # optimizer steps in the whole run
-    optimizer: str = fixed("adamw")  # a name in optim.OPTIMIZERS
-    learning_rate: float = warned(1e-3)  # peak learning rate, reached after warmup (with optimizer=muon: AdamW's share)
-    min_lr: float = warned(1e-4)  # floor of the decay
-    warmup_iters: int = warned(100)  # linear warmup steps
-    schedule: Literal[CLOCKS] = warned("steps")  # a progress decay's clock: steps (bit-reproducible; over lr_decay_iters) | time (over max_time, or max_iters if the steps run out first)
-    lr_decay: str = fixed("cosine")  # the lr schedule, a name in optim.DECAYS
-    lr_decay_iters: int = warned(2000)  # a progress decay under schedule=steps: the step at which it reaches min_lr (flat afterwards)
-    weight_decay: float = warned(0.1)  # decay of matrices and embeddings (AdamW's decoupled decay; Muon's matrices too); none on gains
-    beta1: float = warned(0.9)  # AdamW beta1
-    beta2: float = warned(0.99)  # AdamW beta2
-    grad_clip: float = warned(1.0)  # max global grad norm; 0 disables clipping (the norm is still logged)
-    # --- logging and evaluation ---
-    log_interval: int = free(50)  # steps between log lines (the only steps that sync with the device)
-    eval_interval: int = free(500)  # steps between evaluations and checkpoints (and one at the end)
-    ckpt_interval: int = free(0)  # also save last.pt every this many steps (bounds the loss to a SIGKILL); 0 = only at evals
-    max_skipped_steps: int = free(20)  # fp16: stop after this many steps in a row skipped for overflowing gradients
-    max_time: float = warned(0.0)  # wall-clock budget in seconds, across resumes; 0 = none (not with schedule=time). Stops cleanly, evals, saves
-    wandb: bool = free(False)  # also log to Weights & Biases (offline unless logged in)
-    wandb_project: str = free("tinygpt")  # wandb project name
-    # --- fine-tuning ---
-    lora_rank: int = fixed(0)  # LoRA (Hu et al. 2021): freeze the init_from model, train rank-R adapters beside its lora_targets; 0 = off (train every weight). machinery/lora.py
-    lora_alpha: float = fixed(16.0)  # LoRA's scale is lora_alpha / lora_rank
-    lora_dropout: float = warned(0.0)  # dropout on the adapters' input, while training
-    lora_targets: str = fixed("attn.c_attn")  # the Linear layers of every block that get adapters, comma-separated: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (attn.c_attn: PEFT's GPT-2 default)
-
-    # Not a field (no annotation, so no flag, no checkpoint key): the names make_config was given, by the
-    # preset or the command line, whatever their value. given_fields() reads it; make_config sets it.
-    given = frozenset()
+@declared_once
+class TrainConfig(CorpusFields, TableFields, ModelFields, RunFields):
+    """Every setting of a run, one flat dataclass: RunFields (declared above) and the fields that model.py,
+    machinery/optim.py and data.py declare (ModelFields, TableFields, CorpusFields), in that order.
+    make_config builds one; each field is a flag of train.py and a key of a preset and of a checkpoint.
+    """
+    # Not an option (no flag, no preset key, no resume rule): the options make_config was given, by the preset
+    # or the command line, whatever their value (given_fields reads it). A field, so that dataclasses.replace
+    # keeps it and a checkpoint saves it; left out of ==, which compares what two configs train.
+    given: tuple[str, ...] = dataclasses.field(default=(), compare=False, metadata={
+        "help": "the options make_config was given, whatever their value"})
 
     def tokens_per_step(self) -> int:
         """Tokens consumed by one optimizer step."""
@@ -170,9 +212,11 @@ class TrainConfig:
         return self.max_time > 0 and time_s >= self.max_time
 
 
-FIELD_TYPES = typing.get_type_hints(TrainConfig)  # name -> int, float, bool, str or Literal[...]
-DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
-RESUME = {f.name: f.metadata["resume"] for f in fields(TrainConfig)}  # name -> fixed | warned | free
+RECORDS = ("given",)  # TrainConfig's fields that record how it was made: not options (no flag, key or rule)
+OPTIONS = tuple(f for f in fields(TrainConfig) if f.name not in RECORDS)  # every field a user can set
+FIELD_TYPES = {f.name: typing.get_type_hints(TrainConfig)[f.name] for f in OPTIONS}  # int, float, bool, str, Literal
+DEFAULTS = {f.name: f.default for f in OPTIONS}
+RESUME = {f.name: f.metadata["resume"] for f in OPTIONS}  # name -> fixed | warned | free
 MODEL_OPTIONS = tuple(f.name for f in model_options())
 CORPUS_OPTIONS = tuple(f.name for f in fields(CorpusOptions))
 TABLES = {"optimizer": OPTIMIZERS, "lr_decay": DECAYS}  # fields whose values name an entry of an machinery/optim.py table
@@ -320,17 +364,46 @@ def type_name(name: str) -> str:
 
 
 def field_help() -> dict[str, str]:
-    """The comment beside each field (TrainConfig's here, the model's in GPTConfig, the corpus's in
-    data.CorpusOptions), so --help never drifts."""
-    help_text = {}
-    for cls in (TrainConfig, GPTConfig, CorpusOptions):
-        help_text.update({name: text for name, text in field_comments(cls).items() if name in FIELD_TYPES})
-    for table_field, table in TABLES.items():  # each entry of a table says what it is: its docstring's first line
+    """Each option's help, as its declaration gives it (so --help never drifts); a table's field (optimizer,
+    lr_decay) also lists the table's entries, each with its docstring's first line."""
+    help_text = {f.name: f.metadata["help"] for f in OPTIONS}
+    for table_field, table in TABLES.items():
         entries = (f"{name}: {(entry.doc or name).rstrip('.')}" for name, entry in table.items())
         help_text[table_field] += " (" + "; ".join(entries) + ")"
-        for entry in table.values():
-            help_text.update({name: option.help for name, option in entry.options.items()})
     return help_text
+
+
+def field_doc(f: dataclasses.Field, help_text: str) -> list[str]:
+    """One field in help(TrainConfig): ``n_layer: int = 4, fixed`` (a Literal's or a table's values for its
+    type; given is no option), then its help, wrapped and indented."""
+    if f.name in FIELD_TYPES:
+        head = f"{f.name}: {' | '.join(map(str, choices(f.name))) or type_name(f.name)} = {f.default!r}, {RESUME[f.name]}"
+    else:
+        head = f"{f.name}: {f.type} = {f.default!r}, not an option"
+    return ["    " + head, *textwrap.wrap(help_text, 100, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                                         break_on_hyphens=False)]
+
+
+def declared_in(f: dataclasses.Field) -> str:
+    """Where a field of TrainConfig is declared: the file and class its metadata names, else the class here."""
+    if "declared" in f.metadata:
+        return f.metadata["declared"]
+    owner = next(cls for cls in TrainConfig.__mro__ if f.name in cls.__dict__.get("__annotations__", {}))
+    return f"config/__init__.py, {owner.__name__}"
+
+
+def fields_doc() -> str:
+    """help(TrainConfig)'s list of every field, under where it is declared."""
+    helps, lines = field_help(), ["Fields, by where each is declared (name: type = default, resume rule):"]
+    for declared, group in itertools.groupby(fields(TrainConfig), key=declared_in):
+        lines += ["", f"{declared}:"]
+        for f in group:
+            lines += field_doc(f, helps.get(f.name, f.metadata["help"]))
+    return "\n".join(lines)
+
+
+# Generated from the declarations, as --help is, so that help(TrainConfig) lists every field.
+TrainConfig.__doc__ = inspect.cleandoc(TrainConfig.__doc__) + "\n\n" + fields_doc()
 
 
 def parse_value(name: str, raw: Any) -> Any:
@@ -380,8 +453,8 @@ def load_preset(name: str) -> dict[str, Any]:
     return {key: parse_value(key, value) for key, value in values.items()}
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Raise ConfigError naming the first bad value and the fix."""
+def check_numbers(cfg: TrainConfig) -> None:
+    """Raise ConfigError for a size, count, interval or rate out of its range."""
     positive = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "max_iters",
                 "log_interval", "eval_interval", "max_skipped_steps")
     for name in positive:
@@ -398,6 +471,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("learning_rate must be > 0")
     if cfg.min_lr > cfg.learning_rate:
         raise ConfigError(f"min_lr ({cfg.min_lr}) must not exceed learning_rate ({cfg.learning_rate})")
+
+
+def check_settings(cfg: TrainConfig) -> None:
+    """Raise ConfigError for a model shape, data split, beta or device that cannot work."""
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
     if not 0 <= cfg.dropout < 1:
@@ -411,6 +488,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"{name} must be in [0, 1), got {beta}")
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.device):
         raise ConfigError(f"unknown device `{cfg.device}`; use one of auto, cpu, cuda, cuda:N, mps")
+
+
+def check_choices(cfg: TrainConfig) -> None:
+    """Raise ConfigError for an option its table entry refuses, a value outside a field's choices, or a pair of
+    choices that cannot go together; then run the model's own checks."""
     for entry in (*OPTIMIZERS.values(), *DECAYS.values()):  # the options machinery/optim.py declares, by their own checks
         for name, option in entry.options.items():
             if not option.valid(getattr(cfg, name)):
@@ -432,6 +514,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         model_config(cfg, vocab_size=1)  # the model's own checks of its options (GPTConfig.__post_init__)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Raise ConfigError naming the first bad value and the fix."""
+    check_numbers(cfg)
+    check_settings(cfg)
+    check_choices(cfg)
     return cfg
 
 
@@ -464,36 +553,29 @@ def make_config(preset: str | None = None, **overrides: Any) -> TrainConfig:
         if key not in FIELD_TYPES:
             raise unknown_key_error(key, "the overrides")
         values[key] = parse_value(key, raw)
-    cfg = validate(TrainConfig(**values))
-    cfg.given = frozenset(values)
-    return cfg
+    return validate(TrainConfig(**values, given=tuple(sorted(values))))
 
 
 def given_fields(cfg: TrainConfig) -> frozenset[str]:
     """The fields the user chose: those make_config was given (whatever their value), and any not at its default.
 
-    Footgun: ``dataclasses.replace`` and ``TrainConfig(...)`` keep no record of what was given, so a field
-    set there to its default does not count; use ``replace`` below to change a config made by make_config.
+    ``dataclasses.replace`` keeps the record (``given`` is a field); a ``TrainConfig(...)`` built by hand has
+    none, unless it is passed one, so there only the fields off their defaults count.
     """
-    return cfg.given | {name for name in FIELD_TYPES if getattr(cfg, name) != DEFAULTS[name]}
-
-
-def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
-    """``dataclasses.replace`` that keeps the record of the fields the user gave (given_fields)."""
-    new = dataclasses.replace(cfg, **changes)
-    new.given = cfg.given
-    return new
+    return frozenset(cfg.given) | {name for name in FIELD_TYPES if getattr(cfg, name) != DEFAULTS[name]}
 
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:
-    """Rebuild a config saved in a checkpoint, ignoring keys this version does not have, with one warning
-    naming them: a checkpoint of a fork (a model option this code lacks) would otherwise load as another model."""
-    unknown = {k: v for k, v in values.items() if k not in FIELD_TYPES}
+    """Rebuild a config saved in a checkpoint (as_dict), ignoring keys this version does not have, with one
+    warning naming them: a checkpoint of a fork (a model option this code lacks) would otherwise load as another
+    model. A checkpoint saved before ``given`` was a field has none: the record starts empty."""
+    unknown = {k: v for k, v in values.items() if k not in FIELD_TYPES and k not in RECORDS}
     if unknown:
         listed = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
         print(f"WARNING: the checkpoint's config has fields this code does not know ({listed}); they are ignored "
               "here, so a model saved by other code (a fork) may compute something else", file=sys.stderr)
-    return TrainConfig(**{k: v for k, v in values.items() if k in FIELD_TYPES})
+    options = {k: v for k, v in values.items() if k in FIELD_TYPES}
+    return TrainConfig(**options, given=tuple(values.get("given", ())))  # a list, where a checkpoint holds one
 
 
 TRAIN_DESCRIPTION = "Train a tiny GPT. Every config field below can be set from the command line."
@@ -509,7 +591,7 @@ def build_parser(preset: str | None = None, description: str = TRAIN_DESCRIPTION
     model_group = parser.add_argument_group("model options (declared in model.py's GPTConfig)")
     helps = field_help()
     from_preset = load_preset(preset) if preset else {}
-    for f in fields(TrainConfig):
+    for f in OPTIONS:
         flags = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
         is_bool = type_name(f.name) == "bool"
         metavar = "{" + ",".join(choices(f.name)) + "}" if choices(f.name) else type_name(f.name).upper()
@@ -565,4 +647,5 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
 
 
 def as_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Every field, as plain values (a checkpoint's "config", wandb's); config_from_dict reads it back."""
     return dataclasses.asdict(cfg)

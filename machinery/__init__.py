@@ -1,7 +1,7 @@
 """The machinery the four core files (model.py, data.py, train.py, sample.py) call, one concern a module.
 
     errors       every error the user is shown, each with its exit code; the one way out (exit_for, fail, exit_on)
-    cli          command lines with train.py's manners: a mistake is one line; help is the fields' comments
+    cli          command lines with train.py's manners: a mistake is one line; help is declared with the field
     files        files written whole or not at all (atomic_write: temp file, fsync, rename)
     tokenfiles   a tokenized folder on disk (train.bin, val.bin, meta.json) and its verification
     staging      written aside under a staging name, then renamed into place; what a killed prepare left, removed

@@ -1,17 +1,19 @@
 """Command lines with train.py's manners, for every entry point, and help that comes from the code.
 
 A mistake is one line and exit 2 (``CommandLine``: ``error: unknown flag `--tmp`; did you mean `--temp`?``),
-never argparse's usage block; a flag's help is the comment beside its dataclass field (``field_comments``),
-so --help cannot drift from the declaration. config/__init__.py builds train.py's command line from these,
-machinery/corpora.py python data.py's.
+never argparse's usage block, and the usage names the command the user typed (``python -m scripts.eval``).
+A dataclass field declared with ``option(default, help)`` carries its help (``field_helps``), so --help and
+``help(cls)`` read it from the declaration and cannot drift from it. config/__init__.py builds train.py's
+command line from these, data.py python data.py's.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import difflib
-import inspect
+import os
 import re
+import sys
 import typing
 from typing import Any, NoReturn
 
@@ -24,21 +26,21 @@ def did_you_mean(word: str, known: list[str], what: str) -> str:
     return f"; did you mean `{close[0]}`?" if close else f"; run with --help to list every {what}"
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """The comment beside each field of the dataclass ``cls`` (``name: type = default  # comment``): its help."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        name, sep, rest = line.strip().partition(":")
-        if sep and name in names and "#" in rest:
-            comments[name] = rest.split("#", 1)[1].strip()
-    return comments
+def option(default: Any, help: str) -> Any:
+    """A dataclass field and its help, one line: ``block_size: int = option(128, "context length in tokens")``.
+    ``default`` may be ``dataclasses.MISSING`` (a field every caller gives)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def field_helps(cls: type) -> dict[str, str]:
+    """The help of each field of the dataclass ``cls`` (declared with ``option``; "" for a field without)."""
+    return {field.name: field.metadata.get("help", "") for field in dataclasses.fields(cls)}
 
 
 def add_field_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """A flag for each field of the dataclass ``cls`` (``--data_path`` and ``--data-path``): its type, a Literal's
-    values as the choices, its default, and its comment as the help."""
-    helps, kinds = field_comments(cls), typing.get_type_hints(cls)
+    values as the choices, its default and its help."""
+    helps, kinds = field_helps(cls), typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         flags = [f"--{field.name}"] + ([f"--{field.name.replace('_', '-')}"] if "_" in field.name else [])
         choices = typing.get_args(kinds[field.name]) or None  # a Literal's values; None for str, int, float
@@ -57,6 +59,16 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def typed_command() -> str:
+    """The command that started this process, as the user typed it: ``python -m scripts.eval`` for a module
+    (argparse would say ``eval.py``, which runs nothing: the scripts import the repo as a package), else the
+    script's name as argparse gives it (``train.py``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return f"python -m {spec.name.removesuffix('.__main__')}"  # python -m pkg runs pkg.__main__
+    return os.path.basename(sys.argv[0])
+
+
 class CommandLine(argparse.ArgumentParser):
     """argparse with train.py's manners, for every other entry point: a mistake is one line, never
     the usage block. ``error: unknown flag `--tmp`; did you mean `--temp`?`` then exit code 2.
@@ -64,6 +76,7 @@ class CommandLine(argparse.ArgumentParser):
 
     def __init__(self, **kwargs: Any):
         kwargs.setdefault("formatter_class", DefaultsOnce)
+        kwargs.setdefault("prog", typed_command())
         super().__init__(allow_abbrev=False, **kwargs)  # an abbreviation that later grows ambiguous breaks scripts
 
     def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's signature

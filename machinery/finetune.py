@@ -8,9 +8,10 @@ the checkpoint is refused in one line; block_size may shrink (a learned position
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from config import MODEL_OPTIONS, TrainConfig, config_from_dict, given_fields, model_config, replace
+from config import MODEL_OPTIONS, TrainConfig, config_from_dict, given_fields, model_config
 from machinery.checkpoint import read_config
 from machinery.distributed import print0
 from machinery.errors import HFError
@@ -30,7 +31,7 @@ def adopt_run(cfg: TrainConfig, base: GPTConfig, tokenizer: dict, source: str) -
             raise HFError(f"--{name} {getattr(cfg, name)} conflicts with {source}, a run with {name} {value}; drop "
                           f"--{name} (or that key from the preset): with --init_from the base fixes the model")
     block_size = cfg.block_size if "block_size" in given else base.block_size
-    return replace(cfg, **imported, block_size=block_size)
+    return dataclasses.replace(cfg, **imported, block_size=block_size)
 
 
 def start_from(cfg: TrainConfig, out_dir: Path) -> tuple[TrainConfig, object]:

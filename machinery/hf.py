@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 
 from machinery import chat
 from machinery.checkpoint import read_config
-from config import TrainConfig, config_from_dict, given_fields, model_config, replace
+from config import TrainConfig, config_from_dict, given_fields, model_config
 from machinery.distributed import print0
 from machinery.errors import HFError
 from machinery.files import atomic_write, atomic_write_text

@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
 OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command", "schedule": "--steps/--time",
          "max_iters": "--steps", "max_time": "--time"}
-IGNORED_ON_REUSE = ("out_dir", "resume")  # a moved folder, a resumed run: still the same run
+IGNORED_ON_REUSE = ("out_dir", "resume", "given")  # a moved folder, a resumed run, a setting given: the same run
 RESULT = "result.json"  # written into a run's folder once it has finished: the marker that skips it
 CODE = "code.json"  # written into a run's folder as it starts: the code it runs (code_fingerprint)
 NOT_TRAINING_CODE = ("tests", "docs", "scripts", "dev", "evals")  # folders whose .py files a training run never imports

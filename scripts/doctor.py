@@ -31,7 +31,7 @@ import torch
 from machinery import hf
 import train
 from machinery.checkpoint import dtype_name, load_checkpoint
-from config import TrainConfig, model_config, parse_args, replace
+from config import TrainConfig, model_config, parse_args
 from data import corpus_for, special_tokens, training_stream, val_windows
 from machinery.faults import NonFiniteGuard, RunStopped
 from model import GPT
@@ -245,7 +245,7 @@ def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, s
 def overfit_run(cfg: TrainConfig, rt, steps: int = OVERFIT_STEPS) -> train.Run:
     """The run train.py builds (train.build_run: model, optimizer, scaler, guard), at the overfit check's lr, with
     a guard that stops only after ``steps`` fp16 skips in a row."""
-    run = train.build_run(replace(cfg, learning_rate=overfit_lr(cfg)), rt)
+    run = train.build_run(dataclasses.replace(cfg, learning_rate=overfit_lr(cfg)), rt)
     return dataclasses.replace(run, guard=NonFiniteGuard(run.optimizer, run.scaler, steps, rt.device))
 
 
@@ -468,7 +468,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     biases, tokenizer): the doctor checks the code path, not the pretrained weights.
     """
     if cfg.init_from:
-        cfg = hf.start_from(replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
+        cfg = hf.start_from(dataclasses.replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
     device, dtype = rt.device, rt.dtype
     corpus = corpus_for(cfg)

@@ -18,12 +18,12 @@ import argparse
 import dataclasses
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from config import CommandLine, ConfigError, field_help, replace
+from config import CommandLine, ConfigError, field_help
 from data import DataError, corpus_for, special_tokens, val_windows
 from machinery.loading import Loaded, add_weights_flags, load_weights
 from machinery.runtime import Runtime, choose_runtime

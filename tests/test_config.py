@@ -3,11 +3,20 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
+import pydoc
+import sys
+import types
 
 import pytest
 
-from config import FIELD_TYPES, ConfigError, TrainConfig, build_parser, make_config, parse_args
-from conftest import REPO, run_script
+import config
+from config import (CORPUS_OPTIONS, DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, as_dict, build_parser,
+                    config_from_dict, field_help, given_fields, make_config, parse_args)
+from conftest import REPO, TOOLS, entry_point, run_script
+from machinery.cli import CommandLine
+from machinery.optim import DECAYS, OPTIMIZERS
+from model import GPTConfig
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "gpt2"])
@@ -63,9 +72,10 @@ def test_unknown_key_in_a_preset_file_is_refused(tmp_path):
 
 def test_help_lists_every_field_with_its_default():
     text = " ".join(build_parser().format_help().split())  # undo argparse's line wrapping
-    for field in dataclasses.fields(TrainConfig):
-        assert f"--{field.name}" in text
-        assert f"(default: {field.default})" in text or field.default == ""  # an empty default is said in words
+    for name, default in DEFAULTS.items():
+        assert f"--{name}" in text
+        assert f"(default: {default})" in text or default == ""  # an empty default is said in words
+    assert "--given" not in text  # a record of how the config was made, not a setting
 
 
 def test_a_config_error_writes_nothing_and_prints_one_line(tmp_path):
@@ -109,3 +119,130 @@ def test_every_config_field_is_read_by_the_code():
     assert unread_fields({**sources, **declared}, {*FIELD_TYPES, "label_smoothing"}) == {"label_smoothing"}
     used = {"train.py": sources["train.py"] + "\nsmoothing = cfg.label_smoothing\n"}
     assert unread_fields({**sources, **declared, **used}, {*FIELD_TYPES, "label_smoothing"}) == set()
+
+
+# ----------------------------------------------------------------------------- a config you can read
+def where_declared(name: str) -> str:
+    """Where a field is declared, worked out from the declarations themselves (not from the config's record)."""
+    if name in MODEL_OPTIONS:
+        return "model.py, GPTConfig"
+    if name in CORPUS_OPTIONS:
+        return "data.py, CorpusOptions"
+    for table, entries in (("optimizer", OPTIMIZERS), ("lr_decay", DECAYS)):
+        for entry, declared in entries.items():
+            if name in declared.options:
+                return f"machinery/optim.py, {table}={entry}"
+    return "config/__init__.py, TrainConfig" if name == "given" else "config/__init__.py, RunFields"
+
+
+def doc_sections(text: str) -> dict[str, tuple[str, str]]:
+    """help(TrainConfig)'s field list: name -> (the heading it is under, its help with the wrapping undone)."""
+    listed, heading, name = {}, None, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            heading, name = line[:-1], None
+        elif line.startswith("    ") and not line.startswith("        ") and heading:
+            name = line.split(":")[0].strip()
+            listed[name] = (heading, "")
+        elif line.startswith("        ") and name:
+            listed[name] = (heading, " ".join([listed[name][1], line.strip()]).strip())
+    return listed
+
+
+def test_help_of_trainconfig_lists_every_field_where_it_is_declared_and_its_help():
+    text = pydoc.plain(pydoc.render_doc(TrainConfig))
+    listed = doc_sections(inspect.cleandoc(TrainConfig.__doc__))
+    helps = field_help()
+    assert set(listed) == {f.name for f in dataclasses.fields(TrainConfig)} == {*FIELD_TYPES, "given"}
+    for name, (heading, help_text) in listed.items():
+        assert heading == where_declared(name), name
+        assert help_text == " ".join(helps.get(name, "the options make_config was given, whatever their value").split())
+        assert f"    {name}: " in text  # help() shows the list, not only __doc__
+    # The model's own help is its declaration's (model.py), not a copy kept here.
+    declared = {f.name: f.metadata["help"] for f in dataclasses.fields(GPTConfig)}
+    assert listed["n_layer"][1] == declared["n_layer"] == "transformer blocks"
+    assert "    n_layer: int = 4, fixed" in text and "    dropout: float = 0.0, warned" in text
+    assert "    activation: gelu | gelu_tanh | relu2 = 'gelu', fixed" in text
+
+
+def test_help_needs_no_source_text(monkeypatch):
+    """--help and help(TrainConfig) come from the fields themselves: with no source to read (a .pyc-only install,
+    python -OO aside), they say the same."""
+    before = (build_parser().format_help(), field_help())
+    def no_source(*args, **kwargs):
+        raise OSError("could not get source code")
+    monkeypatch.setattr(inspect, "getsource", no_source)
+    monkeypatch.setattr(inspect, "getsourcelines", no_source)
+    assert (build_parser().format_help(), field_help()) == before
+    assert before[1]["n_embd"] == "residual stream width C" and before[1]["seed"].startswith("seeds model init")
+
+
+def test_a_field_declared_without_its_help_is_refused_at_import():
+    @dataclasses.dataclass
+    class Forked:
+        scale_embd: bool = False  # a comment is no help: nothing reads source text
+    with pytest.raises(TypeError, match='GPTConfig.scale_embd has no help: declare it as option'):
+        config.declared_help("GPTConfig", dataclasses.fields(Forked)[0])
+
+
+def test_a_field_declared_twice_is_refused():
+    @dataclasses.dataclass
+    class Again:
+        n_layer: int = config.fixed(2, "blocks, again")
+    with pytest.raises(TypeError, match="n_layer is declared twice: in ModelFields and in Again; keep one"):
+        config.declared_once(type("Both", (config.ModelFields, Again), {}))
+
+
+def test_replace_keeps_everything_a_run_needs():
+    """dataclasses.replace keeps every field, the record of what the user gave included: a field given at its
+    default (bias=False) still counts as given, so init_from still refuses weights that contradict it."""
+    cfg = make_config("tiny", bias=False, learning_rate=0.01)
+    assert {"bias", "learning_rate", "n_layer"} <= given_fields(cfg) and cfg.bias == DEFAULTS["bias"]
+    changed = dataclasses.replace(cfg, resume=True)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name != "resume":
+            assert getattr(changed, f.name) == getattr(cfg, f.name), f.name
+    assert changed.resume and changed.given == cfg.given and given_fields(changed) == given_fields(cfg) | {"resume"}
+    assert not hasattr(config, "replace")  # no second way to change a config
+
+
+def test_a_checkpoints_config_keeps_what_was_given_and_an_old_one_still_loads(capsys):
+    cfg = make_config("tiny", bias=False)
+    saved = as_dict(cfg)
+    assert saved["given"] == cfg.given and all(isinstance(name, str) for name in saved["given"])  # plain values
+    loaded = config_from_dict({**saved, "given": list(saved["given"])})  # as a checkpoint may hold it
+    assert loaded == cfg and given_fields(loaded) == given_fields(cfg) and "bias" in given_fields(loaded)
+    old = config_from_dict({k: v for k, v in saved.items() if k != "given"})  # saved before given was a field
+    assert old == cfg and old.given == () and "bias" not in given_fields(old)
+    assert capsys.readouterr().err == ""  # "given" is no unknown key
+
+
+def test_configs_that_train_the_same_are_equal_however_their_values_were_given():
+    assert make_config("tiny") == make_config("tiny", bias=False) != make_config("tiny", bias=True)
+
+
+# ----------------------------------------------------------------------------- usage names the command typed
+@pytest.mark.parametrize("main, argv0, shown", [
+    (types.SimpleNamespace(__spec__=types.SimpleNamespace(name="scripts.eval")), "/repo/scripts/eval.py",
+     "python -m scripts.eval"),
+    (types.SimpleNamespace(__spec__=types.SimpleNamespace(name="pytest.__main__")), "/x/pytest/__main__.py",
+     "python -m pytest"),
+    (types.SimpleNamespace(__spec__=None), "/repo/train.py", "train.py"),
+])
+def test_usage_names_the_command_the_user_typed(monkeypatch, main, argv0, shown):
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert CommandLine().format_usage() == f"usage: {shown} [-h]\n"
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_tools_usage_names_its_module(monkeypatch, capsys, tool):
+    """Under python -m scripts.eval argparse said "usage: eval.py", a command that runs nothing."""
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=types.SimpleNamespace(name=tool)))
+    with pytest.raises(SystemExit):
+        entry_point(tool).main(["--help"])
+    assert capsys.readouterr().out.startswith(f"usage: python -m {tool} ")
+
+
+def test_python_m_shows_the_module_in_its_usage():
+    assert run_script("-m", "scripts.export_hf", "--help").stdout.startswith("usage: python -m scripts.export_hf ")

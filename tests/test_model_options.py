@@ -64,11 +64,13 @@ def toml_literal(value: Any) -> str:
     return json.dumps(value)  # true/false, numbers and quoted strings read the same in TOML
 
 
-def test_every_option_is_typed_and_has_a_comment_for_help():
+def test_every_option_is_typed_and_has_its_help():
     help_text = " ".join(build_parser().format_help().split())
+    declared = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(GPTConfig)}
     for name in MODEL_OPTIONS:
         assert FIELD_TYPES[name] in (bool, int, float) or choices(name), name
         assert f"--{name}" in help_text and f"(default: {DEFAULTS[name]})" in help_text, name
+        assert declared[name] and " ".join(declared[name].split()) in help_text, name  # model.py's words
     assert MODEL_OPTIONS == tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
 
 

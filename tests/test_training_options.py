@@ -31,9 +31,9 @@ from machinery.optim import CLOCKS, DECAYS, OPTIMIZERS, MuonAdamW
 # ----------------------------------------------------------------------------- every field has a rule
 def test_every_field_declares_its_resume_rule():
     """A field declared without fixed(...), warned(...) or free(...) fails here (and config cannot import)."""
-    for f in dataclasses.fields(TrainConfig):
+    for f in config.OPTIONS:
         assert f.metadata.get("resume") in RESUME_RULES, f"TrainConfig.{f.name} declares no resume rule"
-    assert set(RESUME) == set(DEFAULTS)
+    assert set(RESUME) == set(DEFAULTS) == {f.name for f in dataclasses.fields(TrainConfig)} - {"given"}
     # What changes the meaning of best_val_loss, or what the weights compute, cannot change on resume.
     for name in ("eval_tokens", "seed", "tokenizer", "optimizer", "lr_decay", "n_embd", "pos_emb"):
         assert RESUME[name] == "fixed", name
@@ -326,7 +326,7 @@ def test_muon_with_adamw_is_one_torch_optimizer_and_old_checkpoints_resume(tmp_p
 
 
 # ----------------------------------------------------------------------------- a fork, end to end
-FIELD_ANCHOR = '    wandb_project: str = free("tinygpt")  # wandb project name\n'
+FIELD_ANCHOR = '    wandb_project: str = free("tinygpt", "wandb project name")\n'
 
 
 SGD = "# machinery/optim.py, after the last @optimizer entry:\n"  # the headings of the page's python blocks
@@ -349,7 +349,7 @@ def fork_of_the_repo(root: Path, entries: tuple[str, ...] = (SGD, LINEAR), field
     if field:
         config_file = fork / "config" / "__init__.py"
         assert config_file.read_text().count(FIELD_ANCHOR) == 1, "update FIELD_ANCHOR to config/__init__.py"
-        declaration = docs_snippet("# config/__init__.py, in TrainConfig, after wandb_project:\n")
+        declaration = docs_snippet("# config/__init__.py, in RunFields, after wandb_project:\n")
         config_file.write_text(config_file.read_text().replace(FIELD_ANCHOR, FIELD_ANCHOR + declaration))
     return fork
 
