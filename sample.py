@@ -30,7 +30,7 @@ from machinery.checkpoint import load_checkpoint
 from machinery.corpora import read_text_file
 from machinery.errors import CheckpointError, DataError, HFError, TinyGPTError, exit_on, fail
 from machinery.runtime import pick_device
-from machinery.tokenizers import CHARS_FILE, GPT2_VOCAB, tokenizer_from_meta
+from machinery.tokenizers import NO_TOKENIZER, tokenizer_from_meta
 from model import GPT
 
 
@@ -64,8 +64,7 @@ def load_pretrained(source: str, device: torch.device, data_dir: Path = Path("da
     """Model in eval mode and its tokenizer, from Hugging Face GPT-2 weights (machinery/hf.py); no checkpoint."""
     pretrained = hf.load_pretrained(source)
     if pretrained.tokenizer is None:
-        raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} (known: "
-                      f"GPT-2's BPE, {GPT2_VOCAB} tokens, or a char list in {CHARS_FILE})")
+        raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} ({NO_TOKENIZER})")
     tokenizer = tokenizer_from_meta(pretrained.tokenizer, data_dir)
     model = GPT(pretrained.config)
     model.load_state_dict(pretrained.state)
@@ -392,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     except TinyGPTError as err:  # a bad checkpoint, config, device or prompt: one line and its exit code
         exit_on(err)
     print(f"# sampling from {path}", flush=True)
+    print(f"# block_size {model.config.block_size}: past it the window slides (docs/sampling.md)", flush=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     if args.interactive:
         interactive(model, tokenizer, args, generator)

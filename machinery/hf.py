@@ -392,15 +392,22 @@ def hf_config(config: GPTConfig, bos: int | None, eos: int | None) -> dict[str, 
             "dtype": "float32"}
 
 
+def generation_config(block_size: int, bos: int | None, eos: int | None) -> dict[str, Any]:
+    """generation_config.json: generate() stops at block_size tokens, prompt included (transformers' default,
+    20, says nothing of the model), where the position table ends: past it GPT-2's code raises IndexError."""
+    return {"bos_token_id": bos, "eos_token_id": eos, "max_length": block_size}
+
+
 def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
-    """Write model.safetensors, config.json and the tokenizer's files to ``folder``; returns them."""
+    """Write model.safetensors, config.json, generation_config.json and the tokenizer's files to ``folder``."""
     from safetensors.torch import save_file
 
     weights = to_hf(model)
     is_gpt2 = tokenizer.meta()["kind"] == "gpt2"
     # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end.
     bos, eos = (tokenizer.eot_token, tokenizer.eot_token) if is_gpt2 else (tokenizer.eot_token, None)
-    files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, model.config.block_size)}
+    files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, model.config.block_size),
+             "generation_config.json": generation_config(model.config.block_size, bos, eos)}
     if folder.exists() and any(folder.iterdir()):  # another model's tokenizer files would be loaded beside ours
         raise HFError(f"{folder} is not empty; export into a new folder (or delete this one first)")
     folder.mkdir(parents=True, exist_ok=True)
