@@ -390,8 +390,7 @@ def main(argv: list[str] | None = None) -> None:
             prompt_ids(tokenizer, text)  # a character the vocabulary lacks: one line now, before any output
     except TinyGPTError as err:  # a bad checkpoint, config, device or prompt: one line and its exit code
         exit_on(err)
-    print(f"# sampling from {path}", flush=True)
-    print(f"# block_size {model.config.block_size}: past it the window slides (docs/sampling.md)", flush=True)
+    print(f"# sampling from {path}; block_size {model.config.block_size}: past it the window slides", flush=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     if args.interactive:
         interactive(model, tokenizer, args, generator)
