@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
             prompt_ids(tokenizer, text)  # a character the vocabulary lacks: one line now, before any output
     except TinyGPTError as err:  # a bad checkpoint, config, device or prompt: one line and its exit code
         exit_on(err)
-    print(f"# sampling from {loaded.source}", flush=True)
+    print(f"# sampling from {loaded.source}; block_size {model.config.block_size}: past it the window slides",
+          flush=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     if args.chat:
         chat(model, tokenizer, args, generator)

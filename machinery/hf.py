@@ -415,8 +415,14 @@ def hf_config(config: GPTConfig, bos: int | None, eos: int | None) -> dict[str, 
             "dtype": "float32"}
 
 
+def generation_config(block_size: int, bos: int | None, eos: int | None) -> dict[str, Any]:
+    """generation_config.json: generate() stops at block_size tokens, prompt included (transformers' default,
+    20, says nothing of the model), where the position table ends: past it GPT-2's code raises IndexError."""
+    return {"bos_token_id": bos, "eos_token_id": eos, "max_length": block_size}
+
+
 def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
-    """Write model.safetensors, config.json and the tokenizer's files to ``folder``; returns them."""
+    """Write model.safetensors, config.json, generation_config.json and the tokenizer's files to ``folder``."""
     from safetensors.torch import save
 
     weights = to_hf(model)
@@ -425,7 +431,8 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     bos, eos = (tokenizer.eot_token, tokenizer.eot_token) if is_gpt2 else (tokenizer.eot_token, None)
     if hasattr(tokenizer, "marker_ids"):  # a chat model: a reply ends at <|end|>, and the template travels
         eos = tokenizer.marker_ids[chat.END]
-    files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, model.config.block_size)}
+    files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, model.config.block_size),
+             "generation_config.json": generation_config(model.config.block_size, bos, eos)}
     if hasattr(tokenizer, "marker_ids"):
         files["tokenizer_config.json"]["chat_template"] = chat.hf_chat_template()
     if folder.exists() and any(folder.iterdir()):  # another model's tokenizer files would be loaded beside ours

@@ -25,7 +25,7 @@ from machinery import hf, lora
 from machinery.checkpoint import load_checkpoint
 from machinery.errors import CheckpointError, HFError
 from machinery.hf import fit_vocab
-from machinery.tokenizers import CHARS_FILE, GPT2_VOCAB, tokenizer_from_meta
+from machinery.tokenizers import NO_TOKENIZER, tokenizer_from_meta
 from model import GPT, GPTConfig
 
 CPU = torch.device("cpu")
@@ -126,8 +126,7 @@ def from_pretrained(source: str, device: torch.device = CPU, data_dir: Path = Pa
     behind them, so the config is the defaults with the weights' shape and tokenizer, in float32."""
     pretrained = hf.load_pretrained(source)
     if pretrained.tokenizer is None:
-        raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} (known: "
-                      f"GPT-2's BPE, {GPT2_VOCAB} tokens, or a char list in {CHARS_FILE})")
+        raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} ({NO_TOKENIZER})")
     tokenizer = tokenizer_from_meta(pretrained.tokenizer, data_dir)
     model = GPT(pretrained.config)
     model.load_state_dict(pretrained.state)

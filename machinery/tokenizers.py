@@ -229,8 +229,20 @@ def without_chat(meta: dict) -> dict:
     return {key: value for key, value in meta.items() if key != "chat_tokens"}
 
 
+REPO = Path(__file__).resolve().parent.parent  # the checkout, where data/ (the default data_dir) is
+
+
+def data_home(data_dir: str | Path) -> Path:
+    """data_dir as the folder it names: an absolute one as given, a relative one under the repo (where the
+    default, data/, is), so that a command run from another folder uses the same cache, not a new ./data."""
+    path = Path(data_dir).expanduser()
+    return path if path.is_absolute() else REPO / path
+
+
 def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
-    """Rebuild the tokenizer a corpus or checkpoint was made with."""
+    """Rebuild the tokenizer a corpus or checkpoint was made with; GPT-2's ranks are cached in ``cache``
+    (a data_dir: a relative one is under the repo, data_home)."""
+    cache = data_home(cache)
     if "chat_tokens" in meta:  # a chat model: its base tokenizer, then the role markers
         return ChatTokenizer(tokenizer_from_meta(without_chat(meta), cache), tuple(meta["chat_tokens"]))
     if meta["kind"] == "char":
@@ -276,11 +288,19 @@ def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, An
     return files
 
 
+# A char model's unknown character (one not in its vocabulary) raises, as our encode does: the tokenizers
+# library drops such a character silently when the BPE has no unk_token, and raises "Unk token `...` not found
+# in the vocabulary" when it names one its vocabulary lacks. So the export names this one, which no vocabulary
+# holds (a token of one character each): no id is added, in-vocabulary text keeps its ids, and the error shows it.
+CHAR_UNK = "<unk: a character outside this char model's vocabulary>"
+
+
 def char_tokenizer_files(chars: str, block_size: int) -> dict[str, Any]:
     """tokenizer.json and tokenizer_config.json of a char vocabulary, for the tokenizers library: a BPE
     model with one token per character and no merges, no normaliser and no pre-tokeniser (so spaces and
-    newlines are characters like any other), and a decoder that joins the tokens as they are."""
-    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+    newlines are characters like any other), and a decoder that joins the tokens as they are. A character
+    outside the vocabulary raises (CHAR_UNK), never vanishes."""
+    model = {"type": "BPE", "dropout": None, "unk_token": CHAR_UNK, "continuing_subword_prefix": None,
              "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
              "vocab": {ch: i for i, ch in enumerate(chars)}, "merges": []}
     tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
@@ -342,25 +362,94 @@ def bpe_tokenizer_files(enc, block_size: int) -> dict[str, Any]:
 
 
 def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
-    """The tokenizer a folder's weights were trained with, if it can tell: our char list, our BPE, or GPT-2's."""
-    chars_file = folder / CHARS_FILE
-    if chars_file.is_file():
-        try:
-            chars = "".join(json.loads(chars_file.read_text(encoding="utf-8"))["chars"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise HFError(f"{chars_file}: not a tinygpt char list ({type(err).__name__}: {err}); "
-                          'it must be JSON {"chars": [...]}') from None
-        if len(chars) != vocab_size:
-            raise HFError(f"{chars_file}: {len(chars)} characters for a vocabulary of {vocab_size}")
+    """The tokenizer a folder's weights were trained with, if it can tell: our own description (CHARS_FILE,
+    BPE_FILE), GPT-2's by its size, else rebuilt from the standard files another tool saved in their place
+    (PEFT's save_pretrained, tokenizer.save_pretrained): tokenizer.json, or vocab.json + merges.txt."""
+    if (folder / CHARS_FILE).is_file():
+        return read_chars_file(folder / CHARS_FILE, vocab_size)
+    if (folder / BPE_FILE).is_file():
+        return read_bpe_file(folder / BPE_FILE, vocab_size)
+    if vocab_size == GPT2_VOCAB:
+        return {"kind": "gpt2"}
+    standard = read_standard_files(folder)
+    return None if standard is None else meta_from_standard(*standard, str(folder), vocab_size)
+
+
+def read_chars_file(chars_file: Path, vocab_size: int) -> dict:
+    try:
+        chars = "".join(json.loads(chars_file.read_text(encoding="utf-8"))["chars"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise HFError(f"{chars_file}: not a tinygpt char list ({type(err).__name__}: {err}); "
+                      'it must be JSON {"chars": [...]}') from None
+    if len(chars) != vocab_size:
+        raise HFError(f"{chars_file}: {len(chars)} characters for a vocabulary of {vocab_size}")
+    return {"kind": "char", "chars": chars}
+
+
+def read_bpe_file(bpe_file: Path, vocab_size: int) -> dict:
+    try:
+        meta = json.loads(bpe_file.read_text(encoding="utf-8"))
+        size = len(meta["ranks"]) + 1 if meta["kind"] == "bpe" and isinstance(meta["pattern"], str) else None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise HFError(f"{bpe_file}: not a tinygpt BPE ({type(err).__name__}: {err})") from None
+    if size != vocab_size:
+        raise HFError(f"{bpe_file}: a BPE of {size} tokens for a vocabulary of {vocab_size}")
+    return meta
+
+
+def read_standard_files(folder: Path) -> tuple[dict[str, int], list[str], bool] | None:
+    """(vocabulary, merges as "a b" lines, byte-level?) from tokenizer.json, else vocab.json + merges.txt
+    (a GPT2Tokenizer's, byte-level by definition); None if the folder has neither."""
+    try:
+        if (folder / "tokenizer.json").is_file():
+            saved = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+            model = saved["model"]
+            if model["type"] != "BPE":
+                raise HFError(f"{folder / 'tokenizer.json'}: a {model['type']} model, not a BPE: not a tokenizer "
+                              "this repo encodes")
+            vocab = {**model["vocab"], **{token["content"]: token["id"] for token in saved.get("added_tokens", [])}}
+            # tokenizers writes a merge as "a b" (before 0.20) or ["a", "b"]
+            merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
+            return vocab, merges, (saved.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
+        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+            merges = [line for line in lines if line and not line.startswith("#version")]
+            return json.loads((folder / "vocab.json").read_text(encoding="utf-8")), merges, True
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise HFError(f"{folder}: its tokenizer files are not readable ({type(err).__name__}: {err})") from None
+    return None
+
+
+def meta_from_standard(vocab: dict[str, int], merges: list[str], byte_level: bool, source: str,
+                       vocab_size: int) -> dict:
+    """Our description of a tokenizer from its standard files: a char list (no merges, no pre-tokeniser, one
+    character a token, sorted, as char_tokenizer_files writes it) or a byte-level BPE whose merges are the ones
+    its ids imply (as bpe_tokenizer_files writes them); HFError for any other, which would encode other ids."""
+    if sorted(vocab.values()) != list(range(vocab_size)):
+        raise HFError(f"{source}: its tokenizer's {len(vocab)} tokens do not have the ids 0..{vocab_size - 1} "
+                      "of the weights' vocabulary")
+    tokens = sorted(vocab, key=vocab.__getitem__)  # in id order
+    if not byte_level and not merges:
+        chars = "".join(tokens)
+        if len(chars) != vocab_size or chars != "".join(sorted(chars)):
+            raise HFError(f"{source}: its tokenizer.json is not a char vocabulary (one character a token, sorted)")
         return {"kind": "char", "chars": chars}
-    bpe_file = folder / BPE_FILE
-    if bpe_file.is_file():
-        try:
-            meta = json.loads(bpe_file.read_text(encoding="utf-8"))
-            size = len(meta["ranks"]) + 1 if meta["kind"] == "bpe" and isinstance(meta["pattern"], str) else None
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise HFError(f"{bpe_file}: not a tinygpt BPE ({type(err).__name__}: {err})") from None
-        if size != vocab_size:
-            raise HFError(f"{bpe_file}: a BPE of {size} tokens for a vocabulary of {vocab_size}")
-        return meta
-    return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else None
+    if not byte_level or tokens[-1] != EOT_TEXT:
+        raise HFError(f"{source}: its tokenizer is not a byte-level BPE ending in {EOT_TEXT}, nor a char list")
+    to_byte = {text: b for b, text in bytes_to_unicode().items()}
+    try:
+        ranks = [bytes(to_byte[ch] for ch in token) for token in tokens[:-1]]
+    except KeyError:
+        raise HFError(f"{source}: a token of its vocabulary is not in byte-level form") from None
+    if len({token for token in ranks if len(token) == 1}) != BYTES:
+        raise HFError(f"{source}: its BPE lacks some of the {BYTES} single bytes: not every text encodes")
+    meta = {"kind": "bpe", "pattern": bpe_pattern(), "ranks": [token.hex() for token in ranks]}
+    implied = bpe_tokenizer_files(BPETokenizer(meta).enc, 0)["merges.txt"].splitlines()[1:]
+    if implied != merges:
+        raise HFError(f"{source}: its merges are not the ones its ids imply (rank order): tiktoken would encode "
+                      "other ids than transformers")
+    return meta
+
+
+NO_TOKENIZER = (f"known: GPT-2's BPE, {GPT2_VOCAB} tokens; our {CHARS_FILE} or {BPE_FILE}; or the standard "
+                "tokenizer.json, or vocab.json + merges.txt, of a char list or a byte-level BPE")

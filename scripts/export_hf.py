@@ -3,11 +3,13 @@
     python -m scripts.export_hf out/finetune_shakespeare hf/shakespeare
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf/shakespeare')"
 
-Writes model.safetensors and config.json (GPT2LMHeadModel) and the tokenizer, which AutoTokenizer loads
+Writes model.safetensors, config.json (GPT2LMHeadModel), generation_config.json (generate() stops at
+block_size, where the positions end) and the tokenizer, which AutoTokenizer loads
 to our very ids: vocab.json, merges.txt and tokenizer_config.json for a byte-level BPE (GPT-2's, built
 offline from tiktoken's ranks, or one trained with --tokenizer bpe, with tinygpt_bpe.json beside it), or
-tokenizer.json for a char model (one token per character, no merges; tinygpt_chars.json beside it). The
-weight mapping itself is machinery/hf.py's table.
+tokenizer.json for a char model (one token per character, no merges, a character outside them raises;
+tinygpt_chars.json beside it). The weight mapping itself is machinery/hf.py's table; docs/interop.md says
+which tools load the folder and what each does past block_size.
 """
 from __future__ import annotations
 

@@ -367,7 +367,8 @@ def test_export_script_writes_a_run_for_transformers(tmp_path, tiny_cfg):
     train.train(cfg)
     run_script("-m", "scripts.export_hf", cfg.out_dir, str(tmp_path / "export"))
     names = sorted(p.name for p in (tmp_path / "export").iterdir())
-    assert names == ["config.json", "model.safetensors", hf.CHARS_FILE, "tokenizer.json", "tokenizer_config.json"]
+    assert names == ["config.json", "generation_config.json", "model.safetensors", hf.CHARS_FILE, "tokenizer.json",
+                     "tokenizer_config.json"]
     bad = run_script("-m", "scripts.export_hf", str(tmp_path / "nowhere"), str(tmp_path / "x"), check=False)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and not (tmp_path / "x").exists()
 
@@ -566,3 +567,24 @@ def test_a_char_export_gives_transformers_our_start_token_no_end_or_pad_token_an
     theirs = transformers.GPT2LMHeadModel.from_pretrained(folder)
     assert theirs.transformer.h[0].mlp.c_fc.weight.shape == (32, 4 * 32)  # Conv1D: (in, out)
     assert (theirs.generation_config.eos_token_id, theirs.generation_config.pad_token_id) == (None, None)
+
+
+SHAPE_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "model_type")  # the model's own: kept
+GPT2_DEFAULTS = {key: value for key, value in transformers.GPT2Config().to_dict().items() if key not in SHAPE_KEYS}
+SPELLED_OUT = [*GPT2_DEFAULTS.items(), ("n_inner", 4 * 32), ("activation_function", "gelu_pytorch_tanh")]
+
+
+@pytest.mark.parametrize("key, value", SPELLED_OUT, ids=[f"{key}={value}" for key, value in SPELLED_OUT])
+def test_gpt2s_defaults_spelled_out_import_as_the_same_model(tmp_path, key, value):
+    """A config.json another tool wrote with one of GPT2Config's defaults written out (n_inner as 4 * n_embd,
+    the activation's other name for the same tanh GELU, ...) imports as the one that leaves every default out."""
+    hf.export(tiny_model(vocab_size=len(CHARS), block_size=16, activation="gelu_tanh"), CharTokenizer(CHARS),
+              tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    bare = {k: v for k, v in written.items() if k in SHAPE_KEYS}  # every default left out
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(bare))
+    reference = hf.load_pretrained(str(tmp_path / "hf"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**bare, key: value}))
+    spelled = hf.load_pretrained(str(tmp_path / "hf"))
+    assert spelled.config == reference.config and spelled.state.keys() == reference.state.keys()
+    assert all(torch.equal(spelled.state[k], reference.state[k]) for k in reference.state)

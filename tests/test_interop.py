@@ -1,0 +1,165 @@
+"""Exports that survive a round trip (docs/interop.md): the limits travel with them, an unknown character is never
+dropped, a folder another tool saved (PEFT, tokenizer.save_pretrained) comes back with its tokenizer, and a
+relative data_dir is the same folder wherever a command runs. transformers and peft are the references only."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import sample
+from conftest import REPO, docs_snippet, make_text, run_script, tiny_model
+from machinery import hf, tokenizers
+from machinery.errors import DataError, HFError
+from machinery.tokenizers import BPE_FILE, CHAR_UNK, CHARS_FILE, CharTokenizer, read_tokenizer, train_bpe
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = make_text()
+UNKNOWN = "Ünïcödé café 🚀 我\tend"  # none of these accents, the emoji, the CJK character nor the tab is in TEXT
+
+
+def export(folder: Path, kind: str = "char", block_size: int = 16, seed: int = 0) -> tuple[Path, object, object]:
+    """(folder, model, tokenizer): a tiny random model of a char vocabulary or a BPE trained on TEXT, exported."""
+    tokenizer = CharTokenizer("".join(sorted(set(TEXT)))) if kind == "char" else train_bpe([TEXT], 300, "TEXT")
+    model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=block_size, seed=seed).eval()
+    with torch.no_grad():  # random everywhere, gains included, so that nothing maps by luck
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    hf.export(model, tokenizer, folder)
+    return folder, model, tokenizer
+
+
+# ----------------------------------------------------------------------------- the limits travel with the export
+def test_generate_in_transformers_stops_at_block_size_and_sample_says_it(tmp_path, capsys):
+    """Bug caught: no generation_config.json: generate() stops at transformers' 20 tokens, a model of fewer
+    positions raises IndexError there; with max_length = block_size it stops where the positions end."""
+    folder, model, tokenizer = export(tmp_path / "hf", block_size=16)
+    assert json.loads((folder / "generation_config.json").read_text())["max_length"] == 16
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompt = torch.tensor([tokenizer.encode("KING:")])
+    greedy = theirs.generate(prompt, do_sample=False, attention_mask=torch.ones_like(prompt))  # no max_new_tokens
+    assert greedy.shape == (1, 16)
+    assert torch.equal(greedy, sample.generate(model, prompt, 11, temperature=0))
+    with pytest.raises(IndexError):  # what past block_size does in transformers: the reason for the recipe below
+        theirs.generate(prompt, do_sample=False, max_new_tokens=13, attention_mask=torch.ones_like(prompt))
+    sample.main(["--init_from", str(folder), "--prompt", "KING:", "--temp", "0", "--max-new-tokens", "3",
+                 "--no-stream", "--device", "cpu"])
+    assert "; block_size 16: past it the window slides" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_the_sliding_window_recipe_for_transformers_continues_as_sample_does(tmp_path):
+    folder, model, tokenizer = export(tmp_path / "hf", block_size=16)
+    model_hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([tokenizer.encode("KING:")])
+    scope = {"model": model_hf, "ids": ids, "torch": torch}
+    exec(docs_snippet("# slide the window in transformers", "interop.md"), scope)  # noqa: S102 - the docs' recipe
+    ours = sample.generate(model, ids, 40, temperature=0, keep=16)  # keep = block_size: the classic sliding window
+    assert scope["ids"].shape == (1, 45) and torch.equal(scope["ids"], ours)
+
+
+# ----------------------------------------------------------------------------- unknown characters are never dropped
+def test_a_character_outside_the_vocabulary_raises_in_ours_and_in_transformers(tmp_path):
+    """Bug caught: the char export's tokenizer.json without an unk_token: transformers encoded 'Ünïcödé café 🚀 我'
+    as 'ncd caf  ' and dropped the tab, silently. Now both encoders raise; in-vocabulary text keeps its ids."""
+    folder, _, ours = export(tmp_path / "hf")
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in (UNKNOWN, "a\tb", "café"):
+        with pytest.raises(DataError, match="characters not in the model's vocabulary"):
+            ours.encode(text)
+        with pytest.raises(Exception, match=f"Unk token `{CHAR_UNK}` not found in the vocabulary"):
+            theirs.encode(text)
+    assert len(theirs) == ours.vocab_size and theirs.unk_token is None  # no id was added for it
+    assert theirs.encode(TEXT[:500]) == ours.encode(TEXT[:500])
+
+
+def test_a_bpe_export_encodes_any_character_as_its_bytes_like_ours(tmp_path):
+    folder, _, ours = export(tmp_path / "hf", "bpe")
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    assert theirs.encode(UNKNOWN) == ours.encode(UNKNOWN) and theirs.decode(ours.encode(UNKNOWN)) == UNKNOWN
+
+
+# ----------------------------------------------------------------------------- round trips keep the tokenizer
+def saved_by_transformers(export_folder: Path, folder: Path) -> Path:
+    """The export as tokenizer.save_pretrained and model.save_pretrained leave it: standard files only."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(export_folder)
+    model.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(export_folder).save_pretrained(folder)
+    assert not (folder / CHARS_FILE).exists() and not (folder / BPE_FILE).exists()
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_the_tokenizer_is_rebuilt_from_tokenizer_json_or_vocab_and_merges(tmp_path, kind):
+    folder, _, ours = export(tmp_path / "hf", kind)
+    saved = saved_by_transformers(folder, tmp_path / "saved")
+    assert read_tokenizer(saved, ours.vocab_size) == ours.meta()
+    if kind == "bpe":  # a GPT2Tokenizer's own files, without tokenizer.json
+        (folder / BPE_FILE).unlink()
+        assert read_tokenizer(folder, ours.vocab_size) == ours.meta()
+        merges = (folder / "merges.txt").read_text().splitlines()
+        (folder / "merges.txt").write_text("\n".join([merges[0], merges[2], merges[1], *merges[3:]]) + "\n")
+        with pytest.raises(HFError, match="merges are not the ones its ids imply"):
+            read_tokenizer(folder, ours.vocab_size)
+
+
+def test_a_folder_without_any_tokenizer_file_names_every_file_it_looked_for(tmp_path, capsys):
+    folder, _, ours = export(tmp_path / "hf", "bpe")
+    for name in (BPE_FILE, "vocab.json", "merges.txt", "tokenizer_config.json"):
+        (folder / name).unlink()
+    assert read_tokenizer(folder, ours.vocab_size) is None
+    with pytest.raises(SystemExit):
+        sample.main(["--init_from", str(folder), "--prompt", "a", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(name in err for name in (CHARS_FILE, BPE_FILE, "tokenizer.json",
+                                                                  "vocab.json + merges.txt")), err
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_a_peft_merged_export_comes_back_through_init_from_with_equal_logits(tmp_path, kind, capsys):
+    """LoRA on c_attn of the exported GPT-2, merged, saved the way PEFT users save (no tinygpt_*.json)."""
+    peft = pytest.importorskip("peft")
+    folder, _, ours = export(tmp_path / "hf", kind)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                     fan_in_fan_out=True, init_lora_weights=False))
+    merged = lora.merge_and_unload().eval()  # init_lora_weights=False: B is random, so the merge changes c_attn
+    merged.save_pretrained(tmp_path / "merged")
+    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "merged")
+    pretrained = hf.load_pretrained(str(tmp_path / "merged"))
+    assert pretrained.tokenizer == ours.meta()
+    back = sample.GPT(pretrained.config)
+    back.load_state_dict(pretrained.state)
+    idx = torch.randint(0, ours.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        theirs, original = merged(idx).logits, transformers.AutoModelForCausalLM.from_pretrained(folder)(idx).logits
+        mine = back.eval()(idx)[0]
+    assert (mine - theirs).abs().max() < 1e-5 and (original - theirs).abs().max() > 1e-3
+    sample.main(["--init_from", str(tmp_path / "merged"), "--prompt", "KING:", "--temp", "0",
+                 "--max-new-tokens", "4", "--no-stream", "--device", "cpu"])
+    expected = sample.generate(back, torch.tensor([ours.encode("KING:")]), 4, temperature=0)
+    assert ours.decode(expected[0].tolist()) in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- paths follow the config
+def test_a_relative_data_dir_is_under_the_repo_wherever_the_command_runs(tmp_path):
+    """Bug caught: Path(data_dir) taken from the working directory: run from another folder, the corpus was
+    prepared (and GPT-2's ranks downloaded) again into a new ./data there."""
+    corpus, elsewhere = tmp_path / "corpus.txt", tmp_path / "elsewhere"
+    corpus.write_text(TEXT)
+    elsewhere.mkdir()
+    relative = os.path.relpath(tmp_path / "cache", REPO)  # relative to the repo: tmp_path/cache; to cwd: not
+    run_script(str(REPO / "data.py"), "--data_path", str(corpus), "--data_dir", relative, cwd=elsewhere)
+    assert len(list((tmp_path / "cache").glob("corpus-*-char-val0.1/train.bin"))) == 1
+    assert tokenizers.data_home("data") == REPO / "data" and tokenizers.data_home(tmp_path) == tmp_path
+
+
+def test_gpt2s_ranks_are_cached_in_the_resolved_data_dir(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(tokenizers, "GPT2Tokenizer", seen.append)  # where tokenizer_from_meta asks for the ranks
+    monkeypatch.chdir(tmp_path)
+    tokenizers.tokenizer_from_meta({"kind": "gpt2"}, Path("data"))
+    assert seen == [REPO / "data"]
