@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 
 from config import CommandLine, ConfigError, field_help
+import data
 from data import DataError, corpus_for, special_tokens, val_windows
+from machinery.chat import is_chat
+from machinery.tokenizers import without_chat
 from machinery.loading import Loaded, add_weights_flags, load_weights
 from machinery.runtime import Runtime, choose_runtime
 from train import evaluate, val_byte_count
@@ -62,13 +65,14 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
         return x, y, data_path
     if loaded.step is None and cfg.tokenizer != "gpt2":  # a char or BPE vocabulary need not be the built-in corpus's
         raise ConfigError(f"{loaded.source} has a char vocabulary: pass the text to score with --data_path")
-    corpus = corpus_for(cfg)
+    corpus = corpus_for(cfg, without_chat(loaded.tokenizer.meta()))  # a chat corpus: in the model's own tokens
     if corpus.meta["tokenizer"] != loaded.tokenizer.meta():  # say, someone else's tokens at the run's data_path
         raise DataError(f"{corpus.folder} holds tokens of another tokenizer than {loaded.source}'s; "
                         "pass the text to score with --data_path")
     limit = cfg.eval_tokens if eval_tokens < 0 else eval_tokens
-    x, y = val_windows(corpus.val, cfg.block_size, limit)
-    return x, y, f"the val split of {corpus.folder}" + (f" (eval_tokens {limit:,})" if limit else "")
+    x, y = data.eval_windows(corpus, loaded.tokenizer, cfg.block_size, limit, cfg.chat_overflow)
+    scored = " (the assistant's tokens)" if is_chat(corpus) else f" (eval_tokens {limit:,})" if limit else ""
+    return x, y, f"the val split of {corpus.folder}{scored}"
 
 
 @dataclass

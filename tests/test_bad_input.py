@@ -141,6 +141,10 @@ BAD_INPUTS = {
         (["--bpe_vocab_size", "300", "256"], "--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got 256"),
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
     ],
+    "dev.chat_demo": [
+        (["--steps", "0"], "need --steps >= 1"),
+        (["--base", "{tmp}/none"], "no such folder or file"),
+    ],
     "dev.bench_prepare": [
         (["--mb", "0"], "need --mb and --doc-kb > 0"),
         (["--repeats", "0"], "--repeats >= 1"),

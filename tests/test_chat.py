@@ -233,3 +233,12 @@ def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     assert theirs.decode(render(t, messages)) == t.decode(render(t, messages))  # markers decode as their text
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["eos_token_id"] == t.marker_ids[END]  # generate() stops where our chat stops
+
+
+def test_eval_scores_a_chat_run_on_its_assistants_tokens_as_training_did(chat_run, capsys):
+    from scripts import eval as evaluate_script
+    evaluate_script.main(["--ckpt", str(chat_run / "best.pt"), "--json", "--device", "cpu"])
+    report = json.loads(capsys.readouterr().out)
+    assert "the assistant's tokens" in report["data"]
+    assert report["val_loss"] == pytest.approx(torch.load(chat_run / "best.pt", weights_only=True)["best_val_loss"],
+                                               abs=1e-5)

@@ -8,6 +8,8 @@ import pydoc
 import sys
 import types
 
+import shlex
+
 import pytest
 
 import config
@@ -37,30 +39,35 @@ def test_precedence_is_defaults_then_preset_then_command_line():
     assert parse_args(["--config", "tiny", "--n_layer", "3"]).n_layer == 3
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--max_iter", "5"], "did you mean `max_iters`"),
-    (["--learning-rat=1e-3"], "did you mean `learning_rate`"),
-    (["--learning_rate", "-1"], "learning_rate must be"),
-    (["--learning_rate", "abc"], "learning_rate must be float"),
-    (["--n_embd", "100", "--n_head", "3"], "divisible by n_head"),
-    (["--device", "tpu"], "unknown device"),
-    (["--device", "cuda:abc"], "unknown device"),
-    (["--max_iters", "0"], "max_iters must be > 0"),
-    (["--dtype", "float8"], "dtype must be one of"),
-    (["--dropout", "1.5"], "dropout must be in"),
-    (["--config", "nope"], "no preset `nope`"),
-    (["--max_iters", "2.5"], "max_iters must be int"),
-    (["--optimizer", "sgd"], "optimizer must be one of adamw, muon"),
-    (["--optimizer", "muon", "--muon_lr", "0"], "muon_lr must be > 0, got 0.0"),
-    (["--muon_lr", "-0.1"], "muon_lr must be > 0, got -0.1"),
-    (["--lr_decay", "linear"], "lr_decay must be one of cosine, wsd"),
-    (["--wsd_fraction", "0"], "wsd_fraction must be in \\(0, 1\\], got 0.0"),
-    (["--text_column", ""], "text_column must name the .jsonl field or .parquet column"),
-    (["--threads", "-1"], "threads must be >= 0, got -1"),
-])
-def test_bad_configs_fail_with_a_helpful_message(argv, message):
+# A command line, then what its one-line error must say (a regular expression), a row each.
+BAD_COMMAND_LINES = r"""
+--max_iter 5                      | did you mean `max_iters`
+--learning-rat=1e-3               | did you mean `learning_rate`
+--learning_rate -1                | learning_rate must be
+--learning_rate abc               | learning_rate must be float
+--n_embd 100 --n_head 3           | divisible by n_head
+--device tpu                      | unknown device
+--device cuda:abc                 | unknown device
+--max_iters 0                     | max_iters must be > 0
+--dtype float8                    | dtype must be one of
+--dropout 1.5                     | dropout must be in
+--config nope                     | no preset `nope`
+--max_iters 2.5                   | max_iters must be int
+--optimizer sgd                   | optimizer must be one of adamw, muon
+--optimizer muon --muon_lr 0      | muon_lr must be > 0, got 0.0
+--muon_lr -0.1                    | muon_lr must be > 0, got -0.1
+--lr_decay linear                 | lr_decay must be one of cosine, wsd
+--wsd_fraction 0                  | wsd_fraction must be in \(0, 1\], got 0.0
+--text_column ''                  | text_column must name the .jsonl field or .parquet column
+--threads -1                      | threads must be >= 0, got -1
+"""
+
+
+@pytest.mark.parametrize("row", BAD_COMMAND_LINES.strip().splitlines())
+def test_bad_configs_fail_with_a_helpful_message(row):
+    argv, message = (part.strip() for part in row.split("|", 1))
     with pytest.raises(ConfigError, match=message):
-        parse_args(argv)
+        parse_args(shlex.split(argv))
 
 
 def test_unknown_key_in_a_preset_file_is_refused(tmp_path):

@@ -79,8 +79,9 @@ def test_pretrained_weights_load_with_a_config_of_their_shape_and_no_run_behind_
 def test_weights_without_a_known_tokenizer_are_refused_in_one_line(run, tmp_path):
     trained = from_checkpoint(run / "best.pt")
     hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
-    (tmp_path / "hf" / hf.CHARS_FILE).unlink()
-    with pytest.raises(HFError, match="no tokenizer for a vocabulary of"):
+    for name in (hf.CHARS_FILE, "tokenizer.json"):  # ours and the standard one: nothing to rebuild it from
+        (tmp_path / "hf" / name).unlink()
+    with pytest.raises(HFError, match="no tokenizer for a vocabulary of .*tinygpt_chars.json or tinygpt_bpe.json"):
         from_pretrained(str(tmp_path / "hf"))
 
 
