@@ -25,8 +25,8 @@ gguf = pytest.importorskip("gguf", reason="pip install -r requirements-dev.txt (
 # Characters of 1 to 4 UTF-8 bytes, a tab and a newline: a char vocabulary llama.cpp must join byte by byte.
 UNICODE_LINE = "Café — naïve’s 🚀 東京\ttab\n"
 # llama.cpp's GPT-2 takes GELU's tanh form from an fp16 table (ggml-cpu's GGML_GELU_FP16) where ours is
-# exact erf: measured max |Δ logit| about 1e-3 on these tiny runs in f32 (docs/interop.md).
-LOGIT_TOLERANCE = 1e-2
+# exact erf: measured max |Δ logit| 3.1e-4 (char), 2.6e-4 (bpe), 1.8e-5 (gpt2) on these runs in f32 (docs/interop.md).
+LOGIT_TOLERANCE = 2e-3
 
 
 def field(reader, key: str):
