@@ -23,6 +23,7 @@
     runtime      where and how a run computes (choose_runtime: device, threads, precision, compile), MFU
     tracking     metrics.jsonl and Weights & Biases (MetricsLog), ms/step and MFU (Throughput)
     hf           GPT-2 / Hugging Face weights in and out
+    gguf         a GGUF file llama.cpp runs as GPT-2: hf's weights, the tokenizer as llama.cpp's byte-level BPE
     finetune     init_from: a run of this repo or GPT-2's weights, the vocabulary grown by chat markers
     loading      a model for use: a checkpoint found and loaded, or pretrained weights, as one Loaded;
                  the --ckpt / --init_from flags
@@ -38,7 +39,7 @@ against it. A bare name is a module of this folder; a name ending in / is every 
     4  shakespeare texts formats documents corpora chat: preparation (corpora.prepare; chat's conversations), below data.py, which calls it
     5  data.py: what a training step touches
     6  config/: the config, assembled from the options model.py, data.py and the tables declare
-    7  checkpoint faults runtime tracking hf finetune loading: what a run calls, free to read the config
+    7  checkpoint faults runtime tracking hf gguf finetune loading: what a run calls, free to read the config
     8  train.py sample.py scripts/ dev/ evals/: the entry points (the user's tools, the developers' checks)
 
 Read the core first (README, "Read the code in this order"); these are the second pass. Nothing here is

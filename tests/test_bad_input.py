@@ -91,7 +91,7 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
 
 # Every entry point but train.py and doctor.py (whose config parser has its own tests), new scripts included.
 ENTRY_POINTS = ["sample.py", "data.py"] + [tool for tool in TOOLS if tool != "scripts.doctor"]
-REQUIRED_ARGS = {"scripts.plot": ["x.jsonl"], "scripts.export_hf": ["run", "folder"],
+REQUIRED_ARGS = {"scripts.plot": ["x.jsonl"], "scripts.export_hf": ["run", "folder"], "scripts.export_gguf": ["run", "x.gguf"],
                  "dev.vs_nanogpt": ["--nanogpt", "nano"], "scripts.harness": ["--tasks", "x"]}
 
 
@@ -187,6 +187,10 @@ BAD_INPUTS = {
     "scripts.export_hf": [
         (["{run}", "{run}/metrics.jsonl/x"], "is a file, not a folder"),
         (["{tmp}/missing", "{tmp}/hf"], "no such checkpoint"),
+    ],
+    "scripts.export_gguf": [
+        (["{run}", "{run}/metrics.jsonl/x.gguf"], "is a file, not a folder"),
+        (["{tmp}/missing", "{tmp}/x.gguf"], "no such checkpoint"),
     ],
     "dev.gpu_check": [
         (["--dry-run", "--steps", "3"], "--steps must be even and >= 2"),

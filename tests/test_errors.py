@@ -46,6 +46,7 @@ FAILS_AT = {
     "doctor.py": ("run_checks", []),
     "eval.py": ("load", []),
     "export_hf.py": ("check_writable", ["run", "{tmp}/hf"]),
+    "export_gguf.py": ("check_writable", ["run", "{tmp}/x.gguf"]),
     "gpu_check.py": ("check_writable", ["--dry-run", "--out_dir", "{tmp}/gpu"]),
     "harness.py": ("check_hub", ["--tasks", "tinygpt_cloze"]),
     "plot.py": ("check_writable", ["{metrics}", "-o", "{tmp}/loss.png"]),

@@ -1,0 +1,47 @@
+"""Export a trained run to one GGUF file, which llama.cpp (Ollama, LM Studio, llama-cpp-python) runs as GPT-2.
+
+    python -m scripts.export_gguf out/tiny tiny.gguf --dtype f16
+    python -c "from llama_cpp import Llama; print(Llama('tiny.gguf').tokenize(b'Hello', add_bos=False))"
+
+The weights, the context length (block_size) and the tokenizer, which llama.cpp encodes to our very ids
+(char, bpe and gpt2 runs alike); needs the gguf package (requirements-dev.txt). A model llama.cpp's
+GPT-2 cannot compute (RoPE, RMSNorm, ...) is refused in one line. The mapping is machinery/gguf.py's.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from config import CommandLine
+from machinery.errors import HFError, TinyGPTError, exit_on
+from machinery.gguf import DTYPES, export_gguf
+from machinery.rundir import check_writable
+from sample import find_checkpoint, load_model
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", help="run folder (its best.pt, else last.pt) or a checkpoint file")
+    parser.add_argument("out", help="the .gguf file to write (replaced if it exists)")
+    parser.add_argument("--dtype", choices=DTYPES, default="f32",
+                        help="how the matrices are stored: f32 (exact), f16 (half the size), q8_0 (8-bit blocks)")
+    args = parser.parse_args(argv)
+    try:
+        try:
+            import gguf  # noqa: F401 - only to say how to get it before a checkpoint is loaded
+        except ImportError:
+            raise HFError("the GGUF export writes with llama.cpp's gguf package: "
+                          "pip install -r requirements-dev.txt (or pip install gguf==0.19.0)") from None
+        check_writable(Path(args.out).parent, "output folder", f".export-probe-{os.getpid()}")
+        path = find_checkpoint(args.run)
+        model, tokenizer = load_model(path, torch.device("cpu"))
+        count = export_gguf(model, tokenizer, Path(args.out), args.dtype, name=Path(path).parent.name)
+    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+        exit_on(err)
+    print(f"exported {path} -> {args.out}: {count} tensors, {args.dtype}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The GGUF export (machinery/gguf.py, scripts/export_gguf.py): the file as llama.cpp's gguf package reads
+it, in the default suite; then llama.cpp itself (llama-cpp-python) on tiny trained char, bpe and gpt2 runs,
+in the slow suite: our ids on the whole corpus, our greedy text, our logits within LOGIT_TOLERANCE.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sample
+import train
+from config import make_config
+from conftest import make_text, tiny_model
+from machinery import gguf as export
+from machinery.errors import HFError
+from machinery.tokenizers import CharTokenizer, bytes_to_unicode, train_bpe
+from sample import load_model
+from scripts import export_gguf
+
+gguf = pytest.importorskip("gguf", reason="pip install -r requirements-dev.txt (gguf, llama.cpp's writer)")
+
+# Characters of 1 to 4 UTF-8 bytes, a tab and a newline: a char vocabulary llama.cpp must join byte by byte.
+UNICODE_LINE = "Café — naïve’s 🚀 東京\ttab\n"
+# llama.cpp's GPT-2 takes GELU's tanh form from an fp16 table (ggml-cpu's GGML_GELU_FP16) where ours is
+# exact erf: measured max |Δ logit| 3.1e-4 (char), 2.6e-4 (bpe), 1.8e-5 (gpt2) on these runs in f32 (docs/interop.md).
+LOGIT_TOLERANCE = 2e-3
+
+
+def field(reader, key: str):
+    return reader.fields[key].contents()
+
+
+def write(tmp_path: Path, model, tokenizer, dtype: str = "f32") -> "gguf.GGUFReader":
+    path = tmp_path / f"model-{dtype}.gguf"
+    export.export_gguf(model, tokenizer, path, dtype)
+    return gguf.GGUFReader(path)
+
+
+# ----------------------------------------------------------------------------- the file, without llama.cpp
+def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weights(tmp_path):
+    chars = "".join(sorted(set(make_text(30) + UNICODE_LINE)))
+    tokenizer = CharTokenizer(chars)
+    model = tiny_model(vocab_size=len(chars), block_size=24, bias=False)
+    reader = write(tmp_path, model, tokenizer)
+    assert field(reader, "general.architecture") == "gpt2"
+    assert field(reader, "gpt2.context_length") == 24 and field(reader, "gpt2.block_count") == 2
+    assert (field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre")) == ("gpt2", "gpt-2")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    to_text = bytes_to_unicode()
+    assert tokens[chars.index("\n")] == "Ċ" and tokens[chars.index(" ")] == "Ġ" and tokens[chars.index("é")] == "Ã©"
+    assert len(tokens) == len(chars) and set(field(reader, "tokenizer.ggml.token_type")) == {gguf.TokenType.NORMAL}
+    rocket = [to_text[b] for b in "🚀".encode()]  # 4 bytes: three merges, each from the lead byte on
+    merges = field(reader, "tokenizer.ggml.merges")
+    assert [f"{rocket[0]} {rocket[1]}", f"{''.join(rocket[:2])} {rocket[2]}", f"{''.join(rocket[:3])} {rocket[3]}"] \
+        == [m for m in merges if m.startswith(rocket[0])]
+    assert len(merges) == sum(len(ch.encode()) - 1 for ch in chars) - 1  # — and ’ share their first merge (E2 80)
+    newline = chars.index("\n")
+    assert (field(reader, "tokenizer.ggml.bos_token_id"), field(reader, "tokenizer.ggml.eos_token_id")) == (newline,) * 2
+    assert field(reader, "tokenizer.ggml.add_bos_token") is False
+    tensors = {t.name: t for t in reader.tensors}
+    assert "output.weight" not in tensors  # tied: llama.cpp reuses token_embd
+    assert list(tensors["token_embd.weight"].shape) == [32, len(chars)]  # ggml's ne: (C, V), unpadded
+    assert list(tensors["blk.1.attn_qkv.weight"].shape) == [32, 96] and list(tensors["position_embd.weight"].shape) == [32, 24]
+    state = model.state_dict()
+    assert np.array_equal(tensors["blk.0.ffn_up.weight"].data, state["transformer.h.0.mlp.c_fc.weight"].numpy())
+    assert not tensors["blk.0.ffn_up.bias"].data.any() and len(tensors) == 4 + 12 * 2  # bias=False: zeros
+
+
+def test_a_bpe_gguf_has_its_merges_in_rank_order_and_its_end_token_control(tmp_path):
+    tokenizer = train_bpe([make_text(200)], 300, "test")
+    model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=16)
+    reader = write(tmp_path, model, tokenizer)
+    tokens, types = field(reader, "tokenizer.ggml.tokens"), field(reader, "tokenizer.ggml.token_type")
+    to_text = bytes_to_unicode()
+    names = ["".join(to_text[b] for b in tokenizer.enc.decode_single_token_bytes(i)) for i in range(299)]
+    assert tokens[:299] == names  # id = rank, named by its bytes
+    assert tokens[-1] == "<|endoftext|>" and types[-1] == gguf.TokenType.CONTROL
+    assert set(types[:-1]) == {gguf.TokenType.NORMAL}
+    merges = field(reader, "tokenizer.ggml.merges")
+    assert len(merges) == 300 - 257  # one per token past the bytes
+    for rank in (256, 298):  # the merge made the token of that rank: its two parts, joined, are its name
+        assert merges[rank - 256].replace(" ", "") == tokens[rank]
+    assert field(reader, "tokenizer.ggml.eos_token_id") == tokenizer.eot_token == 299
+
+
+@pytest.mark.parametrize("dtype, matrix_type", [("f16", "F16"), ("q8_0", "Q8_0")])
+def test_smaller_dtypes_store_the_matrices_and_keep_norms_and_biases_f32(tmp_path, dtype, matrix_type):
+    model = tiny_model(vocab_size=50, block_size=16, bias=True)
+    tensors = {t.name: t for t in write(tmp_path, model, CharTokenizer("".join(chr(65 + i) for i in range(50))), dtype).tensors}
+    assert tensors["blk.0.attn_qkv.weight"].tensor_type.name == matrix_type
+    assert tensors["blk.0.attn_qkv.bias"].tensor_type.name == tensors["output_norm.weight"].tensor_type.name == "F32"
+    back = gguf.quants.dequantize(tensors["blk.0.attn_qkv.weight"].data, tensors["blk.0.attn_qkv.weight"].tensor_type)
+    expected = model.state_dict()["transformer.h.0.attn.c_attn.weight"].numpy()
+    assert back.shape == expected.shape and 0 < np.abs(back - expected).max() < 2e-2
+
+
+@pytest.mark.parametrize("option", [dict(pos_emb="rope"), dict(norm="rmsnorm"), dict(qk_norm=True),
+                                    dict(activation="relu2")])
+def test_a_model_llama_cpp_gpt2_cannot_compute_is_refused_by_name_and_writes_nothing(tmp_path, option):
+    model = tiny_model(vocab_size=50, block_size=16, **option)
+    name = next(iter(option))
+    with pytest.raises(HFError, match=f"cannot export as GGUF: the model has {name} "):
+        export.export_gguf(model, CharTokenizer("".join(chr(65 + i) for i in range(50))), tmp_path / "x.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_script_refuses_a_rope_run_in_one_line_with_its_exit_code(tmp_path, tiny_cfg, capsys):
+    cfg = tiny_cfg(pos_emb="rope", max_iters=1, eval_interval=1)
+    train.train(cfg)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        export_gguf.main([cfg.out_dir, str(tmp_path / "rope.gguf")])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == HFError.exit_code == 2 and "\n" not in err, err
+    assert "pos_emb 'rope' (GPT-2 computes 'learned')" in err and not (tmp_path / "rope.gguf").exists()
+
+
+# ----------------------------------------------------------------------------- llama.cpp itself
+CORPUS = make_text(600) + UNICODE_LINE
+RUNS = {"char": {}, "bpe": {"bpe_vocab_size": 380}, "gpt2": {}}
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    return pytest.importorskip("llama_cpp", reason="llama.cpp's Python binding builds from source (10-25 min): "
+                               "pip install -r requirements-llama.txt")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, llama_cpp):
+    """Factory: a tiny run of the tokenizer, trained once, its model and its GGUF (f32)."""
+    root = tmp_path_factory.mktemp("gguf")
+    (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
+    made = {}
+
+    def build(kind: str):
+        if kind not in made:
+            cfg = make_config("tiny", data_path=str(root / "corpus.txt"), data_dir=str(root / "data"),
+                              out_dir=str(root / kind), device="cpu", tokenizer=kind, max_iters=60,
+                              eval_interval=60, log_interval=60, **RUNS[kind])
+            train.train(cfg)
+            export_gguf.main([cfg.out_dir, str(root / f"{kind}.gguf")])
+            model, tokenizer = load_model(Path(cfg.out_dir) / "best.pt", torch.device("cpu"))
+            llm = llama_cpp.Llama(str(root / f"{kind}.gguf"), n_ctx=model.config.block_size, n_threads=1,
+                                  logits_all=True, verbose=False)
+            made[kind] = model, tokenizer, llm
+        return made[kind]
+    return build
+
+
+KINDS = [pytest.param("char"), pytest.param("bpe"), pytest.param("gpt2", marks=pytest.mark.network)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_llama_cpp_encodes_the_corpus_to_our_ids(exported, kind):
+    _, tokenizer, llm = exported(kind)
+    assert llm.tokenize(CORPUS.encode(), add_bos=False, special=False) == tokenizer.encode(CORPUS)
+    assert llm.detokenize(tokenizer.encode(CORPUS)).decode() == CORPUS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_llama_cpp_gives_our_logits_and_greedy_text(exported, kind):
+    model, tokenizer, llm = exported(kind)
+    ids = tokenizer.encode(CORPUS[:400])[: model.config.block_size]
+    llm.reset()
+    llm.eval(ids)
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0][0].numpy()  # (T, V)
+    diff = np.abs(np.asarray(llm.scores[: len(ids)]) - ours).max()
+    assert diff < LOGIT_TOLERANCE, diff
+    prompt = ids[:8]
+    new = model.config.block_size - len(prompt)  # within the context: past it llama.cpp aborts
+    expected = sample.generate(model, torch.tensor([prompt]), new, temperature=0)[0, len(prompt):].tolist()
+    llm.reset()
+    greedy = [token for token, _ in zip(llm.generate(prompt, temp=0.0, top_k=1), range(new))]
+    assert llm.detokenize(greedy) == tokenizer.decode_bytes(expected)
+    assert greedy == expected
