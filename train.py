@@ -218,7 +218,8 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
     if pretrained is not None:  # init_from: the imported weights, once their tokenizer is the corpus's
         model.load_state_dict(pretrained.weights_for(corpus.meta["tokenizer"], corpus.vocab_size))
     if cfg.lora_rank:  # LoRA: the base frozen, only low-rank adapters beside it train (machinery/lora.py)
-        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        markers = sorted(getattr(tokenizer, "marker_ids", {}).values())  # a chat corpus's: their rows train too
+        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, markers)
     model = model.to(rt.device)
     optimizer = build_optimizer(model, cfg, rt.device, rt.dtype)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)

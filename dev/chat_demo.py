@@ -98,7 +98,7 @@ def spread(values: list[float], digits: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="out/small", help="the run fine-tuned (a folder or .pt)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="one full and one LoRA fine-tune each")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps of each fine-tune")
     parser.add_argument("--out", default="out/chat_demo", help="where the fine-tunes go (reused if there)")
     args = parser.parse_args(argv)

@@ -30,7 +30,7 @@ from model import GPT
 
 # The Linear layers of a block that may get an adapter, as PEFT names them for GPT-2 (module-name suffixes).
 TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-ADAPTER_KEYS = (".lora_A.", ".lora_B.")  # what marks an adapter's weight in a state dict, ours and PEFT's
+ADAPTER_KEYS = (".lora_A.", ".lora_B.", ".lora_rows")  # what marks a trained weight in a state dict (A, B: PEFT's too)
 PEFT_PREFIX = "base_model.model."  # PeftModel wraps GPT2LMHeadModel: its weights' names gain this prefix
 
 
@@ -56,6 +56,43 @@ class LoRALinear(nn.Module):
         return self.scale * (self.lora_B.weight @ self.lora_A.weight)
 
 
+class TrainedRows(nn.Module):
+    """Rows of the frozen wte / lm_head weight (one tied tensor) that train with the adapters: the ids a chat
+    fine-tune added (its role markers, tokenizers.ChatTokenizer), which the base never learnt and a frozen
+    embedding would leave all alike. Lookups and logits both read the weight with these rows in it."""
+
+    def __init__(self, embedding: nn.Embedding, head: nn.Linear, ids: list[int]):
+        super().__init__()
+        self.embedding = embedding  # frozen; embedding.weight is head.weight too
+        object.__setattr__(self, "head", head)  # not a submodule: its weight is already the embedding's
+        self.register_buffer("ids", torch.tensor(ids, dtype=torch.long, device=embedding.weight.device),
+                             persistent=False)
+        self.lora_rows = nn.Parameter(embedding.weight.detach()[self.ids].clone())  # (k, C): their start, unchanged
+
+    def weight(self) -> torch.Tensor:
+        return self.embedding.weight.index_copy(0, self.ids, self.lora_rows)  # (V_padded, C)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(idx, self.weight())  # (B, T) -> (B, T, C)
+
+
+class TrainedRowsHead(nn.Module):
+    """lm_head reading TrainedRows' weight: (B, T, C) -> (B, T, V_padded)."""
+
+    def __init__(self, rows: TrainedRows):
+        super().__init__()
+        object.__setattr__(self, "rows", rows)  # registered once, under transformer.wte
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.rows.weight())
+
+
+def train_rows(model: GPT, ids: list[int]) -> None:
+    """Make the embedding rows of ``ids`` (and so their logits' rows, tied) train beside the adapters."""
+    rows = TrainedRows(model.transformer.wte, model.lm_head, sorted(ids))
+    model.transformer.wte, model.lm_head = rows, TrainedRowsHead(rows)
+
+
 def parse_targets(text: str) -> tuple[str, ...]:
     """"attn.c_attn,mlp.c_fc" -> the target names; ValueError naming any unknown one and the allowed list."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
@@ -66,8 +103,10 @@ def parse_targets(text: str) -> tuple[str, ...]:
     return names
 
 
-def add_adapters(model: GPT, rank: int, alpha: float, dropout: float, targets: str | tuple[str, ...]) -> GPT:
-    """Freeze every weight of ``model`` and wrap each target Linear of every block in a LoRALinear, in place.
+def add_adapters(model: GPT, rank: int, alpha: float, dropout: float, targets: str | tuple[str, ...],
+                 rows: list[int] | tuple[int, ...] = ()) -> GPT:
+    """Freeze every weight of ``model`` and wrap each target Linear of every block in a LoRALinear, in place;
+    the embedding ``rows`` (a chat fine-tune's new markers) train too (TrainedRows).
 
     The adapters are created on the base's device and draw A's init from the global RNG, so call it at the
     same point of start-up every time (train.build_run: after the base weights load).
@@ -79,6 +118,8 @@ def add_adapters(model: GPT, rank: int, alpha: float, dropout: float, targets: s
         for name in names:
             parent, attr = block.get_submodule(name.split(".")[0]), name.split(".")[1]
             setattr(parent, attr, LoRALinear(getattr(parent, attr), rank, alpha, dropout))
+    if rows:
+        train_rows(model, list(rows))
     return model
 
 
@@ -117,6 +158,11 @@ def fold(model: GPT) -> GPT:
         with torch.no_grad():
             layer.base.weight += layer.delta()  # (out, in)
         setattr(model.get_submodule(parent), attr, layer.base)
+    if isinstance(model.transformer.wte, TrainedRows):
+        rows = model.transformer.wte
+        with torch.no_grad():
+            rows.embedding.weight[rows.ids] = rows.lora_rows  # (k, C) into (V_padded, C): lm_head's too, tied
+        model.transformer.wte, model.lm_head = rows.embedding, rows.head
     for p in model.parameters():
         p.requires_grad_(True)
     return model
@@ -144,8 +190,9 @@ def record(model: GPT, base: str, fingerprint: str) -> dict[str, Any]:
     if not layers:
         raise ValueError("record(): the model has no adapters")
     targets = tuple(dict.fromkeys(name.split(".", 3)[3] for name in adapters(model)))  # "attn.c_attn", in order
+    rows = model.transformer.wte.ids.tolist() if isinstance(model.transformer.wte, TrainedRows) else []
     return {"base": base, "fingerprint": fingerprint, "rank": layers[0].rank, "alpha": layers[0].alpha,
-            "dropout": layers[0].dropout.p, "targets": list(targets)}
+            "dropout": layers[0].dropout.p, "targets": list(targets), "rows": rows}
 
 
 def check_base(saved: dict[str, Any], fingerprint: str, where: str) -> None:
@@ -163,7 +210,8 @@ def load_adapted(state: dict[str, Any], base_model: GPT, where: str = "checkpoin
     merged in place: no copy of a large base), and what comes back is that same module."""
     saved = state["lora"]
     check_base(saved, base_fingerprint(base_model), where)
-    adapted = add_adapters(base_model, saved["rank"], saved["alpha"], saved["dropout"], tuple(saved["targets"]))
+    adapted = add_adapters(base_model, saved["rank"], saved["alpha"], saved["dropout"], tuple(saved["targets"]),
+                           saved.get("rows", ()))
     load_adapter_state(adapted, state["model"], where)
     return fold(adapted)
 
@@ -191,6 +239,9 @@ def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
     if "lora" not in state:
         raise CheckpointError("not a LoRA run: only a run trained with --lora_rank has adapters to export in "
                               "PEFT's format; export the model alone (drop --peft)")
+    if state["lora"].get("rows"):
+        raise CheckpointError(f"this LoRA run also trained {len(state['lora']['rows'])} embedding rows (its chat "
+                              "markers), which PEFT's LoRA files do not hold; export the merged model (drop --peft)")
     folder.mkdir(parents=True, exist_ok=True)
     weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
     save_file(to_peft(state["model"]), str(weights), metadata={"format": "pt"})

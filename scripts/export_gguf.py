@@ -12,13 +12,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from config import CommandLine
 from machinery.errors import HFError, TinyGPTError, exit_on
 from machinery.gguf import DTYPES, export_gguf
 from machinery.rundir import check_writable
-from sample import find_checkpoint, load_model
+from machinery.loading import find_checkpoint, from_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,8 +34,8 @@ def main(argv: list[str] | None = None) -> None:
                           "pip install -r requirements-dev.txt (or pip install gguf==0.19.0)") from None
         check_writable(Path(args.out).parent, "output folder", f".export-probe-{os.getpid()}")
         path = find_checkpoint(args.run)
-        model, tokenizer = load_model(path, torch.device("cpu"))
-        count = export_gguf(model, tokenizer, Path(args.out), args.dtype, name=Path(path).parent.name)
+        loaded = from_checkpoint(path)
+        count = export_gguf(loaded.model, loaded.tokenizer, Path(args.out), args.dtype, name=Path(path).parent.name)
     except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
         exit_on(err)
     print(f"exported {path} -> {args.out}: {count} tensors, {args.dtype}")

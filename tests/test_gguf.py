@@ -13,11 +13,11 @@ import torch
 import sample
 import train
 from config import make_config
-from conftest import make_text, tiny_model
+from conftest import make_text, tiny_model, tiny_run
 from machinery import gguf as export
 from machinery.errors import HFError
 from machinery.tokenizers import CharTokenizer, bytes_to_unicode, train_bpe
-from sample import load_model
+from machinery.loading import from_checkpoint
 from scripts import export_gguf
 
 gguf = pytest.importorskip("gguf", reason="pip install -r requirements-dev.txt (gguf, llama.cpp's writer)")
@@ -138,12 +138,12 @@ def exported(tmp_path_factory, llama_cpp):
 
     def build(kind: str):
         if kind not in made:
-            cfg = make_config("tiny", data_path=str(root / "corpus.txt"), data_dir=str(root / "data"),
-                              out_dir=str(root / kind), device="cpu", tokenizer=kind, max_iters=60,
-                              eval_interval=60, log_interval=60, **RUNS[kind])
+            cfg = make_config("tiny", **tiny_run(root / kind, root / "corpus.txt") | dict(
+                tokenizer=kind, max_iters=60, eval_interval=60, log_interval=60, **RUNS[kind]))
             train.train(cfg)
             export_gguf.main([cfg.out_dir, str(root / f"{kind}.gguf")])
-            model, tokenizer = load_model(Path(cfg.out_dir) / "best.pt", torch.device("cpu"))
+            loaded = from_checkpoint(Path(cfg.out_dir) / "best.pt")
+            model, tokenizer = loaded.model, loaded.tokenizer
             llm = llama_cpp.Llama(str(root / f"{kind}.gguf"), n_ctx=model.config.block_size, n_threads=1,
                                   logits_all=True, verbose=False)
             made[kind] = model, tokenizer, llm

@@ -165,7 +165,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_the_bases_fingerprint_not_the_
     base = tiny_model(vocab_size=pretrained.config.vocab_size, block_size=32, bias=True, activation="gelu_tanh")
     base.load_state_dict(pretrained.state)
     assert state["lora"] == {"base": str(base_folder), "fingerprint": lora.base_fingerprint(base), "rank": 4,
-                             "alpha": 8.0, "dropout": 0.1, "targets": TARGETS.split(",")}
+                             "alpha": 8.0, "dropout": 0.1, "targets": TARGETS.split(","), "rows": []}
     assert set(state["model"]) == {f"transformer.h.{i}.{target}.lora_{m}.weight" for i in range(2)
                                    for target in TARGETS.split(",") for m in "AB"}
     assert load_checkpoint(trained / "best.pt")["lora"] == state["lora"]
@@ -233,3 +233,29 @@ def test_peft_export_of_a_run_without_adapters_is_refused_in_one_line(tmp_path, 
     with pytest.raises(CheckpointError, match="not a LoRA run"):
         lora.export_peft({"model": {}}, tmp_path / "adapters")
     assert not (tmp_path / "adapters").exists()
+
+
+def test_a_chat_fine_tune_trains_its_markers_rows_and_merges_them(tmp_path):
+    """A chat corpus adds role markers the base never learnt: with LoRA their embedding rows train beside the
+    adapters (a frozen row would leave every marker alike), the rest of the embedding stays the base's, the merged
+    model computes the adapted one, and PEFT's files, which cannot hold them, are refused in one line."""
+    from conftest import run_script, tiny_args
+    from test_chat import write_chats
+    text = tmp_path / "corpus.txt"
+    text.write_text(make_text())
+    run_script("train.py", *tiny_args(tmp_path / "base", text, max_iters=4, eval_interval=4))
+    chats = write_chats(tmp_path / "chats.jsonl")
+    run_script("train.py", *tiny_args(tmp_path / "chat", chats, init_from=tmp_path / "base", lora_rank=4, max_iters=6,
+                                      eval_interval=6, chat_overflow="truncate", learning_rate=1e-2))
+    state = load_checkpoint(tmp_path / "chat" / "last.pt")
+    rows = state["lora"]["rows"]
+    base = from_checkpoint(tmp_path / "base" / "best.pt").model
+    assert len(rows) == 5 and rows[0] == base.config.vocab_size  # the five markers, right after the base's ids
+    merged = from_checkpoint(tmp_path / "chat" / "last.pt").model
+    start = base.transformer.wte.weight[: base.config.vocab_size].mean(0)  # where every marker's row began
+    trained = merged.transformer.wte.weight[rows]
+    assert not any(torch.equal(row, start) for row in trained)  # each marker's row moved
+    assert torch.equal(merged.transformer.wte.weight[: base.config.vocab_size],
+                       base.transformer.wte.weight[: base.config.vocab_size])  # the base's rows did not
+    with pytest.raises(CheckpointError, match="also trained 5 embedding rows .*drop --peft"):
+        lora.export_peft(state, tmp_path / "peft")
