@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from machinery.errors import DataError
+from machinery.files import atomic_write_text
 from machinery.tokenizers import ChatTokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 
 BEGIN, SYSTEM, USER, ASSISTANT, END = MARKERS = ("<|begin|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -297,7 +298,5 @@ def shakespeare_dialogue(data_dir: Path) -> Path:
     if not path.is_file():
         lines = [json.dumps({"messages": [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]})
                  for line, reply in exchanges(shakespeare_text(data_dir))]
-        staged = path.with_name(f".{path.name}.partial")
-        staged.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        staged.replace(path)  # whole or absent
+        atomic_write_text(path, "\n".join(lines) + "\n")  # whole or absent
     return path

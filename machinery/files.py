@@ -12,9 +12,10 @@ metrics.jsonl, compare's records and results and the Hugging Face export are wri
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 
 TEMP_MARK = ".tmp-"  # in every temp file's name: .NAME.tmp-PID (checkpoint.remove_stale_temp_files looks for it)
 
@@ -30,18 +31,25 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     The file handed over is the temp file, open for writing and seekable. Any exception, in ``write``
     or in the fsync or rename, removes the temp file and is raised again unchanged.
     """
-    path = Path(path)
-    tmp = temp_path(path)
-    try:
+    with written_whole(Path(path)) as tmp:
         with open(tmp, "wb") as f:
             write(f)
-            f.flush()
+
+
+@contextlib.contextmanager
+def written_whole(path: Path) -> Iterator[Path]:
+    """The temp path to write ``path`` at, for a writer that opens the file itself (gguf's): when the block ends
+    it is fsynced and renamed over ``path``; if the block raises, it is removed and ``path`` left as it was."""
+    tmp = temp_path(Path(path))
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())  # the data on disk before the name points at it
         os.replace(tmp, path)
-    except BaseException:  # a full disk, a bug in ``write``, Ctrl-C: no temp file outlives the write
+    except BaseException:  # a full disk, a bug in the writer, Ctrl-C: no temp file outlives the write
         tmp.unlink(missing_ok=True)
         raise
-    sync_folder(path.parent)
+    sync_folder(Path(path).parent)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

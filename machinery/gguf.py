@@ -30,7 +30,7 @@ import numpy as np
 
 from machinery.errors import HFError
 from machinery.hf import LAYER_NORM_EPS, gpt2_refusals, is_transposed, to_hf
-from machinery.staging import staging_prefix
+from machinery.files import written_whole
 from machinery.tokenizers import bpe_tokenizer_files, bytes_to_unicode
 from model import GPT
 
@@ -60,8 +60,7 @@ def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str
         raise HFError(f"cannot export as GGUF: the model has {refusals[0]}; llama.cpp's gpt2 architecture "
                       "would load it and compute another model")
     tensors = gguf_tensors(model)  # before the file: a model that does not map writes nothing
-    staged = path.with_name(staging_prefix() + path.name)  # a failed write leaves no half file under the name
-    try:
+    with written_whole(path) as staged:  # a failed write leaves no half file under the name
         writer = gguf.GGUFWriter(str(staged), ARCH)
         write_hparams(writer, model, dtype, name)
         write_vocabulary(writer, vocabulary(tokenizer), tokenizer.eot_token)
@@ -72,9 +71,6 @@ def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        staged.replace(path)
-    finally:
-        staged.unlink(missing_ok=True)
     return len(tensors)
 
 
