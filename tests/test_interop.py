@@ -163,3 +163,84 @@ def test_gpt2s_ranks_are_cached_in_the_resolved_data_dir(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     tokenizers.tokenizer_from_meta({"kind": "gpt2"}, Path("data"))
     assert seen == [REPO / "data"]
+
+
+# ----------------------------------------------------------------------------- ONNX Runtime and lm_eval's command line
+ONNX_TOL = 4e-6  # logits, fp32 on both sides; seen: 1.0e-6 (char), 7.2e-7 (bpe), on logits up to 2.7
+CLI_TOL = 1e-6  # summed log-probabilities near -40, one request a batch on both sides; seen: 0.0 on all 160
+# (CPU). Our adapter at batch_size 4 differs by 1.9e-6: fp32's own spacing there is 3.8e-6.
+
+
+class Logits(torch.nn.Module):
+    """The exported GPT-2 as a user hands it to torch.onnx.export: ids in, logits out, no cache to trace."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, use_cache=False).logits  # (B, T, vocab)
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_onnx_runtime_runs_the_export_with_our_logits(tmp_path, kind):
+    """The HF export in transformers, through torch.onnx.export(dynamo=True), batch and length left free."""
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements-dev.txt)")
+    pytest.importorskip("onnxscript", reason="onnxscript is not installed (requirements-dev.txt)")
+    folder, model, tokenizer = export(tmp_path / "hf", kind, block_size=16)
+    theirs = Logits(transformers.AutoModelForCausalLM.from_pretrained(folder).eval())
+    idx = torch.randint(0, tokenizer.vocab_size, (3, 16), generator=torch.Generator().manual_seed(5))
+    dims = {"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("T", max=16)}}
+    torch.onnx.export(theirs, (idx[:2],), tmp_path / "model.onnx", dynamo=True, input_names=["input_ids"],
+                      output_names=["logits"], dynamic_shapes=dims, verbose=False)
+    session = ort.InferenceSession(tmp_path / "model.onnx", providers=["CPUExecutionProvider"])
+    for ids in (idx[:2], idx[:, :5]):  # the traced shape and another batch and length
+        onnx_logits = torch.from_numpy(session.run(["logits"], {"input_ids": ids.numpy()})[0])
+        with torch.no_grad():
+            ours = model(ids)[0]  # (B, T, vocab)
+        assert onnx_logits.shape == ours.shape and (onnx_logits - ours).abs().max() < ONNX_TOL
+
+
+def cloze_char_model() -> tuple[object, CharTokenizer]:
+    """A random char model whose vocabulary holds every character of evals/tinygpt_cloze.jsonl, block_size 32:
+    shorter than some context + continuation, so lm_eval's left truncation is on the path."""
+    items = [json.loads(line) for line in (REPO / "evals" / "tinygpt_cloze.jsonl").read_text().splitlines()]
+    text = TEXT + "".join(d["context"] + " " + " ".join(d["choices"]) for d in items)
+    tokenizer = CharTokenizer("".join(sorted(set(text))))
+    model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=32, seed=1).eval()
+    n = sum(p.numel() for p in model.parameters())  # random everywhere, as export() makes its models
+    torch.nn.utils.vector_to_parameters(0.3 * torch.randn(n, generator=torch.Generator().manual_seed(1)),
+                                        model.parameters())
+    return model, tokenizer
+
+
+def samples_of_the_cli(out: Path) -> tuple[list[tuple[str, str]], list[tuple[float, bool]]]:
+    """((context, continuation), (log-likelihood, is_greedy)) per request, from the CLI's --log_samples file."""
+    (samples,) = out.glob("*/samples_tinygpt_cloze_*.jsonl")
+    pairs, scores = [], []
+    for doc in map(json.loads, samples.read_text().splitlines()):
+        requests = [doc["arguments"][f"gen_args_{i}"] for i in range(len(doc["arguments"]))]
+        pairs += [(r["arg_0"], r["arg_1"]) for r in requests]
+        scores += [(float(ll), greedy == "True") for ll, greedy in doc["filtered_resps"]]  # logged as strings
+    return pairs, scores
+
+
+@pytest.mark.slow  # lm_eval's command line indexes all of its tasks before it runs ours: ~25 s
+def test_lm_evals_command_line_scores_a_char_export_as_our_adapter_does(tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval", reason="lm_eval is not installed (requirements-dev.txt): no CLI check")
+    from lm_eval.api.instance import Instance
+    from scripts import harness
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # inherited by the command below
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    model, tokenizer = cloze_char_model()
+    hf.export(model, tokenizer, tmp_path / "export")
+    run_script("-m", "lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={tmp_path / 'export'}",
+               "--include_path", str(REPO / "evals"), "--tasks", "tinygpt_cloze", "--device", "cpu",
+               "--output_path", str(tmp_path / "out"), "--log_samples")
+    pairs, theirs = samples_of_the_cli(tmp_path / "out")
+    assert len(pairs) == 160  # 40 items x 4 choices
+    assert any(len(tokenizer.encode(c + x)) - 1 > 32 for c, x in pairs)  # some inputs lost their oldest tokens
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
+    ours = harness.TinyGPTLM(model, tokenizer, batch_size=1).loglikelihood(requests)  # as the CLI batches
+    assert [greedy for _, greedy in ours] == [greedy for _, greedy in theirs]
+    assert max(abs(mine - ref) for (mine, _), (ref, _) in zip(ours, theirs)) <= CLI_TOL
