@@ -27,7 +27,7 @@ from machinery.checkpoint import load_checkpoint
 from machinery.cli import CommandLine
 from machinery.errors import TinyGPTError, exit_on, fail
 from machinery.loading import from_checkpoint
-from machinery.tokenizers import tokenizer_from_meta
+from machinery.tokenizers import tokenizer_from_meta, without_chat
 from model import GPT
 from sample import generate
 from train import evaluate
@@ -63,9 +63,9 @@ def format_kept(model: GPT, corpus, tokenizer) -> float:
     return kept / len(starts)
 
 
-def score(run: Path, base: Path) -> dict[str, float]:
+def score(run: Path) -> dict[str, float]:
     loaded = from_checkpoint(run / "best.pt")
-    corpus = corpus_for(loaded.cfg, finetune.load_run(finetune.run_checkpoint(str(base)), 0).tokenizer)
+    corpus = corpus_for(loaded.cfg, without_chat(loaded.tokenizer.meta()))  # the chat corpus, in the run's ids
     state = load_checkpoint(run / "last.pt")
     tensors = [t for s in state["optimizer"]["state"].values() for t in s.values() if torch.is_tensor(t)]
     return {"val": masked_val_loss(loaded.model, loaded.cfg, corpus, loaded.tokenizer),
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             runs = [Path(args.out) / f"{mode.split()[0].lower()}-{seed}" for seed in args.seeds]
             for run, seed in zip(runs, args.seeds):
                 fine_tune(base, run, seed, extra, args.steps)
-            rows[mode] = [score(run, base) for run in runs]
+            rows[mode] = [score(run) for run in runs]
     except TinyGPTError as err:
         exit_on(err)
     print(f"base {base}: masked val loss {val0:.4f}, format kept {kept0:.1%}; {args.steps} steps, seeds {args.seeds}\n")
