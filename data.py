@@ -5,10 +5,10 @@
 
 Preparing (``corpus_for``) turns the corpus a run names (``CorpusOptions``: python data.py's flags, and
 train.py's) into a folder, once, cached in data_dir: ``train.bin`` and ``val.bin`` (flat token ids) and
-``meta.json`` (the tokenizer and how the files were made). The machinery for that (the built-in corpus's
-download, document formats, worker pools, staging, the checks) is machinery/corpora.py and
-machinery/tokenfiles.py, and every tokenizer (one id per character, GPT-2's BPE, your own) is
-machinery/tokenizers.py: a second read. What a step touches is here: the splits, memory-mapped
+``meta.json`` (the tokenizer and how the files were made). The code for that (the built-in corpus's
+download, document formats, worker pools, staging, the checks) is prepare/corpora.py and
+prepare/tokenfiles.py, and every tokenizer (one id per character, GPT-2's BPE, your own) is
+prepare/tokenizers.py: a second read. What a step touches is here: the splits, memory-mapped
 (``load_corpus``); the training stream, an object whose ``next()`` is one micro-batch and whose
 ``state_dict()`` the checkpoint keeps, so a resume continues it exactly (``LOADERS``: random windows,
 ``get_batch``, or documents packed into rows that each begin at a document's start); fixed validation
@@ -25,10 +25,10 @@ import copy
 import numpy as np
 import torch
 
-from machinery.chat import BEGIN, check_fit, chat_source, conversation_rows, is_chat, val_rows
-from machinery.cli import CommandLine, add_field_flags, option
-from machinery.errors import DataError, TinyGPTError, exit_on
-from machinery.tokenfiles import open_verified
+from prepare.chat import BEGIN, check_fit, chat_source, conversation_rows, is_chat, val_rows
+from process.cli import CommandLine, add_field_flags, option
+from process.errors import DataError, TinyGPTError, exit_on
+from prepare.tokenfiles import open_verified
 
 
 def special_tokens(tokenizer) -> set[int]:
@@ -68,7 +68,7 @@ class Corpus:
 
 
 def load_corpus(folder: Path, block_size: int) -> Corpus:
-    """Open a prepared corpus, every file verified against its meta.json (machinery/tokenfiles.py), and
+    """Open a prepared corpus, every file verified against its meta.json (prepare/tokenfiles.py), and
     check it can feed a model with this context length: a damaged corpus is a one-line DataError, never
     a run. The splits are memory-mapped: a window reads only its own tokens."""
     meta, splits, fingerprints = open_verified(folder, block_size)
@@ -95,9 +95,9 @@ class CorpusOptions:
 def corpus_for(cfg, base_tokenizer: dict | None = None) -> Corpus:
     """The corpus a TrainConfig names (its CorpusOptions), tokenized once into cfg.data_dir (cached), then opened.
 
-    A .jsonl of conversations (or the built-in shakespeare_chat) is prepared by machinery/chat.py, with
+    A .jsonl of conversations (or the built-in shakespeare_chat) is prepared by prepare/chat.py, with
     ``base_tokenizer`` (the fine-tuned model's, init_from) and its role markers."""
-    from machinery import chat, corpora  # downloads, formats, worker pools: imported when a run needs them
+    from prepare import chat, corpora  # downloads, formats, worker pools: imported when a run needs them
 
     path = Path(cfg.data_path) if cfg.data_path else None
     if path is None and cfg.dataset == chat.SHAKESPEARE_CHAT:
@@ -260,9 +260,9 @@ class PackedDocuments(TrainingStream):
 
 class Conversations(PackedDocuments):
     """One conversation a row, in a shuffled order (a new one each epoch), padded to the batch's longest; the
-    targets are the assistant's tokens only (machinery/chat.py: ``targets``), -1 elsewhere and in the padding.
+    targets are the assistant's tokens only (prepare/chat.py: ``targets``), -1 elsewhere and in the padding.
 
-    The stream of a conversation corpus (machinery/chat.py), whatever cfg.loader says: a row never holds two
+    The stream of a conversation corpus (prepare/chat.py), whatever cfg.loader says: a row never holds two
     conversations, so each token sees its own conversation from its start and nothing else. A conversation
     longer than block_size + 1 tokens is refused, or with overflow="truncate" cut there (said once).
     """
@@ -302,7 +302,7 @@ def document_starts(tokens: np.ndarray, separator: int | None, chunk: int = 1 <<
 
 
 def document_separator(tokenizer) -> int | None:
-    """The id that begins each document of a prepared corpus (machinery/documents.py, encode_document): GPT-2's or a
+    """The id that begins each document of a prepared corpus (prepare/documents.py, encode_document): GPT-2's or a
     BPE's <|endoftext|>, a char vocabulary's newline; None for a char vocabulary without a newline."""
     eot = tokenizer.eot_token
     return eot if eot in special_tokens(tokenizer) or tokenizer.decode([eot]) == "\n" else None
@@ -352,7 +352,7 @@ def iterate_windows(x: torch.Tensor, y: torch.Tensor, batch_size: int,
 
 def main(argv: list[str] | None = None) -> None:
     """python data.py: prepare a corpus without training; its flags are CorpusOptions's, with train.py's words."""
-    from machinery import corpora
+    from prepare import corpora
 
     parser = CommandLine(description="Prepare a corpus into token files.")
     add_field_flags(parser, CorpusOptions)  # --dataset, --data_path, ...: train.py's flags of the same names

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery.cli import option
+from process.cli import option
 
 
 @dataclass
@@ -31,7 +31,7 @@ class GPTConfig:
     each (with its help as the --help), its type check, its allowed values (a Literal type lists
     them), the check that a resume keeps it (all but TRAINING_ONLY), and what a checkpoint saved
     before the field existed meant by it: the default. So a new option's default must be the model as
-    it was, GPT-2's computation; machinery/hf.py refuses to export or import any other value it does not know.
+    it was, GPT-2's computation; weights/hf.py refuses to export or import any other value it does not know.
     docs/experiments.md walks through adding one.
     """
     vocab_size: int = option(MISSING, "real vocabulary size, set by the corpus; the embedding is padded up for speed")
@@ -390,6 +390,6 @@ class GPT(nn.Module):
         return aux
 
     def hidden_matrices(self) -> list[nn.Parameter]:
-        """The blocks' 2-D weight matrices: what Muon orthogonalises (machinery/optim.py); the embedding, position
+        """The blocks' 2-D weight matrices: what Muon orthogonalises (training/optim.py); the embedding, position
         table and gains are not among them."""
         return [p for p in self.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]

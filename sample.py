@@ -5,10 +5,10 @@
     python sample.py --prompt-file prompt.txt --temp 0 --no-stream
     python sample.py --ckpt out/small --prompt "ROMEO:" --stop "\\n\\n"   # one speech: stop at a blank line
     python sample.py --ckpt out/small --interactive                     # load once; a prompt per line
-    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (machinery/hf.py)
+    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (weights/hf.py)
     python sample.py --ckpt out/chat_small --chat                       # a conversation, a turn per line
 
-The checkpoint carries the tokenizer, so nothing else is needed (machinery/loading.py loads them). Reads
+The checkpoint carries the tokenizer, so nothing else is needed (weights/loading.py loads them). Reads
 top to bottom: choosing a token (filters, temperature) -> the context window and its KV cache -> the
 generation loop -> streaming text and stop strings -> the command line and the prompt loop.
 """
@@ -26,11 +26,11 @@ import torch.nn.functional as F
 
 from config import CommandLine, field_help
 from data import special_tokens
-from machinery.chat import Dialogue
-from machinery.formats import read_text_file
-from machinery.errors import DataError, TinyGPTError, exit_on, fail
-from machinery.loading import add_weights_flags, load_weights
-from machinery.runtime import pick_device
+from prepare.chat import Dialogue
+from prepare.formats import read_text_file
+from process.errors import DataError, TinyGPTError, exit_on, fail
+from weights.loading import add_weights_flags, load_weights
+from training.runtime import pick_device
 from model import GPT
 
 
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         device = pick_device(args.device)
-        loaded = load_weights(args, device)  # machinery/loading.py: --ckpt's checkpoint or --init_from's weights
+        loaded = load_weights(args, device)  # weights/loading.py: --ckpt's checkpoint or --init_from's weights
         model, tokenizer = loaded.model, loaded.tokenizer
         text = read_text_file(Path(args.prompt_file), "--prompt-file") if args.prompt_file else args.prompt
         if args.chat:

@@ -8,7 +8,7 @@
 Reads top to bottom: the lr schedule -> one optimizer step (train_step: the objective composed and
 accumulated, clipping, optimizer.step() under the non-finite guard) -> evaluation (cross-entropy only) ->
 build_run (seed -> data -> model -> optimizer) -> the loop. Each side concern is one call into the module
-of machinery/ that owns it: checkpoint.Checkpointer (last.pt/best.pt and the resume policy), tracking
+of the folder module that owns it: checkpoint.Checkpointer (last.pt/best.pt and the resume policy), tracking
 (metrics.jsonl, wandb), faults (signals, NaN/inf), errors (exit codes), distributed (DDP: one process per GPU),
 runtime (device, precision, compile), rundir (one live run per out_dir), optim (the tables), hf (init_from).
 """
@@ -28,15 +28,16 @@ from tqdm import tqdm
 from config import TrainConfig, model_config, parse_args
 from data import (Corpus, TrainingStream, corpus_for, eval_windows, iterate_windows, token_byte_lengths,
                   training_stream)
-from machinery import distributed, lora, rundir
-from machinery.checkpoint import Checkpointer, refuse_to_overwrite, remove_stale_temp_files
-from machinery.distributed import Dist, all_reduce_sum, print0
-from machinery.errors import ConfigError, exit_for, fail
-from machinery.faults import NonFiniteGuard, StopOnSignal, run_error
-from machinery.optim import DECAYS, build_optimizer
-from machinery.runtime import Runtime, autocast, choose_runtime, compile_for_step, pick_device, seed_everything
-from machinery.tokenizers import tokenizer_from_meta
-from machinery.tracking import MetricsLog, Throughput, continue_log, describe_run
+from process import distributed, rundir
+from training import lora
+from training.checkpoint import Checkpointer, refuse_to_overwrite, remove_stale_temp_files
+from process.distributed import Dist, all_reduce_sum, print0
+from process.errors import ConfigError, exit_for, fail
+from training.faults import NonFiniteGuard, StopOnSignal, run_error
+from training.optim import DECAYS, build_optimizer
+from training.runtime import Runtime, autocast, choose_runtime, compile_for_step, pick_device, seed_everything
+from prepare.tokenizers import tokenizer_from_meta
+from training.tracking import MetricsLog, Throughput, continue_log, describe_run
 from model import GPT
 
 
@@ -201,7 +202,7 @@ class Run:
     model: GPT
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # active for fp16 only
-    guard: NonFiniteGuard  # skips a non-finite step, stops after max_skipped_steps (machinery/faults.py)
+    guard: NonFiniteGuard  # skips a non-finite step, stops after max_skipped_steps (training/faults.py)
 
 
 def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained=None) -> Run:
@@ -217,7 +218,7 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
     model = GPT(model_config(cfg, corpus.vocab_size))
     if pretrained is not None:  # init_from: the imported weights, once their tokenizer is the corpus's
         model.load_state_dict(pretrained.weights_for(corpus.meta["tokenizer"], corpus.vocab_size))
-    if cfg.lora_rank:  # LoRA: the base frozen, only low-rank adapters beside it train (machinery/lora.py)
+    if cfg.lora_rank:  # LoRA: the base frozen, only low-rank adapters beside it train (training/lora.py)
         markers = sorted(getattr(tokenizer, "marker_ids", {}).values())  # a chat corpus's: their rows train too
         lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, markers)
     model = model.to(rt.device)
@@ -230,10 +231,10 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
 
 def start_from(cfg: TrainConfig, out_dir: Path, ddp: Dist) -> tuple[TrainConfig, object]:
     """init_from: the base model's shape, and for a fresh run its weights (a run of this repo or GPT-2's:
-    machinery/finetune.py, imported only then). Before anything is measured: the shape is the dtype probe's."""
+    weights/finetune.py, imported only then). Before anything is measured: the shape is the dtype probe's."""
     if not cfg.init_from:
         return cfg, None
-    from machinery import finetune
+    from weights import finetune
 
     with distributed.main_first(ddp.device):  # rank 0 downloads the weights, the others read its cache
         return finetune.start_from(cfg, out_dir)

@@ -29,10 +29,10 @@ import torch
 
 from data import LOADERS, CorpusOptions
 from model import GPT, GPTConfig
-from machinery.cli import CommandLine, did_you_mean
-from machinery import lora
-from machinery.errors import ConfigError
-from machinery.optim import CLOCKS, DECAYS, OPTIMIZERS
+from process.cli import CommandLine, did_you_mean
+from training import lora
+from process.errors import ConfigError
+from training.optim import CLOCKS, DECAYS, OPTIMIZERS
 
 PRESET_DIR = Path(__file__).resolve().parent
 CORPUS_FIELDS = ("vocab_size",)  # GPTConfig fields the corpus sets, not the config
@@ -68,7 +68,7 @@ def free(default: Any, help: str) -> Any:
 # Three groups of TrainConfig's fields are declared beside the code they configure, each with its type,
 # default and help, and made here into a dataclass that TrainConfig inherits, with a resume rule:
 #   ModelFields   model.py's GPTConfig (all but vocab_size): fixed, unless GPTConfig.TRAINING_ONLY (warned)
-#   TableFields   the Options of machinery/optim.py's optimizers and lr decays: the rule each Option says
+#   TableFields   the Options of training/optim.py's optimizers and lr decays: the rule each Option says
 #   CorpusFields  data.py's CorpusOptions: fixed if CorpusOptions.FIXED, else free (a resume checks the corpus)
 Declared = tuple[str, Any, dataclasses.Field]  # (name, type, field): what dataclasses.make_dataclass takes
 
@@ -79,7 +79,7 @@ def model_options() -> list[dataclasses.Field]:
 
 
 def declared_help(owner: str, option: dataclasses.Field) -> str:
-    """An option's help, which its declaration must give (``option(default, help)``, machinery/cli.py)."""
+    """An option's help, which its declaration must give (``option(default, help)``, process/cli.py)."""
     if not option.metadata.get("help"):
         raise TypeError(f'{owner}.{option.name} has no help: declare it as option(default, "what it does")')
     return option.metadata["help"]
@@ -100,9 +100,9 @@ def model_fields() -> list[Declared]:
 
 
 def table_fields() -> list[Declared]:
-    """A field for every option an optimizer or lr decay declares with itself in machinery/optim.py."""
+    """A field for every option an optimizer or lr decay declares with itself in training/optim.py."""
     return [(name, type(option.default), rule(option.resume, option.default, option.help,
-                                              declared=f"machinery/optim.py, {table}={entry_name}"))
+                                              declared=f"training/optim.py, {table}={entry_name}"))
             for table, entries in (("optimizer", OPTIMIZERS), ("lr_decay", DECAYS))
             for entry_name, entry in entries.items() for name, option in entry.options.items()]
 
@@ -120,12 +120,12 @@ def corpus_fields() -> list[Declared]:
 
 def fields_class(name: str, doc: str, declared: list[Declared]) -> type:
     """A dataclass of fields declared elsewhere, for TrainConfig to inherit (a name declared twice, by two
-    entries of machinery/optim.py, fails here: "Field name duplicated")."""
+    entries of training/optim.py, fails here: "Field name duplicated")."""
     return dataclasses.make_dataclass(name, declared, namespace={"__doc__": doc, "__module__": __name__})
 
 
 ModelFields = fields_class("ModelFields", "n_layer, n_head, n_embd, ...: model.py's GPTConfig", model_fields())
-TableFields = fields_class("TableFields", "muon_lr, wsd_fraction, ...: machinery/optim.py's entries", table_fields())
+TableFields = fields_class("TableFields", "muon_lr, wsd_fraction, ...: training/optim.py's entries", table_fields())
 CorpusFields = fields_class("CorpusFields", "dataset, data_path, tokenizer, ...: data.py's CorpusOptions",
                            corpus_fields())
 
@@ -142,7 +142,7 @@ class RunFields:
     compile: Literal["auto", "on", "off"] = free("auto", "torch.compile: auto (on for CUDA only) | on | off")
     threads: int = free(0, "torch threads for this run's ops; 0 = torch's default (one per core). Two jobs on 2 cores: 1 each")
     resume: bool = free(False, "continue exactly from out_dir/last.pt")
-    init_from: str = free("", 'start from trained weights: a run of this repo (its folder or a .pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (machinery/finetune.py)')
+    init_from: str = free("", 'start from trained weights: a run of this repo (its folder or a .pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 layout; "" = random init (weights/finetune.py)')
     # --- data: the corpus, its tokenizer and its split are CorpusFields (a resume checks the corpus itself:
     # Corpus.record's fingerprints of both splits) ---
     eval_tokens: int = fixed(0, "val targets scored per eval; 0 = the whole val split (what best_val_loss is measured on)")
@@ -172,14 +172,14 @@ class RunFields:
     wandb: bool = free(False, "also log to Weights & Biases (offline unless logged in)")
     wandb_project: str = free("tinygpt", "wandb project name")
     # --- fine-tuning ---
-    lora_rank: int = fixed(0, "LoRA (Hu et al. 2021): freeze the init_from model, train rank-R adapters beside its lora_targets; 0 = off (train every weight). machinery/lora.py")
+    lora_rank: int = fixed(0, "LoRA (Hu et al. 2021): freeze the init_from model, train rank-R adapters beside its lora_targets; 0 = off (train every weight). training/lora.py")
     lora_alpha: float = fixed(16.0, "LoRA's scale is lora_alpha / lora_rank")
     lora_dropout: float = warned(0.0, "dropout on the adapters' input, while training")
     lora_targets: str = fixed("attn.c_attn", "the Linear layers of every block that get adapters, comma-separated: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (attn.c_attn: PEFT's GPT-2 default)")
 
 
 def declared_once(cls: type) -> type:
-    """Refuse a field declared in two of TrainConfig's groups (model.py, data.py, machinery/optim.py, here): under
+    """Refuse a field declared in two of TrainConfig's groups (model.py, data.py, training/optim.py, here): under
     inheritance one declaration would silently win."""
     where: dict[str, str] = {}
     for group in (*cls.__bases__, cls):
@@ -194,7 +194,7 @@ def declared_once(cls: type) -> type:
 @declared_once
 class TrainConfig(CorpusFields, TableFields, ModelFields, RunFields):
     """Every setting of a run, one flat dataclass: RunFields (declared above) and the fields that model.py,
-    machinery/optim.py and data.py declare (ModelFields, TableFields, CorpusFields), in that order.
+    training/optim.py and data.py declare (ModelFields, TableFields, CorpusFields), in that order.
     make_config builds one; each field is a flag of train.py and a key of a preset and of a checkpoint.
     """
     # Not an option (no flag, no preset key, no resume rule): the options make_config was given, by the preset
@@ -219,7 +219,7 @@ DEFAULTS = {f.name: f.default for f in OPTIONS}
 RESUME = {f.name: f.metadata["resume"] for f in OPTIONS}  # name -> fixed | warned | free
 MODEL_OPTIONS = tuple(f.name for f in model_options())
 CORPUS_OPTIONS = tuple(f.name for f in fields(CorpusOptions))
-TABLES = {"optimizer": OPTIMIZERS, "lr_decay": DECAYS}  # fields whose values name an entry of an machinery/optim.py table
+TABLES = {"optimizer": OPTIMIZERS, "lr_decay": DECAYS}  # fields whose values name an entry of an training/optim.py table
 TOKENIZER_USES = {"char": (), "gpt2": (), "bpe": ("bpe_vocab_size",)}  # what each tokenizer reads
 
 
@@ -493,7 +493,7 @@ def check_settings(cfg: TrainConfig) -> None:
 def check_choices(cfg: TrainConfig) -> None:
     """Raise ConfigError for an option its table entry refuses, a value outside a field's choices, or a pair of
     choices that cannot go together; then run the model's own checks."""
-    for entry in (*OPTIMIZERS.values(), *DECAYS.values()):  # the options machinery/optim.py declares, by their own checks
+    for entry in (*OPTIMIZERS.values(), *DECAYS.values()):  # the options training/optim.py declares, by their own checks
         for name, option in entry.options.items():
             if not option.valid(getattr(cfg, name)):
                 raise ConfigError(f"{name} must {option.must}, got {getattr(cfg, name)}")
@@ -525,7 +525,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def check_lora(cfg: TrainConfig) -> None:
-    """The LoRA fields' checks (machinery/lora.py): a base to adapt, a rank, known targets."""
+    """The LoRA fields' checks (training/lora.py): a base to adapt, a rank, known targets."""
     if cfg.lora_rank < 0:
         raise ConfigError(f"lora_rank must be >= 0 (0 = off), got {cfg.lora_rank}")
     if not cfg.lora_rank:

@@ -6,7 +6,7 @@
 Both runs are built by train.build_run from the preset (its optimizer, precision and threads: runtime.choose_runtime),
 one with lora_rank set, and step through train.train_step, in alternating blocks so that load from other
 processes falls on both alike; the medians are reported. The base is the preset's model at its random init: speed
-and sizes do not depend on the weights. The checkpoint is the last.pt that machinery/checkpoint.Checkpointer writes.
+and sizes do not depend on the weights. The checkpoint is the last.pt that training/checkpoint.Checkpointer writes.
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from config import CommandLine, ConfigError, TrainConfig, make_config
-from machinery.checkpoint import Checkpointer
-from machinery.distributed import Dist
-from machinery.errors import TinyGPTError, exit_on
-from machinery.runtime import choose_runtime
+from training.checkpoint import Checkpointer
+from process.distributed import Dist
+from process.errors import TinyGPTError, exit_on
+from training.runtime import choose_runtime
 from train import Run, build_run, get_lr, train_step
 
 BLOCK = 5  # steps per alternating block
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                    f"lora r{args.rank} {args.targets}": make_config(args.config, **common, **lora)}
         runs = {name: build(cfg) for name, cfg in configs.items()}
         times = measure(runs, args.steps)
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     report(runs, times)
 

@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 
 from config import CommandLine, choices, field_help
-from machinery.errors import TinyGPTError, exit_on, fail
-from machinery.corpora import prepare
-from machinery.formats import import_pyarrow
-from machinery.shakespeare import shakespeare_text
+from process.errors import TinyGPTError, exit_on, fail
+from prepare.corpora import prepare
+from prepare.formats import import_pyarrow
+from prepare.shakespeare import shakespeare_text
 
 FORMATS = (".jsonl", ".parquet")
 ROW_GROUP_ROWS = 1000  # many row groups per file, as in sharded web corpora, so reading crosses them
@@ -125,7 +125,7 @@ def print_table(times: dict[str, list[float]], total_bytes: int, n_docs: int) ->
 PREPARE_AND_MEASURE = """
 import json, resource, sys, time
 import data
-from machinery import corpora
+from prepare import corpora
 start = time.perf_counter()
 folder = corpora.prepare(data_path=sys.argv[1], data_dir=sys.argv[2], tokenizer=sys.argv[3])
 seconds = time.perf_counter() - start
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.repeats):
                 for fmt, path in files.items():  # alternate, so a burst of load hits both formats alike
                     times[fmt].append(time_prepare(path, cache, args.tokenizer, num_proc)[0])
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     print_table(times, total_bytes, len(docs))
     same = metas[".jsonl"]["fingerprint"] == metas[".parquet"]["fingerprint"]

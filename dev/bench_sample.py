@@ -32,9 +32,9 @@ import torch
 
 from config import CommandLine, field_help, make_config, model_config
 from model import GPT
-from machinery.loading import find_checkpoint, from_checkpoint
+from weights.loading import find_checkpoint, from_checkpoint
 from sample import generate, window_start
-from machinery.errors import TinyGPTError, exit_on
+from process.errors import TinyGPTError, exit_on
 
 SHARE_OF_POSSIBLE = 0.25  # of the possible gain, the default goal; a working cache got 0.5-0.75 (docs/sampling.md)
 MIN_POSSIBLE = 1.5  # below this possible speed-up the cache cannot matter, and the speed is not judged
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     try:
         model, weights = build_model(args)
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     cfg = model.config
     prompt = torch.zeros(1, 1, dtype=torch.long)  # (1, 1): one start token, batch 1

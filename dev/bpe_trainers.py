@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from data import load_corpus
-from machinery.tokenizers import train_bpe
+from prepare.tokenizers import train_bpe
 from scripts.tokenizer import corpus_parser, parse_corpus_args, prepared_tokenizer, print_table
 
 RUNS = 2  # per trainer and size: the second shows whether the merges repeat

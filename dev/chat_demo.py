@@ -21,13 +21,13 @@ import torch
 
 from config import make_config, model_config
 from data import corpus_for, eval_windows
-from machinery import finetune
-from machinery.chat import ASSISTANT, BEGIN, END, USER
-from machinery.checkpoint import load_checkpoint
-from machinery.cli import CommandLine
-from machinery.errors import TinyGPTError, exit_on, fail
-from machinery.loading import from_checkpoint
-from machinery.tokenizers import tokenizer_from_meta, without_chat
+from weights import finetune
+from prepare.chat import ASSISTANT, BEGIN, END, USER
+from training.checkpoint import load_checkpoint
+from process.cli import CommandLine
+from process.errors import TinyGPTError, exit_on, fail
+from weights.loading import from_checkpoint
+from prepare.tokenizers import tokenizer_from_meta, without_chat
 from model import GPT
 from sample import generate
 from train import evaluate

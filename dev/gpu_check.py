@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from machinery.checkpoint import CheckpointError, load_checkpoint
+from training.checkpoint import CheckpointError, load_checkpoint
 from config import CommandLine
-from machinery.rundir import check_writable
-from machinery.errors import TinyGPTError, exit_on
+from process.rundir import check_writable
+from process.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
     try:
         check_writable(args.out_dir, "--out_dir", f".gpu_check-probe-{os.getpid()}")
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     plan = make_plan(args)
     marker = plan.out / ".written_by_gpu_check"  # never delete runs this script did not make

@@ -32,8 +32,8 @@ import numpy as np
 
 from config import CommandLine
 from data import load_corpus
-from machinery.corpora import prepare
-from machinery.errors import TinyGPTError, exit_on
+from prepare.corpora import prepare
+from process.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                      "clone github.com/karpathy/nanoGPT and pass its folder")
     try:
         export_corpus(args.nanogpt.resolve())
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     timings = {"nanoGPT train.py": [], "tinygpt train.py": []}

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from config import CommandLine, ConfigError, TrainConfig, make_config
-from machinery.rundir import check_writable
-from machinery.errors import TinyGPTError, exit_on
-from machinery.runtime import (choose_runtime, compile_for_step, matmul_gflops, pick_device, threads_text,
+from process.rundir import check_writable
+from process.errors import TinyGPTError, exit_on
+from training.runtime import (choose_runtime, compile_for_step, matmul_gflops, pick_device, threads_text,
                                use_threads)
 from model import GPT
 from train import Run, build_run, get_lr, train_step
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
             configs.append(("B", make_config(args.config, out_dir="out/bench", **{**base, **parse_overrides([args.vs])})))
         benches = [build(f"{name}: {args.config} {' '.join(args.overrides + ([args.vs] if name == 'B' else []))}".strip(), cfg)
                    for name, cfg in configs]
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     results = run(benches, args.steps, args.warmup, rounds)
     if args.profile:

@@ -8,7 +8,7 @@
 A variant is NAME:KEY=VALUE[,KEY=VALUE...]: config overrides on top of the preset and of --set (which
 applies to every variant; a variant's own value wins). `base:`, nothing after the colon, is the preset
 as it is. The first variant is the baseline, or the one --vs names. Any config field works, including ones
-added later, and so does any optimizer or lr decay of machinery/optim.py's tables (muon:optimizer=muon, wsd:lr_decay=wsd).
+added later, and so does any optimizer or lr decay of training/optim.py's tables (muon:optimizer=muon, wsd:lr_decay=wsd).
 
 Why it works this way (docs/experiments.md, "Comparing variants honestly"):
 - --steps N: each run is N steps on a step schedule (max_iters = lr_decay_iters = N, no time cap), so
@@ -48,15 +48,15 @@ from typing import Any
 import torch
 
 import train
-from machinery.checkpoint import git, git_state, read_config
+from training.checkpoint import git, git_state, read_config
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config
-from machinery.corpora import corpus_source
-from machinery.faults import RunStopped, StopOnSignal
-from machinery.runtime import choose_runtime, use_threads
-from machinery.loading import from_checkpoint
+from prepare.corpora import corpus_source
+from training.faults import RunStopped, StopOnSignal
+from training.runtime import choose_runtime, use_threads
+from weights.loading import from_checkpoint
 from scripts.bench import parse_overrides
-from machinery.errors import TinyGPTError, exit_on, fail
-from machinery.files import atomic_write_text
+from process.errors import TinyGPTError, exit_on, fail
+from process.files import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 

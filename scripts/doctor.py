@@ -28,16 +28,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from machinery import hf
+from weights import hf
 import train
-from machinery.checkpoint import dtype_name, load_checkpoint
+from training.checkpoint import dtype_name, load_checkpoint
 from config import TrainConfig, model_config, parse_args
 from data import corpus_for, special_tokens, training_stream, val_windows
-from machinery.faults import NonFiniteGuard, RunStopped
+from training.faults import NonFiniteGuard, RunStopped
 from model import GPT
-from machinery.runtime import choose_runtime, compile_for_step
-from machinery.tokenizers import tokenizer_from_meta
-from machinery.errors import TinyGPTError, exit_on
+from training.runtime import choose_runtime, compile_for_step
+from prepare.tokenizers import tokenizer_from_meta
+from process.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -3,7 +3,7 @@
     python -m scripts.eval --ckpt out/small                        # the val split of the run's own corpus
     python -m scripts.eval --ckpt out/small --data_path other.txt  # any UTF-8 text, all of it
     python -m scripts.eval --ckpt out/small --json                 # one JSON object, full precision
-    python -m scripts.eval --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights (machinery/hf.py), no checkpoint
+    python -m scripts.eval --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights (weights/hf.py), no checkpoint
 
 By default it scores what training scored (the run's corpus and eval_tokens, its batch size and
 precision) with the same code, so best.pt's best_val_loss comes back exactly (on the device type it
@@ -26,13 +26,13 @@ import torch
 from config import CommandLine, ConfigError, field_help
 import data
 from data import DataError, corpus_for, special_tokens, val_windows
-from machinery.chat import is_chat
-from machinery.tokenizers import without_chat
-from machinery.loading import Loaded, add_weights_flags, load_weights
-from machinery.runtime import Runtime, choose_runtime
+from prepare.chat import is_chat
+from prepare.tokenizers import without_chat
+from weights.loading import Loaded, add_weights_flags, load_weights
+from training.runtime import Runtime, choose_runtime
 from train import evaluate, val_byte_count
-from machinery.formats import read_text_file
-from machinery.errors import TinyGPTError, exit_on
+from prepare.formats import read_text_file
+from process.errors import TinyGPTError, exit_on
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,7 @@ PRETRAINED_BATCH = 8  # windows per forward for pretrained weights (GPT-2's are 
 
 
 def load(args: argparse.Namespace) -> Loaded:
-    """The weights --ckpt or --init_from chose (machinery/loading.py), on the CPU until the runtime is chosen.
+    """The weights --ckpt or --init_from chose (weights/loading.py), on the CPU until the runtime is chosen.
     Pretrained weights have no run behind them: windows of the model's own block_size, PRETRAINED_BATCH
     at a time, fp32, and GPT-2's tokenizer on the built-in corpus."""
     loaded = load_weights(args)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         rt = eval_runtime(loaded, args)
         loaded.model.to(rt.device)
         x, y, data = eval_windows(loaded, args.data_path, args.eval_tokens)
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     report = score(loaded, x, y, data, args.batch_size or loaded.cfg.batch_size, str(rt.dtype).removeprefix("torch."),
                    rt.device)

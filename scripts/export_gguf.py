@@ -5,7 +5,7 @@
 
 The weights, the context length (block_size) and the tokenizer, which llama.cpp encodes to our very ids
 (char, bpe and gpt2 runs alike); needs the gguf package (requirements-dev.txt). A model llama.cpp's
-GPT-2 cannot compute (RoPE, RMSNorm, ...) is refused in one line. The mapping is machinery/gguf.py's.
+GPT-2 cannot compute (RoPE, RMSNorm, ...) is refused in one line. The mapping is weights/gguf.py's.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 
 from config import CommandLine
-from machinery.errors import HFError, TinyGPTError, exit_on
-from machinery.gguf import DTYPES, export_gguf
-from machinery.rundir import check_writable
-from machinery.loading import find_checkpoint, from_checkpoint
+from process.errors import HFError, TinyGPTError, exit_on
+from weights.gguf import DTYPES, export_gguf
+from process.rundir import check_writable
+from weights.loading import find_checkpoint, from_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         path = find_checkpoint(args.run)
         loaded = from_checkpoint(path)
         count = export_gguf(loaded.model, loaded.tokenizer, Path(args.out), args.dtype, name=Path(path).parent.name)
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     print(f"exported {path} -> {args.out}: {count} tensors, {args.dtype}")
 

@@ -8,7 +8,7 @@ block_size, where the positions end) and the tokenizer, which AutoTokenizer load
 to our very ids: vocab.json, merges.txt and tokenizer_config.json for a byte-level BPE (GPT-2's, built
 offline from tiktoken's ranks, or one trained with --tokenizer bpe, with tinygpt_bpe.json beside it), or
 tokenizer.json for a char model (one token per character, no merges, a character outside them raises;
-tinygpt_chars.json beside it). The weight mapping itself is machinery/hf.py's table; docs/interop.md says
+tinygpt_chars.json beside it). The weight mapping itself is weights/hf.py's table; docs/interop.md says
 which tools load the folder and what each does past block_size.
 """
 from __future__ import annotations
@@ -16,12 +16,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from machinery import hf, lora
-from machinery.checkpoint import load_checkpoint
+from weights import hf
+from training import lora
+from training.checkpoint import load_checkpoint
 from config import CommandLine
-from machinery.rundir import check_writable
-from machinery.loading import find_checkpoint, from_checkpoint
-from machinery.errors import TinyGPTError, exit_on
+from process.rundir import check_writable
+from weights.loading import find_checkpoint, from_checkpoint
+from process.errors import TinyGPTError, exit_on
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         loaded = from_checkpoint(path)
         adapters = lora.export_peft(load_checkpoint(path), Path(args.peft)) if args.peft else []  # refused first
         written = hf.export(loaded.model, loaded.tokenizer, Path(args.out)) + adapters  # a LoRA run's: merged
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     print(f"exported {path} -> {args.out}: {', '.join(p.name for p in written)}")
 

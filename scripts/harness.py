@@ -34,13 +34,13 @@ from tqdm import tqdm
 
 from config import CommandLine, ConfigError, field_help
 from data import DataError
-from machinery import hf
+from weights import hf
 from model import GPT
-from machinery.runtime import pick_device
-from machinery.loading import Loaded, add_weights_flags, load_weights
+from training.runtime import pick_device
+from weights.loading import Loaded, add_weights_flags, load_weights
 from sample import generate
-from machinery.errors import TinyGPTError, exit_on, fail
-from machinery.files import atomic_write_text
+from process.errors import TinyGPTError, exit_on, fail
+from process.files import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         loaded = load_weights(args, device)
         lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
         results = evaluate_tasks(lm, names, args)
-    except TinyGPTError as err:  # one line and its exit code (machinery/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     output = Path(args.output) if args.output else default_output(loaded, names)
     output.parent.mkdir(parents=True, exist_ok=True)

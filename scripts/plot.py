@@ -28,8 +28,8 @@ import matplotlib
 import matplotlib.pyplot as plt
 
 from config import CommandLine
-from machinery.rundir import check_writable
-from machinery.errors import DataError, TinyGPTError, exit_on
+from process.rundir import check_writable
+from process.errors import DataError, TinyGPTError, exit_on
 
 matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import
 

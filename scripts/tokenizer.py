@@ -20,9 +20,9 @@ from typing import Callable
 
 from config import DEFAULTS, CommandLine, field_help
 from data import load_corpus
-from machinery.tokenizers import tokenizer_from_meta
-from machinery.corpora import prepare
-from machinery.errors import TinyGPTError, exit_on
+from prepare.tokenizers import tokenizer_from_meta
+from prepare.corpora import prepare
+from process.errors import TinyGPTError, exit_on
 
 LONGEST = 20  # tokens shown from the largest vocabulary
 
@@ -101,7 +101,7 @@ def parse_corpus_args(parser: CommandLine, argv: list[str] | None) -> argparse.N
 
 
 def print_table(table: Callable[[argparse.Namespace], str], args: argparse.Namespace) -> None:
-    """Print the table ``table`` makes for ``args``; a failure is one line and its exit code (machinery/errors.py)."""
+    """Print the table ``table`` makes for ``args``; a failure is one line and its exit code (process/errors.py)."""
     try:
         print(table(args))
     except TinyGPTError as err:

@@ -16,7 +16,7 @@ import torch
 
 import train
 from config import make_config
-from machinery.checkpoint import load_checkpoint
+from training.checkpoint import load_checkpoint
 from model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,17 +152,17 @@ def tiny_model(vocab_size: int = 50, block_size: int = 16, dropout: float = 0.0,
 def make_optimizer(model: GPT, weight_decay: float = 0.1, learning_rate: float = 1e-3,
                    betas: tuple[float, float] = (0.9, 0.99), muon_lr: float = 0.0) -> torch.optim.Optimizer:
     """train.py's optimizer for ``model`` on CPU from a few settings: AdamW, or Muon + AdamW if muon_lr > 0."""
-    from machinery.optim import build_optimizer
+    from training.optim import build_optimizer
     cfg = make_config(None, weight_decay=weight_decay, learning_rate=learning_rate, min_lr=0.0, beta1=betas[0],
                       beta2=betas[1], optimizer="muon" if muon_lr else "adamw", muon_lr=muon_lr or 0.02)
     return build_optimizer(model, cfg, torch.device("cpu"))
 
 
 def declare_entry(monkeypatch: pytest.MonkeyPatch, decorator, name: str, function) -> None:
-    """Declare a table entry for one test with machinery/optim.py's own decorator; gone again after the test.
+    """Declare a table entry for one test with training/optim.py's own decorator; gone again after the test.
 
     No options: TrainConfig's fields are made once, at import."""
-    from machinery.optim import DECAYS, OPTIMIZERS, optimizer
+    from training.optim import DECAYS, OPTIMIZERS, optimizer
     monkeypatch.setitem(OPTIMIZERS if decorator is optimizer else DECAYS, name, None)  # undone: the key removed
     decorator(name)(function)
 

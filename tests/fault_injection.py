@@ -26,11 +26,11 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from machinery import runtime
-from machinery import checkpoint
+from training import runtime
+from training import checkpoint
 import data
 import train
-from machinery.distributed import env_rank
+from process.distributed import env_rank
 from data import DataError
 from model import GPT
 

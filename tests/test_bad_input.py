@@ -11,7 +11,7 @@ import data
 import train
 from conftest import TOOLS, entry_point, make_text, run_main, tiny_args, tiny_run
 from config import make_config
-from machinery.corpora import prepare
+from prepare.corpora import prepare
 
 
 
@@ -111,6 +111,7 @@ TRAIN = ["--config", "tiny", "--data_path", "{corpus}", "--data_dir", "{data}", 
 # empty folder; "{run}/metrics.jsonl/x" is a path with a file in the way. A script without rows here
 # fails test_every_entry_point_has_rows_in_the_bad_input_table: a new script brings its own.
 BAD_INPUTS = {
+    "dev.shape": [(["--preset", "nosuch"], "no preset `nosuch`")],
     "train.py": [
         (TRAIN + ["--resume", "--out_dir", "{tmp}/fresh"], "no such checkpoint"),  # and leaves no folder
         (TRAIN + ["--max_itres", "5"], "did you mean `max_iters`?"),

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from machinery import documents, formats
+from prepare import documents, formats
 import train
 from conftest import make_text, read_metrics, tiny_args
 from data import DataError, val_windows
-from machinery.corpora import prepare
-from machinery.documents import is_val_document
-from machinery.tokenizers import GPT2Tokenizer, GPT2_EOT
+from prepare.corpora import prepare
+from prepare.documents import is_val_document
+from prepare.tokenizers import GPT2Tokenizer, GPT2_EOT
 from scripts import doctor
 from scripts import eval as eval_script
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from conftest import REPO, run_script, tiny_args, tiny_model
 from data import Conversations, conversation_rows, eval_windows, load_corpus
-from machinery.chat import BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render
-from machinery.errors import DataError
-from machinery.tokenizers import CharTokenizer, tokenizer_from_meta
+from prepare.chat import BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render
+from process.errors import DataError
+from prepare.tokenizers import CharTokenizer, tokenizer_from_meta
 from train import accumulate_gradients
 
 CHARS = "".join(sorted(set("abcdefghijklmnopqrstuvwxyz ,.?!'\n")))
@@ -195,7 +195,7 @@ def test_chat_refuses_a_model_without_markers(tmp_path, text_file):
 
 
 def test_a_dialogue_drops_the_oldest_turns_never_the_system_prompt():
-    from machinery.chat import Dialogue
+    from prepare.chat import Dialogue
     t = tok()
     dialogue = Dialogue(t, block_size=40, room=10, system="be kind")
     first = dialogue.prompt("hello there")
@@ -209,7 +209,7 @@ def test_a_dialogue_drops_the_oldest_turns_never_the_system_prompt():
 
 
 def base_tokenizer_of(kind: str, cache: Path):
-    from machinery.tokenizers import GPT2Tokenizer, train_bpe
+    from prepare.tokenizers import GPT2Tokenizer, train_bpe
     from conftest import make_text
     if kind == "char":
         return CharTokenizer(CHARS)
@@ -220,7 +220,7 @@ def base_tokenizer_of(kind: str, cache: Path):
 def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     """AutoTokenizer.apply_chat_template on the export renders the same markers around the same texts: our ids."""
     transformers = pytest.importorskip("transformers")
-    from machinery import hf
+    from weights import hf
     t = chat_tokenizer(base_tokenizer_of(kind, tmp_path / "cache"))
     hf.export(tiny_model(vocab_size=t.vocab_size), t, tmp_path / "export")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")

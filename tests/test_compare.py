@@ -15,8 +15,8 @@ import torch
 import train
 from conftest import REPO, make_text, read_metrics
 from fault_injection import step_clock
-from machinery import runtime
-from machinery.faults import StopOnSignal, RunStopped
+from training import runtime
+from training.faults import StopOnSignal, RunStopped
 from scripts import compare, plot
 
 STEPS = 40  # tiny: ~0.5 s a run; the loss falls from ~3.9 to ~2.8 at the preset's lr, barely at 1/100 of it

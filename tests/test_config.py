@@ -16,8 +16,8 @@ import config
 from config import (CORPUS_OPTIONS, DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, as_dict, build_parser,
                     config_from_dict, field_help, given_fields, make_config, parse_args)
 from conftest import REPO, TOOLS, entry_point, run_script
-from machinery.cli import CommandLine
-from machinery.optim import DECAYS, OPTIMIZERS
+from process.cli import CommandLine
+from training.optim import DECAYS, OPTIMIZERS
 from model import GPTConfig
 
 
@@ -118,7 +118,7 @@ def test_every_config_field_is_read_by_the_code():
     sources = {str(path.relative_to(REPO)): path.read_text() for path in REPO.rglob("*.py")
                if path.relative_to(REPO).parts[0] not in ("tests", "out", "data", "hf", "wandb")
                and not path.relative_to(REPO).parts[0].startswith(".")}
-    assert {"train.py", "model.py", "machinery/optim.py", "config/__init__.py"} <= set(sources)
+    assert {"train.py", "model.py", "training/optim.py", "config/__init__.py"} <= set(sources)
     assert unread_fields(sources, set(FIELD_TYPES)) == set()
     # The teeth: a field only declared, or only validated, is unread; its first use anywhere makes it read.
     declared = {"config/__init__.py": "class TrainConfig:\n    label_smoothing: float = warned(0.0)\n\n"
@@ -138,7 +138,7 @@ def where_declared(name: str) -> str:
     for table, entries in (("optimizer", OPTIMIZERS), ("lr_decay", DECAYS)):
         for entry, declared in entries.items():
             if name in declared.options:
-                return f"machinery/optim.py, {table}={entry}"
+                return f"training/optim.py, {table}={entry}"
     return "config/__init__.py, TrainConfig" if name == "given" else "config/__init__.py, RunFields"
 
 

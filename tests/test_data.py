@@ -17,17 +17,17 @@ import pytest
 import torch
 
 import data
-from machinery import corpora, downloads, formats, shakespeare, staging, texts, tokenfiles, tokenizers
+from prepare import corpora, downloads, formats, shakespeare, staging, texts, tokenfiles, tokenizers
 import sample
 import train
-from machinery.checkpoint import load_checkpoint
+from training.checkpoint import load_checkpoint
 from conftest import docs_snippet, make_text, run_main, run_script, tiny_args
 from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
                   val_windows)
-from machinery.corpora import prepare
-from machinery.shakespeare import strip_gutenberg
-from machinery.tokenfiles import split_fingerprint
-from machinery.tokenizers import CharTokenizer
+from prepare.corpora import prepare
+from prepare.shakespeare import strip_gutenberg
+from prepare.tokenfiles import split_fingerprint
+from prepare.tokenizers import CharTokenizer
 from fault_injection import assert_nested_equal, assert_same_training_state
 
 
@@ -440,7 +440,7 @@ def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_pat
 KILLED_BEFORE_SWAP = """
 import contextlib, os, signal, sys
 import data
-from machinery import texts
+from prepare import texts
 
 real_staged_folder = texts.staged_folder
 

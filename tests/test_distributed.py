@@ -19,15 +19,15 @@ import pytest
 import torch
 
 import data
-from machinery import distributed
-from machinery import rundir
-from machinery import runtime
+from process import distributed
+from process import rundir
+from training import runtime
 import train
-from machinery.checkpoint import load_checkpoint
+from training.checkpoint import load_checkpoint
 from conftest import REPO, make_text, read_metrics, run_script, tiny_args, tiny_model
-from machinery.distributed import Dist
+from process.distributed import Dist
 from fault_injection import AS_A_SCRIPT
-from machinery.runtime import mfu, peak_flops
+from training.runtime import mfu, peak_flops
 
 STEPS, HALF = 6, 3
 B = 4  # sequences per micro-batch per rank

@@ -80,7 +80,7 @@ def test_the_pages_print_commands_for_every_entry_point():
                          ids=[f"{p.name}:{s}:{' '.join(a)[:60]}" for p, s, a in ALL_COMMANDS])
 def test_every_printed_command_parses(page, script, argv, monkeypatch, capsys):
     module = script.removesuffix(".py").replace("/", ".")
-    assert not AS_A_FILE.match(script), (f"{page.name}: `python {script}` finds neither config/ nor machinery/ "
+    assert not AS_A_FILE.match(script), (f"{page.name}: `python {script}` finds neither config/ nor the project folders "
                                          f"(or, installed, another checkout's): write `python -m {module}`")
     try:
         dry_parse(script, argv, monkeypatch)

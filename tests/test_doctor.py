@@ -11,14 +11,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery import runtime
+from training import runtime
 import train
-from machinery.runtime import choose_runtime
+from training.runtime import choose_runtime
 from config import parse_args
 from conftest import REPO, make_optimizer, make_text, random_batch, run_script, tiny_args, tiny_model
 from data import PackedDocuments, get_batch
-from machinery.tokenizers import CharTokenizer
-from machinery.faults import NonFiniteGuard
+from prepare.tokenizers import CharTokenizer
+from training.faults import NonFiniteGuard
 from model import GPT, GPTConfig
 from scripts import doctor
 

@@ -1,6 +1,6 @@
 """One failure, one exit code, at every entry point.
 
-Every error the user is shown is declared in machinery/errors.py with its exit code, and every entry point
+Every error the user is shown is declared in process/errors.py with its exit code, and every entry point
 ends an error through the same function (errors.exit_for, then fail: exit_on does both), so a bad checkpoint
 or a disk that fails reads the same, one line and one code, whichever command met it.
 """
@@ -12,8 +12,8 @@ import builtins
 import pytest
 
 from conftest import REPO, entry_point
-from machinery import errors
-from machinery.errors import (EXIT_NONFINITE, EXIT_WRITE_FAILED, CheckpointError, CheckpointWriteError, ConfigError,
+from process import errors
+from process.errors import (EXIT_NONFINITE, EXIT_WRITE_FAILED, CheckpointError, CheckpointWriteError, ConfigError,
                               DataError, HFError, PathError, PeerFailed, RunStopped)
 
 # Each failure kind as the code raises it, and the code it must end the process with, wherever it is met.
@@ -35,7 +35,7 @@ FAILURES = {
 FAILS_AT = {
     "train.py": ("train", []),
     "sample.py": ("load_weights", []),
-    "data.py": ("machinery.corpora:prepare", []),
+    "data.py": ("prepare.corpora:prepare", []),
     "bench.py": ("parse_overrides", []),
     "bench_prepare.py": ("shakespeare_text", []),
     "bench_sample.py": ("build_model", []),
@@ -50,6 +50,7 @@ FAILS_AT = {
     "gpu_check.py": ("check_writable", ["--dry-run", "--out_dir", "{tmp}/gpu"]),
     "harness.py": ("check_hub", ["--tasks", "tinygpt_cloze"]),
     "plot.py": ("check_writable", ["{metrics}", "-o", "{tmp}/loss.png"]),
+    "shape.py": ("report", []),
     "tokenizer.py": ("report", []),
     "vs_nanogpt.py": ("export_corpus", ["--nanogpt", "{nanogpt}"]),
 }
@@ -95,7 +96,7 @@ def test_every_entry_point_ends_each_failure_with_its_code_and_one_line(tmp_path
 
 
 def test_every_error_carries_the_code_of_the_table():
-    """The codes of machinery/errors.py's docstring table, class by class (PathError's and RunStopped's vary)."""
+    """The codes of process/errors.py's docstring table, class by class (PathError's and RunStopped's vary)."""
     assert {cls.__name__: cls.exit_code for cls in (ConfigError, DataError, CheckpointError, HFError,
                                                      CheckpointWriteError)} == {
         "ConfigError": 2, "DataError": 2, "CheckpointError": 2, "HFError": 2, "CheckpointWriteError": 74}
@@ -123,12 +124,12 @@ BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(v
 
 
 def test_errors_are_declared_in_one_module():
-    """An exception class anywhere else in the project refines one of machinery/errors.py's (plot.py's
+    """An exception class anywhere else in the project refines one of process/errors.py's (plot.py's
     MetricsError is a DataError), so it carries a code and every entry point ends it the same way."""
     elsewhere = []
     for path in sorted(REPO.rglob("*.py")):
         relative = path.relative_to(REPO).as_posix()
-        if relative.split("/")[0] in ("tests", "out", "data") or relative == "machinery/errors.py":
+        if relative.split("/")[0] in ("tests", "out", "data") or relative == "process/errors.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and {getattr(base, "id", "") for base in node.bases} & BUILTIN_ERRORS:

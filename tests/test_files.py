@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from machinery import files
-from machinery.files import atomic_write, atomic_write_text
+from process import files
+from process.files import atomic_write, atomic_write_text
 
 
 def listing(folder: Path) -> list[str]:

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_script, tiny_args
-from machinery.checkpoint import load_checkpoint
+from training.checkpoint import load_checkpoint
 from config import config_from_dict, make_config, model_config
-from machinery import finetune
-from machinery.tokenizers import tokenizer_vocab_size
+from weights import finetune
+from prepare.tokenizers import tokenizer_vocab_size
 from model import GPT
 from conftest import make_text
 from test_chat import write_chats

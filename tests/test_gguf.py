@@ -1,4 +1,4 @@
-"""The GGUF export (machinery/gguf.py, scripts/export_gguf.py): the file as llama.cpp's gguf package reads
+"""The GGUF export (weights/gguf.py, scripts/export_gguf.py): the file as llama.cpp's gguf package reads
 it, in the default suite; then llama.cpp itself (llama-cpp-python) on tiny trained char, bpe and gpt2 runs,
 in the slow suite: our ids on the whole corpus, our greedy text, our logits within LOGIT_TOLERANCE.
 """
@@ -14,10 +14,10 @@ import sample
 import train
 from config import make_config
 from conftest import make_text, tiny_model, tiny_run
-from machinery import gguf as export
-from machinery.errors import HFError
-from machinery.tokenizers import CharTokenizer, bytes_to_unicode, train_bpe
-from machinery.loading import from_checkpoint
+from weights import gguf as export
+from process.errors import HFError
+from prepare.tokenizers import CharTokenizer, bytes_to_unicode, train_bpe
+from weights.loading import from_checkpoint
 from scripts import export_gguf
 
 gguf = pytest.importorskip("gguf", reason="pip install -r requirements-dev.txt (gguf, llama.cpp's writer)")

@@ -23,18 +23,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
-from machinery import runtime
+from training import runtime
 import sample
 import train
-from machinery.checkpoint import load_checkpoint
+from training.checkpoint import load_checkpoint
 from config import model_config
 from conftest import (final_weights, make_optimizer, make_text, metrics, random_batch, run_for, run_main, same_weights,
                       tiny_args, tiny_model)
 from data import get_batch, load_corpus
-from machinery.tokenizers import CharTokenizer
-from machinery.corpora import prepare
+from prepare.tokenizers import CharTokenizer
+from prepare.corpora import prepare
 from fault_injection import assert_nested_equal, call_of, capture_run, on_training_forward
-from machinery.faults import NonFiniteGuard
+from training.faults import NonFiniteGuard
 from model import GPT, ModelOutput
 from scripts import doctor
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from machinery import hf
-from machinery.loading import find_checkpoint, from_checkpoint
+from weights import hf
+from weights.loading import find_checkpoint, from_checkpoint
 import train
 from conftest import make_text, tiny_model
-from machinery.tokenizers import BPETokenizer
+from prepare.tokenizers import BPETokenizer
 
 Instance = pytest.importorskip("lm_eval.api.instance").Instance
 pytest.importorskip("accelerate")  # lm_eval's hf backend, the reference
@@ -30,7 +30,7 @@ LONG = ("Now is the winter of our discontent made glorious summer by this sun of
 
 def tiny_bpe() -> BPETokenizer:
     """A 269-token byte-level BPE (256 bytes, MERGES, <|endoftext|>), GPT-2's pre-tokenizer: a trained BPE's path."""
-    from machinery.tokenizers import bpe_pattern
+    from prepare.tokenizers import bpe_pattern
     ranks = [bytes([b]) for b in range(256)] + MERGES
     return BPETokenizer({"kind": "bpe", "pattern": bpe_pattern(), "ranks": [token.hex() for token in ranks]})
 

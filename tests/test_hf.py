@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 in and out (machinery/hf.py): parity with transformers on random weights, no download.
+"""Hugging Face GPT-2 in and out (weights/hf.py): parity with transformers on random weights, no download.
 
 transformers is a dev dependency, used here only as the reference; the code under test never imports it.
 """
@@ -19,17 +19,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from machinery import hf
+from weights import hf
 import sample
 import train
-from machinery.checkpoint import load_checkpoint
+from training.checkpoint import load_checkpoint
 from config import ConfigError, as_dict, make_config, parse_args, resume_changes
 from conftest import COUNT_CONNECTIONS, REPO, make_text, read_metrics, run_script, tiny_args, tiny_model
 from data import load_corpus, val_windows
-from machinery.corpora import prepare
-from machinery.loading import from_checkpoint
+from prepare.corpora import prepare
+from weights.loading import from_checkpoint
 from model import GPT
-from machinery.tokenizers import CharTokenizer, bpe_tokenizer_files
+from prepare.tokenizers import CharTokenizer, bpe_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 
@@ -157,7 +157,7 @@ def test_offline_a_hub_name_fails_in_one_line(monkeypatch, capsys):
 
 LOAD_TWO_HUB_NAMES = COUNT_CONNECTIONS + """
 import json, sys
-from machinery import hf
+from weights import hf
 for name in sys.argv[1:]:
     before = len(connections)
     try:
@@ -409,7 +409,7 @@ def test_an_old_checkpoint_without_activation_means_exact_gelu():
 # ----------------------------------------------------------------------------- GPT-2's tokenizer files
 @pytest.mark.network  # GPT-2's ranks: tiktoken's cache or the openai-whisper sdist from PyPI (test_bpe_data.py)
 def test_hf_tokenizer_files_encode_like_tiktoken(tmp_path_factory):
-    from machinery.tokenizers import GPT2Tokenizer
+    from prepare.tokenizers import GPT2Tokenizer
     tok = GPT2Tokenizer(tmp_path_factory.mktemp("cache"))
     folder = tmp_path_factory.mktemp("tok")
     for name, content in bpe_tokenizer_files(tok.enc, 1024).items():
@@ -430,7 +430,7 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     """config/finetune_shakespeare with the hub replaced by a tiny random GPT-2 of the real vocabulary:
     import, train, export, then transformers' tokenizer and greedy generate give our tokens."""
     import huggingface_hub
-    from machinery.tokenizers import GPT2Tokenizer
+    from prepare.tokenizers import GPT2Tokenizer
     tmp = tmp_path_factory.mktemp("finetune")
     folder = random_hf_gpt2(tmp / "gpt2", vocab_size=50257, n_positions=1024)
     monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: None)  # no test reaches the real hub

@@ -12,9 +12,10 @@ import torch
 
 import sample
 from conftest import REPO, docs_snippet, make_text, run_script, tiny_model
-from machinery import hf, tokenizers
-from machinery.errors import DataError, HFError
-from machinery.tokenizers import BPE_FILE, CHAR_UNK, CHARS_FILE, CharTokenizer, read_tokenizer, train_bpe
+from weights import hf
+from prepare import tokenizers
+from process.errors import DataError, HFError
+from prepare.tokenizers import BPE_FILE, CHAR_UNK, CHARS_FILE, CharTokenizer, read_tokenizer, train_bpe
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,7 +18,7 @@ from conftest import REPO, TOOLS
 PATH_EDIT = re.compile(r"sys\.path\s*(\.(insert|append|extend)\(|\[[^\]]*\]\s*=|\+?=)")
 ORDER_SILENCED = re.compile(r"noqa:\s*E402")
 BY_FILE_PATH = re.compile(r"spec_from_file_location\(")
-CORE = ("model", "data", "train", "sample", "config", "machinery")  # what a tool imports from the repo
+CORE = ("model", "data", "train", "sample", "config", "process", "prepare", "training", "weights")  # what a tool imports from the repo
 
 
 def python_files() -> list[Path]:
@@ -63,7 +63,7 @@ def another_checkout(tmp_path: Path) -> Path:
     other.mkdir()
     for name in ("model", "data", "train", "sample"):
         (other / f"{name}.py").write_text(f"raise ImportError('the other checkout: {name}')\n")
-    for package in ("config", "machinery", "scripts", "dev"):
+    for package in ("config", "process", "prepare", "training", "weights", "scripts", "dev"):
         (other / package).mkdir()
         (other / package / "__init__.py").write_text(f"raise ImportError('the other checkout: {package}')\n")
     return other

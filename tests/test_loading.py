@@ -1,4 +1,4 @@
-"""machinery/loading.py: the one place a model comes back, from a run's checkpoint or from pretrained weights."""
+"""weights/loading.py: the one place a model comes back, from a run's checkpoint or from pretrained weights."""
 from __future__ import annotations
 
 import argparse
@@ -13,10 +13,10 @@ import torch
 import train
 from config import make_config
 from conftest import make_text
-from machinery import hf
-from machinery.checkpoint import load_checkpoint
-from machinery.errors import CheckpointError, HFError
-from machinery.loading import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_pretrained, load_weights
+from weights import hf
+from training.checkpoint import load_checkpoint
+from process.errors import CheckpointError, HFError
+from weights.loading import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_pretrained, load_weights
 
 
 @pytest.fixture(scope="module")

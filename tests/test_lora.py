@@ -1,7 +1,7 @@
-"""LoRA (machinery/lora.py): the adapted model starts as its base exactly, only the adapters train, merging changes
+"""LoRA (training/lora.py): the adapted model starts as its base exactly, only the adapters train, merging changes
 no logit, a resume is bit-exact and refuses another base, and PEFT loads the exported adapters to our logits.
 
-The base is a random tiny GPT exported by machinery/hf.py into a Hugging Face folder, which --init_from reads.
+The base is a random tiny GPT exported by weights/hf.py into a Hugging Face folder, which --init_from reads.
 """
 from __future__ import annotations
 
@@ -10,19 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from machinery import loading
-from machinery.loading import from_checkpoint
+from weights import loading
+from weights.loading import from_checkpoint
 import train
 from config import ConfigError, make_config
 from conftest import make_text, metrics, tiny_model, tiny_run
 from data import load_corpus
 from fault_injection import assert_nested_equal
-from machinery import hf, lora
-from machinery.checkpoint import LORA_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, load_checkpoint
-from machinery.corpora import prepare
-from machinery.errors import CheckpointError
-from machinery.runtime import Runtime
-from machinery.tokenizers import tokenizer_from_meta
+from weights import hf
+from training import lora
+from training.checkpoint import LORA_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, load_checkpoint
+from prepare.corpora import prepare
+from process.errors import CheckpointError
+from training.runtime import Runtime
+from prepare.tokenizers import tokenizer_from_meta
 from scripts import export_hf
 
 CPU = Runtime(torch.device("cpu"), torch.float32, 1, False)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from machinery import checkpoint
+from training import checkpoint
 import train
-from machinery.checkpoint import load_checkpoint
-from machinery.loading import from_checkpoint
+from training.checkpoint import load_checkpoint
+from weights.loading import from_checkpoint
 from conftest import metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
 from data import load_corpus, token_byte_lengths, val_windows
-from machinery.tokenizers import CharTokenizer
+from prepare.tokenizers import CharTokenizer
 from fault_injection import disk_full_from_step
 from scripts import eval as eval_script
 
@@ -128,7 +128,7 @@ def test_a_kill_right_after_a_save_loses_no_val_record(tmp_path, text_file, monk
 
 
 def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_from(tmp_path, text_file, capsys):
-    from machinery import hf
+    from weights import hf
     out = tmp_path / "run"
     train_tiny(out, text_file)
     loaded = from_checkpoint(out / "best.pt")

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from machinery import hf
+from weights import hf
 import train
-from machinery.checkpoint import load_checkpoint, save_checkpoint
-from machinery.loading import from_checkpoint
+from training.checkpoint import load_checkpoint, save_checkpoint
+from weights.loading import from_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
                     make_config, model_config, parse_args, validate)
 from conftest import REPO, docs_snippet, make_text, run_main, tiny_args

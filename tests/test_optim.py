@@ -7,7 +7,7 @@ import torch
 import train
 from config import make_config
 from conftest import tiny_model
-from machinery.optim import Muon, orthogonalize
+from training.optim import Muon, orthogonalize
 
 
 def step_both(reference: torch.optim.Optimizer, ours: Muon, a: list, b: list, steps: int = 3) -> None:

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 import data
-from machinery import documents, formats, tokenizers
+from prepare import documents, formats, tokenizers
 import train
 from conftest import make_text
 from data import DataError
-from machinery.corpora import corpus_source, prepare
+from prepare.corpora import corpus_source, prepare
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

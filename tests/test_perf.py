@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from machinery import runtime
+from training import runtime
 import train
 from conftest import read_metrics, run_script
 from model import GPTConfig, attention, visible_keys

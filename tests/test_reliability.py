@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from machinery import checkpoint, files
+from training import checkpoint
+from process import files
 import train
 from conftest import REPO, metrics, run_main, tiny_args
-from machinery import optim
-from machinery.optim import OPTIMIZERS
-from machinery.checkpoint import (OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, CheckpointWriteError,
+from training import optim
+from training.optim import OPTIMIZERS
+from training.checkpoint import (OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, CheckpointWriteError,
                                  load_checkpoint, save_checkpoint)
 from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, capture_run,
                              on_training_forward, poison_loss, signal_at)

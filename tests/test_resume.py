@@ -25,10 +25,10 @@ import pytest
 import torch
 
 import data
-from machinery import checkpoint, runtime
-from machinery import tracking
+from training import checkpoint, runtime
+from training import tracking
 import train
-from machinery.checkpoint import load_checkpoint, save_checkpoint
+from training.checkpoint import load_checkpoint, save_checkpoint
 from config import make_config
 from data import LOADERS
 from conftest import (REPO, final_weights, make_optimizer, make_text, metrics, read_metrics, run_for, run_main,

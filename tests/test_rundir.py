@@ -1,4 +1,4 @@
-"""One live run per out_dir, and folders that cannot be written fail first, in one line (machinery/rundir.py)."""
+"""One live run per out_dir, and folders that cannot be written fail first, in one line (process/rundir.py)."""
 from __future__ import annotations
 
 import errno
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from machinery import rundir
+from process import rundir
 import train
-from machinery.checkpoint import load_checkpoint
+from training.checkpoint import load_checkpoint
 from conftest import REPO, metrics, run_main, tiny_args
-from machinery.corpora import prepare
+from prepare.corpora import prepare
 from fault_injection import AS_A_SCRIPT
-from machinery.rundir import PathError
+from process.rundir import PathError
 
 FAULTS = AS_A_SCRIPT
 

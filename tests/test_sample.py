@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from machinery.checkpoint import FORMAT_VERSION, save_checkpoint
+from training.checkpoint import FORMAT_VERSION, save_checkpoint
 from config import as_dict, make_config, model_config
 from conftest import REPO, make_text, run_script, tiny_model
 from dev import bench_sample
-from machinery.tokenizers import CharTokenizer
+from prepare.tokenizers import CharTokenizer
 from model import GPT, GPTConfig, attention, visible_keys
 import sample as sample_module
 from sample import (Continuations, NextTokenLogits, TextStream, filter_logits, generate, main, next_token_probs,

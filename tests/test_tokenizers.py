@@ -1,4 +1,4 @@
-"""Tokenizers (machinery/tokenizers.py): char and GPT-2 round trips; a BPE trained on the train split (deterministic,
+"""Tokenizers (prepare/tokenizers.py): char and GPT-2 round trips; a BPE trained on the train split (deterministic,
 val never seen), carried in the checkpoint, exported so that transformers encodes exactly as we do (char and BPE),
 and its bad inputs in one line."""
 from __future__ import annotations
@@ -15,10 +15,10 @@ import sample
 from config import ConfigError, parse_args
 from conftest import make_text, run_main, run_script, tiny_args
 from data import DataError
-from machinery import hf
-from machinery.corpora import prepare
-from machinery.loading import from_checkpoint
-from machinery.tokenizers import BPETokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_files, tokenizer_from_meta, train_bpe
+from weights import hf
+from prepare.corpora import prepare
+from weights.loading import from_checkpoint
+from prepare.tokenizers import BPETokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_files, tokenizer_from_meta, train_bpe
 
 VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's words can merge
 MIXED = "ROMEO: naïve café — 東京 🤖👍🏽\n\n\tend   of  line \n  x"  # ASCII, accents, emoji, whitespace runs

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from machinery import tracking
+from training import tracking
 from config import ConfigError
 from conftest import COUNT_CONNECTIONS, REPO, read_metrics, run_main, tiny_args
 
@@ -105,7 +105,7 @@ def test_without_a_key_the_run_goes_offline_and_resume_continues_the_same_run(tm
 START_TRACKER = COUNT_CONNECTIONS + """
 import json, sys
 from pathlib import Path
-from machinery import tracking
+from training import tracking
 from config import make_config
 tracker = tracking.start(make_config(wandb=True, out_dir=sys.argv[1]), Path(sys.argv[1]))
 tracker.finish()

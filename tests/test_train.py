@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
-from machinery import optim, tracking
+from training import optim, tracking
 import train
-from machinery.checkpoint import REQUIRED_KEYS, load_checkpoint
+from training.checkpoint import REQUIRED_KEYS, load_checkpoint
 from config import ConfigError, make_config
 from conftest import declare_entry, metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
 from fault_injection import step_clock
@@ -200,7 +200,7 @@ def test_end_to_end_train_then_sample(tmp_path, text_file):
 
 def test_compiling_is_announced_before_the_probe_compiles(monkeypatch, capsys):
     """The probe is where torch.compile takes its time (100 s for gpt2 on a GPU): a line must come first."""
-    from machinery.runtime import compile_or_eager
+    from training.runtime import compile_or_eager
     monkeypatch.setattr(torch, "compile", lambda model: model)  # compiling itself is not what is tested
     printed_before_probe = []
     compile_or_eager(tiny_model(), True, lambda m: printed_before_probe.append(capsys.readouterr().out))
@@ -210,7 +210,7 @@ def test_compiling_is_announced_before_the_probe_compiles(monkeypatch, capsys):
 
 
 def test_a_failing_compile_warns_once_and_runs_eager(monkeypatch):
-    from machinery.runtime import compile_or_eager
+    from training.runtime import compile_or_eager
 
     class Broken(torch.nn.Module):
         def forward(self, *args):
@@ -231,9 +231,9 @@ def test_a_failing_compile_warns_once_and_runs_eager(monkeypatch):
     assert compile_or_eager(model, False, probe) is model
 
 
-# Imported only by the call that needs them: corpus preparation, GPT-2's tokenizer (tiktoken: machinery/tokenizers.py,
+# Imported only by the call that needs them: corpus preparation, GPT-2's tokenizer (tiktoken: prepare/tokenizers.py,
 # the home of every tokenizer, imports it only to build a BPE), Hugging Face interop.
-NOT_AT_IMPORT = ("machinery.corpora", "machinery.hf", "tiktoken", "transformers", "huggingface_hub", "safetensors",
+NOT_AT_IMPORT = ("prepare.corpora", "weights.hf", "tiktoken", "transformers", "huggingface_hub", "safetensors",
                  "pyarrow")
 
 
@@ -242,5 +242,5 @@ def test_train_py_imports_no_corpus_preparation_or_hugging_face_code_at_module_l
     when called (data.corpus_for, train.start_from). Checked in a fresh interpreter."""
     probe = f"import sys, train; print(sorted(m for m in {NOT_AT_IMPORT!r} if m in sys.modules))"
     assert run_script("-c", probe).stdout.strip() == "[]"
-    loaded = run_script("-c", probe.replace("import sys, train", "import sys, train, machinery.corpora, machinery.hf"))
-    assert "machinery.corpora" in loaded.stdout and "machinery.hf" in loaded.stdout  # the probe can see them
+    loaded = run_script("-c", probe.replace("import sys, train", "import sys, train, prepare.corpora, weights.hf"))
+    assert "prepare.corpora" in loaded.stdout and "weights.hf" in loaded.stdout  # the probe can see them

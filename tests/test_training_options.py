@@ -1,5 +1,5 @@
 """Training options are declared once: every TrainConfig field carries its resume rule, optimizers and lr
-schedules are tables (machinery/optim.py) whose names are the only ones the config accepts, what each entry
+schedules are tables (training/optim.py) whose names are the only ones the config accepts, what each entry
 reads is recorded (never declared), and a run says what it trains with. The tests below are generated from
 those declarations, so a new entry is tested unasked."""
 from __future__ import annotations
@@ -18,14 +18,14 @@ import pytest
 import torch
 
 import train
-from machinery.checkpoint import load_checkpoint, save_checkpoint
+from training.checkpoint import load_checkpoint, save_checkpoint
 import config
 from config import (CHOOSERS, DEFAULTS, FIELD_TYPES, LOOP_FIELDS, MODEL_OPTIONS, RESUME, RESUME_RULES, TABLES,
                     ReadRecorder, TrainConfig, choice_reads, make_config, record_reads, settings_line, throwaway_model,
                     unused_fields, unused_given)
 from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
 from fault_injection import assert_same_training_state, capture_run
-from machinery.optim import CLOCKS, DECAYS, OPTIMIZERS, MuonAdamW
+from training.optim import CLOCKS, DECAYS, OPTIMIZERS, MuonAdamW
 
 
 # ----------------------------------------------------------------------------- every field has a rule
@@ -221,7 +221,7 @@ def test_a_read_around_the_recorder_and_a_recorded_read_that_does_nothing_are_bo
 
 
 def test_an_entry_declared_the_old_way_with_uses_fails_at_import_saying_why():
-    from machinery.optim import optimizer
+    from training.optim import optimizer
     with pytest.raises(TypeError, match=r"@optimizer\('sgd', uses=...\): not an Option; .* there is no uses="):
         optimizer("sgd", uses=("weight_decay",))(lambda model, cfg, device, dtype: None)
     assert "sgd" not in OPTIMIZERS
@@ -253,11 +253,12 @@ def cfg_reads(path: Path, skip: tuple[str, ...] = ()) -> set[str]:
 def test_loop_fields_are_the_fields_the_run_reads_that_only_some_choices_read():
     """A field some optimizer or schedule reads counts as unused under the others, unless the run reads it anyway
     (max_time: the loop stops on it whatever the schedule). LOOP_FIELDS names every field the run's code reads
-    (train.py outside the lr curve, data.py, machinery/ but the tables), so a fork's entry that reads one too
+    (train.py outside the lr curve, data.py, the folders but the tables), so a fork's entry that reads one too
     (batch_size, for a linear-scaling rule) needs no edit; it must hold at least those that some choices read
     and not every combination does, and nothing the run does not read."""
     run_code = [(REPO / "train.py", ("get_lr", "set_lr")), (REPO / "data.py", ())]
-    run_code += [(path, ()) for path in sorted((REPO / "machinery").glob("*.py")) if path.name != "optim.py"]
+    run_code += [(path, ()) for folder in ("process", "prepare", "training", "weights")
+                 for path in sorted((REPO / folder).glob("*.py")) if path.name != "optim.py"]
     run_reads = set().union(*(cfg_reads(path, skip) for path, skip in run_code))
     method_reads = {"out_of_time": {"max_time"}, "tokens_per_step": {"batch_size", "block_size", "grad_accum"}}
     assert {name for name in run_reads if callable(getattr(TrainConfig, name, None))} <= set(method_reads)
@@ -329,22 +330,22 @@ def test_muon_with_adamw_is_one_torch_optimizer_and_old_checkpoints_resume(tmp_p
 FIELD_ANCHOR = '    wandb_project: str = free("tinygpt", "wandb project name")\n'
 
 
-SGD = "# machinery/optim.py, after the last @optimizer entry:\n"  # the headings of the page's python blocks
-LINEAR = "# machinery/optim.py, after the last @lr_decay entry:\n"
-LION = "# machinery/optim.py, after the last @optimizer entry (Lion):\n"
-INVERSE_SQRT = "# machinery/optim.py, after the last @lr_decay entry (inverse-sqrt):\n"
+SGD = "# training/optim.py, after the last @optimizer entry:\n"  # the headings of the page's python blocks
+LINEAR = "# training/optim.py, after the last @lr_decay entry:\n"
+LION = "# training/optim.py, after the last @optimizer entry (Lion):\n"
+INVERSE_SQRT = "# training/optim.py, after the last @lr_decay entry (inverse-sqrt):\n"
 
 
 def fork_of_the_repo(root: Path, entries: tuple[str, ...] = (SGD, LINEAR), field: bool = True,
                      tests: bool = False) -> Path:
     """A copy of the repo's code with docs/experiments.md's declarations ("Adding a training option") added
-    as it says: the blocks headed ``entries`` at the end of machinery/optim.py, and (``field``) its training
+    as it says: the blocks headed ``entries`` at the end of training/optim.py, and (``field``) its training
     field in TrainConfig. With ``tests``, the copy has the test suite too, to run there."""
     fork = root / "fork"
     ignore = shutil.ignore_patterns(*([] if tests else ["tests"]), "docs", "out", "data", ".git", "__pycache__",
                                     "wandb", "hf")
     shutil.copytree(REPO, fork, ignore=ignore)
-    optim_file = fork / "machinery" / "optim.py"
+    optim_file = fork / "training" / "optim.py"
     optim_file.write_text(optim_file.read_text() + "".join("\n\n" + docs_snippet(heading) for heading in entries))
     if field:
         config_file = fork / "config" / "__init__.py"
@@ -359,8 +360,8 @@ import json, sys
 from pathlib import Path
 import torch
 import train
-from machinery.checkpoint import load_checkpoint
-from machinery.faults import StopOnSignal
+from training.checkpoint import load_checkpoint
+from training.faults import StopOnSignal
 from scripts import compare
 
 corpus, out = sys.argv[1], Path(sys.argv[2])
@@ -430,7 +431,7 @@ from pathlib import Path
 import torch
 import train
 from config import make_config, unused_given
-from machinery.checkpoint import load_checkpoint
+from training.checkpoint import load_checkpoint
 from tests.conftest import read_metrics
 from tests.fault_injection import assert_same_training_state
 

@@ -15,7 +15,7 @@ still reads), rng_per_rank (the same for every DDP rank, in rank order; one entr
 ``OPTIONAL_KEYS``: last_eval (the latest eval before the save: step, val_loss, val_bpb; in best.pt, the
 best one; empty until this process has run an eval), corpus (the data trained on: source, val_fraction
 and each split's fingerprint, data.Corpus.record; a resume on other data is refused). ``LORA_KEYS``, a LoRA run's
-only: lora (its base, the base's fingerprint and the adapters' shape, machinery/lora.record; a resume or a sample on
+only: lora (its base, the base's fingerprint and the adapters' shape, training/lora.record; a resume or a sample on
 another base is refused).
 
 On disk a checkpoint is the zip archive torch.save writes, with the sha256 of the archive stored in
@@ -42,10 +42,11 @@ import torch
 
 from config import TrainConfig, as_dict, resume_changes
 from data import TrainingStream
-from machinery import distributed, lora
-from machinery.distributed import Dist, print0
-from machinery.errors import CheckpointError, CheckpointWriteError, ConfigError
-from machinery.files import TEMP_MARK, atomic_write
+from process import distributed
+from training import lora
+from process.distributed import Dist, print0
+from process.errors import CheckpointError, CheckpointWriteError, ConfigError
+from process.files import TEMP_MARK, atomic_write
 from model import GPT
 
 FORMAT_VERSION = 2  # 2: time_s added
@@ -272,7 +273,7 @@ def checkpoint_state(model: GPT, optimizer, scaler, step: int, time_s: float, be
                      lora_record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a resume needs; built from the uncompiled model so keys carry no _orig_mod.
 
-    A LoRA run (``lora_record``, machinery/lora.record) saves its adapters and the record, not the frozen base:
+    A LoRA run (``lora_record``, training/lora.record) saves its adapters and the record, not the frozen base:
     the base is imported again from init_from, and the record's fingerprint says whether it is the same.
 
     ``rng_per_rank`` holds every rank's random streams (one entry in a single-process run);

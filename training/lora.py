@@ -11,7 +11,7 @@ so the adapted model computes exactly the base at step 0. Only A and B train; a 
 base's fingerprint (a sha256 of its weights) and where the base came from (init_from), never the base itself,
 so a resume or a sample imports the base again and refuses one whose fingerprint differs. ``merge`` folds
 B A into W and gives back a plain GPT; ``export_peft`` writes PEFT's files, which
-``peft.PeftModel.from_pretrained`` loads onto the base exported by machinery/hf.py.
+``peft.PeftModel.from_pretrained`` loads onto the base exported by weights/hf.py.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from machinery.errors import CheckpointError
+from process.errors import CheckpointError
 from model import GPT
 
 # The Linear layers of a block that may get an adapter, as PEFT names them for GPT-2 (module-name suffixes).

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from machinery.errors import DataError
-from machinery.files import atomic_write_text
-from machinery.tokenizers import ChatTokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
+from process.errors import DataError
+from process.files import atomic_write_text
+from prepare.tokenizers import ChatTokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 
 BEGIN, SYSTEM, USER, ASSISTANT, END = MARKERS = ("<|begin|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 ROLES = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
@@ -243,8 +243,8 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
     None trains one of kind ``tokenizer`` as from scratch. Each split is its conversations one after another,
     each starting with <|begin|>; meta.json's ``lines`` gives each one's line in the file.
     """
-    from machinery.staging import staged_folder  # preparation's machinery: below data.py as this is
-    from machinery.tokenfiles import corpus_meta, sha256_of, token_dtype, write_meta
+    from prepare.staging import staged_folder  # preparation, imported when a corpus is prepared
+    from prepare.tokenfiles import corpus_meta, sha256_of, token_dtype, write_meta
 
     conversations, lines = read_conversations(path)
     val = [is_val(i, val_fraction) for i in range(len(conversations))]
@@ -292,7 +292,7 @@ def exchanges(text: str) -> list[tuple[str, str]]:
 def shakespeare_dialogue(data_dir: Path) -> Path:
     """data_dir/shakespeare_chat.jsonl, made once from the built-in plays: each exchange a user turn (a speech)
     and an assistant turn (the reply that follows it in the play)."""
-    from machinery.shakespeare import shakespeare_text
+    from prepare.shakespeare import shakespeare_text
 
     path = data_dir / f"{SHAKESPEARE_CHAT}.jsonl"
     if not path.is_file():

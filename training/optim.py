@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # annotations only
     from model import GPT
 
 # What an entry is given: a config.TrainConfig (or, while config records what it reads, a stand-in for one).
-# Not imported: config is assembled from these tables, so it sits above this module (machinery/__init__.py).
+# Not imported: config is assembled from these tables, so it sits above this module (tests/test_layers.py).
 Config = Any
 
 CLOCKS = ("steps", "time")  # the values of TrainConfig.schedule: what measures a progress decay's progress

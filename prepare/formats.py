@@ -8,7 +8,7 @@
 Each kind of file is one row of ``DOCUMENT_FORMATS``: a reader of its documents and what it allows;
 ``format_of`` is the one place a file's row is chosen, so a new format is a reader and a row. A reader
 yields a ``Source`` per document, lazily and in order: cheap to pickle, so the worker processes
-(machinery/documents.py) get the text from it (``document_text``), not the main process. A .jsonl line or
+(prepare/documents.py) get the text from it (``document_text``), not the main process. A .jsonl line or
 a Parquet row is one document, its text in the ``text_column`` field or column; Parquet is read a few rows
 at a time (``parquet_sources``), with pyarrow, imported only for it.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Literal, NamedTuple
 
-from machinery.errors import DataError
+from process.errors import DataError
 
 DEFAULT_TEXT_COLUMN = "text"
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a few MB of web text, whatever the file or row group size

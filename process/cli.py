@@ -17,7 +17,7 @@ import sys
 import typing
 from typing import Any, NoReturn
 
-from machinery.errors import fail
+from process.errors import fail
 
 
 def did_you_mean(word: str, known: list[str], what: str) -> str:

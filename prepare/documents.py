@@ -1,4 +1,4 @@
-"""A corpus of documents (a folder, a .jsonl, a .parquet: machinery/formats.py) tokenized by a pool of worker
+"""A corpus of documents (a folder, a .jsonl, a .parquet: prepare/formats.py) tokenized by a pool of worker
 processes and streamed into train.bin and val.bin: memory holds one batch of documents, whatever the corpus size.
 
     python data.py --data_path web.jsonl --tokenizer gpt2 --num_proc 8
@@ -26,10 +26,10 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import numpy as np
 from tqdm import tqdm
 
-from machinery.formats import DEFAULT_TEXT_COLUMN, Source, check_files, document_sources, document_text, has_text_column
-from machinery.staging import staged_folder
-from machinery.tokenfiles import check_split_lengths, corpus_meta, token_dtype, write_meta
-from machinery.tokenizers import CharTokenizer, GPT2Tokenizer, TiktokenTokenizer, tokenizer_from_meta, train_bpe
+from prepare.formats import DEFAULT_TEXT_COLUMN, Source, check_files, document_sources, document_text, has_text_column
+from prepare.staging import staged_folder
+from prepare.tokenfiles import check_split_lengths, corpus_meta, token_dtype, write_meta
+from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, TiktokenTokenizer, tokenizer_from_meta, train_bpe
 
 BATCH_CHARS = 1 << 25  # ~32 MB of text in flight at once: what bounds memory, not the corpus size
 T = TypeVar("T")

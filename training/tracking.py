@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from config import TrainConfig, as_dict, settings_line, unused_given
-from machinery.checkpoint import dtype_name
-from machinery.errors import ConfigError
-from machinery.files import atomic_write_text
-from machinery.runtime import mfu, threads_text
+from training.checkpoint import dtype_name
+from process.errors import ConfigError
+from process.files import atomic_write_text
+from training.runtime import mfu, threads_text
 
 RUN_ID_FILE = "wandb_id"  # in out_dir: the wandb run a --resume continues
 PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline

@@ -28,7 +28,7 @@ try:
 except ImportError:  # Windows: no flock; runs go on unlocked, with a warning
     fcntl = None
 
-from machinery.errors import EXIT_WRITE_FAILED, PathError
+from process.errors import EXIT_WRITE_FAILED, PathError
 
 LOCK_NAME = ".lock"
 # A path the user must change (exit 2), as opposed to a device failing under a good one (exit 74).

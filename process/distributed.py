@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from machinery.errors import EXIT_BAD_INPUT, PeerFailed
+from process.errors import EXIT_BAD_INPUT, PeerFailed
 
 T = TypeVar("T")
 

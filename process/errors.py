@@ -7,7 +7,7 @@ crash" repeat them):
     0     finished; or resumed a finished run (0 steps done)      last.pt of the final step
     2     bad config, data or checkpoint (caught before training); nothing written or overwritten
           out_dir or data_dir not a writable folder, or out_dir
-          owned by another live run (machinery/rundir.py)
+          owned by another live run (process/rundir.py)
     3     non-finite loss or gradient; in fp16, max_skipped_steps  last.pt of the last save; no
           overflowed steps in a row                                non-finite value in any checkpoint
     74    a checkpoint could not be written (disk full, I/O), or   the previous last.pt/best.pt, intact

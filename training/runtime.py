@@ -18,8 +18,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from machinery.errors import ConfigError
-from machinery.distributed import decide_on_main, print0
+from process.errors import ConfigError
+from process.distributed import decide_on_main, print0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,7 +1,7 @@
 """A model for use, from a run's checkpoint or from pretrained weights: the one place a model comes back.
 
     loaded = from_checkpoint(find_checkpoint("out/small"))   # a run folder's best.pt (else last.pt), or a .pt
-    loaded = from_pretrained("gpt2")                          # Hugging Face GPT-2 weights (machinery/hf.py)
+    loaded = from_pretrained("gpt2")                          # Hugging Face GPT-2 weights (weights/hf.py)
     loaded = load_weights(args, device)                       # whichever --ckpt / --init_from chose
 
 Both ways give a ``Loaded``: the model in eval mode on the device asked for, its tokenizer, the
@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from config import TrainConfig, config_from_dict, model_config
-from machinery import hf, lora
-from machinery.checkpoint import load_checkpoint
-from machinery.errors import CheckpointError, HFError
-from machinery.hf import fit_vocab
-from machinery.tokenizers import NO_TOKENIZER, tokenizer_from_meta
+from weights import hf
+from training import lora
+from training.checkpoint import load_checkpoint
+from process.errors import CheckpointError, HFError
+from weights.hf import fit_vocab
+from prepare.tokenizers import NO_TOKENIZER, tokenizer_from_meta
 from model import GPT, GPTConfig
 
 CPU = torch.device("cpu")
@@ -35,7 +36,7 @@ CPU = torch.device("cpu")
 class Loaded:
     """A model ready for use and what its callers need to know about it."""
     model: GPT  # in eval mode, on the device asked for
-    tokenizer: Any  # machinery.tokenizers': char, GPT-2's or a BPE, from the checkpoint's description
+    tokenizer: Any  # prepare.tokenizers': char, GPT-2's or a BPE, from the checkpoint's description
     cfg: TrainConfig  # the run's config; pretrained weights: the defaults with the weights' shape (hf.adopt)
     precision: str  # the dtype the run trained in: float32, bfloat16, float16 (pretrained: float32)
     source: str  # the checkpoint file, or the pretrained weights as named (--init_from)

@@ -1,7 +1,7 @@
 """A tokenized corpus on disk: ``train.bin`` and ``val.bin`` (flat token ids, uint16 or uint32) and ``meta.json``.
 
 meta.json says what the ids mean (tokenizer, vocab_size, dtype) and, for a corpus this repo prepared
-(machinery/corpora.py), how the files were made, their token counts and fingerprints. A folder that anyone's
+(prepare/corpora.py), how the files were made, their token counts and fingerprints. A folder that anyone's
 script wrote, with a small meta.json (dtype, vocab_size, tokenizer), is one too: its counts come from the
 files (docs/data.md). Every open checks the files against meta.json (``open_verified``, called by
 data.load_corpus), so a damaged corpus is refused, never trained on.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from machinery.errors import DataError
+from process.errors import DataError
 
 
 def sha256_of(path: Path) -> str:

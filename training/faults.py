@@ -1,6 +1,6 @@
 """How a training run stops when something goes wrong: signals and non-finite numbers.
 
-A stop is an errors.RunStopped carrying its exit code (machinery/errors.py defines every code, the one
+A stop is an errors.RunStopped carrying its exit code (process/errors.py defines every code, the one
 place they are). ``run_error`` names the two endings only a run has, Ctrl-C before its first step and a
 peer rank lost mid-collective, so that train.py ends through errors.exit_for like every entry point.
 """
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
-from machinery import distributed
-from machinery.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PEER_LOST, RunStopped, TinyGPTError
+from process import distributed
+from process.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PEER_LOST, RunStopped, TinyGPTError
 
 
 class StopOnSignal:

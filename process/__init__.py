@@ -1,0 +1,3 @@
+"""What a tinygpt process owes the shell and the user: one-line errors and their exit codes (errors), command
+lines (cli), files written whole or not at all (files), folders it may write (rundir), and its peers under
+torchrun (distributed). Nothing here imports the rest of the project."""
