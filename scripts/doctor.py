@@ -3,12 +3,9 @@
     python -m scripts.doctor --config small              # same config and overrides as train.py
     python -m scripts.doctor --config small --dropout 0.1
 
-Prints one line per check: PASS or FAIL, the measured figure, and what it means. Exit status 1 if
-any check fails. Each check is a small function taking what it needs (a model, a batch, a
-tokenizer) and returning a ``Check``, so tests can call it on deliberately broken variants. The
-checks go through the repo's own code paths (the training stream, ``train.build_optimizer``,
-``train.accumulate_gradients``, ``train.optimizer_step``, ``NonFiniteGuard``, ``train.evaluate``,
-``compile_or_eager``, and a few steps of ``train.train`` itself), so a bug there shows up here.
+One line per check (PASS or FAIL, the measured figure, what it means; docs/doctor.md), exit 1 if any fails. Each
+check takes what it needs and returns a ``Check``, so tests can call it on broken variants; they go through train.py's
+own code paths, so a bug there shows up here.
 """
 from __future__ import annotations
 
@@ -38,8 +35,6 @@ from model import GPT
 from training.runtime import choose_runtime, compile_for_step
 from prepare.tokenizers import tokenizer_from_meta
 from process.errors import TinyGPTError, exit_on
-
-REPO = Path(__file__).resolve().parent.parent
 
 # Allowed gap between the first loss and ln(vocab), as a fraction of ln(vocab). A 0.02-std init gives
 # logits of variance ~0.02² · n_embd, which adds about half that: 0.03 nats for small, 0.15 for gpt2.
@@ -106,12 +101,8 @@ def check_token_range(splits: dict[str, np.ndarray], vocab_size: int) -> Check:
 def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
     """encode(decode(ids)) gives back the same ids, so what the model learns is what it will emit.
 
-    The stretch is cut just after newlines where it has two, so that a BPE merge cut in half at
-    either end of the sample cannot make a correct tokenizer look wrong. A document corpus encodes
-    each document on its own between special tokens (GPT-2's <|endoftext|>), which stand for no text:
-    decoded, one reads as its name, which encodes as ~7 ordinary tokens. So each stretch between
-    them makes the round trip on its own, as it was encoded, and the special tokens stay as they are.
-    """
+    Cut at newlines, so that a BPE merge cut in half at either end cannot fail a correct tokenizer; each stretch
+    between special tokens (no text: decoded, one reads as its name) makes the trip alone, as it was encoded."""
     ids = [int(i) for i in ids]
     newline = tokenizer.encode("\n") if "\n" in tokenizer.decode(ids) else []
     if len(newline) == 1 and ids.count(newline[0]) >= 2:
@@ -226,7 +217,7 @@ def check_causal(model: GPT, x: torch.Tensor, tolerance: float = CAUSAL_TOLERANC
 
 def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, steps: int = OVERFIT_STEPS,
                   threshold: float = OVERFIT_THRESHOLD) -> Check:
-    """train.py's step (train.train_step), repeated on one small batch at ``lr``, must drive its loss below ``threshold``."""
+    """train.py's step (train.train_step), repeated on one small batch at ``lr``, gets its loss below ``threshold``."""
     first = loss = math.nan
     for step in range(1, steps + 1):
         losses, _ = train.train_step(run, run.model, [(x, y)], step, lr)
@@ -250,13 +241,8 @@ def overfit_run(cfg: TrainConfig, rt, steps: int = OVERFIT_STEPS) -> train.Run:
 
 
 def overfit_lr(cfg: TrainConfig) -> float:
-    """The lr of the overfit check: the config's own, unless the config fine-tunes (init_from).
-
-    The doctor runs every check on a random init. A config that trains from one is checked at its own
-    lr (one too small to learn is a finding). A fine-tuning lr (finetune_shakespeare's 6e-5) is small so
-    as not to erase good weights, which the doctor does not load: a random init barely moves at it,
-    and the check would blame the step. So it gets an lr for a random init of its width instead.
-    """
+    """The config's own lr (one too small to learn is a finding), unless it fine-tunes (init_from): a fine-tuning
+    lr spares good weights, which the doctor does not load, and barely moves its random init."""
     if not cfg.init_from:
         return cfg.learning_rate
     return min(RANDOM_INIT_LR_MAX, RANDOM_INIT_LR * RANDOM_INIT_WIDTH / cfg.n_embd)
@@ -264,12 +250,8 @@ def overfit_lr(cfg: TrainConfig) -> float:
 
 def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                     device: torch.device, dtype: torch.dtype) -> Check:
-    """train.py's step reports the true pre-clip gradient norm, with fp16's loss scaling undone.
-
-    The step runs with a GradScaler on whatever the dtype (a scaled loss is what an fp16 run
-    backpropagates) and a clip threshold a tenth of the norm, so that clipping surely happens: the
-    norm returned (and logged) must equal the unscaled gradient's norm, measured by hand before.
-    """
+    """train.py's step reports the true pre-clip gradient norm, with fp16's loss scaling undone: a step under a
+    GradScaler (whatever the dtype), clipped at a tenth of the norm, against the norm measured by hand."""
     scaler = torch.amp.GradScaler(device.type, enabled=True)
     guard = NonFiniteGuard(optimizer, scaler, max_skipped=1, device=device)
     params = list(model.parameters())
@@ -337,10 +319,8 @@ def rng_states(device: torch.device) -> list[torch.Tensor]:
 
 def check_evaluate(evaluate: Callable[..., train.EvalResult], model: GPT, x_val: torch.Tensor, y_val: torch.Tensor,
                    batch_size: int, device: torch.device, dtype: torch.dtype) -> Check:
-    """``evaluate`` runs in eval mode, builds no graph, draws no random numbers and restores train mode.
-
-    ``model`` should have dropout > 0, so that a missing model.eval() changes the answer.
-    """
+    """``evaluate`` runs in eval mode, builds no graph, draws no random numbers and restores train mode
+    (``model`` with dropout > 0, so that a missing model.eval() changes the answer)."""
     calls = []  # (training flag, loss carries a graph) for every forward pass evaluate makes
 
     def record(module, args, output):
@@ -400,9 +380,8 @@ def check_probe_grads(model: torch.nn.Module, probe_ran: bool) -> Check:
 
 
 def short_run_config(cfg: TrainConfig, out_dir: str, dtype: torch.dtype) -> TrainConfig:
-    """``cfg`` shrunk to a 1-layer, 16-wide model (the loop's schedule and precision handling do not
-    depend on the model) for a few accumulated steps, with a warmup longer than the run so that every
-    step's lr differs."""
+    """``cfg`` shrunk to a 1-layer, 16-wide model for a few accumulated steps, warmup longer than the run (every
+    step's lr differs)."""
     return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=dtype_name(dtype),
                                wandb=False, init_from="", n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
                                grad_accum=SHORT_RUN_ACCUM, max_iters=SHORT_RUN_STEPS, warmup_iters=SHORT_RUN_STEPS + 1,
@@ -411,10 +390,8 @@ def short_run_config(cfg: TrainConfig, out_dir: str, dtype: torch.dtype) -> Trai
 
 
 def short_run(cfg: TrainConfig, dtype: torch.dtype) -> tuple[TrainConfig, list[dict], dict]:
-    """train.train itself on short_run_config, in a temporary folder, its output hidden.
-
-    Returns (the config it ran, its metrics.jsonl records, its last.pt). Reseeds the global RNG.
-    """
+    """(config, metrics.jsonl records, last.pt) of train.train on short_run_config, in a temporary folder, its
+    output hidden. Reseeds the global RNG."""
     with tempfile.TemporaryDirectory() as out_dir:
         small = short_run_config(cfg, out_dir, dtype)
         with contextlib.redirect_stdout(io.StringIO()):
@@ -424,11 +401,8 @@ def short_run(cfg: TrainConfig, dtype: torch.dtype) -> tuple[TrainConfig, list[d
 
 
 def check_lr_schedule(small: TrainConfig, records: list[dict], schedule: Callable[[int, TrainConfig], float]) -> Check:
-    """The short run (grad_accum > 1) set get_lr(step) per *optimizer* step, not per micro-batch.
-
-    ``schedule`` is the reference (train.get_lr); it is an argument so that a test can break the
-    loop's use of it and still compare with the real one.
-    """
+    """The short run (grad_accum > 1) set get_lr(step) per *optimizer* step, not per micro-batch. ``schedule`` is
+    the reference (train.get_lr), an argument so that a test can break the loop's use of it."""
     used = [r["lr"] for r in records if "lr" in r]  # the lr the loop set on the optimizer, per step
     expected = [schedule(step, small) for step in range(small.max_iters)]
     passed = len(used) == len(expected) and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(used, expected))
@@ -462,11 +436,8 @@ def check_master_weights(state: dict) -> Check:
 
 # ----------------------------------------------------------------------------- running them all
 def run_checks(cfg: TrainConfig) -> list[Check]:
-    """Every check, on the model, data and tokenizer that ``cfg`` trains with.
-
-    With init_from, the checks run on randomly initialised models of the imported shape (activation,
-    biases, tokenizer): the doctor checks the code path, not the pretrained weights.
-    """
+    """Every check, on the model, data and tokenizer that ``cfg`` trains with; with init_from, on random inits
+    of the imported shape: the doctor checks the code path, not the pretrained weights."""
     if cfg.init_from:
         cfg = hf.start_from(dataclasses.replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
