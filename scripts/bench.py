@@ -101,17 +101,13 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def peak_memory(device: torch.device) -> int:
-    """Peak bytes: CUDA max_memory_allocated, else the process's peak resident set size."""
+    """Peak bytes: CUDA max_memory_allocated, else the process's peak resident set size (since the last reset)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    status = Path("/proc/self/status")
+    if status.is_file():  # Linux: VmHWM, which reset_peak_memory resets (ru_maxrss never is)
+        return next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines() if line[:6] == "VmHWM:")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # B / KiB
 
 
 def run(benches: list[Bench], steps: int, warmup: int, rounds: int) -> list[dict]:

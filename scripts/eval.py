@@ -112,8 +112,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="targets to score; -1 = as training did for its val split, all of a --data_path file")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=0,
                         help="windows per forward pass; 0 = the run's batch_size (the one that reproduces its numbers)")
-    parser.add_argument("--dtype", default="", choices=["", "float32", "bfloat16", "float16"],
-                        help="precision of the forward pass; default: the one the run trained in")
     parser.add_argument("--device", default="auto", help=field_help()["device"])
     parser.add_argument("--threads", type=int, default=0, help=field_help()["threads"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -127,9 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def eval_runtime(loaded: Loaded, args: argparse.Namespace) -> Runtime:
     """train.py's choice (choose_runtime) for the run's config with this --device and --threads, in the run's
-    precision unless --dtype says otherwise. Eager: one pass over val would not repay a compile."""
-    return choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads,
-                                  dtype=args.dtype or loaded.precision))
+    precision. Eager: one pass over val would not repay a compile."""
+    return choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
 
 
 def main(argv: list[str] | None = None) -> None:
