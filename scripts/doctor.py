@@ -63,6 +63,11 @@ class Check:
     meaning: str  # one line: what a pass shows, or where a failure points
 
 
+def verdict(name: str, passed: bool, measured: str, shows: str, points_to: str) -> Check:
+    """The Check, its meaning ``shows`` (what a pass shows) or ``points_to`` (where a failure points)."""
+    return Check(name, passed, measured, shows if passed else points_to)
+
+
 # ----------------------------------------------------------------------------- data checks
 def window_starts(data: np.ndarray, window: np.ndarray) -> np.ndarray:
     """Every position at which ``window`` occurs in ``data``."""
@@ -92,10 +97,9 @@ def check_token_range(splits: dict[str, np.ndarray], vocab_size: int) -> Check:
     """Every token id is below the model's vocab size (padded rows would hide a bad id)."""
     top = {name: int(ids.max()) for name, ids in splits.items()}
     worst = max(top, key=top.get)
-    passed = top[worst] < vocab_size
-    meaning = ("every id has its own embedding row and logit" if passed else
-               "ids past the vocab hit padding rows or crash the loss: re-prepare the data with this tokenizer")
-    return Check("token ids", passed, f"max id {top[worst]} ({worst}) vs vocab {vocab_size}", meaning)
+    return verdict("token ids", top[worst] < vocab_size, f"max id {top[worst]} ({worst}) vs vocab {vocab_size}",
+                   "every id has its own embedding row and logit",
+                   "ids past the vocab hit padding rows or crash the loss: re-prepare the data with this tokenizer")
 
 
 def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
@@ -121,9 +125,8 @@ def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
     measured = (f"{len(ids):,} tokens{stretches} -> {n_chars:,} chars -> the same {len(ids):,} tokens" if passed else
                 f"{len(ids):,} tokens{stretches} -> {n_chars:,} chars -> {len(again):,} tokens, first differs at "
                 f"{first_diff}")
-    meaning = ("the tokenizer loses nothing: samples decode to what was trained on" if passed else
-               "decode or encode loses or changes text: the model learns one thing and you read another")
-    return Check("round trip", passed, measured, meaning)
+    return verdict("round trip", passed, measured, "the tokenizer loses nothing: samples decode to what was trained on",
+                   "decode or encode loses or changes text: the model learns one thing and you read another")
 
 
 def split_at(ids: list[int], special: set[int]) -> list[list[int]]:
@@ -147,10 +150,10 @@ def check_init_loss(model: GPT, x: torch.Tensor, y: torch.Tensor,
     loss = (loss_sum / n).item()
     expected = math.log(vocab_size)
     allowed = tolerance * expected
-    passed = abs(loss - expected) <= allowed
-    meaning = ("a fresh model spreads its bets evenly over the vocabulary" if passed else
-               "init too large (over-confident), wrong vocab size, or a mis-reduced loss (shapes, sum vs mean)")
-    return Check("init loss", passed, f"{loss:.4f} vs ln({vocab_size}) = {expected:.4f} ± {allowed:.3f}", meaning)
+    return verdict("init loss", abs(loss - expected) <= allowed,
+                   f"{loss:.4f} vs ln({vocab_size}) = {expected:.4f} ± {allowed:.3f}",
+                   "a fresh model spreads its bets evenly over the vocabulary",
+                   "init too large (over-confident), wrong vocab size, or a mis-reduced loss (shapes, sum vs mean)")
 
 
 def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
@@ -209,10 +212,9 @@ def check_causal(model: GPT, x: torch.Tensor, tolerance: float = CAUSAL_TOLERANC
         past_changed = model(changed)[0][:, :cut]
     model.train()
     diff = (past - past_changed).abs().max().item()
-    passed = diff <= tolerance
-    meaning = ("position t sees only tokens 0..t" if passed else
-               "the attention mask leaks the future: train loss drops, generation is garbage")
-    return Check("causal", passed, f"max |Δ past logit| {diff:.1e} (limit {tolerance:.0e})", meaning)
+    return verdict("causal", diff <= tolerance, f"max |Δ past logit| {diff:.1e} (limit {tolerance:.0e})",
+                   "position t sees only tokens 0..t",
+                   "the attention mask leaks the future: train loss drops, generation is garbage")
 
 
 def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, steps: int = OVERFIT_STEPS,
@@ -225,12 +227,10 @@ def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, s
         first = loss if step == 1 else first
         if loss < threshold:
             break
-    passed = loss < threshold
-    meaning = ("model, loss and optimizer step can learn" if passed else
-               "cannot even memorise one batch: check the lr, zero_grad, the loss and the optimizer groups")
-    return Check("overfit", passed,
-                 f"{first:.3f} -> {loss:.3f} in {step} steps at lr {lr:.1e} (need < {threshold} within {steps})",
-                 meaning)
+    return verdict("overfit", loss < threshold,
+                   f"{first:.3f} -> {loss:.3f} in {step} steps at lr {lr:.1e} (need < {threshold} within {steps})",
+                   "model, loss and optimizer step can learn",
+                   "cannot even memorise one batch: check the lr, zero_grad, the loss and the optimizer groups")
 
 
 def overfit_run(cfg: TrainConfig, rt, steps: int = OVERFIT_STEPS) -> train.Run:
@@ -261,12 +261,11 @@ def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
     true_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item() / scale
     max_norm = true_norm / 10
     reported = train.optimizer_step(optimizer, scaler, guard, params, max_norm, 1, loss_sum).item()
-    passed = math.isclose(reported, true_norm, rel_tol=1e-3)
-    measured = (f"reported {reported:.4g} vs true pre-clip {true_norm:.4g} (loss scale {scale:g}, clip at "
-                f"{max_norm:.3g})")
-    meaning = ("the logged grad norm is the gradient's own, before clipping" if passed else
-               "clipping before scaler.unscale_ (fp16 clips ~scale times too hard) or the norm taken after clipping")
-    return Check("grad norm", passed, measured, meaning)
+    return verdict("grad norm", math.isclose(reported, true_norm, rel_tol=1e-3),
+                   f"reported {reported:.4g} vs true pre-clip {true_norm:.4g} (loss scale {scale:g}, clip at "
+                   f"{max_norm:.3g})", "the logged grad norm is the gradient's own, before clipping",
+                   "clipping before scaler.unscale_ (fp16 clips ~scale times too hard) or the norm taken after "
+                   "clipping")
 
 
 def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -288,13 +287,12 @@ def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: to
         stopped = True
     changed = sum(not torch.equal(p, b) for p, b in zip(params, before))
     non_finite = sum(not torch.isfinite(p).all() for p in params)
-    passed = stopped and changed == 0
     measured = (f"loss {(loss_sum / n).item():.3f}, one NaN gradient: "
                 + ("stopped" if stopped else "NOT stopped") + f", {changed} of {len(params)} tensors changed"
                 + (f" ({non_finite} non-finite)" if non_finite else ""))
-    meaning = ("a NaN gradient never reaches the weights, even under a finite loss" if passed else
-               "the non-finite guard checks the loss only (or not at all): NaN gradients are applied")
-    return Check("nan guard", passed, measured, meaning)
+    return verdict("nan guard", stopped and changed == 0, measured,
+                   "a NaN gradient never reaches the weights, even under a finite loss",
+                   "the non-finite guard checks the loss only (or not at all): NaN gradients are applied")
 
 
 def check_dropout_modes(model: GPT, x: torch.Tensor) -> Check:
@@ -304,12 +302,10 @@ def check_dropout_modes(model: GPT, x: torch.Tensor) -> Check:
         eval_diff = (model(x)[0] - model(x)[0]).abs().max().item()
         model.train()
         train_diff = (model(x)[0] - model(x)[0]).abs().max().item()
-    passed = eval_diff == 0 and train_diff > 0
-    meaning = ("dropout is on in train mode and off in eval mode" if passed else
-               "dropout ignores the mode (a functional dropout without training=self.training?)")
-    return Check("train/eval", passed,
-                 f"eval max|Δ| {eval_diff:.1e}, train max|Δ| {train_diff:.1e} (dropout {model.config.dropout})",
-                 meaning)
+    return verdict("train/eval", eval_diff == 0 and train_diff > 0,
+                   f"eval max|Δ| {eval_diff:.1e}, train max|Δ| {train_diff:.1e} (dropout {model.config.dropout})",
+                   "dropout is on in train mode and off in eval mode",
+                   "dropout ignores the mode (a functional dropout without training=self.training?)")
 
 
 def rng_states(device: torch.device) -> list[torch.Tensor]:
@@ -357,13 +353,11 @@ def check_tied(model: torch.nn.Module) -> Check:
     wte, head = inner.transformer.wte.weight, inner.lm_head.weight
     same_param = wte is head
     same_storage = wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
-    passed = same_param and same_storage
     measured = (f"{'one Parameter' if same_param else 'two Parameters'}, "
                 f"{'one storage' if same_storage else 'two storages'} on {wte.device}"
                 + (", compiled" if inner is not model else ""))
-    meaning = ("embedding and head train as one matrix" if passed else
-               "tying came apart (or was done by sharing .data): a move or cast gives two matrices")
-    return Check("tied weights", passed, measured, meaning)
+    return verdict("tied weights", same_param and same_storage, measured, "embedding and head train as one matrix",
+                   "tying came apart (or was done by sharing .data): a move or cast gives two matrices")
 
 
 def check_probe_grads(model: torch.nn.Module, probe_ran: bool) -> Check:
@@ -409,9 +403,8 @@ def check_lr_schedule(small: TrainConfig, records: list[dict], schedule: Callabl
     shown = ", ".join(f"{lr:.2e}" for lr in used)
     measured = (f"steps 1-{small.max_iters} x {small.grad_accum} micro-batches: lr {shown}"
                 + (" = get_lr(step)" if passed else f" vs get_lr {', '.join(f'{lr:.2e}' for lr in expected)}"))
-    meaning = ("warmup and decay advance once per optimizer step, as get_lr says" if passed else
-               "the loop's step count is not get_lr's (micro-batches counted?): warmup and decay end too early")
-    return Check("lr schedule", passed, measured, meaning)
+    return verdict("lr schedule", passed, measured, "warmup and decay advance once per optimizer step, as get_lr says",
+                   "the loop's step count is not get_lr's (micro-batches counted?): warmup and decay end too early")
 
 
 def floating_dtypes(value) -> Counter:
@@ -426,12 +419,11 @@ def check_master_weights(state: dict) -> Check:
     """After the short run in the configured precision, the weights and the optimizer's moments are all
     fp32: autocast computes in bf16/fp16, but the updates must land on fp32 copies."""
     found = {part: floating_dtypes(state[part]) for part in ("model", "optimizer")}
-    passed = all(set(counts) == {"float32"} for counts in found.values())
     measured = f"after {state['step']} steps in {state['precision']}: " + "; ".join(
         f"{part} " + ", ".join(f"{n} {dtype}" for dtype, n in sorted(counts.items())) for part, counts in found.items())
-    meaning = ("weights and moments stay fp32; autocast does the low-precision maths" if passed else
-               "the model was cast to low precision: small updates round away (no fp32 master copy)")
-    return Check("master weights", passed, measured, meaning)
+    return verdict("master weights", all(set(counts) == {"float32"} for counts in found.values()), measured,
+                   "weights and moments stay fp32; autocast does the low-precision maths",
+                   "the model was cast to low precision: small updates round away (no fp32 master copy)")
 
 
 # ----------------------------------------------------------------------------- running them all
