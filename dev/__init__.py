@@ -2,11 +2,12 @@
 
     python -m dev.gpu_check --dry-run
 
-    gpu_check      the GPU path end to end on a CUDA machine (bf16, compile, DDP, resume, RNG, sample)
-    vs_nanogpt     our train.py against nanoGPT's own, alternating rounds at its CPU recipe
-    bench_sample   sample.py's tokens/s with and without the KV cache, and that both give the same text
-    bench_prepare  corpus preparation's MB/s (.jsonl against .parquet) and one large .txt's peak memory
-    bpe_trainers   seconds to train a BPE with rustbpe against Hugging Face tokenizers, and whether each repeats
+    gpu_check   the GPU path end to end on a CUDA machine (bf16, compile, DDP, resume, RNG, sample)
+    chat_demo   a chat fine-tune, full and LoRA, of a base run, over several seeds
+    bench_lora  a LoRA step's time and memory against a full fine-tune's
+    shape       what a reader holds: lines per file, train.py's imported names, one step's path
 
-They run like the user's tools in scripts/ (`python -m`, the reasons are in scripts/__init__.py).
+They run like the user's tools in scripts/ (`python -m`, the reasons are in scripts/__init__.py). One-off
+measurements whose numbers live in docs/ were removed after commit df1fd93 (bench_sample, bench_prepare,
+vs_nanogpt, bpe_trainers): each number there names its command; `git show df1fd93:dev/NAME.py` has the script.
 """

@@ -72,11 +72,12 @@ class Plan:
     device: str
 
 
-def run(cmd: list[str], shown: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Print the command (``shown`` if given: what a user would type), run it in the repo, capture its output."""
-    print("$ " + shlex.join(shown or cmd), flush=True)
+def run(cmd: list[str], *wrapper: str) -> subprocess.CompletedProcess:
+    """Print `python CMD` as a user would type it, run it (inside ``wrapper``, python flags) in the repo, capture it."""
+    print("$ " + shlex.join(["python", *cmd]), flush=True)
     try:
-        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        return subprocess.run([sys.executable, *wrapper, *cmd], cwd=REPO, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:  # a FAIL line like any other failure, not a traceback
         return subprocess.CompletedProcess(cmd, 124, "", f"killed after {RUN_TIMEOUT_S} s")
 
@@ -85,6 +86,14 @@ def failure(result: subprocess.CompletedProcess) -> str:
     """One line saying why a command failed: its last line of stderr."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     return f"exit {result.returncode}: {lines[-1].strip() if lines else 'no output'}"[:300]
+
+
+def short_of(plan: Plan, name: str) -> str:
+    """Why a finished run's metrics.jsonl does not reach plan.steps; empty when it does."""
+    logged = sorted(losses(plan.out / name))
+    if logged and logged[-1] == plan.steps:
+        return ""
+    return f"metrics.jsonl ends at step {logged[-1] if logged else None}, not {plan.steps}"
 
 
 def train_cmd(plan: Plan, name: str, steps: int, *extra: str) -> list[str]:
@@ -114,14 +123,10 @@ def throughput(out_dir: Path) -> str:
 
 
 def check_train(plan: Plan) -> Check:
-    cmd = train_cmd(plan, "train", plan.steps)
-    result = run([sys.executable, "-c", PEAK_PROBE, *cmd], shown=["python", *cmd])
-    if result.returncode != 0:
-        return Check("train", "FAIL", failure(result))
-    logged = sorted(losses(plan.out / "train"))
-    if not logged or logged[-1] != plan.steps:
-        return Check("train", "FAIL", f"metrics.jsonl ends at step {logged[-1] if logged else None}, "
-                                      f"not {plan.steps}")
+    result = run(train_cmd(plan, "train", plan.steps), "-c", PEAK_PROBE)
+    why = failure(result) if result.returncode else short_of(plan, "train")
+    if why:
+        return Check("train", "FAIL", why)
     peak = next((int(line.split()[1]) for line in result.stdout.splitlines()
                  if line.startswith("peak_memory_bytes")), 0)
     memory = f"peak GPU memory {peak / 2**30:.2f} GiB" if peak else "peak GPU memory n/a (CPU)"
@@ -131,14 +136,11 @@ def check_train(plan: Plan) -> Check:
 def check_ddp(plan: Plan) -> Check:
     if plan.nproc < 2:
         return Check("ddp", "SKIP", f"{plan.nproc} GPU: DDP needs 2 or more")
-    cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.nproc}",
-           *train_cmd(plan, "ddp", plan.steps)]
-    result = run([sys.executable, *cmd], shown=["python", *cmd])
-    if result.returncode != 0:
-        return Check("ddp", "FAIL", failure(result))
-    logged = sorted(losses(plan.out / "ddp"))
-    if not logged or logged[-1] != plan.steps:
-        return Check("ddp", "FAIL", f"metrics.jsonl ends at step {logged[-1] if logged else None}, not {plan.steps}")
+    result = run(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.nproc}",
+                  *train_cmd(plan, "ddp", plan.steps)])
+    why = failure(result) if result.returncode else short_of(plan, "ddp")
+    if why:
+        return Check("ddp", "FAIL", why)
     return Check("ddp", "PASS", f"{plan.nproc} ranks, {throughput(plan.out / 'ddp')} (whole job)")
 
 
@@ -146,8 +148,7 @@ def check_resume(plan: Plan) -> Check:
     """Run N steps, then --resume to 2N: it must say it resumed at N and log each step once."""
     half = plan.steps // 2
     for steps, extra in ((half, ()), (2 * half, ("--resume",))):
-        cmd = train_cmd(plan, "resumed", steps, *RNG_ARGS, *extra)
-        result = run([sys.executable, *cmd], shown=["python", *cmd])
+        result = run(train_cmd(plan, "resumed", steps, *RNG_ARGS, *extra))
         if result.returncode != 0:
             return Check("resume", "FAIL", failure(result))
     if f"at step {half} " not in result.stdout:
@@ -161,8 +162,7 @@ def check_resume(plan: Plan) -> Check:
 def check_rng(plan: Plan) -> Check:
     """2N steps straight must equal the resume check's N + resume + N: losses and final random streams."""
     half = plan.steps // 2
-    cmd = train_cmd(plan, "straight", 2 * half, *RNG_ARGS)
-    result = run([sys.executable, *cmd], shown=["python", *cmd])
+    result = run(train_cmd(plan, "straight", 2 * half, *RNG_ARGS))
     if result.returncode != 0:
         return Check("rng", "FAIL", failure(result))
     straight, resumed = losses(plan.out / "straight"), losses(plan.out / "resumed")
@@ -200,9 +200,8 @@ def same(a: Any, b: Any) -> bool:
 
 
 def check_sample(plan: Plan) -> Check:
-    cmd = ["sample.py", "--ckpt", str(plan.out / "train"), "--max-new-tokens", "50", "--no-stream",
-           "--device", plan.device]
-    result = run([sys.executable, *cmd], shown=["python", *cmd])
+    result = run(["sample.py", "--ckpt", str(plan.out / "train"), "--max-new-tokens", "50", "--no-stream",
+                  "--device", plan.device])
     if result.returncode != 0:
         return Check("sample", "FAIL", failure(result))
     if "-" * 40 not in result.stdout:
@@ -214,8 +213,8 @@ CHECKS = (check_train, check_ddp, check_resume, check_rng, check_sample)  # rng 
 
 
 def make_plan(args) -> Plan:
-    common = ["--config", "gpt2", "--eval_tokens", str(args.eval_tokens), "--grad_accum", str(args.grad_accum),
-              "--warmup_iters", "2", "--log_interval", "5"]
+    common = ["--config", "gpt2", "--eval_tokens", "8192", "--grad_accum", "2", "--warmup_iters", "2",
+              "--log_interval", "5"]
     # Absolute paths: the commands run in the repo, whatever folder this script was started from.
     common += [f"--{name}={Path(value).resolve()}" for name in ("data_path", "data_dir")
                if (value := getattr(args, name))]
@@ -237,8 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", "--dry_run", action="store_true",
                         help="run the same commands on CPU with the tiny preset's shape (for CI)")
     parser.add_argument("--steps", type=int, default=20, help="steps of the train and ddp runs (even, >= 2)")
-    parser.add_argument("--grad_accum", "--grad-accum", type=int, default=2, help="micro-batches per step")
-    parser.add_argument("--eval_tokens", "--eval-tokens", type=int, default=8192, help="val targets per eval")
     parser.add_argument("--out_dir", "--out-dir", type=Path, default=Path("out/gpu_check"),
                         help="one subfolder per run; those subfolders are replaced")
     parser.add_argument("--data_path", "--data-path", default="",

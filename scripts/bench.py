@@ -6,14 +6,10 @@
     python -m scripts.bench --matmul                                  # fp32 / bf16 matmul peak GFLOP/s
     python -m scripts.bench --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
-The step is made of train.py's own functions, so the benchmark measures what training runs: the
-same batches (the run's training stream, data.LOADERS), model, optimizer and precision (train.build_run,
-runtime.choose_runtime), LR (train.get_lr), train.accumulate_gradients (autocast, token-count normalisation, backward) and
-train.optimizer_step (unscale, clip, the non-finite guard, update, zero_grad). tests/test_perf.py
-checks that its losses equal train.py's. Each phase ends with a device sync so its timer is honest
-(on CPU the ops are synchronous anyway); --profile N adds the profiler's top N ops. Warm-up steps are
-excluded and the medians of many steps are reported. With --vs both configs are built in one process
-and timed in alternating rounds, so load from other processes on a shared machine falls on both alike.
+The step is train.py's own (train.build_run, train.train_step, the run's training stream), so the benchmark measures
+what training runs (tests/test_perf.py: the same losses). Each phase ends with a device sync; warm-up steps are left
+out and medians reported; with --vs both configs are timed in alternating rounds in one process, so load from other
+processes falls on both alike. Measured rows and their commands: docs/performance.md.
 """
 from __future__ import annotations
 
@@ -34,7 +30,6 @@ from process.rundir import check_writable
 from process.errors import TinyGPTError, exit_on
 from training.runtime import (choose_runtime, compile_for_step, matmul_gflops, pick_device, threads_text,
                                use_threads)
-from model import GPT
 from train import Run, build_run, get_lr, train_step
 
 PHASES = ("data", "forward_backward", "optimizer")
@@ -57,14 +52,6 @@ class Bench:
     @property
     def device(self) -> torch.device:
         return self.run.rt.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.run.rt.dtype
-
-    @property
-    def model(self) -> GPT:
-        return self.run.model
 
 
 def build(name: str, cfg: TrainConfig) -> Bench:
@@ -114,17 +101,13 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def peak_memory(device: torch.device) -> int:
-    """Peak bytes: CUDA max_memory_allocated, else the process's peak resident set size."""
+    """Peak bytes: CUDA max_memory_allocated, else the process's peak resident set size (since the last reset)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    status = Path("/proc/self/status")
+    if status.is_file():  # Linux: VmHWM, which reset_peak_memory resets (ru_maxrss never is)
+        return next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines() if line[:6] == "VmHWM:")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # B / KiB
 
 
 def run(benches: list[Bench], steps: int, warmup: int, rounds: int) -> list[dict]:
@@ -160,15 +143,14 @@ def profile(b: Bench, top: int) -> str:
 
 def summarise(b: Bench) -> dict:
     totals = [sum(parts) for parts in zip(*b.times.values())]
-    step_s = statistics.median(totals)
-    tokens = b.cfg.tokens_per_step()
-    flops_per_token = b.model.flops_per_token(b.cfg.block_size)
-    return {"name": b.name, "device": str(b.device), "dtype": str(b.dtype).removeprefix("torch."),
-            "compiled": b.train_model is not b.model, "compile_s": b.compile_s, "steps": len(totals),
+    step_s, tokens, model = statistics.median(totals), b.cfg.tokens_per_step(), b.run.model
+    flops_per_token = model.flops_per_token(b.cfg.block_size)
+    return {"name": b.name, "device": str(b.device), "dtype": str(b.run.rt.dtype).removeprefix("torch."),
+            "compiled": b.train_model is not model, "compile_s": b.compile_s, "steps": len(totals),
             "ms_per_step": step_s * 1000, "step_ms": [t * 1000 for t in totals], "tokens_per_s": tokens / step_s,
             "phases_ms": {p: statistics.median(v) * 1000 for p, v in b.times.items()},
             "model_gflops": flops_per_token * tokens / step_s / 1e9,
-            "peak_mib": b.peak_bytes / 2**20, "params": b.model.num_params(),
+            "peak_mib": b.peak_bytes / 2**20, "params": model.num_params(),
             "threads": b.threads, "last_loss": b.losses[-1].item() if b.losses else math.nan}
 
 
@@ -236,11 +218,10 @@ def main(argv: list[str] | None = None) -> None:
             use_threads(args.threads)
             matmul_report(pick_device(base.get("device", "auto")))
             return
-        configs = [("A", make_config(args.config, out_dir="out/bench", **base))]
-        if args.vs:
-            configs.append(("B", make_config(args.config, out_dir="out/bench", **{**base, **parse_overrides([args.vs])})))
-        benches = [build(f"{name}: {args.config} {' '.join(args.overrides + ([args.vs] if name == 'B' else []))}".strip(), cfg)
-                   for name, cfg in configs]
+        overrides = {"A": base} | ({"B": base | parse_overrides([args.vs])} if args.vs else {})
+        configs = {name: make_config(args.config, out_dir="out/bench", **o) for name, o in overrides.items()}
+        labels = {"A": " ".join(args.overrides), "B": " ".join(args.overrides + [args.vs or ""])}
+        benches = [build(f"{name}: {args.config} {labels[name]}".strip(), cfg) for name, cfg in configs.items()]
     except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     results = run(benches, args.steps, args.warmup, rounds)

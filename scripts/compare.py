@@ -5,30 +5,11 @@
     python -m scripts.compare --config small --time 180 --seeds 3 base: wide:n_embd=192   # equal wall time
     python -m scripts.compare --config tiny --steps 200 --seeds 2 --set batch_size=16 base: drop:dropout=0.1
 
-A variant is NAME:KEY=VALUE[,KEY=VALUE...]: config overrides on top of the preset and of --set (which
-applies to every variant; a variant's own value wins). `base:`, nothing after the colon, is the preset
-as it is. The first variant is the baseline, or the one --vs names. Any config field works, including ones
-added later, and so does any optimizer or lr decay of training/optim.py's tables (muon:optimizer=muon, wsd:lr_decay=wsd).
-
-Why it works this way (docs/experiments.md, "Comparing variants honestly"):
-- --steps N: each run is N steps on a step schedule (max_iters = lr_decay_iters = N, no time cap), so
-  its losses do not depend on the machine's speed and a rerun is bit-exact: the quality answer.
-  --time S gives each run S seconds of wall clock instead (schedule=time): the speed-adjusted answer.
-- Seed s is the same initialisation and the same batches in every variant, so variants are compared
-  seed by seed: the mean paired difference to the baseline, its 95% t-interval and the p-value of a
-  paired t-test (scipy.stats.ttest_rel).
-- Runs go round by round (seed 1 of every variant, then seed 2, ...), so load from other processes
-  falls on all variants alike; speed is the median over rounds of each variant's ms/step over the
-  baseline's in the same round (each run's median, its first log interval left out as warm-up).
-- Every variant's full config is built and validated before anything runs. dtype=auto is decided once
-  for the whole comparison: a precision that differed between variants would be a second variable.
-- Every (variant, seed) is train.py's own train() in EXP/NAME/seed-N. Rerunning the same command reuses
-  finished runs and resumes a stopped one from its last.pt; Ctrl-C saves the current run and exits 130.
-  A run already on disk with other settings is refused, never mixed in. A run made by other code (a hash
-  of the repo's training sources, edits included: code_fingerprint) is trained again, the old one moved
-  to EXP/stale/, with a line saying so: the tables never show results of code that no longer exists.
-
-Writes EXP/results.json, EXP/results.md (the printed tables) and EXP/compare.png (scripts/plot.py).
+A variant is NAME:KEY=VALUE[,KEY=VALUE...] on top of the preset and of --set; `NAME:` alone is the preset as it
+is; the first variant (or --vs) is the baseline. Each (variant, seed) is train.py's train() in EXP/NAME/seed-N, run
+round by round, checked before any runs; a rerun reuses the finished runs of this code and settings and resumes a
+stopped one. Why each choice: docs/experiments.md, "Comparing variants honestly". Writes EXP/results.json,
+EXP/results.md (the printed tables) and EXP/compare.png (scripts/plot.py).
 """
 from __future__ import annotations
 
@@ -152,7 +133,7 @@ def variant_overrides(args, variants: list[Variant]) -> dict[str, dict[str, Any]
 
 
 def check_flags(args) -> None:
-    """The command's own flags (the variants and --set are checked by make_plan). Raises ConfigError."""
+    """The command's own flags and the variants' names (their overrides are checked by make_plan)."""
     if args.steps is None and args.time is None:
         raise ConfigError("give --steps N (equal steps: the quality answer) or --time S (equal wall time)")
     for flag, value in (("--steps", args.steps), ("--time", args.time)):
@@ -166,20 +147,18 @@ def check_flags(args) -> None:
     if not args.variants:
         raise ConfigError("no variants: name at least one, e.g. base: rope:pos_emb=rope")
     names = [text.partition(":")[0] for text in args.variants]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"variant name `{twice[0]}` is used twice; each variant needs its own name")
     if args.vs is not None and args.vs not in names:
         raise ConfigError(f"--vs {args.vs} names no variant; the variants are {', '.join(names)}")
 
 
 def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
     """Validate everything the command asks for and lay out its runs; writes nothing. Raises ConfigError.
-
-    With ``code`` (code_fingerprint), runs on disk made by other code are not checked: they are trained again."""
+    Runs on disk made by other code than ``code`` (code_fingerprint) are not checked: they are trained again."""
     check_flags(args)
     variants = [parse_variant(text) for text in args.variants]
-    names = [v.name for v in variants]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ConfigError(f"variant name `{twice[0]}` is used twice; each variant needs its own name")
     folder = args.out or default_folder(args.config, args.steps, args.time)
     overrides = variant_overrides(args, variants)
     seeds = list(range(1, args.seeds + 1))
@@ -211,10 +190,7 @@ def pin_auto_dtype(runs: list[Run]) -> list[Run]:
     if not auto:
         return runs
     saved = [cfg["dtype"] for cfg in map(saved_config, (r.folder for r in auto)) if cfg and cfg.get("dtype") != "auto"]
-    if saved:
-        dtype = saved[0]
-    else:
-        dtype = str(choose_runtime(auto[0].config()).dtype).removeprefix("torch.")
+    dtype = saved[0] if saved else str(choose_runtime(auto[0].config()).dtype).removeprefix("torch.")
     print(f"dtype auto -> {dtype} for every run of this comparison")
     return [dataclasses.replace(r, overrides={**r.overrides, "dtype": dtype}) if r in auto else r for r in runs]
 
@@ -235,17 +211,15 @@ def check_reusable(run: Run) -> None:
 
 # ----------------------------------------------------------------------------- the code a run ran
 def source_files() -> list[str]:
-    """The repo's .py files a training run can import, tracked or not (a fork's new module may not be added
-    yet): every one outside NOT_TRAINING_CODE, as paths relative to the repo."""
+    """The repo's .py files, tracked or not (a fork's new module), outside NOT_TRAINING_CODE, relative to the repo."""
     listed = git("ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py", cwd=REPO).splitlines()
     paths = listed or [str(p.relative_to(REPO)) for p in REPO.rglob("*.py")]
     return sorted(p for p in set(paths) if p.split("/")[0] not in NOT_TRAINING_CODE and (REPO / p).is_file())
 
 
 def code_fingerprint() -> dict[str, str]:
-    """What code this process trains with: a hash of those files' contents as they are on disk (uncommitted
-    edits included, so editing model.py changes it, and a commit that only touches docs does not), and
-    the commit for people to read."""
+    """A hash of source_files' contents on disk (edits included; a docs-only commit changes nothing) and the
+    commit, for people to read."""
     digest = hashlib.sha256()
     for path in source_files():
         digest.update(path.encode() + b"\0" + (REPO / path).read_bytes() + b"\0")
@@ -272,8 +246,7 @@ def is_stale(run: Run, code: dict[str, str]) -> bool:
 
 
 def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
-    """A run on disk made by other code is not a result of this code: move it to EXP/stale/HASH/ (kept, never
-    deleted, and out of the tables and plots) and say so, so that it is trained again."""
+    """Move a run on disk made by other code to EXP/stale/HASH/ (kept, out of the tables), saying so."""
     if not is_stale(run, code):
         return
     saved = saved_code(run.folder)
@@ -292,12 +265,8 @@ def write_json(path: Path, record: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------- running
 def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
-    """Every run of the plan in order; finished ones are skipped, stopped ones resumed, both only if they ran
-    this very code (``code``); others are set aside and trained again.
-
-    A signal during a run saves it and raises RunStopped saying how to continue. A run that stops on
-    a non-finite loss is a result (the variant diverged), recorded with nan losses; the others go on.
-    """
+    """Every run of the plan in order: finished ones of this ``code`` skipped, stopped ones resumed. A signal
+    saves the run and raises RunStopped; a non-finite loss is a result (diverged, nan losses) and the others go on."""
     for i, run in enumerate(plan.runs, 1):
         where = f"[{i}/{len(plan.runs)}] {run.variant} seed {run.seed}"
         set_aside_if_stale(run, code, where)
@@ -337,8 +306,7 @@ def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str
 
 
 def parameter_count(folder: Path) -> int:
-    """Every parameter of the model, as train.py's model line counts them (a rope model has no position
-    table), from the run's last.pt (0 if there is none)."""
+    """Every parameter, as train.py's model line counts them, from the run's last.pt (0 without one)."""
     if not (folder / "last.pt").is_file():
         return 0
     return from_checkpoint(folder / "last.pt").model.num_params(non_embedding=False)
@@ -372,8 +340,8 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def summarise(plan: Plan, vs: str | None = None) -> dict[str, Any]:
-    """results.json: every run's numbers, and per variant the spread, the paired test against the control
-    (``vs``, else the first variant) and the speed."""
+    """results.json: every run's numbers; per variant the spread, the paired test against ``vs`` (else the
+    first variant) and the speed."""
     results = {(r.variant, r.seed): json.loads((r.folder / RESULT).read_text()) for r in plan.runs}
     base = vs or plan.variants[0].name
     rows = []

@@ -3,12 +3,9 @@
     python -m scripts.doctor --config small              # same config and overrides as train.py
     python -m scripts.doctor --config small --dropout 0.1
 
-Prints one line per check: PASS or FAIL, the measured figure, and what it means. Exit status 1 if
-any check fails. Each check is a small function taking what it needs (a model, a batch, a
-tokenizer) and returning a ``Check``, so tests can call it on deliberately broken variants. The
-checks go through the repo's own code paths (the training stream, ``train.build_optimizer``,
-``train.accumulate_gradients``, ``train.optimizer_step``, ``NonFiniteGuard``, ``train.evaluate``,
-``compile_or_eager``, and a few steps of ``train.train`` itself), so a bug there shows up here.
+One line per check (PASS or FAIL, the measured figure, what it means; docs/doctor.md), exit 1 if any fails. Each
+check takes what it needs and returns a ``Check``, so tests can call it on broken variants; they go through train.py's
+own code paths, so a bug there shows up here.
 """
 from __future__ import annotations
 
@@ -39,8 +36,6 @@ from training.runtime import choose_runtime, compile_for_step
 from prepare.tokenizers import tokenizer_from_meta
 from process.errors import TinyGPTError, exit_on
 
-REPO = Path(__file__).resolve().parent.parent
-
 # Allowed gap between the first loss and ln(vocab), as a fraction of ln(vocab). A 0.02-std init gives
 # logits of variance ~0.02² · n_embd, which adds about half that: 0.03 nats for small, 0.15 for gpt2.
 INIT_LOSS_TOLERANCE = 0.03
@@ -66,6 +61,11 @@ class Check:
     passed: bool
     measured: str  # the figure the verdict rests on
     meaning: str  # one line: what a pass shows, or where a failure points
+
+
+def verdict(name: str, passed: bool, measured: str, shows: str, points_to: str) -> Check:
+    """The Check, its meaning ``shows`` (what a pass shows) or ``points_to`` (where a failure points)."""
+    return Check(name, passed, measured, shows if passed else points_to)
 
 
 # ----------------------------------------------------------------------------- data checks
@@ -97,21 +97,16 @@ def check_token_range(splits: dict[str, np.ndarray], vocab_size: int) -> Check:
     """Every token id is below the model's vocab size (padded rows would hide a bad id)."""
     top = {name: int(ids.max()) for name, ids in splits.items()}
     worst = max(top, key=top.get)
-    passed = top[worst] < vocab_size
-    meaning = ("every id has its own embedding row and logit" if passed else
-               "ids past the vocab hit padding rows or crash the loss: re-prepare the data with this tokenizer")
-    return Check("token ids", passed, f"max id {top[worst]} ({worst}) vs vocab {vocab_size}", meaning)
+    return verdict("token ids", top[worst] < vocab_size, f"max id {top[worst]} ({worst}) vs vocab {vocab_size}",
+                   "every id has its own embedding row and logit",
+                   "ids past the vocab hit padding rows or crash the loss: re-prepare the data with this tokenizer")
 
 
 def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
     """encode(decode(ids)) gives back the same ids, so what the model learns is what it will emit.
 
-    The stretch is cut just after newlines where it has two, so that a BPE merge cut in half at
-    either end of the sample cannot make a correct tokenizer look wrong. A document corpus encodes
-    each document on its own between special tokens (GPT-2's <|endoftext|>), which stand for no text:
-    decoded, one reads as its name, which encodes as ~7 ordinary tokens. So each stretch between
-    them makes the round trip on its own, as it was encoded, and the special tokens stay as they are.
-    """
+    Cut at newlines, so that a BPE merge cut in half at either end cannot fail a correct tokenizer; each stretch
+    between special tokens (no text: decoded, one reads as its name) makes the trip alone, as it was encoded."""
     ids = [int(i) for i in ids]
     newline = tokenizer.encode("\n") if "\n" in tokenizer.decode(ids) else []
     if len(newline) == 1 and ids.count(newline[0]) >= 2:
@@ -130,9 +125,8 @@ def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
     measured = (f"{len(ids):,} tokens{stretches} -> {n_chars:,} chars -> the same {len(ids):,} tokens" if passed else
                 f"{len(ids):,} tokens{stretches} -> {n_chars:,} chars -> {len(again):,} tokens, first differs at "
                 f"{first_diff}")
-    meaning = ("the tokenizer loses nothing: samples decode to what was trained on" if passed else
-               "decode or encode loses or changes text: the model learns one thing and you read another")
-    return Check("round trip", passed, measured, meaning)
+    return verdict("round trip", passed, measured, "the tokenizer loses nothing: samples decode to what was trained on",
+                   "decode or encode loses or changes text: the model learns one thing and you read another")
 
 
 def split_at(ids: list[int], special: set[int]) -> list[list[int]]:
@@ -156,10 +150,10 @@ def check_init_loss(model: GPT, x: torch.Tensor, y: torch.Tensor,
     loss = (loss_sum / n).item()
     expected = math.log(vocab_size)
     allowed = tolerance * expected
-    passed = abs(loss - expected) <= allowed
-    meaning = ("a fresh model spreads its bets evenly over the vocabulary" if passed else
-               "init too large (over-confident), wrong vocab size, or a mis-reduced loss (shapes, sum vs mean)")
-    return Check("init loss", passed, f"{loss:.4f} vs ln({vocab_size}) = {expected:.4f} ± {allowed:.3f}", meaning)
+    return verdict("init loss", abs(loss - expected) <= allowed,
+                   f"{loss:.4f} vs ln({vocab_size}) = {expected:.4f} ± {allowed:.3f}",
+                   "a fresh model spreads its bets evenly over the vocabulary",
+                   "init too large (over-confident), wrong vocab size, or a mis-reduced loss (shapes, sum vs mean)")
 
 
 def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
@@ -218,15 +212,14 @@ def check_causal(model: GPT, x: torch.Tensor, tolerance: float = CAUSAL_TOLERANC
         past_changed = model(changed)[0][:, :cut]
     model.train()
     diff = (past - past_changed).abs().max().item()
-    passed = diff <= tolerance
-    meaning = ("position t sees only tokens 0..t" if passed else
-               "the attention mask leaks the future: train loss drops, generation is garbage")
-    return Check("causal", passed, f"max |Δ past logit| {diff:.1e} (limit {tolerance:.0e})", meaning)
+    return verdict("causal", diff <= tolerance, f"max |Δ past logit| {diff:.1e} (limit {tolerance:.0e})",
+                   "position t sees only tokens 0..t",
+                   "the attention mask leaks the future: train loss drops, generation is garbage")
 
 
 def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, steps: int = OVERFIT_STEPS,
                   threshold: float = OVERFIT_THRESHOLD) -> Check:
-    """train.py's step (train.train_step), repeated on one small batch at ``lr``, must drive its loss below ``threshold``."""
+    """train.py's step (train.train_step), repeated on one small batch at ``lr``, gets its loss below ``threshold``."""
     first = loss = math.nan
     for step in range(1, steps + 1):
         losses, _ = train.train_step(run, run.model, [(x, y)], step, lr)
@@ -234,12 +227,10 @@ def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, s
         first = loss if step == 1 else first
         if loss < threshold:
             break
-    passed = loss < threshold
-    meaning = ("model, loss and optimizer step can learn" if passed else
-               "cannot even memorise one batch: check the lr, zero_grad, the loss and the optimizer groups")
-    return Check("overfit", passed,
-                 f"{first:.3f} -> {loss:.3f} in {step} steps at lr {lr:.1e} (need < {threshold} within {steps})",
-                 meaning)
+    return verdict("overfit", loss < threshold,
+                   f"{first:.3f} -> {loss:.3f} in {step} steps at lr {lr:.1e} (need < {threshold} within {steps})",
+                   "model, loss and optimizer step can learn",
+                   "cannot even memorise one batch: check the lr, zero_grad, the loss and the optimizer groups")
 
 
 def overfit_run(cfg: TrainConfig, rt, steps: int = OVERFIT_STEPS) -> train.Run:
@@ -250,13 +241,8 @@ def overfit_run(cfg: TrainConfig, rt, steps: int = OVERFIT_STEPS) -> train.Run:
 
 
 def overfit_lr(cfg: TrainConfig) -> float:
-    """The lr of the overfit check: the config's own, unless the config fine-tunes (init_from).
-
-    The doctor runs every check on a random init. A config that trains from one is checked at its own
-    lr (one too small to learn is a finding). A fine-tuning lr (finetune_shakespeare's 6e-5) is small so
-    as not to erase good weights, which the doctor does not load: a random init barely moves at it,
-    and the check would blame the step. So it gets an lr for a random init of its width instead.
-    """
+    """The config's own lr (one too small to learn is a finding), unless it fine-tunes (init_from): a fine-tuning
+    lr spares good weights, which the doctor does not load, and barely moves its random init."""
     if not cfg.init_from:
         return cfg.learning_rate
     return min(RANDOM_INIT_LR_MAX, RANDOM_INIT_LR * RANDOM_INIT_WIDTH / cfg.n_embd)
@@ -264,12 +250,8 @@ def overfit_lr(cfg: TrainConfig) -> float:
 
 def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                     device: torch.device, dtype: torch.dtype) -> Check:
-    """train.py's step reports the true pre-clip gradient norm, with fp16's loss scaling undone.
-
-    The step runs with a GradScaler on whatever the dtype (a scaled loss is what an fp16 run
-    backpropagates) and a clip threshold a tenth of the norm, so that clipping surely happens: the
-    norm returned (and logged) must equal the unscaled gradient's norm, measured by hand before.
-    """
+    """train.py's step reports the true pre-clip gradient norm, with fp16's loss scaling undone: a step under a
+    GradScaler (whatever the dtype), clipped at a tenth of the norm, against the norm measured by hand."""
     scaler = torch.amp.GradScaler(device.type, enabled=True)
     guard = NonFiniteGuard(optimizer, scaler, max_skipped=1, device=device)
     params = list(model.parameters())
@@ -279,12 +261,11 @@ def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
     true_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item() / scale
     max_norm = true_norm / 10
     reported = train.optimizer_step(optimizer, scaler, guard, params, max_norm, 1, loss_sum).item()
-    passed = math.isclose(reported, true_norm, rel_tol=1e-3)
-    measured = (f"reported {reported:.4g} vs true pre-clip {true_norm:.4g} (loss scale {scale:g}, clip at "
-                f"{max_norm:.3g})")
-    meaning = ("the logged grad norm is the gradient's own, before clipping" if passed else
-               "clipping before scaler.unscale_ (fp16 clips ~scale times too hard) or the norm taken after clipping")
-    return Check("grad norm", passed, measured, meaning)
+    return verdict("grad norm", math.isclose(reported, true_norm, rel_tol=1e-3),
+                   f"reported {reported:.4g} vs true pre-clip {true_norm:.4g} (loss scale {scale:g}, clip at "
+                   f"{max_norm:.3g})", "the logged grad norm is the gradient's own, before clipping",
+                   "clipping before scaler.unscale_ (fp16 clips ~scale times too hard) or the norm taken after "
+                   "clipping")
 
 
 def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -306,13 +287,12 @@ def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: to
         stopped = True
     changed = sum(not torch.equal(p, b) for p, b in zip(params, before))
     non_finite = sum(not torch.isfinite(p).all() for p in params)
-    passed = stopped and changed == 0
     measured = (f"loss {(loss_sum / n).item():.3f}, one NaN gradient: "
                 + ("stopped" if stopped else "NOT stopped") + f", {changed} of {len(params)} tensors changed"
                 + (f" ({non_finite} non-finite)" if non_finite else ""))
-    meaning = ("a NaN gradient never reaches the weights, even under a finite loss" if passed else
-               "the non-finite guard checks the loss only (or not at all): NaN gradients are applied")
-    return Check("nan guard", passed, measured, meaning)
+    return verdict("nan guard", stopped and changed == 0, measured,
+                   "a NaN gradient never reaches the weights, even under a finite loss",
+                   "the non-finite guard checks the loss only (or not at all): NaN gradients are applied")
 
 
 def check_dropout_modes(model: GPT, x: torch.Tensor) -> Check:
@@ -322,12 +302,10 @@ def check_dropout_modes(model: GPT, x: torch.Tensor) -> Check:
         eval_diff = (model(x)[0] - model(x)[0]).abs().max().item()
         model.train()
         train_diff = (model(x)[0] - model(x)[0]).abs().max().item()
-    passed = eval_diff == 0 and train_diff > 0
-    meaning = ("dropout is on in train mode and off in eval mode" if passed else
-               "dropout ignores the mode (a functional dropout without training=self.training?)")
-    return Check("train/eval", passed,
-                 f"eval max|Δ| {eval_diff:.1e}, train max|Δ| {train_diff:.1e} (dropout {model.config.dropout})",
-                 meaning)
+    return verdict("train/eval", eval_diff == 0 and train_diff > 0,
+                   f"eval max|Δ| {eval_diff:.1e}, train max|Δ| {train_diff:.1e} (dropout {model.config.dropout})",
+                   "dropout is on in train mode and off in eval mode",
+                   "dropout ignores the mode (a functional dropout without training=self.training?)")
 
 
 def rng_states(device: torch.device) -> list[torch.Tensor]:
@@ -337,10 +315,8 @@ def rng_states(device: torch.device) -> list[torch.Tensor]:
 
 def check_evaluate(evaluate: Callable[..., train.EvalResult], model: GPT, x_val: torch.Tensor, y_val: torch.Tensor,
                    batch_size: int, device: torch.device, dtype: torch.dtype) -> Check:
-    """``evaluate`` runs in eval mode, builds no graph, draws no random numbers and restores train mode.
-
-    ``model`` should have dropout > 0, so that a missing model.eval() changes the answer.
-    """
+    """``evaluate`` runs in eval mode, builds no graph, draws no random numbers and restores train mode
+    (``model`` with dropout > 0, so that a missing model.eval() changes the answer)."""
     calls = []  # (training flag, loss carries a graph) for every forward pass evaluate makes
 
     def record(module, args, output):
@@ -377,13 +353,11 @@ def check_tied(model: torch.nn.Module) -> Check:
     wte, head = inner.transformer.wte.weight, inner.lm_head.weight
     same_param = wte is head
     same_storage = wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
-    passed = same_param and same_storage
     measured = (f"{'one Parameter' if same_param else 'two Parameters'}, "
                 f"{'one storage' if same_storage else 'two storages'} on {wte.device}"
                 + (", compiled" if inner is not model else ""))
-    meaning = ("embedding and head train as one matrix" if passed else
-               "tying came apart (or was done by sharing .data): a move or cast gives two matrices")
-    return Check("tied weights", passed, measured, meaning)
+    return verdict("tied weights", same_param and same_storage, measured, "embedding and head train as one matrix",
+                   "tying came apart (or was done by sharing .data): a move or cast gives two matrices")
 
 
 def check_probe_grads(model: torch.nn.Module, probe_ran: bool) -> Check:
@@ -400,9 +374,8 @@ def check_probe_grads(model: torch.nn.Module, probe_ran: bool) -> Check:
 
 
 def short_run_config(cfg: TrainConfig, out_dir: str, dtype: torch.dtype) -> TrainConfig:
-    """``cfg`` shrunk to a 1-layer, 16-wide model (the loop's schedule and precision handling do not
-    depend on the model) for a few accumulated steps, with a warmup longer than the run so that every
-    step's lr differs."""
+    """``cfg`` shrunk to a 1-layer, 16-wide model for a few accumulated steps, warmup longer than the run (every
+    step's lr differs)."""
     return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=dtype_name(dtype),
                                wandb=False, init_from="", n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
                                grad_accum=SHORT_RUN_ACCUM, max_iters=SHORT_RUN_STEPS, warmup_iters=SHORT_RUN_STEPS + 1,
@@ -411,10 +384,8 @@ def short_run_config(cfg: TrainConfig, out_dir: str, dtype: torch.dtype) -> Trai
 
 
 def short_run(cfg: TrainConfig, dtype: torch.dtype) -> tuple[TrainConfig, list[dict], dict]:
-    """train.train itself on short_run_config, in a temporary folder, its output hidden.
-
-    Returns (the config it ran, its metrics.jsonl records, its last.pt). Reseeds the global RNG.
-    """
+    """(config, metrics.jsonl records, last.pt) of train.train on short_run_config, in a temporary folder, its
+    output hidden. Reseeds the global RNG."""
     with tempfile.TemporaryDirectory() as out_dir:
         small = short_run_config(cfg, out_dir, dtype)
         with contextlib.redirect_stdout(io.StringIO()):
@@ -424,20 +395,16 @@ def short_run(cfg: TrainConfig, dtype: torch.dtype) -> tuple[TrainConfig, list[d
 
 
 def check_lr_schedule(small: TrainConfig, records: list[dict], schedule: Callable[[int, TrainConfig], float]) -> Check:
-    """The short run (grad_accum > 1) set get_lr(step) per *optimizer* step, not per micro-batch.
-
-    ``schedule`` is the reference (train.get_lr); it is an argument so that a test can break the
-    loop's use of it and still compare with the real one.
-    """
+    """The short run (grad_accum > 1) set get_lr(step) per *optimizer* step, not per micro-batch. ``schedule`` is
+    the reference (train.get_lr), an argument so that a test can break the loop's use of it."""
     used = [r["lr"] for r in records if "lr" in r]  # the lr the loop set on the optimizer, per step
     expected = [schedule(step, small) for step in range(small.max_iters)]
     passed = len(used) == len(expected) and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(used, expected))
     shown = ", ".join(f"{lr:.2e}" for lr in used)
     measured = (f"steps 1-{small.max_iters} x {small.grad_accum} micro-batches: lr {shown}"
                 + (" = get_lr(step)" if passed else f" vs get_lr {', '.join(f'{lr:.2e}' for lr in expected)}"))
-    meaning = ("warmup and decay advance once per optimizer step, as get_lr says" if passed else
-               "the loop's step count is not get_lr's (micro-batches counted?): warmup and decay end too early")
-    return Check("lr schedule", passed, measured, meaning)
+    return verdict("lr schedule", passed, measured, "warmup and decay advance once per optimizer step, as get_lr says",
+                   "the loop's step count is not get_lr's (micro-batches counted?): warmup and decay end too early")
 
 
 def floating_dtypes(value) -> Counter:
@@ -452,21 +419,17 @@ def check_master_weights(state: dict) -> Check:
     """After the short run in the configured precision, the weights and the optimizer's moments are all
     fp32: autocast computes in bf16/fp16, but the updates must land on fp32 copies."""
     found = {part: floating_dtypes(state[part]) for part in ("model", "optimizer")}
-    passed = all(set(counts) == {"float32"} for counts in found.values())
     measured = f"after {state['step']} steps in {state['precision']}: " + "; ".join(
         f"{part} " + ", ".join(f"{n} {dtype}" for dtype, n in sorted(counts.items())) for part, counts in found.items())
-    meaning = ("weights and moments stay fp32; autocast does the low-precision maths" if passed else
-               "the model was cast to low precision: small updates round away (no fp32 master copy)")
-    return Check("master weights", passed, measured, meaning)
+    return verdict("master weights", all(set(counts) == {"float32"} for counts in found.values()), measured,
+                   "weights and moments stay fp32; autocast does the low-precision maths",
+                   "the model was cast to low precision: small updates round away (no fp32 master copy)")
 
 
 # ----------------------------------------------------------------------------- running them all
 def run_checks(cfg: TrainConfig) -> list[Check]:
-    """Every check, on the model, data and tokenizer that ``cfg`` trains with.
-
-    With init_from, the checks run on randomly initialised models of the imported shape (activation,
-    biases, tokenizer): the doctor checks the code path, not the pretrained weights.
-    """
+    """Every check, on the model, data and tokenizer that ``cfg`` trains with; with init_from, on random inits
+    of the imported shape: the doctor checks the code path, not the pretrained weights."""
     if cfg.init_from:
         cfg = hf.start_from(dataclasses.replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile

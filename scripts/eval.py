@@ -3,14 +3,12 @@
     python -m scripts.eval --ckpt out/small                        # the val split of the run's own corpus
     python -m scripts.eval --ckpt out/small --data_path other.txt  # any UTF-8 text, all of it
     python -m scripts.eval --ckpt out/small --json                 # one JSON object, full precision
-    python -m scripts.eval --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights (weights/hf.py), no checkpoint
+    python -m scripts.eval --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights, no checkpoint
 
-By default it scores what training scored (the run's corpus and eval_tokens, its batch size and
-precision) with the same code, so best.pt's best_val_loss comes back exactly (on the device type it
-was trained on). A --data_path file is tokenized with the checkpoint's tokenizer and scored whole, as
-contiguous non-overlapping windows of block_size. Bits per byte divide the same nats by the UTF-8
-bytes of the targets: unlike nats per token, they compare a char model with a BPE model.
-For the field's benchmarks (HellaSwag, LAMBADA, ...) see scripts/harness.py and docs/evaluation.md.
+By default it scores what training scored (the run's corpus and eval_tokens, batch size and precision) with the
+same code, so best.pt's best_val_loss comes back exactly (on the device type it was trained on). A --data_path
+file is scored whole, in non-overlapping windows of block_size. Bits per byte divide the same nats by the targets'
+UTF-8 bytes, so they compare a char model with a BPE model. Benchmarks (HellaSwag, ...): scripts/harness.py.
 """
 from __future__ import annotations
 
@@ -34,16 +32,13 @@ from train import evaluate, val_byte_count
 from prepare.formats import read_text_file
 from process.errors import TinyGPTError, exit_on
 
-REPO = Path(__file__).resolve().parent.parent
-
 PROGRESS_BATCHES = 20  # show a progress bar from this many batches on (and only in a terminal)
 PRETRAINED_BATCH = 8  # windows per forward for pretrained weights (GPT-2's are 1,024 tokens each)
 
 
 def load(args: argparse.Namespace) -> Loaded:
-    """The weights --ckpt or --init_from chose (weights/loading.py), on the CPU until the runtime is chosen.
-    Pretrained weights have no run behind them: windows of the model's own block_size, PRETRAINED_BATCH
-    at a time, fp32, and GPT-2's tokenizer on the built-in corpus."""
+    """The weights --ckpt or --init_from chose, on the CPU until the runtime is chosen; pretrained weights have no
+    run behind them: PRETRAINED_BATCH windows of their block_size at a time."""
     loaded = load_weights(args)
     if loaded.step is None:
         loaded = dataclasses.replace(loaded, cfg=replace(loaded.cfg, batch_size=PRETRAINED_BATCH))
@@ -117,27 +112,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="targets to score; -1 = as training did for its val split, all of a --data_path file")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=0,
                         help="windows per forward pass; 0 = the run's batch_size (the one that reproduces its numbers)")
-    parser.add_argument("--dtype", default="", choices=["", "float32", "bfloat16", "float16"],
-                        help="precision of the forward pass; default: the one the run trained in")
     parser.add_argument("--device", default="auto", help=field_help()["device"])
     parser.add_argument("--threads", type=int, default=0, help=field_help()["threads"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
-    if args.batch_size < 0:
-        parser.error(f"--batch_size must be >= 0, got {args.batch_size}")
-    if args.threads < 0:
-        parser.error(f"--threads must be >= 0, got {args.threads}")
-    if args.eval_tokens < -1:  # -1 means "as training did"; below it nothing means anything
-        parser.error(f"--eval_tokens must be >= -1, got {args.eval_tokens}")
+    for flag, value, least in (("--batch_size", args.batch_size, 0), ("--threads", args.threads, 0),
+                               ("--eval_tokens", args.eval_tokens, -1)):  # -1: as training did
+        if value < least:
+            parser.error(f"{flag} must be >= {least}, got {value}")
     return args
 
 
 def eval_runtime(loaded: Loaded, args: argparse.Namespace) -> Runtime:
-    """train.py's choice (runtime.choose_runtime) for the run's own config, with this command's --device and
-    --threads, in the precision the run trained in unless --dtype says otherwise. Scored eagerly: one pass
-    over val would not repay a compile."""
-    return choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads,
-                                  dtype=args.dtype or loaded.precision))
+    """train.py's choice (choose_runtime) for the run's config with this --device and --threads, in the run's
+    precision. Eager: one pass over val would not repay a compile."""
+    return choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
 
 
 def main(argv: list[str] | None = None) -> None:

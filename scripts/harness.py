@@ -4,21 +4,8 @@
     python -m scripts.harness --init_from gpt2 --tasks hellaswag,lambada_openai   # the tasks' data: HF hub
     python -m scripts.harness --ckpt out/gpt2-run --tasks arc_easy --limit 200    # a quick look, not a result
 
-``TinyGPTLM`` is lm_eval's model interface (``TemplateLM``) over our GPT and tokenizer, so no export
-is needed and char-level models work too. The harness builds the prompts, runs its own
-``simple_evaluate``, prints its standard table, and its JSON goes to --output. How we answer it:
-
-- loglikelihood(context, continuation): TemplateLM tokenizes the pair exactly as lm_eval's ``hf``
-  backend does; we feed context + continuation minus its last token, keep the last block_size tokens
-  (the harness's left truncation: the continuation stays whole, the oldest context goes) and sum the
-  continuation's log-probabilities. Requests run longest first, right-padded into batches: attention
-  is causal, so padding after a row's end never reaches the positions scored.
-- loglikelihood_rolling(text), for perplexity tasks: disjoint windows of block_size, every token
-  predicted once (lm_eval's own window maker), summed.
-- generate_until: greedy decoding through sample.generate, cut at the first stop sequence.
-
-A char model has no end-of-text token: the newline stands in for it, as between training documents.
-lm_eval is a dev requirement, imported only here: ``pip install lm_eval==0.4.13``.
+``TinyGPTLM`` is lm_eval's model interface (``TemplateLM``) over our GPT and tokenizer: no export, char models too.
+How it answers each request type: docs/evaluation.md. lm_eval is imported only here: pip install lm_eval==0.4.13.
 """
 from __future__ import annotations
 
@@ -190,7 +177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def task_manager(names: list[str]) -> TaskManager:
     """The harness's index of tasks: evals/ alone when it holds every name (indexing all of the
     harness's thousands of tasks takes seconds), built once per process."""
-    return index_of_tasks(include_defaults=not set(names) <= set(LOCAL_TASK_NAMES))
+    return index_of_tasks(not set(names) <= set(LOCAL_TASK_NAMES))
 
 
 @functools.cache

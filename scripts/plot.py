@@ -7,15 +7,9 @@
     python -m scripts.plot out/compare/tiny-200steps --bpb -o cmp.png       # compare.py's variants, seeds as a band
     python -m scripts.plot out/a/seed-1 out/a/seed-2 out/b/seed-1 out/b/seed-2 --labels a a b b
 
-Train loss comes from the log records (``loss``), val loss from the eval records (``val_loss``);
-``time_s`` is train.py's wall clock since the first step. ``--ref`` adds fixed (seconds, val loss)
-points, e.g. another project's published numbers, to the wall-time panel. ``--bpb`` adds a third
-panel, val bits per byte (``val_bpb``) against step: the one that compares runs with different tokenizers.
-
-An argument is a metrics file, a run folder (its metrics.jsonl) or scripts/compare.py's experiment
-folder (every VARIANT/seed-N run, labelled by variant). Runs with the same label are one group, drawn
-in one colour: the mean over its runs at the steps they all logged, with a min-max band (train) or
-min-max bars (val), and each run's final val point as an x.
+``--ref`` adds fixed (seconds, val loss) points, e.g. another project's numbers, to the wall-time panel; ``--bpb`` a
+panel of val bits per byte, which compares runs with different tokenizers. Runs with the same label (a compare.py
+variant's seeds) are one group in one colour: their mean with a min-max band (train) or bars (val), each final an x.
 """
 from __future__ import annotations
 
@@ -72,8 +66,8 @@ def default_label(path: Path) -> str:
 
 
 def expand(arg: Path) -> list[tuple[Path, str]]:
-    """(metrics file, default label) of each run an argument names: a metrics file, a run folder,
-    or compare.py's experiment folder (every VARIANT/seed-N run, labelled by variant)."""
+    """(metrics file, default label) of each run an argument names: a metrics file, a run folder, or compare.py's
+    experiment folder (every VARIANT/seed-N run, labelled by variant)."""
     if arg.is_file():
         return [(arg, default_label(arg))]
     if (arg / "metrics.jsonl").is_file():
@@ -136,10 +130,7 @@ def draw_group(ax, label: str, color: str, train: list[list[dict]], val: list[li
 def plot(paths: list[Path], out: Path, labels: list[str] | None = None,
          refs: list[tuple[float, float]] = (), ref_label: str = "reference", title: str = "",
          bpb: bool = False) -> Path:
-    """Write a PNG (loss vs step, loss vs wall time, and with ``bpb`` val bits per byte vs step); return its path.
-
-    Runs with the same label are one group in one colour (e.g. a variant's seeds): mean and min-max.
-    """
+    """Write a PNG (loss vs step, loss vs wall time, and with ``bpb`` val bits per byte vs step); return its path."""
     labels = labels or [default_label(p) for p in paths]
     if len(labels) != len(paths):
         raise ValueError(f"{len(labels)} labels for {len(paths)} files")

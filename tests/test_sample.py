@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from training.checkpoint import FORMAT_VERSION, save_checkpoint
 from config import as_dict, make_config, model_config
 from conftest import REPO, make_text, run_script, tiny_model
-from dev import bench_sample
 from prepare.tokenizers import CharTokenizer
 from model import GPT, GPTConfig, attention, visible_keys
 import sample as sample_module
@@ -539,49 +538,6 @@ def test_interactive_says_what_a_prompt_lacks_and_asks_again(ckpt, monkeypatch, 
     captured = capsys.readouterr()
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1
     assert captured.out.split("\n", 1)[1].startswith("KING:")
-
-
-# ----------------------------------------------------------------------------- the benchmark
-def test_bench_fails_when_cached_text_differs(monkeypatch, capsys):
-    bench = bench_sample
-    small = ["--block-size", "8", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--tokens", "20",
-             "--repeats", "1", "--min-speedup", "0", "--threads", "0"]  # 0: leave torch alone
-    bench.main(small)  # same text, no speed-up demanded: passes
-    real = bench.generate
-
-    def broken(model, idx, *args, use_cache=True, **kwargs):
-        out = real(model, idx, *args, use_cache=use_cache, **kwargs)
-        return out + 1 if use_cache else out  # a cache that gets every token wrong
-    monkeypatch.setattr(bench, "generate", broken)
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(small)
-    assert exit_info.value.code == 1
-
-
-def test_bench_mean_window_follows_the_window_policy():
-    # block 4, keep 2: windows 1, 2, 3, 4, then a restart at the last 2 tokens: 2, 3
-    assert bench_sample.mean_window(block_size=4, prompt_tokens=1, new_tokens=6) == (1 + 2 + 3 + 4 + 2 + 3) / 6
-
-
-@pytest.mark.parametrize("seconds, code", [
-    ({"no cache": 2.3, "KV cache": 1.0, "bare": 0.9}, 0),  # `small`, block 64: 2.3x of a possible 2.6x passes
-    ({"no cache": 3.0, "KV cache": 2.9, "bare": 1.0}, 1),  # a cache no faster than none, where 3x was possible
-    ({"no cache": 1.2, "KV cache": 1.2, "bare": 1.0}, 0),  # a context too short to gain: reported, not judged
-])
-def test_bench_goal_is_a_share_of_what_the_context_makes_possible(ckpt, monkeypatch, capsys, seconds, code):
-    """The goal was a flat 5x, so `small` (block 64, 2.3x) failed; now it follows the measured possible gain."""
-    bench = bench_sample
-    monkeypatch.setattr(bench, "time_generate",
-                        lambda model, prompt, tokens, use_cache: (seconds["KV cache" if use_cache else "no cache"],
-                                                                  torch.zeros(1, tokens + 1)))
-    monkeypatch.setattr(bench, "time_bare_forwards", lambda model, prompt, tokens: (seconds["bare"], None))
-    try:
-        bench.main(["--ckpt", str(ckpt.parent), "--repeats", "1", "--threads", "0"])  # a run folder, as sample.py takes
-        exit_code = 0
-    except SystemExit as stopped:
-        exit_code = stopped.code
-    assert exit_code == code
-    assert f"{seconds['no cache'] / seconds['KV cache']:.2f}x of a possible" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- sampling: temperature

@@ -228,15 +228,6 @@ def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_
     assert "longest of bpe 320" in done.stdout
 
 
-def test_the_trainer_comparison_times_both_libraries_and_each_repeats_its_merges(tmp_path, text_file):
-    pytest.importorskip("tokenizers")
-    done = run_script("-m", "dev.bpe_trainers", "--data_path", str(text_file), "--data_dir", str(tmp_path / "d"),
-                      "--bpe_vocab_size", "300")
-    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "trainer" not in line]
-    assert [(r[0].strip(), r[1].strip(), r[3].strip()) for r in rows] == [("rustbpe", "300", "True"),
-                                                                          ("tokenizers", "300", "True")]
-
-
 def test_the_tokenizer_script_is_an_entry_point_with_help():
     assert "bpe_vocab_size" in run_script("-m", "scripts.tokenizer", "--help").stdout
     from scripts import tokenizer
