@@ -380,13 +380,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
         group.update(mine)
 
 
-def refuse_to_overwrite(out_dir: Path, resume: bool) -> None:
-    """A fresh run never replaces a run already in out_dir: continuing it is --resume's job."""
-    if not resume and (out_dir / "last.pt").exists():
-        raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
-                          "new one with another --out_dir (or delete the folder)")
-
-
 class Checkpointer:
     """out_dir's last.pt and best.pt: what goes in them, when best.pt is written, and the resume policy.
 
@@ -396,13 +389,16 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
-        """``run``: a train.Run, whose model, optimizer, scaler, guard, training stream and corpus a checkpoint holds."""
+        """``run``: a train.Run, whose model, optimizer, scaler, guard, training stream and corpus a checkpoint holds.
+        Makes out_dir and removes the temp files a killed save left there."""
         self.out_dir, self.cfg, self.model, self.optimizer, self.scaler = out_dir, cfg, run.model, run.optimizer, run.scaler
         self.guard, self.stream, self.corpus, self.dtype, self.ddp = run.guard, run.stream, run.corpus, run.rt.dtype, ddp
         self.saved_step: int | None = None  # the step last.pt holds, once this process knows it
         self.last_eval: dict[str, float] = {}  # the latest eval, saved with each checkpoint (best.pt: the best)
         # A LoRA run: what its checkpoints say of the base (hashed once: it is frozen) beside the adapters.
         self.lora = lora.record(self.model, cfg.init_from, lora.base_fingerprint(self.model)) if cfg.lora_rank else None
+        out_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(out_dir)  # left by a save that was killed
 
     def resume(self) -> tuple[int, float, float]:
         """Load last.pt into the run (refusing one it cannot continue): (step, seconds spent, best val loss)."""
