@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 import data
 from config import TrainConfig, model_config, parse_args
@@ -142,17 +143,17 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, batch_size: int,
-             device: torch.device, dtype: torch.dtype, n_bytes: int = 0) -> EvalResult:
+             device: torch.device, dtype: torch.dtype, n_bytes: int = 0, progress: bool = False) -> EvalResult:
     """Token-weighted mean loss over the fixed val windows (N, T), in eval mode; train mode restored after.
 
     ``n_bytes``: UTF-8 bytes of all ranks' targets (val_byte_count) for bits per byte. Under DDP each rank
     passes its own shard of the windows; sums and counts are added over ranks. Dropout is off in eval mode,
-    so evaluation draws from no random stream at all.
+    so evaluation draws from no random stream at all. ``progress``: a bar (scripts/eval.py's long evals).
     """
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.long)
-    for i in range(0, len(x_val), batch_size):
+    for i in tqdm(range(0, len(x_val), batch_size), desc="evaluating", unit="batch", disable=not progress):
         x, y = x_val[i: i + batch_size].to(device), y_val[i: i + batch_size].to(device)  # (B, T) each
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             _, loss_sum, n, _ = model(x, y)

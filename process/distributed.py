@@ -254,7 +254,7 @@ def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
     step is made of a different number of ranks' windows (so its size and the summation order of
     gradients change), and ranks that did not exist start fresh data streams.
     """
-    saved = state.get("rng_per_rank") or [state["rng"]]
+    saved = state["rng_per_rank"]
     if len(saved) != ddp.world_size:
         print0(f"WARNING: resuming a run saved with world size {len(saved)} on world size {ddp.world_size}: "
                "training continues but is NOT bit-exact. Each step now averages over "

@@ -20,7 +20,7 @@ from process import files
 import train
 from conftest import REPO, metrics, run_main, tiny_args
 from training.optim import OPTIMIZERS
-from training.checkpoint import (OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, CheckpointWriteError,
+from training.checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, CheckpointWriteError,
                                  load_checkpoint, save_checkpoint)
 from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of,
                              on_training_forward, poison_loss, signal_at)
@@ -60,7 +60,7 @@ def test_an_exception_mid_save_leaves_the_previous_file_intact(tmp_path, monkeyp
 
 def fake_state(step: int, values: torch.Tensor) -> dict:
     """A checkpoint-shaped state whose one big tensor says which step wrote it."""
-    return {key: {} for key in REQUIRED_KEYS} | {"step": step, "model": {"w": values}}
+    return {key: {} for key in REQUIRED_KEYS} | {"format_version": FORMAT_VERSION, "step": step, "model": {"w": values}}
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -185,7 +185,7 @@ def test_checkpoint_schema_is_documented_keys_of_plain_values(tmp_path, text_fil
     assert run_main(tiny_args(tmp_path, text_file, max_iters=1, batch_size=2, dtype=dtype)) == 0
     for name in ("last.pt", "best.pt"):
         state = torch.load(tmp_path / name, weights_only=True)  # no allowlist, no safe_globals
-        assert sorted(state) == sorted(REQUIRED_KEYS + OPTIONAL_KEYS)
+        assert sorted(state) == sorted(REQUIRED_KEYS)
         assert sorted(state["rng"]) == sorted(RNG_STREAMS)
         assert bool(state["scaler"]) == (dtype == "float16")
         assert_nested_equal(state, load_checkpoint(tmp_path / name))
