@@ -126,13 +126,6 @@ def train_step(run: Run, step_model: torch.nn.Module, batches: list[Batch], step
     return losses, grad_norm
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` summed over all ranks, in place (unchanged in a world of one). A collective."""
-    if dist.is_initialized():
-        dist.all_reduce(tensor)
-    return tensor
-
-
 @dataclass(frozen=True)
 class EvalResult:
     """One evaluation: the loss training minimises and the number that compares across tokenizers."""
@@ -160,7 +153,7 @@ def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, b
         total += loss_sum.float()
         count += n
     model.train(was_training)
-    nats, tokens = all_reduce_sum(total).item(), all_reduce_sum(count).item()
+    nats, tokens = distributed.all_reduce_sum(total).item(), distributed.all_reduce_sum(count).item()
     bpb = nats / math.log(2) / n_bytes if n_bytes > 0 else math.nan
     return EvalResult(nats / tokens if tokens else math.nan, bpb, tokens)
 
@@ -171,7 +164,7 @@ def val_byte_count(y_val: torch.Tensor, tokenizer, device: torch.device) -> int:
     Padding (-1) counts nothing. Per-token lengths summed, never a decode of the split: cheap at any size.
     """
     lengths = data.token_byte_lengths(tokenizer)  # (vocab_size,)
-    return int(all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
+    return int(distributed.all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
 
 
 @dataclass
@@ -281,7 +274,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnS
             last = step == cfg.max_iters or out_of_time
             if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
                 guard.raise_if_tripped()
-                per_target = {name: all_reduce_sum(total) / losses.n_targets  # "loss", then each aux term
+                per_target = {name: distributed.all_reduce_sum(total) / losses.n_targets  # "loss", then each aux term
                               for name, total in {"loss": losses.loss_sum, **losses.aux}.items()}
                 log.step(step, per_target, lr, grad_norm, time.time() - t_start)
             if step % cfg.eval_interval == 0 or last:

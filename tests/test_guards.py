@@ -33,7 +33,7 @@ from conftest import (final_weights, make_optimizer, make_text, metrics, random_
 from data import get_batch, load_corpus
 from prepare.tokenizers import CharTokenizer
 from prepare.corpora import prepare
-from fault_injection import assert_nested_equal, call_of, capture_run, on_training_forward
+from fault_injection import assert_nested_equal, call_of, on_training_forward
 from training.faults import NonFiniteGuard
 from model import GPT, ModelOutput
 from scripts import doctor
