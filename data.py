@@ -185,11 +185,7 @@ class RandomWindows(TrainingStream):
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
 
-    def load_state_dict(self, state: dict | torch.Tensor) -> None:
-        """Also takes a bare generator state (a ByteTensor): what a checkpoint saved before the stream
-        existed holds as its data order (rng["data"]), so such a run resumes exactly."""
-        if isinstance(state, torch.Tensor):
-            state = {"generator": state}
+    def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
 
 

@@ -91,58 +91,6 @@ class ModelOutput(NamedTuple):
     aux: Mapping[str, torch.Tensor] = MappingProxyType({})  # the options' auxiliary losses, summed like loss_sum: objective only
 
 
-class LayerCache:
-    """One layer's keys and values for the positions seen so far, in buffers of block_size positions.
-
-    Allocated once, at the first append, so that decoding never copies the past: each forward
-    writes its new keys and values at positions length .. length + T - 1 and reads back
-    0 .. length + T - 1. The buffers take the dtype and device of the first keys, so the cache
-    also works under autocast (bf16 keys) without being told.
-    """
-
-    def __init__(self, batch_size: int, n_head: int, block_size: int, head_size: int):
-        self.shape = (batch_size, n_head, block_size, head_size)  # (B, nh, block_size, hs)
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.length = 0  # positions filled so far
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nh, T, hs) after the cached positions; return all keys and values so far."""
-        if self.k is None:
-            self.k, self.v = k.new_zeros(self.shape), v.new_zeros(self.shape)  # (B, nh, block_size, hs)
-        start, end = self.length, self.length + k.size(2)
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, nh, S + T, hs) each
-
-
-class KVCache:
-    """Keys and values of every layer, so that each new token costs one single-position forward.
-
-    Use: ``cache = model.new_cache(B)``, then ``model(prompt, cache=cache)`` (the prefill) and
-    ``model(next_token, cache=cache)`` (one decode step) as often as block_size allows. Positions
-    are absolute (a learned table, or rotary angles, of block_size rows), so a cache can never hold
-    more than block_size of them: when it is full the caller must ``reset()`` it and prefill a
-    shorter window (sample.py does so).
-    """
-
-    def __init__(self, config: GPTConfig, batch_size: int):
-        hs = config.n_embd // config.n_head
-        self.layers = [LayerCache(batch_size, config.n_head, config.block_size, hs)
-                       for _ in range(config.n_layer)]
-
-    @property
-    def length(self) -> int:
-        """Positions cached; every layer holds the same number."""
-        return self.layers[0].length
-
-    def reset(self) -> None:
-        """Forget every position (the buffers are kept and overwritten)."""
-        for layer in self.layers:
-            layer.length = 0
-
-
 def visible_keys(config: GPTConfig, start: int, T: int, device: torch.device) -> torch.Tensor:
     """Which keys each query may see: (T, start + T) bool, True = attend. Query i sits at position start + i.
 
@@ -232,7 +180,7 @@ class CausalSelfAttention(nn.Module):
         self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
         self.plain_causal = is_plain_causal(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
         """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask (T, S + T), visible_keys'."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
@@ -282,7 +230,7 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), mask, cache)  # (B, T, C)
         x = x + self.mlp(self.ln_2(x))  # (B, T, C)
         return x
@@ -342,20 +290,16 @@ class GPT(nn.Module):
         T = seq_len or cfg.block_size
         return 6 * self.num_params() + 12 * cfg.n_layer * T * cfg.n_embd
 
-    def new_cache(self, batch_size: int) -> KVCache:
-        """An empty KV cache for batch_size sequences of this model (see KVCache)."""
-        return KVCache(self.config, batch_size)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> ModelOutput:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None) -> ModelOutput:
         """Logits for every position; with targets also the *summed* cross-entropy, the count of targets
         and the auxiliary losses that options add to the objective (z_loss).
 
         Targets equal to -1 are ignored. Returning sums instead of means lets the caller normalise by
         the token count of a whole accumulated batch. ``loss_sum`` is plain cross-entropy, the metric
         (val loss, bits per byte, best.pt); what a step minimises is loss_sum plus every ``aux`` term,
-        composed by train.py. With a cache, idx holds the tokens that *follow* the cached ones: they get
-        positions cache.length onwards, and their keys and values are added to the cache.
+        composed by train.py. With a cache (sample.py's KVCache), idx holds the tokens that *follow* the cached
+        ones: they get positions cache.length onwards, and each layer adds their keys and values to its
+        ``cache.layers[i]`` (``append(k, v)`` returns every key and value cached so far).
         """
         B, T = idx.shape
         start = cache.length if cache is not None else 0  # S: position of idx[:, 0]

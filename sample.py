@@ -31,7 +31,7 @@ from prepare.formats import read_text_file
 from process.errors import DataError, TinyGPTError, exit_on, fail
 from weights.loading import add_weights_flags, load_weights
 from training.runtime import pick_device
-from model import GPT
+from model import GPT, GPTConfig
 
 
 # ----------------------------------------------------------------------------- choosing a token
@@ -77,6 +77,60 @@ def next_token_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, t
     return F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)  # (B, vocab)
 
 
+# ----------------------------------------------------------------------------- the KV cache
+class LayerCache:
+    """One layer's keys and values for the positions seen so far, in buffers of block_size positions.
+
+    Allocated once, at the first append, so that decoding never copies the past: each forward
+    writes its new keys and values at positions length .. length + T - 1 and reads back
+    0 .. length + T - 1. The buffers take the dtype and device of the first keys, so the cache
+    also works under autocast (bf16 keys) without being told.
+    """
+
+    def __init__(self, batch_size: int, n_head: int, block_size: int, head_size: int):
+        self.shape = (batch_size, n_head, block_size, head_size)  # (B, nh, block_size, hs)
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = 0  # positions filled so far
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) after the cached positions; return all keys and values so far."""
+        if self.k is None:
+            self.k, self.v = k.new_zeros(self.shape), v.new_zeros(self.shape)  # (B, nh, block_size, hs)
+        start, end = self.length, self.length + k.size(2)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, nh, S + T, hs) each
+
+
+class KVCache:
+    """Keys and values of every layer, so that each new token costs one single-position forward.
+
+    Use: ``cache = model.new_cache(B)``, then ``model(prompt, cache=cache)`` (the prefill) and
+    ``model(next_token, cache=cache)`` (one decode step) as often as block_size allows. Positions
+    are absolute (a learned table, or rotary angles, of block_size rows), so a cache can never hold
+    more than block_size of them: when it is full the caller must ``reset()`` it and prefill a
+    shorter window (sample.py does so).
+    """
+
+    def __init__(self, config: GPTConfig, batch_size: int):
+        hs = config.n_embd // config.n_head
+        self.layers = [LayerCache(batch_size, config.n_head, config.block_size, hs)
+                       for _ in range(config.n_layer)]
+
+    @property
+    def length(self) -> int:
+        """Positions cached; every layer holds the same number."""
+        return self.layers[0].length
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are kept and overwritten)."""
+        for layer in self.layers:
+            layer.length = 0
+
+
+
 # ----------------------------------------------------------------------------- the context window
 def window_start(start: int | None, n: int, block_size: int, keep: int) -> int:
     """Index of the first token the model sees when predicting the token after the first n.
@@ -112,7 +166,7 @@ class NextTokenLogits:
         self.keep = keep or max(1, self.block_size // 2)
         if not 1 <= self.keep <= self.block_size:
             raise ValueError(f"keep must be in [1, block_size={self.block_size}], got {keep}")
-        self.cache = model.new_cache(batch_size) if use_cache else None
+        self.cache = KVCache(model.config, batch_size) if use_cache else None
         self.start: int | None = None  # where the current window begins in idx
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:

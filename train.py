@@ -5,52 +5,46 @@
     python train.py --help                      # every config field with its default
     torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 
-Reads top to bottom: the lr schedule -> one optimizer step (train_step: the objective composed and
-accumulated, clipping, optimizer.step() under the non-finite guard) -> evaluation (cross-entropy only) ->
-build_run (seed -> data -> model -> optimizer) -> the loop. Each side concern is one call into the module
-of the folder module that owns it: checkpoint.Checkpointer (last.pt/best.pt and the resume policy), tracking
-(metrics.jsonl, wandb), faults (signals, NaN/inf), errors (exit codes), distributed (DDP: one process per GPU),
-runtime (device, precision, compile), rundir (one live run per out_dir), optim (the tables), hf (init_from).
+Reads top to bottom: one optimizer step (train_step: the lr, the objective accumulated over micro-batches,
+clipping, the update) -> evaluation (cross-entropy only) -> build_run (seed -> data -> model -> optimizer) ->
+the loop. Each side concern is one call into the module that owns it: training/checkpoint (last.pt, best.pt,
+the resume policy), training/tracking (metrics.jsonl, wandb), training/faults (signals, NaN/inf),
+training/runtime (device, precision, compile), process/distributed (DDP: one process per GPU).
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+import data
 from config import TrainConfig, model_config, parse_args
-from data import (Corpus, TrainingStream, corpus_for, eval_windows, iterate_windows, token_byte_lengths,
-                  training_stream)
+from model import GPT
+from prepare.tokenizers import tokenizer_from_meta
 from process import distributed, rundir
+from process.errors import exit_for, fail
 from training import lora
-from training.checkpoint import Checkpointer, refuse_to_overwrite, remove_stale_temp_files
-from process.distributed import Dist, all_reduce_sum, print0
-from process.errors import ConfigError, exit_for, fail
+from training.checkpoint import Checkpointer
 from training.faults import NonFiniteGuard, StopOnSignal, run_error
 from training.optim import DECAYS, build_optimizer
-from training.runtime import Runtime, autocast, choose_runtime, compile_for_step, pick_device, seed_everything
-from prepare.tokenizers import tokenizer_from_meta
-from training.tracking import MetricsLog, Throughput, continue_log, describe_run
-from model import GPT
+from training.runtime import Runtime, choose_runtime, compile_for_step, pick_device, seed_everything
+from training.tracking import MetricsLog, describe_run
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # inputs and targets, (B, T) each
 
 
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
-    """The lr of ``step`` (0-based), ``time_s`` seconds into the run: the lr_decay entry's curve, whole.
-
-    Each entry of optim.DECAYS owns its curve, and nothing here bends it (no floor, no end of its own).
-    A progress decay (cosine, wsd) warms up over warmup_iters, then follows its shape from learning_rate
-    down to min_lr as its progress goes 0 -> 1, which the clock measures: schedule=steps reaches 1 at
-    lr_decay_iters, a pure function of the step (a resumed run follows exactly the same schedule);
-    schedule=time at max_time on the run's wall clock (optim.shaped_curve). A step schedule (@lr_schedule)
-    is a function of the step alone, so schedule=time is refused for it (config.validate).
-    """
+    """The lr of ``step`` (0-based), ``time_s`` seconds into the run: the lr_decay entry's curve, whole
+    (training/optim.py: warmup, then the decay from learning_rate to min_lr as its clock runs)."""
     return DECAYS[cfg.lr_decay].lr(step, cfg, time_s)
 
 
@@ -66,34 +60,33 @@ class StepLosses(NamedTuple):
     n_targets: torch.Tensor  # targets of the whole step, every rank's: the divisor of each sum
     aux: dict[str, torch.Tensor]  # the model's auxiliary losses (model.aux_losses), summed alike, logged by name
 
-    def objective(self) -> torch.Tensor:
-        """What the step minimised (still summed)."""
-        return objective_sum(self.loss_sum, self.aux)
-
 
 def objective_sum(loss_sum: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The loss a step minimises: the cross-entropy plus every auxiliary term the model returns."""
     return loss_sum + sum(aux.values())
 
 
-def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scaler,
+def accumulate_gradients(model: torch.nn.Module, batches: list[Batch], scaler: torch.amp.GradScaler,
                          device: torch.device, dtype: torch.dtype, world_size: int = 1) -> StepLosses:
-    """Forward and backward over the micro-batches of one optimizer step.
+    """Forward and backward over the micro-batches of one optimizer step; returns the step's sums (no host sync).
 
-    The objective is composed here: the model's cross-entropy plus each auxiliary loss it returns. Each
-    micro-batch's *summed* objective is divided by the target count of the whole step, so the
-    accumulated gradient equals the gradient of one big batch even when micro-batches count
-    different numbers of targets (averaging per-micro-batch means would weight them wrongly).
-    Under DDP the count is that of all ranks' micro-batches, the divisor compensates for DDP's
-    averaging (distributed.loss_scale) and gradients are all-reduced once, on the last micro-batch.
-    Returns the step's sums as tensors: no host sync.
+    Each micro-batch's *summed* objective is divided by the target count of the whole step, so the accumulated
+    gradient equals the gradient of one big batch even when micro-batches count different numbers of targets
+    (averaging per-micro-batch means would weight them wrongly). Under DDP the count is every rank's, and
+    DDP *averages* the W ranks' gradients: rank r backpropagates L_r / (N / W), so the synced gradient is
+    (1/W) sum_r grad(L_r) W / N = grad(sum_r L_r) / N, the mean over all N targets. Gradients are all-reduced
+    once, on the last micro-batch (DDP's no_sync before it).
     """
-    n_step = all_reduce_sum(sum((y != -1).sum() for _, y in batches))  # every rank's targets
-    divisor = distributed.loss_scale(n_step, world_size)  # n_step / world_size
+    n_step = sum((y != -1).sum() for _, y in batches)  # this rank's targets
+    if dist.is_initialized():
+        dist.all_reduce(n_step)  # every rank's
+    divisor = n_step / world_size
     loss_step, aux_step = torch.zeros((), device=device), {}
     for i, (x, y) in enumerate(batches):
-        with distributed.sync_gradients(model, now=i == len(batches) - 1):
-            with autocast(device, dtype):
+        accumulating = isinstance(model, DistributedDataParallel) and i < len(batches) - 1
+        with model.no_sync() if accumulating else contextlib.nullcontext():
+            # Mixed precision for the forward only; a no-op in fp32. Weights and optimizer state stay fp32.
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 _, loss_sum, _, aux = model(x, y)
             scaler.scale(objective_sum(loss_sum, aux) / divisor).backward()
         loss_step += loss_sum.detach()  # detached: keeping the graph would hold every activation
@@ -104,40 +97,32 @@ def accumulate_gradients(model: torch.nn.Module, batches: list[tuple[torch.Tenso
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, guard: NonFiniteGuard,
                    params: list[torch.Tensor], max_norm: float, step: int, objective: torch.Tensor) -> torch.Tensor:
-    """Unscale (fp16), clip, update unless non-finite (no host sync), zero the gradients.
+    """Unscale (fp16), clip, update, zero the gradients; a non-finite step is recorded (training/faults.py).
 
     Returns the pre-clip gradient norm as a tensor; ``step`` numbers the update as the log does.
     """
     scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm
-    guard.check(step, objective, grad_norm)  # a non-finite objective or norm is recorded on the device
-    with guard.skip_if_faulty(optimizer):  # from a recorded fault on, the update is a no-op (faults.py)
-        if scaler.is_enabled():
-            scaler.step(optimizer)  # fp16: optimizer.step(), skipped when the gradients overflowed
-        else:
-            optimizer.step()
+    guard.check(step, objective, grad_norm)  # recorded on the device; the loop stops at its next sync
+    scaler.step(optimizer)  # optimizer.step(); fp16: skipped when the gradients overflowed
     scaler.update()
     optimizer.zero_grad(set_to_none=True)  # set_to_none: the next backward writes, not adds
     return grad_norm
 
 
-def train_step(run: Run, step_model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], step: int,
-               lr: float, world_size: int = 1, lap: Callable[[str], None] = lambda phase: None,
-               ) -> tuple[StepLosses, torch.Tensor]:
+def train_step(run: Run, step_model: torch.nn.Module, batches: list[Batch], step: int, lr: float,
+               world_size: int = 1) -> tuple[StepLosses, torch.Tensor]:
     """One optimizer step, numbered ``step`` (from 1): the lr, forward and backward, clip, update.
 
-    train.py's loop, scripts/bench.py and the doctor all run this function. ``step_model`` is the model
-    the forward runs through (compiled, or wrapped in DDP; run.model itself otherwise). ``lap(phase)``
-    after each phase lets scripts/bench.py time them. Returns the step's losses and its pre-clip
-    gradient norm, as device tensors.
+    train.py's loop, scripts/bench.py and the doctor all run this function. ``step_model`` is the model the
+    forward runs through (compiled, or wrapped in DDP; run.model itself otherwise). Returns the step's losses and
+    its pre-clip gradient norm, as device tensors.
     """
     set_lr(run.optimizer, lr)
     losses = accumulate_gradients(step_model, batches, run.scaler, run.rt.device, run.rt.dtype, world_size)
-    lap("forward_backward")
     max_norm = run.cfg.grad_clip if run.cfg.grad_clip > 0 else math.inf
     grad_norm = optimizer_step(run.optimizer, run.scaler, run.guard, list(run.model.parameters()), max_norm, step,
-                               losses.objective())
-    lap("optimizer")
+                               objective_sum(losses.loss_sum, losses.aux))
     return losses, grad_norm
 
 
@@ -152,24 +137,23 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, batch_size: int,
              device: torch.device, dtype: torch.dtype, n_bytes: int = 0, progress: bool = False) -> EvalResult:
-    """Token-weighted mean loss over the fixed val windows, in eval mode; train mode restored after.
+    """Token-weighted mean loss over the fixed val windows (N, T), in eval mode; train mode restored after.
 
-    ``n_bytes``: UTF-8 bytes of all ranks' targets (val_byte_count, counted once per corpus) for bits
-    per byte. Under DDP each rank passes its own shard of the windows; sums and counts are added over
-    ranks. Dropout is off in eval mode, so evaluation draws from no random stream at all.
+    ``n_bytes``: UTF-8 bytes of all ranks' targets (val_byte_count) for bits per byte. Under DDP each rank
+    passes its own shard of the windows; sums and counts are added over ranks. Dropout is off in eval mode,
+    so evaluation draws from no random stream at all. ``progress``: a bar (scripts/eval.py's long evals).
     """
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.long)
-    batches = tqdm(iterate_windows(x_val, y_val, batch_size, device), total=-(-len(x_val) // batch_size),
-                   desc="evaluating", unit="batch", disable=not progress)
-    for x, y in batches:
-        with autocast(device, dtype):
+    for i in tqdm(range(0, len(x_val), batch_size), desc="evaluating", unit="batch", disable=not progress):
+        x, y = x_val[i: i + batch_size].to(device), y_val[i: i + batch_size].to(device)  # (B, T) each
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             _, loss_sum, n, _ = model(x, y)
         total += loss_sum.float()
         count += n
     model.train(was_training)
-    nats, tokens = all_reduce_sum(total).item(), all_reduce_sum(count).item()
+    nats, tokens = distributed.all_reduce_sum(total).item(), distributed.all_reduce_sum(count).item()
     bpb = nats / math.log(2) / n_bytes if n_bytes > 0 else math.nan
     return EvalResult(nats / tokens if tokens else math.nan, bpb, tokens)
 
@@ -179,14 +163,8 @@ def val_byte_count(y_val: torch.Tensor, tokenizer, device: torch.device) -> int:
 
     Padding (-1) counts nothing. Per-token lengths summed, never a decode of the split: cheap at any size.
     """
-    lengths = token_byte_lengths(tokenizer)  # (vocab_size,)
-    return int(all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
-
-
-def per_target(losses: StepLosses) -> dict[str, torch.Tensor]:
-    """The step's losses per target over every rank, for the log: "loss" (cross-entropy) and each aux term."""
-    sums = {"loss": losses.loss_sum, **losses.aux}
-    return {name: all_reduce_sum(total) / losses.n_targets for name, total in sums.items()}
+    lengths = data.token_byte_lengths(tokenizer)  # (vocab_size,)
+    return int(distributed.all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
 
 
 @dataclass
@@ -194,27 +172,27 @@ class Run:
     """Everything a training step uses, built by build_run (train.py, scripts/bench.py and the doctor)."""
     cfg: TrainConfig
     rt: Runtime  # device, threads, precision, compile
-    corpus: Corpus
+    corpus: data.Corpus
     x_val: torch.Tensor  # this rank's share of the fixed val windows, (N, T)
     y_val: torch.Tensor  # their targets, (N, T), -1 where padded
     val_bytes: int  # UTF-8 bytes of every rank's val targets: bits per byte's denominator
-    stream: TrainingStream  # this rank's training batches (data.LOADERS); its state_dict is in every checkpoint
+    stream: data.TrainingStream  # this rank's training batches (data.LOADERS); its state_dict is in every checkpoint
     model: GPT
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # active for fp16 only
-    guard: NonFiniteGuard  # skips a non-finite step, stops after max_skipped_steps (training/faults.py)
+    guard: NonFiniteGuard  # records a non-finite step; the loop stops at its next sync (training/faults.py)
 
 
-def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained=None) -> Run:
+def build_run(cfg: TrainConfig, rt: Runtime, ddp: distributed.Dist | None = None, pretrained=None) -> Run:
     """Seed -> data -> model -> optimizer, in this order wherever a run is built, so its numbers are the same."""
-    ddp = ddp or Dist(device=rt.device)
+    ddp = ddp or distributed.Dist(device=rt.device)
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     with distributed.main_first(rt.device):  # rank 0 prepares the corpus, the others then read the cache
-        corpus = corpus_for(cfg, pretrained.tokenizer if pretrained is not None else None)
+        corpus = data.corpus_for(cfg, pretrained.tokenizer if pretrained is not None else None)
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
     x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
-                    for w in eval_windows(corpus, tokenizer, cfg.block_size, cfg.eval_tokens, cfg.chat_overflow))
-    stream = training_stream(cfg, corpus, tokenizer, ddp.rank, rt.device)  # draws from its own generator only
+                    for w in data.eval_windows(corpus, tokenizer, cfg.block_size, cfg.eval_tokens, cfg.chat_overflow))
+    stream = data.training_stream(cfg, corpus, tokenizer, ddp.rank, rt.device)  # draws from its own generator only
     model = GPT(model_config(cfg, corpus.vocab_size))
     if pretrained is not None:  # init_from: the imported weights, once their tokenizer is the corpus's
         model.load_state_dict(pretrained.weights_for(corpus.meta["tokenizer"], corpus.vocab_size))
@@ -224,12 +202,12 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
     model = model.to(rt.device)
     optimizer = build_optimizer(model, cfg, rt.device, rt.dtype)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    guard = NonFiniteGuard(optimizer, scaler, cfg.max_skipped_steps, rt.device)
+    guard = NonFiniteGuard(scaler, cfg.max_skipped_steps, rt.device)
     return Run(cfg, rt, corpus, x_val, y_val, val_byte_count(y_val, tokenizer, rt.device), stream, model, optimizer,
                scaler, guard)
 
 
-def start_from(cfg: TrainConfig, out_dir: Path, ddp: Dist) -> tuple[TrainConfig, object]:
+def start_from(cfg: TrainConfig, out_dir: Path, ddp: distributed.Dist) -> tuple[TrainConfig, object]:
     """init_from: the base model's shape, and for a fresh run its weights (a run of this repo or GPT-2's:
     weights/finetune.py, imported only then). Before anything is measured: the shape is the dtype probe's."""
     if not cfg.init_from:
@@ -240,7 +218,8 @@ def start_from(cfg: TrainConfig, out_dir: Path, ddp: Dist) -> tuple[TrainConfig,
         return finetune.start_from(cfg, out_dir)
 
 
-def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, ddp: Dist) -> tuple[bool, bool]:
+def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float,
+               ddp: distributed.Dist) -> tuple[bool, bool]:
     """(out of time, signalled) after ``step``. Every rank must stop on the same step (or the next
     collective hangs): they agree on log steps only, where the loop syncs anyway (distributed.agree)."""
     flags = cfg.out_of_time(time.time() - t_start), stop.requested
@@ -253,43 +232,35 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     ``stop`` (main() passes one) turns SIGINT/SIGTERM during the loop into "save after this step and
     raise RunStopped"; as a library, without it, signals keep their usual meaning. The process owns
     out_dir while it runs (rundir.claim, before anything is read or written): a second run there,
-    fresh or --resume, is refused. Under torchrun rank 0 holds it for the job.
+    fresh or --resume, is refused, and so is a fresh run in a folder that holds one. Under torchrun rank 0
+    holds it for the job.
     """
     ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
     with distributed.stop_together(ddp.device):  # refused on rank 0: every rank stops here
-        owner = rundir.claim(Path(cfg.out_dir)) if ddp.is_main else contextlib.nullcontext()
+        owner = rundir.claim(Path(cfg.out_dir), cfg.resume) if ddp.is_main else contextlib.nullcontext()
     with owner:  # released however the run ends (after a SIGKILL, by the kernel)
         return train_in_owned_folder(cfg, ddp, stop or StopOnSignal(install=False))
 
 
-def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> float:
+def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnSignal) -> float:
     """train()'s body, once this process (rank 0 for a job) owns out_dir."""
     out_dir = Path(cfg.out_dir)
-    refuse_to_overwrite(out_dir, cfg.resume)
-    if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
-        raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
-                          "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
     cfg, pretrained = start_from(cfg, out_dir, ddp)  # init_from: before anything is written
     rt = choose_runtime(cfg, ddp.device)  # threads, precision (dtype=auto: rank 0's choice), compile
     run = build_run(cfg, rt, ddp, pretrained)
     del pretrained  # its tensors now live in the model
     model, guard, device, dtype = run.model, run.guard, rt.device, rt.dtype
-    checkpointer = Checkpointer(out_dir, cfg, run, ddp)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_files(out_dir)
+    checkpointer = Checkpointer(out_dir, cfg, run, ddp)  # out_dir made, a killed save's temp files removed
     with distributed.stop_together(device):  # a rank that cannot read last.pt stops them all
         step, time_before, best_val = checkpointer.resume() if cfg.resume else (0, 0.0, math.inf)
-        logged_through = continue_log(out_dir, step, cfg.resume) if ddp.is_main else None
     train_model = compile_for_step(model, run.stream, rt)  # the model itself, unless compiled
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
-    tokens_per_step = cfg.tokens_per_step() * ddp.world_size  # the global batch
-    print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size, guard.note))
+    distributed.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size))
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         done = step >= cfg.max_iters or cfg.out_of_time(time_before)  # a resumed run may have nothing left to do
-        log = MetricsLog(out_dir, cfg, enabled=ddp.is_main, logged_through=logged_through, tracked=not done)
+        log = MetricsLog(out_dir, cfg, step, model.flops_per_token(), rt, ddp.world_size, enabled=ddp.is_main,
+                         tracked=not done)
     t_start = time.time() - time_before  # the run's clock: max_time and schedule=time span resumes
-    # model.flops_per_token once, not per log line: counting the parameters takes ~0.2 ms
-    speed = Throughput(step, time.time(), tokens_per_step, model.flops_per_token(), device, dtype, ddp.world_size)
     val_loss = math.nan
 
     with stop:  # from here on Ctrl-C/SIGTERM mean: finish the step, save last.pt, exit 130/143
@@ -303,8 +274,9 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
             last = step == cfg.max_iters or out_of_time
             if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
                 guard.raise_if_tripped()
-                now = time.time()
-                log.step(step, per_target(losses), lr, grad_norm, speed, now, now - t_start)
+                per_target = {name: distributed.all_reduce_sum(total) / losses.n_targets  # "loss", then each aux term
+                              for name, total in {"loss": losses.loss_sum, **losses.aux}.items()}
+                log.step(step, per_target, lr, grad_norm, time.time() - t_start)
             if step % cfg.eval_interval == 0 or last:
                 t_eval = time.time()
                 guard.raise_if_tripped()
@@ -314,13 +286,13 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
                 checkpointer.last_eval = log.eval(step, val_loss, result.bpb, time.time() - t_start)
                 checkpointer.save(step, time.time() - t_start, best_val, is_best)
                 log.eval_line(step, val_loss, result.bpb, is_best)
-                speed.pause(time.time() - t_eval)  # eval and save time is not counted as training time
+                log.pause(time.time() - t_eval)  # eval and save time is not counted as training time
                 if not last:  # an eval that spends the budget is the final one: no extra step, no second eval
                     out_of_time, signalled = halt_flags(cfg, step, stop, t_start, ddp)
             elif cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
                 checkpointer.save(step, time.time() - t_start, best_val)
             if out_of_time:
-                print0(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
+                distributed.print0(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
                 break
         log.close()
         if signalled and step < cfg.max_iters:  # SIGINT/SIGTERM: save the finished step, exit 130/143
@@ -331,14 +303,14 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    """train.py's command line: each error is one line and its exit code (errors.exit_for), once per job."""
+    """train.py's command line: each error is one line and its exit code (process/errors.py), once per job."""
     try:
         train(parse_args(argv), StopOnSignal())
         distributed.teardown()  # not on errors: its barrier would wait for ranks that have failed
         return
     except (Exception, KeyboardInterrupt) as err:
-        ending = exit_for(run_error(err))  # Ctrl-C before the first step, a lost peer: faults.run_error
-        if ending is None:
+        ending = exit_for(run_error(err))  # Ctrl-C before the first step, a lost peer: the RunStopped they mean
+        if ending is None:  # a bug: its traceback is the report
             raise
     distributed.abandon()  # out here the traceback, which holds the DDP model, is already gone
     fail(*ending)

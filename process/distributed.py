@@ -226,27 +226,6 @@ def wrap(model: torch.nn.Module, ddp: Dist) -> torch.nn.Module:
     return DistributedDataParallel(model, device_ids=[ddp.device] if ddp.device.type == "cuda" else None)
 
 
-def sync_gradients(model: torch.nn.Module, now: bool) -> contextlib.AbstractContextManager:
-    """Around a micro-batch's forward and backward: all-reduce its gradients only when ``now``.
-
-    Gradient accumulation needs one all-reduce per optimizer step, on the last micro-batch;
-    earlier ones accumulate locally under DDP's no_sync.
-    """
-    if now or not isinstance(model, DistributedDataParallel):
-        return contextlib.nullcontext()
-    return model.no_sync()
-
-
-def loss_scale(n_targets_global: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Divisor for a rank's summed loss so that the synced gradient is that of the global mean.
-
-    Rank r backpropagates L_r / D. DDP *averages* gradients over the W ranks, giving
-    (1/W) * sum_r grad(L_r) / D; that is grad(sum_r L_r) / N, the gradient of the mean over all N
-    targets of the step, exactly when D = N / W. With W = 1, D = N: the single-process formula.
-    """
-    return n_targets_global / world_size
-
-
 def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
     """This rank's saved random streams; None when this rank did not exist in the saved run.
 
@@ -254,7 +233,7 @@ def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
     step is made of a different number of ranks' windows (so its size and the summation order of
     gradients change), and ranks that did not exist start fresh data streams.
     """
-    saved = state.get("rng_per_rank") or [state["rng"]]
+    saved = state["rng_per_rank"]
     if len(saved) != ddp.world_size:
         print0(f"WARNING: resuming a run saved with world size {len(saved)} on world size {ddp.world_size}: "
                "training continues but is NOT bit-exact. Each step now averages over "

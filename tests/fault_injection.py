@@ -136,15 +136,15 @@ def bf16_fast_on_rank(monkeypatch: pytest.MonkeyPatch, fast: int) -> None:
 
 
 def record_precisions(monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    """The precisions of this process's forward passes (train.autocast's dtype), filled as they run."""
+    """The precisions of this process's forward passes (the dtype train.py hands torch.autocast), filled as they run."""
     seen: set[str] = set()
-    real_autocast = train.autocast
+    real_autocast = torch.autocast
 
-    def autocast(device, dtype):
+    def autocast(device_type, dtype=None, **kwargs):
         seen.add(str(dtype).removeprefix("torch."))
-        return real_autocast(device, dtype)
+        return real_autocast(device_type, dtype=dtype, **kwargs)
 
-    monkeypatch.setattr(train, "autocast", autocast)
+    monkeypatch.setattr(torch, "autocast", autocast)
     return seen
 
 

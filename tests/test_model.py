@@ -11,6 +11,7 @@ import train
 from conftest import make_optimizer, tiny_model
 import model as model_module
 from model import Rotary
+from sample import KVCache
 
 
 def test_output_shapes_and_padded_vocab():
@@ -173,7 +174,7 @@ def test_every_attention_path_follows_the_one_mask(monkeypatch, dtype):
     older[:, :8] = (older[:, :8] + 1) % 50  # positions 0..7 differ
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         full, full_older = model(idx).logits, model(older).logits  # (2, 16, 50) each
-        cache = model.new_cache(2)
+        cache = KVCache(model.config, 2)
         parts = [model(idx[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 6), (6, 7), (7, 12), (12, 16)]]
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(torch.cat(parts, dim=1).float(), full.float(), atol=tolerance, rtol=0)

@@ -29,6 +29,7 @@ from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConf
                     make_config, model_config, parse_args, validate)
 from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
 from model import GPT, GPTConfig
+from sample import KVCache
 
 BASE = "tiny"  # the preset every case starts from
 VOCAB = 40
@@ -166,7 +167,7 @@ def test_every_variant_decodes_from_its_kv_cache_as_a_full_forward(name, value):
     model = eval_model(name, value)
     T = model.config.block_size
     idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))  # (2, T)
-    cache = model.new_cache(2)
+    cache = KVCache(model.config, 2)
     with torch.no_grad():
         full = model(idx)[0]  # (2, T, V)
         cuts = [0, 5, 6, 7, T // 2, T]  # a prefill, single steps, a chunk after a cached past

@@ -19,11 +19,10 @@ from training import checkpoint
 from process import files
 import train
 from conftest import REPO, metrics, run_main, tiny_args
-from training import optim
 from training.optim import OPTIMIZERS
-from training.checkpoint import (OPTIONAL_KEYS, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, CheckpointWriteError,
+from training.checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, CheckpointWriteError,
                                  load_checkpoint, save_checkpoint)
-from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, capture_run,
+from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of,
                              on_training_forward, poison_loss, signal_at)
 
 
@@ -61,7 +60,7 @@ def test_an_exception_mid_save_leaves_the_previous_file_intact(tmp_path, monkeyp
 
 def fake_state(step: int, values: torch.Tensor) -> dict:
     """A checkpoint-shaped state whose one big tensor says which step wrote it."""
-    return {key: {} for key in REQUIRED_KEYS} | {"step": step, "model": {"w": values}}
+    return {key: {} for key in REQUIRED_KEYS} | {"format_version": FORMAT_VERSION, "step": step, "model": {"w": values}}
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -186,51 +185,28 @@ def test_checkpoint_schema_is_documented_keys_of_plain_values(tmp_path, text_fil
     assert run_main(tiny_args(tmp_path, text_file, max_iters=1, batch_size=2, dtype=dtype)) == 0
     for name in ("last.pt", "best.pt"):
         state = torch.load(tmp_path / name, weights_only=True)  # no allowlist, no safe_globals
-        assert sorted(state) == sorted(REQUIRED_KEYS + OPTIONAL_KEYS)
+        assert sorted(state) == sorted(REQUIRED_KEYS)
         assert sorted(state["rng"]) == sorted(RNG_STREAMS)
         assert bool(state["scaler"]) == (dtype == "float16")
         assert_nested_equal(state, load_checkpoint(tmp_path / name))
 
 
 # ----------------------------------------------------------------------------- numerical faults
-PLAIN_STEP = "plain_sgd"  # beside the table's: an optimizer whose step() knows nothing of found_inf
-
-
-def build_plain_sgd(model, cfg, device, dtype):
-    """torch's SGD, not fused: a plain step(), as a fork's optimizer (the docs' SGD, a Lion) would have."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.SGD(optim.adamw_groups(params, cfg.weight_decay), lr=cfg.learning_rate, momentum=0.9)
-
-
-def with_optimizer(monkeypatch, name: str) -> str:
-    """``name``, registered in optim.OPTIMIZERS for this test if it is PLAIN_STEP."""
-    if name == PLAIN_STEP:
-        optim.optimizer(PLAIN_STEP)(build_plain_sgd)
-        monkeypatch.setitem(OPTIMIZERS, PLAIN_STEP, OPTIMIZERS.pop(PLAIN_STEP))  # removed again after the test
-    return name
-
-
-@pytest.mark.parametrize("optimizer", [*sorted(OPTIMIZERS), PLAIN_STEP])  # every optimizer of the table, and one more
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("poison", [math.nan, math.inf])
-def test_nonfinite_loss_stops_before_the_update(tmp_path, text_file, monkeypatch, capsys, poison, optimizer):
-    # Step 4 is poisoned; the first sync point after it is the log line of step 5, so step 5 also runs:
-    # the guard must keep both updates out without a host sync at step 4, whatever the optimizer: fused
-    # AdamW and optim.Muon skip on the device (found_inf), a plain step() is undone on the device. Before,
-    # a plain step() read the verdict on the host every step (and the docs' own SGD failed here: 8 == 10).
-    with_optimizer(monkeypatch, optimizer)
+def test_a_nonfinite_step_stops_the_run_and_never_reaches_a_checkpoint(tmp_path, text_file, monkeypatch, capsys,
+                                                                       poison, optimizer):
+    # Step 4 is poisoned; the first sync point after it is the log line of step 5, so step 5 also runs (no host
+    # read at step 4): the run stops there, naming step 4, and nothing is saved after step 3's checkpoint.
     args = dict(grad_accum=2, max_iters=20, log_interval=5, eval_interval=3, optimizer=optimizer)
     assert run_main(tiny_args(tmp_path / "reference", text_file, **{**args, "max_iters": 3})) == 0
     before_step_4 = load_checkpoint(tmp_path / "reference" / "last.pt")
-    run = capture_run(monkeypatch)
     calls = poison_loss(monkeypatch, lambda n: n == call_of(4, 2, 2), poison)
     out = tmp_path / "poisoned"
     assert run_main(tiny_args(out, text_file, **args)) == 3
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: non-finite loss or gradient at step 4;")
     assert len(calls) == call_of(5, 2, 2)
-    assert_nested_equal(run["model"].state_dict(), before_step_4["model"])
-    # The moments; param_groups hold step 5's lr, set before its (skipped) update.
-    assert_nested_equal(run["optimizer"].state_dict()["state"], before_step_4["optimizer"]["state"])
-    assert load_checkpoint(out / "last.pt")["step"] == 3  # nothing was saved after the fault
+    assert_nested_equal(load_checkpoint(out / "last.pt")["model"], before_step_4["model"])  # step 3's, intact
     for name in ("last.pt", "best.pt"):
         assert all(torch.isfinite(t).all() for t in all_tensors(load_checkpoint(out / name)) if t.is_floating_point())
 
@@ -245,9 +221,8 @@ def count_host_reads(monkeypatch) -> list[str]:
     return reads
 
 
-@pytest.mark.parametrize("optimizer", [*sorted(OPTIMIZERS), PLAIN_STEP])  # every optimizer of the table, and one more
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))  # every optimizer of the table
 def test_no_host_sync_on_steps_that_do_not_log(tmp_path, text_file, monkeypatch, optimizer):
-    with_optimizer(monkeypatch, optimizer)
     reads = count_host_reads(monkeypatch)
     counts = []
     for n_steps in (4, 8):  # only the last step logs, evals and saves
@@ -399,16 +374,6 @@ def test_the_first_signal_decides_the_exit_code(tmp_path, text_file, monkeypatch
     name = signal.Signals(first).name
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: stopped by {name} after step 2; last.pt holds it, continue with --resume")
-
-
-def test_an_optimizer_that_cannot_skip_on_the_device_is_said_once_at_start(tmp_path, text_file, monkeypatch, capsys):
-    assert run_main(tiny_args(tmp_path / "fused", text_file, max_iters=2)) == 0
-    assert "found_inf hook" not in capsys.readouterr().out
-    assert run_main(tiny_args(tmp_path / "plain", text_file, max_iters=2,
-                              optimizer=with_optimizer(monkeypatch, PLAIN_STEP))) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if "found_inf hook" in line]
-    assert lines == ["note: SGD has no found_inf hook (skips_on_device): each step keeps a copy of the weights "
-                     "and optimizer state to undo a non-finite update without a host sync"]
 
 
 @pytest.mark.parametrize("eval_interval", [1, 5], ids=["a save after every step", "the first save at the end"])

@@ -18,7 +18,7 @@ from conftest import REPO, make_text, run_script, tiny_model
 from prepare.tokenizers import CharTokenizer
 from model import GPT, GPTConfig, attention, visible_keys
 import sample as sample_module
-from sample import (Continuations, NextTokenLogits, TextStream, filter_logits, generate, main, next_token_probs,
+from sample import (Continuations, KVCache, NextTokenLogits, TextStream, filter_logits, generate, main, next_token_probs,
                     pick_next, prompt_ids, unescape, window_start)
 
 NEG_INF = float("-inf")
@@ -101,7 +101,7 @@ def test_prefill_decode_and_extension_equal_one_full_forward():
     model = varied_model()
     idx = random_ids(3, 16)
     full, _, _, _ = model(idx)  # (3, 16, vocab)
-    cache = model.new_cache(3)
+    cache = KVCache(model.config, 3)
     parts = [model(idx[:, a:b], cache=cache)[0] for a, b in [(0, 5), (5, 6), (6, 7), (7, 12), (12, 16)]]
     assert cache.length == 16
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
@@ -110,7 +110,7 @@ def test_prefill_decode_and_extension_equal_one_full_forward():
 def test_cache_takes_the_dtype_of_the_keys_under_autocast():
     model = varied_model()
     idx = random_ids(2, 12)
-    cache = model.new_cache(2)
+    cache = KVCache(model.config, 2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         full, _, _, _ = model(idx)  # (2, 12, vocab)
         parts = [model(idx[:, :8], cache=cache)[0], model(idx[:, 8:9], cache=cache)[0],
@@ -121,7 +121,7 @@ def test_cache_takes_the_dtype_of_the_keys_under_autocast():
 
 def test_cache_refuses_to_run_past_block_size():
     model = varied_model()
-    cache = model.new_cache(1)
+    cache = KVCache(model.config, 1)
     model(random_ids(1, 16), cache=cache)
     with pytest.raises(ValueError, match="exceeds block_size"):
         model(random_ids(1, 1), cache=cache)
@@ -327,7 +327,8 @@ def ckpt(tmp_path: Path) -> Path:
     model = GPT(model_config(cfg, tokenizer.vocab_size))
     state = {"format_version": FORMAT_VERSION, "model": model.state_dict(), "optimizer": {}, "scaler": {},
              "step": 0, "time_s": 0.0, "best_val_loss": math.inf, "config": as_dict(cfg), "tokenizer": tokenizer.meta(),
-             "rng": {}, "rng_per_rank": [], "precision": "float32", "versions": {}}
+             "rng": {}, "rng_per_rank": [], "precision": "float32", "versions": {}, "last_eval": {},
+             "corpus": {}}
     path = tmp_path / "out" / "best.pt"
     save_checkpoint(state, path)
     return path

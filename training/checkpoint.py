@@ -9,13 +9,12 @@ Keys (``REQUIRED_KEYS``): format_version, model (state_dict; a LoRA run's holds 
 state_dict, empty unless fp16), step (optimizer steps done), time_s (the run's wall clock at that step,
 evals included: a resumed run continues its max_time budget and time schedule), best_val_loss, config (TrainConfig as a
 dict), tokenizer (its description), rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, and data: the training
-stream's state_dict, data.TrainingStream; before the stream, its generator's bare state, which data.RandomWindows
-still reads), rng_per_rank (the same for every DDP rank, in rank order; one entry in a single process), precision
-(the dtype the run resolved: float32, bfloat16 or float16), versions (python, torch, numpy, tiktoken, git commit and dirty flag).
-``OPTIONAL_KEYS``: last_eval (the latest eval before the save: step, val_loss, val_bpb; in best.pt, the
-best one; empty until this process has run an eval), corpus (the data trained on: source, val_fraction
-and each split's fingerprint, data.Corpus.record; a resume on other data is refused). ``LORA_KEYS``, a LoRA run's
-only: lora (its base, the base's fingerprint and the adapters' shape, training/lora.record; a resume or a sample on
+stream's state_dict, data.TrainingStream), rng_per_rank (the same for every DDP rank, in rank order; one entry in a
+single process), precision (the dtype the run resolved: float32, bfloat16 or float16), versions (python, torch,
+numpy, tiktoken, git commit and dirty flag), last_eval (the latest eval before the save: step, val_loss, val_bpb;
+in best.pt, the best one; empty until this process has run an eval), corpus (the data trained on: source,
+val_fraction and each split's fingerprint, data.Corpus.record; a resume on other data is refused). A checkpoint of
+an older layout is refused in one line. ``LORA_KEYS``, a LoRA run's only: lora (its base, the base's fingerprint and the adapters' shape, training/lora.record; a resume or a sample on
 another base is refused).
 
 On disk a checkpoint is the zip archive torch.save writes, with the sha256 of the archive stored in
@@ -50,9 +49,8 @@ from process.files import TEMP_MARK, atomic_write
 from model import GPT
 
 FORMAT_VERSION = 2  # 2: time_s added
-REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss",
-                 "config", "tokenizer", "rng", "rng_per_rank", "precision", "versions")
-OPTIONAL_KEYS = ("last_eval", "corpus")  # written by train.py since bits per byte / issue 23; older checkpoints lack them
+REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss", "config",
+                 "tokenizer", "rng", "rng_per_rank", "precision", "versions", "last_eval", "corpus")
 LORA_KEYS = ("lora",)  # written by a LoRA run (lora_rank > 0) only
 
 
@@ -139,11 +137,13 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
             state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 - the unpickler raises many types; all mean "refuse"
         raise CheckpointError(f"{path}: refused to load ({unpickler_reason(err)})") from None
-    if isinstance(state, dict) and state.get("format_version") == 1:
-        state.setdefault("time_s", 0.0)  # format 1 -> 2: the run's clock was not kept, so it restarts
-    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise CheckpointError(f"{path}: not a tinygpt checkpoint (missing {', '.join(missing)})")
+    if not isinstance(state, dict) or "format_version" not in state:
+        raise CheckpointError(f"{path}: not a tinygpt checkpoint (no format_version)")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing or state["format_version"] != FORMAT_VERSION or isinstance(state["rng"].get("data"), torch.Tensor):
+        raise CheckpointError(f"{path}: written by an older tinygpt (format {state['format_version']}"
+                              + (f", no {', '.join(missing)}" if missing else "") + "); continue or sample it with "
+                              "the commit that wrote it (its versions.git_commit), or start a new run")
     return state
 
 
@@ -270,6 +270,7 @@ def git_state() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- what a run saves, and its resume
 def checkpoint_state(model: GPT, optimizer, scaler, step: int, time_s: float, best_val: float, cfg: TrainConfig,
                      tokenizer_meta: dict, rng_per_rank: list[dict[str, Any]], dtype: torch.dtype,
+                     last_eval: dict[str, float], corpus: dict[str, Any],
                      lora_record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a resume needs; built from the uncompiled model so keys carry no _orig_mod.
 
@@ -285,42 +286,14 @@ def checkpoint_state(model: GPT, optimizer, scaler, step: int, time_s: float, be
             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step,
             "time_s": time_s, "best_val_loss": best_val, "config": as_dict(cfg), "tokenizer": tokenizer_meta,
             "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank, "precision": dtype_name(dtype),
-            "versions": library_versions()}
+            "versions": library_versions(), "last_eval": last_eval, "corpus": corpus}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def resume(path: Path, cfg: TrainConfig, tokenizer_meta: dict, model: GPT, optimizer, scaler,
-           stream: TrainingStream, dtype: torch.dtype, ddp: Dist = Dist(),
-           corpus: dict[str, Any] | None = None, lora_record: dict[str, Any] | None = None) -> tuple[int, float, float]:
-    """Load last.pt into the run; refuse a checkpoint of another shape, tokenizer or (``corpus``, a
-    Corpus.record) other data, or (``lora_record``, this LoRA run's) adapters of another base.
-
-    Every rank loads the same file and restores its own random streams (see rank_rng_state).
-    Returns (step, wall-clock seconds the run had spent, best val loss).
-    """
-    state = load_checkpoint(path)
-    check_resumable(path, state, cfg, tokenizer_meta, scaler.is_enabled(), dtype)
-    check_same_corpus(path, state.get("corpus"), corpus)
-    load_weights(path, state, model, lora_record)
-    load_optimizer_state(optimizer, state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
-    rng = distributed.rank_rng_state(state, ddp)
-    if rng is not None:
-        try:
-            restore_rng(rng, stream)
-        except CheckpointError as err:
-            raise CheckpointError(f"{path}: {err}") from None
-    done = (" (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else
-            " (max_time reached: nothing to do; raise --max_time to continue)" if cfg.out_of_time(state["time_s"])
-            else "")
-    print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
-    return state["step"], state["time_s"], state["best_val_loss"]
-
-
-def load_weights(path: Path, state: dict[str, Any], model: GPT, lora_record: dict[str, Any] | None) -> None:
+def restore_weights(path: Path, state: dict[str, Any], model: GPT, lora_record: dict[str, Any] | None) -> None:
     """The checkpoint's weights into the run's model: every weight, or a LoRA run's adapters once the base
     imported now is the one they were trained on (its fingerprint)."""
     if lora_record is None:
@@ -352,14 +325,9 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokeniz
                "from here on, so this is not the run the checkpoint started")
 
 
-def check_same_corpus(path: Path, saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
+def check_same_corpus(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
     """Refuse to resume on other data (Corpus.record of each): another train split is not the run that was
-    stopped, and another val split would compare best_val_loss, and pick best.pt, across different sets.
-
-    Checkpoints saved before the record existed carry none: they resume as before, unchecked.
-    """
-    if not saved or not now:
-        return
+    stopped, and another val split would compare best_val_loss, and pick best.pt, across different sets."""
     changed = [split for split in ("train", "val") if saved["fingerprint"].get(split) != now["fingerprint"][split]]
     if changed:
         raise CheckpointError(
@@ -380,13 +348,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
         group.update(mine)
 
 
-def refuse_to_overwrite(out_dir: Path, resume: bool) -> None:
-    """A fresh run never replaces a run already in out_dir: continuing it is --resume's job."""
-    if not resume and (out_dir / "last.pt").exists():
-        raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
-                          "new one with another --out_dir (or delete the folder)")
-
-
 class Checkpointer:
     """out_dir's last.pt and best.pt: what goes in them, when best.pt is written, and the resume policy.
 
@@ -396,21 +357,40 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
-        """``run``: a train.Run, whose model, optimizer, scaler, guard, training stream and corpus a checkpoint holds."""
+        """``run``: a train.Run, whose model, optimizer, scaler, guard, training stream and corpus a checkpoint holds.
+        Makes out_dir and removes the temp files a killed save left there."""
         self.out_dir, self.cfg, self.model, self.optimizer, self.scaler = out_dir, cfg, run.model, run.optimizer, run.scaler
         self.guard, self.stream, self.corpus, self.dtype, self.ddp = run.guard, run.stream, run.corpus, run.rt.dtype, ddp
         self.saved_step: int | None = None  # the step last.pt holds, once this process knows it
         self.last_eval: dict[str, float] = {}  # the latest eval, saved with each checkpoint (best.pt: the best)
         # A LoRA run: what its checkpoints say of the base (hashed once: it is frozen) beside the adapters.
         self.lora = lora.record(self.model, cfg.init_from, lora.base_fingerprint(self.model)) if cfg.lora_rank else None
+        out_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(out_dir)  # left by a save that was killed
 
     def resume(self) -> tuple[int, float, float]:
-        """Load last.pt into the run (refusing one it cannot continue): (step, seconds spent, best val loss)."""
-        step, time_s, best_val = resume(self.out_dir / "last.pt", self.cfg, self.corpus.meta["tokenizer"],
-                                        self.model, self.optimizer, self.scaler, self.stream, self.dtype,
-                                        self.ddp, self.corpus.record(), self.lora)
-        self.saved_step = step
-        return step, time_s, best_val
+        """Load last.pt into the run: (step, seconds spent, best val loss). Refuses a checkpoint of another shape,
+        tokenizer or data, or (a LoRA run) adapters of another base. Every rank loads the same file and restores
+        its own random streams (distributed.rank_rng_state)."""
+        path, cfg = self.out_dir / "last.pt", self.cfg
+        state = load_checkpoint(path)
+        check_resumable(path, state, cfg, self.corpus.meta["tokenizer"], self.scaler.is_enabled(), self.dtype)
+        check_same_corpus(path, state["corpus"], self.corpus.record())
+        restore_weights(path, state, self.model, self.lora)
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        rng = distributed.rank_rng_state(state, self.ddp)
+        if rng is not None:
+            try:
+                restore_rng(rng, self.stream)
+            except CheckpointError as err:
+                raise CheckpointError(f"{path}: {err}") from None
+        done = (" (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else
+                " (max_time reached: nothing to do; raise --max_time to continue)" if cfg.out_of_time(state["time_s"])
+                else "")
+        print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
+        self.saved_step = state["step"]
+        return state["step"], state["time_s"], state["best_val_loss"]
 
     def save(self, step: int, time_s: float, best_val: float, is_best: bool = False) -> None:
         self.guard.raise_if_tripped()  # never save a state that a non-finite step touched
@@ -420,9 +400,8 @@ class Checkpointer:
         with distributed.stop_together(self.ddp.device):  # rank 0's write failing (disk full) stops every rank
             if self.ddp.is_main:
                 state = checkpoint_state(self.model, self.optimizer, self.scaler, step, time_s, best_val, self.cfg,
-                                         self.corpus.meta["tokenizer"], rng_per_rank, self.dtype, self.lora)
-                state["last_eval"] = self.last_eval
-                state["corpus"] = self.corpus.record()  # a resume on other data is refused by it
+                                         self.corpus.meta["tokenizer"], rng_per_rank, self.dtype, self.last_eval,
+                                         self.corpus.record(), self.lora)
                 if is_best:
                     save_checkpoint(state, self.out_dir / "best.pt")
                 save_checkpoint(state, self.out_dir / "last.pt")

@@ -6,11 +6,9 @@ peer rank lost mid-collective, so that train.py ends through errors.exit_for lik
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -68,87 +66,38 @@ class StopOnSignal:
                           128 + self.signum)
 
 
-def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer's step() honours a ``found_inf`` tensor (1.0: make this update a no-op on the device).
-
-    torch's fused optimizers do (they say so with ``_step_supports_amp_scaling``, GradScaler's hook), and
-    so do optim.Muon and optim.MuonAdamW (``skips_on_found_inf``); a plain step() does not.
-    """
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False) or getattr(optimizer, "skips_on_found_inf", False))
-
-
 class NonFiniteGuard:
-    """Keeps NaN/inf out of the weights without a host sync per step, for any torch.optim.Optimizer.
+    """Stops a run at its first non-finite step without a host sync per step; nothing non-finite is ever saved.
 
-    fp32/bf16: from the first step whose loss or gradient norm is not finite (``check``), every update
-    is a no-op *on the device* (``skip_if_faulty`` around optimizer.step()). The host reads the verdict
-    only where the loop syncs anyway (log lines, evals, saves) and stops there, weights and optimizer
-    state being those before the bad step. Cost: two isfinite ops per step, and up to log_interval - 1
-    wasted steps after a fault; checking every step instead would cost a sync per step on CUDA, which
-    stalls the host's run-ahead (the data loading and kernel launches of the next step).
-    How the update becomes a no-op depends on the optimizer (skips_on_device):
-      - fused torch optimizers, optim.Muon and optim.MuonAdamW get the verdict as ``found_inf``, the hook
-        GradScaler uses to skip a step (fused AdamW also undoes its step count);
-      - any other (a plain step(): torch's SGD, a hand-written Lion, anything on MPS) steps as usual, and
-        the guard then puts back copies of the weights and of the optimizer's tensor state taken just
-        before, where the verdict says so (torch.where: no host read). That costs one copy of both per
-        step; ``note`` says so once at start. Non-tensor state (a Python int step count) is not put back,
-        nor is state that a faulty *first* update created; the run stops at the next sync regardless,
-        and nothing a fault touched is ever saved (Checkpointer.save checks first).
+    ``check`` records on the device the first step whose loss or gradient norm is not finite (two isfinite ops);
+    the host reads that record only where the loop syncs anyway (log lines, evals, saves: ``raise_if_tripped``)
+    and stops the run there, naming the step. The steps in between run on (at most log_interval - 1 of them),
+    so the weights in memory may hold NaN when the run stops; a save checks first, so last.pt and best.pt hold
+    the last finite state. Checking every step instead would cost a sync per step on CUDA, which stalls the
+    host's run-ahead (the data loading and kernel launches of the next step).
 
-    fp16: GradScaler skips a step whose gradients overflow and halves its scale (its normal way of
-    finding the scale). The guard counts consecutive skips on the device and stops the run at the next
-    sync once ``max_skipped`` are reached: a scale fallen by 2**max_skipped means the model diverged.
+    fp16: GradScaler skips a step whose gradients overflow and halves its scale (its normal way of finding the
+    scale). The guard counts consecutive skips on the device and stops the run at the next sync once
+    ``max_skipped`` are reached: a scale fallen by 2**max_skipped means the model diverged.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, max_skipped: int,
-                 device: torch.device):
+    def __init__(self, scaler: torch.amp.GradScaler, max_skipped: int, device: torch.device):
         self.scaler, self.max_skipped = scaler, max_skipped
-        self.on_device = skips_on_device(optimizer)
         self.bad_step = torch.full((), -1, dtype=torch.long, device=device)  # first faulty step; -1 = none
         self.skipped = torch.zeros((), dtype=torch.long, device=device)  # fp16: consecutive skips so far
-        self.note = None if self.on_device or scaler.is_enabled() else (
-            f"note: {type(optimizer).__name__} has no found_inf hook (skips_on_device): each step keeps a copy of "
-            "the weights and optimizer state to undo a non-finite update without a host sync")
 
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Record on the device whether ``step`` (numbered as in the log) is faulty: no host sync."""
         if self.scaler.is_enabled():  # fp16: GradScaler decides on the (unscaled) gradients, as we do
             self.skipped = (self.skipped + 1) * ~torch.isfinite(grad_norm)  # back to 0 on a good step
-            self.record(step, self.skipped >= self.max_skipped)
-            return
-        self.record(step, ~(torch.isfinite(loss) & torch.isfinite(grad_norm)))
-
-    @contextlib.contextmanager
-    def skip_if_faulty(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """Around optimizer.step(): the update is a no-op on the device once a fault has been recorded."""
-        if self.scaler.is_enabled():  # fp16: GradScaler skips overflowed steps itself, and check() counts them
-            yield
-            return
-        faulty = self.bad_step >= 0  # a device bool: never read here
-        if self.on_device:
-            optimizer.found_inf = faulty.float()  # 1.0 makes the update a no-op
-            try:
-                yield
-            finally:
-                del optimizer.found_inf
-            return
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        before = {p: (p.detach().clone(), {k: v.clone() for k, v in optimizer.state[p].items()
-                                          if isinstance(v, torch.Tensor)}) for p in params}
-        yield
-        with torch.no_grad():
-            for p, (weight, state) in before.items():
-                p.copy_(torch.where(faulty, weight, p))
-                for key, old in state.items():
-                    optimizer.state[p][key] = torch.where(faulty, old, optimizer.state[p][key])
-
-    def record(self, step: int, faulty: torch.Tensor) -> None:
+            faulty = self.skipped >= self.max_skipped
+        else:
+            faulty = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         self.bad_step = torch.where((self.bad_step < 0) & faulty, step, self.bad_step)
 
     def raise_if_weights_not_finite(self, model: torch.nn.Module, step: int) -> None:
         """Stop before a save if any weight is not finite: an update that overflowed (a finite loss and gradient,
-        times a huge lr) is the one fault check() cannot see before it is applied. One host read: saves only."""
+        times a huge lr) is the one fault check() cannot see. One host read: saves only."""
         if not torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all():
             raise RunStopped(f"the weights are not finite after step {step} (an update overflowed them); stopped "
                              "before saving, so last.pt and best.pt hold the last finite state; lower learning_rate",
@@ -163,8 +112,8 @@ class NonFiniteGuard:
             raise RunStopped(f"{self.max_skipped} steps in a row skipped for non-finite fp16 gradients "
                              f"(the last at step {bad_step}); lower learning_rate or use --dtype bfloat16",
                              EXIT_NONFINITE)
-        raise RunStopped(f"non-finite loss or gradient at step {bad_step}; stopped before its update, nothing "
-                         "non-finite was applied or saved; lower learning_rate or check the data", EXIT_NONFINITE)
+        raise RunStopped(f"non-finite loss or gradient at step {bad_step}; stopped at the next log step, before "
+                         "anything non-finite was saved; lower learning_rate or check the data", EXIT_NONFINITE)
 
 
 def run_error(err: BaseException) -> BaseException:

@@ -1,4 +1,4 @@
-"""Where and how the maths runs: device choice, threads, precision, autocast, compile, and seeding.
+"""Where and how the maths runs: device choice, threads, precision, compile, and seeding.
 
 ``choose_runtime`` is the one choice of device, threads, precision and compile that train.py,
 scripts/bench.py, scripts/doctor.py, scripts/eval.py and scripts/compare.py share, so that a benchmark, a
@@ -6,7 +6,6 @@ diagnosis or an evaluation runs as training of the same config does; sample.py p
 """
 from __future__ import annotations
 
-import contextlib
 import random
 import re
 import statistics
@@ -111,7 +110,7 @@ def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Mo
     around it (dropout draws from it), so a compiled run resumes as exactly as an eager one."""
     def probe(m: torch.nn.Module) -> None:
         x, y = stream.first_batch()  # (B, T) each
-        with autocast(rt.device, rt.dtype):
+        with torch.autocast(rt.device.type, dtype=rt.dtype, enabled=rt.dtype != torch.float32):
             _, loss_sum, n, _ = m(x, y)
         (loss_sum / n).backward()
 
@@ -138,13 +137,6 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
         sync()
         times.append(time.perf_counter() - t0)
     return 2 * m * k * n / statistics.median(times) / 1e9
-
-
-def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
-    """Mixed precision for the forward pass; a no-op in fp32. Weights stay fp32 either way."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def use_threads(threads: int) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -166,26 +167,31 @@ class MetricsLog:
     Only the main process (rank 0) writes; on other ranks every method does nothing.
     """
 
-    def __init__(self, out_dir: Path, cfg: TrainConfig, enabled: bool = True, logged_through: int | None = None,
-                 tracked: bool = True):
+    def __init__(self, out_dir: Path, cfg: TrainConfig, step: int, flops_per_token: int, rt, world_size: int = 1,
+                 enabled: bool = True, tracked: bool = True):
+        """A run starting at ``step`` (resumed if cfg.resume): a fresh run's metrics.jsonl is removed, a resumed
+        run's keeps its records through ``step``. ``tracked=False``: a resume with nothing left to do, which
+        would open a wandb run just to log nothing."""
         self.enabled, self.max_time = enabled, cfg.max_time
+        self.speed = Throughput(step, time.time(), cfg.tokens_per_step() * world_size, flops_per_token, rt.device,
+                                rt.dtype, world_size)
+        logged_through = continue_log(out_dir, step, cfg.resume) if enabled else None
         self.file = open(out_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
-        # tracked=False: a resume with nothing left to do, which would open a wandb run just to log nothing.
         self.tracker = start(cfg, out_dir, logged_through) if enabled and tracked else NullTracker()
 
     def log(self, record: dict[str, Any], line: str) -> None:
         self.record(record)
         self.say(line)
 
-    def step(self, step: int, losses: dict[str, torch.Tensor], lr: float, grad_norm: torch.Tensor, speed: Throughput,
-             now: float, time_s: float) -> None:
+    def step(self, step: int, losses: dict[str, torch.Tensor], lr: float, grad_norm: torch.Tensor,
+             time_s: float) -> None:
         """A training log line: the record, and the line a person reads. ``losses`` per target: "loss" (the
         cross-entropy) and each auxiliary term of the objective by name. Reads the tensors: a host sync."""
         clash = set(losses) & {"step", "lr", "grad_norm", "tokens_per_s", "mfu", "time_s", "val_loss", "val_bpb"}
         if clash:  # it would overwrite that key of metrics.jsonl, silently
             raise ValueError(f"an auxiliary loss is named {sorted(clash)[0]!r}, a key of metrics.jsonl; rename it")
         values, grad_norm = {name: value.item() for name, value in losses.items()}, grad_norm.item()
-        step_s, tokens_per_s, util = speed.lap(step, now)
+        step_s, tokens_per_s, util = self.speed.lap(step, time.time())
         terms = "".join(f" | {name} {value:.4g}" for name, value in values.items() if name != "loss")
         self.log({"step": step, **values, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "mfu": util, "time_s": time_s},
@@ -203,6 +209,10 @@ class MetricsLog:
     def eval_line(self, step: int, loss: float, bpb: float, is_best: bool) -> None:
         """The eval's line, printed after the save: it says "saved" only once that is true."""
         self.say(f"step {step:>6} | val loss {loss:.4f} | val bpb {bpb:.4f}" + (" (best, saved best.pt)" if is_best else ""))
+
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` (an eval, a save) out of the training time of the next log line."""
+        self.speed.pause(seconds)
 
     def record(self, record: dict[str, Any]) -> None:
         if self.enabled:
@@ -238,11 +248,10 @@ class Throughput:
         self.t += seconds
 
 
-def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int, note: str | None = None) -> str:
-    """The start-up lines: the model, the settings (and any given but unused, and ``note``, the guard's), where
-    and how it computes."""
+def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int) -> str:
+    """The start-up lines: the model, the settings (and any given but unused), where and how it computes."""
     tokens = cfg.tokens_per_step()
-    return "\n".join([f"model: {model.summary()}", settings_line(cfg), *unused_given(cfg), *([note] if note else []),
+    return "\n".join([f"model: {model.summary()}", settings_line(cfg), *unused_given(cfg),
                       f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, compile {compiled}, "
                       f"{tokens * world_size:,} tokens/step ({world_size} rank(s) x {tokens:,}), out_dir {cfg.out_dir}"])
 
