@@ -32,7 +32,7 @@ from training.runtime import (choose_runtime, compile_for_step, matmul_gflops, p
                                use_threads)
 from train import Run, build_run, get_lr, train_step
 
-PHASES = ("data", "forward_backward", "optimizer")
+PHASES = ("data", "step")  # drawing the batches; train.train_step (forward, backward, clip, update)
 
 
 @dataclass
@@ -76,7 +76,7 @@ def timed_step(b: Bench) -> dict[str, float]:
     cfg, device, clock = b.cfg, b.device, time.perf_counter
     times, t = {}, [clock()]
 
-    def lap(phase: str) -> None:  # train_step calls it after each of its phases
+    def lap(phase: str) -> None:
         sync(device)
         times[phase], t[0] = clock() - t[0], clock()
 
@@ -84,7 +84,8 @@ def timed_step(b: Bench) -> dict[str, float]:
     t[0] = clock()
     batches = [b.run.stream.next() for _ in range(cfg.grad_accum)]
     lap("data")
-    losses, _ = train_step(b.run, b.train_model, batches, b.step + 1, get_lr(b.step, cfg), lap=lap)
+    losses, _ = train_step(b.run, b.train_model, batches, b.step + 1, get_lr(b.step, cfg))
+    lap("step")
     b.step += 1
     b.losses.append(losses.loss_sum / losses.n_targets)  # a tensor: .item() only after timing, no sync in the step
     return times
