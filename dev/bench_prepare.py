@@ -35,8 +35,8 @@ from pathlib import Path
 from config import CommandLine, choices, field_help
 from process.errors import TinyGPTError, exit_on, fail
 from prepare.corpora import prepare
-from prepare.formats import import_pyarrow
-from prepare.shakespeare import shakespeare_text
+from prepare.documents import import_pyarrow
+from prepare.downloads import shakespeare_text
 
 FORMATS = (".jsonl", ".parquet")
 ROW_GROUP_ROWS = 1000  # many row groups per file, as in sharded web corpora, so reading crosses them
