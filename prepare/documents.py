@@ -8,14 +8,13 @@ processes and streamed into train.bin and val.bin: memory holds one batch of doc
 
 Each kind of file is one row of ``DOCUMENT_FORMATS``: a reader that yields a ``Source`` per document, lazily and
 in order, cheap to pickle, so that the workers, not the main process, get the text from it (``document_text``).
-A new format is a reader and a row. Parquet is read a few rows at a time, with pyarrow, imported only for it.
+A new format is a reader and a row. Parquet is read a few rows at a time by pyarrow, imported only for it.
 
-Each document is preceded by the tokenizer's separator (``eot_token``), so the model sees where documents meet:
-GPT-2's <|endoftext|>, or for a char vocabulary a newline (``encode_document``). A char vocabulary is the set of
-the corpus's characters, and a BPE trained here learns from the train documents: each costs one more streaming
-pass first. The val split is every 1/val_fraction-th document from the first (tokenfiles.is_val: 0.1 gives
-documents 0, 10, 20, ...), which needs no pass in advance and spreads val over the corpus. A worker gets what
-every document shares (the tokenizer, the field) with each task, through functools.partial: no module state.
+Each document is preceded by the tokenizer's separator (``encode_document``). A char vocabulary (the corpus's
+characters) and a BPE trained here (on the train documents) each cost one more streaming pass first. The val
+split is every 1/val_fraction-th document from the first (tokenfiles.is_val; 0.1: documents 0, 10, 20, ...): it
+needs no pass in advance and spreads val over the corpus. A worker gets what every document shares (the
+tokenizer, the column) with each task, through functools.partial: no module state is set in it.
 """
 from __future__ import annotations
 
@@ -97,19 +96,32 @@ def open_parquet(path: Path, text_column: str):
 
 
 def parquet_sources(path: Path, text_column: str) -> Iterator[Source]:
-    """A source per row of ``text_column``, carrying its text, read PARQUET_BATCH_ROWS rows at a time.
-
-    iter_batches decodes one batch of the one column at a time (never read_table, which would hold the
-    whole file), so memory does not grow with the file. A null row is refused: it is no document.
-    """
-    reader = open_parquet(path, text_column)
+    """A source per row of ``text_column``, carrying its text. iter_batches decodes PARQUET_BATCH_ROWS rows of the
+    one column at a time (read_table would hold the whole file). A null row is refused: it is no document."""
     row = 0
-    for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_column]):
+    for batch in open_parquet(path, text_column).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_column]):
         for text in batch.column(0).to_pylist():
             row += 1
             if text is None:
                 raise DataError(f"{path}:row {row}: null in column {text_column!r}; drop or fill the row")
             yield Source("text", f"{path}:row {row}", text)
+
+
+def document_text(source: Source, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
+    """A document's text: a .txt file's, a Parquet row's (carried), or a .jsonl line's ``text_column`` field."""
+    if source.kind != "jsonl":
+        return read_text_file(Path(source.where)) if source.kind == "file" else source.payload
+    try:
+        record = json.loads(source.payload)
+    except json.JSONDecodeError:
+        record = None
+    if not isinstance(record, dict) or text_column not in record:
+        fields = (f" (its fields: {', '.join(record)}); name the one holding the text with --text_column"
+                  if isinstance(record, dict) else "")
+        raise DataError(f"{source.where}: not a JSON object with a \"{text_column}\" field{fields}")
+    if not isinstance(text := record[text_column], str):
+        raise DataError(f"{source.where}: \"{text_column}\" is a {type(text).__name__}, not a string")
+    return text
 
 
 # ----------------------------------------------------------------------------- the table
@@ -148,7 +160,6 @@ def accepted_inputs() -> str:
             "or a folder of train.bin, val.bin and meta.json")
 
 
-# ----------------------------------------------------------------------------- a corpus of documents
 def is_document_corpus(path: Path) -> bool:
     """A folder, or a file of a document format (.jsonl, .parquet): many documents, prepared in parallel and
     streamed. A single .txt is one text instead."""
@@ -176,43 +187,10 @@ def corpus_files(path: Path) -> list[Path]:
     return sorted(path.rglob(f"*{folder_suffix(path)}")) if path.is_dir() else [path]
 
 
-def check_files(path: Path, text_column: str) -> None:
-    """Every file looked at (a shard's column, from its footer), so a bad one is refused now, not hours in."""
-    for file in corpus_files(path):
-        if (check := format_of(file).check) is not None:
-            check(file, text_column)
-
-
 def document_sources(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> Iterator[Source]:
     """Every document of a corpus, in order, lazily: a folder's files, a .jsonl's lines or a .parquet's rows."""
     for file in corpus_files(path):
         yield from format_of(file).sources(file, text_column)
-
-
-# ----------------------------------------------------------------------------- a document's text (in a worker)
-def document_text(source: Source, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
-    """A document's text: a .txt file's, a .jsonl line's text_column field, or a Parquet row's (carried)."""
-    if source.kind == "file":
-        return read_text_file(Path(source.where))
-    if source.kind == "text":
-        return source.payload
-    return jsonl_text(source, text_column)
-
-
-def jsonl_text(source: Source, field: str) -> str:
-    """The ``field`` of a .jsonl line; DataError names the file and line."""
-    try:
-        record = json.loads(source.payload)
-    except json.JSONDecodeError:
-        record = None
-    if not isinstance(record, dict) or field not in record:
-        fields = (f" (its fields: {', '.join(record)}); name the one holding the text with --text_column"
-                  if isinstance(record, dict) else "")
-        raise DataError(f"{source.where}: not a JSON object with a \"{field}\" field{fields}")
-    text = record[field]
-    if not isinstance(text, str):
-        raise DataError(f"{source.where}: \"{field}\" is a {type(text).__name__}, not a string")
-    return text
 
 
 # ----------------------------------------------------------------------------- the pool
@@ -229,44 +207,36 @@ def batched_sources(sources: Iterable[Source], max_chars: int) -> Iterator[list[
         yield batch
 
 
-def ignore_sigint() -> None:
-    """A worker's initializer: Ctrl-C is the main process's to handle, once."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def map_documents(path: Path, work: Callable[[Source], T], num_proc: int,
-                  text_column: str = DEFAULT_TEXT_COLUMN) -> Iterator[T]:
+def map_documents(path: Path, work: Callable[[Source], T], num_proc: int, text_column: str) -> Iterator[T]:
     """``work(source)`` of every document of ``path``, in corpus order, from a pool of ``num_proc`` workers.
 
-    Sources go to the pool one bounded batch at a time (Pool.imap alone would read the whole input
-    ahead into its task queue), so memory does not grow with the corpus.
+    Sources go to the pool one bounded batch at a time (Pool.imap alone would read the whole input ahead into
+    its task queue), so memory does not grow with the corpus. Ctrl-C is the main process's to handle, once.
     """
-    with multiprocessing.Pool(num_proc, initializer=ignore_sigint) as pool:
+    with multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
         for batch in batched_sources(document_sources(path, text_column), BATCH_CHARS):
             yield from pool.imap(work, batch, chunksize=max(1, len(batch) // (4 * num_proc)))
 
 
 @functools.cache
 def worker_tokenizer(tokenizer_meta: str, cache: str) -> CharTokenizer | TiktokenTokenizer:
-    """The tokenizer of a meta.json entry (as JSON, so hashable), built once per process and then reused:
-    a worker builds it for its first document (GPT-2's ranks are read once, not once a batch)."""
+    """The tokenizer of a meta.json entry (as JSON, so hashable), built once per worker process: GPT-2's ranks
+    are read once, not once a batch."""
     return tokenizer_from_meta(json.loads(tokenizer_meta), Path(cache))
 
 
 def document_chars(source: Source, text_column: str) -> str:
-    """The distinct characters of one document, in no order. In a worker (corpus_chars)."""
+    """The distinct characters of one document, in no order. In a worker (document_tokenizer)."""
     return "".join(set(document_text(source, text_column)))
 
 
 def encode_document(source: Source, tokenizer_meta: str, cache: str, text_column: str) -> np.ndarray:
     """The separator then the document's token ids; empty for an empty document. In a worker.
 
-    The separator is the tokenizer's eot_token: GPT-2's <|endoftext|>, a token that is no text. A char
-    vocabulary has no such token, and a reserved character would be one that no document holds, yet
-    counted as a byte of the corpus in bits per byte and printed in samples. So a char corpus uses the
-    newline (corpus_chars puts it in every such vocabulary, and CharTokenizer makes it eot_token): what a
-    text file has between its parts. A char document corpus is then its documents joined by newlines,
-    as one text file made of them would be, and an empty prompt starts a sample at a document start.
+    The separator is the tokenizer's eot_token: GPT-2's <|endoftext|>, a token that is no text. A char vocabulary
+    has no such token (a reserved character would count as a byte in bits per byte and print in samples), so it
+    uses the newline, which document_tokenizer puts in every char vocabulary: a char document corpus is its
+    documents joined by newlines, as one text file of them would be.
     """
     tok = worker_tokenizer(tokenizer_meta, cache)
     text = document_text(source, text_column)
@@ -276,26 +246,20 @@ def encode_document(source: Source, tokenizer_meta: str, cache: str, text_column
     return np.concatenate([[tok.eot_token], tok.encode_array(text)]).astype(dtype)
 
 
-# ----------------------------------------------------------------------------- the passes over the corpus
-def corpus_chars(path: Path, num_proc: int, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
-    """A char vocabulary for a document corpus: the sorted characters of all its documents and the newline
-    that separates them (encode_document), in one streaming pass over the corpus."""
-    chars = {"\n"}
-    work = functools.partial(document_chars, text_column=text_column)
-    for found in tqdm(map_documents(path, work, num_proc, text_column),
-                      desc=f"reading the characters of {path.name}", unit="doc", mininterval=1.0):
-        chars.update(found)
-    return "".join(sorted(chars))
-
-
 def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
                        text_column: str, bpe_vocab_size: int) -> CharTokenizer | TiktokenTokenizer:
-    """GPT-2's BPE, fetched or built once before the workers start; a BPE trained on the train documents
-    (a first pass: val never shapes the merges); or a char vocabulary (a first pass for its characters)."""
+    """GPT-2's BPE, built once before the workers start; a char vocabulary (a first pass: the documents'
+    characters and the newline that separates them); or a BPE trained on the train documents (a first pass:
+    val never shapes the merges)."""
     if tokenizer == "gpt2":
         return GPT2Tokenizer(data_dir)
     if tokenizer == "char":
-        return CharTokenizer(corpus_chars(path, num_proc, text_column))
+        chars = {"\n"}
+        work = functools.partial(document_chars, text_column=text_column)
+        for found in tqdm(map_documents(path, work, num_proc, text_column),
+                          desc=f"reading the characters of {path.name}", unit="doc", mininterval=1.0):
+            chars.update(found)
+        return CharTokenizer("".join(sorted(chars)))
     texts = map_documents(path, functools.partial(document_text, text_column=text_column), num_proc, text_column)
     train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
     return train_bpe(tqdm(train_texts, desc=f"training a {bpe_vocab_size}-token BPE on {path.name}", unit="doc",
@@ -304,7 +268,7 @@ def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction:
 
 def write_splits(documents: Iterable[np.ndarray], staging: Path,
                  val_fraction: float) -> tuple[dict[str, int], int, int]:
-    """Each document's ids appended to staging's train.bin or val.bin (is_val_document), as they come:
+    """Each document's ids appended to staging's train.bin or val.bin (is_val), as they come:
     (tokens per split, documents, val documents)."""
     counts, n_docs, n_val_docs = {"train": 0, "val": 0}, 0, 0
     with open(staging / "train.bin", "wb") as train_f, open(staging / "val.bin", "wb") as val_f:
@@ -319,9 +283,11 @@ def write_splits(documents: Iterable[np.ndarray], staging: Path,
 def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float,
                       num_proc: int = 0, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN,
                       bpe_vocab_size: int = 2048) -> Path:
-    """Tokenize a document corpus (formats.is_document_corpus) into folder/, streaming; see the module docstring."""
+    """Tokenize a document corpus (is_document_corpus) into folder/, streaming; see the module docstring."""
     num_proc = num_proc or os.cpu_count() or 1
-    check_files(path, text_column)
+    for file in corpus_files(path):  # every file looked at (a shard's footer): a bad one refused now, not hours in
+        if (check := format_of(file).check) is not None:
+            check(file, text_column)
     tok = document_tokenizer(path, tokenizer, data_dir, val_fraction, num_proc, text_column, bpe_vocab_size)
     encode = functools.partial(encode_document, tokenizer_meta=json.dumps(tok.meta()), cache=str(data_dir),
                                text_column=text_column)

@@ -5,10 +5,10 @@ into place at the end, so a killed prepare never leaves half a corpus (or half a
         ...
     remove_leftovers(Path("data"))  # what killed prepares left: at the start of the next one
 
-A staging folder is named .staging-* and holds an flock while it is written; the kernel drops a lock when its
-process ends, however it ends. So a leftover is a staging name whose lock can be taken, and one still locked (a
+A staging folder is named .staging-* and holds an flock while it is written, which the kernel drops when its
+process ends, however it ends. So a leftover is a staging name whose lock can be taken: one still locked (a
 concurrent prepare's, or torchrun's rank 0's while the other ranks wait) is never touched. Where nothing can be
-locked (a file system without flock, Windows), nothing is ever removed.
+locked (a file system without flock, Windows), nothing is removed.
 """
 from __future__ import annotations
 
@@ -31,27 +31,27 @@ STAGING_FOLDERS = (".", "downloads", "tokenizers")  # under data_dir: the corpor
 
 def hold_lock(path: Path, wait: bool) -> int | None:
     """An fd of ``path`` holding its flock; None if a live process holds it, it is gone, or nothing can lock."""
-    if flock is None:
-        return None
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        flock(fd, LOCK_EX if wait else LOCK_EX | LOCK_NB)
-        return fd
-    except OSError:
-        os.close(fd)
-        return None
+        if flock is not None:
+            flock(fd, LOCK_EX if wait else LOCK_EX | LOCK_NB)
+            return fd
+    except OSError:  # held by a live process, or a file system that cannot lock
+        pass
+    os.close(fd)
+    return None
 
 
 @contextlib.contextmanager
 def staging_folder(parent: Path) -> Iterator[Path]:
-    """A new .staging-* folder in ``parent``, locked while the block runs, then removed (with what is left in it)."""
+    """A new .staging-* folder in ``parent``, locked while the block runs, then removed with what is left in it."""
     parent.mkdir(parents=True, exist_ok=True)
     while True:
         path = Path(tempfile.mkdtemp(dir=parent, prefix=STAGING))
-        fd = hold_lock(path, wait=True)  # waits only while a cleanup that found it unlocked removes it
+        fd = hold_lock(path, wait=True)  # waits only while a cleanup that found it still unlocked removes it
         if path.is_dir():
             break
         if fd is not None:
@@ -79,8 +79,7 @@ def staged_folder(folder: Path) -> Iterator[Path]:
 
 
 def remove_leftovers(data_dir: Path) -> list[Path]:
-    """Delete what killed prepares left in data_dir (a staging name whose lock can be taken); returns it.
-
+    """Delete what killed prepares left in data_dir (each staging name whose lock can be taken); returns it.
     Never raises: what cannot be deleted (permissions) is named in a warning and left."""
     removed = []
     for path in sorted(path for sub in STAGING_FOLDERS for path in (data_dir / sub).glob(f"{STAGING}*")):

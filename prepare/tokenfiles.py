@@ -125,14 +125,11 @@ def write_meta(staging: Path, meta: dict) -> None:
 
 
 def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) -> None:
-    """Refuse splits that cannot fill one window of block_size inputs and their targets.
-
-    open_split checks the same on every start; preparation checks it too, so that a corpus too short for
-    the run is refused before its files are written, not cached and then refused.
-    """
+    """Refuse splits that cannot fill one window of block_size inputs and their targets: when a corpus is opened,
+    and when it is prepared, so that one too short for the run is refused before its files are written."""
     for split, n in tokens.items():
         if n < block_size + 1:
-            raise DataError(f"{source}: the {split} split would hold {n} tokens, fewer than block_size + 1 = "
+            raise DataError(f"{source}: the {split} split holds {n} tokens, fewer than block_size + 1 = "
                             f"{block_size + 1}; use more text, a smaller --block_size"
                             + (" or a larger --val_fraction" if split == "val" else ""))
 
@@ -157,9 +154,7 @@ def open_split(path: Path, meta: dict, block_size: int) -> np.ndarray:
     if size != recorded:
         raise DataError(f"{path}: {size:,} tokens where meta.json records {recorded:,} (cut, emptied or replaced "
                         f"after it was prepared); delete {folder} and prepare again")
-    if size < block_size + 1:
-        raise DataError(f"{path}: {size} tokens, fewer than block_size + 1 = {block_size + 1}; "
-                        "use more text or a smaller --block_size")
+    check_split_lengths(str(path), {path.stem: size}, block_size)
     return data
 
 

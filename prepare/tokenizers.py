@@ -184,7 +184,6 @@ def load_gpt2_encoding(cache: Path):
     """tiktoken's "gpt2"; offline, the same ranks from the file inside the openai-whisper sdist."""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
-    from tiktoken_ext.openai_public import r50k_pat_str
 
     from prepare.downloads import GPT2_TIKTOKEN_SHA256, extract_gpt2_ranks
 
@@ -195,8 +194,8 @@ def load_gpt2_encoding(cache: Path):
         except Exception:  # noqa: BLE001 - no internet (or no tiktoken cache): build it offline
             extract_gpt2_ranks(cache, ranks_file)
     ranks = load_tiktoken_bpe(str(ranks_file), expected_hash=GPT2_TIKTOKEN_SHA256)
-    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": GPT2_EOT}, explicit_n_vocab=GPT2_EOT + 1)
+    return tiktoken.Encoding(name="gpt2", pat_str=bpe_pattern(), mergeable_ranks=ranks,
+                             special_tokens={EOT_TEXT: GPT2_EOT}, explicit_n_vocab=GPT2_VOCAB)
 
 
 def tokenizer_vocab_size(meta: dict) -> int | None:
@@ -333,11 +332,10 @@ def bpe_tokenizer_files(enc, block_size: int) -> dict[str, Any]:
             if len(parts) != 2:
                 raise HFError(f"BPE token {ranks[token]} ({token!r}) is not the merge of two tokens")
             merges.append(f"{show(parts[0])} {show(parts[1])}")
-    vocab = {show(t): i for i, t in enumerate(tokens)} | {"<|endoftext|>": eot}
-    special = "<|endoftext|>"
+    vocab = {show(t): i for i, t in enumerate(tokens)} | {EOT_TEXT: eot}
     return {"vocab.json": vocab, "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
-            "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": special,
-                                      "eos_token": special, "unk_token": special, "add_prefix_space": False,
+            "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT,
+                                      "eos_token": EOT_TEXT, "unk_token": EOT_TEXT, "add_prefix_space": False,
                                       "model_max_length": block_size}}
 
 

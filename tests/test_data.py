@@ -21,7 +21,7 @@ from prepare import corpora, documents, downloads, staging, texts, tokenfiles, t
 import sample
 import train
 from training.checkpoint import load_checkpoint
-from conftest import REPO, docs_snippet, make_text, run_main, run_script, tiny_args
+from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
 from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
                   val_windows)
 from prepare.corpora import prepare
@@ -380,35 +380,54 @@ def test_next_prepare_removes_what_killed_prepares_left_and_keeps_live_ones(tmp_
     assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
 
 
-# A real prepare that stops once its corpus is written into the staging folder: it says where, and waits for a line.
-PAUSED_BEFORE_SWAP = """
-import contextlib, sys
+# A real prepare, stopped once its corpus is written into the staging folder, before the swap: it prints where,
+# then reads a line: "go" lets it finish, "kill" SIGKILLs it.
+STOPPED_BEFORE_SWAP = """
+import contextlib, os, signal, sys
 from prepare import corpora, texts
 
 real_staged_folder = texts.staged_folder
 
 @contextlib.contextmanager
-def paused_before_swap(folder):
+def stopped_before_swap(folder):
     with real_staged_folder(folder) as staging:
         yield staging
         print(staging, flush=True)
-        sys.stdin.readline()
+        if sys.stdin.readline().strip() == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
 
-texts.staged_folder = paused_before_swap  # a child process of its own: no monkeypatch here
+texts.staged_folder = stopped_before_swap  # a child process of its own: no monkeypatch here
 corpora.prepare(data_path=sys.argv[1], data_dir=sys.argv[2])
 """
+
+
+def stopped_prepare(text_file: Path, data_dir: Path) -> tuple[subprocess.Popen, Path]:
+    """A prepare of ``text_file`` stopped before its swap, and its staging folder, which holds the whole corpus."""
+    child = subprocess.Popen([sys.executable, "-c", STOPPED_BEFORE_SWAP, str(text_file), str(data_dir)], cwd=REPO,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    written = Path(child.stdout.readline().strip())
+    assert written.name.startswith(".staging-") and (written / "meta.json").is_file()
+    return child, written
+
+
+def test_a_sigkilled_prepare_leaves_no_corpus_and_the_next_one_cleans_up(tmp_path, text_file):
+    d = tmp_path / "d"
+    child, written = stopped_prepare(text_file, d)
+    child.communicate("kill\n", timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in d.iterdir()) == [written.name]  # no corpus folder, not even half of one
+    folder = prepare(data_path=str(text_file), data_dir=str(d))
+    assert leftovers(d) == []
+    assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
 
 
 def test_a_concurrent_prepares_staging_folder_is_never_removed(tmp_path, text_file):
     d, other = tmp_path / "d", tmp_path / "other.txt"
     other.write_text(make_text(seed=3))
-    child = subprocess.Popen([sys.executable, "-c", PAUSED_BEFORE_SWAP, str(text_file), str(d)], cwd=REPO,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    written = Path(child.stdout.readline().strip())  # the child's corpus, whole, not yet swapped in
-    assert written.name.startswith(".staging-") and (written / "meta.json").is_file()
+    child, written = stopped_prepare(text_file, d)
     prepare(data_path=str(other), data_dir=str(d))  # removes leftovers first: not this one
     assert (written / "meta.json").is_file()
-    child.communicate("\n", timeout=120)
+    child.communicate("go\n", timeout=120)
     assert child.returncode == 0 and leftovers(d) == []
     folder = prepare(data_path=str(text_file), data_dir=str(d))  # the child's, cached
     assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
@@ -444,37 +463,6 @@ def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_pat
         prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)  # replaces the broken corpus
     reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"), val_fraction=0.1)
     assert_same_corpus(folder, reference)  # the new corpus, whole; the old one was only ever moved aside
-
-
-# A real prepare, SIGKILLed once its corpus is written into the staging folder but not yet swapped in.
-KILLED_BEFORE_SWAP = """
-import contextlib, os, signal, sys
-import data
-from prepare import texts
-
-real_staged_folder = texts.staged_folder
-
-@contextlib.contextmanager
-def killed_before_swap(folder):
-    with real_staged_folder(folder) as staging:
-        yield staging
-        os.kill(os.getpid(), signal.SIGKILL)
-
-texts.staged_folder = killed_before_swap  # a child process of its own: no monkeypatch here
-data.main(sys.argv[1:])
-"""
-
-
-def test_a_sigkilled_prepare_leaves_no_corpus_and_the_next_one_cleans_up(tmp_path, text_file):
-    d = tmp_path / "d"
-    killed = run_script("-c", KILLED_BEFORE_SWAP, "--data_path", str(text_file), "--data_dir", str(d), check=False)
-    assert killed.returncode == -signal.SIGKILL
-    [staging] = [d / name for name in leftovers(d)]
-    assert sorted(p.name for p in d.iterdir()) == [staging.name]  # no corpus folder, not even half of one
-    assert (staging / "train.bin").is_file()  # the kill did land after the corpus was written
-    folder = prepare(data_path=str(text_file), data_dir=str(d))
-    assert leftovers(d) == []
-    assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
 
 
 def test_strip_gutenberg():
@@ -570,8 +558,8 @@ def test_a_folder_of_someone_elses_tokens_trains_resumes_and_samples(tmp_path, c
 @pytest.mark.parametrize("edit, message", [
     (lambda meta, folder: meta.update(vocab_size=meta["vocab_size"] + 1), "but its char tokenizer has"),
     (lambda meta, folder: meta.update(tokenizer={"kind": "sentencepiece"}), "tokenizer kind 'sentencepiece' is not"),
-    (lambda meta, folder: meta.update(tokenizer={"kind": "gpt2"}, vocab_size=50257), "holds gpt2 tokens (its "
-                                                                                       "meta.json); pass --tokenizer gpt2"),
+    (lambda meta, folder: meta.update(tokenizer={"kind": "gpt2"}, vocab_size=50257),
+     "holds gpt2 tokens (its meta.json); pass --tokenizer gpt2"),
     (lambda meta, folder: meta.update(dtype="int8"), "not a prepared corpus's record"),
     (lambda meta, folder: (folder / "val.bin").write_bytes((folder / "val.bin").read_bytes()[:-1]),
      "not a whole number of uint16 tokens"),
