@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from config import CommandLine, field_help
 from data import special_tokens
 from prepare.chat import Dialogue
-from prepare.formats import read_text_file
+from prepare.texts import read_text_file
 from process.errors import DataError, TinyGPTError, exit_on, fail
 from weights.loading import add_weights_flags, load_weights
 from training.runtime import pick_device

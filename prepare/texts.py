@@ -3,17 +3,11 @@
     python data.py --data_path my.txt                    # char or gpt2: val is the last 10% of the tokens
     python data.py --data_path my.txt --tokenizer bpe    # a BPE trained here: val is the last 10% of the characters
 
-A text is read and tokenized a piece at a time (``file_chunks``, ``CHUNK_CHARS`` characters, each piece
-ending at a newline): memory is bounded whatever its size. Its val split is its tail, by one of two rules:
-
-- char and gpt2 (``prepare_text``): the whole text is tokenized, and val is its last val_fraction of the tokens.
-- bpe (``prepare_bpe_text``): the cut is made in characters first (val: the last val_fraction of them),
-  because the merges must be learnt from the train part alone, before any token exists; then each part is
-  tokenized on its own.
-
-They cannot be one rule without changing the tokens: a cut in characters tokenizes GPT-2's tail apart from
-its head (other tokens at the cut, another count), and a cut in tokens needs the BPE before it is trained.
-For char the two rules agree (a character is a token), so char stays with the first.
+A text is read and tokenized ``CHUNK_CHARS`` characters at a time, each piece ending at a newline: memory is
+bounded whatever its size. Its val split is its tail, by one of two rules, which cannot be one without changing
+the tokens: char and gpt2 (``prepare_text``) tokenize the whole text and cut its tokens; a BPE trained here
+(``prepare_bpe_text``) needs the cut before any token exists (its merges are learnt from the train part alone),
+so it cuts the characters, then tokenizes each part on its own. For char the two agree.
 """
 from __future__ import annotations
 
@@ -25,10 +19,10 @@ from typing import Callable, Iterable, Iterator, Literal, NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from process.errors import DataError
 from prepare.staging import staged_folder
 from prepare.tokenfiles import check_split_lengths, corpus_meta, token_dtype, write_meta
 from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, train_bpe
+from process.errors import DataError
 
 CHUNK_CHARS = 1 << 20  # characters tokenized at a time: what bounds memory while preparing a text file
 
@@ -49,6 +43,16 @@ class Text(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- a text in pieces
+def read_text_file(path: Path, flag: str = "--data_path") -> str:
+    """The file's text; errors name ``flag``, the option the user gave the path with."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with {flag}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
 def text_chunks(text: str, chunk_chars: int = 0) -> Iterator[str]:
     """``text`` in pieces of about chunk_chars (default CHUNK_CHARS) characters, each ending at a newline
     (the last at the end), so that a BPE merge never straddles two pieces."""

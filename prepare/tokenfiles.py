@@ -1,20 +1,31 @@
 """A tokenized corpus on disk: ``train.bin`` and ``val.bin`` (flat token ids, uint16 or uint32) and ``meta.json``.
 
-meta.json says what the ids mean (tokenizer, vocab_size, dtype) and, for a corpus this repo prepared
-(prepare/corpora.py), how the files were made, their token counts and fingerprints. A folder that anyone's
-script wrote, with a small meta.json (dtype, vocab_size, tokenizer), is one too: its counts come from the
-files (docs/data.md). Every open checks the files against meta.json (``open_verified``, called by
-data.load_corpus), so a damaged corpus is refused, never trained on.
+meta.json says what the ids mean (tokenizer, vocab_size, dtype) and, for a corpus this repo prepared, how the
+files were made, their token counts and fingerprints. A folder that anyone's script wrote, with a small meta.json
+(dtype, vocab_size, tokenizer), is one too: its counts come from the files (docs/data.md). Every open checks the
+files against meta.json (``open_verified``, called by data.load_corpus): a damaged corpus is refused, never
+trained on. ``is_val`` is the one rule that puts a document or a conversation in the val split.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
 from process.errors import DataError
+
+SPLITS = ("train", "val")
+TOKENIZED_FILES = ("train.bin", "val.bin", "meta.json")  # any prepare.py's output, nanoGPT's layout
+PREPARED_ONLY = ("train_tokens", "val_tokens", "val_fraction", "fingerprint")  # meta.json keys only ours write
+TOKEN_DTYPES = ("uint16", "uint32")
+FULL_SCAN_TOKENS = 200_000_000  # splits up to this size are checked id by id on every start
+SPOT_CHECK = 10_000_000  # tokens checked at each end of larger splits
+# What a prepared corpus's meta.json must hold, and of which type, for its files to be checked against it.
+META_TYPES = {"tokenizer": dict, "vocab_size": int, "dtype": str, "val_fraction": (int, float),
+              "train_tokens": int, "val_tokens": int, "fingerprint": dict}
 
 
 def sha256_of(path: Path) -> str:
@@ -25,19 +36,14 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-TOKENIZED_FILES = ("train.bin", "val.bin", "meta.json")  # any prepare.py's output, nanoGPT's layout
-PREPARED_ONLY = ("train_tokens", "val_tokens", "val_fraction", "fingerprint")  # meta.json keys only ours write
-FULL_SCAN_TOKENS = 200_000_000  # splits up to this size are checked id by id on every start
-SPOT_CHECK = 10_000_000  # tokens checked at each end of larger splits
-SPLITS = ("train", "val")
+def is_val(index: int, val_fraction: float) -> bool:
+    """Item ``index`` (a document or a conversation, 0-based) is val when it starts a new multiple of val_fraction.
 
-
-# What a prepared corpus's meta.json must hold, and of which type, for its files to be checked against it.
-META_TYPES = {"tokenizer": dict, "vocab_size": int, "dtype": str, "val_fraction": (int, float),
-              "train_tokens": int, "val_tokens": int}
-
-
-TOKEN_DTYPES = ("uint16", "uint32")
+    Exactly ceil(n * val_fraction) of the first n items are val (0.1: items 0, 10, 20, ...), at least one, spread
+    over the corpus and decided without knowing n. The products are rounded to 9 decimals first, so that a float
+    error (0.07 * 100 is 7.000000000000001) never moves a boundary.
+    """
+    return math.ceil(round((index + 1) * val_fraction, 9)) > math.ceil(round(index * val_fraction, 9))
 
 
 def is_tokenized_folder(path: Path) -> bool:
@@ -64,23 +70,22 @@ def read_meta(folder: Path) -> dict:
     if isinstance(meta, dict) and not any(key in meta for key in PREPARED_ONLY):
         meta = counted_from_files(folder, meta)  # a folder tokenized by someone else's script
     bad = [key for key, kind in META_TYPES.items() if not isinstance(meta, dict) or not isinstance(meta.get(key), kind)]
-    fingerprint = meta.get("fingerprint", {}) if not bad else {}  # absent in folders prepared before it
-    if bad or meta["dtype"] not in TOKEN_DTYPES or "kind" not in meta["tokenizer"] or not isinstance(fingerprint, dict):
+    if bad or meta["dtype"] not in TOKEN_DTYPES or "kind" not in meta["tokenizer"]:
         raise DataError(f"{meta_file}: unreadable (not a prepared corpus's record: "
-                        f"{', '.join(bad) or 'dtype, tokenizer or fingerprint'} missing or wrong)")
+                        f"{', '.join(bad) or 'dtype or tokenizer'} missing or wrong)")
     return meta
 
 
 def counted_from_files(folder: Path, meta: dict) -> dict:
     """A small meta.json (dtype, vocab_size, tokenizer) completed from its split files: token counts from
-    their sizes, val_fraction from the counts. Its fingerprints are the files' own when loaded."""
+    their sizes, val_fraction from the counts. No fingerprints: the files' own are taken when loaded."""
     if meta.get("dtype") not in TOKEN_DTYPES:
         return meta  # read_meta names the bad dtype
     itemsize = np.dtype(meta["dtype"]).itemsize
     counts = {split: (folder / f"{split}.bin").stat().st_size // itemsize for split in SPLITS}
     total = sum(counts.values())
     return {**meta, "source": str(folder), "train_tokens": counts["train"], "val_tokens": counts["val"],
-            "val_fraction": counts["val"] / total if total else 0.0}
+            "val_fraction": counts["val"] / total if total else 0.0, "fingerprint": {}}
 
 
 # A fingerprint hashes the whole file up to this size (~0.1 s at sha256's ~700 MB/s, next to a few seconds
@@ -120,14 +125,11 @@ def write_meta(staging: Path, meta: dict) -> None:
 
 
 def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) -> None:
-    """Refuse splits that cannot fill one window of block_size inputs and their targets.
-
-    open_split checks the same on every start; preparation checks it too, so that a corpus too short for
-    the run is refused before its files are written, not cached and then refused.
-    """
+    """Refuse splits that cannot fill one window of block_size inputs and their targets: when a corpus is opened,
+    and when it is prepared, so that one too short for the run is refused before its files are written."""
     for split, n in tokens.items():
         if n < block_size + 1:
-            raise DataError(f"{source}: the {split} split would hold {n} tokens, fewer than block_size + 1 = "
+            raise DataError(f"{source}: the {split} split holds {n} tokens, fewer than block_size + 1 = "
                             f"{block_size + 1}; use more text, a smaller --block_size"
                             + (" or a larger --val_fraction" if split == "val" else ""))
 
@@ -152,9 +154,7 @@ def open_split(path: Path, meta: dict, block_size: int) -> np.ndarray:
     if size != recorded:
         raise DataError(f"{path}: {size:,} tokens where meta.json records {recorded:,} (cut, emptied or replaced "
                         f"after it was prepared); delete {folder} and prepare again")
-    if size < block_size + 1:
-        raise DataError(f"{path}: {size} tokens, fewer than block_size + 1 = {block_size + 1}; "
-                        "use more text or a smaller --block_size")
+    check_split_lengths(str(path), {path.stem: size}, block_size)
     return data
 
 
@@ -177,7 +177,7 @@ def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.nda
             raise DataError(f"{path}: missing; delete {folder} and prepare again")
         splits[split] = open_split(path, meta, block_size)
         fingerprints[split] = split_fingerprint(path)
-        recorded = meta.get("fingerprint", {}).get(split, fingerprints[split])  # older folders have none
+        recorded = meta["fingerprint"].get(split, fingerprints[split])  # someone else's tokens have none
         if fingerprints[split] != recorded:
             raise DataError(f"{path}: its tokens changed after it was prepared (the fingerprint in meta.json "
                             f"differs); delete {folder} and prepare again")

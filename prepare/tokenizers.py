@@ -9,16 +9,13 @@ that use one. ``tokenizer_files`` writes what transformers' AutoTokenizer loads 
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import tarfile
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
-from prepare.downloads import pip_download_sdist
-from prepare.staging import staging_prefix
+from process import REPO
 from process.errors import DataError, HFError
 
 
@@ -58,8 +55,6 @@ class CharTokenizer:
         return {"kind": "char", "chars": self.chars}
 
 
-WHISPER_SDIST = "openai-whisper==20250625"
-GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_EOT = 50256  # <|endoftext|>
 GPT2_VOCAB = GPT2_EOT + 1  # GPT-2's BPE: 50256 byte-level tokens, then <|endoftext|>
 
@@ -189,7 +184,8 @@ def load_gpt2_encoding(cache: Path):
     """tiktoken's "gpt2"; offline, the same ranks from the file inside the openai-whisper sdist."""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
-    from tiktoken_ext.openai_public import r50k_pat_str
+
+    from prepare.downloads import GPT2_TIKTOKEN_SHA256, extract_gpt2_ranks
 
     ranks_file = cache / "tokenizers" / "gpt2.tiktoken"
     if not ranks_file.is_file():
@@ -198,22 +194,8 @@ def load_gpt2_encoding(cache: Path):
         except Exception:  # noqa: BLE001 - no internet (or no tiktoken cache): build it offline
             extract_gpt2_ranks(cache, ranks_file)
     ranks = load_tiktoken_bpe(str(ranks_file), expected_hash=GPT2_TIKTOKEN_SHA256)
-    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": GPT2_EOT}, explicit_n_vocab=GPT2_EOT + 1)
-
-
-def extract_gpt2_ranks(cache: Path, ranks_file: Path) -> None:
-    """gpt2.tiktoken out of the openai-whisper sdist (from PyPI, the registry reachable everywhere), checked."""
-    sdist = pip_download_sdist(WHISPER_SDIST, cache / "downloads", sha256=None)  # the file inside is checked
-    with tarfile.open(sdist) as tar:
-        member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
-        payload = tar.extractfile(member).read()
-    if hashlib.sha256(payload).hexdigest() != GPT2_TIKTOKEN_SHA256:
-        raise DataError(f"gpt2.tiktoken inside {sdist} has the wrong sha256; refusing to use it")
-    ranks_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ranks_file.with_name(staging_prefix() + ranks_file.name)  # one per process: never shared
-    tmp.write_bytes(payload)
-    tmp.replace(ranks_file)
+    return tiktoken.Encoding(name="gpt2", pat_str=bpe_pattern(), mergeable_ranks=ranks,
+                             special_tokens={EOT_TEXT: GPT2_EOT}, explicit_n_vocab=GPT2_VOCAB)
 
 
 def tokenizer_vocab_size(meta: dict) -> int | None:
@@ -227,9 +209,6 @@ def tokenizer_vocab_size(meta: dict) -> int | None:
 def without_chat(meta: dict) -> dict:
     """The description of a chat tokenizer's base (ChatTokenizer.base): itself for any other."""
     return {key: value for key, value in meta.items() if key != "chat_tokens"}
-
-
-REPO = Path(__file__).resolve().parent.parent  # the checkout, where data/ (the default data_dir) is
 
 
 def data_home(data_dir: str | Path) -> Path:
@@ -353,11 +332,10 @@ def bpe_tokenizer_files(enc, block_size: int) -> dict[str, Any]:
             if len(parts) != 2:
                 raise HFError(f"BPE token {ranks[token]} ({token!r}) is not the merge of two tokens")
             merges.append(f"{show(parts[0])} {show(parts[1])}")
-    vocab = {show(t): i for i, t in enumerate(tokens)} | {"<|endoftext|>": eot}
-    special = "<|endoftext|>"
+    vocab = {show(t): i for i, t in enumerate(tokens)} | {EOT_TEXT: eot}
     return {"vocab.json": vocab, "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
-            "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": special,
-                                      "eos_token": special, "unk_token": special, "add_prefix_space": False,
+            "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT,
+                                      "eos_token": EOT_TEXT, "unk_token": EOT_TEXT, "add_prefix_space": False,
                                       "model_max_length": block_size}}
 
 

@@ -29,7 +29,7 @@ from prepare.tokenizers import without_chat
 from weights.loading import Loaded, add_weights_flags, load_weights
 from training.runtime import Runtime, choose_runtime
 from train import evaluate, val_byte_count
-from prepare.formats import read_text_file
+from prepare.texts import read_text_file
 from process.errors import TinyGPTError, exit_on
 
 PROGRESS_BATCHES = 20  # show a progress bar from this many batches on (and only in a terminal)

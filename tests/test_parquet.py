@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import data
-from prepare import documents, formats, tokenizers
+from prepare import documents, tokenizers
 import train
 from conftest import make_text
 from data import DataError
@@ -68,7 +68,7 @@ def test_shards_row_groups_and_read_batches_change_nothing(tmp_path, monkeypatch
     write_parquet(shards / "a" / "000.parquet", DOCS[:4], row_group_size=3)
     write_parquet(shards / "b.parquet", DOCS[4:9], row_group_size=2)  # row groups end mid-shard
     write_parquet(shards / "c" / "000.parquet", DOCS[9:], row_group_size=1)
-    monkeypatch.setattr(formats, "PARQUET_BATCH_ROWS", 2)  # read batches that straddle row groups
+    monkeypatch.setattr(documents, "PARQUET_BATCH_ROWS", 2)  # read batches that straddle row groups
     monkeypatch.setattr(documents, "BATCH_CHARS", 300)  # and a few documents in flight at a time
     assert_same_splits(prepare(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=2), whole)
 
@@ -140,7 +140,7 @@ def test_without_pyarrow_a_parquet_corpus_says_what_to_install(tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     needs = r"web.parquet: reading .parquet needs pyarrow: pip install pyarrow==26.0.1"
     with pytest.raises(DataError, match=needs):
-        list(formats.document_sources(path))
+        list(documents.document_sources(path))
     with pytest.raises(DataError, match=needs):
         prepare(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1)
 
@@ -156,10 +156,10 @@ def test_rows_are_read_lazily_one_batch_at_a_time(tmp_path, monkeypatch):
             yield batch
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", counted)
-    monkeypatch.setattr(formats, "PARQUET_BATCH_ROWS", 4)
-    sources = formats.document_sources(path)
+    monkeypatch.setattr(documents, "PARQUET_BATCH_ROWS", 4)
+    sources = documents.document_sources(path)
     assert iter(sources) is sources and not batches_read  # a generator: nothing read until asked
-    assert next(sources) == formats.Source("text", f"{path}:row 1", "document 0")
+    assert next(sources) == documents.Source("text", f"{path}:row 1", "document 0")
     assert batches_read == [4]  # one batch of 4 rows read for the first document, not 200 rows
     assert [s.where for s in sources][-1] == f"{path}:row 200"
     assert sum(batches_read) == 200

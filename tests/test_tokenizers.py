@@ -18,7 +18,8 @@ from data import DataError
 from weights import hf
 from prepare.corpora import prepare
 from weights.loading import from_checkpoint
-from prepare.tokenizers import BPETokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_files, tokenizer_from_meta, train_bpe
+from prepare.tokenizers import (BPETokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_files, tokenizer_from_meta,
+                                train_bpe)
 
 VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's words can merge
 MIXED = "ROMEO: naïve café — 東京 🤖👍🏽\n\n\tend   of  line \n  x"  # ASCII, accents, emoji, whitespace runs
@@ -135,7 +136,8 @@ def test_a_resume_with_another_tokenizer_or_vocabulary_is_refused_and_writes_not
 
 
 def test_bad_vocabulary_sizes_are_one_line(tmp_path, text_file):
-    with pytest.raises(ConfigError, match=r"bpe_vocab_size must be >= 257 \(the 256 bytes and <\|endoftext\|>\), got 256"):
+    needs = r"bpe_vocab_size must be >= 257 \(the 256 bytes and <\|endoftext\|>\), got 256"
+    with pytest.raises(ConfigError, match=needs):
         parse_args(["--config", "tiny", "--tokenizer", "bpe", "--bpe_vocab_size", "256"])
     with pytest.raises(DataError, match="distinct merges, not the 9743 that --bpe_vocab_size 10000 needs") as error:
         prepared(text_file, tmp_path / "data", vocab=10000)
@@ -172,7 +174,8 @@ def trained_run(tmp_path: Path, text: str, tokenizer: str) -> Path:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(text)
     out = tmp_path / f"run-{tokenizer}"
-    assert run_main(tiny_args(out, corpus, tokenizer=tokenizer, bpe_vocab_size=VOCAB, max_iters=4, eval_interval=4)) == 0
+    assert run_main(tiny_args(out, corpus, tokenizer=tokenizer, bpe_vocab_size=VOCAB, max_iters=4,
+                              eval_interval=4)) == 0
     return out
 
 
@@ -188,7 +191,8 @@ def test_an_export_gives_transformers_our_ids_and_our_greedy_text(tmp_path, kind
         warnings.simplefilter("error")  # no warning on load
         theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     assert len(theirs) == ours.vocab_size
-    for probe in (MIXED, "KING:\nThe lord speaks.\n\n", "   ", "a" * 40) + (("x \r\n\u00a0y",) if kind == "bpe" else ()):
+    probes = (MIXED, "KING:\nThe lord speaks.\n\n", "   ", "a" * 40) + (("x \r\n\u00a0y",) if kind == "bpe" else ())
+    for probe in probes:
         assert theirs.encode(probe) == ours.encode(probe), probe
         assert theirs.decode(ours.encode(probe)) == probe
     their_model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export").eval()
