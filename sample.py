@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from config import CommandLine, field_help
 from data import special_tokens
-from prepare.chat import Dialogue
+from prepare.chat import render
 from prepare.texts import read_text_file
 from process.errors import DataError, TinyGPTError, exit_on, fail
 from weights.loading import add_weights_flags, load_weights
@@ -391,6 +391,36 @@ def interactive(model: GPT, tokenizer, args: argparse.Namespace, generator: torc
             print(f"error: {err}", file=sys.stderr, flush=True)
         except KeyboardInterrupt:  # Ctrl-C while generating: this continuation ends here
             print("\n" + "-" * 40, flush=True)
+
+
+class Dialogue:
+    """A conversation held turn by turn (sample.py --chat): the messages so far, rendered to fit the context.
+
+    When the prompt of the next reply (with ``room`` tokens left for the reply) would not fit in block_size,
+    the oldest turns go first, never the system prompt; ``dropped`` counts the turns gone.
+    """
+
+    def __init__(self, tokenizer, block_size: int, room: int, system: str = ""):
+        self.tokenizer, self.block_size, self.room = tokenizer, block_size, room
+        self.system = [("system", system)] if system else []
+        self.turns: list[tuple[str, str]] = []  # (role, text)
+        self.dropped = 0
+
+    def prompt(self, user: str) -> list[int]:
+        """The ids that ask for the assistant's reply to ``user``: the conversation, the oldest turns dropped
+        until it fits (the last user turn alone too long is a DataError)."""
+        self.turns.append(("user", user))
+        while len(ids := render(self.tokenizer, self.system + self.turns, reply=True)) > self.block_size - self.room:
+            if len(self.turns) == 1:
+                self.turns.pop()
+                raise DataError(f"the message is {len(ids)} tokens with the conversation's markers, more than the "
+                                f"{self.block_size - self.room} the context leaves beside a reply; say it shorter")
+            self.turns.pop(0)
+            self.dropped += 1
+        return ids
+
+    def reply(self, text: str) -> None:
+        self.turns.append(("assistant", text))
 
 
 def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:

@@ -68,36 +68,6 @@ def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
     return (before >= 0) & (tokens[np.maximum(before, 0)] == tokenizer.marker_ids[ASSISTANT])
 
 
-class Dialogue:
-    """A conversation held turn by turn (sample.py --chat): the messages so far, rendered to fit the context.
-
-    When the prompt of the next reply (with ``room`` tokens left for the reply) would not fit in block_size,
-    the oldest turns go first, never the system prompt; ``dropped`` counts the turns gone.
-    """
-
-    def __init__(self, tokenizer: ChatTokenizer, block_size: int, room: int, system: str = ""):
-        self.tokenizer, self.block_size, self.room = tokenizer, block_size, room
-        self.system = [("system", system)] if system else []
-        self.turns: list[Message] = []
-        self.dropped = 0
-
-    def prompt(self, user: str) -> list[int]:
-        """The ids that ask for the assistant's reply to ``user``: the conversation, the oldest turns dropped
-        until it fits (the last user turn alone too long is a DataError)."""
-        self.turns.append(("user", user))
-        while len(ids := render(self.tokenizer, self.system + self.turns, reply=True)) > self.block_size - self.room:
-            if len(self.turns) == 1:
-                self.turns.pop()
-                raise DataError(f"the message is {len(ids)} tokens with the conversation's markers, more than the "
-                                f"{self.block_size - self.room} the context leaves beside a reply; say it shorter")
-            self.turns.pop(0)
-            self.dropped += 1
-        return ids
-
-    def reply(self, text: str) -> None:
-        self.turns.append(("assistant", text))
-
-
 # ----------------------------------------------------------------------------- conversations as rows of a batch
 def check_fit(lengths: np.ndarray, block_size: int, overflow: str, source: tuple[str, list[int]]) -> None:
     """Refuse (or, truncating, count once) the conversations longer than block_size + 1 tokens."""

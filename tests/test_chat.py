@@ -207,7 +207,7 @@ def test_chat_refuses_a_model_without_markers(tmp_path, text_file):
 
 
 def test_a_dialogue_drops_the_oldest_turns_never_the_system_prompt():
-    from prepare.chat import Dialogue
+    from sample import Dialogue
     t = tok()
     dialogue = Dialogue(t, block_size=40, room=10, system="be kind")
     first = dialogue.prompt("hello there")

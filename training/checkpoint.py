@@ -41,7 +41,7 @@ import torch
 
 from config import TrainConfig, as_dict, resume_changes
 from data import TrainingStream
-from process import distributed
+from process import REPO, distributed
 from training import lora
 from process.distributed import Dist, print0
 from process.errors import CheckpointError, CheckpointWriteError, ConfigError
@@ -248,7 +248,6 @@ def library_versions() -> dict[str, Any]:
             "tiktoken": tiktoken.__version__, **git_state()}
 
 
-REPO = Path(__file__).resolve().parent.parent  # the checkout whose code is running
 
 
 def git(*args: str, cwd: Path = REPO) -> str:
