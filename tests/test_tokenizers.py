@@ -176,6 +176,7 @@ def trained_run(tmp_path: Path, text: str, tokenizer: str) -> Path:
     return out
 
 
+@pytest.mark.interop  # transformers
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 def test_an_export_gives_transformers_our_ids_and_our_greedy_text(tmp_path, kind):
     transformers = pytest.importorskip("transformers")
@@ -228,6 +229,7 @@ def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_
     assert "longest of bpe 320" in done.stdout
 
 
+@pytest.mark.interop  # Hugging Face tokenizers (with transformers)
 def test_the_trainer_comparison_times_both_libraries_and_each_repeats_its_merges(tmp_path, text_file):
     pytest.importorskip("tokenizers")
     done = run_script("-m", "dev.bpe_trainers", "--data_path", str(text_file), "--data_dir", str(tmp_path / "d"),
