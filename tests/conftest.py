@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import json
 import random
 import subprocess
@@ -25,6 +26,48 @@ TOOLS = [f"{package}.{path.stem}" for package in ("scripts", "dev")
          for path in sorted((REPO / package).glob("*.py")) if path.stem != "__init__"]
 WORDS = ("the king queen lord lady love death night day crown sword heart blood sweet fair "
          "foul good ill speak hear see come go stay fly rest sleep wake").split()
+
+
+# ----------------------------------------------------------------------------- the interop marker
+# The packages of requirements-interop.txt (each imported under its pip name): an `interop` test needs them, and skips
+# in one line naming what to install when one is missing (pytest_runtest_setup below).
+INTEROP_PACKAGES = [line.split("==")[0] for line in (REPO / "requirements-interop.txt").read_text().splitlines()
+                    if line.strip() and not line.startswith(("#", "-r"))]
+# Tools that need one of them before they do anything (harness.py imports lm_eval; export_gguf.py checks for gguf
+# first): each test that runs one is an interop test.
+INTEROP_TOOLS = {"scripts.harness", "scripts.export_gguf"}
+
+
+@functools.cache
+def missing_interop() -> str:
+    """'' when every interop package imports; else the one line an interop test skips with."""
+    missing = [name for name in INTEROP_PACKAGES if importlib.util.find_spec(name) is None]
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    return f"needs {missing[0]}{more}: pip install -r requirements-interop.txt" if missing else ""
+
+
+def interop_if(tool: str, *values: Any):
+    """One parametrized case (``values``), marked interop when ``tool`` is one of INTEROP_TOOLS."""
+    is_interop = tool.removesuffix(".py").replace("/", ".") in INTEROP_TOOLS
+    return pytest.param(*values, marks=[pytest.mark.interop] if is_interop else [])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("interop") and missing_interop():
+        pytest.skip(missing_interop())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A file of interop tests that cannot import its package (a pytest.importorskip at its top) skips with the
+    same line: what to install, not only what it missed."""
+    report = yield
+    if (report.skipped and isinstance(collector, pytest.Module) and missing_interop()
+            and "pytestmark = pytest.mark.interop" in collector.path.read_text()):
+        path, lineno, _ = report.longrepr
+        report.longrepr = (path, lineno, missing_interop())
+    return report
 
 
 def entry_point(name: str):
@@ -124,8 +167,8 @@ def run_for(tmp_path: Path, text_file: Path, name: str, **overrides: Any) -> dic
 def light_compile(monkeypatch):
     """compile=on through dynamo (the graph capture), without inductor's codegen (minutes on a 2-core CPU).
 
-    The compile probe's two bugs (test_guards.py) live in the probe around torch.compile, not in the backend. Dynamo's caches are
-    cleared around the test so that no earlier compile (or its recompile budget) leaks in or out.
+    The compile probe's two bugs (test_guards.py) live in the probe around torch.compile, not in the backend.
+    Dynamo's caches are cleared around the test so that no earlier compile (or its recompile budget) leaks in or out.
     A fallback to eager would make the tests vacuous (eager runs no probe), so it is an error here.
     """
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))

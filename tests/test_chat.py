@@ -228,6 +228,7 @@ def base_tokenizer_of(kind: str, cache: Path):
     return GPT2Tokenizer(cache) if kind == "gpt2" else train_bpe([make_text()], 300, "test")
 
 
+@pytest.mark.interop  # transformers
 @pytest.mark.parametrize("kind", ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)])
 def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     """AutoTokenizer.apply_chat_template on the export renders the same markers around the same texts: our ids."""

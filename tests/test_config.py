@@ -15,7 +15,7 @@ import pytest
 import config
 from config import (CORPUS_OPTIONS, DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, as_dict, build_parser,
                     config_from_dict, field_help, given_fields, make_config, parse_args)
-from conftest import REPO, TOOLS, entry_point, run_script
+from conftest import REPO, TOOLS, entry_point, interop_if, run_script
 from process.cli import CommandLine
 from training.optim import DECAYS, OPTIMIZERS
 from model import GPTConfig
@@ -242,7 +242,7 @@ def test_usage_names_the_command_the_user_typed(monkeypatch, main, argv0, shown)
     assert CommandLine().format_usage() == f"usage: {shown} [-h]\n"
 
 
-@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("tool", [interop_if(tool, tool) for tool in TOOLS])
 def test_every_tools_usage_names_its_module(monkeypatch, capsys, tool):
     """Under python -m scripts.eval argparse said "usage: eval.py", a command that runs nothing."""
     monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=types.SimpleNamespace(name=tool)))

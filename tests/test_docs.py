@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import config
-from conftest import REPO, TOOLS, entry_point
+from conftest import REPO, TOOLS, entry_point, interop_if
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 ENTRY = re.compile(r"^(train|sample|data)\.py$")  # the core's entry points, run as files: python train.py
@@ -76,7 +76,7 @@ def test_the_pages_print_commands_for_every_entry_point():
     assert {"train.py", "sample.py", "data.py", "scripts.doctor", "scripts.bench"} <= scripts
 
 
-@pytest.mark.parametrize("page, script, argv", ALL_COMMANDS,
+@pytest.mark.parametrize("page, script, argv", [interop_if(s, p, s, a) for p, s, a in ALL_COMMANDS],
                          ids=[f"{p.name}:{s}:{' '.join(a)[:60]}" for p, s, a in ALL_COMMANDS])
 def test_every_printed_command_parses(page, script, argv, monkeypatch, capsys):
     module = script.removesuffix(".py").replace("/", ".")
@@ -85,12 +85,13 @@ def test_every_printed_command_parses(page, script, argv, monkeypatch, capsys):
         assert re.search(rf"git show [0-9a-f]{{7,40}}:{removed}", page.read_text()), (
             f"{page.name}: `{script}` is gone: say which commit still has it (`git show COMMIT:{removed}`)")
         return
-    assert not AS_A_FILE.match(script), (f"{page.name}: `python {script}` finds neither config/ nor the project folders "
-                                         f"(or, installed, another checkout's): write `python -m {module}`")
+    assert not AS_A_FILE.match(script), (f"{page.name}: `python {script}` finds neither config/ nor the project "
+                                         f"folders (or, installed, another checkout's): write `python -m {module}`")
     try:
         dry_parse(script, argv, monkeypatch)
     except SystemExit as stop:  # --help exits 0; anything else is a flag the code no longer has
-        assert stop.code == 0 and "--help" in argv, f"{page.name}: `{script} {' '.join(argv)}`: {capsys.readouterr().err}"
+        assert stop.code == 0 and "--help" in argv, \
+            f"{page.name}: `{script} {' '.join(argv)}`: {capsys.readouterr().err}"
     except config.ConfigError as err:
         pytest.fail(f"{page.name}: `{script} {' '.join(argv)}`: {err}")
 
@@ -105,10 +106,6 @@ def relative_links(page: Path) -> list[str]:
 def test_every_relative_link_resolves(page):
     missing = [t for t in relative_links(page) if not (page.parent / t).exists()]
     assert not missing, f"{page.relative_to(REPO)} links to missing files: {missing}"
-
-
-def test_the_readme_fits_in_one_sitting():
-    assert len((REPO / "README.md").read_text().splitlines()) <= 250
 
 
 # ----------------------------------------------------------------------------- --help
@@ -137,7 +134,7 @@ def help_entries(text: str) -> dict[str, str]:
     return entries
 
 
-@pytest.mark.parametrize("script", HELP_ENTRY_POINTS)
+@pytest.mark.parametrize("script", [interop_if(script, script) for script in HELP_ENTRY_POINTS])
 def test_every_argument_says_what_it_does_and_its_default_once(script, capsys):
     entries = help_entries(help_of(script, (), capsys))
     assert len(entries) > 2
@@ -170,14 +167,3 @@ def test_what_documented_commands_write_into_the_repo_is_ignored_by_git():
     ignored = subprocess.run(["git", "check-ignore", *paths], cwd=REPO, capture_output=True, text=True).stdout
     assert ignored.split() == paths
 
-
-def test_the_readmes_reading_path_counts_the_lines_the_files_have():
-    """The README says how long each core file is and the first pass in all; those numbers are the files'."""
-    text = " ".join((REPO / "README.md").read_text().split())
-    path = text.split("## Read the code in this order", 1)[1].split("Second pass", 1)[0]
-    stated = {name: int(count) for name, count in re.findall(r"`(\w+\.py)` \((\d[\d,]*):", path.replace(",", ""))}
-    assert set(stated) == {"model.py", "data.py", "train.py"}, stated
-    actual = {name: len((REPO / name).read_text().splitlines()) for name in stated}
-    assert stated == actual
-    total = int(re.search(r"First pass, ([\d,]+) lines", path).group(1).replace(",", ""))
-    assert total == sum(actual.values())

@@ -1,94 +1,137 @@
 """One failure, one exit code, at every entry point.
 
-Every error the user is shown is declared in process/errors.py with its exit code, and every entry point
-ends an error through the same function (errors.exit_for, then fail: exit_on does both), so a bad checkpoint
-or a disk that fails reads the same, one line and one code, whichever command met it.
+Every error the user is shown is declared in process/errors.py with its exit code, and every entry point's main()
+ends one through the same path (errors.exit_on, or exit_for and then fail): read from the code below, so a new
+script is checked the day it is added. What each failure does, end to end, is tested where it happens:
+a bad config (test_config.py, test_bad_input.py), bad data and bad input at every entry point (test_bad_input.py),
+a refused checkpoint (test_security.py, and a corrupt one below), a full disk: 74 with the previous last.pt intact
+(test_reliability.py), a non-finite loss or update: 3 (test_reliability.py, test_guards.py), torchrun's ranks
+(test_distributed.py).
 """
 from __future__ import annotations
 
 import ast
 import builtins
+import functools
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO, entry_point
+from conftest import REPO, run_main, run_script, tiny_args
 from process import errors
-from process.errors import (EXIT_NONFINITE, EXIT_WRITE_FAILED, CheckpointError, CheckpointWriteError, ConfigError,
-                              DataError, HFError, PathError, PeerFailed, RunStopped)
+from process.errors import (EXIT_WRITE_FAILED, CheckpointError, CheckpointWriteError, ConfigError, DataError, HFError,
+                            PathError, PeerFailed, RunStopped)
 
-# Each failure kind as the code raises it, and the code it must end the process with, wherever it is met.
-FAILURES = {
-    "bad config": (ConfigError("n_embd (100) must be divisible by n_head (3)"), 2),
-    "bad data": (DataError("corpus.txt: not UTF-8 text (invalid start byte at byte 7)"), 2),
-    "bad checkpoint": (CheckpointError("last.pt: corrupt checkpoint (sha256 mismatch)"), 2),
-    "weights that do not fit": (HFError("gpt2: missing key transformer.wte.weight"), 2),
-    "a path to change": (PathError("--out_dir out: out is a file, not a folder; pass another --out_dir"), 2),
-    "a folder failing its write probe": (PathError("could not write in out (Input/output error)", EXIT_WRITE_FAILED), 74),
-    "a checkpoint that cannot be written": (CheckpointWriteError("could not write last.pt (No space left on device)"), 74),
-    "a run stopped": (RunStopped("non-finite loss or gradient at step 3", EXIT_NONFINITE), 3),
-    "another rank failed": (PeerFailed(74), 74),  # that rank prints why; this one exits silently with its code
-}
+BROAD = {"Exception", "BaseException"}  # what catches every error of the table too
 
-# Where each entry point's main() is made to fail: a name it calls inside its try (``module:name`` for one of
-# another module), and the arguments that get it there ({tmp}: an empty folder; {metrics}: a metrics.jsonl;
-# {nanogpt}: a folder that looks like nanoGPT's checkout). A new entry point brings its row.
-FAILS_AT = {
-    "train.py": ("train", []),
-    "sample.py": ("load_weights", []),
-    "data.py": ("prepare.corpora:prepare", []),
-    "bench.py": ("parse_overrides", []),
-    "bench_lora.py": ("build", []),
-    "chat_demo.py": ("before", []),
-    "compare.py": ("compare", []),
-    "doctor.py": ("run_checks", []),
-    "eval.py": ("load", []),
-    "export_hf.py": ("check_writable", ["run", "{tmp}/hf"]),
-    "export_gguf.py": ("check_writable", ["run", "{tmp}/x.gguf"]),
-    "gpu_check.py": ("check_writable", ["--dry-run", "--out_dir", "{tmp}/gpu"]),
-    "harness.py": ("check_hub", ["--tasks", "tinygpt_cloze"]),
-    "plot.py": ("check_writable", ["{metrics}", "-o", "{tmp}/loss.png"]),
-    "shape.py": ("report", []),
-    "tokenizer.py": ("report", []),
-}
+
+def project_files() -> list[Path]:
+    """The project's Python files: not its tests, nor what runs write (out/, data/)."""
+    return [path for path in sorted(REPO.rglob("*.py"))
+            if path.relative_to(REPO).parts[0] not in ("tests", "out", "data", "hf", "wandb")]
 
 
 def entry_points() -> list[str]:
-    """Every command a user or developer runs: the core's three and each file of scripts/ (and of dev/, if any)."""
+    """Every command a user or developer runs: the core's three and each file of scripts/ and dev/."""
     tools = sorted(f"{folder}/{path.name}" for folder in ("scripts", "dev") for path in (REPO / folder).glob("*.py")
                    if path.name != "__init__.py")  # the packages' lists of their tools
     return ["train.py", "sample.py", "data.py", *tools]
 
 
-def test_every_entry_point_has_a_row_in_the_table():
-    missing = [script for script in entry_points() if script.split("/")[-1] not in FAILS_AT]
-    assert not missing, f"add rows for {missing} to FAILS_AT"
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
 
 
-@pytest.mark.parametrize("kind", FAILURES)
+def name_of(node: ast.expr) -> str:
+    """``errors.ConfigError`` -> ConfigError, ``exit_on`` -> exit_on; '' for anything else."""
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+@functools.cache
+def error_classes() -> frozenset[str]:
+    """TinyGPTError and every class that refines it, in process/errors.py or elsewhere (plot.py's MetricsError)."""
+    names = {cls.__name__ for cls in vars(errors).values()
+             if isinstance(cls, type) and issubclass(cls, errors.TinyGPTError)}
+    classes = [(node.name, {name_of(base) for base in node.bases}) for path in project_files()
+               for node in ast.walk(parsed(path)) if isinstance(node, ast.ClassDef)]
+    while grown := {name for name, bases in classes if bases & names} - names:
+        names |= grown
+    return frozenset(names)
+
+
+def caught(handler: ast.ExceptHandler) -> set[str]:
+    """The class names an except clause catches; a bare ``except:`` catches BaseException."""
+    if handler.type is None:
+        return {"BaseException"}
+    return {name_of(node) for node in (handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type])}
+
+
+def calls(node: ast.AST) -> set[str]:
+    return {name_of(call.func) for call in ast.walk(node) if isinstance(call, ast.Call)}
+
+
+def ends_through_the_exit_path(handler: ast.ExceptHandler, function: ast.FunctionDef) -> bool:
+    """exit_on(err), or exit_for(err) here and fail(...) in the same function (train.py's form); no line of its own."""
+    own = calls(handler)
+    return ("exit_on" in own or "exit_for" in own and "fail" in calls(function)) and not {"print", "exit"} & own
+
+
+def function(path: Path, name: str) -> ast.FunctionDef | None:
+    return next((node for node in parsed(path).body if isinstance(node, ast.FunctionDef) and node.name == name), None)
+
+
+def delegates(path: Path, main: ast.FunctionDef) -> list[ast.FunctionDef]:
+    """The functions main() calls by name that are the project's: its module's or one it imports them from
+    (scripts/tokenizer.py's print_table, which dev/bpe_trainers.py imports)."""
+    imported = {alias.asname or alias.name: node.module for node in parsed(path).body
+                if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    found = []
+    for name in sorted(calls(main) - {"main"}):
+        source = path
+        if name in imported:
+            module = REPO / imported[name].replace(".", "/")
+            files = (module.with_suffix(".py"), module / "__init__.py")
+            source = next((file for file in files if file.is_file()), None)
+        if source and (definition := function(source, name)):
+            found.append(definition)
+    return found
+
+
+def handlers(node: ast.AST) -> list[ast.ExceptHandler]:
+    return [child for child in ast.walk(node) if isinstance(child, ast.ExceptHandler)]
+
+
 @pytest.mark.parametrize("script", entry_points())
-def test_every_entry_point_ends_each_failure_with_its_code_and_one_line(tmp_path, monkeypatch, capsys, script, kind):
-    error, code = FAILURES[kind]
-    name, argv = FAILS_AT[script.split("/")[-1]]
-    module = entry_point(script.removesuffix(".py").replace("/", "."))  # scripts/eval.py -> scripts.eval
-    owner, _, name = name.rpartition(":")
-    target = __import__(owner, fromlist=["_"]) if owner else module
+def test_every_entry_point_ends_its_errors_through_the_one_exit_path(script):
+    """main() (or the function of the project it hands its work to) catches every error of the table and ends it
+    through exit_on, or exit_for and fail: its one line, its code, the rank that prints it. No handler in main()
+    catches one of them to print a line or exit on its own."""
+    path = REPO / script
+    main = function(path, "main")
+    assert main is not None, f"{script}: no main(argv) to run"
+    table = error_classes() | BROAD
+    own_ways = [f"line {h.lineno}: except {', '.join(sorted(caught(h)))}" for h in handlers(main)
+                if caught(h) & table and not ends_through_the_exit_path(h, main)]
+    assert not own_ways, f"{script}'s main() ends an error its own way (use errors.exit_on): {own_ways}"
+    ways_out = [h for f in (main, *delegates(path, main)) for h in handlers(f)
+                if caught(h) & ({"TinyGPTError"} | BROAD) and ends_through_the_exit_path(h, f)]
+    assert ways_out, (f"{script}: main() has no `except TinyGPTError as err: exit_on(err)`: "
+                      "an error of the table would end in a traceback")
 
-    def fails(*args, **kwargs):
-        raise error
 
-    monkeypatch.setattr(target, name, fails)
-    monkeypatch.delenv("RANK", raising=False)  # a single process: it prints its own errors
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
-    (tmp_path / "nano").mkdir()
-    for file in ("train.py", "model.py"):
-        (tmp_path / "nano" / file).write_text("")
-    fields = {"tmp": tmp_path, "metrics": tmp_path / "metrics.jsonl", "nanogpt": tmp_path / "nano"}
-    with pytest.raises(SystemExit) as stopped:
-        module.main([arg.format(**fields) for arg in argv])
-    out, err = capsys.readouterr()
-    assert stopped.value.code == code == error.exit_code
-    assert err == ("" if isinstance(error, PeerFailed) else f"error: {error}\n")
-    assert "Traceback" not in out
+def test_the_check_finds_an_entry_point_that_prints_its_own_error(tmp_path):
+    """The check above on a script written the wrong ways: its own line, or a narrower class than the table's."""
+    own = tmp_path / "own.py"
+    own.write_text("def main(argv=None):\n    try:\n        run(argv)\n    except TinyGPTError as err:\n"
+                   "        print(f'error: {err}', file=sys.stderr)\n        sys.exit(2)\n")
+    main = function(own, "main")
+    assert [ends_through_the_exit_path(h, main) for h in handlers(main)] == [False]
+    narrow = tmp_path / "narrow.py"
+    narrow.write_text("def main(argv=None):\n    try:\n        run(argv)\n    except ConfigError as err:\n"
+                      "        exit_on(err)\n")
+    main = function(narrow, "main")
+    assert [caught(h) & ({"TinyGPTError"} | BROAD) for h in handlers(main)] == [set()]
 
 
 def test_every_error_carries_the_code_of_the_table():
@@ -122,12 +165,23 @@ BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(v
 def test_errors_are_declared_in_one_module():
     """An exception class anywhere else in the project refines one of process/errors.py's (plot.py's
     MetricsError is a DataError), so it carries a code and every entry point ends it the same way."""
-    elsewhere = []
-    for path in sorted(REPO.rglob("*.py")):
-        relative = path.relative_to(REPO).as_posix()
-        if relative.split("/")[0] in ("tests", "out", "data") or relative == "process/errors.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and {getattr(base, "id", "") for base in node.bases} & BUILTIN_ERRORS:
-                elsewhere.append(f"{relative}: {node.name}")
+    elsewhere = [f"{path.relative_to(REPO).as_posix()}: {node.name}" for path in project_files()
+                 if path != REPO / "process" / "errors.py" for node in ast.walk(parsed(path))
+                 if isinstance(node, ast.ClassDef) and {name_of(base) for base in node.bases} & BUILTIN_ERRORS]
     assert elsewhere == []
+
+
+# ----------------------------------------------------------------------------- end to end, from the shell
+@pytest.fixture
+def cut_checkpoint(tmp_path: Path, text_file: Path) -> Path:
+    """A tiny run's last.pt less its last byte, as a copy cut short leaves it."""
+    assert run_main(tiny_args(tmp_path / "run", text_file, max_iters=2, eval_interval=2)) == 0
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes((tmp_path / "run" / "last.pt").read_bytes()[:-1])
+    return cut
+
+
+def test_a_corrupt_checkpoint_is_one_line_and_exit_2_at_the_command_line(cut_checkpoint):
+    result = run_script("sample.py", "--ckpt", str(cut_checkpoint), "--device", "cpu", check=False)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith(f"error: {cut_checkpoint}") and result.stderr.count("\n") == 1, result.stderr

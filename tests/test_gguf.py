@@ -20,6 +20,7 @@ from prepare.tokenizers import CharTokenizer, bytes_to_unicode, train_bpe
 from weights.loading import from_checkpoint
 from scripts import export_gguf
 
+pytestmark = pytest.mark.interop  # gguf, and llama.cpp for the slow ones (requirements-llama.txt)
 gguf = pytest.importorskip("gguf", reason="pip install -r requirements-dev.txt (gguf, llama.cpp's writer)")
 
 # Characters of 1 to 4 UTF-8 bytes, a tab and a newline: a char vocabulary llama.cpp must join byte by byte.

@@ -20,6 +20,7 @@ import train
 from conftest import make_text, tiny_model
 from prepare.tokenizers import BPETokenizer
 
+pytestmark = pytest.mark.interop  # lm_eval and accelerate (requirements-interop.txt)
 Instance = pytest.importorskip("lm_eval.api.instance").Instance
 pytest.importorskip("accelerate")  # lm_eval's hf backend, the reference
 harness = importlib.import_module("scripts.harness")  # it imports lm_eval: only once it is known to be there

@@ -31,6 +31,7 @@ from weights.loading import from_checkpoint
 from model import GPT
 from prepare.tokenizers import CharTokenizer, bpe_tokenizer_files
 
+pytestmark = pytest.mark.interop  # transformers: the reference GPT-2 (requirements-interop.txt)
 transformers = pytest.importorskip("transformers")
 
 LOAD_COMPLAINTS = ("missing", "unexpected", "newly initialized", "not used", "not initialized")

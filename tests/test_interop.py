@@ -17,6 +17,7 @@ from prepare import tokenizers
 from process.errors import DataError, HFError
 from prepare.tokenizers import BPE_FILE, CHAR_UNK, CHARS_FILE, CharTokenizer, read_tokenizer, train_bpe
 
+pytestmark = pytest.mark.interop  # transformers, PEFT, ONNX Runtime, lm_eval (requirements-interop.txt)
 transformers = pytest.importorskip("transformers")
 
 TEXT = make_text()

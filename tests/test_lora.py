@@ -213,6 +213,7 @@ def test_sampling_a_lora_run_merges_its_adapters_and_refuses_a_changed_base(corp
 
 
 # ----------------------------------------------------------------------------- PEFT
+@pytest.mark.interop  # peft, transformers
 def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_our_logits(trained, base_folder, tmp_path):
     peft = pytest.importorskip("peft", reason="peft is not installed (requirements-dev.txt): no PEFT round trip")
     transformers = pytest.importorskip("transformers")

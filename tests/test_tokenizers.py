@@ -179,6 +179,7 @@ def trained_run(tmp_path: Path, text: str, tokenizer: str) -> Path:
     return out
 
 
+@pytest.mark.interop  # transformers
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 def test_an_export_gives_transformers_our_ids_and_our_greedy_text(tmp_path, kind):
     transformers = pytest.importorskip("transformers")

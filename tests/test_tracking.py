@@ -19,6 +19,7 @@ from training import tracking
 from config import ConfigError
 from conftest import COUNT_CONNECTIONS, REPO, read_metrics, run_main, tiny_args
 
+pytestmark = pytest.mark.interop  # wandb (requirements-interop.txt)
 wandb = pytest.importorskip("wandb")
 wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
