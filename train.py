@@ -34,7 +34,7 @@ from training.checkpoint import Checkpointer, refuse_to_overwrite, remove_stale_
 from process.distributed import Dist, all_reduce_sum, print0
 from process.errors import ConfigError, exit_for, fail
 from training.faults import NonFiniteGuard, StopOnSignal, run_error
-from training.optim import DECAYS, build_optimizer
+from training.optim import build_optimizer, lr_at
 from training.runtime import Runtime, autocast, choose_runtime, compile_for_step, pick_device, seed_everything
 from prepare.tokenizers import tokenizer_from_meta
 from training.tracking import MetricsLog, Throughput, continue_log, describe_run
@@ -42,16 +42,14 @@ from model import GPT
 
 
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
-    """The lr of ``step`` (0-based), ``time_s`` seconds into the run: the lr_decay entry's curve, whole.
+    """The lr of ``step`` (0-based), ``time_s`` seconds into the run: the lr_decay's curve, whole.
 
-    Each entry of optim.DECAYS owns its curve, and nothing here bends it (no floor, no end of its own).
-    A progress decay (cosine, wsd) warms up over warmup_iters, then follows its shape from learning_rate
-    down to min_lr as its progress goes 0 -> 1, which the clock measures: schedule=steps reaches 1 at
+    A decay (cosine, wsd) warms up over warmup_iters, then follows its shape from learning_rate down to
+    min_lr as its progress goes 0 -> 1, which the clock measures: schedule=steps reaches 1 at
     lr_decay_iters, a pure function of the step (a resumed run follows exactly the same schedule);
-    schedule=time at max_time on the run's wall clock (optim.shaped_curve). A step schedule (@lr_schedule)
-    is a function of the step alone, so schedule=time is refused for it (config.validate).
+    schedule=time at max_time on the run's wall clock (optim.lr_at).
     """
-    return DECAYS[cfg.lr_decay].lr(step, cfg, time_s)
+    return lr_at(step, cfg, time_s)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
