@@ -1,7 +1,7 @@
 """A corpus of documents (a folder, a .jsonl, a .parquet: prepare/formats.py) tokenized by a pool of worker
 processes and streamed into train.bin and val.bin: memory holds one batch of documents, whatever the corpus size.
 
-    python data.py --data_path web.jsonl --tokenizer gpt2 --num_proc 8
+    python -m prepare --data_path web.jsonl --tokenizer gpt2 --num_proc 8
 
 Each document is preceded by the tokenizer's separator (``eot_token``), so the model sees where documents
 meet: GPT-2's <|endoftext|>, or for a char vocabulary a newline (see ``encode_document``). A char

@@ -1,9 +1,9 @@
 """The document formats: which files make a corpus of documents, and how each kind's documents are read.
 
-    python data.py --data_path docs/                         # a folder of .txt files, one document each
-    python data.py --data_path web.jsonl --tokenizer gpt2    # one JSON object per line, its "text" field
-    python data.py --data_path fineweb/ --tokenizer gpt2     # .parquet shards, one document per row of "text"
-    python data.py --data_path web.parquet --text_column content   # another column (or .jsonl field)
+    python -m prepare --data_path docs/                              # a folder of .txt files, one document each
+    python -m prepare --data_path web.jsonl --tokenizer gpt2         # one JSON object per line, its "text" field
+    python -m prepare --data_path fineweb/ --tokenizer gpt2          # .parquet shards, one document per row of "text"
+    python -m prepare --data_path web.parquet --text_column content  # another column (or .jsonl field)
 
 Each kind of file is one row of ``DOCUMENT_FORMATS``: a reader of its documents and what it allows;
 ``format_of`` is the one place a file's row is chosen, so a new format is a reader and a row. A reader

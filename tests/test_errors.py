@@ -35,7 +35,7 @@ FAILURES = {
 FAILS_AT = {
     "train.py": ("train", []),
     "sample.py": ("load_weights", []),
-    "data.py": ("prepare.corpora:prepare", []),
+    "prepare": ("prepare.corpora:prepare", []),
     "bench.py": ("parse_overrides", []),
     "bench_prepare.py": ("shakespeare_text", []),
     "bench_sample.py": ("build_model", []),
@@ -60,7 +60,7 @@ def entry_points() -> list[str]:
     """Every command a user or developer runs: the core's three and each file of scripts/ (and of dev/, if any)."""
     tools = sorted(f"{folder}/{path.name}" for folder in ("scripts", "dev") for path in (REPO / folder).glob("*.py")
                    if path.name != "__init__.py")  # the packages' lists of their tools
-    return ["train.py", "sample.py", "data.py", *tools]
+    return ["train.py", "sample.py", "prepare", *tools]
 
 
 def test_every_entry_point_has_a_row_in_the_table():

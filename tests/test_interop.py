@@ -153,7 +153,8 @@ def test_a_relative_data_dir_is_under_the_repo_wherever_the_command_runs(tmp_pat
     corpus.write_text(TEXT)
     elsewhere.mkdir()
     relative = os.path.relpath(tmp_path / "cache", REPO)  # relative to the repo: tmp_path/cache; to cwd: not
-    run_script(str(REPO / "data.py"), "--data_path", str(corpus), "--data_dir", relative, cwd=elsewhere)
+    prepare = f"import sys; sys.path.insert(0, {str(REPO)!r}); from prepare.__main__ import main; main()"
+    run_script("-c", prepare, "--data_path", str(corpus), "--data_dir", relative, cwd=elsewhere)  # python -m prepare
     assert len(list((tmp_path / "cache").glob("corpus-*-char-val0.1/train.bin"))) == 1
     assert tokenizers.data_home("data") == REPO / "data" and tokenizers.data_home(tmp_path) == tmp_path
 

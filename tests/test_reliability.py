@@ -11,12 +11,14 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
 
 from training import checkpoint
 from process import files
+import config
 import train
 from conftest import REPO, metrics, run_main, tiny_args
 from training import optim
@@ -203,10 +205,10 @@ def build_plain_sgd(model, cfg, device, dtype):
 
 
 def with_optimizer(monkeypatch, name: str) -> str:
-    """``name``, registered in optim.OPTIMIZERS for this test if it is PLAIN_STEP."""
+    """``name``, a row of optim.OPTIMIZERS and a name config accepts for this test if it is PLAIN_STEP."""
     if name == PLAIN_STEP:
-        optim.optimizer(PLAIN_STEP)(build_plain_sgd)
-        monkeypatch.setitem(OPTIMIZERS, PLAIN_STEP, OPTIMIZERS.pop(PLAIN_STEP))  # removed again after the test
+        monkeypatch.setitem(OPTIMIZERS, PLAIN_STEP, build_plain_sgd)  # removed again after the test
+        monkeypatch.setitem(config.FIELD_TYPES, "optimizer", Literal[(*OPTIMIZERS,)])
     return name
 
 

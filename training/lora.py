@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from config import LORA_TARGETS as TARGETS  # the Linear layers of a block that may get an adapter (PEFT's names)
+from config import LORA_TARGETS as TARGETS  # noqa: F401 - the Linear layers of a block that may get an adapter
 from config import parse_lora_targets as parse_targets  # "attn.c_attn,mlp.c_fc" -> the names; ConfigError if unknown
 from process.errors import CheckpointError
 from model import GPT
