@@ -372,11 +372,11 @@ def test_muon_with_adamw_is_one_torch_optimizer_and_an_old_two_part_state_is_ref
 # The headings of docs/experiments.md's python blocks ("Adding a training option"), each applied as it says.
 SGD = "# training/optim.py, replacing the OPTIMIZERS line:\n"
 LINEAR = "# training/optim.py, replacing the DECAYS line:\n"
-NAMES = "# config/__init__.py, in TrainConfig: the new names in the Literals\n"
+NAMES = "# config/__init__.py, in TrainConfig: the new names in the Literals (the rest of each line unchanged)\n"
 FIELDS = "# config/__init__.py, in TrainConfig, after wandb_project:\n"
 ROWS = "# config/__init__.py, in USED_ONLY_UNDER:\n"
 LION = "# training/optim.py, replacing the OPTIMIZERS line (Lion):\n"
-LION_NAME = "# config/__init__.py, in TrainConfig: the new name in the Literal (Lion)\n"
+LION_NAME = "# config/__init__.py, in TrainConfig: the new name in the Literal (Lion; the rest of the line unchanged)\n"
 FIELD_ANCHOR = '    wandb_project: str = free("tinygpt", "wandb project name")\n'
 
 
