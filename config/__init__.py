@@ -118,8 +118,8 @@ USED_ONLY_UNDER = {"muon_lr": ("optimizer", "muon"), "wsd_fraction": ("lr_decay"
                    "lr_decay_iters": ("schedule", "steps"), "bpe_vocab_size": ("tokenizer", "bpe")}
 CHOOSERS = ("optimizer", "lr_decay", "schedule", "tokenizer")  # the fields that choose what reads the others
 OPTIONS = tuple(f for f in dataclasses.fields(TrainConfig) if f.name != "given")  # every field a user can set
-FIELD_TYPES = {f.name: get_type_hints(TrainConfig)[f.name] for f in OPTIONS}  # int, float, bool, str, Literal
 DEFAULTS = {f.name: f.default for f in OPTIONS}
+FIELD_TYPES = {name: kind for name, kind in get_type_hints(TrainConfig).items() if name in DEFAULTS}
 RESUME = {f.name: f.metadata.get("resume", "warned" if f.name in GPTConfig.TRAINING_ONLY else "fixed") for f in OPTIONS}
 MODEL_OPTIONS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
 CORPUS_OPTIONS = ("dataset", "data_path", "text_column", "data_dir", "tokenizer", "bpe_vocab_size", "val_fraction")
