@@ -35,19 +35,19 @@ def type_name(kind: Any) -> str:
 def parse_typed(name: str, kind: Any, raw: Any) -> Any:
     """A TOML or command-line value as the type ``kind`` (int, float, bool, str or a Literal of str), or a
     ConfigError naming the field ``name``. A Literal's values are checked by the caller (config.validate)."""
-    kind = type_name(kind)
+    expected = type_name(kind)
     try:
-        if kind == "bool":
+        if expected == "bool":
             return raw if isinstance(raw, bool) else BOOL_WORDS[str(raw).lower()]
-        if kind in ("int", "float") and isinstance(raw, bool):  # True is 1 to Python, never to a user
+        if expected in ("int", "float") and isinstance(raw, bool):  # True is 1 to Python, never to a user
             raise ValueError
-        if kind == "int":
+        if expected == "int":
             if isinstance(raw, float) and not raw.is_integer():
                 raise ValueError
             return int(raw.replace("_", "")) if isinstance(raw, str) else int(raw)
-        return float(raw) if kind == "float" else str(raw)
+        return float(raw) if expected == "float" else str(raw)
     except (KeyError, ValueError):
-        raise ConfigError(f"{name} must be {kind}, got {raw!r}") from None
+        raise ConfigError(f"{name} must be {expected}, got {raw!r}") from None
 
 
 def add_flag(parser: Any, name: str, kind: Any, help: str) -> None:
