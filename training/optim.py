@@ -184,9 +184,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
 # ----------------------------------------------------------------------------- lr schedules
 def lr_at(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
-    """The lr of ``step`` (0-based), ``time_s`` seconds into the run: linear warmup to learning_rate over
-    warmup_iters steps, then the lr_decay's shape from the peak down to min_lr as its progress goes 0 -> 1, and
-    min_lr once it is 1.
+    """The lr of ``step``, ``time_s`` s into the run: linear warmup to learning_rate over warmup_iters steps,
+    then DECAYS[lr_decay] from the peak down to min_lr as the progress goes 0 -> 1, and min_lr once it is 1.
 
     The clock measures the progress. schedule=steps: it reaches 1 at lr_decay_iters (min_lr from there
     on, where every shape has arrived already: shape(1) = 0); a pure function of the step, so a resumed
