@@ -1,9 +1,9 @@
 """Data: a corpus tokenized once, and the batches a training step draws.
 
-    python data.py                      # prepare the built-in Shakespeare corpus (cached in data/)
-    python data.py --data_path my.txt   # prepare any UTF-8 text file, folder, .jsonl or .parquet (--help)
+    python -m prepare                      # prepare the built-in Shakespeare corpus (cached in data/)
+    python -m prepare --data_path my.txt   # prepare any UTF-8 text file, folder, .jsonl or .parquet (--help)
 
-Preparing (``corpus_for``) turns the corpus a run names (``CorpusOptions``: python data.py's flags, and
+Preparing (``corpus_for``) turns the corpus a run names (config's corpus fields: python -m prepare's flags, and
 train.py's) into a folder, once, cached in data_dir: ``train.bin`` and ``val.bin`` (flat token ids) and
 ``meta.json`` (the tokenizer and how the files were made). The code for that (the built-in corpus's
 download, document formats, worker pools, staging, the checks) is prepare/corpora.py and
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Iterator, Literal
+from typing import Iterator
 
 import copy
 
@@ -26,8 +26,7 @@ import numpy as np
 import torch
 
 from prepare.chat import BEGIN, check_fit, chat_source, conversation_rows, is_chat, val_rows
-from process.cli import CommandLine, add_field_flags, option
-from process.errors import DataError, TinyGPTError, exit_on
+from process.errors import DataError
 from prepare.tokenfiles import open_verified
 
 
@@ -75,25 +74,8 @@ def load_corpus(folder: Path, block_size: int) -> Corpus:
     return Corpus(folder, meta, splits["train"], splits["val"], fingerprints)
 
 
-@dataclass(frozen=True)
-class CorpusOptions:
-    """Which corpus, tokenizer and val split a run prepares (corpus_for). Each field is a TrainConfig field too
-    (config.CorpusFields) and a flag of both train.py and python data.py; its help (``option``) is the help of
-    both. A resume must keep the FIXED ones (another tokenizer is another model); the others it may change, as
-    it checks the corpus itself (Corpus.record)."""
-    dataset: str = option("shakespeare", "built-in corpus name; ignored when data_path is set")
-    data_path: str = option("", "what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a .parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)")
-    text_column: str = option("text", "the documents' text: a .jsonl's JSON field or a .parquet's column (a .txt has none)")
-    data_dir: str = option("data", "cache of downloaded and prepared corpora")
-    tokenizer: Literal["char", "gpt2", "bpe"] = option("char", "char (vocab from the corpus) | gpt2 (GPT-2's BPE, 50,257 tokens) | bpe (a byte-level BPE trained on the train split)")
-    bpe_vocab_size: int = option(2048, "tokenizer=bpe: tokens in all (256 bytes, the merges, <|endoftext|>); >= 257")
-    val_fraction: float = option(0.1, "share held out for validation (the tail of a text file; every k-th document)")
-
-    FIXED: ClassVar[tuple[str, ...]] = ("tokenizer", "bpe_vocab_size")
-
-
 def corpus_for(cfg, base_tokenizer: dict | None = None) -> Corpus:
-    """The corpus a TrainConfig names (its CorpusOptions), tokenized once into cfg.data_dir (cached), then opened.
+    """The corpus a TrainConfig names (its corpus fields), tokenized once into cfg.data_dir (cached), then opened.
 
     A .jsonl of conversations (or the built-in shakespeare_chat) is prepared by prepare/chat.py, with
     ``base_tokenizer`` (the fine-tuned model's, init_from) and its role markers."""
@@ -344,33 +326,3 @@ def iterate_windows(x: torch.Tensor, y: torch.Tensor, batch_size: int,
                     device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     for i in range(0, len(x), batch_size):
         yield x[i: i + batch_size].to(device), y[i: i + batch_size].to(device)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """python data.py: prepare a corpus without training; its flags are CorpusOptions's, with train.py's words."""
-    from prepare import corpora
-
-    parser = CommandLine(description="Prepare a corpus into token files.")
-    add_field_flags(parser, CorpusOptions)  # --dataset, --data_path, ...: train.py's flags of the same names
-    parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
-                        help="tokenizer processes for a folder, .jsonl or .parquet; 0 = one per CPU core")
-    parser.add_argument("--block_size", "--block-size", type=int, default=1,
-                        help="refuse a corpus whose train or val split is shorter than block_size + 1 tokens")
-    args = parser.parse_args(argv)
-    if not 0 < args.val_fraction < 1:  # the same rule as config.validate, so train.py accepts the result
-        parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
-    if not args.text_column:
-        parser.error("--text_column must name the .jsonl field or .parquet column holding the text")
-    if args.bpe_vocab_size < 257:  # the same rule as config.validate
-        parser.error(f"--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got {args.bpe_vocab_size}")
-    if args.num_proc < 0 or args.block_size < 1:
-        parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {args.num_proc} and {args.block_size}")
-    try:
-        corpora.prepare(args.dataset, args.data_path, args.tokenizer, args.data_dir, args.val_fraction,
-                        args.num_proc, args.block_size, args.text_column, args.bpe_vocab_size)
-    except TinyGPTError as err:  # a bad corpus (2), a data_dir to change (2) or failing its write probe (74)
-        exit_on(err)
-
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal, NamedTuple
 
@@ -20,19 +20,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from process.cli import option
+
+def option(default: Any, help: str) -> Any:
+    """A GPTConfig field and its help (train.py's --help): ``n_layer: int = option(4, "transformer blocks")``."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class GPTConfig:
     """Every option of the model, declared once, here: a field, its default and its help (``option``).
 
-    config/__init__.py derives the rest from these fields: the command-line flag and preset key of
-    each (with its help as the --help), its type check, its allowed values (a Literal type lists
-    them), the check that a resume keeps it (all but TRAINING_ONLY), and what a checkpoint saved
-    before the field existed meant by it: the default. So a new option's default must be the model as
-    it was, GPT-2's computation; weights/hf.py refuses to export or import any other value it does not know.
-    docs/experiments.md walks through adding one.
+    config/__init__.py's TrainConfig inherits these fields (all but vocab_size), so each is a flag and a
+    preset key with its help, checked by its type (a Literal lists the allowed values) and kept by a resume
+    (all but TRAINING_ONLY). A checkpoint saved before a field existed means its default, so a new option's
+    default must be the model as it was, GPT-2's computation; weights/hf.py refuses to export or import any
+    other value it does not know. docs/experiments.md walks through adding one.
     """
     vocab_size: int = option(MISSING, "real vocabulary size, set by the corpus; the embedding is padded up for speed")
     block_size: int = option(128, "context length in tokens (the longest sequence the position tables cover)")
@@ -41,19 +43,22 @@ class GPTConfig:
     n_embd: int = option(128, "residual stream width C")
     dropout: float = option(0.0, "dropout probability (attention, residual, embeddings)")
     bias: bool = option(False, "biases in Linear and LayerNorm layers")
-    activation: Literal["gelu", "gelu_tanh", "relu2"] = option("gelu", "MLP nonlinearity: gelu (exact, erf) | gelu_tanh (GPT-2's tanh approximation; set by init_from) | relu2 (squared ReLU, So et al. 2021)")
-    pos_emb: Literal["learned", "rope"] = option("learned", "positions: learned (GPT-2's table, wpe) | rope (rotary q and k, Su et al. 2021; no table)")
-    norm: Literal["layernorm", "rmsnorm"] = option("layernorm", "the blocks' and the final normalisation: layernorm (GPT-2) | rmsnorm (no mean, no bias)")
+    activation: Literal["gelu", "gelu_tanh", "relu2"] = option(
+        "gelu", "MLP nonlinearity: gelu (exact, erf) | gelu_tanh (GPT-2's tanh approximation; set by init_from) | "
+        "relu2 (squared ReLU, So et al. 2021)")
+    pos_emb: Literal["learned", "rope"] = option(
+        "learned", "positions: learned (GPT-2's table, wpe) | rope (rotary q and k, Su et al. 2021; no table)")
+    norm: Literal["layernorm", "rmsnorm"] = option(
+        "layernorm", "the blocks' and the final normalisation: layernorm (GPT-2) | rmsnorm (no mean, no bias)")
     qk_norm: bool = option(False, "RMS-normalise each head's queries and keys (with gains) before attention")
-    z_loss: float = option(0.0, "weight of the z-loss, z_loss * logsumexp(logits)^2 per target (PaLM, Chowdhery et al. 2022): keeps the softmax's normaliser near 1; an objective term, never in val loss")
+    z_loss: float = option(
+        0.0, "weight of the z-loss, z_loss * logsumexp(logits)^2 per target (PaLM, Chowdhery et al. 2022): keeps "
+        "the softmax's normaliser near 1; an objective term, never in val loss")
 
     # Options that act only while training (regularisation, objective terms), not on what the weights
     # compute: a resume may change them, and GPT-2 interop accepts any value. Every other option must
     # match the checkpoint's.
     TRAINING_ONLY: ClassVar[tuple[str, ...]] = ("dropout", "z_loss")
-    # Values the generated tests (tests/test_model_options.py) try for an option, where its type alone
-    # would not give a meaningful one (an int whose default 0 means "off" needs a real size).
-    TEST_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     def __post_init__(self):
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:

@@ -35,7 +35,7 @@ from process.errors import exit_for, fail
 from training import lora
 from training.checkpoint import Checkpointer
 from training.faults import NonFiniteGuard, StopOnSignal, run_error
-from training.optim import DECAYS, build_optimizer
+from training.optim import build_optimizer, lr_at
 from training.runtime import Runtime, choose_runtime, compile_for_step, pick_device, seed_everything
 from training.tracking import MetricsLog, describe_run
 
@@ -45,7 +45,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # inputs and targets, (B, T) each
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
     """The lr of ``step`` (0-based), ``time_s`` seconds into the run: the lr_decay entry's curve, whole
     (training/optim.py: warmup, then the decay from learning_rate to min_lr as its clock runs)."""
-    return DECAYS[cfg.lr_decay].lr(step, cfg, time_s)
+    return lr_at(step, cfg, time_s)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

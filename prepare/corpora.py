@@ -1,8 +1,11 @@
 """Corpus preparation, the one entry (``prepare``): from a source to a tokenized folder, once, cached in data_dir.
 
-    python data.py                      # prepare the built-in Shakespeare corpus (cached in data/)
-    python data.py --data_path my.txt   # prepare any UTF-8 text file (prepare/texts.py)
-    python data.py --data_path web.jsonl --tokenizer gpt2    # a corpus of documents (prepare/documents.py)
+    python -m prepare                                                # the built-in Shakespeare corpus (cached in data/)
+    python -m prepare --data_path my.txt                             # any UTF-8 text file
+    python -m prepare --data_path docs/                              # a folder of .txt files, one document each
+    python -m prepare --data_path web.jsonl --tokenizer gpt2         # one JSON object per line, its "text" field
+    python -m prepare --data_path fineweb/ --tokenizer gpt2          # .parquet shards, one document per row of "text"
+    python -m prepare --data_path web.parquet --text_column content  # another column (or .jsonl field)
 
 This file names a corpus, finds it in the cache, and hands anything not cached to its pipeline. A prepared
 corpus is a folder, one per corpus, tokenizer and val_fraction (prepare/tokenfiles.py says what it holds),

@@ -1,10 +1,10 @@
 """A corpus of documents (a folder of .txt or .parquet files, a .jsonl, a .parquet) tokenized by a pool of worker
 processes and streamed into train.bin and val.bin: memory holds one batch of documents, whatever the corpus size.
 
-    python data.py --data_path docs/                         # a folder of .txt files, one document each
-    python data.py --data_path web.jsonl --tokenizer gpt2    # one JSON object per line, its "text" field
-    python data.py --data_path fineweb/ --tokenizer gpt2     # .parquet shards, one document per row of "text"
-    python data.py --data_path web.parquet --text_column content --num_proc 8   # another column (or .jsonl field)
+    python -m prepare --data_path docs/                         # a folder of .txt files, one document each
+    python -m prepare --data_path web.jsonl --tokenizer gpt2    # one JSON object per line, its "text" field
+    python -m prepare --data_path fineweb/ --tokenizer gpt2     # .parquet shards, one document per row of "text"
+    python -m prepare --data_path web.parquet --text_column content --num_proc 8   # another column (or .jsonl field)
 
 Each kind of file is one row of ``DOCUMENT_FORMATS``: a reader that yields a ``Source`` per document, lazily and
 in order, cheap to pickle, so that the workers, not the main process, get the text from it (``document_text``).

@@ -1,7 +1,7 @@
 """A text corpus (a .txt file, or the built-in text) tokenized a piece at a time into train.bin and val.bin.
 
-    python data.py --data_path my.txt                    # char or gpt2: val is the last 10% of the tokens
-    python data.py --data_path my.txt --tokenizer bpe    # a BPE trained here: val is the last 10% of the characters
+    python -m prepare --data_path my.txt                  # char or gpt2: val is the last 10% of the tokens
+    python -m prepare --data_path my.txt --tokenizer bpe  # a BPE trained here: val is the last 10% of the characters
 
 A text is read and tokenized ``CHUNK_CHARS`` characters at a time, each piece ending at a newline: memory is
 bounded whatever its size. Its val split is its tail, by one of two rules, which cannot be one without changing

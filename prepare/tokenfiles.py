@@ -63,7 +63,7 @@ def read_meta(folder: Path) -> dict:
     try:
         meta = json.loads(meta_file.read_bytes().decode("utf-8"))
     except FileNotFoundError:
-        raise DataError(f"{meta_file}: missing; prepare the corpus first (python data.py)") from None
+        raise DataError(f"{meta_file}: missing; prepare the corpus first (python -m prepare)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
         raise DataError(f"{meta_file}: unreadable ({reason})") from None

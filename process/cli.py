@@ -2,14 +2,12 @@
 
 A mistake is one line and exit 2 (``CommandLine``: ``error: unknown flag `--tmp`; did you mean `--temp`?``),
 never argparse's usage block, and the usage names the command the user typed (``python -m scripts.eval``).
-A dataclass field declared with ``option(default, help)`` carries its help (``field_helps``), so --help and
-``help(cls)`` read it from the declaration and cannot drift from it. config/__init__.py builds train.py's
-command line from these, data.py python data.py's.
+config/__init__.py makes train.py's flags (and python -m prepare's corpus flags) with ``add_flag`` and types
+their values with ``parse_typed``.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import os
 import re
@@ -17,7 +15,7 @@ import sys
 import typing
 from typing import Any, NoReturn
 
-from process.errors import fail
+from process.errors import ConfigError, fail
 
 
 def did_you_mean(word: str, known: list[str], what: str) -> str:
@@ -26,26 +24,58 @@ def did_you_mean(word: str, known: list[str], what: str) -> str:
     return f"; did you mean `{close[0]}`?" if close else f"; run with --help to list every {what}"
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field and its help, one line: ``block_size: int = option(128, "context length in tokens")``.
-    ``default`` may be ``dataclasses.MISSING`` (a field every caller gives)."""
-    return dataclasses.field(default=default, metadata={"help": help})
+BOOL_WORDS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
 
 
-def field_helps(cls: type) -> dict[str, str]:
-    """The help of each field of the dataclass ``cls`` (declared with ``option``; "" for a field without)."""
-    return {field.name: field.metadata.get("help", "") for field in dataclasses.fields(cls)}
+def type_name(kind: Any) -> str:
+    """What --help and errors call a field's type (int, float, bool or str): a Literal's values are str."""
+    return "str" if typing.get_origin(kind) is typing.Literal else kind.__name__
 
 
-def add_field_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """A flag for each field of the dataclass ``cls`` (``--data_path`` and ``--data-path``): its type, a Literal's
-    values as the choices, its default and its help."""
-    helps, kinds = field_helps(cls), typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        flags = [f"--{field.name}"] + ([f"--{field.name.replace('_', '-')}"] if "_" in field.name else [])
-        choices = typing.get_args(kinds[field.name]) or None  # a Literal's values; None for str, int, float
-        parser.add_argument(*flags, type=str if choices else kinds[field.name], choices=choices,
-                            default=field.default, help=helps.get(field.name, ""))
+def parse_typed(name: str, kind: Any, raw: Any) -> Any:
+    """A TOML or command-line value as the type ``kind`` (int, float, bool, str or a Literal of str), or a
+    ConfigError naming the field ``name``. A Literal's values are checked by the caller (config.validate)."""
+    expected = type_name(kind)
+    try:
+        if expected == "bool":
+            return raw if isinstance(raw, bool) else BOOL_WORDS[str(raw).lower()]
+        if expected in ("int", "float") and isinstance(raw, bool):  # True is 1 to Python, never to a user
+            raise ValueError
+        if expected == "int":
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError
+            return int(raw.replace("_", "")) if isinstance(raw, str) else int(raw)
+        return float(raw) if expected == "float" else str(raw)
+    except (KeyError, ValueError):
+        raise ConfigError(f"{name} must be {expected}, got {raw!r}") from None
+
+
+def add_flag(parser: Any, name: str, kind: Any, help: str) -> None:
+    """``--name`` (and ``--na-me`` for ``na_me``) on a parser or one of its groups, for a field of type ``kind``:
+    its text is kept for parse_typed and it is absent unless given (argparse.SUPPRESS); a bool stands alone
+    (``--resume``) or takes a value (``--resume false``); a Literal's values are its metavar."""
+    flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    is_bool, choices = type_name(kind) == "bool", typing.get_args(kind)
+    parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, nargs="?" if is_bool else None,
+                        const="true" if is_bool else None, help=help,
+                        metavar="{" + ",".join(choices) + "}" if choices else type_name(kind).upper())
+
+
+def peek(argv: list[str] | None, flag: str) -> str | None:
+    """The value ``flag`` has in ``argv`` (None if absent), read before the full parse (whose --help may need it)."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument(flag, dest="value", default=None)
+    return early.parse_known_args(argv)[0].value
+
+
+def parse_known(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[dict[str, Any], str | None]:
+    """The values of the flags ``parser`` knows, and the name of the first one it does not (``--max_iter=5``:
+    ``max_iter``) or None; a stray word that is no flag is a ConfigError."""
+    args, unknown = parser.parse_known_args(argv)
+    word = next((word for word in unknown if word.startswith("-")), unknown[0] if unknown else None)
+    if word is not None and not word.startswith("-"):
+        raise ConfigError(f"unexpected argument `{word}`")
+    return vars(args), word and word.lstrip("-").split("=")[0]
 
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):

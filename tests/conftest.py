@@ -71,8 +71,10 @@ def pytest_make_collect_report(collector: pytest.Collector):
 
 
 def entry_point(name: str):
-    """The module behind an entry point as the docs write it: a core file (``train.py``), a tool (``scripts.eval``)."""
-    return importlib.import_module(name.removesuffix(".py"))
+    """The module behind an entry point as the docs write it: a core file (``train.py``), a tool (``scripts.eval``),
+    a package (``prepare``: ``python -m prepare`` runs its __main__)."""
+    module = importlib.import_module(name.removesuffix(".py"))
+    return module if hasattr(module, "main") else importlib.import_module(f"{module.__name__}.__main__")
 
 
 def make_text(n_lines: int = 600, seed: int = 0) -> str:
@@ -199,15 +201,6 @@ def make_optimizer(model: GPT, weight_decay: float = 0.1, learning_rate: float =
     cfg = make_config(None, weight_decay=weight_decay, learning_rate=learning_rate, min_lr=0.0, beta1=betas[0],
                       beta2=betas[1], optimizer="muon" if muon_lr else "adamw", muon_lr=muon_lr or 0.02)
     return build_optimizer(model, cfg, torch.device("cpu"))
-
-
-def declare_entry(monkeypatch: pytest.MonkeyPatch, decorator, name: str, function) -> None:
-    """Declare a table entry for one test with training/optim.py's own decorator; gone again after the test.
-
-    No options: TrainConfig's fields are made once, at import."""
-    from training.optim import DECAYS, OPTIMIZERS, optimizer
-    monkeypatch.setitem(OPTIMIZERS if decorator is optimizer else DECAYS, name, None)  # undone: the key removed
-    decorator(name)(function)
 
 
 def docs_snippet(heading: str, page: str = "experiments.md") -> str:

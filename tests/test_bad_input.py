@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data
 import train
 from conftest import TOOLS, entry_point, interop_if, make_text, run_main, tiny_args, tiny_run
 from config import make_config
 from prepare.corpora import prepare
+from prepare.__main__ import main as prepare_main
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_bad_data_fails_before_the_model_is_built(tmp_path, text_file, capsys, n
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("entry_point", ["train.py", "data.py"])
+@pytest.mark.parametrize("entry_point", ["train.py", "prepare"])
 def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry_point):
     ten = tmp_path / "ten.txt"
     ten.write_text("0123456789")  # 9 train + 1 val characters: not one window, whatever the block_size
@@ -81,7 +81,7 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
         code = run_main(tiny_args(tmp_path / "out", ten))
     else:
         with pytest.raises(SystemExit) as stopped:
-            data.main(["--data_path", str(ten), "--data_dir", str(tmp_path / "data")])
+            prepare_main(["--data_path", str(ten), "--data_dir", str(tmp_path / "data")])
         code = stopped.value.code
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {ten}: ") and err.count("\n") == 1, err
@@ -89,7 +89,7 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
 
 
 # Every entry point but train.py and doctor.py (whose config parser has its own tests), new scripts included.
-ENTRY_POINTS = ["sample.py", "data.py"] + [tool for tool in TOOLS if tool != "scripts.doctor"]
+ENTRY_POINTS = ["sample.py", "prepare"] + [tool for tool in TOOLS if tool != "scripts.doctor"]
 REQUIRED_ARGS = {"scripts.plot": ["x.jsonl"], "scripts.export_hf": ["run", "folder"],
                  "scripts.export_gguf": ["run", "x.gguf"],
                  "scripts.harness": ["--tasks", "x"]}
@@ -124,12 +124,12 @@ BAD_INPUTS = {
         (["--ckpt", "{run}", "--device", "tpu"], "unknown device `tpu`"),
         (["--ckpt", "{run}", "--max-new-tokens", "-1"], "--max-new-tokens >= 0"),
     ],
-    "data.py": [
+    "prepare": [
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--num_proc", "-1"], "--num_proc >= 0"),
-        (["--val_fraction", "1"], "--val_fraction must be in (0, 1)"),
+        (["--val_fraction", "1"], "val_fraction must be in (0, 1)"),
         (["--data_path", "{tmp}", "--data_dir", "{data}"], "no .txt files and no .parquet files in this folder"),
-        (["--tokenizer", "bpe", "--bpe_vocab_size", "256"], "--bpe_vocab_size must be >= 257"),
+        (["--tokenizer", "bpe", "--bpe_vocab_size", "256"], "bpe_vocab_size must be >= 257"),
         (["--data_path", "{corpus}", "--data_dir", "{data}", "--tokenizer", "bpe", "--bpe_vocab_size", "100000"],
          "distinct merges, not the 99743 that --bpe_vocab_size 100000 needs; use at most --bpe_vocab_size"),
     ],

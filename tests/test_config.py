@@ -4,21 +4,19 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import pydoc
+import shlex
 import sys
 import types
-
-import shlex
 
 import pytest
 
 import config
-from config import (CORPUS_OPTIONS, DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, as_dict, build_parser,
+from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, as_dict, build_parser,
                     config_from_dict, field_help, given_fields, make_config, parse_args)
 from conftest import REPO, TOOLS, entry_point, interop_if, run_script
 from process.cli import CommandLine
-from training.optim import DECAYS, OPTIMIZERS
 from model import GPTConfig
+from training import lora
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "gpt2"])
@@ -54,8 +52,8 @@ BAD_COMMAND_LINES = r"""
 --config nope                     | no preset `nope`
 --max_iters 2.5                   | max_iters must be int
 --optimizer sgd                   | optimizer must be one of adamw, muon
---optimizer muon --muon_lr 0      | muon_lr must be > 0, got 0.0
---muon_lr -0.1                    | muon_lr must be > 0, got -0.1
+--optimizer muon --muon_lr 0      | muon_lr must be a finite number > 0, got 0.0
+--muon_lr -0.1                    | muon_lr must be a finite number > 0, got -0.1
 --lr_decay linear                 | lr_decay must be one of cosine, wsd
 --wsd_fraction 0                  | wsd_fraction must be in \(0, 1\], got 0.0
 --text_column ''                  | text_column must name the .jsonl field or .parquet column
@@ -113,7 +111,7 @@ def unread_fields(sources: dict[str, str], names: set[str]) -> set[str]:
 
 
 def test_every_config_field_is_read_by_the_code():
-    """A field declared in TrainConfig (or an Option) that no code reads would be accepted, shown, saved,
+    """A field declared in TrainConfig (or GPTConfig) that no code reads would be accepted, shown, saved,
     compared on resume and ignored. Scans the repo's sources outside tests/ for attribute reads."""
     sources = {str(path.relative_to(REPO)): path.read_text() for path in REPO.rglob("*.py")
                if path.relative_to(REPO).parts[0] not in ("tests", "out", "data", "hf", "wandb")
@@ -129,52 +127,28 @@ def test_every_config_field_is_read_by_the_code():
 
 
 # ----------------------------------------------------------------------------- a config you can read
-def where_declared(name: str) -> str:
-    """Where a field is declared, worked out from the declarations themselves (not from the config's record)."""
-    if name in MODEL_OPTIONS:
-        return "model.py, GPTConfig"
-    if name in CORPUS_OPTIONS:
-        return "data.py, CorpusOptions"
-    for table, entries in (("optimizer", OPTIMIZERS), ("lr_decay", DECAYS)):
-        for entry, declared in entries.items():
-            if name in declared.options:
-                return f"training/optim.py, {table}={entry}"
-    return "config/__init__.py, TrainConfig" if name == "given" else "config/__init__.py, RunFields"
+def test_every_field_is_declared_once_with_its_help_and_a_model_option_in_model_py():
+    """A model option is one field of GPTConfig (TrainConfig inherits it: vocab_size excepted, the corpus's), with
+    model.py's own words as its help; every other field is TrainConfig's own, with its help and resume rule."""
+    own = set(TrainConfig.__annotations__) - {"vocab_size"}  # the ClassVar that drops GPTConfig's vocab_size
+    model = {f.name: f for f in dataclasses.fields(GPTConfig)}
+    assert own.isdisjoint(model) and set(FIELD_TYPES) == (set(model) - {"vocab_size"}) | own - {"given"}
+    assert MODEL_OPTIONS == tuple(name for name in model if name != "vocab_size")
+    for f in config.OPTIONS:
+        assert field_help()[f.name].strip(), f"{f.name} has no help"
+        assert (f.name in model) != ("resume" in f.metadata), f"{f.name}: a resume rule where it is not declared"
+    assert field_help()["n_layer"] == model["n_layer"].metadata["help"] == "transformer blocks"
+    assert "vocab_size" not in FIELD_TYPES and "vocab_size" not in as_dict(make_config("tiny"))
 
 
-def doc_sections(text: str) -> dict[str, tuple[str, str]]:
-    """help(TrainConfig)'s field list: name -> (the heading it is under, its help with the wrapping undone)."""
-    listed, heading, name = {}, None, None
-    for line in text.splitlines():
-        if line and not line.startswith(" ") and line.endswith(":"):
-            heading, name = line[:-1], None
-        elif line.startswith("    ") and not line.startswith("        ") and heading:
-            name = line.split(":")[0].strip()
-            listed[name] = (heading, "")
-        elif line.startswith("        ") and name:
-            listed[name] = (heading, " ".join([listed[name][1], line.strip()]).strip())
-    return listed
-
-
-def test_help_of_trainconfig_lists_every_field_where_it_is_declared_and_its_help():
-    text = pydoc.plain(pydoc.render_doc(TrainConfig))
-    listed = doc_sections(inspect.cleandoc(TrainConfig.__doc__))
-    helps = field_help()
-    assert set(listed) == {f.name for f in dataclasses.fields(TrainConfig)} == {*FIELD_TYPES, "given"}
-    for name, (heading, help_text) in listed.items():
-        assert heading == where_declared(name), name
-        assert help_text == " ".join(helps.get(name, "the options make_config was given, whatever their value").split())
-        assert f"    {name}: " in text  # help() shows the list, not only __doc__
-    # The model's own help is its declaration's (model.py), not a copy kept here.
-    declared = {f.name: f.metadata["help"] for f in dataclasses.fields(GPTConfig)}
-    assert listed["n_layer"][1] == declared["n_layer"] == "transformer blocks"
-    assert "    n_layer: int = 4, fixed" in text and "    dropout: float = 0.0, warned" in text
-    assert "    activation: gelu | gelu_tanh | relu2 = 'gelu', fixed" in text
+def test_lora_targets_are_one_list_which_config_checks():
+    assert lora.TARGETS is config.LORA_TARGETS and lora.parse_targets is config.parse_lora_targets
+    assert config.parse_lora_targets(" attn.c_attn , mlp.c_fc") == ("attn.c_attn", "mlp.c_fc")
 
 
 def test_help_needs_no_source_text(monkeypatch):
-    """--help and help(TrainConfig) come from the fields themselves: with no source to read (a .pyc-only install,
-    python -OO aside), they say the same."""
+    """--help comes from the fields themselves: with no source to read (a .pyc-only install, python -OO aside),
+    it says the same."""
     before = (build_parser().format_help(), field_help())
     def no_source(*args, **kwargs):
         raise OSError("could not get source code")
@@ -182,22 +156,6 @@ def test_help_needs_no_source_text(monkeypatch):
     monkeypatch.setattr(inspect, "getsourcelines", no_source)
     assert (build_parser().format_help(), field_help()) == before
     assert before[1]["n_embd"] == "residual stream width C" and before[1]["seed"].startswith("seeds model init")
-
-
-def test_a_field_declared_without_its_help_is_refused_at_import():
-    @dataclasses.dataclass
-    class Forked:
-        scale_embd: bool = False  # a comment is no help: nothing reads source text
-    with pytest.raises(TypeError, match='GPTConfig.scale_embd has no help: declare it as option'):
-        config.declared_help("GPTConfig", dataclasses.fields(Forked)[0])
-
-
-def test_a_field_declared_twice_is_refused():
-    @dataclasses.dataclass
-    class Again:
-        n_layer: int = config.fixed(2, "blocks, again")
-    with pytest.raises(TypeError, match="n_layer is declared twice: in ModelFields and in Again; keep one"):
-        config.declared_once(type("Both", (config.ModelFields, Again), {}))
 
 
 def test_replace_keeps_everything_a_run_needs():

@@ -14,8 +14,8 @@ import config
 from conftest import REPO, TOOLS, entry_point, interop_if
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-ENTRY = re.compile(r"^(train|sample|data)\.py$")  # the core's entry points, run as files: python train.py
-TOOL = re.compile(r"^(scripts|dev)\.[a-z_]\w*$")  # the tools, as modules from the repo root: python -m scripts.eval
+ENTRY = re.compile(r"^(train|sample)\.py$")  # the core's entry points, run as files: python train.py
+TOOL = re.compile(r"^((scripts|dev)\.[a-z_]\w*|prepare)$")  # modules from the repo root: python -m scripts.eval
 # (lowercase, as module names are: `python -m scripts.NAME` in prose is a placeholder, not a command)
 AS_A_FILE = re.compile(r"^(scripts|dev)/\w+\.py$")  # a tool run as a file: it would not find the repo's modules
 
@@ -42,7 +42,7 @@ def commands(page: Path) -> list[tuple[str, list[str]]]:
         for name, value in variables.items():
             fragment = fragment.replace(f"${name}", value)
         for part in re.split(r"&&|;", fragment):
-            if not re.search(r"\b(python|torchrun)\s.*(\.py\b|-m (scripts|dev)\.)", part):
+            if not re.search(r"\b(python|torchrun)\s.*(\.py\b|-m (scripts|dev)\.|-m prepare\b)", part):
                 continue  # prose in backticks, a log line, an error message
             words = shlex.split(part.replace("\\|", "|"), comments=True)  # a broken quote fails here, loudly
             starts = [i for i, w in enumerate(words) if any(kind.match(w) for kind in (ENTRY, TOOL, AS_A_FILE))
@@ -73,7 +73,7 @@ ALL_COMMANDS = [(page, script, argv) for page in PAGES for script, argv in comma
 
 def test_the_pages_print_commands_for_every_entry_point():
     scripts = {script for _, script, _ in ALL_COMMANDS}
-    assert {"train.py", "sample.py", "data.py", "scripts.doctor", "scripts.bench"} <= scripts
+    assert {"train.py", "sample.py", "prepare", "scripts.doctor", "scripts.bench"} <= scripts
 
 
 @pytest.mark.parametrize("page, script, argv", [interop_if(s, p, s, a) for p, s, a in ALL_COMMANDS],
@@ -109,7 +109,7 @@ def test_every_relative_link_resolves(page):
 
 
 # ----------------------------------------------------------------------------- --help
-HELP_ENTRY_POINTS = ["train.py", "sample.py", "data.py", *TOOLS]
+HELP_ENTRY_POINTS = ["train.py", "sample.py", "prepare", *TOOLS]
 
 
 def help_of(script: str, argv: tuple[str, ...], capsys) -> str:

@@ -147,14 +147,15 @@ def test_a_peft_merged_export_comes_back_through_init_from_with_equal_logits(tmp
 
 
 # ----------------------------------------------------------------------------- paths follow the config
-def test_a_relative_data_dir_is_under_the_repo_wherever_the_command_runs(tmp_path):
+def test_a_relative_data_dir_is_under_the_repo_wherever_the_command_runs(tmp_path, monkeypatch):
     """Bug caught: Path(data_dir) taken from the working directory: run from another folder, the corpus was
     prepared (and GPT-2's ranks downloaded) again into a new ./data there."""
     corpus, elsewhere = tmp_path / "corpus.txt", tmp_path / "elsewhere"
     corpus.write_text(TEXT)
     elsewhere.mkdir()
     relative = os.path.relpath(tmp_path / "cache", REPO)  # relative to the repo: tmp_path/cache; to cwd: not
-    run_script(str(REPO / "data.py"), "--data_path", str(corpus), "--data_dir", relative, cwd=elsewhere)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # python -m prepare, run from another folder, finds this checkout
+    run_script("-m", "prepare", "--data_path", str(corpus), "--data_dir", relative, cwd=elsewhere)
     assert len(list((tmp_path / "cache").glob("corpus-*-char-val0.1/train.bin"))) == 1
     assert tokenizers.data_home("data") == REPO / "data" and tokenizers.data_home(tmp_path) == tmp_path
 

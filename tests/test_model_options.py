@@ -36,12 +36,10 @@ VOCAB = 40
 
 
 def other_values(name: str) -> list[Any]:
-    """Values of an option other than the base preset's: those it declares (GPTConfig.TEST_VALUES), else from
-    its type alone: every other choice of a Literal, the other bool, a real size for an int (twice the base,
-    or 2 where the base is 0, which often means "off"), another float. A plain str option has no such list."""
+    """Values of an option other than the base preset's, from its type alone: every other choice of a Literal,
+    the other bool, a real size for an int (twice the base, or 2 where the base is 0, which often means "off"),
+    another float. A plain str option has no such list."""
     base, kind = getattr(make_config(BASE), name), FIELD_TYPES[name]
-    if name in GPTConfig.TEST_VALUES:
-        return [value for value in GPTConfig.TEST_VALUES[name] if value != base]
     if choices(name):
         return [value for value in choices(name) if value != base]
     if kind is bool:

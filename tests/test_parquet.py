@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import data
+from prepare.__main__ import main as prepare_main
 from prepare import documents, tokenizers
 import train
 from conftest import make_text
@@ -82,10 +83,10 @@ def test_text_column_reads_another_column_or_field_and_names_another_folder(tmp_
     assert json.loads((folders[0] / "meta.json").read_text())["text_column"] == "content"
     argv = ["--data_path", str(parquet), "--data_dir", str(tmp_path / "d"), "--num_proc", "1"]
     prepared = sorted((tmp_path / "d").iterdir())
-    data.main(argv + ["--text_column", "content"])  # the flag reaches prepare: the cached folder, nothing new
+    prepare_main(argv + ["--text_column", "content"])  # the flag reaches prepare: the cached folder, nothing new
     assert sorted((tmp_path / "d").iterdir()) == prepared
     with pytest.raises(SystemExit) as stopped:
-        data.main(argv)  # the default column, "text", is not there
+        prepare_main(argv)  # the default column, "text", is not there
     assert stopped.value.code == 2 and "no column 'text' (its columns: id, content)" in capsys.readouterr().err
     for path in (parquet, jsonl):
         default, other = (corpus_source("", str(path), column)[0] for column in ("text", "content"))

@@ -11,12 +11,14 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
 
 from training import checkpoint
 from process import files
+import config
 import train
 from conftest import REPO, metrics, run_main, tiny_args
 from training.optim import OPTIMIZERS

@@ -7,11 +7,11 @@ import re
 import pytest
 import torch
 
-from training import optim, tracking
+from training import tracking
 import train
 from training.checkpoint import REQUIRED_KEYS, load_checkpoint
 from config import ConfigError, make_config
-from conftest import declare_entry, metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
+from conftest import metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
 from fault_injection import step_clock
 
 
@@ -80,31 +80,6 @@ def test_an_eval_that_spends_the_budget_is_the_final_one(tmp_path, text_file, mo
 def test_time_schedule_needs_max_time():
     with pytest.raises(ConfigError, match="schedule=time decays the lr over max_time: set max_time"):
         make_config(None, schedule="time")
-
-
-def ramp(step: int, cfg) -> float:
-    """A step schedule with no warmup that falls 0.01 a step, below min_lr and past lr_decay_iters."""
-    return cfg.learning_rate - 0.01 * step
-
-
-def test_get_lr_is_the_schedules_own_curve_and_cuts_nothing(monkeypatch):
-    """Before: get_lr returned min_lr from lr_decay_iters on whatever the entry, so an inverse-sqrt schedule
-    fell off a cliff there (199: 9.51e-04, 200: 3.00e-04), and a decay could only be a shape of progress."""
-    declare_entry(monkeypatch, optim.lr_schedule, "ramp", ramp)
-    cfg = make_config(None, lr_decay="ramp", learning_rate=1.0, min_lr=0.5, warmup_iters=10, lr_decay_iters=20)
-    steps = (0, 9, 10, 19, 20, 21, 80)  # warmup_iters and lr_decay_iters are the entry's business: it reads neither
-    assert [train.get_lr(step, cfg) for step in steps] == [ramp(step, cfg) for step in steps]
-    assert train.get_lr(80, cfg) == pytest.approx(0.2)  # under min_lr: the entry's floor (none), not get_lr's
-
-
-def test_schedule_time_cannot_drive_a_step_schedule_and_says_so_in_one_line(monkeypatch):
-    declare_entry(monkeypatch, optim.lr_schedule, "ramp", ramp)
-    with pytest.raises(ConfigError) as refused:
-        make_config(None, lr_decay="ramp", schedule="time", max_time=60)
-    assert str(refused.value) == ("lr_decay=ramp is a function of the step, which schedule=time cannot drive; "
-                                  "use schedule=steps, or an lr_decay that it can (cosine, wsd)")
-    assert make_config(None, lr_decay="ramp").schedule == "steps"  # the step clock drives it
-    assert make_config(None, lr_decay="wsd", schedule="time", max_time=60).lr_decay == "wsd"  # a progress decay
 
 
 def make_batches(counts: list[int], vocab: int = 50, T: int = 16, B: int = 2):

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from config import LORA_TARGETS as TARGETS  # noqa: F401 - the Linear layers of a block that may get an adapter
+from config import parse_lora_targets as parse_targets  # "attn.c_attn,mlp.c_fc" -> the names; ConfigError if unknown
 from process.errors import CheckpointError
 from model import GPT
 
-# The Linear layers of a block that may get an adapter, as PEFT names them for GPT-2 (module-name suffixes).
-TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 ADAPTER_KEYS = (".lora_A.", ".lora_B.", ".lora_rows")  # what marks a trained weight in a state dict (A, B: PEFT's too)
 PEFT_PREFIX = "base_model.model."  # PeftModel wraps GPT2LMHeadModel: its weights' names gain this prefix
 
@@ -91,16 +91,6 @@ def train_rows(model: GPT, ids: list[int]) -> None:
     """Make the embedding rows of ``ids`` (and so their logits' rows, tied) train beside the adapters."""
     rows = TrainedRows(model.transformer.wte, model.lm_head, sorted(ids))
     model.transformer.wte, model.lm_head = rows, TrainedRowsHead(rows)
-
-
-def parse_targets(text: str) -> tuple[str, ...]:
-    """"attn.c_attn,mlp.c_fc" -> the target names; ValueError naming any unknown one and the allowed list."""
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in TARGETS]
-    if unknown or not names:
-        said = f"names {', '.join(unknown)}, which is not among" if unknown else "is empty; name one or more of"
-        raise ValueError(f"lora_targets {said} {', '.join(TARGETS)} (comma-separated)")
-    return names
 
 
 def add_adapters(model: GPT, rank: int, alpha: float, dropout: float, targets: str | tuple[str, ...],

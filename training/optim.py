@@ -1,17 +1,11 @@
-"""How the weights move: the optimizers and the lr schedules, each one entry of a table.
+"""How the weights move: the optimizers and the lr decays, each a row of a table of functions.
 
-An entry is a builder (an optimizer) or a curve (an lr schedule), declared with the options it brings:
-each ``Option`` (default, help, check) becomes a TrainConfig field, a flag and a checkpoint key. Which
-config fields an entry reads is never declared: config records it, by building the optimizer and drawing
-the curve through a config that notes every field read (config.choice_reads), so a warning that a field
-is unused, the start-up line and the resume warnings follow the code as it is. The names the config
-accepts for ``optimizer`` and ``lr_decay`` are these tables' keys, so a name without a builder cannot be
-given. docs/experiments.md, "Adding a training option", walks through adding one.
-
-An lr schedule owns its whole curve, as a function of the step. Two decorators declare one:
-``@lr_decay`` gives a shape of the decay's progress (0 -> 1) the standard curve around it (warmup, the
-clock, min_lr after the end: ``shaped_curve``), which either clock can drive; ``@lr_schedule`` gives a
-function of the step that is the whole curve itself, which schedule=time cannot drive.
+``OPTIMIZERS`` maps a name to a builder (model, cfg, device, dtype) -> torch.optim.Optimizer; ``DECAYS`` maps a
+name to a shape: the share of learning_rate - min_lr left as the decay's progress goes 0 -> 1, around which
+``lr_at`` draws the standard curve (warmup, the clock, min_lr at the end). The names config accepts are these
+keys (its Literals; tests/test_training_options.py checks they match), and which fields only one choice reads is
+config.USED_ONLY_UNDER, checked by perturbing every field. docs/experiments.md, "Adding a training option",
+walks through adding a row.
 
 Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; Liu et al. 2025, "Muon is
 Scalable for LLM Training") replaces the update of a 2-D hidden weight by the semi-orthogonal matrix
@@ -26,101 +20,16 @@ ran at 1 GFLOP/s against 98 in fp32, and the `small` preset's step took 1.1 s in
 """
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from process.errors import CheckpointError
+
 if TYPE_CHECKING:  # annotations only
+    from config import TrainConfig
     from model import GPT
-
-# What an entry is given: a config.TrainConfig (or, while config records what it reads, a stand-in for one).
-# Not imported: config is assembled from these tables, so it sits above this module (tests/test_layers.py).
-Config = Any
-
-CLOCKS = ("steps", "time")  # the values of TrainConfig.schedule: what measures a progress decay's progress
-
-
-@dataclass(frozen=True)
-class Option:
-    """A config field that one table entry brings: becomes TrainConfig.<name>, a flag and a checkpoint key."""
-    default: Any
-    help: str
-    valid: Callable[[Any], bool] = lambda value: True
-    must: str = ""  # what ``valid`` requires, for the error: "be > 0"
-    resume: str = "warned"  # how a resume treats a change (config's rules: fixed, warned, free)
-
-
-def first_line(function: Callable) -> str:
-    """What an entry is, for --help: its function's docstring's first line."""
-    return (function.__doc__ or "").strip().split("\n")[0]
-
-
-@dataclass(frozen=True)
-class OptimizerEntry:
-    build: Callable[[GPT, Config, torch.device, torch.dtype], torch.optim.Optimizer]
-    options: dict[str, Option]  # fields of its own
-
-    @property
-    def doc(self) -> str:
-        return first_line(self.build)
-
-
-@dataclass(frozen=True)
-class ScheduleEntry:
-    lr: Callable[[int, Config, float], float]  # (step, config, seconds into the run) -> the lr: the whole curve
-    options: dict[str, Option]  # fields of its own
-    clocks: tuple[str, ...]  # the schedule values (CLOCKS) that can drive it
-    declared: Callable  # the function the decorator was given (its docstring is the entry's help)
-
-    @property
-    def doc(self) -> str:
-        return first_line(self.declared)
-
-
-OPTIMIZERS: dict[str, OptimizerEntry] = {}
-DECAYS: dict[str, ScheduleEntry] = {}  # TrainConfig.lr_decay names one: a progress decay or a step schedule
-
-
-def own_options(decorator: str, name: str, options: dict[str, Any]) -> dict[str, Option]:
-    """An entry's keyword arguments, each of which must be an Option (a fork written for ``uses=`` fails here)."""
-    for key, option in options.items():
-        if not isinstance(option, Option):
-            raise TypeError(f"@{decorator}({name!r}, {key}=...): not an Option; the fields an entry reads are "
-                            "recorded (config.choice_reads), never declared, so there is no uses=")
-    return options
-
-
-def optimizer(name: str, **options: Option):
-    """Declare an optimizer: ``@optimizer("sgd", sgd_momentum=Option(0.9, "..."))`` on a builder
-    (model, cfg, device, dtype) -> torch.optim.Optimizer whose every param group has an "lr_scale"."""
-    def register(build):
-        OPTIMIZERS[name] = OptimizerEntry(build, own_options("optimizer", name, options))
-        return build
-    return register
-
-
-def lr_decay(name: str, **options: Option):
-    """Declare a progress decay: a shape (progress 0 -> 1, cfg) -> the share of learning_rate - min_lr left,
-    1 -> 0. It gets the standard curve (``shaped_curve``), which schedule=steps or schedule=time drives."""
-    def register(shape):
-        DECAYS[name] = ScheduleEntry(functools.partial(shaped_curve, shape), own_options("lr_decay", name, options),
-                                     CLOCKS, shape)
-        return shape
-    return register
-
-
-def lr_schedule(name: str, **options: Option):
-    """Declare a step schedule: a function (step, cfg) -> lr that is the whole curve (its warmup or none, its
-    floor, what it does past any end). It counts steps, so schedule=time cannot drive it (config refuses)."""
-    def register(curve):
-        DECAYS[name] = ScheduleEntry(lambda step, cfg, time_s: curve(step, cfg),
-                                     own_options("lr_schedule", name, options), ("steps",), curve)
-        return curve
-    return register
 
 
 # ----------------------------------------------------------------------------- optimizers
@@ -136,18 +45,14 @@ def adamw_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0}]
 
 
-@optimizer("adamw")
-def build_adamw(model: GPT, cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.optim.AdamW:
+def build_adamw(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> torch.optim.AdamW:
     """torch's AdamW (decoupled weight decay, Loshchilov & Hutter 2019), fused where it can be."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied wte/lm_head weight once
     return torch.optim.AdamW(adamw_groups(params, cfg.weight_decay), lr=cfg.learning_rate,
                              betas=(cfg.beta1, cfg.beta2), fused=fused_here(device))
 
 
-@optimizer("muon", muon_lr=Option(0.02, "the Muon matrices' peak lr; their lr follows learning_rate's schedule "
-                                        "times muon_lr / learning_rate",
-                                  valid=lambda v: math.isfinite(v) and v > 0, must="be > 0"))
-def build_muon(model: GPT, cfg: Config, device: torch.device, dtype: torch.dtype) -> MuonAdamW:
+def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> MuonAdamW:
     """Muon for the blocks' weight matrices, AdamW (learning_rate) for the rest, as one optimizer.
 
     The Newton-Schulz iteration runs in bf16 only where the run's matmuls do (``dtype``, which
@@ -164,10 +69,13 @@ def build_muon(model: GPT, cfg: Config, device: torch.device, dtype: torch.dtype
     return MuonAdamW(adamw, muon)
 
 
-def build_optimizer(model: GPT, cfg: Config, device: torch.device,
+OPTIMIZERS = {"adamw": build_adamw, "muon": build_muon}  # config.TrainConfig.optimizer's values
+
+
+def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device,
                     dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
     """The optimizer the config names, from the table (config refuses a name it does not hold)."""
-    return OPTIMIZERS[cfg.optimizer].build(model, cfg, device, dtype)
+    return OPTIMIZERS[cfg.optimizer](model, cfg, device, dtype)
 
 
 def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -266,28 +174,18 @@ class MuonAdamW(torch.optim.Optimizer):
         return None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Also reads the two-part {"adamw": ..., "muon": ...} state that checkpoints before MuonAdamW hold."""
-        if set(state_dict) == {"adamw", "muon"}:
-            state_dict = merge_pair_state(state_dict["adamw"], state_dict["muon"])
-        if not all("kind" in group for group in state_dict["param_groups"]):
-            raise ValueError("this optimizer state is not from a Muon + AdamW run (optimizer=muon)")
+        """One state of tagged param groups, as this class saves it; refuses any other in one line."""
+        if not all("kind" in group for group in state_dict.get("param_groups", [{}])):
+            raise CheckpointError("the checkpoint's optimizer state is not one Muon + AdamW state (one saved before "
+                                  "they were one optimizer holds two): start a new run in another --out_dir")
         super().load_state_dict(state_dict)
         self.share()
 
 
-def merge_pair_state(adamw: dict[str, Any], muon: dict[str, Any]) -> dict[str, Any]:
-    """An old two-optimizer state as one Optimizer state: AdamW's params first, then Muon's, as MuonAdamW orders them."""
-    offset = sum(len(group["params"]) for group in adamw["param_groups"])
-    groups = [{**g, "kind": "adamw"} for g in adamw["param_groups"]]
-    groups += [{**g, "kind": "muon", "params": [i + offset for i in g["params"]]} for g in muon["param_groups"]]
-    state = {**adamw["state"], **{i + offset: s for i, s in muon["state"].items()}}
-    return {"state": state, "param_groups": groups}
-
-
 # ----------------------------------------------------------------------------- lr schedules
-def shaped_curve(shape: Callable[[float, Config], float], step: int, cfg: Config, time_s: float) -> float:
-    """A progress decay's curve: linear warmup to learning_rate over warmup_iters steps, then ``shape`` from
-    the peak down to min_lr as the decay's progress goes 0 -> 1, and min_lr once it is 1.
+def lr_at(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
+    """The lr of ``step``, ``time_s`` s into the run: linear warmup to learning_rate over warmup_iters steps,
+    then DECAYS[lr_decay] from the peak down to min_lr as the progress goes 0 -> 1, and min_lr once it is 1.
 
     The clock measures the progress. schedule=steps: it reaches 1 at lr_decay_iters (min_lr from there
     on, where every shape has arrived already: shape(1) = 0); a pure function of the step, so a resumed
@@ -305,23 +203,22 @@ def shaped_curve(shape: Callable[[float, Config], float], step: int, cfg: Config
         return cfg.min_lr
     else:
         progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)  # 0 -> 1
-    return cfg.min_lr + shape(progress, cfg) * (cfg.learning_rate - cfg.min_lr)
+    return cfg.min_lr + DECAYS[cfg.lr_decay](progress, cfg) * (cfg.learning_rate - cfg.min_lr)
 
 
-@lr_decay("cosine")
-def cosine(progress: float, cfg: Config) -> float:
+def cosine(progress: float, cfg: TrainConfig) -> float:
     """Half a cosine from the peak down to min_lr.
 
     Loshchilov & Hutter 2017 (SGDR), without restarts: GPT-2's and nanoGPT's schedule."""
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-@lr_decay("wsd", wsd_fraction=Option(0.2, "lr_decay=wsd: the final share of the decay's span spent going "
-                                          "linearly down to min_lr (flat at the peak before it)",
-                                     valid=lambda v: 0 < v <= 1, must="be in (0, 1]", resume="fixed"))
-def warmup_stable_decay(progress: float, cfg: Config) -> float:
+def warmup_stable_decay(progress: float, cfg: TrainConfig) -> float:
     """Flat at the peak, then linear down to min_lr over the last wsd_fraction (warmup-stable-decay).
 
     Hu et al. 2024 (MiniCPM, arXiv:2404.06395) introduced it; Hägele et al. 2024 (arXiv:2405.18392) find a
     linear cooldown over the last ~20% matches cosine, and that the stable phase can be extended."""
     return min(1.0, (1.0 - progress) / cfg.wsd_fraction)
+
+
+DECAYS = {"cosine": cosine, "wsd": warmup_stable_decay}  # config.TrainConfig.lr_decay's values

@@ -1,0 +1,38 @@
+"""Prepare a corpus into token files without training: the work train.py does first, cached in data_dir.
+
+    python -m prepare                                      # the built-in Shakespeare corpus (cached in data/)
+    python -m prepare --data_path my.txt                   # any UTF-8 text file, folder, .jsonl or .parquet
+    python -m prepare --data_path web.jsonl --tokenizer gpt2 --num_proc 8
+
+Its corpus flags are train.py's (config.CORPUS_OPTIONS: the same names, help and checks), so train.py finds
+the folder it writes; --num_proc and --block_size are its own.
+"""
+from __future__ import annotations
+
+from config import CORPUS_OPTIONS, add_flags, make_config
+from prepare import corpora
+from process.cli import CommandLine
+from process.errors import TinyGPTError, exit_on
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = CommandLine(description="Prepare a corpus into token files.")
+    add_flags(parser, CORPUS_OPTIONS)  # --dataset, --data_path, ...: train.py's flags, typed and checked by config
+    parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
+                        help="tokenizer processes for a folder, .jsonl or .parquet; 0 = one per CPU core")
+    parser.add_argument("--block_size", "--block-size", type=int, default=1,
+                        help="refuse a corpus whose train or val split is shorter than block_size + 1 tokens")
+    given = vars(parser.parse_args(argv))
+    num_proc, block_size = given.pop("num_proc"), given.pop("block_size")
+    if num_proc < 0 or block_size < 1:
+        parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {num_proc} and {block_size}")
+    try:
+        cfg = make_config(None, **given)  # the corpus fields' checks, config.validate's (bpe_vocab_size >= 257, ...)
+        corpora.prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction, num_proc,
+                        block_size, cfg.text_column, cfg.bpe_vocab_size)
+    except TinyGPTError as err:  # a bad value (2), a bad corpus (2), a data_dir to change (2) or failing its probe (74)
+        exit_on(err)
+
+
+if __name__ == "__main__":
+    main()
