@@ -93,7 +93,8 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, vocab_size)
     loss_sum: torch.Tensor | None = None  # summed cross-entropy over the targets: the metric
     n_targets: torch.Tensor | None = None  # targets counted (not -1)
-    aux: Mapping[str, torch.Tensor] = MappingProxyType({})  # the options' auxiliary losses, summed like loss_sum: objective only
+    # The options' auxiliary losses, summed like loss_sum: the objective's, never the metric's.
+    aux: Mapping[str, torch.Tensor] = MappingProxyType({})
 
 
 def visible_keys(config: GPTConfig, start: int, T: int, device: torch.device) -> torch.Tensor:

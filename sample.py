@@ -439,7 +439,8 @@ def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Gener
             print(f"error: {err}", file=sys.stderr, flush=True)
             continue
         if dialogue.dropped and not warned:
-            print("(the context is full: the oldest turns are dropped from now on; the system prompt stays)", flush=True)
+            print("(the context is full: the oldest turns are dropped from now on; the system prompt stays)",
+                  flush=True)
             warned = True
         reply = Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()))
         shown = 0

@@ -90,7 +90,8 @@ def report(runs: dict[str, Run], times: dict[str, list[float]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="small", help="preset (config/NAME.toml) whose shape and optimizer both use")
+    parser.add_argument("--config", default="small",
+                        help="preset (config/NAME.toml) whose shape and optimizer both runs use")
     parser.add_argument("--rank", type=int, default=8, help="lora_rank")
     parser.add_argument("--alpha", type=float, default=16.0, help="lora_alpha")
     parser.add_argument("--targets", default="attn.c_attn", help="lora_targets (comma-separated)")

@@ -28,8 +28,9 @@ from conftest import REPO, make_text, read_metrics, run_script, tiny_args, tiny_
 from process.distributed import Dist
 from fault_injection import AS_A_SCRIPT
 
-CPU = torch.device("cpu")
 from training.runtime import mfu, peak_flops
+
+CPU = torch.device("cpu")
 
 STEPS, HALF = 6, 3
 B = 4  # sequences per micro-batch per rank

@@ -173,7 +173,8 @@ def test_overfit_catches_a_step_that_cannot_learn(tiny_cfg):
     run = doctor.overfit_run(cfg, choose_runtime(cfg))
     x, y = random_batch(vocab_size=run.model.config.vocab_size, batch_size=2, block_size=cfg.block_size)
     assert doctor.check_overfit(run, x, y, 3e-3).passed
-    assert not doctor.check_overfit(doctor.overfit_run(cfg, choose_runtime(cfg)), x, y, 1e-7, steps=20).passed  # lr far too small
+    run = doctor.overfit_run(cfg, choose_runtime(cfg))
+    assert not doctor.check_overfit(run, x, y, 1e-7, steps=20).passed  # lr far too small
 
 
 def test_dropout_that_ignores_the_mode_is_caught(monkeypatch):

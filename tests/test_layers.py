@@ -1,12 +1,12 @@
 """The imports only point down: no cycle, and no module imports from a layer above its own.
 
-The layers are LAYERS below: the folders and the core files, lowest first. Every import counts, wherever it is written: at the top of a file, inside a function (a lazy import is
+The layers are LAYERS below: the folders and the core files, lowest first. Every import counts, wherever it
+is written: at the top of a file, inside a function (a lazy import is
 a dependency all the same) or under ``if TYPE_CHECKING:`` (an annotation that names a module above is one).
 """
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 import pytest
@@ -136,8 +136,10 @@ def test_the_graph_sees_the_imports_that_matter():
 # ----------------------------------------------------------------------------- the checker has teeth
 BACK_IMPORTS = {  # the import data.py must never gain, written three ways
     "at the top": "from training.checkpoint import load_checkpoint\n",
-    "inside a function": "def load():\n    from training.checkpoint import load_checkpoint\n    return load_checkpoint\n",
-    "for annotations only": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from training.checkpoint import Checkpointer\n",
+    "inside a function": ("def load():\n    from training.checkpoint import load_checkpoint\n"
+                          "    return load_checkpoint\n"),
+    "for annotations only": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                             "    from training.checkpoint import Checkpointer\n"),
 }
 
 

@@ -18,7 +18,8 @@ from conftest import REPO, TOOLS
 PATH_EDIT = re.compile(r"sys\.path\s*(\.(insert|append|extend)\(|\[[^\]]*\]\s*=|\+?=)")
 ORDER_SILENCED = re.compile(r"noqa:\s*E402")
 BY_FILE_PATH = re.compile(r"spec_from_file_location\(")
-CORE = ("model", "data", "train", "sample", "config", "process", "prepare", "training", "weights")  # what a tool imports from the repo
+# What a tool imports from the repo.
+CORE = ("model", "data", "train", "sample", "config", "process", "prepare", "training", "weights")
 
 
 def python_files() -> list[Path]:

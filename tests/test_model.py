@@ -191,4 +191,5 @@ def test_sdpa_causal_fast_paths_give_the_masks_numbers(S, T):
     q = torch.randn(2, 2, T, 8, generator=gen)
     k, v = torch.randn(2, 2, S + T, 8, generator=gen), torch.randn(2, 2, S + T, 8, generator=gen)
     mask = model_module.visible_keys(tiny_model().config, S, T, q.device)  # (T, S + T)
-    assert torch.equal(model_module.attention(q, k, v, mask, True, 0.0), model_module.attention(q, k, v, mask, False, 0.0))
+    attention = model_module.attention
+    assert torch.equal(attention(q, k, v, mask, True, 0.0), attention(q, k, v, mask, False, 0.0))

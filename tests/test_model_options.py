@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from weights import hf
-import train
 from training.checkpoint import load_checkpoint, save_checkpoint
 from weights.loading import from_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
@@ -274,7 +273,8 @@ def add_option_as_the_docs_say(repo: Path) -> str:
     use = docs_snippet("# model.py, in GPT.forward, after x = self.transformer.drop(x):\n")
     model_py = repo / "model.py"
     source = model_py.read_text()
-    field_anchor, use_anchor = "\n\n    # Options that act only while training", "        x = self.transformer.drop(x)\n"
+    field_anchor = "\n\n    # Options that act only while training"
+    use_anchor = "        x = self.transformer.drop(x)\n"
     assert source.count(field_anchor) == 1 and source.count(use_anchor) == 1, "update the anchors to model.py"
     source = source.replace(field_anchor, "\n" + field.rstrip("\n") + field_anchor)
     model_py.write_text(source.replace(use_anchor, use_anchor + use))
@@ -324,8 +324,10 @@ def add_window_as_the_docs_say(repo: Path) -> None:
     model_py = repo / "model.py"
     insert(model_py, "\n\n    # Options that act only while training",
            "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (a window):\n").rstrip("\n"))
-    insert(model_py, "\n    @property\n    def padded_vocab_size", docs_snippet("# model.py, at the end of GPTConfig.__post_init__:\n"))
-    insert(model_py, "    return key <= query  # (T, start + T)", docs_snippet("# model.py, in visible_keys, before its return:\n"))
+    insert(model_py, "\n    @property\n    def padded_vocab_size",
+           docs_snippet("# model.py, at the end of GPTConfig.__post_init__:\n"))
+    insert(model_py, "    return key <= query  # (T, start + T)",
+           docs_snippet("# model.py, in visible_keys, before its return:\n"))
 
 
 def pytest_in(repo: Path, *args: str) -> subprocess.CompletedProcess:

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data
 from prepare.__main__ import main as prepare_main
 from prepare import documents, tokenizers
 import train

@@ -11,14 +11,12 @@ import sys
 import time
 import zipfile
 from pathlib import Path
-from typing import Literal
 
 import pytest
 import torch
 
 from training import checkpoint
 from process import files
-import config
 import train
 from conftest import REPO, metrics, run_main, tiny_args
 from training.optim import OPTIMIZERS
@@ -388,6 +386,8 @@ def test_an_update_that_overflows_the_weights_is_never_saved(tmp_path, text_file
     err = capsys.readouterr().err.strip()
     assert code == 3 and err.splitlines() == [err]
     # Saving after step 1 finds the weights; without that save, step 2's loss (of the inf weights) is the sign.
-    assert ("the weights are not finite after step 1" if eval_interval == 1 else "non-finite loss or gradient at step 2") in err
+    expected = ("the weights are not finite after step 1" if eval_interval == 1
+                else "non-finite loss or gradient at step 2")
+    assert expected in err
     for name in ("last.pt", "best.pt"):  # none saved at all: the first save would have held step 1's
         assert not (out / name).exists()

@@ -381,7 +381,8 @@ def test_a_resume_on_other_data_is_refused(tmp_path, text_file, capsys):
         assert run_main(tiny_args(out, text_file, max_iters=4, resume="true", **change)) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {out / 'last.pt'} was trained on {text_file} (val_fraction 0.1), this run "
-                              f"reads {change.get('data_path', text_file)} (val_fraction {change.get('val_fraction', 0.1)})")
+                              f"reads {change.get('data_path', text_file)} "
+                              f"(val_fraction {change.get('val_fraction', 0.1)})")
         assert err.count("\n") == 1 and "Resume with the same --data_path and --val_fraction" in err
         assert {p: p.read_bytes() for p in kept} == kept  # the run, and the corpus folder it trained on
     assert len(list((tmp_path / "data").iterdir())) == 3  # each corpus and split in its own folder

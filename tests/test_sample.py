@@ -18,7 +18,8 @@ from conftest import REPO, make_text, run_script, tiny_model
 from prepare.tokenizers import CharTokenizer
 from model import GPT, GPTConfig, attention, visible_keys
 import sample as sample_module
-from sample import (Continuations, KVCache, NextTokenLogits, TextStream, filter_logits, generate, main, next_token_probs,
+from sample import (Continuations, KVCache, NextTokenLogits, TextStream, filter_logits, generate, main,
+                    next_token_probs,
                     pick_next, prompt_ids, unescape, window_start)
 
 NEG_INF = float("-inf")

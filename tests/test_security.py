@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import sample
-import train
 from training.checkpoint import REQUIRED_KEYS, CheckpointError, load_checkpoint, save_checkpoint
 from conftest import REPO, run_main, run_script, tiny_args
 

@@ -5,7 +5,8 @@ A checkpoint holds only tensors and plain Python values, so ``torch.load(weights
 it with no allowlist and a malicious pickle cannot run code. Every load in this repo goes through
 ``load_checkpoint`` below.
 
-Keys (``REQUIRED_KEYS``): format_version, model (state_dict; a LoRA run's holds its adapters only), optimizer (state_dict), scaler (GradScaler
+Keys (``REQUIRED_KEYS``): format_version, model (state_dict; a LoRA run's holds its adapters only), optimizer
+(state_dict), scaler (GradScaler
 state_dict, empty unless fp16), step (optimizer steps done), time_s (the run's wall clock at that step,
 evals included: a resumed run continues its max_time budget and time schedule), best_val_loss, config (TrainConfig as a
 dict), tokenizer (its description), rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, and data: the training
@@ -14,7 +15,8 @@ single process), precision (the dtype the run resolved: float32, bfloat16 or flo
 numpy, tiktoken, git commit and dirty flag), last_eval (the latest eval before the save: step, val_loss, val_bpb;
 in best.pt, the best one; empty until this process has run an eval), corpus (the data trained on: source,
 val_fraction and each split's fingerprint, data.Corpus.record; a resume on other data is refused). A checkpoint of
-an older layout is refused in one line. ``LORA_KEYS``, a LoRA run's only: lora (its base, the base's fingerprint and the adapters' shape, training/lora.record; a resume or a sample on
+an older layout is refused in one line. ``LORA_KEYS``, a LoRA run's only: lora (its base, the base's fingerprint
+and the adapters' shape, training/lora.record; a resume or a sample on
 another base is refused).
 
 On disk a checkpoint is the zip archive torch.save writes, with the sha256 of the archive stored in
@@ -44,7 +46,7 @@ from data import TrainingStream
 from process import REPO, distributed
 from training import lora
 from process.distributed import Dist, print0
-from process.errors import CheckpointError, CheckpointWriteError, ConfigError
+from process.errors import CheckpointError, CheckpointWriteError
 from process.files import TEMP_MARK, atomic_write
 from model import GPT
 
@@ -358,8 +360,9 @@ class Checkpointer:
     def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
         """``run``: a train.Run, whose model, optimizer, scaler, guard, training stream and corpus a checkpoint holds.
         Makes out_dir and removes the temp files a killed save left there."""
-        self.out_dir, self.cfg, self.model, self.optimizer, self.scaler = out_dir, cfg, run.model, run.optimizer, run.scaler
-        self.guard, self.stream, self.corpus, self.dtype, self.ddp = run.guard, run.stream, run.corpus, run.rt.dtype, ddp
+        self.out_dir, self.cfg, self.ddp = out_dir, cfg, ddp
+        self.model, self.optimizer, self.scaler, self.guard = run.model, run.optimizer, run.scaler, run.guard
+        self.stream, self.corpus, self.dtype = run.stream, run.corpus, run.rt.dtype
         self.saved_step: int | None = None  # the step last.pt holds, once this process knows it
         self.last_eval: dict[str, float] = {}  # the latest eval, saved with each checkpoint (best.pt: the best)
         # A LoRA run: what its checkpoints say of the base (hashed once: it is frozen) beside the adapters.

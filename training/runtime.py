@@ -44,7 +44,8 @@ def pick_device(requested: str = "auto") -> torch.device:
     return device
 
 
-def pick_dtype(requested: str, device: torch.device, probe_shape: tuple[int, int, int] = (768, 128, 512)) -> torch.dtype:
+def pick_dtype(requested: str, device: torch.device,
+               probe_shape: tuple[int, int, int] = (768, 128, 512)) -> torch.dtype:
     """bf16 on CUDA where supported, else fp16; on CPU bf16 only where a probe finds it faster.
 
     The CPU probe times one (M, K) @ (K, N) matmul of ``probe_shape`` (pass the model's own shape:

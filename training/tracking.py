@@ -196,7 +196,8 @@ class MetricsLog:
         self.log({"step": step, **values, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "mfu": util, "time_s": time_s},
                  f"step {step:>6} | loss {values['loss']:.4f}{terms} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
-                 f"{step_s * 1000:.1f} ms/step | {tokens_per_s:,.0f} tok/s | mfu {'n/a' if util is None else f'{util:.1%}'}"
+                 f"{step_s * 1000:.1f} ms/step | {tokens_per_s:,.0f} tok/s | "
+                 f"mfu {'n/a' if util is None else f'{util:.1%}'}"
                  + (f" | {clock(time_s)} of {clock(self.max_time)}" if self.max_time else ""))
 
     def eval(self, step: int, loss: float, bpb: float, time_s: float) -> dict[str, float]:
@@ -208,7 +209,8 @@ class MetricsLog:
 
     def eval_line(self, step: int, loss: float, bpb: float, is_best: bool) -> None:
         """The eval's line, printed after the save: it says "saved" only once that is true."""
-        self.say(f"step {step:>6} | val loss {loss:.4f} | val bpb {bpb:.4f}" + (" (best, saved best.pt)" if is_best else ""))
+        best = " (best, saved best.pt)" if is_best else ""
+        self.say(f"step {step:>6} | val loss {loss:.4f} | val bpb {bpb:.4f}{best}")
 
     def pause(self, seconds: float) -> None:
         """Leave ``seconds`` (an eval, a save) out of the training time of the next log line."""
@@ -252,8 +254,9 @@ def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int) -
     """The start-up lines: the model, the settings (and any given but unused), where and how it computes."""
     tokens = cfg.tokens_per_step()
     return "\n".join([f"model: {model.summary()}", settings_line(cfg), *unused_given(cfg),
-                      f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, compile {compiled}, "
-                      f"{tokens * world_size:,} tokens/step ({world_size} rank(s) x {tokens:,}), out_dir {cfg.out_dir}"])
+                      f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, "
+                      f"compile {compiled}, {tokens * world_size:,} tokens/step ({world_size} rank(s) x {tokens:,}), "
+                      f"out_dir {cfg.out_dir}"])
 
 
 def continue_log(out_dir: Path, step: int, resumed: bool) -> int | None:
