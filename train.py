@@ -39,6 +39,7 @@ from training.runtime import Runtime, autocast, choose_runtime, compile_for_step
 from prepare.tokenizers import tokenizer_from_meta
 from training.tracking import MetricsLog, Throughput, continue_log, describe_run
 from model import GPT
+from weights.loading import start_from
 
 
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
@@ -229,17 +230,6 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: Dist | None = None, pretrained
                scaler, guard)
 
 
-def start_from(cfg: TrainConfig, out_dir: Path, ddp: Dist) -> tuple[TrainConfig, object]:
-    """init_from: the base model's shape, and for a fresh run its weights (a run of this repo or GPT-2's:
-    weights/finetune.py, imported only then). Before anything is measured: the shape is the dtype probe's."""
-    if not cfg.init_from:
-        return cfg, None
-    from weights import finetune
-
-    with distributed.main_first(ddp.device):  # rank 0 downloads the weights, the others read its cache
-        return finetune.start_from(cfg, out_dir)
-
-
 def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, ddp: Dist) -> tuple[bool, bool]:
     """(out of time, signalled) after ``step``. Every rank must stop on the same step (or the next
     collective hangs): they agree on log steps only, where the loop syncs anyway (distributed.agree)."""
@@ -269,7 +259,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: Dist, stop: StopOnSignal) -> fl
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
                           "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
-    cfg, pretrained = start_from(cfg, out_dir, ddp)  # init_from: before anything is written
+    cfg, pretrained = start_from(cfg, ddp.device)  # init_from: before anything is written
     rt = choose_runtime(cfg, ddp.device)  # threads, precision (dtype=auto: rank 0's choice), compile
     run = build_run(cfg, rt, ddp, pretrained)
     del pretrained  # its tensors now live in the model

@@ -28,7 +28,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from weights import hf
 import train
 from training.checkpoint import dtype_name, load_checkpoint
 from config import TrainConfig, model_config, parse_args
@@ -38,6 +37,7 @@ from model import GPT
 from training.runtime import choose_runtime, compile_for_step
 from prepare.tokenizers import tokenizer_from_meta
 from process.errors import TinyGPTError, exit_on
+from weights.loading import start_from
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -468,7 +468,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     biases, tokenizer): the doctor checks the code path, not the pretrained weights.
     """
     if cfg.init_from:
-        cfg = hf.start_from(dataclasses.replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
+        cfg = start_from(cfg)[0]  # keeps what the user gave
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
     device, dtype = rt.device, rt.dtype
     corpus = corpus_for(cfg)

@@ -28,7 +28,7 @@ import data
 from data import DataError, corpus_for, special_tokens, val_windows
 from prepare.chat import is_chat
 from prepare.tokenizers import without_chat
-from weights.loading import Loaded, add_weights_flags, load_weights
+from weights.loading import Loaded, add_weights_flags, from_flags
 from training.runtime import Runtime, choose_runtime
 from train import evaluate, val_byte_count
 from prepare.formats import read_text_file
@@ -44,7 +44,7 @@ def load(args: argparse.Namespace) -> Loaded:
     """The weights --ckpt or --init_from chose (weights/loading.py), on the CPU until the runtime is chosen.
     Pretrained weights have no run behind them: windows of the model's own block_size, PRETRAINED_BATCH
     at a time, fp32, and GPT-2's tokenizer on the built-in corpus."""
-    loaded = load_weights(args)
+    loaded = from_flags(args)
     if loaded.step is None:
         loaded = dataclasses.replace(loaded, cfg=replace(loaded.cfg, batch_size=PRETRAINED_BATCH))
     return loaded

@@ -34,7 +34,7 @@ FAILURES = {
 # {nanogpt}: a folder that looks like nanoGPT's checkout). A new entry point brings its row.
 FAILS_AT = {
     "train.py": ("train", []),
-    "sample.py": ("load_weights", []),
+    "sample.py": ("from_flags", []),
     "data.py": ("prepare.corpora:prepare", []),
     "bench.py": ("parse_overrides", []),
     "bench_prepare.py": ("shakespeare_text", []),
