@@ -4,18 +4,13 @@
     python sample.py --init_from gpt2 --prompt "Hello"       # sample GPT-2 itself, no checkpoint
     python -m scripts.export_hf out/finetune_shakespeare hf/shakespeare   # a folder transformers loads
 
-The mapping is data, read top to bottom and used both ways: NAMES lists GPT-2's weights (ours carry the same
-names), TRANSPOSED the four matrices Hugging Face keeps in Conv1D layers, (in, out), where nn.Linear has (out, in).
-The rest is shape: our vocabulary is padded to a multiple of 64 (model.GPTConfig.padded_vocab_size), our position
-table may be shorter than the file's (cropped on import). The hub's own gpt2 is a GPT2Model file: no
-``transformer.`` prefix (PREFIX), and the causal-mask buffers ``attn.bias`` / ``attn.masked_bias``, which are not
-weights (NOT_WEIGHTS); ``lm_head.weight``, where present, must equal wte (TIED_HEAD). Every key and shape is checked
-before a weight is copied or a file written: one that does not fit raises HFError naming it.
-
-Weights come as a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, or any "owner/name"), fetched by
-huggingface_hub into its cache (HF_HOME, HF_HUB_OFFLINE apply), or a folder holding model.safetensors and
-config.json, or a .safetensors file with config.json beside it. transformers is never imported here. A folder's
-tokenizer files are prepare/tokenizers.py's (tokenizer_files, read_tokenizer).
+The mapping is data, read top to bottom and used both ways: NAMES, GPT-2's weights (ours have the same names), and
+TRANSPOSED, the four matrices transformers keeps in Conv1D layers, (in, out), where nn.Linear has (out, in). The
+rest is shape: our vocabulary is padded to a multiple of 64, our position table may be shorter (cropped on import).
+The hub's own gpt2 is a GPT2Model file: no ``transformer.`` prefix, and causal-mask buffers that are not weights.
+Every key and shape is checked before a weight is copied or a file written; one that does not fit is an HFError
+naming it. Weights come as a hub name (through huggingface_hub's cache: HF_HOME, HF_HUB_OFFLINE apply), a folder
+holding model.safetensors and config.json, or a .safetensors file with config.json beside it.
 """
 from __future__ import annotations
 
@@ -87,6 +82,16 @@ def is_transposed(name: str) -> bool:
     return name.endswith(TRANSPOSED)
 
 
+def convert(name: str, value: torch.Tensor, vocab_rows: int, block_size: int) -> torch.Tensor:
+    """One weight into the other layout, by the same rule both ways: a Conv1D matrix transposed, wte's rows padded
+    with zeros or cut to ``vocab_rows`` (ours padded, never scored; theirs the real vocabulary), wpe's cut."""
+    if is_transposed(name):
+        return value.t()  # (in, out) <-> (out, in)
+    if name == WTE:  # (V, C)
+        return torch.cat([value, value.new_zeros(max(vocab_rows - len(value), 0), value.shape[1])])[:vocab_rows]
+    return value[:block_size] if name == WPE else value  # (T, C)
+
+
 def gpt2_refusals(config: GPTConfig) -> list[str]:
     """Every option of ``config`` GPT-2's layout cannot compute, as "name value (GPT-2: ...)"; [] if none."""
     refusals = []
@@ -112,10 +117,9 @@ class Pretrained:
     gpt2: bool = False  # GPT-2's: they fix its shape (hf.IMPORTED); every other option must be one GPT-2 computes
 
     def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
-        """The state dict for a corpus of this tokenizer: the weights' own, or theirs with a chat corpus's markers
-        after it, whose embedding rows start at the mean of the weights' rows (a fixed start, and a marker reads as
-        no token in particular). Padded rows hold them where there are enough; more rows are appended. Any other
-        tokenizer is refused: the ids would mean other text."""
+        """The state dict for a corpus of the weights' tokenizer, or of it with a chat corpus's markers, whose
+        embedding rows (padded ones, or appended) start at the mean row: a fixed start, no token in particular.
+        Any other tokenizer is refused: the ids would mean other text."""
         base = self.tokenizer or without_chat(tokenizer_meta)  # None: the files do not say; the corpus's, then
         base_vocab = tokenizer_vocab_size(base) or vocab_size
         if base_vocab != self.config.vocab_size:
@@ -140,11 +144,8 @@ def check_positions(block_size: int, n_positions: int, source: str) -> int:
 
 
 def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pretrained:
-    """Read Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names.
-
-    block_size 0 keeps every position; a smaller one crops the table, a larger one is refused.
-    bias=False drops the biases, refusing any that is not zero. Raises HFError before anything else.
-    """
+    """Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names, checked before anything else.
+    block_size 0 keeps every position, a smaller one crops the table; bias=False drops the biases (zeros only)."""
     weights, config_file = locate(source)
     tensors = read_weights(weights)
     shape = read_shape(config_file)  # block_size: the file's n_positions
@@ -174,11 +175,8 @@ def locate(source: str) -> tuple[Path, Path]:
 
 
 def download(repo_id: str) -> tuple[Path, Path]:
-    """config.json and model.safetensors from the hub, through huggingface_hub's cache (HF_HOME).
-
-    The hub is probed first (hub_unreachable); if it cannot be reached the files come from the cache
-    alone, as with HF_HUB_OFFLINE=1, and a miss is the one line below within seconds.
-    """
+    """config.json and model.safetensors through huggingface_hub's cache (HF_HOME). If the hub does not answer its
+    probe (hub_unreachable) they come from the cache alone, as with HF_HUB_OFFLINE=1: a miss is one line in seconds."""
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, OfflineModeIsEnabled
@@ -200,13 +198,11 @@ def download(repo_id: str) -> tuple[Path, Path]:
 
 
 def hub_unreachable(repo_id: str) -> str | None:
-    """Why the hub cannot be reached ("connection refused"), or None if it answers: one request, no retries.
+    """Why the hub cannot be reached ("connection refused"), or None if it answers (even with an HTTP error).
 
-    hf_hub_download retries a refused or timed-out connection five times with backoff, ~25 s and a
-    warning line each, before it looks in its cache. This probe asks once for the repo's config.json
-    (huggingface_hub's own client: HF_ENDPOINT, proxies and token apply) and waits at most
-    HUB_PROBE_TIMEOUT seconds, or HF_HUB_ETAG_TIMEOUT if set. Any HTTP answer, even an error, is reachable.
-    """
+    hf_hub_download retries a refused or timed-out connection five times, ~25 s and a warning line each, before it
+    looks in its cache. This asks once, with huggingface_hub's own client (HF_ENDPOINT, proxies and token apply),
+    waiting at most HUB_PROBE_TIMEOUT seconds (HF_HUB_ETAG_TIMEOUT if set)."""
     import httpx2  # huggingface_hub's HTTP client, installed with it
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
@@ -282,13 +278,7 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: in
                 raise HFError(f"{source}: {name} is not zero (max |b| {value.abs().max():.3g}) but the model has "
                               "bias=False; import with bias=True (drop --bias false)")
             continue  # an exported bias-free model: its zero biases carry nothing
-        if is_transposed(name):
-            value = value.t()  # (in, out) -> (out, in)
-        elif name == WTE:  # (V_padded, C): the padded rows are never scored
-            value = torch.cat([value, value.new_zeros(config.padded_vocab_size - config.vocab_size, value.shape[1])])
-        elif name == WPE:
-            value = value[: config.block_size]  # (block_size, C)
-        state[name] = value.contiguous()
+        state[name] = convert(name, value, config.padded_vocab_size, config.block_size).contiguous()
     if TIED_HEAD in tensors and not torch.equal(tensors[TIED_HEAD], tensors[WTE]):
         raise HFError(f"{source}: {TIED_HEAD} differs from {WTE}; this model ties the two")
     return {**state, TIED_HEAD: state[WTE]}
@@ -296,11 +286,8 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: in
 
 # ----------------------------------------------------------------------------- export
 def to_hf(model: GPT) -> dict[str, torch.Tensor]:
-    """Our weights under Hugging Face names: transposed, unpadded, explicit zero biases if bias=False.
-
-    Refuses a model with an option GPT-2 cannot compute (gpt2_refusals) or weights the table does not
-    map: a GPT-2 folder that loads but computes something else would be the worst export.
-    """
+    """Our weights in GPT2LMHeadModel's layout (zero biases if bias=False). Refuses a model with an option GPT-2 cannot
+    compute or a weight NAMES lacks: a GPT-2 folder that loads but computes something else is the worst export."""
     config, state = model.config, model.state_dict()
     refusals = gpt2_refusals(config)
     if refusals:
@@ -317,11 +304,7 @@ def to_hf(model: GPT) -> dict[str, torch.Tensor]:
             value = torch.zeros(state[name.removesuffix(".bias") + ".weight"].shape[0])
         else:
             raise HFError(f"cannot export as GPT-2: the model has no {name}, which GPT-2's layout needs")
-        if is_transposed(name):
-            value = value.t()  # (out, in) -> (in, out)
-        elif name == WTE:
-            value = value[: config.vocab_size]  # (V, C): the padded rows are not part of the vocabulary
-        out[name] = value.contiguous().clone()  # safetensors stores each tensor once, unshared
+        out[name] = convert(name, value, config.vocab_size, config.block_size).contiguous().clone()  # unshared
     return out
 
 
@@ -338,11 +321,8 @@ def hf_config(config: GPTConfig, bos: int | None, eos: int | None) -> dict[str, 
 
 
 def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
-    """Write model.safetensors, config.json, generation_config.json and the tokenizer's files to ``folder``.
-
-    generation_config.json stops generate() at block_size tokens, prompt included (transformers' default, 20,
-    says nothing of the model), where the position table ends: past it GPT-2's code raises IndexError.
-    """
+    """Write model.safetensors, config.json, generation_config.json (generate() stops at block_size tokens, where the
+    position table ends, not transformers' default 20) and the tokenizer's files to a new ``folder``."""
     from safetensors.torch import save
 
     weights, block_size = to_hf(model), model.config.block_size

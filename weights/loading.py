@@ -1,19 +1,15 @@
-"""A model's weights back from disk: a run's checkpoint or GPT-2's weights, for use or for a run to start from.
+"""A model's weights back from disk, a run's checkpoint or GPT-2's: for use, or for a new run to start from.
 
     loaded = from_checkpoint(find_checkpoint("out/small"))   # a run folder's best.pt (else last.pt), or a .pt
     loaded = from_pretrained("gpt2")                          # Hugging Face GPT-2 weights (weights/hf.py)
     loaded = from_flags(args, device)                         # whichever --ckpt / --init_from chose
-    cfg, pretrained = start_from(cfg, device)                 # train.py's --init_from
+    cfg, pretrained = start_from(cfg, device)                 # train.py's --init_from: a run (folder, .pt) or GPT-2
 
-The first three give a ``Loaded``: the model in eval mode on the device asked for, its tokenizer, the training config
-it belongs to, and what the run logged; sample.py, scripts/ and dev/ load through here. ``start_from`` gives a fresh
-run the weights ``--init_from`` names: a run of this repo (its folder or a .pt: its best.pt, else last.pt) fixes
-every option that changes what its weights compute (RoPE, RMSNorm, ...) and its tokenizer; GPT-2's weights fix
-their shape, and every other option must be one GPT-2 computes. A flag the user gave that contradicts them is
-refused in one line; block_size may shrink (a learned position table is cropped). The vocabulary is fitted to the
-corpus's: a chat corpus's role markers take new rows (Pretrained.weights_for). A fresh run: its optimizer, step and
-streams start anew. A resume imports the base again, so that its corpus is prepared with the base's tokenizer as
-the first run's was; last.pt's weights then replace the base's (a LoRA run's last.pt holds only its adapters).
+``Loaded``: the model in eval mode, its tokenizer, its run's config and what the run logged. ``start_from``: the
+weights, with the config taking every option they fix (adopt) and the corpus's vocabulary fitted to them
+(hf.Pretrained.weights_for: a chat corpus's markers take new rows). A fresh run (new optimizer, step, streams) in
+its own out_dir; its resume imports the base again, so that the corpus is prepared with the base's tokenizer as the
+first time, and last.pt's weights then replace the base's (a LoRA run's last.pt holds only its adapters).
 """
 from __future__ import annotations
 
@@ -54,18 +50,13 @@ class Loaded:
 
 
 # ----------------------------------------------------------------------------- a model for use
-def run_file(folder: Path) -> Path | None:
-    """A run folder's best.pt, else its last.pt, else None."""
-    return next((folder / name for name in RUN_FILES if (folder / name).is_file()), None)
-
-
 def find_checkpoint(ckpt: str) -> Path:
     """A file as given; a folder's best.pt (else last.pt); by default the newest best.pt under out/."""
     if ckpt:
-        path = Path(ckpt)
-        if path.is_dir() and run_file(path) is None:
-            raise CheckpointError(f"{path}: no best.pt or last.pt in this folder")
-        return run_file(path) if path.is_dir() else path
+        path = run_checkpoint(ckpt) if Path(ckpt).is_dir() else Path(ckpt)
+        if path is None:
+            raise CheckpointError(f"{Path(ckpt)}: no best.pt or last.pt in this folder")
+        return path
     found = sorted(Path("out").glob("**/best.pt"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise CheckpointError("no checkpoint found under out/; train one first: python train.py --config small")
@@ -135,10 +126,12 @@ def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfi
 
 
 def run_checkpoint(source: str) -> Path | None:
-    """The checkpoint ``source`` names if it is a run of this repo (a .pt, or a folder holding best.pt or
-    last.pt), else None: a Hugging Face folder, a .safetensors file or a hub name."""
+    """The checkpoint ``source`` names if it is a run of this repo: a .pt, a folder's best.pt (else last.pt); else
+    None (a Hugging Face folder, a .safetensors file or a hub name)."""
     path = Path(source)
-    return path if path.suffix == ".pt" else run_file(path) if path.is_dir() else None
+    if path.is_dir():
+        return next((path / name for name in RUN_FILES if (path / name).is_file()), None)
+    return path if path.suffix == ".pt" else None
 
 
 def load_base(cfg: TrainConfig) -> Pretrained:
@@ -165,17 +158,14 @@ def load_run(path: Path, block_size: int) -> Pretrained:
 
 
 def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
-    """The config with the options the base's weights fix and its tokenizer (when known); block_size is the user's
-    if given, else the base's.
-
-    A field the user gave (the preset or the command line, even at its default: config.given_fields) with another
-    value is refused. GPT-2's weights fix only their shape (hf.IMPORTED); every other model option must be one GPT-2
-    computes (hf.gpt2_refusals), or the import is refused. A run's fix every option but the training-only ones.
-    """
+    """The config with every option the base's weights fix, and its tokenizer if known; block_size the base's unless
+    given. A field the user gave (preset or command line, even at its default: config.given_fields) with another
+    value is refused. A run's weights fix every option but the training-only ones; GPT-2's their shape (hf.IMPORTED),
+    and every other option must be one GPT-2 computes (hf.gpt2_refusals)."""
     from weights import hf
 
-    skip = ("vocab_size", "block_size", *GPTConfig.TRAINING_ONLY)
-    fixed = hf.IMPORTED if base.gpt2 else [f.name for f in fields(GPTConfig) if f.name not in skip]
+    kept = ("vocab_size", "block_size", *GPTConfig.TRAINING_ONLY)  # the corpus's, the user's, how it is trained
+    fixed = hf.IMPORTED if base.gpt2 else [f.name for f in fields(GPTConfig) if f.name not in kept]
     imported = {name: getattr(base.config, name) for name in fixed}
     if base.tokenizer is not None:
         imported["tokenizer"] = base.tokenizer["kind"]
