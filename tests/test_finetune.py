@@ -1,4 +1,5 @@
-"""init_from a run of this repo: its shape, options, tokenizer and best weights start a fresh run elsewhere."""
+"""init_from a run of this repo: its shape, options, tokenizer and best weights start a fresh run elsewhere, which
+resumes bit-exactly."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ from conftest import metrics, read_metrics, run_script, tiny_args
 from fault_injection import assert_nested_equal
 from training.checkpoint import load_checkpoint
 from config import config_from_dict, make_config, model_config
-from weights.loading import load_run
+from weights.loading import from_checkpoint, load_run
 from prepare.tokenizers import tokenizer_vocab_size
 from model import GPT
 from conftest import make_text
@@ -89,3 +90,4 @@ def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_
     for key in ("model", "optimizer", "rng", "best_val_loss"):
         assert_nested_equal(a[key], b[key], key)
     assert metrics(tmp_path / "straight") == metrics(tmp_path / "split")
+    assert from_checkpoint(tmp_path / "split" / "last.pt").step == 4  # a LoRA run's adapters go on the base: merged
