@@ -114,7 +114,7 @@ class Pretrained:
     source: str  # the checkpoint file, or the weights as named
     tokenizer: dict | None  # its description; None where GPT-2's files do not say (the corpus's is taken)
     n_positions: int  # the position table's rows before cropping
-    gpt2: bool = False  # GPT-2's: they fix its shape (hf.IMPORTED); every other option must be one GPT-2 computes
+    gpt2: bool = False  # GPT-2's: they fix its shape (IMPORTED); every other option must be one GPT-2 computes
 
     def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
         """The state dict for a corpus of the weights' tokenizer, or of it with a chat corpus's markers, whose
@@ -128,11 +128,11 @@ class Pretrained:
         if without_chat(tokenizer_meta) != without_chat(base):
             raise HFError(f"{self.source} was trained with another tokenizer ({base['kind']}) than the corpus's "
                           f"({tokenizer_meta['kind']}); prepare the data with the base's (drop --tokenizer)")
-        wte = self.state["transformer.wte.weight"]  # (V_padded_base, C)
+        wte = self.state[WTE]  # (V_padded_base, C)
         rows = GPTConfig(vocab_size=vocab_size).padded_vocab_size
         new = torch.cat([wte, wte.new_zeros(rows - len(wte), wte.shape[1])])  # (V_padded, C), a copy
         new[base_vocab:vocab_size] = wte[:base_vocab].mean(dim=0)  # (V_new - V_base, C): the markers' rows
-        return {**self.state, "transformer.wte.weight": new, "lm_head.weight": new}
+        return {**self.state, WTE: new, TIED_HEAD: new}
 
 
 def check_positions(block_size: int, n_positions: int, source: str) -> int:
