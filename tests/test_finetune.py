@@ -91,3 +91,11 @@ def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_
         assert_nested_equal(a[key], b[key], key)
     assert metrics(tmp_path / "straight") == metrics(tmp_path / "split")
     assert from_checkpoint(tmp_path / "split" / "last.pt").step == 4  # a LoRA run's adapters go on the base: merged
+
+
+def test_the_doctor_checks_a_fine_tune_of_a_run(base_run, tmp_path, capsys):
+    """Bug caught: the doctor took every init_from for GPT-2's weights ("no model.safetensors in this folder")."""
+    from scripts import doctor
+    base, text = base_run
+    assert doctor.main(tiny_args(tmp_path / "doc", text, init_from=base)) == 0
+    assert "15/15 checks passed" in capsys.readouterr().out
