@@ -29,7 +29,7 @@ from data import special_tokens
 from prepare.chat import render
 from prepare.texts import read_text_file
 from process.errors import DataError, TinyGPTError, exit_on, fail
-from weights.loading import add_weights_flags, load_weights
+from weights.loading import add_weights_flags, from_flags
 from training.runtime import pick_device
 from model import GPT, GPTConfig
 
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         device = pick_device(args.device)
-        loaded = load_weights(args, device)  # weights/loading.py: --ckpt's checkpoint or --init_from's weights
+        loaded = from_flags(args, device)  # weights/loading.py: --ckpt's checkpoint or --init_from's weights
         model, tokenizer = loaded.model, loaded.tokenizer
         text = read_text_file(Path(args.prompt_file), "--prompt-file") if args.prompt_file else args.prompt
         if args.chat:

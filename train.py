@@ -31,13 +31,14 @@ from config import TrainConfig, model_config, parse_args
 from model import GPT
 from prepare.tokenizers import tokenizer_from_meta
 from process import distributed, rundir
-from process.errors import exit_for, fail
+from process.errors import ConfigError, exit_for, fail
 from training import lora
 from training.checkpoint import Checkpointer
 from training.faults import NonFiniteGuard, StopOnSignal, run_error
 from training.optim import build_optimizer, lr_at
 from training.runtime import Runtime, choose_runtime, compile_for_step, pick_device, seed_everything
 from training.tracking import MetricsLog, describe_run
+from weights.loading import start_from
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs and targets, (B, T) each
 
@@ -207,17 +208,6 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: distributed.Dist | None = None
                scaler, guard)
 
 
-def start_from(cfg: TrainConfig, out_dir: Path, ddp: distributed.Dist) -> tuple[TrainConfig, object]:
-    """init_from: the base model's shape, and for a fresh run its weights (a run of this repo or GPT-2's:
-    weights/finetune.py, imported only then). Before anything is measured: the shape is the dtype probe's."""
-    if not cfg.init_from:
-        return cfg, None
-    from weights import finetune
-
-    with distributed.main_first(ddp.device):  # rank 0 downloads the weights, the others read its cache
-        return finetune.start_from(cfg, out_dir)
-
-
 def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float,
                ddp: distributed.Dist) -> tuple[bool, bool]:
     """(out of time, signalled) after ``step``. Every rank must stop on the same step (or the next
@@ -245,7 +235,10 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
 def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnSignal) -> float:
     """train()'s body, once this process (rank 0 for a job) owns out_dir."""
     out_dir = Path(cfg.out_dir)
-    cfg, pretrained = start_from(cfg, out_dir, ddp)  # init_from: before anything is written
+    if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
+        raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
+                          "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
+    cfg, pretrained = start_from(cfg, ddp.device)  # init_from: before anything is written
     rt = choose_runtime(cfg, ddp.device)  # threads, precision (dtype=auto: rank 0's choice), compile
     run = build_run(cfg, rt, ddp, pretrained)
     del pretrained  # its tensors now live in the model

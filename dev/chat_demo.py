@@ -21,12 +21,11 @@ import torch
 
 from config import make_config, model_config
 from data import corpus_for, eval_windows
-from weights import finetune
 from prepare.chat import ASSISTANT, BEGIN, END, USER
 from training.checkpoint import load_checkpoint
 from process.cli import CommandLine
 from process.errors import TinyGPTError, exit_on, fail
-from weights.loading import from_checkpoint
+from weights.loading import from_checkpoint, start_from
 from prepare.tokenizers import tokenizer_from_meta, without_chat
 from model import GPT
 from sample import generate
@@ -80,9 +79,9 @@ def median_ms(run: Path, tokens_per_step: int) -> float:
     return statistics.median(1000 * tokens_per_step / r["tokens_per_s"] for r in records if "tokens_per_s" in r)
 
 
-def before(base: Path, out: Path) -> tuple[float, float]:
-    """The masked val loss and format kept of the base itself, its markers' rows at their start (hf.fit_vocab)."""
-    cfg, weights = finetune.start_from(make_config("chat_small", init_from=str(base)), out)
+def before(base: Path) -> tuple[float, float]:
+    """The masked val loss and format kept of the base itself, its markers' rows at their start (start_from)."""
+    cfg, weights = start_from(make_config("chat_small", init_from=str(base)))
     corpus = corpus_for(cfg, weights.tokenizer)
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
     model = GPT(model_config(cfg, corpus.vocab_size))
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     try:
         base = Path(args.base)
-        val0, kept0 = before(base, Path(args.out))
+        val0, kept0 = before(base)
         rows = {}
         for mode, extra in (("full", ()), ("LoRA r8, 4 matrices", LORA)):
             runs = [Path(args.out) / f"{mode.split()[0].lower()}-{seed}" for seed in args.seeds]

@@ -25,7 +25,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from weights import hf
 import train
 from training.checkpoint import dtype_name, load_checkpoint
 from config import TrainConfig, model_config, parse_args
@@ -35,6 +34,7 @@ from model import GPT
 from training.runtime import choose_runtime, compile_for_step
 from prepare.tokenizers import tokenizer_from_meta
 from process.errors import TinyGPTError, exit_on
+from weights.loading import start_from
 
 # Allowed gap between the first loss and ln(vocab), as a fraction of ln(vocab). A 0.02-std init gives
 # logits of variance ~0.02² · n_embd, which adds about half that: 0.03 nats for small, 0.15 for gpt2.
@@ -426,7 +426,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     """Every check, on the model, data and tokenizer that ``cfg`` trains with; with init_from, on random inits
     of the imported shape: the doctor checks the code path, not the pretrained weights."""
     if cfg.init_from:
-        cfg = hf.start_from(dataclasses.replace(cfg, resume=False), Path(cfg.out_dir))[0]  # keeps what the user gave
+        cfg = start_from(cfg)[0]  # keeps what the user gave
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
     device, dtype = rt.device, rt.dtype
     corpus = corpus_for(cfg)

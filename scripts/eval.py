@@ -26,7 +26,7 @@ import data
 from data import DataError, corpus_for, special_tokens, val_windows
 from prepare.chat import is_chat
 from prepare.tokenizers import without_chat
-from weights.loading import Loaded, add_weights_flags, load_weights
+from weights.loading import Loaded, add_weights_flags, from_flags
 from training.runtime import Runtime, choose_runtime
 from train import evaluate, val_byte_count
 from prepare.texts import read_text_file
@@ -39,7 +39,7 @@ PRETRAINED_BATCH = 8  # windows per forward for pretrained weights (GPT-2's are 
 def load(args: argparse.Namespace) -> Loaded:
     """The weights --ckpt or --init_from chose, on the CPU until the runtime is chosen; pretrained weights have no
     run behind them: PRETRAINED_BATCH windows of their block_size at a time."""
-    loaded = load_weights(args)
+    loaded = from_flags(args)
     if loaded.step is None:
         loaded = dataclasses.replace(loaded, cfg=replace(loaded.cfg, batch_size=PRETRAINED_BATCH))
     return loaded

@@ -24,7 +24,7 @@ from data import DataError
 from weights import hf
 from model import GPT
 from training.runtime import pick_device
-from weights.loading import Loaded, add_weights_flags, load_weights
+from weights.loading import Loaded, add_weights_flags, from_flags
 from sample import generate
 from process.errors import TinyGPTError, exit_on, fail
 from process.files import atomic_write_text
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         check_hub(names)  # first: indexing the harness's tasks takes seconds
         check_known(names)
         device = pick_device(args.device)
-        loaded = load_weights(args, device)
+        loaded = from_flags(args, device)
         lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
         results = evaluate_tasks(lm, names, args)
     except TinyGPTError as err:  # one line and its exit code (process/errors.py)

@@ -1,13 +1,15 @@
-"""init_from a run of this repo: its shape, options, tokenizer and best weights start a fresh run elsewhere."""
+"""init_from a run of this repo: its shape, options, tokenizer and best weights start a fresh run elsewhere, which
+resumes bit-exactly."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import read_metrics, run_script, tiny_args
+from conftest import metrics, read_metrics, run_script, tiny_args
+from fault_injection import assert_nested_equal
 from training.checkpoint import load_checkpoint
 from config import config_from_dict, make_config, model_config
-from weights import finetune
+from weights.loading import from_checkpoint, load_run
 from prepare.tokenizers import tokenizer_vocab_size
 from model import GPT
 from conftest import make_text
@@ -51,7 +53,7 @@ def test_a_run_folder_starts_a_chat_fine_tune_with_its_shape_options_tokenizer_a
 
 def test_at_step_0_the_fine_tune_computes_the_bases_logits_on_the_bases_tokens(base_run, tmp_path):
     base, _ = base_run
-    weights = finetune.load_run(base / "best.pt", 0)
+    weights = load_run(base / "best.pt", 0)
     _, base_state = model_of(base / "best.pt")
     meta = {**base_state["tokenizer"], "chat_tokens": ["a", "b", "c", "d", "e"]}
     vocab = weights.config.vocab_size + 5
@@ -67,5 +69,33 @@ def test_a_flag_that_contradicts_the_base_is_one_line(base_run, tmp_path):
     base, text = base_run
     result = train(text, tmp_path / "out", check=False, init_from=base, n_layer=3)
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: --n_layer 3 conflicts with {base / 'best.pt'}, a run with n_layer 2; drop "
-                                     "--n_layer (or that key from the preset): with --init_from the base fixes the model")
+    assert result.stderr.strip() == (f"error: --n_layer 3 conflicts with {base / 'best.pt'}, whose weights have "
+                                     "n_layer 2; drop --n_layer (or that key from the preset): with --init_from the "
+                                     "weights fix the model")
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_rank):
+    """4 steps straight == 2 steps, a resume, 2 more: weights (or adapters), optimizer moments, metrics.
+    Bug caught: a resume imported nothing, so the conversations were prepared again without the base's tokenizer
+    and the resume was refused ("tokenizer vocabulary differs from the current corpus")."""
+    base, _ = base_run
+    chats = write_chats(tmp_path / "chats.jsonl")
+    common = dict(init_from=base, eval_interval=2, chat_overflow="truncate", lora_rank=lora_rank)
+    train(chats, tmp_path / "straight", max_iters=4, **common)
+    train(chats, tmp_path / "split", max_iters=2, **common)
+    train(chats, tmp_path / "split", max_iters=4, resume="true", **common)
+    a, b = (load_checkpoint(tmp_path / name / "last.pt") for name in ("straight", "split"))
+    assert b["step"] == 4
+    for key in ("model", "optimizer", "rng", "best_val_loss"):
+        assert_nested_equal(a[key], b[key], key)
+    assert metrics(tmp_path / "straight") == metrics(tmp_path / "split")
+    assert from_checkpoint(tmp_path / "split" / "last.pt").step == 4  # a LoRA run's adapters go on the base: merged
+
+
+def test_the_doctor_checks_a_fine_tune_of_a_run(base_run, tmp_path, capsys):
+    """Bug caught: the doctor took every init_from for GPT-2's weights ("no model.safetensors in this folder")."""
+    from scripts import doctor
+    base, text = base_run
+    assert doctor.main(tiny_args(tmp_path / "doc", text, init_from=base)) == 0
+    assert "15/15 checks passed" in capsys.readouterr().out

@@ -128,7 +128,7 @@ def test_the_graph_sees_the_imports_that_matter():
     graph = import_graph(project_files())
     assert "scripts/bench.py" in graph["scripts/compare.py"]  # `from scripts.bench import parse_overrides`
     assert "process/distributed.py" in graph["train.py"]  # `from process import distributed`
-    assert "weights/finetune.py" in graph["train.py"]  # imported inside start_from, only for init_from
+    assert "weights/hf.py" in graph["weights/loading.py"]  # imported inside load_base, only for GPT-2's weights
     assert "process/errors.py" in graph["prepare/tokenizers.py"]  # the bottom, from everywhere
     assert graph["process/errors.py"] == set()
 

@@ -15,8 +15,9 @@ from config import make_config
 from conftest import make_text
 from weights import hf
 from training.checkpoint import load_checkpoint
+from prepare.tokenizers import CHARS_FILE
 from process.errors import CheckpointError, HFError
-from weights.loading import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_pretrained, load_weights
+from weights.loading import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_flags, from_pretrained
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_pretrained_weights_load_with_a_config_of_their_shape_and_no_run_behind_
 def test_weights_without_a_known_tokenizer_are_refused_in_one_line(run, tmp_path):
     trained = from_checkpoint(run / "best.pt")
     hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
-    for name in (hf.CHARS_FILE, "tokenizer.json"):  # ours and the standard one: nothing to rebuild it from
+    for name in (CHARS_FILE, "tokenizer.json"):  # ours and the standard one: nothing to rebuild it from
         (tmp_path / "hf" / name).unlink()
     with pytest.raises(HFError, match="no tokenizer for a vocabulary of .*tinygpt_chars.json or tinygpt_bpe.json"):
         from_pretrained(str(tmp_path / "hf"))
@@ -90,7 +91,7 @@ def test_the_flags_choose_the_weights(run, tmp_path):
     hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
     parser = argparse.ArgumentParser()
     add_weights_flags(parser)
-    chosen = {flag: load_weights(parser.parse_args([flag, value]))
+    chosen = {flag: from_flags(parser.parse_args([flag, value]))
               for flag, value in (("--ckpt", str(run)), ("--init_from", str(tmp_path / "hf")))}
     assert isinstance(chosen["--ckpt"], Loaded) and chosen["--ckpt"].source == str(run / "best.pt")
     assert chosen["--init_from"].step is None

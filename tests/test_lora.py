@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weights import loading
-from weights.loading import from_checkpoint
+from weights.loading import from_checkpoint, start_from
 import train
 from config import ConfigError, make_config
 from conftest import make_text, metrics, tiny_model, tiny_run
@@ -143,8 +143,7 @@ def trained(corpus_paths, base_folder, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_the_optimizer_sees_and_steps_only_the_adapters(corpus_paths, base_folder, tmp_path, optimizer):
-    cfg, pretrained = hf.start_from(lora_cfg(corpus_paths, tmp_path / "out", base_folder, optimizer=optimizer),
-                                    tmp_path / "out")
+    cfg, pretrained = start_from(lora_cfg(corpus_paths, tmp_path / "out", base_folder, optimizer=optimizer))
     run = train.build_run(cfg, CPU, pretrained=pretrained)
     adapter_params = {id(p) for layer in lora.adapters(run.model).values()
                       for p in (layer.lora_A.weight, layer.lora_B.weight)}
@@ -199,7 +198,7 @@ def test_sampling_a_lora_run_merges_its_adapters_and_refuses_a_changed_base(corp
     state = load_checkpoint(trained / "last.pt")
     model = from_checkpoint(trained / "last.pt").model
     assert not lora.adapters(model)
-    cfg, pretrained = hf.start_from(lora_cfg(corpus_paths, tmp_path / "x", base_folder), tmp_path / "x")
+    cfg, pretrained = start_from(lora_cfg(corpus_paths, tmp_path / "x", base_folder))
     run = train.build_run(cfg, CPU, pretrained=pretrained)
     lora.load_adapter_state(run.model, state["model"], "test")
     idx = IDX % pretrained.config.vocab_size

@@ -23,7 +23,7 @@ import torch
 
 from weights import hf
 from training.checkpoint import load_checkpoint, save_checkpoint
-from weights.loading import from_checkpoint
+from weights.loading import adopt, from_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
                     make_config, model_config, parse_args, validate)
 from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
@@ -227,9 +227,10 @@ def gpt2_computes(name: str, value: Any) -> bool:
     return allowed is hf.ANY or value in allowed
 
 
-def pretrained_config() -> GPTConfig:
+def pretrained_config() -> hf.Pretrained:
     """What a GPT-2 file imports as: its shape; every other option at its default."""
-    return GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh")
+    config = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh")
+    return hf.Pretrained(config, {}, "gpt2-folder", None, config.block_size, gpt2=True)
 
 
 @pytest.mark.parametrize("name, value", CASES)
@@ -238,12 +239,12 @@ def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(mo
     model = GPT(model_config(variant, VOCAB))
     if name in GPTConfig.TRAINING_ONLY:  # how the weights were trained, not what they compute: never "another model"
         assert "transformer.wte.weight" in hf.to_hf(model)
-        assert getattr(hf.adopt(variant, pretrained_config(), None, "gpt2-folder"), name) == value
+        assert getattr(adopt(variant, pretrained_config()), name) == value
         return
     if gpt2_computes(name, value):
         assert "transformer.wte.weight" in hf.to_hf(model)
         if name not in hf.IMPORTED:  # an option the weights fix is checked against them (test_hf.py)
-            assert getattr(hf.adopt(variant, pretrained_config(), None, "gpt2-folder"), name) == value
+            assert getattr(adopt(variant, pretrained_config()), name) == value
         # The same refusal, as if GPT-2 computed only the base value: every option's refusal path runs.
         monkeypatch.setitem(hf.GPT2_OPTIONS, name, (getattr(make_config(BASE), name),))
     message = f"{name} {value!r} \\(GPT-2 computes"
@@ -251,7 +252,7 @@ def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(mo
         hf.to_hf(model)
     if name not in hf.IMPORTED:
         with pytest.raises(hf.HFError, match=f"gpt2-folder holds GPT-2 weights, which cannot run with {message}"):
-            hf.adopt(variant, pretrained_config(), None, "gpt2-folder")
+            adopt(variant, pretrained_config())
 
 
 def test_an_export_refusal_is_one_line_and_writes_nothing(tmp_path, corpus_file, monkeypatch, capsys):

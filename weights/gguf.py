@@ -3,36 +3,28 @@
     python -m scripts.export_gguf out/tiny tiny.gguf --dtype f16
     python -c "from llama_cpp import Llama; print(Llama('tiny.gguf').tokenize(b'Hello', add_bos=False))"
 
-Written with llama.cpp's own ``gguf`` package (imported only here, only when exporting): architecture
-gpt2, which computes what GPT-2's layout computes, so a model is refused by the same rule as the Hugging
-Face export (hf.gpt2_refusals: RoPE, RMSNorm, QK-norm, ReLU² are not GPT-2). The weights are
-hf.to_hf's (zero biases for bias=False, the vocabulary unpadded) under gguf's names for GPT-2's
-(gguf.TensorNameMap), in nn.Linear's (out, in) layout, which is ggml's: the Conv1D transposes are undone.
-The head is tied: llama.cpp uses token_embd when there is no output.weight.
-
-The tokenizer is a byte-level BPE ("gpt2") with GPT-2's pre-tokenizer, which splits text with the
-pattern our BPEs use (tokenizers.bpe_pattern), so llama.cpp makes our ids: every token is named by
-its bytes in GPT-2's printable stand-ins (tokenizers.bytes_to_unicode) and is NORMAL text, except the
-tokenizer's special ids (<|endoftext|>), which are CONTROL. A char vocabulary is such a BPE too: one
-token per character, and for a character of several UTF-8 bytes the merges that join its bytes (a
-merge never crosses characters, since each starts at a UTF-8 lead byte). Nothing is added to a text:
-add_bos_token and add_eos_token are false, as our encode adds nothing.
-
-llama.cpp's GPT-2 computes GELU in its tanh form, from an fp16 table: an exact-GELU model (the
-default activation) gives logits that differ within tests/test_gguf.py's tolerance, the same greedy text.
+Written with llama.cpp's own ``gguf`` package (imported only to export) as its gpt2 architecture, so the rule of the
+Hugging Face export refuses a model (hf.gpt2_refusals), and the weights are hf.to_hf's under gguf's names, in ggml's
+(out, in) layout: the Conv1D transposes are undone. The head is tied: llama.cpp uses token_embd. The tokenizer is
+a byte-level BPE with GPT-2's pre-tokenizer (our BPEs' split pattern), so llama.cpp makes our ids: a token is named
+by its bytes in GPT-2's printable stand-ins and is NORMAL text, but for the special ids (<|endoftext|>: CONTROL). A
+char vocabulary is such a BPE: a token per character, with merges that join a multi-byte character's bytes (never
+across characters: each starts at a UTF-8 lead byte). Nothing is added to a text, as our encode adds nothing.
+llama.cpp computes GELU in its tanh form from an fp16 table: an exact-GELU model's logits differ a little
+(within tests/test_gguf.py's tolerance), its greedy text does not.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from process.errors import HFError
-from weights.hf import LAYER_NORM_EPS, gpt2_refusals, is_transposed, to_hf
-from process.files import written_whole
-from prepare.tokenizers import bpe_tokenizer_files, bytes_to_unicode
 from model import GPT
+from prepare.tokenizers import bpe_tokenizer_files, bytes_to_unicode
+from process.errors import HFError
+from process.files import written_whole
+from weights.hf import LAYER_NORM_EPS, gpt2_refusals, is_transposed, to_hf
 
 ARCH = "gpt2"  # llama.cpp's LLM_ARCH_GPT2
 DTYPES = ("f32", "f16", "q8_0")  # how the 2-D weights are stored; norms and biases stay f32
@@ -40,8 +32,7 @@ TOKENIZER_MODEL = "gpt2"  # llama.cpp's name for a byte-level BPE with merges
 PRE_TOKENIZER = "gpt-2"  # GPT-2's split pattern, tiktoken's r50k_pat_str (tokenizers.bpe_pattern)
 
 
-@dataclass
-class Vocabulary:
+class Vocabulary(NamedTuple):
     """What llama.cpp needs to encode like the repo: token names (id order), their types, the merges."""
     tokens: list[str]
     special: frozenset[int]  # ids typed CONTROL: never made from text (llama.cpp: special=False)
@@ -49,10 +40,8 @@ class Vocabulary:
 
 
 def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str = "tinygpt") -> int:
-    """Write ``model`` and ``tokenizer`` to the GGUF file ``path``; returns the number of tensors.
-
-    HFError (one line, naming the option) for a model llama.cpp's gpt2 architecture cannot compute.
-    """
+    """Write ``model`` and ``tokenizer`` to the GGUF file ``path``; returns the number of tensors. HFError (one
+    line, naming the option) for a model llama.cpp's gpt2 architecture cannot compute."""
     import gguf
 
     refusals = gpt2_refusals(model.config)
@@ -65,8 +54,8 @@ def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str
         write_hparams(writer, model, dtype, name)
         write_vocabulary(writer, vocabulary(tokenizer), tokenizer.eot_token)
         for tensor_name, value in tensors.items():
-            data, qtype = stored(value, dtype)
-            writer.add_tensor(tensor_name, data, raw_dtype=qtype)
+            data, ggml_type = stored(value, dtype)
+            writer.add_tensor(tensor_name, data, raw_dtype=ggml_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -85,22 +74,20 @@ def gguf_tensors(model: GPT) -> dict[str, np.ndarray]:
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:  # a weight gguf's GPT-2 has no place for: never drop it silently
             raise HFError(f"cannot export as GGUF: weight {hf_name} has no name in llama.cpp's gpt2 architecture")
-        if is_transposed(hf_name):
-            value = value.t()  # Conv1D's (in, out) back to (out, in): ggml's ne = (in, out)
+        value = value.t() if is_transposed(hf_name) else value  # Conv1D's (in, out) back to (out, in): ggml's
         out[gguf_name] = value.contiguous().numpy().astype(np.float32)
     return out
 
 
-def stored(value: np.ndarray, dtype: str):
-    """(data, ggml type) of one tensor: 1-D ones (norms, biases) in f32, as llama.cpp's converter keeps them;
-    q8_0 needs rows in blocks of 32 values and falls back to f16 for a matrix whose rows are not."""
+def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
+    """(data, ggml type) of one tensor: 1-D ones (norms, biases) in f32, as llama.cpp's converter keeps
+    them; q8_0 needs rows in blocks of 32 values and falls back to f16 for a matrix whose rows are not."""
     import gguf
 
     types = gguf.GGMLQuantizationType
     if value.ndim == 1 or dtype == "f32":
         return value, types.F32
-    block = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
-    if dtype == "q8_0" and value.shape[-1] % block == 0:
+    if dtype == "q8_0" and value.shape[-1] % gguf.GGML_QUANT_SIZES[types.Q8_0][0] == 0:
         return gguf.quants.quantize(value, types.Q8_0), types.Q8_0
     return value.astype(np.float16), types.F16
 
@@ -109,11 +96,9 @@ def write_hparams(writer, model: GPT, dtype: str, name: str) -> None:
     """The shape llama.cpp builds: context length is block_size, the position table's length."""
     import gguf
 
-    config = model.config
-    file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+    config, types = model.config, gguf.LlamaFileType
     writer.add_name(name)
-    writer.add_file_type(file_types[dtype])
+    writer.add_file_type({"f32": types.ALL_F32, "f16": types.MOSTLY_F16, "q8_0": types.MOSTLY_Q8_0}[dtype])
     writer.add_context_length(config.block_size)
     writer.add_embedding_length(config.n_embd)
     writer.add_feed_forward_length(4 * config.n_embd)
@@ -124,14 +109,14 @@ def write_hparams(writer, model: GPT, dtype: str, name: str) -> None:
 
 # ----------------------------------------------------------------------------- the tokenizer
 def vocabulary(tokenizer) -> Vocabulary:
-    """The tokenizer as llama.cpp's byte-level BPE: a char list or a tiktoken BPE (GPT-2's or our own).
-
-    A chat tokenizer (role markers after its base's ids) would append its markers here, by their text,
-    and list them in ``special``: llama.cpp then types them CONTROL and never makes them from text.
-    """
+    """The tokenizer as llama.cpp's byte-level BPE: a char list, or a tiktoken BPE (GPT-2's or our own) as the
+    Hugging Face export writes it (vocab.json, merges.txt)."""
     if tokenizer.meta()["kind"] == "char":
         return char_vocabulary(tokenizer.chars)
-    return bpe_vocabulary(tokenizer)
+    files = bpe_tokenizer_files(tokenizer.enc, block_size=0)  # the Hugging Face export's (block_size: unused here)
+    tokens = sorted(files["vocab.json"], key=files["vocab.json"].get)  # id order
+    merges = [line for line in files["merges.txt"].splitlines()[1:] if line]  # after "#version: 0.2"
+    return Vocabulary(tokens, frozenset(tokenizer.special_ids), merges)
 
 
 def char_vocabulary(chars: str) -> Vocabulary:
@@ -144,16 +129,6 @@ def char_vocabulary(chars: str) -> Vocabulary:
             merges["".join(names[:end]) + " " + names[end]] = None
     tokens = ["".join(to_text[b] for b in ch.encode("utf-8")) for ch in chars]
     return Vocabulary(tokens, frozenset(), list(merges))
-
-
-def bpe_vocabulary(tokenizer) -> Vocabulary:
-    """vocab.json and merges.txt of the Hugging Face export, as lists: one source for both formats."""
-    files = bpe_tokenizer_files(tokenizer.enc, block_size=0)  # block_size only fills tokenizer_config.json
-    tokens = [""] * len(files["vocab.json"])
-    for text, token_id in files["vocab.json"].items():
-        tokens[token_id] = text
-    merges = [line for line in files["merges.txt"].splitlines()[1:] if line]  # after "#version: 0.2"
-    return Vocabulary(tokens, frozenset(tokenizer.special_ids), merges)
 
 
 def write_vocabulary(writer, vocab: Vocabulary, start: int) -> None:
