@@ -30,7 +30,7 @@ from prepare.chat import render
 from prepare.texts import read_text_file
 from process.errors import DataError, TinyGPTError, exit_on, fail
 from weights.loading import add_weights_flags, from_flags
-from training.runtime import pick_device
+from process.distributed import pick_device
 from model import GPT, GPTConfig
 
 

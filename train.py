@@ -36,7 +36,7 @@ from training import lora
 from training.checkpoint import Checkpointer
 from training.faults import NonFiniteGuard, StopOnSignal, run_error
 from training.optim import build_optimizer, lr_at
-from training.runtime import Runtime, choose_runtime, compile_for_step, pick_device, seed_everything
+from training.runtime import Runtime, choose_runtime, compile_for_step, seed_everything
 from training.tracking import MetricsLog, describe_run
 from weights.loading import start_from
 
@@ -225,7 +225,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     fresh or --resume, is refused, and so is a fresh run in a folder that holds one. Under torchrun rank 0
     holds it for the job.
     """
-    ddp = distributed.setup(pick_device(cfg.device))  # a world of one without torchrun
+    ddp = distributed.setup(cfg.device)  # a world of one on cfg.device without torchrun
     with distributed.stop_together(ddp.device):  # refused on rank 0: every rank stops here
         owner = rundir.claim(Path(cfg.out_dir), cfg.resume) if ddp.is_main else contextlib.nullcontext()
     with owner:  # released however the run ends (after a SIGKILL, by the kernel)

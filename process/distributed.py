@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from process.errors import EXIT_BAD_INPUT, PeerFailed
+from process.errors import EXIT_BAD_INPUT, ConfigError, PeerFailed
 
 T = TypeVar("T")
 
@@ -51,8 +51,30 @@ class Dist:
         return self.world_size > 1
 
 
-def setup(device: torch.device) -> Dist:
-    """Join the process group torchrun describes; without torchrun, a world of one on ``device``."""
+def pick_device(requested: str = "auto") -> torch.device:
+    """cuda, then mps, then cpu for "auto"; otherwise the device asked for, if it exists."""
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:  # torch's message lists 20 device types, most of which tinygpt cannot run on
+        raise ConfigError(f"unknown device `{requested}`; use one of auto, cpu, cuda, cuda:N, mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device `{requested}` asked for, but CUDA is not available; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device `{requested}` asked for, but there are {torch.cuda.device_count()} GPUs")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device `{requested}` asked for, but MPS is not available; use --device cpu")
+    return device
+
+
+def setup(requested: str = "auto") -> Dist:
+    """Join the process group torchrun describes; without torchrun, a world of one on the device asked for."""
+    device = pick_device(requested)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Dist(device=device)

@@ -28,8 +28,8 @@ import torch
 from config import CommandLine, ConfigError, TrainConfig, make_config
 from process.rundir import check_writable
 from process.errors import TinyGPTError, exit_on
-from training.runtime import (choose_runtime, compile_for_step, matmul_gflops, pick_device, threads_text,
-                               use_threads)
+from process.distributed import pick_device
+from training.runtime import choose_runtime, compile_for_step, matmul_gflops, threads_text, use_threads
 from train import Run, build_run, get_lr, train_step
 
 PHASES = ("data", "step")  # drawing the batches; train.train_step (forward, backward, clip, update)

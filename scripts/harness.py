@@ -23,7 +23,7 @@ from config import CommandLine, ConfigError, field_help
 from data import DataError
 from weights import hf
 from model import GPT
-from training.runtime import pick_device
+from process.distributed import pick_device
 from weights.loading import Loaded, add_weights_flags, from_flags
 from sample import generate
 from process.errors import TinyGPTError, exit_on, fail

@@ -24,7 +24,7 @@ from process import rundir
 from training import runtime
 import train
 from training.checkpoint import load_checkpoint
-from conftest import REPO, make_text, read_metrics, run_script, tiny_args, tiny_model
+from conftest import REPO, make_text, read_metrics, run_main, run_script, tiny_args, tiny_model
 from process.distributed import Dist
 from fault_injection import AS_A_SCRIPT
 
@@ -263,7 +263,7 @@ def test_the_step_divisor_makes_ddp_average_equal_the_global_mean_gradient(world
 
 def test_single_process_setup_is_a_world_of_one(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ddp = distributed.setup(torch.device("cpu"))
+    ddp = distributed.setup("cpu")
     assert (ddp.rank, ddp.world_size, ddp.is_main, ddp.enabled) == (0, 1, True, False)
     model = torch.nn.Linear(2, 2)
     assert distributed.wrap(model, ddp) is model
@@ -386,3 +386,12 @@ def test_under_two_ranks_one_process_writes_each_metric_once(tmp_path, text_file
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     printed = [line for line in result.stdout.splitlines() if line.lstrip().startswith("step ")]
     assert [line.split("|")[0].split()[1] for line in printed] == ["1", "2", "2", "3", "4", "4"]  # train, val
+
+
+def test_schedule_time_is_refused_under_ddp_before_anything_is_written(tmp_path, text_file, monkeypatch, capsys):
+    """Each rank's clock would give it its own lr, and the ranks' weights would drift apart."""
+    monkeypatch.setattr(distributed, "setup", lambda requested: Dist(rank=0, world_size=2))  # torchrun's rank 0
+    assert run_main(tiny_args(tmp_path / "out", text_file, schedule="time", max_time=60)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: schedule=time follows one process's clock") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()

@@ -18,30 +18,9 @@ import numpy as np
 import torch
 
 from process.errors import ConfigError
-from process.distributed import decide_on_main, print0
+from process.distributed import decide_on_main, pick_device, print0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(requested: str = "auto") -> torch.device:
-    """cuda, then mps, then cpu for "auto"; otherwise the device asked for, if it exists."""
-    if requested == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(requested)
-    except RuntimeError:  # torch's message lists 20 device types, most of which tinygpt cannot run on
-        raise ConfigError(f"unknown device `{requested}`; use one of auto, cpu, cuda, cuda:N, mps") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device `{requested}` asked for, but CUDA is not available; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"device `{requested}` asked for, but there are {torch.cuda.device_count()} GPUs")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"device `{requested}` asked for, but MPS is not available; use --device cpu")
-    return device
 
 
 def pick_dtype(requested: str, device: torch.device,
