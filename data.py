@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import copy
 
@@ -28,23 +27,7 @@ import torch
 from prepare.chat import BEGIN, check_fit, chat_source, conversation_rows, is_chat, val_rows
 from process.errors import DataError
 from prepare.tokenfiles import open_verified
-
-
-def special_tokens(tokenizer) -> set[int]:
-    """Ids that mark structure rather than text: GPT-2's <|endoftext|> (a char vocabulary has none)."""
-    return set(tokenizer.special_ids)
-
-
-def token_byte_lengths(tokenizer) -> torch.Tensor:
-    """UTF-8 bytes each id decodes to, (vocab_size,) int64: the denominator of bits per byte.
-
-    Special tokens (GPT-2's <|endoftext|>) count 0 bytes: they mark where documents meet and are no
-    text, so bits per byte measures the corpus's own bytes (their cost stays in the numerator).
-    Built once per run, not per eval: 50257 lookups for GPT-2.
-    """
-    special = special_tokens(tokenizer)
-    return torch.tensor([0 if i in special else len(tokenizer.decode_bytes([i]))
-                         for i in range(tokenizer.vocab_size)], dtype=torch.long)
+from prepare.tokenizers import document_separator
 
 
 @dataclass
@@ -75,23 +58,10 @@ def load_corpus(folder: Path, block_size: int) -> Corpus:
 
 
 def corpus_for(cfg, base_tokenizer: dict | None = None) -> Corpus:
-    """The corpus a TrainConfig names (its corpus fields), tokenized once into cfg.data_dir (cached), then opened.
+    """The corpus a TrainConfig names, tokenized once into cfg.data_dir (prepare/corpora.py), then opened."""
+    from prepare.corpora import corpus_folder  # preparation: imported when a run needs it
 
-    A .jsonl of conversations (or the built-in shakespeare_chat) is prepared by prepare/chat.py, with
-    ``base_tokenizer`` (the fine-tuned model's, init_from) and its role markers."""
-    from prepare import chat, corpora  # downloads, formats, worker pools: imported when a run needs them
-
-    path = Path(cfg.data_path) if cfg.data_path else None
-    if path is None and cfg.dataset == chat.SHAKESPEARE_CHAT:
-        path = chat.shakespeare_dialogue(Path(cfg.data_dir))
-    if path is not None and chat.is_conversations(path):
-        folder = chat.prepare_conversations(path, Path(cfg.data_dir), cfg.tokenizer, cfg.val_fraction,
-                                            base_tokenizer, cfg.bpe_vocab_size)
-    else:
-        folder = corpora.prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                                 block_size=cfg.block_size, text_column=cfg.text_column,
-                                 bpe_vocab_size=cfg.bpe_vocab_size)
-    return load_corpus(folder, cfg.block_size)
+    return load_corpus(corpus_folder(cfg, base_tokenizer), cfg.block_size)
 
 
 def get_batch(data: np.ndarray, batch_size: int, block_size: int, generator: torch.Generator,
@@ -279,13 +249,6 @@ def document_starts(tokens: np.ndarray, separator: int | None, chunk: int = 1 <<
     return np.concatenate(found).astype(np.int64) if found else np.zeros(0, dtype=np.int64)
 
 
-def document_separator(tokenizer) -> int | None:
-    """The id that begins each document of a prepared corpus (prepare/documents.py, encode_document): GPT-2's or a
-    BPE's <|endoftext|>, a char vocabulary's newline; None for a char vocabulary without a newline."""
-    eot = tokenizer.eot_token
-    return eot if eot in special_tokens(tokenizer) or tokenizer.decode([eot]) == "\n" else None
-
-
 # How training batches are drawn: TrainConfig.loader names a row (its allowed values are these names).
 LOADERS: dict[str, type[TrainingStream]] = {"random_windows": RandomWindows, "bos_packed": PackedDocuments}
 
@@ -320,9 +283,3 @@ def val_windows(data: np.ndarray, block_size: int, max_targets: int = 0) -> tupl
     x[:n_targets] = tokens[:-1]
     y[:n_targets] = tokens[1:]
     return x.view(n_windows, block_size), y.view(n_windows, block_size)  # (N, T) each
-
-
-def iterate_windows(x: torch.Tensor, y: torch.Tensor, batch_size: int,
-                    device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for i in range(0, len(x), batch_size):
-        yield x[i: i + batch_size].to(device), y[i: i + batch_size].to(device)

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from config import CommandLine, field_help
-from data import special_tokens
 from prepare.chat import render
 from prepare.texts import read_text_file
 from process.errors import DataError, TinyGPTError, exit_on, fail
@@ -341,7 +340,7 @@ def sample(model: GPT, tokenizer, text: str, args: argparse.Namespace, generator
     device = next(model.parameters()).device
     prompt = prompt_ids(tokenizer, text)
     idx = torch.tensor([prompt] * args.num_samples, dtype=torch.long, device=device)  # (N, T)
-    ends = special_tokens(tokenizer) if args.stop_at_eot else set()
+    ends = set(tokenizer.special_ids) if args.stop_at_eot else set()
     samples = Continuations(tokenizer, args.num_samples, args.stop, ends)
     shown = 0  # characters of sample 1 printed so far
 

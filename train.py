@@ -29,7 +29,7 @@ from tqdm import tqdm
 import data
 from config import TrainConfig, model_config, parse_args
 from model import GPT
-from prepare.tokenizers import tokenizer_from_meta
+from prepare import tokenizers
 from process import distributed, rundir
 from process.errors import ConfigError, exit_for, fail
 from training import lora
@@ -164,7 +164,7 @@ def val_byte_count(y_val: torch.Tensor, tokenizer, device: torch.device) -> int:
 
     Padding (-1) counts nothing. Per-token lengths summed, never a decode of the split: cheap at any size.
     """
-    lengths = data.token_byte_lengths(tokenizer)  # (vocab_size,)
+    lengths = tokenizers.token_byte_lengths(tokenizer)  # (vocab_size,)
     return int(distributed.all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
 
 
@@ -190,7 +190,7 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: distributed.Dist | None = None
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     with distributed.main_first(rt.device):  # rank 0 prepares the corpus, the others then read the cache
         corpus = data.corpus_for(cfg, pretrained.tokenizer if pretrained is not None else None)
-    tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
+    tokenizer = tokenizers.tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
     x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
                     for w in data.eval_windows(corpus, tokenizer, cfg.block_size, cfg.eval_tokens, cfg.chat_overflow))
     stream = data.training_stream(cfg, corpus, tokenizer, ddp.rank, rt.device)  # draws from its own generator only

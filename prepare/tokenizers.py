@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+import torch
 
 from process import REPO
 from process.errors import DataError, HFError
@@ -431,3 +432,21 @@ def meta_from_standard(vocab: dict[str, int], merges: list[str], byte_level: boo
 
 NO_TOKENIZER = (f"known: GPT-2's BPE, {GPT2_VOCAB} tokens; our {CHARS_FILE} or {BPE_FILE}; or the standard "
                 "tokenizer.json, or vocab.json + merges.txt, of a char list or a byte-level BPE")
+
+
+def token_byte_lengths(tokenizer) -> torch.Tensor:
+    """UTF-8 bytes each id decodes to, (vocab_size,) int64: the denominator of bits per byte.
+
+    Special tokens (GPT-2's <|endoftext|>) count 0 bytes: they mark where documents meet and are no text, so
+    bits per byte measures the corpus's own bytes (their cost stays in the numerator). Built once per run.
+    """
+    special = set(tokenizer.special_ids)
+    return torch.tensor([0 if i in special else len(tokenizer.decode_bytes([i]))
+                         for i in range(tokenizer.vocab_size)], dtype=torch.long)
+
+
+def document_separator(tokenizer) -> int | None:
+    """The id that begins each document of a prepared corpus (prepare/documents.py, encode_document): GPT-2's or a
+    BPE's <|endoftext|>, a char vocabulary's newline; None for a char vocabulary without a newline."""
+    eot = tokenizer.eot_token
+    return eot if eot in tokenizer.special_ids or tokenizer.decode([eot]) == "\n" else None

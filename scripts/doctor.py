@@ -28,7 +28,7 @@ import torch
 import train
 from training.checkpoint import dtype_name, load_checkpoint
 from config import TrainConfig, model_config, parse_args
-from data import corpus_for, special_tokens, training_stream, val_windows
+from data import corpus_for, training_stream, val_windows
 from training.faults import NonFiniteGuard, RunStopped
 from model import GPT
 from training.runtime import choose_runtime, compile_for_step
@@ -113,7 +113,7 @@ def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
         first = ids.index(newline[0])
         last = len(ids) - 1 - ids[::-1].index(newline[0])
         ids = ids[first + 1: last + 1]
-    pieces = split_at(ids, special_tokens(tokenizer))  # text, special, text, ..., special, text
+    pieces = split_at(ids, set(tokenizer.special_ids))  # text, special, text, ..., special, text
     texts = [tokenizer.decode(piece) for piece in pieces[::2]]
     again = []
     for i, piece in enumerate(pieces):

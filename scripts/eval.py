@@ -23,7 +23,7 @@ import torch
 
 from config import CommandLine, ConfigError, field_help
 import data
-from data import DataError, corpus_for, special_tokens, val_windows
+from data import DataError, corpus_for, val_windows
 from prepare.chat import is_chat
 from prepare.tokenizers import without_chat
 from weights.loading import Loaded, add_weights_flags, from_flags
@@ -87,7 +87,7 @@ class Report:
 
 def target_chars(y: torch.Tensor, tokenizer) -> int:
     """Characters the scored targets decode to; <|endoftext|> counts none, as it counts 0 bytes."""
-    special = special_tokens(tokenizer)
+    special = set(tokenizer.special_ids)
     targets = [t for t in y[y >= 0].tolist() if t not in special]
     return len(tokenizer.decode_bytes(targets).decode("utf-8", errors="replace"))
 

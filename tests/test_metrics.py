@@ -13,7 +13,8 @@ import train
 from training.checkpoint import load_checkpoint
 from weights.loading import from_checkpoint
 from conftest import metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
-from data import load_corpus, token_byte_lengths, val_windows
+from data import load_corpus, val_windows
+from prepare.tokenizers import token_byte_lengths
 from prepare.tokenizers import CharTokenizer
 from fault_injection import disk_full_from_step
 from scripts import eval as eval_script

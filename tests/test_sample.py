@@ -478,11 +478,16 @@ def test_continuations_hold_back_a_possible_stop_and_end_at_end_of_text():
 
 def test_the_end_of_text_token_stops_a_bpe_model_unless_told_not_to(ckpt, monkeypatch, capsys):
     """A char vocabulary has no end-of-text token; GPT-2's has one, which --stop-at-eot (default) obeys.
-    The char newline stands in for it here: special_tokens says which ids end a sample."""
-    tok = CharTokenizer("".join(sorted(set(make_text()))))
+    A char stands in for it here: the tokenizer's special_ids say which ids end a sample."""
     full = samples_of(ckpt, capsys, "--temp", "0")[0]
     ender = full[len("KING:") + 4]
-    monkeypatch.setattr(sample_module, "special_tokens", lambda tokenizer: {tok.stoi[ender]})
+    real_init = CharTokenizer.__init__
+
+    def with_an_end(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.special_ids = frozenset({self.stoi[ender]})
+
+    monkeypatch.setattr(CharTokenizer, "__init__", with_an_end)
     assert samples_of(ckpt, capsys, "--temp", "0") == ["KING:" + full[len("KING:"):].split(ender)[0]]
     assert samples_of(ckpt, capsys, "--temp", "0", "--no-stop-at-eot") == [full]
 

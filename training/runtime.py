@@ -17,7 +17,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from process.errors import ConfigError
 from process.distributed import decide_on_main, pick_device, print0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
