@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal, NamedTuple
 
@@ -71,21 +71,6 @@ class GPTConfig:
     def padded_vocab_size(self) -> int:
         """Vocab rounded up to a multiple of 64: matmuls on aligned shapes run faster."""
         return 64 * math.ceil(self.vocab_size / 64)
-
-
-def describe(config: GPTConfig) -> str:
-    """The model in one line: its sizes (the int options that are never 0), then every other option that is not
-    at its default (an int option whose default 0 means "off", like a fork's attn_window, is one of those).
-
-    "block_size 64, n_layer 3, n_head 4, n_embd 128, vocab 65; not default: activation gelu_tanh"
-    """
-    def is_size(f) -> bool:
-        return f.type == "int" and f.name != "vocab_size" and f.default != 0
-
-    sizes = [f"{f.name} {getattr(config, f.name)}" for f in fields(config) if is_size(f)]
-    options = [f"{f.name} {getattr(config, f.name)}" for f in fields(config)
-               if not is_size(f) and f.name != "vocab_size" and getattr(config, f.name) != f.default]
-    return ", ".join(sizes + [f"vocab {config.vocab_size}"]) + "; not default: " + (", ".join(options) or "none")
 
 
 class ModelOutput(NamedTuple):
@@ -283,11 +268,6 @@ class GPT(nn.Module):
         positions = sum(p.numel() for name, p in self.named_parameters() if name.startswith("transformer.wpe."))
         return n - positions if non_embedding else n
 
-    def summary(self) -> str:
-        """describe() and the parameter count: what train.py and the doctor say they are running."""
-        return (f"{describe(self.config)}; {self.num_params(non_embedding=False) / 1e6:.2f}M parameters "
-                "(every weight once, embeddings included)")
-
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token, the MFU convention of PaLM (Chowdhery et al. 2022, app. B):
         6N for the weight matmuls plus 12·n_layer·T·C for attention's two matmuls (QKᵀ and AV),
@@ -338,8 +318,3 @@ class GPT(nn.Module):
             log_z = logits.logsumexp(dim=-1)[targets != -1]  # (n_targets,)
             aux["z_loss"] = self.config.z_loss * log_z.square().sum()
         return aux
-
-    def hidden_matrices(self) -> list[nn.Parameter]:
-        """The blocks' 2-D weight matrices: what Muon orthogonalises (training/optim.py); the embedding, position
-        table and gains are not among them."""
-        return [p for p in self.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]

@@ -34,8 +34,8 @@ from process import distributed, rundir
 from process.errors import ConfigError, exit_for, fail
 from training import lora
 from training.checkpoint import Checkpointer
-from training.faults import NonFiniteGuard, StopOnSignal, run_error
-from training.optim import build_optimizer, lr_at
+from training.faults import StopOnSignal, run_error
+from training.optim import NonFiniteGuard, build_optimizer, lr_at
 from training.runtime import Runtime, choose_runtime, compile_for_step, seed_everything
 from training.tracking import MetricsLog, describe_run
 from weights.loading import start_from

@@ -24,6 +24,7 @@ from process.distributed import Dist
 from process.errors import TinyGPTError, exit_on
 from training.runtime import choose_runtime
 from train import Run, build_run, get_lr, train_step
+from training.tracking import summary
 
 BLOCK = 5  # steps per alternating block
 WARMUP = 3  # steps per run before timing: allocator and kernels warm
@@ -79,7 +80,7 @@ def measure(runs: dict[str, Run], steps: int) -> dict[str, list[float]]:
 
 def report(runs: dict[str, Run], times: dict[str, list[float]]) -> None:
     rt = next(iter(runs.values())).rt
-    print(f"device {rt.device}, {rt.dtype}, {rt.threads} threads; {next(iter(runs.values())).model.summary()}")
+    print(f"device {rt.device}, {rt.dtype}, {rt.threads} threads; {summary(next(iter(runs.values())).model)}")
     print(f"{'run':<28} {'ms/step':>8} {'trainable':>10} {'optimizer state':>16} {'last.pt':>10}")
     for name, run in runs.items():
         trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)

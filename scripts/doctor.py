@@ -29,8 +29,10 @@ import train
 from training.checkpoint import dtype_name, load_checkpoint
 from config import TrainConfig, model_config, parse_args
 from data import corpus_for, training_stream, val_windows
-from training.faults import NonFiniteGuard, RunStopped
+from training.faults import RunStopped
+from training.optim import NonFiniteGuard
 from model import GPT
+from training.tracking import summary
 from training.runtime import choose_runtime, compile_for_step
 from prepare.tokenizers import tokenizer_from_meta
 from process.errors import TinyGPTError, exit_on
@@ -437,7 +439,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     x_val, y_val = val_windows(corpus.val, cfg.block_size, max_targets=2 * cfg.block_size)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     with torch.device("meta"):  # shapes only, to count the parameters
-        model_summary = GPT(gpt_config).summary()
+        model_summary = summary(GPT(gpt_config))
     print(f"doctor: {corpus.folder} on {device} ({str(dtype).removeprefix('torch.')}), batch {cfg.batch_size}; "
           f"model: {model_summary}")
 

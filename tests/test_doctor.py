@@ -18,7 +18,7 @@ from config import parse_args
 from conftest import REPO, make_optimizer, make_text, random_batch, run_script, tiny_args, tiny_model
 from data import PackedDocuments, get_batch
 from prepare.tokenizers import CharTokenizer
-from training.faults import NonFiniteGuard
+from training.optim import NonFiniteGuard
 from model import GPT, GPTConfig
 from scripts import doctor
 

@@ -34,7 +34,7 @@ from data import get_batch, load_corpus
 from prepare.tokenizers import CharTokenizer
 from prepare.corpora import prepare
 from fault_injection import assert_nested_equal, call_of, on_training_forward
-from training.faults import NonFiniteGuard
+from training.optim import NonFiniteGuard
 from model import GPT, ModelOutput
 from scripts import doctor
 

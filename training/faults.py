@@ -1,4 +1,4 @@
-"""How a training run stops when something goes wrong: signals and non-finite numbers.
+"""How a training run stops when asked or when something goes wrong: signals, a lost peer.
 
 A stop is an errors.RunStopped carrying its exit code (process/errors.py defines every code, the one
 place they are). ``run_error`` names the two endings only a run has, Ctrl-C before its first step and a
@@ -10,10 +10,9 @@ import os
 import signal
 import threading
 
-import torch
 
 from process import distributed
-from process.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PEER_LOST, RunStopped, TinyGPTError
+from process.errors import EXIT_INTERRUPTED, EXIT_PEER_LOST, RunStopped, TinyGPTError
 
 
 class StopOnSignal:
@@ -64,56 +63,6 @@ class StopOnSignal:
         name = signal.Signals(self.signum).name
         return RunStopped(f"stopped by {name} after step {step}; last.pt holds it, continue with --resume",
                           128 + self.signum)
-
-
-class NonFiniteGuard:
-    """Stops a run at its first non-finite step without a host sync per step; nothing non-finite is ever saved.
-
-    ``check`` records on the device the first step whose loss or gradient norm is not finite (two isfinite ops);
-    the host reads that record only where the loop syncs anyway (log lines, evals, saves: ``raise_if_tripped``)
-    and stops the run there, naming the step. The steps in between run on (at most log_interval - 1 of them),
-    so the weights in memory may hold NaN when the run stops; a save checks first, so last.pt and best.pt hold
-    the last finite state. Checking every step instead would cost a sync per step on CUDA, which stalls the
-    host's run-ahead (the data loading and kernel launches of the next step).
-
-    fp16: GradScaler skips a step whose gradients overflow and halves its scale (its normal way of finding the
-    scale). The guard counts consecutive skips on the device and stops the run at the next sync once
-    ``max_skipped`` are reached: a scale fallen by 2**max_skipped means the model diverged.
-    """
-
-    def __init__(self, scaler: torch.amp.GradScaler, max_skipped: int, device: torch.device):
-        self.scaler, self.max_skipped = scaler, max_skipped
-        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)  # first faulty step; -1 = none
-        self.skipped = torch.zeros((), dtype=torch.long, device=device)  # fp16: consecutive skips so far
-
-    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Record on the device whether ``step`` (numbered as in the log) is faulty: no host sync."""
-        if self.scaler.is_enabled():  # fp16: GradScaler decides on the (unscaled) gradients, as we do
-            self.skipped = (self.skipped + 1) * ~torch.isfinite(grad_norm)  # back to 0 on a good step
-            faulty = self.skipped >= self.max_skipped
-        else:
-            faulty = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-        self.bad_step = torch.where((self.bad_step < 0) & faulty, step, self.bad_step)
-
-    def raise_if_weights_not_finite(self, model: torch.nn.Module, step: int) -> None:
-        """Stop before a save if any weight is not finite: an update that overflowed (a finite loss and gradient,
-        times a huge lr) is the one fault check() cannot see. One host read: saves only."""
-        if not torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all():
-            raise RunStopped(f"the weights are not finite after step {step} (an update overflowed them); stopped "
-                             "before saving, so last.pt and best.pt hold the last finite state; lower learning_rate",
-                             EXIT_NONFINITE)
-
-    def raise_if_tripped(self) -> None:
-        """Stop the run if a fault was recorded. Reads one device scalar: call it where the loop syncs."""
-        bad_step = int(self.bad_step)
-        if bad_step < 0:
-            return
-        if self.scaler.is_enabled():
-            raise RunStopped(f"{self.max_skipped} steps in a row skipped for non-finite fp16 gradients "
-                             f"(the last at step {bad_step}); lower learning_rate or use --dtype bfloat16",
-                             EXIT_NONFINITE)
-        raise RunStopped(f"non-finite loss or gradient at step {bad_step}; stopped at the next log step, before "
-                         "anything non-finite was saved; lower learning_rate or check the data", EXIT_NONFINITE)
 
 
 def run_error(err: BaseException) -> BaseException:

@@ -5,7 +5,7 @@ name to a shape: the share of learning_rate - min_lr left as the decay's progres
 ``lr_at`` draws the standard curve (warmup, the clock, min_lr at the end). The names config accepts are these
 keys (its Literals; tests/test_training_options.py checks they match), and which fields only one choice reads is
 config.USED_ONLY_UNDER, checked by perturbing every field. docs/experiments.md, "Adding a training option",
-walks through adding a row.
+walks through adding a row. ``NonFiniteGuard`` watches every step for a non-finite loss or gradient.
 
 Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; Liu et al. 2025, "Muon is
 Scalable for LLM Training") replaces the update of a 2-D hidden weight by the semi-orthogonal matrix
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from process.errors import CheckpointError
+from process.errors import EXIT_NONFINITE, CheckpointError, RunStopped
 
 if TYPE_CHECKING:  # annotations only
     from config import TrainConfig
@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # annotations only
 
 # ----------------------------------------------------------------------------- optimizers
 def fused_here(device: torch.device) -> bool:
-    """Fused AdamW kernels exist for CPU and CUDA (torch >= 2.4); they also skip a step on the device."""
+    """Fused AdamW kernels exist for CPU and CUDA (torch >= 2.4)."""
     return device.type in ("cuda", "cpu")
 
 
@@ -58,7 +58,8 @@ def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.
     The Newton-Schulz iteration runs in bf16 only where the run's matmuls do (``dtype``, which
     pick_dtype chose by measurement on a CPU): elsewhere bf16 is emulated and ~100x slower than fp32.
     """
-    hidden = model.hidden_matrices()
+    # The blocks' 2-D weight matrices; the embedding (tied to the head), the position table and gains stay on AdamW.
+    hidden = [p for p in model.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]
     on_muon = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in on_muon]
     adamw = torch.optim.AdamW(adamw_groups(rest, cfg.weight_decay), lr=cfg.learning_rate,
@@ -100,11 +101,8 @@ def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float]
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon whose Newton-Schulz iteration runs in ``ns_dtype``, and which skips its update on
-    the device when ``found_inf`` (a 0-dim tensor, set by faults.NonFiniteGuard) is 1, as fused AdamW does.
-    State and param groups are torch's, so checkpoints are unchanged."""
-
-    skips_on_found_inf = True  # faults.skips_on_device: step() honours found_inf
+    """torch.optim.Muon whose Newton-Schulz iteration runs in ``ns_dtype``. State and param groups are torch's,
+    so checkpoints are unchanged."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs: Any):
         if kwargs.get("adjust_lr_fn") not in (None, "original"):  # step() implements torch's default only
@@ -118,7 +116,6 @@ class Muon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        skip = getattr(self, "found_inf", None)  # None: no guard, step as usual
         for group in self.param_groups:
             lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
             for p in group["params"]:
@@ -132,16 +129,15 @@ class Muon(torch.optim.Muon):
                 new_p = p.mul(1 - lr * decay)  # decoupled weight decay
                 # torch's "original" lr adjustment: tall matrices move by sqrt(rows / cols) more.
                 new_p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
-                keep = None if skip is None else skip.bool()  # a device tensor: no host read
-                buf.copy_(new_buf if keep is None else torch.where(keep, buf, new_buf))
-                p.copy_(new_p if keep is None else torch.where(keep, p, new_p))
+                buf.copy_(new_buf)
+                p.copy_(new_p)
         return loss
 
 
 class MuonAdamW(torch.optim.Optimizer):
     """Muon and AdamW stepped as one torch Optimizer: param groups tagged "kind" ("adamw" or "muon"), one
     state, one state_dict. Each kind's maths is its torch optimizer's, which share this object's groups and
-    state; ``found_inf`` (faults.NonFiniteGuard) reaches both, so a non-finite step is skipped on the device."""
+    state."""
 
     def __init__(self, adamw: torch.optim.AdamW, muon: Muon):
         self.adamw, self.muon = adamw, muon
@@ -151,11 +147,6 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(adamw.param_groups + muon.param_groups, {"fused": adamw.defaults.get("fused")})
         self.share()
 
-    @property
-    def skips_on_found_inf(self) -> bool:
-        """faults.skips_on_device: both parts honour found_inf when the AdamW part is fused (on MPS it is not)."""
-        return bool(getattr(self.adamw, "_step_supports_amp_scaling", False))
-
     def share(self) -> None:
         """Point both parts at this optimizer's groups and state (load_state_dict replaces them)."""
         self.adamw.param_groups = [g for g in self.param_groups if g["kind"] == "adamw"]
@@ -164,14 +155,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        found_inf = getattr(self, "found_inf", None)
-        for part in (self.adamw, self.muon):
-            part.found_inf = found_inf
-            try:
-                part.step()
-            finally:
-                del part.found_inf
-        return None
+        self.adamw.step()
+        self.muon.step()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """One state of tagged param groups, as this class saves it; refuses any other in one line."""
@@ -222,3 +207,54 @@ def warmup_stable_decay(progress: float, cfg: TrainConfig) -> float:
 
 
 DECAYS = {"cosine": cosine, "wsd": warmup_stable_decay}  # config.TrainConfig.lr_decay's values
+
+
+# ----------------------------------------------------------------------------- the guard on every step
+class NonFiniteGuard:
+    """Stops a run at its first non-finite step without a host sync per step; nothing non-finite is ever saved.
+
+    ``check`` records on the device the first step whose loss or gradient norm is not finite (two isfinite ops);
+    the host reads that record only where the loop syncs anyway (log lines, evals, saves: ``raise_if_tripped``)
+    and stops the run there, naming the step. The steps in between run on (at most log_interval - 1 of them),
+    so the weights in memory may hold NaN when the run stops; a save checks first, so last.pt and best.pt hold
+    the last finite state. Checking every step instead would cost a sync per step on CUDA, which stalls the
+    host's run-ahead (the data loading and kernel launches of the next step).
+
+    fp16: GradScaler skips a step whose gradients overflow and halves its scale (its normal way of finding the
+    scale). The guard counts consecutive skips on the device and stops the run at the next sync once
+    ``max_skipped`` are reached: a scale fallen by 2**max_skipped means the model diverged.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler, max_skipped: int, device: torch.device):
+        self.scaler, self.max_skipped = scaler, max_skipped
+        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)  # first faulty step; -1 = none
+        self.skipped = torch.zeros((), dtype=torch.long, device=device)  # fp16: consecutive skips so far
+
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Record on the device whether ``step`` (numbered as in the log) is faulty: no host sync."""
+        if self.scaler.is_enabled():  # fp16: GradScaler decides on the (unscaled) gradients, as we do
+            self.skipped = (self.skipped + 1) * ~torch.isfinite(grad_norm)  # back to 0 on a good step
+            faulty = self.skipped >= self.max_skipped
+        else:
+            faulty = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        self.bad_step = torch.where((self.bad_step < 0) & faulty, step, self.bad_step)
+
+    def raise_if_weights_not_finite(self, model: torch.nn.Module, step: int) -> None:
+        """Stop before a save if any weight is not finite: an update that overflowed (a finite loss and gradient,
+        times a huge lr) is the one fault check() cannot see. One host read: saves only."""
+        if not torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all():
+            raise RunStopped(f"the weights are not finite after step {step} (an update overflowed them); stopped "
+                             "before saving, so last.pt and best.pt hold the last finite state; lower learning_rate",
+                             EXIT_NONFINITE)
+
+    def raise_if_tripped(self) -> None:
+        """Stop the run if a fault was recorded. Reads one device scalar: call it where the loop syncs."""
+        bad_step = int(self.bad_step)
+        if bad_step < 0:
+            return
+        if self.scaler.is_enabled():
+            raise RunStopped(f"{self.max_skipped} steps in a row skipped for non-finite fp16 gradients "
+                             f"(the last at step {bad_step}); lower learning_rate or use --dtype bfloat16",
+                             EXIT_NONFINITE)
+        raise RunStopped(f"non-finite loss or gradient at step {bad_step}; stopped at the next log step, before "
+                         "anything non-finite was saved; lower learning_rate or check the data", EXIT_NONFINITE)

@@ -27,6 +27,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -250,10 +251,31 @@ class Throughput:
         self.t += seconds
 
 
+def describe(config) -> str:
+    """The model in one line: its sizes (the int options that are never 0), then every other option that is not
+    at its default (an int option whose default 0 means "off", like a fork's attn_window, is one of those).
+
+    "block_size 64, n_layer 3, n_head 4, n_embd 128, vocab 65; not default: activation gelu_tanh"
+    """
+    def is_size(f) -> bool:
+        return f.type == "int" and f.name != "vocab_size" and f.default != 0
+
+    sizes = [f"{f.name} {getattr(config, f.name)}" for f in fields(config) if is_size(f)]
+    options = [f"{f.name} {getattr(config, f.name)}" for f in fields(config)
+               if not is_size(f) and f.name != "vocab_size" and getattr(config, f.name) != f.default]
+    return ", ".join(sizes + [f"vocab {config.vocab_size}"]) + "; not default: " + (", ".join(options) or "none")
+
+
+def summary(model) -> str:
+    """describe() and the parameter count: what train.py and the doctor say they are running."""
+    return (f"{describe(model.config)}; {model.num_params(non_embedding=False) / 1e6:.2f}M parameters "
+            "(every weight once, embeddings included)")
+
+
 def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int) -> str:
     """The start-up lines: the model, the settings (and any given but unused), where and how it computes."""
     tokens = cfg.tokens_per_step()
-    return "\n".join([f"model: {model.summary()}", settings_line(cfg), *unused_given(cfg),
+    return "\n".join([f"model: {summary(model)}", settings_line(cfg), *unused_given(cfg),
                       f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, "
                       f"compile {compiled}, {tokens * world_size:,} tokens/step ({world_size} rank(s) x {tokens:,}), "
                       f"out_dir {cfg.out_dir}"])

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from config import TrainConfig, config_from_dict, given_fields, model_config
-from model import GPT, GPTConfig, describe
+from model import GPT, GPTConfig
+from training.tracking import describe
 from prepare.tokenizers import NO_TOKENIZER, tokenizer_from_meta
 from process import distributed
 from process.distributed import print0
