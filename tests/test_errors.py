@@ -35,7 +35,7 @@ def entry_points() -> list[str]:
     """Every command a user or developer runs: the core's three and each file of scripts/ and dev/."""
     tools = sorted(f"{folder}/{path.name}" for folder in ("scripts", "dev") for path in (REPO / folder).glob("*.py")
                    if path.name != "__init__.py")  # the packages' lists of their tools
-    return ["train.py", "sample.py", "prepare", *tools]
+    return ["train.py", "sample.py", "prepare/__main__.py", *tools]
 
 
 @functools.cache
