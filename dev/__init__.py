@@ -3,11 +3,9 @@
     python -m dev.gpu_check --dry-run
 
     gpu_check   the GPU path end to end on a CUDA machine (bf16, compile, DDP, resume, RNG, sample)
-    chat_demo   a chat fine-tune, full and LoRA, of a base run, over several seeds
-    bench_lora  a LoRA step's time and memory against a full fine-tune's
     shape       what a reader holds: lines per file, train.py's imported names, one step's path
 
 They run like the user's tools in scripts/ (`python -m`, the reasons are in scripts/__init__.py). One-off
 measurements whose numbers live in docs/ were removed after commit df1fd93 (bench_sample, bench_prepare,
-vs_nanogpt, bpe_trainers): each number there names its command; `git show df1fd93:dev/NAME.py` has the script.
+vs_nanogpt, bpe_trainers, chat_demo, bench_lora): each number there names its command; `git show df1fd93:dev/NAME.py` has the script.
 """

@@ -139,19 +139,11 @@ BAD_INPUTS = {
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--val_fraction", "0"], "--val_fraction must be in (0, 1)"),
     ],
-    "dev.chat_demo": [
-        (["--steps", "0"], "need --steps >= 1"),
-        (["--base", "{tmp}/none"], "no such folder or file"),
-    ],
     "scripts.bench": [
         (["--steps", "0"], "need --steps and --rounds >= 1"),  # ran one step, silently
         (["--warmup", "-1"], "--warmup, --threads and --profile >= 0"),
         (["n_layer"], "override `n_layer` must look like KEY=VALUE"),
         (["--json", "{run}/metrics.jsonl/x.json"], "is a file, not a folder"),
-    ],
-    "dev.bench_lora": [
-        (["--rank", "0"], "need --rank and --steps >= 1"),
-        (["--data_path", "{corpus}", "--targets", "mlp.fc"], "lora_targets names mlp.fc, which is not among"),
     ],
     "scripts.compare": [
         (["a:"], "give --steps N"),
