@@ -1,25 +1,15 @@
-"""Data: a corpus tokenized once, and the batches a training step draws.
-
-    python -m prepare                      # prepare the built-in Shakespeare corpus (cached in data/)
-    python -m prepare --data_path my.txt   # prepare any UTF-8 text file, folder, .jsonl or .parquet (--help)
-
-Preparing (``corpus_for``) turns the corpus a run names (config's corpus fields: python -m prepare's flags, and
-train.py's) into a folder, once, cached in data_dir: ``train.bin`` and ``val.bin`` (flat token ids) and
-``meta.json`` (the tokenizer and how the files were made). The code for that (the built-in corpus's
-download, document formats, worker pools, staging, the checks) is prepare/corpora.py and
-prepare/tokenfiles.py, and every tokenizer (one id per character, GPT-2's BPE, your own) is
-prepare/tokenizers.py: a second read. What a step touches is here: the splits, memory-mapped
-(``load_corpus``); the training stream, an object whose ``next()`` is one micro-batch and whose
-``state_dict()`` the checkpoint keeps, so a resume continues it exactly (``LOADERS``: random windows,
-``get_batch``, or documents packed into rows that each begin at a document's start); fixed validation
-windows, so every eval scores the same tokens (``val_windows``).
+"""Data: what a training step touches. A corpus is tokenized once into a folder (train.bin, val.bin, meta.json;
+prepare/, ``python -m prepare --help``); here it is opened, memory-mapped and verified (``load_corpus``), and read:
+by the training stream, an object whose ``next()`` is one micro-batch and whose ``state_dict()`` the checkpoint
+keeps, so a resume continues it exactly (``LOADERS``: random windows, or documents packed into rows that each begin
+at a document's start; one conversation a row for a chat corpus), and by fixed validation windows, so every eval
+scores the same tokens (``val_windows``).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
-
-import copy
 
 import numpy as np
 import torch
@@ -146,10 +136,8 @@ class PackedDocuments(TrainingStream):
     one after another; the one that does not fit is cropped at the row's end and the rest of it dropped.
     Documents come in a shuffled order, a new shuffle each epoch, from the stream's generator.
 
-    nanochat's tokenizing_distributed_data_loader_bos_bestfit (nanochat/dataloader.py), without its best-fit
-    search: no row starts mid-document, so every token sees its document from the start; the cost is the
-    cropped tails (nanochat's docstring counts ~35% of tokens at T = 2048, with best fit). Tokens before the
-    split's first separator (a char text file's first line) belong to no document and are never read.
+    nanochat's dataloader (bos_bestfit) without its best-fit search: every token sees its document from the start;
+    the cost is the cropped tails. Tokens before the split's first separator belong to no document, never read.
     """
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device: torch.device,
