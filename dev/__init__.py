@@ -7,5 +7,6 @@
 
 They run like the user's tools in scripts/ (`python -m`, the reasons are in scripts/__init__.py). One-off
 measurements whose numbers live in docs/ were removed after commit df1fd93 (bench_sample, bench_prepare,
-vs_nanogpt, bpe_trainers, chat_demo, bench_lora): each number there names its command; `git show df1fd93:dev/NAME.py` has the script.
+vs_nanogpt, bpe_trainers, chat_demo, bench_lora): each number there names its command, and
+`git show df1fd93:dev/NAME.py` has the script.
 """
