@@ -50,7 +50,7 @@ class TrainConfig(GPTConfig):
     resume: bool = free(False, "continue exactly from out_dir/last.pt")
     init_from: str = free("", "start from trained weights: a run of this repo (its folder or a .pt) | gpt2 | "
                           "gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 "
-                          'layout; "" = random init (weights/finetune.py)')
+                          'layout; "" = random init (weights/loading.py)')
     # --- the corpus (python -m prepare's flags too; a resume checks the corpus itself: Corpus.record)
     dataset: str = free("shakespeare", "built-in corpus name; ignored when data_path is set")
     data_path: str = free("", "what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a "

@@ -579,9 +579,8 @@ def test_the_lion_recipe_forks_the_repo_end_to_end(tmp_path):
                  "test_the_fields_only_one_choice_reads_are_the_table_under_every_optimizer_decay_and_clock",
                  "test_each_choice_resumes_exactly_and_is_refused_under_another[optimizer-lion]"):
         assert f"PASSED tests/test_training_options.py::{test}" in generated.stdout, test
-    # And the reliability tests generated for every optimizer (a NaN stops the run before its update; no host
-    # sync on steps that do not log), which Lion's plain step() passes unedited: faults.NonFiniteGuard undoes
-    # its bad update on the device.
+    # And the reliability tests generated for every optimizer (a NaN never reaches a checkpoint; no host sync on
+    # steps that do not log), which Lion's plain step() passes unedited: the guard asks nothing of an optimizer.
     reliability = pytest_in_the_copy("reliability", "tests/test_reliability.py", "-k", "lion")
     assert reliability.returncode == 0, reliability.stdout[-4000:]
     assert "3 passed" in reliability.stdout
