@@ -16,11 +16,11 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from process import REPO
 from process.cli import CommandLine
 from process.errors import TinyGPTError, exit_on
 
-REPO = Path(__file__).resolve().parent.parent
-ROOTS = ("get_lr", "train_step", "next", "next_batches")  # what train.py's loop calls for one step
+ROOTS = ("get_lr", "train_step", "next")  # what train.py's loop calls for one step
 OUTSIDE = ("tests", "out", "data")
 
 
