@@ -78,13 +78,9 @@ def next_token_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, t
 
 # ----------------------------------------------------------------------------- the KV cache
 class LayerCache:
-    """One layer's keys and values for the positions seen so far, in buffers of block_size positions.
-
-    Allocated once, at the first append, so that decoding never copies the past: each forward
-    writes its new keys and values at positions length .. length + T - 1 and reads back
-    0 .. length + T - 1. The buffers take the dtype and device of the first keys, so the cache
-    also works under autocast (bf16 keys) without being told.
-    """
+    """One layer's keys and values for the positions seen so far, in buffers of block_size positions, allocated
+    at the first append so that decoding never copies the past, with the dtype and device of the first keys
+    (autocast's bf16 keys need no telling)."""
 
     def __init__(self, batch_size: int, n_head: int, block_size: int, head_size: int):
         self.shape = (batch_size, n_head, block_size, head_size)  # (B, nh, block_size, hs)
@@ -106,11 +102,9 @@ class LayerCache:
 class KVCache:
     """Keys and values of every layer, so that each new token costs one single-position forward.
 
-    Use: ``cache = model.new_cache(B)``, then ``model(prompt, cache=cache)`` (the prefill) and
-    ``model(next_token, cache=cache)`` (one decode step) as often as block_size allows. Positions
-    are absolute (a learned table, or rotary angles, of block_size rows), so a cache can never hold
-    more than block_size of them: when it is full the caller must ``reset()`` it and prefill a
-    shorter window (sample.py does so).
+    ``model(prompt, cache=cache)`` (the prefill), then ``model(next_token, cache=cache)`` (one decode step) as
+    often as block_size allows. Positions are absolute (a learned table, or rotary angles, of block_size rows),
+    so a full cache must be ``reset()`` and a shorter window prefilled (NextTokenLogits does so).
     """
 
     def __init__(self, config: GPTConfig, batch_size: int):
@@ -127,7 +121,6 @@ class KVCache:
         """Forget every position (the buffers are kept and overwritten)."""
         for layer in self.layers:
             layer.length = 0
-
 
 
 # ----------------------------------------------------------------------------- the context window
@@ -163,8 +156,6 @@ class NextTokenLogits:
         self.model = model
         self.block_size = model.config.block_size
         self.keep = keep or max(1, self.block_size // 2)
-        if not 1 <= self.keep <= self.block_size:
-            raise ValueError(f"keep must be in [1, block_size={self.block_size}], got {keep}")
         self.cache = KVCache(model.config, batch_size) if use_cache else None
         self.start: int | None = None  # where the current window begins in idx
 
@@ -209,37 +200,20 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 
 # ----------------------------------------------------------------------------- streaming text
-class TextStream:
-    """Token ids in, printable text out, never half a character.
-
-    A BPE token can end inside a multi-byte UTF-8 character (an emoji is 4 bytes, often spread over
-    two or three tokens), so the bytes go through an incremental UTF-8 decoder that holds an
-    unfinished character until its last byte arrives. Invalid bytes become U+FFFD, as in decode().
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, ids: list[int]) -> str:
-        """The text that these tokens complete (possibly empty)."""
-        return self.utf8.decode(self.tokenizer.decode_bytes(ids))
-
-    def flush(self) -> str:
-        """Whatever is still held when the stream ends mid-character, as U+FFFD."""
-        return self.utf8.decode(b"", final=True)
-
-
 class Continuations:
     """Each sample's new text, ended at its first stop string (not included) or at an end-of-text token.
 
-    Rows stop on their own: a finished row ignores the tokens its batch still generates. ``printable``
-    is what streaming may show of a row now: its text less any tail that could still grow into a stop
-    string, so a stop string is never printed, not even in part.
+    Never half a character: a BPE token can end inside a multi-byte UTF-8 character (an emoji is 4 bytes, often
+    two or three tokens), so each row's bytes go through an incremental decoder that holds an unfinished character
+    until its last byte arrives (invalid bytes become U+FFFD, as in decode()). Rows stop on their own: a finished
+    row ignores the tokens its batch still generates. ``printable`` is what streaming may show of a row now: its
+    text less any tail that could still grow into a stop string, so a stop string is never printed, not even in
+    part.
     """
 
     def __init__(self, tokenizer, rows: int, stops: list[str], end_ids: set[int]):
-        self.streams = [TextStream(tokenizer) for _ in range(rows)]
+        self.tokenizer = tokenizer
+        self.utf8 = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(rows)]
         self.texts = [""] * rows
         self.done = [False] * rows
         self.stops, self.end_ids = [s for s in stops if s], end_ids
@@ -252,7 +226,7 @@ class Continuations:
             if token in self.end_ids:
                 self.done[row] = True
                 continue
-            self.texts[row] += self.streams[row].push([token])
+            self.texts[row] += self.utf8[row].decode(self.tokenizer.decode_bytes([token]))
             self.cut(row)
 
     def cut(self, row: int) -> None:
@@ -264,7 +238,7 @@ class Continuations:
         """The generation is over: rows still open get their held-back bytes (as U+FFFD)."""
         for row, done in enumerate(self.done):
             if not done:
-                self.texts[row] += self.streams[row].flush()
+                self.texts[row] += self.utf8[row].decode(b"", final=True)
                 self.cut(row)
 
     def all_done(self) -> bool:
@@ -335,28 +309,35 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text) if text else [tokenizer.eot_token]
 
 
+def continue_into(texts: Continuations, model: GPT, prompts: list[list[int]], max_new_tokens: int,
+                  args: argparse.Namespace, generator: torch.Generator, show: bool) -> int:
+    """Generate after ``prompts`` (one a row) into ``texts`` until every row ends; ``show``: print row 0's
+    printable text as it grows (N rows interleaved would be unreadable). Returns the characters it printed."""
+    shown = 0
+
+    def on_token(next_id: torch.Tensor) -> None:
+        nonlocal shown
+        texts.push(next_id)
+        if show:
+            now = texts.printable(0)
+            print(now[shown:], end="", flush=True)
+            shown = len(now)
+
+    idx = torch.tensor(prompts, dtype=torch.long, device=next(model.parameters()).device)  # (N, T)
+    generate(model, idx, max_new_tokens, args.temp, args.top_k, args.top_p, generator, use_cache=args.cache,
+             on_token=on_token, stop=lambda _: texts.all_done())
+    texts.finish()
+    return shown
+
+
 def sample(model: GPT, tokenizer, text: str, args: argparse.Namespace, generator: torch.Generator) -> None:
     """Continue ``text`` --num-samples times as one batch and print each (sample 1 streamed if --stream)."""
-    device = next(model.parameters()).device
-    prompt = prompt_ids(tokenizer, text)
-    idx = torch.tensor([prompt] * args.num_samples, dtype=torch.long, device=device)  # (N, T)
     ends = set(tokenizer.special_ids) if args.stop_at_eot else set()
     samples = Continuations(tokenizer, args.num_samples, args.stop, ends)
-    shown = 0  # characters of sample 1 printed so far
-
-    def on_token(next_id: torch.Tensor) -> None:  # streams sample 1 only: N interleaved would be unreadable
-        nonlocal shown
-        samples.push(next_id)
-        if args.stream:
-            text_now = samples.printable(0)
-            print(text_now[shown:], end="", flush=True)
-            shown = len(text_now)
-
     if args.stream:
         print(text, end="", flush=True)
-    generate(model, idx, args.max_new_tokens, args.temp, args.top_k, args.top_p, generator, use_cache=args.cache,
-             on_token=on_token, stop=lambda _: samples.all_done())
-    samples.finish()
+    shown = continue_into(samples, model, [prompt_ids(tokenizer, text)] * args.num_samples, args.max_new_tokens,
+                          args, generator, args.stream)
     for row, continuation in enumerate(samples.texts):
         print(continuation[shown:] if args.stream and row == 0 else text + continuation)
         print("-" * 40)
@@ -428,9 +409,8 @@ def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Gener
     the context fills (said once)."""
     if not hasattr(tokenizer, "marker_ids"):
         fail("this model has no chat markers; fine-tune it on conversations first (docs/finetuning.md) or drop --chat")
-    block_size = model.config.block_size
+    block_size, warned = model.config.block_size, False
     dialogue = Dialogue(tokenizer, block_size, min(args.max_new_tokens, block_size // 2), args.system)
-    device, warned = next(model.parameters()).device, False
     while (text := read_prompt(args.multiline)) is not None:
         try:
             prompt = dialogue.prompt(text)
@@ -442,18 +422,8 @@ def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Gener
                   flush=True)
             warned = True
         reply = Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()))
-        shown = 0
-
-        def on_token(next_id: torch.Tensor) -> None:
-            nonlocal shown
-            reply.push(next_id)
-            print(reply.printable(0)[shown:], end="", flush=True)
-            shown = len(reply.printable(0))
-
-        idx = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
-        generate(model, idx, block_size - len(prompt), args.temp, args.top_k, args.top_p, generator,
-                 use_cache=args.cache, on_token=on_token, stop=lambda _: reply.all_done())  # never past the window
-        reply.finish()
+        # At most the rest of the window: a chat reply never slides it, so it never loses its own prompt.
+        shown = continue_into(reply, model, [prompt], block_size - len(prompt), args, generator, show=True)
         print(reply.texts[0][shown:], flush=True)
         dialogue.reply(reply.texts[0])
 
