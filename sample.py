@@ -60,11 +60,9 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 def pick_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
               generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next ids (B, 1) from last-position logits (B, vocab): argmax at temperature 0, else a draw.
-
-    Temperature divides the logits before the filters, so top_p sees the tempered distribution.
-    Only ``generator`` is drawn from, never the global RNG; greedy draws nothing.
-    """
+    """Next ids (B, 1) from last-position logits (B, vocab): argmax at temperature 0, else a draw from
+    ``generator`` alone, never the global RNG. Temperature divides the logits before the filters, so top_p sees
+    the tempered distribution."""
     if temperature == 0:  # the limit T -> 0 of softmax(logits / T); dividing by 0 would give NaNs
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1); a tie goes to the lowest id
     probs = next_token_probs(logits, temperature, top_k, top_p)  # (B, vocab)
@@ -113,8 +111,7 @@ class KVCache:
                        for _ in range(config.n_layer)]
 
     @property
-    def length(self) -> int:
-        """Positions cached; every layer holds the same number."""
+    def length(self) -> int:  # positions cached; every layer holds the same number
         return self.layers[0].length
 
     def reset(self) -> None:
@@ -125,17 +122,14 @@ class KVCache:
 
 # ----------------------------------------------------------------------------- the context window
 def window_start(start: int | None, n: int, block_size: int, keep: int) -> int:
-    """Index of the first token the model sees when predicting the token after the first n.
-
-    ``start`` is the previous step's answer (None at the first step). The one policy that both the
-    cached and the uncached generator follow, so that they can be compared exactly:
-      - the first step sees the whole prompt, or its last block_size tokens;
-      - then the window grows by one token per step from the same start (the cache appends);
-      - when it would pass block_size, where learned positions end, it restarts with the last
-        ``keep`` tokens at positions 0 .. keep - 1 (for the cache: a fresh prefill).
-    keep = block_size is the classic sliding window, a full forward every step past block_size.
-    keep = block_size // 2 (the default) re-prefills once per block_size // 2 new tokens, keeping
-    the cache fast; the price is a context that dips to ``keep`` tokens after each restart.
+    """Index of the first token the model sees when predicting the token after the first n; ``start`` is the
+    previous step's answer (None at the first step). The one policy of the cached and the uncached generator,
+    so that they can be compared exactly: the first step sees the whole prompt, or its last block_size tokens;
+    then the window grows by one token per step from the same start (the cache appends); when it would pass
+    block_size, where learned positions end, it restarts with the last ``keep`` tokens at positions 0 .. keep - 1
+    (for the cache: a fresh prefill). keep = block_size is the classic sliding window, a full forward every step
+    past block_size; block_size // 2 (the default) re-prefills once per block_size // 2 new tokens, keeping the
+    cache fast, at the price of a context that dips to ``keep`` tokens after each restart.
     """
     if start is None:
         return max(0, n - block_size)
@@ -145,12 +139,9 @@ def window_start(start: int | None, n: int, block_size: int, keep: int) -> int:
 
 
 class NextTokenLogits:
-    """Logits (B, vocab) for the token after idx (B, n), over the window that window_start picks.
-
-    With use_cache, the window's keys and values live in a KVCache: a new window is prefilled once,
-    then each step feeds only the tokens not yet cached (one per step). Without it, every step runs
-    a full forward over exactly the same window: the reference the cache is tested against.
-    """
+    """Logits (B, vocab) for the token after idx (B, n), over the window that window_start picks. With use_cache,
+    a new window is prefilled into a KVCache once, then each step feeds only the tokens not yet cached; without,
+    every step runs a full forward over exactly the same window: the reference the cache is tested against."""
 
     def __init__(self, model: GPT, batch_size: int, use_cache: bool = True, keep: int = 0):
         self.model = model
@@ -181,10 +172,9 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
              stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """Append max_new_tokens to every row of idx (B, T), all rows as one batch; returns (B, T + new).
 
-    temperature 0 is greedy. ``on_token`` gets each new column (B, 1) as soon as it is chosen (for
-    streaming). ``stop`` gets idx after each new token and ends generation early by returning True
-    (scripts/harness.py: a stop sequence). ``keep``: see window_start (0 = block_size // 2). Put the
-    model in eval mode first: in train mode dropout would make the samples noisy.
+    temperature 0 is greedy. ``on_token`` gets each new column (B, 1) as soon as it is chosen (streaming);
+    ``stop`` gets idx after each new token and ends generation by returning True. ``keep``: see window_start
+    (0 = block_size // 2). Footgun: put the model in eval mode first, or dropout makes the samples noisy.
     """
     if idx.size(1) == 0:
         raise ValueError("generate needs at least one token to start from")
