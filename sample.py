@@ -334,8 +334,8 @@ def sample(model: GPT, tokenizer, text: str, args: argparse.Namespace, generator
 
 
 def read_prompt(multiline: bool) -> str | None:
-    """The next prompt on stdin: a line, or with ``multiline`` the lines up to an empty one. None: quit
-    (end of input, or Ctrl-C at the prompt)."""
+    """The next prompt on stdin: a line, or with ``multiline`` the lines up to an empty one; None: quit (end of
+    input, or Ctrl-C at the prompt)."""
     mark = "> " if sys.stdin.isatty() else ""  # a marker only for a person at a terminal
     lines: list[str] = []
     try:
@@ -364,11 +364,9 @@ def interactive(model: GPT, tokenizer, args: argparse.Namespace, generator: torc
 
 
 class Dialogue:
-    """A conversation held turn by turn (sample.py --chat): the messages so far, rendered to fit the context.
-
-    When the prompt of the next reply (with ``room`` tokens left for the reply) would not fit in block_size,
-    the oldest turns go first, never the system prompt; ``dropped`` counts the turns gone.
-    """
+    """A conversation held turn by turn (--chat), rendered to fit the context: when the prompt of the next reply
+    and ``room`` tokens for it would not fit in block_size, the oldest turns go first, never the system prompt
+    (``dropped`` counts them)."""
 
     def __init__(self, tokenizer, block_size: int, room: int, system: str = ""):
         self.tokenizer, self.block_size, self.room = tokenizer, block_size, room

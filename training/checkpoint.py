@@ -275,8 +275,7 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
-        """``run``: a train.Run, whose model, optimizer, scaler, guard, training stream and corpus a checkpoint holds.
-        Makes out_dir and removes the temp files a killed save left there."""
+        """``run``: a train.Run (its model, optimizer, scaler, guard, training stream and corpus)."""
         self.out_dir, self.cfg, self.ddp = out_dir, cfg, ddp
         self.model, self.optimizer, self.scaler, self.guard = run.model, run.optimizer, run.scaler, run.guard
         self.stream, self.corpus, self.dtype = run.stream, run.corpus, run.rt.dtype

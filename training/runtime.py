@@ -76,10 +76,9 @@ def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
 
 def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Module:
     """The model compiled as rt says (compile_or_eager), probed with one forward/backward of the training
-    ``stream``'s (a data.TrainingStream) first batch under the step's autocast: the graph compiled is the one the
-    step runs (no recompile at step 1), and compile errors surface here, not mid-run. The probe moves no random
-    stream: its batch comes from a copy of the stream (first_batch), and compile_or_eager forks the global RNG
-    around it (dropout draws from it), so a compiled run resumes as exactly as an eager one."""
+    ``stream``'s first batch under the step's autocast: the graph compiled is the one the step runs (no recompile
+    at step 1), and compile errors surface here, not mid-run. The probe moves no random stream (a copy of the
+    stream's first batch, the global RNG forked), so a compiled run resumes as exactly as an eager one."""
     def probe(m: torch.nn.Module) -> None:
         x, y = stream.first_batch()  # (B, T) each
         with torch.autocast(rt.device.type, dtype=rt.dtype, enabled=rt.dtype != torch.float32):
