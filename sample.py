@@ -60,11 +60,9 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 def pick_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
               generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next ids (B, 1) from last-position logits (B, vocab): argmax at temperature 0, else a draw.
-
-    Temperature divides the logits before the filters, so top_p sees the tempered distribution.
-    Only ``generator`` is drawn from, never the global RNG; greedy draws nothing.
-    """
+    """Next ids (B, 1) from last-position logits (B, vocab): argmax at temperature 0, else a draw from
+    ``generator`` alone, never the global RNG. Temperature divides the logits before the filters, so top_p sees
+    the tempered distribution."""
     if temperature == 0:  # the limit T -> 0 of softmax(logits / T); dividing by 0 would give NaNs
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1); a tie goes to the lowest id
     probs = next_token_probs(logits, temperature, top_k, top_p)  # (B, vocab)
@@ -78,13 +76,9 @@ def next_token_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, t
 
 # ----------------------------------------------------------------------------- the KV cache
 class LayerCache:
-    """One layer's keys and values for the positions seen so far, in buffers of block_size positions.
-
-    Allocated once, at the first append, so that decoding never copies the past: each forward
-    writes its new keys and values at positions length .. length + T - 1 and reads back
-    0 .. length + T - 1. The buffers take the dtype and device of the first keys, so the cache
-    also works under autocast (bf16 keys) without being told.
-    """
+    """One layer's keys and values for the positions seen so far, in buffers of block_size positions, allocated
+    at the first append so that decoding never copies the past, with the dtype and device of the first keys
+    (autocast's bf16 keys need no telling)."""
 
     def __init__(self, batch_size: int, n_head: int, block_size: int, head_size: int):
         self.shape = (batch_size, n_head, block_size, head_size)  # (B, nh, block_size, hs)
@@ -106,11 +100,9 @@ class LayerCache:
 class KVCache:
     """Keys and values of every layer, so that each new token costs one single-position forward.
 
-    Use: ``cache = model.new_cache(B)``, then ``model(prompt, cache=cache)`` (the prefill) and
-    ``model(next_token, cache=cache)`` (one decode step) as often as block_size allows. Positions
-    are absolute (a learned table, or rotary angles, of block_size rows), so a cache can never hold
-    more than block_size of them: when it is full the caller must ``reset()`` it and prefill a
-    shorter window (sample.py does so).
+    ``model(prompt, cache=cache)`` (the prefill), then ``model(next_token, cache=cache)`` (one decode step) as
+    often as block_size allows. Positions are absolute (a learned table, or rotary angles, of block_size rows),
+    so a full cache must be ``reset()`` and a shorter window prefilled (NextTokenLogits does so).
     """
 
     def __init__(self, config: GPTConfig, batch_size: int):
@@ -119,8 +111,7 @@ class KVCache:
                        for _ in range(config.n_layer)]
 
     @property
-    def length(self) -> int:
-        """Positions cached; every layer holds the same number."""
+    def length(self) -> int:  # positions cached; every layer holds the same number
         return self.layers[0].length
 
     def reset(self) -> None:
@@ -129,20 +120,16 @@ class KVCache:
             layer.length = 0
 
 
-
 # ----------------------------------------------------------------------------- the context window
 def window_start(start: int | None, n: int, block_size: int, keep: int) -> int:
-    """Index of the first token the model sees when predicting the token after the first n.
-
-    ``start`` is the previous step's answer (None at the first step). The one policy that both the
-    cached and the uncached generator follow, so that they can be compared exactly:
-      - the first step sees the whole prompt, or its last block_size tokens;
-      - then the window grows by one token per step from the same start (the cache appends);
-      - when it would pass block_size, where learned positions end, it restarts with the last
-        ``keep`` tokens at positions 0 .. keep - 1 (for the cache: a fresh prefill).
-    keep = block_size is the classic sliding window, a full forward every step past block_size.
-    keep = block_size // 2 (the default) re-prefills once per block_size // 2 new tokens, keeping
-    the cache fast; the price is a context that dips to ``keep`` tokens after each restart.
+    """Index of the first token the model sees when predicting the token after the first n; ``start`` is the
+    previous step's answer (None at the first step). The one policy of the cached and the uncached generator,
+    so that they can be compared exactly: the first step sees the whole prompt, or its last block_size tokens;
+    then the window grows by one token per step from the same start (the cache appends); when it would pass
+    block_size, where learned positions end, it restarts with the last ``keep`` tokens at positions 0 .. keep - 1
+    (for the cache: a fresh prefill). keep = block_size is the classic sliding window, a full forward every step
+    past block_size; block_size // 2 (the default) re-prefills once per block_size // 2 new tokens, keeping the
+    cache fast, at the price of a context that dips to ``keep`` tokens after each restart.
     """
     if start is None:
         return max(0, n - block_size)
@@ -152,19 +139,14 @@ def window_start(start: int | None, n: int, block_size: int, keep: int) -> int:
 
 
 class NextTokenLogits:
-    """Logits (B, vocab) for the token after idx (B, n), over the window that window_start picks.
-
-    With use_cache, the window's keys and values live in a KVCache: a new window is prefilled once,
-    then each step feeds only the tokens not yet cached (one per step). Without it, every step runs
-    a full forward over exactly the same window: the reference the cache is tested against.
-    """
+    """Logits (B, vocab) for the token after idx (B, n), over the window that window_start picks. With use_cache,
+    a new window is prefilled into a KVCache once, then each step feeds only the tokens not yet cached; without,
+    every step runs a full forward over exactly the same window: the reference the cache is tested against."""
 
     def __init__(self, model: GPT, batch_size: int, use_cache: bool = True, keep: int = 0):
         self.model = model
         self.block_size = model.config.block_size
         self.keep = keep or max(1, self.block_size // 2)
-        if not 1 <= self.keep <= self.block_size:
-            raise ValueError(f"keep must be in [1, block_size={self.block_size}], got {keep}")
         self.cache = KVCache(model.config, batch_size) if use_cache else None
         self.start: int | None = None  # where the current window begins in idx
 
@@ -190,10 +172,9 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
              stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """Append max_new_tokens to every row of idx (B, T), all rows as one batch; returns (B, T + new).
 
-    temperature 0 is greedy. ``on_token`` gets each new column (B, 1) as soon as it is chosen (for
-    streaming). ``stop`` gets idx after each new token and ends generation early by returning True
-    (scripts/harness.py: a stop sequence). ``keep``: see window_start (0 = block_size // 2). Put the
-    model in eval mode first: in train mode dropout would make the samples noisy.
+    temperature 0 is greedy. ``on_token`` gets each new column (B, 1) as soon as it is chosen (streaming);
+    ``stop`` gets idx after each new token and ends generation by returning True. ``keep``: see window_start
+    (0 = block_size // 2). Footgun: put the model in eval mode first, or dropout makes the samples noisy.
     """
     if idx.size(1) == 0:
         raise ValueError("generate needs at least one token to start from")
@@ -209,37 +190,20 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 
 # ----------------------------------------------------------------------------- streaming text
-class TextStream:
-    """Token ids in, printable text out, never half a character.
-
-    A BPE token can end inside a multi-byte UTF-8 character (an emoji is 4 bytes, often spread over
-    two or three tokens), so the bytes go through an incremental UTF-8 decoder that holds an
-    unfinished character until its last byte arrives. Invalid bytes become U+FFFD, as in decode().
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, ids: list[int]) -> str:
-        """The text that these tokens complete (possibly empty)."""
-        return self.utf8.decode(self.tokenizer.decode_bytes(ids))
-
-    def flush(self) -> str:
-        """Whatever is still held when the stream ends mid-character, as U+FFFD."""
-        return self.utf8.decode(b"", final=True)
-
-
 class Continuations:
     """Each sample's new text, ended at its first stop string (not included) or at an end-of-text token.
 
-    Rows stop on their own: a finished row ignores the tokens its batch still generates. ``printable``
-    is what streaming may show of a row now: its text less any tail that could still grow into a stop
-    string, so a stop string is never printed, not even in part.
+    Never half a character: a BPE token can end inside a multi-byte UTF-8 character (an emoji is 4 bytes, often
+    two or three tokens), so each row's bytes go through an incremental decoder that holds an unfinished character
+    until its last byte arrives (invalid bytes become U+FFFD, as in decode()). Rows stop on their own: a finished
+    row ignores the tokens its batch still generates. ``printable`` is what streaming may show of a row now: its
+    text less any tail that could still grow into a stop string, so a stop string is never printed, not even in
+    part.
     """
 
     def __init__(self, tokenizer, rows: int, stops: list[str], end_ids: set[int]):
-        self.streams = [TextStream(tokenizer) for _ in range(rows)]
+        self.tokenizer = tokenizer
+        self.utf8 = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(rows)]
         self.texts = [""] * rows
         self.done = [False] * rows
         self.stops, self.end_ids = [s for s in stops if s], end_ids
@@ -252,7 +216,7 @@ class Continuations:
             if token in self.end_ids:
                 self.done[row] = True
                 continue
-            self.texts[row] += self.streams[row].push([token])
+            self.texts[row] += self.utf8[row].decode(self.tokenizer.decode_bytes([token]))
             self.cut(row)
 
     def cut(self, row: int) -> None:
@@ -264,7 +228,7 @@ class Continuations:
         """The generation is over: rows still open get their held-back bytes (as U+FFFD)."""
         for row, done in enumerate(self.done):
             if not done:
-                self.texts[row] += self.streams[row].flush()
+                self.texts[row] += self.utf8[row].decode(b"", final=True)
                 self.cut(row)
 
     def all_done(self) -> bool:
@@ -335,36 +299,43 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text) if text else [tokenizer.eot_token]
 
 
+def continue_into(texts: Continuations, model: GPT, prompts: list[list[int]], max_new_tokens: int,
+                  args: argparse.Namespace, generator: torch.Generator, show: bool) -> int:
+    """Generate after ``prompts`` (one a row) into ``texts`` until every row ends; ``show``: print row 0's
+    printable text as it grows (N rows interleaved would be unreadable). Returns the characters it printed."""
+    shown = 0
+
+    def on_token(next_id: torch.Tensor) -> None:
+        nonlocal shown
+        texts.push(next_id)
+        if show:
+            now = texts.printable(0)
+            print(now[shown:], end="", flush=True)
+            shown = len(now)
+
+    idx = torch.tensor(prompts, dtype=torch.long, device=next(model.parameters()).device)  # (N, T)
+    generate(model, idx, max_new_tokens, args.temp, args.top_k, args.top_p, generator, use_cache=args.cache,
+             on_token=on_token, stop=lambda _: texts.all_done())
+    texts.finish()
+    return shown
+
+
 def sample(model: GPT, tokenizer, text: str, args: argparse.Namespace, generator: torch.Generator) -> None:
     """Continue ``text`` --num-samples times as one batch and print each (sample 1 streamed if --stream)."""
-    device = next(model.parameters()).device
-    prompt = prompt_ids(tokenizer, text)
-    idx = torch.tensor([prompt] * args.num_samples, dtype=torch.long, device=device)  # (N, T)
     ends = set(tokenizer.special_ids) if args.stop_at_eot else set()
     samples = Continuations(tokenizer, args.num_samples, args.stop, ends)
-    shown = 0  # characters of sample 1 printed so far
-
-    def on_token(next_id: torch.Tensor) -> None:  # streams sample 1 only: N interleaved would be unreadable
-        nonlocal shown
-        samples.push(next_id)
-        if args.stream:
-            text_now = samples.printable(0)
-            print(text_now[shown:], end="", flush=True)
-            shown = len(text_now)
-
     if args.stream:
         print(text, end="", flush=True)
-    generate(model, idx, args.max_new_tokens, args.temp, args.top_k, args.top_p, generator, use_cache=args.cache,
-             on_token=on_token, stop=lambda _: samples.all_done())
-    samples.finish()
+    shown = continue_into(samples, model, [prompt_ids(tokenizer, text)] * args.num_samples, args.max_new_tokens,
+                          args, generator, args.stream)
     for row, continuation in enumerate(samples.texts):
         print(continuation[shown:] if args.stream and row == 0 else text + continuation)
         print("-" * 40)
 
 
 def read_prompt(multiline: bool) -> str | None:
-    """The next prompt on stdin: a line, or with ``multiline`` the lines up to an empty one. None: quit
-    (end of input, or Ctrl-C at the prompt)."""
+    """The next prompt on stdin: a line, or with ``multiline`` the lines up to an empty one; None: quit (end of
+    input, or Ctrl-C at the prompt)."""
     mark = "> " if sys.stdin.isatty() else ""  # a marker only for a person at a terminal
     lines: list[str] = []
     try:
@@ -393,11 +364,9 @@ def interactive(model: GPT, tokenizer, args: argparse.Namespace, generator: torc
 
 
 class Dialogue:
-    """A conversation held turn by turn (sample.py --chat): the messages so far, rendered to fit the context.
-
-    When the prompt of the next reply (with ``room`` tokens left for the reply) would not fit in block_size,
-    the oldest turns go first, never the system prompt; ``dropped`` counts the turns gone.
-    """
+    """A conversation held turn by turn (--chat), rendered to fit the context: when the prompt of the next reply
+    and ``room`` tokens for it would not fit in block_size, the oldest turns go first, never the system prompt
+    (``dropped`` counts them)."""
 
     def __init__(self, tokenizer, block_size: int, room: int, system: str = ""):
         self.tokenizer, self.block_size, self.room = tokenizer, block_size, room
@@ -428,9 +397,8 @@ def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Gener
     the context fills (said once)."""
     if not hasattr(tokenizer, "marker_ids"):
         fail("this model has no chat markers; fine-tune it on conversations first (docs/finetuning.md) or drop --chat")
-    block_size = model.config.block_size
+    block_size, warned = model.config.block_size, False
     dialogue = Dialogue(tokenizer, block_size, min(args.max_new_tokens, block_size // 2), args.system)
-    device, warned = next(model.parameters()).device, False
     while (text := read_prompt(args.multiline)) is not None:
         try:
             prompt = dialogue.prompt(text)
@@ -442,18 +410,8 @@ def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Gener
                   flush=True)
             warned = True
         reply = Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()))
-        shown = 0
-
-        def on_token(next_id: torch.Tensor) -> None:
-            nonlocal shown
-            reply.push(next_id)
-            print(reply.printable(0)[shown:], end="", flush=True)
-            shown = len(reply.printable(0))
-
-        idx = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
-        generate(model, idx, block_size - len(prompt), args.temp, args.top_k, args.top_p, generator,
-                 use_cache=args.cache, on_token=on_token, stop=lambda _: reply.all_done())  # never past the window
-        reply.finish()
+        # At most the rest of the window: a chat reply never slides it, so it never loses its own prompt.
+        shown = continue_into(reply, model, [prompt], block_size - len(prompt), args, generator, show=True)
         print(reply.texts[0][shown:], flush=True)
         dialogue.reply(reply.texts[0])
 

@@ -100,9 +100,7 @@ def typed_command() -> str:
 
 
 class CommandLine(argparse.ArgumentParser):
-    """argparse with train.py's manners, for every other entry point: a mistake is one line, never
-    the usage block. ``error: unknown flag `--tmp`; did you mean `--temp`?`` then exit code 2.
-    """
+    """argparse with train.py's manners, for every other entry point: a mistake is one line and exit 2."""
 
     def __init__(self, **kwargs: Any):
         kwargs.setdefault("formatter_class", DefaultsOnce)
@@ -111,16 +109,13 @@ class CommandLine(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's signature
         parsed, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            self.error(self.unknown_message(unknown))
-        return parsed
-
-    def unknown_message(self, unknown: list[str]) -> str:
         flag = next((u.split("=")[0] for u in unknown if u.startswith("-")), None)
-        if flag is None:
-            return f"unexpected argument `{unknown[0]}`; run with --help to list every flag"
-        known = [s for action in self._actions for s in action.option_strings]
-        return f"unknown flag `{flag}`" + did_you_mean(flag, known, "flag")
+        if flag is not None:
+            known = [s for action in self._actions for s in action.option_strings]
+            self.error(f"unknown flag `{flag}`" + did_you_mean(flag, known, "flag"))
+        if unknown:
+            self.error(f"unexpected argument `{unknown[0]}`; run with --help to list every flag")
+        return parsed
 
     def error(self, message: str) -> NoReturn:  # argparse calls this for bad values and missing arguments too
         fail(message)  # exit 2, as for any bad input

@@ -3,17 +3,15 @@
     torchrun --standalone --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # one node, 8 GPUs
     python train.py --config small        # no torchrun: a world of one, nothing set up
 
-torchrun starts one process per device and tells each who it is through environment variables
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). ``setup`` reads them; without them the run
-is a world of size one and every helper here is a no-op, so train.py has a single code path.
-Backend: NCCL on CUDA, gloo otherwise (https://pytorch.org/docs/stable/distributed.html#backends).
+torchrun starts one process per device and tells each who it is (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT). ``setup`` reads them; without them the run is a world of one and every helper here is a no-op, so
+train.py has a single code path. Backend: NCCL on CUDA, gloo otherwise.
 
-Failures: a rank that fails alone must not leave the others waiting in their next collective (a hang
-until the process-group timeout, or a gloo "Connection closed by peer" traceback). Work that can fail
-on some ranks only (rank 0 writing a checkpoint, a rank reading its files) runs inside
-``stop_together``, which makes every rank stop there; each distinct error is printed once. A rank that
-dies without a word (SIGKILL, a crash) cannot take part in that: the survivors' next collective fails
-in gloo, and train.py turns that into one line per survivor (``lost_peer``).
+Failures: a rank that fails alone must not leave the others waiting in their next collective (a hang until the
+process-group timeout, or a gloo "Connection closed by peer" traceback). Work that can fail on some ranks only
+(rank 0 writing a checkpoint, a rank reading its files) runs inside ``stop_together``, which makes every rank stop
+there, each distinct error printed once. A rank that dies without a word (SIGKILL, a crash) cannot take part:
+the survivors' next collective fails in gloo, and train.py turns that into one line per survivor (``lost_peer``).
 """
 from __future__ import annotations
 
@@ -89,12 +87,9 @@ def setup(requested: str = "auto") -> Dist:
 
 
 def teardown() -> None:
-    """After a run that finished on every rank: wait for all, then leave the process group.
-
-    The barrier matters: rank 0 may still be writing a checkpoint, and a rank that destroys the group
-    and exits while a peer still holds its connections can abort ("terminate called without an
-    active exception" from gloo). A no-op without a process group; safe to call twice.
-    """
+    """After a run that finished on every rank: wait for all, then leave the process group. The barrier matters:
+    rank 0 may still be writing a checkpoint, and a rank that destroys the group and exits while a peer still
+    holds its connections can abort (gloo's "terminate called without an active exception")."""
     if dist.is_initialized():
         gc.collect()  # free the DDP wrapper (its reducer holds gloo/NCCL work) while the group still exists
         dist.barrier()
@@ -102,12 +97,9 @@ def teardown() -> None:
 
 
 def abandon() -> None:
-    """After an error that stopped every rank: leave the process group without waiting for the others.
-
-    No barrier (the others may have exited already), but do not exit with the group alive either:
-    gloo's destructor then races the peers' exits and can abort the process ("terminate called
-    without an active exception"), turning a clean exit code into SIGABRT. A no-op without a group.
-    """
+    """After an error that stopped every rank: leave the process group without a barrier (the others may have
+    exited already), but leave it: with the group alive gloo's destructor races the peers' exits and can abort
+    the process, turning a clean exit code into SIGABRT."""
     if dist.is_initialized():
         gc.collect()  # as in teardown: free what still holds gloo/NCCL work while the group exists
         dist.destroy_process_group()
@@ -124,10 +116,8 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks, in place, and return it (unchanged in a world of one).
-
-    A collective: every rank must call it, in the same order, or the job hangs.
-    """
+    """Sum ``tensor`` over all ranks, in place, and return it (unchanged in a world of one). A collective: every
+    rank must call it, in the same order, or the job hangs."""
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -144,12 +134,10 @@ def gather_to_main(obj: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def main_first(device: torch.device) -> Iterator[None]:
-    """Rank 0 runs the block first (e.g. prepares the corpus); the others wait, then run it.
-
-    If the block fails on rank 0, the others stop without running it; if it then fails on another
-    rank, every rank stops (see stop_together). Footgun: the wait is bounded by the process-group
-    timeout (10 minutes for NCCL), so prepare a large corpus with data.py before torchrun.
-    """
+    """Rank 0 runs the block first (prepares the corpus); the others wait, then run it. If it fails on rank 0,
+    the others stop without running it; if it then fails on another rank, every rank stops (stop_together).
+    Footgun: the wait is bounded by the process-group timeout (10 minutes for NCCL), so prepare a large corpus
+    (python -m prepare) before torchrun."""
     main = is_main_process()  # True in a world of one: the block runs once, in the first phase
     with stop_together(device):  # rank 0 runs it; the others learn whether it worked
         if main:
@@ -163,11 +151,10 @@ def main_first(device: torch.device) -> Iterator[None]:
 def stop_together(device: torch.device) -> Iterator[None]:
     """Around work that may fail on some ranks only: if it fails anywhere, every rank stops here.
 
-    The ranks compare outcomes in one all-reduce at the end of the block (``device``: this rank's).
-    A rank that failed re-raises its own error; the others raise PeerFailed. Each distinct error
-    (same message) is printed once, by the lowest rank that has it: the error carries that rank as
-    ``reporting_rank`` (see errors.reporting_rank). A plain block in a world of one: no collective.
-    Footgun: a collective, so every rank must enter it, and the block itself must hold none.
+    The ranks compare outcomes in one all-reduce at the end of the block (``device``: this rank's). A rank that
+    failed re-raises its own error; the others raise PeerFailed. Each distinct error (same message) is printed
+    once, by the lowest rank that has it, which the error carries as ``reporting_rank``. A plain block in a world
+    of one. Footgun: a collective, so every rank must enter it, and the block itself must hold none.
     """
     if not dist.is_initialized():
         yield
@@ -196,10 +183,8 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 
 def lost_peer(err: BaseException) -> str | None:
-    """gloo's reason if ``err`` is a collective failing because another rank died; None otherwise.
-
-    Such a peer says nothing (it is gone), so the rank that notices must say it, in one line.
-    """
+    """gloo's reason if ``err`` is a collective failing because another rank died; None otherwise. Such a peer
+    says nothing (it is gone), so the rank that notices must say it, in one line."""
     if not dist.is_initialized() or not isinstance(err, RuntimeError):
         return None
     return next((words for words in PEER_GONE if words in str(err)), None)
@@ -211,11 +196,8 @@ def env_rank() -> int:
 
 
 def decide_on_main(decide: Callable[[], T]) -> T:
-    """``decide()`` on rank 0 alone, and its result on every rank (a picklable value). A collective.
-
-    For choices that measure the machine (the dtype=auto probe): each rank measuring for itself
-    could pick differently, and ranks must agree. In a world of one, simply ``decide()``.
-    """
+    """``decide()`` on rank 0 alone, and its result on every rank (a picklable value). A collective, for choices
+    that measure the machine (the dtype=auto probe), where ranks measuring each for itself could disagree."""
     if not dist.is_initialized():
         return decide()
     choice = [decide() if dist.get_rank() == 0 else None]
@@ -224,11 +206,9 @@ def decide_on_main(decide: Callable[[], T]) -> T:
 
 
 def agree(flags: tuple[bool, ...], ddp: Dist, now: bool) -> tuple[bool, ...]:
-    """Flags every rank acts on alike (stop now, out of time): each true if it is true on any rank.
-
-    In a world of one, the flags as they are, free. Under DDP one all-reduce compares them, a host
-    sync, so only when ``now`` (the loop's log steps, where it syncs anyway); all False otherwise.
-    """
+    """Flags every rank acts on alike (stop now, out of time): each true if it is true on any rank. In a world of
+    one, the flags as they are; under DDP one all-reduce, a host sync, so only when ``now`` (the loop's log steps,
+    where it syncs anyway), all False otherwise."""
     if not ddp.enabled:
         return flags
     if not now:
@@ -238,23 +218,16 @@ def agree(flags: tuple[bool, ...], ddp: Dist, now: bool) -> tuple[bool, ...]:
 
 
 def wrap(model: torch.nn.Module, ddp: Dist) -> torch.nn.Module:
-    """DistributedDataParallel around ``model`` in a world of several; ``model`` itself otherwise.
-
-    DDP broadcasts rank 0's parameters at construction, so every rank starts from the same weights
-    (rank 0's initialisation or the resumed checkpoint).
-    """
+    """DistributedDataParallel around ``model`` in a world of several, ``model`` itself otherwise. DDP broadcasts
+    rank 0's parameters at construction: every rank starts from rank 0's initialisation or checkpoint."""
     if not ddp.enabled:
         return model
     return DistributedDataParallel(model, device_ids=[ddp.device] if ddp.device.type == "cuda" else None)
 
 
 def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
-    """This rank's saved random streams; None when this rank did not exist in the saved run.
-
-    Resuming with another world size works but is not bit-exact, and says so: the global batch of a
-    step is made of a different number of ranks' windows (so its size and the summation order of
-    gradients change), and ranks that did not exist start fresh data streams.
-    """
+    """This rank's saved random streams; None when this rank did not exist in the saved run. Resuming with
+    another world size works but is not bit-exact, and says why."""
     saved = state["rng_per_rank"]
     if len(saved) != ddp.world_size:
         print0(f"WARNING: resuming a run saved with world size {len(saved)} on world size {ddp.world_size}: "

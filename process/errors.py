@@ -41,10 +41,15 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT; a SIGTERM's 143 is 128 + its number too 
 
 
 class TinyGPTError(Exception):
-    """An error the user can act on: str() is one line that names the fix, ``exit_code`` the process's code.
-
-    Every error below is one, so an entry point catches this class alone and hands it to exit_on."""
+    """An error the user can act on: str() is one line that names the fix, ``exit_code`` the process's code
+    (the class's, unless given). Every error below is one, so an entry point catches this class alone and hands
+    it to exit_on."""
     exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
 class ConfigError(TinyGPTError, ValueError):
@@ -65,12 +70,8 @@ class CheckpointWriteError(TinyGPTError, OSError):
 
 
 class PathError(ConfigError):
-    """A folder the run cannot use; str() is one line. exit_code: 2 for a path to change (a file in
-    the way, read-only, in use by another run), 74 (EX_IOERR) for an I/O failure under a good path."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
-        super().__init__(message)
-        self.exit_code = exit_code
+    """A folder the run cannot use. exit_code: 2 for a path to change (a file in the way, read-only, in use by
+    another run), 74 (EX_IOERR) for an I/O failure under a good path."""
 
 
 class HFError(ConfigError):
@@ -78,30 +79,24 @@ class HFError(ConfigError):
 
 
 class RunStopped(TinyGPTError):
-    """Training stopped early on purpose; str() is the one-line reason, exit_code the process's code."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
+    """Training stopped early on purpose (a signal, a non-finite step, a lost peer), with that stop's exit code."""
 
 
 class PeerFailed(TinyGPTError):
     """Another rank failed and prints why; this one stops too, silently, with that rank's exit code."""
 
     def __init__(self, exit_code: int):
-        super().__init__(f"another rank failed (exit code {exit_code})")
-        self.exit_code = exit_code
+        super().__init__(f"another rank failed (exit code {exit_code})", exit_code)
 
 
 # ----------------------------------------------------------------------------- the one way out
 def reporting_rank(err: BaseException | None) -> int | None:
     """This rank's number if it must print ``err``; None if rank 0 prints the same error for the job.
 
-    Rank 0 prints its errors. Another rank prints only an error that distributed.stop_together found on
-    it and on no lower rank (e.g. a file missing on its node only): the error then carries that rank as
-    ``reporting_rank``. Any other error of a rank is one every rank raises alike: bad arguments or config
-    (checked before the process group exists, from the same command line), or a stop the ranks agreed on.
-    RANK is torchrun's (0 without torchrun), so this is readable before distributed.setup().
+    Rank 0 prints its errors. Another rank prints only an error that distributed.stop_together found on it
+    and on no lower rank (a file missing on its node only), which carries that rank as ``reporting_rank``;
+    any other is one every rank raises alike (bad arguments or config, a stop the ranks agreed on). RANK is
+    torchrun's (0 without torchrun), so this is readable before distributed.setup().
     """
     rank = int(os.environ.get("RANK", "0"))
     return rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None
@@ -118,11 +113,8 @@ def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT, rank: int | None = 0) -> NoReturn:
-    """Print a one-line error for the user and exit; no traceback.
-
-    Under torchrun, ``rank`` is the rank printing it: a rank other than 0 names itself, and None
-    exits silently (rank 0 prints the same error for the job; see reporting_rank).
-    """
+    """Print a one-line error for the user and exit; no traceback. Under torchrun, ``rank`` is the rank printing
+    it: a rank other than 0 names itself, and None exits silently (rank 0 prints it for the job)."""
     if rank is not None:
         print(f"rank {rank}: error: {message}" if rank else f"error: {message}", file=sys.stderr)
     sys.exit(code)

@@ -26,11 +26,9 @@ def temp_path(path: Path) -> Path:
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Replace ``path`` by what ``write`` writes to the binary file it is handed, or leave it as it was.
-
-    The file handed over is the temp file, open for writing and seekable. Any exception, in ``write``
-    or in the fsync or rename, removes the temp file and is raised again unchanged.
-    """
+    """Replace ``path`` by what ``write`` writes to the binary file it is handed (the temp file, open for writing
+    and seekable), or leave it as it was: any exception, in ``write`` or in the fsync or rename, removes the temp
+    file and is raised again unchanged."""
     with written_whole(Path(path)) as tmp:
         with open(tmp, "wb") as f:
             write(f)
@@ -49,23 +47,14 @@ def written_whole(path: Path) -> Iterator[Path]:
     except BaseException:  # a full disk, a bug in the writer, Ctrl-C: no temp file outlives the write
         tmp.unlink(missing_ok=True)
         raise
-    sync_folder(Path(path).parent)
+    with contextlib.suppress(OSError):  # fsync the folder, so the rename survives a power cut (where supported)
+        fd = os.open(Path(path).parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     """atomic_write of ``text`` as UTF-8."""
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def sync_folder(folder: Path) -> None:
-    """fsync a folder so that a rename inside it survives a power cut (a no-op where unsupported)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -12,6 +12,7 @@ Footgun: flock is advisory; it stops a second train.py, not ``rm`` or another pr
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -21,7 +22,6 @@ from pathlib import Path
 
 from process.errors import EXIT_WRITE_FAILED, ConfigError, PathError
 
-LOCK_NAME = ".lock"
 # A path the user must change (exit 2), as opposed to a device failing under a good one (exit 74).
 BAD_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR,
                    errno.ENAMETOOLONG, errno.ELOOP}
@@ -79,14 +79,11 @@ def check_writable(folder: Path, flag: str, probe_name: str) -> None:
         remove_empty(created)
 
 
-class RunLock:
+class RunLock(contextlib.AbstractContextManager):
     """Ownership of a run folder, from ``claim``; a context manager that releases it on exit."""
 
     def __init__(self, path: Path, fd: int, created: list[Path]):
         self.path, self.fd, self.created = path, fd, created
-
-    def __enter__(self) -> RunLock:
-        return self
 
     def __exit__(self, *exc_info) -> None:
         self.release()
@@ -115,7 +112,7 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> RunLoc
     the path is unusable or another live process owns it, 74 on an I/O failure. A fresh run (``resume`` False)
     is refused in a folder that holds a run: continuing it is --resume's job."""
     created = make_folders(out_dir, flag)
-    path = out_dir / LOCK_NAME
+    path = out_dir / ".lock"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:

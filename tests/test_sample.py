@@ -18,7 +18,7 @@ from conftest import REPO, make_text, run_script, tiny_model
 from prepare.tokenizers import CharTokenizer
 from model import GPT, GPTConfig, attention, visible_keys
 import sample as sample_module
-from sample import (Continuations, KVCache, NextTokenLogits, TextStream, filter_logits, generate, main,
+from sample import (Continuations, KVCache, NextTokenLogits, filter_logits, generate, main,
                     next_token_probs,
                     pick_next, prompt_ids, unescape, window_start)
 
@@ -282,23 +282,36 @@ def test_seeded_generator_is_reproducible_and_global_rng_untouched():
 
 
 # ----------------------------------------------------------------------------- streaming text
-class ByteTokenizer:
-    """One token per UTF-8 byte: the worst case for splitting characters between tokens."""
+class PieceTokenizer:
+    """Token i is the bytes ``pieces[i]``: pieces that cut characters, the worst case for streaming."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
 
     def decode_bytes(self, ids: list[int]) -> bytes:
-        return bytes(ids)
+        return b"".join(self.pieces[i] for i in ids)
 
 
 TRICKY = "naïve — 日本語 🎉🇫🇷!"
 
 
+def streamed(tokenizer, ids) -> tuple[list[str], Continuations]:
+    """The text each token adds to a Continuations row as it arrives, and the rows (not yet finished)."""
+    rows, pieces = Continuations(tokenizer, 1, [], set()), []
+    for i in ids:
+        before = len(rows.texts[0])
+        rows.push(torch.tensor([[i]]))
+        pieces.append(rows.texts[0][before:])
+    return pieces, rows
+
+
 @pytest.mark.parametrize("group", [1, 2, 3, 5])  # tokens of 1, 2, 3 or 5 bytes, cutting characters
-def test_text_stream_never_prints_half_a_character(group):
+def test_streamed_text_never_holds_half_a_character(group):
     data = TRICKY.encode("utf-8")
-    tokens = [list(data[i: i + group]) for i in range(0, len(data), group)]
-    stream = TextStream(ByteTokenizer())
-    pieces = [stream.push(token_bytes) for token_bytes in tokens]
-    assert "".join(pieces) + stream.flush() == TRICKY
+    tok = PieceTokenizer([data[i: i + group] for i in range(0, len(data), group)])
+    pieces, rows = streamed(tok, range(len(tok.pieces)))
+    rows.finish()
+    assert "".join(pieces) == rows.texts[0] == TRICKY
     assert all("\ufffd" not in piece for piece in pieces)
     if group == 1:
         emoji_at = len(TRICKY[:TRICKY.index("🎉")].encode("utf-8"))
@@ -306,16 +319,17 @@ def test_text_stream_never_prints_half_a_character(group):
         assert pieces[emoji_at + 3] == "🎉"
 
 
-def test_text_stream_flushes_an_unfinished_character_as_replacement():
-    stream = TextStream(ByteTokenizer())
-    assert stream.push(list("ok🎉".encode("utf-8")[:-1])) == "ok"
-    assert stream.flush() == "\ufffd"
+def test_streamed_text_flushes_an_unfinished_character_as_replacement():
+    pieces, rows = streamed(PieceTokenizer(["ok🎉".encode("utf-8")[:-1]]), [0])
+    assert pieces == ["ok"]
+    rows.finish()
+    assert rows.texts == ["ok\ufffd"]
 
 
 def test_char_tokenizer_streams_like_it_decodes():
     tok = CharTokenizer("".join(sorted(set(TRICKY))))
-    stream = TextStream(tok)
-    assert "".join(stream.push([i]) for i in tok.encode(TRICKY)) == TRICKY == tok.decode(tok.encode(TRICKY))
+    pieces, _ = streamed(tok, tok.encode(TRICKY))
+    assert "".join(pieces) == TRICKY == tok.decode(tok.encode(TRICKY))
 
 
 # ----------------------------------------------------------------------------- command line

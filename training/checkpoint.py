@@ -1,28 +1,25 @@
-"""Checkpoints: atomic writes, verified reads, every random stream needed for an exact resume, and the
-run's side of it: what last.pt and best.pt hold and when (``Checkpointer``), and the resume policy.
+"""Checkpoints: atomic writes, verified reads, every random stream an exact resume needs, and the run's side of it:
+what last.pt and best.pt hold and when (``Checkpointer``), and the resume policy.
 
-A checkpoint holds only tensors and plain Python values, so ``torch.load(weights_only=True)`` reads
-it with no allowlist and a malicious pickle cannot run code. Every load in this repo goes through
-``load_checkpoint`` below.
+A checkpoint holds only tensors and plain Python values, so ``torch.load(weights_only=True)`` reads it with no
+allowlist and a malicious pickle cannot run code. Every load in this repo goes through ``load_checkpoint``.
 
-Keys (``REQUIRED_KEYS``): format_version, model (state_dict; a LoRA run's holds its adapters only), optimizer
-(state_dict), scaler (GradScaler
-state_dict, empty unless fp16), step (optimizer steps done), time_s (the run's wall clock at that step,
-evals included: a resumed run continues its max_time budget and time schedule), best_val_loss, config (TrainConfig as a
-dict), tokenizer (its description), rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, and data: the training
-stream's state_dict, data.TrainingStream), rng_per_rank (the same for every DDP rank, in rank order; one entry in a
-single process), precision (the dtype the run resolved: float32, bfloat16 or float16), versions (python, torch,
-numpy, tiktoken, git commit and dirty flag), last_eval (the latest eval before the save: step, val_loss, val_bpb;
-in best.pt, the best one; empty until this process has run an eval), corpus (the data trained on: source,
-val_fraction and each split's fingerprint, data.Corpus.record; a resume on other data is refused). A checkpoint of
-an older layout is refused in one line. ``LORA_KEYS``, a LoRA run's only: lora (its base, the base's fingerprint
-and the adapters' shape, training/lora.record; a resume or a sample on
-another base is refused).
+Keys (``REQUIRED_KEYS``): format_version; model (state_dict; a LoRA run's holds its adapters only); optimizer;
+scaler (GradScaler's, empty unless fp16); step (optimizer steps done); time_s (the run's wall clock at that step,
+evals included: a resumed run continues its max_time budget and time schedule); best_val_loss; config (TrainConfig
+as a dict); tokenizer (its description); rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, and data: the
+training stream's state_dict, data.TrainingStream); rng_per_rank (the same for every DDP rank, in rank order; one
+entry in a single process); precision (the dtype the run resolved: float32, bfloat16 or float16); versions (python,
+torch, numpy, tiktoken, git commit and dirty flag); last_eval (the latest eval before the save: step, val_loss,
+val_bpb; in best.pt the best one; empty until this process has run an eval); corpus (data.Corpus.record: source,
+val_fraction and each split's fingerprint; a resume on other data is refused). ``LORA_KEYS``, a LoRA run's only:
+lora (training/lora.record: its base, the base's fingerprint and the adapters' shape; a resume or a sample on
+another base is refused). A checkpoint of an older layout is refused in one line.
 
-On disk a checkpoint is the zip archive torch.save writes, with the sha256 of the archive stored in
-the zip comment (``tinygpt-sha256:<hex>``). Zip readers, torch.load included, ignore the comment;
-``load_checkpoint`` checks it, so a truncated, empty, foreign or bit-flipped file is refused. (The zip
-CRCs alone miss flips in headers and padding, and torch.load checks no CRC at all.)
+On disk a checkpoint is the zip archive torch.save writes, with the archive's sha256 as its zip comment
+(``tinygpt-sha256:<hex>``). Zip readers, torch.load included, ignore the comment; ``load_checkpoint`` checks it, so
+a truncated, empty, foreign or bit-flipped file is refused (the zip CRCs miss flips in headers and padding, and
+torch.load checks no CRC at all).
 """
 from __future__ import annotations
 
@@ -48,13 +45,12 @@ from training import lora
 from process.distributed import Dist, print0
 from process.errors import CheckpointError, CheckpointWriteError
 from process.files import TEMP_MARK, atomic_write
-from model import GPT
 
 FORMAT_VERSION = 2  # 2: time_s added
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss", "config",
                  "tokenizer", "rng", "rng_per_rank", "precision", "versions", "last_eval", "corpus")
 LORA_KEYS = ("lora",)  # written by a LoRA run (lora_rank > 0) only
-
+RNG_STREAMS = ("python", "numpy", "torch_cpu", "torch_cuda", "data")
 
 DIGEST_PREFIX = b"tinygpt-sha256:"
 DIGEST_TRAILER = len(DIGEST_PREFIX) + 64  # bytes of zip comment: the prefix and a hex sha256
@@ -77,11 +73,11 @@ class HashingWriter:
 
 
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:
-    """Write ``state`` to ``path`` atomically (files.atomic_write: a temp file in the same folder, fsync, rename).
+    """Write ``state`` to ``path`` atomically (files.atomic_write), its sha256 as the zip comment.
 
-    A crash or a full disk at any moment leaves either the old file or the new one, never a mix.
-    The temp file is removed if the write fails, then CheckpointWriteError is raised (torch.save
-    reports a full disk as an OSError or a RuntimeError, depending on where it notices).
+    A crash or a full disk at any moment leaves either the old file or the new one, never a mix: the temp file
+    is removed, then CheckpointWriteError is raised (torch.save reports a full disk as an OSError or a
+    RuntimeError, depending on where it notices).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,45 +85,26 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
     def write(f) -> None:
         writer = HashingWriter(f)
         torch.save(state, writer)
-        append_digest(f, writer)
+        if writer.tail[:4] != b"PK\x05\x06" or writer.tail[-2:] != b"\0\0":
+            raise RuntimeError("torch.save did not end its archive with an empty zip comment")
+        f.seek(-2, os.SEEK_END)  # the comment's length, then the comment
+        f.write(DIGEST_TRAILER.to_bytes(2, "little") + DIGEST_PREFIX + writer.sha256.hexdigest().encode())
 
     try:
         atomic_write(path, write)
-    except (OSError, RuntimeError) as err:
-        raise CheckpointWriteError(f"could not write {path} ({write_failure_reason(err)}); the previous "
-                                   f"{path.name} is intact and no temp file is left") from err
-
-
-def append_digest(f, writer: HashingWriter) -> None:
-    """Store the archive's sha256 as its zip comment: rewrite the comment length (the last 2 bytes)."""
-    if writer.tail[:4] != b"PK\x05\x06" or writer.tail[-2:] != b"\0\0":
-        raise RuntimeError("torch.save did not end its archive with an empty zip comment")
-    f.seek(-2, os.SEEK_END)
-    f.write(DIGEST_TRAILER.to_bytes(2, "little") + DIGEST_PREFIX + writer.sha256.hexdigest().encode())
-
-
-def write_failure_reason(err: BaseException) -> str:
-    """'No space left on device' where the OS said so (torch.save may wrap it in a RuntimeError)."""
-    for cause in (err, err.__cause__, err.__context__):
-        if isinstance(cause, OSError) and cause.errno is not None:
-            return os.strerror(cause.errno)
-    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-
-
-def remove_stale_temp_files(folder: Path) -> list[Path]:
-    """Delete temp files left by a save that was killed; returns what was removed."""
-    stale = list(Path(folder).glob(f".*.pt{TEMP_MARK}*")) if Path(folder).is_dir() else []
-    for tmp in stale:
-        tmp.unlink(missing_ok=True)
-    return stale
+    except (OSError, RuntimeError) as err:  # "No space left on device" where the OS said so, however wrapped
+        cause = next((e for e in (err, err.__cause__, err.__context__) if isinstance(e, OSError) and e.errno), None)
+        reason = os.strerror(cause.errno) if cause else (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointWriteError(f"could not write {path} ({reason[:200]}); the previous {path.name} is intact "
+                                   "and no temp file is left") from err
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a checkpoint safely, or raise CheckpointError naming the path and the problem.
 
-    The sha256 in the zip comment is checked before anything is unpickled, and the unpickler only
-    builds tensors and plain values (weights_only=True): a corrupt file is refused, not loaded as
-    silently wrong weights, and a malicious one runs no code.
+    The sha256 in the zip comment is checked before anything is unpickled, and the unpickler only builds
+    tensors and plain values (weights_only=True): a corrupt file is refused, not loaded as silently wrong
+    weights, and a malicious one runs no code.
     """
     path = Path(path)
     if not path.is_file():
@@ -150,8 +127,8 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
 
 
 def read_config(path: Path) -> dict[str, Any] | None:
-    """The config a checkpoint was saved with, read cheaply (memory-mapped, no digest check), or None
-    if the file cannot be read that way. For decisions taken before the full, verified load_checkpoint."""
+    """The config a checkpoint was saved with, read cheaply (memory-mapped, no digest check), or None if the file
+    cannot be read that way. For decisions taken before the full, verified load_checkpoint."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - load_checkpoint will name the problem
@@ -170,13 +147,9 @@ def verify_digest(path: Path) -> None:
                 or eocd[-2:] != DIGEST_TRAILER.to_bytes(2, "little") or not comment.startswith(DIGEST_PREFIX)):
             raise CheckpointError(f"{path}: not a tinygpt checkpoint, or truncated ({size} bytes and no "
                                   "integrity digest at the end)")
-        digest = hashlib.sha256()
+        digest, remaining = hashlib.sha256(), size - DIGEST_TRAILER - 2  # the archive up to its comment length
         f.seek(0)
-        remaining = size - DIGEST_TRAILER - 2  # the archive as torch.save wrote it, up to its comment length
-        while remaining > 0:
-            chunk = f.read(min(1 << 24, remaining))
-            if not chunk:  # shrank under us: the digest will not match
-                break
+        while remaining > 0 and (chunk := f.read(min(1 << 24, remaining))):  # empty: shrank under us, a mismatch
             digest.update(chunk)
             remaining -= len(chunk)
         digest.update(b"\0\0")  # the comment length torch.save wrote
@@ -184,22 +157,15 @@ def verify_digest(path: Path) -> None:
         raise CheckpointError(f"{path}: corrupt checkpoint (sha256 mismatch: the file changed after it was saved)")
 
 
-UNPICKLER_MARKER = "WeightsUnpickler error:"  # where torch.load's weights_only errors put the reason, if anywhere
-
-
 def unpickler_reason(err: Exception) -> str:
-    """What torch.load rejected, in one line; never empty.
-
-    torch (2.6 to 2.13) wraps the unpickler's reason in several lines of advice that all mention
-    weights_only, and puts the reason after "WeightsUnpickler error:" on the same line or a later
-    one, or alone after a blank line (a blocked module). The reason is the first line that is not
-    advice. Other errors (not a pickle at all) are named by their type.
-    """
+    """What torch.load rejected, in one line, never empty; an error that is no refusal (not a pickle at all) is
+    named by its type. torch (2.6 to 2.13) wraps the reason in lines of advice that all mention weights_only, after
+    "WeightsUnpickler error:" on the same line or a later one, or alone after a blank line (a blocked module)."""
     text = str(err)
     if not text.startswith("Weights only load failed"):
         first = next((line.strip() for line in text.splitlines() if line.strip()), "")
         return f"{type(err).__name__}: {first}"[:300] if first else type(err).__name__
-    lines = [line.split(UNPICKLER_MARKER)[-1].removeprefix("Weights only load failed.").strip()
+    lines = [line.split("WeightsUnpickler error:")[-1].removeprefix("Weights only load failed.").strip()
              for line in text.splitlines()]
     reason = next((line for line in lines if line and "weights_only" not in line
                    and not line.startswith("This file can still be loaded")), "")
@@ -211,8 +177,7 @@ def unpickler_reason(err: Exception) -> str:
 
 
 def capture_rng(stream: TrainingStream) -> dict[str, Any]:
-    """Every random stream the training run reads: python, numpy, torch CPU and CUDA, and where the training
-    stream is (its state_dict: its generator, and for a loader with epochs, the epoch and position)."""
+    """Every random stream the training run reads (RNG_STREAMS), the training stream's position included."""
     np_state = np.random.get_state()
     return {
         "python": random.getstate(),
@@ -224,15 +189,11 @@ def capture_rng(stream: TrainingStream) -> dict[str, Any]:
     }
 
 
-RNG_STREAMS = ("python", "numpy", "torch_cpu", "torch_cuda", "data")
-
-
 def restore_rng(rng: dict[str, Any], stream: TrainingStream) -> None:
     """Put every random stream back; refuse a checkpoint that lacks one (an inexact resume)."""
     missing = [name for name in RNG_STREAMS if name not in rng]
     if missing:
-        raise CheckpointError(f"checkpoint lacks RNG state for {', '.join(missing)}; "
-                              "resuming would not be exact")
+        raise CheckpointError(f"checkpoint lacks RNG state for {', '.join(missing)}; resuming would not be exact")
     version, state, gauss = rng["python"]
     random.setstate((version, tuple(state), gauss))
     name, keys, pos, has_gauss, cached = rng["numpy"]
@@ -241,15 +202,6 @@ def restore_rng(rng: dict[str, Any], stream: TrainingStream) -> None:
     if torch.cuda.is_available() and rng["torch_cuda"]:
         torch.cuda.set_rng_state_all(rng["torch_cuda"])
     stream.load_state_dict(rng["data"])
-
-
-def library_versions() -> dict[str, Any]:
-    """Versions that decide whether a run reproduces: interpreter, libraries, code commit."""
-    import tiktoken
-    return {"python": platform.python_version(), "torch": str(torch.__version__), "numpy": np.__version__,
-            "tiktoken": tiktoken.__version__, **git_state()}
-
-
 
 
 def git(*args: str, cwd: Path = REPO) -> str:
@@ -268,53 +220,31 @@ def git_state() -> dict[str, Any]:
             "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
-# ----------------------------------------------------------------------------- what a run saves, and its resume
-def checkpoint_state(model: GPT, optimizer, scaler, step: int, time_s: float, best_val: float, cfg: TrainConfig,
-                     tokenizer_meta: dict, rng_per_rank: list[dict[str, Any]], dtype: torch.dtype,
-                     last_eval: dict[str, float], corpus: dict[str, Any],
-                     lora_record: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything a resume needs; built from the uncompiled model so keys carry no _orig_mod.
-
-    A LoRA run (``lora_record``, training/lora.record) saves its adapters and the record, not the frozen base:
-    the base is imported again from init_from, and the record's fingerprint says whether it is the same.
-
-    ``rng_per_rank`` holds every rank's random streams (one entry in a single-process run);
-    "rng" repeats rank 0's so that single-process readers need not know about ranks. "precision"
-    is the dtype the run resolved (config's dtype may say "auto").
-    """
-    weights = lora.adapter_state(model) if lora_record else model.state_dict()
-    return {"format_version": FORMAT_VERSION, "model": weights, **({"lora": lora_record} if lora_record else {}),
-            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step,
-            "time_s": time_s, "best_val_loss": best_val, "config": as_dict(cfg), "tokenizer": tokenizer_meta,
-            "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank, "precision": dtype_name(dtype),
-            "versions": library_versions(), "last_eval": last_eval, "corpus": corpus}
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def restore_weights(path: Path, state: dict[str, Any], model: GPT, lora_record: dict[str, Any] | None) -> None:
-    """The checkpoint's weights into the run's model: every weight, or a LoRA run's adapters once the base
-    imported now is the one they were trained on (its fingerprint)."""
-    if lora_record is None:
-        model.load_state_dict(state["model"])
-        return
-    lora.check_base(state["lora"], lora_record["fingerprint"], str(path))
-    lora.load_adapter_state(model, state["model"], str(path))
-
-
-def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokenizer_meta: dict, fp16_scaler: bool,
+# ----------------------------------------------------------------------------- what a run saves, and its resume
+def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus, fp16_scaler: bool,
                     dtype: torch.dtype) -> None:
-    """Refuse a checkpoint this run cannot continue (shape, tokenizer, optimizer, scaler); warn where
-    it can continue but not exactly as the run that was stopped."""
+    """Refuse a checkpoint this run cannot continue (shape, tokenizer, optimizer, scaler, data); warn where it
+    can continue but not exactly as the run that was stopped. Other data (``corpus``, a data.Corpus) is refused:
+    another train split is not the run that was stopped, and another val split would compare best_val_loss, and
+    pick best.pt, across different sets."""
     changes = resume_changes(state["config"], cfg)
     differences = changes["fixed"]
-    if state["tokenizer"] != tokenizer_meta:
+    if state["tokenizer"] != corpus.meta["tokenizer"]:
         differences.append("tokenizer vocabulary differs from the current corpus")
     if differences:
         raise CheckpointError(f"{path} was trained with other settings: " + "; ".join(differences)
                               + ". Use the same settings or a new --out_dir")
+    saved, now = state["corpus"], corpus.record()
+    changed = [split for split in ("train", "val") if saved["fingerprint"].get(split) != now["fingerprint"][split]]
+    if changed:
+        raise CheckpointError(
+            f"{path} was trained on {saved['source']} (val_fraction {saved['val_fraction']}), this run reads "
+            f"{now['source']} (val_fraction {now['val_fraction']}): its {' and '.join(changed)} split differs. "
+            "Resume with the same --data_path and --val_fraction, or start a new --out_dir")
     if bool(state["scaler"]) != fp16_scaler:  # fp16 <-> bf16/fp32: the scaler state cannot follow
         raise CheckpointError(f"{path} was trained in {state['precision']}, now {dtype_name(dtype)}; fp16 runs "
                               "carry a grad scaler, others do not: resume with --dtype " + state["precision"])
@@ -326,23 +256,10 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, tokeniz
                "from here on, so this is not the run the checkpoint started")
 
 
-def check_same_corpus(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
-    """Refuse to resume on other data (Corpus.record of each): another train split is not the run that was
-    stopped, and another val split would compare best_val_loss, and pick best.pt, across different sets."""
-    changed = [split for split in ("train", "val") if saved["fingerprint"].get(split) != now["fingerprint"][split]]
-    if changed:
-        raise CheckpointError(
-            f"{path} was trained on {saved['source']} (val_fraction {saved['val_fraction']}), this run reads "
-            f"{now['source']} (val_fraction {now['val_fraction']}): its {' and '.join(changed)} split differs. "
-            "Resume with the same --data_path and --val_fraction, or start a new --out_dir")
-
-
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Restore the moments from a checkpoint but keep this run's hyperparameters.
-
-    load_state_dict also brings back the saved param-group settings (weight decay, betas, lr_scale);
-    a resume with a new --muon_lr or --weight_decay must run with it, not silently with the old one.
-    """
+    """Restore the moments from a checkpoint but keep this run's hyperparameters: load_state_dict also brings
+    back the saved param-group settings (weight decay, betas, lr_scale), and a resume with a new --muon_lr or
+    --weight_decay must run with it, not silently with the old one."""
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, mine in zip(optimizer.param_groups, settings):
@@ -358,8 +275,7 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
-        """``run``: a train.Run, whose model, optimizer, scaler, guard, training stream and corpus a checkpoint holds.
-        Makes out_dir and removes the temp files a killed save left there."""
+        """``run``: a train.Run (its model, optimizer, scaler, guard, training stream and corpus)."""
         self.out_dir, self.cfg, self.ddp = out_dir, cfg, ddp
         self.model, self.optimizer, self.scaler, self.guard = run.model, run.optimizer, run.scaler, run.guard
         self.stream, self.corpus, self.dtype = run.stream, run.corpus, run.rt.dtype
@@ -368,7 +284,8 @@ class Checkpointer:
         # A LoRA run: what its checkpoints say of the base (hashed once: it is frozen) beside the adapters.
         self.lora = lora.record(self.model, cfg.init_from, lora.base_fingerprint(self.model)) if cfg.lora_rank else None
         out_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_temp_files(out_dir)  # left by a save that was killed
+        for stale in out_dir.glob(f".*.pt{TEMP_MARK}*"):  # left by a save that was killed
+            stale.unlink(missing_ok=True)
 
     def resume(self) -> tuple[int, float, float]:
         """Load last.pt into the run: (step, seconds spent, best val loss). Refuses a checkpoint of another shape,
@@ -376,9 +293,12 @@ class Checkpointer:
         its own random streams (distributed.rank_rng_state)."""
         path, cfg = self.out_dir / "last.pt", self.cfg
         state = load_checkpoint(path)
-        check_resumable(path, state, cfg, self.corpus.meta["tokenizer"], self.scaler.is_enabled(), self.dtype)
-        check_same_corpus(path, state["corpus"], self.corpus.record())
-        restore_weights(path, state, self.model, self.lora)
+        check_resumable(path, state, cfg, self.corpus, self.scaler.is_enabled(), self.dtype)
+        if self.lora is None:
+            self.model.load_state_dict(state["model"])
+        else:  # the adapters, once the base imported now is the one they were trained on (its fingerprint)
+            lora.check_base(state["lora"], self.lora["fingerprint"], str(path))
+            lora.load_adapter_state(self.model, state["model"], str(path))
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         rng = distributed.rank_rng_state(state, self.ddp)
@@ -401,9 +321,23 @@ class Checkpointer:
         self.saved_step = step
         with distributed.stop_together(self.ddp.device):  # rank 0's write failing (disk full) stops every rank
             if self.ddp.is_main:
-                state = checkpoint_state(self.model, self.optimizer, self.scaler, step, time_s, best_val, self.cfg,
-                                         self.corpus.meta["tokenizer"], rng_per_rank, self.dtype, self.last_eval,
-                                         self.corpus.record(), self.lora)
+                state = self.state(step, time_s, best_val, rng_per_rank)
                 if is_best:
                     save_checkpoint(state, self.out_dir / "best.pt")
                 save_checkpoint(state, self.out_dir / "last.pt")
+
+    def state(self, step: int, time_s: float, best_val: float, rng_per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+        """Everything a resume needs, from the uncompiled model so keys carry no _orig_mod. A LoRA run saves its
+        adapters and lora.record, not the frozen base: the base is imported again from init_from, and the record's
+        fingerprint says whether it is the same. "rng" repeats rank 0's "rng_per_rank" entry, so single-process
+        readers need not know about ranks; "precision" is the dtype the run resolved (config's may say "auto")."""
+        import tiktoken
+        versions = {"python": platform.python_version(), "torch": str(torch.__version__), "numpy": np.__version__,
+                    "tiktoken": tiktoken.__version__, **git_state()}
+        weights = lora.adapter_state(self.model) if self.lora else self.model.state_dict()
+        return {"format_version": FORMAT_VERSION, "model": weights, **({"lora": self.lora} if self.lora else {}),
+                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), "step": step,
+                "time_s": time_s, "best_val_loss": best_val, "config": as_dict(self.cfg),
+                "tokenizer": self.corpus.meta["tokenizer"], "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
+                "precision": dtype_name(self.dtype), "versions": versions, "last_eval": self.last_eval,
+                "corpus": self.corpus.record()}

@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 
-
 from process import distributed
 from process.errors import EXIT_INTERRUPTED, EXIT_PEER_LOST, RunStopped, TinyGPTError
 
@@ -18,15 +17,14 @@ from process.errors import EXIT_INTERRUPTED, EXIT_PEER_LOST, RunStopped, TinyGPT
 class StopOnSignal:
     """A context manager that turns SIGINT and SIGTERM into a request to stop after the current step.
 
-    The loop checks ``requested`` after each optimizer step, saves last.pt and raises ``error()``.
-    Later signals only print a note, so a second Ctrl-C cannot interrupt the save (SIGKILL can, and
-    is harmless: saves are atomic). On exit the previous handlers come back, unless a stop was
-    requested: then SIGINT and SIGTERM stay ignored, because the process is on its way out with
-    130/143 and a supervisor's repeated SIGTERM during shutdown (torch's teardown takes ~0.7 s) would
-    otherwise kill it by the signal (-15), which reads as a crash, not a preemption. (Footgun: an
-    in-process caller that carries on after a stop must put its handlers back itself.) Outside the
-    main thread Python cannot install handlers, so there it does nothing. Under DDP the ranks must
-    agree on the step to stop at: all-reduce ``requested`` where the loop syncs anyway.
+    The loop checks ``requested`` after each optimizer step, saves last.pt and raises ``error()``. Later signals
+    only print a note, so a second Ctrl-C cannot interrupt the save (SIGKILL can, harmlessly: saves are atomic).
+    On exit the previous handlers come back, unless a stop was requested: then SIGINT and SIGTERM stay ignored,
+    as the process is on its way out with 130/143 and a supervisor's repeated SIGTERM during shutdown (torch's
+    teardown takes ~0.7 s) would kill it by the signal (-15), which reads as a crash, not a preemption (footgun:
+    an in-process caller that carries on after a stop must put its handlers back itself). Outside the main thread
+    it does nothing (Python cannot install handlers there). Under DDP the ranks agree on the step to stop at
+    (distributed.agree).
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)

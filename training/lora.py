@@ -87,12 +87,6 @@ class TrainedRowsHead(nn.Module):
         return nn.functional.linear(x, self.rows.weight())
 
 
-def train_rows(model: GPT, ids: list[int]) -> None:
-    """Make the embedding rows of ``ids`` (and so their logits' rows, tied) train beside the adapters."""
-    rows = TrainedRows(model.transformer.wte, model.lm_head, sorted(ids))
-    model.transformer.wte, model.lm_head = rows, TrainedRowsHead(rows)
-
-
 def add_adapters(model: GPT, rank: int, alpha: float, dropout: float, targets: str | tuple[str, ...],
                  rows: list[int] | tuple[int, ...] = ()) -> GPT:
     """Freeze every weight of ``model`` and wrap each target Linear of every block in a LoRALinear, in place;
@@ -108,8 +102,9 @@ def add_adapters(model: GPT, rank: int, alpha: float, dropout: float, targets: s
         for name in names:
             parent, attr = block.get_submodule(name.split(".")[0]), name.split(".")[1]
             setattr(parent, attr, LoRALinear(getattr(parent, attr), rank, alpha, dropout))
-    if rows:
-        train_rows(model, list(rows))
+    if rows:  # their logits' rows train too: the weight is tied
+        trained = TrainedRows(model.transformer.wte, model.lm_head, sorted(rows))
+        model.transformer.wte, model.lm_head = trained, TrainedRowsHead(trained)
     return model
 
 
@@ -125,19 +120,15 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
     """Copy saved adapters into an adapted model; CheckpointError unless the names match exactly."""
-    mine = adapter_state(model)
-    if mine.keys() != state.keys():
-        odd = sorted(mine.keys() ^ state.keys())
+    if odd := sorted(adapter_state(model).keys() ^ state.keys()):
         raise CheckpointError(f"{where}: its adapters do not fit this model (first mismatch: {odd[0]}); the rank or "
                               "targets differ")
     model.load_state_dict(state, strict=False)  # strict=False: the base's weights are not in ``state``
 
 
 def merge(model: GPT) -> GPT:
-    """A plain GPT computing what the adapted ``model`` computes: each W + scale * B A, adapters gone.
-
-    A copy: ``model`` keeps its adapters (deepcopy keeps the tied wte / lm_head weight one tensor).
-    """
+    """A plain GPT computing what the adapted ``model`` computes: each W + scale * B A, adapters gone. A copy:
+    ``model`` keeps its adapters (deepcopy keeps the tied wte / lm_head weight one tensor)."""
     return fold(copy.deepcopy(model))
 
 
@@ -159,11 +150,9 @@ def fold(model: GPT) -> GPT:
 
 
 def base_fingerprint(model: nn.Module) -> str:
-    """sha256 of the base weights (every parameter but the adapters, in model order, as fp32 bytes).
-
-    The same for the plain base and for it adapted, on any device; one pass of sha256 over the weights, cheap
-    next to importing them. The tied wte / lm_head weight counts once (named_parameters gives a shared tensor once).
-    """
+    """sha256 of the base weights (every parameter but the adapters, in model order, as fp32 bytes): the same
+    for the plain base and for it adapted, on any device, and cheap next to importing them. The tied wte /
+    lm_head weight counts once (named_parameters gives a shared tensor once)."""
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
         if not any(key in f".{name}" for key in ADAPTER_KEYS):
@@ -177,8 +166,6 @@ def record(model: GPT, base: str, fingerprint: str) -> dict[str, Any]:
     """What a LoRA checkpoint says beside its adapters: where the base came from and its fingerprint, and the
     adapters' shape (rank, alpha, dropout, targets), read from the adapted ``model``."""
     layers = list(adapters(model).values())
-    if not layers:
-        raise ValueError("record(): the model has no adapters")
     targets = tuple(dict.fromkeys(name.split(".", 3)[3] for name in adapters(model)))  # "attn.c_attn", in order
     rows = model.transformer.wte.ids.tolist() if isinstance(model.transformer.wte, TrainedRows) else []
     return {"base": base, "fingerprint": fingerprint, "rank": layers[0].rank, "alpha": layers[0].alpha,
@@ -207,23 +194,14 @@ def load_adapted(state: dict[str, Any], base_model: GPT, where: str = "checkpoin
 
 
 # ----------------------------------------------------------------------------- PEFT's format
-def peft_config(saved: dict[str, Any]) -> dict[str, Any]:
-    """adapter_config.json for a record(): GPT-2's four matrices are transformers Conv1D layers, (in, out),
-    hence fan_in_fan_out. PEFT fills every field left out with its default."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": saved["rank"], "lora_alpha": saved["alpha"],
-            "lora_dropout": saved["dropout"], "target_modules": list(saved["targets"]), "fan_in_fan_out": True,
-            "bias": "none", "base_model_name_or_path": saved["base"], "inference_mode": True}
-
-
-def to_peft(adapter_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Adapters (adapter_state's names) under PEFT's names. No transpose: PEFT's lora_A / lora_B are nn.Linear
-    layers whatever the base (A (rank, in), B (out, rank), as ours); fan_in_fan_out transposes only the Conv1D
-    base weight, when PEFT merges."""
-    return {PEFT_PREFIX + name: t.detach().float().contiguous().clone() for name, t in adapter_weights.items()}
-
-
 def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
-    """A LoRA checkpoint's adapters as PEFT's adapter_config.json and adapter_model.safetensors in ``folder``."""
+    """A LoRA checkpoint's adapters as PEFT's adapter_config.json and adapter_model.safetensors in ``folder``.
+
+    The weights keep our names under PEFT's prefix, untransposed: PEFT's lora_A / lora_B are nn.Linear layers
+    whatever the base (A (rank, in), B (out, rank), as ours). GPT-2's four matrices are transformers Conv1D
+    layers, (in, out), hence fan_in_fan_out, which transposes only the base weight when PEFT merges. PEFT fills
+    every config field left out with its default.
+    """
     from safetensors.torch import save_file
 
     if "lora" not in state:
@@ -234,6 +212,11 @@ def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
                               "markers), which PEFT's LoRA files do not hold; export the merged model (drop --peft)")
     folder.mkdir(parents=True, exist_ok=True)
     weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
-    save_file(to_peft(state["model"]), str(weights), metadata={"format": "pt"})
-    config.write_text(json.dumps(peft_config(state["lora"]), indent=1) + "\n", encoding="utf-8")
+    save_file({PEFT_PREFIX + name: t.detach().float().contiguous().clone() for name, t in state["model"].items()},
+              str(weights), metadata={"format": "pt"})
+    saved = state["lora"]
+    peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": saved["rank"], "lora_alpha": saved["alpha"],
+            "lora_dropout": saved["dropout"], "target_modules": list(saved["targets"]), "fan_in_fan_out": True,
+            "bias": "none", "base_model_name_or_path": saved["base"], "inference_mode": True}
+    config.write_text(json.dumps(peft, indent=1) + "\n", encoding="utf-8")
     return [config, weights]

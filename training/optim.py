@@ -7,16 +7,14 @@ keys (its Literals; tests/test_training_options.py checks they match), and which
 config.USED_ONLY_UNDER, checked by perturbing every field. docs/experiments.md, "Adding a training option",
 walks through adding a row. ``NonFiniteGuard`` watches every step for a non-finite loss or gradient.
 
-Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; Liu et al. 2025, "Muon is
-Scalable for LLM Training") replaces the update of a 2-D hidden weight by the semi-orthogonal matrix
-nearest its momentum (five Newton-Schulz iterations): every direction of the matrix moves at the
-same rate, instead of a few dominant ones. It is meant for hidden matrices only; the embedding (tied
-to the output head), the position table and the norm gains stay on AdamW. On the `small` preset it
-reaches in 2600 steps the val loss AdamW reaches in 5200 (docs/performance.md, "Time to quality").
-torch.optim.Muon does the maths, with one change (``Muon`` below): the Newton-Schulz iteration runs in
-the precision the run computes in. torch's runs it in bf16 always, which is fast on GPUs and on CPUs
-with AVX512-BF16 or AMX, but is emulated elsewhere: on a 2-core AMD EPYC without AVX-512 a bf16 matmul
-ran at 1 GFLOP/s against 98 in fp32, and the `small` preset's step took 1.1 s instead of ~0.1 s.
+Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; Liu et al. 2025, "Muon is Scalable for
+LLM Training") replaces the update of a 2-D hidden weight by the semi-orthogonal matrix nearest its momentum (five
+Newton-Schulz iterations): every direction of the matrix moves at the same rate, instead of a few dominant ones.
+The embedding (tied to the output head), the position table and the norm gains stay on AdamW. On the `small`
+preset it reaches in 2600 steps the val loss AdamW reaches in 5200 (docs/performance.md, "Time to quality").
+torch.optim.Muon does the maths, with one change (``Muon`` below): the Newton-Schulz iteration runs in the run's
+precision, not always in bf16, which is emulated on CPUs without AVX512-BF16 or AMX: on a 2-core AMD EPYC
+without AVX-512 a bf16 matmul ran at 1 GFLOP/s against 98 in fp32 (the `small` step: 1.1 s instead of ~0.1 s).
 """
 from __future__ import annotations
 
@@ -33,11 +31,6 @@ if TYPE_CHECKING:  # annotations only
 
 
 # ----------------------------------------------------------------------------- optimizers
-def fused_here(device: torch.device) -> bool:
-    """Fused AdamW kernels exist for CPU and CUDA (torch >= 2.4)."""
-    return device.type in ("cuda", "cpu")
-
-
 def adamw_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
     """Decay on matrices and embeddings (dim >= 2) only, never on gains and biases. Every group carries
     "lr_scale", its peak lr over learning_rate, which the schedule multiplies (train.set_lr)."""
@@ -45,11 +38,14 @@ def adamw_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0}]
 
 
-def build_adamw(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> torch.optim.AdamW:
-    """torch's AdamW (decoupled weight decay, Loshchilov & Hutter 2019), fused where it can be."""
-    params = [p for p in model.parameters() if p.requires_grad]  # the tied wte/lm_head weight once
+def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """torch's AdamW (decoupled weight decay, Loshchilov & Hutter 2019), fused (CPU and CUDA kernels, torch >= 2.4)."""
     return torch.optim.AdamW(adamw_groups(params, cfg.weight_decay), lr=cfg.learning_rate,
-                             betas=(cfg.beta1, cfg.beta2), fused=fused_here(device))
+                             betas=(cfg.beta1, cfg.beta2), fused=device.type in ("cuda", "cpu"))
+
+
+def build_adamw(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> torch.optim.AdamW:
+    return adamw([p for p in model.parameters() if p.requires_grad], cfg, device)  # the tied wte/lm_head once
 
 
 def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> MuonAdamW:
@@ -62,12 +58,10 @@ def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.
     hidden = [p for p in model.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]
     on_muon = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in on_muon]
-    adamw = torch.optim.AdamW(adamw_groups(rest, cfg.weight_decay), lr=cfg.learning_rate,
-                              betas=(cfg.beta1, cfg.beta2), fused=fused_here(device))
     muon = Muon([{"params": hidden, "lr_scale": cfg.muon_lr / cfg.learning_rate}],
                 ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
                 lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=0.95)
-    return MuonAdamW(adamw, muon)
+    return MuonAdamW(adamw(rest, cfg, device), muon)
 
 
 OPTIMIZERS = {"adamw": build_adamw, "muon": build_muon}  # config.TrainConfig.optimizer's values
@@ -214,15 +208,14 @@ class NonFiniteGuard:
     """Stops a run at its first non-finite step without a host sync per step; nothing non-finite is ever saved.
 
     ``check`` records on the device the first step whose loss or gradient norm is not finite (two isfinite ops);
-    the host reads that record only where the loop syncs anyway (log lines, evals, saves: ``raise_if_tripped``)
-    and stops the run there, naming the step. The steps in between run on (at most log_interval - 1 of them),
-    so the weights in memory may hold NaN when the run stops; a save checks first, so last.pt and best.pt hold
-    the last finite state. Checking every step instead would cost a sync per step on CUDA, which stalls the
-    host's run-ahead (the data loading and kernel launches of the next step).
+    the host reads it only where the loop syncs anyway (log lines, evals, saves: ``raise_if_tripped``) and stops
+    the run there, naming the step. The steps in between (at most log_interval - 1) run on, so the weights in
+    memory may hold NaN when the run stops; a save checks first, so last.pt and best.pt hold the last finite
+    state. A sync per step would stall the host's run-ahead on CUDA (the next step's data and kernel launches).
 
     fp16: GradScaler skips a step whose gradients overflow and halves its scale (its normal way of finding the
-    scale). The guard counts consecutive skips on the device and stops the run at the next sync once
-    ``max_skipped`` are reached: a scale fallen by 2**max_skipped means the model diverged.
+    scale); the guard counts consecutive skips and stops the run once ``max_skipped`` are reached: a scale
+    fallen by 2**max_skipped means the model diverged.
     """
 
     def __init__(self, scaler: torch.amp.GradScaler, max_skipped: int, device: torch.device):

@@ -20,15 +20,16 @@ import torch
 from process.distributed import decide_on_main, pick_device, print0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BF16_MIN_SPEEDUP = 1.5  # CPU autocast to bf16 only when its matmuls are at least this much faster
 
 
 def pick_dtype(requested: str, device: torch.device,
                probe_shape: tuple[int, int, int] = (768, 128, 512)) -> torch.dtype:
-    """bf16 on CUDA where supported, else fp16; on CPU bf16 only where a probe finds it faster.
+    """bf16 on CUDA where supported, else fp16; on CPU bf16 only where a probe finds it faster; MPS fp32.
 
-    The CPU probe times one (M, K) @ (K, N) matmul of ``probe_shape`` (pass the model's own shape:
-    batch*block, n_embd, 4*n_embd) in both precisions, ~0.2 s, and prints what it chose and why.
-    MPS stays fp32. The choice is machine dependent: pin --dtype where results must be reproducible.
+    The CPU probe times one (M, K) @ (K, N) matmul of ``probe_shape`` (run_dtype passes the model's own)
+    in both precisions, ~0.2 s, and prints what it chose and why. The choice is machine dependent: pin
+    --dtype where results must be reproducible.
     """
     if requested != "auto":
         return DTYPES[requested]
@@ -46,18 +47,10 @@ def pick_dtype(requested: str, device: torch.device,
     return torch.float32
 
 
-BF16_MIN_SPEEDUP = 1.5  # CPU autocast to bf16 only when its matmuls are at least this much faster
-
-
-def dtype_probe_shape(cfg) -> tuple[int, int, int]:
-    """The matmul dtype=auto times on a CPU: the MLP's first, at the run's tokens per micro-batch."""
-    return cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd
-
-
 def run_dtype(cfg, device: torch.device) -> torch.dtype:
-    """The precision a run of ``cfg`` computes in on ``device``: the one train.py, bench.py, the doctor and
-    compare.py all use, so a benchmark or a diagnosis is of the precision the run trains in."""
-    return pick_dtype(cfg.dtype, device, dtype_probe_shape(cfg))
+    """The precision a run of ``cfg`` computes in on ``device``, the one train.py, bench.py, the doctor and
+    compare.py all use; dtype=auto on a CPU times the MLP's first matmul at the run's tokens per micro-batch."""
+    return pick_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
 
 
 @dataclass(frozen=True)
@@ -83,10 +76,9 @@ def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
 
 def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Module:
     """The model compiled as rt says (compile_or_eager), probed with one forward/backward of the training
-    ``stream``'s (a data.TrainingStream) first batch under the step's autocast: the graph compiled is the one the
-    step runs (no recompile at step 1), and compile errors surface here, not mid-run. The probe moves no random
-    stream: its batch comes from a copy of the stream (first_batch), and compile_or_eager forks the global RNG
-    around it (dropout draws from it), so a compiled run resumes as exactly as an eager one."""
+    ``stream``'s first batch under the step's autocast: the graph compiled is the one the step runs (no recompile
+    at step 1), and compile errors surface here, not mid-run. The probe moves no random stream (a copy of the
+    stream's first batch, the global RNG forked), so a compiled run resumes as exactly as an eager one."""
     def probe(m: torch.nn.Module) -> None:
         x, y = stream.first_batch()  # (B, T) each
         with torch.autocast(rt.device.type, dtype=rt.dtype, enabled=rt.dtype != torch.float32):
@@ -98,10 +90,8 @@ def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Mo
 
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", seconds: float = 0.1) -> float:
-    """Measured GFLOP/s of an (m, k) @ (k, n) matmul: median of repeated timings after a warm-up.
-
-    Uses its own generator, so it never moves the global random stream.
-    """
+    """Measured GFLOP/s of an (m, k) @ (k, n) matmul: median of repeated timings after a warm-up. Its own
+    generator: it never moves the global random stream."""
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(m, k, generator=gen, device=device).to(dtype)  # (m, k)
     b = torch.randn(k, n, generator=gen, device=device).to(dtype)  # (k, n)
@@ -120,7 +110,6 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
 
 def use_threads(threads: int) -> int:
     """torch.set_num_threads(threads) unless 0 (torch's default: one per core); returns the count in force.
-
     Two jobs on a 2-core machine each want one: with torch's default both spin two OpenMP threads, and
     each op waits at a barrier for a thread the other job has descheduled (docs/performance.md)."""
     if threads > 0:
@@ -145,10 +134,8 @@ def want_compile(setting: str, device: torch.device) -> bool:
 
 def compile_or_eager(model: torch.nn.Module, enabled: bool, probe: Callable[[torch.nn.Module], None]):
     """torch.compile the model and prove it works on ``probe``; on any failure warn once, run eager.
-
-    Compilation errors surface at the first call, not at torch.compile(), hence the probe. The probe
-    runs under fork_rng so that it leaves every random stream exactly where it found it.
-    """
+    Compilation errors surface at the first call, not at torch.compile(), hence the probe; it runs under
+    fork_rng, so it leaves every random stream exactly where it found it."""
     if not enabled:
         return model
     # The probe is where compiling happens, silently: say so first, or a long compile looks like a hang.
@@ -168,9 +155,9 @@ def compile_or_eager(model: torch.nn.Module, enabled: bool, probe: Callable[[tor
     return compiled
 
 
-# Peak dense (no structured sparsity) tensor-core FLOP/s in bf16/fp16 with fp32 accumulation, the
-# mode PyTorch autocast uses, from NVIDIA's datasheets; first matching pattern wins, so the more
-# specific names come first. Where a datasheet gives only the "with sparsity" figure, dense is half.
+# Peak dense (no structured sparsity) tensor-core FLOP/s in bf16/fp16 with fp32 accumulation, the mode autocast
+# uses, from NVIDIA's datasheets; the first matching pattern wins, so more specific names come first. Where a
+# datasheet gives only the "with sparsity" figure, dense is half.
 PEAK_FLOPS_16BIT: tuple[tuple[str, float], ...] = (
     (r"H200 NVL", 835.5e12),  # H200 datasheet (NVL column): 1,671 TFLOPS with sparsity
     (r"H200", 989.5e12),  # H200 datasheet (SXM): 1,979 TFLOPS with sparsity
@@ -185,23 +172,15 @@ PEAK_FLOPS_16BIT: tuple[tuple[str, float], ...] = (
     (r"V100.*PCIE", 112e12),  # V100 datasheet (PCIe): 112
     (r"V100", 125e12),  # V100 datasheet (SXM2): 125
 )
-NO_BF16 = ("V100",)  # Volta tensor cores do fp16 only; bf16 there is emulated, so no peak applies
 
 
 def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
-    """Datasheet peak dense FLOP/s of one GPU in ``dtype``, or None when we do not know it.
-
-    None for fp32 (the table holds 16-bit peaks only), for devices not in the table, and for bf16 on
-    GPUs without bf16 tensor cores: an MFU against a guessed peak would be a made-up number.
-    """
-    if dtype not in (torch.bfloat16, torch.float16):
+    """Datasheet peak dense FLOP/s of one GPU in ``dtype``, or None: for fp32 (the table holds 16-bit peaks only),
+    for devices not in the table, and for bf16 on Volta (V100: fp16 tensor cores only, bf16 is emulated). An MFU
+    against a guessed peak would be a made-up number."""
+    if dtype not in (torch.bfloat16, torch.float16) or (dtype == torch.bfloat16 and "V100" in device_name):
         return None
-    if dtype == torch.bfloat16 and any(name in device_name for name in NO_BF16):
-        return None
-    for pattern, flops in PEAK_FLOPS_16BIT:
-        if re.search(pattern, device_name, re.IGNORECASE):
-            return flops
-    return None
+    return next((flops for pattern, flops in PEAK_FLOPS_16BIT if re.search(pattern, device_name, re.IGNORECASE)), None)
 
 
 def device_name(device: torch.device) -> str:
@@ -210,11 +189,8 @@ def device_name(device: torch.device) -> str:
 
 def mfu(flops_per_token: float, tokens_per_s: float, device: torch.device, dtype: torch.dtype,
         world_size: int = 1) -> float | None:
-    """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, app. B): achieved / peak FLOP/s.
-
-    ``tokens_per_s`` is the throughput of the whole job, spread over ``world_size`` GPUs. None
-    (shown as "n/a") on CPU, MPS, unknown GPUs and fp32.
-    """
+    """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, app. B): achieved / peak FLOP/s. ``tokens_per_s``
+    is the whole job's, spread over ``world_size`` GPUs. None ("n/a") on CPU, MPS, unknown GPUs and fp32."""
     peak = peak_flops(device_name(device), dtype) if device.type == "cuda" else None
     if peak is None:
         return None

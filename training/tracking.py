@@ -1,24 +1,23 @@
-"""Experiment tracking behind one seam: Weights & Biases with --wandb, a null object without.
+"""The run's records: log lines, metrics.jsonl, and experiment tracking behind one seam (Weights & Biases with
+--wandb, a null object without), so the loop calls ``tracker.log(record)`` and never asks which it holds
+(nanochat's DummyWandb). wandb gets metrics.jsonl's records, with the same keys and steps.
 
     python train.py --config small --wandb    # online if wandb finds an API key, else offline: never a prompt
 
-train.py's MetricsLog calls ``tracker.log(record)`` and ``tracker.finish()`` and never asks which
-tracker it holds (nanochat's DummyWandb). The records are metrics.jsonl's, with the same keys and steps.
-
 wandb never blocks or crashes a run:
-  - mode: WANDB_MODE if it is set; otherwise online when wandb finds an API key (WANDB_API_KEY,
-    .netrc or its settings file) without prompting (``wandb.login(prompt=False)``, what wandb 0.31
-    names as the replacement of the deprecated ``wandb.api.api_key``), offline when it finds none.
-    An offline run says in one line where it was written and the ``wandb sync`` command to upload it.
-  - online, it first says it is checking the server and asks it once (reachable_mode, PROBE_TIMEOUT):
-    a server that does not answer means offline at once, with that line; and wandb.init may take
-    INIT_TIMEOUT seconds, not wandb's silent 90.
+  - mode: WANDB_MODE if it is set; otherwise online when wandb finds an API key (WANDB_API_KEY, .netrc or its
+    settings file) without prompting (``wandb.login(prompt=False)``, wandb 0.31's replacement of the deprecated
+    ``wandb.api.api_key``), offline when it finds none. An offline run says in one line where it was written and
+    the ``wandb sync`` command to upload it.
+  - online, it first says it is checking the server and asks it once (reachable_mode, PROBE_TIMEOUT): a server
+    that does not answer means offline at once, with that line; and wandb.init may take INIT_TIMEOUT seconds,
+    not wandb's silent 90.
   - a wandb that cannot start is a ConfigError before the first step (exit 2), not a traceback.
-  - ``--resume`` continues the same wandb run: its id is kept in out_dir/wandb_id. The steps a killed
-    run logged after its last.pt are redone on resume; the run already holds them and wandb's steps
-    only grow, so they are not sent again. The chart keeps the first values: the same losses (resume
-    is bit-exact), other timings. Offline, each process writes its own folder under out_dir/wandb;
-    ``wandb sync`` uploads them, in order, into the one run.
+  - ``--resume`` continues the same wandb run: its id is kept in out_dir/wandb_id. The steps a killed run logged
+    after its last.pt are redone on resume; the run already holds them and wandb's steps only grow, so they are
+    not sent again. The chart keeps the first values: the same losses (resume is bit-exact), other timings.
+    Offline, each process writes its own folder under out_dir/wandb; ``wandb sync`` uploads them, in order,
+    into the one run.
 """
 from __future__ import annotations
 
@@ -39,7 +38,6 @@ from process.errors import ConfigError
 from process.files import atomic_write_text
 from training.runtime import mfu, threads_text
 
-RUN_ID_FILE = "wandb_id"  # in out_dir: the wandb run a --resume continues
 PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline
 INIT_TIMEOUT = 15.0  # seconds wandb.init may take (wandb's default: 90) before the run stops with one line
 
@@ -71,14 +69,15 @@ class WandbTracker:
 
 def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) -> NullTracker | WandbTracker:
     """The tracker the config asks for. ``logged_through``: the last step a killed run had logged
-    (tracking.drop_records_after), not sent again when the run resumes."""
+    (MetricsLog), not sent again when the run resumes."""
     if not cfg.wandb:
         return NullTracker()
     try:
         import wandb
     except ImportError:
         raise ConfigError("--wandb needs the wandb package: pip install wandb") from None
-    run_id = saved_run_id(out_dir) if cfg.resume else None
+    id_file = out_dir / "wandb_id"  # the wandb run a --resume continues
+    run_id = (id_file.read_text().strip() or None) if cfg.resume and id_file.is_file() else None
     mode = reachable_mode(wandb, choose_mode(wandb))
     # wandb waits 90 s for its server by default, silently; WANDB_INIT_TIMEOUT, if set, is the user's to choose.
     timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT}
@@ -91,29 +90,29 @@ def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) ->
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(f"wandb could not start ({reason}); run without --wandb, or with WANDB_MODE=offline "
                           "to log locally and `wandb sync` later") from None
-    (out_dir / RUN_ID_FILE).write_text(run.id + "\n")
-    announce(run, out_dir)
+    id_file.write_text(run.id + "\n")
+    if run.settings.mode == "online":
+        print(f"wandb: logging online to {run.url}", flush=True)
+    elif run.offline:
+        every_segment = out_dir / "wandb" / f"offline-run-*-{run.id}"  # one folder per (resumed) process
+        print(f"wandb: offline run {run.id} written to {run.settings.sync_dir}; upload it later with "
+              f"`wandb sync {every_segment}`", flush=True)
     return WandbTracker(run, logged_through if run_id else None)
 
 
 def choose_mode(wandb) -> str | None:
     """None (wandb reads WANDB_MODE) when the user set it; else online with credentials, offline without.
-
-    ``login(prompt=False, verify=False)`` reads the environment, .netrc and settings: no prompt, and no
-    server round trip to verify the key (wandb.init does that once, online).
-    """
+    ``login(prompt=False, verify=False)`` reads the environment, .netrc and settings: no prompt, and no server
+    round trip to verify the key (wandb.init does that once, online)."""
     if os.environ.get("WANDB_MODE"):
         return None
     return "online" if wandb.login(prompt=False, verify=False) else "offline"
 
 
 def reachable_mode(wandb, mode: str | None) -> str | None:
-    """``mode``, or offline when an online run's server does not answer: say so at once, never wait on it.
-
-    Without this an API key and no network meant ~95 s of silence (wandb.init's retries until its
-    init_timeout), then an error. A user's own WANDB_MODE=online is kept: an unreachable server stops
-    the run in one line instead.
-    """
+    """``mode``, or offline when an online run's server does not answer: say so at once, never wait on it
+    (an API key and no network was ~95 s of silence, then an error). A user's own WANDB_MODE=online is kept:
+    an unreachable server stops the run in one line instead."""
     forced = os.environ.get("WANDB_MODE") == "online"
     if mode != "online" and not forced:
         return mode
@@ -130,10 +129,8 @@ def reachable_mode(wandb, mode: str | None) -> str | None:
 
 
 def server_unreachable(url: str, timeout: float = PROBE_TIMEOUT) -> str | None:
-    """Why ``url`` gives no HTTP answer within ``timeout`` seconds (refused, no DNS, timed out), or None if it answers.
-
-    Any HTTP status counts as an answer. urllib honours HTTP(S)_PROXY, as wandb does.
-    """
+    """Why ``url`` gives no HTTP answer within ``timeout`` seconds (refused, no DNS, timed out), or None if it
+    answers: any HTTP status counts. urllib honours HTTP(S)_PROXY, as wandb does."""
     try:
         urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
     except urllib.error.HTTPError:  # an answer, if not a welcome one: the server is there
@@ -143,46 +140,27 @@ def server_unreachable(url: str, timeout: float = PROBE_TIMEOUT) -> str | None:
     return None
 
 
-def saved_run_id(out_dir: Path) -> str | None:
-    """The id of the wandb run that out_dir's run logged to, if it used wandb."""
-    path = out_dir / RUN_ID_FILE
-    if not path.is_file():
-        return None
-    return path.read_text().strip() or None
-
-
-def announce(run, out_dir: Path) -> None:
-    """One line: where the run is (online) or where it was written and how to upload it (offline)."""
-    if run.settings.mode == "online":
-        print(f"wandb: logging online to {run.url}", flush=True)
-    elif run.offline:
-        every_segment = out_dir / "wandb" / f"offline-run-*-{run.id}"  # one folder per (resumed) process
-        print(f"wandb: offline run {run.id} written to {run.settings.sync_dir}; upload it later with "
-              f"`wandb sync {every_segment}`", flush=True)
-
-
 # ----------------------------------------------------------------------------- the run's records
 class MetricsLog:
-    """Prints log lines and appends JSON records to out_dir/metrics.jsonl and to the tracker (wandb or none).
+    """Prints log lines and appends JSON records to out_dir/metrics.jsonl and to the tracker (wandb or none),
+    with ms/step, tokens/s and MFU over the steps since the last log line (evals and saves are not training time).
 
     Only the main process (rank 0) writes; on other ranks every method does nothing.
     """
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, step: int, flops_per_token: int, rt, world_size: int = 1,
                  enabled: bool = True, tracked: bool = True):
-        """A run starting at ``step`` (resumed if cfg.resume): a fresh run's metrics.jsonl is removed, a resumed
-        run's keeps its records through ``step``. ``tracked=False``: a resume with nothing left to do, which
-        would open a wandb run just to log nothing."""
-        self.enabled, self.max_time = enabled, cfg.max_time
-        self.speed = Throughput(step, time.time(), cfg.tokens_per_step() * world_size, flops_per_token, rt.device,
-                                rt.dtype, world_size)
-        logged_through = continue_log(out_dir, step, cfg.resume) if enabled else None
-        self.file = open(out_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
+        """A run starting at ``step``: a fresh run's metrics.jsonl is removed, a resumed run's keeps its records
+        through ``step``. ``tracked=False``: a resume with nothing left to do (no wandb run to log nothing)."""
+        self.enabled, self.max_time, self.rt, self.world_size = enabled, cfg.max_time, rt, world_size
+        self.step_then, self.t = step, time.time()  # the last log line's: what its speed is measured from
+        self.tokens_per_step, self.flops_per_token = cfg.tokens_per_step() * world_size, flops_per_token
+        path = out_dir / "metrics.jsonl"
+        logged_through = drop_records_after(path, step) if enabled and cfg.resume else None
+        if enabled and not cfg.resume:
+            path.unlink(missing_ok=True)
+        self.file = open(path, "a", buffering=1) if enabled else None
         self.tracker = start(cfg, out_dir, logged_through) if enabled and tracked else NullTracker()
-
-    def log(self, record: dict[str, Any], line: str) -> None:
-        self.record(record)
-        self.say(line)
 
     def step(self, step: int, losses: dict[str, torch.Tensor], lr: float, grad_norm: torch.Tensor,
              time_s: float) -> None:
@@ -192,11 +170,15 @@ class MetricsLog:
         if clash:  # it would overwrite that key of metrics.jsonl, silently
             raise ValueError(f"an auxiliary loss is named {sorted(clash)[0]!r}, a key of metrics.jsonl; rename it")
         values, grad_norm = {name: value.item() for name, value in losses.items()}, grad_norm.item()
-        step_s, tokens_per_s, util = self.speed.lap(step, time.time())
+        now = time.time()
+        step_s = (now - self.t) / (step - self.step_then)
+        tokens_per_s = self.tokens_per_step / step_s
+        self.step_then, self.t = step, now
+        util = mfu(self.flops_per_token, tokens_per_s, self.rt.device, self.rt.dtype, self.world_size)
         terms = "".join(f" | {name} {value:.4g}" for name, value in values.items() if name != "loss")
-        self.log({"step": step, **values, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                  "mfu": util, "time_s": time_s},
-                 f"step {step:>6} | loss {values['loss']:.4f}{terms} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+        self.record({"step": step, **values, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                     "mfu": util, "time_s": time_s})
+        self.say(f"step {step:>6} | loss {values['loss']:.4f}{terms} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                  f"{step_s * 1000:.1f} ms/step | {tokens_per_s:,.0f} tok/s | "
                  f"mfu {'n/a' if util is None else f'{util:.1%}'}"
                  + (f" | {clock(time_s)} of {clock(self.max_time)}" if self.max_time else ""))
@@ -215,7 +197,7 @@ class MetricsLog:
 
     def pause(self, seconds: float) -> None:
         """Leave ``seconds`` (an eval, a save) out of the training time of the next log line."""
-        self.speed.pause(seconds)
+        self.t += seconds
 
     def record(self, record: dict[str, Any]) -> None:
         if self.enabled:
@@ -232,25 +214,26 @@ class MetricsLog:
         self.tracker.finish()
 
 
-class Throughput:
-    """ms/step, tokens/s and MFU over the steps since the last log line; evals and saves are not training time."""
-
-    def __init__(self, step: int, now: float, tokens_per_step: int, flops_per_token: float, device: torch.device,
-                 dtype: torch.dtype, world_size: int):
-        self.step, self.t = step, now
-        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
-        self.device, self.dtype, self.world_size = device, dtype, world_size
-
-    def lap(self, step: int, now: float) -> tuple[float, float, float | None]:
-        step_s = (now - self.t) / (step - self.step)
-        tokens_per_s = self.tokens_per_step / step_s
-        self.step, self.t = step, now
-        return step_s, tokens_per_s, mfu(self.flops_per_token, tokens_per_s, self.device, self.dtype, self.world_size)
-
-    def pause(self, seconds: float) -> None:
-        self.t += seconds
+def drop_records_after(path: Path, step: int) -> int | None:
+    """Resuming redoes the steps after last.pt that a killed run had already logged: drop those. Returns the
+    last step the file held before (None without a file): what a tracker already has."""
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines(keepends=True)
+    steps = [json.loads(line)["step"] for line in lines if line.endswith("\n")]
+    kept = [line for line, logged in zip(lines, steps) if logged <= step]
+    if kept != lines:  # written whole, then renamed: a kill here must not lose the log
+        atomic_write_text(path, "".join(kept))
+    return max(steps, default=None)
 
 
+def clock(seconds: float) -> str:
+    """m:ss, or h:mm:ss from an hour on: the run's time against max_time in the step lines."""
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
+
+
+# ----------------------------------------------------------------------------- what a run says it is
 def describe(config) -> str:
     """The model in one line: its sizes (the int options that are never 0), then every other option that is not
     at its default (an int option whose default 0 means "off", like a fork's attn_window, is one of those).
@@ -279,34 +262,3 @@ def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int) -
                       f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, "
                       f"compile {compiled}, {tokens * world_size:,} tokens/step ({world_size} rank(s) x {tokens:,}), "
                       f"out_dir {cfg.out_dir}"])
-
-
-def continue_log(out_dir: Path, step: int, resumed: bool) -> int | None:
-    """metrics.jsonl as a run starting at ``step`` finds it: a fresh run's is removed, a resumed run's keeps
-    its records through ``step``. Returns the last step it held before (what a tracker already has)."""
-    if resumed:
-        return drop_records_after(out_dir / "metrics.jsonl", step)
-    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    return None
-
-
-def drop_records_after(path: Path, step: int) -> int | None:
-    """Resuming redoes the steps after last.pt that a killed run had already logged: drop those.
-
-    Returns the last step the file held before (None without a file): what a tracker already has.
-    """
-    if not path.is_file():
-        return None
-    lines = path.read_text().splitlines(keepends=True)
-    steps = [json.loads(line)["step"] for line in lines if line.endswith("\n")]
-    kept = [line for line, logged in zip(lines, steps) if logged <= step]
-    if kept != lines:  # written whole, then renamed: a kill here must not lose the log
-        atomic_write_text(path, "".join(kept))
-    return max(steps, default=None)
-
-
-def clock(seconds: float) -> str:
-    """m:ss, or h:mm:ss from an hour on: the run's time against max_time in the step lines."""
-    whole = int(seconds)
-    minutes, secs = divmod(whole, 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
