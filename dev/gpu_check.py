@@ -37,10 +37,9 @@ import torch
 
 from training.checkpoint import CheckpointError, load_checkpoint
 from config import CommandLine
+from process import REPO
 from process.rundir import check_writable
 from process.errors import TinyGPTError, exit_on
-
-REPO = Path(__file__).resolve().parent.parent
 
 TINY = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
         "--dtype", "float32", "--compile", "off", "--tokenizer", "char", "--device", "cpu")  # config/tiny.toml
@@ -88,12 +87,12 @@ def failure(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}: {lines[-1].strip() if lines else 'no output'}"[:300]
 
 
-def short_of(plan: Plan, name: str) -> str:
-    """Why a finished run's metrics.jsonl does not reach plan.steps; empty when it does."""
-    logged = sorted(losses(plan.out / name))
-    if logged and logged[-1] == plan.steps:
-        return ""
-    return f"metrics.jsonl ends at step {logged[-1] if logged else None}, not {plan.steps}"
+def shortfall(plan: Plan, name: str, result: subprocess.CompletedProcess) -> str:
+    """Why the run ``name`` failed, or why its metrics.jsonl does not reach plan.steps; empty when it does."""
+    if result.returncode:
+        return failure(result)
+    last = max(losses(plan.out / name), default=None)
+    return "" if last == plan.steps else f"metrics.jsonl ends at step {last}, not {plan.steps}"
 
 
 def train_cmd(plan: Plan, name: str, steps: int, *extra: str) -> list[str]:
@@ -124,7 +123,7 @@ def throughput(out_dir: Path) -> str:
 
 def check_train(plan: Plan) -> Check:
     result = run(train_cmd(plan, "train", plan.steps), "-c", PEAK_PROBE)
-    why = failure(result) if result.returncode else short_of(plan, "train")
+    why = shortfall(plan, "train", result)
     if why:
         return Check("train", "FAIL", why)
     peak = next((int(line.split()[1]) for line in result.stdout.splitlines()
@@ -138,7 +137,7 @@ def check_ddp(plan: Plan) -> Check:
         return Check("ddp", "SKIP", f"{plan.nproc} GPU: DDP needs 2 or more")
     result = run(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.nproc}",
                   *train_cmd(plan, "ddp", plan.steps)])
-    why = failure(result) if result.returncode else short_of(plan, "ddp")
+    why = shortfall(plan, "ddp", result)
     if why:
         return Check("ddp", "FAIL", why)
     return Check("ddp", "PASS", f"{plan.nproc} ranks, {throughput(plan.out / 'ddp')} (whole job)")
@@ -224,12 +223,6 @@ def make_plan(args) -> Plan:
     return Plan(common + list(GPU), out, args.steps, torch.cuda.device_count(), "cuda")
 
 
-def print_table(checks: list[Check]) -> None:
-    width = max(len(c.name) for c in checks)
-    for c in checks:
-        print(f"{c.status}  {c.name:<{width}}  {c.seconds:5.0f} s  {c.detail}")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run every check and print the table; 0 if none failed, 1 otherwise."""
     parser = CommandLine(description=__doc__.split("\n")[0])
@@ -264,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         checks.append(check(plan))
         checks[-1].seconds = time.time() - t0
         print(f"{checks[-1].status} {checks[-1].name}: {checks[-1].detail}", flush=True)
-    print_table(checks)
+    width = max(len(c.name) for c in checks)
+    for c in checks:  # the table
+        print(f"{c.status}  {c.name:<{width}}  {c.seconds:5.0f} s  {c.detail}")
     (plan.out / "results.json").write_text(json.dumps({c.name: c.status for c in checks}, indent=1))
     failed = [c.name for c in checks if c.status == "FAIL"]
     print(f"{sum(c.status == 'PASS' for c in checks)}/{len(checks)} checks passed in {time.time() - t_start:.0f} s"

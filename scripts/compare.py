@@ -29,17 +29,16 @@ from typing import Any
 import torch
 
 import train
-from training.checkpoint import git, git_state, read_config
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config
 from prepare.corpora import corpus_source
+from process import REPO
+from process.errors import TinyGPTError, exit_on, fail
+from process.files import atomic_write_text
+from scripts.bench import parse_overrides
+from training.checkpoint import dtype_name, git, git_state, read_config
 from training.faults import RunStopped, StopOnSignal
 from training.runtime import choose_runtime, use_threads
 from weights.loading import from_checkpoint
-from scripts.bench import parse_overrides
-from process.errors import TinyGPTError, exit_on, fail
-from process.files import atomic_write_text
-
-REPO = Path(__file__).resolve().parent.parent
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
 OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command", "schedule": "--steps/--time",
@@ -190,7 +189,7 @@ def pin_auto_dtype(runs: list[Run]) -> list[Run]:
     if not auto:
         return runs
     saved = [cfg["dtype"] for cfg in map(saved_config, (r.folder for r in auto)) if cfg and cfg.get("dtype") != "auto"]
-    dtype = saved[0] if saved else str(choose_runtime(auto[0].config()).dtype).removeprefix("torch.")
+    dtype = saved[0] if saved else dtype_name(choose_runtime(auto[0].config()).dtype)
     print(f"dtype auto -> {dtype} for every run of this comparison")
     return [dataclasses.replace(r, overrides={**r.overrides, "dtype": dtype}) if r in auto else r for r in runs]
 
@@ -230,11 +229,9 @@ def code_fingerprint() -> dict[str, str]:
 
 def saved_code(folder: Path) -> dict[str, str] | None:
     """The code a run on disk ran (result.json's, or code.json's for a stopped run); None if it says nothing."""
-    for name, key in ((RESULT, "code"), (CODE, None)):
-        if (folder / name).is_file():
-            record = json.loads((folder / name).read_text())
-            return record.get(key) if key else record
-    return None
+    if (folder / RESULT).is_file():
+        return json.loads((folder / RESULT).read_text()).get("code")
+    return json.loads((folder / CODE).read_text()) if (folder / CODE).is_file() else None
 
 
 def is_stale(run: Run, code: dict[str, str]) -> bool:
@@ -258,11 +255,6 @@ def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
           f"the old run is kept in {stale}", flush=True)
 
 
-def write_json(path: Path, record: dict[str, Any]) -> None:
-    """Written whole, then renamed (files.atomic_write): a kill never leaves half a file."""
-    atomic_write_text(path, json.dumps(record, indent=1))
-
-
 # ----------------------------------------------------------------------------- running
 def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
     """Every run of the plan in order: finished ones of this ``code`` skipped, stopped ones resumed. A signal
@@ -277,7 +269,7 @@ def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
         print(f"{where}: {'resuming' if resume else 'training'} in {run.folder}", flush=True)
         cfg = run.config(resume)
         run.folder.mkdir(parents=True, exist_ok=True)
-        write_json(run.folder / CODE, code)
+        atomic_write_text(run.folder / CODE, json.dumps(code, indent=1))  # written whole: a kill leaves no half
         try:
             train.train(cfg, stop)
         except RunStopped as err:
@@ -302,7 +294,7 @@ def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str
               "ms_per_step": statistics.median(step_ms) if step_ms else math.nan,
               "params": parameter_count(run.folder), "diverged": diverged, "threads": torch.get_num_threads(),
               "code": code, "config": dataclasses.asdict(cfg)}
-    write_json(run.folder / RESULT, result)
+    atomic_write_text(run.folder / RESULT, json.dumps(result, indent=1))
 
 
 def parameter_count(folder: Path) -> int:
@@ -325,18 +317,13 @@ def t_test():
 def paired(base: list[float], other: list[float]) -> dict[str, float]:
     """Mean of other - base over seeds, its 95% t-interval and the paired t-test's two-sided p-value."""
     diffs = [o - b for o, b in zip(other, base)]
-    with warnings.catch_warnings():  # identical seeds: scipy warns, then returns nan for 0/0
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with warnings.catch_warnings(action="ignore", category=RuntimeWarning):  # identical seeds: nan for 0/0, warned
         test = t_test().ttest_rel(other, base)
         low, high = test.confidence_interval(0.95)
     p = float(test.pvalue)
     if math.isnan(p) and all(d == 0 for d in diffs):
         p = 1.0  # no difference at all on any seed
     return {"diff": statistics.fmean(diffs), "low": float(low), "high": float(high), "p": p}
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values)}
 
 
 def summarise(plan: Plan, vs: str | None = None) -> dict[str, Any]:
@@ -352,7 +339,7 @@ def summarise(plan: Plan, vs: str | None = None) -> dict[str, Any]:
                         | {"folder": str(Path(v.name) / f"seed-{r['seed']}")} for r in runs]}
         for metric in ("val_loss", "val_bpb"):
             values = [r[metric] for r in runs]
-            row[metric] = spread(values)
+            row[metric] = {"mean": statistics.fmean(values), "sd": statistics.stdev(values)}
             if v.name != base:
                 row[metric] |= paired([results[base, s][metric] for s in plan.seeds], values)
         ratios = [results[v.name, s]["ms_per_step"] / results[base, s]["ms_per_step"] for s in plan.seeds]
@@ -423,7 +410,7 @@ def write_outputs(plan: Plan, summary: dict[str, Any]) -> str:
     from scripts import plot  # matplotlib: only once there is something to draw
 
     text = report(summary)
-    write_json(plan.folder / "results.json", summary)
+    atomic_write_text(plan.folder / "results.json", json.dumps(summary, indent=1))
     atomic_write_text(plan.folder / "results.md", text + "\n")
     paths = [run.folder / "metrics.jsonl" for run in plan.runs]
     plot.plot(paths, plan.folder / "compare.png", labels=[run.variant for run in plan.runs], bpb=True,
@@ -462,7 +449,6 @@ def command_line(argv: list[str]) -> str:
 def compare(argv: list[str], stop: StopOnSignal) -> dict[str, Any]:
     """Plan, run, summarise; returns results.json's content. Raises ConfigError before running anything."""
     args = build_parser().parse_args(argv)
-    check_flags(args)
     t_test()  # scipy missing: say so now, not after an hour of runs
     use_threads(args.threads)  # before planning: dtype=auto's probe times matmuls with them
     code = code_fingerprint()  # once: the modules this process imported are the code its runs run

@@ -17,19 +17,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from config import CommandLine, ConfigError, field_help
 from data import DataError
 from weights import hf
 from model import GPT
+from process import REPO
 from process.distributed import pick_device
 from weights.loading import Loaded, add_weights_flags, from_flags
 from sample import generate
 from process.errors import TinyGPTError, exit_on, fail
 from process.files import atomic_write_text
-
-REPO = Path(__file__).resolve().parent.parent
 
 try:
     import lm_eval
@@ -98,9 +98,7 @@ class TinyGPTLM(TemplateLM):
     @torch.no_grad()
     def score_batch(self, pairs: list[Pair]) -> list[tuple[float, bool]]:
         inputs = [self.window(context, continuation) for context, continuation in pairs]
-        idx = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)  # (B, T), right-padded
-        for row, ids in enumerate(inputs):
-            idx[row, : len(ids)] = torch.tensor(ids)
+        idx = pad_sequence([torch.tensor(ids) for ids in inputs], batch_first=True)  # (B, T), right-padded with 0
         logits = self.model(idx.to(self.device)).logits  # (B, T, vocab)
         answers = []
         for row, (ids, (_, continuation)) in enumerate(zip(inputs, pairs)):

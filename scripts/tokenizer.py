@@ -11,6 +11,7 @@ char and GPT-2's. Then the largest BPE's longest tokens: on English, whole words
 from __future__ import annotations
 
 import time
+import timeit
 from pathlib import Path
 
 from config import DEFAULTS, CommandLine, field_help
@@ -31,12 +32,8 @@ def prepared_tokenizer(args, kind: str, vocab_size: int = 0):
 
 def encoding_speed(tokenizer, text: str) -> tuple[int, float]:
     """(tokens of ``text``, MB/s of its UTF-8 bytes encoded), the median of three timings."""
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        n = len(tokenizer.encode(text))
-        times.append(time.perf_counter() - t0)
-    return n, len(text.encode("utf-8")) / sorted(times)[1] / 1e6
+    seconds = sorted(timeit.repeat(lambda: tokenizer.encode(text), number=1, repeat=3))[1]
+    return len(tokenizer.encode(text)), len(text.encode("utf-8")) / seconds / 1e6
 
 
 def report(args) -> str:
@@ -71,16 +68,12 @@ def report(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    helps = field_help()
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bpe_vocab_size", "--bpe-vocab-size", type=int, nargs="+",
                         default=[DEFAULTS["bpe_vocab_size"]], help="one or more vocabulary sizes (each >= 257)")
-    parser.add_argument("--dataset", default=DEFAULTS["dataset"], help=helps["dataset"])
-    parser.add_argument("--data_path", "--data-path", default="", help=helps["data_path"])
-    parser.add_argument("--text_column", "--text-column", default=DEFAULTS["text_column"], help=helps["text_column"])
-    parser.add_argument("--data_dir", "--data-dir", default=DEFAULTS["data_dir"], help=helps["data_dir"])
-    parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
-                        help=helps["val_fraction"])
+    for name in ("dataset", "data_path", "text_column", "data_dir", "val_fraction"):  # train.py's, by name and help
+        parser.add_argument(*dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]), default=DEFAULTS[name],
+                            type=type(DEFAULTS[name]), help=field_help()[name])
     parser.add_argument("--no-gpt2", action="store_true", help="leave out GPT-2's column (its ranks: PyPI, once)")
     args = parser.parse_args(argv)
     if min(args.bpe_vocab_size) < 257:  # what prepare would refuse: one line now
