@@ -96,8 +96,7 @@ def shortfall(plan: Plan, name: str, result: subprocess.CompletedProcess) -> str
 
 
 def train_cmd(plan: Plan, name: str, steps: int, *extra: str) -> list[str]:
-    out = plan.out / name
-    return ["train.py", *plan.common, "--out_dir", str(out), "--max_iters", str(steps),
+    return ["train.py", *plan.common, "--out_dir", str(plan.out / name), "--max_iters", str(steps),
             "--lr_decay_iters", str(plan.steps), "--eval_interval", str(steps), *extra]
 
 
@@ -112,10 +111,8 @@ def losses(out_dir: Path) -> dict[int, float]:
 
 def throughput(out_dir: Path) -> str:
     """Median tokens/s and MFU of the log lines after the first (which carries the warm-up)."""
-    train_records = [r for r in records(out_dir) if "tokens_per_s" in r]
+    train_records = [r for r in records(out_dir) if "tokens_per_s" in r]  # a run that passed logged some
     steady = train_records[1:] or train_records
-    if not steady:
-        return "no log lines"
     tok_s = statistics.median(r["tokens_per_s"] for r in steady)
     mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
     return f"{tok_s:,.0f} tok/s, MFU " + (f"{statistics.median(mfus):.1%}" if mfus else "n/a")
@@ -123,8 +120,7 @@ def throughput(out_dir: Path) -> str:
 
 def check_train(plan: Plan) -> Check:
     result = run(train_cmd(plan, "train", plan.steps), "-c", PEAK_PROBE)
-    why = shortfall(plan, "train", result)
-    if why:
+    if why := shortfall(plan, "train", result):
         return Check("train", "FAIL", why)
     peak = next((int(line.split()[1]) for line in result.stdout.splitlines()
                  if line.startswith("peak_memory_bytes")), 0)
@@ -137,8 +133,7 @@ def check_ddp(plan: Plan) -> Check:
         return Check("ddp", "SKIP", f"{plan.nproc} GPU: DDP needs 2 or more")
     result = run(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.nproc}",
                   *train_cmd(plan, "ddp", plan.steps)])
-    why = shortfall(plan, "ddp", result)
-    if why:
+    if why := shortfall(plan, "ddp", result):
         return Check("ddp", "FAIL", why)
     return Check("ddp", "PASS", f"{plan.nproc} ranks, {throughput(plan.out / 'ddp')} (whole job)")
 
@@ -172,14 +167,13 @@ def check_rng(plan: Plan) -> Check:
         return Check("rng", "FAIL", f"{err} (the resume check must pass first)")
     if plan.device == "cuda" and not rng_a["torch_cuda"]:
         return Check("rng", "FAIL", "last.pt holds no CUDA RNG state")
-    different = [name for name in rng_a if not same(rng_a[name], rng_b[name])]
-    if different:
+    if different := [name for name in rng_a if not same(rng_a[name], rng_b[name])]:
         return Check("rng", "FAIL", f"after a resume these random streams differ from a straight run: {different}")
     after = [s for s in range(half + 1, 2 * half + 1) if straight.get(s) != resumed.get(s)]
     if not after:
         return Check("rng", "PASS", f"losses of steps {half + 1}..{2 * half} and every random stream identical")
-    before = [s for s in range(1, half + 1) if straight.get(s) != resumed.get(s)]
-    if before:  # two fresh runs already differ: the kernels are not deterministic here, the streams still decide
+    # Two fresh runs that already differ: the kernels are not deterministic here, the streams still decide.
+    if before := [s for s in range(1, half + 1) if straight.get(s) != resumed.get(s)]:
         return Check("rng", "PASS", f"random streams identical; losses not comparable: two fresh runs already "
                                     f"differ at step {before[0]} (non-deterministic kernels)")
     return Check("rng", "FAIL", f"resumed loss differs from the straight run's at step {after[0]}: "

@@ -67,8 +67,8 @@ def synced_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def timed_step(b: Bench) -> dict[str, float]:
-    """One optimizer step of train.py's own train_step, with a synchronised timer around each phase."""
+def timed_step(b: Bench) -> None:
+    """One optimizer step of train.py's own train_step, with a synchronised timer around each phase (b.times)."""
     cfg, device = b.run.cfg, b.run.rt.device
     t0 = synced_clock(device)
     batches = [b.run.stream.next() for _ in range(cfg.grad_accum)]
@@ -77,7 +77,8 @@ def timed_step(b: Bench) -> dict[str, float]:
     t2 = synced_clock(device)
     b.step += 1
     b.losses.append(losses.loss_sum / losses.n_targets)  # a tensor: .item() only after timing, no sync in the step
-    return dict(zip(PHASES, (t1 - t0, t2 - t1)))
+    for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1)):
+        b.times[phase].append(seconds)
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -106,15 +107,13 @@ def run(benches: list[Bench], steps: int, warmup: int, rounds: int) -> list[dict
         torch.set_num_threads(b.run.rt.threads)
         for _ in range(warmup):
             timed_step(b)
-        b.times = {p: [] for p in PHASES}
-    per_round = max(1, steps // rounds)
+        b.times = {p: [] for p in PHASES}  # warm-up steps left out
     for _ in range(rounds):
         for b in benches:
             torch.set_num_threads(b.run.rt.threads)
             reset_peak_memory(b.run.rt.device)
-            for _ in range(per_round):
-                for phase, seconds in timed_step(b).items():
-                    b.times[phase].append(seconds)
+            for _ in range(max(1, steps // rounds)):
+                timed_step(b)
             b.peak_bytes = max(b.peak_bytes, peak_memory(b.run.rt.device))
     return [summarise(b) for b in benches]
 

@@ -53,12 +53,6 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a variant's name is a folde
 
 
 @dataclass(frozen=True)
-class Variant:
-    name: str
-    overrides: dict[str, str]  # as typed on the command line
-
-
-@dataclass(frozen=True)
 class Run:
     """One (variant, seed): the overrides that, on top of the preset, make its whole config."""
     variant: str
@@ -74,7 +68,7 @@ class Run:
 @dataclass(frozen=True)
 class Plan:
     folder: Path  # the experiment folder, EXP
-    variants: list[Variant]
+    variants: dict[str, dict[str, str]]  # name -> its overrides as typed, the baseline first
     seeds: list[int]
     runs: list[Run]  # in running order: seed 1 of every variant, then seed 2, ...
     mode: str  # "steps" or "time"
@@ -83,8 +77,8 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------- the plan
-def parse_variant(text: str) -> Variant:
-    """NAME:KEY=VALUE[,KEY=VALUE...] -> Variant; nothing after the colon is the preset as it is."""
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """NAME:KEY=VALUE[,KEY=VALUE...] -> (name, overrides); nothing after the colon is the preset as it is."""
     name, colon, body = text.partition(":")
     if not colon or not NAME.fullmatch(name):
         raise ConfigError(f"variant `{text}` must look like NAME:KEY=VALUE[,KEY=VALUE], e.g. rope:pos_emb=rope, "
@@ -92,13 +86,7 @@ def parse_variant(text: str) -> Variant:
     overrides = parse_overrides([body]) if body else {}
     if len(overrides) != body.count(",") + 1 and body:
         raise ConfigError(f"variant `{name}` sets a key twice: {body}")
-    return Variant(name, overrides)
-
-
-def check_owned(overrides: dict[str, str], where: str) -> None:
-    for key in overrides:
-        if key in OWNED:
-            raise ConfigError(f"{where} sets `{key}`, which compare.py sets itself (with {OWNED[key]})")
+    return name, overrides
 
 
 def run_settings(steps: int | None, seconds: float | None) -> dict[str, Any]:
@@ -114,20 +102,26 @@ def default_folder(preset: str, steps: int | None, seconds: float | None) -> Pat
     return Path("out") / "compare" / f"{Path(preset).stem}-{budget}"
 
 
-def variant_overrides(args, variants: list[Variant]) -> dict[str, dict[str, Any]]:
+def check_owned(overrides: dict[str, str], where: str) -> None:
+    for key in overrides:
+        if key in OWNED:
+            raise ConfigError(f"{where} sets `{key}`, which compare.py sets itself (with {OWNED[key]})")
+
+
+def variant_overrides(args, variants: dict[str, dict[str, str]]) -> dict[str, dict[str, Any]]:
     """Every variant's overrides (run settings < --set < its own), each validated with make_config."""
     common = ({"threads": args.threads} if args.threads else {}) | parse_overrides(args.set)
     check_owned(common, "--set")
     base = {**run_settings(args.steps, args.time), **common}
     make_config(args.config, **base)  # a bad preset or --set is named as such, not as a variant's fault
     merged = {}
-    for variant in variants:
-        check_owned(variant.overrides, f"variant `{variant.name}`")
-        merged[variant.name] = {**base, **variant.overrides}
+    for name, own in variants.items():
+        check_owned(own, f"variant `{name}`")
+        merged[name] = {**base, **own}
         try:
-            make_config(args.config, **merged[variant.name])
+            make_config(args.config, **merged[name])
         except ConfigError as err:
-            raise ConfigError(f"variant `{variant.name}`: {err}") from None
+            raise ConfigError(f"variant `{name}`: {err}") from None
     return merged
 
 
@@ -146,8 +140,7 @@ def check_flags(args) -> None:
     if not args.variants:
         raise ConfigError("no variants: name at least one, e.g. base: rope:pos_emb=rope")
     names = [text.partition(":")[0] for text in args.variants]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
+    if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"variant name `{twice[0]}` is used twice; each variant needs its own name")
     if args.vs is not None and args.vs not in names:
         raise ConfigError(f"--vs {args.vs} names no variant; the variants are {', '.join(names)}")
@@ -157,12 +150,12 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
     """Validate everything the command asks for and lay out its runs; writes nothing. Raises ConfigError.
     Runs on disk made by other code than ``code`` (code_fingerprint) are not checked: they are trained again."""
     check_flags(args)
-    variants = [parse_variant(text) for text in args.variants]
+    variants = dict(map(parse_variant, args.variants))
     folder = args.out or default_folder(args.config, args.steps, args.time)
     overrides = variant_overrides(args, variants)
     seeds = list(range(1, args.seeds + 1))
-    runs = [Run(v.name, seed, folder / v.name / f"seed-{seed}", args.config, {**overrides[v.name], "seed": seed,
-                "out_dir": str(folder / v.name / f"seed-{seed}")}) for seed in seeds for v in variants]
+    runs = [Run(name, seed, folder / name / f"seed-{seed}", args.config, {**overrides[name], "seed": seed,
+                "out_dir": str(folder / name / f"seed-{seed}")}) for seed in seeds for name in variants]
     for cfg in {(c.dataset, c.data_path, c.text_column): c for c in map(Run.config, runs)}.values():
         corpus_source(cfg.dataset, cfg.data_path, cfg.text_column)  # DataError now, not after the runs before it
     runs = pin_auto_dtype(runs)
@@ -196,14 +189,12 @@ def pin_auto_dtype(runs: list[Run]) -> list[Run]:
 
 def check_reusable(run: Run) -> None:
     """Refuse a run on disk that was made with other settings: reusing it would compare something else."""
-    saved = saved_config(run.folder)
-    if saved is None:
+    if (saved := saved_config(run.folder)) is None:
         return
     planned = dataclasses.asdict(run.config())
     # A field the run's config lacks is newer than the run, which had its default then (as a resume reads it).
-    changed = [f"{key}: {saved.get(key, DEFAULTS[key])!r} there, {value!r} now" for key, value in planned.items()
-               if key not in IGNORED_ON_REUSE and saved.get(key, DEFAULTS[key]) != value]
-    if changed:
+    if changed := [f"{key}: {saved.get(key, DEFAULTS[key])!r} there, {value!r} now" for key, value in planned.items()
+                   if key not in IGNORED_ON_REUSE and saved.get(key, DEFAULTS[key]) != value]:
         raise ConfigError(f"{run.folder} holds a run with other settings ({'; '.join(changed)}); "
                           "pass another --out or delete that folder")
 
@@ -236,10 +227,8 @@ def saved_code(folder: Path) -> dict[str, str] | None:
 
 def is_stale(run: Run, code: dict[str, str]) -> bool:
     """A run on disk that other code made (or that recorded none)."""
-    if not run.folder.is_dir() or not any(run.folder.iterdir()):
-        return False
     saved = saved_code(run.folder)
-    return saved is None or saved["hash"] != code["hash"]
+    return run.folder.is_dir() and any(run.folder.iterdir()) and (saved is None or saved["hash"] != code["hash"])
 
 
 def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
@@ -270,6 +259,7 @@ def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
         cfg = run.config(resume)
         run.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run.folder / CODE, json.dumps(code, indent=1))  # written whole: a kill leaves no half
+        diverged = ""
         try:
             train.train(cfg, stop)
         except RunStopped as err:
@@ -277,14 +267,15 @@ def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
                 raise RunStopped(f"stopped during {run.variant} seed {run.seed} (its last.pt holds the last step "
                                  f"done); continue with the same command: {plan.command}", err.exit_code) from None
             print(f"{where}: {err}; recorded as diverged", flush=True)
-            write_result(run, cfg, code, diverged=str(err))
-            continue
-        write_result(run, cfg, code)
+            diverged = str(err)
+        write_result(run, cfg, code, diverged)
 
 
 def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str = "") -> None:
-    """The run's final numbers, read from its metrics.jsonl and last.pt, into result.json (the marker)."""
-    records = [json.loads(line) for line in (run.folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    """The run's final numbers, read from its metrics.jsonl and last.pt, into result.json (the marker). Its
+    parameters are counted as train.py's model line counts them (0 for a run that diverged before its first save)."""
+    records = [json.loads(line) for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
+    last = run.folder / "last.pt"
     evals = [r for r in records if "val_loss" in r]
     logs = [r for r in records if "tokens_per_s" in r][1:]  # the first log interval is warm-up
     step_ms = [cfg.tokens_per_step() / r["tokens_per_s"] * 1000 for r in logs]
@@ -292,16 +283,9 @@ def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str
     result = {"variant": run.variant, "seed": run.seed, "step": final["step"],
               "val_loss": final.get("val_loss", math.nan), "val_bpb": final.get("val_bpb", math.nan),
               "ms_per_step": statistics.median(step_ms) if step_ms else math.nan,
-              "params": parameter_count(run.folder), "diverged": diverged, "threads": torch.get_num_threads(),
-              "code": code, "config": dataclasses.asdict(cfg)}
+              "params": from_checkpoint(last).model.num_params(non_embedding=False) if last.is_file() else 0,
+              "diverged": diverged, "threads": torch.get_num_threads(), "code": code, "config": dataclasses.asdict(cfg)}
     atomic_write_text(run.folder / RESULT, json.dumps(result, indent=1))
-
-
-def parameter_count(folder: Path) -> int:
-    """Every parameter, as train.py's model line counts them, from the run's last.pt (0 without one)."""
-    if not (folder / "last.pt").is_file():
-        return 0
-    return from_checkpoint(folder / "last.pt").model.num_params(non_embedding=False)
 
 
 # ----------------------------------------------------------------------------- statistics and tables
@@ -320,9 +304,7 @@ def paired(base: list[float], other: list[float]) -> dict[str, float]:
     with warnings.catch_warnings(action="ignore", category=RuntimeWarning):  # identical seeds: nan for 0/0, warned
         test = t_test().ttest_rel(other, base)
         low, high = test.confidence_interval(0.95)
-    p = float(test.pvalue)
-    if math.isnan(p) and all(d == 0 for d in diffs):
-        p = 1.0  # no difference at all on any seed
+    p = float(test.pvalue) if any(diffs) else 1.0  # no difference at all on any seed: scipy's 0/0 is nan
     return {"diff": statistics.fmean(diffs), "low": float(low), "high": float(high), "p": p}
 
 
@@ -330,19 +312,19 @@ def summarise(plan: Plan, vs: str | None = None) -> dict[str, Any]:
     """results.json: every run's numbers; per variant the spread, the paired test against ``vs`` (else the
     first variant) and the speed."""
     results = {(r.variant, r.seed): json.loads((r.folder / RESULT).read_text()) for r in plan.runs}
-    base = vs or plan.variants[0].name
+    base = vs or next(iter(plan.variants))
     rows = []
-    for v in plan.variants:
-        runs = [results[v.name, s] for s in plan.seeds]
-        row = {"name": v.name, "overrides": v.overrides, "params": runs[0]["params"],
+    for name, overrides in plan.variants.items():
+        runs = [results[name, s] for s in plan.seeds]
+        row = {"name": name, "overrides": overrides, "params": runs[0]["params"],
                "runs": [{k: r[k] for k in ("seed", "step", "val_loss", "val_bpb", "ms_per_step", "diverged")}
-                        | {"folder": str(Path(v.name) / f"seed-{r['seed']}")} for r in runs]}
+                        | {"folder": str(Path(name) / f"seed-{r['seed']}")} for r in runs]}
         for metric in ("val_loss", "val_bpb"):
             values = [r[metric] for r in runs]
             row[metric] = {"mean": statistics.fmean(values), "sd": statistics.stdev(values)}
-            if v.name != base:
+            if name != base:
                 row[metric] |= paired([results[base, s][metric] for s in plan.seeds], values)
-        ratios = [results[v.name, s]["ms_per_step"] / results[base, s]["ms_per_step"] for s in plan.seeds]
+        ratios = [results[name, s]["ms_per_step"] / results[base, s]["ms_per_step"] for s in plan.seeds]
         row["ms_per_step"] = statistics.median(r["ms_per_step"] for r in runs)
         row["speed_ratio"] = statistics.median(ratios)  # per round, then the median: drift cancels
         rows.append(row)

@@ -88,8 +88,7 @@ def check_batch(x: torch.Tensor, y: torch.Tensor, data: np.ndarray, tokenizer,
     shifted = torch.equal(x[:, 1:], y[:, :-1])  # y[:, t] must be x[:, t + 1]
     row = np.append(x[0].numpy(), y[0, -1].item())  # the T + 1 tokens the first window spans
     in_data = shifted and all(window_starts(data, piece).size > 0 for piece in stretches(row))
-    text_x = tokenizer.decode(x[0, :24].tolist())[:24]
-    text_y = tokenizer.decode(y[0, :24].tolist())[:24]
+    text_x, text_y = (tokenizer.decode(ids[0, :24].tolist())[:24] for ids in (x, y))
     meaning = ("y[t] is the token after x[t], read straight from the corpus" if in_data else
                "targets are not the inputs shifted by one: the model is taught the wrong task"
                if not shifted else "the window does not occur in the corpus: batches are garbled")
@@ -189,13 +188,10 @@ def check_causal(model: GPT, x: torch.Tensor, tolerance: float = CAUSAL_TOLERANC
     """Changing the future tokens leaves the logits of the past untouched."""
     model.eval()
     cut = x.shape[1] // 2
-    changed = x.clone()
-    changed[:, cut:] = (x[:, cut:] + 1) % model.config.vocab_size  # every future token differs
+    changed = torch.cat([x[:, :cut], (x[:, cut:] + 1) % model.config.vocab_size], dim=1)  # every future token differs
     with torch.no_grad():
-        past = model(x)[0][:, :cut]  # (B, cut, vocab)
-        past_changed = model(changed)[0][:, :cut]
+        diff = (model(x)[0][:, :cut] - model(changed)[0][:, :cut]).abs().max().item()  # logits (B, cut, vocab)
     model.train()
-    diff = (past - past_changed).abs().max().item()
     return verdict("causal", diff <= tolerance, f"max |Δ past logit| {diff:.1e} (limit {tolerance:.0e})",
                    "position t sees only tokens 0..t",
                    "the attention mask leaks the future: train loss drops, generation is garbage")
@@ -306,17 +302,14 @@ def check_evaluate(evaluate: Callable[..., train.EvalResult], model: GPT, x_val:
         second = evaluate(model, x_val, y_val, batch_size, device, dtype).loss
     finally:
         hook.remove()
-    problems = []
-    if any(training for training, _ in calls):
-        problems.append("ran in train mode (model.eval() missing)")
-    if any(graph for _, graph in calls):
-        problems.append("built an autograd graph (no torch.no_grad(); a running total keeps every graph alive)")
-    if first != second:
-        problems.append(f"two runs differ ({first:.4f} vs {second:.4f})")
-    if not all(torch.equal(a, b) for a, b in zip(rng, rng_states())):
-        problems.append("drew from the global RNG (shifts dropout and data after every eval)")
-    if not model.training:
-        problems.append("left the model in eval mode")
+    problems = [problem for found, problem in [
+        (any(training for training, _ in calls), "ran in train mode (model.eval() missing)"),
+        (any(graph for _, graph in calls), "built an autograd graph (no torch.no_grad(); a running total keeps every "
+                                           "graph alive)"),
+        (first != second, f"two runs differ ({first:.4f} vs {second:.4f})"),
+        (not all(map(torch.equal, rng, rng_states())), "drew from the global RNG (shifts dropout and data after every "
+                                                       "eval)"),
+        (not model.training, "left the model in eval mode")] if found]
     return verdict("evaluate", not problems, "; ".join(problems) or f"val loss {first:.4f} twice over {len(calls)} "
                    "forward passes", "eval mode, no graph, no RNG used, train mode restored",
                    "val loss is noisy, leaks memory or disturbs training")

@@ -124,31 +124,27 @@ class TinyGPTLM(TemplateLM):
 
     # ------------------------------------------------------------------------- generation
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        """Each context's continuation up to (not including) its first stop sequence: greedy unless sampled."""
         outputs = []
         for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm, desc="generate_until"):
-            text = self.generate_one(context, dict(gen_kwargs))
+            until = gen_kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
+            until = [until] if isinstance(until, str) else list(until)
+            sampled = gen_kwargs.get("do_sample", False) and gen_kwargs.get("temperature", 0.0) > 0
+            prompt = self.tok_encode(context) or [self.eot_token_id]
+            n = len(prompt)
+
+            def reached_stop(idx: torch.Tensor) -> bool:  # idx (1, n + new)
+                return any(stop in self.tok_decode(idx[0, n:].tolist()) for stop in until)
+
+            out = generate(self.model, torch.tensor([prompt], device=self.device),
+                           gen_kwargs.get("max_gen_toks", self.max_gen_toks),
+                           temperature=gen_kwargs["temperature"] if sampled else 0.0, stop=reached_stop)
+            text = self.tok_decode(out[0, n:].tolist())
+            for stop in until:
+                text = text.split(stop)[0]
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             outputs.append(text)
         return outputs
-
-    def generate_one(self, context: str, gen_kwargs: dict) -> str:
-        """The continuation of context up to (not including) its first stop sequence."""
-        until = gen_kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
-        until = [until] if isinstance(until, str) else list(until)
-        sampled = gen_kwargs.get("do_sample", False) and gen_kwargs.get("temperature", 0.0) > 0
-        prompt = self.tok_encode(context) or [self.eot_token_id]
-        n = len(prompt)
-
-        def reached_stop(idx: torch.Tensor) -> bool:  # idx (1, n + new)
-            return any(stop in self.tok_decode(idx[0, n:].tolist()) for stop in until)
-
-        out = generate(self.model, torch.tensor([prompt], device=self.device),
-                       gen_kwargs.get("max_gen_toks", self.max_gen_toks),
-                       temperature=gen_kwargs["temperature"] if sampled else 0.0, stop=reached_stop)
-        text = self.tok_decode(out[0, n:].tolist())
-        for stop in until:
-            text = text.split(stop)[0]
-        return text
 
 
 # ----------------------------------------------------------------------------- command line

@@ -176,8 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{len(args.labels)} --labels for {len(args.metrics)} arguments; give one per argument")
     runs = []
     for i, arg in enumerate(args.metrics):
-        found = expand(arg)
-        if not found:
+        if not (found := expand(arg)):
             parser.error(f"{arg}: no such file, and no metrics.jsonl in it or in its */seed-*/ folders")
         runs += [(path, args.labels[i] if args.labels else label) for path, label in found]
     paths, labels = zip(*runs)

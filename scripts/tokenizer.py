@@ -38,12 +38,11 @@ def encoding_speed(tokenizer, text: str) -> tuple[int, float]:
 
 def report(args) -> str:
     sizes = sorted(set(args.bpe_vocab_size))
-    rows, bpes, text = [], {}, None
-    for size in sizes:
+    rows, text = [], None
+    for size in sizes:  # the last, and its longest tokens below, is the largest
         t0 = time.perf_counter()
         tok, folder = prepared_tokenizer(args, "bpe", size)
         seconds = time.perf_counter() - t0
-        bpes[size] = tok
         if text is None:  # every size splits the same characters: one val text for all
             text = tok.decode(load_corpus(folder, 1).val.tolist())
         rows.append((f"bpe {size}", tok, f"prepared in {seconds:.1f} s" + (" (cached)" if seconds < 1 else "")))
@@ -55,15 +54,13 @@ def report(args) -> str:
     lines = [f"# the val split of the BPE folders: {len(text):,} characters, {n_bytes:,} UTF-8 bytes",
              "| tokenizer | vocab | val tokens | bytes/token | tokens vs char | encodes at | note |",
              "|---|---|---|---|---|---|---|"]
-    char_tokens = len(text)
-    for name, tok, note in rows:
-        n, speed = encoding_speed(tok, text)
-        lines.append(f"| {name} | {tok.vocab_size:,} | {n:,} | {n_bytes / n:.3f} | {n / char_tokens:.3f} | "
+    for name, tokenizer, note in rows:
+        n, speed = encoding_speed(tokenizer, text)
+        lines.append(f"| {name} | {tokenizer.vocab_size:,} | {n:,} | {n_bytes / n:.3f} | {n / len(text):.3f} | "
                      f"{speed:.1f} MB/s | {note} |")
-    largest = bpes[sizes[-1]]
-    tokens = sorted(range(largest.eot_token), key=lambda i: (-len(largest.decode_bytes([i])), i))[:LONGEST]
+    tokens = sorted(range(tok.eot_token), key=lambda i: (-len(tok.decode_bytes([i])), i))[:LONGEST]
     lines.append(f"# the {LONGEST} longest of bpe {sizes[-1]}: "
-                 + ", ".join(repr(largest.decode_bytes([i]).decode("utf-8", "replace")) for i in tokens))
+                 + ", ".join(repr(tok.decode_bytes([i]).decode("utf-8", "replace")) for i in tokens))
     return "\n".join(lines)
 
 
