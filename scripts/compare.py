@@ -89,30 +89,17 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, overrides
 
 
-def run_settings(steps: int | None, seconds: float | None) -> dict[str, Any]:
-    """The schedule every run gets: N steps on a step schedule, or S seconds of wall clock."""
-    if seconds is not None:
-        return {"schedule": "time", "max_time": seconds, "max_iters": steps or STEP_CAP_IN_TIME_MODE}
-    return {"schedule": "steps", "max_iters": steps, "lr_decay_iters": steps, "max_time": 0}
-
-
-def default_folder(preset: str, steps: int | None, seconds: float | None) -> Path:
-    """out/compare/PRESET-Nsteps (or -Ss): the same command finds its runs again."""
-    budget = f"{seconds:g}s" if seconds is not None else f"{steps}steps"
-    return Path("out") / "compare" / f"{Path(preset).stem}-{budget}"
-
-
 def check_owned(overrides: dict[str, str], where: str) -> None:
     for key in overrides:
         if key in OWNED:
             raise ConfigError(f"{where} sets `{key}`, which compare.py sets itself (with {OWNED[key]})")
 
 
-def variant_overrides(args, variants: dict[str, dict[str, str]]) -> dict[str, dict[str, Any]]:
-    """Every variant's overrides (run settings < --set < its own), each validated with make_config."""
+def variant_overrides(args, variants: dict[str, dict[str, str]], schedule: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every variant's overrides (the schedule < --set < its own), each validated with make_config."""
     common = ({"threads": args.threads} if args.threads else {}) | parse_overrides(args.set)
     check_owned(common, "--set")
-    base = {**run_settings(args.steps, args.time), **common}
+    base = schedule | common
     make_config(args.config, **base)  # a bad preset or --set is named as such, not as a variant's fault
     merged = {}
     for name, own in variants.items():
@@ -135,8 +122,6 @@ def check_flags(args) -> None:
     if args.seeds < 2:
         raise ConfigError(f"--seeds {args.seeds} leaves no spread and no p-value: use --seeds 2 or more "
                           "(3+ for a claim)")
-    if args.threads < 0:
-        raise ConfigError(f"--threads must be >= 0, got {args.threads}")
     if not args.variants:
         raise ConfigError("no variants: name at least one, e.g. base: rope:pos_emb=rope")
     names = [text.partition(":")[0] for text in args.variants]
@@ -151,8 +136,14 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
     Runs on disk made by other code than ``code`` (code_fingerprint) are not checked: they are trained again."""
     check_flags(args)
     variants = dict(map(parse_variant, args.variants))
-    folder = args.out or default_folder(args.config, args.steps, args.time)
-    overrides = variant_overrides(args, variants)
+    if args.time is not None:  # every run's schedule: S seconds of wall clock (--steps a cap), or N steps
+        mode, budget, label = "time", args.time, f"{args.time:g}s"
+        schedule = {"schedule": "time", "max_time": args.time, "max_iters": args.steps or STEP_CAP_IN_TIME_MODE}
+    else:
+        mode, budget, label = "steps", args.steps, f"{args.steps}steps"
+        schedule = {"schedule": "steps", "max_iters": args.steps, "lr_decay_iters": args.steps, "max_time": 0}
+    folder = args.out or Path("out", "compare", f"{Path(args.config).stem}-{label}")  # a rerun finds its runs again
+    overrides = variant_overrides(args, variants, schedule)
     seeds = list(range(1, args.seeds + 1))
     runs = [Run(name, seed, folder / name / f"seed-{seed}", args.config, {**overrides[name], "seed": seed,
                 "out_dir": str(folder / name / f"seed-{seed}")}) for seed in seeds for name in variants]
@@ -162,17 +153,16 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
     for run in runs:
         if code is None or not is_stale(run, code):
             check_reusable(run)
-    mode, budget = ("time", args.time) if args.time is not None else ("steps", args.steps)
     return Plan(folder, variants, seeds, runs, mode, budget, command)
 
 
-def saved_config(folder: Path) -> dict[str, Any] | None:
-    """The config of a run already on disk: finished (result.json) or stopped (last.pt); else None."""
+def saved(folder: Path) -> dict[str, Any]:
+    """The config and code of a run already on disk: a finished one's result.json; a stopped one's last.pt config
+    (None if unreadable: train's resume names the problem) and code.json; None where there is none."""
     if (folder / RESULT).is_file():
-        return json.loads((folder / RESULT).read_text())["config"]
-    if (folder / "last.pt").is_file():
-        return read_config(folder / "last.pt")  # None if unreadable: train's resume names the problem
-    return None
+        return json.loads((folder / RESULT).read_text())
+    return {"config": read_config(folder / "last.pt") if (folder / "last.pt").is_file() else None,
+            "code": json.loads((folder / CODE).read_text()) if (folder / CODE).is_file() else None}
 
 
 def pin_auto_dtype(runs: list[Run]) -> list[Run]:
@@ -181,20 +171,20 @@ def pin_auto_dtype(runs: list[Run]) -> list[Run]:
     auto = [run for run in runs if run.config().dtype == "auto"]
     if not auto:
         return runs
-    saved = [cfg["dtype"] for cfg in map(saved_config, (r.folder for r in auto)) if cfg and cfg.get("dtype") != "auto"]
-    dtype = saved[0] if saved else dtype_name(choose_runtime(auto[0].config()).dtype)
+    saved_dtypes = [cfg["dtype"] for r in auto if (cfg := saved(r.folder)["config"]) and cfg.get("dtype") != "auto"]
+    dtype = saved_dtypes[0] if saved_dtypes else dtype_name(choose_runtime(auto[0].config()).dtype)
     print(f"dtype auto -> {dtype} for every run of this comparison")
     return [dataclasses.replace(r, overrides={**r.overrides, "dtype": dtype}) if r in auto else r for r in runs]
 
 
 def check_reusable(run: Run) -> None:
     """Refuse a run on disk that was made with other settings: reusing it would compare something else."""
-    if (saved := saved_config(run.folder)) is None:
+    if (before := saved(run.folder)["config"]) is None:
         return
     planned = dataclasses.asdict(run.config())
     # A field the run's config lacks is newer than the run, which had its default then (as a resume reads it).
-    if changed := [f"{key}: {saved.get(key, DEFAULTS[key])!r} there, {value!r} now" for key, value in planned.items()
-                   if key not in IGNORED_ON_REUSE and saved.get(key, DEFAULTS[key]) != value]:
+    if changed := [f"{key}: {before.get(key, DEFAULTS[key])!r} there, {value!r} now" for key, value in planned.items()
+                   if key not in IGNORED_ON_REUSE and before.get(key, DEFAULTS[key]) != value]:
         raise ConfigError(f"{run.folder} holds a run with other settings ({'; '.join(changed)}); "
                           "pass another --out or delete that folder")
 
@@ -218,26 +208,19 @@ def code_fingerprint() -> dict[str, str]:
     return {"hash": digest.hexdigest()[:12], "commit": commit + ("+edits" if state["git_dirty"] else "")}
 
 
-def saved_code(folder: Path) -> dict[str, str] | None:
-    """The code a run on disk ran (result.json's, or code.json's for a stopped run); None if it says nothing."""
-    if (folder / RESULT).is_file():
-        return json.loads((folder / RESULT).read_text()).get("code")
-    return json.loads((folder / CODE).read_text()) if (folder / CODE).is_file() else None
-
-
 def is_stale(run: Run, code: dict[str, str]) -> bool:
     """A run on disk that other code made (or that recorded none)."""
-    saved = saved_code(run.folder)
-    return run.folder.is_dir() and any(run.folder.iterdir()) and (saved is None or saved["hash"] != code["hash"])
+    ran = saved(run.folder).get("code")
+    return run.folder.is_dir() and any(run.folder.iterdir()) and (ran is None or ran["hash"] != code["hash"])
 
 
 def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
     """Move a run on disk made by other code to EXP/stale/HASH/ (kept, out of the tables), saying so."""
     if not is_stale(run, code):
         return
-    saved = saved_code(run.folder)
-    ran = f"code {saved['hash']} (commit {saved['commit']})" if saved else "code this version did not record"
-    stale = run.folder.parents[1] / "stale" / (saved["hash"] if saved else "unrecorded") / run.variant / run.folder.name
+    old = saved(run.folder).get("code")
+    ran = f"code {old['hash']} (commit {old['commit']})" if old else "code this version did not record"
+    stale = run.folder.parents[1] / "stale" / (old["hash"] if old else "unrecorded") / run.variant / run.folder.name
     stale.parent.mkdir(parents=True, exist_ok=True)
     run.folder.rename(stale)
     print(f"{where}: retraining: it ran {ran}, this is code {code['hash']} (commit {code['commit']}); "

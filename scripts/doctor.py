@@ -132,13 +132,12 @@ def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
 def check_init_loss(model: GPT, x: torch.Tensor, y: torch.Tensor,
                     tolerance: float = INIT_LOSS_TOLERANCE) -> Check:
     """A fresh model should be equally unsure of every token: loss ~ ln(vocab_size), within a fraction."""
-    vocab_size = model.config.vocab_size
     with torch.no_grad():
         _, loss_sum, n, _ = model(x, y)
-    loss, expected = (loss_sum / n).item(), math.log(vocab_size)
+    loss, expected = (loss_sum / n).item(), math.log(model.config.vocab_size)
     allowed = tolerance * expected
     return verdict("init loss", abs(loss - expected) <= allowed,
-                   f"{loss:.4f} vs ln({vocab_size}) = {expected:.4f} ± {allowed:.3f}",
+                   f"{loss:.4f} vs ln({model.config.vocab_size}) = {expected:.4f} ± {allowed:.3f}",
                    "a fresh model spreads its bets evenly over the vocabulary",
                    "init too large (over-confident), wrong vocab size, or a mis-reduced loss (shapes, sum vs mean)")
 
@@ -402,7 +401,6 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     stream = training_stream(cfg, corpus, tokenizer, 0, device)  # rank 0's, as train.py builds it
     x, y = stream.first_batch()  # (B, T) each: the run's first batch; no random stream moves
     x_val, y_val = val_windows(corpus.val, cfg.block_size, max_targets=2 * cfg.block_size)
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     with torch.device("meta"):  # shapes only, to count the parameters
         model_summary = summary(GPT(gpt_config))
     print(f"doctor: {corpus.folder} on {device} ({dtype_name(dtype)}), batch {cfg.batch_size}; model: {model_summary}")
@@ -425,7 +423,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_causal(fresh(), few_x),
         check_overfit(overfit_run(cfg, rt), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES], overfit_lr(cfg)),
         check_grad_norm(*trainable(), few_x, few_y, device, dtype),
-        check_nonfinite_gradient(*trainable(), few_x, few_y, max_norm, device, dtype),
+        check_nonfinite_gradient(*trainable(), few_x, few_y, cfg.grad_clip or math.inf, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
     ]

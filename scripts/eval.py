@@ -47,8 +47,7 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
             raise DataError(f"{data_path}: {err}") from None
         if len(ids) < 2:
             raise DataError(f"{data_path}: {len(ids)} token(s); scoring needs at least 2")
-        x, y = val_windows(ids, cfg.block_size, max(eval_tokens, 0))
-        return x, y, data_path
+        return *val_windows(ids, cfg.block_size, max(eval_tokens, 0)), data_path
     if loaded.step is None and cfg.tokenizer != "gpt2":  # a char or BPE vocabulary need not be the built-in corpus's
         raise ConfigError(f"{loaded.source} has a char vocabulary: pass the text to score with --data_path")
     corpus = corpus_for(cfg, without_chat(loaded.tokenizer.meta()))  # a chat corpus: in the model's own tokens

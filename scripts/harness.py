@@ -26,7 +26,7 @@ from weights import hf
 from model import GPT
 from process import REPO
 from process.distributed import pick_device
-from weights.loading import Loaded, add_weights_flags, from_flags
+from weights.loading import add_weights_flags, from_flags
 from sample import generate
 from process.errors import TinyGPTError, exit_on, fail
 from process.files import atomic_write_text
@@ -41,7 +41,6 @@ except ImportError:
 
 LOCAL_TASKS = REPO / "evals"  # the repo's own tasks, found by name like the harness's
 LOCAL_TASK_NAMES = sorted(path.stem for path in LOCAL_TASKS.glob("*.yaml"))  # each file's stem is its task
-Pair = tuple[list[int], list[int]]  # (context ids, continuation ids)
 
 
 class TinyGPTLM(TemplateLM):
@@ -49,20 +48,12 @@ class TinyGPTLM(TemplateLM):
 
     def __init__(self, model: GPT, tokenizer, batch_size: int = 8, max_gen_toks: int = 256):
         super().__init__()
-        self.model, self.tok = model.eval(), tokenizer
-        self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
+        self.model, self.tok, self._device = model.eval(), tokenizer, next(model.parameters()).device  # LM.device's
+        self.batch_size, self.max_gen_toks, self.max_length = batch_size, max_gen_toks, model.config.block_size
 
     @property
     def eot_token_id(self) -> int:
         return self.tok.eot_token  # GPT-2's <|endoftext|>; a char model's newline
-
-    @property
-    def max_length(self) -> int:
-        return self.model.config.block_size
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         try:
@@ -96,7 +87,7 @@ class TinyGPTLM(TemplateLM):
         return (context + continuation)[-(self.max_length + 1):-1]
 
     @torch.no_grad()
-    def score_batch(self, pairs: list[Pair]) -> list[tuple[float, bool]]:
+    def score_batch(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:  # (context, cont.)
         inputs = [self.window(context, continuation) for context, continuation in pairs]
         idx = pad_sequence([torch.tensor(ids) for ids in inputs], batch_first=True)  # (B, T), right-padded with 0
         logits = self.model(idx.to(self.device)).logits  # (B, T, vocab)
@@ -179,31 +170,17 @@ def index_of_tasks(include_defaults: bool) -> TaskManager:
     return TaskManager(include_path=str(LOCAL_TASKS), include_defaults=include_defaults)
 
 
-def check_known(names: list[str]) -> None:
-    """ConfigError naming every task that neither the harness nor evals/ has."""
+def check_tasks(names: list[str]) -> None:
+    """ConfigError at once, not after a minute of retries, for a task that needs the hub when it cannot be reached
+    (checked first: indexing the harness's tasks takes seconds), or that neither the harness nor evals/ has."""
+    remote = [name for name in names if name not in LOCAL_TASK_NAMES]
+    if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := hf.hub_unreachable("gpt2")):
+        raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need their "
+                          "data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
     unknown = [name for name in names if name not in task_manager(names).all_tasks]
     if unknown or not names:
         raise ConfigError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; list them with "
                           f"`lm_eval ls tasks`, or see {LOCAL_TASKS.relative_to(REPO)}/ for the offline ones")
-
-
-def check_hub(names: list[str]) -> None:
-    """Fail at once, not after a minute of retries, when a task needs the hub and it cannot be reached."""
-    remote = [name for name in names if name not in LOCAL_TASK_NAMES]
-    if not remote or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        return
-    reason = hf.hub_unreachable("gpt2")
-    if reason:
-        raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need their "
-                          "data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
-
-
-def default_output(loaded: Loaded, names: list[str]) -> Path:
-    """harness-TASKS.json in the checkpoint's run folder; for pretrained weights, in out/harness/."""
-    stem = "harness-" + "+".join(names)
-    if loaded.step is None:
-        return Path("out") / "harness" / f"{Path(loaded.source).name}-{stem}.json"
-    return Path(loaded.source).parent / f"{stem}.json"
 
 
 def evaluate_tasks(lm: TinyGPTLM, names: list[str], args: argparse.Namespace) -> dict:
@@ -221,15 +198,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         names = [name.strip() for name in args.tasks.split(",") if name.strip()]
-        check_hub(names)  # first: indexing the harness's tasks takes seconds
-        check_known(names)
+        check_tasks(names)
         device = pick_device(args.device)
         loaded = from_flags(args, device)
         lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
         results = evaluate_tasks(lm, names, args)
     except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
-    output = Path(args.output) if args.output else default_output(loaded, names)
+    stem = "harness-" + "+".join(names)  # by default in the checkpoint's run folder; pretrained weights: out/harness/
+    output = Path(args.output or (Path("out", "harness", f"{Path(loaded.source).name}-{stem}.json")
+                                  if loaded.step is None else Path(loaded.source).parent / f"{stem}.json"))
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, json.dumps(results, indent=2, default=lm_utils.handle_non_serializable) + "\n")
     print(f"# {loaded.source} on {', '.join(names)} (lm_eval {lm_eval.__version__})")

@@ -51,21 +51,16 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     return sorted(train.values(), key=lambda r: r["step"]), sorted(val.values(), key=lambda r: r["step"])
 
 
-def default_label(path: Path) -> str:
-    """A run's folder for its metrics.jsonl (VARIANT/seed-N for one of compare.py's runs, so that two
-    variants' seed 1 are not one group); the file's own name for any other .jsonl."""
-    if path.name != "metrics.jsonl":
-        return path.stem
-    run = path.parent
-    return f"{run.parent.name}/{run.name}" if seed_number(path) else (run.name or str(path))
-
-
 def expand(arg: Path) -> list[tuple[Path, str]]:
-    """(metrics file, default label) of each run an argument names: a metrics file, a run folder, or compare.py's
-    experiment folder (every VARIANT/seed-N run, labelled by variant)."""
+    """(metrics file, default label) of each run an argument names: a metrics file (labelled by its run's folder,
+    VARIANT/seed-N for one of compare.py's runs, so that two variants' seed 1 are not one group; any other .jsonl by
+    its own name), a run folder, or compare.py's experiment folder (every VARIANT/seed-N run, labelled by variant)."""
     metrics = arg if arg.is_file() else arg / "metrics.jsonl"
+    run = metrics.parent
+    if metrics.is_file() and metrics.name != "metrics.jsonl":
+        return [(metrics, metrics.stem)]
     if metrics.is_file():
-        return [(metrics, default_label(metrics))]
+        return [(metrics, f"{run.parent.name}/{run.name}" if seed_number(metrics) else (run.name or str(metrics)))]
     results = arg / "results.json"  # compare.py's summary: its variant order puts the baseline first
     order = [v["name"] for v in json.loads(results.read_text())["variants"]] if results.is_file() else None
     runs = [(p, p.parent.parent.name) for p in arg.glob("*/seed-*/metrics.jsonl")]

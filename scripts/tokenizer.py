@@ -30,12 +30,6 @@ def prepared_tokenizer(args, kind: str, vocab_size: int = 0):
     return tokenizer_from_meta(load_corpus(folder, 1).meta["tokenizer"], Path(args.data_dir)), folder
 
 
-def encoding_speed(tokenizer, text: str) -> tuple[int, float]:
-    """(tokens of ``text``, MB/s of its UTF-8 bytes encoded), the median of three timings."""
-    seconds = sorted(timeit.repeat(lambda: tokenizer.encode(text), number=1, repeat=3))[1]
-    return len(tokenizer.encode(text)), len(text.encode("utf-8")) / seconds / 1e6
-
-
 def report(args) -> str:
     sizes = sorted(set(args.bpe_vocab_size))
     rows, text = [], None
@@ -55,7 +49,8 @@ def report(args) -> str:
              "| tokenizer | vocab | val tokens | bytes/token | tokens vs char | encodes at | note |",
              "|---|---|---|---|---|---|---|"]
     for name, tokenizer, note in rows:
-        n, speed = encoding_speed(tokenizer, text)
+        n = len(tokenizer.encode(text))
+        speed = n_bytes / sorted(timeit.repeat(lambda: tokenizer.encode(text), number=1, repeat=3))[1] / 1e6  # median
         lines.append(f"| {name} | {tokenizer.vocab_size:,} | {n:,} | {n_bytes / n:.3f} | {n / len(text):.3f} | "
                      f"{speed:.1f} MB/s | {note} |")
     tokens = sorted(range(tok.eot_token), key=lambda i: (-len(tok.decode_bytes([i])), i))[:LONGEST]
