@@ -181,8 +181,7 @@ def check_rng(plan: Plan) -> Check:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Exact equality of nested dicts, lists and tuples of tensors and plain values (the training stream's
-    state is a dict)."""
+    """Exact equality of nested dicts, lists and tuples of tensors and plain values (the stream's state is a dict)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
@@ -211,10 +210,8 @@ def make_plan(args) -> Plan:
     # Absolute paths: the commands run in the repo, whatever folder this script was started from.
     common += [f"--{name}={Path(value).resolve()}" for name in ("data_path", "data_dir")
                if (value := getattr(args, name))]
-    out = args.out_dir.resolve()
-    if args.dry_run:
-        return Plan(common + list(TINY), out, args.steps, 2, "cpu")
-    return Plan(common + list(GPU), out, args.steps, torch.cuda.device_count(), "cuda")
+    flags, nproc, device = (TINY, 2, "cpu") if args.dry_run else (GPU, torch.cuda.device_count(), "cuda")
+    return Plan(common + list(flags), args.out_dir.resolve(), args.steps, nproc, device)
 
 
 def main(argv: list[str] | None = None) -> int:

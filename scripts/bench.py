@@ -13,6 +13,7 @@ processes falls on both alike. Measured rows and their commands: docs/performanc
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -43,9 +44,8 @@ class Bench:
     run: Run  # train.build_run's: config, runtime (device, threads: set before each block), model, optimizer, data
     train_model: torch.nn.Module  # what the forward runs through: compiled as train.py compiles it
     compile_s: float
-    step: int = 0
     times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # one per step taken
     peak_bytes: int = 0
 
 
@@ -69,13 +69,12 @@ def synced_clock(device: torch.device) -> float:
 
 def timed_step(b: Bench) -> None:
     """One optimizer step of train.py's own train_step, with a synchronised timer around each phase (b.times)."""
-    cfg, device = b.run.cfg, b.run.rt.device
+    cfg, device, step = b.run.cfg, b.run.rt.device, len(b.losses)
     t0 = synced_clock(device)
     batches = [b.run.stream.next() for _ in range(cfg.grad_accum)]
     t1 = synced_clock(device)
-    losses, _ = train_step(b.run, b.train_model, batches, b.step + 1, get_lr(b.step, cfg))
+    losses, _ = train_step(b.run, b.train_model, batches, step + 1, get_lr(step, cfg))
     t2 = synced_clock(device)
-    b.step += 1
     b.losses.append(losses.loss_sum / losses.n_targets)  # a tensor: .item() only after timing, no sync in the step
     for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1)):
         b.times[phase].append(seconds)
@@ -84,11 +83,9 @@ def timed_step(b: Bench) -> None:
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # Linux: writing 5 resets the process's peak RSS (VmHWM); see proc(5), clear_refs
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # elsewhere the peak stays the process lifetime's
+    else:  # Linux: writing 5 resets the process's peak RSS (VmHWM), see proc(5), clear_refs; elsewhere it stays
+        with contextlib.suppress(OSError):  # the process lifetime's
+            Path("/proc/self/clear_refs").write_text("5")
 
 
 def peak_memory(device: torch.device) -> int:
@@ -119,10 +116,9 @@ def run(benches: list[Bench], steps: int, warmup: int, rounds: int) -> list[dict
 
 
 def profile(b: Bench, top: int) -> str:
-    """The torch profiler's table of the ops that take the most CPU time over 10 steps."""
+    """The torch profiler's table of the ops that take the most time (CPU, or CUDA on a GPU) over 10 steps."""
     cuda = b.run.rt.device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile() as prof:  # every activity this machine supports: the CPU's, and CUDA's if any
         for _ in range(10):
             timed_step(b)
     return prof.key_averages().table(sort_by=f"self_{'cuda' if cuda else 'cpu'}_time_total", row_limit=top)
@@ -214,8 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         for b in benches:
             print(f"[{b.name}] torch profiler, 10 steps:\n{profile(b, args.profile)}")
-    for result in results:
-        print(report(result))
+    print("\n".join(map(report, results)))
     ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"] if len(results) == 2 else math.nan
     if len(results) == 2:
         print(f"B / A: {ratio:.2f}x tokens/s")

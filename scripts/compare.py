@@ -5,11 +5,9 @@
     python -m scripts.compare --config small --time 180 --seeds 3 base: wide:n_embd=192   # equal wall time
     python -m scripts.compare --config tiny --steps 200 --seeds 2 --set batch_size=16 base: drop:dropout=0.1
 
-A variant is NAME:KEY=VALUE[,KEY=VALUE...] on top of the preset and of --set; `NAME:` alone is the preset as it
-is; the first variant (or --vs) is the baseline. Each (variant, seed) is train.py's train() in EXP/NAME/seed-N, run
-round by round, checked before any runs; a rerun reuses the finished runs of this code and settings and resumes a
-stopped one. Why each choice: docs/experiments.md, "Comparing variants honestly". Writes EXP/results.json,
-EXP/results.md (the printed tables) and EXP/compare.png (scripts/plot.py).
+Each (variant, seed) is train.py's train() in EXP/NAME/seed-N, run round by round, checked before any runs; a rerun
+reuses the finished runs of this code and settings and resumes a stopped one. Writes EXP/results.json, EXP/results.md
+(the printed tables) and EXP/compare.png. Why each choice: docs/experiments.md, "Comparing variants honestly".
 """
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ import shlex
 import statistics
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +49,7 @@ SHORT_COMMIT = 7  # hex digits of the commit shown beside a code hash (git's own
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a variant's name is a folder name
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Run:
     """One (variant, seed): the overrides that, on top of the preset, make its whole config."""
     variant: str
@@ -65,7 +62,7 @@ class Run:
         return make_config(self.preset, **self.overrides, resume=resume)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Plan:
     folder: Path  # the experiment folder, EXP
     variants: dict[str, dict[str, str]]  # name -> its overrides as typed, the baseline first
@@ -90,9 +87,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def check_owned(overrides: dict[str, str], where: str) -> None:
-    for key in overrides:
-        if key in OWNED:
-            raise ConfigError(f"{where} sets `{key}`, which compare.py sets itself (with {OWNED[key]})")
+    if owned := [key for key in overrides if key in OWNED]:
+        raise ConfigError(f"{where} sets `{owned[0]}`, which compare.py sets itself (with {OWNED[owned[0]]})")
 
 
 def variant_overrides(args, variants: dict[str, dict[str, str]], schedule: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 from typing import Callable
@@ -57,7 +56,7 @@ SHORT_RUN_STEPS = 3  # steps of the short run (lr schedule, master weights): a m
 SHORT_RUN_ACCUM = 2  # micro-batches per step in that run, so counting them instead of steps goes wrong
 
 
-@dataclass
+@dataclasses.dataclass
 class Check:
     """The verdict of one check."""
     name: str
@@ -111,10 +110,9 @@ def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
     between special tokens (no text: decoded, one reads as its name) makes the trip alone, as it was encoded."""
     ids = [int(i) for i in ids]
     newline = tokenizer.encode("\n") if "\n" in tokenizer.decode(ids) else []
-    if len(newline) == 1 and ids.count(newline[0]) >= 2:
-        first = ids.index(newline[0])
-        last = len(ids) - 1 - ids[::-1].index(newline[0])
-        ids = ids[first + 1: last + 1]
+    if len(newline) == 1 and ids.count(newline[0]) >= 2:  # from after the first newline through the last
+        at = [i for i, token in enumerate(ids) if token == newline[0]]
+        ids = ids[at[0] + 1: at[-1] + 1]
     special = tokenizer.special_ids.__contains__
     runs = [list(run) if is_special else tokenizer.decode(list(run)) for is_special, run in groupby(ids, special)]
     again = [i for run in runs for i in (tokenizer.encode(run) if isinstance(run, str) else run)]  # specials kept
@@ -318,8 +316,7 @@ def check_tied(model: torch.nn.Module) -> Check:
     """Token embedding and output head are one Parameter with one storage (after .to() and compile)."""
     inner = getattr(model, "_orig_mod", model)  # torch.compile keeps the real module here
     wte, head = inner.transformer.wte.weight, inner.lm_head.weight
-    same_param = wte is head
-    same_storage = wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+    same_param, same_storage = wte is head, wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
     measured = (f"{'one Parameter' if same_param else 'two Parameters'}, "
                 f"{'one storage' if same_storage else 'two storages'} on {wte.device}"
                 + (", compiled" if inner is not model else ""))
@@ -427,9 +424,8 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
         check_dropout_modes(fresh(dropout), few_x),
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
     ]
-    probe_model = fresh()
-    compiled = compile_for_step(probe_model, stream, rt)  # as train.py compiles
-    checks += [check_tied(compiled), check_probe_grads(probe_model, rt.compile)]
+    probe_model = fresh()  # compiled as train.py compiles, then checked for the probe's gradients
+    checks += [check_tied(compile_for_step(probe_model, stream, rt)), check_probe_grads(probe_model, rt.compile)]
     small, records, state = short_run(cfg, dtype)  # last: a training run reseeds the global RNG
     return checks + [check_lr_schedule(small, records, train.get_lr), check_master_weights(state)]
 

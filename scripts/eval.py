@@ -33,7 +33,7 @@ from prepare.texts import read_text_file
 from process.errors import TinyGPTError, exit_on
 
 PROGRESS_BATCHES = 20  # show a progress bar from this many batches on (and only in a terminal)
-PRETRAINED_BATCH = 8  # windows per forward for pretrained weights (GPT-2's are 1,024 tokens each)
+PRETRAINED_BATCH = 8  # windows per forward for pretrained weights, which have no run's batch_size (GPT-2's: 1,024)
 
 
 def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -110,7 +110,6 @@ def main(argv: list[str] | None = None) -> None:
         x, y, data = eval_windows(loaded, args.data_path, args.eval_tokens)
     except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
-    # Pretrained weights have no run behind them: PRETRAINED_BATCH windows of their block_size at a time.
     batch_size = args.batch_size or (loaded.cfg.batch_size if loaded.step is not None else PRETRAINED_BATCH)
     report = score(loaded, x, y, data, batch_size, rt.dtype, rt.device)
     if args.json:

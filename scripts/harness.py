@@ -61,9 +61,6 @@ class TinyGPTLM(TemplateLM):
         except DataError as err:  # a char model meets a character it never saw
             raise DataError(f"the task's text: {err}; a char model scores only text in its own characters") from None
 
-    def tok_decode(self, tokens: list[int]) -> str:
-        return self.tok.decode(tokens)
-
     # ------------------------------------------------------------------------- scoring
     def _loglikelihood_tokens(self, requests: list[tuple], disable_tqdm: bool = False,
                               **kwargs) -> list[tuple[float, bool]]:
@@ -79,16 +76,14 @@ class TinyGPTLM(TemplateLM):
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
         return answers
 
-    def window(self, context: list[int], continuation: list[int]) -> list[int]:
-        """The model's input: context + continuation but its last token, at most block_size tokens."""
-        if not 0 < len(continuation) <= self.max_length:
-            raise ValueError(f"a continuation of {len(continuation)} tokens; the model scores 1 to "
-                             f"{self.max_length} (its block_size) at once")
-        return (context + continuation)[-(self.max_length + 1):-1]
-
     @torch.no_grad()
-    def score_batch(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:  # (context, cont.)
-        inputs = [self.window(context, continuation) for context, continuation in pairs]
+    def score_batch(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Per (context ids, continuation ids): the model reads context + continuation but its last token, at most
+        block_size tokens, and scores the continuation (1 to block_size tokens)."""
+        if bad := [len(c) for _, c in pairs if not 0 < len(c) <= self.max_length]:
+            raise ValueError(f"a continuation of {bad[0]} tokens; the model scores 1 to {self.max_length} (its "
+                             "block_size) at once")
+        inputs = [(context + continuation)[-(self.max_length + 1):-1] for context, continuation in pairs]
         idx = pad_sequence([torch.tensor(ids) for ids in inputs], batch_first=True)  # (B, T), right-padded with 0
         logits = self.model(idx.to(self.device)).logits  # (B, T, vocab)
         answers = []
@@ -104,9 +99,8 @@ class TinyGPTLM(TemplateLM):
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         totals = []
         for (text,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="loglikelihood_rolling"):
-            windows = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(text),
-                                                         prefix_token=self.prefix_token_id,
-                                                         max_seq_len=self.max_length, context_len=1)
+            windows = lm_utils.get_rolling_token_windows(self.tok_encode(text), self.prefix_token_id, self.max_length,
+                                                         context_len=1)
             pairs = [(None, *lm_utils.make_disjoint_window(w)) for w in windows]
             total = sum(logprob for logprob, _ in self._loglikelihood_tokens(pairs, disable_tqdm=True))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
@@ -118,19 +112,19 @@ class TinyGPTLM(TemplateLM):
         """Each context's continuation up to (not including) its first stop sequence: greedy unless sampled."""
         outputs = []
         for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm, desc="generate_until"):
-            until = gen_kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
+            until = gen_kwargs.get("until") or [self.tok.decode([self.eot_token_id])]
             until = [until] if isinstance(until, str) else list(until)
             sampled = gen_kwargs.get("do_sample", False) and gen_kwargs.get("temperature", 0.0) > 0
             prompt = self.tok_encode(context) or [self.eot_token_id]
             n = len(prompt)
 
             def reached_stop(idx: torch.Tensor) -> bool:  # idx (1, n + new)
-                return any(stop in self.tok_decode(idx[0, n:].tolist()) for stop in until)
+                return any(stop in self.tok.decode(idx[0, n:].tolist()) for stop in until)
 
             out = generate(self.model, torch.tensor([prompt], device=self.device),
                            gen_kwargs.get("max_gen_toks", self.max_gen_toks),
                            temperature=gen_kwargs["temperature"] if sampled else 0.0, stop=reached_stop)
-            text = self.tok_decode(out[0, n:].tolist())
+            text = self.tok.decode(out[0, n:].tolist())
             for stop in until:
                 text = text.split(stop)[0]
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
@@ -188,7 +182,7 @@ def evaluate_tasks(lm: TinyGPTLM, names: list[str], args: argparse.Namespace) ->
     try:
         return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager(names),
                                        num_fewshot=args.num_fewshot, limit=args.limit, log_samples=False)
-    except (ConnectionError, OSError) as err:
+    except OSError as err:  # ConnectionError included
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"could not load the data of {', '.join(names)} ({first_line}); the harness's tasks "
                           "download it from the Hugging Face hub; evals/ tasks run offline") from None
@@ -199,8 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         names = [name.strip() for name in args.tasks.split(",") if name.strip()]
         check_tasks(names)
-        device = pick_device(args.device)
-        loaded = from_flags(args, device)
+        loaded = from_flags(args, pick_device(args.device))
         lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
         results = evaluate_tasks(lm, names, args)
     except TinyGPTError as err:  # one line and its exit code (process/errors.py)

@@ -7,9 +7,9 @@
     python -m scripts.plot out/compare/tiny-200steps --bpb -o cmp.png       # compare.py's variants, seeds as a band
     python -m scripts.plot out/a/seed-1 out/a/seed-2 out/b/seed-1 out/b/seed-2 --labels a a b b
 
-``--ref`` adds fixed (seconds, val loss) points, e.g. another project's numbers, to the wall-time panel; ``--bpb`` a
-panel of val bits per byte, which compares runs with different tokenizers. Runs with the same label (a compare.py
-variant's seeds) are one group in one colour: their mean with a min-max band (train) or bars (val), each final an x.
+``--ref`` puts fixed points (another project's numbers, say) on the wall-time panel; ``--bpb``'s panel compares runs
+with different tokenizers. Runs with one label (a compare.py variant's seeds) are one group in one colour: their mean
+with a min-max band (train) or bars (val), each final an x.
 """
 from __future__ import annotations
 

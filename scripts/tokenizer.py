@@ -40,8 +40,7 @@ def report(args) -> str:
         if text is None:  # every size splits the same characters: one val text for all
             text = tok.decode(load_corpus(folder, 1).val.tolist())
         rows.append((f"bpe {size}", tok, f"prepared in {seconds:.1f} s" + (" (cached)" if seconds < 1 else "")))
-    char, _ = prepared_tokenizer(args, "char")
-    rows.insert(0, ("char", char, "one token per character"))
+    rows.insert(0, ("char", prepared_tokenizer(args, "char")[0], "one token per character"))
     if not args.no_gpt2:
         rows.append(("gpt2", prepared_tokenizer(args, "gpt2")[0], "GPT-2's, trained on WebText"))
     n_bytes = len(text.encode("utf-8"))
