@@ -83,8 +83,8 @@ def timed_step(b: Bench) -> None:
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    else:  # Linux: writing 5 resets the process's peak RSS (VmHWM), see proc(5), clear_refs; elsewhere it stays
-        with contextlib.suppress(OSError):  # the process lifetime's
+    else:  # Linux: writing 5 resets the peak RSS (VmHWM; proc(5), clear_refs); elsewhere it stays the lifetime's
+        with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
 
 
