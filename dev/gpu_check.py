@@ -37,10 +37,9 @@ import torch
 
 from training.checkpoint import CheckpointError, load_checkpoint
 from config import CommandLine
+from process import REPO
 from process.rundir import check_writable
 from process.errors import TinyGPTError, exit_on
-
-REPO = Path(__file__).resolve().parent.parent
 
 TINY = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
         "--dtype", "float32", "--compile", "off", "--tokenizer", "char", "--device", "cpu")  # config/tiny.toml
@@ -88,17 +87,16 @@ def failure(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}: {lines[-1].strip() if lines else 'no output'}"[:300]
 
 
-def short_of(plan: Plan, name: str) -> str:
-    """Why a finished run's metrics.jsonl does not reach plan.steps; empty when it does."""
-    logged = sorted(losses(plan.out / name))
-    if logged and logged[-1] == plan.steps:
-        return ""
-    return f"metrics.jsonl ends at step {logged[-1] if logged else None}, not {plan.steps}"
+def shortfall(plan: Plan, name: str, result: subprocess.CompletedProcess) -> str:
+    """Why the run ``name`` failed, or why its metrics.jsonl does not reach plan.steps; empty when it does."""
+    if result.returncode:
+        return failure(result)
+    last = max(losses(plan.out / name), default=None)
+    return "" if last == plan.steps else f"metrics.jsonl ends at step {last}, not {plan.steps}"
 
 
 def train_cmd(plan: Plan, name: str, steps: int, *extra: str) -> list[str]:
-    out = plan.out / name
-    return ["train.py", *plan.common, "--out_dir", str(out), "--max_iters", str(steps),
+    return ["train.py", *plan.common, "--out_dir", str(plan.out / name), "--max_iters", str(steps),
             "--lr_decay_iters", str(plan.steps), "--eval_interval", str(steps), *extra]
 
 
@@ -113,10 +111,8 @@ def losses(out_dir: Path) -> dict[int, float]:
 
 def throughput(out_dir: Path) -> str:
     """Median tokens/s and MFU of the log lines after the first (which carries the warm-up)."""
-    train_records = [r for r in records(out_dir) if "tokens_per_s" in r]
+    train_records = [r for r in records(out_dir) if "tokens_per_s" in r]  # a run that passed logged some
     steady = train_records[1:] or train_records
-    if not steady:
-        return "no log lines"
     tok_s = statistics.median(r["tokens_per_s"] for r in steady)
     mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
     return f"{tok_s:,.0f} tok/s, MFU " + (f"{statistics.median(mfus):.1%}" if mfus else "n/a")
@@ -124,8 +120,7 @@ def throughput(out_dir: Path) -> str:
 
 def check_train(plan: Plan) -> Check:
     result = run(train_cmd(plan, "train", plan.steps), "-c", PEAK_PROBE)
-    why = failure(result) if result.returncode else short_of(plan, "train")
-    if why:
+    if why := shortfall(plan, "train", result):
         return Check("train", "FAIL", why)
     peak = next((int(line.split()[1]) for line in result.stdout.splitlines()
                  if line.startswith("peak_memory_bytes")), 0)
@@ -138,8 +133,7 @@ def check_ddp(plan: Plan) -> Check:
         return Check("ddp", "SKIP", f"{plan.nproc} GPU: DDP needs 2 or more")
     result = run(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.nproc}",
                   *train_cmd(plan, "ddp", plan.steps)])
-    why = failure(result) if result.returncode else short_of(plan, "ddp")
-    if why:
+    if why := shortfall(plan, "ddp", result):
         return Check("ddp", "FAIL", why)
     return Check("ddp", "PASS", f"{plan.nproc} ranks, {throughput(plan.out / 'ddp')} (whole job)")
 
@@ -173,14 +167,13 @@ def check_rng(plan: Plan) -> Check:
         return Check("rng", "FAIL", f"{err} (the resume check must pass first)")
     if plan.device == "cuda" and not rng_a["torch_cuda"]:
         return Check("rng", "FAIL", "last.pt holds no CUDA RNG state")
-    different = [name for name in rng_a if not same(rng_a[name], rng_b[name])]
-    if different:
+    if different := [name for name in rng_a if not same(rng_a[name], rng_b[name])]:
         return Check("rng", "FAIL", f"after a resume these random streams differ from a straight run: {different}")
     after = [s for s in range(half + 1, 2 * half + 1) if straight.get(s) != resumed.get(s)]
     if not after:
         return Check("rng", "PASS", f"losses of steps {half + 1}..{2 * half} and every random stream identical")
-    before = [s for s in range(1, half + 1) if straight.get(s) != resumed.get(s)]
-    if before:  # two fresh runs already differ: the kernels are not deterministic here, the streams still decide
+    # Two fresh runs that already differ: the kernels are not deterministic here, the streams still decide.
+    if before := [s for s in range(1, half + 1) if straight.get(s) != resumed.get(s)]:
         return Check("rng", "PASS", f"random streams identical; losses not comparable: two fresh runs already "
                                     f"differ at step {before[0]} (non-deterministic kernels)")
     return Check("rng", "FAIL", f"resumed loss differs from the straight run's at step {after[0]}: "
@@ -188,8 +181,7 @@ def check_rng(plan: Plan) -> Check:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Exact equality of nested dicts, lists and tuples of tensors and plain values (the training stream's
-    state is a dict)."""
+    """Exact equality of nested dicts, lists and tuples of tensors and plain values (the stream's state is a dict)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
@@ -218,16 +210,8 @@ def make_plan(args) -> Plan:
     # Absolute paths: the commands run in the repo, whatever folder this script was started from.
     common += [f"--{name}={Path(value).resolve()}" for name in ("data_path", "data_dir")
                if (value := getattr(args, name))]
-    out = args.out_dir.resolve()
-    if args.dry_run:
-        return Plan(common + list(TINY), out, args.steps, 2, "cpu")
-    return Plan(common + list(GPU), out, args.steps, torch.cuda.device_count(), "cuda")
-
-
-def print_table(checks: list[Check]) -> None:
-    width = max(len(c.name) for c in checks)
-    for c in checks:
-        print(f"{c.status}  {c.name:<{width}}  {c.seconds:5.0f} s  {c.detail}")
+    flags, nproc, device = (TINY, 2, "cpu") if args.dry_run else (GPU, torch.cuda.device_count(), "cuda")
+    return Plan(common + list(flags), args.out_dir.resolve(), args.steps, nproc, device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         checks.append(check(plan))
         checks[-1].seconds = time.time() - t0
         print(f"{checks[-1].status} {checks[-1].name}: {checks[-1].detail}", flush=True)
-    print_table(checks)
+    width = max(len(c.name) for c in checks)
+    for c in checks:  # the table
+        print(f"{c.status}  {c.name:<{width}}  {c.seconds:5.0f} s  {c.detail}")
     (plan.out / "results.json").write_text(json.dumps({c.name: c.status for c in checks}, indent=1))
     failed = [c.name for c in checks if c.status == "FAIL"]
     print(f"{sum(c.status == 'PASS' for c in checks)}/{len(checks)} checks passed in {time.time() - t_start:.0f} s"

@@ -13,6 +13,7 @@ processes falls on both alike. Measured rows and their commands: docs/performanc
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from config import CommandLine, ConfigError, TrainConfig, make_config
 from process.rundir import check_writable
 from process.errors import TinyGPTError, exit_on
 from process.distributed import pick_device
+from training.checkpoint import dtype_name
 from training.runtime import choose_runtime, compile_for_step, matmul_gflops, threads_text, use_threads
 from train import Run, build_run, get_lr, train_step
 
@@ -39,19 +41,12 @@ PHASES = ("data", "step")  # drawing the batches; train.train_step (forward, bac
 class Bench:
     """One config, built exactly as train.py builds it, plus the timings collected for it."""
     name: str
-    cfg: TrainConfig
-    run: Run  # train.build_run's: model, optimizer, scaler, guard, data
+    run: Run  # train.build_run's: config, runtime (device, threads: set before each block), model, optimizer, data
     train_model: torch.nn.Module  # what the forward runs through: compiled as train.py compiles it
     compile_s: float
-    step: int = 0
     times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # one per step taken
     peak_bytes: int = 0
-    threads: int = 0  # torch threads its steps run with (set before each of its blocks: configs may differ)
-
-    @property
-    def device(self) -> torch.device:
-        return self.run.rt.device
 
 
 def build(name: str, cfg: TrainConfig) -> Bench:
@@ -60,45 +55,37 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     run = build_run(cfg, rt)
     t0 = time.perf_counter()
     train_model = compile_for_step(run.model, run.stream, rt)
-    compile_s = time.perf_counter() - t0
-    return Bench(name, cfg, run, train_model, compile_s, threads=rt.threads)
+    return Bench(name, run, train_model, time.perf_counter() - t0)
 
 
-def sync(device: torch.device) -> None:
+def synced_clock(device: torch.device) -> float:
+    """time.perf_counter() once the device has finished the work queued so far."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+    return time.perf_counter()
 
 
-def timed_step(b: Bench) -> dict[str, float]:
-    """One optimizer step of train.py's own train_step, with a synchronised timer around each phase."""
-    cfg, device, clock = b.cfg, b.device, time.perf_counter
-    times, t = {}, [clock()]
-
-    def lap(phase: str) -> None:
-        sync(device)
-        times[phase], t[0] = clock() - t[0], clock()
-
-    sync(device)
-    t[0] = clock()
+def timed_step(b: Bench) -> None:
+    """One optimizer step of train.py's own train_step, with a synchronised timer around each phase (b.times)."""
+    cfg, device, step = b.run.cfg, b.run.rt.device, len(b.losses)
+    t0 = synced_clock(device)
     batches = [b.run.stream.next() for _ in range(cfg.grad_accum)]
-    lap("data")
-    losses, _ = train_step(b.run, b.train_model, batches, b.step + 1, get_lr(b.step, cfg))
-    lap("step")
-    b.step += 1
+    t1 = synced_clock(device)
+    losses, _ = train_step(b.run, b.train_model, batches, step + 1, get_lr(step, cfg))
+    t2 = synced_clock(device)
     b.losses.append(losses.loss_sum / losses.n_targets)  # a tensor: .item() only after timing, no sync in the step
-    return times
+    for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1)):
+        b.times[phase].append(seconds)
 
 
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # Linux: writing 5 resets the process's peak RSS (VmHWM); see proc(5), clear_refs
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # elsewhere the peak stays the process lifetime's
+    else:  # Linux: writing 5 resets the peak RSS (VmHWM; proc(5), clear_refs); elsewhere it stays the lifetime's
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
 
 
 def peak_memory(device: torch.device) -> int:
@@ -114,45 +101,40 @@ def peak_memory(device: torch.device) -> int:
 def run(benches: list[Bench], steps: int, warmup: int, rounds: int) -> list[dict]:
     """Warm each config up, then time ``steps`` steps of each in ``rounds`` alternating blocks."""
     for b in benches:
-        torch.set_num_threads(b.threads)
+        torch.set_num_threads(b.run.rt.threads)
         for _ in range(warmup):
             timed_step(b)
-        b.times = {p: [] for p in PHASES}
-    per_round = max(1, steps // rounds)
+        b.times = {p: [] for p in PHASES}  # warm-up steps left out
     for _ in range(rounds):
         for b in benches:
-            torch.set_num_threads(b.threads)
-            reset_peak_memory(b.device)
-            for _ in range(per_round):
-                for phase, seconds in timed_step(b).items():
-                    b.times[phase].append(seconds)
-            b.peak_bytes = max(b.peak_bytes, peak_memory(b.device))
+            torch.set_num_threads(b.run.rt.threads)
+            reset_peak_memory(b.run.rt.device)
+            for _ in range(max(1, steps // rounds)):
+                timed_step(b)
+            b.peak_bytes = max(b.peak_bytes, peak_memory(b.run.rt.device))
     return [summarise(b) for b in benches]
 
 
 def profile(b: Bench, top: int) -> str:
-    """The torch profiler's table of the ops that take the most CPU time over 10 steps."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if b.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    """The torch profiler's table of the ops that take the most time (CPU, or CUDA on a GPU) over 10 steps."""
+    cuda = b.run.rt.device.type == "cuda"
+    with torch.profiler.profile() as prof:  # every activity this machine supports: the CPU's, and CUDA's if any
         for _ in range(10):
             timed_step(b)
-    sort_by = "self_cuda_time_total" if b.device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort_by, row_limit=top)
+    return prof.key_averages().table(sort_by=f"self_{'cuda' if cuda else 'cpu'}_time_total", row_limit=top)
 
 
 def summarise(b: Bench) -> dict:
     totals = [sum(parts) for parts in zip(*b.times.values())]
-    step_s, tokens, model = statistics.median(totals), b.cfg.tokens_per_step(), b.run.model
-    flops_per_token = model.flops_per_token(b.cfg.block_size)
-    return {"name": b.name, "device": str(b.device), "dtype": str(b.run.rt.dtype).removeprefix("torch."),
+    cfg, rt, model = b.run.cfg, b.run.rt, b.run.model
+    step_s, tokens = statistics.median(totals), cfg.tokens_per_step()
+    return {"name": b.name, "device": str(rt.device), "dtype": dtype_name(rt.dtype),
             "compiled": b.train_model is not model, "compile_s": b.compile_s, "steps": len(totals),
             "ms_per_step": step_s * 1000, "step_ms": [t * 1000 for t in totals], "tokens_per_s": tokens / step_s,
             "phases_ms": {p: statistics.median(v) * 1000 for p, v in b.times.items()},
-            "model_gflops": flops_per_token * tokens / step_s / 1e9,
+            "model_gflops": model.flops_per_token(cfg.block_size) * tokens / step_s / 1e9,
             "peak_mib": b.peak_bytes / 2**20, "params": model.num_params(),
-            "threads": b.threads, "last_loss": b.losses[-1].item() if b.losses else math.nan}
+            "threads": rt.threads, "last_loss": b.losses[-1].item() if b.losses else math.nan}
 
 
 def report(result: dict) -> str:
@@ -181,8 +163,7 @@ def matmul_report(device: torch.device) -> None:
     shapes = [(768, 128, 512), (768, 512, 128), (4096, 128, 512), (4096, 256, 1024), (1024, 1024, 1024)]
     dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
     for m, k, n in shapes:
-        cells = [f"{str(d).removeprefix('torch.')} {matmul_gflops(m, k, n, d, device, seconds=0.5):7.0f}"
-                 for d in dtypes]
+        cells = [f"{dtype_name(d)} {matmul_gflops(m, k, n, d, device, seconds=0.5):7.0f}" for d in dtypes]
         print(f"matmul ({m:>4} x {k:>4}) @ ({k:>4} x {n:>4}): " + " | ".join(cells) + " GFLOP/s")
 
 
@@ -229,8 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         for b in benches:
             print(f"[{b.name}] torch profiler, 10 steps:\n{profile(b, args.profile)}")
-    for result in results:
-        print(report(result))
+    print("\n".join(map(report, results)))
     ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"] if len(results) == 2 else math.nan
     if len(results) == 2:
         print(f"B / A: {ratio:.2f}x tokens/s")

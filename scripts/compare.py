@@ -5,11 +5,9 @@
     python -m scripts.compare --config small --time 180 --seeds 3 base: wide:n_embd=192   # equal wall time
     python -m scripts.compare --config tiny --steps 200 --seeds 2 --set batch_size=16 base: drop:dropout=0.1
 
-A variant is NAME:KEY=VALUE[,KEY=VALUE...] on top of the preset and of --set; `NAME:` alone is the preset as it
-is; the first variant (or --vs) is the baseline. Each (variant, seed) is train.py's train() in EXP/NAME/seed-N, run
-round by round, checked before any runs; a rerun reuses the finished runs of this code and settings and resumes a
-stopped one. Why each choice: docs/experiments.md, "Comparing variants honestly". Writes EXP/results.json,
-EXP/results.md (the printed tables) and EXP/compare.png (scripts/plot.py).
+Each (variant, seed) is train.py's train() in EXP/NAME/seed-N, run round by round, checked before any runs; a rerun
+reuses the finished runs of this code and settings and resumes a stopped one. Writes EXP/results.json, EXP/results.md
+(the printed tables) and EXP/compare.png. Why each choice: docs/experiments.md, "Comparing variants honestly".
 """
 from __future__ import annotations
 
@@ -22,24 +20,22 @@ import shlex
 import statistics
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import train
-from training.checkpoint import git, git_state, read_config
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config
 from prepare.corpora import corpus_source
+from process import REPO
+from process.errors import TinyGPTError, exit_on, fail
+from process.files import atomic_write_text
+from scripts.bench import parse_overrides
+from training.checkpoint import dtype_name, git, git_state, read_config
 from training.faults import RunStopped, StopOnSignal
 from training.runtime import choose_runtime, use_threads
 from weights.loading import from_checkpoint
-from scripts.bench import parse_overrides
-from process.errors import TinyGPTError, exit_on, fail
-from process.files import atomic_write_text
-
-REPO = Path(__file__).resolve().parent.parent
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
 OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command", "schedule": "--steps/--time",
@@ -53,13 +49,7 @@ SHORT_COMMIT = 7  # hex digits of the commit shown beside a code hash (git's own
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a variant's name is a folder name
 
 
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    overrides: dict[str, str]  # as typed on the command line
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Run:
     """One (variant, seed): the overrides that, on top of the preset, make its whole config."""
     variant: str
@@ -72,10 +62,10 @@ class Run:
         return make_config(self.preset, **self.overrides, resume=resume)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Plan:
     folder: Path  # the experiment folder, EXP
-    variants: list[Variant]
+    variants: dict[str, dict[str, str]]  # name -> its overrides as typed, the baseline first
     seeds: list[int]
     runs: list[Run]  # in running order: seed 1 of every variant, then seed 2, ...
     mode: str  # "steps" or "time"
@@ -84,8 +74,8 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------- the plan
-def parse_variant(text: str) -> Variant:
-    """NAME:KEY=VALUE[,KEY=VALUE...] -> Variant; nothing after the colon is the preset as it is."""
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """NAME:KEY=VALUE[,KEY=VALUE...] -> (name, overrides); nothing after the colon is the preset as it is."""
     name, colon, body = text.partition(":")
     if not colon or not NAME.fullmatch(name):
         raise ConfigError(f"variant `{text}` must look like NAME:KEY=VALUE[,KEY=VALUE], e.g. rope:pos_emb=rope, "
@@ -93,42 +83,28 @@ def parse_variant(text: str) -> Variant:
     overrides = parse_overrides([body]) if body else {}
     if len(overrides) != body.count(",") + 1 and body:
         raise ConfigError(f"variant `{name}` sets a key twice: {body}")
-    return Variant(name, overrides)
+    return name, overrides
 
 
 def check_owned(overrides: dict[str, str], where: str) -> None:
-    for key in overrides:
-        if key in OWNED:
-            raise ConfigError(f"{where} sets `{key}`, which compare.py sets itself (with {OWNED[key]})")
+    if owned := [key for key in overrides if key in OWNED]:
+        raise ConfigError(f"{where} sets `{owned[0]}`, which compare.py sets itself (with {OWNED[owned[0]]})")
 
 
-def run_settings(steps: int | None, seconds: float | None) -> dict[str, Any]:
-    """The schedule every run gets: N steps on a step schedule, or S seconds of wall clock."""
-    if seconds is not None:
-        return {"schedule": "time", "max_time": seconds, "max_iters": steps or STEP_CAP_IN_TIME_MODE}
-    return {"schedule": "steps", "max_iters": steps, "lr_decay_iters": steps, "max_time": 0}
-
-
-def default_folder(preset: str, steps: int | None, seconds: float | None) -> Path:
-    """out/compare/PRESET-Nsteps (or -Ss): the same command finds its runs again."""
-    budget = f"{seconds:g}s" if seconds is not None else f"{steps}steps"
-    return Path("out") / "compare" / f"{Path(preset).stem}-{budget}"
-
-
-def variant_overrides(args, variants: list[Variant]) -> dict[str, dict[str, Any]]:
-    """Every variant's overrides (run settings < --set < its own), each validated with make_config."""
+def variant_overrides(args, variants: dict[str, dict[str, str]], schedule: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every variant's overrides (the schedule < --set < its own), each validated with make_config."""
     common = ({"threads": args.threads} if args.threads else {}) | parse_overrides(args.set)
     check_owned(common, "--set")
-    base = {**run_settings(args.steps, args.time), **common}
+    base = schedule | common
     make_config(args.config, **base)  # a bad preset or --set is named as such, not as a variant's fault
     merged = {}
-    for variant in variants:
-        check_owned(variant.overrides, f"variant `{variant.name}`")
-        merged[variant.name] = {**base, **variant.overrides}
+    for name, own in variants.items():
+        check_owned(own, f"variant `{name}`")
+        merged[name] = {**base, **own}
         try:
-            make_config(args.config, **merged[variant.name])
+            make_config(args.config, **merged[name])
         except ConfigError as err:
-            raise ConfigError(f"variant `{variant.name}`: {err}") from None
+            raise ConfigError(f"variant `{name}`: {err}") from None
     return merged
 
 
@@ -142,13 +118,10 @@ def check_flags(args) -> None:
     if args.seeds < 2:
         raise ConfigError(f"--seeds {args.seeds} leaves no spread and no p-value: use --seeds 2 or more "
                           "(3+ for a claim)")
-    if args.threads < 0:
-        raise ConfigError(f"--threads must be >= 0, got {args.threads}")
     if not args.variants:
         raise ConfigError("no variants: name at least one, e.g. base: rope:pos_emb=rope")
     names = [text.partition(":")[0] for text in args.variants]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
+    if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"variant name `{twice[0]}` is used twice; each variant needs its own name")
     if args.vs is not None and args.vs not in names:
         raise ConfigError(f"--vs {args.vs} names no variant; the variants are {', '.join(names)}")
@@ -158,29 +131,34 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
     """Validate everything the command asks for and lay out its runs; writes nothing. Raises ConfigError.
     Runs on disk made by other code than ``code`` (code_fingerprint) are not checked: they are trained again."""
     check_flags(args)
-    variants = [parse_variant(text) for text in args.variants]
-    folder = args.out or default_folder(args.config, args.steps, args.time)
-    overrides = variant_overrides(args, variants)
+    variants = dict(map(parse_variant, args.variants))
+    if args.time is not None:  # every run's schedule: S seconds of wall clock (--steps a cap), or N steps
+        mode, budget, label = "time", args.time, f"{args.time:g}s"
+        schedule = {"schedule": "time", "max_time": args.time, "max_iters": args.steps or STEP_CAP_IN_TIME_MODE}
+    else:
+        mode, budget, label = "steps", args.steps, f"{args.steps}steps"
+        schedule = {"schedule": "steps", "max_iters": args.steps, "lr_decay_iters": args.steps, "max_time": 0}
+    folder = args.out or Path("out", "compare", f"{Path(args.config).stem}-{label}")  # a rerun finds its runs again
+    overrides = variant_overrides(args, variants, schedule)
     seeds = list(range(1, args.seeds + 1))
-    runs = [Run(v.name, seed, folder / v.name / f"seed-{seed}", args.config, {**overrides[v.name], "seed": seed,
-                "out_dir": str(folder / v.name / f"seed-{seed}")}) for seed in seeds for v in variants]
+    runs = [Run(name, seed, folder / name / f"seed-{seed}", args.config, {**overrides[name], "seed": seed,
+                "out_dir": str(folder / name / f"seed-{seed}")}) for seed in seeds for name in variants]
     for cfg in {(c.dataset, c.data_path, c.text_column): c for c in map(Run.config, runs)}.values():
         corpus_source(cfg.dataset, cfg.data_path, cfg.text_column)  # DataError now, not after the runs before it
     runs = pin_auto_dtype(runs)
     for run in runs:
         if code is None or not is_stale(run, code):
             check_reusable(run)
-    mode, budget = ("time", args.time) if args.time is not None else ("steps", args.steps)
     return Plan(folder, variants, seeds, runs, mode, budget, command)
 
 
-def saved_config(folder: Path) -> dict[str, Any] | None:
-    """The config of a run already on disk: finished (result.json) or stopped (last.pt); else None."""
+def saved(folder: Path) -> dict[str, Any]:
+    """The config and code of a run already on disk: a finished one's result.json; a stopped one's last.pt config
+    (None if unreadable: train's resume names the problem) and code.json; None where there is none."""
     if (folder / RESULT).is_file():
-        return json.loads((folder / RESULT).read_text())["config"]
-    if (folder / "last.pt").is_file():
-        return read_config(folder / "last.pt")  # None if unreadable: train's resume names the problem
-    return None
+        return json.loads((folder / RESULT).read_text())
+    return {"config": read_config(folder / "last.pt") if (folder / "last.pt").is_file() else None,
+            "code": json.loads((folder / CODE).read_text()) if (folder / CODE).is_file() else None}
 
 
 def pin_auto_dtype(runs: list[Run]) -> list[Run]:
@@ -189,22 +167,20 @@ def pin_auto_dtype(runs: list[Run]) -> list[Run]:
     auto = [run for run in runs if run.config().dtype == "auto"]
     if not auto:
         return runs
-    saved = [cfg["dtype"] for cfg in map(saved_config, (r.folder for r in auto)) if cfg and cfg.get("dtype") != "auto"]
-    dtype = saved[0] if saved else str(choose_runtime(auto[0].config()).dtype).removeprefix("torch.")
+    saved_dtypes = [cfg["dtype"] for r in auto if (cfg := saved(r.folder)["config"]) and cfg.get("dtype") != "auto"]
+    dtype = saved_dtypes[0] if saved_dtypes else dtype_name(choose_runtime(auto[0].config()).dtype)
     print(f"dtype auto -> {dtype} for every run of this comparison")
     return [dataclasses.replace(r, overrides={**r.overrides, "dtype": dtype}) if r in auto else r for r in runs]
 
 
 def check_reusable(run: Run) -> None:
     """Refuse a run on disk that was made with other settings: reusing it would compare something else."""
-    saved = saved_config(run.folder)
-    if saved is None:
+    if (before := saved(run.folder)["config"]) is None:
         return
     planned = dataclasses.asdict(run.config())
     # A field the run's config lacks is newer than the run, which had its default then (as a resume reads it).
-    changed = [f"{key}: {saved.get(key, DEFAULTS[key])!r} there, {value!r} now" for key, value in planned.items()
-               if key not in IGNORED_ON_REUSE and saved.get(key, DEFAULTS[key]) != value]
-    if changed:
+    if changed := [f"{key}: {before.get(key, DEFAULTS[key])!r} there, {value!r} now" for key, value in planned.items()
+                   if key not in IGNORED_ON_REUSE and before.get(key, DEFAULTS[key]) != value]:
         raise ConfigError(f"{run.folder} holds a run with other settings ({'; '.join(changed)}); "
                           "pass another --out or delete that folder")
 
@@ -228,39 +204,23 @@ def code_fingerprint() -> dict[str, str]:
     return {"hash": digest.hexdigest()[:12], "commit": commit + ("+edits" if state["git_dirty"] else "")}
 
 
-def saved_code(folder: Path) -> dict[str, str] | None:
-    """The code a run on disk ran (result.json's, or code.json's for a stopped run); None if it says nothing."""
-    for name, key in ((RESULT, "code"), (CODE, None)):
-        if (folder / name).is_file():
-            record = json.loads((folder / name).read_text())
-            return record.get(key) if key else record
-    return None
-
-
 def is_stale(run: Run, code: dict[str, str]) -> bool:
     """A run on disk that other code made (or that recorded none)."""
-    if not run.folder.is_dir() or not any(run.folder.iterdir()):
-        return False
-    saved = saved_code(run.folder)
-    return saved is None or saved["hash"] != code["hash"]
+    ran = saved(run.folder).get("code")
+    return run.folder.is_dir() and any(run.folder.iterdir()) and (ran is None or ran["hash"] != code["hash"])
 
 
 def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
     """Move a run on disk made by other code to EXP/stale/HASH/ (kept, out of the tables), saying so."""
     if not is_stale(run, code):
         return
-    saved = saved_code(run.folder)
-    ran = f"code {saved['hash']} (commit {saved['commit']})" if saved else "code this version did not record"
-    stale = run.folder.parents[1] / "stale" / (saved["hash"] if saved else "unrecorded") / run.variant / run.folder.name
+    old = saved(run.folder).get("code")
+    ran = f"code {old['hash']} (commit {old['commit']})" if old else "code this version did not record"
+    stale = run.folder.parents[1] / "stale" / (old["hash"] if old else "unrecorded") / run.variant / run.folder.name
     stale.parent.mkdir(parents=True, exist_ok=True)
     run.folder.rename(stale)
     print(f"{where}: retraining: it ran {ran}, this is code {code['hash']} (commit {code['commit']}); "
           f"the old run is kept in {stale}", flush=True)
-
-
-def write_json(path: Path, record: dict[str, Any]) -> None:
-    """Written whole, then renamed (files.atomic_write): a kill never leaves half a file."""
-    atomic_write_text(path, json.dumps(record, indent=1))
 
 
 # ----------------------------------------------------------------------------- running
@@ -277,7 +237,8 @@ def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
         print(f"{where}: {'resuming' if resume else 'training'} in {run.folder}", flush=True)
         cfg = run.config(resume)
         run.folder.mkdir(parents=True, exist_ok=True)
-        write_json(run.folder / CODE, code)
+        atomic_write_text(run.folder / CODE, json.dumps(code, indent=1))  # written whole: a kill leaves no half
+        diverged = ""
         try:
             train.train(cfg, stop)
         except RunStopped as err:
@@ -285,14 +246,15 @@ def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
                 raise RunStopped(f"stopped during {run.variant} seed {run.seed} (its last.pt holds the last step "
                                  f"done); continue with the same command: {plan.command}", err.exit_code) from None
             print(f"{where}: {err}; recorded as diverged", flush=True)
-            write_result(run, cfg, code, diverged=str(err))
-            continue
-        write_result(run, cfg, code)
+            diverged = str(err)
+        write_result(run, cfg, code, diverged)
 
 
 def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str = "") -> None:
-    """The run's final numbers, read from its metrics.jsonl and last.pt, into result.json (the marker)."""
-    records = [json.loads(line) for line in (run.folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    """The run's final numbers, read from its metrics.jsonl and last.pt, into result.json (the marker). Its
+    parameters are counted as train.py's model line counts them (0 for a run that diverged before its first save)."""
+    records = [json.loads(line) for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
+    last = run.folder / "last.pt"
     evals = [r for r in records if "val_loss" in r]
     logs = [r for r in records if "tokens_per_s" in r][1:]  # the first log interval is warm-up
     step_ms = [cfg.tokens_per_step() / r["tokens_per_s"] * 1000 for r in logs]
@@ -300,16 +262,9 @@ def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str
     result = {"variant": run.variant, "seed": run.seed, "step": final["step"],
               "val_loss": final.get("val_loss", math.nan), "val_bpb": final.get("val_bpb", math.nan),
               "ms_per_step": statistics.median(step_ms) if step_ms else math.nan,
-              "params": parameter_count(run.folder), "diverged": diverged, "threads": torch.get_num_threads(),
-              "code": code, "config": dataclasses.asdict(cfg)}
-    write_json(run.folder / RESULT, result)
-
-
-def parameter_count(folder: Path) -> int:
-    """Every parameter, as train.py's model line counts them, from the run's last.pt (0 without one)."""
-    if not (folder / "last.pt").is_file():
-        return 0
-    return from_checkpoint(folder / "last.pt").model.num_params(non_embedding=False)
+              "params": from_checkpoint(last).model.num_params(non_embedding=False) if last.is_file() else 0,
+              "diverged": diverged, "threads": torch.get_num_threads(), "code": code, "config": dataclasses.asdict(cfg)}
+    atomic_write_text(run.folder / RESULT, json.dumps(result, indent=1))
 
 
 # ----------------------------------------------------------------------------- statistics and tables
@@ -325,37 +280,30 @@ def t_test():
 def paired(base: list[float], other: list[float]) -> dict[str, float]:
     """Mean of other - base over seeds, its 95% t-interval and the paired t-test's two-sided p-value."""
     diffs = [o - b for o, b in zip(other, base)]
-    with warnings.catch_warnings():  # identical seeds: scipy warns, then returns nan for 0/0
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with warnings.catch_warnings(action="ignore", category=RuntimeWarning):  # identical seeds: nan for 0/0, warned
         test = t_test().ttest_rel(other, base)
         low, high = test.confidence_interval(0.95)
-    p = float(test.pvalue)
-    if math.isnan(p) and all(d == 0 for d in diffs):
-        p = 1.0  # no difference at all on any seed
+    p = float(test.pvalue) if any(diffs) else 1.0  # no difference at all on any seed: scipy's 0/0 is nan
     return {"diff": statistics.fmean(diffs), "low": float(low), "high": float(high), "p": p}
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values)}
 
 
 def summarise(plan: Plan, vs: str | None = None) -> dict[str, Any]:
     """results.json: every run's numbers; per variant the spread, the paired test against ``vs`` (else the
     first variant) and the speed."""
     results = {(r.variant, r.seed): json.loads((r.folder / RESULT).read_text()) for r in plan.runs}
-    base = vs or plan.variants[0].name
+    base = vs or next(iter(plan.variants))
     rows = []
-    for v in plan.variants:
-        runs = [results[v.name, s] for s in plan.seeds]
-        row = {"name": v.name, "overrides": v.overrides, "params": runs[0]["params"],
+    for name, overrides in plan.variants.items():
+        runs = [results[name, s] for s in plan.seeds]
+        row = {"name": name, "overrides": overrides, "params": runs[0]["params"],
                "runs": [{k: r[k] for k in ("seed", "step", "val_loss", "val_bpb", "ms_per_step", "diverged")}
-                        | {"folder": str(Path(v.name) / f"seed-{r['seed']}")} for r in runs]}
+                        | {"folder": str(Path(name) / f"seed-{r['seed']}")} for r in runs]}
         for metric in ("val_loss", "val_bpb"):
             values = [r[metric] for r in runs]
-            row[metric] = spread(values)
-            if v.name != base:
+            row[metric] = {"mean": statistics.fmean(values), "sd": statistics.stdev(values)}
+            if name != base:
                 row[metric] |= paired([results[base, s][metric] for s in plan.seeds], values)
-        ratios = [results[v.name, s]["ms_per_step"] / results[base, s]["ms_per_step"] for s in plan.seeds]
+        ratios = [results[name, s]["ms_per_step"] / results[base, s]["ms_per_step"] for s in plan.seeds]
         row["ms_per_step"] = statistics.median(r["ms_per_step"] for r in runs)
         row["speed_ratio"] = statistics.median(ratios)  # per round, then the median: drift cancels
         rows.append(row)
@@ -423,7 +371,7 @@ def write_outputs(plan: Plan, summary: dict[str, Any]) -> str:
     from scripts import plot  # matplotlib: only once there is something to draw
 
     text = report(summary)
-    write_json(plan.folder / "results.json", summary)
+    atomic_write_text(plan.folder / "results.json", json.dumps(summary, indent=1))
     atomic_write_text(plan.folder / "results.md", text + "\n")
     paths = [run.folder / "metrics.jsonl" for run in plan.runs]
     plot.plot(paths, plan.folder / "compare.png", labels=[run.variant for run in plan.runs], bpb=True,
@@ -462,7 +410,6 @@ def command_line(argv: list[str]) -> str:
 def compare(argv: list[str], stop: StopOnSignal) -> dict[str, Any]:
     """Plan, run, summarise; returns results.json's content. Raises ConfigError before running anything."""
     args = build_parser().parse_args(argv)
-    check_flags(args)
     t_test()  # scipy missing: say so now, not after an hour of runs
     use_threads(args.threads)  # before planning: dtype=auto's probe times matmuls with them
     code = code_fingerprint()  # once: the modules this process imported are the code its runs run

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Callable
 
@@ -56,7 +56,7 @@ SHORT_RUN_STEPS = 3  # steps of the short run (lr schedule, master weights): a m
 SHORT_RUN_ACCUM = 2  # micro-batches per step in that run, so counting them instead of steps goes wrong
 
 
-@dataclass
+@dataclasses.dataclass
 class Check:
     """The verdict of one check."""
     name: str
@@ -87,8 +87,7 @@ def check_batch(x: torch.Tensor, y: torch.Tensor, data: np.ndarray, tokenizer,
     shifted = torch.equal(x[:, 1:], y[:, :-1])  # y[:, t] must be x[:, t + 1]
     row = np.append(x[0].numpy(), y[0, -1].item())  # the T + 1 tokens the first window spans
     in_data = shifted and all(window_starts(data, piece).size > 0 for piece in stretches(row))
-    text_x = tokenizer.decode(x[0, :24].tolist())[:24]
-    text_y = tokenizer.decode(y[0, :24].tolist())[:24]
+    text_x, text_y = (tokenizer.decode(ids[0, :24].tolist())[:24] for ids in (x, y))
     meaning = ("y[t] is the token after x[t], read straight from the corpus" if in_data else
                "targets are not the inputs shifted by one: the model is taught the wrong task"
                if not shifted else "the window does not occur in the corpus: batches are garbled")
@@ -111,49 +110,32 @@ def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
     between special tokens (no text: decoded, one reads as its name) makes the trip alone, as it was encoded."""
     ids = [int(i) for i in ids]
     newline = tokenizer.encode("\n") if "\n" in tokenizer.decode(ids) else []
-    if len(newline) == 1 and ids.count(newline[0]) >= 2:
-        first = ids.index(newline[0])
-        last = len(ids) - 1 - ids[::-1].index(newline[0])
-        ids = ids[first + 1: last + 1]
-    pieces = split_at(ids, set(tokenizer.special_ids))  # text, special, text, ..., special, text
-    texts = [tokenizer.decode(piece) for piece in pieces[::2]]
-    again = []
-    for i, piece in enumerate(pieces):
-        again += tokenizer.encode(texts[i // 2]) if i % 2 == 0 else piece  # a special token is no text: kept
-    passed = again == ids
-    n_chars = sum(len(text) for text in texts)
+    if len(newline) == 1 and ids.count(newline[0]) >= 2:  # from after the first newline through the last
+        at = [i for i, token in enumerate(ids) if token == newline[0]]
+        ids = ids[at[0] + 1: at[-1] + 1]
+    special = tokenizer.special_ids.__contains__
+    runs = [list(run) if is_special else tokenizer.decode(list(run)) for is_special, run in groupby(ids, special)]
+    again = [i for run in runs for i in (tokenizer.encode(run) if isinstance(run, str) else run)]  # specials kept
+    passed, n_texts = again == ids, 1 + sum(map(special, ids))  # stretches of text around the special tokens
+    n_chars = sum(len(run) for run in runs if isinstance(run, str))
     first_diff = next((i for i, (a, b) in enumerate(zip(ids, again)) if a != b), min(len(ids), len(again)))
-    stretches = f" in {len(texts)} stretches between special tokens" if len(texts) > 1 else ""
-    measured = (f"{len(ids):,} tokens{stretches} -> {n_chars:,} chars -> the same {len(ids):,} tokens" if passed else
-                f"{len(ids):,} tokens{stretches} -> {n_chars:,} chars -> {len(again):,} tokens, first differs at "
-                f"{first_diff}")
+    stretches = f" in {n_texts} stretches between special tokens" if n_texts > 1 else ""
+    measured = f"{len(ids):,} tokens{stretches} -> {n_chars:,} chars -> " + (
+        f"the same {len(ids):,} tokens" if passed else f"{len(again):,} tokens, first differs at {first_diff}")
     return verdict("round trip", passed, measured, "the tokenizer loses nothing: samples decode to what was trained on",
                    "decode or encode loses or changes text: the model learns one thing and you read another")
-
-
-def split_at(ids: list[int], special: set[int]) -> list[list[int]]:
-    """``ids`` cut around each special id: [text, [special], text, [special], ..., text] (texts may be [])."""
-    pieces: list[list[int]] = [[]]
-    for i in ids:
-        if i in special:
-            pieces += [[i], []]
-        else:
-            pieces[-1].append(i)
-    return pieces
 
 
 # ----------------------------------------------------------------------------- model checks
 def check_init_loss(model: GPT, x: torch.Tensor, y: torch.Tensor,
                     tolerance: float = INIT_LOSS_TOLERANCE) -> Check:
     """A fresh model should be equally unsure of every token: loss ~ ln(vocab_size), within a fraction."""
-    vocab_size = model.config.vocab_size
     with torch.no_grad():
         _, loss_sum, n, _ = model(x, y)
-    loss = (loss_sum / n).item()
-    expected = math.log(vocab_size)
+    loss, expected = (loss_sum / n).item(), math.log(model.config.vocab_size)
     allowed = tolerance * expected
     return verdict("init loss", abs(loss - expected) <= allowed,
-                   f"{loss:.4f} vs ln({vocab_size}) = {expected:.4f} ± {allowed:.3f}",
+                   f"{loss:.4f} vs ln({model.config.vocab_size}) = {expected:.4f} ± {allowed:.3f}",
                    "a fresh model spreads its bets evenly over the vocabulary",
                    "init too large (over-confident), wrong vocab size, or a mis-reduced loss (shapes, sum vs mean)")
 
@@ -180,10 +162,9 @@ def check_gradients(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
     registered = {id(p) for p in model.parameters()}
     # A tensor the loss uses but the model does not register (a layer in a plain list) is never
     # moved, saved or trained: find it through the graph, since parameters() cannot see it.
-    unregistered = [leaf for leaf in graph_leaves(loss) if id(leaf) not in registered]
+    problems = [f"unregistered tensor {tuple(t.shape)}" for t in graph_leaves(loss) if id(t) not in registered]
     loss.backward()
     groups = Counter(id(p) for group in optimizer.param_groups for p in group["params"])
-    problems = [f"unregistered tensor {tuple(t.shape)}" for t in unregistered]
     for name, p in model.named_parameters():
         if p.grad is None:
             problems.append(f"{name}: no grad")
@@ -194,26 +175,20 @@ def check_gradients(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
         if groups[id(p)] != 1:
             problems.append(f"{name}: in {groups[id(p)]} optimizer groups")
     model.zero_grad(set_to_none=True)
-    n_params = len(list(model.parameters()))
-    if not problems:
-        return Check("gradients", True, f"{n_params} tensors, all finite, non-zero, 1 group each",
-                     "every weight learns, and the optimizer updates each exactly once")
     shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-    return Check("gradients", False, shown,
-                 "these weights never train (or train twice): check ModuleList, freezing, optimizer groups")
+    return verdict("gradients", not problems, shown or f"{len(registered)} tensors, all finite, non-zero, 1 group each",
+                   "every weight learns, and the optimizer updates each exactly once",
+                   "these weights never train (or train twice): check ModuleList, freezing, optimizer groups")
 
 
 def check_causal(model: GPT, x: torch.Tensor, tolerance: float = CAUSAL_TOLERANCE) -> Check:
     """Changing the future tokens leaves the logits of the past untouched."""
     model.eval()
     cut = x.shape[1] // 2
-    changed = x.clone()
-    changed[:, cut:] = (x[:, cut:] + 1) % model.config.vocab_size  # every future token differs
+    changed = torch.cat([x[:, :cut], (x[:, cut:] + 1) % model.config.vocab_size], dim=1)  # every future token differs
     with torch.no_grad():
-        past = model(x)[0][:, :cut]  # (B, cut, vocab)
-        past_changed = model(changed)[0][:, :cut]
+        diff = (model(x)[0][:, :cut] - model(changed)[0][:, :cut]).abs().max().item()  # logits (B, cut, vocab)
     model.train()
-    diff = (past - past_changed).abs().max().item()
     return verdict("causal", diff <= tolerance, f"max |Δ past logit| {diff:.1e} (limit {tolerance:.0e})",
                    "position t sees only tokens 0..t",
                    "the attention mask leaks the future: train loss drops, generation is garbage")
@@ -259,8 +234,7 @@ def check_grad_norm(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
     params = list(model.parameters())
     loss_sum, _, _ = train.accumulate_gradients(model, [(x, y)], scaler, device, dtype)
     scale = scaler.get_scale()  # a power of two: dividing by it is exact
-    grads = [p.grad.float() for p in params if p.grad is not None]  # a missing one is the 'gradients' check's finding
-    true_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item() / scale
+    true_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]).item() / scale
     max_norm = true_norm / 10
     reported = train.optimizer_step(optimizer, scaler, guard, params, max_norm, 1, loss_sum).item()
     return verdict("grad norm", math.isclose(reported, true_norm, rel_tol=1e-3),
@@ -305,51 +279,44 @@ def check_dropout_modes(model: GPT, x: torch.Tensor) -> Check:
                    "dropout ignores the mode (a functional dropout without training=self.training?)")
 
 
-def rng_states(device: torch.device) -> list[torch.Tensor]:
-    """The global random streams that dropout on ``device`` draws from."""
-    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
-
-
 def check_evaluate(evaluate: Callable[..., train.EvalResult], model: GPT, x_val: torch.Tensor, y_val: torch.Tensor,
                    batch_size: int, device: torch.device, dtype: torch.dtype) -> Check:
     """``evaluate`` runs in eval mode, builds no graph, draws no random numbers and restores train mode
     (``model`` with dropout > 0, so that a missing model.eval() changes the answer)."""
     calls = []  # (training flag, loss carries a graph) for every forward pass evaluate makes
 
+    def rng_states() -> list[torch.Tensor]:  # the global random streams that dropout on ``device`` draws from
+        return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
+
     def record(module, args, output):
         calls.append((module.training, output[1] is not None and output[1].requires_grad))
 
     model.train()
     hook = model.register_forward_hook(record)
-    rng = rng_states(device)
+    rng = rng_states()
     try:
         first = evaluate(model, x_val, y_val, batch_size, device, dtype).loss
         second = evaluate(model, x_val, y_val, batch_size, device, dtype).loss
     finally:
         hook.remove()
-    problems = []
-    if any(training for training, _ in calls):
-        problems.append("ran in train mode (model.eval() missing)")
-    if any(graph for _, graph in calls):
-        problems.append("built an autograd graph (no torch.no_grad(); a running total keeps every graph alive)")
-    if first != second:
-        problems.append(f"two runs differ ({first:.4f} vs {second:.4f})")
-    if not all(torch.equal(a, b) for a, b in zip(rng, rng_states(device))):
-        problems.append("drew from the global RNG (shifts dropout and data after every eval)")
-    if not model.training:
-        problems.append("left the model in eval mode")
-    measured = f"val loss {first:.4f} twice over {len(calls)} forward passes"
-    if problems:
-        return Check("evaluate", False, "; ".join(problems), "val loss is noisy, leaks memory or disturbs training")
-    return Check("evaluate", True, measured, "eval mode, no graph, no RNG used, train mode restored")
+    problems = [problem for found, problem in [
+        (any(training for training, _ in calls), "ran in train mode (model.eval() missing)"),
+        (any(graph for _, graph in calls), "built an autograd graph (no torch.no_grad(); a running total keeps every "
+                                           "graph alive)"),
+        (first != second, f"two runs differ ({first:.4f} vs {second:.4f})"),
+        (not all(map(torch.equal, rng, rng_states())), "drew from the global RNG (shifts dropout and data after every "
+                                                       "eval)"),
+        (not model.training, "left the model in eval mode")] if found]
+    return verdict("evaluate", not problems, "; ".join(problems) or f"val loss {first:.4f} twice over {len(calls)} "
+                   "forward passes", "eval mode, no graph, no RNG used, train mode restored",
+                   "val loss is noisy, leaks memory or disturbs training")
 
 
 def check_tied(model: torch.nn.Module) -> Check:
     """Token embedding and output head are one Parameter with one storage (after .to() and compile)."""
     inner = getattr(model, "_orig_mod", model)  # torch.compile keeps the real module here
     wte, head = inner.transformer.wte.weight, inner.lm_head.weight
-    same_param = wte is head
-    same_storage = wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+    same_param, same_storage = wte is head, wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
     measured = (f"{'one Parameter' if same_param else 'two Parameters'}, "
                 f"{'one storage' if same_storage else 'two storages'} on {wte.device}"
                 + (", compiled" if inner is not model else ""))
@@ -362,29 +329,23 @@ def check_probe_grads(model: torch.nn.Module, probe_ran: bool) -> Check:
     add itself to the first real step's gradient (backward accumulates into .grad)."""
     left = [name for name, p in model.named_parameters() if p.grad is not None]
     n_params = len(list(model.parameters()))
-    if left:
-        return Check("probe grads", False, f"{len(left)} of {n_params} tensors hold a gradient ({left[0]}, ...)",
-                     "the compile probe's gradients leak into step 1: clear them (p.grad = None) after the probe")
-    measured = (f"no gradient on any of {n_params} tensors after the compile probe" if probe_ran else
+    measured = (f"{len(left)} of {n_params} tensors hold a gradient ({left[0]}, ...)" if left else
+                f"no gradient on any of {n_params} tensors after the compile probe" if probe_ran else
                 "compile off: no probe ran, no gradient left")
-    return Check("probe grads", True, measured, "step 1 gets the gradient of its own batch only")
-
-
-def short_run_config(cfg: TrainConfig, out_dir: str, dtype: torch.dtype) -> TrainConfig:
-    """``cfg`` shrunk to a 1-layer, 16-wide model for a few accumulated steps, warmup longer than the run (every
-    step's lr differs)."""
-    return dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=dtype_name(dtype),
-                               wandb=False, init_from="", n_layer=1, n_head=1, n_embd=16, dropout=0.0, batch_size=1,
-                               grad_accum=SHORT_RUN_ACCUM, max_iters=SHORT_RUN_STEPS, warmup_iters=SHORT_RUN_STEPS + 1,
-                               schedule="steps", max_time=0.0, log_interval=1, eval_interval=SHORT_RUN_STEPS,
-                               ckpt_interval=0, eval_tokens=cfg.block_size)
+    return verdict("probe grads", not left, measured, "step 1 gets the gradient of its own batch only",
+                   "the compile probe's gradients leak into step 1: clear them (p.grad = None) after the probe")
 
 
 def short_run(cfg: TrainConfig, dtype: torch.dtype) -> tuple[TrainConfig, list[dict], dict]:
-    """(config, metrics.jsonl records, last.pt) of train.train on short_run_config, in a temporary folder, its
-    output hidden. Reseeds the global RNG."""
+    """(config, metrics.jsonl records, last.pt) of train.train on ``cfg`` shrunk to a 1-layer, 16-wide model for a
+    few accumulated steps, warmup longer than the run (every step's lr differs), in a temporary folder, its output
+    hidden. Reseeds the global RNG."""
     with tempfile.TemporaryDirectory() as out_dir:
-        small = short_run_config(cfg, out_dir, dtype)
+        small = dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=dtype_name(dtype),
+                                    wandb=False, init_from="", n_layer=1, n_head=1, n_embd=16, dropout=0.0,
+                                    batch_size=1, grad_accum=SHORT_RUN_ACCUM, max_iters=SHORT_RUN_STEPS,
+                                    warmup_iters=SHORT_RUN_STEPS + 1, schedule="steps", max_time=0.0, log_interval=1,
+                                    eval_interval=SHORT_RUN_STEPS, ckpt_interval=0, eval_tokens=cfg.block_size)
         with contextlib.redirect_stdout(io.StringIO()):
             train.train(small)
         records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -437,65 +398,49 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     stream = training_stream(cfg, corpus, tokenizer, 0, device)  # rank 0's, as train.py builds it
     x, y = stream.first_batch()  # (B, T) each: the run's first batch; no random stream moves
     x_val, y_val = val_windows(corpus.val, cfg.block_size, max_targets=2 * cfg.block_size)
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     with torch.device("meta"):  # shapes only, to count the parameters
         model_summary = summary(GPT(gpt_config))
-    print(f"doctor: {corpus.folder} on {device} ({str(dtype).removeprefix('torch.')}), batch {cfg.batch_size}; "
-          f"model: {model_summary}")
+    print(f"doctor: {corpus.folder} on {device} ({dtype_name(dtype)}), batch {cfg.batch_size}; model: {model_summary}")
 
-    def fresh(dropout: float | None = None) -> GPT:  # a new model per check, so no check disturbs another
+    def fresh(dropout: float = cfg.dropout) -> GPT:  # a new model per check, so no check disturbs another
         torch.manual_seed(cfg.seed)
-        config = gpt_config if dropout is None else dataclasses.replace(gpt_config, dropout=dropout)
-        return GPT(config).to(device)
+        return GPT(dataclasses.replace(gpt_config, dropout=dropout)).to(device)
 
-    def optimizer_for(model: GPT, lr: float = cfg.learning_rate) -> torch.optim.Optimizer:
-        return train.build_optimizer(model, dataclasses.replace(cfg, learning_rate=lr), device, dtype)
-
-    dropout = cfg.dropout if cfg.dropout > 0 else FORCED_DROPOUT
     def trainable() -> tuple[GPT, torch.optim.Optimizer]:  # made inside the call: freed after its check
         model = fresh()
-        return model, optimizer_for(model)
+        return model, train.build_optimizer(model, cfg, device, dtype)
 
-    grad_model = fresh()
-    few_x, few_y = x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
+    dropout, few_x, few_y = cfg.dropout or FORCED_DROPOUT, x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
     checks = [
         check_init_loss(fresh(), x, y),
         check_batch(x, y, corpus.train, tokenizer, stream.stretches),
         check_token_range({"train": corpus.train, "val": corpus.val}, gpt_config.vocab_size),
         check_round_trip(tokenizer, np.asarray(corpus.val[:SAMPLE_TOKENS])),
-        check_gradients(grad_model, optimizer_for(grad_model), few_x, few_y),
+        check_gradients(*trainable(), few_x, few_y),
         check_causal(fresh(), few_x),
         check_overfit(overfit_run(cfg, rt), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES], overfit_lr(cfg)),
         check_grad_norm(*trainable(), few_x, few_y, device, dtype),
-        check_nonfinite_gradient(*trainable(), few_x, few_y, max_norm, device, dtype),
+        check_nonfinite_gradient(*trainable(), few_x, few_y, cfg.grad_clip or math.inf, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
     ]
-    probe_model = fresh()
-    compiled = compile_for_step(probe_model, stream, rt)  # as train.py compiles
-    checks += [check_tied(compiled), check_probe_grads(probe_model, rt.compile)]
+    probe_model = fresh()  # compiled as train.py compiles, then checked for the probe's gradients
+    checks += [check_tied(compile_for_step(probe_model, stream, rt)), check_probe_grads(probe_model, rt.compile)]
     small, records, state = short_run(cfg, dtype)  # last: a training run reseeds the global RNG
     return checks + [check_lr_schedule(small, records, train.get_lr), check_master_weights(state)]
 
 
-def print_table(checks: list[Check]) -> None:
-    """One aligned line per check: verdict, name, measured figure, meaning."""
-    name_width = max(len(c.name) for c in checks)
-    measured_width = max(len(c.measured) for c in checks)
-    for c in checks:
-        verdict = "PASS" if c.passed else "FAIL"
-        print(f"{verdict}  {c.name:<{name_width}}  {c.measured:<{measured_width}}  {c.meaning}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run every check and print the table; 0 if all pass, 1 if any fails; bad config or data exits as train.py."""
+    """Run every check and print one line each; 0 if all pass, 1 if any fails; bad config or data exits as train.py."""
     t_start = time.time()
     try:
         cfg = parse_args(argv, __doc__.split("\n")[0] + " Takes train.py's flags.")
         checks = run_checks(cfg)
     except TinyGPTError as err:  # bad config or data: one line and its exit code, as in train.py
         exit_on(err)
-    print_table(checks)
+    name_width, measured_width = (max(len(getattr(c, key)) for c in checks) for key in ("name", "measured"))
+    for c in checks:  # one aligned line per check
+        print(f"{'PASS' if c.passed else 'FAIL'}  {c.name:<{name_width}}  {c.measured:<{measured_width}}  {c.meaning}")
     failed = [c.name for c in checks if not c.passed]
     print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {time.time() - t_start:.1f} s"
           + (f"; failed: {', '.join(failed)}" if failed else ""))

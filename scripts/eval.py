@@ -13,10 +13,9 @@ UTF-8 bytes, so they compare a char model with a BPE model. Benchmarks (HellaSwa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,22 +26,14 @@ from data import DataError, corpus_for, val_windows
 from prepare.chat import is_chat
 from prepare.tokenizers import without_chat
 from weights.loading import Loaded, add_weights_flags, from_flags
-from training.runtime import Runtime, choose_runtime
+from training.checkpoint import dtype_name
+from training.runtime import choose_runtime
 from train import evaluate, val_byte_count
 from prepare.texts import read_text_file
 from process.errors import TinyGPTError, exit_on
 
 PROGRESS_BATCHES = 20  # show a progress bar from this many batches on (and only in a terminal)
-PRETRAINED_BATCH = 8  # windows per forward for pretrained weights (GPT-2's are 1,024 tokens each)
-
-
-def load(args: argparse.Namespace) -> Loaded:
-    """The weights --ckpt or --init_from chose, on the CPU until the runtime is chosen; pretrained weights have no
-    run behind them: PRETRAINED_BATCH windows of their block_size at a time."""
-    loaded = from_flags(args)
-    if loaded.step is None:
-        loaded = dataclasses.replace(loaded, cfg=replace(loaded.cfg, batch_size=PRETRAINED_BATCH))
-    return loaded
+PRETRAINED_BATCH = 8  # windows per forward for pretrained weights, which have no run's batch_size (GPT-2's: 1,024)
 
 
 def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -56,8 +47,7 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
             raise DataError(f"{data_path}: {err}") from None
         if len(ids) < 2:
             raise DataError(f"{data_path}: {len(ids)} token(s); scoring needs at least 2")
-        x, y = val_windows(ids, cfg.block_size, max(eval_tokens, 0))
-        return x, y, data_path
+        return *val_windows(ids, cfg.block_size, max(eval_tokens, 0)), data_path
     if loaded.step is None and cfg.tokenizer != "gpt2":  # a char or BPE vocabulary need not be the built-in corpus's
         raise ConfigError(f"{loaded.source} has a char vocabulary: pass the text to score with --data_path")
     corpus = corpus_for(cfg, without_chat(loaded.tokenizer.meta()))  # a chat corpus: in the model's own tokens
@@ -70,37 +60,23 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
     return x, y, f"the val split of {corpus.folder}{scored}"
 
 
-@dataclass
-class Report:
-    checkpoint: str
-    step: int | None
-    data: str
-    val_loss: float  # nats per target token
-    val_bpb: float  # bits per UTF-8 byte of the targets
-    tokens: int  # targets scored
-    bytes: int  # UTF-8 bytes they decode to
-    chars: int  # characters they decode to (document separators count none, as for bytes)
-    batch_size: int
-    dtype: str
-    device: str
-
-
 def target_chars(y: torch.Tensor, tokenizer) -> int:
     """Characters the scored targets decode to; <|endoftext|> counts none, as it counts 0 bytes."""
-    special = set(tokenizer.special_ids)
-    targets = [t for t in y[y >= 0].tolist() if t not in special]
+    targets = [t for t in y[y >= 0].tolist() if t not in tokenizer.special_ids]
     return len(tokenizer.decode_bytes(targets).decode("utf-8", errors="replace"))
 
 
-def score(loaded: Loaded, x: torch.Tensor, y: torch.Tensor, data: str, batch_size: int, dtype: str,
-          device: torch.device) -> Report:
-    """Evaluate exactly as train.py does, plus the counts a reader needs to trust the numbers."""
-    n_bytes = val_byte_count(y, loaded.tokenizer, device)
+def score(loaded: Loaded, x: torch.Tensor, y: torch.Tensor, data: str, batch_size: int, dtype: torch.dtype,
+          device: torch.device) -> dict:
+    """Evaluate exactly as train.py does, plus the counts a reader needs to trust the numbers: val_loss in nats per
+    target token, val_bpb in bits per UTF-8 byte of the targets, the tokens scored, the bytes and characters they
+    decode to (document separators count none). The report, in the order --json prints it."""
+    n_bytes, chars = val_byte_count(y, loaded.tokenizer, device), target_chars(y, loaded.tokenizer)
     progress = sys.stderr.isatty() and -(-len(x) // batch_size) >= PROGRESS_BATCHES
-    result = evaluate(loaded.model, x, y, batch_size, device, getattr(torch, dtype), n_bytes, progress)
-    chars = target_chars(y, loaded.tokenizer)
-    return Report(loaded.source, loaded.step, data, result.loss, result.bpb, result.tokens, n_bytes, chars,
-                  batch_size, dtype, str(device))
+    result = evaluate(loaded.model, x, y, batch_size, device, dtype, n_bytes, progress)
+    return {"checkpoint": loaded.source, "step": loaded.step, "data": data, "val_loss": result.loss,
+            "val_bpb": result.bpb, "tokens": result.tokens, "bytes": n_bytes, "chars": chars, "batch_size": batch_size,
+            "dtype": dtype_name(dtype), "device": str(device)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -123,32 +99,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def eval_runtime(loaded: Loaded, args: argparse.Namespace) -> Runtime:
-    """train.py's choice (choose_runtime) for the run's config with this --device and --threads, in the run's
-    precision. Eager: one pass over val would not repay a compile."""
-    return choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        loaded = load(args)
-        rt = eval_runtime(loaded, args)
+        loaded = from_flags(args)  # on the CPU until the runtime is chosen
+        # train.py's choice for the run's config with this --device and --threads, in the run's precision. Eager:
+        # one pass over val would not repay a compile.
+        rt = choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
         loaded.model.to(rt.device)
         x, y, data = eval_windows(loaded, args.data_path, args.eval_tokens)
     except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
-    report = score(loaded, x, y, data, args.batch_size or loaded.cfg.batch_size, str(rt.dtype).removeprefix("torch."),
-                   rt.device)
+    batch_size = args.batch_size or (loaded.cfg.batch_size if loaded.step is not None else PRETRAINED_BATCH)
+    report = score(loaded, x, y, data, batch_size, rt.dtype, rt.device)
     if args.json:
-        print(json.dumps(asdict(report)))
+        print(json.dumps(report))
         return
     logged = "" if args.data_path or args.init_from else f", logged best val loss {loaded.best_val_loss:.6f}"
-    origin = f"step {report.step}{logged}" if report.step is not None else "pretrained weights"
-    print(f"# {report.checkpoint} ({origin}) on {report.data}")
-    print(f"val loss {report.val_loss:.6f} nats/token | {report.val_bpb:.6f} bits/byte | {report.tokens:,} tokens, "
-          f"{report.bytes:,} bytes, {report.chars:,} chars | batch {report.batch_size}, {report.dtype}, "
-          f"{report.device}")
+    origin = f"step {report['step']}{logged}" if report["step"] is not None else "pretrained weights"
+    print(f"# {report['checkpoint']} ({origin}) on {data}")
+    print(f"val loss {report['val_loss']:.6f} nats/token | {report['val_bpb']:.6f} bits/byte | {report['tokens']:,} "
+          f"tokens, {report['bytes']:,} bytes, {report['chars']:,} chars | batch {batch_size}, {report['dtype']}, "
+          f"{rt.device}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from config import CommandLine
-from process.errors import HFError, TinyGPTError, exit_on
+from process.errors import TinyGPTError, exit_on, fail
 from weights.gguf import DTYPES, export_gguf
 from process.rundir import check_writable
 from weights.loading import find_checkpoint, from_checkpoint
@@ -27,11 +27,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="how the matrices are stored: f32 (exact), f16 (half the size), q8_0 (8-bit blocks)")
     args = parser.parse_args(argv)
     try:
-        try:
-            import gguf  # noqa: F401 - only to say how to get it before a checkpoint is loaded
-        except ImportError:
-            raise HFError("the GGUF export writes with llama.cpp's gguf package: "
-                          "pip install -r requirements-dev.txt (or pip install gguf==0.19.0)") from None
+        import gguf  # noqa: F401 - only to say how to get it before a checkpoint is loaded
+    except ImportError:
+        fail("the GGUF export writes with llama.cpp's gguf package: pip install -r requirements-dev.txt (or pip "
+             "install gguf==0.19.0)")
+    try:
         check_writable(Path(args.out).parent, "output folder", f".export-probe-{os.getpid()}")
         path = find_checkpoint(args.run)
         loaded = from_checkpoint(path)

@@ -3,13 +3,10 @@
     python -m scripts.export_hf out/finetune_shakespeare hf/shakespeare
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf/shakespeare')"
 
-Writes model.safetensors, config.json (GPT2LMHeadModel), generation_config.json (generate() stops at
-block_size, where the positions end) and the tokenizer, which AutoTokenizer loads
-to our very ids: vocab.json, merges.txt and tokenizer_config.json for a byte-level BPE (GPT-2's, built
-offline from tiktoken's ranks, or one trained with --tokenizer bpe, with tinygpt_bpe.json beside it), or
-tokenizer.json for a char model (one token per character, no merges, a character outside them raises;
-tinygpt_chars.json beside it). The weight mapping itself is weights/hf.py's table; docs/interop.md says
-which tools load the folder and what each does past block_size.
+Writes model.safetensors, config.json (GPT2LMHeadModel), generation_config.json (generate() stops at block_size,
+where the positions end) and the tokenizer, which AutoTokenizer loads to our very ids: vocab.json and merges.txt for
+a byte-level BPE, tokenizer.json for a char model (weights/hf.py). docs/interop.md says which tools load the folder
+and what each does past block_size.
 """
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ from process.errors import TinyGPTError, exit_on
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="run folder (its best.pt, else last.pt) or a checkpoint file")
-    parser.add_argument("out", help="folder to write (created; files of the same names are replaced)")
+    parser.add_argument("out", help="folder to write: a new or an empty one")
     parser.add_argument("--peft", default="", metavar="DIR",
                         help="a LoRA run (--lora_rank): also write its adapters to DIR in PEFT's format "
                              "(adapter_config.json, adapter_model.safetensors), for peft.PeftModel on the base")

@@ -17,19 +17,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from config import CommandLine, ConfigError, field_help
 from data import DataError
 from weights import hf
 from model import GPT
+from process import REPO
 from process.distributed import pick_device
-from weights.loading import Loaded, add_weights_flags, from_flags
+from weights.loading import add_weights_flags, from_flags
 from sample import generate
 from process.errors import TinyGPTError, exit_on, fail
 from process.files import atomic_write_text
-
-REPO = Path(__file__).resolve().parent.parent
 
 try:
     import lm_eval
@@ -41,7 +41,6 @@ except ImportError:
 
 LOCAL_TASKS = REPO / "evals"  # the repo's own tasks, found by name like the harness's
 LOCAL_TASK_NAMES = sorted(path.stem for path in LOCAL_TASKS.glob("*.yaml"))  # each file's stem is its task
-Pair = tuple[list[int], list[int]]  # (context ids, continuation ids)
 
 
 class TinyGPTLM(TemplateLM):
@@ -49,29 +48,18 @@ class TinyGPTLM(TemplateLM):
 
     def __init__(self, model: GPT, tokenizer, batch_size: int = 8, max_gen_toks: int = 256):
         super().__init__()
-        self.model, self.tok = model.eval(), tokenizer
-        self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
+        self.model, self.tok, self._device = model.eval(), tokenizer, next(model.parameters()).device  # LM.device's
+        self.batch_size, self.max_gen_toks, self.max_length = batch_size, max_gen_toks, model.config.block_size
 
     @property
     def eot_token_id(self) -> int:
         return self.tok.eot_token  # GPT-2's <|endoftext|>; a char model's newline
-
-    @property
-    def max_length(self) -> int:
-        return self.model.config.block_size
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         try:
             return self.tok.encode(string)  # GPT-2: <|endoftext|> in the text is text, as in training
         except DataError as err:  # a char model meets a character it never saw
             raise DataError(f"the task's text: {err}; a char model scores only text in its own characters") from None
-
-    def tok_decode(self, tokens: list[int]) -> str:
-        return self.tok.decode(tokens)
 
     # ------------------------------------------------------------------------- scoring
     def _loglikelihood_tokens(self, requests: list[tuple], disable_tqdm: bool = False,
@@ -88,19 +76,15 @@ class TinyGPTLM(TemplateLM):
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
         return answers
 
-    def window(self, context: list[int], continuation: list[int]) -> list[int]:
-        """The model's input: context + continuation but its last token, at most block_size tokens."""
-        if not 0 < len(continuation) <= self.max_length:
-            raise ValueError(f"a continuation of {len(continuation)} tokens; the model scores 1 to "
-                             f"{self.max_length} (its block_size) at once")
-        return (context + continuation)[-(self.max_length + 1):-1]
-
     @torch.no_grad()
-    def score_batch(self, pairs: list[Pair]) -> list[tuple[float, bool]]:
-        inputs = [self.window(context, continuation) for context, continuation in pairs]
-        idx = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)  # (B, T), right-padded
-        for row, ids in enumerate(inputs):
-            idx[row, : len(ids)] = torch.tensor(ids)
+    def score_batch(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Per (context ids, continuation ids): the model reads context + continuation but its last token, at most
+        block_size tokens, and scores the continuation (1 to block_size tokens)."""
+        if bad := [len(c) for _, c in pairs if not 0 < len(c) <= self.max_length]:
+            raise ValueError(f"a continuation of {bad[0]} tokens; the model scores 1 to {self.max_length} (its "
+                             "block_size) at once")
+        inputs = [(context + continuation)[-(self.max_length + 1):-1] for context, continuation in pairs]
+        idx = pad_sequence([torch.tensor(ids) for ids in inputs], batch_first=True)  # (B, T), right-padded with 0
         logits = self.model(idx.to(self.device)).logits  # (B, T, vocab)
         answers = []
         for row, (ids, (_, continuation)) in enumerate(zip(inputs, pairs)):
@@ -115,9 +99,8 @@ class TinyGPTLM(TemplateLM):
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         totals = []
         for (text,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="loglikelihood_rolling"):
-            windows = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(text),
-                                                         prefix_token=self.prefix_token_id,
-                                                         max_seq_len=self.max_length, context_len=1)
+            windows = lm_utils.get_rolling_token_windows(self.tok_encode(text), self.prefix_token_id, self.max_length,
+                                                         context_len=1)
             pairs = [(None, *lm_utils.make_disjoint_window(w)) for w in windows]
             total = sum(logprob for logprob, _ in self._loglikelihood_tokens(pairs, disable_tqdm=True))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
@@ -126,31 +109,27 @@ class TinyGPTLM(TemplateLM):
 
     # ------------------------------------------------------------------------- generation
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        """Each context's continuation up to (not including) its first stop sequence: greedy unless sampled."""
         outputs = []
         for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm, desc="generate_until"):
-            text = self.generate_one(context, dict(gen_kwargs))
+            until = gen_kwargs.get("until") or [self.tok.decode([self.eot_token_id])]
+            until = [until] if isinstance(until, str) else list(until)
+            sampled = gen_kwargs.get("do_sample", False) and gen_kwargs.get("temperature", 0.0) > 0
+            prompt = self.tok_encode(context) or [self.eot_token_id]
+            n = len(prompt)
+
+            def reached_stop(idx: torch.Tensor) -> bool:  # idx (1, n + new)
+                return any(stop in self.tok.decode(idx[0, n:].tolist()) for stop in until)
+
+            out = generate(self.model, torch.tensor([prompt], device=self.device),
+                           gen_kwargs.get("max_gen_toks", self.max_gen_toks),
+                           temperature=gen_kwargs["temperature"] if sampled else 0.0, stop=reached_stop)
+            text = self.tok.decode(out[0, n:].tolist())
+            for stop in until:
+                text = text.split(stop)[0]
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             outputs.append(text)
         return outputs
-
-    def generate_one(self, context: str, gen_kwargs: dict) -> str:
-        """The continuation of context up to (not including) its first stop sequence."""
-        until = gen_kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
-        until = [until] if isinstance(until, str) else list(until)
-        sampled = gen_kwargs.get("do_sample", False) and gen_kwargs.get("temperature", 0.0) > 0
-        prompt = self.tok_encode(context) or [self.eot_token_id]
-        n = len(prompt)
-
-        def reached_stop(idx: torch.Tensor) -> bool:  # idx (1, n + new)
-            return any(stop in self.tok_decode(idx[0, n:].tolist()) for stop in until)
-
-        out = generate(self.model, torch.tensor([prompt], device=self.device),
-                       gen_kwargs.get("max_gen_toks", self.max_gen_toks),
-                       temperature=gen_kwargs["temperature"] if sampled else 0.0, stop=reached_stop)
-        text = self.tok_decode(out[0, n:].tolist())
-        for stop in until:
-            text = text.split(stop)[0]
-        return text
 
 
 # ----------------------------------------------------------------------------- command line
@@ -185,31 +164,17 @@ def index_of_tasks(include_defaults: bool) -> TaskManager:
     return TaskManager(include_path=str(LOCAL_TASKS), include_defaults=include_defaults)
 
 
-def check_known(names: list[str]) -> None:
-    """ConfigError naming every task that neither the harness nor evals/ has."""
+def check_tasks(names: list[str]) -> None:
+    """ConfigError at once, not after a minute of retries, for a task that needs the hub when it cannot be reached
+    (checked first: indexing the harness's tasks takes seconds), or that neither the harness nor evals/ has."""
+    remote = [name for name in names if name not in LOCAL_TASK_NAMES]
+    if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := hf.hub_unreachable("gpt2")):
+        raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need their "
+                          "data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
     unknown = [name for name in names if name not in task_manager(names).all_tasks]
     if unknown or not names:
         raise ConfigError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; list them with "
                           f"`lm_eval ls tasks`, or see {LOCAL_TASKS.relative_to(REPO)}/ for the offline ones")
-
-
-def check_hub(names: list[str]) -> None:
-    """Fail at once, not after a minute of retries, when a task needs the hub and it cannot be reached."""
-    remote = [name for name in names if name not in LOCAL_TASK_NAMES]
-    if not remote or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        return
-    reason = hf.hub_unreachable("gpt2")
-    if reason:
-        raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need their "
-                          "data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
-
-
-def default_output(loaded: Loaded, names: list[str]) -> Path:
-    """harness-TASKS.json in the checkpoint's run folder; for pretrained weights, in out/harness/."""
-    stem = "harness-" + "+".join(names)
-    if loaded.step is None:
-        return Path("out") / "harness" / f"{Path(loaded.source).name}-{stem}.json"
-    return Path(loaded.source).parent / f"{stem}.json"
 
 
 def evaluate_tasks(lm: TinyGPTLM, names: list[str], args: argparse.Namespace) -> dict:
@@ -217,7 +182,7 @@ def evaluate_tasks(lm: TinyGPTLM, names: list[str], args: argparse.Namespace) ->
     try:
         return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager(names),
                                        num_fewshot=args.num_fewshot, limit=args.limit, log_samples=False)
-    except (ConnectionError, OSError) as err:
+    except OSError as err:  # ConnectionError included
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"could not load the data of {', '.join(names)} ({first_line}); the harness's tasks "
                           "download it from the Hugging Face hub; evals/ tasks run offline") from None
@@ -227,15 +192,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         names = [name.strip() for name in args.tasks.split(",") if name.strip()]
-        check_hub(names)  # first: indexing the harness's tasks takes seconds
-        check_known(names)
-        device = pick_device(args.device)
-        loaded = from_flags(args, device)
+        check_tasks(names)
+        loaded = from_flags(args, pick_device(args.device))
         lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
         results = evaluate_tasks(lm, names, args)
     except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
-    output = Path(args.output) if args.output else default_output(loaded, names)
+    stem = "harness-" + "+".join(names)  # by default in the checkpoint's run folder; pretrained weights: out/harness/
+    output = Path(args.output or (Path("out", "harness", f"{Path(loaded.source).name}-{stem}.json")
+                                  if loaded.step is None else Path(loaded.source).parent / f"{stem}.json"))
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, json.dumps(results, indent=2, default=lm_utils.handle_non_serializable) + "\n")
     print(f"# {loaded.source} on {', '.join(names)} (lm_eval {lm_eval.__version__})")

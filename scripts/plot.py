@@ -7,9 +7,9 @@
     python -m scripts.plot out/compare/tiny-200steps --bpb -o cmp.png       # compare.py's variants, seeds as a band
     python -m scripts.plot out/a/seed-1 out/a/seed-2 out/b/seed-1 out/b/seed-2 --labels a a b b
 
-``--ref`` adds fixed (seconds, val loss) points, e.g. another project's numbers, to the wall-time panel; ``--bpb`` a
-panel of val bits per byte, which compares runs with different tokenizers. Runs with the same label (a compare.py
-variant's seeds) are one group in one colour: their mean with a min-max band (train) or bars (val), each final an x.
+``--ref`` puts fixed points (another project's numbers, say) on the wall-time panel; ``--bpb``'s panel compares runs
+with different tokenizers. Runs with one label (a compare.py variant's seeds) are one group in one colour: their mean
+with a min-max band (train) or bars (val), each final an x.
 """
 from __future__ import annotations
 
@@ -28,18 +28,15 @@ from process.errors import DataError, TinyGPTError, exit_on
 matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import
 
 
-class MetricsError(DataError):
-    """A file that is not a metrics.jsonl of train.py; the message names it (and the line)."""
-
-
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
-    """(train records, val records) of one metrics.jsonl; a resumed run's repeats keep the last."""
+    """(train records, val records) of one metrics.jsonl; a resumed run's repeats keep the last. DataError (naming
+    the file and the line) for a file that is not train.py's metrics.jsonl."""
     train, val = {}, {}
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
-        raise MetricsError(f"{path}: not a metrics.jsonl (not UTF-8 text); pass a run folder or its "
-                           "metrics.jsonl") from None
+        raise DataError(f"{path}: not a metrics.jsonl (not UTF-8 text); pass a run folder or its "
+                        "metrics.jsonl") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -48,37 +45,27 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
         except json.JSONDecodeError:
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise MetricsError(f"{path}:{number}: not a train.py metrics record (a JSON object with a \"step\")")
-        if "val_loss" in record:
-            val[record["step"]] = record
-        elif "loss" in record:
-            train[record["step"]] = record
+            raise DataError(f"{path}:{number}: not a train.py metrics record (a JSON object with a \"step\")")
+        kind = val if "val_loss" in record else train if "loss" in record else {}  # anything else is not drawn
+        kind[record["step"]] = record
     return sorted(train.values(), key=lambda r: r["step"]), sorted(val.values(), key=lambda r: r["step"])
 
 
-def default_label(path: Path) -> str:
-    """A run's folder for its metrics.jsonl (VARIANT/seed-N for one of compare.py's runs, so that two
-    variants' seed 1 are not one group); the file's own name for any other .jsonl."""
-    if path.name != "metrics.jsonl":
-        return path.stem
-    run = path.parent
-    return f"{run.parent.name}/{run.name}" if seed_number(path) else (run.name or str(path))
-
-
 def expand(arg: Path) -> list[tuple[Path, str]]:
-    """(metrics file, default label) of each run an argument names: a metrics file, a run folder, or compare.py's
-    experiment folder (every VARIANT/seed-N run, labelled by variant)."""
-    if arg.is_file():
-        return [(arg, default_label(arg))]
-    if (arg / "metrics.jsonl").is_file():
-        return [(arg / "metrics.jsonl", default_label(arg / "metrics.jsonl"))]
-    runs = sorted(arg.glob("*/seed-*/metrics.jsonl"), key=lambda p: (p.parent.parent.name, seed_number(p)))
+    """(metrics file, default label) of each run an argument names: a metrics file (labelled by its run's folder,
+    VARIANT/seed-N for one of compare.py's runs, so that two variants' seed 1 are not one group; any other .jsonl by
+    its own name), a run folder, or compare.py's experiment folder (every VARIANT/seed-N run, labelled by variant)."""
+    metrics = arg if arg.is_file() else arg / "metrics.jsonl"
+    run = metrics.parent
+    if metrics.is_file() and metrics.name != "metrics.jsonl":
+        return [(metrics, metrics.stem)]
+    if metrics.is_file():
+        return [(metrics, f"{run.parent.name}/{run.name}" if seed_number(metrics) else (run.name or str(metrics)))]
     results = arg / "results.json"  # compare.py's summary: its variant order puts the baseline first
-    if results.is_file():
-        order = [v["name"] for v in json.loads(results.read_text())["variants"]]
-        runs = sorted((p for p in runs if p.parent.parent.name in order),
-                      key=lambda p: (order.index(p.parent.parent.name), seed_number(p)))
-    return [(p, p.parent.parent.name) for p in runs]
+    order = [v["name"] for v in json.loads(results.read_text())["variants"]] if results.is_file() else None
+    runs = [(p, p.parent.parent.name) for p in arg.glob("*/seed-*/metrics.jsonl")]
+    return sorted(((p, variant) for p, variant in runs if order is None or variant in order),
+                  key=lambda run: (order.index(run[1]) if order else run[1], seed_number(run[0])))
 
 
 def seed_number(metrics: Path) -> int:
@@ -89,17 +76,16 @@ def seed_number(metrics: Path) -> int:
 
 def group_runs(paths: list[Path], labels: list[str]) -> list[tuple[str, list[list[dict]], list[list[dict]]]]:
     """(label, each run's train records, each run's val records); runs sharing a label form one group."""
-    groups: dict[str, list[Path]] = {}
+    groups: dict[str, list[tuple[list[dict], list[dict]]]] = {}
     for path, label in zip(paths, labels):
-        groups.setdefault(label, []).append(path)
-    read = {label: [read_metrics(p) for p in group] for label, group in groups.items()}
-    return [(label, [t for t, _ in runs], [v for _, v in runs]) for label, runs in read.items()]
+        groups.setdefault(label, []).append(read_metrics(path))
+    return [(label, [t for t, _ in runs], [v for _, v in runs]) for label, runs in groups.items()]
 
 
 def aggregate(runs: list[list[dict]], x_key: str, y_key: str) -> tuple[list[float], ...]:
     """(x, mean, min, max) of y over the runs at the steps every run logged; x is the runs' mean x_key."""
     by_step = [{r["step"]: r for r in run if y_key in r} for run in runs]
-    steps = sorted(set.intersection(*(set(s) for s in by_step))) if by_step else []
+    steps = sorted(set.intersection(*map(set, by_step)))
     rows = [[s[step] for s in by_step] for step in steps]
     xs = [sum(r[x_key] for r in row) / len(row) for row in rows]
     ys = [[r[y_key] for r in row] for row in rows]
@@ -127,33 +113,23 @@ def draw_group(ax, label: str, color: str, train: list[list[dict]], val: list[li
                     color=color)
 
 
-def plot(paths: list[Path], out: Path, labels: list[str] | None = None,
-         refs: list[tuple[float, float]] = (), ref_label: str = "reference", title: str = "",
-         bpb: bool = False) -> Path:
-    """Write a PNG (loss vs step, loss vs wall time, and with ``bpb`` val bits per byte vs step); return its path."""
-    labels = labels or [default_label(p) for p in paths]
-    if len(labels) != len(paths):
-        raise ValueError(f"{len(labels)} labels for {len(paths)} files")
+def plot(paths: list[Path], out: Path, labels: list[str], refs: list[tuple[float, float]] = (),
+         ref_label: str = "reference", title: str = "", bpb: bool = False) -> Path:
+    """Write a PNG (loss vs step, loss vs wall time, and with ``bpb`` val bits per byte vs step); return its path.
+    ``labels``: one per path, the runs of a label are one group."""
     groups = group_runs(paths, labels)
-    fig, axes = plt.subplots(1, 3 if bpb else 2, figsize=(16 if bpb else 11, 4))
+    panels = [("step", "val_loss", "loss (nats/token)"), ("time_s", "val_loss", "")]  # (x, y, y label)
+    panels += [("step", "val_bpb", "val bits per byte")] if bpb else []  # runs logged before val_bpb: no points
+    fig, axes = plt.subplots(1, len(panels), figsize=(16 if bpb else 11, 4))
     ax_step, ax_time = axes[0], axes[1]
     ax_time.sharey(ax_step)
-    for i, (label, train, val) in enumerate(groups):
-        draw_group(ax_step, label, f"C{i}", train, val, "step")
-        draw_group(ax_time, label, f"C{i}", train, val, "time_s")
-        if bpb:  # runs logged before val_bpb existed have no points
-            draw_group(axes[2], label, f"C{i}", [], val, "step", "val_bpb")
-    if bpb:
-        axes[2].set_xlabel("step")
-        axes[2].set_ylabel("val bits per byte")
-        axes[2].grid(alpha=0.3)
+    for ax, (x_key, y_key, y_label) in zip(axes, panels):
+        for i, (label, train, val) in enumerate(groups):
+            draw_group(ax, label, f"C{i}", train if y_key == "val_loss" else [], val, x_key, y_key)
+        ax.set(xlabel="wall time (s)" if x_key == "time_s" else "step", ylabel=y_label)
+        ax.grid(alpha=0.3)
     if refs:
         ax_time.plot([t for t, _ in refs], [v for _, v in refs], "k^", markersize=6, label=f"{ref_label} val")
-    ax_step.set_xlabel("step")
-    ax_time.set_xlabel("wall time (s)")
-    ax_step.set_ylabel("loss (nats/token)")
-    for ax in (ax_step, ax_time):
-        ax.grid(alpha=0.3)
     ax_time.legend(fontsize=8)
     losses = [r["loss"] for _, train, _ in groups for run in train for r in run]
     losses += [r["val_loss"] for _, _, val in groups for run in val for r in run]
@@ -195,11 +171,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{len(args.labels)} --labels for {len(args.metrics)} arguments; give one per argument")
     runs = []
     for i, arg in enumerate(args.metrics):
-        found = expand(arg)
-        if not found:
+        if not (found := expand(arg)):
             parser.error(f"{arg}: no such file, and no metrics.jsonl in it or in its */seed-*/ folders")
         runs += [(path, args.labels[i] if args.labels else label) for path, label in found]
-    paths, labels = [p for p, _ in runs], [label for _, label in runs]
+    paths, labels = zip(*runs)
     try:
         check_writable(args.out.parent, "-o", f".plot-probe-{os.getpid()}")  # before the work, not after it
         print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")

@@ -11,6 +11,7 @@ char and GPT-2's. Then the largest BPE's longest tokens: on English, whole words
 from __future__ import annotations
 
 import time
+import timeit
 from pathlib import Path
 
 from config import DEFAULTS, CommandLine, field_help
@@ -29,58 +30,41 @@ def prepared_tokenizer(args, kind: str, vocab_size: int = 0):
     return tokenizer_from_meta(load_corpus(folder, 1).meta["tokenizer"], Path(args.data_dir)), folder
 
 
-def encoding_speed(tokenizer, text: str) -> tuple[int, float]:
-    """(tokens of ``text``, MB/s of its UTF-8 bytes encoded), the median of three timings."""
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        n = len(tokenizer.encode(text))
-        times.append(time.perf_counter() - t0)
-    return n, len(text.encode("utf-8")) / sorted(times)[1] / 1e6
-
-
 def report(args) -> str:
     sizes = sorted(set(args.bpe_vocab_size))
-    rows, bpes, text = [], {}, None
-    for size in sizes:
+    rows, text = [], None
+    for size in sizes:  # the last, and its longest tokens below, is the largest
         t0 = time.perf_counter()
         tok, folder = prepared_tokenizer(args, "bpe", size)
         seconds = time.perf_counter() - t0
-        bpes[size] = tok
         if text is None:  # every size splits the same characters: one val text for all
             text = tok.decode(load_corpus(folder, 1).val.tolist())
         rows.append((f"bpe {size}", tok, f"prepared in {seconds:.1f} s" + (" (cached)" if seconds < 1 else "")))
-    char, _ = prepared_tokenizer(args, "char")
-    rows.insert(0, ("char", char, "one token per character"))
+    rows.insert(0, ("char", prepared_tokenizer(args, "char")[0], "one token per character"))
     if not args.no_gpt2:
         rows.append(("gpt2", prepared_tokenizer(args, "gpt2")[0], "GPT-2's, trained on WebText"))
     n_bytes = len(text.encode("utf-8"))
     lines = [f"# the val split of the BPE folders: {len(text):,} characters, {n_bytes:,} UTF-8 bytes",
              "| tokenizer | vocab | val tokens | bytes/token | tokens vs char | encodes at | note |",
              "|---|---|---|---|---|---|---|"]
-    char_tokens = len(text)
-    for name, tok, note in rows:
-        n, speed = encoding_speed(tok, text)
-        lines.append(f"| {name} | {tok.vocab_size:,} | {n:,} | {n_bytes / n:.3f} | {n / char_tokens:.3f} | "
+    for name, tokenizer, note in rows:
+        n = len(tokenizer.encode(text))
+        speed = n_bytes / sorted(timeit.repeat(lambda: tokenizer.encode(text), number=1, repeat=3))[1] / 1e6  # median
+        lines.append(f"| {name} | {tokenizer.vocab_size:,} | {n:,} | {n_bytes / n:.3f} | {n / len(text):.3f} | "
                      f"{speed:.1f} MB/s | {note} |")
-    largest = bpes[sizes[-1]]
-    tokens = sorted(range(largest.eot_token), key=lambda i: (-len(largest.decode_bytes([i])), i))[:LONGEST]
+    tokens = sorted(range(tok.eot_token), key=lambda i: (-len(tok.decode_bytes([i])), i))[:LONGEST]
     lines.append(f"# the {LONGEST} longest of bpe {sizes[-1]}: "
-                 + ", ".join(repr(largest.decode_bytes([i]).decode("utf-8", "replace")) for i in tokens))
+                 + ", ".join(repr(tok.decode_bytes([i]).decode("utf-8", "replace")) for i in tokens))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    helps = field_help()
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bpe_vocab_size", "--bpe-vocab-size", type=int, nargs="+",
                         default=[DEFAULTS["bpe_vocab_size"]], help="one or more vocabulary sizes (each >= 257)")
-    parser.add_argument("--dataset", default=DEFAULTS["dataset"], help=helps["dataset"])
-    parser.add_argument("--data_path", "--data-path", default="", help=helps["data_path"])
-    parser.add_argument("--text_column", "--text-column", default=DEFAULTS["text_column"], help=helps["text_column"])
-    parser.add_argument("--data_dir", "--data-dir", default=DEFAULTS["data_dir"], help=helps["data_dir"])
-    parser.add_argument("--val_fraction", "--val-fraction", type=float, default=DEFAULTS["val_fraction"],
-                        help=helps["val_fraction"])
+    for name in ("dataset", "data_path", "text_column", "data_dir", "val_fraction"):  # train.py's, by name and help
+        parser.add_argument(*dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]), default=DEFAULTS[name],
+                            type=type(DEFAULTS[name]), help=field_help()[name])
     parser.add_argument("--no-gpt2", action="store_true", help="leave out GPT-2's column (its ranks: PyPI, once)")
     args = parser.parse_args(argv)
     if min(args.bpe_vocab_size) < 257:  # what prepare would refuse: one line now
