@@ -102,11 +102,6 @@ class TrainingStream:
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError
 
-    def stretches(self, row: np.ndarray) -> list[np.ndarray]:
-        """The parts of a row (T + 1,) that are read straight from the split, in order (the doctor checks that
-        each occurs in it). A random window is one."""
-        return [row]
-
     def first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch a fresh stream of these settings draws first, for the compile probe and the doctor.
 
@@ -181,10 +176,6 @@ class PackedDocuments(TrainingStream):
         rows = np.stack([self.row() for _ in range(self.batch_size)]).astype(np.int64)  # (B, T + 1)
         return inputs_and_targets(torch.from_numpy(rows), self.device)
 
-    def stretches(self, row: np.ndarray) -> list[np.ndarray]:
-        """One per document: the row cut before each separator after its first token."""
-        return np.split(row, np.flatnonzero(row[1:] == self.separator) + 1)
-
     def state_dict(self) -> dict:
         return {"generator": self.epoch_state, "epoch": self.epoch, "position": self.position}
 
@@ -214,9 +205,6 @@ class Conversations(PackedDocuments):
         rows = [self.next_document()[: self.block_size + 1] for _ in range(self.batch_size)]
         x, y = conversation_rows(rows, self.tokenizer, max(map(len, rows)) - 1)
         return x.to(self.device), y.to(self.device)
-
-    def stretches(self, row: np.ndarray) -> list[np.ndarray]:
-        return [row]
 
 
 def eval_windows(corpus: Corpus, tokenizer, block_size: int, max_targets: int = 0,

@@ -28,7 +28,7 @@ import torch
 import train
 from training.checkpoint import dtype_name, load_checkpoint
 from config import TrainConfig, model_config, parse_args
-from data import corpus_for, training_stream, val_windows
+from data import PackedDocuments, corpus_for, training_stream, val_windows
 from training.faults import RunStopped
 from training.optim import NonFiniteGuard
 from model import GPT
@@ -77,6 +77,14 @@ def window_starts(data: np.ndarray, window: np.ndarray) -> np.ndarray:
     for offset in range(1, len(window)):
         starts = starts[data[starts + offset] == window[offset]]  # keep the starts that still match
     return starts
+
+
+def stretches_of(stream) -> Callable[[np.ndarray], list[np.ndarray]]:
+    """The parts of a training row (T + 1,) read straight from the split: packed documents one per document (the
+    row cut before each separator after its first token); a random window or a conversation is one."""
+    if type(stream) is PackedDocuments:
+        return lambda row: np.split(row, np.flatnonzero(row[1:] == stream.separator) + 1)
+    return lambda row: [row]
 
 
 def check_batch(x: torch.Tensor, y: torch.Tensor, data: np.ndarray, tokenizer,
@@ -413,7 +421,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     dropout, few_x, few_y = cfg.dropout or FORCED_DROPOUT, x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
     checks = [
         check_init_loss(fresh(), x, y),
-        check_batch(x, y, corpus.train, tokenizer, stream.stretches),
+        check_batch(x, y, corpus.train, tokenizer, stretches_of(stream)),
         check_token_range({"train": corpus.train, "val": corpus.val}, gpt_config.vocab_size),
         check_round_trip(tokenizer, np.asarray(corpus.val[:SAMPLE_TOKENS])),
         check_gradients(*trainable(), few_x, few_y),

@@ -28,6 +28,7 @@ from prepare.corpora import prepare
 from prepare.downloads import strip_gutenberg
 from prepare.tokenfiles import split_fingerprint
 from prepare.tokenizers import CharTokenizer
+from scripts import doctor
 from fault_injection import assert_nested_equal, assert_same_training_state
 
 
@@ -211,7 +212,7 @@ def test_a_prepared_document_corpus_packs_into_rows_of_its_whole_documents(tmp_p
     stream = data.training_stream(cfg, corpus, tokenizer, 0, CPU)
     packed = 0
     for row in rows_of(stream.next()):
-        pieces = stream.stretches(row)
+        pieces = doctor.stretches_of(stream)(row)
         assert all(piece[0] == tokenizer.eot_token for piece in pieces)  # each begins a document
         *whole, last = [tokenizer.decode(piece[1:].tolist()) for piece in pieces]
         assert all(text in docs for text in whole) and any(text.startswith(last) for text in docs)

@@ -114,10 +114,10 @@ def test_a_batch_of_packed_documents_is_checked_document_by_document():
     data = tokenizer.encode_array(text).astype(np.uint16)
     stream = PackedDocuments(data, 4, 64, 0, CPU, tokenizer.eot_token)  # char documents: lines
     x, y = stream.first_batch()
-    assert doctor.check_batch(x, y, data, tokenizer, stream.stretches).passed
+    assert doctor.check_batch(x, y, data, tokenizer, doctor.stretches_of(stream)).passed
     assert not doctor.check_batch(x, y, data, tokenizer).passed  # read as one window, it is not the corpus's
     other = tokenizer.encode_array(make_text(seed=1)).astype(np.uint16)
-    assert not doctor.check_batch(x, y, other, tokenizer, stream.stretches).passed
+    assert not doctor.check_batch(x, y, other, tokenizer, doctor.stretches_of(stream)).passed
 
 
 def test_token_ids_past_the_vocab_are_caught():
