@@ -21,13 +21,18 @@ or pass --data_path and --data_dir: train.py downloads Shakespeare and the GPT-2
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python dev/gpu_check.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m dev.gpu_check", file=sys.stderr)
+    sys.exit(2)
+
 import json
 import os
 import shlex
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

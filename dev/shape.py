@@ -9,9 +9,14 @@
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python dev/shape.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m dev.shape", file=sys.stderr)
+    sys.exit(2)
+
 import ast
 import subprocess
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path

@@ -13,13 +13,18 @@ processes falls on both alike. Measured rows and their commands: docs/performanc
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python scripts/bench.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.bench", file=sys.stderr)
+    sys.exit(2)
+
 import contextlib
 import json
 import math
 import os
 import resource
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

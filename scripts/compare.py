@@ -11,6 +11,12 @@ reuses the finished runs of this code and settings and resumes a stopped one. Wr
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python scripts/compare.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.compare", file=sys.stderr)
+    sys.exit(2)
+
 import dataclasses
 import hashlib
 import json
@@ -18,7 +24,6 @@ import math
 import re
 import shlex
 import statistics
-import sys
 import warnings
 from pathlib import Path
 from typing import Any

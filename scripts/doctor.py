@@ -9,12 +9,17 @@ own code paths, so a bug there shows up here.
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python scripts/doctor.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.doctor", file=sys.stderr)
+    sys.exit(2)
+
 import contextlib
 import dataclasses
 import io
 import json
 import math
-import sys
 import tempfile
 import time
 from collections import Counter

@@ -12,9 +12,14 @@ UTF-8 bytes, so they compare a char model with a BPE model. Benchmarks (HellaSwa
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python scripts/eval.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.eval", file=sys.stderr)
+    sys.exit(2)
+
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 

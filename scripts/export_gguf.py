@@ -9,6 +9,12 @@ GPT-2 cannot compute (RoPE, RMSNorm, ...) is refused in one line. The mapping is
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python scripts/export_gguf.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.export_gguf", file=sys.stderr)
+    sys.exit(2)
+
 import os
 from pathlib import Path
 

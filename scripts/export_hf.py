@@ -10,6 +10,12 @@ and what each does past block_size.
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python scripts/export_hf.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.export_hf", file=sys.stderr)
+    sys.exit(2)
+
 import os
 from pathlib import Path
 

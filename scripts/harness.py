@@ -9,6 +9,12 @@ How it answers each request type: docs/evaluation.md. lm_eval is imported only h
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python scripts/harness.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.harness", file=sys.stderr)
+    sys.exit(2)
+
 import argparse
 import functools
 import json

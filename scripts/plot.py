@@ -13,6 +13,12 @@ with a min-max band (train) or bars (val), each final an x.
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python scripts/plot.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.plot", file=sys.stderr)
+    sys.exit(2)
+
 import argparse
 import json
 import os

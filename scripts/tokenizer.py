@@ -10,6 +10,12 @@ char and GPT-2's. Then the largest BPE's longest tokens: on English, whole words
 """
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file, `python scripts/tokenizer.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.tokenizer", file=sys.stderr)
+    sys.exit(2)
+
 import time
 import timeit
 from pathlib import Path

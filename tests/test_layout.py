@@ -79,10 +79,12 @@ def test_a_tool_run_as_a_module_imports_this_checkout_even_with_another_on_the_p
     assert "usage:" in result.stdout
 
 
-def test_a_tool_run_as_a_file_would_import_whatever_the_path_holds(another_checkout):
-    """Why the README writes `python -m scripts.eval`: as a file, the tool's own folder is first on the path and
-    the repo root is not on it, so its imports come from anything else there, here the other checkout."""
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_tool_run_as_a_file_says_in_one_line_how_to_run_it(another_checkout, tool):
+    """As a file (`python scripts/eval.py`) a tool's own folder leads the path and the repo root is not on it, so
+    its imports would find anything else there (here another checkout) or nothing: it stops first, in one line."""
     env = os.environ | {"PYTHONPATH": str(another_checkout)}
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "eval.py"), "--help"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "the other checkout" in result.stderr
+    result = subprocess.run([sys.executable, str(REPO / (tool.replace(".", "/") + ".py")), "--help"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "the other checkout" not in result.stderr
+    assert result.stderr == f"error: run it from the repo root as a module: python -m {tool}\n"
