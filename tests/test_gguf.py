@@ -16,7 +16,8 @@ from config import make_config
 from conftest import make_text, tiny_model, tiny_run
 from weights import gguf as export
 from process.errors import HFError
-from prepare.tokenizers import CharTokenizer, bytes_to_unicode, train_bpe
+from prepare.tokenizers import CharTokenizer, train_bpe
+from weights.hf_tokenizer import BYTE_TEXT
 from weights.loading import from_checkpoint
 from scripts import export_gguf
 
@@ -50,7 +51,7 @@ def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weight
     assert field(reader, "gpt2.context_length") == 24 and field(reader, "gpt2.block_count") == 2
     assert (field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre")) == ("gpt2", "gpt-2")
     tokens = field(reader, "tokenizer.ggml.tokens")
-    to_text = bytes_to_unicode()
+    to_text = BYTE_TEXT
     assert tokens[chars.index("\n")] == "Ċ" and tokens[chars.index(" ")] == "Ġ" and tokens[chars.index("é")] == "Ã©"
     assert len(tokens) == len(chars) and set(field(reader, "tokenizer.ggml.token_type")) == {gguf.TokenType.NORMAL}
     rocket = [to_text[b] for b in "🚀".encode()]  # 4 bytes: three merges, each from the lead byte on
@@ -59,12 +60,14 @@ def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weight
         == [m for m in merges if m.startswith(rocket[0])]
     assert len(merges) == sum(len(ch.encode()) - 1 for ch in chars) - 1  # — and ’ share their first merge (E2 80)
     newline = chars.index("\n")
-    assert (field(reader, "tokenizer.ggml.bos_token_id"), field(reader, "tokenizer.ggml.eos_token_id")) == (newline,) * 2
+    ends = field(reader, "tokenizer.ggml.bos_token_id"), field(reader, "tokenizer.ggml.eos_token_id")
+    assert ends == (newline,) * 2
     assert field(reader, "tokenizer.ggml.add_bos_token") is False
     tensors = {t.name: t for t in reader.tensors}
     assert "output.weight" not in tensors  # tied: llama.cpp reuses token_embd
     assert list(tensors["token_embd.weight"].shape) == [32, len(chars)]  # ggml's ne: (C, V), unpadded
-    assert list(tensors["blk.1.attn_qkv.weight"].shape) == [32, 96] and list(tensors["position_embd.weight"].shape) == [32, 24]
+    assert list(tensors["blk.1.attn_qkv.weight"].shape) == [32, 96]
+    assert list(tensors["position_embd.weight"].shape) == [32, 24]
     state = model.state_dict()
     assert np.array_equal(tensors["blk.0.ffn_up.weight"].data, state["transformer.h.0.mlp.c_fc.weight"].numpy())
     assert not tensors["blk.0.ffn_up.bias"].data.any() and len(tensors) == 4 + 12 * 2  # bias=False: zeros
@@ -75,7 +78,7 @@ def test_a_bpe_gguf_has_its_merges_in_rank_order_and_its_end_token_control(tmp_p
     model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=16)
     reader = write(tmp_path, model, tokenizer)
     tokens, types = field(reader, "tokenizer.ggml.tokens"), field(reader, "tokenizer.ggml.token_type")
-    to_text = bytes_to_unicode()
+    to_text = BYTE_TEXT
     names = ["".join(to_text[b] for b in tokenizer.enc.decode_single_token_bytes(i)) for i in range(299)]
     assert tokens[:299] == names  # id = rank, named by its bytes
     assert tokens[-1] == "<|endoftext|>" and types[-1] == gguf.TokenType.CONTROL
@@ -90,7 +93,8 @@ def test_a_bpe_gguf_has_its_merges_in_rank_order_and_its_end_token_control(tmp_p
 @pytest.mark.parametrize("dtype, matrix_type", [("f16", "F16"), ("q8_0", "Q8_0")])
 def test_smaller_dtypes_store_the_matrices_and_keep_norms_and_biases_f32(tmp_path, dtype, matrix_type):
     model = tiny_model(vocab_size=50, block_size=16, bias=True)
-    tensors = {t.name: t for t in write(tmp_path, model, CharTokenizer("".join(chr(65 + i) for i in range(50))), dtype).tensors}
+    reader = write(tmp_path, model, CharTokenizer("".join(chr(65 + i) for i in range(50))), dtype)
+    tensors = {t.name: t for t in reader.tensors}
     assert tensors["blk.0.attn_qkv.weight"].tensor_type.name == matrix_type
     assert tensors["blk.0.attn_qkv.bias"].tensor_type.name == tensors["output_norm.weight"].tensor_type.name == "F32"
     back = gguf.quants.dequantize(tensors["blk.0.attn_qkv.weight"].data, tensors["blk.0.attn_qkv.weight"].tensor_type)

@@ -25,9 +25,10 @@ import torch
 
 from model import GPT, GPTConfig
 from prepare import chat
-from prepare.tokenizers import read_tokenizer, tokenizer_files, tokenizer_vocab_size, without_chat
+from prepare.tokenizers import tokenizer_vocab_size, without_chat
 from process.errors import HFError
 from process.files import atomic_write, atomic_write_text
+from weights.hf_tokenizer import read_tokenizer, tokenizer_files
 
 # ----------------------------------------------------------------------------- the mapping
 NAMES = (  # every weight of GPT-2, in forward order: our name, which is GPT2LMHeadModel's; {i} is the block index
