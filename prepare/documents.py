@@ -66,19 +66,14 @@ def jsonl_sources(path: Path) -> Iterator[Source]:
                 yield Source("jsonl", f"{path}:{number}", line)
 
 
-def import_pyarrow(path: Path):
-    """pyarrow and its parquet module, imported on first use: only Parquet corpora need it."""
+def open_parquet(path: Path, text_column: str):
+    """A ParquetFile whose ``text_column`` is a string column; DataError (one line) otherwise. pyarrow is imported
+    here, on first use: only Parquet corpora need it."""
     try:
-        import pyarrow
-        import pyarrow.parquet  # noqa: F401 - binds pyarrow.parquet
+        import pyarrow as pa
+        import pyarrow.parquet  # noqa: F401 - binds pa.parquet
     except ImportError:
         raise DataError(f"{path}: reading .parquet needs pyarrow: pip install pyarrow==26.0.1") from None
-    return pyarrow
-
-
-def open_parquet(path: Path, text_column: str):
-    """A ParquetFile whose ``text_column`` is a string column; DataError (one line) otherwise."""
-    pa = import_pyarrow(path)
     try:
         reader = pa.parquet.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
@@ -238,12 +233,9 @@ def encode_document(source: Source, tokenizer_meta: str, cache: str, text_column
     uses the newline, which document_tokenizer puts in every char vocabulary: a char document corpus is its
     documents joined by newlines, as one text file of them would be.
     """
-    tok = worker_tokenizer(tokenizer_meta, cache)
-    text = document_text(source, text_column)
-    dtype = token_dtype(tok.vocab_size)
-    if not text:
-        return np.zeros(0, dtype=dtype)
-    return np.concatenate([[tok.eot_token], tok.encode_array(text)]).astype(dtype)
+    tok, text = worker_tokenizer(tokenizer_meta, cache), document_text(source, text_column)
+    ids = np.concatenate([[tok.eot_token], tok.encode_array(text)]) if text else np.zeros(0)
+    return ids.astype(token_dtype(tok.vocab_size))
 
 
 def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
@@ -266,23 +258,20 @@ def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction:
                           mininterval=1.0), bpe_vocab_size, str(path))
 
 
-def write_splits(documents: Iterable[np.ndarray], staging: Path,
-                 val_fraction: float) -> tuple[dict[str, int], int, int]:
-    """Each document's ids appended to staging's train.bin or val.bin (is_val), as they come:
-    (tokens per split, documents, val documents)."""
-    counts, n_docs, n_val_docs = {"train": 0, "val": 0}, 0, 0
+def write_splits(documents: Iterable[np.ndarray], staging: Path, val_fraction: float) -> tuple[dict, dict]:
+    """Each document's ids appended to staging's train.bin or val.bin (is_val), as they come: (tokens, documents)
+    per split."""
+    tokens, docs = {"train": 0, "val": 0}, {"train": 0, "val": 0}
     with open(staging / "train.bin", "wb") as train_f, open(staging / "val.bin", "wb") as val_f:
         for index, ids in enumerate(documents):
             split = "val" if is_val(index, val_fraction) else "train"
             (val_f if split == "val" else train_f).write(ids.tobytes())
-            counts[split] += len(ids)
-            n_docs, n_val_docs = n_docs + 1, n_val_docs + (split == "val")
-    return counts, n_docs, n_val_docs
+            tokens[split], docs[split] = tokens[split] + len(ids), docs[split] + 1
+    return tokens, docs
 
 
-def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float,
-                      num_proc: int = 0, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN,
-                      bpe_vocab_size: int = 2048) -> Path:
+def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
+                      block_size: int, text_column: str, bpe_vocab_size: int) -> Path:
     """Tokenize a document corpus (is_document_corpus) into folder/, streaming; see the module docstring."""
     num_proc = num_proc or os.cpu_count() or 1
     for file in corpus_files(path):  # every file looked at (a shard's footer): a bad one refused now, not hours in
@@ -292,18 +281,16 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
     encode = functools.partial(encode_document, tokenizer_meta=json.dumps(tok.meta()), cache=str(data_dir),
                                text_column=text_column)
     with staged_folder(folder) as staging:
-        documents = map_documents(path, encode, num_proc, text_column)
-        progress = tqdm(documents, desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
-        counts, n_docs, n_val_docs = write_splits(progress, staging, val_fraction)
+        documents = tqdm(map_documents(path, encode, num_proc, text_column), desc=f"tokenizing {path.name}",
+                         unit="doc", mininterval=1.0)
+        counts, docs = write_splits(documents, staging, val_fraction)
         check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
-        separator = "a newline" if tokenizer == "char" else "<|endoftext|>"
-        meta = corpus_meta(tok, str(path), val_fraction, counts, documents=n_docs, val_documents=n_val_docs,
-                           val_split="document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
-                                     f"{separator} before each document")
-        if has_text_column(path):
-            meta["text_column"] = text_column
-        write_meta(staging, meta)
+        rule = ("document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
+                f"{'a newline' if tokenizer == 'char' else '<|endoftext|>'} before each document")
+        write_meta(staging, corpus_meta(tok, str(path), val_fraction, counts, documents=sum(docs.values()),
+                                        val_documents=docs["val"], val_split=rule,
+                                        **({"text_column": text_column} if has_text_column(path) else {})))
     kind = {"gpt2": "GPT-2 BPE", "bpe": f"a {tok.vocab_size}-token BPE"}.get(tokenizer, f"{tok.vocab_size} characters")
-    print(f"prepared {path}: {n_docs:,} documents, {counts['train']:,} train + {counts['val']:,} val tokens "
-          f"({n_val_docs:,} val documents), {kind} -> {folder}")
+    print(f"prepared {path}: {sum(docs.values()):,} documents, {counts['train']:,} train + {counts['val']:,} val "
+          f"tokens ({docs['val']:,} val documents), {kind} -> {folder}")
     return folder
