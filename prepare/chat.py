@@ -50,15 +50,6 @@ def render(tokenizer: ChatTokenizer, messages: list[Message], reply: bool = Fals
     return out + [ids[ASSISTANT]] if reply else out
 
 
-def hf_chat_template() -> str:
-    """The template as Jinja, for tokenizer_config.json's chat_template: transformers' apply_chat_template
-    renders the same markers around the same texts, so its ids are ours (tests/test_chat.py)."""
-    roles = " ".join(f"{{%- if message['role'] == '{role}' %}}{{{{ '{marker}' }}}}{{%- endif %}}"
-                     for role, marker in ROLES.items())
-    return (f"{{{{- '{BEGIN}' }}}}{{%- for message in messages %}}{roles}{{{{ message['content'] + '{END}' }}}}"
-            f"{{%- endfor %}}{{%- if add_generation_prompt %}}{{{{ '{ASSISTANT}' }}}}{{%- endif %}}")
-
-
 def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
     """(N,) bool: which tokens of a conversation are targets, those whose last marker before is <|assistant|>."""
     markers = np.array(sorted(tokenizer.marker_ids.values()))
@@ -184,14 +175,14 @@ def conversation_tokenizer(kind: str, base_meta: dict | None, conversations: lis
     """The fine-tuned model's tokenizer (base_meta), or one of ``kind`` made as from scratch: the conversations'
     characters, GPT-2's BPE, or a BPE of the ``train`` conversations; with the template's markers."""
     if base_meta is not None:
-        return chat_tokenizer(tokenizer_from_meta(base_meta, data_dir))
-    if kind == "char":
-        chars = {ch for conversation in conversations for _, text in conversation for ch in text}
-        return chat_tokenizer(CharTokenizer("".join(sorted(chars))))
-    if kind == "gpt2":
-        return chat_tokenizer(GPT2Tokenizer(data_dir))
-    texts = [text for i in train for _, text in conversations[i]]
-    return chat_tokenizer(train_bpe(texts, bpe_vocab_size, source))
+        base = tokenizer_from_meta(base_meta, data_dir)
+    elif kind == "char":
+        base = CharTokenizer("".join(sorted({ch for turns in conversations for _, text in turns for ch in text})))
+    elif kind == "gpt2":
+        base = GPT2Tokenizer(data_dir)
+    else:
+        base = train_bpe([text for i in train for _, text in conversations[i]], bpe_vocab_size, source)
+    return chat_tokenizer(base)
 
 
 def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fraction: float,

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from model import GPT, GPTConfig
-from prepare import chat
-from prepare.tokenizers import tokenizer_vocab_size, without_chat
+from prepare.chat import END
+from prepare.tokenizers import ChatTokenizer, tokenizer_vocab_size, without_chat
 from process.errors import HFError
 from process.files import atomic_write, atomic_write_text
 from weights.hf_tokenizer import read_tokenizer, tokenizer_files
@@ -327,14 +327,12 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     from safetensors.torch import save
 
     weights, block_size = to_hf(model), model.config.block_size
-    # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end.
+    # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end; a chat model's
+    # reply ends at <|end|>.
     bos, eos = tokenizer.eot_token, (tokenizer.eot_token if tokenizer.meta()["kind"] == "gpt2" else None)
-    is_chat = hasattr(tokenizer, "marker_ids")
-    eos = tokenizer.marker_ids[chat.END] if is_chat else eos  # a chat model's reply ends at <|end|>
+    eos = tokenizer.marker_ids[END] if isinstance(tokenizer, ChatTokenizer) else eos
     files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, block_size),
              "generation_config.json": {"bos_token_id": bos, "eos_token_id": eos, "max_length": block_size}}
-    if is_chat:  # the template travels
-        files["tokenizer_config.json"]["chat_template"] = chat.hf_chat_template()
     if folder.exists() and any(folder.iterdir()):  # another model's tokenizer files would be loaded beside ours
         raise HFError(f"{folder} is not empty; export into a new folder (or delete this one first)")
     folder.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prepare.chat import ASSISTANT, BEGIN, END, ROLES
 from prepare.tokenizers import BYTES, EOT_TEXT, GPT2_VOCAB, ChatTokenizer, bpe_pattern, tokenizer_vocab_size
 from process.errors import HFError
 
@@ -109,7 +110,8 @@ def char_files(tokenizer, block_size: int) -> dict[str, Any]:
 
 def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, Any]:
     """A base tokenizer's files and a chat tokenizer's role markers, as special added tokens (never split,
-    never made from text): in tokenizer.json (char) or tokenizer_config.json's added_tokens_decoder (BPE)."""
+    never made from text): in tokenizer.json (char) or tokenizer_config.json's added_tokens_decoder (BPE);
+    and the template (chat_template), so that transformers' apply_chat_template makes our ids."""
     added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": True} for text, i in markers.items()]
     files = json.loads(json.dumps(files))  # a copy: the base's files stay as they are
@@ -118,7 +120,16 @@ def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, An
     else:
         files["tokenizer_config.json"]["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
     files["tokenizer_config.json"]["additional_special_tokens"] = list(markers)
+    files["tokenizer_config.json"]["chat_template"] = chat_template()
     return files
+
+
+def chat_template() -> str:
+    """prepare/chat.py's template as Jinja: apply_chat_template renders the same markers around the same texts."""
+    roles = " ".join(f"{{%- if message['role'] == '{role}' %}}{{{{ '{marker}' }}}}{{%- endif %}}"
+                     for role, marker in ROLES.items())
+    return (f"{{{{- '{BEGIN}' }}}}{{%- for message in messages %}}{roles}{{{{ message['content'] + '{END}' }}}}"
+            f"{{%- endfor %}}{{%- if add_generation_prompt %}}{{{{ '{ASSISTANT}' }}}}{{%- endif %}}")
 
 
 # ----------------------------------------------------------------------------- reading (init_from)
