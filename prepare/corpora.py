@@ -1,16 +1,11 @@
 """Corpus preparation, the one entry (``prepare``): from a source to a tokenized folder, once, cached in data_dir.
 
-    python -m prepare                                                # the built-in Shakespeare corpus (cached in data/)
-    python -m prepare --data_path my.txt                             # any UTF-8 text file
-    python -m prepare --data_path docs/                              # a folder of .txt files, one document each
-    python -m prepare --data_path web.jsonl --tokenizer gpt2         # one JSON object per line, its "text" field
-    python -m prepare --data_path fineweb/ --tokenizer gpt2          # .parquet shards, one document per row of "text"
-    python -m prepare --data_path web.parquet --text_column content  # another column (or .jsonl field)
+    python -m prepare --data_path my.txt   # any UTF-8 text file, folder, .jsonl or .parquet (prepare/__main__.py)
 
-This file names a corpus, finds it in the cache, and hands anything not cached to its pipeline. A prepared
-corpus is a folder, one per corpus, tokenizer and val_fraction (prepare/tokenfiles.py says what it holds),
-written aside and swapped in (prepare/staging.py); its name is the corpus's (a file's stem and a hash of it),
-the tokenizer's and the split's. Someone else's train.bin/val.bin/meta.json is a corpus too, used in place.
+This file names a corpus, finds it in the cache, and hands anything not cached to its pipeline (texts.py,
+documents.py, chat.py). A prepared corpus is a folder, one per corpus, tokenizer and val_fraction (tokenfiles.py
+says what it holds), written aside and swapped in (staging.py); its name is the corpus's (a file's stem and a
+hash of it), the tokenizer's and the split's. Someone else's train.bin/val.bin/meta.json is used in place.
 """
 from __future__ import annotations
 
@@ -37,12 +32,10 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
             text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048) -> Path:
     """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once; later calls reuse the cached files.
 
-    Each split has its own folder, so preparing one never replaces another that a run may be reading
-    (and a resume can tell them apart: see Corpus.record). ``num_proc`` worker processes tokenize
-    document corpora (0 = one per CPU core). A corpus whose train or val split is shorter than
-    ``block_size`` + 1 tokens is refused before anything is written; a data_dir that cannot be
-    written is refused (rundir.PathError) before any work. ``text_column`` names the field (.jsonl) or
-    column (.parquet) holding each document's text; a .txt corpus has none and ignores it.
+    Each split has its own folder, so preparing one never replaces another that a run may be reading.
+    ``num_proc`` worker processes tokenize document corpora (0 = one per CPU core). A split shorter than
+    ``block_size`` + 1 tokens is refused before the folder is written; a data_dir that cannot be written
+    (rundir.PathError) before any work. ``text_column``: the .jsonl field or .parquet column of the text.
     """
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: nothing to prepare
         return use_tokenized_folder(Path(data_path), tokenizer)

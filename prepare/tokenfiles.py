@@ -29,11 +29,8 @@ META_TYPES = {"tokenizer": dict, "vocab_size": int, "dtype": str, "val_fraction"
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def is_val(index: int, val_fraction: float) -> bool:
@@ -58,12 +55,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def read_meta(folder: Path) -> dict:
     """A prepared folder's meta.json, checked for the fields load_corpus relies on; DataError (one line,
-    naming the file) if it is missing, not UTF-8, not JSON, or lacks a field."""
+    naming the file) if it is unreadable, not UTF-8, not JSON, or lacks a field."""
     meta_file = folder / "meta.json"
     try:
         meta = json.loads(meta_file.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{meta_file}: missing; prepare the corpus first (python -m prepare)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
         raise DataError(f"{meta_file}: unreadable ({reason})") from None
@@ -167,8 +162,6 @@ def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.nda
     try:
         meta = read_meta(folder)
     except DataError as err:
-        if not (folder / "meta.json").exists():
-            raise
         raise DataError(f"{err}; delete {folder} and prepare again") from None
     splits, fingerprints = {}, {}
     for split in SPLITS:
