@@ -202,15 +202,16 @@ def batched_sources(sources: Iterable[Source], max_chars: int) -> Iterator[list[
         yield batch
 
 
-def map_documents(path: Path, work: Callable[[Source], T], num_proc: int, text_column: str) -> Iterator[T]:
-    """``work(source)`` of every document of ``path``, in corpus order, from a pool of ``num_proc`` workers.
+def map_documents(path: Path, work: Callable[..., T], num_proc: int, text_column: str) -> Iterator[T]:
+    """``work(source, text_column=...)`` of every document of ``path``, in corpus order, from ``num_proc`` workers.
 
     Sources go to the pool one bounded batch at a time (Pool.imap alone would read the whole input ahead into
     its task queue), so memory does not grow with the corpus. Ctrl-C is the main process's to handle, once.
     """
     with multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
         for batch in batched_sources(document_sources(path, text_column), BATCH_CHARS):
-            yield from pool.imap(work, batch, chunksize=max(1, len(batch) // (4 * num_proc)))
+            yield from pool.imap(functools.partial(work, text_column=text_column), batch,
+                                 chunksize=max(1, len(batch) // (4 * num_proc)))
 
 
 @functools.cache
@@ -247,13 +248,12 @@ def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction:
         return GPT2Tokenizer(data_dir)
     if tokenizer == "char":
         chars = {"\n"}
-        work = functools.partial(document_chars, text_column=text_column)
-        for found in tqdm(map_documents(path, work, num_proc, text_column),
+        for found in tqdm(map_documents(path, document_chars, num_proc, text_column),
                           desc=f"reading the characters of {path.name}", unit="doc", mininterval=1.0):
             chars.update(found)
         return CharTokenizer("".join(sorted(chars)))
-    texts = map_documents(path, functools.partial(document_text, text_column=text_column), num_proc, text_column)
-    train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
+    texts = enumerate(map_documents(path, document_text, num_proc, text_column))
+    train_texts = (text for index, text in texts if not is_val(index, val_fraction))
     return train_bpe(tqdm(train_texts, desc=f"training a {bpe_vocab_size}-token BPE on {path.name}", unit="doc",
                           mininterval=1.0), bpe_vocab_size, str(path))
 
@@ -278,8 +278,7 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
         if (check := format_of(file).check) is not None:
             check(file, text_column)
     tok = document_tokenizer(path, tokenizer, data_dir, val_fraction, num_proc, text_column, bpe_vocab_size)
-    encode = functools.partial(encode_document, tokenizer_meta=json.dumps(tok.meta()), cache=str(data_dir),
-                               text_column=text_column)
+    encode = functools.partial(encode_document, tokenizer_meta=json.dumps(tok.meta()), cache=str(data_dir))
     with staged_folder(folder) as staging:
         documents = tqdm(map_documents(path, encode, num_proc, text_column), desc=f"tokenizing {path.name}",
                          unit="doc", mininterval=1.0)

@@ -72,14 +72,6 @@ def utf8_error(path: Path) -> str:
     return "invalid UTF-8"
 
 
-def chars_of(chunks: Iterable[str]) -> str:
-    """The sorted set of characters of a text given in pieces: a char vocabulary."""
-    seen: set[str] = set()
-    for chunk in chunks:
-        seen.update(chunk)
-    return "".join(sorted(seen))
-
-
 def cut_chunks(chunks: Iterable[str], cut: int, keep: Literal["head", "tail"]) -> Iterator[str]:
     """The pieces' text before character ``cut`` ("head") or from it on ("tail"), a piece at a time."""
     start = 0
@@ -113,8 +105,10 @@ def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, da
         cut = n_chars - int(n_chars * val_fraction)  # the first character of val
         tok = train_bpe(tqdm(cut_chunks(chunks(), cut, "head"), desc=f"training a {bpe_vocab_size}-token BPE",
                              unit="MB", total=-(-cut // CHUNK_CHARS), disable=not progress), bpe_vocab_size, source)
+    elif tokenizer == "char":  # the text's characters, read a piece at a time
+        tok = CharTokenizer("".join(sorted(set().union(*map(set, chunks())))))
     else:
-        tok = CharTokenizer(chars_of(chunks())) if tokenizer == "char" else GPT2Tokenizer(data_dir)
+        tok = GPT2Tokenizer(data_dir)
     with staged_folder(folder) as staging:
         if tokenizer == "bpe":  # each part tokenized on its own
             counts = {split: write_tokens(tok, cut_chunks(chunks(), cut, part), staging / f"{split}.bin", progress)

@@ -44,8 +44,7 @@ def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str
     tensors = gguf_tensors(model)  # before the file: a model that does not map writes nothing
     with written_whole(path) as staged:  # a failed write leaves no half file under the name
         writer = gguf.GGUFWriter(str(staged), ARCH)
-        write_hparams(writer, model, dtype, name)
-        write_vocabulary(writer, tokenizer)
+        write_metadata(writer, model, tokenizer, dtype, name)
         for tensor_name, value in tensors.items():
             data, ggml_type = stored(value, dtype)
             writer.add_tensor(tensor_name, data, raw_dtype=ggml_type)
@@ -85,21 +84,6 @@ def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
     return value.astype(np.float16), types.F16
 
 
-def write_hparams(writer, model: GPT, dtype: str, name: str) -> None:
-    """The shape llama.cpp builds: context length is block_size, the position table's length."""
-    import gguf
-
-    config, types = model.config, gguf.LlamaFileType
-    writer.add_name(name)
-    writer.add_file_type({"f32": types.ALL_F32, "f16": types.MOSTLY_F16, "q8_0": types.MOSTLY_Q8_0}[dtype])
-    writer.add_context_length(config.block_size)
-    writer.add_embedding_length(config.n_embd)
-    writer.add_feed_forward_length(4 * config.n_embd)
-    writer.add_block_count(config.n_layer)
-    writer.add_head_count(config.n_head)
-    writer.add_layer_norm_eps(LAYER_NORM_EPS)
-
-
 # ----------------------------------------------------------------------------- the tokenizer
 def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
     """(token names in id order, merges) of the tokenizer as llama.cpp's byte-level BPE: a tiktoken BPE (GPT-2's or
@@ -114,12 +98,22 @@ def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
     return ["".join(name) for name in names], list(merges)
 
 
-def write_vocabulary(writer, tokenizer) -> None:
-    """Tokens, types (the special ids, <|endoftext|>, CONTROL: llama.cpp never makes them from text) and merges.
-    The start id (<|endoftext|>, a char model's newline) is bos and eos: llama.cpp's BPE otherwise takes id 11
-    for both, and a char model has no end token of its own."""
+def write_metadata(writer, model: GPT, tokenizer, dtype: str, name: str) -> None:
+    """The shape llama.cpp builds (context length: block_size, the position table's length), then the tokenizer:
+    tokens, types (the special ids, <|endoftext|>, are CONTROL: never made from text) and merges. The start id
+    (<|endoftext|>, a char model's newline) is bos and eos: llama.cpp's BPE otherwise takes id 11 for both, and a
+    char model has no end token of its own."""
     import gguf
 
+    config, types = model.config, gguf.LlamaFileType
+    writer.add_name(name)
+    writer.add_file_type({"f32": types.ALL_F32, "f16": types.MOSTLY_F16, "q8_0": types.MOSTLY_Q8_0}[dtype])
+    writer.add_context_length(config.block_size)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_feed_forward_length(4 * config.n_embd)
+    writer.add_block_count(config.n_layer)
+    writer.add_head_count(config.n_head)
+    writer.add_layer_norm_eps(LAYER_NORM_EPS)
     tokens, merges = vocabulary(tokenizer)
     writer.add_tokenizer_model(TOKENIZER_MODEL)
     writer.add_tokenizer_pre(PRE_TOKENIZER)
