@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from prepare.staging import staged_folder
-from prepare.tokenfiles import SPLITS, corpus_meta, is_val, sha256_of, token_dtype, write_meta
+from prepare.tokenfiles import SPLITS, is_val, sha256_of, token_dtype, write_meta
 from prepare.tokenizers import ChatTokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 from process.errors import DataError
 from process.files import atomic_write_text
@@ -215,10 +215,9 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
         for split, indices in splits.items():
             ids = np.concatenate([encoded[i] for i in indices])
             ids.astype(token_dtype(tok.vocab_size)).tofile(staging / f"{split}.bin")
-        write_meta(staging, corpus_meta(
-            tok, str(path), val_fraction, counts, format="conversations",
-            lines={split: [lines[i] for i in indices] for split, indices in splits.items()},
-            val_split="conversation i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction)"))
+        write_meta(staging, tok, str(path), val_fraction, counts, format="conversations",
+                   lines={split: [lines[i] for i in indices] for split, indices in splits.items()},
+                   val_split="conversation i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction)")
     print(f"prepared {path}: {len(splits['train']):,} train + {len(splits['val']):,} val conversations, "
           f"{counts['train']:,} + {counts['val']:,} tokens -> {folder}")
     return folder

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from prepare.staging import staged_folder
 from prepare.texts import read_text_file
-from prepare.tokenfiles import check_split_lengths, corpus_meta, is_val, token_dtype, write_meta
+from prepare.tokenfiles import check_split_lengths, is_val, token_dtype, write_meta
 from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, TiktokenTokenizer, tokenizer_from_meta, train_bpe
 from process.errors import DataError
 
@@ -286,9 +286,9 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
         check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
         rule = ("document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
                 f"{'a newline' if tokenizer == 'char' else '<|endoftext|>'} before each document")
-        write_meta(staging, corpus_meta(tok, str(path), val_fraction, counts, documents=sum(docs.values()),
-                                        val_documents=docs["val"], val_split=rule,
-                                        **({"text_column": text_column} if has_text_column(path) else {})))
+        write_meta(staging, tok, str(path), val_fraction, counts, documents=sum(docs.values()),
+                   val_documents=docs["val"], val_split=rule,
+                   **({"text_column": text_column} if has_text_column(path) else {}))
     kind = {"gpt2": "GPT-2 BPE", "bpe": f"a {tok.vocab_size}-token BPE"}.get(tokenizer, f"{tok.vocab_size} characters")
     print(f"prepared {path}: {sum(docs.values()):,} documents, {counts['train']:,} train + {counts['val']:,} val "
           f"tokens ({docs['val']:,} val documents), {kind} -> {folder}")

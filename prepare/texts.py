@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Literal
 from tqdm import tqdm
 
 from prepare.staging import staged_folder
-from prepare.tokenfiles import check_split_lengths, corpus_meta, token_dtype, write_meta
+from prepare.tokenfiles import check_split_lengths, token_dtype, write_meta
 from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, train_bpe
 from process.errors import DataError
 
@@ -125,7 +125,7 @@ def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, da
                 shutil.copyfileobj(src, dst)
             os.truncate(staging / "train.bin", cut)
         check_split_lengths(source, counts, block_size)
-        write_meta(staging, corpus_meta(tok, source, val_fraction, counts, **extra))
+        write_meta(staging, tok, source, val_fraction, counts, **extra)
     vocab = tok.vocab_size
     what = f"a {vocab}-token BPE trained on the train split" if tokenizer == "bpe" else f"vocab {vocab}"
     print(f"prepared {source}: {counts['train']:,} train + {counts['val']:,} val tokens, {what} -> {folder}")
