@@ -21,6 +21,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -104,14 +105,24 @@ def val_rows(corpus, tokenizer: ChatTokenizer, block_size: int, overflow: str) -
 
 
 # ----------------------------------------------------------------------------- a .jsonl of conversations
+def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(number, line) of every non-blank line of a .jsonl (documents or conversations), decoded from UTF-8 here."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start} of the line)") from None
+            if line.strip():
+                yield number, line
+
+
 def is_conversations(path: Path) -> bool:
     """A .jsonl whose first record holds ``messages`` or ``prompt``: conversations, not documents."""
     if path.suffix != ".jsonl" or not path.is_file():
         return False
-    with open(path, encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), "")
     try:
-        record = json.loads(first)
+        record = json.loads(next(jsonl_lines(path), (0, ""))[1])
     except ValueError:
         return False
     return isinstance(record, dict) and ("messages" in record or "prompt" in record)
@@ -154,11 +165,9 @@ def parse_message(message, where: str, index: int) -> Message:
 def read_conversations(path: Path) -> tuple[list[list[Message]], list[int]]:
     """Every conversation of ``path`` and its line number; the whole file is checked first."""
     conversations, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
-            if text.strip():
-                conversations.append(parse_line(text, f"{path}:{number}"))
-                lines.append(number)
+    for number, text in jsonl_lines(path):
+        conversations.append(parse_line(text, f"{path}:{number}"))
+        lines.append(number)
     if not conversations:
         raise DataError(f"{path}: no conversations in the file")
     return conversations, lines

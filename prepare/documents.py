@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Iterator, Literal, NamedTuple, TypeVar
 import numpy as np
 from tqdm import tqdm
 
+from prepare.chat import jsonl_lines
 from prepare.staging import staged_folder
 from prepare.texts import read_text_file
 from prepare.tokenfiles import check_split_lengths, is_val, token_dtype, write_meta
@@ -54,18 +55,6 @@ class Source(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- the readers
-def jsonl_sources(path: Path) -> Iterator[Source]:
-    """A source per non-blank line, decoded from UTF-8 here (JSON is parsed by the worker)."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start} of the line)") from None
-            if line.strip():
-                yield Source("jsonl", f"{path}:{number}", line)
-
-
 def open_parquet(path: Path, text_column: str):
     """A ParquetFile whose ``text_column`` is a string column; DataError (one line) otherwise. pyarrow is imported
     here, on first use: only Parquet corpora need it."""
@@ -133,7 +122,9 @@ class DocumentFormat:
 DOCUMENT_FORMATS: dict[str, DocumentFormat] = {
     ".txt": DocumentFormat(lambda path, column: iter([Source("file", str(path))]), named_column=False,
                            in_folders=True, one_per_file=True),
-    ".jsonl": DocumentFormat(lambda path, column: jsonl_sources(path), named_column=True, in_folders=False),
+    ".jsonl": DocumentFormat(lambda path, column: (Source("jsonl", f"{path}:{number}", line)  # JSON parsed by a worker
+                                                   for number, line in jsonl_lines(path)),
+                             named_column=True, in_folders=False),
     ".parquet": DocumentFormat(parquet_sources, named_column=True, in_folders=True, check=open_parquet),  # the footer
 }
 

@@ -31,13 +31,10 @@ CHUNK_CHARS = 1 << 20  # characters tokenized at a time: what bounds memory whil
 
 # ----------------------------------------------------------------------------- a text in pieces
 def read_text_file(path: Path, flag: str = "--data_path") -> str:
-    """The file's text; errors name ``flag``, the option the user gave the path with."""
+    """The file's text, as Path.read_text gives it; a missing file's error names ``flag``, the option it came with."""
     if not path.is_file():
         raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with {flag}")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    return "".join(text_chunks(path))
 
 
 def text_chunks(text: str | Path, chunk_chars: int = 0) -> Iterator[str]:
@@ -105,28 +102,36 @@ def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, da
         cut = n_chars - int(n_chars * val_fraction)  # the first character of val
         tok = train_bpe(tqdm(cut_chunks(chunks(), cut, "head"), desc=f"training a {bpe_vocab_size}-token BPE",
                              unit="MB", total=-(-cut // CHUNK_CHARS), disable=not progress), bpe_vocab_size, source)
-    elif tokenizer == "char":  # the text's characters, read a piece at a time
-        tok = CharTokenizer("".join(sorted(set().union(*map(set, chunks())))))
-    else:
-        tok = GPT2Tokenizer(data_dir)
+    else:  # char: the text's characters, read a piece at a time
+        tok = (CharTokenizer("".join(sorted(set().union(*map(set, chunks()))))) if tokenizer == "char"
+               else GPT2Tokenizer(data_dir))
+        if not progress:  # one piece: counted first, so that a text too short is refused before a file is written
+            tail_counts(source, sum(len(tok.encode_array(chunk)) for chunk in chunks()), val_fraction, block_size)
     with staged_folder(folder) as staging:
         if tokenizer == "bpe":  # each part tokenized on its own
             counts = {split: write_tokens(tok, cut_chunks(chunks(), cut, part), staging / f"{split}.bin", progress)
                       for split, part in (("train", "head"), ("val", "tail"))}
+            check_split_lengths(source, counts, block_size)
             extra = {"val_split": "the last val_fraction of the characters"}
         else:  # the whole text, then its tail moved to val.bin, a block at a time
             n = write_tokens(tok, chunks(), staging / "train.bin", progress)
-            if n == 0:
-                raise DataError(f"{source}: the text is empty")
-            counts, extra = {"train": n - int(n * val_fraction), "val": int(n * val_fraction)}, {}
+            counts, extra = tail_counts(source, n, val_fraction, block_size), {}
             cut = counts["train"] * token_dtype(tok.vocab_size).itemsize
             with open(staging / "train.bin", "rb") as src, open(staging / "val.bin", "wb") as dst:
                 src.seek(cut)
                 shutil.copyfileobj(src, dst)
             os.truncate(staging / "train.bin", cut)
-        check_split_lengths(source, counts, block_size)
         write_meta(staging, tok, source, val_fraction, counts, **extra)
     vocab = tok.vocab_size
     what = f"a {vocab}-token BPE trained on the train split" if tokenizer == "bpe" else f"vocab {vocab}"
     print(f"prepared {source}: {counts['train']:,} train + {counts['val']:,} val tokens, {what} -> {folder}")
     return folder
+
+
+def tail_counts(source: str, n: int, val_fraction: float, block_size: int) -> dict[str, int]:
+    """The splits' token counts of a text of n tokens whose val is its tail, once both are known to fill a window."""
+    if n == 0:
+        raise DataError(f"{source}: the text is empty")
+    counts = {"train": n - int(n * val_fraction), "val": int(n * val_fraction)}
+    check_split_lengths(source, counts, block_size)
+    return counts
