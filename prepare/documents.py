@@ -49,10 +49,6 @@ class Source(NamedTuple):
     where: str  # what errors name: the .txt's path, "web.jsonl:7" or "web.parquet:row 7" (1-based)
     payload: str = ""  # "" for a file, the raw line for jsonl, the document's text for text
 
-    def size(self) -> int:
-        """Characters (or a file's bytes) of text this source stands for: what a batch is measured in."""
-        return Path(self.where).stat().st_size if self.kind == "file" else len(self.payload)
-
 
 # ----------------------------------------------------------------------------- the readers
 def open_parquet(path: Path, text_column: str):
@@ -181,11 +177,11 @@ def document_sources(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> Iter
 
 # ----------------------------------------------------------------------------- the pool
 def batched_sources(sources: Iterable[Source], max_chars: int) -> Iterator[list[Source]]:
-    """Consecutive groups of sources holding about max_chars of text (Source.size)."""
+    """Consecutive groups of sources holding about max_chars of text (a file's bytes, a line's or row's characters)."""
     batch, chars = [], 0
     for source in sources:
         batch.append(source)
-        chars += source.size()
+        chars += Path(source.where).stat().st_size if source.kind == "file" else len(source.payload)
         if chars >= max_chars:
             yield batch
             batch, chars = [], 0

@@ -80,10 +80,7 @@ def remove_leftovers(data_dir: Path) -> list[Path]:
         if (fd := hold_lock(path, wait=False)) is None:
             continue  # a live prepare's
         try:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
             removed.append(path)
         except FileNotFoundError:
             pass  # another prepare removed it first

@@ -184,8 +184,8 @@ def download(repo_id: str) -> tuple[Path, Path]:
 
     unreachable = None if constants.is_offline_mode() else hub_unreachable(repo_id)
     try:
-        config = huggingface_hub.hf_hub_download(repo_id, "config.json", local_files_only=bool(unreachable))
-        weights = huggingface_hub.hf_hub_download(repo_id, "model.safetensors", local_files_only=bool(unreachable))
+        config, weights = (huggingface_hub.hf_hub_download(repo_id, name, local_files_only=bool(unreachable))
+                           for name in ("config.json", "model.safetensors"))
     except (OSError, EntryNotFoundError) as err:  # offline, not cached, no such repo or file, HTTP errors
         reason = (f"cannot reach {constants.ENDPOINT}: {unreachable}" if unreachable else
                   "HF_HUB_OFFLINE=1" if isinstance(err, OfflineModeIsEnabled) or constants.is_offline_mode() else
@@ -310,7 +310,7 @@ def hf_config(config: GPTConfig, bos: int | None, eos: int | None) -> dict[str, 
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
             "n_positions": config.block_size, "n_ctx": config.block_size, "n_embd": config.n_embd,
             "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
-            "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu"}[config.activation],
+            "activation_function": next(theirs for theirs, ours in ACTIVATIONS.items() if ours == config.activation),
             "layer_norm_epsilon": LAYER_NORM_EPS, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
             "attn_pdrop": config.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
             "tie_word_embeddings": True, "use_cache": True, "bos_token_id": bos, "eos_token_id": eos,

@@ -72,13 +72,11 @@ def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
     if isinstance(tokenizer, ChatTokenizer):
         return with_markers(tokenizer_files(tokenizer.base, block_size), tokenizer.marker_ids)
     meta = tokenizer.meta()
-    if meta["kind"] == "gpt2":
-        return bpe_files(bpe_tokens(tokenizer), block_size)
-    if meta["kind"] == "bpe":
-        return {**bpe_files(bpe_tokens(tokenizer), block_size), BPE_FILE: meta}
-    return {**char_files(tokenizer, block_size),
-            CHARS_FILE: {"chars": list(tokenizer.chars),
-                         "decode": "token id i is the character chars[i]: text = ''.join(chars[i] for i in ids)"}}
+    if meta["kind"] == "char":
+        decode = "token id i is the character chars[i]: text = ''.join(chars[i] for i in ids)"
+        return {**char_files(tokenizer, block_size), CHARS_FILE: {"chars": list(tokenizer.chars), "decode": decode}}
+    files = bpe_files(bpe_tokens(tokenizer), block_size)
+    return files if meta["kind"] == "gpt2" else {**files, BPE_FILE: meta}
 
 
 def bpe_files(tokens: list[bytes], block_size: int) -> dict[str, Any]:
@@ -151,13 +149,14 @@ def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
             return meta
     if vocab_size == GPT2_VOCAB:
         return {"kind": "gpt2"}
-    standard = read_standard_files(folder)
-    return None if standard is None else meta_from_standard(*standard, str(folder), vocab_size)
+    return read_standard_files(folder, vocab_size)
 
 
-def read_standard_files(folder: Path) -> tuple[dict[str, int], list[str], bool] | None:
-    """(vocabulary, merges as "a b" lines, byte-level?) from tokenizer.json, else vocab.json + merges.txt
-    (a GPT2Tokenizer's, byte-level by definition); None if the folder has neither."""
+def read_standard_files(folder: Path, vocab_size: int) -> dict | None:
+    """Our description rebuilt from the standard files: tokenizer.json, else vocab.json + merges.txt (a
+    GPT2Tokenizer's, byte-level by definition); None if the folder has neither. A char list (no merges, no
+    pre-tokeniser, one character a token, sorted: char_files) or a byte-level BPE whose merges are the ones its ids
+    imply (bpe_merges); HFError for any other, which would encode other ids."""
     try:
         if (folder / "tokenizer.json").is_file():
             saved = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
@@ -168,39 +167,33 @@ def read_standard_files(folder: Path) -> tuple[dict[str, int], list[str], bool] 
             vocab = {**model["vocab"], **{token["content"]: token["id"] for token in saved.get("added_tokens", [])}}
             # tokenizers writes a merge as "a b" (before 0.20) or ["a", "b"]
             merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
-            return vocab, merges, (saved.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
-        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            byte_level = (saved.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
+        elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
             lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
             merges = [line for line in lines if line and not line.startswith("#version")]
-            return json.loads((folder / "vocab.json").read_text(encoding="utf-8")), merges, True
+            vocab, byte_level = json.loads((folder / "vocab.json").read_text(encoding="utf-8")), True
+        else:
+            return None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise HFError(f"{folder}: its tokenizer files are not readable ({type(err).__name__}: {err})") from None
-    return None
-
-
-def meta_from_standard(vocab: dict[str, int], merges: list[str], byte_level: bool, source: str,
-                       vocab_size: int) -> dict:
-    """Our description of a tokenizer from its standard files: a char list (no merges, no pre-tokeniser, one
-    character a token, sorted, as char_files writes it) or a byte-level BPE whose merges are the ones its ids
-    imply (bpe_merges, as bpe_files writes them); HFError for any other, which would encode other ids."""
     if sorted(vocab.values()) != list(range(vocab_size)):
-        raise HFError(f"{source}: its tokenizer's {len(vocab)} tokens do not have the ids 0..{vocab_size - 1} "
+        raise HFError(f"{folder}: its tokenizer's {len(vocab)} tokens do not have the ids 0..{vocab_size - 1} "
                       "of the weights' vocabulary")
     tokens = sorted(vocab, key=vocab.__getitem__)  # in id order
     if not byte_level and not merges:
         chars = "".join(tokens)
         if len(chars) != vocab_size or chars != "".join(sorted(chars)):
-            raise HFError(f"{source}: its tokenizer.json is not a char vocabulary (one character a token, sorted)")
+            raise HFError(f"{folder}: its tokenizer.json is not a char vocabulary (one character a token, sorted)")
         return {"kind": "char", "chars": chars}
     if not byte_level or tokens[-1] != EOT_TEXT:
-        raise HFError(f"{source}: its tokenizer is not a byte-level BPE ending in {EOT_TEXT}, nor a char list")
+        raise HFError(f"{folder}: its tokenizer is not a byte-level BPE ending in {EOT_TEXT}, nor a char list")
     try:
         ranks = [bytes(TEXT_BYTE[ch] for ch in token) for token in tokens[:-1]]
     except KeyError:
-        raise HFError(f"{source}: a token of its vocabulary is not in byte-level form") from None
+        raise HFError(f"{folder}: a token of its vocabulary is not in byte-level form") from None
     if len({token for token in ranks if len(token) == 1}) != BYTES:
-        raise HFError(f"{source}: its BPE lacks some of the {BYTES} single bytes: not every text encodes")
+        raise HFError(f"{folder}: its BPE lacks some of the {BYTES} single bytes: not every text encodes")
     if bpe_merges(ranks) != merges:
-        raise HFError(f"{source}: its merges are not the ones its ids imply (rank order): tiktoken would encode "
+        raise HFError(f"{folder}: its merges are not the ones its ids imply (rank order): tiktoken would encode "
                       "other ids than transformers")
     return {"kind": "bpe", "pattern": bpe_pattern(), "ranks": [token.hex() for token in ranks]}
