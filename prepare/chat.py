@@ -197,11 +197,9 @@ def conversation_tokenizer(kind: str, base_meta: dict | None, conversations: lis
 def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fraction: float,
                           base_meta: dict | None = None, bpe_vocab_size: int = 2048) -> Path:
     """Tokenize a .jsonl of conversations once into data_dir (cached by the file's and the tokenizer's hash).
-
-    ``base_meta``: the tokenizer of the model fine-tuned (init_from), whose ids the conversations must use;
-    None makes one of kind ``tokenizer``. Each split is its conversations one after another, each starting
-    with <|begin|>; meta.json's ``lines`` gives each one's line in the file.
-    """
+    ``base_meta``: the tokenizer of the model fine-tuned (init_from), whose ids the conversations must use; None makes
+    one of kind ``tokenizer``. Each split is its conversations one after another, each starting with <|begin|>;
+    meta.json's ``lines`` gives each one's line in the file."""
     conversations, lines = read_conversations(path)
     splits = split_indices(len(conversations), val_fraction)
     if not splits["val"] or not splits["train"]:

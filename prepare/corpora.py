@@ -30,13 +30,11 @@ BUILTIN_CORPORA = ("shakespeare",)
 def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
             val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
             text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048) -> Path:
-    """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once; later calls reuse the cached files.
-
-    Each split has its own folder, so preparing one never replaces another that a run may be reading.
-    ``num_proc`` worker processes tokenize document corpora (0 = one per CPU core). A split shorter than
-    ``block_size`` + 1 tokens is refused before the folder is written; a data_dir that cannot be written
-    (rundir.PathError) before any work. ``text_column``: the .jsonl field or .parquet column of the text.
-    """
+    """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once; later calls reuse the cached files. Each split has its
+    own folder, so preparing one never replaces another that a run may be reading. ``num_proc`` worker processes
+    tokenize document corpora (0 = one per CPU core). A split shorter than ``block_size`` + 1 tokens is refused before
+    the folder is written; a data_dir that cannot be written (rundir.PathError) before any work. ``text_column``: the
+    .jsonl field or .parquet column of the text."""
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: nothing to prepare
         return use_tokenized_folder(Path(data_path), tokenizer)
     data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
@@ -56,10 +54,9 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
 
 # ----------------------------------------------------------------------------- naming
 def corpus_folder(cfg, base_tokenizer: dict | None = None) -> Path:
-    """The folder of the corpus a TrainConfig names (its corpus fields), tokenized once into cfg.data_dir (cached).
-
-    A .jsonl of conversations (or the built-in shakespeare_chat) is prepared by prepare/chat.py, with
-    ``base_tokenizer`` (the fine-tuned model's, init_from) and its role markers."""
+    """The folder of the corpus a TrainConfig names (its corpus fields), tokenized once into cfg.data_dir (cached);
+    a .jsonl of conversations (or the built-in shakespeare_chat) by prepare/chat.py, with ``base_tokenizer`` (the
+    fine-tuned model's, init_from) and its role markers."""
     path = Path(cfg.data_path) if cfg.data_path else None
     if path is None and cfg.dataset == chat.SHAKESPEARE_CHAT:
         path = chat.shakespeare_dialogue(Path(cfg.data_dir))
@@ -89,12 +86,10 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
 
 
 def corpus_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
-    """Hash of the relative path, size and mtime of a .jsonl or .parquet, or of every file of a folder.
-
-    Cheap, unlike hashing the content: every rank of a torchrun job checks the cache at start, and
-    a web-scale corpus would take minutes to read. Editing a file changes its mtime. Another
-    text_column is another corpus; the default adds nothing, so names from before it stay valid.
-    """
+    """Hash of the relative path, size and mtime of a .jsonl or .parquet, or of every file of a folder. Cheap, unlike
+    hashing the content: every rank of a torchrun job checks the cache at start, and a web-scale corpus would take
+    minutes to read. Editing a file changes its mtime. Another text_column is another corpus; the default adds nothing,
+    so names from before it stay valid."""
     digest = hashlib.sha256()
     for file in corpus_files(path):
         info = file.stat()

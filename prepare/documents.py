@@ -191,10 +191,8 @@ def batched_sources(sources: Iterable[Source], max_chars: int) -> Iterator[list[
 
 def map_documents(path: Path, work: Callable[..., T], num_proc: int, text_column: str) -> Iterator[T]:
     """``work(source, text_column=...)`` of every document of ``path``, in corpus order, from ``num_proc`` workers.
-
-    Sources go to the pool one bounded batch at a time (Pool.imap alone would read the whole input ahead into
-    its task queue), so memory does not grow with the corpus. Ctrl-C is the main process's to handle, once.
-    """
+    Sources go to the pool one bounded batch at a time (Pool.imap alone would read the whole input ahead into its task
+    queue), so memory does not grow with the corpus. Ctrl-C is the main process's to handle, once."""
     with multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
         for batch in batched_sources(document_sources(path, text_column), BATCH_CHARS):
             yield from pool.imap(functools.partial(work, text_column=text_column), batch,
@@ -214,13 +212,11 @@ def document_chars(source: Source, text_column: str) -> str:
 
 
 def encode_document(source: Source, tokenizer_meta: str, cache: str, text_column: str) -> np.ndarray:
-    """The separator then the document's token ids; empty for an empty document. In a worker.
-
-    The separator is the tokenizer's eot_token: GPT-2's <|endoftext|>, a token that is no text. A char vocabulary
-    has no such token (a reserved character would count as a byte in bits per byte and print in samples), so it
-    uses the newline, which document_tokenizer puts in every char vocabulary: a char document corpus is its
-    documents joined by newlines, as one text file of them would be.
-    """
+    """The separator then the document's token ids; empty for an empty document. In a worker. The separator is the
+    tokenizer's eot_token: GPT-2's <|endoftext|>, a token that is no text. A char vocabulary has no such token (a
+    reserved character would count as a byte in bits per byte and print in samples), so it uses the newline, which
+    document_tokenizer puts in every char vocabulary: a char document corpus is its documents joined by newlines, as one
+    text file of them would be."""
     tok, text = worker_tokenizer(tokenizer_meta, cache), document_text(source, text_column)
     ids = np.concatenate([[tok.eot_token], tok.encode_array(text)]) if text else np.zeros(0)
     return ids.astype(token_dtype(tok.vocab_size))

@@ -35,11 +35,9 @@ def sha256_of(path: Path) -> str:
 
 def is_val(index: int, val_fraction: float) -> bool:
     """Item ``index`` (a document or a conversation, 0-based) is val when it starts a new multiple of val_fraction.
-
-    Exactly ceil(n * val_fraction) of the first n items are val (0.1: items 0, 10, 20, ...), at least one, spread
-    over the corpus and decided without knowing n. The products are rounded to 9 decimals first, so that a float
-    error (0.07 * 100 is 7.000000000000001) never moves a boundary.
-    """
+    Exactly ceil(n * val_fraction) of the first n items are val (0.1: items 0, 10, 20, ...), at least one, spread over
+    the corpus and decided without knowing n. The products are rounded to 9 decimals first, so that a float error
+    (0.07 * 100 is 7.000000000000001) never moves a boundary."""
     return math.ceil(round((index + 1) * val_fraction, 9)) > math.ceil(round(index * val_fraction, 9))
 
 
@@ -83,11 +81,9 @@ FINGERPRINT_SAMPLES, FINGERPRINT_CHUNK = 256, 1 << 16
 
 
 def split_fingerprint(path: Path) -> str:
-    """sha256 of a split file's bytes, or for a file over FINGERPRINT_WHOLE_BYTES of its size and samples.
-
-    Sizes are checked exactly anyway (against meta.json's token counts); the fingerprint catches
-    tokens changed in place, everywhere in a laptop-sized corpus and at the sampled places in a larger one.
-    """
+    """sha256 of a split file's bytes, or for a file over FINGERPRINT_WHOLE_BYTES of its size and samples. Sizes are
+    checked exactly anyway (against meta.json's token counts); the fingerprint catches tokens changed in place,
+    everywhere in a laptop-sized corpus and at the sampled places in a larger one."""
     size = path.stat().st_size
     if size <= FINGERPRINT_WHOLE_BYTES:
         return sha256_of(path)
@@ -143,11 +139,9 @@ def open_split(path: Path, meta: dict) -> tuple[np.ndarray, str]:
 
 
 def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
-    """(meta, split -> memory-mapped ids, split -> fingerprint) of a prepared folder, every file checked
-    against its meta.json and able to feed a model of this context length. Any damage (a file cut,
-    emptied, changed or missing, an unreadable meta.json) is a one-line DataError that says to delete
-    the folder and prepare again.
-    """
+    """(meta, split -> memory-mapped ids, split -> fingerprint) of a prepared folder, every file checked against its
+    meta.json and able to feed a model of this context length. Any damage (a file cut, emptied, changed or missing,
+    an unreadable meta.json) is a one-line DataError that says to delete the folder and prepare again."""
     try:
         meta = read_meta(folder)
         opened = {split: open_split(folder / f"{split}.bin", meta) for split in SPLITS}

@@ -91,11 +91,9 @@ class GPT2Tokenizer(TiktokenTokenizer):
 
 
 class BPETokenizer(TiktokenTokenizer):
-    """A byte-level BPE trained on a corpus's train split (train_bpe), encoded by tiktoken from its ranks.
-
-    Its description (meta) is the whole tokenizer: the split pattern and each token's bytes in rank order
-    (hex), then <|endoftext|>. A checkpoint carries it, as it carries a char vocabulary.
-    """
+    """A byte-level BPE trained on a corpus's train split (train_bpe), encoded by tiktoken from its ranks. Its
+    description (meta) is the whole tokenizer: the split pattern and each token's bytes in rank order (hex), then
+    <|endoftext|>. A checkpoint carries it, as it carries a char vocabulary."""
 
     def __init__(self, meta: dict):
         import tiktoken
@@ -110,12 +108,10 @@ class BPETokenizer(TiktokenTokenizer):
 
 
 class ChatTokenizer:
-    """A tokenizer with role markers after its vocabulary: ``base``'s ids unchanged, then one id per marker.
-
-    The markers are special tokens: ``encode`` never makes them from text (a user who types "<|user|>" types
-    text), only the chat template places them (prepare/chat.py). They take the ids base.vocab_size
-    onwards, which a model trained on ``base`` holds in its padded embedding rows, or in grown ones.
-    """
+    """A tokenizer with role markers after its vocabulary: ``base``'s ids unchanged, then one id per marker. The markers
+    are special tokens: ``encode`` never makes them from text (a user who types "<|user|>" types text), only the chat
+    template places them (prepare/chat.py). They take the ids base.vocab_size onwards, which a model trained on ``base``
+    holds in its padded embedding rows, or in grown ones."""
 
     def __init__(self, base, markers: tuple[str, ...]):
         self.base, self.markers = base, markers
@@ -231,11 +227,9 @@ def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
 
 
 def token_byte_lengths(tokenizer) -> torch.Tensor:
-    """UTF-8 bytes each id decodes to, (vocab_size,) int64: the denominator of bits per byte.
-
-    Special tokens (GPT-2's <|endoftext|>) count 0 bytes: they mark where documents meet and are no text, so
-    bits per byte measures the corpus's own bytes (their cost stays in the numerator). Built once per run.
-    """
+    """UTF-8 bytes each id decodes to, (vocab_size,) int64: the denominator of bits per byte. Special tokens (GPT-2's
+    <|endoftext|>) count 0 bytes: they mark where documents meet and are no text, so bits per byte measures the corpus's
+    own bytes (their cost stays in the numerator). Built once per run."""
     special = set(tokenizer.special_ids)
     return torch.tensor([0 if i in special else len(tokenizer.decode_bytes([i]))
                          for i in range(tokenizer.vocab_size)], dtype=torch.long)

@@ -200,10 +200,9 @@ def download(repo_id: str) -> tuple[Path, Path]:
 
 def hub_unreachable(repo_id: str) -> str | None:
     """Why the hub cannot be reached ("connection refused"), or None if it answers (even with an HTTP error).
-
-    hf_hub_download retries a refused or timed-out connection five times, ~25 s and a warning line each, before it
-    looks in its cache. This asks once, with huggingface_hub's own client (HF_ENDPOINT, proxies and token apply),
-    waiting at most HUB_PROBE_TIMEOUT seconds (HF_HUB_ETAG_TIMEOUT if set)."""
+    hf_hub_download retries a refused or timed-out connection five times, ~25 s and a warning line each, before it looks
+    in its cache. This asks once, with huggingface_hub's own client (HF_ENDPOINT, proxies and token apply), waiting at
+    most HUB_PROBE_TIMEOUT seconds (HF_HUB_ETAG_TIMEOUT if set)."""
     import httpx2  # huggingface_hub's HTTP client, installed with it
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
