@@ -74,8 +74,7 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
         if is_tokenized_folder(path):
             return path.name, path
         if path.exists() and is_document_corpus(path):
-            name = path.name if path.is_dir() else path.stem
-            return f"{name}-{corpus_fingerprint(path, text_column)[:12]}", path
+            return f"{path.name if path.is_dir() else path.stem}-{corpus_fingerprint(path, text_column)[:12]}", path
         if not path.is_file():
             raise DataError(f"{path}: no such file or folder; pass {accepted_inputs()} with --data_path")
         return f"{path.stem}-{sha256_of(path)[:12]}", path

@@ -119,12 +119,7 @@ class ChatTokenizer:
         self.marker_ids = {text: base.vocab_size + i for i, text in enumerate(markers)}  # "<|user|>" -> id
         self.eot_token = base.eot_token
         self.special_ids = frozenset(base.special_ids | set(self.marker_ids.values()))
-
-    def encode(self, text: str) -> list[int]:
-        return self.base.encode(text)
-
-    def encode_array(self, text: str) -> np.ndarray:
-        return self.base.encode_array(text)
+        self.encode, self.encode_array = base.encode, base.encode_array  # text is the base's: no marker from it
 
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
