@@ -21,12 +21,13 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from prepare.staging import staged_folder
-from prepare.tokenfiles import SPLITS, corpus_meta, is_val, sha256_of, token_dtype, write_meta
+from prepare.tokenfiles import SPLITS, is_val, sha256_of, token_dtype, write_meta
 from prepare.tokenizers import ChatTokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 from process.errors import DataError
 from process.files import atomic_write_text
@@ -48,15 +49,6 @@ def render(tokenizer: ChatTokenizer, messages: list[Message], reply: bool = Fals
     for role, content in messages:
         out += [ids[ROLES[role]], *tokenizer.encode(content), ids[END]]
     return out + [ids[ASSISTANT]] if reply else out
-
-
-def hf_chat_template() -> str:
-    """The template as Jinja, for tokenizer_config.json's chat_template: transformers' apply_chat_template
-    renders the same markers around the same texts, so its ids are ours (tests/test_chat.py)."""
-    roles = " ".join(f"{{%- if message['role'] == '{role}' %}}{{{{ '{marker}' }}}}{{%- endif %}}"
-                     for role, marker in ROLES.items())
-    return (f"{{{{- '{BEGIN}' }}}}{{%- for message in messages %}}{roles}{{{{ message['content'] + '{END}' }}}}"
-            f"{{%- endfor %}}{{%- if add_generation_prompt %}}{{{{ '{ASSISTANT}' }}}}{{%- endif %}}")
 
 
 def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
@@ -113,14 +105,24 @@ def val_rows(corpus, tokenizer: ChatTokenizer, block_size: int, overflow: str) -
 
 
 # ----------------------------------------------------------------------------- a .jsonl of conversations
+def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(number, line) of every non-blank line of a .jsonl (documents or conversations), decoded from UTF-8 here."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start} of the line)") from None
+            if line.strip():
+                yield number, line
+
+
 def is_conversations(path: Path) -> bool:
     """A .jsonl whose first record holds ``messages`` or ``prompt``: conversations, not documents."""
     if path.suffix != ".jsonl" or not path.is_file():
         return False
-    with open(path, encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), "")
     try:
-        record = json.loads(first)
+        record = json.loads(next(jsonl_lines(path), (0, ""))[1])
     except ValueError:
         return False
     return isinstance(record, dict) and ("messages" in record or "prompt" in record)
@@ -163,11 +165,9 @@ def parse_message(message, where: str, index: int) -> Message:
 def read_conversations(path: Path) -> tuple[list[list[Message]], list[int]]:
     """Every conversation of ``path`` and its line number; the whole file is checked first."""
     conversations, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
-            if text.strip():
-                conversations.append(parse_line(text, f"{path}:{number}"))
-                lines.append(number)
+    for number, text in jsonl_lines(path):
+        conversations.append(parse_line(text, f"{path}:{number}"))
+        lines.append(number)
     if not conversations:
         raise DataError(f"{path}: no conversations in the file")
     return conversations, lines
@@ -184,24 +184,22 @@ def conversation_tokenizer(kind: str, base_meta: dict | None, conversations: lis
     """The fine-tuned model's tokenizer (base_meta), or one of ``kind`` made as from scratch: the conversations'
     characters, GPT-2's BPE, or a BPE of the ``train`` conversations; with the template's markers."""
     if base_meta is not None:
-        return chat_tokenizer(tokenizer_from_meta(base_meta, data_dir))
-    if kind == "char":
-        chars = {ch for conversation in conversations for _, text in conversation for ch in text}
-        return chat_tokenizer(CharTokenizer("".join(sorted(chars))))
-    if kind == "gpt2":
-        return chat_tokenizer(GPT2Tokenizer(data_dir))
-    texts = [text for i in train for _, text in conversations[i]]
-    return chat_tokenizer(train_bpe(texts, bpe_vocab_size, source))
+        base = tokenizer_from_meta(base_meta, data_dir)
+    elif kind == "char":
+        base = CharTokenizer("".join(sorted({ch for turns in conversations for _, text in turns for ch in text})))
+    elif kind == "gpt2":
+        base = GPT2Tokenizer(data_dir)
+    else:
+        base = train_bpe([text for i in train for _, text in conversations[i]], bpe_vocab_size, source)
+    return chat_tokenizer(base)
 
 
 def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fraction: float,
                           base_meta: dict | None = None, bpe_vocab_size: int = 2048) -> Path:
     """Tokenize a .jsonl of conversations once into data_dir (cached by the file's and the tokenizer's hash).
-
-    ``base_meta``: the tokenizer of the model fine-tuned (init_from), whose ids the conversations must use;
-    None makes one of kind ``tokenizer``. Each split is its conversations one after another, each starting
-    with <|begin|>; meta.json's ``lines`` gives each one's line in the file.
-    """
+    ``base_meta``: the tokenizer of the model fine-tuned (init_from), whose ids the conversations must use; None makes
+    one of kind ``tokenizer``. Each split is its conversations one after another, each starting with <|begin|>;
+    meta.json's ``lines`` gives each one's line in the file."""
     conversations, lines = read_conversations(path)
     splits = split_indices(len(conversations), val_fraction)
     if not splits["val"] or not splits["train"]:
@@ -224,10 +222,9 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
         for split, indices in splits.items():
             ids = np.concatenate([encoded[i] for i in indices])
             ids.astype(token_dtype(tok.vocab_size)).tofile(staging / f"{split}.bin")
-        write_meta(staging, corpus_meta(
-            tok, str(path), val_fraction, counts, format="conversations",
-            lines={split: [lines[i] for i in indices] for split, indices in splits.items()},
-            val_split="conversation i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction)"))
+        write_meta(staging, tok, str(path), val_fraction, counts, format="conversations",
+                   lines={split: [lines[i] for i in indices] for split, indices in splits.items()},
+                   val_split="conversation i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction)")
     print(f"prepared {path}: {len(splits['train']):,} train + {len(splits['val']):,} val conversations, "
           f"{counts['train']:,} + {counts['val']:,} tokens -> {folder}")
     return folder

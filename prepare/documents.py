@@ -30,9 +30,10 @@ from typing import Callable, Iterable, Iterator, Literal, NamedTuple, TypeVar
 import numpy as np
 from tqdm import tqdm
 
+from prepare.chat import jsonl_lines
 from prepare.staging import staged_folder
 from prepare.texts import read_text_file
-from prepare.tokenfiles import check_split_lengths, corpus_meta, is_val, token_dtype, write_meta
+from prepare.tokenfiles import check_split_lengths, is_val, token_dtype, write_meta
 from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, TiktokenTokenizer, tokenizer_from_meta, train_bpe
 from process.errors import DataError
 
@@ -48,37 +49,16 @@ class Source(NamedTuple):
     where: str  # what errors name: the .txt's path, "web.jsonl:7" or "web.parquet:row 7" (1-based)
     payload: str = ""  # "" for a file, the raw line for jsonl, the document's text for text
 
-    def size(self) -> int:
-        """Characters (or a file's bytes) of text this source stands for: what a batch is measured in."""
-        return Path(self.where).stat().st_size if self.kind == "file" else len(self.payload)
-
 
 # ----------------------------------------------------------------------------- the readers
-def jsonl_sources(path: Path) -> Iterator[Source]:
-    """A source per non-blank line, decoded from UTF-8 here (JSON is parsed by the worker)."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start} of the line)") from None
-            if line.strip():
-                yield Source("jsonl", f"{path}:{number}", line)
-
-
-def import_pyarrow(path: Path):
-    """pyarrow and its parquet module, imported on first use: only Parquet corpora need it."""
+def open_parquet(path: Path, text_column: str):
+    """A ParquetFile whose ``text_column`` is a string column; DataError (one line) otherwise. pyarrow is imported
+    here, on first use: only Parquet corpora need it."""
     try:
-        import pyarrow
-        import pyarrow.parquet  # noqa: F401 - binds pyarrow.parquet
+        import pyarrow as pa
+        import pyarrow.parquet  # noqa: F401 - binds pa.parquet
     except ImportError:
         raise DataError(f"{path}: reading .parquet needs pyarrow: pip install pyarrow==26.0.1") from None
-    return pyarrow
-
-
-def open_parquet(path: Path, text_column: str):
-    """A ParquetFile whose ``text_column`` is a string column; DataError (one line) otherwise."""
-    pa = import_pyarrow(path)
     try:
         reader = pa.parquet.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
@@ -138,7 +118,9 @@ class DocumentFormat:
 DOCUMENT_FORMATS: dict[str, DocumentFormat] = {
     ".txt": DocumentFormat(lambda path, column: iter([Source("file", str(path))]), named_column=False,
                            in_folders=True, one_per_file=True),
-    ".jsonl": DocumentFormat(lambda path, column: jsonl_sources(path), named_column=True, in_folders=False),
+    ".jsonl": DocumentFormat(lambda path, column: (Source("jsonl", f"{path}:{number}", line)  # JSON parsed by a worker
+                                                   for number, line in jsonl_lines(path)),
+                             named_column=True, in_folders=False),
     ".parquet": DocumentFormat(parquet_sources, named_column=True, in_folders=True, check=open_parquet),  # the footer
 }
 
@@ -195,11 +177,11 @@ def document_sources(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> Iter
 
 # ----------------------------------------------------------------------------- the pool
 def batched_sources(sources: Iterable[Source], max_chars: int) -> Iterator[list[Source]]:
-    """Consecutive groups of sources holding about max_chars of text (Source.size)."""
+    """Consecutive groups of sources holding about max_chars of text (a file's bytes, a line's or row's characters)."""
     batch, chars = [], 0
     for source in sources:
         batch.append(source)
-        chars += source.size()
+        chars += Path(source.where).stat().st_size if source.kind == "file" else len(source.payload)
         if chars >= max_chars:
             yield batch
             batch, chars = [], 0
@@ -207,15 +189,14 @@ def batched_sources(sources: Iterable[Source], max_chars: int) -> Iterator[list[
         yield batch
 
 
-def map_documents(path: Path, work: Callable[[Source], T], num_proc: int, text_column: str) -> Iterator[T]:
-    """``work(source)`` of every document of ``path``, in corpus order, from a pool of ``num_proc`` workers.
-
-    Sources go to the pool one bounded batch at a time (Pool.imap alone would read the whole input ahead into
-    its task queue), so memory does not grow with the corpus. Ctrl-C is the main process's to handle, once.
-    """
+def map_documents(path: Path, work: Callable[..., T], num_proc: int, text_column: str) -> Iterator[T]:
+    """``work(source, text_column=...)`` of every document of ``path``, in corpus order, from ``num_proc`` workers.
+    Sources go to the pool one bounded batch at a time (Pool.imap alone would read the whole input ahead into its task
+    queue), so memory does not grow with the corpus. Ctrl-C is the main process's to handle, once."""
     with multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
         for batch in batched_sources(document_sources(path, text_column), BATCH_CHARS):
-            yield from pool.imap(work, batch, chunksize=max(1, len(batch) // (4 * num_proc)))
+            yield from pool.imap(functools.partial(work, text_column=text_column), batch,
+                                 chunksize=max(1, len(batch) // (4 * num_proc)))
 
 
 @functools.cache
@@ -231,19 +212,14 @@ def document_chars(source: Source, text_column: str) -> str:
 
 
 def encode_document(source: Source, tokenizer_meta: str, cache: str, text_column: str) -> np.ndarray:
-    """The separator then the document's token ids; empty for an empty document. In a worker.
-
-    The separator is the tokenizer's eot_token: GPT-2's <|endoftext|>, a token that is no text. A char vocabulary
-    has no such token (a reserved character would count as a byte in bits per byte and print in samples), so it
-    uses the newline, which document_tokenizer puts in every char vocabulary: a char document corpus is its
-    documents joined by newlines, as one text file of them would be.
-    """
-    tok = worker_tokenizer(tokenizer_meta, cache)
-    text = document_text(source, text_column)
-    dtype = token_dtype(tok.vocab_size)
-    if not text:
-        return np.zeros(0, dtype=dtype)
-    return np.concatenate([[tok.eot_token], tok.encode_array(text)]).astype(dtype)
+    """The separator then the document's token ids; empty for an empty document. In a worker. The separator is the
+    tokenizer's eot_token: GPT-2's <|endoftext|>, a token that is no text. A char vocabulary has no such token (a
+    reserved character would count as a byte in bits per byte and print in samples), so it uses the newline, which
+    document_tokenizer puts in every char vocabulary: a char document corpus is its documents joined by newlines, as one
+    text file of them would be."""
+    tok, text = worker_tokenizer(tokenizer_meta, cache), document_text(source, text_column)
+    ids = np.concatenate([[tok.eot_token], tok.encode_array(text)]) if text else np.zeros(0)
+    return ids.astype(token_dtype(tok.vocab_size))
 
 
 def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
@@ -255,55 +231,48 @@ def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction:
         return GPT2Tokenizer(data_dir)
     if tokenizer == "char":
         chars = {"\n"}
-        work = functools.partial(document_chars, text_column=text_column)
-        for found in tqdm(map_documents(path, work, num_proc, text_column),
+        for found in tqdm(map_documents(path, document_chars, num_proc, text_column),
                           desc=f"reading the characters of {path.name}", unit="doc", mininterval=1.0):
             chars.update(found)
         return CharTokenizer("".join(sorted(chars)))
-    texts = map_documents(path, functools.partial(document_text, text_column=text_column), num_proc, text_column)
-    train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
+    texts = enumerate(map_documents(path, document_text, num_proc, text_column))
+    train_texts = (text for index, text in texts if not is_val(index, val_fraction))
     return train_bpe(tqdm(train_texts, desc=f"training a {bpe_vocab_size}-token BPE on {path.name}", unit="doc",
                           mininterval=1.0), bpe_vocab_size, str(path))
 
 
-def write_splits(documents: Iterable[np.ndarray], staging: Path,
-                 val_fraction: float) -> tuple[dict[str, int], int, int]:
-    """Each document's ids appended to staging's train.bin or val.bin (is_val), as they come:
-    (tokens per split, documents, val documents)."""
-    counts, n_docs, n_val_docs = {"train": 0, "val": 0}, 0, 0
+def write_splits(documents: Iterable[np.ndarray], staging: Path, val_fraction: float) -> tuple[dict, dict]:
+    """Each document's ids appended to staging's train.bin or val.bin (is_val), as they come: (tokens, documents)
+    per split."""
+    tokens, docs = {"train": 0, "val": 0}, {"train": 0, "val": 0}
     with open(staging / "train.bin", "wb") as train_f, open(staging / "val.bin", "wb") as val_f:
         for index, ids in enumerate(documents):
             split = "val" if is_val(index, val_fraction) else "train"
             (val_f if split == "val" else train_f).write(ids.tobytes())
-            counts[split] += len(ids)
-            n_docs, n_val_docs = n_docs + 1, n_val_docs + (split == "val")
-    return counts, n_docs, n_val_docs
+            tokens[split], docs[split] = tokens[split] + len(ids), docs[split] + 1
+    return tokens, docs
 
 
-def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float,
-                      num_proc: int = 0, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN,
-                      bpe_vocab_size: int = 2048) -> Path:
+def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
+                      block_size: int, text_column: str, bpe_vocab_size: int) -> Path:
     """Tokenize a document corpus (is_document_corpus) into folder/, streaming; see the module docstring."""
     num_proc = num_proc or os.cpu_count() or 1
     for file in corpus_files(path):  # every file looked at (a shard's footer): a bad one refused now, not hours in
         if (check := format_of(file).check) is not None:
             check(file, text_column)
     tok = document_tokenizer(path, tokenizer, data_dir, val_fraction, num_proc, text_column, bpe_vocab_size)
-    encode = functools.partial(encode_document, tokenizer_meta=json.dumps(tok.meta()), cache=str(data_dir),
-                               text_column=text_column)
+    encode = functools.partial(encode_document, tokenizer_meta=json.dumps(tok.meta()), cache=str(data_dir))
     with staged_folder(folder) as staging:
-        documents = map_documents(path, encode, num_proc, text_column)
-        progress = tqdm(documents, desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
-        counts, n_docs, n_val_docs = write_splits(progress, staging, val_fraction)
+        documents = tqdm(map_documents(path, encode, num_proc, text_column), desc=f"tokenizing {path.name}",
+                         unit="doc", mininterval=1.0)
+        counts, docs = write_splits(documents, staging, val_fraction)
         check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
-        separator = "a newline" if tokenizer == "char" else "<|endoftext|>"
-        meta = corpus_meta(tok, str(path), val_fraction, counts, documents=n_docs, val_documents=n_val_docs,
-                           val_split="document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
-                                     f"{separator} before each document")
-        if has_text_column(path):
-            meta["text_column"] = text_column
-        write_meta(staging, meta)
+        rule = ("document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
+                f"{'a newline' if tokenizer == 'char' else '<|endoftext|>'} before each document")
+        write_meta(staging, tok, str(path), val_fraction, counts, documents=sum(docs.values()),
+                   val_documents=docs["val"], val_split=rule,
+                   **({"text_column": text_column} if has_text_column(path) else {}))
     kind = {"gpt2": "GPT-2 BPE", "bpe": f"a {tok.vocab_size}-token BPE"}.get(tokenizer, f"{tok.vocab_size} characters")
-    print(f"prepared {path}: {n_docs:,} documents, {counts['train']:,} train + {counts['val']:,} val tokens "
-          f"({n_val_docs:,} val documents), {kind} -> {folder}")
+    print(f"prepared {path}: {sum(docs.values()):,} documents, {counts['train']:,} train + {counts['val']:,} val "
+          f"tokens ({docs['val']:,} val documents), {kind} -> {folder}")
     return folder

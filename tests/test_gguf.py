@@ -16,7 +16,8 @@ from config import make_config
 from conftest import make_text, tiny_model, tiny_run
 from weights import gguf as export
 from process.errors import HFError
-from prepare.tokenizers import CharTokenizer, bytes_to_unicode, train_bpe
+from prepare.tokenizers import CharTokenizer, train_bpe
+from weights.hf_tokenizer import BYTE_TEXT
 from weights.loading import from_checkpoint
 from scripts import export_gguf
 
@@ -50,7 +51,7 @@ def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weight
     assert field(reader, "gpt2.context_length") == 24 and field(reader, "gpt2.block_count") == 2
     assert (field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre")) == ("gpt2", "gpt-2")
     tokens = field(reader, "tokenizer.ggml.tokens")
-    to_text = bytes_to_unicode()
+    to_text = BYTE_TEXT
     assert tokens[chars.index("\n")] == "Ċ" and tokens[chars.index(" ")] == "Ġ" and tokens[chars.index("é")] == "Ã©"
     assert len(tokens) == len(chars) and set(field(reader, "tokenizer.ggml.token_type")) == {gguf.TokenType.NORMAL}
     rocket = [to_text[b] for b in "🚀".encode()]  # 4 bytes: three merges, each from the lead byte on
@@ -77,7 +78,7 @@ def test_a_bpe_gguf_has_its_merges_in_rank_order_and_its_end_token_control(tmp_p
     model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=16)
     reader = write(tmp_path, model, tokenizer)
     tokens, types = field(reader, "tokenizer.ggml.tokens"), field(reader, "tokenizer.ggml.token_type")
-    to_text = bytes_to_unicode()
+    to_text = BYTE_TEXT
     names = ["".join(to_text[b] for b in tokenizer.enc.decode_single_token_bytes(i)) for i in range(299)]
     assert tokens[:299] == names  # id = rank, named by its bytes
     assert tokens[-1] == "<|endoftext|>" and types[-1] == gguf.TokenType.CONTROL

@@ -29,7 +29,8 @@ from data import load_corpus, val_windows
 from prepare.corpora import prepare
 from weights.loading import from_checkpoint, start_from
 from model import GPT
-from prepare.tokenizers import CHARS_FILE, CharTokenizer, bpe_tokenizer_files
+from prepare.tokenizers import CharTokenizer
+from weights.hf_tokenizer import CHARS_FILE, bpe_files, bpe_tokens
 
 pytestmark = pytest.mark.interop  # transformers: the reference GPT-2 (requirements-interop.txt)
 transformers = pytest.importorskip("transformers")
@@ -414,7 +415,7 @@ def test_hf_tokenizer_files_encode_like_tiktoken(tmp_path_factory):
     from prepare.tokenizers import GPT2Tokenizer
     tok = GPT2Tokenizer(tmp_path_factory.mktemp("cache"))
     folder = tmp_path_factory.mktemp("tok")
-    for name, content in bpe_tokenizer_files(tok.enc, 1024).items():
+    for name, content in bpe_files(bpe_tokens(tok), 1024).items():
         (folder / name).write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
     theirs = transformers.AutoTokenizer.from_pretrained(folder)
     texts = ["Hello world", "ROMEO:\nO, she doth teach the torches to burn bright!\n\n",

@@ -15,7 +15,8 @@ from conftest import REPO, docs_snippet, make_text, run_script, tiny_model
 from weights import hf
 from prepare import tokenizers
 from process.errors import DataError, HFError
-from prepare.tokenizers import BPE_FILE, CHAR_UNK, CHARS_FILE, CharTokenizer, read_tokenizer, train_bpe
+from prepare.tokenizers import CharTokenizer, train_bpe
+from weights.hf_tokenizer import BPE_FILE, CHAR_UNK, CHARS_FILE, read_tokenizer
 
 pytestmark = pytest.mark.interop  # transformers, PEFT, ONNX Runtime, lm_eval (requirements-interop.txt)
 transformers = pytest.importorskip("transformers")

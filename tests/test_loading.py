@@ -15,7 +15,7 @@ from config import make_config
 from conftest import make_text
 from weights import hf
 from training.checkpoint import load_checkpoint
-from prepare.tokenizers import CHARS_FILE
+from weights.hf_tokenizer import CHARS_FILE
 from process.errors import CheckpointError, HFError
 from weights.loading import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_flags, from_pretrained
 

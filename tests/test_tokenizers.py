@@ -18,8 +18,8 @@ from data import DataError
 from weights import hf
 from prepare.corpora import prepare
 from weights.loading import from_checkpoint
-from prepare.tokenizers import (BPETokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_files, tokenizer_from_meta,
-                                train_bpe)
+from prepare.tokenizers import BPETokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
+from weights.hf_tokenizer import read_tokenizer, tokenizer_files
 
 VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's words can merge
 MIXED = "ROMEO: naïve café — 東京 🤖👍🏽\n\n\tend   of  line \n  x"  # ASCII, accents, emoji, whitespace runs
@@ -216,9 +216,9 @@ def test_an_exported_bpe_reimports_with_its_own_tokenizer(tmp_path):
     loaded = from_checkpoint(run / "best.pt")
     model, ours = loaded.model, loaded.tokenizer
     hf.export(model, ours, tmp_path / "export")
-    assert hf.read_tokenizer(tmp_path / "export", VOCAB) == ours.meta()
+    assert read_tokenizer(tmp_path / "export", VOCAB) == ours.meta()
     with pytest.raises(hf.HFError, match="a BPE of 320 tokens for a vocabulary of 50257"):
-        hf.read_tokenizer(tmp_path / "export", 50257)
+        read_tokenizer(tmp_path / "export", 50257)
 
 
 def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_path, text_file):

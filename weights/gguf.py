@@ -16,27 +16,20 @@ llama.cpp computes GELU in its tanh form from an fp16 table: an exact-GELU model
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
 from model import GPT
-from prepare.tokenizers import bpe_tokenizer_files, bytes_to_unicode
+from prepare.tokenizers import EOT_TEXT
 from process.errors import HFError
 from process.files import written_whole
 from weights.hf import LAYER_NORM_EPS, gpt2_refusals, is_transposed, to_hf
+from weights.hf_tokenizer import BYTE_TEXT, bpe_merges, bpe_tokens, byte_text
 
 ARCH = "gpt2"  # llama.cpp's LLM_ARCH_GPT2
 DTYPES = ("f32", "f16", "q8_0")  # how the 2-D weights are stored; norms and biases stay f32
 TOKENIZER_MODEL = "gpt2"  # llama.cpp's name for a byte-level BPE with merges
 PRE_TOKENIZER = "gpt-2"  # GPT-2's split pattern, tiktoken's r50k_pat_str (tokenizers.bpe_pattern)
-
-
-class Vocabulary(NamedTuple):
-    """What llama.cpp needs to encode like the repo: token names (id order), their types, the merges."""
-    tokens: list[str]
-    special: frozenset[int]  # ids typed CONTROL: never made from text (llama.cpp: special=False)
-    merges: list[str]  # "left right", both in byte-level names, in the order BPE applies them
 
 
 def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str = "tinygpt") -> int:
@@ -51,8 +44,7 @@ def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str
     tensors = gguf_tensors(model)  # before the file: a model that does not map writes nothing
     with written_whole(path) as staged:  # a failed write leaves no half file under the name
         writer = gguf.GGUFWriter(str(staged), ARCH)
-        write_hparams(writer, model, dtype, name)
-        write_vocabulary(writer, vocabulary(tokenizer), tokenizer.eot_token)
+        write_metadata(writer, model, tokenizer, dtype, name)
         for tensor_name, value in tensors.items():
             data, ggml_type = stored(value, dtype)
             writer.add_tensor(tensor_name, data, raw_dtype=ggml_type)
@@ -92,8 +84,25 @@ def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
     return value.astype(np.float16), types.F16
 
 
-def write_hparams(writer, model: GPT, dtype: str, name: str) -> None:
-    """The shape llama.cpp builds: context length is block_size, the position table's length."""
+# ----------------------------------------------------------------------------- the tokenizer
+def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
+    """(token names in id order, merges) of the tokenizer as llama.cpp's byte-level BPE: a tiktoken BPE (GPT-2's or
+    our own) as the Hugging Face export names it (weights/hf_tokenizer.py); a char list one token per character,
+    named by its UTF-8 bytes, with each multi-byte character's merges, prefix first."""
+    if tokenizer.meta()["kind"] != "char":
+        tokens = bpe_tokens(tokenizer)
+        return [*map(byte_text, tokens), EOT_TEXT], bpe_merges(tokens)
+    names = [[BYTE_TEXT[b] for b in ch.encode("utf-8")] for ch in tokenizer.chars]
+    # ordered, without repeats: characters share their lead bytes' merges
+    merges = {"".join(name[:end]) + " " + name[end]: None for name in names for end in range(1, len(name))}
+    return ["".join(name) for name in names], list(merges)
+
+
+def write_metadata(writer, model: GPT, tokenizer, dtype: str, name: str) -> None:
+    """The shape llama.cpp builds (context length: block_size, the position table's length), then the tokenizer:
+    tokens, types (the special ids, <|endoftext|>, are CONTROL: never made from text) and merges. The start id
+    (<|endoftext|>, a char model's newline) is bos and eos: llama.cpp's BPE otherwise takes id 11 for both, and a
+    char model has no end token of its own."""
     import gguf
 
     config, types = model.config, gguf.LlamaFileType
@@ -105,44 +114,14 @@ def write_hparams(writer, model: GPT, dtype: str, name: str) -> None:
     writer.add_block_count(config.n_layer)
     writer.add_head_count(config.n_head)
     writer.add_layer_norm_eps(LAYER_NORM_EPS)
-
-
-# ----------------------------------------------------------------------------- the tokenizer
-def vocabulary(tokenizer) -> Vocabulary:
-    """The tokenizer as llama.cpp's byte-level BPE: a char list, or a tiktoken BPE (GPT-2's or our own) as the
-    Hugging Face export writes it (vocab.json, merges.txt)."""
-    if tokenizer.meta()["kind"] == "char":
-        return char_vocabulary(tokenizer.chars)
-    files = bpe_tokenizer_files(tokenizer.enc, block_size=0)  # the Hugging Face export's (block_size: unused here)
-    tokens = sorted(files["vocab.json"], key=files["vocab.json"].get)  # id order
-    merges = [line for line in files["merges.txt"].splitlines()[1:] if line]  # after "#version: 0.2"
-    return Vocabulary(tokens, frozenset(tokenizer.special_ids), merges)
-
-
-def char_vocabulary(chars: str) -> Vocabulary:
-    """One token per character, named by its UTF-8 bytes; each multi-byte character's merges, prefix first."""
-    to_text = bytes_to_unicode()
-    merges: dict[str, None] = {}  # ordered, without repeats: characters share their lead bytes' merges
-    for ch in chars:
-        names = [to_text[b] for b in ch.encode("utf-8")]
-        for end in range(1, len(names)):
-            merges["".join(names[:end]) + " " + names[end]] = None
-    tokens = ["".join(to_text[b] for b in ch.encode("utf-8")) for ch in chars]
-    return Vocabulary(tokens, frozenset(), list(merges))
-
-
-def write_vocabulary(writer, vocab: Vocabulary, start: int) -> None:
-    """Tokens, types, merges and the special ids. ``start`` (<|endoftext|>, a char model's newline) is bos
-    and eos: llama.cpp's BPE otherwise takes id 11 for both, and a char model has no end token of its own."""
-    import gguf
-
+    tokens, merges = vocabulary(tokenizer)
     writer.add_tokenizer_model(TOKENIZER_MODEL)
     writer.add_tokenizer_pre(PRE_TOKENIZER)
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if i in vocab.special else gguf.TokenType.NORMAL
-                            for i in range(len(vocab.tokens))])
-    writer.add_token_merges(vocab.merges)
-    writer.add_bos_token_id(start)
-    writer.add_eos_token_id(start)
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if i in tokenizer.special_ids else gguf.TokenType.NORMAL
+                            for i in range(len(tokens))])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokenizer.eot_token)
+    writer.add_eos_token_id(tokenizer.eot_token)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)

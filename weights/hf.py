@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from model import GPT, GPTConfig
-from prepare import chat
-from prepare.tokenizers import read_tokenizer, tokenizer_files, tokenizer_vocab_size, without_chat
+from prepare.chat import END
+from prepare.tokenizers import ChatTokenizer, tokenizer_vocab_size, without_chat
 from process.errors import HFError
 from process.files import atomic_write, atomic_write_text
+from weights.hf_tokenizer import read_tokenizer, tokenizer_files
 
 # ----------------------------------------------------------------------------- the mapping
 NAMES = (  # every weight of GPT-2, in forward order: our name, which is GPT2LMHeadModel's; {i} is the block index
@@ -183,8 +184,8 @@ def download(repo_id: str) -> tuple[Path, Path]:
 
     unreachable = None if constants.is_offline_mode() else hub_unreachable(repo_id)
     try:
-        config = huggingface_hub.hf_hub_download(repo_id, "config.json", local_files_only=bool(unreachable))
-        weights = huggingface_hub.hf_hub_download(repo_id, "model.safetensors", local_files_only=bool(unreachable))
+        config, weights = (huggingface_hub.hf_hub_download(repo_id, name, local_files_only=bool(unreachable))
+                           for name in ("config.json", "model.safetensors"))
     except (OSError, EntryNotFoundError) as err:  # offline, not cached, no such repo or file, HTTP errors
         reason = (f"cannot reach {constants.ENDPOINT}: {unreachable}" if unreachable else
                   "HF_HUB_OFFLINE=1" if isinstance(err, OfflineModeIsEnabled) or constants.is_offline_mode() else
@@ -199,10 +200,9 @@ def download(repo_id: str) -> tuple[Path, Path]:
 
 def hub_unreachable(repo_id: str) -> str | None:
     """Why the hub cannot be reached ("connection refused"), or None if it answers (even with an HTTP error).
-
-    hf_hub_download retries a refused or timed-out connection five times, ~25 s and a warning line each, before it
-    looks in its cache. This asks once, with huggingface_hub's own client (HF_ENDPOINT, proxies and token apply),
-    waiting at most HUB_PROBE_TIMEOUT seconds (HF_HUB_ETAG_TIMEOUT if set)."""
+    hf_hub_download retries a refused or timed-out connection five times, ~25 s and a warning line each, before it looks
+    in its cache. This asks once, with huggingface_hub's own client (HF_ENDPOINT, proxies and token apply), waiting at
+    most HUB_PROBE_TIMEOUT seconds (HF_HUB_ETAG_TIMEOUT if set)."""
     import httpx2  # huggingface_hub's HTTP client, installed with it
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
@@ -297,13 +297,9 @@ def to_hf(model: GPT) -> dict[str, torch.Tensor]:
     if unmapped:
         raise HFError(f"cannot export as GPT-2: weight {unmapped[0]} has no place in GPT-2's layout")
     out = {}
-    for name in expand(config.n_layer):
-        if name in state:
-            value = state[name].detach().float()
-        elif name.endswith(".bias"):  # bias=False: GPT-2 has every bias, so write zeros of the layer's output width
-            value = torch.zeros(state[name.removesuffix(".bias") + ".weight"].shape[0])
-        else:
-            raise HFError(f"cannot export as GPT-2: the model has no {name}, which GPT-2's layout needs")
+    for name in expand(config.n_layer):  # bias=False: GPT-2 has every bias, so zeros of the layer's output width
+        value = (state[name].detach().float() if name in state
+                 else torch.zeros(len(state[name.removesuffix("bias") + "weight"])))
         out[name] = convert(name, value, config.vocab_size, config.block_size).contiguous().clone()  # unshared
     return out
 
@@ -313,7 +309,7 @@ def hf_config(config: GPTConfig, bos: int | None, eos: int | None) -> dict[str, 
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
             "n_positions": config.block_size, "n_ctx": config.block_size, "n_embd": config.n_embd,
             "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
-            "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu"}[config.activation],
+            "activation_function": next(theirs for theirs, ours in ACTIVATIONS.items() if ours == config.activation),
             "layer_norm_epsilon": LAYER_NORM_EPS, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
             "attn_pdrop": config.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
             "tie_word_embeddings": True, "use_cache": True, "bos_token_id": bos, "eos_token_id": eos,
@@ -326,14 +322,12 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     from safetensors.torch import save
 
     weights, block_size = to_hf(model), model.config.block_size
-    # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end.
+    # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end; a chat model's
+    # reply ends at <|end|>.
     bos, eos = tokenizer.eot_token, (tokenizer.eot_token if tokenizer.meta()["kind"] == "gpt2" else None)
-    is_chat = hasattr(tokenizer, "marker_ids")
-    eos = tokenizer.marker_ids[chat.END] if is_chat else eos  # a chat model's reply ends at <|end|>
+    eos = tokenizer.marker_ids[END] if isinstance(tokenizer, ChatTokenizer) else eos
     files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, block_size),
              "generation_config.json": {"bos_token_id": bos, "eos_token_id": eos, "max_length": block_size}}
-    if is_chat:  # the template travels
-        files["tokenizer_config.json"]["chat_template"] = chat.hf_chat_template()
     if folder.exists() and any(folder.iterdir()):  # another model's tokenizer files would be loaded beside ours
         raise HFError(f"{folder} is not empty; export into a new folder (or delete this one first)")
     folder.mkdir(parents=True, exist_ok=True)

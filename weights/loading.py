@@ -24,12 +24,13 @@ import torch
 from config import TrainConfig, config_from_dict, given_fields, model_config
 from model import GPT, GPTConfig
 from training.tracking import describe
-from prepare.tokenizers import NO_TOKENIZER, tokenizer_from_meta
+from prepare.tokenizers import tokenizer_from_meta
 from process import distributed
 from process.distributed import print0
 from process.errors import CheckpointError, HFError
 from training import lora
 from training.checkpoint import load_checkpoint
+from weights.hf_tokenizer import NO_TOKENIZER
 
 if TYPE_CHECKING:  # GPT-2's code is imported by the calls that need it (hf's Pretrained holds a run's weights too)
     from weights.hf import Pretrained
