@@ -73,6 +73,14 @@ def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weight
     assert not tensors["blk.0.ffn_up.bias"].data.any() and len(tensors) == 4 + 12 * 2  # bias=False: zeros
 
 
+def test_an_ascii_char_gguf_still_holds_merges_which_llama_cpp_requires(tmp_path):
+    """The default run (a char vocabulary of ASCII text) has no multi-byte character to merge, and gguf writes no
+    empty array: before, the key was missing and llama.cpp refused the file ("cannot find tokenizer merges")."""
+    chars = "".join(sorted(set(make_text(30))))
+    reader = write(tmp_path, tiny_model(vocab_size=len(chars), block_size=24), CharTokenizer(chars))
+    assert field(reader, "tokenizer.ggml.merges") == [f"{BYTE_TEXT[0]} {BYTE_TEXT[0]}"]  # two NULs: never applies
+
+
 def test_a_bpe_gguf_has_its_merges_in_rank_order_and_its_end_token_control(tmp_path):
     tokenizer = train_bpe([make_text(200)], 300, "test")
     model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=16)
@@ -125,7 +133,8 @@ def test_the_script_refuses_a_rope_run_in_one_line_with_its_exit_code(tmp_path, 
 
 # ----------------------------------------------------------------------------- llama.cpp itself
 CORPUS = make_text(600) + UNICODE_LINE
-RUNS = {"char": {}, "bpe": {"bpe_vocab_size": 380}, "gpt2": {}}
+ASCII = make_text(600)  # the default run's kind of corpus: a char vocabulary with no multi-byte character
+RUNS = {"char": {}, "ascii": {}, "bpe": {"bpe_vocab_size": 380}, "gpt2": {}}  # ascii: a char run on ASCII text
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +148,15 @@ def exported(tmp_path_factory, llama_cpp):
     """Factory: a tiny run of the tokenizer, trained once, its model and its GGUF (f32)."""
     root = tmp_path_factory.mktemp("gguf")
     (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
+    (root / "ascii.txt").write_text(ASCII, encoding="utf-8")
     made = {}
 
     def build(kind: str):
         if kind not in made:
-            cfg = make_config("tiny", **tiny_run(root / kind, root / "corpus.txt") | dict(
-                tokenizer=kind, max_iters=60, eval_interval=60, log_interval=60, **RUNS[kind]))
+            corpus = root / ("ascii.txt" if kind == "ascii" else "corpus.txt")
+            cfg = make_config("tiny", **tiny_run(root / kind, corpus) | dict(
+                tokenizer="char" if kind == "ascii" else kind, max_iters=60, eval_interval=60, log_interval=60,
+                **RUNS[kind]))
             train.train(cfg)
             export_gguf.main([cfg.out_dir, str(root / f"{kind}.gguf")])
             loaded = from_checkpoint(Path(cfg.out_dir) / "best.pt")
@@ -156,22 +168,24 @@ def exported(tmp_path_factory, llama_cpp):
     return build
 
 
-KINDS = [pytest.param("char"), pytest.param("bpe"), pytest.param("gpt2", marks=pytest.mark.network)]
+KINDS = [pytest.param("char"), pytest.param("ascii"), pytest.param("bpe"),
+         pytest.param("gpt2", marks=pytest.mark.network)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_llama_cpp_encodes_the_corpus_to_our_ids(exported, kind):
     _, tokenizer, llm = exported(kind)
-    assert llm.tokenize(CORPUS.encode(), add_bos=False, special=False) == tokenizer.encode(CORPUS)
-    assert llm.detokenize(tokenizer.encode(CORPUS)).decode() == CORPUS
+    text = ASCII if kind == "ascii" else CORPUS
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == tokenizer.encode(text)
+    assert llm.detokenize(tokenizer.encode(text)).decode() == text
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_llama_cpp_gives_our_logits_and_greedy_text(exported, kind):
     model, tokenizer, llm = exported(kind)
-    ids = tokenizer.encode(CORPUS[:400])[: model.config.block_size]
+    ids = tokenizer.encode((ASCII if kind == "ascii" else CORPUS)[:400])[: model.config.block_size]
     llm.reset()
     llm.eval(ids)
     with torch.no_grad():

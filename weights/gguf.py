@@ -95,7 +95,9 @@ def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
     names = [[BYTE_TEXT[b] for b in ch.encode("utf-8")] for ch in tokenizer.chars]
     # ordered, without repeats: characters share their lead bytes' merges
     merges = {"".join(name[:end]) + " " + name[end]: None for name in names for end in range(1, len(name))}
-    return ["".join(name) for name in names], list(merges)
+    # llama.cpp's gpt2 tokenizer refuses a file without merges, and gguf writes no empty array: an all-ASCII
+    # vocabulary gets one merge that changes no tokenization (two NULs, which a char vocabulary never encodes).
+    return ["".join(name) for name in names], list(merges) or [f"{BYTE_TEXT[0]} {BYTE_TEXT[0]}"]
 
 
 def write_metadata(writer, model: GPT, tokenizer, dtype: str, name: str) -> None:
