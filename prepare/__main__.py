@@ -27,9 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     if num_proc < 0 or block_size < 1:
         parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {num_proc} and {block_size}")
     try:
-        cfg = make_config(None, **given)  # the corpus fields' checks, config.validate's (bpe_vocab_size >= 257, ...)
-        corpora.prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction, num_proc,
-                        block_size, cfg.text_column, cfg.bpe_vocab_size)
+        cfg = make_config(None, **given, block_size=block_size)  # config.validate's checks of the corpus fields
+        corpora.corpus_folder(cfg, num_proc=num_proc)  # what train.py prepares: a .jsonl of conversations as chat
     except TinyGPTError as err:  # a bad value (2), a bad corpus (2), a data_dir to change (2) or failing its probe (74)
         exit_on(err)
 

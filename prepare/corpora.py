@@ -53,7 +53,7 @@ def prepare(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = 
 
 
 # ----------------------------------------------------------------------------- naming
-def corpus_folder(cfg, base_tokenizer: dict | None = None) -> Path:
+def corpus_folder(cfg, base_tokenizer: dict | None = None, num_proc: int = 0) -> Path:
     """The folder of the corpus a TrainConfig names (its corpus fields), tokenized once into cfg.data_dir (cached);
     a .jsonl of conversations (or the built-in shakespeare_chat) by prepare/chat.py, with ``base_tokenizer`` (the
     fine-tuned model's, init_from) and its role markers."""
@@ -63,8 +63,8 @@ def corpus_folder(cfg, base_tokenizer: dict | None = None) -> Path:
     if path is not None and chat.is_conversations(path):
         return chat.prepare_conversations(path, Path(cfg.data_dir), cfg.tokenizer, cfg.val_fraction, base_tokenizer,
                                           cfg.bpe_vocab_size)
-    return prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction, block_size=cfg.block_size,
-                   text_column=cfg.text_column, bpe_vocab_size=cfg.bpe_vocab_size)
+    return prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction, num_proc, cfg.block_size,
+                   cfg.text_column, cfg.bpe_vocab_size)
 
 
 def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_COLUMN) -> tuple[str, Path | None]:

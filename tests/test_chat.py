@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from conftest import REPO, run_script, tiny_args, tiny_model
 from data import Conversations, conversation_rows, eval_windows, load_corpus
+from prepare.__main__ import main as prepare_main
 from prepare import documents
 from prepare.chat import BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render, split_indices
 from process.errors import DataError
@@ -121,6 +122,15 @@ def test_conversations_and_documents_split_alike_at_every_two_decimal_val_fracti
         documents.write_splits(iter(docs), tmp_path, k / 100)
         val_documents = np.fromfile(tmp_path / "val.bin", dtype=np.uint16).tolist()
         assert split_indices(len(docs), k / 100)["val"] == val_documents, k / 100
+
+
+def test_python_m_prepare_prepares_conversations_as_train_py_does(tmp_path):
+    """Before, `python -m prepare --data_path chats.jsonl` read the lines as documents (one "text" field each)."""
+    path = write_chats(tmp_path / "chats.jsonl", n=12)
+    prepare_main(["--data_path", str(path), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.25"])
+    (folder,) = (tmp_path / "data").iterdir()
+    assert folder == prepare_conversations(path, tmp_path / "data", "char", 0.25)  # the same folder, found cached
+    assert json.loads((folder / "meta.json").read_text())["format"] == "conversations"
 
 
 def test_a_conversation_longer_than_the_context_is_refused_naming_its_line_or_cut_when_asked(tmp_path, capsys):
