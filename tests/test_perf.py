@@ -28,6 +28,7 @@ def test_bench_step_is_train_step(tiny_cfg):
     assert [loss.item() for loss in b.losses] == train_losses
 
 
+@pytest.mark.slow  # ~8 s: two configs built and timed; the default suite checks bench's step is train.py's
 def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
     cfg = tiny_cfg()
     out = tmp_path / "bench.json"
