@@ -1,6 +1,7 @@
 """Corpus preparation, training batches and validation windows (the tokenizers: test_tokenizers.py)."""
 from __future__ import annotations
 
+import copy
 import fcntl
 import io
 import json
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from prepare import corpora, documents, downloads, staging, texts, tokenfiles, t
 import sample
 import train
 from training.checkpoint import load_checkpoint
+from config import TrainConfig
 from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
 from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
                   val_windows)
@@ -103,6 +106,11 @@ CPU = torch.device("cpu")
 SEP = 0  # the separator of the synthetic corpora below: every document begins with it
 
 
+def loader_cfg(batch_size: int, block_size: int, **options) -> TrainConfig:
+    """The config a loader reads: its batch's shape, and any options of its own."""
+    return TrainConfig(batch_size=batch_size, block_size=block_size, **options)
+
+
 def packed_corpus(lengths: list[int], lead: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
     """Documents of these lengths, document k being [SEP, k + 1, k + 1, ...], after ``lead`` tokens of no
     document (99); their concatenation, the train split."""
@@ -124,19 +132,19 @@ def pieces_of(row: np.ndarray) -> list[np.ndarray]:
 
 def test_random_windows_draw_get_batchs_windows_and_resume_from_their_state():
     tokens = np.arange(1000, dtype=np.uint16)
-    stream, generator = RandomWindows(tokens, 4, 16, 3, CPU, None), torch.Generator().manual_seed(3)
+    stream, generator = RandomWindows(tokens, loader_cfg(4, 16), 3, CPU, None), torch.Generator().manual_seed(3)
     for _ in range(3):  # the windows get_batch draws from a generator seeded like the stream: the golden runs' batches
         assert_nested_equal(stream.next(), get_batch(tokens, 4, 16, generator, CPU))
     state = stream.state_dict()
     ahead = [stream.next() for _ in range(3)]
-    resumed = RandomWindows(tokens, 4, 16, 3, CPU, None)
+    resumed = RandomWindows(tokens, loader_cfg(4, 16), 3, CPU, None)
     resumed.load_state_dict(state)
     assert_nested_equal([resumed.next() for _ in range(3)], ahead)
 
 
 def test_packed_rows_begin_at_a_document_and_hold_whole_documents_then_one_cropped():
     docs, tokens = packed_corpus([3, 5, 2, 9, 4, 2, 6, 12, 2], lead=2)
-    stream = PackedDocuments(tokens, 3, 7, 0, CPU, SEP)  # rows of T + 1 = 8 tokens
+    stream = PackedDocuments(tokens, loader_cfg(3, 7), 0, CPU, SEP)  # rows of T + 1 = 8 tokens
     rows = [row for _ in range(6) for row in rows_of(stream.next())]
     assert len(rows) == 18 and all(len(row) == 8 for row in rows)
     for row in rows:
@@ -148,7 +156,7 @@ def test_packed_rows_begin_at_a_document_and_hold_whole_documents_then_one_cropp
 
 def test_packed_documents_come_once_each_per_epoch_in_a_new_shuffle_each_epoch():
     docs, tokens = packed_corpus([4] * 6)
-    stream = PackedDocuments(tokens, 3, 7, 0, CPU, SEP)  # 3 rows of 2 whole documents: one batch, one epoch
+    stream = PackedDocuments(tokens, loader_cfg(3, 7), 0, CPU, SEP)  # 3 rows of 2 whole documents: one batch, one epoch
     epochs = [[piece[1] - 1 for row in rows_of(stream.next()) for piece in pieces_of(row)] for _ in range(3)]
     assert all(sorted(order) == list(range(6)) for order in epochs)
     assert epochs[0] != epochs[1] != epochs[2]
@@ -157,14 +165,14 @@ def test_packed_documents_come_once_each_per_epoch_in_a_new_shuffle_each_epoch()
 
 def test_packed_documents_resume_mid_epoch_exactly():
     _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3])
-    stream = PackedDocuments(tokens, 2, 7, 5, CPU, SEP)
+    stream = PackedDocuments(tokens, loader_cfg(2, 7), 5, CPU, SEP)
     for _ in range(3):
         stream.next()
     state = stream.state_dict()
     assert state["epoch"] == 1 and 0 < state["position"] < 11  # mid-epoch, the first shuffle done
     ahead = [stream.next() for _ in range(10)]  # across more epochs
     assert stream.state_dict()["epoch"] >= 3
-    resumed = PackedDocuments(tokens, 2, 7, 5, CPU, SEP)
+    resumed = PackedDocuments(tokens, loader_cfg(2, 7), 5, CPU, SEP)
     resumed.load_state_dict(state)
     assert_nested_equal([resumed.next() for _ in range(10)], ahead)
     assert_nested_equal(resumed.state_dict(), stream.state_dict())
@@ -174,13 +182,83 @@ def test_packed_documents_resume_mid_epoch_exactly():
 def test_a_first_batch_is_a_fresh_streams_and_moves_no_random_stream(loader):
     """The compile probe's and the doctor's batch: the stream, and torch's global RNG, stay where they were."""
     _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3])
-    stream = LOADERS[loader](tokens, 2, 7, 5, CPU, SEP)
+    stream = LOADERS[loader](tokens, loader_cfg(2, 7), 5, CPU, SEP)
     first = stream.next()
     stream.next()
     state, global_state = stream.state_dict(), torch.get_rng_state()
     assert_nested_equal(stream.first_batch(), first)
     assert_nested_equal(stream.state_dict(), state)
     assert torch.equal(torch.get_rng_state(), global_state)
+
+
+def attributes(stream: data.TrainingStream) -> dict:
+    """Everything a stream holds (vars), comparable: a generator as its state, an array as a tensor."""
+    def comparable(value):
+        if isinstance(value, torch.Generator):
+            return value.get_state()
+        return torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value
+    return {name: comparable(value) for name, value in vars(stream).items()}
+
+
+def resume_errors(stream: data.TrainingStream, restored: data.TrainingStream) -> list[str]:
+    """Each attribute in which ``restored`` (a fresh stream given ``stream``'s state_dict) differs from ``stream``."""
+    ours, theirs, errors = attributes(stream), attributes(restored), []
+    for name in sorted(ours.keys() | theirs.keys()):
+        try:
+            assert_nested_equal(ours.get(name), theirs.get(name), name)
+        except AssertionError as err:
+            errors.append(f"{type(stream).__name__}.{name} is not restored by load_state_dict ({err}): put it in "
+                          "state_dict, or a resume continues the stream from elsewhere")
+    return errors
+
+
+STOPS = (1, 7, 50, 200)  # micro-batches drawn before a stop: late ones too, where a schedule of the loader has moved
+
+
+def resumed_at_every_stop(make: Callable[[], data.TrainingStream]) -> list[str]:
+    """Draw from ``make()``'s stream, stopping at each of STOPS: a fresh stream restored from its state_dict must
+    equal it in every attribute, and draw the same next batches."""
+    stream, drawn, errors = make(), 0, []
+    for stop in STOPS:
+        for _ in range(stop - drawn):
+            stream.next()
+        drawn = stop
+        restored = make()
+        restored.load_state_dict(copy.deepcopy(stream.state_dict()))
+        errors += [f"after {stop} batches: {error}" for error in resume_errors(stream, restored)]
+        if not errors:
+            ahead = [stream.next() for _ in range(3)]
+            assert_nested_equal([restored.next() for _ in range(3)], ahead, f"the 3 batches after {stop}")
+            drawn += 3
+    return errors
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_every_loader_restored_from_its_state_is_the_stream_it_left_in_every_attribute(loader):
+    """Its next batches are not enough: a loader whose state_dict leaves out a counter that moves late (a length
+    curriculum's) draws the same batches for a while, then another stream, and a resume goes on silently."""
+    _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3, 20, 8])
+    assert resumed_at_every_stop(lambda: LOADERS[loader](tokens, loader_cfg(2, 16), 5, CPU, SEP)) == []
+
+
+class Forgetful(RandomWindows):
+    """A probe: windows that grow by one token every 10 batches, whose state_dict leaves out the batch count."""
+
+    def restart(self) -> None:
+        super().restart()
+        self.drawn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.drawn += 1
+        return get_batch(self.tokens, self.batch_size, min(4 + self.drawn // 10, self.block_size), self.generator,
+                         self.device)
+
+
+def test_the_state_check_names_an_attribute_that_state_dict_leaves_out():
+    _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3, 20, 8])
+    errors = resumed_at_every_stop(lambda: Forgetful(tokens, loader_cfg(2, 16), 5, CPU, SEP))
+    assert errors and errors[0].startswith("after 1 batches: Forgetful.drawn is not restored by load_state_dict "
+                                           "(drawn: 1 vs 0): put it in state_dict")
 
 
 @pytest.mark.parametrize("text, starts", [("the king " * 60, "0 document starts (no document separator)"),
@@ -195,7 +273,8 @@ def test_packing_a_corpus_without_two_documents_is_refused_in_one_line_before_a_
     assert run_main(tiny_args(out, text_file, loader="bos_packed", block_size=16)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "train.bin holds " + starts in err, err
-    assert err.rstrip().endswith(", or train with --loader random_windows instead of --loader bos_packed")
+    others = " or ".join(f"--loader {name}" for name in LOADERS if name != "bos_packed")
+    assert err.rstrip().endswith(f", or train with {others} instead of --loader bos_packed")
     assert not out.exists()
     assert run_main(tiny_args(out, text_file, loader="random_windows", block_size=16, max_iters=1)) == 0
 
