@@ -22,9 +22,10 @@ import data
 from prepare import corpora, documents, downloads, staging, texts, tokenfiles, tokenizers
 import sample
 import train
+from training import tracking
 from training.checkpoint import load_checkpoint
 from config import TrainConfig
-from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
+from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
 from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
                   val_windows)
 from prepare.corpora import prepare
@@ -32,7 +33,8 @@ from prepare.downloads import strip_gutenberg
 from prepare.tokenfiles import split_fingerprint
 from prepare.tokenizers import CharTokenizer
 from scripts import doctor
-from fault_injection import assert_nested_equal, assert_same_training_state
+from fault_injection import assert_nested_equal, assert_same_training_state, step_clock
+from test_chat import write_chats
 
 
 def test_prepare_a_text_file(tmp_path, text_file):
@@ -259,6 +261,54 @@ def test_the_state_check_names_an_attribute_that_state_dict_leaves_out():
     errors = resumed_at_every_stop(lambda: Forgetful(tokens, loader_cfg(2, 16), 5, CPU, SEP))
     assert errors and errors[0].startswith("after 1 batches: Forgetful.drawn is not restored by load_state_dict "
                                            "(drawn: 1 vs 0): put it in state_dict")
+
+
+class Ragged(RandomWindows):
+    """A probe: every other micro-batch's windows are half as long, as a length curriculum's are at first."""
+    full_rows = False
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        short = torch.randint(2, (), generator=self.generator).item() == 0
+        return get_batch(self.tokens, self.batch_size, self.block_size // (2 if short else 1), self.generator,
+                         self.device)
+
+
+def processed_per_step(monkeypatch) -> list[tuple[int, int]]:
+    """(positions, targets) of every step train.py takes, read from the batches it steps on; each step 0.25 s."""
+    steps, real_step = [], train.train_step
+
+    def train_step(run, model, batches, *args, **kwargs):
+        steps.append((sum(x.numel() for x, _ in batches), sum(int((y != -1).sum()) for _, y in batches)))
+        return real_step(run, model, batches, *args, **kwargs)
+    monkeypatch.setattr(train, "train_step", train_step)
+    monkeypatch.setattr(tracking, "time", step_clock(monkeypatch, step_s=0.25))  # the log's clock is train.py's
+    return steps
+
+
+@pytest.mark.parametrize("loader", [*LOADERS, "ragged", "conversations"])
+def test_tokens_per_step_and_per_second_count_what_the_steps_processed(tmp_path, text_file, monkeypatch, capsys,
+                                                                       loader):
+    """Before, tokens/s was batch_size x block_size x grad_accum over the time: 4x a curriculum's real rate at first,
+    and a chat run's padded rows counted block_size long. Now each log line's are the steps' own positions (padding
+    computed, so counted) and targets, and the start-up line says "up to" where rows vary."""
+    corpus, given = text_file, {"loader": loader}
+    if loader == "ragged":
+        monkeypatch.setitem(data.LOADERS, "random_windows", Ragged)
+        given = {}
+    elif loader == "conversations":
+        corpus, given = write_chats(tmp_path / "chats.jsonl", n=60), {"block_size": 64, "chat_overflow": "truncate"}
+    steps = processed_per_step(monkeypatch)
+    assert run_main(tiny_args(tmp_path / "run", corpus, max_iters=6, log_interval=3, grad_accum=2, **given)) == 0
+    nominal, full_rows = 8 * (given.get("block_size", 32)) * 2, loader in LOADERS
+    up_to = "" if full_rows else "up to "
+    assert f"compile False, {up_to}{nominal:,} tokens/step (1 rank(s)" in capsys.readouterr().out
+    logged = [r for r in read_metrics(tmp_path / "run") if "tokens_per_s" in r]
+    for record, interval in zip(logged, (steps[:3], steps[3:])):
+        positions, targets = (sum(counts) / 3 for counts in zip(*interval))
+        assert (record["tokens_per_step"], record["targets_per_step"]) == (positions, targets)
+        assert record["tokens_per_s"] == positions / 0.25
+    assert len(logged) == 2 and (logged[0]["tokens_per_step"] == nominal) == full_rows
+    assert (logged[0]["targets_per_step"] < logged[0]["tokens_per_step"]) == (loader == "conversations")
 
 
 @pytest.mark.parametrize("text, starts", [("the king " * 60, "0 document starts (no document separator)"),

@@ -176,7 +176,9 @@ def test_the_names_the_config_accepts_are_its_tables_keys(field, table):
 NUMERIC = [name for name, kind in FIELD_TYPES.items() if kind in (int, float)]
 READ_CASE = dict(warmup_iters=10, lr_decay_iters=60, max_iters=80, max_time=40)  # each end inside 100 steps
 RUN_CHOICES = ("optimizer", "lr_decay", "schedule")  # what chooses the optimizer and the lr curve
-READ_BY_THE_LOOP = {"max_iters", "max_time"}  # the curve reads them under schedule=time only; the loop, always
+# The curve reads max_iters and max_time under schedule=time only, a loader may read grad_accum (to count steps); the
+# loop reads all three, always.
+READ_BY_THE_LOOP = {"max_iters", "max_time", "grad_accum"}
 
 
 def perturbed(cfg: TrainConfig, name: str) -> TrainConfig:
@@ -263,6 +265,20 @@ def test_the_fields_only_one_choice_reads_are_the_table_under_every_optimizer_de
     assert table_errors(USED_ONLY_UNDER, RUN_CHOICES, run_readers) == []
 
 
+def made_by_the_loader(cfg: TrainConfig) -> object:
+    """The first 120 micro-batches ``cfg``'s loader draws from a corpus of documents, as bytes with their shapes."""
+    lengths = np.random.default_rng(0).integers(2, 40, size=200)
+    tokens = np.concatenate([np.r_[0, np.full(n - 1, n)] for n in lengths]).astype(np.uint16)  # document: 0 n n ...
+    stream = LOADERS[cfg.loader](tokens, cfg, cfg.seed, torch.device("cpu"), 0)
+    return [(x.shape, x.numpy().tobytes(), y.numpy().tobytes()) for x, y in (stream.next() for _ in range(120))]
+
+
+def test_the_fields_only_one_loader_reads_are_the_table():
+    """The same under every loader (a loader reads its options from the config it is given), for its batches."""
+    read = readers(("loader",), made_by_the_loader, batch_size=2, block_size=16)
+    assert table_errors(USED_ONLY_UNDER, ("loader",), read) == []
+
+
 # gpt2's case downloads GPT-2's ranks into a fresh data_dir (~20 s, test_bpe_data.py): network, and slow.
 TOKENIZERS = [pytest.param(name, marks=[pytest.mark.network, pytest.mark.slow] if name == "gpt2" else [])
               for name in choices("tokenizer")]
@@ -306,7 +322,8 @@ def test_the_fields_the_table_leaves_to_the_loop_are_read_by_the_loop():
     """max_iters and max_time move the lr curve under schedule=time only, yet no run leaves them unused: the loop
     stops on them whatever the clock (max_time through cfg.out_of_time)."""
     loop = cfg_reads(REPO / "train.py")
-    assert {"max_iters", "out_of_time"} <= loop and "max_time" in TrainConfig.out_of_time.__code__.co_names
+    assert {"max_iters", "out_of_time", "grad_accum"} <= loop
+    assert "max_time" in TrainConfig.out_of_time.__code__.co_names
     assert READ_BY_THE_LOOP.isdisjoint(USED_ONLY_UNDER)
 
 def test_wsd_is_flat_then_linear_over_its_final_fraction():
