@@ -35,6 +35,7 @@ from prepare.tokenizers import CharTokenizer
 from scripts import doctor
 from fault_injection import assert_nested_equal, assert_same_training_state, step_clock
 from test_chat import write_chats
+from test_training_options import fork_of_the_repo
 
 
 def test_prepare_a_text_file(tmp_path, text_file):
@@ -299,7 +300,8 @@ def test_tokens_per_step_and_per_second_count_what_the_steps_processed(tmp_path,
         corpus, given = write_chats(tmp_path / "chats.jsonl", n=60), {"block_size": 64, "chat_overflow": "truncate"}
     steps = processed_per_step(monkeypatch)
     assert run_main(tiny_args(tmp_path / "run", corpus, max_iters=6, log_interval=3, grad_accum=2, **given)) == 0
-    nominal, full_rows = 8 * (given.get("block_size", 32)) * 2, loader in LOADERS
+    nominal = 8 * (given.get("block_size", 32)) * 2  # batch_size x block_size x grad_accum
+    full_rows = {**LOADERS, "ragged": Ragged, "conversations": data.Conversations}[loader].full_rows
     up_to = "" if full_rows else "up to "
     assert f"compile False, {up_to}{nominal:,} tokens/step (1 rank(s)" in capsys.readouterr().out
     logged = [r for r in read_metrics(tmp_path / "run") if "tokens_per_s" in r]
@@ -307,8 +309,97 @@ def test_tokens_per_step_and_per_second_count_what_the_steps_processed(tmp_path,
         positions, targets = (sum(counts) / 3 for counts in zip(*interval))
         assert (record["tokens_per_step"], record["targets_per_step"]) == (positions, targets)
         assert record["tokens_per_s"] == positions / 0.25
-    assert len(logged) == 2 and (logged[0]["tokens_per_step"] == nominal) == full_rows
+    assert len(logged) == 2 and all(r["tokens_per_step"] == nominal if full_rows else r["tokens_per_step"] <= nominal
+                                    for r in logged)
     assert (logged[0]["targets_per_step"] < logged[0]["tokens_per_step"]) == (loader == "conversations")
+
+
+# The headings of docs/experiments.md's python blocks of the curriculum recipe, each applied as it says.
+CURRICULUM = ("# data.py, replacing the LOADERS line (a length curriculum):\n",
+              "# config/__init__.py, in TrainConfig: the new name in the Literal (the curriculum; the rest of the line "
+              "unchanged)\n",
+              "# config/__init__.py, in TrainConfig, after wandb_project (the curriculum's options):\n",
+              "# config/__init__.py, in USED_ONLY_UNDER (the curriculum's rows):\n")
+CURRICULUM_SCRIPT = '''
+import contextlib, io, json, sys
+from pathlib import Path
+import pytest
+import train
+from config import make_config, unused_given
+from training import tracking
+from training.checkpoint import load_checkpoint
+from tests.fault_injection import assert_same_training_state, step_clock
+
+corpus, out = sys.argv[1], Path(sys.argv[2])
+common = ["--config", "tiny", "--data_path", corpus, "--data_dir", str(out / "data"), "--device", "cpu",
+          "--log_interval", "1", "--eval_interval", "4", "--grad_accum", "2", "--loader", "curriculum",
+          "--curriculum_start", "8", "--curriculum_iters", "6"]
+def main(*args):
+    """train.main on the common arguments, each step 0.25 s on its clock: its exit code and what it printed."""
+    printed, errors = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        mp.setattr(tracking, "time", step_clock(mp, step_s=0.25))
+        try:
+            train.main(common + list(args))
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+    return {"code": code, "out": printed.getvalue(), "err": errors.getvalue()}
+
+report = {"warned": unused_given(make_config("tiny", curriculum_start=8))}
+report["straight"] = main("--out_dir", str(out / "straight"), "--max_iters", "8")
+report["logged"] = [json.loads(line) for line in (out / "straight" / "metrics.jsonl").read_text().splitlines()]
+report["split"] = main("--out_dir", str(out / "split"), "--max_iters", "4")  # mid-ramp
+report["resumed"] = main("--out_dir", str(out / "split"), "--max_iters", "8", "--resume")
+assert_same_training_state(load_checkpoint(out / "straight" / "last.pt"), load_checkpoint(out / "split" / "last.pt"))
+report["refused"] = main("--out_dir", str(out / "split"), "--max_iters", "9", "--resume", "--curriculum_start", "9")
+print("REPORT " + json.dumps(report))
+'''
+
+
+@pytest.mark.slow
+def test_the_curriculum_recipe_forks_the_repo_end_to_end(tmp_path):
+    """docs/experiments.md's length curriculum, taken from the page, in a copy of the repo with its tests: it trains,
+    logs the rows' real length as its throughput, stops mid-ramp and resumes bit for bit, refuses a changed option,
+    warns about one set under another loader, passes the copy's generated loader tests; and with its counter left
+    out of its state_dict (the edit that restarted the ramp on every resume, silently), fails them naming it."""
+    fork = fork_of_the_repo(tmp_path, snippets=CURRICULUM, tests=True)
+    (tmp_path / "corpus.txt").write_text(make_text())
+    result = subprocess.run([sys.executable, "-c", CURRICULUM_SCRIPT, str(tmp_path / "corpus.txt"),
+                             str(tmp_path / "o")], cwd=fork, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("REPORT ", 1)[1])
+    assert report["warned"] == ["WARNING: curriculum_start is set (8) but unused: loader=random_windows does not "
+                                "read it (loader=curriculum does)"]
+    assert report["straight"]["code"] == report["split"]["code"] == report["resumed"]["code"] == 0
+    assert "compile False, up to 512 tokens/step (1 rank(s) x 512)" in report["straight"]["out"]
+    lengths = [8 + 24 * min(step, 6) // 6 for step in range(8)]  # 8 tokens, growing to 32 over 6 steps
+    logged = [r for r in report["logged"] if "tokens_per_s" in r]
+    assert [r["tokens_per_step"] for r in logged] == [r["targets_per_step"] for r in logged] == [
+        8 * 2 * length for length in lengths]  # batch_size x grad_accum rows of the step's length
+    assert [r["tokens_per_s"] for r in logged] == [8 * 2 * length / 0.25 for length in lengths]
+    assert report["refused"]["code"] == 2 and "curriculum_start: checkpoint 8 vs now 9" in report["refused"]["err"]
+
+    def pytest_in_the_copy(name: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--basetemp",
+                               str(tmp_path / name), *args], cwd=fork, capture_output=True, text=True, timeout=600)
+
+    generated = pytest_in_the_copy("generated", "tests/test_data.py", "tests/test_training_options.py", "-k",
+                                   "curriculum and (every_loader or first_batch or tokens_per_step) "
+                                   "or only_one_loader or tables_keys and loader")
+    assert generated.returncode == 0, generated.stdout[-4000:]
+    for test in ("test_data.py::test_every_loader_restored_from_its_state_is_the_stream_it_left_in_every_attribute"
+                 "[curriculum]", "test_data.py::test_tokens_per_step_and_per_second_count_what_the_steps_processed"
+                 "[curriculum]", "test_training_options.py::test_the_fields_only_one_loader_reads_are_the_table"):
+        assert f"PASSED tests/{test}" in generated.stdout, test
+    loader_file = fork / "data.py"
+    source = loader_file.read_text()
+    forgetful = source.replace('return {**super().state_dict(), "drawn": self.drawn}', "return super().state_dict()")
+    forgetful = forgetful.replace('        self.drawn = state["drawn"]\n', "")
+    assert forgetful.count("drawn") == source.count("drawn") - 4, "update the test: the recipe's state_dict changed"
+    loader_file.write_text(forgetful)
+    caught = pytest_in_the_copy("forgetful", "tests/test_data.py", "-k", "curriculum and every_loader")
+    assert caught.returncode == 1 and "LengthCurriculum.drawn is not restored by load_state_dict" in caught.stdout
 
 
 @pytest.mark.parametrize("text, starts", [("the king " * 60, "0 document starts (no document separator)"),

@@ -275,7 +275,7 @@ def made_by_the_loader(cfg: TrainConfig) -> object:
 
 def test_the_fields_only_one_loader_reads_are_the_table():
     """The same under every loader (a loader reads its options from the config it is given), for its batches."""
-    read = readers(("loader",), made_by_the_loader, batch_size=2, block_size=16)
+    read = readers(("loader",), made_by_the_loader, batch_size=2, block_size=64)
     assert table_errors(USED_ONLY_UNDER, ("loader",), read) == []
 
 
@@ -399,13 +399,14 @@ FIELD_ANCHOR = '    wandb_project: str = free("tinygpt", "wandb project name")\n
 def apply_snippet(fork: Path, heading: str) -> None:
     """Apply the page's block under ``heading`` to the copy ``fork``, as its heading says."""
     body = docs_snippet(heading)
-    optim_file, config_file = fork / "training" / "optim.py", fork / "config" / "__init__.py"
-    if heading.startswith("# training/optim.py, replacing the "):  # a table's line: its new function, its new row
+    config_file = fork / "config" / "__init__.py"
+    if ", replacing the " in heading:  # "# FILE, replacing the TABLE line": its new function or class, its new row
+        file = heading.removeprefix("# ").split(", ")[0]
         table = heading.split("replacing the ")[1].split(" line")[0]
-        source = optim_file.read_text()
-        lines = re.findall(rf"^{table} = {{.*}}.*\n", source, re.M)
-        assert len(lines) == 1, f"update the fork test: training/optim.py declares {table} on one line"
-        optim_file.write_text(source.replace(lines[0], body))
+        source = (fork / file).read_text()
+        lines = re.findall(rf"^{table}(?:: .*)? = {{.*}}.*\n", source, re.M)
+        assert len(lines) == 1, f"update the fork test: {file} declares {table} on one line"
+        (fork / file).write_text(source.replace(lines[0], body))
         return
     source = config_file.read_text()
     if "in the Literal" in heading:  # `    optimizer: Literal[...]`: the field's new type
@@ -415,9 +416,10 @@ def apply_snippet(fork: Path, heading: str) -> None:
             assert len(old) == 1, f"update the fork test: config/__init__.py declares {name} with a Literal"
             source = source.replace(old[0], f"    {name}: {literal}")
     else:
-        anchor = FIELD_ANCHOR if heading == FIELDS else "USED_ONLY_UNDER = {"
+        fields = heading.startswith(FIELDS.removesuffix(":\n"))  # "..., after wandb_project" and its own words
+        anchor = FIELD_ANCHOR if fields else "USED_ONLY_UNDER = {"
         assert source.count(anchor) == 1, f"update the fork test's anchor {anchor!r} to config/__init__.py"
-        source = source.replace(anchor, anchor + ("" if heading == FIELDS else "\n") + body)
+        source = source.replace(anchor, anchor + ("" if fields else "\n") + body)
     config_file.write_text(source)
 
 
