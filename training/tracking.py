@@ -171,7 +171,7 @@ class MetricsLog:
         """Add one step's positions (from the batches' shapes: known on the host, no sync) and targets (every
         rank's, a device tensor: added on the device, read at the next log line). Every rank, every step."""
         self.positions += sum(x.numel() for x, _ in batches)  # (B, T) each
-        self.targets += n_targets
+        self.targets = self.targets + n_targets  # out of place: whatever dtype the count comes in
 
     def step(self, step: int, losses: dict[str, torch.Tensor], lr: float, grad_norm: torch.Tensor,
              time_s: float) -> None:
