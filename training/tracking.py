@@ -34,6 +34,7 @@ import torch
 
 from config import TrainConfig, as_dict, settings_line, unused_given
 from training.checkpoint import dtype_name
+from training.optim import HOST_SYNCING
 from process import distributed
 from process.errors import ConfigError
 from process.files import atomic_write_text
@@ -272,11 +273,16 @@ def summary(model) -> str:
             "(every weight once, embeddings included)")
 
 
+def host_sync_note(cfg: TrainConfig) -> str:
+    """What the settings line says of an optimizer declared in training/optim.py's HOST_SYNCING."""
+    return f" ({cfg.optimizer} syncs the host every step: HOST_SYNCING)" if cfg.optimizer in HOST_SYNCING else ""
+
+
 def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int, full_rows: bool) -> str:
     """The start-up lines: the model, the settings (and any given but unused), where and how it computes.
     ``full_rows``: the loader's batches are always (batch_size, block_size); else the line says "up to"."""
     tokens, up_to = cfg.tokens_per_step(), "" if full_rows else "up to "
-    return "\n".join([f"model: {summary(model)}", settings_line(cfg), *unused_given(cfg),
+    return "\n".join([f"model: {summary(model)}", settings_line(cfg) + host_sync_note(cfg), *unused_given(cfg),
                       f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, "
                       f"compile {compiled}, {up_to}{tokens * world_size:,} tokens/step ({world_size} rank(s) x "
                       f"{tokens:,}), out_dir {cfg.out_dir}"])
