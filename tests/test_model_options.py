@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -412,6 +413,48 @@ def test_a_window_fork_is_one_mask_edit(tmp_path):
            "        mask = mask if cache is None else torch.ones_like(mask).tril(diagonal=start)  # the bug\n")
     broken = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window and kv_cache")
     assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
+
+
+# ----------------------------------------------------------------------------- a bias fork, end to end
+def add_alibi_as_the_docs_say(repo: Path) -> None:
+    """docs/experiments.md's two edits for ALiBi: pos_emb's third value, the bias in visible_keys."""
+    model_py = repo / "model.py"
+    source = model_py.read_text()
+    field = re.findall(r"^    pos_emb: Literal\[.*?\n(?=    \w+: )", source, re.M | re.S)
+    assert len(field) == 1, "update the ALiBi fork test: model.py declares pos_emb before another field"
+    model_py.write_text(source.replace(field[0], docs_snippet("# model.py, in GPTConfig, replacing the pos_emb "
+                                                              "field (ALiBi):\n")))
+    insert(model_py, "    return key <= query  # (T, start + T)",
+           docs_snippet("# model.py, in visible_keys, before its return (ALiBi):\n"))
+
+
+@pytest.mark.slow  # two fresh pytests, a training run and two samples in a copy of the repo: ~60 s
+def test_the_alibi_recipe_forks_the_repo_end_to_end(tmp_path):
+    repo = copy_of_the_repo(tmp_path)
+    add_alibi_as_the_docs_say(repo)
+    result = pytest_in(repo, "tests/test_model_options.py", "-k", "alibi")
+    assert result.returncode == 0, result.stdout[-3000:]
+    # flag and preset key, reaches the model and changes it, causal, KV cache, the shortcut's numbers,
+    # saved/shown/kept, GPT-2 refusal
+    assert result.stdout.strip().splitlines()[-1].startswith("7 passed"), result.stdout[-500:]
+    (tmp_path / "corpus.txt").write_text(make_text())
+    run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
+                                                                  max_iters=30, eval_interval=30, pos_emb="alibi",
+                                                                  dtype="bfloat16")],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]  # the bias in bf16 on CPU: added, never inverted with `~`
+    texts = [subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path / "run"), "--temp", "0",
+                             "--max-new-tokens", "80", "--no-stream", *flags], cwd=repo, capture_output=True,
+                            text=True, timeout=120).stdout for flags in ([], ["--no-cache"])]
+    assert texts[0] == texts[1] and len(texts[0]) > 80
+    # The teeth: ALiBi with every slope zero drops wpe and computes nothing of its own (issue 44, finding 2).
+    source = (repo / "model.py").read_text()
+    assert source.count("slopes = 2.0 **") == 1
+    (repo / "model.py").write_text(source.replace("slopes = 2.0 **", "slopes = 0.0 * 2.0 **"))
+    broken = pytest_in(repo, "tests/test_model_options.py", "-k", "alibi and reaches_the_model")
+    assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
+    assert ("pos_emb=alibi computes what the base model without transformer.wpe.weight computes"
+            in " ".join(broken.stdout.split())), broken.stdout[-1500:]
 
 
 def test_a_checkpoint_with_a_field_this_code_lacks_loads_with_a_warning_naming_it(tmp_path, corpus_file, capsys):
