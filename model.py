@@ -179,7 +179,7 @@ class CausalSelfAttention(nn.Module):
         self.plain_causal = is_plain_causal(visible_keys(config, 0, config.block_size, cpu))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
-        """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask (T, S + T), visible_keys'."""
+        """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask: visible_keys' rule or bias."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         # Split the channels into heads and move the head axis forward.
@@ -303,7 +303,7 @@ class GPT(nn.Module):
             pos = torch.arange(start, start + T, device=idx.device)  # (T,)
             x = x + self.transformer.wpe(pos)  # (B, T, C) + (T, C) -> (B, T, C)
         x = self.transformer.drop(x)
-        mask = visible_keys(self.config, start, T, idx.device)  # (T, S + T), one for every layer
+        mask = visible_keys(self.config, start, T, idx.device)  # (T, S + T) or (nh, T, S + T), for every layer
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches):
             x = block(x, mask, layer_cache)  # (B, T, C)
