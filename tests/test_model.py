@@ -226,6 +226,28 @@ def test_a_bias_reaching_attention_is_never_dropped_by_a_causal_shortcut(monkeyp
     assert (full - plain[0]).abs().max() > 0.01 and (cached - plain[1]).abs().max() > 0.01
 
 
+def test_the_default_model_gives_sdpa_the_causal_flag_not_a_mask(monkeypatch):
+    """What lets a GPU run flash attention: the plain rule reaches SDPA as is_causal (a square) or as nothing (one
+    decoding query), never as a mask tensor; only a chunk after a cached past needs the mask."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append((q.size(2), k.size(2), attn_mask is None, is_causal))  # (T, S + T, no mask, is_causal)
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    model = tiny_model().eval()
+    idx = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))  # (1, 9)
+    cache = KVCache(model.config, 1)
+    with torch.no_grad():
+        model(idx)
+        for a, b in [(0, 5), (5, 6), (6, 9)]:  # a prefill, a decode step, a chunk
+            model(idx[:, a:b], cache=cache)
+    assert calls == [(9, 9, True, True)] * 2 + [(5, 5, True, True)] * 2 + [(1, 6, True, False)] * 2 + \
+        [(3, 9, False, False)] * 2  # two layers each
+
+
 @pytest.mark.parametrize("S, T", [(0, 16), (7, 1), (5, 4)], ids=["square", "one decode step", "chunk after a past"])
 def test_sdpa_causal_fast_paths_give_the_masks_numbers(S, T):
     """With the plain causal rule SDPA gets it as a flag (is_causal, or no mask for one query): the same
