@@ -83,47 +83,52 @@ class ModelOutput(NamedTuple):
 
 
 def visible_keys(config: GPTConfig, start: int, T: int, device: torch.device) -> torch.Tensor:
-    """Which keys each query may see: (T, start + T) bool, True = attend. Query i sits at position start + i.
+    """What each query sees, for T queries at positions start .. start + T - 1 over keys 0 .. start + T - 1.
 
-    The one definition of the attention mask. Every path uses it: SDPA, the CPU-bf16 matmuls, and the
-    KV cache's prefill, decode and chunked steps (start = the positions already cached). A rule that
-    narrows what a query sees (a sliding window, say) is written here and nowhere else.
+    Either a rule, (T, start + T) bool with True = attend, or an additive bias on the scores, a float tensor
+    (T, start + T) or per head (nh, T, start + T) with -inf where a key is never seen (ALiBi, a relative-position
+    bias). The one definition of what attention receives: SDPA, the CPU-bf16 matmuls, and the KV cache's
+    prefill, decode and chunked steps (start = the positions already cached) all get it. A rule that narrows
+    what a query sees (a sliding window) or a bias is written here and nowhere else.
     """
     query = torch.arange(start, start + T, device=device).unsqueeze(1)  # (T, 1) positions
     key = torch.arange(start + T, device=device).unsqueeze(0)  # (1, start + T) positions
     return key <= query  # (T, start + T): causal, each query sees itself and the past
 
 
-def is_plain_causal(config: GPTConfig) -> bool:
-    """Whether visible_keys is exactly the causal triangle for this config, computed from it, never declared.
-
-    Then SDPA may use its own causal kernels (flash attention on GPUs), which give the same numbers
-    without reading a mask; any other rule always runs with its mask.
-    """
-    n, cpu = config.block_size, torch.device("cpu")  # explicit: a model built under torch.device("meta") too
-    return torch.equal(visible_keys(config, 0, n, cpu), torch.ones(n, n, dtype=torch.bool, device=cpu).tril())
+def is_plain_causal(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` (visible_keys' output for a square, start = 0) is exactly the causal triangle: a bool
+    rule, never a float bias, however small. Then SDPA may use its own causal kernels (flash attention on
+    GPUs), which give the same numbers without reading the mask."""
+    T = mask.size(-2)
+    return mask.dtype == torch.bool and torch.equal(mask, torch.ones(T, T, dtype=torch.bool, device=mask.device).tril())
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, plain_causal: bool,
               dropout_p: float) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hs), where ``mask`` allows) v: T queries (B, nh, T, hs) over S + T keys (B, nh, S + T, hs).
+    """softmax(q k^T / sqrt(hs) + mask) v: T queries (B, nh, T, hs) over S + T keys (B, nh, S + T, hs).
 
-    ``mask`` (T, S + T) is visible_keys'. With a plain causal mask SDPA gets the same rule as a flag:
-    is_causal for a square (S = 0; its triangle is aligned top-left, right only then), nothing for one
-    decoding query (it sees every key); both give bit-identical numbers to the mask (tests/test_model.py).
-    In bf16 on CPU the plain matmul-softmax-matmul is ~3x faster at these sizes (scripts/bench.py
-    --profile): the CPU flash kernel's bf16 backward is slow, and SDPA's unfused "math" fallback
-    upcasts to fp32 on CPU, losing the bf16 matmul speed.
+    ``mask`` is visible_keys' (a bool rule: False adds -inf; or a float bias). ``plain_causal`` says the
+    layer's rule is the causal triangle (is_plain_causal at build time). A shortcut is taken only when what
+    arrives here is also a bool rule, so a bias added to the mask on its way is never dropped: SDPA then gets
+    the rule as a flag, is_causal for a square (S = 0; its triangle is aligned top-left, right only then) or
+    nothing for one decoding query (it sees every key); both give bit-identical numbers to the mask
+    (tests/test_model.py). In bf16 on CPU the plain matmul-softmax-matmul is ~3x faster at these sizes
+    (scripts/bench.py --profile): the CPU flash kernel's bf16 backward is slow, and SDPA's unfused "math"
+    fallback upcasts to fp32 on CPU, losing the bf16 matmul speed.
     """
     T, S = q.size(2), k.size(2) - q.size(2)
+    shortcut = plain_causal and mask.dtype == torch.bool
+    if mask.is_floating_point():
+        mask = mask.to(q.dtype)  # a bias is added in the scores' dtype: (T, S + T) or (nh, T, S + T)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S + T)
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)  # (B, nh, T, S + T)
-        att = F.dropout(att, p=dropout_p, training=dropout_p > 0)
+        att = att + mask if mask.is_floating_point() else att.masked_fill(~mask, float("-inf"))
+        att = F.dropout(att.softmax(dim=-1), p=dropout_p, training=dropout_p > 0)  # (B, nh, T, S + T)
         return att.to(v.dtype) @ v  # (B, nh, T, hs)
-    if plain_causal and S == 0:
+    if shortcut and S == 0:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
-    if plain_causal and T == 1:
+    if shortcut and T == 1:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)  # (B, nh, 1, hs)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # (B, nh, T, hs)
 
@@ -169,10 +174,12 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
         self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
-        self.plain_causal = is_plain_causal(config)
+        # Decided from visible_keys itself, never declared; a bias added to the mask later is caught by attention.
+        cpu = torch.device("cpu")  # explicit: a model built under torch.device("meta") too
+        self.plain_causal = is_plain_causal(visible_keys(config, 0, config.block_size, cpu))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
-        """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask (T, S + T), visible_keys'."""
+        """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask: visible_keys' rule or bias."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         # Split the channels into heads and move the head axis forward.
@@ -296,7 +303,7 @@ class GPT(nn.Module):
             pos = torch.arange(start, start + T, device=idx.device)  # (T,)
             x = x + self.transformer.wpe(pos)  # (B, T, C) + (T, C) -> (B, T, C)
         x = self.transformer.drop(x)
-        mask = visible_keys(self.config, start, T, idx.device)  # (T, S + T), one for every layer
+        mask = visible_keys(self.config, start, T, idx.device)  # (T, S + T) or (nh, T, S + T), for every layer
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches):
             x = block(x, mask, layer_cache)  # (B, T, C)

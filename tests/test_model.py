@@ -183,6 +183,71 @@ def test_every_attention_path_follows_the_one_mask(monkeypatch, dtype):
     assert not torch.allclose(full[:, 8:11].float(), full_older[:, 8:11].float())
 
 
+def alibi(slope_scale: float):
+    """visible_keys with ALiBi's bias (Press et al. 2022): -slope_h * distance per head, -inf for the future."""
+    def visible_keys(config, start, T, device):
+        slopes = slope_scale * 2.0 ** (-8.0 * torch.arange(1, config.n_head + 1, device=device) / config.n_head)
+        query = torch.arange(start, start + T, device=device).unsqueeze(1)  # (T, 1)
+        distance = (query - torch.arange(start + T, device=device).unsqueeze(0)).float()  # (T, S + T)
+        return (-slopes[:, None, None] * distance).masked_fill(distance < 0, float("-inf"))  # (nh, T, S + T)
+    return visible_keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["SDPA", "CPU-bf16 matmuls"])
+def test_a_bias_reaching_attention_is_never_dropped_by_a_causal_shortcut(monkeypatch, dtype):
+    """Issue 44's probe: ALiBi's bias put into the mask after the layers were built, so their plain_causal (decided
+    at build time) is stale. Before, SDPA's causal shortcuts dropped the bias on every path (the fork trained
+    without positions, the loss equal to zero slopes' to the last digit) and the CPU-bf16 path raised on `~`.
+    A shortcut now also needs what attention receives to be a bool rule."""
+    model = tiny_model(seed=0).eval()
+    assert model.transformer.h[0].attn.plain_causal  # built with the plain rule
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)  # large enough weights that attention's weighting shows in the logits
+    # A float tensor is a bias, never the rule, even one torch.equal finds equal to the triangle (+1 on the past).
+    assert not model_module.is_plain_causal(torch.ones(16, 16).tril())
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))  # (2, 16)
+
+    def full_and_cached() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            cache = KVCache(model.config, 2)
+            parts = [model(idx[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 6), (6, 7), (7, 12), (12, 16)]]
+            return model(idx).logits.float(), torch.cat(parts, dim=1).float()  # (2, 16, 50) each
+
+    plain = full_and_cached()
+    monkeypatch.setattr(model_module, "visible_keys", alibi(0.0))
+    zero_slopes = full_and_cached()
+    monkeypatch.setattr(model_module, "visible_keys", alibi(1.0))
+    full, cached = full_and_cached()
+    for zero, causal in zip(zero_slopes, plain):  # a zero bias is the causal rule (SDPA's per-head kernel rounds)
+        torch.testing.assert_close(zero, causal, atol=1e-6, rtol=0)
+    torch.testing.assert_close(cached, full, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+    # The bias acts, on the full forward and the cache alike (by 0.037 here; 0 when a shortcut dropped it).
+    assert (full - plain[0]).abs().max() > 0.01 and (cached - plain[1]).abs().max() > 0.01
+
+
+def test_the_default_model_gives_sdpa_the_causal_flag_not_a_mask(monkeypatch):
+    """What lets a GPU run flash attention: the plain rule reaches SDPA as is_causal (a square) or as nothing (one
+    decoding query), never as a mask tensor; only a chunk after a cached past needs the mask."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append((q.size(2), k.size(2), attn_mask is None, is_causal))  # (T, S + T, no mask, is_causal)
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    model = tiny_model().eval()
+    idx = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))  # (1, 9)
+    cache = KVCache(model.config, 1)
+    with torch.no_grad():
+        model(idx)
+        for a, b in [(0, 5), (5, 6), (6, 9)]:  # a prefill, a decode step, a chunk
+            model(idx[:, a:b], cache=cache)
+    assert calls == [(9, 9, True, True)] * 2 + [(5, 5, True, True)] * 2 + [(1, 6, True, False)] * 2 + \
+        [(3, 9, False, False)] * 2  # two layers each
+
+
 @pytest.mark.parametrize("S, T", [(0, 16), (7, 1), (5, 4)], ids=["square", "one decode step", "chunk after a past"])
 def test_sdpa_causal_fast_paths_give_the_masks_numbers(S, T):
     """With the plain causal rule SDPA gets it as a flag (is_causal, or no mask for one query): the same

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from weights.loading import adopt, from_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
                     make_config, model_config, parse_args, validate)
 from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
+import model as model_module
 from model import GPT, GPTConfig
 from sample import KVCache
 
@@ -90,32 +92,62 @@ def test_a_bad_value_of_every_option_is_refused(name):
             validate(TrainConfig(**{name: bad_value(name)}))
 
 
-def train_mode_step(config: GPTConfig) -> tuple[dict[str, tuple], torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Parameter shapes, training-mode logits, the objective a step minimises (cross-entropy plus every
-    auxiliary term) and its gradients, for a model of ``config`` on one batch, all randomness seeded."""
+def paired_models(name: str, value: Any) -> tuple[GPT, GPT, list[str]]:
+    """The base preset's model and the one with name=value, holding the same weights wherever they can: every
+    parameter of the same name and shape is the base's (std 0.2, so that small changes show above rounding); one
+    the option drops counts as zero in the base (an embedding or a bias no longer added), one it adds or resizes
+    keeps its own init. Also the names dropped."""
     torch.manual_seed(0)
-    model = GPT(config)
+    base = GPT(model_config(make_config(BASE), VOCAB))
+    torch.manual_seed(0)
+    variant = GPT(model_config(make_config(BASE, **{name: value}), VOCAB))
+    own, theirs = dict(base.named_parameters()), dict(variant.named_parameters())
+    dropped = [k for k in own if k not in theirs]
+    with torch.no_grad():
+        for p in own.values():
+            p.normal_(0.0, 0.2)
+        for k, p in theirs.items():
+            if k in own and own[k].shape == p.shape:
+                p.copy_(own[k])
+        for k in dropped:
+            own[k].zero_()
+    return base, variant, dropped
+
+
+def train_mode_step(model: GPT) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Training-mode logits, the objective a step minimises (cross-entropy plus every auxiliary term) and its
+    gradients by name, for ``model`` on one batch, with the same dropout masks for every model."""
     idx = torch.arange(17).remainder(VOCAB).view(1, 17)  # (1, 17)
-    torch.manual_seed(1)  # the same dropout masks for both models
+    torch.manual_seed(1)
     logits, loss_sum, _, aux = model(idx[:, :-1], idx[:, 1:])
     objective = loss_sum + sum(aux.values())
     objective.backward()
-    grads = [p.grad for p in model.parameters()]
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}, logits.detach(), objective.detach(), grads
+    return logits.detach(), objective.detach(), {k: p.grad for k, p in model.named_parameters()}
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to float rounding (two kernels may sum in another order): not a change an option makes."""
+    return a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("name, value", CASES)
 def test_every_option_reaches_the_model_and_changes_it(name, value):
-    """What it changes may be the shapes, the logits, or only the objective and so its gradients (z_loss)."""
-    base, variant = make_config(BASE), make_config(BASE, **{name: value})
-    assert getattr(model_config(variant, VOCAB), name) == value
-    shapes_a, logits_a, objective_a, grads_a = train_mode_step(model_config(base, VOCAB))
-    shapes_b, logits_b, objective_b, grads_b = train_mode_step(model_config(variant, VOCAB))
-    if shapes_a != shapes_b:
-        return
-    same_grads = all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
-    assert not (torch.equal(logits_a, logits_b) and torch.equal(objective_a, objective_b) and same_grads), \
-        f"{name}={value} changed nothing: not the shapes, the logits, the objective or the gradients"
+    """The option's own computation must act: with the base model's weights wherever the shapes allow (the ones it
+    drops counting as zero), the logits, the objective (z_loss) or the gradients must move. Shapes alone prove
+    nothing: ALiBi with zero slopes drops wpe and computes exactly the base model without its position table."""
+    assert getattr(model_config(make_config(BASE, **{name: value}), VOCAB), name) == value
+    base, variant, dropped = paired_models(name, value)
+    logits_a, objective_a, grads_a = train_mode_step(base)
+    logits_b, objective_b, grads_b = train_mode_step(variant)
+    # A shared weight's gradient moved, or the output depends on a weight the option adds (a zero-initialised
+    # bias adds nothing yet, but its gradient is not zero).
+    moved = [k for k, g in grads_b.items()
+             if (not same(grads_a[k], g) if k in grads_a and grads_a[k].shape == g.shape else g.any())]
+    without = f" without {', '.join(dropped)}" if dropped else ""
+    assert moved or not (same(logits_a, logits_b) and same(objective_a, objective_b)), (
+        f"{name}={value} computes what the base model{without} computes: the same logits, objective and gradients "
+        f"with the base's weights. Make the option act where the model reads config.{name} (a bias or a slope "
+        f"that is zero adds nothing)")
 
 
 NUMERIC_OPTIONS = [name for name in MODEL_OPTIONS if FIELD_TYPES[name] in (int, float)]
@@ -170,6 +202,28 @@ def test_every_variant_decodes_from_its_kv_cache_as_a_full_forward(name, value):
         cuts = [0, 5, 6, 7, T // 2, T]  # a prefill, single steps, a chunk after a cached past
         parts = [model(idx[:, a:b], cache=cache)[0] for a, b in zip(cuts, cuts[1:])]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name, value", every_value_of_every_option())
+def test_every_variant_computes_the_same_without_attentions_causal_shortcut(monkeypatch, name, value):
+    """attention() hands SDPA the causal rule as a flag when the layer's rule, decided at build time from
+    visible_keys, is the plain triangle: bit for bit what the mask it receives gives, unless the mask was changed
+    on its way (a rule narrowed after visible_keys, which that decision never saw)."""
+    model = eval_model(name, value)
+    idx = torch.randint(0, VOCAB, (2, model.config.block_size), generator=torch.Generator().manual_seed(2))
+
+    def full_and_cached() -> list[torch.Tensor]:
+        cache = KVCache(model.config, 2)
+        with torch.no_grad():
+            return [model(idx).logits, *(model(idx[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 6), (6, 9)])]
+
+    shortcut = full_and_cached()
+    real = model_module.attention
+    monkeypatch.setattr(model_module, "attention", lambda q, k, v, mask, plain_causal, dropout_p:
+                        real(q, k, v, mask, False, dropout_p))  # always the mask
+    assert all(torch.equal(a, b) for a, b in zip(shortcut, full_and_cached())), (
+        f"{'base' if name is None else f'{name}={value}'}: SDPA's causal shortcut dropped part of the mask attention "
+        f"received; write what a query sees in model.visible_keys, from which the layers decide the shortcut")
 
 
 @pytest.fixture(scope="module")
@@ -296,9 +350,9 @@ def test_a_new_option_needs_no_other_edit(tmp_path):
                              "-p", "no:cacheprovider"], cwd=repo, capture_output=True, text=True, timeout=600)
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0, result.stdout[-3000:]
-    # The new option's cases: flag and preset key, reaches the model, causal, KV cache, saved/shown/kept,
-    # GPT-2 refusal; its bad value.
-    assert summary.startswith("7 passed"), summary
+    # The new option's cases: flag and preset key, reaches the model, causal, KV cache, the shortcut's numbers,
+    # saved/shown/kept, GPT-2 refusal; its bad value.
+    assert summary.startswith("8 passed"), summary
 
 
 # ----------------------------------------------------------------------------- a mask fork, end to end
@@ -342,9 +396,9 @@ def test_a_window_fork_is_one_mask_edit(tmp_path):
     add_window_as_the_docs_say(repo)
     result = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window")
     assert result.returncode == 0, result.stdout[-3000:]
-    # flag and preset key, reaches the model, its negative value, causal, KV cache, saved/shown/kept, GPT-2
-    # refusal, its bad value
-    assert result.stdout.strip().splitlines()[-1].startswith("8 passed"), result.stdout[-500:]
+    # flag and preset key, reaches the model, its negative value, causal, KV cache, the shortcut's numbers,
+    # saved/shown/kept, GPT-2 refusal, its bad value
+    assert result.stdout.strip().splitlines()[-1].startswith("9 passed"), result.stdout[-500:]
     (tmp_path / "corpus.txt").write_text(make_text())
     run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
                                                                   max_iters=30, eval_interval=30, attn_window=4)],
@@ -359,6 +413,48 @@ def test_a_window_fork_is_one_mask_edit(tmp_path):
            "        mask = mask if cache is None else torch.ones_like(mask).tril(diagonal=start)  # the bug\n")
     broken = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window and kv_cache")
     assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
+
+
+# ----------------------------------------------------------------------------- a bias fork, end to end
+def add_alibi_as_the_docs_say(repo: Path) -> None:
+    """docs/experiments.md's two edits for ALiBi: pos_emb's third value, the bias in visible_keys."""
+    model_py = repo / "model.py"
+    source = model_py.read_text()
+    field = re.findall(r"^    pos_emb: Literal\[.*?\n(?=    \w+: )", source, re.M | re.S)
+    assert len(field) == 1, "update the ALiBi fork test: model.py declares pos_emb before another field"
+    model_py.write_text(source.replace(field[0], docs_snippet("# model.py, in GPTConfig, replacing the pos_emb "
+                                                              "field (ALiBi):\n")))
+    insert(model_py, "    return key <= query  # (T, start + T)",
+           docs_snippet("# model.py, in visible_keys, before its return (ALiBi):\n"))
+
+
+@pytest.mark.slow  # two fresh pytests, a training run and two samples in a copy of the repo: ~60 s
+def test_the_alibi_recipe_forks_the_repo_end_to_end(tmp_path):
+    repo = copy_of_the_repo(tmp_path)
+    add_alibi_as_the_docs_say(repo)
+    result = pytest_in(repo, "tests/test_model_options.py", "-k", "alibi")
+    assert result.returncode == 0, result.stdout[-3000:]
+    # flag and preset key, reaches the model and changes it, causal, KV cache, the shortcut's numbers,
+    # saved/shown/kept, GPT-2 refusal
+    assert result.stdout.strip().splitlines()[-1].startswith("7 passed"), result.stdout[-500:]
+    (tmp_path / "corpus.txt").write_text(make_text())
+    run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
+                                                                  max_iters=30, eval_interval=30, pos_emb="alibi",
+                                                                  dtype="bfloat16")],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]  # the bias in bf16 on CPU: added, never inverted with `~`
+    texts = [subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path / "run"), "--temp", "0",
+                             "--max-new-tokens", "80", "--no-stream", *flags], cwd=repo, capture_output=True,
+                            text=True, timeout=120).stdout for flags in ([], ["--no-cache"])]
+    assert texts[0] == texts[1] and len(texts[0]) > 80
+    # The teeth: ALiBi with every slope zero drops wpe and computes nothing of its own (issue 44, finding 2).
+    source = (repo / "model.py").read_text()
+    assert source.count("slopes = 2.0 **") == 1
+    (repo / "model.py").write_text(source.replace("slopes = 2.0 **", "slopes = 0.0 * 2.0 **"))
+    broken = pytest_in(repo, "tests/test_model_options.py", "-k", "alibi and reaches_the_model")
+    assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
+    assert ("pos_emb=alibi computes what the base model without transformer.wpe.weight computes"
+            in " ".join(broken.stdout.split())), broken.stdout[-1500:]
 
 
 def test_a_checkpoint_with_a_field_this_code_lacks_loads_with_a_warning_naming_it(tmp_path, corpus_file, capsys):
