@@ -79,13 +79,17 @@ class TrainingStream:
     ``load_state_dict()`` returns to, so a resumed run draws exactly the batches the stopped one would have.
 
     A loader is a subclass and one row of LOADERS. It draws only from its own generator, seeded ``seed``
-    (``restart``), never from a global RNG, so that nothing else in the run moves its batches.
+    (``restart``), never from a global RNG, so that nothing else in the run moves its batches. It reads its own
+    options from ``cfg`` (TrainConfig fields with a row in config.USED_ONLY_UNDER, so they are warned unused under
+    another loader); whatever of it changes as it draws is in its state_dict (tests/test_data.py checks every
+    attribute). ``full_rows``: every batch is (batch_size, block_size), so a step's tokens are known before it runs;
+    a loader whose rows vary (padded, or shorter) says False, and the start-up line says "up to".
     """
+    full_rows = False
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device: torch.device,
-                 separator: int | None):
+    def __init__(self, tokens: np.ndarray, cfg, seed: int, device: torch.device, separator: int | None):
         """``separator``: the id that begins each document (document_separator), None where there is none."""
-        self.tokens, self.batch_size, self.block_size = tokens, batch_size, block_size
+        self.tokens, self.cfg, self.batch_size, self.block_size = tokens, cfg, cfg.batch_size, cfg.block_size
         self.seed, self.device, self.separator = seed, device, separator
         self.restart()
 
@@ -115,6 +119,7 @@ class TrainingStream:
 class RandomWindows(TrainingStream):
     """Windows of T + 1 tokens at uniformly random offsets of the split, drawn independently (nanoGPT's
     get_batch): a row may begin anywhere, mid-document or mid-word, and run across documents."""
+    full_rows = True
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         return get_batch(self.tokens, self.batch_size, self.block_size, self.generator, self.device)
@@ -134,9 +139,9 @@ class PackedDocuments(TrainingStream):
     nanochat's dataloader (bos_bestfit) without its best-fit search: every token sees its document from the start;
     the cost is the cropped tails. Tokens before the split's first separator belong to no document, never read.
     """
+    full_rows = True
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device: torch.device,
-                 separator: int | None):
+    def __init__(self, tokens: np.ndarray, cfg, seed: int, device: torch.device, separator: int | None):
         self.starts = document_starts(tokens, separator)  # (D,): where each document begins
         if len(self.starts) < 2:  # one document would give every row its same first T + 1 tokens
             kind = "no document separator" if separator is None else f"separator id {separator}"
@@ -144,7 +149,7 @@ class PackedDocuments(TrainingStream):
                             "and rows that begin at documents need two or more: prepare a folder of documents, a "
                             ".jsonl or a .parquet (docs/data.md)")
         self.ends = np.append(self.starts[1:], len(tokens))  # (D,): each ends where the next begins
-        super().__init__(tokens, batch_size, block_size, seed, device, separator)
+        super().__init__(tokens, cfg, seed, device, separator)
 
     def restart(self) -> None:
         super().restart()
@@ -191,15 +196,16 @@ class Conversations(PackedDocuments):
 
     The stream of a conversation corpus (prepare/chat.py), whatever cfg.loader says: a row never holds two
     conversations, so each token sees its own conversation from its start and nothing else. A conversation
-    longer than block_size + 1 tokens is refused, or with overflow="truncate" cut there (said once).
+    longer than block_size + 1 tokens is refused, or with cfg.chat_overflow="truncate" cut there (said once).
     """
+    full_rows = False  # padded to the batch's longest conversation
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device: torch.device,
-                 tokenizer, overflow: str = "refuse", source: tuple[str, list[int]] = ("the train split", [])):
+    def __init__(self, tokens: np.ndarray, cfg, seed: int, device: torch.device, tokenizer,
+                 source: tuple[str, list[int]] = ("the train split", [])):
         """``source``: the file and the line of each conversation, for a refusal to name (meta.json's lines)."""
         self.tokenizer = tokenizer
-        super().__init__(tokens, batch_size, block_size, seed, device, tokenizer.marker_ids[BEGIN])
-        check_fit(self.ends - self.starts, block_size, overflow, source)
+        super().__init__(tokens, cfg, seed, device, tokenizer.marker_ids[BEGIN])
+        check_fit(self.ends - self.starts, cfg.block_size, cfg.chat_overflow, source)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [self.next_document()[: self.block_size + 1] for _ in range(self.batch_size)]
@@ -233,11 +239,9 @@ def training_stream(cfg, corpus: Corpus, tokenizer, rank: int, device: torch.dev
     """The loader cfg.loader names, over the train split, seeded cfg.seed + rank: each DDP rank its own batches.
     A corpus the loader cannot read is a one-line DataError naming the file and the fix."""
     if is_chat(corpus):
-        return Conversations(corpus.train, cfg.batch_size, cfg.block_size, cfg.seed + rank, device, tokenizer,
-                             cfg.chat_overflow, chat_source(corpus, "train"))
+        return Conversations(corpus.train, cfg, cfg.seed + rank, device, tokenizer, chat_source(corpus, "train"))
     try:
-        return LOADERS[cfg.loader](corpus.train, cfg.batch_size, cfg.block_size, cfg.seed + rank, device,
-                                   document_separator(tokenizer))
+        return LOADERS[cfg.loader](corpus.train, cfg, cfg.seed + rank, device, document_separator(tokenizer))
     except DataError as err:
         others = " or ".join(f"--loader {name}" for name in LOADERS if name != cfg.loader)
         raise DataError(f"{corpus.folder / 'train.bin'} {err}, or train with {others} instead of --loader "

@@ -248,7 +248,8 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnS
         step, time_before, best_val = checkpointer.resume() if cfg.resume else (0, 0.0, math.inf)
     train_model = compile_for_step(model, run.stream, rt)  # the model itself, unless compiled
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
-    distributed.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size))
+    distributed.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size,
+                                    run.stream.full_rows))
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         done = step >= cfg.max_iters or cfg.out_of_time(time_before)  # a resumed run may have nothing left to do
         log = MetricsLog(out_dir, cfg, step, model.flops_per_token(), rt, ddp.world_size, enabled=ddp.is_main,
@@ -262,6 +263,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnS
             lr = get_lr(step, cfg, time.time() - t_start)
             batches = [run.stream.next() for _ in range(cfg.grad_accum)]
             losses, grad_norm = train_step(run, step_model, batches, step + 1, lr, ddp.world_size)
+            log.count(batches, losses.n_targets)  # what the step really processed, read at the next log line
             step += 1
             out_of_time, signalled = halt_flags(cfg, step, stop, t_start, ddp)
             last = step == cfg.max_iters or out_of_time

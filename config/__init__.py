@@ -63,7 +63,8 @@ class TrainConfig(GPTConfig):
     val_fraction: float = free(0.1, "share held out for validation (the tail of a text file; every k-th document)")
     # --- the batches
     eval_tokens: int = fixed(0, "val targets scored per eval; 0 = the whole val split (best_val_loss's measure)")
-    loader: Literal["random_windows", "bos_packed"] = fixed("random_windows", "how batches are drawn (docs/data.md)")
+    loader: Literal["random_windows", "bos_packed"] = fixed(
+        "random_windows", "how batches are drawn (docs/data.md); a loader's own options: rows of USED_ONLY_UNDER")
     chat_overflow: Literal["refuse", "truncate"] = fixed(
         "refuse", "a conversation over block_size + 1 tokens: refuse the run (naming its line) | truncate it there")
     batch_size: int = warned(32, "sequences per micro-batch")
@@ -105,7 +106,7 @@ class TrainConfig(GPTConfig):
     def __post_init__(self) -> None:
         """Nothing: GPTConfig's checks run in validate, after the cheaper ones, as a ConfigError."""
 
-    def tokens_per_step(self) -> int:  # consumed by one optimizer step
+    def tokens_per_step(self) -> int:  # the most one optimizer step reads, every row full (a rank's: ranks multiply)
         return self.batch_size * self.block_size * self.grad_accum
 
     def out_of_time(self, time_s: float) -> bool:  # max_time (never, when 0) is spent after time_s seconds
@@ -116,7 +117,7 @@ class TrainConfig(GPTConfig):
 # of the settings line and of a resume's warnings). tests/test_training_options.py checks it by perturbing every field.
 USED_ONLY_UNDER = {"muon_lr": ("optimizer", "muon"), "wsd_fraction": ("lr_decay", "wsd"),  # field: (chooser, value)
                    "lr_decay_iters": ("schedule", "steps"), "bpe_vocab_size": ("tokenizer", "bpe")}
-CHOOSERS = ("optimizer", "lr_decay", "schedule", "tokenizer")  # the fields that choose what reads the others
+CHOOSERS = ("optimizer", "lr_decay", "schedule", "tokenizer", "loader")  # the fields that choose what reads the others
 OPTIONS = tuple(f for f in dataclasses.fields(TrainConfig) if f.name != "given")  # every field a user can set
 DEFAULTS = {f.name: f.default for f in OPTIONS}
 FIELD_TYPES = {name: kind for name, kind in get_type_hints(TrainConfig).items() if name in DEFAULTS}
@@ -250,10 +251,13 @@ def unused_fields(cfg: TrainConfig) -> set[str]:
 
 
 def unused_given(cfg: TrainConfig) -> list[str]:
-    """A warning per field the user set (preset or command line) that this run does not read."""
-    chosen = ", ".join(f"{name}={getattr(cfg, name)}" for name in CHOOSERS)
-    return [f"WARNING: {name} is set ({getattr(cfg, name)!r}) but unused: {chosen} do not read it"
-            for name in sorted(unused_fields(cfg) & given_fields(cfg))]
+    """A warning per field the user set (preset or command line) that this run does not read: the choice that
+    leaves it unused, and the one that reads it."""
+    def warning(name: str) -> str:
+        chooser, reader = USED_ONLY_UNDER[name]
+        return (f"WARNING: {name} is set ({getattr(cfg, name)!r}) but unused: {chooser}={getattr(cfg, chooser)} "
+                f"does not read it ({chooser}={reader} does)")
+    return [warning(name) for name in sorted(unused_fields(cfg) & given_fields(cfg))]
 
 
 def settings_line(cfg: TrainConfig) -> str:

@@ -262,7 +262,7 @@ def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str
     last = run.folder / "last.pt"
     evals = [r for r in records if "val_loss" in r]
     logs = [r for r in records if "tokens_per_s" in r][1:]  # the first log interval is warm-up
-    step_ms = [cfg.tokens_per_step() / r["tokens_per_s"] * 1000 for r in logs]
+    step_ms = [r["tokens_per_step"] / r["tokens_per_s"] * 1000 for r in logs]
     final = evals[-1] if evals and not diverged else {"step": records[-1]["step"] if records else 0}
     result = {"variant": run.variant, "seed": run.seed, "step": final["step"],
               "val_loss": final.get("val_loss", math.nan), "val_bpb": final.get("val_bpb", math.nan),

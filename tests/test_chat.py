@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from config import TrainConfig
 from conftest import REPO, run_script, tiny_args, tiny_model
 from data import Conversations, conversation_rows, eval_windows, load_corpus
 from prepare.__main__ import main as prepare_main
@@ -101,7 +102,7 @@ def test_rows_hold_one_whole_conversation_padded_and_masked(tmp_path):
     folder = prepare_conversations(write_chats(tmp_path / "chats.jsonl"), tmp_path / "data", "char", 0.25)
     corpus = load_corpus(folder, 16)
     t = tokenizer_from_meta(corpus.meta["tokenizer"])
-    stream = Conversations(corpus.train, 8, 64, 0, torch.device("cpu"), t)
+    stream = Conversations(corpus.train, TrainConfig(batch_size=8, block_size=64), 0, torch.device("cpu"), t)
     x, y = stream.next()
     assert (x[:, 0] == t.marker_ids[BEGIN]).all()  # every row begins a conversation
     for xi, yi in zip(x, y):
@@ -140,9 +141,10 @@ def test_a_conversation_longer_than_the_context_is_refused_naming_its_line_or_cu
     corpus = load_corpus(prepare_conversations(path, tmp_path / "data", "char", 0.25), 16)
     t = tokenizer_from_meta(corpus.meta["tokenizer"])
     with pytest.raises(DataError, match=r"chats.jsonl:10: a conversation of 195 tokens .* --chat_overflow truncate"):
-        Conversations(corpus.train, 2, 64, 0, torch.device("cpu"), t, source=(corpus.meta["source"],
-                                                                               corpus.meta["lines"]["train"]))
-    stream = Conversations(corpus.train, 2, 64, 0, torch.device("cpu"), t, overflow="truncate")
+        Conversations(corpus.train, TrainConfig(batch_size=2, block_size=64), 0, torch.device("cpu"), t,
+                      source=(corpus.meta["source"], corpus.meta["lines"]["train"]))
+    stream = Conversations(corpus.train, TrainConfig(batch_size=2, block_size=64, chat_overflow="truncate"), 0,
+                           torch.device("cpu"), t)
     assert "1 of 7 conversations cut at block_size + 1 = 65 tokens" in capsys.readouterr().out
     assert all(stream.next()[0].shape[1] <= 64 for _ in range(8))
 

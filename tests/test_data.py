@@ -1,6 +1,7 @@
 """Corpus preparation, training batches and validation windows (the tokenizers: test_tokenizers.py)."""
 from __future__ import annotations
 
+import copy
 import fcntl
 import io
 import json
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -20,8 +22,10 @@ import data
 from prepare import corpora, documents, downloads, staging, texts, tokenfiles, tokenizers
 import sample
 import train
+from training import tracking
 from training.checkpoint import load_checkpoint
-from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
+from config import TrainConfig
+from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
 from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
                   val_windows)
 from prepare.corpora import prepare
@@ -29,7 +33,9 @@ from prepare.downloads import strip_gutenberg
 from prepare.tokenfiles import split_fingerprint
 from prepare.tokenizers import CharTokenizer
 from scripts import doctor
-from fault_injection import assert_nested_equal, assert_same_training_state
+from fault_injection import assert_nested_equal, assert_same_training_state, step_clock
+from test_chat import write_chats
+from test_training_options import fork_of_the_repo
 
 
 def test_prepare_a_text_file(tmp_path, text_file):
@@ -103,6 +109,11 @@ CPU = torch.device("cpu")
 SEP = 0  # the separator of the synthetic corpora below: every document begins with it
 
 
+def loader_cfg(batch_size: int, block_size: int, **options) -> TrainConfig:
+    """The config a loader reads: its batch's shape, and any options of its own."""
+    return TrainConfig(batch_size=batch_size, block_size=block_size, **options)
+
+
 def packed_corpus(lengths: list[int], lead: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
     """Documents of these lengths, document k being [SEP, k + 1, k + 1, ...], after ``lead`` tokens of no
     document (99); their concatenation, the train split."""
@@ -124,19 +135,19 @@ def pieces_of(row: np.ndarray) -> list[np.ndarray]:
 
 def test_random_windows_draw_get_batchs_windows_and_resume_from_their_state():
     tokens = np.arange(1000, dtype=np.uint16)
-    stream, generator = RandomWindows(tokens, 4, 16, 3, CPU, None), torch.Generator().manual_seed(3)
+    stream, generator = RandomWindows(tokens, loader_cfg(4, 16), 3, CPU, None), torch.Generator().manual_seed(3)
     for _ in range(3):  # the windows get_batch draws from a generator seeded like the stream: the golden runs' batches
         assert_nested_equal(stream.next(), get_batch(tokens, 4, 16, generator, CPU))
     state = stream.state_dict()
     ahead = [stream.next() for _ in range(3)]
-    resumed = RandomWindows(tokens, 4, 16, 3, CPU, None)
+    resumed = RandomWindows(tokens, loader_cfg(4, 16), 3, CPU, None)
     resumed.load_state_dict(state)
     assert_nested_equal([resumed.next() for _ in range(3)], ahead)
 
 
 def test_packed_rows_begin_at_a_document_and_hold_whole_documents_then_one_cropped():
     docs, tokens = packed_corpus([3, 5, 2, 9, 4, 2, 6, 12, 2], lead=2)
-    stream = PackedDocuments(tokens, 3, 7, 0, CPU, SEP)  # rows of T + 1 = 8 tokens
+    stream = PackedDocuments(tokens, loader_cfg(3, 7), 0, CPU, SEP)  # rows of T + 1 = 8 tokens
     rows = [row for _ in range(6) for row in rows_of(stream.next())]
     assert len(rows) == 18 and all(len(row) == 8 for row in rows)
     for row in rows:
@@ -148,7 +159,7 @@ def test_packed_rows_begin_at_a_document_and_hold_whole_documents_then_one_cropp
 
 def test_packed_documents_come_once_each_per_epoch_in_a_new_shuffle_each_epoch():
     docs, tokens = packed_corpus([4] * 6)
-    stream = PackedDocuments(tokens, 3, 7, 0, CPU, SEP)  # 3 rows of 2 whole documents: one batch, one epoch
+    stream = PackedDocuments(tokens, loader_cfg(3, 7), 0, CPU, SEP)  # 3 rows of 2 whole documents: one batch, one epoch
     epochs = [[piece[1] - 1 for row in rows_of(stream.next()) for piece in pieces_of(row)] for _ in range(3)]
     assert all(sorted(order) == list(range(6)) for order in epochs)
     assert epochs[0] != epochs[1] != epochs[2]
@@ -157,14 +168,14 @@ def test_packed_documents_come_once_each_per_epoch_in_a_new_shuffle_each_epoch()
 
 def test_packed_documents_resume_mid_epoch_exactly():
     _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3])
-    stream = PackedDocuments(tokens, 2, 7, 5, CPU, SEP)
+    stream = PackedDocuments(tokens, loader_cfg(2, 7), 5, CPU, SEP)
     for _ in range(3):
         stream.next()
     state = stream.state_dict()
     assert state["epoch"] == 1 and 0 < state["position"] < 11  # mid-epoch, the first shuffle done
     ahead = [stream.next() for _ in range(10)]  # across more epochs
     assert stream.state_dict()["epoch"] >= 3
-    resumed = PackedDocuments(tokens, 2, 7, 5, CPU, SEP)
+    resumed = PackedDocuments(tokens, loader_cfg(2, 7), 5, CPU, SEP)
     resumed.load_state_dict(state)
     assert_nested_equal([resumed.next() for _ in range(10)], ahead)
     assert_nested_equal(resumed.state_dict(), stream.state_dict())
@@ -174,13 +185,221 @@ def test_packed_documents_resume_mid_epoch_exactly():
 def test_a_first_batch_is_a_fresh_streams_and_moves_no_random_stream(loader):
     """The compile probe's and the doctor's batch: the stream, and torch's global RNG, stay where they were."""
     _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3])
-    stream = LOADERS[loader](tokens, 2, 7, 5, CPU, SEP)
+    stream = LOADERS[loader](tokens, loader_cfg(2, 7), 5, CPU, SEP)
     first = stream.next()
     stream.next()
     state, global_state = stream.state_dict(), torch.get_rng_state()
     assert_nested_equal(stream.first_batch(), first)
     assert_nested_equal(stream.state_dict(), state)
     assert torch.equal(torch.get_rng_state(), global_state)
+
+
+def attributes(stream: data.TrainingStream) -> dict:
+    """Everything a stream holds (vars), comparable: a generator as its state, an array as a tensor."""
+    def comparable(value):
+        if isinstance(value, torch.Generator):
+            return value.get_state()
+        return torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value
+    return {name: comparable(value) for name, value in vars(stream).items()}
+
+
+def resume_errors(stream: data.TrainingStream, restored: data.TrainingStream) -> list[str]:
+    """Each attribute in which ``restored`` (a fresh stream given ``stream``'s state_dict) differs from ``stream``."""
+    ours, theirs, errors = attributes(stream), attributes(restored), []
+    for name in sorted(ours.keys() | theirs.keys()):
+        try:
+            assert_nested_equal(ours.get(name), theirs.get(name), name)
+        except AssertionError as err:
+            errors.append(f"{type(stream).__name__}.{name} is not restored by load_state_dict ({err}): put it in "
+                          "state_dict, or a resume continues the stream from elsewhere")
+    return errors
+
+
+STOPS = (1, 7, 50, 200)  # micro-batches drawn before a stop: late ones too, where a schedule of the loader has moved
+
+
+def resumed_at_every_stop(make: Callable[[], data.TrainingStream]) -> list[str]:
+    """Draw from ``make()``'s stream, stopping at each of STOPS: a fresh stream restored from its state_dict must
+    equal it in every attribute, and draw the same next batches."""
+    stream, drawn, errors = make(), 0, []
+    for stop in STOPS:
+        for _ in range(stop - drawn):
+            stream.next()
+        drawn = stop
+        restored = make()
+        restored.load_state_dict(copy.deepcopy(stream.state_dict()))
+        errors += [f"after {stop} batches: {error}" for error in resume_errors(stream, restored)]
+        if not errors:
+            ahead = [stream.next() for _ in range(3)]
+            assert_nested_equal([restored.next() for _ in range(3)], ahead, f"the 3 batches after {stop}")
+            drawn += 3
+    return errors
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_every_loader_restored_from_its_state_is_the_stream_it_left_in_every_attribute(loader):
+    """Its next batches are not enough: a loader whose state_dict leaves out a counter that moves late (a length
+    curriculum's) draws the same batches for a while, then another stream, and a resume goes on silently."""
+    _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3, 20, 8])
+    assert resumed_at_every_stop(lambda: LOADERS[loader](tokens, loader_cfg(2, 16), 5, CPU, SEP)) == []
+
+
+class Forgetful(RandomWindows):
+    """A probe: windows that grow by one token every 10 batches, whose state_dict leaves out the batch count."""
+
+    def restart(self) -> None:
+        super().restart()
+        self.drawn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.drawn += 1
+        return get_batch(self.tokens, self.batch_size, min(4 + self.drawn // 10, self.block_size), self.generator,
+                         self.device)
+
+
+def test_the_state_check_names_an_attribute_that_state_dict_leaves_out():
+    _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3, 20, 8])
+    errors = resumed_at_every_stop(lambda: Forgetful(tokens, loader_cfg(2, 16), 5, CPU, SEP))
+    assert errors and errors[0].startswith("after 1 batches: Forgetful.drawn is not restored by load_state_dict "
+                                           "(drawn: 1 vs 0): put it in state_dict")
+
+
+class Ragged(RandomWindows):
+    """A probe: every other micro-batch's windows are half as long, as a length curriculum's are at first."""
+    full_rows = False
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        short = torch.randint(2, (), generator=self.generator).item() == 0
+        return get_batch(self.tokens, self.batch_size, self.block_size // (2 if short else 1), self.generator,
+                         self.device)
+
+
+def processed_per_step(monkeypatch) -> list[tuple[int, int]]:
+    """(positions, targets) of every step train.py takes, read from the batches it steps on; each step 0.25 s."""
+    steps, real_step = [], train.train_step
+
+    def train_step(run, model, batches, *args, **kwargs):
+        steps.append((sum(x.numel() for x, _ in batches), sum(int((y != -1).sum()) for _, y in batches)))
+        return real_step(run, model, batches, *args, **kwargs)
+    monkeypatch.setattr(train, "train_step", train_step)
+    monkeypatch.setattr(tracking, "time", step_clock(monkeypatch, step_s=0.25))  # the log's clock is train.py's
+    return steps
+
+
+@pytest.mark.parametrize("loader", [*LOADERS, "ragged", "conversations"])
+def test_tokens_per_step_and_per_second_count_what_the_steps_processed(tmp_path, text_file, monkeypatch, capsys,
+                                                                       loader):
+    """Before, tokens/s was batch_size x block_size x grad_accum over the time: 4x a curriculum's real rate at first,
+    and a chat run's padded rows counted block_size long. Now each log line's are the steps' own positions (padding
+    computed, so counted) and targets, and the start-up line says "up to" where rows vary."""
+    corpus, given = text_file, {"loader": loader}
+    if loader == "ragged":
+        monkeypatch.setitem(data.LOADERS, "random_windows", Ragged)
+        given = {}
+    elif loader == "conversations":
+        corpus, given = write_chats(tmp_path / "chats.jsonl", n=60), {"block_size": 64, "chat_overflow": "truncate"}
+    steps = processed_per_step(monkeypatch)
+    assert run_main(tiny_args(tmp_path / "run", corpus, max_iters=6, log_interval=3, grad_accum=2, **given)) == 0
+    nominal = 8 * (given.get("block_size", 32)) * 2  # batch_size x block_size x grad_accum
+    full_rows = {**LOADERS, "ragged": Ragged, "conversations": data.Conversations}[loader].full_rows
+    up_to = "" if full_rows else "up to "
+    assert f"compile False, {up_to}{nominal:,} tokens/step (1 rank(s)" in capsys.readouterr().out
+    logged = [r for r in read_metrics(tmp_path / "run") if "tokens_per_s" in r]
+    for record, interval in zip(logged, (steps[:3], steps[3:])):
+        positions, targets = (sum(counts) / 3 for counts in zip(*interval))
+        assert (record["tokens_per_step"], record["targets_per_step"]) == (positions, targets)
+        assert record["tokens_per_s"] == positions / 0.25
+    assert len(logged) == 2 and all(r["tokens_per_step"] == nominal if full_rows else r["tokens_per_step"] <= nominal
+                                    for r in logged)
+    assert (logged[0]["targets_per_step"] < logged[0]["tokens_per_step"]) == (loader == "conversations")
+
+
+# The headings of docs/experiments.md's python blocks of the curriculum recipe, each applied as it says.
+CURRICULUM = ("# data.py, replacing the LOADERS line (a length curriculum):\n",
+              "# config/__init__.py, in TrainConfig: the new name in the Literal (the curriculum; the rest of the line "
+              "unchanged)\n",
+              "# config/__init__.py, in TrainConfig, after wandb_project (the curriculum's options):\n",
+              "# config/__init__.py, in USED_ONLY_UNDER (the curriculum's rows):\n")
+CURRICULUM_SCRIPT = '''
+import contextlib, io, json, sys
+from pathlib import Path
+import pytest
+import train
+from config import make_config, unused_given
+from training import tracking
+from training.checkpoint import load_checkpoint
+from tests.fault_injection import assert_same_training_state, step_clock
+
+corpus, out = sys.argv[1], Path(sys.argv[2])
+common = ["--config", "tiny", "--data_path", corpus, "--data_dir", str(out / "data"), "--device", "cpu",
+          "--log_interval", "1", "--eval_interval", "4", "--grad_accum", "2", "--loader", "curriculum",
+          "--curriculum_start", "8", "--curriculum_iters", "6"]
+def main(*args):
+    """train.main on the common arguments, each step 0.25 s on its clock: its exit code and what it printed."""
+    printed, errors = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        mp.setattr(tracking, "time", step_clock(mp, step_s=0.25))
+        try:
+            train.main(common + list(args))
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+    return {"code": code, "out": printed.getvalue(), "err": errors.getvalue()}
+
+report = {"warned": unused_given(make_config("tiny", curriculum_start=8))}
+report["straight"] = main("--out_dir", str(out / "straight"), "--max_iters", "8")
+report["logged"] = [json.loads(line) for line in (out / "straight" / "metrics.jsonl").read_text().splitlines()]
+report["split"] = main("--out_dir", str(out / "split"), "--max_iters", "4")  # mid-ramp
+report["resumed"] = main("--out_dir", str(out / "split"), "--max_iters", "8", "--resume")
+assert_same_training_state(load_checkpoint(out / "straight" / "last.pt"), load_checkpoint(out / "split" / "last.pt"))
+report["refused"] = main("--out_dir", str(out / "split"), "--max_iters", "9", "--resume", "--curriculum_start", "9")
+print("REPORT " + json.dumps(report))
+'''
+
+
+@pytest.mark.slow
+def test_the_curriculum_recipe_forks_the_repo_end_to_end(tmp_path):
+    """docs/experiments.md's length curriculum, taken from the page, in a copy of the repo with its tests: it trains,
+    logs the rows' real length as its throughput, stops mid-ramp and resumes bit for bit, refuses a changed option,
+    warns about one set under another loader, passes the copy's generated loader tests; and with its counter left
+    out of its state_dict (the edit that restarted the ramp on every resume, silently), fails them naming it."""
+    fork = fork_of_the_repo(tmp_path, snippets=CURRICULUM, tests=True)
+    (tmp_path / "corpus.txt").write_text(make_text())
+    result = subprocess.run([sys.executable, "-c", CURRICULUM_SCRIPT, str(tmp_path / "corpus.txt"),
+                             str(tmp_path / "o")], cwd=fork, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("REPORT ", 1)[1])
+    assert report["warned"] == ["WARNING: curriculum_start is set (8) but unused: loader=random_windows does not "
+                                "read it (loader=curriculum does)"]
+    assert report["straight"]["code"] == report["split"]["code"] == report["resumed"]["code"] == 0
+    assert "compile False, up to 512 tokens/step (1 rank(s) x 512)" in report["straight"]["out"]
+    lengths = [8 + 24 * min(step, 6) // 6 for step in range(8)]  # 8 tokens, growing to 32 over 6 steps
+    logged = [r for r in report["logged"] if "tokens_per_s" in r]
+    assert [r["tokens_per_step"] for r in logged] == [r["targets_per_step"] for r in logged] == [
+        8 * 2 * length for length in lengths]  # batch_size x grad_accum rows of the step's length
+    assert [r["tokens_per_s"] for r in logged] == [8 * 2 * length / 0.25 for length in lengths]
+    assert report["refused"]["code"] == 2 and "curriculum_start: checkpoint 8 vs now 9" in report["refused"]["err"]
+
+    def pytest_in_the_copy(name: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--basetemp",
+                               str(tmp_path / name), *args], cwd=fork, capture_output=True, text=True, timeout=600)
+
+    generated = pytest_in_the_copy("generated", "tests/test_data.py", "tests/test_training_options.py", "-k",
+                                   "curriculum and (every_loader or first_batch or tokens_per_step) "
+                                   "or only_one_loader or tables_keys and loader")
+    assert generated.returncode == 0, generated.stdout[-4000:]
+    for test in ("test_data.py::test_every_loader_restored_from_its_state_is_the_stream_it_left_in_every_attribute"
+                 "[curriculum]", "test_data.py::test_tokens_per_step_and_per_second_count_what_the_steps_processed"
+                 "[curriculum]", "test_training_options.py::test_the_fields_only_one_loader_reads_are_the_table"):
+        assert f"PASSED tests/{test}" in generated.stdout, test
+    loader_file = fork / "data.py"
+    source = loader_file.read_text()
+    forgetful = source.replace('return {**super().state_dict(), "drawn": self.drawn}', "return super().state_dict()")
+    forgetful = forgetful.replace('        self.drawn = state["drawn"]\n', "")
+    assert forgetful.count("drawn") == source.count("drawn") - 4, "update the test: the recipe's state_dict changed"
+    loader_file.write_text(forgetful)
+    caught = pytest_in_the_copy("forgetful", "tests/test_data.py", "-k", "curriculum and every_loader")
+    assert caught.returncode == 1 and "LengthCurriculum.drawn is not restored by load_state_dict" in caught.stdout
 
 
 @pytest.mark.parametrize("text, starts", [("the king " * 60, "0 document starts (no document separator)"),
@@ -195,7 +414,8 @@ def test_packing_a_corpus_without_two_documents_is_refused_in_one_line_before_a_
     assert run_main(tiny_args(out, text_file, loader="bos_packed", block_size=16)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "train.bin holds " + starts in err, err
-    assert err.rstrip().endswith(", or train with --loader random_windows instead of --loader bos_packed")
+    others = " or ".join(f"--loader {name}" for name in LOADERS if name != "bos_packed")
+    assert err.rstrip().endswith(f", or train with {others} instead of --loader bos_packed")
     assert not out.exists()
     assert run_main(tiny_args(out, text_file, loader="random_windows", block_size=16, max_iters=1)) == 0
 

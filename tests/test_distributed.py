@@ -384,6 +384,7 @@ def test_under_two_ranks_one_process_writes_each_metric_once(tmp_path, text_file
     records = read_metrics(out)
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    assert {r["tokens_per_step"] for r in records if "loss" in r} == {2 * 2 * 32}  # both ranks' rows, summed
     printed = [line for line in result.stdout.splitlines() if line.lstrip().startswith("step ")]
     assert [line.split("|")[0].split()[1] for line in printed] == ["1", "2", "2", "3", "4", "4"]  # train, val
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from training import runtime
 import train
 from training.runtime import choose_runtime
-from config import parse_args
+from config import TrainConfig, parse_args
 from conftest import REPO, make_optimizer, make_text, random_batch, run_script, tiny_args, tiny_model
 from data import PackedDocuments, get_batch
 from prepare.tokenizers import CharTokenizer
@@ -112,7 +112,7 @@ def test_a_batch_of_packed_documents_is_checked_document_by_document():
     text = make_text()
     tokenizer = CharTokenizer("".join(sorted(set(text))))
     data = tokenizer.encode_array(text).astype(np.uint16)
-    stream = PackedDocuments(data, 4, 64, 0, CPU, tokenizer.eot_token)  # char documents: lines
+    stream = PackedDocuments(data, TrainConfig(batch_size=4, block_size=64), 0, CPU, tokenizer.eot_token)  # lines
     x, y = stream.first_batch()
     assert doctor.check_batch(x, y, data, tokenizer, doctor.stretches_of(stream)).passed
     assert not doctor.check_batch(x, y, data, tokenizer).passed  # read as one window, it is not the corpus's

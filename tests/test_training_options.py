@@ -89,17 +89,16 @@ def test_a_set_option_that_the_chosen_optimizer_or_decay_does_not_read_is_warned
                                                                                            capsys):
     cfg = make_config("tiny", muon_lr=0.01, wsd_fraction=0.3)
     assert unused_fields(cfg) >= {"muon_lr", "wsd_fraction"}
-    assert unused_given(cfg) == [
-        f"WARNING: {name} is set ({value}) but unused: optimizer=adamw, lr_decay=cosine, schedule=steps, "
-        "tokenizer=char do not read it" for name, value in (("muon_lr", 0.01), ("wsd_fraction", 0.3))]
+    assert unused_given(cfg) == ["WARNING: muon_lr is set (0.01) but unused: optimizer=adamw does not read it "
+                                 "(optimizer=muon does)", "WARNING: wsd_fraction is set (0.3) but unused: "
+                                 "lr_decay=cosine does not read it (lr_decay=wsd does)"]
     assert "muon_lr" not in settings_line(cfg)
     assert unused_given(make_config("tiny", optimizer="muon", muon_lr=0.01)) == []
     timed = make_config("tiny", schedule="time", max_time=60)  # tiny sets lr_decay_iters, which time does not read
-    assert unused_given(timed) == ["WARNING: lr_decay_iters is set (200) but unused: optimizer=adamw, "
-                                   "lr_decay=cosine, schedule=time, tokenizer=char do not read it"]
+    assert unused_given(timed) == ["WARNING: lr_decay_iters is set (200) but unused: schedule=time does not read "
+                                   "it (schedule=steps does)"]
     assert unused_given(make_config("tiny", bpe_vocab_size=512)) == [
-        "WARNING: bpe_vocab_size is set (512) but unused: optimizer=adamw, lr_decay=cosine, schedule=steps, "
-        "tokenizer=char do not read it"]
+        "WARNING: bpe_vocab_size is set (512) but unused: tokenizer=char does not read it (tokenizer=bpe does)"]
     assert unused_given(make_config("tiny", tokenizer="bpe", bpe_vocab_size=512)) == []
     assert run_main(tiny_args(tmp_path / "run", text_file, max_iters=1, muon_lr=0.01)) == 0
     assert unused_given(cfg)[0] in capsys.readouterr().out.splitlines()
@@ -210,7 +209,9 @@ def test_the_names_the_config_accepts_are_its_tables_keys(field, table):
 NUMERIC = [name for name, kind in FIELD_TYPES.items() if kind in (int, float)]
 READ_CASE = dict(warmup_iters=10, lr_decay_iters=60, max_iters=80, max_time=40)  # each end inside 100 steps
 RUN_CHOICES = ("optimizer", "lr_decay", "schedule")  # what chooses the optimizer and the lr curve
-READ_BY_THE_LOOP = {"max_iters", "max_time"}  # the curve reads them under schedule=time only; the loop, always
+# The curve reads max_iters and max_time under schedule=time only, a loader may read grad_accum (to count steps); the
+# loop reads all three, always.
+READ_BY_THE_LOOP = {"max_iters", "max_time", "grad_accum"}
 
 
 def perturbed(cfg: TrainConfig, name: str) -> TrainConfig:
@@ -297,6 +298,20 @@ def test_the_fields_only_one_choice_reads_are_the_table_under_every_optimizer_de
     assert table_errors(USED_ONLY_UNDER, RUN_CHOICES, run_readers) == []
 
 
+def made_by_the_loader(cfg: TrainConfig) -> object:
+    """The first 120 micro-batches ``cfg``'s loader draws from a corpus of documents, as bytes with their shapes."""
+    lengths = np.random.default_rng(0).integers(2, 40, size=200)
+    tokens = np.concatenate([np.r_[0, np.full(n - 1, n)] for n in lengths]).astype(np.uint16)  # document: 0 n n ...
+    stream = LOADERS[cfg.loader](tokens, cfg, cfg.seed, torch.device("cpu"), 0)
+    return [(x.shape, x.numpy().tobytes(), y.numpy().tobytes()) for x, y in (stream.next() for _ in range(120))]
+
+
+def test_the_fields_only_one_loader_reads_are_the_table():
+    """The same under every loader (a loader reads its options from the config it is given), for its batches."""
+    read = readers(("loader",), made_by_the_loader, batch_size=2, block_size=64)
+    assert table_errors(USED_ONLY_UNDER, ("loader",), read) == []
+
+
 # gpt2's case downloads GPT-2's ranks into a fresh data_dir (~20 s, test_bpe_data.py): network, and slow.
 TOKENIZERS = [pytest.param(name, marks=[pytest.mark.network, pytest.mark.slow] if name == "gpt2" else [])
               for name in choices("tokenizer")]
@@ -340,7 +355,8 @@ def test_the_fields_the_table_leaves_to_the_loop_are_read_by_the_loop():
     """max_iters and max_time move the lr curve under schedule=time only, yet no run leaves them unused: the loop
     stops on them whatever the clock (max_time through cfg.out_of_time)."""
     loop = cfg_reads(REPO / "train.py")
-    assert {"max_iters", "out_of_time"} <= loop and "max_time" in TrainConfig.out_of_time.__code__.co_names
+    assert {"max_iters", "out_of_time", "grad_accum"} <= loop
+    assert "max_time" in TrainConfig.out_of_time.__code__.co_names
     assert READ_BY_THE_LOOP.isdisjoint(USED_ONLY_UNDER)
 
 def test_wsd_is_flat_then_linear_over_its_final_fraction():
@@ -421,13 +437,14 @@ FIELD_ANCHOR = '    wandb_project: str = free("tinygpt", "wandb project name")\n
 def apply_snippet(fork: Path, heading: str) -> None:
     """Apply the page's block under ``heading`` to the copy ``fork``, as its heading says."""
     body = docs_snippet(heading)
-    optim_file, config_file = fork / "training" / "optim.py", fork / "config" / "__init__.py"
-    if heading.startswith("# training/optim.py, replacing the "):  # a table's line: its new function, its new row
+    config_file = fork / "config" / "__init__.py"
+    if ", replacing the " in heading:  # "# FILE, replacing the TABLE line": its new function or class, its new row
+        file = heading.removeprefix("# ").split(", ")[0]
         table = heading.split("replacing the ")[1].split(" line")[0]
-        source = optim_file.read_text()
+        source = (fork / file).read_text()
         lines = re.findall(rf"^{table}\b.* = .*\n", source, re.M)
-        assert len(lines) == 1, f"update the fork test: training/optim.py declares {table} on one line"
-        optim_file.write_text(source.replace(lines[0], body))
+        assert len(lines) == 1, f"update the fork test: {file} declares {table} on one line"
+        (fork / file).write_text(source.replace(lines[0], body))
         return
     source = config_file.read_text()
     if "in the Literal" in heading:  # `    optimizer: Literal[...]`: the field's new type
@@ -587,8 +604,8 @@ def test_the_lion_recipe_forks_the_repo_end_to_end(tmp_path):
     page = one_line((REPO / "docs" / "experiments.md").read_text())
 
     # What it does not read is warned about.
-    assert report["lion_warned"] == ["WARNING: muon_lr is set (0.01) but unused: optimizer=lion, lr_decay=cosine, "
-                                     "schedule=steps, tokenizer=char do not read it"]
+    assert report["lion_warned"] == ["WARNING: muon_lr is set (0.01) but unused: optimizer=lion does not read it "
+                                     "(optimizer=muon does)"]
     # A run: flags, start-up lines; Lion's state is its own: one momentum tensor per weight.
     straight = report["straight"]
     assert straight["code"] == 0, straight["err"][-2000:]

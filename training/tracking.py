@@ -35,6 +35,7 @@ import torch
 from config import TrainConfig, as_dict, settings_line, unused_given
 from training.checkpoint import dtype_name
 from training.optim import HOST_SYNCING
+from process import distributed
 from process.errors import ConfigError
 from process.files import atomic_write_text
 from training.runtime import mfu, threads_text
@@ -146,7 +147,10 @@ class MetricsLog:
     """Prints log lines and appends JSON records to out_dir/metrics.jsonl and to the tracker (wandb or none),
     with ms/step, tokens/s and MFU over the steps since the last log line (evals and saves are not training time).
 
-    Only the main process (rank 0) writes; on other ranks every method does nothing.
+    Tokens are the positions the steps really processed (``count``: every micro-batch's x.numel(), all ranks'), not
+    batch_size x block_size x grad_accum: a loader's rows may be shorter (a length curriculum) or padded to the
+    batch's longest (conversations; the padding is computed, so it counts, and targets_per_step says what was scored).
+    Only the main process (rank 0) writes; on other ranks every method does nothing but count.
     """
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, step: int, flops_per_token: int, rt, world_size: int = 1,
@@ -155,7 +159,8 @@ class MetricsLog:
         through ``step``. ``tracked=False``: a resume with nothing left to do (no wandb run to log nothing)."""
         self.enabled, self.max_time, self.rt, self.world_size = enabled, cfg.max_time, rt, world_size
         self.step_then, self.t = step, time.time()  # the last log line's: what its speed is measured from
-        self.tokens_per_step, self.flops_per_token = cfg.tokens_per_step() * world_size, flops_per_token
+        self.flops_per_token, self.device = flops_per_token, rt.device
+        self.positions, self.targets = 0, torch.zeros((), dtype=torch.long, device=rt.device)  # since the last line
         path = out_dir / "metrics.jsonl"
         logged_through = drop_records_after(path, step) if enabled and cfg.resume else None
         if enabled and not cfg.resume:
@@ -163,22 +168,34 @@ class MetricsLog:
         self.file = open(path, "a", buffering=1) if enabled else None
         self.tracker = start(cfg, out_dir, logged_through) if enabled and tracked else NullTracker()
 
+    def count(self, batches: list[tuple[torch.Tensor, torch.Tensor]], n_targets: torch.Tensor) -> None:
+        """Add one step's positions (from the batches' shapes: known on the host, no sync) and targets (every
+        rank's, a device tensor: added on the device, read at the next log line). Every rank, every step."""
+        self.positions += sum(x.numel() for x, _ in batches)  # (B, T) each
+        self.targets = self.targets + n_targets  # out of place: whatever dtype the count comes in
+
     def step(self, step: int, losses: dict[str, torch.Tensor], lr: float, grad_norm: torch.Tensor,
              time_s: float) -> None:
         """A training log line: the record, and the line a person reads. ``losses`` per target: "loss" (the
-        cross-entropy) and each auxiliary term of the objective by name. Reads the tensors: a host sync."""
-        clash = set(losses) & {"step", "lr", "grad_norm", "tokens_per_s", "mfu", "time_s", "val_loss", "val_bpb"}
+        cross-entropy) and each auxiliary term of the objective by name. Reads the tensors: a host sync; sums the
+        ranks' positions: a collective, so every rank calls it."""
+        clash = set(losses) & {"step", "lr", "grad_norm", "tokens_per_s", "tokens_per_step", "targets_per_step",
+                               "mfu", "time_s", "val_loss", "val_bpb"}
         if clash:  # it would overwrite that key of metrics.jsonl, silently
             raise ValueError(f"an auxiliary loss is named {sorted(clash)[0]!r}, a key of metrics.jsonl; rename it")
         values, grad_norm = {name: value.item() for name, value in losses.items()}, grad_norm.item()
+        positions = distributed.all_reduce_sum(torch.tensor(self.positions, device=self.device)).item()
+        steps, targets = step - self.step_then, self.targets.item()
+        self.positions, self.targets = 0, torch.zeros_like(self.targets)
         now = time.time()
-        step_s = (now - self.t) / (step - self.step_then)
-        tokens_per_s = self.tokens_per_step / step_s
+        step_s = (now - self.t) / steps
+        tokens_per_s = positions / steps / step_s
         self.step_then, self.t = step, now
         util = mfu(self.flops_per_token, tokens_per_s, self.rt.device, self.rt.dtype, self.world_size)
         terms = "".join(f" | {name} {value:.4g}" for name, value in values.items() if name != "loss")
         self.record({"step": step, **values, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                     "mfu": util, "time_s": time_s})
+                     "tokens_per_step": positions / steps, "targets_per_step": targets / steps, "mfu": util,
+                     "time_s": time_s})
         self.say(f"step {step:>6} | loss {values['loss']:.4f}{terms} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                  f"{step_s * 1000:.1f} ms/step | {tokens_per_s:,.0f} tok/s | "
                  f"mfu {'n/a' if util is None else f'{util:.1%}'}"
@@ -261,10 +278,11 @@ def host_sync_note(cfg: TrainConfig) -> str:
     return f" ({cfg.optimizer} syncs the host every step: HOST_SYNCING)" if cfg.optimizer in HOST_SYNCING else ""
 
 
-def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int) -> str:
-    """The start-up lines: the model, the settings (and any given but unused), where and how it computes."""
-    tokens = cfg.tokens_per_step()
+def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int, full_rows: bool) -> str:
+    """The start-up lines: the model, the settings (and any given but unused), where and how it computes.
+    ``full_rows``: the loader's batches are always (batch_size, block_size); else the line says "up to"."""
+    tokens, up_to = cfg.tokens_per_step(), "" if full_rows else "up to "
     return "\n".join([f"model: {summary(model)}", settings_line(cfg) + host_sync_note(cfg), *unused_given(cfg),
                       f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, "
-                      f"compile {compiled}, {tokens * world_size:,} tokens/step ({world_size} rank(s) x {tokens:,}), "
-                      f"out_dir {cfg.out_dir}"])
+                      f"compile {compiled}, {up_to}{tokens * world_size:,} tokens/step ({world_size} rank(s) x "
+                      f"{tokens:,}), out_dir {cfg.out_dir}"])
