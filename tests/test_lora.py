@@ -58,6 +58,20 @@ def test_adapters_at_step_0_give_the_bases_logits_exactly(mode):
     assert not torch.equal(model(IDX).logits, base(IDX).logits)
 
 
+def test_an_adapted_layer_adds_alpha_over_rank_times_b_a_of_its_dropped_out_input():
+    """PEFT's maths (its files load onto the base to our logits only if so): y = W x + alpha / rank * B A drop(x)."""
+    layer = lora.LoRALinear(torch.nn.Linear(8, 6), rank=4, alpha=8.0, dropout=0.5)
+    randomize_adapters(layer)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    a, b = layer.lora_A.weight, layer.lora_B.weight
+    with torch.no_grad():
+        torch.testing.assert_close(layer.eval()(x), layer.base(x) + 2.0 * x @ a.T @ b.T)
+        torch.manual_seed(0)
+        trained = layer.train()(x)
+        torch.manual_seed(0)
+        torch.testing.assert_close(trained, layer.base(x) + 2.0 * torch.nn.functional.dropout(x, 0.5) @ a.T @ b.T)
+
+
 def test_adding_adapters_freezes_every_base_weight_and_keeps_the_fingerprint():
     base, model = adapted(TARGETS)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
