@@ -19,7 +19,8 @@ from training import checkpoint, optim, tracking
 from process import files
 import train
 from conftest import REPO, metrics, run_main, tiny_args
-from training.optim import OPTIMIZERS
+from training.optim import OPTIMIZERS, NonFiniteGuard
+from process.errors import RunStopped
 from training.checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, CheckpointWriteError,
                                  load_checkpoint, save_checkpoint)
 from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of,
@@ -209,6 +210,25 @@ def test_a_nonfinite_step_stops_the_run_and_never_reaches_a_checkpoint(tmp_path,
     assert_nested_equal(load_checkpoint(out / "last.pt")["model"], before_step_4["model"])  # step 3's, intact
     for name in ("last.pt", "best.pt"):
         assert all(torch.isfinite(t).all() for t in all_tensors(load_checkpoint(out / name)) if t.is_floating_point())
+
+
+def test_the_guard_names_the_first_faulty_step_and_refuses_weights_with_any_non_finite_value():
+    """Between two syncs several steps may be faulty: the message names the first. One inf among finite weights
+    is enough to refuse a save."""
+    guard = NonFiniteGuard(torch.amp.GradScaler("cpu", enabled=False), 3, torch.device("cpu"))
+    one, nan = torch.tensor(1.0), torch.tensor(math.nan)
+    guard.check(3, one, one)
+    guard.raise_if_tripped()  # a finite step is no fault
+    guard.check(4, one, nan)  # a finite loss, a NaN gradient
+    guard.check(5, nan, one)
+    with pytest.raises(RunStopped, match="non-finite loss or gradient at step 4;"):
+        guard.raise_if_tripped()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    guard.raise_if_weights_not_finite(model, 6)
+    with torch.no_grad():
+        model[1].bias[0] = math.inf
+    with pytest.raises(RunStopped, match="the weights are not finite after step 7"):
+        guard.raise_if_weights_not_finite(model, 7)
 
 
 def count_host_reads(monkeypatch) -> list[str]:
