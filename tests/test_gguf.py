@@ -120,6 +120,14 @@ def test_smaller_dtypes_store_the_matrices_and_keep_norms_and_biases_f32(tmp_pat
     assert back.shape == expected.shape and 0 < np.abs(back - expected).max() < 2e-2
 
 
+def test_q8_0_quantizes_the_matrices_whose_rows_hold_whole_blocks_and_stores_the_others_f16(tmp_path):
+    model = GPT(GPTConfig(vocab_size=50, block_size=20, n_layer=1, n_head=4, n_embd=48))  # rows of 48 or 192 values
+    reader = write(tmp_path, model, CharTokenizer("".join(chr(65 + i) for i in range(50))), "q8_0")
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q8_0"  # (out, in) = (48, 192): six blocks of 32 a row
+    assert types["blk.0.ffn_up.weight"] == types["token_embd.weight"] == "F16"  # rows of 48: no whole blocks
+
+
 @pytest.mark.parametrize("option", [dict(pos_emb="rope"), dict(norm="rmsnorm"), dict(qk_norm=True),
                                     dict(activation="relu2")])
 def test_a_model_llama_cpp_gpt2_cannot_compute_is_refused_by_name_and_writes_nothing(tmp_path, option):
