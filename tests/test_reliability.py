@@ -326,6 +326,15 @@ def test_handlers_come_back_after_a_run_that_no_signal_stopped(tmp_path, text_fi
             signal.signal(s, handler)
 
 
+def test_train_as_a_library_leaves_the_callers_signal_handlers_in_place_while_it_runs(tiny_cfg, monkeypatch):
+    """train.train() in a caller's process (a notebook, a sweep): its Ctrl-C stays the caller's."""
+    callers = signal.getsignal(signal.SIGINT)
+    seen = []
+    on_training_forward(monkeypatch, lambda n, loss_sum: seen.append(signal.getsignal(signal.SIGINT)))
+    train.train(tiny_cfg(max_iters=2, eval_interval=2))
+    assert len(seen) == 2 and all(handler is callers for handler in seen)
+
+
 def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, monkeypatch):
     originals = {s: signal.signal(s, sentinel) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
