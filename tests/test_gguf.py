@@ -13,6 +13,7 @@ import torch
 import sample
 import train
 from config import make_config
+from model import GPT, GPTConfig
 from conftest import make_text, tiny_model, tiny_run
 from weights import gguf as export
 from process.errors import HFError
@@ -73,6 +74,15 @@ def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weight
     assert not tensors["blk.0.ffn_up.bias"].data.any() and len(tensors) == 4 + 12 * 2  # bias=False: zeros
 
 
+def test_a_model_whose_layers_heads_and_width_all_differ_writes_each_in_its_own_field(tmp_path):
+    """A tiny model has n_layer == n_head: a writer that swapped them would pass every other test."""
+    model = GPT(GPTConfig(vocab_size=50, block_size=20, n_layer=3, n_head=4, n_embd=48))
+    reader = write(tmp_path, model, CharTokenizer("".join(chr(65 + i) for i in range(50))))
+    keys = ("block_count", "attention.head_count", "embedding_length", "feed_forward_length", "context_length")
+    assert [field(reader, f"gpt2.{key}") for key in keys] == [3, 4, 48, 4 * 48, 20]
+    assert field(reader, "tokenizer.ggml.add_bos_token") is field(reader, "tokenizer.ggml.add_eos_token") is False
+
+
 def test_an_ascii_char_gguf_still_holds_merges_which_llama_cpp_requires(tmp_path):
     """The default run (a char vocabulary of ASCII text) has no multi-byte character to merge, and gguf writes no
     empty array: before, the key was missing and llama.cpp refused the file ("cannot find tokenizer merges")."""
@@ -108,6 +118,14 @@ def test_smaller_dtypes_store_the_matrices_and_keep_norms_and_biases_f32(tmp_pat
     back = gguf.quants.dequantize(tensors["blk.0.attn_qkv.weight"].data, tensors["blk.0.attn_qkv.weight"].tensor_type)
     expected = model.state_dict()["transformer.h.0.attn.c_attn.weight"].numpy()
     assert back.shape == expected.shape and 0 < np.abs(back - expected).max() < 2e-2
+
+
+def test_q8_0_quantizes_the_matrices_whose_rows_hold_whole_blocks_and_stores_the_others_f16(tmp_path):
+    model = GPT(GPTConfig(vocab_size=50, block_size=20, n_layer=1, n_head=4, n_embd=48))  # rows of 48 or 192 values
+    reader = write(tmp_path, model, CharTokenizer("".join(chr(65 + i) for i in range(50))), "q8_0")
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q8_0"  # (out, in) = (48, 192): six blocks of 32 a row
+    assert types["blk.0.ffn_up.weight"] == types["token_embd.weight"] == "F16"  # rows of 48: no whole blocks
 
 
 @pytest.mark.parametrize("option", [dict(pos_emb="rope"), dict(norm="rmsnorm"), dict(qk_norm=True),
@@ -177,7 +195,7 @@ KINDS = [pytest.param("char"), pytest.param("ascii"), pytest.param("bpe"),
 def test_llama_cpp_encodes_the_corpus_to_our_ids(exported, kind):
     _, tokenizer, llm = exported(kind)
     text = ASCII if kind == "ascii" else CORPUS
-    assert llm.tokenize(text.encode(), add_bos=False, special=False) == tokenizer.encode(text)
+    assert llm.tokenize(text.encode()) == tokenizer.encode(text)  # llama.cpp's defaults (add_bos=True): nothing added
     assert llm.detokenize(tokenizer.encode(text)).decode() == text
 
 
@@ -199,3 +217,19 @@ def test_llama_cpp_gives_our_logits_and_greedy_text(exported, kind):
     greedy = [token for token, _ in zip(llm.generate(prompt, temp=0.0, top_k=1), range(new))]
     assert llm.detokenize(greedy) == tokenizer.decode_bytes(expected)
     assert greedy == expected
+
+
+@pytest.mark.slow
+def test_llama_cpp_builds_a_model_whose_layers_heads_and_width_differ_to_our_logits(tmp_path, llama_cpp):
+    chars = "".join(sorted(set(ASCII)))
+    model = GPT(GPTConfig(vocab_size=len(chars), block_size=20, n_layer=3, n_head=4, n_embd=48)).eval()
+    with torch.no_grad():  # larger than init: sharp attention, so that a head count read wrong shows in the logits
+        for p in model.parameters():
+            p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(0))
+    export.export_gguf(model, CharTokenizer(chars), tmp_path / "odd.gguf")
+    llm = llama_cpp.Llama(str(tmp_path / "odd.gguf"), n_ctx=20, n_threads=1, logits_all=True, verbose=False)
+    ids = CharTokenizer(chars).encode(ASCII[:20])
+    llm.eval(ids)
+    with torch.no_grad():
+        ours = model(torch.tensor([ids])).logits[0].numpy()  # (T, V)
+    assert np.abs(np.asarray(llm.scores[: len(ids)]) - ours).max() < LOGIT_TOLERANCE

@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import train
-from config import make_config
+from config import DEFAULTS, make_config
 from conftest import make_text
 from weights import hf
 from training.checkpoint import load_checkpoint
 from weights.hf_tokenizer import CHARS_FILE
 from process.errors import CheckpointError, HFError
-from weights.loading import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_flags, from_pretrained
+from training.runtime import Runtime
+from weights.loading import (Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_flags, from_pretrained,
+                             start_from)
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +99,22 @@ def test_the_flags_choose_the_weights(run, tmp_path):
     assert chosen["--init_from"].step is None
     with pytest.raises(SystemExit):  # one source of weights, not two
         parser.parse_args(["--ckpt", str(run), "--init_from", "gpt2"])
+
+
+def test_a_fine_tune_of_a_run_takes_its_block_size_and_at_a_smaller_one_starts_with_its_logits(run, tmp_path):
+    """--init_from RUN without --block_size: the run's (32, not the default); with a smaller one the position table
+    keeps its first rows, so at step 0 the fine-tune computes the base's logits on any input that fits. Its dropout
+    (a training-only option) may differ from the run's."""
+    base = from_checkpoint(run / "best.pt").model
+    common = dict(data_path=str(run.parent / "corpus.txt"), data_dir=str(run.parent / "data"), init_from=str(run),
+                  out_dir=str(tmp_path / "tuned"), device="cpu", compile="off")
+    cfg, _ = start_from(make_config(None, **common, dropout=0.1))
+    assert cfg.block_size == base.config.block_size == 32 != DEFAULTS["block_size"]
+    assert cfg.dropout == 0.1  # how it trains is the fine-tune's own choice (GPTConfig.TRAINING_ONLY)
+    cfg, pretrained = start_from(make_config(None, **common, block_size=8))
+    tuned = train.build_run(cfg, Runtime(torch.device("cpu"), torch.float32, 1, False), pretrained=pretrained).model
+    assert tuned.config.block_size == 8
+    x = torch.randint(base.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for length in (8, 3):
+            assert torch.equal(tuned.eval()(x[:, :length]).logits, base(x[:, :length]).logits), length

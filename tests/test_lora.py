@@ -58,6 +58,20 @@ def test_adapters_at_step_0_give_the_bases_logits_exactly(mode):
     assert not torch.equal(model(IDX).logits, base(IDX).logits)
 
 
+def test_an_adapted_layer_adds_alpha_over_rank_times_b_a_of_its_dropped_out_input():
+    """PEFT's maths (its files load onto the base to our logits only if so): y = W x + alpha / rank * B A drop(x)."""
+    layer = lora.LoRALinear(torch.nn.Linear(8, 6), rank=4, alpha=8.0, dropout=0.5)
+    randomize_adapters(layer)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    a, b = layer.lora_A.weight, layer.lora_B.weight
+    with torch.no_grad():
+        torch.testing.assert_close(layer.eval()(x), layer.base(x) + 2.0 * x @ a.T @ b.T)
+        torch.manual_seed(0)
+        trained = layer.train()(x)
+        torch.manual_seed(0)
+        torch.testing.assert_close(trained, layer.base(x) + 2.0 * torch.nn.functional.dropout(x, 0.5) @ a.T @ b.T)
+
+
 def test_adding_adapters_freezes_every_base_weight_and_keeps_the_fingerprint():
     base, model = adapted(TARGETS)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -68,6 +82,46 @@ def test_adding_adapters_freezes_every_base_weight_and_keeps_the_fingerprint():
     with torch.no_grad():
         base.transformer.h[1].mlp.c_fc.weight[0, 0] += 1e-6  # one weight of another base
     assert lora.base_fingerprint(model) != lora.base_fingerprint(base)
+
+
+def test_the_base_fingerprint_changes_when_any_single_base_weight_changes():
+    """Every base tensor counts (the tied embedding, the position table, the final norm, each block's weights and
+    biases), read through the adapters and trained rows; the adapters and rows themselves never do."""
+    model = lora.add_adapters(tiny_model(bias=True), 4, 8.0, 0.0, lora.TARGETS, rows=[48, 49])
+    reference = lora.base_fingerprint(model)
+    assert reference == lora.base_fingerprint(tiny_model(bias=True))
+    counted = []
+    for name, p in model.named_parameters():
+        before = p.detach().clone()
+        with torch.no_grad():
+            p.view(-1)[0] += 1e-3
+        if lora.base_fingerprint(model) != reference:
+            counted.append(name)
+        with torch.no_grad():
+            p.copy_(before)
+    assert not any(p.requires_grad for name, p in model.named_parameters() if name in counted)  # no adapter, no row
+    assert lora.base_fingerprint(model) == reference
+    assert {"transformer.wte.embedding.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
+            "transformer.ln_f.bias", "transformer.h.1.attn.c_attn.base.bias", "transformer.h.0.mlp.c_fc.base.weight",
+            "transformer.h.1.ln_2.weight"} <= set(counted)
+    assert len(counted) == len(list(tiny_model(bias=True).parameters()))  # each base tensor, the tied one once
+
+
+def test_merged_model_with_trained_marker_rows_computes_the_adapted_logits_on_every_id():
+    """A chat fine-tune's markers: their rows (embedding and, tied, logits) trained beside the adapters."""
+    base = tiny_model().eval()
+    model = lora.add_adapters(tiny_model(), 4, 8.0, 0.0, lora.TARGETS, rows=[46, 49]).eval()
+    randomize_adapters(model)
+    with torch.no_grad():
+        model.transformer.wte.lora_rows.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(4))
+    every_id = torch.arange(64).view(4, 16) % 50  # (4, 16): every id, the markers 46 and 49 included
+    merged = lora.merge(model).eval()
+    with torch.no_grad():
+        adapted_logits, merged_logits = model(every_id).logits, merged(every_id).logits
+    assert (merged_logits - adapted_logits).abs().max() <= 1e-5
+    assert torch.equal(merged.transformer.wte.weight[[46, 49]], model.transformer.wte.lora_rows)
+    with torch.no_grad():  # the rows show on their inputs and in their logits: the check can fail
+        assert (merged_logits[..., [46, 49]] - base(every_id).logits[..., [46, 49]]).abs().min() > 0
 
 
 def test_merged_model_is_a_plain_gpt_with_the_adapted_logits():

@@ -19,7 +19,8 @@ from training import checkpoint, optim, tracking
 from process import files
 import train
 from conftest import REPO, metrics, run_main, tiny_args
-from training.optim import OPTIMIZERS
+from training.optim import OPTIMIZERS, NonFiniteGuard
+from process.errors import RunStopped
 from training.checkpoint import (FORMAT_VERSION, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, CheckpointWriteError,
                                  load_checkpoint, save_checkpoint)
 from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of,
@@ -211,6 +212,25 @@ def test_a_nonfinite_step_stops_the_run_and_never_reaches_a_checkpoint(tmp_path,
         assert all(torch.isfinite(t).all() for t in all_tensors(load_checkpoint(out / name)) if t.is_floating_point())
 
 
+def test_the_guard_names_the_first_faulty_step_and_refuses_weights_with_any_non_finite_value():
+    """Between two syncs several steps may be faulty: the message names the first. One inf among finite weights
+    is enough to refuse a save."""
+    guard = NonFiniteGuard(torch.amp.GradScaler("cpu", enabled=False), 3, torch.device("cpu"))
+    one, nan = torch.tensor(1.0), torch.tensor(math.nan)
+    guard.check(3, one, one)
+    guard.raise_if_tripped()  # a finite step is no fault
+    guard.check(4, one, nan)  # a finite loss, a NaN gradient
+    guard.check(5, nan, one)
+    with pytest.raises(RunStopped, match="non-finite loss or gradient at step 4;"):
+        guard.raise_if_tripped()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    guard.raise_if_weights_not_finite(model, 6)
+    with torch.no_grad():
+        model[1].bias[0] = math.inf
+    with pytest.raises(RunStopped, match="the weights are not finite after step 7"):
+        guard.raise_if_weights_not_finite(model, 7)
+
+
 def count_host_reads(monkeypatch) -> list[str]:
     """Record every tensor-to-Python conversion (what would be a device sync on a GPU)."""
     reads: list[str] = []
@@ -304,6 +324,15 @@ def test_handlers_come_back_after_a_run_that_no_signal_stopped(tmp_path, text_fi
     finally:
         for s, handler in originals.items():
             signal.signal(s, handler)
+
+
+def test_train_as_a_library_leaves_the_callers_signal_handlers_in_place_while_it_runs(tiny_cfg, monkeypatch):
+    """train.train() in a caller's process (a notebook, a sweep): its Ctrl-C stays the caller's."""
+    callers = signal.getsignal(signal.SIGINT)
+    seen = []
+    on_training_forward(monkeypatch, lambda n, loss_sum: seen.append(signal.getsignal(signal.SIGINT)))
+    train.train(tiny_cfg(max_iters=2, eval_interval=2))
+    assert len(seen) == 2 and all(handler is callers for handler in seen)
 
 
 def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, monkeypatch):
