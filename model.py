@@ -23,9 +23,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 
-def option(default: Any, help: str) -> Any:
-    """A GPTConfig field and its help (train.py's --help): ``n_layer: int = option(4, "transformer blocks")``."""
-    return field(default=default, metadata={"help": help})
+def option(default: Any, help: str, needs: Mapping[str, Any] | None = None) -> Any:
+    """A GPTConfig field and its help (train.py's --help): ``n_layer: int = option(4, "transformer blocks")``.
+
+    ``needs``: other options' values without which this one acts on nothing (a balance weight needs experts:
+    ``needs={"n_experts": 4}``); the generated tests (tests/test_model_options.py) set them beside it.
+    """
+    return field(default=default, metadata={"help": help, "needs": dict(needs or {})})
 
 
 @dataclass

@@ -34,20 +34,42 @@ BASE = "tiny"  # the preset every case starts from
 VOCAB = 40
 
 
+def needs(name: str) -> dict[str, Any]:
+    """The other options' values that ``name`` acts beside (``option(..., needs=...)`` in model.py): every case
+    of ``name`` sets them, and so does its base, so that only ``name`` differs."""
+    return next(f for f in dataclasses.fields(GPTConfig) if f.name == name).metadata["needs"]
+
+
+def case(name: str, value: Any) -> dict[str, Any]:
+    """The overrides of one case: ``name=value`` beside the options it needs."""
+    return {**needs(name), name: value}
+
+
+def accepted(name: str, value: Any) -> bool:
+    try:
+        make_config(BASE, **case(name, value))
+    except ConfigError:
+        return False
+    return True
+
+
 def other_values(name: str) -> list[Any]:
     """Values of an option other than the base preset's, from its type alone: every other choice of a Literal,
-    the other bool, a real size for an int (twice the base, or 2 where the base is 0, which often means "off"),
-    another float. A plain str option has no such list."""
+    the other bool, a real size for an int (twice the base, or 2 where the base is 0, which often means "off";
+    else one more), another float (0.5, else twice or half the base, or one more): the first of these that the
+    option's own check accepts, so a case never leaves its valid range. A plain str option has no such list."""
     base, kind = getattr(make_config(BASE), name), FIELD_TYPES[name]
     if choices(name):
         return [value for value in choices(name) if value != base]
     if kind is bool:
         return [not base]
-    if kind is int:
-        return [2 * base if base else 2]
-    if kind is float:
-        return [0.5 if base != 0.5 else 0.25]
-    raise AssertionError(f"GPTConfig.{name}: declare a str option's values with Literal[...], so they are checked")
+    if kind not in (int, float):
+        raise AssertionError(f"GPTConfig.{name}: declare a str option's values with Literal[...], so they are checked")
+    tries = [2 * base if base else 2, base + 1] if kind is int else [0.5 if base != 0.5 else 0.25, 2 * base,
+                                                                       base / 2, base + 1]
+    valid = [value for value in tries if value != base and accepted(name, value)]
+    assert valid, f"GPTConfig.{name}: none of {tries} is accepted beside its needs {needs(name)}; declare its needs"
+    return valid[:1]
 
 
 def bad_value(name: str) -> str:
@@ -56,6 +78,20 @@ def bad_value(name: str) -> str:
 
 
 CASES = [pytest.param(name, value, id=f"{name}={value}") for name in MODEL_OPTIONS for value in other_values(name)]
+
+
+def test_a_case_stays_inside_its_options_range(monkeypatch):
+    """A case's value is one the option's own check accepts: n_layer capped at 3 is tried at 3, not at 2 x 2."""
+    assert other_values("n_layer") == [4]
+    check = GPTConfig.__post_init__
+
+    def capped(self):
+        check(self)
+        if self.n_layer > 3:
+            raise ValueError(f"n_layer must be at most 3, got {self.n_layer}")
+
+    monkeypatch.setattr(GPTConfig, "__post_init__", capped)
+    assert other_values("n_layer") == [3]
 
 
 def toml_literal(value: Any) -> str:
@@ -107,7 +143,7 @@ def train_mode_step(config: GPTConfig) -> tuple[dict[str, tuple], torch.Tensor, 
 @pytest.mark.parametrize("name, value", CASES)
 def test_every_option_reaches_the_model_and_changes_it(name, value):
     """What it changes may be the shapes, the logits, or only the objective and so its gradients (z_loss)."""
-    base, variant = make_config(BASE), make_config(BASE, **{name: value})
+    base, variant = make_config(BASE, **needs(name)), make_config(BASE, **case(name, value))
     assert getattr(model_config(variant, VOCAB), name) == value
     shapes_a, logits_a, objective_a, grads_a = train_mode_step(model_config(base, VOCAB))
     shapes_b, logits_b, objective_b, grads_b = train_mode_step(model_config(variant, VOCAB))
@@ -116,6 +152,24 @@ def test_every_option_reaches_the_model_and_changes_it(name, value):
     same_grads = all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
     assert not (torch.equal(logits_a, logits_b) and torch.equal(objective_a, objective_b) and same_grads), \
         f"{name}={value} changed nothing: not the shapes, the logits, the objective or the gradients"
+
+
+@pytest.mark.parametrize("name, value", CASES)
+def test_every_objective_term_is_summed_over_the_targets(name, value):
+    """Each auxiliary term per target is the same for a batch as for the batch twice over: summed over the targets,
+    as loss_sum is, it doubles with them, and the step's division by its target count weighs it right however the
+    batch is split. A mean over the batch added as a sum stays put and would end up divided by the targets."""
+    torch.manual_seed(0)
+    model = GPT(model_config(make_config(BASE, **case(name, value)), VOCAB)).eval()  # no dropout: rows repeat alike
+    idx = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))  # (2, 17)
+    with torch.no_grad():
+        once, twice = (model(rows[:, :-1], rows[:, 1:]) for rows in (idx, idx.repeat(2, 1)))  # 2 rows, then 4
+    for term in once.aux:
+        per_target = [(out.aux[term] / out.n_targets).item() for out in (once, twice)]
+        assert per_target[1] == pytest.approx(per_target[0], rel=1e-5), (
+            f"{name}={value}: the auxiliary term {term!r} is {per_target[0]:.4g} per target on 2 rows but "
+            f"{per_target[1]:.4g} on the same rows twice: it is not summed over the targets. Add a mean over the "
+            f"micro-batch's tokens or rows with aux.add_mean (model.AuxLosses), which weights it by their count")
 
 
 NUMERIC_OPTIONS = [name for name in MODEL_OPTIONS if FIELD_TYPES[name] in (int, float)]
@@ -137,7 +191,7 @@ def every_value_of_every_option() -> list:
 def eval_model(name: str | None, value: Any) -> GPT:
     """A model of the base preset (with name=value), weights of std 0.2 so each logit depends on the
     whole context (a leak or a cache bug then shows), in eval mode."""
-    cfg = make_config(BASE, **({name: value} if name else {}))
+    cfg = make_config(BASE, **(case(name, value) if name else {}))
     torch.manual_seed(0)
     model = GPT(model_config(cfg, VOCAB)).eval()
     with torch.no_grad():
@@ -187,7 +241,7 @@ def run_args(out_dir: Path, corpus: Path, **overrides: Any) -> list[str]:
 @pytest.mark.parametrize("name, value", CASES)
 def test_every_option_is_saved_shown_and_kept_by_a_resume(tmp_path, corpus_file, capsys, name, value):
     out_dir = tmp_path / "run"
-    assert run_main(run_args(out_dir, corpus_file, **{name: value})) == 0
+    assert run_main(run_args(out_dir, corpus_file, **case(name, value))) == 0
     model_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
     shown = FIELD_TYPES[name] is int and DEFAULTS[name] != 0 or value != DEFAULTS[name]  # sizes always, others when set
     assert (f"{name} {value}" in model_line) == shown, model_line
@@ -196,7 +250,7 @@ def test_every_option_is_saved_shown_and_kept_by_a_resume(tmp_path, corpus_file,
     model = from_checkpoint(out_dir / "last.pt").model
     assert getattr(model.config, name) == value
     before = (out_dir / "last.pt").read_bytes()
-    code = run_main(run_args(out_dir, corpus_file, resume="true"))  # the base preset's value
+    code = run_main(run_args(out_dir, corpus_file, resume="true", **needs(name)))  # the base preset's value
     err = capsys.readouterr()
     if name in GPTConfig.TRAINING_ONLY:  # may change, with a warning naming it
         assert code == 0 and f"{name}: checkpoint {value!r} vs now" in err.out
@@ -235,11 +289,15 @@ def pretrained_config() -> hf.Pretrained:
 
 @pytest.mark.parametrize("name, value", CASES)
 def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(monkeypatch, name, value):
-    variant = make_config(BASE, **{name: value})
+    variant = make_config(BASE, **case(name, value))
     model = GPT(model_config(variant, VOCAB))
+    for other, needed in needs(name).items():  # taken as GPT-2's, so that this option's own rule is what runs
+        monkeypatch.setitem(hf.GPT2_OPTIONS, other, (needed,))
     if name in GPTConfig.TRAINING_ONLY:  # how the weights were trained, not what they compute: never "another model"
-        assert "transformer.wte.weight" in hf.to_hf(model)
+        assert hf.gpt2_refusals(model.config) == []
         assert getattr(adopt(variant, pretrained_config()), name) == value
+        if not needs(name):  # what it needs may add weights GPT-2's layout has no place for
+            assert "transformer.wte.weight" in hf.to_hf(model)
         return
     if gpt2_computes(name, value):
         assert "transformer.wte.weight" in hf.to_hf(model)
