@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from training.checkpoint import load_checkpoint, save_checkpoint
 from weights.loading import adopt, from_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
                     make_config, model_config, parse_args, validate)
-from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
+from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
 from model import GPT, GPTConfig
 from sample import KVCache
 
@@ -417,6 +418,71 @@ def test_a_window_fork_is_one_mask_edit(tmp_path):
            "        mask = mask if cache is None else torch.ones_like(mask).tril(diagonal=start)  # the bug\n")
     broken = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window and kv_cache")
     assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
+
+
+# ----------------------------------------------------------------------------- the MoE recipe, end to end
+def add_moe_as_the_docs_say(repo: Path) -> None:
+    """docs/experiments.md's five edits for a top-1 mixture of experts, each where its heading says."""
+    model_py = repo / "model.py"
+    insert(model_py, "\n\n    # Options that act only while training",
+           "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (MoE):\n").rstrip("\n"))
+    source = model_py.read_text()
+    lines = re.findall(r"^    TRAINING_ONLY: .*\n", source, re.M)
+    assert len(lines) == 1, "update the MoE fork test: model.py declares TRAINING_ONLY on one line"
+    model_py.write_text(source.replace(lines[0], docs_snippet("# model.py, replacing the TRAINING_ONLY line (MoE):\n")))
+    insert(model_py, "\n    @property\n    def padded_vocab_size",
+           docs_snippet("# model.py, at the end of GPTConfig.__post_init__ (MoE):\n"))
+    insert(model_py, "class Block(nn.Module):", docs_snippet("# model.py, before class Block (MoE):\n") + "\n\n")
+    mlp = "        self.mlp = MLP(config)\n"
+    insert(model_py, mlp, "")
+    model_py.write_text(model_py.read_text().replace(
+        mlp, docs_snippet("# model.py, in Block.__init__, replacing self.mlp = MLP(config) (MoE):\n")))
+
+
+MOE_FLOPS = """
+import json
+from model import GPT, GPTConfig
+shape = dict(vocab_size=40, n_layer=2, n_head=2, n_embd=32, block_size=32)
+print("FLOPS " + json.dumps([GPT(GPTConfig(**shape, n_experts=e)).flops_per_token() for e in (0, 1, 4, 8)]))
+"""
+
+
+@pytest.mark.slow  # two fresh pytests in a copy of the repo and a training run: ~60 s
+def test_the_moe_recipe_forks_the_repo_end_to_end(tmp_path):
+    """docs/experiments.md's top-1 MoE, taken from the page: the copy's generated tests for both options (the
+    balance weight paired with the experts it needs), the balance term's scale in a tiny run's log, and a FLOP
+    count of one expert per token; then the balance term written as a plain mean fails the scale test."""
+    repo = copy_of_the_repo(tmp_path)
+    add_moe_as_the_docs_say(repo)
+    result = pytest_in(repo, "tests/test_model_options.py", "-k", "n_experts or moe_balance", "-rA")
+    assert result.returncode == 0, result.stdout[-3000:]
+    # each: flag and preset key, reaches the model, its objective term's scale, causal, KV cache, saved/shown/kept,
+    # GPT-2 refusal, its negative and its bad value
+    assert result.stdout.strip().splitlines()[-1].startswith("18 passed"), result.stdout[-800:]
+    assert "PASSED tests/test_model_options.py::test_every_objective_term_is_summed_over_the_targets[moe_balance=0.5]" \
+        in result.stdout
+
+    (tmp_path / "corpus.txt").write_text(make_text())
+    run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
+                                                                  max_iters=8, eval_interval=8, n_experts=4)],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "not default: n_experts 4" in run.stdout
+    balance = [record["moe_balance"] for record in read_metrics(tmp_path / "run") if "moe_balance" in record]
+    # Per target, each of the 2 layers adds 0.01 x E sum_i f_i P_i, which lies in [1, E = 4]: 0.02 when even.
+    assert len(balance) == 8 and all(0.02 * 0.999 < value < 0.08 for value in balance), balance
+
+    flops = subprocess.run([sys.executable, "-c", MOE_FLOPS], cwd=repo, capture_output=True, text=True, timeout=300)
+    dense, one, four, eight = json.loads(flops.stdout.split("FLOPS ", 1)[1])
+    router = 6 * 2 * 32  # per token, per expert: the router's C x E matrix, forward and backward, in 2 layers
+    assert (one, four, eight) == (dense + router, dense + 4 * router, dense + 8 * router)  # one expert per token
+
+    # The teeth: the balance term as a plain mean, added as if summed (finding 6 of issue 44), fails the scale test.
+    model_py = repo / "model.py"
+    model_py.write_text(model_py.read_text().replace('aux.add_mean("moe_balance"', 'aux.add_sum("moe_balance"'))
+    broken = pytest_in(repo, "tests/test_model_options.py", "-k", "objective_term and moe_balance")
+    assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
+    assert "it is not summed over the targets" in broken.stdout and "aux.add_mean" in broken.stdout
 
 
 def test_a_checkpoint_with_a_field_this_code_lacks_loads_with_a_warning_naming_it(tmp_path, corpus_file, capsys):
