@@ -315,17 +315,19 @@ class GPT(nn.Module):
         6·N + 12·n_layer·T·C, N the matrices' weights (tests/test_model.py). SDPA runs its unfused "math" backend
         while counting: FlopCounterMode counts nothing for CPU's fused kernel, and counts a GPU's fused kernels
         as the math's products; the CPU-bf16 path's products (attention()) count the same. A frozen weight (LoRA's
-        base) gets no gradient of its own: about 4 per weight, as executed. Called once per run; the random streams
-        (dropout's) and the gradients are left as they were.
+        base) gets no gradient of its own: about 4 per weight, as executed. Called once per run, in eval mode, so
+        that it draws no random numbers; the gradients and the mode are left as they were.
         """
         T = seq_len or self.config.block_size
         device = next(self.parameters()).device
         idx = torch.arange(T, device=device).remainder(self.config.vocab_size).unsqueeze(0)  # (1, T): any tokens
         trained = [p for p in self.parameters() if p.requires_grad]
-        with (torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type),
-              sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter):
+        was_training = self.training
+        self.eval()  # dropout off: it draws random numbers (a run's would shift) and costs no FLOPs in this count
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
             _, loss_sum, _, aux = self(idx, idx)
             torch.autograd.grad(loss_sum + sum(aux.values()), trained, allow_unused=True)  # a tuple, not .grad
+        self.train(was_training)
         return counter.get_total_flops() // T
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None) -> ModelOutput:

@@ -120,6 +120,7 @@ def test_flops_per_token_measured_is_palms_count_for_the_default_model_on_every_
             assert model.flops_per_token() == 6 * matrices + 12 * 2 * 16 * 32
         assert model.flops_per_token(seq_len=8) == 6 * matrices + 12 * 2 * 8 * 32
         assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
+        assert model.training
 
 
 def test_flops_per_token_follows_what_the_forward_runs(monkeypatch):
