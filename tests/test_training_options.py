@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import functools
 import itertools
+import math
 import json
 import re
 import shutil
@@ -25,10 +26,11 @@ from training.checkpoint import load_checkpoint, save_checkpoint
 import config
 from config import (CHOOSERS, DEFAULTS, FIELD_TYPES, RANGES, RESUME, RESUME_RULES, USED_ONLY_UNDER, TrainConfig,
                     choices, make_config, model_config, settings_line, unused_fields, unused_given)
-from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
+from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
 from data import LOADERS, corpus_for
 from fault_injection import assert_same_training_state, capture_run
 from model import GPT, GPTConfig
+from training import optim
 from training.optim import DECAYS, OPTIMIZERS, MuonAdamW, lr_at
 
 
@@ -144,19 +146,50 @@ def curve_of(name: str, warmup_iters: int) -> tuple[TrainConfig, list[float]]:
     return cfg, [train.get_lr(step, cfg) for step in range(cfg.max_iters)]
 
 
+def curve_faults(name: str, curve: list[float], cfg: TrainConfig) -> list[str]:
+    """What is wrong with ``curve`` for a decay of ``name``'s declared kind, each naming its step (1-based, as the
+    log numbers steps): [] when nothing. A warmup rises every step to the peak, where the decay starts; after it
+    the lr stays in [min_lr, peak], moves no step more than a warmup step does, except upwards at a warm restart
+    (only a decay in WARM_RESTARTS may rise at all), and is min_lr from the decay's end on."""
+    peak, floor, rise, restarts = cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, name in optim.WARM_RESTARTS
+    faults = [f"the warmup does not rise at step {i + 1}" for i in range(1, rise) if curve[i] <= curve[i - 1]]
+    faults += [f"the decay starts at {curve[rise]:.4g}, not at the peak {peak:g}"] if curve[rise] != peak else []
+    for i in range(rise + 1, len(curve)):
+        move, where = curve[i] - curve[i - 1], f"at step {i + 1} ({curve[i - 1]:.4g} -> {curve[i]:.4g})"
+        if move > 0 and not restarts:
+            faults.append(f"it rises {where}; if {name} restarts on purpose, add it to training/optim.py's "
+                          "WARM_RESTARTS and it is checked as a schedule with restarts")
+        elif abs(move) > peak / WARMUP + 1e-12 and not (restarts and move > 0):
+            faults.append(f"it jumps {where}, more than a warmup step: a cliff")
+        if not floor <= curve[i] <= peak:
+            faults.append(f"it leaves [min_lr, peak] = [{floor:g}, {peak:g}] {where}")
+    end = cfg.lr_decay_iters
+    faults += [f"it is not min_lr at step {i + 1}, after lr_decay_iters" for i in range(end, len(curve))
+               if curve[i] != floor]
+    return faults
+
+
 @pytest.mark.parametrize("warmup_iters", [WARMUP, 0], ids=["warmup", "no-warmup"])
 @pytest.mark.parametrize("name", list(DECAYS))
 def test_each_lr_schedule_draws_a_curve_of_its_kind(name, warmup_iters):
     cfg, curve = curve_of(name, warmup_iters)
-    peak, floor, rise = cfg.learning_rate, cfg.min_lr, warmup_iters
-    assert curve[:rise] == sorted(set(curve[:rise]))  # the warmup rises, every step
-    assert curve[rise] == peak and curve[rise - 1 if rise else 0] == peak  # to the peak, where the decay starts
-    assert curve[rise:] == sorted(curve[rise:], reverse=True)  # and never rises again
-    assert min(curve[rise:]) >= floor  # nor falls below min_lr (a warmup may start under it)
-    jumps = [(step, b - a) for step, (a, b) in enumerate(zip(curve, curve[1:]), start=1)]
-    step, jump = max(jumps, key=lambda j: abs(j[1]))
-    assert abs(jump) <= peak / WARMUP + 1e-12, f"{name} jumps by {jump:.3g} at step {step}: a cliff"
-    assert curve[cfg.lr_decay_iters:] == [floor] * (cfg.max_iters - cfg.lr_decay_iters)  # min_lr from the end on
+    faults = curve_faults(name, curve, cfg)
+    assert not faults, f"lr_decay {name}: " + "; ".join(faults[:3])
+
+
+def test_the_curve_check_names_the_step_of_a_rise_a_cliff_and_a_restart(monkeypatch):
+    """The check above, on broken curves: each fault is found and named by its step."""
+    cfg, cosine_curve = curve_of("cosine", WARMUP)
+    cliff = cosine_curve[:500] + [cfg.min_lr] * (len(cosine_curve) - 500)
+    assert curve_faults("cosine", cliff, cfg)[0].startswith("it jumps at step 501 (")
+    halves = [(i - WARMUP) / 500 - (i >= 600) for i in range(WARMUP, 1100)]  # two cosines, 0 -> 1 each
+    restarted = cosine_curve[:WARMUP] + [cfg.min_lr + (1 + math.cos(math.pi * p)) / 2 * (1 - cfg.min_lr)
+                                         for p in halves] + cosine_curve[1100:]
+    assert curve_faults("cosine", restarted, cfg)[0].startswith("it rises at step 601 (")
+    assert "add it to training/optim.py's WARM_RESTARTS" in curve_faults("cosine", restarted, cfg)[0]
+    monkeypatch.setattr(optim, "WARM_RESTARTS", frozenset({"cosine"}))
+    assert curve_faults("cosine", restarted, cfg) == []  # declared: its restart is allowed, the rest still checked
+    assert curve_faults("cosine", [cfg.min_lr / 2] * len(restarted), cfg)
 
 
 def test_each_lr_schedule_draws_its_own_curve():
@@ -404,6 +437,11 @@ FIELDS = "# config/__init__.py, in TrainConfig, after wandb_project:\n"
 ROWS = "# config/__init__.py, in USED_ONLY_UNDER:\n"
 LION = "# training/optim.py, replacing the OPTIMIZERS line (Lion):\n"
 LION_NAME = "# config/__init__.py, in TrainConfig: the new name in the Literal (Lion; the rest of the line unchanged)\n"
+SGDR = ("# training/optim.py, replacing the DECAYS line (SGDR):\n",
+        "# config/__init__.py, in TrainConfig: the new name in the Literal (SGDR; the rest of the line unchanged)\n",
+        "# config/__init__.py, in TrainConfig, after wandb_project (SGDR):\n",
+        "# config/__init__.py, in USED_ONLY_UNDER (SGDR):\n")
+SGDR_KIND = "# training/optim.py, replacing the WARM_RESTARTS line:\n"
 FIELD_ANCHOR = '    wandb_project: str = free("tinygpt", "wandb project name")\n'
 
 
@@ -414,7 +452,7 @@ def apply_snippet(fork: Path, heading: str) -> None:
     if heading.startswith("# training/optim.py, replacing the "):  # a table's line: its new function, its new row
         table = heading.split("replacing the ")[1].split(" line")[0]
         source = optim_file.read_text()
-        lines = re.findall(rf"^{table} = {{.*}}.*\n", source, re.M)
+        lines = re.findall(rf"^{table}\b.* = .*\n", source, re.M)
         assert len(lines) == 1, f"update the fork test: training/optim.py declares {table} on one line"
         optim_file.write_text(source.replace(lines[0], body))
         return
@@ -426,9 +464,10 @@ def apply_snippet(fork: Path, heading: str) -> None:
             assert len(old) == 1, f"update the fork test: config/__init__.py declares {name} with a Literal"
             source = source.replace(old[0], f"    {name}: {literal}")
     else:
-        anchor = FIELD_ANCHOR if heading == FIELDS else "USED_ONLY_UNDER = {"
+        field = heading.startswith(FIELDS.rstrip(":\n"))
+        anchor = FIELD_ANCHOR if field else "USED_ONLY_UNDER = {"
         assert source.count(anchor) == 1, f"update the fork test's anchor {anchor!r} to config/__init__.py"
-        source = source.replace(anchor, anchor + ("" if heading == FIELDS else "\n") + body)
+        source = source.replace(anchor, anchor + ("" if field else "\n") + body)
     config_file.write_text(source)
 
 
@@ -611,3 +650,37 @@ def test_the_lion_recipe_forks_the_repo_end_to_end(tmp_path):
     reliability = pytest_in_the_copy("reliability", "tests/test_reliability.py", "-k", "lion")
     assert reliability.returncode == 0, reliability.stdout[-4000:]
     assert "3 passed" in reliability.stdout
+
+
+def pytest_in(fork: Path, basetemp: Path, *args: str) -> subprocess.CompletedProcess:
+    """The copy's own test suite, run there."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--basetemp",
+                           str(basetemp), *args], cwd=fork, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_the_sgdr_recipe_forks_the_repo_end_to_end(tmp_path):
+    """docs/experiments.md's SGDR recipe, from the page, in a copy of the repo: it trains and restarts, and the
+    copy's generated tests check it as a schedule with restarts; without its WARM_RESTARTS block they name the
+    step where it rises."""
+    fork = fork_of_the_repo(tmp_path / "declared", snippets=(*SGDR, SGDR_KIND), tests=True)
+    (tmp_path / "corpus.txt").write_text(make_text())
+    out = tmp_path / "run"
+    args = ["--config", "tiny", "--data_path", str(tmp_path / "corpus.txt"), "--data_dir", str(out / "data"),
+            "--out_dir", str(out), "--device", "cpu", "--max_iters", "9", "--warmup_iters", "1", "--lr_decay_iters",
+            "9", "--log_interval", "1", "--eval_interval", "9", "--lr_decay", "sgdr", "--sgdr_cycles", "2"]
+    trained = subprocess.run([sys.executable, "train.py", *args], cwd=fork, capture_output=True, text=True,
+                             timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    lrs = [record["lr"] for record in read_metrics(out) if "lr" in record]
+    assert lrs[1] == lrs[5] == 3e-3 > lrs[4]  # a warm restart at the peak after the first of two cycles
+    generated = pytest_in(fork, tmp_path / "generated", "tests/test_training_options.py", "-k", "sgdr or curve")
+    assert generated.returncode == 0, generated.stdout[-4000:]
+    assert "PASSED tests/test_training_options.py::test_each_lr_schedule_draws_a_curve_of_its_kind[sgdr-warmup]" \
+        in generated.stdout
+
+    undeclared = fork_of_the_repo(tmp_path / "undeclared", snippets=SGDR, tests=True)
+    refused = pytest_in(undeclared, tmp_path / "refused", "tests/test_training_options.py", "-k", "curve_of_its_kind")
+    assert refused.returncode == 1
+    assert ("lr_decay sgdr: it rises at step 351 (0.1 -> 1); if sgdr restarts on purpose, add it to "
+            "training/optim.py's WARM_RESTARTS") in one_line(refused.stdout)

@@ -65,6 +65,9 @@ def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.
 
 
 OPTIMIZERS = {"adamw": build_adamw, "muon": build_muon}  # config.TrainConfig.optimizer's values
+# Those whose step reads a tensor on the host (.item(), bool(t)), a sync per step that stalls a GPU's run-ahead:
+# tests/test_reliability.py refuses any other that does, and the start-up line names these.
+HOST_SYNCING: frozenset[str] = frozenset()
 
 
 def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device,
@@ -201,6 +204,9 @@ def warmup_stable_decay(progress: float, cfg: TrainConfig) -> float:
 
 
 DECAYS = {"cosine": cosine, "wsd": warmup_stable_decay}  # config.TrainConfig.lr_decay's values
+# Those that rise again on purpose after warmup (warm restarts, as SGDR's): tests/test_training_options.py checks
+# every other one never rises, and these only at their restarts.
+WARM_RESTARTS: frozenset[str] = frozenset()
 
 
 # ----------------------------------------------------------------------------- the guard on every step

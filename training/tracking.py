@@ -34,6 +34,7 @@ import torch
 
 from config import TrainConfig, as_dict, settings_line, unused_given
 from training.checkpoint import dtype_name
+from training.optim import HOST_SYNCING
 from process.errors import ConfigError
 from process.files import atomic_write_text
 from training.runtime import mfu, threads_text
@@ -256,10 +257,15 @@ def summary(model) -> str:
             "(every weight once, embeddings included)")
 
 
+def host_sync_note(cfg: TrainConfig) -> str:
+    """What the settings line says of an optimizer declared in training/optim.py's HOST_SYNCING."""
+    return f" ({cfg.optimizer} syncs the host every step: HOST_SYNCING)" if cfg.optimizer in HOST_SYNCING else ""
+
+
 def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int) -> str:
     """The start-up lines: the model, the settings (and any given but unused), where and how it computes."""
     tokens = cfg.tokens_per_step()
-    return "\n".join([f"model: {summary(model)}", settings_line(cfg), *unused_given(cfg),
+    return "\n".join([f"model: {summary(model)}", settings_line(cfg) + host_sync_note(cfg), *unused_given(cfg),
                       f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, "
                       f"compile {compiled}, {tokens * world_size:,} tokens/step ({world_size} rank(s) x {tokens:,}), "
                       f"out_dir {cfg.out_dir}"])
