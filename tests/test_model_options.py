@@ -355,9 +355,9 @@ def test_a_new_option_needs_no_other_edit(tmp_path):
                              "-p", "no:cacheprovider"], cwd=repo, capture_output=True, text=True, timeout=600)
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0, result.stdout[-3000:]
-    # The new option's cases: flag and preset key, reaches the model, causal, KV cache, saved/shown/kept,
-    # GPT-2 refusal; its bad value.
-    assert summary.startswith("7 passed"), summary
+    # The new option's cases: flag and preset key, reaches the model, its objective terms' scale, causal, KV cache,
+    # saved/shown/kept, GPT-2 refusal; its bad value.
+    assert summary.startswith("8 passed"), summary
 
 
 # ----------------------------------------------------------------------------- a mask fork, end to end
@@ -401,9 +401,9 @@ def test_a_window_fork_is_one_mask_edit(tmp_path):
     add_window_as_the_docs_say(repo)
     result = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window")
     assert result.returncode == 0, result.stdout[-3000:]
-    # flag and preset key, reaches the model, its negative value, causal, KV cache, saved/shown/kept, GPT-2
-    # refusal, its bad value
-    assert result.stdout.strip().splitlines()[-1].startswith("8 passed"), result.stdout[-500:]
+    # flag and preset key, reaches the model, its objective terms' scale, its negative value, causal, KV cache,
+    # saved/shown/kept, GPT-2 refusal, its bad value
+    assert result.stdout.strip().splitlines()[-1].startswith("9 passed"), result.stdout[-500:]
     (tmp_path / "corpus.txt").write_text(make_text())
     run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
                                                                   max_iters=30, eval_interval=30, attn_window=4)],
