@@ -7,13 +7,14 @@ import re
 import pytest
 import torch
 
-from training import tracking
+from training import runtime, tracking
 import model as model_module
 import train
 from training.checkpoint import REQUIRED_KEYS, load_checkpoint
 from config import ConfigError, make_config
 from conftest import metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
 from fault_injection import step_clock
+from weights.loading import from_checkpoint
 
 
 def test_lr_schedule_table():
@@ -161,6 +162,21 @@ def test_a_mean_term_weighs_the_same_however_the_batch_is_split(monkeypatch):
     split, whole, split_term, whole_term = split_and_whole(make_batches([32, 32, 32]))
     assert split_term == pytest.approx(3 * whole_term, rel=1e-5) and whole_term < 0.01
     assert max((a - b).abs().max().item() for a, b in zip(split, whole)) > 1e-6
+
+
+def test_mfu_reads_the_flops_measured_at_start(tmp_path, text_file, monkeypatch):
+    """Where a peak is known, each log line's MFU is GPT.flops_per_token's measured count x tokens/s / peak (here
+    on CPU, with a pretend peak of 1 TFLOP/s); the hand formula 6N + 12LTC would count the norms' gains too."""
+    for module in (runtime, train):
+        monkeypatch.setattr(module, "device_peak", lambda device, dtype: 1e12)
+    assert run_main(tiny_args(tmp_path / "run", text_file, max_iters=3)) == 0
+    model = from_checkpoint(tmp_path / "run" / "last.pt").model
+    counted = model.flops_per_token()
+    assert counted < 6 * model.num_params() + 12 * 2 * 32 * 32  # tiny: 2 layers, T = C = 32
+    steps = [record for record in read_metrics(tmp_path / "run") if "mfu" in record]
+    assert len(steps) == 3
+    for record in steps:
+        assert record["mfu"] == pytest.approx(counted * record["tokens_per_s"] / 1e12, rel=1e-12)
 
 
 def test_evaluate_restores_train_mode_and_draws_no_randomness():
