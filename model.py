@@ -19,11 +19,17 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 
-def option(default: Any, help: str) -> Any:
-    """A GPTConfig field and its help (train.py's --help): ``n_layer: int = option(4, "transformer blocks")``."""
-    return field(default=default, metadata={"help": help})
+def option(default: Any, help: str, needs: Mapping[str, Any] | None = None) -> Any:
+    """A GPTConfig field and its help (train.py's --help): ``n_layer: int = option(4, "transformer blocks")``.
+
+    ``needs``: other options' values without which this one acts on nothing (a balance weight needs experts:
+    ``needs={"n_experts": 4}``); the generated tests (tests/test_model_options.py) set them beside it.
+    """
+    return field(default=default, metadata={"help": help, "needs": dict(needs or {})})
 
 
 @dataclass
@@ -78,8 +84,36 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, vocab_size)
     loss_sum: torch.Tensor | None = None  # summed cross-entropy over the targets: the metric
     n_targets: torch.Tensor | None = None  # targets counted (not -1)
-    # The options' auxiliary losses, summed like loss_sum: the objective's, never the metric's.
+    # The options' auxiliary losses (AuxLosses.terms), summed like loss_sum: the objective's, never the metric's.
     aux: Mapping[str, torch.Tensor] = MappingProxyType({})
+
+
+class AuxLosses:
+    """The objective's terms beside cross-entropy, by name, collected during one forward. GPT.forward hands one
+    to every block, and so to every layer, so a term may come from anything the forward sees: hidden states, an
+    MoE router's probabilities (docs/experiments.md's recipe), the logits (z_loss, in GPT.aux_losses).
+
+    Each is kept *summed over the micro-batch's targets*, like loss_sum, because train.accumulate_gradients
+    divides every sum by the step's target count: a micro-batch then weighs by its targets, whatever the
+    accumulation. So a term goes in as it is naturally written: ``add_sum`` for a sum over the targets (z_loss),
+    ``add_mean`` for a mean over the micro-batch's tokens or rows (a batch statistic such as a load-balance
+    loss), which it weights by the micro-batch's target count. A term under an existing name is added to it (one
+    per layer, say). Without targets (sampling) nothing is kept.
+    """
+
+    def __init__(self, n_targets: torch.Tensor | None):
+        self.n_targets = n_targets  # this micro-batch's targets (not -1), a scalar tensor; None without targets
+        self.terms: dict[str, torch.Tensor] = {}
+
+    def add_sum(self, name: str, term: torch.Tensor) -> None:
+        """A term summed over the micro-batch's targets, as loss_sum is."""
+        if self.n_targets is not None:
+            self.terms[name] = self.terms[name] + term if name in self.terms else term
+
+    def add_mean(self, name: str, term: torch.Tensor) -> None:
+        """A term averaged over the micro-batch (its tokens or its rows): weighted by its target count."""
+        if self.n_targets is not None:
+            self.add_sum(name, term * self.n_targets)
 
 
 def visible_keys(config: GPTConfig, start: int, T: int, device: torch.device) -> torch.Tensor:
@@ -214,7 +248,8 @@ class MLP(nn.Module):
             return F.relu(x).square()
         return F.gelu(x, approximate="tanh" if self.activation == "gelu_tanh" else "none")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, aux: AuxLosses) -> torch.Tensor:
+        """x (B, T, C); ``aux`` is where a layer adds an objective term (an MoE's balance loss): this one adds none."""
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))  # (B, T, 4C) -> (B, T, C)
 
 
@@ -228,9 +263,9 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache, aux: AuxLosses) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), mask, cache)  # (B, T, C)
-        x = x + self.mlp(self.ln_2(x))  # (B, T, C)
+        x = x + self.mlp(self.ln_2(x), aux)  # (B, T, C)
         return x
 
 
@@ -268,24 +303,43 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; the tied embedding is counted once (it is also the output layer).
 
-        non_embedding leaves out the position table, a lookup that costs no FLOPs (the count the
-        6N of flops_per_token uses, as in Kaplan et al. 2020); False counts every parameter.
+        non_embedding leaves out the position table, a lookup that costs no FLOPs (Kaplan et al. 2020's N);
+        False counts every parameter. Every expert of a mixture counts here, though a token runs through one:
+        what a token costs is flops_per_token's, measured.
         """
         n = sum(p.numel() for p in self.parameters())
         positions = sum(p.numel() for name, p in self.named_parameters() if name.startswith("transformer.wpe."))
         return n - positions if non_embedding else n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
-        """Training FLOPs per token, the MFU convention of PaLM (Chowdhery et al. 2022, app. B):
-        6N for the weight matmuls plus 12·n_layer·T·C for attention's two matmuls (QKᵀ and AV),
-        forward and backward, without causal-mask savings."""
-        cfg = self.config
-        T = seq_len or cfg.block_size
-        return 6 * self.num_params() + 12 * cfg.n_layer * T * cfg.n_embd
+        """Training FLOPs per token, measured, not kept by hand: torch's FlopCounterMode counts one forward and
+        backward of one sequence of ``seq_len`` tokens (block_size by default) on the model's device. An option or
+        a fork that changes what runs is counted as it runs: a top-1 mixture of experts, one expert per token.
+
+        The convention is MFU's (PaLM, Chowdhery et al. 2022, app. B): matrix products only (norms, softmax and the
+        loss cost nothing here), 2 FLOPs per multiply-add, the backward's two products per forward one, and
+        attention's QKᵀ and AV in full, without the causal mask's savings. For the default model that is
+        6·N + 12·n_layer·T·C, N the matrices' weights (tests/test_model.py). SDPA runs its unfused "math" backend
+        while counting: FlopCounterMode counts nothing for CPU's fused kernel, and counts a GPU's fused kernels
+        as the math's products; the CPU-bf16 path's products (attention()) count the same. A frozen weight (LoRA's
+        base) gets no gradient of its own: about 4 per weight, as executed. Called once per run, in eval mode, so
+        that it draws no random numbers; the gradients and the mode are left as they were.
+        """
+        T = seq_len or self.config.block_size
+        device = next(self.parameters()).device
+        idx = torch.arange(T, device=device).remainder(self.config.vocab_size).unsqueeze(0)  # (1, T): any tokens
+        trained = [p for p in self.parameters() if p.requires_grad]
+        was_training = self.training
+        self.eval()  # dropout off: it draws random numbers (a run's would shift) and costs no FLOPs in this count
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            _, loss_sum, _, aux = self(idx, idx)
+            torch.autograd.grad(loss_sum + sum(aux.values()), trained, allow_unused=True)  # a tuple, not .grad
+        self.train(was_training)
+        return counter.get_total_flops() // T
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None) -> ModelOutput:
         """Logits for every position; with targets also the *summed* cross-entropy, the count of targets
-        and the auxiliary losses that options add to the objective (z_loss).
+        and the auxiliary losses that options and layers add to the objective (AuxLosses: z_loss).
 
         Targets equal to -1 are ignored. Returning sums instead of means lets the caller normalise by
         the token count of a whole accumulated batch. ``loss_sum`` is plain cross-entropy, the metric
@@ -304,9 +358,10 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)  # (B, T, C) + (T, C) -> (B, T, C)
         x = self.transformer.drop(x)
         mask = visible_keys(self.config, start, T, idx.device)  # (T, S + T) or (nh, T, S + T), for every layer
+        aux = AuxLosses(None if targets is None else (targets != -1).sum())  # the count: a tensor, no host sync
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches):
-            x = block(x, mask, layer_cache)  # (B, T, C)
+            x = block(x, mask, layer_cache, aux)  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
         # The padded vocab rows are dropped here: never sampled, never in the softmax of the loss.
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab_size)
@@ -314,14 +369,12 @@ class GPT(nn.Module):
             return ModelOutput(logits)
         flat_logits, flat_targets = logits.reshape(B * T, -1).float(), targets.reshape(B * T)  # (B*T, V), (B*T,)
         loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction="sum")  # scalar
-        n_targets = (targets != -1).sum()  # scalar tensor: no host sync
-        return ModelOutput(logits, loss_sum, n_targets, self.aux_losses(flat_logits, flat_targets))
+        self.aux_losses(aux, flat_logits, flat_targets)
+        return ModelOutput(logits, loss_sum, aux.n_targets, aux.terms)
 
-    def aux_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The objective's terms beside cross-entropy, by name, each summed over the targets (B*T,) like
-        loss_sum, so the step's token-count normalisation applies to them alike. {} with every option off."""
-        aux = {}
+    def aux_losses(self, aux: AuxLosses, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """The objective's terms computed from the logits (B*T, V) and targets (B*T,), added to ``aux`` by name
+        beside those the layers added. None with every option off."""
         if self.config.z_loss:  # log Z = logsumexp of the logits, pulled towards 0 (Chowdhery et al. 2022, sec. 5)
             log_z = logits.logsumexp(dim=-1)[targets != -1]  # (n_targets,)
-            aux["z_loss"] = self.config.z_loss * log_z.square().sum()
-        return aux
+            aux.add_sum("z_loss", self.config.z_loss * log_z.square().sum())

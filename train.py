@@ -36,7 +36,7 @@ from training import lora
 from training.checkpoint import Checkpointer
 from training.faults import StopOnSignal, run_error
 from training.optim import NonFiniteGuard, build_optimizer, lr_at
-from training.runtime import Runtime, choose_runtime, compile_for_step, seed_everything
+from training.runtime import Runtime, choose_runtime, compile_for_step, device_peak, seed_everything
 from training.tracking import MetricsLog, describe_run
 from weights.loading import start_from
 
@@ -59,7 +59,7 @@ class StepLosses(NamedTuple):
     """One optimizer step's losses, summed over every micro-batch of this rank, as device tensors."""
     loss_sum: torch.Tensor  # cross-entropy: the metric, logged as "loss"
     n_targets: torch.Tensor  # targets of the whole step, every rank's: the divisor of each sum
-    aux: dict[str, torch.Tensor]  # the model's auxiliary losses (model.aux_losses), summed alike, logged by name
+    aux: dict[str, torch.Tensor]  # the model's auxiliary losses (model.AuxLosses), summed alike, logged by name
 
 
 def objective_sum(loss_sum: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -73,7 +73,9 @@ def accumulate_gradients(model: torch.nn.Module, batches: list[Batch], scaler: t
 
     Each micro-batch's *summed* objective is divided by the target count of the whole step, so the accumulated
     gradient equals the gradient of one big batch even when micro-batches count different numbers of targets
-    (averaging per-micro-batch means would weight them wrongly). Under DDP the count is every rank's, and
+    (averaging per-micro-batch means would weight them wrongly). An auxiliary term is summed alike (a mean over
+    the micro-batch comes weighted by its targets: model.AuxLosses.add_mean), so it weighs the same however the
+    batch is split. Under DDP the count is every rank's, and
     DDP *averages* the W ranks' gradients: rank r backpropagates L_r / (N / W), so the synced gradient is
     (1/W) sum_r grad(L_r) W / N = grad(sum_r L_r) / N, the mean over all N targets. Gradients are all-reduced
     once, on the last micro-batch (DDP's no_sync before it).
@@ -246,13 +248,16 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnS
     checkpointer = Checkpointer(out_dir, cfg, run, ddp)  # out_dir made, a killed save's temp files removed
     with distributed.stop_together(device):  # a rank that cannot read last.pt stops them all
         step, time_before, best_val = checkpointer.resume() if cfg.resume else (0, 0.0, math.inf)
+    # MFU's numerator, measured once on the plain model; where no peak is known (CPU, fp32) MFU is n/a and nothing
+    # is measured (FlopCounterMode's first use imports torch._dynamo: seconds).
+    flops_per_token = model.flops_per_token() if device_peak(device, dtype) else 0
     train_model = compile_for_step(model, run.stream, rt)  # the model itself, unless compiled
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     distributed.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size,
                                     run.stream.full_rows))
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         done = step >= cfg.max_iters or cfg.out_of_time(time_before)  # a resumed run may have nothing left to do
-        log = MetricsLog(out_dir, cfg, step, model.flops_per_token(), rt, ddp.world_size, enabled=ddp.is_main,
+        log = MetricsLog(out_dir, cfg, step, flops_per_token, rt, ddp.world_size, enabled=ddp.is_main,
                          tracked=not done)
     t_start = time.time() - time_before  # the run's clock: max_time and schedule=time span resumes
     val_loss = math.nan

@@ -107,9 +107,33 @@ def test_a_tiny_model_overfits_one_batch():
     assert loss_sum.item() / n.item() < 0.2
 
 
-def test_flops_per_token_is_palms_formula():
-    model = tiny_model()  # 2 layers, C = 32, T = 16
-    assert model.flops_per_token() == 6 * model.num_params() + 12 * 2 * 16 * 32
+def test_flops_per_token_measured_is_palms_count_for_the_default_model_on_every_attention_path():
+    """FlopCounterMode's count of one step: 6 per weight of each matrix (forward 2, backward 4) plus attention's
+    12·L·T·C, without causal savings (PaLM app. B), whether SDPA (counted as its math) or the CPU-bf16 matmuls
+    run; the norms' gains are no matrix. And it leaves the random streams and the gradients as they were."""
+    for dropout in (0.0, 0.2):  # SDPA's fused CPU kernel without dropout (FlopCounterMode counts it as 0), math with
+        model = tiny_model(dropout=dropout, bias=True)  # 2 layers, C = 32, T = 16
+        matrices = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        rng = torch.get_rng_state()
+        assert model.flops_per_token() == 6 * matrices + 12 * 2 * 16 * 32
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # attention() takes its plain matmuls
+            assert model.flops_per_token() == 6 * matrices + 12 * 2 * 16 * 32
+        assert model.flops_per_token(seq_len=8) == 6 * matrices + 12 * 2 * 8 * 32
+        assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
+        assert model.training
+
+
+def test_flops_per_token_follows_what_the_forward_runs(monkeypatch):
+    """A change to what runs (here every MLP on the first half of the tokens only, as a top-1 router sending half
+    of them to an expert of nothing would) moves the count; a hand formula would not have noticed."""
+    dense = tiny_model().flops_per_token()
+
+    def half_the_tokens(self, x, aux):
+        T = x.size(1) // 2
+        return torch.cat([self.c_proj(self.act(self.c_fc(x[:, :T]))), torch.zeros_like(x[:, T:])], dim=1)
+
+    monkeypatch.setattr(model_module.MLP, "forward", half_the_tokens)
+    assert dense - tiny_model().flops_per_token() == 6 * 2 * (2 * 32 * 4 * 32) // 2  # L · c_fc and c_proj, halved
 
 
 def test_the_parameter_count_includes_the_position_table_only_where_there_is_one():

@@ -27,7 +27,7 @@ from training.checkpoint import load_checkpoint, save_checkpoint
 from weights.loading import adopt, from_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConfig, build_parser, choices,
                     make_config, model_config, parse_args, validate)
-from conftest import REPO, docs_snippet, make_text, run_main, tiny_args
+from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
 import model as model_module
 from model import GPT, GPTConfig
 from sample import KVCache
@@ -36,20 +36,42 @@ BASE = "tiny"  # the preset every case starts from
 VOCAB = 40
 
 
+def needs(name: str) -> dict[str, Any]:
+    """The other options' values that ``name`` acts beside (``option(..., needs=...)`` in model.py): every case
+    of ``name`` sets them, and so does its base, so that only ``name`` differs."""
+    return next(f for f in dataclasses.fields(GPTConfig) if f.name == name).metadata["needs"]
+
+
+def case(name: str, value: Any) -> dict[str, Any]:
+    """The overrides of one case: ``name=value`` beside the options it needs."""
+    return {**needs(name), name: value}
+
+
+def accepted(name: str, value: Any) -> bool:
+    try:
+        make_config(BASE, **case(name, value))
+    except ConfigError:
+        return False
+    return True
+
+
 def other_values(name: str) -> list[Any]:
     """Values of an option other than the base preset's, from its type alone: every other choice of a Literal,
-    the other bool, a real size for an int (twice the base, or 2 where the base is 0, which often means "off"),
-    another float. A plain str option has no such list."""
+    the other bool, a real size for an int (twice the base, or 2 where the base is 0, which often means "off";
+    else one more), another float (0.5, else twice or half the base, or one more): the first of these that the
+    option's own check accepts, so a case never leaves its valid range. A plain str option has no such list."""
     base, kind = getattr(make_config(BASE), name), FIELD_TYPES[name]
     if choices(name):
         return [value for value in choices(name) if value != base]
     if kind is bool:
         return [not base]
-    if kind is int:
-        return [2 * base if base else 2]
-    if kind is float:
-        return [0.5 if base != 0.5 else 0.25]
-    raise AssertionError(f"GPTConfig.{name}: declare a str option's values with Literal[...], so they are checked")
+    if kind not in (int, float):
+        raise AssertionError(f"GPTConfig.{name}: declare a str option's values with Literal[...], so they are checked")
+    tries = [2 * base if base else 2, base + 1] if kind is int else [0.5 if base != 0.5 else 0.25, 2 * base,
+                                                                       base / 2, base + 1]
+    valid = [value for value in tries if value != base and accepted(name, value)]
+    assert valid, f"GPTConfig.{name}: none of {tries} is accepted beside its needs {needs(name)}; declare its needs"
+    return valid[:1]
 
 
 def bad_value(name: str) -> str:
@@ -58,6 +80,20 @@ def bad_value(name: str) -> str:
 
 
 CASES = [pytest.param(name, value, id=f"{name}={value}") for name in MODEL_OPTIONS for value in other_values(name)]
+
+
+def test_a_case_stays_inside_its_options_range(monkeypatch):
+    """A case's value is one the option's own check accepts: n_layer capped at 3 is tried at 3, not at 2 x 2."""
+    assert other_values("n_layer") == [4]
+    check = GPTConfig.__post_init__
+
+    def capped(self):
+        check(self)
+        if self.n_layer > 3:
+            raise ValueError(f"n_layer must be at most 3, got {self.n_layer}")
+
+    monkeypatch.setattr(GPTConfig, "__post_init__", capped)
+    assert other_values("n_layer") == [3]
 
 
 def toml_literal(value: Any) -> str:
@@ -98,9 +134,9 @@ def paired_models(name: str, value: Any) -> tuple[GPT, GPT, list[str]]:
     the option drops counts as zero in the base (an embedding or a bias no longer added), one it adds or resizes
     keeps its own init. Also the names dropped."""
     torch.manual_seed(0)
-    base = GPT(model_config(make_config(BASE), VOCAB))
+    base = GPT(model_config(make_config(BASE, **needs(name)), VOCAB))
     torch.manual_seed(0)
-    variant = GPT(model_config(make_config(BASE, **{name: value}), VOCAB))
+    variant = GPT(model_config(make_config(BASE, **case(name, value)), VOCAB))
     own, theirs = dict(base.named_parameters()), dict(variant.named_parameters())
     dropped = [k for k in own if k not in theirs]
     with torch.no_grad():
@@ -135,7 +171,7 @@ def test_every_option_reaches_the_model_and_changes_it(name, value):
     """The option's own computation must act: with the base model's weights wherever the shapes allow (the ones it
     drops counting as zero), the logits, the objective (z_loss) or the gradients must move. Shapes alone prove
     nothing: ALiBi with zero slopes drops wpe and computes exactly the base model without its position table."""
-    assert getattr(model_config(make_config(BASE, **{name: value}), VOCAB), name) == value
+    assert getattr(model_config(make_config(BASE, **case(name, value)), VOCAB), name) == value
     base, variant, dropped = paired_models(name, value)
     logits_a, objective_a, grads_a = train_mode_step(base)
     logits_b, objective_b, grads_b = train_mode_step(variant)
@@ -148,6 +184,24 @@ def test_every_option_reaches_the_model_and_changes_it(name, value):
         f"{name}={value} computes what the base model{without} computes: the same logits, objective and gradients "
         f"with the base's weights. Make the option act where the model reads config.{name} (a bias or a slope "
         f"that is zero adds nothing)")
+
+
+@pytest.mark.parametrize("name, value", CASES)
+def test_every_objective_term_is_summed_over_the_targets(name, value):
+    """Each auxiliary term per target is the same for a batch as for the batch twice over: summed over the targets,
+    as loss_sum is, it doubles with them, and the step's division by its target count weighs it right however the
+    batch is split. A mean over the batch added as a sum stays put and would end up divided by the targets."""
+    torch.manual_seed(0)
+    model = GPT(model_config(make_config(BASE, **case(name, value)), VOCAB)).eval()  # no dropout: rows repeat alike
+    idx = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))  # (2, 17)
+    with torch.no_grad():
+        once, twice = (model(rows[:, :-1], rows[:, 1:]) for rows in (idx, idx.repeat(2, 1)))  # 2 rows, then 4
+    for term in once.aux:
+        per_target = [(out.aux[term] / out.n_targets).item() for out in (once, twice)]
+        assert per_target[1] == pytest.approx(per_target[0], rel=1e-5), (
+            f"{name}={value}: the auxiliary term {term!r} is {per_target[0]:.4g} per target on 2 rows but "
+            f"{per_target[1]:.4g} on the same rows twice: it is not summed over the targets. Add a mean over the "
+            f"micro-batch's tokens or rows with aux.add_mean (model.AuxLosses), which weights it by their count")
 
 
 NUMERIC_OPTIONS = [name for name in MODEL_OPTIONS if FIELD_TYPES[name] in (int, float)]
@@ -169,7 +223,7 @@ def every_value_of_every_option() -> list:
 def eval_model(name: str | None, value: Any) -> GPT:
     """A model of the base preset (with name=value), weights of std 0.2 so each logit depends on the
     whole context (a leak or a cache bug then shows), in eval mode."""
-    cfg = make_config(BASE, **({name: value} if name else {}))
+    cfg = make_config(BASE, **(case(name, value) if name else {}))
     torch.manual_seed(0)
     model = GPT(model_config(cfg, VOCAB)).eval()
     with torch.no_grad():
@@ -241,7 +295,7 @@ def run_args(out_dir: Path, corpus: Path, **overrides: Any) -> list[str]:
 @pytest.mark.parametrize("name, value", CASES)
 def test_every_option_is_saved_shown_and_kept_by_a_resume(tmp_path, corpus_file, capsys, name, value):
     out_dir = tmp_path / "run"
-    assert run_main(run_args(out_dir, corpus_file, **{name: value})) == 0
+    assert run_main(run_args(out_dir, corpus_file, **case(name, value))) == 0
     model_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
     shown = FIELD_TYPES[name] is int and DEFAULTS[name] != 0 or value != DEFAULTS[name]  # sizes always, others when set
     assert (f"{name} {value}" in model_line) == shown, model_line
@@ -250,7 +304,7 @@ def test_every_option_is_saved_shown_and_kept_by_a_resume(tmp_path, corpus_file,
     model = from_checkpoint(out_dir / "last.pt").model
     assert getattr(model.config, name) == value
     before = (out_dir / "last.pt").read_bytes()
-    code = run_main(run_args(out_dir, corpus_file, resume="true"))  # the base preset's value
+    code = run_main(run_args(out_dir, corpus_file, resume="true", **needs(name)))  # the base preset's value
     err = capsys.readouterr()
     if name in GPTConfig.TRAINING_ONLY:  # may change, with a warning naming it
         assert code == 0 and f"{name}: checkpoint {value!r} vs now" in err.out
@@ -289,11 +343,15 @@ def pretrained_config() -> hf.Pretrained:
 
 @pytest.mark.parametrize("name, value", CASES)
 def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(monkeypatch, name, value):
-    variant = make_config(BASE, **{name: value})
+    variant = make_config(BASE, **case(name, value))
     model = GPT(model_config(variant, VOCAB))
+    for other, needed in needs(name).items():  # taken as GPT-2's, so that this option's own rule is what runs
+        monkeypatch.setitem(hf.GPT2_OPTIONS, other, (needed,))
     if name in GPTConfig.TRAINING_ONLY:  # how the weights were trained, not what they compute: never "another model"
-        assert "transformer.wte.weight" in hf.to_hf(model)
+        assert hf.gpt2_refusals(model.config) == []
         assert getattr(adopt(variant, pretrained_config()), name) == value
+        if not needs(name):  # what it needs may add weights GPT-2's layout has no place for
+            assert "transformer.wte.weight" in hf.to_hf(model)
         return
     if gpt2_computes(name, value):
         assert "transformer.wte.weight" in hf.to_hf(model)
@@ -350,9 +408,9 @@ def test_a_new_option_needs_no_other_edit(tmp_path):
                              "-p", "no:cacheprovider"], cwd=repo, capture_output=True, text=True, timeout=600)
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0, result.stdout[-3000:]
-    # The new option's cases: flag and preset key, reaches the model, causal, KV cache, the shortcut's numbers,
-    # saved/shown/kept, GPT-2 refusal; its bad value.
-    assert summary.startswith("8 passed"), summary
+    # The new option's cases: flag and preset key, reaches the model, its objective terms' scale, causal, KV cache,
+    # the shortcut's numbers, saved/shown/kept, GPT-2 refusal; its bad value.
+    assert summary.startswith("9 passed"), summary
 
 
 # ----------------------------------------------------------------------------- a mask fork, end to end
@@ -396,9 +454,9 @@ def test_a_window_fork_is_one_mask_edit(tmp_path):
     add_window_as_the_docs_say(repo)
     result = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window")
     assert result.returncode == 0, result.stdout[-3000:]
-    # flag and preset key, reaches the model, its negative value, causal, KV cache, the shortcut's numbers,
-    # saved/shown/kept, GPT-2 refusal, its bad value
-    assert result.stdout.strip().splitlines()[-1].startswith("9 passed"), result.stdout[-500:]
+    # flag and preset key, reaches the model, its objective terms' scale, its negative value, causal, KV cache,
+    # the shortcut's numbers, saved/shown/kept, GPT-2 refusal, its bad value
+    assert result.stdout.strip().splitlines()[-1].startswith("10 passed"), result.stdout[-500:]
     (tmp_path / "corpus.txt").write_text(make_text())
     run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
                                                                   max_iters=30, eval_interval=30, attn_window=4)],
@@ -434,9 +492,9 @@ def test_the_alibi_recipe_forks_the_repo_end_to_end(tmp_path):
     add_alibi_as_the_docs_say(repo)
     result = pytest_in(repo, "tests/test_model_options.py", "-k", "alibi")
     assert result.returncode == 0, result.stdout[-3000:]
-    # flag and preset key, reaches the model and changes it, causal, KV cache, the shortcut's numbers,
-    # saved/shown/kept, GPT-2 refusal
-    assert result.stdout.strip().splitlines()[-1].startswith("7 passed"), result.stdout[-500:]
+    # flag and preset key, reaches the model and changes it, its objective terms' scale, causal, KV cache, the
+    # shortcut's numbers, saved/shown/kept, GPT-2 refusal
+    assert result.stdout.strip().splitlines()[-1].startswith("8 passed"), result.stdout[-500:]
     (tmp_path / "corpus.txt").write_text(make_text())
     run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
                                                                   max_iters=30, eval_interval=30, pos_emb="alibi",
@@ -455,6 +513,71 @@ def test_the_alibi_recipe_forks_the_repo_end_to_end(tmp_path):
     assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
     assert ("pos_emb=alibi computes what the base model without transformer.wpe.weight computes"
             in " ".join(broken.stdout.split())), broken.stdout[-1500:]
+
+
+# ----------------------------------------------------------------------------- the MoE recipe, end to end
+def add_moe_as_the_docs_say(repo: Path) -> None:
+    """docs/experiments.md's five edits for a top-1 mixture of experts, each where its heading says."""
+    model_py = repo / "model.py"
+    insert(model_py, "\n\n    # Options that act only while training",
+           "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (MoE):\n").rstrip("\n"))
+    source = model_py.read_text()
+    lines = re.findall(r"^    TRAINING_ONLY: .*\n", source, re.M)
+    assert len(lines) == 1, "update the MoE fork test: model.py declares TRAINING_ONLY on one line"
+    model_py.write_text(source.replace(lines[0], docs_snippet("# model.py, replacing the TRAINING_ONLY line (MoE):\n")))
+    insert(model_py, "\n    @property\n    def padded_vocab_size",
+           docs_snippet("# model.py, at the end of GPTConfig.__post_init__ (MoE):\n"))
+    insert(model_py, "class Block(nn.Module):", docs_snippet("# model.py, before class Block (MoE):\n") + "\n\n")
+    mlp = "        self.mlp = MLP(config)\n"
+    insert(model_py, mlp, "")
+    model_py.write_text(model_py.read_text().replace(
+        mlp, docs_snippet("# model.py, in Block.__init__, replacing self.mlp = MLP(config) (MoE):\n")))
+
+
+MOE_FLOPS = """
+import json
+from model import GPT, GPTConfig
+shape = dict(vocab_size=40, n_layer=2, n_head=2, n_embd=32, block_size=32)
+print("FLOPS " + json.dumps([GPT(GPTConfig(**shape, n_experts=e)).flops_per_token() for e in (0, 1, 4, 8)]))
+"""
+
+
+@pytest.mark.slow  # two fresh pytests in a copy of the repo and a training run: ~60 s
+def test_the_moe_recipe_forks_the_repo_end_to_end(tmp_path):
+    """docs/experiments.md's top-1 MoE, taken from the page: the copy's generated tests for both options (the
+    balance weight paired with the experts it needs), the balance term's scale in a tiny run's log, and a FLOP
+    count of one expert per token; then the balance term written as a plain mean fails the scale test."""
+    repo = copy_of_the_repo(tmp_path)
+    add_moe_as_the_docs_say(repo)
+    result = pytest_in(repo, "tests/test_model_options.py", "-k", "n_experts or moe_balance", "-rA")
+    assert result.returncode == 0, result.stdout[-3000:]
+    # each: flag and preset key, reaches the model, its objective term's scale, causal, KV cache, the shortcut's
+    # numbers, saved/shown/kept, GPT-2 refusal, its negative and its bad value
+    assert result.stdout.strip().splitlines()[-1].startswith("20 passed"), result.stdout[-800:]
+    assert "PASSED tests/test_model_options.py::test_every_objective_term_is_summed_over_the_targets[moe_balance=0.5]" \
+        in result.stdout
+
+    (tmp_path / "corpus.txt").write_text(make_text())
+    run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
+                                                                  max_iters=8, eval_interval=8, n_experts=4)],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "not default: n_experts 4" in run.stdout
+    balance = [record["moe_balance"] for record in read_metrics(tmp_path / "run") if "moe_balance" in record]
+    # Per target, each of the 2 layers adds 0.01 x E sum_i f_i P_i, which lies in [1, E = 4]: 0.02 when even.
+    assert len(balance) == 8 and all(0.02 * 0.999 < value < 0.08 for value in balance), balance
+
+    flops = subprocess.run([sys.executable, "-c", MOE_FLOPS], cwd=repo, capture_output=True, text=True, timeout=300)
+    dense, one, four, eight = json.loads(flops.stdout.split("FLOPS ", 1)[1])
+    router = 6 * 2 * 32  # per token, per expert: the router's C x E matrix, forward and backward, in 2 layers
+    assert (one, four, eight) == (dense + router, dense + 4 * router, dense + 8 * router)  # one expert per token
+
+    # The teeth: the balance term as a plain mean, added as if summed (finding 6 of issue 44), fails the scale test.
+    model_py = repo / "model.py"
+    model_py.write_text(model_py.read_text().replace('aux.add_mean("moe_balance"', 'aux.add_sum("moe_balance"'))
+    broken = pytest_in(repo, "tests/test_model_options.py", "-k", "objective_term and moe_balance")
+    assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
+    assert "it is not summed over the targets" in broken.stdout and "aux.add_mean" in broken.stdout
 
 
 def test_a_checkpoint_with_a_field_this_code_lacks_loads_with_a_warning_naming_it(tmp_path, corpus_file, capsys):

@@ -7,12 +7,14 @@ import re
 import pytest
 import torch
 
-from training import tracking
+from training import runtime, tracking
+import model as model_module
 import train
 from training.checkpoint import REQUIRED_KEYS, load_checkpoint
 from config import ConfigError, make_config
 from conftest import metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
 from fault_injection import step_clock
+from weights.loading import from_checkpoint
 
 
 def test_lr_schedule_table():
@@ -119,6 +121,62 @@ def test_accumulation_equals_one_big_batch_even_with_uneven_token_counts():
         _, ls, nb, _ = naive(xb, yb)
         (ls / nb / len(batches)).backward()
     assert max((a - b).abs().max().item() for a, b in zip(grads_of(naive), grads_of(big))) > 1e-4
+
+
+def add_a_batch_mean_term(monkeypatch, add: str) -> None:
+    """Every MLP adds 0.1 x the mean square of its input over the micro-batch (a batch statistic, as a
+    load-balance loss is) to the objective through ``aux.<add>``, as a fork would (model.AuxLosses)."""
+    mlp_forward = model_module.MLP.forward
+
+    def forward(self, x, aux):
+        getattr(aux, add)("activity", 0.1 * x.square().mean())
+        return mlp_forward(self, x, aux)
+
+    monkeypatch.setattr(model_module.MLP, "forward", forward)
+
+
+def split_and_whole(batches: list) -> tuple[list, list, float, float]:
+    """Gradients and the logged per-target term of one step over ``batches`` and over the same rows as one batch."""
+    scaler, cpu = torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu")
+    split, whole = tiny_model(), tiny_model()
+    split_losses = train.accumulate_gradients(split, batches, scaler, cpu, torch.float32)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    whole_losses = train.accumulate_gradients(whole, [(x, y)], scaler, cpu, torch.float32)
+    return (grads_of(split), grads_of(whole), (split_losses.aux["activity"] / split_losses.n_targets).item(),
+            (whole_losses.aux["activity"] / whole_losses.n_targets).item())
+
+
+def test_a_mean_term_weighs_the_same_however_the_batch_is_split(monkeypatch):
+    """A batch-level term written the natural way, a mean over the micro-batch, added with aux.add_mean: one
+    step over three micro-batches has the gradient and the logged term of the same rows as one batch."""
+    add_a_batch_mean_term(monkeypatch, "add_mean")
+    split, whole, split_term, whole_term = split_and_whole(make_batches([32, 32, 32]))
+    for g_split, g_whole in zip(split, whole):
+        torch.testing.assert_close(g_split, g_whole, rtol=1e-5, atol=1e-7)
+    assert split_term == pytest.approx(whole_term, rel=1e-6) and 0.05 < whole_term < 1  # its own scale: 0.1 x ~1
+
+    # The teeth: the same mean added as if it were a sum over the targets is 1/96 as strong on the whole batch,
+    # and 3x stronger again when split in three.
+    monkeypatch.undo()
+    add_a_batch_mean_term(monkeypatch, "add_sum")
+    split, whole, split_term, whole_term = split_and_whole(make_batches([32, 32, 32]))
+    assert split_term == pytest.approx(3 * whole_term, rel=1e-5) and whole_term < 0.01
+    assert max((a - b).abs().max().item() for a, b in zip(split, whole)) > 1e-6
+
+
+def test_mfu_reads_the_flops_measured_at_start(tmp_path, text_file, monkeypatch):
+    """Where a peak is known, each log line's MFU is GPT.flops_per_token's measured count x tokens/s / peak (here
+    on CPU, with a pretend peak of 1 TFLOP/s); the hand formula 6N + 12LTC would count the norms' gains too."""
+    for module in (runtime, train):
+        monkeypatch.setattr(module, "device_peak", lambda device, dtype: 1e12)
+    assert run_main(tiny_args(tmp_path / "run", text_file, max_iters=3)) == 0
+    model = from_checkpoint(tmp_path / "run" / "last.pt").model
+    counted = model.flops_per_token()
+    assert counted < 6 * model.num_params() + 12 * 2 * 32 * 32  # tiny: 2 layers, T = C = 32
+    steps = [record for record in read_metrics(tmp_path / "run") if "mfu" in record]
+    assert len(steps) == 3
+    for record in steps:
+        assert record["mfu"] == pytest.approx(counted * record["tokens_per_s"] / 1e12, rel=1e-12)
 
 
 def test_evaluate_restores_train_mode_and_draws_no_randomness():

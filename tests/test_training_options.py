@@ -24,8 +24,8 @@ import torch
 import train
 from training.checkpoint import load_checkpoint, save_checkpoint
 import config
-from config import (CHOOSERS, DEFAULTS, FIELD_TYPES, RESUME, RESUME_RULES, USED_ONLY_UNDER, TrainConfig, choices,
-                    make_config, settings_line, unused_fields, unused_given)
+from config import (CHOOSERS, DEFAULTS, FIELD_TYPES, RANGES, RESUME, RESUME_RULES, USED_ONLY_UNDER, TrainConfig,
+                    choices, make_config, model_config, settings_line, unused_fields, unused_given)
 from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
 from data import LOADERS, corpus_for
 from fault_injection import assert_same_training_state, capture_run
@@ -214,10 +214,37 @@ RUN_CHOICES = ("optimizer", "lr_decay", "schedule")  # what chooses the optimize
 READ_BY_THE_LOOP = {"max_iters", "max_time", "grad_accum"}
 
 
-def perturbed(cfg: TrainConfig, name: str) -> TrainConfig:
-    """``cfg`` with one numeric field moved a little (kept in [0, 1) where it was there: betas, fractions)."""
+def in_its_range(cfg: TrainConfig, name: str) -> bool:
+    """Whether ``name``'s value in ``cfg`` is inside its own range: its rows of config.RANGES and, for a model
+    option, GPTConfig's checks (validate's other checks relate fields: lora_rank needs init_from)."""
     value = getattr(cfg, name)
-    return dataclasses.replace(cfg, **{name: value + 1 if isinstance(value, int) else value * 0.75 + 0.01})
+    if not all(ok(value) for _, ok, names in RANGES if name in names):
+        return False
+    try:
+        model_config(cfg, vocab_size=1)
+    except ValueError:
+        return False
+    return True
+
+
+def perturbed(cfg: TrainConfig, name: str) -> TrainConfig:
+    """``cfg`` with one numeric field moved a little, up where its range allows, else down, never outside its range
+    (an optimizer may raise on an invalid value); kept in [0, 1) where it was there: betas, fractions."""
+    value = getattr(cfg, name)
+    moves = (value + 1, value - 1) if isinstance(value, int) else (value * 0.75 + 0.01, value * 1.25, value - 1)
+    inside = [moved for moved in moves if in_its_range(dataclasses.replace(cfg, **{name: moved}), name)]
+    assert inside, f"{name}={value}: no move of {moves} stays inside its range (config.RANGES); widen the moves"
+    return dataclasses.replace(cfg, **{name: inside[0]})
+
+
+def test_a_perturbation_stays_inside_the_fields_range(monkeypatch):
+    """A field whose range stops just below (grad_clip 1.0, here declared in [1, 2]) is moved up, not out of it:
+    an optimizer given an invalid value would raise inside the tests (torch's Adafactor did)."""
+    cfg = make_config("tiny")
+    assert perturbed(cfg, "grad_clip").grad_clip == 0.76  # down a little, as every field inside its range
+    row = ("in [1, 2]", lambda v: 1 <= v <= 2, ("grad_clip",))
+    monkeypatch.setattr(sys.modules[__name__], "RANGES", (*RANGES, row))
+    assert perturbed(cfg, "grad_clip").grad_clip == 1.25
 
 
 @functools.cache

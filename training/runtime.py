@@ -187,11 +187,16 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+def device_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The peak FLOP/s MFU divides by: a CUDA device's peak_flops; None on CPU and MPS (no datasheet peak)."""
+    return peak_flops(device_name(device), dtype) if device.type == "cuda" else None
+
+
 def mfu(flops_per_token: float, tokens_per_s: float, device: torch.device, dtype: torch.dtype,
         world_size: int = 1) -> float | None:
     """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, app. B): achieved / peak FLOP/s. ``tokens_per_s``
     is the whole job's, spread over ``world_size`` GPUs. None ("n/a") on CPU, MPS, unknown GPUs and fp32."""
-    peak = peak_flops(device_name(device), dtype) if device.type == "cuda" else None
+    peak = device_peak(device, dtype)
     if peak is None:
         return None
     return flops_per_token * tokens_per_s / (peak * world_size)

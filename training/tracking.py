@@ -156,7 +156,8 @@ class MetricsLog:
     def __init__(self, out_dir: Path, cfg: TrainConfig, step: int, flops_per_token: int, rt, world_size: int = 1,
                  enabled: bool = True, tracked: bool = True):
         """A run starting at ``step``: a fresh run's metrics.jsonl is removed, a resumed run's keeps its records
-        through ``step``. ``tracked=False``: a resume with nothing left to do (no wandb run to log nothing)."""
+        through ``step``. ``flops_per_token``: GPT.flops_per_token's, measured once at start, what MFU reads.
+        ``tracked=False``: a resume with nothing left to do (no wandb run to log nothing)."""
         self.enabled, self.max_time, self.rt, self.world_size = enabled, cfg.max_time, rt, world_size
         self.step_then, self.t = step, time.time()  # the last log line's: what its speed is measured from
         self.flops_per_token, self.device = flops_per_token, rt.device
