@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, run_script, tiny_args, tiny_model
+from conftest import REPO, run_script, tiny_args, tiny_model, write_chats
 from data import Conversations, conversation_rows, eval_windows, load_corpus
 from prepare.__main__ import main as prepare_main
 from prepare import documents
@@ -30,19 +30,6 @@ def tok():
 def conversation(user: str, reply: str, *more: str) -> list[tuple[str, str]]:
     turns = [("user", user), ("assistant", reply)]
     return turns + [("user", text) if i % 2 == 0 else ("assistant", text) for i, text in enumerate(more)]
-
-
-def write_chats(path: Path, n: int = 40, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    words = "the king queen lord love night day sword heart sweet fair".split()
-    with open(path, "w") as f:
-        for i in range(n):
-            user = " ".join(rng.choice(words, rng.integers(1, 4)))
-            reply = " ".join(rng.choice(words, rng.integers(1, 6)))
-            record = ({"prompt": user, "completion": reply} if i % 3 == 0 else
-                      {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]})
-            f.write(json.dumps(record) + "\n")
-    return path
 
 
 def test_markers_are_new_ids_never_made_from_text():
