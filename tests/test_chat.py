@@ -234,15 +234,19 @@ def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     t = chat_tokenizer(base_tokenizer_of(kind, tmp_path / "cache"))
     hf.export(tiny_model(vocab_size=t.vocab_size), t, tmp_path / "export")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
-    messages = [("system", "the lord, be fair"), ("user", "what day is it?"), ("assistant", "a sweet one, my king."),
+    messages = [("system", "the lord, be fair"), ("user", "what day is it?"), ("assistant", "a sweet one,\nmy king."),
                 ("user", "and the night?")]
     as_dicts = [{"role": role, "content": content} for role, content in messages]
     assert theirs.apply_chat_template(as_dicts, tokenize=True, return_dict=False) == render(t, messages)
     assert theirs.apply_chat_template(as_dicts, add_generation_prompt=True, tokenize=True, return_dict=False) == \
         render(t, messages, reply=True)
     assert theirs.decode(render(t, messages)) == t.decode(render(t, messages))  # markers decode as their text
+    # A reply decodes as its text: transformers skips the special tokens, bos among them, which a char base's
+    # newline was (its text lost its newlines). Now bos is <|begin|>.
+    assert theirs.decode(render(t, messages), skip_special_tokens=True) == "".join(text for _, text in messages)
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["eos_token_id"] == t.marker_ids[END]  # generate() stops where our chat stops
+    assert config["bos_token_id"] == t.marker_ids[BEGIN] == theirs.bos_token_id
 
 
 def test_eval_scores_a_chat_run_on_its_assistants_tokens_as_training_did(chat_run, capsys):

@@ -16,7 +16,7 @@ from config import make_config
 from conftest import make_text, tiny_model, tiny_run, write_chats
 from weights import gguf as export
 from process.errors import HFError
-from prepare.chat import END, MARKERS, chat_tokenizer
+from prepare.chat import BEGIN, END, MARKERS, chat_tokenizer
 from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, train_bpe
 from weights.hf_tokenizer import BYTE_TEXT, chat_template
 from weights.loading import from_checkpoint
@@ -123,7 +123,7 @@ def test_a_chat_gguf_holds_the_base_vocabulary_the_markers_as_control_tokens_the
     assert [i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL] == sorted(tokenizer.special_ids)
     assert field(reader, "tokenizer.ggml.eos_token_id") == field(reader, "tokenizer.ggml.eot_token_id") \
         == tokenizer.marker_ids[END]
-    assert field(reader, "tokenizer.ggml.bos_token_id") == base.eot_token  # as the base's: nothing is added
+    assert field(reader, "tokenizer.ggml.bos_token_id") == tokenizer.marker_ids[BEGIN]  # as the HF export's
     assert field(reader, "tokenizer.ggml.add_bos_token") is False
     assert field(reader, "tokenizer.chat_template") == chat_template()
     assert "tokenizer.chat_template" not in plain.fields and "tokenizer.ggml.eot_token_id" not in plain.fields

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from model import GPT
-from prepare.chat import END
+from prepare.chat import BEGIN, END
 from prepare.tokenizers import EOT_TEXT, ChatTokenizer
 from process.errors import HFError
 from process.files import written_whole
@@ -114,8 +114,9 @@ def write_metadata(writer, model: GPT, tokenizer, dtype: str, name: str) -> None
     """The shape llama.cpp builds (context length: block_size, the position table's length), then the tokenizer:
     tokens, types (the special ids, <|endoftext|>, are CONTROL: never made from text) and merges. The start id
     (<|endoftext|>, a char model's newline) is bos and eos: llama.cpp's BPE otherwise takes id 11 for both, and a
-    char model has no end token of its own. A chat model's reply ends at <|end|> (eos and eot), and its template
-    is written for the runners that format a conversation (llama-server, llama-cpp-python, Ollama)."""
+    char model has no end token of its own. A chat model's conversation starts at <|begin|> (bos, as in the
+    transformers export), its reply ends at <|end|> (eos and eot), and its template is written for the runners that
+    format a conversation (llama-server, llama-cpp-python, Ollama)."""
     import gguf
 
     config, types = model.config, gguf.LlamaFileType
@@ -135,7 +136,7 @@ def write_metadata(writer, model: GPT, tokenizer, dtype: str, name: str) -> None
                             for i in range(len(tokens))])
     writer.add_token_merges(merges)
     chat = isinstance(tokenizer, ChatTokenizer)
-    writer.add_bos_token_id(tokenizer.eot_token)
+    writer.add_bos_token_id(tokenizer.marker_ids[BEGIN] if chat else tokenizer.eot_token)
     writer.add_eos_token_id(tokenizer.marker_ids[END] if chat else tokenizer.eot_token)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)

@@ -109,7 +109,8 @@ def char_files(tokenizer, block_size: int) -> dict[str, Any]:
 def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, Any]:
     """A base tokenizer's files and a chat tokenizer's role markers, as special added tokens (never split,
     never made from text): in tokenizer.json (char) or tokenizer_config.json's added_tokens_decoder (BPE);
-    and the template (chat_template), so that transformers' apply_chat_template makes our ids."""
+    and the template (chat_template), so that transformers' apply_chat_template makes our ids. The start token is
+    <|begin|>: transformers skips bos when it decodes a reply, and a char base's (a newline, or a space) is text."""
     added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": True} for text, i in markers.items()]
     files = json.loads(json.dumps(files))  # a copy: the base's files stay as they are
@@ -118,6 +119,7 @@ def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, An
     else:
         files["tokenizer_config.json"]["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
     files["tokenizer_config.json"]["additional_special_tokens"] = list(markers)
+    files["tokenizer_config.json"]["bos_token"] = BEGIN
     files["tokenizer_config.json"]["chat_template"] = chat_template()
     return files
 
