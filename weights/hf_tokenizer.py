@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prepare.chat import ASSISTANT, BEGIN, END, ROLES
+from prepare.chat import ASSISTANT, BEGIN, END, MARKERS, ROLES
 from prepare.tokenizers import BYTES, EOT_TEXT, GPT2_VOCAB, ChatTokenizer, bpe_pattern, tokenizer_vocab_size
 from process.errors import HFError
 
@@ -136,7 +136,25 @@ def chat_template() -> str:
 def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
     """The tokenizer a folder's weights were trained with, if it can tell: our own description (OWN_FILES),
     GPT-2's by its size, else rebuilt from the standard files another tool saved in their place (PEFT's
-    save_pretrained, tokenizer.save_pretrained): tokenizer.json, or vocab.json + merges.txt."""
+    save_pretrained, tokenizer.save_pretrained): tokenizer.json, or vocab.json + merges.txt. A chat export's markers
+    (tokenizer_config.json's additional_special_tokens, as with_markers writes them) follow its base's ids."""
+    markers = chat_markers(folder)
+    base = read_base_tokenizer(folder, vocab_size - len(markers))
+    return {**base, "chat_tokens": markers} if base and markers else base
+
+
+def chat_markers(folder: Path) -> list[str]:
+    """prepare/chat.py's markers if the folder's tokenizer_config.json lists them as its special tokens, else []."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []  # no such file, or not ours to judge: the base's reading says what is wrong
+    return list(MARKERS) if isinstance(config, dict) and config.get("additional_special_tokens") == list(MARKERS) \
+        else []
+
+
+def read_base_tokenizer(folder: Path, vocab_size: int) -> dict | None:
+    """read_tokenizer's, without the chat markers: ``vocab_size`` is the base's."""
     for kind, (name, what) in OWN_FILES.items():
         if (folder / name).is_file():
             try:
