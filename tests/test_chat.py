@@ -247,6 +247,8 @@ def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["eos_token_id"] == t.marker_ids[END]  # generate() stops where our chat stops
     assert config["bos_token_id"] == t.marker_ids[BEGIN] == theirs.bos_token_id
+    with pytest.raises(Exception, match="role narrator is not one of system, user, assistant"):  # as prepare/chat.py
+        theirs.apply_chat_template([{"role": "narrator", "content": "hi"}], tokenize=False)  # refuses one in data
     # --init_from reads it back as the chat tokenizer it is (it was refused: "a char list of 84 tokens for 89")
     assert hf.load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
 

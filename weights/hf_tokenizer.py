@@ -125,11 +125,17 @@ def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, An
 
 
 def chat_template() -> str:
-    """prepare/chat.py's template as Jinja: apply_chat_template renders the same markers around the same texts."""
-    roles = " ".join(f"{{%- if message['role'] == '{role}' %}}{{{{ '{marker}' }}}}{{%- endif %}}"
-                     for role, marker in ROLES.items())
-    return (f"{{{{- '{BEGIN}' }}}}{{%- for message in messages %}}{roles}{{{{ message['content'] + '{END}' }}}}"
-            f"{{%- endfor %}}{{%- if add_generation_prompt %}}{{{{ '{ASSISTANT}' }}}}{{%- endif %}}")
+    """prepare/chat.py's template as Jinja: apply_chat_template renders the same markers around the same texts. An
+    empty conversation or a role outside ROLES raises, as the data's reading refuses them (prepare/chat.py):
+    raise_exception is the template's error, which transformers, llama-cpp-python and llama-server define."""
+    known = ", ".join(ROLES)
+    roles = "".join(f"{{%- {'elif' if i else 'if'} message['role'] == '{role}' %}}{{{{ '{marker}' }}}}"
+                    for i, (role, marker) in enumerate(ROLES.items()))
+    return (f"{{%- if not messages %}}{{{{ raise_exception('no messages: a conversation needs a turn') }}}}"
+            f"{{%- endif %}}{{{{- '{BEGIN}' }}}}{{%- for message in messages %}}{roles}{{%- else %}}"
+            f"{{{{ raise_exception('role ' + message['role'] + ' is not one of {known}') }}}}{{%- endif %}}"
+            f"{{{{ message['content'] + '{END}' }}}}{{%- endfor %}}"
+            f"{{%- if add_generation_prompt %}}{{{{ '{ASSISTANT}' }}}}{{%- endif %}}")
 
 
 # ----------------------------------------------------------------------------- reading (init_from)
