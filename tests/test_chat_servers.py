@@ -86,7 +86,7 @@ def served(chat_runs, llama_cpp, openai):
             if kind not in servers:
                 port, (_, gguf_file, _) = free_port(), chat_runs(kind)
                 command = ["-m", "llama_cpp.server", "--model", str(gguf_file), "--n_ctx", "0", "--n_threads", "1",
-                           "--host", "127.0.0.1", "--port", str(port)]
+                           "--n_threads_batch", "1", "--host", "127.0.0.1", "--port", str(port)]
                 log = gguf_file.with_suffix(".server.log")  # a file, not a pipe: nobody reads it while it runs
                 with open(log, "w") as out:
                     proc = subprocess.Popen([sys.executable, *command], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -154,7 +154,7 @@ def test_one_conversation_gets_our_greedy_reply_from_llama_cpp_its_server_and_tr
     replies = ours(run, monkeypatch, capsys)
     loaded = from_checkpoint(run / "best.pt")
     tokenizer, block_size = loaded.tokenizer, loaded.model.config.block_size
-    llm = llama_cpp.Llama(str(gguf_file), n_ctx=0, n_threads=1, verbose=False)
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=0, n_threads=1, n_threads_batch=1, verbose=False)
     client = served(kind)
     pipe = transformers.pipeline("text-generation", model=str(hf_folder), device="cpu")
     finishes = []

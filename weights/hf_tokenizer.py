@@ -127,7 +127,7 @@ def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, An
 def chat_template() -> str:
     """prepare/chat.py's template as Jinja: apply_chat_template renders the same markers around the same texts. An
     empty conversation or a role outside ROLES raises, as the data's reading refuses them (prepare/chat.py):
-    raise_exception is the template's error, which transformers, llama-cpp-python and llama-server define."""
+    raise_exception is the error a template raises, which transformers and llama-cpp-python define (both tested)."""
     known = ", ".join(ROLES)
     roles = "".join(f"{{%- {'elif' if i else 'if'} message['role'] == '{role}' %}}{{{{ '{marker}' }}}}"
                     for i, (role, marker) in enumerate(ROLES.items()))
