@@ -149,6 +149,9 @@ def conversation(replies: list[str]) -> list[list[dict]]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_conversation_gets_our_greedy_reply_from_llama_cpp_its_server_and_transformers(
         chat_runs, served, llama_cpp, kind, monkeypatch, capsys):
+    """Each reply of sample.py --chat --temp 0, asked again of every runner with the same messages (our earlier
+    replies as the assistant's turns): llama.cpp renders the GGUF's template to our ids, and all answer the same text,
+    ending where ours ends (<|end|>: "stop", or the window: "length"), never showing a marker."""
     transformers = pytest.importorskip("transformers")
     run, gguf_file, hf_folder = chat_runs(kind)
     replies = ours(run, monkeypatch, capsys)
