@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,21 @@ def make_text(n_lines: int = 600, seed: int = 0) -> str:
         words = [rng.choice(WORDS) for _ in range(rng.randint(4, 9))]
         lines.append(" ".join(words).capitalize() + rng.choice([".", ",", "!", "?", ";"]))
     return "\n".join(lines) + "\n"
+
+
+def write_chats(path: Path, n: int = 40, seed: int = 0) -> Path:
+    """A .jsonl of ``n`` short conversations (a user turn, an assistant turn) of WORDS, in both formats prepare/chat.py
+    reads: every third line {"prompt", "completion"}, the others {"messages": [...]}."""
+    rng = np.random.default_rng(seed)
+    words = "the king queen lord love night day sword heart sweet fair".split()
+    with open(path, "w") as f:
+        for i in range(n):
+            user = " ".join(rng.choice(words, rng.integers(1, 4)))
+            reply = " ".join(rng.choice(words, rng.integers(1, 6)))
+            record = ({"prompt": user, "completion": reply} if i % 3 == 0 else
+                      {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]})
+            f.write(json.dumps(record) + "\n")
+    return path
 
 
 # Prepended to a child process's script: a wait on the network is counted in connections, not seconds.

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from config import TrainConfig
-from conftest import REPO, run_script, tiny_args, tiny_model
+from conftest import REPO, run_script, tiny_args, tiny_model, write_chats
 from data import Conversations, conversation_rows, eval_windows, load_corpus
 from prepare.__main__ import main as prepare_main
 from prepare import documents
@@ -31,19 +31,6 @@ def tok():
 def conversation(user: str, reply: str, *more: str) -> list[tuple[str, str]]:
     turns = [("user", user), ("assistant", reply)]
     return turns + [("user", text) if i % 2 == 0 else ("assistant", text) for i, text in enumerate(more)]
-
-
-def write_chats(path: Path, n: int = 40, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    words = "the king queen lord love night day sword heart sweet fair".split()
-    with open(path, "w") as f:
-        for i in range(n):
-            user = " ".join(rng.choice(words, rng.integers(1, 4)))
-            reply = " ".join(rng.choice(words, rng.integers(1, 6)))
-            record = ({"prompt": user, "completion": reply} if i % 3 == 0 else
-                      {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]})
-            f.write(json.dumps(record) + "\n")
-    return path
 
 
 def test_markers_are_new_ids_never_made_from_text():
@@ -249,15 +236,23 @@ def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     t = chat_tokenizer(base_tokenizer_of(kind, tmp_path / "cache"))
     hf.export(tiny_model(vocab_size=t.vocab_size), t, tmp_path / "export")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
-    messages = [("system", "the lord, be fair"), ("user", "what day is it?"), ("assistant", "a sweet one, my king."),
+    messages = [("system", "the lord, be fair"), ("user", "what day is it?"), ("assistant", "a sweet one,\nmy king."),
                 ("user", "and the night?")]
     as_dicts = [{"role": role, "content": content} for role, content in messages]
     assert theirs.apply_chat_template(as_dicts, tokenize=True, return_dict=False) == render(t, messages)
     assert theirs.apply_chat_template(as_dicts, add_generation_prompt=True, tokenize=True, return_dict=False) == \
         render(t, messages, reply=True)
     assert theirs.decode(render(t, messages)) == t.decode(render(t, messages))  # markers decode as their text
+    # A reply decodes as its text: transformers skips the special tokens, bos among them, which a char base's
+    # newline was (its text lost its newlines). Now bos is <|begin|>.
+    assert theirs.decode(render(t, messages), skip_special_tokens=True) == "".join(text for _, text in messages)
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["eos_token_id"] == t.marker_ids[END]  # generate() stops where our chat stops
+    assert config["bos_token_id"] == t.marker_ids[BEGIN] == theirs.bos_token_id
+    with pytest.raises(Exception, match="role narrator is not one of system, user, assistant"):  # as prepare/chat.py
+        theirs.apply_chat_template([{"role": "narrator", "content": "hi"}], tokenize=False)  # refuses one in data
+    # --init_from reads it back as the chat tokenizer it is (it was refused: "a char list of 84 tokens for 89")
+    assert hf.load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
 
 
 def test_eval_scores_a_chat_run_on_its_assistants_tokens_as_training_did(chat_run, capsys):

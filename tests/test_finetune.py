@@ -12,8 +12,7 @@ from config import config_from_dict, make_config, model_config
 from weights.loading import from_checkpoint, load_run
 from prepare.tokenizers import tokenizer_vocab_size
 from model import GPT
-from conftest import make_text
-from test_chat import write_chats
+from conftest import make_text, write_chats
 
 
 def train(text_file, out_dir, check=True, **overrides):

@@ -14,11 +14,12 @@ import sample
 import train
 from config import make_config
 from model import GPT, GPTConfig
-from conftest import make_text, tiny_model, tiny_run
+from conftest import make_text, tiny_model, tiny_run, write_chats
 from weights import gguf as export
 from process.errors import HFError
-from prepare.tokenizers import CharTokenizer, train_bpe
-from weights.hf_tokenizer import BYTE_TEXT
+from prepare.chat import BEGIN, END, MARKERS, chat_tokenizer
+from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, train_bpe
+from weights.hf_tokenizer import BYTE_TEXT, chat_template
 from weights.loading import from_checkpoint
 from scripts import export_gguf
 
@@ -108,6 +109,36 @@ def test_a_bpe_gguf_has_its_merges_in_rank_order_and_its_end_token_control(tmp_p
     assert field(reader, "tokenizer.ggml.eos_token_id") == tokenizer.eot_token == 299
 
 
+def base_tokenizer(kind: str, cache: Path):
+    """A tokenizer of each kind a run can have: a char list (with multi-byte characters), our BPE, GPT-2's."""
+    if kind == "char":
+        return CharTokenizer("".join(sorted(set(make_text(30) + UNICODE_LINE))))
+    return GPT2Tokenizer(cache) if kind == "gpt2" else train_bpe([make_text(200)], 300, "test")
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)])
+def test_a_chat_gguf_holds_the_base_vocabulary_the_markers_as_control_tokens_the_end_of_turn_and_the_template(
+        tmp_path, kind):
+    """What llama.cpp's chat reads: the base's tokens and merges unchanged, then the markers under their own text, as
+    CONTROL tokens (made only from a rendered template); <|end|> ends a reply (eos, eot); the transformers template."""
+    base = base_tokenizer(kind, tmp_path / "cache")
+    tokenizer = chat_tokenizer(base)
+    model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=16)
+    reader = write(tmp_path, model, tokenizer)
+    (tmp_path / "base").mkdir()
+    plain = write(tmp_path / "base", tiny_model(vocab_size=base.vocab_size, block_size=16), base)
+    tokens, types = field(reader, "tokenizer.ggml.tokens"), field(reader, "tokenizer.ggml.token_type")
+    assert tokens == field(plain, "tokenizer.ggml.tokens") + list(MARKERS)
+    assert field(reader, "tokenizer.ggml.merges") == field(plain, "tokenizer.ggml.merges")
+    assert [i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL] == sorted(tokenizer.special_ids)
+    assert field(reader, "tokenizer.ggml.eos_token_id") == field(reader, "tokenizer.ggml.eot_token_id") \
+        == tokenizer.marker_ids[END]
+    assert field(reader, "tokenizer.ggml.bos_token_id") == tokenizer.marker_ids[BEGIN]  # as the HF export's
+    assert field(reader, "tokenizer.ggml.add_bos_token") is False
+    assert field(reader, "tokenizer.chat_template") == chat_template()
+    assert "tokenizer.chat_template" not in plain.fields and "tokenizer.ggml.eot_token_id" not in plain.fields
+
+
 @pytest.mark.parametrize("dtype, matrix_type", [("f16", "F16"), ("q8_0", "Q8_0")])
 def test_smaller_dtypes_store_the_matrices_and_keep_norms_and_biases_f32(tmp_path, dtype, matrix_type):
     model = tiny_model(vocab_size=50, block_size=16, bias=True)
@@ -147,6 +178,24 @@ def test_the_script_refuses_a_rope_run_in_one_line_with_its_exit_code(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert stop.value.code == HFError.exit_code == 2 and "\n" not in err, err
     assert "pos_emb 'rope' (GPT-2 computes 'learned')" in err and not (tmp_path / "rope.gguf").exists()
+
+
+def test_the_script_exports_a_lora_chat_fine_tune_of_a_char_run_with_its_template(tmp_path, tiny_cfg, capsys):
+    """The reported crash: a chat fine-tune of a char base (its ChatTokenizer has no .chars) stopped the export with
+    an AttributeError. Now the merged LoRA model is written with the base's characters, then the markers."""
+    base = tiny_cfg(max_iters=2, eval_interval=2)
+    train.train(base)
+    chat = make_config("tiny", **tiny_run(tmp_path / "chat", write_chats(tmp_path / "chats.jsonl", n=20)) | dict(
+        init_from=base.out_dir, lora_rank=2, max_iters=2, eval_interval=2, chat_overflow="truncate"))
+    train.train(chat)
+    export_gguf.main([chat.out_dir, str(tmp_path / "chat.gguf")])
+    reader = gguf.GGUFReader(tmp_path / "chat.gguf")
+    loaded = from_checkpoint(Path(chat.out_dir) / "best.pt")
+    assert field(reader, "tokenizer.ggml.tokens") == [*(BYTE_TEXT[ord(ch)] for ch in loaded.tokenizer.base.chars),
+                                                      *MARKERS]  # ASCII characters: one byte each
+    assert field(reader, "tokenizer.chat_template") == chat_template()
+    token_embd = next(t for t in reader.tensors if t.name == "token_embd.weight").data  # (V, C)
+    assert np.array_equal(token_embd, loaded.model.state_dict()["transformer.wte.weight"][: len(token_embd)].numpy())
 
 
 # ----------------------------------------------------------------------------- llama.cpp itself

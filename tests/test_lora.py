@@ -14,7 +14,7 @@ from weights import loading
 from weights.loading import from_checkpoint, start_from
 import train
 from config import ConfigError, make_config
-from conftest import make_text, metrics, tiny_model, tiny_run
+from conftest import make_text, metrics, tiny_model, tiny_run, write_chats
 from data import load_corpus
 from fault_injection import assert_nested_equal
 from weights import hf
@@ -295,7 +295,6 @@ def test_a_chat_fine_tune_trains_its_markers_rows_and_merges_them(tmp_path):
     adapters (a frozen row would leave every marker alike), the rest of the embedding stays the base's, the merged
     model computes the adapted one, and PEFT's files, which cannot hold them, are refused in one line."""
     from conftest import run_script, tiny_args
-    from test_chat import write_chats
     text = tmp_path / "corpus.txt"
     text.write_text(make_text())
     run_script("train.py", *tiny_args(tmp_path / "base", text, max_iters=4, eval_interval=4))

@@ -12,6 +12,11 @@ char vocabulary is such a BPE: a token per character, with merges that join a mu
 across characters: each starts at a UTF-8 lead byte). Nothing is added to a text, as our encode adds nothing.
 llama.cpp computes GELU in its tanh form from an fp16 table: an exact-GELU model's logits differ a little
 (within tests/test_gguf.py's tolerance), its greedy text does not.
+
+A chat model (a ChatTokenizer: prepare/chat.py's markers after its base's ids) carries its conversation format as
+runners read it: the markers are CONTROL tokens (llama.cpp makes them from a rendered template, never from a user's
+text), <|end|> is the end of a turn (eos and eot: llama.cpp ends a reply there, llama-cpp-python's template formatter
+stops at it), and tokenizer.chat_template is the transformers export's template (hf_tokenizer.chat_template).
 """
 from __future__ import annotations
 
@@ -20,11 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from model import GPT
-from prepare.tokenizers import EOT_TEXT
+from prepare.chat import BEGIN, END
+from prepare.tokenizers import EOT_TEXT, ChatTokenizer
 from process.errors import HFError
 from process.files import written_whole
 from weights.hf import LAYER_NORM_EPS, gpt2_refusals, is_transposed, to_hf
-from weights.hf_tokenizer import BYTE_TEXT, bpe_merges, bpe_tokens, byte_text
+from weights.hf_tokenizer import BYTE_TEXT, bpe_merges, bpe_tokens, byte_text, chat_template
 
 ARCH = "gpt2"  # llama.cpp's LLM_ARCH_GPT2
 DTYPES = ("f32", "f16", "q8_0")  # how the 2-D weights are stored; norms and biases stay f32
@@ -88,7 +94,11 @@ def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
 def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
     """(token names in id order, merges) of the tokenizer as llama.cpp's byte-level BPE: a tiktoken BPE (GPT-2's or
     our own) as the Hugging Face export names it (weights/hf_tokenizer.py); a char list one token per character,
-    named by its UTF-8 bytes, with each multi-byte character's merges, prefix first."""
+    named by its UTF-8 bytes, with each multi-byte character's merges, prefix first. A chat tokenizer: its base's,
+    then the markers under their own text (CONTROL tokens: llama.cpp matches them only in a rendered template)."""
+    if isinstance(tokenizer, ChatTokenizer):
+        tokens, merges = vocabulary(tokenizer.base)
+        return [*tokens, *tokenizer.markers], merges
     if tokenizer.meta()["kind"] != "char":
         tokens = bpe_tokens(tokenizer)
         return [*map(byte_text, tokens), EOT_TEXT], bpe_merges(tokens)
@@ -104,7 +114,9 @@ def write_metadata(writer, model: GPT, tokenizer, dtype: str, name: str) -> None
     """The shape llama.cpp builds (context length: block_size, the position table's length), then the tokenizer:
     tokens, types (the special ids, <|endoftext|>, are CONTROL: never made from text) and merges. The start id
     (<|endoftext|>, a char model's newline) is bos and eos: llama.cpp's BPE otherwise takes id 11 for both, and a
-    char model has no end token of its own."""
+    char model has no end token of its own. A chat model's conversation starts at <|begin|> (bos, as in the
+    transformers export), its reply ends at <|end|> (eos and eot), and its template is written for the runners that
+    format a conversation (llama-server, llama-cpp-python, Ollama)."""
     import gguf
 
     config, types = model.config, gguf.LlamaFileType
@@ -123,7 +135,11 @@ def write_metadata(writer, model: GPT, tokenizer, dtype: str, name: str) -> None
     writer.add_token_types([gguf.TokenType.CONTROL if i in tokenizer.special_ids else gguf.TokenType.NORMAL
                             for i in range(len(tokens))])
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokenizer.eot_token)
-    writer.add_eos_token_id(tokenizer.eot_token)
+    chat = isinstance(tokenizer, ChatTokenizer)
+    writer.add_bos_token_id(tokenizer.marker_ids[BEGIN] if chat else tokenizer.eot_token)
+    writer.add_eos_token_id(tokenizer.marker_ids[END] if chat else tokenizer.eot_token)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
+    if chat:
+        writer.add_eot_token_id(tokenizer.marker_ids[END])
+        writer.add_chat_template(chat_template())

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from model import GPT, GPTConfig
-from prepare.chat import END
+from prepare.chat import BEGIN, END
 from prepare.tokenizers import ChatTokenizer, tokenizer_vocab_size, without_chat
 from process.errors import HFError
 from process.files import atomic_write, atomic_write_text
@@ -323,9 +323,10 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
 
     weights, block_size = to_hf(model), model.config.block_size
     # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end; a chat model's
-    # reply ends at <|end|>.
+    # conversation starts at <|begin|> and its reply ends at <|end|>.
     bos, eos = tokenizer.eot_token, (tokenizer.eot_token if tokenizer.meta()["kind"] == "gpt2" else None)
-    eos = tokenizer.marker_ids[END] if isinstance(tokenizer, ChatTokenizer) else eos
+    if isinstance(tokenizer, ChatTokenizer):
+        bos, eos = tokenizer.marker_ids[BEGIN], tokenizer.marker_ids[END]
     files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, block_size),
              "generation_config.json": {"bos_token_id": bos, "eos_token_id": eos, "max_length": block_size}}
     if folder.exists() and any(folder.iterdir()):  # another model's tokenizer files would be loaded beside ours

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prepare.chat import ASSISTANT, BEGIN, END, ROLES
+from prepare.chat import ASSISTANT, BEGIN, END, MARKERS, ROLES
 from prepare.tokenizers import BYTES, EOT_TEXT, GPT2_VOCAB, ChatTokenizer, bpe_pattern, tokenizer_vocab_size
 from process.errors import HFError
 
@@ -109,7 +109,8 @@ def char_files(tokenizer, block_size: int) -> dict[str, Any]:
 def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, Any]:
     """A base tokenizer's files and a chat tokenizer's role markers, as special added tokens (never split,
     never made from text): in tokenizer.json (char) or tokenizer_config.json's added_tokens_decoder (BPE);
-    and the template (chat_template), so that transformers' apply_chat_template makes our ids."""
+    and the template (chat_template), so that transformers' apply_chat_template makes our ids. The start token is
+    <|begin|>: transformers skips bos when it decodes a reply, and a char base's (a newline, or a space) is text."""
     added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": True} for text, i in markers.items()]
     files = json.loads(json.dumps(files))  # a copy: the base's files stay as they are
@@ -118,23 +119,48 @@ def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, An
     else:
         files["tokenizer_config.json"]["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
     files["tokenizer_config.json"]["additional_special_tokens"] = list(markers)
+    files["tokenizer_config.json"]["bos_token"] = BEGIN
     files["tokenizer_config.json"]["chat_template"] = chat_template()
     return files
 
 
 def chat_template() -> str:
-    """prepare/chat.py's template as Jinja: apply_chat_template renders the same markers around the same texts."""
-    roles = " ".join(f"{{%- if message['role'] == '{role}' %}}{{{{ '{marker}' }}}}{{%- endif %}}"
-                     for role, marker in ROLES.items())
-    return (f"{{{{- '{BEGIN}' }}}}{{%- for message in messages %}}{roles}{{{{ message['content'] + '{END}' }}}}"
-            f"{{%- endfor %}}{{%- if add_generation_prompt %}}{{{{ '{ASSISTANT}' }}}}{{%- endif %}}")
+    """prepare/chat.py's template as Jinja: apply_chat_template renders the same markers around the same texts. An
+    empty conversation or a role outside ROLES raises, as the data's reading refuses them (prepare/chat.py):
+    raise_exception is the error a template raises, which transformers and llama-cpp-python define (both tested)."""
+    known = ", ".join(ROLES)
+    roles = "".join(f"{{%- {'elif' if i else 'if'} message['role'] == '{role}' %}}{{{{ '{marker}' }}}}"
+                    for i, (role, marker) in enumerate(ROLES.items()))
+    return (f"{{%- if not messages %}}{{{{ raise_exception('no messages: a conversation needs a turn') }}}}"
+            f"{{%- endif %}}{{{{- '{BEGIN}' }}}}{{%- for message in messages %}}{roles}{{%- else %}}"
+            f"{{{{ raise_exception('role ' + message['role'] + ' is not one of {known}') }}}}{{%- endif %}}"
+            f"{{{{ message['content'] + '{END}' }}}}{{%- endfor %}}"
+            f"{{%- if add_generation_prompt %}}{{{{ '{ASSISTANT}' }}}}{{%- endif %}}")
 
 
 # ----------------------------------------------------------------------------- reading (init_from)
 def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
     """The tokenizer a folder's weights were trained with, if it can tell: our own description (OWN_FILES),
     GPT-2's by its size, else rebuilt from the standard files another tool saved in their place (PEFT's
-    save_pretrained, tokenizer.save_pretrained): tokenizer.json, or vocab.json + merges.txt."""
+    save_pretrained, tokenizer.save_pretrained): tokenizer.json, or vocab.json + merges.txt. A chat export's markers
+    (tokenizer_config.json's additional_special_tokens, as with_markers writes them) follow its base's ids."""
+    markers = chat_markers(folder)
+    base = read_base_tokenizer(folder, vocab_size - len(markers))
+    return {**base, "chat_tokens": markers} if base and markers else base
+
+
+def chat_markers(folder: Path) -> list[str]:
+    """prepare/chat.py's markers if the folder's tokenizer_config.json lists them as its special tokens, else []."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []  # no such file, or not ours to judge: the base's reading says what is wrong
+    return list(MARKERS) if isinstance(config, dict) and config.get("additional_special_tokens") == list(MARKERS) \
+        else []
+
+
+def read_base_tokenizer(folder: Path, vocab_size: int) -> dict | None:
+    """read_tokenizer's, without the chat markers: ``vocab_size`` is the base's."""
     for kind, (name, what) in OWN_FILES.items():
         if (folder / name).is_file():
             try:

@@ -1,0 +1,227 @@
+"""A chat model where people talk to models (issue 46): one conversation, one greedy reply, everywhere. Tiny chat runs
+of each tokenizer kind, trained here; `sample.py --chat --temp 0` gives the reference, then llama.cpp on the GGUF
+export (llama-cpp-python's Llama, and its OpenAI-compatible server asked by the official openai client, streamed and
+not) and transformers' text-generation pipeline on the Hugging Face export must give the same text. Localhost only,
+one server per kind, each started within SERVER_START_S and stopped whatever happens.
+"""
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import sample
+import train
+from config import make_config
+from conftest import REPO, tiny_run, write_chats
+from prepare.chat import render
+from scripts import export_gguf, export_hf
+from weights.loading import from_checkpoint
+
+pytestmark = [pytest.mark.interop, pytest.mark.slow]  # llama.cpp, its server, openai, transformers; ~1 min in all
+SYSTEM, USERS = "the lord", ["the king", "sweet lord"]  # a system prompt and two user turns
+KINDS = ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)]  # gpt2: the ranks come from PyPI once
+# Steps enough that a reply ends at <|end|> (the char model's second runs to the window's end: both ways are tested);
+# GPT-2's vocabulary of 50,262 rows makes its steps ten times slower.
+STEPS = {"char": 400, "bpe": 400, "gpt2": 100}
+SERVER_START_S = 90  # a loaded 2-core machine imports the server and maps the model in ~5 s
+# llama_cpp.server's request default is repeat_penalty 1.1, which changes a greedy reply; OpenAI's API has no such
+# knob, so the client sends llama.cpp's own field beside the standard ones (docs/finetuning.md, "Talk to it").
+PLAIN_GREEDY = {"repeat_penalty": 1.0}
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    return pytest.importorskip("llama_cpp", reason="llama.cpp's Python binding builds from source (10-25 min): "
+                               "pip install -r requirements-llama.txt")
+
+
+@pytest.fixture(scope="module")
+def openai():
+    return pytest.importorskip("openai", reason="the OpenAI client and llama.cpp's server: "
+                               "pip install -r requirements-llama.txt")
+
+
+@pytest.fixture(scope="module")
+def chat_runs(tmp_path_factory):
+    """Factory: a tiny chat model of the tokenizer kind trained from scratch on conversations, once, and its GGUF
+    (f32) and Hugging Face exports: (run folder, .gguf, HF folder)."""
+    root = tmp_path_factory.mktemp("chats")
+    chats = write_chats(root / "chats.jsonl", n=200)
+    made = {}
+
+    def build(kind: str) -> tuple[Path, Path, Path]:
+        if kind not in made:
+            cfg = make_config("tiny", **tiny_run(root / kind, chats) | dict(
+                tokenizer=kind, bpe_vocab_size=300, block_size=128, max_iters=STEPS[kind], eval_interval=STEPS[kind],
+                log_interval=STEPS[kind]))
+            train.train(cfg)
+            export_gguf.main([cfg.out_dir, str(root / f"{kind}.gguf")])
+            export_hf.main([cfg.out_dir, str(root / f"{kind}-hf")])
+            made[kind] = Path(cfg.out_dir), root / f"{kind}.gguf", root / f"{kind}-hf"
+        return made[kind]
+    return build
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(chat_runs, llama_cpp, openai):
+    """Factory: `python -m llama_cpp.server` on a kind's GGUF at a free localhost port (its context: the model's,
+    --n_ctx 0), and an openai client of it; every server started is stopped at the end of the module."""
+    servers, started = {}, []
+    try:
+        def serve(kind: str):
+            if kind not in servers:
+                port, (_, gguf_file, _) = free_port(), chat_runs(kind)
+                command = ["-m", "llama_cpp.server", "--model", str(gguf_file), "--n_ctx", "0", "--n_threads", "1",
+                           "--n_threads_batch", "1", "--host", "127.0.0.1", "--port", str(port)]
+                log = gguf_file.with_suffix(".server.log")  # a file, not a pipe: nobody reads it while it runs
+                with open(log, "w") as out:
+                    proc = subprocess.Popen([sys.executable, *command], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+                started.append(proc)
+                wait_until_up(proc, f"http://127.0.0.1:{port}/v1/models", log)
+                servers[kind] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60,
+                                              max_retries=0)
+            return servers[kind]
+        yield serve
+    finally:
+        for proc in started:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, log: Path) -> None:
+    """Poll ``url`` until it answers, the server exits (fail with its log's end) or SERVER_START_S pass."""
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"llama_cpp.server exited {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                if json.load(answer)["data"]:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"llama_cpp.server did not answer {url} within {SERVER_START_S} s")
+
+
+def ours(run: Path, monkeypatch, capsys) -> list[str]:
+    """The replies `sample.py --ckpt RUN --chat --temp 0 --system SYSTEM` gives to USERS typed on stdin."""
+    replies, keep = [], sample.Dialogue.reply
+
+    def recorded(dialogue, text: str) -> None:
+        replies.append(text)
+        keep(dialogue, text)
+    monkeypatch.setattr(sample.Dialogue, "reply", recorded)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(user + "\n" for user in USERS)))
+    sample.main(["--ckpt", str(run), "--chat", "--temp", "0", "--system", SYSTEM, "--device", "cpu"])
+    capsys.readouterr()
+    return replies
+
+
+def conversation(replies: list[str]) -> list[list[dict]]:
+    """The messages that ask for each reply: the system prompt, the user turns and our replies so far."""
+    turns = [{"role": "system", "content": SYSTEM}]
+    asks = []
+    for user, reply in zip(USERS, replies):
+        turns.append({"role": "user", "content": user})
+        asks.append(list(turns))
+        turns.append({"role": "assistant", "content": reply})
+    return asks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_conversation_gets_our_greedy_reply_from_llama_cpp_its_server_and_transformers(
+        chat_runs, served, llama_cpp, kind, monkeypatch, capsys):
+    """Each reply of sample.py --chat --temp 0, asked again of every runner with the same messages (our earlier
+    replies as the assistant's turns): llama.cpp renders the GGUF's template to our ids, and all answer the same text,
+    ending where ours ends (<|end|>: "stop", or the window: "length"), never showing a marker."""
+    transformers = pytest.importorskip("transformers")
+    run, gguf_file, hf_folder = chat_runs(kind)
+    replies = ours(run, monkeypatch, capsys)
+    loaded = from_checkpoint(run / "best.pt")
+    tokenizer, block_size = loaded.tokenizer, loaded.model.config.block_size
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=0, n_threads=1, n_threads_batch=1, verbose=False)
+    client = served(kind)
+    pipe = transformers.pipeline("text-generation", model=str(hf_folder), device="cpu")
+    finishes = []
+    for messages, reply in zip(conversation(replies), replies):
+        as_pairs = [(m["role"], m["content"]) for m in messages]
+        expected = render(tokenizer, as_pairs, reply=True)
+        text = llama_cpp.llama_chat_format.Jinja2ChatFormatter(
+            llm.metadata["tokenizer.chat_template"], eos_token="", bos_token="")(messages=messages).prompt
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == expected  # llama.cpp makes our ids
+        room = block_size - len(expected)  # sample.py --chat's bound, the rest of the window: llama.cpp's is larger
+        theirs = llm.create_chat_completion(messages, temperature=0, max_tokens=room)["choices"][0]
+        assert theirs["message"]["content"] == reply
+        answer = client.chat.completions.create(model="any", messages=messages, temperature=0, max_tokens=room,
+                                                extra_body=PLAIN_GREEDY)
+        assert answer.choices[0].message.content == reply
+        ended = "length" if len(tokenizer.encode(reply)) == room else "stop"  # at the window, or at <|end|>
+        assert answer.choices[0].finish_reason == theirs["finish_reason"] == ended
+        finishes.append(ended)
+        stream = client.chat.completions.create(model="any", messages=messages, temperature=0, max_tokens=room,
+                                                extra_body=PLAIN_GREEDY, stream=True)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == reply
+        generated = pipe(messages, max_new_tokens=room, do_sample=False)[0]["generated_text"]
+        assert generated[-1] == {"role": "assistant", "content": reply}
+        assert "<|" not in reply  # never a marker: each stops at <|end|> or the window
+    assert finishes == {"char": ["stop", "length"]}.get(kind, ["stop", "stop"])  # both ends are met
+
+
+def test_the_server_answers_a_malformed_conversation_with_its_own_error(served, openai):
+    """An unknown role (refused by the server's request check) and an empty message list (by the template's
+    raise_exception) get the server's error, not a reply."""
+    client = served("char")
+    with pytest.raises(openai.APIStatusError) as unknown:
+        client.chat.completions.create(model="any", messages=[{"role": "narrator", "content": "the king"}])
+    with pytest.raises(openai.APIStatusError) as empty:
+        client.chat.completions.create(model="any", messages=[])
+    # llama_cpp.server answers every failure as HTTP 500 with its message: its request check's, and the template's
+    assert (unknown.value.status_code, empty.value.status_code) == (500, 500)
+    assert "validation errors" in unknown.value.message
+    assert "no messages: a conversation needs a turn" in empty.value.message
+
+
+def test_a_conversation_longer_than_the_window_is_refused_past_n_ctx_and_aborts_llama_cpp_below_it(
+        chat_runs, served, openai):
+    """As docs/finetuning.md says: llama.cpp rounds its context up to a multiple of 256 tokens (N_CTX_ROUNDING), past
+    the model's block_size positions. The server refuses a prompt of n_ctx tokens or more with OpenAI's
+    context_length_exceeded; one between block_size and n_ctx reaches past the position table and llama.cpp aborts
+    its process (here a child's, not the server's), so a client must keep prompt + max_tokens within block_size.
+    sample.py --chat drops old turns instead."""
+    client = served("char")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "the king " * 30}])
+    assert refused.value.code == "context_length_exceeded"
+    assert f"maximum context length is {N_CTX_ROUNDING} tokens" in refused.value.message  # block_size is 128
+    _, gguf_file, _ = chat_runs("char")
+    aborted = subprocess.run([sys.executable, "-c", ABORT_PAST_THE_WINDOW, str(gguf_file)], cwd=REPO, text=True,
+                             capture_output=True, timeout=120)
+    assert aborted.returncode < 0 and "GGML_ASSERT" in aborted.stderr, aborted.stderr[-2000:]  # SIGABRT
+
+
+N_CTX_ROUNDING = 256  # llama.cpp 0.3.36's context size is a multiple of this (GGML_PAD in llama_context)
+ABORT_PAST_THE_WINDOW = """
+import sys
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], n_ctx=0, n_threads=1, verbose=False)
+llm.create_chat_completion([{"role": "user", "content": "the king " * 20}], temperature=0, max_tokens=1)
+print("answered")
+"""
