@@ -200,7 +200,9 @@ def test_the_val_windows_score_exactly_the_learned_tokens_of_the_val_conversatio
     t = tokenizer_from_meta(corpus.meta["tokenizer"])
     records = [json.loads(line) for line in path.read_text().splitlines()]
     replies = [r.get("completion") or r["messages"][1]["content"] for r in records]
-    x, y = eval_windows(corpus, t, 64)
+    begins = np.flatnonzero(np.asarray(corpus.val) == t.marker_ids[BEGIN])
+    width = np.diff(np.append(begins, len(corpus.val))).max() - 1  # the longest val conversation fills its row
+    x, y = eval_windows(corpus, t, int(width))
     val = [replies[line - 1] for line in corpus.meta["lines"]["val"]]  # lines 1, 5, 9: the last is the split's end
     assert [row[row != -1].tolist() for row in y] == [t.encode(reply) + [t.marker_ids[END]] for reply in val]
     assert (x[:, 0] == t.marker_ids[BEGIN]).all() and len(x) == len(val)
@@ -218,6 +220,20 @@ def test_each_ddp_rank_draws_its_own_conversations_in_its_own_generators_epoch_o
     assert stream.order.tolist() == torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + rank)).tolist()
     assert stream.order.tolist() != other.order.tolist()
     assert not torch.equal(stream.next()[0], other.next()[0])
+    assert n == len(corpus.meta["lines"]["train"])  # the train conversations, never the val ones
+
+
+def test_a_refusal_names_a_line_of_its_own_split(tiny_cfg, tmp_path):
+    """At block_size 16 some train and some val conversations are too long: each split's refusal names one of its
+    own lines."""
+    cfg = tiny_cfg(data_path=str(write_chats(tmp_path / "chats.jsonl")), block_size=16)
+    corpus = corpus_for(cfg)
+    t = tokenizer_from_meta(corpus.meta["tokenizer"])
+    for split, refuse in [("train", lambda: training_stream(cfg, corpus, t, 0, torch.device("cpu"))),
+                          ("val", lambda: eval_windows(corpus, t, 16))]:
+        with pytest.raises(DataError, match=r"chats.jsonl:\d+: a conversation") as refusal:
+            refuse()
+        assert int(str(refusal.value).split(":")[1]) in corpus.meta["lines"][split]
 
 BAD_LINES = {
     "not JSON": ("{oops", "not JSON"),
@@ -344,6 +360,7 @@ def test_chat_ends_a_reply_at_any_marker_shows_none_of_it_and_keeps_the_real_rep
     last_prompt = render(t, turns, reply=True)
     assert capsys.readouterr().out.splitlines() == ["ab", "ac", "d" * (64 - len(last_prompt))]  # the window full
     prompts = [model.inputs[0], model.inputs[3], model.inputs[6]]  # each turn's first forward
+    assert t.decode(prompts[0]) == "<|begin|><|user|>hi<|end|><|assistant|>"
     assert prompts == [render(t, turns[:k], reply=True) for k in (1, 3, 5)]
 
 def base_tokenizer_of(kind: str, cache: Path):
