@@ -178,16 +178,16 @@ def test_a_conversation_longer_than_the_context_is_refused_naming_its_line_or_cu
 @pytest.mark.parametrize("overflow", ["refuse", "truncate"])
 def test_a_conversation_of_block_size_plus_one_tokens_trains_whole_and_one_more_does_not(overflow, capsys):
     """The limit is inclusive: T + 1 tokens make one row of T inputs and T targets, the last the final <|end|>."""
-    t, cpu = tok(), torch.device("cpu")
+    t, cpu, cfg = tok(), torch.device("cpu"), TrainConfig(batch_size=2, block_size=16, chat_overflow=overflow)
     short = render(t, conversation("hi", "ay"))
     for reply, fits in [("abcdefghij", True), ("abcdefghijk", False)]:  # 5 markers + 2 + 10 = 17 = 16 + 1 tokens
         long = render(t, conversation("hi", reply))
         tokens = np.array(short + long)
         if not fits and overflow == "refuse":
             with pytest.raises(DataError, match="a conversation of 18 tokens"):
-                Conversations(tokens, 2, 16, 0, cpu, t, overflow)
+                Conversations(tokens, cfg, 0, cpu, t)
             continue
-        x, y = Conversations(tokens, 2, 16, 0, cpu, t, overflow).next()  # both conversations, one row each
+        x, y = Conversations(tokens, cfg, 0, cpu, t).next()  # both conversations, one row each
         assert ("cut at block_size + 1" in capsys.readouterr().out) == (not fits)
         (row,) = [i for i in range(2) if x[i, 15] != 0]  # the long one's row: 16 inputs, no padding
         assert x[row].tolist() == long[:16]
