@@ -1,10 +1,12 @@
 """Conversations: the template, the loss mask it implies, their preparation and a fine-tune from a run."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ import torch.nn.functional as F
 
 from config import TrainConfig
 from conftest import REPO, run_script, tiny_args, tiny_model, write_chats
-from data import Conversations, conversation_rows, eval_windows, load_corpus
+import sample
+from data import Conversations, conversation_rows, corpus_for, eval_windows, load_corpus, training_stream
 from prepare.__main__ import main as prepare_main
 from prepare import documents
 from prepare.chat import BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render, split_indices
@@ -112,6 +115,28 @@ def test_conversations_and_documents_split_alike_at_every_two_decimal_val_fracti
         assert split_indices(len(docs), k / 100)["val"] == val_documents, k / 100
 
 
+
+def test_a_bpe_for_conversations_is_trained_on_the_train_conversations_only(tmp_path):
+    """Editing a val conversation (line 1, val at 0.25) changes neither the merges nor the train ids."""
+    path = write_chats(tmp_path / "chats.jsonl", n=12)
+    folders = [prepare_conversations(path, tmp_path / "data", "bpe", 0.25, bpe_vocab_size=270)]
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([json.dumps({"prompt": "zebra quartz", "completion": "jumbo vixen"}), *lines[1:]]) + "\n")
+    folders.append(prepare_conversations(path, tmp_path / "data", "bpe", 0.25, bpe_vocab_size=270))
+    metas = [json.loads((folder / "meta.json").read_text()) for folder in folders]
+    assert metas[0]["tokenizer"] == metas[1]["tokenizer"]
+    assert (folders[0] / "train.bin").read_bytes() == (folders[1] / "train.bin").read_bytes()
+    assert (folders[0] / "val.bin").read_bytes() != (folders[1] / "val.bin").read_bytes()
+
+
+def test_one_file_at_two_val_fractions_makes_two_corpora_each_with_its_own_split(tmp_path):
+    path = write_chats(tmp_path / "chats.jsonl", n=12)
+    for fraction, val_lines in [(0.25, [1, 5, 9]), (0.5, [1, 3, 5, 7, 9, 11]), (0.25, [1, 5, 9])]:
+        corpus = load_corpus(prepare_conversations(path, tmp_path / "data", "char", fraction), 16)
+        assert corpus.meta["lines"]["val"] == val_lines
+        assert (np.asarray(corpus.val) == corpus.meta["vocab_size"] - 5).sum() == len(val_lines)  # <|begin|>s
+    assert len(list((tmp_path / "data").iterdir())) == 2
+
 def test_python_m_prepare_prepares_conversations_as_train_py_does(tmp_path):
     """Before, `python -m prepare --data_path chats.jsonl` read the lines as documents (one "text" field each)."""
     path = write_chats(tmp_path / "chats.jsonl", n=12)
@@ -135,6 +160,67 @@ def test_a_conversation_longer_than_the_context_is_refused_naming_its_line_or_cu
     assert "1 of 7 conversations cut at block_size + 1 = 65 tokens" in capsys.readouterr().out
     assert all(stream.next()[0].shape[1] <= 64 for _ in range(8))
 
+
+
+@pytest.mark.parametrize("overflow", ["refuse", "truncate"])
+def test_a_conversation_of_block_size_plus_one_tokens_trains_whole_and_one_more_does_not(overflow, capsys):
+    """The limit is inclusive: T + 1 tokens make one row of T inputs and T targets, the last the final <|end|>."""
+    t, cpu, cfg = tok(), torch.device("cpu"), TrainConfig(batch_size=2, block_size=16, chat_overflow=overflow)
+    short = render(t, conversation("hi", "ay"))
+    for reply, fits in [("abcdefghij", True), ("abcdefghijk", False)]:  # 5 markers + 2 + 10 = 17 = 16 + 1 tokens
+        long = render(t, conversation("hi", reply))
+        tokens = np.array(short + long)
+        if not fits and overflow == "refuse":
+            with pytest.raises(DataError, match="a conversation of 18 tokens"):
+                Conversations(tokens, cfg, 0, cpu, t)
+            continue
+        x, y = Conversations(tokens, cfg, 0, cpu, t).next()  # both conversations, one row each
+        assert ("cut at block_size + 1" in capsys.readouterr().out) == (not fits)
+        (row,) = [i for i in range(2) if x[i, 15] != 0]  # the long one's row: 16 inputs, no padding
+        assert x[row].tolist() == long[:16]
+        assert y[row][y[row] != -1].tolist() == t.encode(reply) + [t.marker_ids[END]] * fits  # cut: the <|end|> lost
+
+
+def test_the_val_windows_score_exactly_the_learned_tokens_of_the_val_conversations(tmp_path):
+    path = write_chats(tmp_path / "chats.jsonl", n=12)
+    corpus = load_corpus(prepare_conversations(path, tmp_path / "data", "char", 0.25), 16)
+    t = tokenizer_from_meta(corpus.meta["tokenizer"])
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    replies = [r.get("completion") or r["messages"][1]["content"] for r in records]
+    begins = np.flatnonzero(np.asarray(corpus.val) == t.marker_ids[BEGIN])
+    width = np.diff(np.append(begins, len(corpus.val))).max() - 1  # the longest val conversation fills its row
+    x, y = eval_windows(corpus, t, int(width))
+    val = [replies[line - 1] for line in corpus.meta["lines"]["val"]]  # lines 1, 5, 9: the last is the split's end
+    assert [row[row != -1].tolist() for row in y] == [t.encode(reply) + [t.marker_ids[END]] for reply in val]
+    assert (x[:, 0] == t.marker_ids[BEGIN]).all() and len(x) == len(val)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_ddp_rank_draws_its_own_conversations_in_its_own_generators_epoch_order(tiny_cfg, tmp_path, rank):
+    cfg = tiny_cfg(data_path=str(write_chats(tmp_path / "chats.jsonl")), block_size=64)
+    corpus = corpus_for(cfg)
+    t = tokenizer_from_meta(corpus.meta["tokenizer"])
+    torch.manual_seed(rank)  # the global RNG plays no part
+    stream = training_stream(cfg, corpus, t, rank, torch.device("cpu"))
+    other = training_stream(cfg, corpus, t, 1 - rank, torch.device("cpu"))
+    n = len(stream.starts)
+    assert stream.order.tolist() == torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + rank)).tolist()
+    assert stream.order.tolist() != other.order.tolist()
+    assert not torch.equal(stream.next()[0], other.next()[0])
+    assert n == len(corpus.meta["lines"]["train"])  # the train conversations, never the val ones
+
+
+def test_a_refusal_names_a_line_of_its_own_split(tiny_cfg, tmp_path):
+    """At block_size 16 some train and some val conversations are too long: each split's refusal names one of its
+    own lines."""
+    cfg = tiny_cfg(data_path=str(write_chats(tmp_path / "chats.jsonl")), block_size=16)
+    corpus = corpus_for(cfg)
+    t = tokenizer_from_meta(corpus.meta["tokenizer"])
+    for split, refuse in [("train", lambda: training_stream(cfg, corpus, t, 0, torch.device("cpu"))),
+                          ("val", lambda: eval_windows(corpus, t, 16))]:
+        with pytest.raises(DataError, match=r"chats.jsonl:\d+: a conversation") as refusal:
+            refuse()
+        assert int(str(refusal.value).split(":")[1]) in corpus.meta["lines"][split]
 
 BAD_LINES = {
     "not JSON": ("{oops", "not JSON"),
@@ -218,6 +304,51 @@ def test_a_dialogue_drops_the_oldest_turns_never_the_system_prompt():
     with pytest.raises(DataError, match="say it shorter"):
         dialogue.prompt("the king " * 5)
 
+
+
+def test_a_dialogue_keeps_every_turn_while_its_prompt_fits_and_drops_the_oldest_only_when_not():
+    turns = [("user", "hi"), ("assistant", "yes"), ("user", "and now")]
+    full = render(tok(), turns, reply=True)
+    for spare, dropped in [(0, 0), (-1, 1)]:  # the prompt exactly block_size - room long fits
+        dialogue = sample.Dialogue(tok(), block_size=len(full) + 10 + spare, room=10)
+        dialogue.prompt("hi")
+        dialogue.reply("yes")
+        assert dialogue.prompt("and now") == render(tok(), turns[dropped:], reply=True)
+        assert dialogue.dropped == dropped
+
+
+class ScriptedModel(torch.nn.Module):
+    """Answers each forward with the next id of ``script`` (then ``filler`` forever), whatever it is given; keeps
+    every input, so a test sees each prompt the chat loop built."""
+
+    def __init__(self, script: list[int], filler: int, vocab_size: int, block_size: int):
+        super().__init__()
+        self.config = SimpleNamespace(block_size=block_size, n_layer=1, n_head=1, n_embd=4)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the device the loop puts its ids on
+        self.script, self.filler, self.vocab_size, self.inputs = iter(script), filler, vocab_size, []
+
+    def forward(self, idx, cache=None):
+        self.inputs.append(idx[0].tolist())
+        logits = torch.zeros(*idx.shape, self.vocab_size)  # (B, T, V)
+        logits[:, -1, next(self.script, self.filler)] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_chat_ends_a_reply_at_any_marker_shows_none_of_it_and_keeps_the_real_reply(monkeypatch, capsys):
+    """Turn 1 ends at <|user|> (the model starting the user's part), turn 2 at <|end|>, turn 3 at the window's end;
+    each next prompt holds the model's reply as it was, never a marker, never the user's line."""
+    t = tok()
+    a, b, c, d = (t.encode(ch)[0] for ch in "abcd")
+    script = [a, b, t.marker_ids[USER], a, c, t.marker_ids[END], d]
+    model = ScriptedModel(script, filler=d, vocab_size=t.vocab_size, block_size=64)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nyo\nx\n"))
+    sample.chat(model, t, sample.parse_args(["--chat", "--temp", "0"]), torch.Generator())
+    turns = [("user", "hi"), ("assistant", "ab"), ("user", "yo"), ("assistant", "ac"), ("user", "x")]
+    last_prompt = render(t, turns, reply=True)
+    assert capsys.readouterr().out.splitlines() == ["ab", "ac", "d" * (64 - len(last_prompt))]  # the window full
+    prompts = [model.inputs[0], model.inputs[3], model.inputs[6]]  # each turn's first forward
+    assert t.decode(prompts[0]) == "<|begin|><|user|>hi<|end|><|assistant|>"
+    assert prompts == [render(t, turns[:k], reply=True) for k in (1, 3, 5)]
 
 def base_tokenizer_of(kind: str, cache: Path):
     from prepare.tokenizers import GPT2Tokenizer, train_bpe
