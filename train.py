@@ -36,7 +36,7 @@ from training import lora
 from training.checkpoint import Checkpointer
 from training.faults import StopOnSignal, run_error
 from training.optim import NonFiniteGuard, build_optimizer, lr_at
-from training.runtime import Runtime, choose_runtime, compile_for_step, device_peak, seed_everything
+from training.runtime import Runtime, choose_runtime, compile_for_step, seed_everything
 from training.tracking import MetricsLog, describe_run
 from weights.loading import start_from
 
@@ -248,17 +248,13 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnS
     checkpointer = Checkpointer(out_dir, cfg, run, ddp)  # out_dir made, a killed save's temp files removed
     with distributed.stop_together(device):  # a rank that cannot read last.pt stops them all
         step, time_before, best_val = checkpointer.resume() if cfg.resume else (0, 0.0, math.inf)
-    # MFU's numerator, measured once on the plain model; where no peak is known (CPU, fp32) MFU is n/a and nothing
-    # is measured (FlopCounterMode's first use imports torch._dynamo: seconds).
-    flops_per_token = model.flops_per_token() if device_peak(device, dtype) else 0
     train_model = compile_for_step(model, run.stream, rt)  # the model itself, unless compiled
     step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     distributed.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size,
                                     run.stream.full_rows))
     with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         done = step >= cfg.max_iters or cfg.out_of_time(time_before)  # a resumed run may have nothing left to do
-        log = MetricsLog(out_dir, cfg, step, flops_per_token, rt, ddp.world_size, enabled=ddp.is_main,
-                         tracked=not done)
+        log = MetricsLog(out_dir, cfg, step, model, rt, ddp.world_size, enabled=ddp.is_main, tracked=not done)
     t_start = time.time() - time_before  # the run's clock: max_time and schedule=time span resumes
     val_loss = math.nan
 

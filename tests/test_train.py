@@ -167,7 +167,7 @@ def test_a_mean_term_weighs_the_same_however_the_batch_is_split(monkeypatch):
 def test_mfu_reads_the_flops_measured_at_start(tmp_path, text_file, monkeypatch):
     """Where a peak is known, each log line's MFU is GPT.flops_per_token's measured count x tokens/s / peak (here
     on CPU, with a pretend peak of 1 TFLOP/s); the hand formula 6N + 12LTC would count the norms' gains too."""
-    for module in (runtime, train):
+    for module in (runtime, tracking):
         monkeypatch.setattr(module, "device_peak", lambda device, dtype: 1e12)
     assert run_main(tiny_args(tmp_path / "run", text_file, max_iters=3)) == 0
     model = from_checkpoint(tmp_path / "run" / "last.pt").model

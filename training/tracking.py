@@ -38,7 +38,7 @@ from training.optim import HOST_SYNCING
 from process import distributed
 from process.errors import ConfigError
 from process.files import atomic_write_text
-from training.runtime import mfu, threads_text
+from training.runtime import device_peak, mfu, threads_text
 
 PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline
 INIT_TIMEOUT = 15.0  # seconds wandb.init may take (wandb's default: 90) before the run stops with one line
@@ -153,14 +153,17 @@ class MetricsLog:
     Only the main process (rank 0) writes; on other ranks every method does nothing but count.
     """
 
-    def __init__(self, out_dir: Path, cfg: TrainConfig, step: int, flops_per_token: int, rt, world_size: int = 1,
+    def __init__(self, out_dir: Path, cfg: TrainConfig, step: int, model, rt, world_size: int = 1,
                  enabled: bool = True, tracked: bool = True):
         """A run starting at ``step``: a fresh run's metrics.jsonl is removed, a resumed run's keeps its records
-        through ``step``. ``flops_per_token``: GPT.flops_per_token's, measured once at start, what MFU reads.
-        ``tracked=False``: a resume with nothing left to do (no wandb run to log nothing)."""
+        through ``step``. ``model``: the plain model (never the compiled or DDP wrapper: its own forward runs
+        eagerly and fires no DDP hook), whose GPT.flops_per_token, measured here once, is MFU's numerator; where no
+        peak is known (CPU, MPS, fp32) MFU is n/a and nothing is measured (FlopCounterMode's first use imports
+        torch._dynamo: seconds). ``tracked=False``: a resume with nothing left to do (no wandb run to log nothing)."""
+        self.flops_per_token = model.flops_per_token() if device_peak(rt.device, rt.dtype) else 0
         self.enabled, self.max_time, self.rt, self.world_size = enabled, cfg.max_time, rt, world_size
         self.step_then, self.t = step, time.time()  # the last log line's: what its speed is measured from
-        self.flops_per_token, self.device = flops_per_token, rt.device
+        self.device = rt.device
         self.positions, self.targets = 0, torch.zeros((), dtype=torch.long, device=rt.device)  # since the last line
         path = out_dir / "metrics.jsonl"
         logged_through = drop_records_after(path, step) if enabled and cfg.resume else None
