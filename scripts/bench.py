@@ -51,6 +51,7 @@ class Bench:
     compile_s: float
     times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     losses: list[float] = field(default_factory=list)  # one per step taken
+    positions: list[int] = field(default_factory=list)  # tokens each timed step processed: a loader's rows may vary
     peak_bytes: int = 0
 
 
@@ -83,6 +84,7 @@ def timed_step(b: Bench) -> None:
     b.losses.append(losses.loss_sum / losses.n_targets)  # a tensor: .item() only after timing, no sync in the step
     for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1)):
         b.times[phase].append(seconds)
+    b.positions.append(sum(x.numel() for x, _ in batches))  # shapes: known on the host, no sync
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -109,7 +111,7 @@ def run(benches: list[Bench], steps: int, warmup: int, rounds: int) -> list[dict
         torch.set_num_threads(b.run.rt.threads)
         for _ in range(warmup):
             timed_step(b)
-        b.times = {p: [] for p in PHASES}  # warm-up steps left out
+        b.times, b.positions = {p: [] for p in PHASES}, []  # warm-up steps left out
     for _ in range(rounds):
         for b in benches:
             torch.set_num_threads(b.run.rt.threads)
@@ -132,7 +134,7 @@ def profile(b: Bench, top: int) -> str:
 def summarise(b: Bench) -> dict:
     totals = [sum(parts) for parts in zip(*b.times.values())]
     cfg, rt, model = b.run.cfg, b.run.rt, b.run.model
-    step_s, tokens = statistics.median(totals), cfg.tokens_per_step()
+    step_s, tokens = statistics.median(totals), statistics.mean(b.positions)  # what the steps really processed
     return {"name": b.name, "device": str(rt.device), "dtype": dtype_name(rt.dtype),
             "compiled": b.train_model is not model, "compile_s": b.compile_s, "steps": len(totals),
             "ms_per_step": step_s * 1000, "step_ms": [t * 1000 for t in totals], "tokens_per_s": tokens / step_s,

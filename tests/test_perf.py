@@ -28,6 +28,19 @@ def test_bench_step_is_train_step(tiny_cfg):
     assert [loss.item() for loss in b.losses] == train_losses
 
 
+def test_bench_counts_the_tokens_its_steps_processed_not_the_nominal_batch(tiny_cfg, monkeypatch):
+    """A loader whose rows are shorter than block_size (a length curriculum, padded chats): tokens/s and GFLOP/s
+    count what the timed steps held, as train.py's log does."""
+    cfg = tiny_cfg(dtype="float32", compile="off", grad_accum=2)
+    b = bench.build("tiny", cfg)
+    full = b.run.stream.next
+    monkeypatch.setattr(b.run.stream, "next", lambda: tuple(t[:, :8] for t in full()))  # (B, 8) rows
+    bench.run([b], steps=3, warmup=1, rounds=1)
+    result = bench.summarise(b)
+    assert b.positions == [cfg.batch_size * 8 * cfg.grad_accum] * 3
+    assert result["tokens_per_s"] == pytest.approx(b.positions[0] / (result["ms_per_step"] / 1000), rel=1e-12)
+
+
 @pytest.mark.slow  # ~8 s: two configs built and timed; the default suite checks bench's step is train.py's
 def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
     cfg = tiny_cfg()
