@@ -265,7 +265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with --interactive or --chat: a prompt is every line up to an empty line")
     parser.add_argument("--num-samples", "--num_samples", type=int, default=1, help="samples, generated as one batch")
     parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=500,
-                        help="tokens generated per sample")
+                        help="tokens generated per sample; with --chat the most a reply may take")
     parser.add_argument("--temp", "--temperature", type=float, default=0.8, help="0 = greedy argmax")
     parser.add_argument("--top-k", "--top_k", type=int, default=0, help="0 = no top-k filter")
     parser.add_argument("--top-p", "--top_p", type=float, default=1.0, help="1.0 = no nucleus filter")
@@ -410,8 +410,10 @@ def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Gener
                   flush=True)
             warned = True
         reply = Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()))
-        # At most the rest of the window: a chat reply never slides it, so it never loses its own prompt.
-        shown = continue_into(reply, model, [prompt], block_size - len(prompt), args, generator, show=True)
+        # --max-new-tokens caps a reply as it caps a sample (llama.cpp's max_tokens, the same request), and never past
+        # the rest of the window: a chat reply never slides it, so it never loses its own prompt.
+        cap = min(args.max_new_tokens, block_size - len(prompt))
+        shown = continue_into(reply, model, [prompt], cap, args, generator, show=True)
         print(reply.texts[0][shown:], flush=True)
         dialogue.reply(reply.texts[0])
 

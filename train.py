@@ -35,7 +35,7 @@ from process.errors import ConfigError, exit_for, fail
 from training import lora
 from training.checkpoint import Checkpointer
 from training.faults import StopOnSignal, run_error
-from training.optim import NonFiniteGuard, build_optimizer, lr_at
+from training.optim import DECAYS, OPTIMIZERS, NonFiniteGuard, build_optimizer, lr_at
 from training.runtime import Runtime, choose_runtime, compile_for_step, seed_everything
 from training.tracking import MetricsLog, describe_run
 from weights.loading import start_from
@@ -186,8 +186,24 @@ class Run:
     guard: NonFiniteGuard  # records a non-finite step; the loop stops at its next sync (training/faults.py)
 
 
+# What builds each value of a choosing field: config's Literal names the values a user may give, these tables hold
+# their code (tests/test_training_options.py checks the two agree; a fork that edits one hears it from the run too).
+CHOICE_TABLES = {"optimizer": ("training/optim.py's OPTIMIZERS", OPTIMIZERS),
+                 "lr_decay": ("training/optim.py's DECAYS", DECAYS), "loader": ("data.py's LOADERS", data.LOADERS)}
+
+
+def refuse_unbuilt_choices(cfg: TrainConfig) -> None:
+    """ConfigError (one line, exit 2) for a value config allows that no table builds, before anything is built."""
+    for name, (where, table) in CHOICE_TABLES.items():
+        value = getattr(cfg, name)
+        if value not in table:
+            raise ConfigError(f"{name} `{value}` is allowed by TrainConfig.{name} but has no row in {where}: add the "
+                              f"function that builds it there (docs/experiments.md, \"Adding a training option\")")
+
+
 def build_run(cfg: TrainConfig, rt: Runtime, ddp: distributed.Dist | None = None, pretrained=None) -> Run:
     """Seed -> data -> model -> optimizer, in this order wherever a run is built, so its numbers are the same."""
+    refuse_unbuilt_choices(cfg)  # train() asked already; bench, the doctor and compare come straight here
     ddp = ddp or distributed.Dist(device=rt.device)
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     with distributed.main_first(rt.device):  # rank 0 prepares the corpus, the others then read the cache
@@ -227,6 +243,7 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     fresh or --resume, is refused, and so is a fresh run in a folder that holds one. Under torchrun rank 0
     holds it for the job.
     """
+    refuse_unbuilt_choices(cfg)  # a fork's name without its function: one line, before the folder or the data
     ddp = distributed.setup(cfg.device)  # a world of one on cfg.device without torchrun
     with distributed.stop_together(ddp.device):  # refused on rank 0: every rank stops here
         owner = rundir.claim(Path(cfg.out_dir), cfg.resume) if ddp.is_main else contextlib.nullcontext()

@@ -4,6 +4,8 @@
 
     gpu_check   the GPU path end to end on a CUDA machine (bf16, compile, DDP, resume, RNG, sample)
     shape       what a reader holds: lines per file, train.py's imported names, one step's path
+    past_window what llama.cpp writes past a run's window, and how often it ends a char model's text, on its GGUF
+    versus      this checkout's training step against another commit's: the two benches in alternating rounds
 
 They run like the user's tools in scripts/ (`python -m`, the reasons are in scripts/__init__.py). One-off
 measurements whose numbers live in docs/ were removed after commit df1fd93 (bench_sample, bench_prepare,

@@ -350,6 +350,19 @@ def test_chat_ends_a_reply_at_any_marker_shows_none_of_it_and_keeps_the_real_rep
     assert t.decode(prompts[0]) == "<|begin|><|user|>hi<|end|><|assistant|>"
     assert prompts == [render(t, turns[:k], reply=True) for k in (1, 3, 5)]
 
+def test_chat_caps_a_reply_at_max_new_tokens_as_a_sample_is_capped(monkeypatch, capsys):
+    """--max-new-tokens means the same in every mode: a reply that would run on to the window's end stops after that
+    many tokens (llama.cpp's max_tokens, the same request), and the next prompt holds the reply as it was cut."""
+    t = tok()
+    d = t.encode("d")[0]
+    model = ScriptedModel([], filler=d, vocab_size=t.vocab_size, block_size=64)  # never ends a reply by itself
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nyo\n"))
+    sample.chat(model, t, sample.parse_args(["--chat", "--temp", "0", "--max-new-tokens", "5"]), torch.Generator())
+    assert capsys.readouterr().out.splitlines() == ["ddddd", "ddddd"]
+    turns = [("user", "hi"), ("assistant", "ddddd"), ("user", "yo")]
+    assert model.inputs[5] == render(t, turns, reply=True)  # the second turn's first forward
+
+
 def base_tokenizer_of(kind: str, cache: Path):
     from prepare.tokenizers import GPT2Tokenizer, train_bpe
     from conftest import make_text

@@ -4,6 +4,8 @@ in the slow suite: our ids on the whole corpus, our greedy text, our logits with
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import sample
 import train
 from config import make_config
 from model import GPT, GPTConfig
-from conftest import make_text, tiny_model, tiny_run, write_chats
+from conftest import REPO, make_text, tiny_model, tiny_run, write_chats
 from weights import gguf as export
 from process.errors import HFError
 from prepare.chat import BEGIN, END, MARKERS, chat_tokenizer
@@ -50,37 +52,42 @@ def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weight
     model = tiny_model(vocab_size=len(chars), block_size=24, bias=False)
     reader = write(tmp_path, model, tokenizer)
     assert field(reader, "general.architecture") == "gpt2"
-    assert field(reader, "gpt2.context_length") == 24 and field(reader, "gpt2.block_count") == 2
+    assert field(reader, "gpt2.context_length") == export.CONTEXT_ROWS and field(reader, "gpt2.block_count") == 2
     assert (field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre")) == ("gpt2", "gpt-2")
     tokens = field(reader, "tokenizer.ggml.tokens")
     to_text = BYTE_TEXT
     assert tokens[chars.index("\n")] == "Ċ" and tokens[chars.index(" ")] == "Ġ" and tokens[chars.index("é")] == "Ã©"
-    assert len(tokens) == len(chars) and set(field(reader, "tokenizer.ggml.token_type")) == {gguf.TokenType.NORMAL}
+    types = field(reader, "tokenizer.ggml.token_type")
+    assert tokens[len(chars):] == ["<|endoftext|>"] and types[len(chars):] == [gguf.TokenType.CONTROL]  # no text's
+    assert set(types[:len(chars)]) == {gguf.TokenType.NORMAL}
     rocket = [to_text[b] for b in "🚀".encode()]  # 4 bytes: three merges, each from the lead byte on
     merges = field(reader, "tokenizer.ggml.merges")
     assert [f"{rocket[0]} {rocket[1]}", f"{''.join(rocket[:2])} {rocket[2]}", f"{''.join(rocket[:3])} {rocket[3]}"] \
         == [m for m in merges if m.startswith(rocket[0])]
     assert len(merges) == sum(len(ch.encode()) - 1 for ch in chars) - 1  # — and ’ share their first merge (E2 80)
-    newline = chars.index("\n")
     ends = field(reader, "tokenizer.ggml.bos_token_id"), field(reader, "tokenizer.ggml.eos_token_id")
-    assert ends == (newline,) * 2
+    assert ends == (chars.index("\n"), len(chars))  # an empty prompt starts at a newline; only <|endoftext|> ends
     assert field(reader, "tokenizer.ggml.add_bos_token") is False
     tensors = {t.name: t for t in reader.tensors}
     assert "output.weight" not in tensors  # tied: llama.cpp reuses token_embd
-    assert list(tensors["token_embd.weight"].shape) == [32, len(chars)]  # ggml's ne: (C, V), unpadded
+    assert list(tensors["token_embd.weight"].shape) == [32, len(chars) + 1]  # ggml's ne: (C, V + 1), unpadded
     assert list(tensors["blk.1.attn_qkv.weight"].shape) == [32, 96]
-    assert list(tensors["position_embd.weight"].shape) == [32, 24]
     state = model.state_dict()
+    wte, wpe = state["transformer.wte.weight"], state["transformer.wpe.weight"]  # (padded V, C), (24, C)
+    token_embd = tensors["token_embd.weight"].data  # (V + 1, C)
+    assert np.array_equal(token_embd[:-1], wte[:len(chars)].numpy()) and not token_embd[-1].any()  # its logit: 0
+    positions = tensors["position_embd.weight"].data  # (CONTEXT_ROWS, C): the trained 24 rows, then again in turn
+    assert positions.shape == (2048, 32) and np.array_equal(positions, wpe[torch.arange(2048) % 24].numpy())
     assert np.array_equal(tensors["blk.0.ffn_up.weight"].data, state["transformer.h.0.mlp.c_fc.weight"].numpy())
     assert not tensors["blk.0.ffn_up.bias"].data.any() and len(tensors) == 4 + 12 * 2  # bias=False: zeros
 
 
 def test_a_model_whose_layers_heads_and_width_all_differ_writes_each_in_its_own_field(tmp_path):
     """A tiny model has n_layer == n_head: a writer that swapped them would pass every other test."""
-    model = GPT(GPTConfig(vocab_size=50, block_size=20, n_layer=3, n_head=4, n_embd=48))
+    model = GPT(GPTConfig(vocab_size=50, block_size=2560, n_layer=3, n_head=4, n_embd=48))  # past CONTEXT_ROWS
     reader = write(tmp_path, model, CharTokenizer("".join(chr(65 + i) for i in range(50))))
     keys = ("block_count", "attention.head_count", "embedding_length", "feed_forward_length", "context_length")
-    assert [field(reader, f"gpt2.{key}") for key in keys] == [3, 4, 48, 4 * 48, 20]
+    assert [field(reader, f"gpt2.{key}") for key in keys] == [3, 4, 48, 4 * 48, 2560]
     assert field(reader, "tokenizer.ggml.add_bos_token") is field(reader, "tokenizer.ggml.add_eos_token") is False
 
 
@@ -90,6 +97,17 @@ def test_an_ascii_char_gguf_still_holds_merges_which_llama_cpp_requires(tmp_path
     chars = "".join(sorted(set(make_text(30))))
     reader = write(tmp_path, tiny_model(vocab_size=len(chars), block_size=24), CharTokenizer(chars))
     assert field(reader, "tokenizer.ggml.merges") == [f"{BYTE_TEXT[0]} {BYTE_TEXT[0]}"]  # two NULs: never applies
+
+
+@pytest.mark.parametrize("block_size, rows", [(24, 2048), (2048, 2048), (2049, 2304), (4096, 4096)])
+def test_the_declared_context_is_the_position_tables_rows_and_never_less_than_llama_cpps_rounded_context(
+        tmp_path, block_size, rows):
+    """llama.cpp indexes the table at every position of its context and aborts past it: the file declares as many
+    positions as it holds, at least CONTEXT_ROWS, a multiple of the 256 llama.cpp rounds a context up to."""
+    model = GPT(GPTConfig(vocab_size=8, block_size=block_size, n_layer=1, n_head=1, n_embd=8))
+    reader = write(tmp_path, model, CharTokenizer("abcdefgh"))
+    table = next(t for t in reader.tensors if t.name == "position_embd.weight").data
+    assert field(reader, "gpt2.context_length") == len(table) == rows == export.context_rows(block_size)
 
 
 def test_a_bpe_gguf_has_its_merges_in_rank_order_and_its_end_token_control(tmp_path):
@@ -128,7 +146,7 @@ def test_a_chat_gguf_holds_the_base_vocabulary_the_markers_as_control_tokens_the
     (tmp_path / "base").mkdir()
     plain = write(tmp_path / "base", tiny_model(vocab_size=base.vocab_size, block_size=16), base)
     tokens, types = field(reader, "tokenizer.ggml.tokens"), field(reader, "tokenizer.ggml.token_type")
-    assert tokens == field(plain, "tokenizer.ggml.tokens") + list(MARKERS)
+    assert tokens == field(plain, "tokenizer.ggml.tokens")[:base.vocab_size] + list(MARKERS)  # <|end|> ends it
     assert field(reader, "tokenizer.ggml.merges") == field(plain, "tokenizer.ggml.merges")
     assert [i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL] == sorted(tokenizer.special_ids)
     assert field(reader, "tokenizer.ggml.eos_token_id") == field(reader, "tokenizer.ggml.eot_token_id") \
@@ -201,6 +219,7 @@ def test_the_script_exports_a_lora_chat_fine_tune_of_a_char_run_with_its_templat
 # ----------------------------------------------------------------------------- llama.cpp itself
 CORPUS = make_text(600) + UNICODE_LINE
 ASCII = make_text(600)  # the default run's kind of corpus: a char vocabulary with no multi-byte character
+LINES = "\n".join(ASCII.lower().split()) + "\n"  # a word a line: a greedy text that crosses newlines
 RUNS = {"char": {}, "ascii": {}, "bpe": {"bpe_vocab_size": 380}, "gpt2": {}}  # ascii: a char run on ASCII text
 
 
@@ -216,22 +235,25 @@ def exported(tmp_path_factory, llama_cpp):
     root = tmp_path_factory.mktemp("gguf")
     (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
     (root / "ascii.txt").write_text(ASCII, encoding="utf-8")
+    (root / "lines.txt").write_text(LINES, encoding="utf-8")
     made = {}
 
-    def build(kind: str):
-        if kind not in made:
-            corpus = root / ("ascii.txt" if kind == "ascii" else "corpus.txt")
-            cfg = make_config("tiny", **tiny_run(root / kind, corpus) | dict(
+    def build(kind: str, corpus: str = ""):
+        """A run of ``kind`` on CORPUS (ASCII for "ascii"), or on the file ``corpus`` names ("lines")."""
+        name = f"{kind}-{corpus}" if corpus else kind
+        if name not in made:
+            text_file = root / (f"{corpus}.txt" if corpus else "ascii.txt" if kind == "ascii" else "corpus.txt")
+            cfg = make_config("tiny", **tiny_run(root / name, text_file) | dict(
                 tokenizer="char" if kind == "ascii" else kind, max_iters=60, eval_interval=60, log_interval=60,
-                **RUNS[kind]))
+                **RUNS[kind] | ({"bpe_vocab_size": 300} if corpus and kind == "bpe" else {})))  # LINES: few words
             train.train(cfg)
-            export_gguf.main([cfg.out_dir, str(root / f"{kind}.gguf")])
+            export_gguf.main([cfg.out_dir, str(root / f"{name}.gguf")])
             loaded = from_checkpoint(Path(cfg.out_dir) / "best.pt")
             model, tokenizer = loaded.model, loaded.tokenizer
-            llm = llama_cpp.Llama(str(root / f"{kind}.gguf"), n_ctx=model.config.block_size, n_threads=1,
+            llm = llama_cpp.Llama(str(root / f"{name}.gguf"), n_ctx=model.config.block_size, n_threads=1,
                                   logits_all=True, verbose=False)
-            made[kind] = model, tokenizer, llm
-        return made[kind]
+            made[name] = model, tokenizer, llm, root / f"{name}.gguf"
+        return made[name]
     return build
 
 
@@ -242,7 +264,7 @@ KINDS = [pytest.param("char"), pytest.param("ascii"), pytest.param("bpe"),
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_llama_cpp_encodes_the_corpus_to_our_ids(exported, kind):
-    _, tokenizer, llm = exported(kind)
+    _, tokenizer, llm, _ = exported(kind)
     text = ASCII if kind == "ascii" else CORPUS
     assert llm.tokenize(text.encode()) == tokenizer.encode(text)  # llama.cpp's defaults (add_bos=True): nothing added
     assert llm.detokenize(tokenizer.encode(text)).decode() == text
@@ -251,16 +273,18 @@ def test_llama_cpp_encodes_the_corpus_to_our_ids(exported, kind):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_llama_cpp_gives_our_logits_and_greedy_text(exported, kind):
-    model, tokenizer, llm = exported(kind)
+    model, tokenizer, llm, _ = exported(kind)
     ids = tokenizer.encode((ASCII if kind == "ascii" else CORPUS)[:400])[: model.config.block_size]
     llm.reset()
     llm.eval(ids)
     with torch.no_grad():
         ours = model(torch.tensor([ids]))[0][0].numpy()  # (T, V)
-    diff = np.abs(np.asarray(llm.scores[: len(ids)]) - ours).max()
+    theirs = np.asarray(llm.scores[: len(ids)])  # (T, V), and a char export's <|endoftext|> after the V
+    diff = np.abs(theirs[:, :tokenizer.vocab_size] - ours).max()
     assert diff < LOGIT_TOLERANCE, diff
+    assert not theirs[:, tokenizer.vocab_size:].any()  # the added end token's logit: exactly 0, wherever it is
     prompt = ids[:8]
-    new = model.config.block_size - len(prompt)  # within the context: past it llama.cpp aborts
+    new = model.config.block_size - len(prompt)  # within the window: past it llama.cpp's text is not ours
     expected = sample.generate(model, torch.tensor([prompt]), new, temperature=0)[0, len(prompt):].tolist()
     llm.reset()
     greedy = [token for token, _ in zip(llm.generate(prompt, temp=0.0, top_k=1), range(new))]
@@ -281,4 +305,46 @@ def test_llama_cpp_builds_a_model_whose_layers_heads_and_width_differ_to_our_log
     llm.eval(ids)
     with torch.no_grad():
         ours = model(torch.tensor([ids])).logits[0].numpy()  # (T, V)
-    assert np.abs(np.asarray(llm.scores[: len(ids)]) - ours).max() < LOGIT_TOLERANCE
+    assert np.abs(np.asarray(llm.scores[: len(ids), :len(chars)]) - ours).max() < LOGIT_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)])
+def test_llama_cpp_completes_our_greedy_text_across_newlines(exported, kind):
+    """llama.cpp ends a generation at the declared eos only: a token no text holds (a char export's own
+    <|endoftext|>), never a char vocabulary's newline, which ended every completion at its first line."""
+    model, tokenizer, llm, _ = exported(kind, "lines")
+    prompt = tokenizer.encode("king\n")
+    new = model.config.block_size - len(prompt)
+    greedy = sample.generate(model, torch.tensor([prompt]), new, temperature=0)[0, len(prompt):]  # (new,)
+    ours = tokenizer.decode(greedy.tolist())
+    assert ours.count("\n") >= 3, ours
+    llm.reset()
+    theirs = llm.create_completion("king\n", max_tokens=new, temperature=0)["choices"][0]
+    assert (theirs["text"], theirs["finish_reason"]) == (ours, "length")
+
+
+# A request past block_size, the issue's: learned positions ran out and llama.cpp aborted the process (SIGABRT).
+PAST_THE_WINDOW = """
+import sys
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], n_threads=1, verbose=False)  # llama-cpp-python's default context: 512 positions
+answer = llm.create_completion("King ", max_tokens=int(sys.argv[2]), temperature=0)["choices"][0]
+print(answer["finish_reason"], len(llm.tokenize(answer["text"].encode(), add_bos=False)))
+llm = Llama(sys.argv[1], n_ctx=0, n_threads=1, verbose=False)  # the file's own context: every position it has
+llm.eval([0] * llm.n_ctx())
+print(llm.n_ctx())
+"""
+
+
+@pytest.mark.slow
+def test_a_request_past_the_window_is_answered_and_no_context_reaches_past_the_position_table(exported):
+    """A completion of twice block_size tokens comes back whole (what the model writes past its window is near noise:
+    docs/interop.md), and llama.cpp's context taken from the file is filled to its last position, in a child process
+    (an abort would be its, not pytest's)."""
+    model, _, _, gguf_file = exported("ascii")
+    new = 2 * model.config.block_size
+    done = subprocess.run([sys.executable, "-c", PAST_THE_WINDOW, str(gguf_file), str(new)], cwd=REPO, text=True,
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]  # -6 (SIGABRT) before: "GGML_ASSERT(i01 >= 0 && i01 < ne01)"
+    assert done.stdout.split() == ["length", str(new), str(export.CONTEXT_ROWS)]

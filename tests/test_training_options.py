@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -204,6 +205,21 @@ def test_the_names_the_config_accepts_are_its_tables_keys(field, table):
     """config imports neither training/ nor data.py (tests/test_layers.py): its Literals name the tables' rows,
     and must name exactly those, in their order (a name without a function would fail only once a run starts)."""
     assert choices(field) == tuple(table)
+
+
+@pytest.mark.parametrize("field, name, table", [("optimizer", "sgdx", "training/optim.py's OPTIMIZERS"),
+                                               ("lr_decay", "linear", "training/optim.py's DECAYS"),
+                                               ("loader", "curriculum", "data.py's LOADERS")],
+                         ids=["optimizer", "lr_decay", "loader"])
+def test_a_name_the_config_allows_without_its_function_is_one_line_before_anything_is_built(
+        tmp_path, text_file, monkeypatch, capsys, field, name, table):
+    """A fork adds "sgdx" to TrainConfig.optimizer's Literal, the one place the docs name, and not yet its builder:
+    the run says so in one line, exit 2, before it prepares the data or makes out_dir (it was a KeyError after both)."""
+    monkeypatch.setitem(config.FIELD_TYPES, field, Literal[(*choices(field), name)])  # the edited Literal
+    code = run_main(tiny_args(tmp_path / "out", text_file, **{field: name}))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and f"{field} `{name}`" in err and table in err, err
+    assert not (tmp_path / "out").exists() and not (text_file.parent / "data").exists()
 
 
 NUMERIC = [name for name, kind in FIELD_TYPES.items() if kind in (int, float)]

@@ -13,6 +13,18 @@ across characters: each starts at a UTF-8 lead byte). Nothing is added to a text
 llama.cpp computes GELU in its tanh form from an fp16 table: an exact-GELU model's logits differ a little
 (within tests/test_gguf.py's tolerance), its greedy text does not.
 
+llama.cpp needs two things of a file that our checkpoint does not hold, and gets them here (docs/interop.md measures
+both). An end token: llama.cpp stops a generation at the declared eos (a byte-level BPE's <|endoftext|>), but a char
+vocabulary has none, and its newline there ended every reply at its first line; so a char export adds <|endoftext|>
+after the characters, CONTROL (no text makes it) with an embedding row of zeros (its logit is exactly 0, below every
+character's wherever the model prefers one). And a row of the position table for every position of llama.cpp's
+context: past the table's end llama.cpp aborts the whole process (a GGML_ASSERT in get_rows: a server, with every
+conversation on it), and the table must be as long as the declared context length. So the file declares
+context_rows(block_size) positions, at least CONTEXT_ROWS (llama-cpp-python's default contexts, 512 and its server's
+2048, fit; llama.cpp's own default is the file's): block_size trained rows, then the same rows again in turn.
+Within them a request never crashes a runner, and one past them is refused (llama-cpp-python: context_length_exceeded);
+what the model writes past block_size is near noise, as the docs measure.
+
 A chat model (a ChatTokenizer: prepare/chat.py's markers after its base's ids) carries its conversation format as
 runners read it: the markers are CONTROL tokens (llama.cpp makes them from a rendered template, never from a user's
 text), <|end|> is the end of a turn (eos and eot: llama.cpp ends a reply there, llama-cpp-python's template formatter
@@ -23,19 +35,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from model import GPT
 from prepare.chat import BEGIN, END
 from prepare.tokenizers import EOT_TEXT, ChatTokenizer
 from process.errors import HFError
 from process.files import written_whole
-from weights.hf import LAYER_NORM_EPS, gpt2_refusals, is_transposed, to_hf
+from weights.hf import LAYER_NORM_EPS, WPE, WTE, gpt2_refusals, is_transposed, to_hf
 from weights.hf_tokenizer import BYTE_TEXT, bpe_merges, bpe_tokens, byte_text, chat_template
 
 ARCH = "gpt2"  # llama.cpp's LLM_ARCH_GPT2
 DTYPES = ("f32", "f16", "q8_0")  # how the 2-D weights are stored; norms and biases stay f32
 TOKENIZER_MODEL = "gpt2"  # llama.cpp's name for a byte-level BPE with merges
 PRE_TOKENIZER = "gpt-2"  # GPT-2's split pattern, tiktoken's r50k_pat_str (tokenizers.bpe_pattern)
+# The fewest positions a file declares: no runner's default context is longer (llama-cpp-python's server's is 2048).
+CONTEXT_ROWS = 2048
+N_CTX_ROUNDING = 256  # llama.cpp rounds every context up to a multiple of this (GGML_PAD in llama_context)
 
 
 def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str = "tinygpt") -> int:
@@ -47,10 +63,11 @@ def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str
     if refusals:
         raise HFError(f"cannot export as GGUF: the model has {refusals[0]}; llama.cpp's gpt2 architecture "
                       "would load it and compute another model")
-    tensors = gguf_tensors(model)  # before the file: a model that does not map writes nothing
+    tokens, merges = vocabulary(tokenizer)
+    tensors = gguf_tensors(model, len(tokens))  # before the file: a model that does not map writes nothing
     with written_whole(path) as staged:  # a failed write leaves no half file under the name
         writer = gguf.GGUFWriter(str(staged), ARCH)
-        write_metadata(writer, model, tokenizer, dtype, name)
+        write_metadata(writer, model, tokenizer, tokens, merges, dtype, name)
         for tensor_name, value in tensors.items():
             data, ggml_type = stored(value, dtype)
             writer.add_tensor(tensor_name, data, raw_dtype=ggml_type)
@@ -62,8 +79,10 @@ def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str
 
 
 # ----------------------------------------------------------------------------- the weights
-def gguf_tensors(model: GPT) -> dict[str, np.ndarray]:
-    """hf.to_hf's weights under llama.cpp's gpt2 names, in (out, in) layout, fp32."""
+def gguf_tensors(model: GPT, n_tokens: int) -> dict[str, np.ndarray]:
+    """hf.to_hf's weights under llama.cpp's gpt2 names, in (out, in) layout, fp32: the embedding with a row of zeros
+    for each token past the model's vocabulary (a char export's <|endoftext|>), the position table in
+    context_rows(block_size) rows (position_rows)."""
     import gguf
 
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.GPT2, model.config.n_layer)
@@ -73,8 +92,26 @@ def gguf_tensors(model: GPT) -> dict[str, np.ndarray]:
         if gguf_name is None:  # a weight gguf's GPT-2 has no place for: never drop it silently
             raise HFError(f"cannot export as GGUF: weight {hf_name} has no name in llama.cpp's gpt2 architecture")
         value = value.t() if is_transposed(hf_name) else value  # Conv1D's (in, out) back to (out, in): ggml's
+        if hf_name == WTE:  # (V, C) -> (n_tokens, C)
+            value = torch.cat([value, value.new_zeros(n_tokens - len(value), value.size(1))])
+        if hf_name == WPE:
+            value = position_rows(value)
         out[gguf_name] = value.contiguous().numpy().astype(np.float32)
     return out
+
+
+def context_rows(block_size: int) -> int:
+    """The positions a file declares and its table holds: at least CONTEXT_ROWS and block_size, a multiple of
+    N_CTX_ROUNDING, so llama.cpp's context taken from the file (n_ctx 0, rounded up) is never past the table."""
+    return -(-max(CONTEXT_ROWS, block_size) // N_CTX_ROUNDING) * N_CTX_ROUNDING
+
+
+def position_rows(wpe: torch.Tensor) -> torch.Tensor:
+    """The position table (block_size, C) as llama.cpp indexes it: context_rows(block_size) rows, row p being trained
+    row p mod block_size. Any rows would keep llama.cpp from aborting; these cost the least: over the `small` run's
+    val text, cross-entropy past the window was 2.9-3.3 nats with them, 3.5-3.6 with zeros or the last row
+    repeated, 1.53 inside it (docs/interop.md, "Past the window")."""
+    return wpe[torch.arange(context_rows(len(wpe))) % len(wpe)]  # (rows, C)
 
 
 def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
@@ -94,11 +131,12 @@ def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
 def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
     """(token names in id order, merges) of the tokenizer as llama.cpp's byte-level BPE: a tiktoken BPE (GPT-2's or
     our own) as the Hugging Face export names it (weights/hf_tokenizer.py); a char list one token per character,
-    named by its UTF-8 bytes, with each multi-byte character's merges, prefix first. A chat tokenizer: its base's,
-    then the markers under their own text (CONTROL tokens: llama.cpp matches them only in a rendered template)."""
-    if isinstance(tokenizer, ChatTokenizer):
+    named by its UTF-8 bytes, with each multi-byte character's merges, prefix first, then <|endoftext|> (the end token
+    llama.cpp needs). A chat tokenizer: its base's, then the markers under their own text (CONTROL tokens: llama.cpp
+    matches them only in a rendered template)."""
+    if isinstance(tokenizer, ChatTokenizer):  # <|end|> ends its replies: a char base's added end token is left out
         tokens, merges = vocabulary(tokenizer.base)
-        return [*tokens, *tokenizer.markers], merges
+        return [*tokens[:tokenizer.base.vocab_size], *tokenizer.markers], merges
     if tokenizer.meta()["kind"] != "char":
         tokens = bpe_tokens(tokenizer)
         return [*map(byte_text, tokens), EOT_TEXT], bpe_merges(tokens)
@@ -107,37 +145,40 @@ def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
     merges = {"".join(name[:end]) + " " + name[end]: None for name in names for end in range(1, len(name))}
     # llama.cpp's gpt2 tokenizer refuses a file without merges, and gguf writes no empty array: an all-ASCII
     # vocabulary gets one merge that changes no tokenization (two NULs, which a char vocabulary never encodes).
-    return ["".join(name) for name in names], list(merges) or [f"{BYTE_TEXT[0]} {BYTE_TEXT[0]}"]
+    # Then the end token llama.cpp needs and a char vocabulary lacks: after every character, so no id moves.
+    return ["".join(name) for name in names] + [EOT_TEXT], list(merges) or [f"{BYTE_TEXT[0]} {BYTE_TEXT[0]}"]
 
 
-def write_metadata(writer, model: GPT, tokenizer, dtype: str, name: str) -> None:
-    """The shape llama.cpp builds (context length: block_size, the position table's length), then the tokenizer:
-    tokens, types (the special ids, <|endoftext|>, are CONTROL: never made from text) and merges. The start id
-    (<|endoftext|>, a char model's newline) is bos and eos: llama.cpp's BPE otherwise takes id 11 for both, and a
-    char model has no end token of its own. A chat model's conversation starts at <|begin|> (bos, as in the
-    transformers export), its reply ends at <|end|> (eos and eot), and its template is written for the runners that
-    format a conversation (llama-server, llama-cpp-python, Ollama)."""
+def write_metadata(writer, model: GPT, tokenizer, tokens: list[str], merges: list[str], dtype: str,
+                   name: str) -> None:
+    """The shape llama.cpp builds (context length: the position table's rows, context_rows), then the tokenizer:
+    ``tokens``, their types (the special ids and the tokens past the model's vocabulary are CONTROL: never made from
+    text) and ``merges``. bos is our start id (what an empty prompt begins with: <|endoftext|>, a char model's
+    newline); eos, where llama.cpp ends a generation, is <|endoftext|>, the last token (a char export's own), never
+    text. Either unset, llama.cpp's BPE takes id 11, a character of a char vocabulary. A chat model's conversation
+    starts at <|begin|> (bos, as in the transformers export), its reply ends at <|end|> (eos and eot), and its
+    template is written for the runners that format a conversation (llama-server, llama-cpp-python, Ollama)."""
     import gguf
 
     config, types = model.config, gguf.LlamaFileType
     writer.add_name(name)
     writer.add_file_type({"f32": types.ALL_F32, "f16": types.MOSTLY_F16, "q8_0": types.MOSTLY_Q8_0}[dtype])
-    writer.add_context_length(config.block_size)
+    writer.add_context_length(context_rows(config.block_size))  # the position table's rows: llama.cpp's n_ctx 0
     writer.add_embedding_length(config.n_embd)
     writer.add_feed_forward_length(4 * config.n_embd)
     writer.add_block_count(config.n_layer)
     writer.add_head_count(config.n_head)
     writer.add_layer_norm_eps(LAYER_NORM_EPS)
-    tokens, merges = vocabulary(tokenizer)
     writer.add_tokenizer_model(TOKENIZER_MODEL)
     writer.add_tokenizer_pre(PRE_TOKENIZER)
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if i in tokenizer.special_ids else gguf.TokenType.NORMAL
+    control = set(tokenizer.special_ids) | set(range(tokenizer.vocab_size, len(tokens)))
+    writer.add_token_types([gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL
                             for i in range(len(tokens))])
     writer.add_token_merges(merges)
     chat = isinstance(tokenizer, ChatTokenizer)
     writer.add_bos_token_id(tokenizer.marker_ids[BEGIN] if chat else tokenizer.eot_token)
-    writer.add_eos_token_id(tokenizer.marker_ids[END] if chat else tokenizer.eot_token)
+    writer.add_eos_token_id(tokenizer.marker_ids[END] if chat else tokens.index(EOT_TEXT))
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
     if chat:
