@@ -147,19 +147,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     arrives here is also a bool rule, so a bias added to the mask on its way is never dropped: SDPA then gets
     the rule as a flag, is_causal for a square (S = 0; its triangle is aligned top-left, right only then) or
     nothing for one decoding query (it sees every key); both give bit-identical numbers to the mask
-    (tests/test_model.py). In bf16 on CPU the plain matmul-softmax-matmul is ~3x faster at these sizes
+    (tests/test_model.py). In bf16 on CPU the plain matmul-softmax-matmul is ~4x faster at these sizes
     (scripts/bench.py --profile): the CPU flash kernel's bf16 backward is slow, and SDPA's unfused "math"
-    fallback upcasts to fp32 on CPU, losing the bf16 matmul speed.
+    fallback upcasts to fp32 on CPU, losing the bf16 matmul speed. There a rule becomes an additive bias of
+    (T, S + T) once, and the scale goes on q, the smaller of q and the scores: no (B, nh, T, S + T) mask is made.
     """
     T, S = q.size(2), k.size(2) - q.size(2)
     shortcut = plain_causal and mask.dtype == torch.bool
     if mask.is_floating_point():
         mask = mask.to(q.dtype)  # a bias is added in the scores' dtype: (T, S + T) or (nh, T, S + T)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S + T)
-        att = att + mask if mask.is_floating_point() else att.masked_fill(~mask, float("-inf"))
+        if not mask.is_floating_point():  # the rule as a bias: 0 where a query sees the key, -inf elsewhere
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        att = (q * (1.0 / math.sqrt(k.size(-1)))) @ k.transpose(-2, -1) + mask  # (B, nh, T, S + T)
         att = F.dropout(att.softmax(dim=-1), p=dropout_p, training=dropout_p > 0)  # (B, nh, T, S + T)
-        return att.to(v.dtype) @ v  # (B, nh, T, hs)
+        return att @ v  # (B, nh, T, hs)
     if shortcut and S == 0:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
     if shortcut and T == 1:
@@ -215,11 +217,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
         """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask: visible_keys' rule or bias."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        # Split the channels into heads and move the head axis forward.
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, nh, hs): q, k, v at once
+        # Move the q/k/v and head axes forward, in one copy: each head's (T, hs) then lies whole for its matmuls.
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).contiguous().unbind(0)  # 3 x (B, nh, T, hs)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # (B, nh, T, hs) each, unit RMS per head times a gain
         if self.rotary is not None:  # new tokens start after the cached ones

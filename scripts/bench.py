@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import CommandLine, ConfigError, TrainConfig, make_config
 from process.rundir import check_writable
@@ -87,6 +88,50 @@ def timed_step(b: Bench) -> None:
     b.positions.append(sum(x.numel() for x, _ in batches))  # shapes: known on the host, no sync
 
 
+# The matrix products a step runs, as the dispatcher sees them (autocast's casts done): op -> its FLOPs from its inputs.
+MATMULS = {torch.ops.aten.mm.default: lambda a, b: 2 * a.numel() * b.size(-1),
+           torch.ops.aten.addmm.default: lambda c, a, b: 2 * a.numel() * b.size(-1),
+           torch.ops.aten.bmm.default: lambda a, b: 2 * a.numel() * b.size(-1),
+           torch.ops.aten.baddbmm.default: lambda c, a, b: 2 * a.numel() * b.size(-1)}
+
+
+class MatmulRecorder(TorchDispatchMode):
+    """Every matrix product run under it (forward, backward and the optimizer's): op, inputs' shapes, strides and
+    dtype, so that each can be run again alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in MATMULS:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            self.calls.append((func, [(t.shape, t.stride(), t.dtype, t.device) for t in tensors],
+                               MATMULS[func](*tensors)))
+        return func(*args, **(kwargs or {}))
+
+
+def matmul_limit(b: Bench, repeats: int = 5) -> dict:
+    """The step's own matrix products, each run alone on tensors of its shapes, strides and dtype: their time (the
+    median of ``repeats`` passes over all of them), their FLOPs, and the rate those shapes run at on this machine,
+    the limit a step of them approaches when everything between its matmuls costs nothing."""
+    recorder = MatmulRecorder()
+    with recorder:
+        timed_step(b)
+    gen = torch.Generator(device=b.run.rt.device).manual_seed(0)
+    calls = [(func, [torch.empty_strided(shape, stride, dtype=dtype, device=device).normal_(generator=gen)
+                     if dtype.is_floating_point else torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                     for shape, stride, dtype, device in inputs]) for func, inputs, _ in recorder.calls]
+    passes = []
+    for _ in range(repeats + 1):  # the first pass warms up: kernels chosen, memory touched
+        start = synced_clock(b.run.rt.device)
+        for func, tensors in calls:
+            func(*tensors)
+        passes.append(synced_clock(b.run.rt.device) - start)
+    seconds, flops = statistics.median(passes[1:]), sum(f for *_, f in recorder.calls)
+    return {"matmul_ms": seconds * 1000, "matmul_gflop": flops / 1e9, "matmul_gflops": flops / seconds / 1e9}
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -122,13 +167,51 @@ def run(benches: list[Bench], steps: int, warmup: int, rounds: int) -> list[dict
     return [summarise(b) for b in benches]
 
 
+# Where a CPU step's time goes, by what the op does: the first row whose names an op's name (or an enclosing range's,
+# for the optimizer) starts with. Self time only; the step's time the ops leave over is Python's and the dispatcher's.
+CATEGORIES = (
+    ("optimizer", ("Optimizer.step",)),  # everything inside the step of an optimizer, its matmuls (Muon's) too
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation", "mkldnn")),
+    ("copies and casts", ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::contiguous")),
+    ("attention's softmax and mask", ("aten::_softmax", "aten::_softmax_backward_data", "aten::masked_fill",
+                                      "aten::_scaled_dot_product", "aten::_safe_softmax")),
+    ("activation", ("aten::gelu", "aten::relu", "aten::gelu_backward", "aten::threshold_backward")),
+    ("layer norm", ("aten::native_layer_norm", "aten::native_layer_norm_backward", "aten::_fused_rms_norm")),
+    ("loss", ("aten::_log_softmax", "aten::nll_loss", "aten::_log_softmax_backward_data", "aten::nll_loss")),
+    ("elementwise and the rest", ("",)),
+)
+
+
+def category(event) -> str:
+    """The CATEGORIES row of a profiler event: by its enclosing ranges first (an optimizer's step), then its name; a
+    range that is no op (autograd's nodes and engine) is the dispatcher's."""
+    enclosing = event
+    while enclosing is not None:
+        if enclosing.name.startswith("Optimizer.step"):
+            return "optimizer"
+        enclosing = enclosing.cpu_parent
+    if not event.name.startswith(("aten::", "mkldnn")):
+        return "Python and the dispatcher"
+    return next(name for name, prefixes in CATEGORIES[1:] if event.name.startswith(prefixes))
+
+
 def profile(b: Bench, top: int) -> str:
-    """The torch profiler's table of the ops that take the most time (CPU, or CUDA on a GPU) over 10 steps."""
+    """The torch profiler over 10 steps: the ops that take the most time (CPU, or CUDA on a GPU), then the step's time
+    by CATEGORIES (the CPU's self times, per step, and what is left to Python and the dispatcher)."""
     cuda = b.run.rt.device.type == "cuda"
+    steps, start = 10, synced_clock(b.run.rt.device)
     with torch.profiler.profile() as prof:  # every activity this machine supports: the CPU's, and CUDA's if any
-        for _ in range(10):
+        for _ in range(steps):
             timed_step(b)
-    return prof.key_averages().table(sort_by=f"self_{'cuda' if cuda else 'cpu'}_time_total", row_limit=top)
+    wall_ms = (synced_clock(b.run.rt.device) - start) * 1000 / steps
+    table = prof.key_averages().table(sort_by=f"self_{'cuda' if cuda else 'cpu'}_time_total", row_limit=top)
+    spent = dict.fromkeys([name for name, _ in CATEGORIES] + ["Python and the dispatcher"], 0.0)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CPU:
+            spent[category(event)] += event.self_cpu_time_total / 1000 / steps  # ms per step
+    spent["Python and the dispatcher"] += wall_ms - sum(spent.values())  # the time between the ops
+    parts = " | ".join(f"{name} {ms:.1f} ({ms / wall_ms:.0%})" for name, ms in spent.items())
+    return f"{table}\n    by category, ms per step of {wall_ms:.1f} (profiled): {parts}"
 
 
 def summarise(b: Bench) -> dict:
@@ -147,11 +230,16 @@ def summarise(b: Bench) -> dict:
 def report(result: dict) -> str:
     phases = " | ".join(f"{p} {ms:.2f} ms ({ms / result['ms_per_step']:.0%})" for p, ms in result["phases_ms"].items())
     compiled = f", compiled in {result['compile_s']:.1f} s" if result["compiled"] else ""
+    limit = ""
+    if "matmul_gflops" in result:
+        limit = (f"\n    its matmuls alone: {result['matmul_ms']:.1f} ms of the step ({result['matmul_gflop']:.2f} "
+                 f"GFLOP at {result['matmul_gflops']:.0f} GFLOP/s, the limit at its shapes on this machine); model "
+                 f"GFLOP/s {result['model_gflops'] / result['matmul_gflops']:.0%} of it")
     return (f"[{result['name']}] {result['dtype']}, {threads_text(result['threads'])}{compiled}: "
             f"{result['ms_per_step']:.2f} ms/step, "
             f"{result['tokens_per_s']:,.0f} tokens/s, {result['model_gflops']:.0f} model GFLOP/s, "
             f"peak {'allocated' if result['device'].startswith('cuda') else 'RSS'} {result['peak_mib']:.0f} MiB "
-            f"(median of {result['steps']} steps)\n    {phases}")
+            f"(median of {result['steps']} steps)\n    {phases}{limit}")
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:
@@ -214,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     results = run(benches, args.steps, args.warmup, rounds)
+    for b, result in zip(benches, results):
+        torch.set_num_threads(b.run.rt.threads)
+        result |= matmul_limit(b)
     if args.profile:
         for b in benches:
             print(f"[{b.name}] torch profiler, 10 steps:\n{profile(b, args.profile)}")
