@@ -147,7 +147,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     arrives here is also a bool rule, so a bias added to the mask on its way is never dropped: SDPA then gets
     the rule as a flag, is_causal for a square (S = 0; its triangle is aligned top-left, right only then) or
     nothing for one decoding query (it sees every key); both give bit-identical numbers to the mask
-    (tests/test_model.py). In bf16 on CPU the plain matmul-softmax-matmul is ~4x faster at these sizes
+    (tests/test_model.py). In bf16 on CPU the plain matmul-softmax-matmul is ~5x faster at these sizes
     (scripts/bench.py --profile): the CPU flash kernel's bf16 backward is slow, and SDPA's unfused "math"
     fallback upcasts to fp32 on CPU, losing the bf16 matmul speed. There a rule becomes an additive bias of
     (T, S + T) once, and the scale goes on q, the smaller of q and the scores: no (B, nh, T, S + T) mask is made.
@@ -217,9 +217,11 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
         """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask: visible_keys' rule or bias."""
         B, T, C = x.shape
-        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, nh, hs): q, k, v at once
-        # Move the q/k/v and head axes forward, in one copy: each head's (T, hs) then lies whole for its matmuls.
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).contiguous().unbind(0)  # 3 x (B, nh, T, hs)
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        # Split the channels into heads and move the head axis forward.
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # (B, nh, T, hs) each, unit RMS per head times a gain
         if self.rotary is not None:  # new tokens start after the cached ones

@@ -109,8 +109,8 @@ def same_shapes(params: list[torch.Tensor]) -> list[list[int]]:
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon whose Newton-Schulz iteration runs in ``ns_dtype``, batched over same-shaped matrices (a
-    model's layers). State and param groups are torch's, so checkpoints are unchanged."""
+    """torch.optim.Muon whose Newton-Schulz iteration runs in ``ns_dtype``, in bf16 batched over same-shaped matrices
+    (a model's layers). State and param groups are torch's, so checkpoints are unchanged."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs: Any):
         if kwargs.get("adjust_lr_fn") not in (None, "original"):  # step() implements torch's default only
@@ -134,7 +134,10 @@ class Muon(torch.optim.Muon):
             torch._foreach_lerp_(bufs, grads, 1 - momentum)  # an EMA of the gradients
             updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
             torch._foreach_mul_(params, 1 - lr * decay)  # decoupled weight decay
-            for members in same_shapes(params):
+            # Batched where the iteration runs in bf16 (1.04-1.06x the step on an AVX512-BF16 CPU); in fp32 one at a
+            # time, as batches of one: MKL's fp32 bmm of these shapes made the step 8% slower on an AVX2 CPU.
+            batches = same_shapes(params) if self.ns_dtype == torch.bfloat16 else [[i] for i in range(len(params))]
+            for members in batches:
                 rows, cols = params[members[0]].shape
                 ortho = orthogonalize(torch.stack([updates[i] for i in members]), group["ns_coefficients"],
                                       group["ns_steps"], group["eps"], self.ns_dtype)  # (n, rows, cols)
