@@ -1,6 +1,7 @@
 """This checkout's training step against another commit's, side by side: the two benches in alternating rounds.
 
     python -m dev.versus b68b231 --config small --threads 1 --rounds 5     # tokens/s, each side's median, the ratio
+    python -m dev.versus b68b231 dtype=float32 --threads 1                  # KEY=VALUE overrides, before the flags
 
 Each round runs `python -m scripts.bench` once in each tree, one after the other (never at once: they would share the
 cores), the order swapped every round, so that a machine's drift falls on both alike; the other commit runs from a

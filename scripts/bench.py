@@ -114,7 +114,8 @@ class MatmulRecorder(TorchDispatchMode):
 def matmul_limit(b: Bench, repeats: int = 5) -> dict:
     """The step's own matrix products, each run alone on tensors of its shapes, strides and dtype: their time (the
     median of ``repeats`` passes over all of them), their FLOPs, and the rate those shapes run at on this machine,
-    the limit a step of them approaches when everything between its matmuls costs nothing."""
+    the limit a step of them approaches when everything between its matmuls costs nothing. A fused kernel's products
+    (SDPA's attention, the fp32 path's) run inside it, unseen by the dispatcher: not among them."""
     recorder = MatmulRecorder()
     with recorder:
         timed_step(b)

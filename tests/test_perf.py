@@ -41,6 +41,37 @@ def test_bench_counts_the_tokens_its_steps_processed_not_the_nominal_batch(tiny_
     assert result["tokens_per_s"] == pytest.approx(b.positions[0] / (result["ms_per_step"] / 1000), rel=1e-12)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_bench_replays_exactly_the_steps_matmuls_the_models_flops_and_muons_iteration(tiny_cfg, optimizer):
+    """The matmul limit replays the matrix products one step ran: in bf16 on a CPU (attention as explicit matmuls)
+    their FLOPs are the model's, measured by FlopCounterMode, for every token; Muon adds its Newton-Schulz
+    iteration's, 5 steps of X X^T, A A and A X on each block matrix in its wide orientation (r <= c)."""
+    cfg = tiny_cfg(dtype="bfloat16", compile="off", optimizer=optimizer)
+    b = bench.build("tiny", cfg)
+    limit = bench.matmul_limit(b, repeats=1)
+    tokens = cfg.batch_size * cfg.block_size
+    iteration = 0
+    if optimizer == "muon":
+        shapes = [sorted(p.shape) for p in b.run.model.transformer.h.parameters() if p.dim() == 2]
+        iteration = sum(5 * (2 * r * r * c + 2 * r * r * r + 2 * r * r * c) for r, c in shapes)
+    assert limit["matmul_gflop"] * 1e9 == pytest.approx(b.run.model.flops_per_token() * tokens + iteration, rel=1e-12)
+    assert limit["matmul_ms"] > 0 and limit["matmul_gflops"] == pytest.approx(
+        limit["matmul_gflop"] / limit["matmul_ms"] * 1000, rel=1e-9)
+
+
+def test_bench_profiles_a_step_by_category_and_the_categories_add_up_to_its_time(tiny_cfg):
+    """--profile's last line: every category, the optimizer's ops (Muon's matmuls too) in "optimizer", and the
+    parts summing to the profiled step's time (what no op took is Python's and the dispatcher's)."""
+    b = bench.build("tiny", tiny_cfg(dtype="float32", compile="off", optimizer="muon"))
+    bench.timed_step(b)
+    line = bench.profile(b, top=3).splitlines()[-1]
+    wall = float(line.split("ms per step of ")[1].split(" ")[0])
+    parts = dict(part.rsplit(" ", 2)[:2] for part in line.split("(profiled): ")[1].split(" | "))
+    assert list(parts) == [name for name, _ in bench.CATEGORIES] + ["Python and the dispatcher"]
+    assert sum(map(float, parts.values())) == pytest.approx(wall, abs=0.1 * len(parts))  # each printed to 0.1 ms
+    assert float(parts["optimizer"]) > 0 and float(parts["matmul"]) > 0
+
+
 @pytest.mark.slow  # ~8 s: two configs built and timed; the default suite checks bench's step is train.py's
 def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
     cfg = tiny_cfg()
@@ -61,6 +92,19 @@ def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
                         f"data_dir={cfg.data_dir}", "device=cpu", "--vs", "batch_size=4", "--steps", "2",
                         "--warmup", "0", "--threads", "1", "--min-ratio", "1000", check=False)
     assert failed.returncode == 1 and "below --min-ratio" in failed.stderr
+
+
+@pytest.mark.slow  # ~20 s: a worktree of HEAD and two benches per round, in fresh interpreters
+def test_versus_times_another_commit_and_this_checkout_in_alternating_rounds(tiny_cfg):
+    """dev.versus: each round runs both trees' benches one after the other, the order swapped every round, and the
+    ratio is of the medians (HEAD against this checkout: the same code, so the same dtype and token count)."""
+    cfg = tiny_cfg()
+    done = run_script("-m", "dev.versus", "HEAD", f"data_path={cfg.data_path}", f"data_dir={cfg.data_dir}",
+                      "device=cpu", "--config", "tiny", "--steps", "2", "--rounds", "2", "--threads", "1")
+    rounds = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("round")]
+    assert rounds == ["round 1 HEAD", "round 1 this checkout", "round 2 this checkout", "round 2 HEAD"]
+    ratio = done.stdout.strip().splitlines()[-1]
+    assert ratio.startswith("this checkout / HEAD: ") and ratio.endswith("x tokens/s"), done.stdout
 
 
 def test_bench_rejects_malformed_override(tmp_path):
