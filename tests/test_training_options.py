@@ -556,6 +556,8 @@ print("REPORT " + json.dumps(report))
 '''
 
 
+@pytest.mark.slow  # ~10-14 s: a copy of the repo and five runs in it; in the default suite a name without its
+# builder is refused in one line (below and test_a_name_the_config_allows_without_its_function...)
 def test_a_forked_optimizer_decay_and_field_are_honoured_end_to_end(tmp_path):
     """Flag, start-up line, checkpoint, resume rule, unused warning and compare.py variant, with the page's blocks
     as the only edits."""
