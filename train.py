@@ -35,7 +35,7 @@ from process.errors import ConfigError, exit_for, fail
 from training import lora
 from training.checkpoint import Checkpointer
 from training.faults import StopOnSignal, run_error
-from training.optim import DECAYS, OPTIMIZERS, NonFiniteGuard, build_optimizer, lr_at
+from training.optim import NonFiniteGuard, build_optimizer, lr_at, refuse_unbuilt_choices
 from training.runtime import Runtime, choose_runtime, compile_for_step, seed_everything
 from training.tracking import MetricsLog, describe_run
 from weights.loading import start_from
@@ -184,21 +184,6 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # active for fp16 only
     guard: NonFiniteGuard  # records a non-finite step; the loop stops at its next sync (training/faults.py)
-
-
-# What builds each value of a choosing field: config's Literal names the values a user may give, these tables hold
-# their code (tests/test_training_options.py checks the two agree; a fork that edits one hears it from the run too).
-CHOICE_TABLES = {"optimizer": ("training/optim.py's OPTIMIZERS", OPTIMIZERS),
-                 "lr_decay": ("training/optim.py's DECAYS", DECAYS), "loader": ("data.py's LOADERS", data.LOADERS)}
-
-
-def refuse_unbuilt_choices(cfg: TrainConfig) -> None:
-    """ConfigError (one line, exit 2) for a value config allows that no table builds, before anything is built."""
-    for name, (where, table) in CHOICE_TABLES.items():
-        value = getattr(cfg, name)
-        if value not in table:
-            raise ConfigError(f"{name} `{value}` is allowed by TrainConfig.{name} but has no row in {where}: add the "
-                              f"function that builds it there (docs/experiments.md, \"Adding a training option\")")
 
 
 def build_run(cfg: TrainConfig, rt: Runtime, ddp: distributed.Dist | None = None, pretrained=None) -> Run:

@@ -108,7 +108,8 @@ class CommandLine(argparse.ArgumentParser):
         super().__init__(allow_abbrev=False, **kwargs)  # an abbreviation that later grows ambiguous breaks scripts
 
     def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's signature
-        parsed, unknown = self.parse_known_args(args, namespace)
+        # intermixed: positionals may stand between flags (bench's `dtype=float32 --threads 1 compile=on`)
+        parsed, unknown = self.parse_known_intermixed_args(args, namespace)
         flag = next((u.split("=")[0] for u in unknown if u.startswith("-")), None)
         if flag is not None:
             known = [s for action in self._actions for s in action.option_strings]

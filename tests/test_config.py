@@ -200,6 +200,16 @@ def test_usage_names_the_command_the_user_typed(monkeypatch, main, argv0, shown)
     assert CommandLine().format_usage() == f"usage: {shown} [-h]\n"
 
 
+def test_a_tools_positionals_may_stand_on_both_sides_of_a_flag():
+    """`python -m scripts.bench --config small dtype=float32 --threads 1 compile=on` said "unexpected argument
+    `compile=on`": argparse fills a nargs="*" positional once, from the first run of them only."""
+    parser = CommandLine()
+    parser.add_argument("overrides", nargs="*", default=[])
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args(["dtype=float32", "--threads", "1", "compile=on"])
+    assert args.overrides == ["dtype=float32", "compile=on"] and args.threads == 1
+
+
 @pytest.mark.parametrize("tool", [interop_if(tool, tool) for tool in TOOLS])
 def test_every_tools_usage_names_its_module(monkeypatch, capsys, tool):
     """Under python -m scripts.eval argparse said "usage: eval.py", a command that runs nothing."""
