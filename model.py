@@ -131,20 +131,23 @@ def visible_keys(config: GPTConfig, start: int, T: int, device: torch.device) ->
 
 
 def is_plain_causal(mask: torch.Tensor) -> bool:
-    """Whether ``mask`` (visible_keys' output for a square, start = 0) is exactly the causal triangle: a bool
-    rule, never a float bias, however small. Then SDPA may use its own causal kernels (flash attention on
-    GPUs), which give the same numbers without reading the mask."""
-    T = mask.size(-2)
-    return mask.dtype == torch.bool and torch.equal(mask, torch.ones(T, T, dtype=torch.bool, device=mask.device).tril())
+    """Whether ``mask`` (visible_keys' output for T queries after S cached keys) is exactly the causal rule, each
+    query seeing itself and every earlier key: a bool (T, S + T), never a float bias, however small. Then SDPA may
+    use its own causal kernels (flash attention on GPUs), which give the same numbers without reading the mask.
+    Footgun: on a GPU the answer waits for the GPU; GPT.forward asks it of the mask it builds on the CPU."""
+    T, S = mask.size(-2), mask.size(-1) - mask.size(-2)
+    causal = torch.ones(T, S + T, dtype=torch.bool, device=mask.device).tril_(S)  # (T, S + T), key <= query
+    return mask.dtype == torch.bool and torch.equal(mask, causal)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, plain_causal: bool,
               dropout_p: float) -> torch.Tensor:
     """softmax(q k^T / sqrt(hs) + mask) v: T queries (B, nh, T, hs) over S + T keys (B, nh, S + T, hs).
 
-    ``mask`` is visible_keys' (a bool rule: False adds -inf; or a float bias). ``plain_causal`` says the
-    layer's rule is the causal triangle (is_plain_causal at build time). A shortcut is taken only when what
-    arrives here is also a bool rule, so a bias added to the mask on its way is never dropped: SDPA then gets
+    ``mask`` is visible_keys' (a bool rule: False adds -inf; or a float bias). ``plain_causal`` says it is the
+    causal rule (is_plain_causal, asked once per forward by GPT.forward of the mask it hands every layer). A
+    shortcut is taken only when what arrives here is also a bool rule, so a bias added to the mask on its way
+    is never dropped: SDPA then gets
     the rule as a flag, is_causal for a square (S = 0; its triangle is aligned top-left, right only then) or
     nothing for one decoding query (it sees every key); both give bit-identical numbers to the mask
     (tests/test_model.py). In bf16 on CPU the plain matmul-softmax-matmul is ~5x faster at these sizes
@@ -189,6 +192,17 @@ class Rotary(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # (B, nh, T, hs)
 
 
+def step_bytes(config: GPTConfig, batch_size: int, cpu_bf16: bool) -> int:
+    """At least how many bytes one training step of ``batch_size`` rows of block_size tokens holds at once, so that
+    a run refuses a size that cannot fit before it allocates anything. Each layer keeps ~34 bytes per
+    token and channel for the backward (Korthikanti et al. 2022, eq. 1, for 16-bit activations; `small` measures
+    ~88 in fp32, ~55 in CPU-bf16), GPT.visible builds and compares one (T, T) bool rule, and on the CPU-bf16 path
+    attention() keeps each layer's (B, nh, T, T) bf16 weights (SDPA's kernels keep none; ~3.2 bytes each measured)."""
+    B, T = batch_size, config.block_size
+    scores = B * config.n_head * T * T * 2 if cpu_bf16 else 0
+    return config.n_layer * (B * T * 34 * config.n_embd + scores) + 2 * T * T
+
+
 def make_norm(config: GPTConfig, width: int) -> nn.Module:
     """The normalisation config.norm names: LayerNorm (GPT-2) or RMSNorm (Zhang & Sennrich 2019)."""
     if config.norm == "rmsnorm":
@@ -210,12 +224,10 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
         self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
-        # Decided from visible_keys itself, never declared; a bias added to the mask later is caught by attention.
-        cpu = torch.device("cpu")  # explicit: a model built under torch.device("meta") too
-        self.plain_causal = is_plain_causal(visible_keys(config, 0, config.block_size, cpu))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
-        """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask: visible_keys' rule or bias."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, plain_causal: bool, cache=None) -> torch.Tensor:
+        """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask: visible_keys' rule or bias, and
+        whether it is the plain causal rule (is_plain_causal: GPT.forward decides it of this mask)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         # Split the channels into heads and move the head axis forward.
@@ -230,7 +242,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:  # generation: attend over the cached past too
             k, v = cache.append(k, v)  # (B, nh, S + T, hs) each
         dropout_p = self.dropout if self.training and cache is None else 0.0  # the cache is for inference
-        y = attention(q, k, v, mask, self.plain_causal, dropout_p)  # (B, nh, T, hs)
+        y = attention(q, k, v, mask, plain_causal, dropout_p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
@@ -265,8 +277,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache, aux: AuxLosses) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask, cache)  # (B, T, C)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, plain_causal: bool, cache, aux: AuxLosses) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask, plain_causal, cache)  # (B, T, C)
         x = x + self.mlp(self.ln_2(x), aux)  # (B, T, C)
         return x
 
@@ -354,16 +366,18 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0  # S: position of idx[:, 0]
         if start + T > self.config.block_size:  # the position tables end here; never shift them silently
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
+        # A compiler cannot trace is_plain_causal (its answer is data): it runs as is, and the layers compile whole.
+        visible = torch.compiler.disable(self.visible) if torch.compiler.is_compiling() else self.visible
+        mask, plain_causal = visible(start, T, idx.device)  # (T, S + T) or (nh, T, S + T), for every layer
         x = self.transformer.wte(idx)  # (B, T, C)
         if self.config.pos_emb == "learned":
             pos = torch.arange(start, start + T, device=idx.device)  # (T,)
             x = x + self.transformer.wpe(pos)  # (B, T, C) + (T, C) -> (B, T, C)
         x = self.transformer.drop(x)
-        mask = visible_keys(self.config, start, T, idx.device)  # (T, S + T) or (nh, T, S + T), for every layer
         aux = AuxLosses(None if targets is None else (targets != -1).sum())  # the count: a tensor, no host sync
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches):
-            x = block(x, mask, layer_cache, aux)  # (B, T, C)
+            x = block(x, mask, plain_causal, layer_cache, aux)  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
         # The padded vocab rows are dropped here: never sampled, never in the softmax of the loss.
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab_size)
@@ -373,6 +387,15 @@ class GPT(nn.Module):
         loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction="sum")  # scalar
         self.aux_losses(aux, flat_logits, flat_targets)
         return ModelOutput(logits, loss_sum, aux.n_targets, aux.terms)
+
+    def visible(self, start: int, T: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+        """visible_keys' mask for T queries at positions start .. start + T - 1, built once for every layer, and
+        whether it is the plain causal rule (is_plain_causal), which lets attention() use SDPA's causal kernels.
+        Decided of this very mask each forward, never at build time: nothing (T, T) is built per layer or kept.
+        Built on the CPU: the comparison waits for no GPU, and the copy from pageable memory (non_blocking) returns
+        before the GPU has caught up, so a step syncs no more than before."""
+        mask = visible_keys(self.config, start, T, torch.device("cpu"))  # (T, S + T) or (nh, T, S + T)
+        return mask.to(device, non_blocking=True), is_plain_causal(mask)  # on a CPU the same tensor
 
     def aux_losses(self, aux: AuxLosses, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """The objective's terms computed from the logits (B*T, V) and targets (B*T,), added to ``aux`` by name

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from config import CommandLine, field_help
 from prepare.chat import render
 from prepare.texts import read_text_file
-from process.errors import DataError, TinyGPTError, exit_on, fail
+from process.errors import CheckpointError, ConfigError, DataError, TinyGPTError, exit_on, fail
+from training.runtime import use_threads
 from weights.loading import add_weights_flags, from_flags
 from process.distributed import pick_device
 from model import GPT, GPTConfig
@@ -281,10 +282,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
                         help="KV cache; --no-cache recomputes the whole window per token (same text, slower)")
     parser.add_argument("--device", default="auto", help=field_help()["device"])
+    parser.add_argument("--threads", type=int, default=0, help=field_help()["threads"])
     args = parser.parse_args(argv)
     if not args.temp >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1 \
-            or args.max_new_tokens < 0:
-        fail("need --temp >= 0, 0 < --top-p <= 1, --top-k >= 0, --num-samples >= 1 and --max-new-tokens >= 0")
+            or args.max_new_tokens < 0 or args.threads < 0:
+        fail("need --temp >= 0, 0 < --top-p <= 1, --top-k >= 0, --num-samples >= 1, --max-new-tokens >= 0 and "
+             "--threads >= 0")
     if args.multiline and not (args.interactive or args.chat):
         fail("--multiline reads prompts for --interactive; add --interactive, or pass the text with --prompt-file")
     if args.system and not args.chat:
@@ -366,24 +369,33 @@ def interactive(model: GPT, tokenizer, args: argparse.Namespace, generator: torc
 class Dialogue:
     """A conversation held turn by turn (--chat), rendered to fit the context: when the prompt of the next reply
     and ``room`` tokens for it would not fit in block_size, the oldest turns go first, never the system prompt
-    (``dropped`` counts them)."""
+    (``dropped`` counts them). A system prompt that leaves no room for a message is a ConfigError at the start."""
 
     def __init__(self, tokenizer, block_size: int, room: int, system: str = ""):
         self.tokenizer, self.block_size, self.room = tokenizer, block_size, room
         self.system = [("system", system)] if system else []
         self.turns: list[tuple[str, str]] = []  # (role, text)
         self.dropped = 0
+        if system:  # refused now if not even a one-token message would fit beside it, at any turn
+            n = len(render(tokenizer, self.system))  # DataError: a character the vocabulary lacks
+            # a one-token message: its 3 markers and the token, as many as an empty one renders (<|begin|> is in n)
+            message = len(render(tokenizer, [("user", "")], reply=True))
+            if n > (most := block_size - room - message):
+                raise ConfigError(f"the system prompt is {n} tokens with its markers, and block_size {block_size} "
+                                  f"leaves room for {most} beside a message and a {room}-token reply; shorten --system")
 
     def prompt(self, user: str) -> list[int]:
         """The ids that ask for the assistant's reply to ``user``: the conversation, the oldest turns dropped
-        until it fits (the last user turn alone too long is a DataError)."""
+        until it fits. A message the vocabulary cannot write, or too long even alone, is a DataError that leaves
+        the conversation as it was: only that turn is refused."""
+        limit = self.block_size - self.room
+        if len(alone := render(self.tokenizer, self.system + [("user", user)], reply=True)) > limit:
+            raise DataError(f"the message makes a prompt of {len(alone)} tokens with the conversation's markers"
+                            f"{' and the system prompt' if self.system else ''}, more than the {limit} the context "
+                            f"leaves beside a reply; say it shorter")
         self.turns.append(("user", user))
-        while len(ids := render(self.tokenizer, self.system + self.turns, reply=True)) > self.block_size - self.room:
-            if len(self.turns) == 1:
-                self.turns.pop()
-                raise DataError(f"the message is {len(ids)} tokens with the conversation's markers, more than the "
-                                f"{self.block_size - self.room} the context leaves beside a reply; say it shorter")
-            self.turns.pop(0)
+        while len(ids := render(self.tokenizer, self.system + self.turns, reply=True)) > limit:
+            self.turns.pop(0)  # ends at the last user turn at the latest: that alone fits
             self.dropped += 1
         return ids
 
@@ -391,14 +403,20 @@ class Dialogue:
         self.turns.append(("assistant", text))
 
 
+def open_dialogue(tokenizer, block_size: int, args: argparse.Namespace) -> Dialogue:
+    """--chat's empty conversation: a reply may take up to half the context (or --max-new-tokens)."""
+    if not hasattr(tokenizer, "marker_ids"):
+        raise CheckpointError("this model has no chat markers; fine-tune it on conversations first "
+                              "(docs/finetuning.md) or drop --chat")
+    return Dialogue(tokenizer, block_size, min(args.max_new_tokens, block_size // 2), args.system)
+
+
 def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:
     """A conversation on stdin: each line is the user's turn, the assistant's reply is streamed until its
     <|end|> (or any other marker: the model must not write the user's part), the oldest turns dropped as
     the context fills (said once)."""
-    if not hasattr(tokenizer, "marker_ids"):
-        fail("this model has no chat markers; fine-tune it on conversations first (docs/finetuning.md) or drop --chat")
     block_size, warned = model.config.block_size, False
-    dialogue = Dialogue(tokenizer, block_size, min(args.max_new_tokens, block_size // 2), args.system)
+    dialogue = open_dialogue(tokenizer, block_size, args)
     while (text := read_prompt(args.multiline)) is not None:
         try:
             prompt = dialogue.prompt(text)
@@ -406,8 +424,9 @@ def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Gener
             print(f"error: {err}", file=sys.stderr, flush=True)
             continue
         if dialogue.dropped and not warned:
-            print("(the context is full: the oldest turns are dropped from now on; the system prompt stays)",
-                  flush=True)
+            stays = "; the system prompt stays" if dialogue.system else ""
+            print(f"(the conversation and a {dialogue.room}-token reply no longer fit block_size {block_size}: the "
+                  f"oldest turns are dropped from now on{stays})", flush=True)
             warned = True
         reply = Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()))
         # --max-new-tokens caps a reply as it caps a sample (llama.cpp's max_tokens, the same request), and never past
@@ -421,12 +440,13 @@ def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Gener
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
+        use_threads(args.threads)  # train.py's --threads: two jobs on 2 cores, one each
         device = pick_device(args.device)
         loaded = from_flags(args, device)  # weights/loading.py: --ckpt's checkpoint or --init_from's weights
         model, tokenizer = loaded.model, loaded.tokenizer
         text = read_text_file(Path(args.prompt_file), "--prompt-file") if args.prompt_file else args.prompt
-        if args.chat:
-            tokenizer.encode(args.system)  # a character the vocabulary lacks: one line now, not at every turn
+        if args.chat:  # no markers, a system prompt the vocabulary cannot write or the context cannot hold: now
+            open_dialogue(tokenizer, model.config.block_size, args)
         elif not args.interactive:
             prompt_ids(tokenizer, text)  # a character the vocabulary lacks: one line now, before any output
     except TinyGPTError as err:  # a bad checkpoint, config, device or prompt: one line and its exit code

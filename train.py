@@ -34,10 +34,10 @@ from process import distributed, rundir
 from process.errors import ConfigError, exit_for, fail
 from training import lora
 from training.checkpoint import Checkpointer
-from training.faults import StopOnSignal, run_error
+from training.faults import StopOnSignal, interrupt_until_the_loop, run_error
 from training.optim import NonFiniteGuard, build_optimizer, lr_at, refuse_unbuilt_choices
-from training.runtime import Runtime, choose_runtime, compile_for_step, seed_everything
-from training.tracking import MetricsLog, describe_run
+from training.runtime import Runtime, choose_runtime, compile_for_step, refuse_what_cannot_fit, seed_everything
+from training.tracking import MetricsLog, check_wandb, describe_run
 from weights.loading import start_from
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs and targets, (B, T) each
@@ -189,6 +189,7 @@ class Run:
 def build_run(cfg: TrainConfig, rt: Runtime, ddp: distributed.Dist | None = None, pretrained=None) -> Run:
     """Seed -> data -> model -> optimizer, in this order wherever a run is built, so its numbers are the same."""
     refuse_unbuilt_choices(cfg)  # train() asked already; bench, the doctor and compare come straight here
+    refuse_what_cannot_fit(cfg, rt)  # a step too big for the device's memory: one line, before any is allocated
     ddp = ddp or distributed.Dist(device=rt.device)
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
     with distributed.main_first(rt.device):  # rank 0 prepares the corpus, the others then read the cache
@@ -229,8 +230,11 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     holds it for the job.
     """
     refuse_unbuilt_choices(cfg)  # a fork's name without its function: one line, before the folder or the data
+    check_wandb(cfg)  # --wandb without wandb: the same, not an empty metrics.jsonl left behind
     ddp = distributed.setup(cfg.device)  # a world of one on cfg.device without torchrun
     with distributed.stop_together(ddp.device):  # refused on rank 0: every rank stops here
+        if cfg.resume and ddp.is_main and not (Path(cfg.out_dir) / "last.pt").exists():  # before the corpus is made
+            raise ConfigError(f"nothing to resume in {cfg.out_dir} (no last.pt); drop --resume to start a new run")
         owner = rundir.claim(Path(cfg.out_dir), cfg.resume) if ddp.is_main else contextlib.nullcontext()
     with owner:  # released however the run ends (after a SIGKILL, by the kernel)
         return train_in_owned_folder(cfg, ddp, stop or StopOnSignal(install=False))
@@ -303,7 +307,8 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnS
 def main(argv: list[str] | None = None) -> None:
     """train.py's command line: each error is one line and its exit code (process/errors.py), once per job."""
     try:
-        train(parse_args(argv), StopOnSignal())
+        with interrupt_until_the_loop():  # SIGTERM before the first step ends as Ctrl-C does: one line, no folder
+            train(parse_args(argv), StopOnSignal())
         distributed.teardown()  # not on errors: its barrier would wait for ranks that have failed
         return
     except (Exception, KeyboardInterrupt) as err:

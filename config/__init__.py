@@ -181,7 +181,8 @@ RANGES = (  # what a field must be, whatever the choices: validate checks these 
     ("in [0, 1)", lambda v: 0 <= v < 1, ("dropout", "beta1", "beta2", "lora_dropout")),
     ("in (0, 1)", lambda v: 0 < v < 1, ("val_fraction",)),
     ("in (0, 1]", lambda v: 0 < v <= 1, ("wsd_fraction",)),
-    (">= 257 (the 256 bytes and <|endoftext|>)", lambda v: v >= 257, ("bpe_vocab_size",)))
+    (">= 257 (the 256 bytes and <|endoftext|>)", lambda v: v >= 257, ("bpe_vocab_size",)),
+    ("in [0, 2**32 - 1]", lambda v: 0 <= v < 2**32, ("seed",)))  # numpy's seeds: a wider one was its traceback
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:

@@ -84,6 +84,15 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
     return dataset, None
 
 
+def source_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
+    """The hash a prepared folder's name holds for its source as the source is now (its first 12 digits): a text
+    file's sha256 (corpus_source), a .jsonl of conversations' too (chat.prepare_conversations), a document corpus's
+    corpus_fingerprint (corpus_source)."""
+    if is_document_corpus(path) and not chat.is_conversations(path):
+        return corpus_fingerprint(path, text_column)
+    return sha256_of(path)
+
+
 def corpus_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
     """Hash of the relative path, size and mtime of a .jsonl or .parquet, or of every file of a folder. Cheap, unlike
     hashing the content: every rank of a torchrun job checks the cache at start, and a web-scale corpus would take
@@ -110,6 +119,21 @@ def is_prepared(folder: Path, val_fraction: float) -> bool:
     except DataError as err:
         print(f"{err}; preparing {folder} again from its source", flush=True)
         return False
+
+
+def prepared_splits(data_dir: str | Path, val_fingerprint: str, tokenizer: dict) -> list[Path]:
+    """The prepared folders in data_dir whose val split has this fingerprint and tokenizer, as a checkpoint records
+    them (data.Corpus.record): a run's own split, found by its content whatever became of its source."""
+    found = []
+    for folder in sorted(path.parent for path in data_home(data_dir).glob("*/meta.json")):
+        try:
+            meta = read_meta(folder)
+        except (DataError, OSError):  # no corpus of ours, or one half made
+            continue
+        if not folder.name.startswith(STAGING) and meta["fingerprint"].get("val") == val_fingerprint \
+                and meta["tokenizer"] == tokenizer:
+            found.append(folder)
+    return found
 
 
 def use_tokenized_folder(folder: Path, tokenizer: str) -> Path:

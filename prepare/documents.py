@@ -35,7 +35,7 @@ from prepare.staging import staged_folder
 from prepare.texts import read_text_file
 from prepare.tokenfiles import check_split_lengths, is_val, token_dtype, write_meta
 from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, TiktokenTokenizer, tokenizer_from_meta, train_bpe
-from process.errors import DataError
+from process.errors import DataError, install_hint
 
 DEFAULT_TEXT_COLUMN = "text"
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a few MB of web text, whatever the file or row group size
@@ -58,7 +58,7 @@ def open_parquet(path: Path, text_column: str):
         import pyarrow as pa
         import pyarrow.parquet  # noqa: F401 - binds pa.parquet
     except ImportError:
-        raise DataError(f"{path}: reading .parquet needs pyarrow: pip install pyarrow==26.0.1") from None
+        raise DataError(f"{path}: reading .parquet needs pyarrow: {install_hint('pyarrow')}") from None
     try:
         reader = pa.parquet.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:

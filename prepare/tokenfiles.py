@@ -102,7 +102,18 @@ def write_meta(staging: Path, tok, source: str, val_fraction: float, counts: dic
             "source": source, "val_fraction": val_fraction, "train_tokens": counts["train"],
             "val_tokens": counts["val"], **extra,
             "fingerprint": {split: split_fingerprint(staging / f"{split}.bin") for split in SPLITS}}
+    if counts["train"]:  # checked before the folder is swapped in (np.memmap cannot map an empty file)
+        refuse_one_token(source, np.memmap(staging / "train.bin", dtype=meta["dtype"], mode="r"))
     (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def refuse_one_token(source: str, train: np.ndarray, chunk: int = 1 << 20) -> None:
+    """DataError for a train split that is one token repeated (100 kB of NUL bytes: vocab 1, or GPT-2's id 188 each
+    time), which trains to loss 0 and a "best" checkpoint of nothing. Reads until an id differs from the first: a
+    real corpus's first chunk; compared a chunk at a time, so no mask as large as the split."""
+    if len(train) and all((train[i: i + chunk] == train[0]).all() for i in range(0, len(train), chunk)):
+        raise DataError(f"{source}: the train split is one token repeated ({len(train):,} times): nothing to learn; "
+                        "pass a text of more than one distinct character")
 
 
 def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) -> None:
@@ -149,4 +160,5 @@ def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.nda
         raise DataError(f"{err}; delete {folder} and prepare again") from None
     for split, (ids, _) in opened.items():
         check_split_lengths(str(folder / f"{split}.bin"), {split: len(ids)}, block_size)
+    refuse_one_token(str(folder / "train.bin"), opened["train"][0])  # someone else's tokens, or an old prepare's
     return meta, {split: ids for split, (ids, _) in opened.items()}, {split: fp for split, (_, fp) in opened.items()}

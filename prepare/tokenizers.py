@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from process import REPO
-from process.errors import DataError
+from process.errors import DataError, install_hint
 
 
 class CharTokenizer:
@@ -159,7 +159,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, source: str) -> BPETokenize
     try:
         import rustbpe
     except ImportError:
-        raise DataError("--tokenizer bpe trains with rustbpe: pip install rustbpe==0.1.0") from None
+        raise DataError(f"--tokenizer bpe trains with rustbpe: {install_hint('rustbpe')}") from None
     trainer = rustbpe.Tokenizer()
     trainer.train_from_iterator(iter(texts), vocab_size - 1, pattern=bpe_pattern())  # the last id: <|endoftext|>
     ranks = sorted(trainer.get_mergeable_ranks(), key=lambda pair: pair[1])

@@ -89,6 +89,25 @@ class PeerFailed(TinyGPTError):
         super().__init__(f"another rank failed (exit code {exit_code})", exit_code)
 
 
+# ----------------------------------------------------------------------------- optional packages
+# Each package a feature imports only when it is used: its pin, and the requirements file that installs it. The one
+# source of every "needs X: pip install ..." line (install_hint); tests/test_errors.py checks it against those files.
+OPTIONAL_PACKAGES = {
+    "rustbpe": ("rustbpe==0.1.0", "requirements.txt"),  # --tokenizer bpe
+    "scipy": ("scipy==1.17.1", "requirements-dev.txt"),  # scripts/compare.py's t-test
+    "pyarrow": ("pyarrow==26.0.1", "requirements-dev.txt"),  # .parquet corpora
+    "gguf": ("gguf==0.19.0", "requirements-interop.txt"),  # scripts/export_gguf.py
+    "lm_eval": ("lm_eval==0.4.13", "requirements-interop.txt"),  # scripts/harness.py
+    "wandb": ("wandb==0.31.0", "requirements-interop.txt"),  # --wandb
+}
+
+
+def install_hint(package: str) -> str:
+    """How to install an optional package: its pinned version alone, or the requirements file that holds it."""
+    pin, requirements = OPTIONAL_PACKAGES[package]
+    return f"pip install {pin} (or pip install -r {requirements})"
+
+
 # ----------------------------------------------------------------------------- the one way out
 def reporting_rank(err: BaseException | None) -> int | None:
     """This rank's number if it must print ``err``; None if rank 0 prints the same error for the job.

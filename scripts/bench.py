@@ -38,7 +38,9 @@ from process.errors import TinyGPTError, exit_on
 from process.distributed import pick_device
 from training.checkpoint import dtype_name
 from training.runtime import choose_runtime, compile_for_step, matmul_gflops, threads_text, use_threads
+from training.optim import refuse_unbuilt_choices
 from train import Run, build_run, get_lr, train_step
+from weights.loading import start_from
 
 PHASES = ("data", "step")  # drawing the batches; train.train_step (forward, backward, clip, update)
 
@@ -57,9 +59,12 @@ class Bench:
 
 
 def build(name: str, cfg: TrainConfig) -> Bench:
-    """The run train.py would build for cfg (train.build_run), compiled as train.py compiles it."""
+    """The run train.py would build for cfg (train.build_run; init_from: on the base's weights and tokenizer),
+    compiled as train.py compiles it."""
+    refuse_unbuilt_choices(cfg)  # as train.py: a name the config allows without its function, before anything is built
+    cfg, pretrained = start_from(cfg)  # init_from: the base's weights, and the config with the options they fix
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
-    run = build_run(cfg, rt)
+    run = build_run(cfg, rt, pretrained=pretrained)
     t0 = time.perf_counter()
     train_model = compile_for_step(run.model, run.stream, rt)
     return Bench(name, run, train_model, time.perf_counter() - t0)

@@ -34,7 +34,7 @@ import train
 from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config
 from prepare.corpora import corpus_source
 from process import REPO
-from process.errors import TinyGPTError, exit_on, fail
+from process.errors import TinyGPTError, exit_on, fail, install_hint
 from process.files import atomic_write_text
 from scripts.bench import parse_overrides
 from training.checkpoint import dtype_name, git, git_state, read_config
@@ -278,7 +278,7 @@ def t_test():
     try:
         from scipy import stats
     except ImportError:
-        raise ConfigError("compare.py's paired t-test needs scipy: pip install scipy==1.17.1") from None
+        raise ConfigError(f"compare.py's paired t-test needs scipy: {install_hint('scipy')}") from None
     return stats
 
 

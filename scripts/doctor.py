@@ -2,10 +2,11 @@
 
     python -m scripts.doctor --config small              # same config and overrides as train.py
     python -m scripts.doctor --config small --dropout 0.1
+    python -m scripts.doctor --config chat_small         # a fine-tune: on its base's tokenizer and weights (init_from)
 
 One line per check (PASS or FAIL, the measured figure, what it means; docs/doctor.md), exit 1 if any fails. Each
-check takes what it needs and returns a ``Check``, so tests can call it on broken variants; they go through train.py's
-own code paths, so a bug there shows up here.
+check takes what it needs and returns a ``Check``, so tests can call it on broken variants; they run on the run
+train.py builds (train.build_run) and go through its own code paths, so a bug there shows up here.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ if not __package__:  # run as a file, `python scripts/doctor.py`: its folder, no
     sys.exit(2)
 
 import contextlib
+import copy
 import dataclasses
 import io
 import json
@@ -32,10 +34,11 @@ import torch
 
 import train
 from training.checkpoint import dtype_name, load_checkpoint
-from config import TrainConfig, model_config, parse_args
-from data import PackedDocuments, corpus_for, training_stream, val_windows
+from config import TrainConfig, parse_args
+from data import PackedDocuments
+from training import lora
 from training.faults import RunStopped
-from training.optim import NonFiniteGuard
+from training.optim import NonFiniteGuard, refuse_unbuilt_choices
 from model import GPT
 from training.tracking import summary
 from training.runtime import choose_runtime, compile_for_step
@@ -95,16 +98,25 @@ def stretches_of(stream) -> Callable[[np.ndarray], list[np.ndarray]]:
 def check_batch(x: torch.Tensor, y: torch.Tensor, data: np.ndarray, tokenizer,
                 stretches: Callable[[np.ndarray], list[np.ndarray]] = lambda row: [row]) -> Check:
     """Targets are the inputs shifted left by one, and the window really occurs in the data: each of its
-    ``stretches`` (the stream's: a random window is one, a row of packed documents one per document)."""
+    ``stretches`` (the stream's: a random window is one, a row of packed documents one per document). A target of -1
+    is masked (a chat's prompt and padding: the loss skips it): the shift is checked where a learned target follows a
+    learned one (past a row's last, inputs may be padding), and a row up to its last learned target."""
     x, y = x.cpu(), y.cpu()
-    shifted = torch.equal(x[:, 1:], y[:, :-1])  # y[:, t] must be x[:, t + 1]
-    row = np.append(x[0].numpy(), y[0, -1].item())  # the T + 1 tokens the first window spans
+    learned = y != -1  # (B, T)
+    both = learned[:, :-1] & learned[:, 1:]  # positions t whose x[:, t + 1] is surely the row's own token
+    shifted = bool(both.any()) and torch.equal(x[:, 1:][both], y[:, :-1][both])  # y[:, t] must be x[:, t + 1]
+    i = int(learned.any(dim=1).int().argmax())  # the first row that learns anything
+    at = learned[i].nonzero().flatten().tolist() or [x.shape[1] - 1]  # the positions it learns
+    row = np.append(x[i, : at[-1] + 1].numpy(), y[i, at[-1]].item())  # its tokens through its last target
     in_data = shifted and all(window_starts(data, piece).size > 0 for piece in stretches(row))
-    text_x, text_y = (tokenizer.decode(ids[0, :24].tolist())[:24] for ids in (x, y))
+    shown = slice(at[0], at[0] + 24)  # from the first learned target: a chat's reply, not its masked prompt
+    text_x = tokenizer.decode(x[i, shown].tolist())[:24]
+    text_y = tokenizer.decode([t for t in y[i, shown].tolist() if t != -1])[:24]
+    masked = "" if learned.all() else f"; {learned.float().mean().item():.0%} of targets learned, the rest -1 (masked)"
     meaning = ("y[t] is the token after x[t], read straight from the corpus" if in_data else
                "targets are not the inputs shifted by one: the model is taught the wrong task"
                if not shifted else "the window does not occur in the corpus: batches are garbled")
-    return Check("batch", in_data, f"x {text_x!r} -> y {text_y!r}", meaning)
+    return Check("batch", in_data, f"x {text_x!r} -> y {text_y!r}{masked}", meaning)
 
 
 def check_token_range(splits: dict[str, np.ndarray], vocab_size: int) -> Check:
@@ -168,7 +180,8 @@ def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
 
 
 def check_gradients(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Check:
-    """Every parameter gets a finite, non-zero gradient and sits in exactly one optimizer group."""
+    """Every trained parameter gets a finite, non-zero gradient and sits in exactly one optimizer group; a frozen one
+    (LoRA's base) in none."""
     model.zero_grad(set_to_none=True)
     _, loss_sum, n, _ = model(x, y)
     loss = loss_sum / n
@@ -178,18 +191,25 @@ def check_gradients(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
     problems = [f"unregistered tensor {tuple(t.shape)}" for t in graph_leaves(loss) if id(t) not in registered]
     loss.backward()
     groups = Counter(id(p) for group in optimizer.param_groups for p in group["params"])
+    frozen = 0
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            frozen += 1
+            if groups[id(p)]:
+                problems.append(f"{name}: frozen, in {groups[id(p)]} optimizer groups")
+            continue
         if p.grad is None:
             problems.append(f"{name}: no grad")
         elif not torch.isfinite(p.grad).all():
             problems.append(f"{name}: non-finite grad")
-        elif not p.grad.any():
+        elif not p.grad.any() and ".lora_A." not in name:  # LoRA's A: none at step 1, by design (B = 0)
             problems.append(f"{name}: zero grad")
         if groups[id(p)] != 1:
             problems.append(f"{name}: in {groups[id(p)]} optimizer groups")
     model.zero_grad(set_to_none=True)
     shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-    return verdict("gradients", not problems, shown or f"{len(registered)} tensors, all finite, non-zero, 1 group each",
+    trained = f"{len(registered) - frozen} tensors, all finite, non-zero, 1 group each"
+    return verdict("gradients", not problems, shown or trained + (f"; {frozen} frozen, in none" if frozen else ""),
                    "every weight learns, and the optimizer updates each exactly once",
                    "these weights never train (or train twice): check ModuleList, freezing, optimizer groups")
 
@@ -223,16 +243,17 @@ def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, s
                    "cannot even memorise one batch: check the lr, zero_grad, the loss and the optimizer groups")
 
 
-def overfit_run(cfg: TrainConfig, rt, steps: int = OVERFIT_STEPS) -> train.Run:
-    """The run train.py builds (train.build_run: model, optimizer, scaler, guard), at the overfit check's lr, with
-    a guard that stops only after ``steps`` fp16 skips in a row."""
-    run = train.build_run(dataclasses.replace(cfg, learning_rate=overfit_lr(cfg)), rt)
+def overfit_run(cfg: TrainConfig, rt, steps: int = OVERFIT_STEPS, pretrained=None) -> train.Run:
+    """The run train.py builds (train.build_run: model, optimizer, scaler, guard; init_from: on ``pretrained``, the
+    base's weights), at the overfit check's lr, with a guard that stops only after ``steps`` fp16 skips in a row."""
+    run = train.build_run(dataclasses.replace(cfg, learning_rate=overfit_lr(cfg)), rt, pretrained=pretrained)
     return dataclasses.replace(run, guard=NonFiniteGuard(run.scaler, steps, rt.device))
 
 
 def overfit_lr(cfg: TrainConfig) -> float:
-    """The config's own lr (one too small to learn is a finding), unless it fine-tunes (init_from): a fine-tuning
-    lr spares good weights, which the doctor does not load, and barely moves its random init."""
+    """The config's own lr (one too small to learn is a finding), unless it fine-tunes (init_from): a fine-tuning lr
+    is made to move good weights little (and a random base barely), too slowly to memorise a batch in OVERFIT_STEPS;
+    the question here is whether the step learns, so the lr a random init of this width learns at."""
     if not cfg.init_from:
         return cfg.learning_rate
     return min(RANDOM_INIT_LR_MAX, RANDOM_INIT_LR * RANDOM_INIT_WIDTH / cfg.n_embd)
@@ -328,7 +349,10 @@ def check_evaluate(evaluate: Callable[..., train.EvalResult], model: GPT, x_val:
 def check_tied(model: torch.nn.Module) -> Check:
     """Token embedding and output head are one Parameter with one storage (after .to() and compile)."""
     inner = getattr(model, "_orig_mod", model)  # torch.compile keeps the real module here
-    wte, head = inner.transformer.wte.weight, inner.lm_head.weight
+    wte, head = inner.transformer.wte, inner.lm_head
+    if isinstance(wte, lora.TrainedRows):  # LoRA's trained rows (a chat's markers) wrap the frozen tied weight
+        wte, head = wte.embedding, head.rows.head
+    wte, head = wte.weight, head.weight
     same_param, same_storage = wte is head, wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
     measured = (f"{'one Parameter' if same_param else 'two Parameters'}, "
                 f"{'one storage' if same_storage else 'two storages'} on {wte.device}"
@@ -350,15 +374,17 @@ def check_probe_grads(model: torch.nn.Module, probe_ran: bool) -> Check:
 
 
 def short_run(cfg: TrainConfig, dtype: torch.dtype) -> tuple[TrainConfig, list[dict], dict]:
-    """(config, metrics.jsonl records, last.pt) of train.train on ``cfg`` shrunk to a 1-layer, 16-wide model for a
-    few accumulated steps, warmup longer than the run (every step's lr differs), in a temporary folder, its output
-    hidden. Reseeds the global RNG."""
+    """(config, metrics.jsonl records, last.pt) of train.train on ``cfg`` for a few accumulated steps of one sequence,
+    warmup longer than the run (every step's lr differs), in a temporary folder, its output hidden: shrunk to a
+    1-layer, 16-wide model, or with init_from the base's own (its weights fix the shape, its tokenizer the data).
+    Reseeds the global RNG."""
+    shrunk = {} if cfg.init_from else dict(n_layer=1, n_head=1, n_embd=16)
     with tempfile.TemporaryDirectory() as out_dir:
         small = dataclasses.replace(cfg, out_dir=out_dir, resume=False, compile="off", dtype=dtype_name(dtype),
-                                    wandb=False, init_from="", n_layer=1, n_head=1, n_embd=16, dropout=0.0,
-                                    batch_size=1, grad_accum=SHORT_RUN_ACCUM, max_iters=SHORT_RUN_STEPS,
-                                    warmup_iters=SHORT_RUN_STEPS + 1, schedule="steps", max_time=0.0, log_interval=1,
-                                    eval_interval=SHORT_RUN_STEPS, ckpt_interval=0, eval_tokens=cfg.block_size)
+                                    wandb=False, dropout=0.0, batch_size=1, grad_accum=SHORT_RUN_ACCUM,
+                                    max_iters=SHORT_RUN_STEPS, warmup_iters=SHORT_RUN_STEPS + 1, schedule="steps",
+                                    max_time=0.0, log_interval=1, eval_interval=SHORT_RUN_STEPS, ckpt_interval=0,
+                                    eval_tokens=cfg.block_size, **shrunk)
         with contextlib.redirect_stdout(io.StringIO()):
             train.train(small)
         records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -399,45 +425,46 @@ def check_master_weights(state: dict) -> Check:
 
 # ----------------------------------------------------------------------------- running them all
 def run_checks(cfg: TrainConfig) -> list[Check]:
-    """Every check, on the model, data and tokenizer that ``cfg`` trains with; with init_from, on random inits
-    of the imported shape: the doctor checks the code path, not the pretrained weights."""
-    if cfg.init_from:
-        cfg = start_from(cfg)[0]  # keeps what the user gave
+    """Every check, on the run train.py builds for ``cfg`` (train.build_run: its data, tokenizer, training stream and
+    model; with init_from, the base's tokenizer and weights), each check of a step on a copy of its model; the init,
+    dropout and evaluation on a fresh init of its shape and vocabulary."""
+    refuse_unbuilt_choices(cfg)  # as train.py: a name the config allows without its function, before anything is built
+    cfg, pretrained = start_from(cfg)  # init_from: the base's weights, and the config with the options they fix
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
     device, dtype = rt.device, rt.dtype
-    corpus = corpus_for(cfg)
+    run = train.build_run(cfg, rt, pretrained=pretrained)
+    corpus, stream, gpt_config = run.corpus, run.stream, run.model.config
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
-    gpt_config = model_config(cfg, corpus.vocab_size)
-    stream = training_stream(cfg, corpus, tokenizer, 0, device)  # rank 0's, as train.py builds it
     x, y = stream.first_batch()  # (B, T) each: the run's first batch; no random stream moves
-    x_val, y_val = val_windows(corpus.val, cfg.block_size, max_targets=2 * cfg.block_size)
-    with torch.device("meta"):  # shapes only, to count the parameters
-        model_summary = summary(GPT(gpt_config))
-    print(f"doctor: {corpus.folder} on {device} ({dtype_name(dtype)}), batch {cfg.batch_size}; model: {model_summary}")
+    x_val, y_val = run.x_val[:2], run.y_val[:2]  # the first two val windows (a chat's: conversations)
+    print(f"doctor: {corpus.folder} on {device} ({dtype_name(dtype)}), batch {cfg.batch_size}; model: "
+          f"{summary(run.model)}")
 
-    def fresh(dropout: float = cfg.dropout) -> GPT:  # a new model per check, so no check disturbs another
+    def fresh(dropout: float = cfg.dropout) -> GPT:  # a new random init, for checks of the model's code alone
         torch.manual_seed(cfg.seed)
         return GPT(dataclasses.replace(gpt_config, dropout=dropout)).to(device)
 
     def trainable() -> tuple[GPT, torch.optim.Optimizer]:  # made inside the call: freed after its check
-        model = fresh()
+        model = copy.deepcopy(run.model)  # the run's own, weights (and adapters) as it starts
         return model, train.build_optimizer(model, cfg, device, dtype)
 
     dropout, few_x, few_y = cfg.dropout or FORCED_DROPOUT, x[:FEW_SEQUENCES], y[:FEW_SEQUENCES]
     checks = [
-        check_init_loss(fresh(), x, y),
+        check_init_loss(fresh(), x, y),  # a fresh init's, under init_from too: its scale, the vocab, the loss
         check_batch(x, y, corpus.train, tokenizer, stretches_of(stream)),
         check_token_range({"train": corpus.train, "val": corpus.val}, gpt_config.vocab_size),
         check_round_trip(tokenizer, np.asarray(corpus.val[:SAMPLE_TOKENS])),
         check_gradients(*trainable(), few_x, few_y),
-        check_causal(fresh(), few_x),
-        check_overfit(overfit_run(cfg, rt), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES], overfit_lr(cfg)),
+        check_causal(copy.deepcopy(run.model), few_x),
+        check_overfit(overfit_run(cfg, rt, pretrained=pretrained), x[:OVERFIT_SEQUENCES], y[:OVERFIT_SEQUENCES],
+                      overfit_lr(cfg)),
         check_grad_norm(*trainable(), few_x, few_y, device, dtype),
         check_nonfinite_gradient(*trainable(), few_x, few_y, cfg.grad_clip or math.inf, device, dtype),
         check_dropout_modes(fresh(dropout), few_x),
         check_evaluate(train.evaluate, fresh(dropout), x_val, y_val, 1, device, dtype),  # 2 batches each
     ]
-    probe_model = fresh()  # compiled as train.py compiles, then checked for the probe's gradients
+    del pretrained  # its tensors now live in the models
+    probe_model = copy.deepcopy(run.model)  # compiled as train.py compiles, then checked for the probe's gradients
     checks += [check_tied(compile_for_step(probe_model, stream, rt)), check_probe_grads(probe_model, rt.compile)]
     small, records, state = short_run(cfg, dtype)  # last: a training run reseeds the global RNG
     return checks + [check_lr_schedule(small, records, train.get_lr), check_master_weights(state)]

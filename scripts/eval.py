@@ -2,13 +2,16 @@
 
     python -m scripts.eval --ckpt out/small                        # the val split of the run's own corpus
     python -m scripts.eval --ckpt out/small --data_path other.txt  # any UTF-8 text, all of it
+    python -m scripts.eval --ckpt out/small --data_path data/F     # a prepared folder's val split
     python -m scripts.eval --ckpt out/small --json                 # one JSON object, full precision
     python -m scripts.eval --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights, no checkpoint
 
-By default it scores what training scored (the run's corpus and eval_tokens, batch size and precision) with the
-same code, so best.pt's best_val_loss comes back exactly (on the device type it was trained on). A --data_path
-file is scored whole, in non-overlapping windows of block_size. Bits per byte divide the same nats by the targets'
-UTF-8 bytes, so they compare a char model with a BPE model. Benchmarks (HellaSwag, ...): scripts/harness.py.
+By default it scores what training scored (the run's val split and eval_tokens, batch size and precision; a LoRA
+run's adapters unmerged) with the same code, so best.pt's best_val_loss comes back exactly (on the device type it
+was trained on). The run's split is found in data_dir by the fingerprint its checkpoint records, even after its
+text changed or moved (said in a note); a changed text whose run's split is gone is refused, never scored in its
+place. A --data_path file is scored whole, in non-overlapping windows of block_size. Bits per byte divide the same
+nats by the targets' UTF-8 bytes, so they compare a char model with a BPE model. Benchmarks: scripts/harness.py.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ if not __package__:  # run as a file, `python scripts/eval.py`: its folder, not 
 
 import argparse
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,42 +31,108 @@ import torch
 
 from config import CommandLine, ConfigError, field_help
 import data
-from data import DataError, corpus_for, val_windows
+from data import Corpus, DataError, corpus_for, load_corpus, val_windows
 from prepare.chat import is_chat
-from prepare.tokenizers import without_chat
-from weights.loading import Loaded, add_weights_flags, from_flags
+from prepare.corpora import prepared_splits, source_fingerprint
+from prepare.documents import is_document_corpus
+from prepare.tokenfiles import is_tokenized_folder
+from prepare.tokenizers import data_home, without_chat
+from weights.loading import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_pretrained
 from training.checkpoint import dtype_name
 from training.runtime import choose_runtime
 from train import evaluate, val_byte_count
 from prepare.texts import read_text_file
 from process.errors import TinyGPTError, exit_on
 
-PROGRESS_BATCHES = 20  # show a progress bar from this many batches on (and only in a terminal)
+PROGRESS_BATCHES = 20  # show a progress bar (on stderr) from this many batches on
 PRETRAINED_BATCH = 8  # windows per forward for pretrained weights, which have no run's batch_size (GPT-2's: 1,024)
 
 
-def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(inputs, targets) (N, T) each, and a description: a file's text, or the run's own val split."""
+def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str, bool]:
+    """(inputs, targets) (N, T) each, a description, and whether they are the run's own val split: a text file's
+    text, a prepared folder's val split, or by default the run's."""
     cfg = loaded.cfg
     if data_path:
-        text = read_text_file(Path(data_path))
+        path = Path(data_path)
+        if is_tokenized_folder(path):  # train.bin, val.bin, meta.json: its val split, as training scores one
+            return split_windows(loaded, load_corpus(path, cfg.block_size), eval_tokens)
+        if path.is_dir():  # train.py's folder of documents: their split is a prepare's, with its own vocabulary
+            raise DataError(f"{path} is a folder: eval scores one UTF-8 text file (all of it) or a prepared folder's "
+                            "val split (train.bin, val.bin and meta.json); join the documents into one file")
+        text = read_text_file(path)
         try:
             ids = loaded.tokenizer.encode_array(text)
         except DataError as err:  # a char model meets a character it never saw
             raise DataError(f"{data_path}: {err}") from None
         if len(ids) < 2:
             raise DataError(f"{data_path}: {len(ids)} token(s); scoring needs at least 2")
-        return *val_windows(ids, cfg.block_size, max(eval_tokens, 0)), data_path
+        return *val_windows(ids, cfg.block_size, max(eval_tokens, 0)), data_path, False
     if loaded.step is None and cfg.tokenizer != "gpt2":  # a char or BPE vocabulary need not be the built-in corpus's
         raise ConfigError(f"{loaded.source} has a char vocabulary: pass the text to score with --data_path")
-    corpus = corpus_for(cfg, without_chat(loaded.tokenizer.meta()))  # a chat corpus: in the model's own tokens
+    return split_windows(loaded, run_corpus(loaded), eval_tokens)
+
+
+def split_windows(loaded: Loaded, corpus: Corpus, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str, bool]:
+    """A prepared corpus's val windows, as training makes them (eval_tokens -1: the run's), if its tokens are the
+    model's."""
+    cfg = loaded.cfg
     if corpus.meta["tokenizer"] != loaded.tokenizer.meta():  # say, someone else's tokens at the run's data_path
         raise DataError(f"{corpus.folder} holds tokens of another tokenizer than {loaded.source}'s; "
                         "pass the text to score with --data_path")
     limit = cfg.eval_tokens if eval_tokens < 0 else eval_tokens
     x, y = data.eval_windows(corpus, loaded.tokenizer, cfg.block_size, limit, cfg.chat_overflow)
     scored = " (the assistant's tokens)" if is_chat(corpus) else f" (eval_tokens {limit:,})" if limit else ""
-    return x, y, f"the val split of {corpus.folder}{scored}"
+    runs = loaded.corpus is not None and corpus.fingerprint["val"] == loaded.corpus["fingerprint"]["val"]
+    return x, y, f"the val split of {corpus.folder}{scored}", runs
+
+
+def run_corpus(loaded: Loaded) -> Corpus:
+    """The corpus whose val split the run scored: the folder in its data_dir with the val fingerprint its checkpoint
+    records, wherever its source went since; else its source's, prepared as training does, if the val split is the
+    same. A source changed or gone is said (the fingerprints, what to pass), never scored in the run's place, and a
+    folder prepared only to find that out is removed again."""
+    cfg, saved = loaded.cfg, loaded.corpus
+    base = without_chat(loaded.tokenizer.meta())  # a chat corpus: in the model's own tokens
+    if saved is None:  # GPT-2's weights: the built-in corpus in its tokens
+        return corpus_for(cfg, base)
+    then, data_dir = saved["fingerprint"]["val"], data_home(cfg.data_dir)
+    source = Path(cfg.data_path) if cfg.data_path else None
+    gone = source is not None and not source.exists()
+    if found := prepared_splits(data_dir, then, loaded.tokenizer.meta()):
+        named = source is not None and not gone and not is_tokenized_folder(source)  # its hash in the folder's name
+        now = source_fingerprint(source, cfg.text_column)[:12] if named else ""
+        own = next((folder for folder in found if f"-{now}-" in folder.name), found[0])
+        if gone:
+            print(f"note: {source} is gone; scoring the run's own split, still in {own}", file=sys.stderr)
+        elif named and f"-{now}-" not in own.name:  # the name holds the source's hash then: "corpus8-39cecdaf1540-"
+            old = own.name.removeprefix(f"{source.name if source.is_dir() else source.stem}-")[:12]
+            print(f"note: {source} changed since {loaded.source} was trained (fingerprint {old} then, {now} now): "
+                  f"scoring the run's own split, still in {own}{rescore_hint(source)}", file=sys.stderr)
+        return load_corpus(own, cfg.block_size)
+    if gone:
+        raise DataError(f"{source}, which {loaded.source} was trained on, is gone, and its prepared split (val "
+                        f"fingerprint {then[:12]}) is not in {data_dir}; pass --data_path with a text file to score "
+                        "(all of it) or a prepared folder (train.bin, val.bin and meta.json) for its val split")
+    before = {path.name for path in data_dir.iterdir()} if data_dir.is_dir() else set()
+    corpus = corpus_for(cfg, base)
+    if corpus.fingerprint["val"] != then:
+        made = corpus.folder.name not in before and corpus.folder.parent.resolve() == data_dir.resolve()
+        if made:  # only to compare: no new folder per try
+            shutil.rmtree(corpus.folder, ignore_errors=True)
+        raise DataError(f"{source or 'the built-in ' + cfg.dataset} changed since {loaded.source} was trained: its "
+                        f"val split's fingerprint is {corpus.fingerprint['val'][:12]} now"
+                        f"{' (prepared to compare, removed again)' if made else ''}, {then[:12]} then, and the run's "
+                        f"own split is no longer in {data_dir}{rescore_hint(source) if source else ''}")
+    return corpus
+
+
+def rescore_hint(source: Path) -> str:
+    """What to pass to score a run's changed source as it is now, where --data_path takes it."""
+    if is_tokenized_folder(source):
+        return f"; pass --data_path {source} to score its val split as it is now"
+    if is_document_corpus(source):  # eval takes no folder of documents, and a .jsonl is no text to score
+        return ""
+    return f"; pass --data_path {source} to score the text as it is now (all of it)"
 
 
 def target_chars(y: torch.Tensor, tokenizer) -> int:
@@ -77,7 +147,7 @@ def score(loaded: Loaded, x: torch.Tensor, y: torch.Tensor, data: str, batch_siz
     target token, val_bpb in bits per UTF-8 byte of the targets, the tokens scored, the bytes and characters they
     decode to (document separators count none). The report, in the order --json prints it."""
     n_bytes, chars = val_byte_count(y, loaded.tokenizer, device), target_chars(y, loaded.tokenizer)
-    progress = sys.stderr.isatty() and -(-len(x) // batch_size) >= PROGRESS_BATCHES
+    progress = -(-len(x) // batch_size) >= PROGRESS_BATCHES  # a terminal or a log: someone waits for it
     result = evaluate(loaded.model, x, y, batch_size, device, dtype, n_bytes, progress)
     return {"checkpoint": loaded.source, "step": loaded.step, "data": data, "val_loss": result.loss,
             "val_bpb": result.bpb, "tokens": result.tokens, "bytes": n_bytes, "chars": chars, "batch_size": batch_size,
@@ -88,7 +158,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     add_weights_flags(parser)
     parser.add_argument("--data_path", "--data-path", default="",
-                        help="UTF-8 text file to score whole (default: the run's own val split)")
+                        help="UTF-8 text file to score whole, or a prepared folder (train.bin, val.bin and "
+                             "meta.json) whose val split to score (default: the run's own val split)")
     parser.add_argument("--eval_tokens", "--eval-tokens", type=int, default=-1,
                         help="targets to score; -1 = as training did for its val split, all of a --data_path file")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=0,
@@ -107,22 +178,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        loaded = from_flags(args)  # on the CPU until the runtime is chosen
+        # On the CPU until the runtime is chosen. A LoRA run unmerged, as training evaluated it: the merged weights
+        # round otherwise, and the logged number would not come back exactly.
+        loaded = (from_pretrained(args.init_from) if args.init_from
+                  else from_checkpoint(find_checkpoint(args.ckpt), merged=False))
         # train.py's choice for the run's config with this --device and --threads, in the run's precision. Eager:
         # one pass over val would not repay a compile.
         rt = choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
         loaded.model.to(rt.device)
-        x, y, data = eval_windows(loaded, args.data_path, args.eval_tokens)
+        x, y, data, runs = eval_windows(loaded, args.data_path, args.eval_tokens)
     except TinyGPTError as err:  # one line and its exit code (process/errors.py)
         exit_on(err)
     batch_size = args.batch_size or (loaded.cfg.batch_size if loaded.step is not None else PRETRAINED_BATCH)
+    if not args.json:  # what is scored, before the scoring (minutes for a large split, with its bar on stderr)
+        logged = f", logged best val loss {loaded.best_val_loss:.6f}" if runs else ""
+        origin = f"step {loaded.step}{logged}" if loaded.step is not None else "pretrained weights"
+        print(f"# {loaded.source} ({origin}) on {data}", flush=True)
     report = score(loaded, x, y, data, batch_size, rt.dtype, rt.device)
     if args.json:
         print(json.dumps(report))
         return
-    logged = "" if args.data_path or args.init_from else f", logged best val loss {loaded.best_val_loss:.6f}"
-    origin = f"step {report['step']}{logged}" if report["step"] is not None else "pretrained weights"
-    print(f"# {report['checkpoint']} ({origin}) on {data}")
     print(f"val loss {report['val_loss']:.6f} nats/token | {report['val_bpb']:.6f} bits/byte | {report['tokens']:,} "
           f"tokens, {report['bytes']:,} bytes, {report['chars']:,} chars | batch {batch_size}, {report['dtype']}, "
           f"{rt.device}")

@@ -5,7 +5,7 @@
     python -m scripts.harness --ckpt out/gpt2-run --tasks arc_easy --limit 200    # a quick look, not a result
 
 ``TinyGPTLM`` is lm_eval's model interface (``TemplateLM``) over our GPT and tokenizer: no export, char models too.
-How it answers each request type: docs/evaluation.md. lm_eval is imported only here: pip install lm_eval==0.4.13.
+How it answers each request type: docs/evaluation.md. lm_eval is imported only here (requirements-interop.txt).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from process import REPO
 from process.distributed import pick_device
 from weights.loading import add_weights_flags, from_flags
 from sample import generate
-from process.errors import TinyGPTError, exit_on, fail
+from process.errors import TinyGPTError, exit_on, fail, install_hint
 from process.files import atomic_write_text
 
 try:
@@ -43,7 +43,7 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.tasks import TaskManager
 except ImportError:
-    fail("lm-evaluation-harness is not installed: pip install lm_eval==0.4.13")
+    fail(f"lm-evaluation-harness is not installed: {install_hint('lm_eval')}")
 
 LOCAL_TASKS = REPO / "evals"  # the repo's own tasks, found by name like the harness's
 LOCAL_TASK_NAMES = sorted(path.stem for path in LOCAL_TASKS.glob("*.yaml"))  # each file's stem is its task

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
+from matplotlib.backend_bases import FigureCanvasBase
 
 from config import CommandLine
 from process.rundir import check_writable
@@ -181,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{arg}: no such file, and no metrics.jsonl in it or in its */seed-*/ folders")
         runs += [(path, args.labels[i] if args.labels else label) for path, label in found]
     paths, labels = zip(*runs)
+    kind, kinds = args.out.suffix.lower().lstrip("."), FigureCanvasBase.get_supported_filetypes()
+    if kind not in kinds:  # matplotlib would refuse it after the work, in a traceback
+        reason = f".{kind} is no image format matplotlib writes" if kind else "no extension to name the image format"
+        parser.error(f"-o {args.out}: {reason}; pass a name ending in .png (or .pdf, .svg, .jpg)")
     try:
         check_writable(args.out.parent, "-o", f".plot-probe-{os.getpid()}")  # before the work, not after it
         print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")

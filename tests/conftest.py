@@ -35,7 +35,7 @@ WORDS = ("the king queen lord lady love death night day crown sword heart blood 
 INTEROP_PACKAGES = [line.split("==")[0] for line in (REPO / "requirements-interop.txt").read_text().splitlines()
                     if line.strip() and not line.startswith(("#", "-r"))]
 # Tools that need one of them before they do anything (harness.py imports lm_eval; export_gguf.py checks for gguf
-# first): each test that runs one is an interop test.
+# once its paths pass, before it loads a checkpoint): each test that runs one is an interop test.
 INTEROP_TOOLS = {"scripts.harness", "scripts.export_gguf"}
 
 

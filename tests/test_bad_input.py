@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -52,10 +53,11 @@ def break_split(folder: Path, how: str) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing file", "empty file", "train split too short", "val split too short",
-                                  "missing val split", "token id out of range"])
+                                  "missing val split", "token id out of range", "one character repeated"])
 def test_bad_data_fails_before_the_model_is_built(tmp_path, text_file, capsys, no_model, case):
     texts = {"empty file": "", "train split too short": "To be or not to be.\n",
-             "val split too short": "To be, or not to be, that is the question.\n" * 6}
+             "val split too short": "To be, or not to be, that is the question.\n" * 6,
+             "one character repeated": "\0" * 10_000}  # was vocab 1, loss 0.0000, "best, saved best.pt", exit 0
     named = text_file
     if case == "missing file":
         text_file.unlink()
@@ -68,9 +70,10 @@ def test_bad_data_fails_before_the_model_is_built(tmp_path, text_file, capsys, n
     assert err.startswith(f"error: {named}") and err.count("\n") == 1, err
     expected = {"missing file": "no such file", "empty file": "empty", "train split too short": "train split",
                 "val split too short": "val split", "missing val split": "missing",
-                "token id out of range": ">= vocab size"}[case]
+                "token id out of range": ">= vocab size", "one character repeated": "nothing to learn"}[case]
     assert expected in err
     assert not (tmp_path / "out").exists()
+    assert case not in texts or list(tmp_path.glob("data/*")) == []  # refused from its text: no corpus prepared
 
 
 @pytest.mark.parametrize("entry_point", ["train.py", "prepare"])
@@ -86,6 +89,16 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {ten}: ") and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ten.txt"]  # no data_dir, no out_dir
+
+
+def test_a_resume_with_nothing_to_resume_is_refused_before_the_corpus_is_prepared(tmp_path, text_file, capsys):
+    """Bug caught: `train.py --config small --resume` in a new clone downloaded and prepared the corpus (15 MB in
+    data/), then said `out/small/last.pt: no such checkpoint`."""
+    assert run_main(tiny_args(tmp_path / "out", text_file, resume="true")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: nothing to resume in {tmp_path / 'out'}") and err.count("\n") == 1, err
+    assert "--resume" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]  # no data_dir, no out_dir
 
 
 # Every entry point but train.py and doctor.py (whose config parser has its own tests), new scripts included.
@@ -113,7 +126,7 @@ TRAIN = ["--config", "tiny", "--data_path", "{corpus}", "--data_dir", "{data}", 
 BAD_INPUTS = {
     "dev.shape": [(["--preset", "nosuch"], "no preset `nosuch`")],
     "train.py": [
-        (TRAIN + ["--resume", "--out_dir", "{tmp}/fresh"], "no such checkpoint"),  # and leaves no folder
+        (TRAIN + ["--resume", "--out_dir", "{tmp}/fresh"], "nothing to resume in"),  # and leaves no folder
         (TRAIN + ["--max_itres", "5"], "did you mean `max_iters`?"),
     ],
     "sample.py": [
@@ -181,6 +194,9 @@ BAD_INPUTS = {
         (["{run}/last.pt"], "not a metrics.jsonl (not UTF-8 text)"),
         (["{tmp}/missing"], "no such file"),
         (["{run}", "-o", "{run}/metrics.jsonl/x.png"], "is a file, not a folder"),
+        (["{run}", "-o", "{tmp}/notes.txt"], "notes.txt: .txt is no image format matplotlib writes; pass a name "
+                                              "ending in .png"),  # was matplotlib's traceback, after the work
+        (["{run}", "-o", "{tmp}/loss"], "no extension"),  # matplotlib would write loss.png, and we say "wrote loss"
         (["{run}", "--ref", "70"], "SECONDS:LOSS"),
     ],
 }
@@ -212,3 +228,38 @@ def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(tmp_path, capsys, t
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
     assert files_under(tmp_path, Path(trained["run"]).parent) == before  # no folder left behind, nothing written
+
+
+# ----------------------------------------------------------------------------- nothing left behind, nothing replaced
+def contents(*folders: Path) -> dict[Path, bytes | None]:
+    """Every path under ``folders`` with its bytes (None for a folder): what "nothing was written" compares."""
+    return {path: None if path.is_dir() else path.read_bytes() for path in files_under(*folders)}
+
+
+@pytest.mark.parametrize("out", ["{run}/best.pt", "{run}/last.pt", "{run}/metrics.jsonl", "{tmp}/renamed.gguf",
+                                 "{tmp}/missing/model.gguf"])
+def test_the_gguf_export_never_writes_over_a_file_it_did_not_write(tmp_path, capsys, trained, out):
+    """Bug caught: `export_gguf RUN RUN/best.pt` wrote the GGUF over the checkpoint it read, `... RUN/last.pt
+    RUN/metrics.jsonl` over the log (exit 0 both), and a missing folder ended in a FileNotFoundError traceback.
+    The paths are checked before gguf is imported: this runs without the interop packages."""
+    from scripts import export_gguf
+    (tmp_path / "renamed.gguf").write_bytes((Path(trained["run"]) / "last.pt").read_bytes())  # not a GGUF file
+    before = contents(tmp_path, Path(trained["run"]))
+    path = out.format(tmp=tmp_path, **trained)
+    with pytest.raises(SystemExit) as stopped:
+        export_gguf.main([trained["run"], path])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith(f"error: {path}") and err.count("\n") == 1, err
+    assert contents(tmp_path, Path(trained["run"])) == before  # every byte as it was, no folder made
+
+
+def test_wandb_asked_for_but_not_installed_is_refused_before_any_file_is_written(tmp_path, text_file, capsys,
+                                                                                monkeypatch):
+    """Bug caught: --wandb without wandb prepared the corpus, built the run, left an empty metrics.jsonl in its
+    folder, then advised an unpinned `pip install wandb`."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed, whether it is here or not
+    assert run_main(tiny_args(tmp_path / "out", text_file, wandb=True)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --wandb") and err.count("\n") == 1, err
+    assert "pip install wandb==0.31.0" in err and "requirements-interop.txt" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]  # no data_dir, no out_dir

@@ -20,7 +20,7 @@ from data import Conversations, conversation_rows, corpus_for, eval_windows, loa
 from prepare.__main__ import main as prepare_main
 from prepare import documents
 from prepare.chat import BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render, split_indices
-from process.errors import DataError
+from process.errors import ConfigError, DataError
 from prepare.tokenizers import CharTokenizer, tokenizer_from_meta
 from train import accumulate_gradients
 
@@ -277,10 +277,27 @@ def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_s
     assert result.returncode == 0, result.stderr
     out = result.stdout.splitlines()
     assert out[0].startswith("# sampling from")
-    replies = [line for line in out[1:] if not line.startswith("(the context is full")]
+    replies = [line for line in out[1:] if not line.startswith("(")]
     assert len(replies) == 5  # one reply a turn, each ended at its <|end|> (or the window)
     assert not any("<|" in line for line in replies)  # no marker is ever printed
-    assert sum(line.startswith("(the context is full") for line in out) == 1  # block_size 32: turns are dropped
+    assert sum(line.startswith("(") for line in out) == 1  # block_size 32: turns are dropped, said once
+
+
+def test_a_system_prompt_that_cannot_fit_is_refused_at_the_start_in_one_line_exit_2(chat_run):
+    """Not at every turn, blaming each message, exit 0: the talk never starts, nothing is generated."""
+    result = chat(chat_run, ["the king", "love"], "--system", "the king " * 12)  # 111 tokens; block_size 64
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "111" in result.stderr and "--system" in result.stderr
+
+
+def test_the_longest_system_prompt_accepted_is_the_room_the_refusal_names():
+    t = tok()  # block_size 40, a 10-token reply: a prompt may take 30; a one-token message takes 4 of them
+    dialogue = sample.Dialogue(t, block_size=40, room=10, system="a" * 23)  # 26 tokens with its 3 markers
+    assert len(dialogue.prompt("b")) == 30
+    with pytest.raises(ConfigError, match="27 tokens.* room for 26 "):
+        sample.Dialogue(t, block_size=40, room=10, system="a" * 24)
+    with pytest.raises(DataError):  # a character the vocabulary lacks
+        sample.Dialogue(t, block_size=40, room=10, system="日本")
 
 
 def test_chat_refuses_a_model_without_markers(tmp_path, text_file):
@@ -349,6 +366,36 @@ def test_chat_ends_a_reply_at_any_marker_shows_none_of_it_and_keeps_the_real_rep
     prompts = [model.inputs[0], model.inputs[3], model.inputs[6]]  # each turn's first forward
     assert t.decode(prompts[0]) == "<|begin|><|user|>hi<|end|><|assistant|>"
     assert prompts == [render(t, turns[:k], reply=True) for k in (1, 3, 5)]
+
+def test_a_refused_turn_is_only_that_turn_and_the_talk_goes_on(monkeypatch, capsys):
+    """A message with characters outside the vocabulary, then one too long even alone: each is refused in one line,
+    and the next turn's prompt is the conversation before them, whole (no turn dropped, nothing said of it)."""
+    t = tok()
+    a, b, c = (t.encode(ch)[0] for ch in "abc")
+    model = ScriptedModel([a, b, t.marker_ids[END], a, c, t.marker_ids[END]], filler=c, vocab_size=t.vocab_size,
+                          block_size=64)  # a prompt may take 32 tokens
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nwhat say you to 日本?\n" + "the king " * 10 + "\nyo\n"))
+    sample.chat(model, t, sample.parse_args(["--chat", "--temp", "0"]), torch.Generator())
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["ab", "ac"]
+    errors = captured.err.splitlines()
+    assert len(errors) == 2 and "日本" in errors[0] and "say it shorter" in errors[1]
+    assert model.inputs[3] == render(t, [("user", "hi"), ("assistant", "ab"), ("user", "yo")], reply=True)
+
+
+@pytest.mark.parametrize("system", ["", "be kind"])
+def test_the_dropping_note_comes_with_the_first_drop_and_names_a_system_prompt_only_when_there_is_one(
+        system, monkeypatch, capsys):
+    t = tok()
+    model = ScriptedModel([], filler=t.encode("d")[0], vocab_size=t.vocab_size, block_size=64)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nyo\nx\n"))  # 20-token replies: a prompt may take 44
+    args = ["--chat", "--temp", "0", "--max-new-tokens", "20"] + (["--system", system] if system else [])
+    sample.chat(model, t, sample.parse_args(args), torch.Generator())
+    out = capsys.readouterr().out.splitlines()
+    # turns 1 and 2 fit (41 tokens with the system prompt); turn 3's prompt (57, or 67) drops turn 1: the note, once
+    assert out[:2] + out[3:] == ["d" * 20] * 3
+    assert out[2].startswith("(") and ("system prompt" in out[2]) == bool(system)
+
 
 def test_chat_caps_a_reply_at_max_new_tokens_as_a_sample_is_capped(monkeypatch, capsys):
     """--max-new-tokens means the same in every mode: a reply that would run on to the window's end stops after that

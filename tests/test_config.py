@@ -16,7 +16,7 @@ from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, TrainConf
 from conftest import REPO, TOOLS, entry_point, interop_if, run_script
 from process.cli import CommandLine
 from model import GPTConfig
-from training import lora
+from training import lora, runtime
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "gpt2"])
@@ -58,6 +58,8 @@ BAD_COMMAND_LINES = r"""
 --wsd_fraction 0                  | wsd_fraction must be in \(0, 1\], got 0.0
 --text_column ''                  | text_column must name the .jsonl field or .parquet column
 --threads -1                      | threads must be >= 0, got -1
+--seed -1                         | seed must be in \[0, 2\*\*32 - 1\]
+--seed 4294967296                 | seed must be in \[0, 2\*\*32 - 1\], got 4294967296
 """
 
 
@@ -66,6 +68,12 @@ def test_bad_configs_fail_with_a_helpful_message(row):
     argv, message = (part.strip() for part in row.split("|", 1))
     with pytest.raises(ConfigError, match=message):
         parse_args(shlex.split(argv))
+
+
+def test_a_seed_is_refused_outside_numpys_range_and_its_ends_seed_every_rank():
+    """Bug caught: --seed -1 or 2**32 passed validation and ended in numpy's ValueError traceback."""
+    assert [make_config(None, seed=seed).seed for seed in (0, 2**32 - 1)] == [0, 2**32 - 1]
+    runtime.seed_everything(2**32 - 1 + 7)  # the largest seed on DDP rank 7 (seed + rank): no traceback either
 
 
 def test_unknown_key_in_a_preset_file_is_refused(tmp_path):

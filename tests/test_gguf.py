@@ -26,7 +26,7 @@ from weights.loading import from_checkpoint
 from scripts import export_gguf
 
 pytestmark = pytest.mark.interop  # gguf, and llama.cpp for the slow ones (requirements-llama.txt)
-gguf = pytest.importorskip("gguf", reason="pip install -r requirements-dev.txt (gguf, llama.cpp's writer)")
+gguf = pytest.importorskip("gguf", reason="pip install -r requirements-interop.txt (gguf, llama.cpp's writer)")
 
 # Characters of 1 to 4 UTF-8 bytes, a tab and a newline: a char vocabulary llama.cpp must join byte by byte.
 UNICODE_LINE = "Café — naïve’s 🚀 東京\ttab\n"
@@ -196,6 +196,22 @@ def test_the_script_refuses_a_rope_run_in_one_line_with_its_exit_code(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert stop.value.code == HFError.exit_code == 2 and "\n" not in err, err
     assert "pos_emb 'rope' (GPT-2 computes 'learned')" in err and not (tmp_path / "rope.gguf").exists()
+
+
+def test_into_a_folder_the_script_writes_the_run_named_gguf_and_replaces_only_a_gguf(tmp_path, tiny_cfg, capsys):
+    """Bug caught: an existing folder as OUT ended in an IsADirectoryError traceback. Now FOLDER/<run>.gguf, said
+    so; a second export replaces that GGUF file (never anything else: test_bad_input.py)."""
+    cfg = tiny_cfg(max_iters=1, eval_interval=1)
+    train.train(cfg)
+    (tmp_path / "ggufs").mkdir()
+    capsys.readouterr()
+    export_gguf.main([cfg.out_dir, str(tmp_path / "ggufs")])
+    written = tmp_path / "ggufs" / f"{Path(cfg.out_dir).name}.gguf"
+    assert sorted((tmp_path / "ggufs").iterdir()) == [written] and str(written) in capsys.readouterr().out
+    export_gguf.main([cfg.out_dir, str(written), "--dtype", "f16"])
+    tensors = {t.name: t for t in gguf.GGUFReader(written).tensors}
+    assert tensors["blk.0.attn_qkv.weight"].tensor_type.name == "F16"  # the new file's
+    assert sorted((tmp_path / "ggufs").iterdir()) == [written]
 
 
 def test_the_script_exports_a_lora_chat_fine_tune_of_a_char_run_with_its_template(tmp_path, tiny_cfg, capsys):

@@ -118,3 +118,43 @@ def test_a_fine_tune_of_a_run_takes_its_block_size_and_at_a_smaller_one_starts_w
     with torch.no_grad():
         for length in (8, 3):
             assert torch.equal(tuned.eval()(x[:, :length]).logits, base(x[:, :length]).logits), length
+
+
+def test_a_run_and_its_hugging_face_export_start_a_fine_tune_at_the_same_block_size(run, tmp_path):
+    """One rule for --init_from out/RUN and --init_from hf/RUN (our export of it): the weights' positions unless
+    --block_size is given, and no more than those. Bug caught: the export refused the default block_size 128
+    (`block_size 128 exceeds the 32 positions`) where the run itself gave 32."""
+    trained = from_checkpoint(run / "best.pt")
+    hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
+    for source in (str(run), str(tmp_path / "hf")):
+        assert start_from(make_config(None, init_from=source))[0].block_size == 32 != DEFAULTS["block_size"]
+        assert start_from(make_config(None, init_from=source, block_size=8))[0].block_size == 8
+        with pytest.raises(HFError, match="block_size 64 exceeds the 32 positions of"):
+            start_from(make_config(None, init_from=source, block_size=64))
+
+
+def test_a_missing_run_folder_is_named_with_the_nearest_run_before_the_hub_is_asked(run, tmp_path, monkeypatch):
+    """Bug caught: --init_from out/smal (a typo beside out/small) looked like a hub repo, OWNER/NAME: a paragraph
+    about the Hugging Face hub and `hf download out/smal`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out" / "small").mkdir(parents=True)
+    shutil.copy(run / "best.pt", tmp_path / "out" / "small" / "best.pt")
+    asked = []
+
+    def download(repo_id: str):
+        asked.append(repo_id)
+        raise LookupError(f"asked the hub for {repo_id}")
+
+    monkeypatch.setattr(hf, "download", download)
+    for typo in ("out/smal", "./out/smal", "out/smalll"):
+        for load in (lambda: start_from(make_config(None, init_from=typo)), lambda: from_pretrained(typo)):
+            with pytest.raises(CheckpointError, match=r"no such run folder \(did you mean out/small\?\)") as err:
+                load()
+            assert str(err.value).startswith(f"{typo}: ") and "\n" not in str(err.value)
+    for path in ("out/nosuch", "runs/a/b", "mine.safetensors", "/nowhere/run", "smal"):  # paths, near no run
+        with pytest.raises(CheckpointError, match="no such run folder or file; pass a run folder"):
+            start_from(make_config(None, init_from=path))
+    assert asked == []
+    with pytest.raises(LookupError):  # OWNER/NAME far from every run: the hub's to answer
+        start_from(make_config(None, init_from="someone/model"))
+    assert asked == ["someone/model"]

@@ -5,6 +5,7 @@ The base is a random tiny GPT exported by weights/hf.py into a Hugging Face fold
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -267,6 +268,18 @@ def test_sampling_a_lora_run_merges_its_adapters_and_refuses_a_changed_base(corp
         from_checkpoint(trained / "last.pt")
 
 
+def test_eval_of_a_lora_run_gives_its_logged_best_val_loss_exactly(corpus_paths, base_folder, tmp_path, capsys):
+    """The README's "the same number exactly": eval scored a LoRA run merged, W + B A, whose bf16 products round
+    otherwise than training's W x + B A x (3.837196 for a logged 3.837168). It scores the adapted model now."""
+    from scripts import eval as eval_script
+    out = tmp_path / "run"
+    train.train(lora_cfg(corpus_paths, out, base_folder, learning_rate=5e-2, min_lr=5e-3, warmup_iters=0,
+                         dtype="bfloat16"))
+    capsys.readouterr()
+    eval_script.main(["--ckpt", str(out), "--json"])
+    assert json.loads(capsys.readouterr().out)["val_loss"] == load_checkpoint(out / "best.pt")["best_val_loss"]
+
+
 # ----------------------------------------------------------------------------- PEFT
 @pytest.mark.interop  # peft, transformers
 def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_our_logits(trained, base_folder, tmp_path):
@@ -290,6 +303,25 @@ def test_peft_export_of_a_run_without_adapters_is_refused_in_one_line(tmp_path, 
     with pytest.raises(CheckpointError, match="not a LoRA run"):
         lora.export_peft({"model": {}}, tmp_path / "adapters")
     assert not (tmp_path / "adapters").exists()
+
+
+def test_an_export_checks_every_folder_it_writes_before_writing_any(trained, tmp_path, capsys):
+    """Bug caught: --peft DIR had no "new or empty" rule: a second export replaced the first one's adapters and one into
+    a run folder wrote beside its checkpoints (exit 0 both); --peft equal to OUT was refused only after writing."""
+    export_hf.main([str(trained), str(tmp_path / "hf"), "--peft", str(tmp_path / "adapters")])
+    capsys.readouterr()
+    refused = [(tmp_path / "hf2", tmp_path / "adapters"),  # the first export's adapters
+               (tmp_path / "hf2", trained),  # a run folder
+               (tmp_path / "same", tmp_path / "same"),  # OUT itself
+               (tmp_path / "nest", tmp_path / "nest" / "adapters")]  # inside OUT
+    for out, peft in refused:
+        before = {p: p.read_bytes() for p in [*tmp_path.rglob("*"), *trained.rglob("*")] if p.is_file()}
+        with pytest.raises(SystemExit) as stopped:
+            export_hf.main([str(trained), str(out), "--peft", str(peft)])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert not out.exists(), err  # nothing written, no folder made
+        assert {p: p.read_bytes() for p in [*tmp_path.rglob("*"), *trained.rglob("*")] if p.is_file()} == before, err
 
 
 def test_a_chat_fine_tune_trains_its_markers_rows_and_merges_them(tmp_path):

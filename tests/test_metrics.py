@@ -1,6 +1,7 @@
 """Numbers people can compare: bits per byte beside the loss, and scripts/eval.py reproducing a run's best."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -12,7 +13,7 @@ from training import checkpoint
 import train
 from training.checkpoint import load_checkpoint
 from weights.loading import from_checkpoint
-from conftest import metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
+from conftest import make_text, metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
 from data import load_corpus, val_windows
 from prepare.tokenizers import token_byte_lengths
 from prepare.tokenizers import CharTokenizer
@@ -142,6 +143,96 @@ def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_fro
     with pytest.raises(SystemExit, match="2"):  # a char vocabulary need not be the built-in corpus's
         eval_script.main(["--init_from", str(tmp_path / "hf")])
     assert "pass the text to score with --data_path" in capsys.readouterr().err
+
+
+def eval_run(capsys, *args: str) -> tuple[int, dict | None, str]:
+    """(exit code, the --json report or None, stderr) of an in-process eval."""
+    try:
+        eval_script.main([*args, "--json"])
+    except SystemExit as stopped:
+        captured = capsys.readouterr()
+        return stopped.code, None, captured.err
+    captured = capsys.readouterr()
+    return 0, json.loads(captured.out.splitlines()[-1]), captured.err  # after any "prepared ..." line
+
+
+def tiny_eval_run(out: Path, text_file: Path, capsys) -> float:
+    """A 4-step tiny run with one eval; its logged best val loss. What it printed is read and dropped."""
+    assert run_main(tiny_args(out, text_file, max_iters=4, eval_interval=4, eval_tokens=512)) == 0
+    capsys.readouterr()
+    return load_checkpoint(out / "best.pt")["best_val_loss"]
+
+
+def test_eval_after_its_text_changed_scores_the_runs_own_split_or_says_what_changed(tmp_path, text_file, capsys):
+    """The run's --data_path text rewritten (its lines reversed: the same characters) after training. Before, eval
+    prepared the new text and scored its split as the run's, exit 0 (3.242381 against the logged 2.976063), one more
+    folder in data/ per try; with the run's split gone and new characters too, it blamed "another tokenizer"."""
+    out, data_dir = tmp_path / "run", text_file.parent / "data"
+    best = tiny_eval_run(out, text_file, capsys)
+    then = load_checkpoint(out / "best.pt")["corpus"]["fingerprint"]["val"]
+    old_hash = hashlib.sha256(text_file.read_bytes()).hexdigest()
+    text_file.write_text("".join(reversed(text_file.read_text().splitlines(keepends=True))))
+    new_hash = hashlib.sha256(text_file.read_bytes()).hexdigest()
+    (split,) = data_dir.iterdir()
+
+    code, report, err = eval_run(capsys, "--ckpt", str(out))  # the run's split is still in data/: scored, and said
+    assert code == 0 and report["val_loss"] == best and report["data"].startswith(f"the val split of {split}")
+    assert err.count("\n") == 1 and old_hash[:12] in err and new_hash[:12] in err and f"--data_path {text_file}" in err
+    assert list(data_dir.iterdir()) == [split]  # nothing prepared
+
+    split.rename(tmp_path / "elsewhere")  # the run's split gone too: refused, twice, and nothing left behind
+    for _ in range(2):
+        code, report, err = eval_run(capsys, "--ckpt", str(out))
+        assert code == 2 and err.count("\n") == 1 and then[:12] in err and f"--data_path {text_file}" in err, err
+        assert list(data_dir.iterdir()) == []
+    text_file.write_text(text_file.read_text().replace("e", "\u00e9"))  # other characters: the same cause named
+    code, report, err = eval_run(capsys, "--ckpt", str(out))
+    assert code == 2 and "changed since" in err and "another tokenizer" not in err, err
+    assert list(data_dir.iterdir()) == []
+
+
+def test_eval_after_its_text_moved_scores_the_runs_prepared_split_and_takes_a_prepared_folder(tmp_path, text_file,
+                                                                                             capsys):
+    """The text moved after training: eval said `no such file or folder; pass ... a folder of train.bin, val.bin and
+    meta.json`, then refused the run's prepared folder, passed with --data_path, as `no such file`."""
+    out, data_dir = tmp_path / "run", text_file.parent / "data"
+    best = tiny_eval_run(out, text_file, capsys)
+    text_file.rename(tmp_path / "moved.txt")
+    (split,) = data_dir.iterdir()
+    code, report, err = eval_run(capsys, "--ckpt", str(out))
+    assert code == 0 and report["val_loss"] == best and err.count("\n") == 1 and str(text_file) in err
+    elsewhere = split.rename(tmp_path / "split")
+    code, report, err = eval_run(capsys, "--ckpt", str(out), "--data_path", str(elsewhere))  # the same split, passed
+    assert code == 0 and report["val_loss"] == best, err
+    code, report, err = eval_run(capsys, "--ckpt", str(out))  # the text and the split gone: what eval takes
+    assert code == 2 and err.count("\n") == 1 and "--data_path" in err and "train.bin" in err, err
+    assert not data_dir.exists() or list(data_dir.iterdir()) == []
+
+
+def test_eval_refuses_a_folder_of_documents_in_one_line_saying_what_it_scores(tmp_path, text_file, capsys):
+    """`--data_path FOLDER` (train.py takes a folder of documents) said `FOLDER: no such file` for a folder that
+    exists."""
+    out = tmp_path / "run"
+    tiny_eval_run(out, text_file, capsys)
+    documents = tmp_path / "documents"
+    documents.mkdir()
+    (documents / "a.txt").write_text(make_text(12))
+    code, report, err = eval_run(capsys, "--ckpt", str(out), "--data_path", str(documents))
+    assert code == 2 and err.count("\n") == 1 and "no such file" not in err, err
+    assert f"{documents} is a folder" in err and "text file" in err
+
+
+def test_a_long_eval_says_what_it_scores_first_then_shows_its_progress(tmp_path, text_file, capsys, monkeypatch):
+    """Eval scored for minutes with nothing on screen: its header came after the scoring, and the bar only in a
+    terminal."""
+    out = tmp_path / "run"
+    tiny_eval_run(out, text_file, capsys)
+    seen = []
+    real_evaluate = eval_script.evaluate
+    monkeypatch.setattr(eval_script, "evaluate", lambda *args: seen.append(capsys.readouterr()) or real_evaluate(*args))
+    eval_script.main(["--ckpt", str(out), "--batch_size", "1", "--eval_tokens", "1024"])  # 32 windows, one a batch
+    assert seen[0].out.startswith(f"# {out / 'best.pt'} (step 4, logged best val loss ")  # before the scoring
+    assert "evaluating" in capsys.readouterr().err  # its bar, on stderr
 
 
 # ----------------------------------------------------------------------------- objective and metric apart

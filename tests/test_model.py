@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import train
-from conftest import make_optimizer, tiny_model
+from conftest import make_optimizer, run_main, tiny_args, tiny_model
 import model as model_module
 from model import Rotary
 from sample import KVCache
@@ -185,14 +185,18 @@ def windowed(window: int):
     return visible_keys
 
 
+@pytest.mark.parametrize("built", ["built after", "built before"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["SDPA", "CPU-bf16 matmuls"])
-def test_every_attention_path_follows_the_one_mask(monkeypatch, dtype):
+def test_every_attention_path_follows_the_one_mask(monkeypatch, dtype, built):
     """The rule lives in visible_keys alone: change it there and the full forward, the KV cache's prefill,
     decode and chunked steps, in fp32 (SDPA) and bf16 (the matmul path), all follow. Before, three places
-    encoded "causal" and a window honoured in two was ignored by the cache (logits off by up to 0.43)."""
-    monkeypatch.setattr(model_module, "visible_keys", windowed(4))
+    encoded "causal" and a window honoured in two was ignored by the cache (logits off by up to 0.43). The
+    causal shortcut is decided of the mask each forward builds, so a model built before the rule changed (a
+    layer's flag decided at build time) follows it too: before, SDPA dropped the window there."""
+    if built == "built after":
+        monkeypatch.setattr(model_module, "visible_keys", windowed(4))
     model = tiny_model(seed=0).eval()
-    assert not model.transformer.h[0].attn.plain_causal  # derived from the mask, not declared
+    monkeypatch.setattr(model_module, "visible_keys", windowed(4))
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))  # (2, 16)
     older = idx.clone()
     older[:, :8] = (older[:, :8] + 1) % 50  # positions 0..7 differ
@@ -219,12 +223,11 @@ def alibi(slope_scale: float):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["SDPA", "CPU-bf16 matmuls"])
 def test_a_bias_reaching_attention_is_never_dropped_by_a_causal_shortcut(monkeypatch, dtype):
-    """Issue 44's probe: ALiBi's bias put into the mask after the layers were built, so their plain_causal (decided
-    at build time) is stale. Before, SDPA's causal shortcuts dropped the bias on every path (the fork trained
-    without positions, the loss equal to zero slopes' to the last digit) and the CPU-bf16 path raised on `~`.
-    A shortcut now also needs what attention receives to be a bool rule."""
+    """Issue 44's probe: ALiBi's bias put into the mask after the layers were built (then with a plain_causal
+    decided at build time, now gone). Before, SDPA's causal shortcuts dropped the bias on every path (the fork
+    trained without positions, the loss equal to zero slopes' to the last digit) and the CPU-bf16 path raised on
+    `~`. A shortcut needs what attention receives to be a bool rule."""
     model = tiny_model(seed=0).eval()
-    assert model.transformer.h[0].attn.plain_causal  # built with the plain rule
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)  # large enough weights that attention's weighting shows in the logits
@@ -248,6 +251,55 @@ def test_a_bias_reaching_attention_is_never_dropped_by_a_causal_shortcut(monkeyp
     torch.testing.assert_close(cached, full, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
     # The bias acts, on the full forward and the cache alike (by 0.037 here; 0 when a shortcut dropped it).
     assert (full - plain[0]).abs().max() > 0.01 and (cached - plain[1]).abs().max() > 0.01
+
+
+def test_what_a_query_sees_is_built_once_per_forward_never_per_layer_or_at_build(monkeypatch):
+    """Issue 56: `--block_size 100000` ate 17 GB before a line was printed: each layer built a block_size² mask at
+    build time only to decide the causal shortcut. Now the model keeps nothing (T, T): a block_size of a million
+    builds with its position table alone, and each forward (a KV cache step too) builds visible_keys once, at its
+    own (S, T), for every layer."""
+    calls = []
+    real = model_module.visible_keys
+
+    def recording(config, start, T, device):
+        calls.append((start, T))
+        return real(config, start, T, device)
+
+    monkeypatch.setattr(model_module, "visible_keys", recording)
+    model = model_module.GPT(model_module.GPTConfig(vocab_size=50, block_size=10**6, n_layer=2, n_head=2, n_embd=8))
+    assert calls == []  # before: 10^12 bools per layer (the allocation fails)
+    assert max(t.numel() for t in [*model.parameters(), *model.buffers()]) == 10**6 * 8  # wpe, (block_size, C)
+    idx = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))  # (1, 9)
+    cache = KVCache(model.config, 1)
+    with torch.no_grad():
+        model(idx)
+        for a, b in [(0, 5), (5, 6), (6, 9)]:  # a prefill, a decode step, a chunk
+            model(idx[:, a:b], cache=cache)
+    assert calls == [(0, 9), (0, 5), (5, 1), (6, 3)]
+
+
+def test_a_step_that_cannot_fit_in_memory_is_refused_before_anything_is_allocated(tmp_path, text_file, capsys):
+    """Issue 56: `--block_size 100000` printed nothing while its dtype probe and masks grew to 17 GB. A step whose
+    lower bound (model.step_bytes: activations, the (T, T) rule, CPU-bf16's scores) exceeds the device's memory is
+    now one line, exit 2, saying how much it would take, before the corpus is prepared or the model built."""
+    assert run_main(tiny_args(tmp_path / "out", text_file, block_size=10**7)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "block_size 10000000" in err and "GiB" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]  # no data_dir, no out_dir
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_forward_on_a_gpu_decides_the_causal_shortcut_without_a_sync():
+    """The shortcut is decided each forward of the mask built for it, on the CPU, then copied: no step waits for
+    the GPU more than before (a comparison on the GPU would, every forward)."""
+    model = tiny_model().cuda()
+    idx = torch.randint(0, 50, (2, 16), device="cuda")  # (2, 16)
+    model(idx, idx).loss_sum.backward()  # the first calls may sync (the allocator, kernel choices)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(idx, idx).loss_sum.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_the_default_model_gives_sdpa_the_causal_flag_not_a_mask(monkeypatch):

@@ -260,9 +260,9 @@ def test_every_variant_decodes_from_its_kv_cache_as_a_full_forward(name, value):
 
 @pytest.mark.parametrize("name, value", every_value_of_every_option())
 def test_every_variant_computes_the_same_without_attentions_causal_shortcut(monkeypatch, name, value):
-    """attention() hands SDPA the causal rule as a flag when the layer's rule, decided at build time from
-    visible_keys, is the plain triangle: bit for bit what the mask it receives gives, unless the mask was changed
-    on its way (a rule narrowed after visible_keys, which that decision never saw)."""
+    """attention() hands SDPA the causal rule as a flag when the mask GPT.forward built from visible_keys is the
+    plain triangle (decided once per forward): bit for bit what the mask it receives gives, unless the mask was
+    changed on its way (a rule narrowed after visible_keys, which that decision never saw)."""
     model = eval_model(name, value)
     idx = torch.randint(0, VOCAB, (2, model.config.block_size), generator=torch.Generator().manual_seed(2))
 

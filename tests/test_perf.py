@@ -11,7 +11,10 @@ import torch.nn.functional as F
 
 from training import runtime
 import train
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, write_chats
+from config import make_config
+from prepare.tokenizers import tokenizer_vocab_size
+from training.checkpoint import load_checkpoint
 from model import GPTConfig, attention, visible_keys
 from scripts import bench, plot
 
@@ -26,6 +29,20 @@ def test_bench_step_is_train_step(tiny_cfg):
     for _ in range(6):
         bench.timed_step(b)
     assert [loss.item() for loss in b.losses] == train_losses
+
+
+def test_bench_times_an_init_from_run_on_the_bases_weights_and_tokenizer(tiny_cfg, tmp_path):
+    """chat_small's kind of run: bench builds what train.py fine-tunes (the base's shape and weights; its tokenizer
+    and the chat markers), not a random init of the preset's shape on a tokenizer of its own."""
+    base = tiny_cfg(out_dir=str(tmp_path / "base"), max_iters=2, eval_interval=2, block_size=64)
+    train.train(base)
+    chats = write_chats(tmp_path / "chats.jsonl")
+    b = bench.build("chat", make_config("chat_small", init_from=base.out_dir, data_path=str(chats), device="cpu",
+                                        data_dir=base.data_dir, dtype="float32", compile="off"))
+    state = load_checkpoint(tmp_path / "base" / "best.pt")
+    assert b.run.corpus.vocab_size == tokenizer_vocab_size(state["tokenizer"]) + 5  # the base's, and the markers
+    blocks = {name: t for name, t in b.run.model.state_dict().items() if name.startswith("transformer.h.")}
+    assert blocks and all(torch.equal(t, state["model"][name]) for name, t in blocks.items())
 
 
 def test_bench_counts_the_tokens_its_steps_processed_not_the_nominal_batch(tiny_cfg, monkeypatch):

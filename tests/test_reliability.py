@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from prepare import texts
 from training import checkpoint, optim, tracking
 from process import files
 import train
@@ -416,6 +417,29 @@ def signal_handlers():
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_before_the_first_step_is_one_line_and_leaves_no_folder(tmp_path, text_file, monkeypatch, capsys,
+                                                                         signal_handlers, signum, code):
+    """Bug caught: a SIGTERM while the corpus was prepared (`timeout`, `docker stop`) killed the process at once:
+    exit 143, no line, and out_dir/.lock left behind, where a Ctrl-C said why and left nothing. Python's own SIGINT
+    handler, as in a fresh process; a SIGTERM handler that does nothing stands in for the default, so that without
+    the fix the run goes on (exit 0) instead of ending pytest."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *args: None)
+    real_write = texts.write_tokens
+
+    def write_tokens(*args, **kwargs):  # half-way through preparing the corpus, its staging folder written into
+        os.kill(os.getpid(), signum)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(texts, "write_tokens", write_tokens)
+    assert run_main(tiny_args(tmp_path / "out", text_file, max_iters=2)) == code
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "error: interrupted before training started; nothing was saved", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "data"]  # no out_dir, no lock in it
+    assert list((tmp_path / "data").iterdir()) == []  # nor half a corpus: its staging folder is gone
 
 
 @pytest.mark.parametrize("first, second, code", [(signal.SIGTERM, signal.SIGINT, 143),

@@ -418,6 +418,20 @@ def test_sample_script_runs_as_a_command(ckpt):
     assert result.stdout.count("-" * 40) == 2 and result.stderr == ""
 
 
+def test_threads_is_train_pys_flag_and_zero_keeps_torchs_default(ckpt, monkeypatch, capsys):
+    """`--threads 1` (two jobs on 2 cores, one each) as train.py takes it; a negative count is refused, exit 2."""
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    for threads, expected in (("1", [1]), ("0", [])):
+        calls.clear()
+        main(["--ckpt", str(ckpt), "--threads", threads, "--max-new-tokens", "2", "--no-stream"])
+        assert calls == expected
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--ckpt", str(ckpt), "--threads", "-1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--threads" in err
+
+
 # ----------------------------------------------------------------------------- stop strings
 def samples_of(ckpt: Path, capsys, *flags: str) -> list[str]:
     """main's printed samples (prompt included, separators and the header line removed)."""

@@ -57,15 +57,22 @@ def test_clock_is_minutes_and_seconds_then_hours(seconds, shown):
     assert tracking.clock(seconds) == shown
 
 
-def test_step_lines_show_the_run_time_against_max_time(tmp_path, text_file, capsys, monkeypatch):
-    step_clock(monkeypatch, step_s=30)
+@pytest.mark.parametrize("budget, shown", [
+    (dict(max_time=60), ["0:30 of 1:00", "1:00 of 1:00"]),  # max_time comes first: it ends the run
+    (dict(max_time=3600), ["0:30 of ~1:30", "1:00 of ~1:30", "1:30 of ~1:30"]),  # max_iters does, at 30 s a step
+    (dict(), ["0:30 of ~1:30", "1:00 of ~1:30", "1:30 of ~1:30"]),  # a step schedule: where max_iters ends it
+    (dict(max_iters=6, eval_interval=2, eval_s=30), ["0:30 of ~3:00", "1:00 of ~3:00", "2:00 of ~4:00",
+                                                     "2:30 of ~3:45", "3:30 of ~4:12", "4:00 of ~4:00"]),  # evals too
+], ids=["max_time first", "max_iters first", "no max_time", "evals count"])
+def test_step_lines_show_the_run_time_against_its_end(tmp_path, text_file, capsys, monkeypatch, budget, shown):
+    """Bug caught: a step-schedule run's lines said nothing of its total or the time left, where a time budget's
+    said `0:41 of 3:00`; and a budget that max_iters beats was shown as the end."""
+    settings = dict(max_iters=3) | budget
+    step_clock(monkeypatch, step_s=30, eval_s=settings.pop("eval_s", 0))
     step_line = re.compile(r"^step +\d+ \| loss .*")
-    assert run_main(tiny_args(tmp_path / "budget", text_file, max_iters=3, max_time=3600)) == 0
+    assert run_main(tiny_args(tmp_path / "run", text_file, **settings)) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if step_line.match(line)]
-    assert [line.rsplit(" | ", 1)[1] for line in lines] == ["0:30 of 1:00:00", "1:00 of 1:00:00", "1:30 of 1:00:00"]
-    assert run_main(tiny_args(tmp_path / "none", text_file, max_iters=2)) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if step_line.match(line)]
-    assert len(lines) == 2 and not any(" of " in line for line in lines)  # no budget, nothing to count down
+    assert [line.rsplit(" | ", 1)[1] for line in lines] == shown
 
 
 def test_an_eval_that_spends_the_budget_is_the_final_one(tmp_path, text_file, monkeypatch):

@@ -27,7 +27,7 @@ from training.checkpoint import load_checkpoint, save_checkpoint
 import config
 from config import (CHOOSERS, DEFAULTS, FIELD_TYPES, RANGES, RESUME, RESUME_RULES, USED_ONLY_UNDER, TrainConfig,
                     choices, make_config, model_config, settings_line, unused_fields, unused_given)
-from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
+from conftest import REPO, docs_snippet, entry_point, make_text, read_metrics, run_main, tiny_args
 from data import LOADERS, corpus_for
 from fault_injection import assert_same_training_state, capture_run
 from model import GPT, GPTConfig
@@ -207,16 +207,29 @@ def test_the_names_the_config_accepts_are_its_tables_keys(field, table):
     assert choices(field) == tuple(table)
 
 
+def exit_code(tool: str, args: list[str]) -> int:
+    """The exit code of ``tool``'s main in this process, on train.py's flags (scripts.bench takes them as KEY=VALUE
+    and names its own out_dir)."""
+    if tool == "scripts.bench":
+        args = args[:2] + [arg.removeprefix("--") for arg in args[2:] if not arg.startswith("--out_dir=")]
+    try:
+        return entry_point(tool).main(args) or 0
+    except SystemExit as stopped:
+        return stopped.code
+
+
+@pytest.mark.parametrize("tool", ["train.py", "scripts.doctor", "scripts.bench"])
 @pytest.mark.parametrize("field, name, table", [("optimizer", "sgdx", "training/optim.py's OPTIMIZERS"),
                                                ("lr_decay", "linear", "training/optim.py's DECAYS"),
                                                ("loader", "curriculum", "data.py's LOADERS")],
                          ids=["optimizer", "lr_decay", "loader"])
 def test_a_name_the_config_allows_without_its_function_is_one_line_before_anything_is_built(
-        tmp_path, text_file, monkeypatch, capsys, field, name, table):
+        tmp_path, text_file, monkeypatch, capsys, field, name, table, tool):
     """A fork adds "sgdx" to TrainConfig.optimizer's Literal, the one place the docs name, and not yet its builder:
-    the run says so in one line, exit 2, before it prepares the data or makes out_dir (it was a KeyError after both)."""
+    the run says so in one line, exit 2, before it prepares the data or makes out_dir (it was a KeyError after both).
+    So do the tools that build train.py's run: the doctor (it was a KeyError after preparing the data) and bench."""
     monkeypatch.setitem(config.FIELD_TYPES, field, Literal[(*choices(field), name)])  # the edited Literal
-    code = run_main(tiny_args(tmp_path / "out", text_file, **{field: name}))
+    code = exit_code(tool, tiny_args(tmp_path / "out", text_file, **{field: name}))
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and f"{field} `{name}`" in err and table in err, err
     assert not (tmp_path / "out").exists() and not (text_file.parent / "data").exists()

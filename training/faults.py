@@ -6,9 +6,11 @@ peer rank lost mid-collective, so that train.py ends through errors.exit_for lik
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 from process import distributed
 from process.errors import EXIT_INTERRUPTED, EXIT_PEER_LOST, RunStopped, TinyGPTError
@@ -63,14 +65,44 @@ class StopOnSignal:
                           128 + self.signum)
 
 
+@contextlib.contextmanager
+def interrupt_until_the_loop() -> Iterator[None]:
+    """While the block runs, SIGINT and SIGTERM raise KeyboardInterrupt (carrying ``signum``: run_error's exit code),
+    until the loop's StopOnSignal takes them (and after it, unless it stopped the run: it then leaves them ignored).
+    So whatever cleans up after a Ctrl-C (a prepare's staging folder, the run folder's lock) cleans up after a SIGTERM
+    alike; without it a SIGTERM before the first step, what ``timeout``, schedulers and ``docker stop`` send, killed
+    the process at once: exit 143, no line, and out_dir/.lock left behind. The first signal ignores both from then
+    on, as StopOnSignal's does: the process is on its way out. On exit the previous handlers come back. Outside the
+    main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame) -> None:
+        for other in StopOnSignal.SIGNALS:
+            signal.signal(other, signal.SIG_IGN)
+        stop = KeyboardInterrupt(signal.Signals(signum).name)
+        stop.signum = signum
+        raise stop
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in StopOnSignal.SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if signal.getsignal(signum) is interrupt:  # not ignored by a stop meanwhile
+                signal.signal(signum, handler)
+
+
 def run_error(err: BaseException) -> BaseException:
     """``err`` as train.py reports it: Ctrl-C before the first step, or a collective failing because a peer
     rank died, as the RunStopped it means (errors.exit_for then gives its line and code); any other as it is.
 
     A dead peer cannot say why, so every rank that notices says so, each naming itself (reporting_rank).
     """
-    if isinstance(err, KeyboardInterrupt):  # before the first step: nothing to save yet
-        return RunStopped("interrupted before training started; nothing was saved", EXIT_INTERRUPTED)
+    if isinstance(err, KeyboardInterrupt):  # before the first step: nothing to save yet; 143 for a SIGTERM
+        code = 128 + err.signum if hasattr(err, "signum") else EXIT_INTERRUPTED  # interrupt_until_the_loop's
+        return RunStopped("interrupted before training started; nothing was saved", code)
     reason = None if isinstance(err, TinyGPTError) else distributed.lost_peer(err)  # a refusal says its own line
     if reason is None:
         return err

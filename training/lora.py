@@ -181,16 +181,18 @@ def check_base(saved: dict[str, Any], fingerprint: str, where: str) -> None:
             f"--init_from {saved['base']} as it was then, or train new adapters in a new --out_dir")
 
 
-def load_adapted(state: dict[str, Any], base_model: GPT, where: str = "checkpoint") -> GPT:
+def load_adapted(state: dict[str, Any], base_model: GPT, where: str = "checkpoint", merged: bool = True) -> GPT:
     """A LoRA checkpoint's model as a plain GPT: its adapters on ``base_model`` (checked against the saved
     fingerprint), merged. ``base_model`` is whatever init_from loaded. Footgun: it is consumed (adapted, then
-    merged in place: no copy of a large base), and what comes back is that same module."""
+    merged in place: no copy of a large base), and what comes back is that same module. ``merged=False``: the
+    adapted model as training ran it, whose numbers are training's exactly (W x + B A x rounds otherwise than
+    (W + B A) x, in bf16 in the 5th digit of a val loss: scripts/eval.py)."""
     saved = state["lora"]
     check_base(saved, base_fingerprint(base_model), where)
     adapted = add_adapters(base_model, saved["rank"], saved["alpha"], saved["dropout"], tuple(saved["targets"]),
                            saved.get("rows", ()))
     load_adapter_state(adapted, state["model"], where)
-    return fold(adapted)
+    return fold(adapted) if merged else adapted
 
 
 # ----------------------------------------------------------------------------- PEFT's format

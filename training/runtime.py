@@ -6,6 +6,7 @@ diagnosis or an evaluation runs as training of the same config does; sample.py p
 """
 from __future__ import annotations
 
+import os
 import random
 import re
 import statistics
@@ -17,7 +18,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from model import step_bytes
 from process.distributed import decide_on_main, pick_device, print0
+from process.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_MIN_SPEEDUP = 1.5  # CPU autocast to bf16 only when its matmuls are at least this much faster
@@ -49,8 +52,10 @@ def pick_dtype(requested: str, device: torch.device,
 
 def run_dtype(cfg, device: torch.device) -> torch.dtype:
     """The precision a run of ``cfg`` computes in on ``device``, the one train.py, bench.py, the doctor and
-    compare.py all use; dtype=auto on a CPU times the MLP's first matmul at the run's tokens per micro-batch."""
-    return pick_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
+    compare.py all use; dtype=auto on a CPU times the MLP's first matmul at the run's tokens per micro-batch, up
+    to 4096 rows: as telling, and a size too big to run costs no minutes or gigabytes before it is refused."""
+    rows = min(cfg.batch_size * cfg.block_size, 4096)
+    return pick_dtype(cfg.dtype, device, (rows, cfg.n_embd, 4 * cfg.n_embd))
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,29 @@ def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
     threads = use_threads(cfg.threads)
     dtype = decide_on_main(lambda: run_dtype(cfg, device))
     return Runtime(device, dtype, threads, want_compile(cfg.compile, device))
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory on ``device``: a GPU's own, else the machine's (None where the OS does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return None
+
+
+def refuse_what_cannot_fit(cfg, rt: Runtime) -> None:
+    """ConfigError, before the data or the model, when one training step of cfg's micro-batch needs more than
+    rt.device's memory even by model.step_bytes' lower bound: a size that can never run is said at once, with what
+    it would take, not left to the allocator's traceback or the OOM killer."""
+    need = step_bytes(cfg, cfg.batch_size, cpu_bf16=rt.device.type == "cpu" and rt.dtype == torch.bfloat16)
+    have = device_memory(rt.device)
+    if have is not None and need > have:
+        where = "the GPU" if rt.device.type == "cuda" else "this machine"
+        raise ConfigError(f"batch_size {cfg.batch_size} x block_size {cfg.block_size}: one training step needs at "
+                          f"least {need / 2**30:,.0f} GiB, and {where} has {have / 2**30:,.0f} GiB; lower "
+                          f"block_size or batch_size")
 
 
 def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Module:
@@ -124,7 +152,7 @@ def threads_text(count: int) -> str:
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (all devices). The data order has its own generator."""
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)  # numpy's range; config allows up to 2**32 - 1, to which DDP adds the rank
     torch.manual_seed(seed)
 
 

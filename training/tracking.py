@@ -21,6 +21,7 @@ wandb never blocks or crashes a run:
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -36,12 +37,13 @@ from config import TrainConfig, as_dict, settings_line, unused_given
 from training.checkpoint import dtype_name
 from training.optim import HOST_SYNCING
 from process import distributed
-from process.errors import ConfigError
+from process.errors import ConfigError, install_hint
 from process.files import atomic_write_text
 from training.runtime import device_peak, mfu, threads_text
 
 PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline
 INIT_TIMEOUT = 15.0  # seconds wandb.init may take (wandb's default: 90) before the run stops with one line
+NO_WANDB = f"--wandb needs the wandb package: {install_hint('wandb')}"
 
 
 class NullTracker:
@@ -69,6 +71,13 @@ class WandbTracker:
         self.run.finish()
 
 
+def check_wandb(cfg: TrainConfig) -> None:
+    """--wandb without the wandb package: ConfigError before the run's folder, data and metrics.jsonl are made.
+    find_spec looks for the package without the seconds its import takes (start() imports it)."""
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(NO_WANDB)
+
+
 def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) -> NullTracker | WandbTracker:
     """The tracker the config asks for. ``logged_through``: the last step a killed run had logged
     (MetricsLog), not sent again when the run resumes."""
@@ -77,7 +86,7 @@ def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) ->
     try:
         import wandb
     except ImportError:
-        raise ConfigError("--wandb needs the wandb package: pip install wandb") from None
+        raise ConfigError(NO_WANDB) from None
     id_file = out_dir / "wandb_id"  # the wandb run a --resume continues
     run_id = (id_file.read_text().strip() or None) if cfg.resume and id_file.is_file() else None
     mode = reachable_mode(wandb, choose_mode(wandb))
@@ -162,6 +171,7 @@ class MetricsLog:
         torch._dynamo: seconds). ``tracked=False``: a resume with nothing left to do (no wandb run to log nothing)."""
         self.flops_per_token = model.flops_per_token() if device_peak(rt.device, rt.dtype) else 0
         self.enabled, self.max_time, self.rt, self.world_size = enabled, cfg.max_time, rt, world_size
+        self.max_iters = cfg.max_iters
         self.step_then, self.t = step, time.time()  # the last log line's: what its speed is measured from
         self.device = rt.device
         self.positions, self.targets = 0, torch.zeros((), dtype=torch.long, device=rt.device)  # since the last line
@@ -202,8 +212,8 @@ class MetricsLog:
                      "time_s": time_s})
         self.say(f"step {step:>6} | loss {values['loss']:.4f}{terms} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                  f"{step_s * 1000:.1f} ms/step | {tokens_per_s:,.0f} tok/s | "
-                 f"mfu {'n/a' if util is None else f'{util:.1%}'}"
-                 + (f" | {clock(time_s)} of {clock(self.max_time)}" if self.max_time else ""))
+                 f"mfu {'n/a' if util is None else f'{util:.1%}'} | "
+                 f"{run_clock(time_s, step, self.max_iters, self.max_time)}")
 
     def eval(self, step: int, loss: float, bpb: float, time_s: float) -> dict[str, float]:
         """An eval's record; returns it without the clock, as checkpoints keep it (last_eval). Logged before
@@ -247,6 +257,15 @@ def drop_records_after(path: Path, step: int) -> int | None:
     if kept != lines:  # written whole, then renamed: a kill here must not lose the log
         atomic_write_text(path, "".join(kept))
     return max(steps, default=None)
+
+
+def run_clock(time_s: float, step: int, max_iters: int, max_time: float) -> str:
+    """The run's time against its end, in the step lines: "0:41 of 3:00" where max_time comes first, "0:41 of ~3:00"
+    where max_iters does, at the pace of the run so far (its evals included). Host numbers only: no device sync."""
+    at_max_iters = time_s / step * max_iters  # step >= 1: a log line follows a step
+    if max_time and max_time <= at_max_iters:
+        return f"{clock(time_s)} of {clock(max_time)}"
+    return f"{clock(time_s)} of ~{clock(at_max_iters)}"
 
 
 def clock(seconds: float) -> str:

@@ -26,8 +26,9 @@ import torch
 from model import GPT, GPTConfig
 from prepare.chat import BEGIN, END
 from prepare.tokenizers import ChatTokenizer, tokenizer_vocab_size, without_chat
-from process.errors import HFError
+from process.errors import HFError, PathError
 from process.files import atomic_write, atomic_write_text
+from process.rundir import check_writable
 from weights.hf_tokenizer import read_tokenizer, tokenizer_files
 
 # ----------------------------------------------------------------------------- the mapping
@@ -285,9 +286,41 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: in
 
 
 # ----------------------------------------------------------------------------- export
-def to_hf(model: GPT) -> dict[str, torch.Tensor]:
-    """Our weights in GPT2LMHeadModel's layout (zero biases if bias=False). Refuses a model with an option GPT-2 cannot
-    compute or a weight NAMES lacks: a GPT-2 folder that loads but computes something else is the worst export."""
+# The first bytes of each file format an export writes, by the name's suffix: the one kind of file it may replace.
+FILE_MAGIC = {".gguf": b"GGUF"}
+
+
+def check_output(out: Path, flag: str, suffix: str = "") -> None:
+    """Refuse an export's output before anything is loaded or written, where writing would lose something: a folder
+    (``suffix`` "") must be new or empty (a run's checkpoints, another model's files that would load beside ours);
+    a file must be named ``*suffix``, in a folder that exists, and be new or a file of that format (FILE_MAGIC),
+    never a checkpoint, a log or the file the export reads. Then the folder must take a file (check_writable)."""
+    folder = out.parent if suffix else out
+    if not suffix and out.is_dir() and any(out.iterdir()):
+        raise PathError(f"{out} is not empty; export into a new folder (or delete this one first)")
+    if suffix and out.suffix != suffix:
+        raise PathError(f"{out}: the export writes only *{suffix} files, never over a checkpoint or any other file; "
+                        f"pass a name ending in {suffix}")
+    if suffix and out.exists() and not starts_with(out, FILE_MAGIC[suffix]):
+        raise PathError(f"{out} is not a {suffix} file an export wrote (a checkpoint renamed?), and only such a file "
+                        "is replaced; pass a new name (or delete it first)")
+    if suffix and not folder.exists():
+        raise PathError(f"{out}: no folder {folder}; make it first (mkdir -p {folder}) or write into an existing one")
+    check_writable(folder, flag, f".export-probe-{os.getpid()}")  # a file where the folder should be, read-only
+
+
+def starts_with(path: Path, magic: bytes) -> bool:
+    """``path`` is a file whose first bytes are ``magic`` (False for a folder, or a file it cannot read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
+def check_gpt2(model: GPT) -> None:
+    """HFError for a model with an option GPT-2 cannot compute or a weight NAMES lacks: a GPT-2 folder that loads but
+    computes something else is the worst export."""
     config, state = model.config, model.state_dict()
     refusals = gpt2_refusals(config)
     if refusals:
@@ -296,6 +329,12 @@ def to_hf(model: GPT) -> dict[str, torch.Tensor]:
     unmapped = sorted(set(state) - set(expand(config.n_layer)) - {TIED_HEAD})
     if unmapped:
         raise HFError(f"cannot export as GPT-2: weight {unmapped[0]} has no place in GPT-2's layout")
+
+
+def to_hf(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights in GPT2LMHeadModel's layout (zero biases if bias=False); check_gpt2's refusals first."""
+    check_gpt2(model)
+    config, state = model.config, model.state_dict()
     out = {}
     for name in expand(config.n_layer):  # bias=False: GPT-2 has every bias, so zeros of the layer's output width
         value = (state[name].detach().float() if name in state
@@ -329,8 +368,7 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
         bos, eos = tokenizer.marker_ids[BEGIN], tokenizer.marker_ids[END]
     files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, block_size),
              "generation_config.json": {"bos_token_id": bos, "eos_token_id": eos, "max_length": block_size}}
-    if folder.exists() and any(folder.iterdir()):  # another model's tokenizer files would be loaded beside ours
-        raise HFError(f"{folder} is not empty; export into a new folder (or delete this one first)")
+    check_output(folder, "output folder")  # scripts/export_hf.py asked before loading; a library caller here
     folder.mkdir(parents=True, exist_ok=True)
     # Each file whole or absent (files.atomic_write): a kill mid-export never leaves a truncated one to load.
     atomic_write(folder / "model.safetensors", lambda f: f.write(save(weights, metadata={"format": "pt"})))

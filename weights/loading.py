@@ -14,7 +14,9 @@ first time, and last.pt's weights then replace the base's (a LoRA run's last.pt 
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +51,7 @@ class Loaded:
     source: str  # the checkpoint file, or the pretrained weights as named (--init_from)
     step: int | None  # optimizer steps behind the weights; None: pretrained, no run of ours behind them
     best_val_loss: float  # as the run logged it; nan for pretrained weights
+    corpus: dict | None = None  # the data it trained on (data.Corpus.record: split fingerprints); None: pretrained
 
 
 # ----------------------------------------------------------------------------- a model for use
@@ -65,20 +68,21 @@ def find_checkpoint(ckpt: str) -> Path:
     return found[-1]
 
 
-def from_checkpoint(path: Path, device: torch.device = CPU) -> Loaded:
+def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True) -> Loaded:
     """The weights, config and tokenizer of a checkpoint file (verified: checkpoint.load_checkpoint). A LoRA run's
-    holds only its adapters: they go on the base it was trained from (init_from, checked by fingerprint), merged."""
+    holds only its adapters: they go on the base it was trained from (init_from, checked by fingerprint), merged
+    unless ``merged=False`` (the adapted model training evaluated: lora.load_adapted)."""
     state = load_checkpoint(path)  # to CPU: the optimizer state it also holds never needs the GPU
     cfg = config_from_dict(state["config"])
     tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
     model = GPT(model_config(cfg, tokenizer.vocab_size))
     if "lora" in state:
         model.load_state_dict(load_base(cfg).weights_for(state["tokenizer"], tokenizer.vocab_size))
-        model = lora.load_adapted(state, model, str(path))
+        model = lora.load_adapted(state, model, str(path), merged)
     else:
         model.load_state_dict(state["model"])
     return Loaded(model.to(device).eval(), tokenizer, cfg, state["precision"], str(path), state["step"],
-                  state["best_val_loss"])
+                  state["best_val_loss"], state["corpus"])
 
 
 def from_pretrained(source: str, device: torch.device = CPU, data_dir: Path = Path("data")) -> Loaded:
@@ -86,6 +90,7 @@ def from_pretrained(source: str, device: torch.device = CPU, data_dir: Path = Pa
     behind them, so the config is the defaults with the weights' shape and tokenizer, in float32."""
     from weights import hf
 
+    refuse_a_missing_local_name(source, hf.HUB_NAMES)
     pretrained = hf.load_pretrained(source)
     if pretrained.tokenizer is None:
         raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} ({NO_TOKENIZER})")
@@ -137,14 +142,46 @@ def run_checkpoint(source: str) -> Path | None:
 
 
 def load_base(cfg: TrainConfig) -> Pretrained:
-    """The weights ``cfg.init_from`` names: a run's, at the given block_size else its own; or GPT-2's, at the
-    config's block_size, with biases unless bias=False is given (a bias-free export's zeros)."""
+    """The weights ``cfg.init_from`` names, at the given block_size else at all their positions (one rule for a run
+    and a Hugging Face folder: our export of a run is the run): a run's; or GPT-2's, with biases unless bias=False is
+    given (a bias-free export's zeros)."""
     given, path = given_fields(cfg), run_checkpoint(cfg.init_from)
+    block_size = cfg.block_size if "block_size" in given else 0  # 0: every position the weights have
     if path is not None:
-        return load_run(path, cfg.block_size if "block_size" in given else 0)
+        return load_run(path, block_size)
     from weights import hf
 
-    return hf.load_pretrained(cfg.init_from, cfg.block_size, cfg.bias if "bias" in given else True)
+    refuse_a_missing_local_name(cfg.init_from, hf.HUB_NAMES)
+    return hf.load_pretrained(cfg.init_from, block_size, cfg.bias if "bias" in given else True)
+
+
+def refuse_a_missing_local_name(source: str, hub_names: Mapping[str, str]) -> None:
+    """CheckpointError for weights named by a path that is not there: one close to a run folder ("did you mean
+    out/small?"), or one that looks like a path (./x, /x, x.pt, a/b/c, out/x where out/ is here, a bare name that no
+    hub name is). Anything else may be a hub repo, "owner/name": hf.locate asks the hub, whose refusal is a
+    paragraph about downloading (what `out/smal`, a typo, got)."""
+    path = Path(source)
+    if source in hub_names or path.exists():
+        return
+    runs = sorted(set(run_folders(path.parent) + run_folders(Path("out"))))  # beside it, and where train.py writes
+    close = difflib.get_close_matches(str(path), runs, n=1, cutoff=0.85)
+    if close:
+        raise CheckpointError(f"{source}: no such run folder (did you mean {close[0]}?)")
+    parts = path.parts
+    if (source.startswith(("/", ".", "~")) or path.suffix in (".pt", ".safetensors") or len(parts) != 2
+            or Path(parts[0]).is_dir()):
+        raise CheckpointError(f"{source}: no such run folder or file; pass a run folder (out/NAME), its .pt, a "
+                              "folder or .safetensors in the Hugging Face GPT-2 layout, or a hub name "
+                              f"({', '.join(hub_names)} or OWNER/NAME)")
+
+
+def run_folders(folder: Path) -> list[str]:
+    """The runs in ``folder``: each subfolder holding a checkpoint of ours or Hugging Face weights, as a path."""
+    try:
+        return [str(sub) for sub in sorted(folder.iterdir())
+                if any((sub / name).is_file() for name in (*RUN_FILES, "model.safetensors"))]
+    except OSError:  # no such folder, or one we may not read: no runs to suggest
+        return []
 
 
 def load_run(path: Path, block_size: int) -> Pretrained:
