@@ -4,13 +4,12 @@
     python sample.py --ckpt out/small --prompt "ROMEO:" --num-samples 3 --top-k 40 --top-p 0.9
     python sample.py --prompt-file prompt.txt --temp 0 --no-stream
     python sample.py --ckpt out/small --prompt "ROMEO:" --stop "\\n\\n"   # one speech: stop at a blank line
-    python sample.py --ckpt out/small --interactive                     # load once; a prompt per line
     python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (weights/hf.py)
-    python sample.py --ckpt out/chat_small --chat                       # a conversation, a turn per line
 
 The checkpoint carries the tokenizer, so nothing else is needed (weights/loading.py loads them). Reads
 top to bottom: choosing a token (filters, temperature) -> the context window and its KV cache -> the
-generation loop -> streaming text and stop strings -> the command line and the prompt loop.
+generation loop -> streaming text and stop strings -> the command line. A conversation, or a prompt per line
+with the model loaded once: python -m scripts.chat, which uses this file's generation and flags.
 """
 from __future__ import annotations
 
@@ -25,11 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from config import CommandLine, field_help
-from prepare.chat import render
-from prepare.texts import read_text_file
-from process.errors import CheckpointError, ConfigError, DataError, TinyGPTError, exit_on, fail
+from process.errors import DataError, TinyGPTError, exit_on, fail
 from training.runtime import use_threads
-from weights.loading import add_weights_flags, from_flags
+from weights.loading import Loaded, add_weights_flags, from_flags
 from process.distributed import pick_device
 from model import GPT, GPTConfig
 
@@ -249,24 +246,12 @@ def unescape(text: str) -> str:
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = CommandLine(description=__doc__.split("\n\n")[0])
+def add_sampling_flags(parser: CommandLine) -> None:
+    """How to generate, sample.py's and scripts/chat.py's alike: the weights, the length, the filters, the seed."""
     add_weights_flags(parser)
-    prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
-    prompt.add_argument("--prompt-file", "--prompt_file", default="", help="UTF-8 file whose text to continue")
-    prompt.add_argument("--interactive", action="store_true",
-                        help="load once, then continue each prompt read from stdin, one line each (Ctrl-D or "
-                             "Ctrl-C at the prompt quits; Ctrl-C while generating stops that continuation)")
-    prompt.add_argument("--chat", action="store_true",
-                        help="a conversation with a chat model (fine-tuned on conversations): each line read from "
-                             "stdin is your turn, the reply streams until its end marker (Ctrl-D quits)")
-    parser.add_argument("--system", default="", help="with --chat: the system prompt, kept however long the talk")
-    parser.add_argument("--multiline", action="store_true",
-                        help="with --interactive or --chat: a prompt is every line up to an empty line")
     parser.add_argument("--num-samples", "--num_samples", type=int, default=1, help="samples, generated as one batch")
     parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=500,
-                        help="tokens generated per sample; with --chat the most a reply may take")
+                        help="tokens generated per sample; in a conversation the most a reply may take")
     parser.add_argument("--temp", "--temperature", type=float, default=0.8, help="0 = greedy argmax")
     parser.add_argument("--top-k", "--top_k", type=int, default=0, help="0 = no top-k filter")
     parser.add_argument("--top-p", "--top_p", type=float, default=1.0, help="1.0 = no nucleus filter")
@@ -283,18 +268,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="KV cache; --no-cache recomputes the whole window per token (same text, slower)")
     parser.add_argument("--device", default="auto", help=field_help()["device"])
     parser.add_argument("--threads", type=int, default=0, help=field_help()["threads"])
+
+
+def sampling_args(parser: CommandLine, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line, add_sampling_flags' values checked (one line and exit 2 if out of range)."""
     args = parser.parse_args(argv)
     if not args.temp >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1 \
             or args.max_new_tokens < 0 or args.threads < 0:
         fail("need --temp >= 0, 0 < --top-p <= 1, --top-k >= 0, --num-samples >= 1, --max-new-tokens >= 0 and "
              "--threads >= 0")
-    if args.multiline and not (args.interactive or args.chat):
-        fail("--multiline reads prompts for --interactive; add --interactive, or pass the text with --prompt-file")
-    if args.system and not args.chat:
-        fail("--system is the system prompt of a --chat; add --chat")
     if args.stream is None:
         args.stream = sys.stdout.isatty()
     return args
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
+    prompt.add_argument("--prompt-file", "--prompt_file", default="", help="UTF-8 file whose text to continue")
+    add_sampling_flags(parser)
+    return sampling_args(parser, argv)
+
+
+def load(args: argparse.Namespace) -> Loaded:
+    """The model (eval mode, on --device) and tokenizer that --ckpt / --init_from name; a TinyGPTError if none."""
+    use_threads(args.threads)  # train.py's --threads: two jobs on 2 cores, one each
+    return from_flags(args, pick_device(args.device))  # weights/loading.py: a checkpoint or pretrained weights
+
+
+def read_prompt_file(path: str) -> str:
+    """--prompt-file's text (newlines as Path.read_text gives them); a DataError naming the flag if unreadable."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        reason = err.strerror or str(err)
+    except UnicodeDecodeError as err:
+        reason = f"not UTF-8 text (byte {err.start})"
+    raise DataError(f"{path}: {reason}; pass an existing UTF-8 text file with --prompt-file")
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -336,130 +347,19 @@ def sample(model: GPT, tokenizer, text: str, args: argparse.Namespace, generator
         print("-" * 40)
 
 
-def read_prompt(multiline: bool) -> str | None:
-    """The next prompt on stdin: a line, or with ``multiline`` the lines up to an empty one; None: quit (end of
-    input, or Ctrl-C at the prompt)."""
-    mark = "> " if sys.stdin.isatty() else ""  # a marker only for a person at a terminal
-    lines: list[str] = []
-    try:
-        while True:
-            line = input(mark if not lines else "")
-            if not multiline:
-                return line
-            if line == "" and lines:
-                return "\n".join(lines)
-            lines.append(line)
-    except EOFError:
-        return "\n".join(lines) if lines else None
-    except KeyboardInterrupt:
-        return None
-
-
-def interactive(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:
-    """Prompt, streamed continuation, next prompt, until Ctrl-D or Ctrl-C at the prompt."""
-    while (text := read_prompt(args.multiline)) is not None:
-        try:
-            sample(model, tokenizer, text, args, generator)
-        except DataError as err:  # a character the vocabulary lacks: say so, ask again
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        except KeyboardInterrupt:  # Ctrl-C while generating: this continuation ends here
-            print("\n" + "-" * 40, flush=True)
-
-
-class Dialogue:
-    """A conversation held turn by turn (--chat), rendered to fit the context: when the prompt of the next reply
-    and ``room`` tokens for it would not fit in block_size, the oldest turns go first, never the system prompt
-    (``dropped`` counts them). A system prompt that leaves no room for a message is a ConfigError at the start."""
-
-    def __init__(self, tokenizer, block_size: int, room: int, system: str = ""):
-        self.tokenizer, self.block_size, self.room = tokenizer, block_size, room
-        self.system = [("system", system)] if system else []
-        self.turns: list[tuple[str, str]] = []  # (role, text)
-        self.dropped = 0
-        if system:  # refused now if not even a one-token message would fit beside it, at any turn
-            n = len(render(tokenizer, self.system))  # DataError: a character the vocabulary lacks
-            # a one-token message: its 3 markers and the token, as many as an empty one renders (<|begin|> is in n)
-            message = len(render(tokenizer, [("user", "")], reply=True))
-            if n > (most := block_size - room - message):
-                raise ConfigError(f"the system prompt is {n} tokens with its markers, and block_size {block_size} "
-                                  f"leaves room for {most} beside a message and a {room}-token reply; shorten --system")
-
-    def prompt(self, user: str) -> list[int]:
-        """The ids that ask for the assistant's reply to ``user``: the conversation, the oldest turns dropped
-        until it fits. A message the vocabulary cannot write, or too long even alone, is a DataError that leaves
-        the conversation as it was: only that turn is refused."""
-        limit = self.block_size - self.room
-        if len(alone := render(self.tokenizer, self.system + [("user", user)], reply=True)) > limit:
-            raise DataError(f"the message makes a prompt of {len(alone)} tokens with the conversation's markers"
-                            f"{' and the system prompt' if self.system else ''}, more than the {limit} the context "
-                            f"leaves beside a reply; say it shorter")
-        self.turns.append(("user", user))
-        while len(ids := render(self.tokenizer, self.system + self.turns, reply=True)) > limit:
-            self.turns.pop(0)  # ends at the last user turn at the latest: that alone fits
-            self.dropped += 1
-        return ids
-
-    def reply(self, text: str) -> None:
-        self.turns.append(("assistant", text))
-
-
-def open_dialogue(tokenizer, block_size: int, args: argparse.Namespace) -> Dialogue:
-    """--chat's empty conversation: a reply may take up to half the context (or --max-new-tokens)."""
-    if not hasattr(tokenizer, "marker_ids"):
-        raise CheckpointError("this model has no chat markers; fine-tune it on conversations first "
-                              "(docs/finetuning.md) or drop --chat")
-    return Dialogue(tokenizer, block_size, min(args.max_new_tokens, block_size // 2), args.system)
-
-
-def chat(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:
-    """A conversation on stdin: each line is the user's turn, the assistant's reply is streamed until its
-    <|end|> (or any other marker: the model must not write the user's part), the oldest turns dropped as
-    the context fills (said once)."""
-    block_size, warned = model.config.block_size, False
-    dialogue = open_dialogue(tokenizer, block_size, args)
-    while (text := read_prompt(args.multiline)) is not None:
-        try:
-            prompt = dialogue.prompt(text)
-        except DataError as err:  # a character the vocabulary lacks, a message too long: say so, ask again
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            continue
-        if dialogue.dropped and not warned:
-            stays = "; the system prompt stays" if dialogue.system else ""
-            print(f"(the conversation and a {dialogue.room}-token reply no longer fit block_size {block_size}: the "
-                  f"oldest turns are dropped from now on{stays})", flush=True)
-            warned = True
-        reply = Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()))
-        # --max-new-tokens caps a reply as it caps a sample (llama.cpp's max_tokens, the same request), and never past
-        # the rest of the window: a chat reply never slides it, so it never loses its own prompt.
-        cap = min(args.max_new_tokens, block_size - len(prompt))
-        shown = continue_into(reply, model, [prompt], cap, args, generator, show=True)
-        print(reply.texts[0][shown:], flush=True)
-        dialogue.reply(reply.texts[0])
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        use_threads(args.threads)  # train.py's --threads: two jobs on 2 cores, one each
-        device = pick_device(args.device)
-        loaded = from_flags(args, device)  # weights/loading.py: --ckpt's checkpoint or --init_from's weights
-        model, tokenizer = loaded.model, loaded.tokenizer
-        text = read_text_file(Path(args.prompt_file), "--prompt-file") if args.prompt_file else args.prompt
-        if args.chat:  # no markers, a system prompt the vocabulary cannot write or the context cannot hold: now
-            open_dialogue(tokenizer, model.config.block_size, args)
-        elif not args.interactive:
-            prompt_ids(tokenizer, text)  # a character the vocabulary lacks: one line now, before any output
+        loaded = load(args)
+        text = read_prompt_file(args.prompt_file) if args.prompt_file else args.prompt
+        prompt_ids(loaded.tokenizer, text)  # a character the vocabulary lacks: one line now, before any output
     except TinyGPTError as err:  # a bad checkpoint, config, device or prompt: one line and its exit code
         exit_on(err)
+    model = loaded.model
     print(f"# sampling from {loaded.source}; block_size {model.config.block_size}: past it the window slides",
           flush=True)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    if args.chat:
-        chat(model, tokenizer, args, generator)
-    elif args.interactive:
-        interactive(model, tokenizer, args, generator)
-    else:
-        sample(model, tokenizer, text, args, generator)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
+    sample(model, loaded.tokenizer, text, args, generator)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 The step is train.py's own (train.build_run, train.train_step, the run's training stream), so the benchmark measures
 what training runs (tests/test_perf.py: the same losses). Each phase ends with a device sync; warm-up steps are left
 out and medians reported; with --vs both configs are timed in alternating rounds in one process, so load from other
-processes falls on both alike. Measured rows and their commands: docs/performance.md.
+processes falls on both alike. Measured rows and their commands: docs/notebook/performance.md.
 """
 from __future__ import annotations
 

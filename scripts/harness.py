@@ -1,6 +1,6 @@
 """Score a checkpoint with EleutherAI's lm-evaluation-harness: HellaSwag, LAMBADA, ARC, ... natively.
 
-    python -m scripts.harness --ckpt out/small --tasks tinygpt_cloze       # the repo's offline task (evals/)
+    python -m scripts.harness --ckpt out/small --tasks tinygpt_cloze       # the repo's offline task, harness_tasks/
     python -m scripts.harness --init_from gpt2 --tasks hellaswag,lambada_openai   # the tasks' data: HF hub
     python -m scripts.harness --ckpt out/gpt2-run --tasks arc_easy --limit 200    # a quick look, not a result
 
@@ -45,7 +45,7 @@ try:
 except ImportError:
     fail(f"lm-evaluation-harness is not installed: {install_hint('lm_eval')}")
 
-LOCAL_TASKS = REPO / "evals"  # the repo's own tasks, found by name like the harness's
+LOCAL_TASKS = REPO / "scripts" / "harness_tasks"  # the repo's own tasks, found by name like the harness's
 LOCAL_TASK_NAMES = sorted(path.stem for path in LOCAL_TASKS.glob("*.yaml"))  # each file's stem is its task
 
 
@@ -160,7 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def task_manager(names: list[str]) -> TaskManager:
-    """The harness's index of tasks: evals/ alone when it holds every name (indexing all of the
+    """The harness's index of tasks: ours alone when they hold every name (indexing all of the
     harness's thousands of tasks takes seconds), built once per process."""
     return index_of_tasks(not set(names) <= set(LOCAL_TASK_NAMES))
 
@@ -172,7 +172,7 @@ def index_of_tasks(include_defaults: bool) -> TaskManager:
 
 def check_tasks(names: list[str]) -> None:
     """ConfigError at once, not after a minute of retries, for a task that needs the hub when it cannot be reached
-    (checked first: indexing the harness's tasks takes seconds), or that neither the harness nor evals/ has."""
+    (checked first: indexing the harness's tasks takes seconds), or that neither the harness nor LOCAL_TASKS has."""
     remote = [name for name in names if name not in LOCAL_TASK_NAMES]
     if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := hf.hub_unreachable("gpt2")):
         raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need their "
@@ -191,7 +191,7 @@ def evaluate_tasks(lm: TinyGPTLM, names: list[str], args: argparse.Namespace) ->
     except OSError as err:  # ConnectionError included
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"could not load the data of {', '.join(names)} ({first_line}); the harness's tasks "
-                          "download it from the Hugging Face hub; evals/ tasks run offline") from None
+                          "download it from the Hugging Face hub; this repo's tasks run offline") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Loss curves: one or more runs' metrics.jsonl -> a PNG of train and val loss against step and wall time.
 
-    python -m scripts.plot out/small/metrics.jsonl -o docs/small.png
+    python -m scripts.plot out/small/metrics.jsonl -o out/small/loss.png
     python -m scripts.plot out/a/metrics.jsonl out/b/metrics.jsonl --labels fp32 bf16 -o cmp.png
     python -m scripts.plot out/small/metrics.jsonl --ref 70:1.87 --ref 200:1.62 --ref-label nanoGPT
     python -m scripts.plot out/char/metrics.jsonl out/bpe/metrics.jsonl --bpb -o cmp.png   # + val bits per byte

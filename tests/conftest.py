@@ -22,9 +22,8 @@ from training.checkpoint import load_checkpoint
 from model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
-# Every tool, as `python -m NAME` runs it from the repo root: the user's (scripts/) and the developers' (dev/).
-TOOLS = [f"{package}.{path.stem}" for package in ("scripts", "dev")
-         for path in sorted((REPO / package).glob("*.py")) if path.stem != "__init__"]
+# Every tool, as `python -m NAME` runs it from the repo root: each file of scripts/.
+TOOLS = [f"scripts.{path.stem}" for path in sorted((REPO / "scripts").glob("*.py")) if path.stem != "__init__"]
 WORDS = ("the king queen lord lady love death night day crown sword heart blood sweet fair "
          "foul good ill speak hear see come go stay fly rest sleep wake").split()
 

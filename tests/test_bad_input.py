@@ -124,7 +124,7 @@ TRAIN = ["--config", "tiny", "--data_path", "{corpus}", "--data_dir", "{data}", 
 # empty folder; "{run}/metrics.jsonl/x" is a path with a file in the way. That every entry point ends its errors
 # this way is test_errors.py's check; these rows are the mistakes users make.
 BAD_INPUTS = {
-    "dev.shape": [(["--preset", "nosuch"], "no preset `nosuch`")],
+    "scripts.shape": [(["--preset", "nosuch"], "no preset `nosuch`")],
     "train.py": [
         (TRAIN + ["--resume", "--out_dir", "{tmp}/fresh"], "nothing to resume in"),  # and leaves no folder
         (TRAIN + ["--max_itres", "5"], "did you mean `max_iters`?"),
@@ -185,7 +185,7 @@ BAD_INPUTS = {
         (["{run}", "{run}/metrics.jsonl/x.gguf"], "is a file, not a folder"),
         (["{tmp}/missing", "{tmp}/x.gguf"], "no such checkpoint"),
     ],
-    "dev.gpu_check": [
+    "scripts.gpu_check": [
         (["--dry-run", "--steps", "3"], "--steps must be even and >= 2"),
         (["--dry-run", "--out_dir", "{run}/metrics.jsonl/x"], "is a file, not a folder"),
     ],

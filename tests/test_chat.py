@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 from config import TrainConfig
 from conftest import REPO, run_script, tiny_args, tiny_model, write_chats
-import sample
 from data import Conversations, conversation_rows, corpus_for, eval_windows, load_corpus, training_stream
 from prepare.__main__ import main as prepare_main
 from prepare import documents
 from prepare.chat import BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render, split_indices
 from process.errors import ConfigError, DataError
 from prepare.tokenizers import CharTokenizer, tokenizer_from_meta
+from scripts import chat as chat_script
 from train import accumulate_gradients
 
 CHARS = "".join(sorted(set("abcdefghijklmnopqrstuvwxyz ,.?!'\n")))
@@ -267,7 +267,8 @@ def chat_run(tmp_path_factory):
 
 
 def chat(run: Path, lines: list[str], *extra: str):
-    return subprocess.run([sys.executable, "sample.py", "--ckpt", str(run), "--chat", "--temp", "0", *extra],
+    """`python -m scripts.chat --ckpt RUN --temp 0 EXTRA`, ``lines`` typed on stdin."""
+    return subprocess.run([sys.executable, "-m", "scripts.chat", "--ckpt", str(run), "--temp", "0", *extra],
                           input="".join(line + "\n" for line in lines), cwd=REPO, capture_output=True, text=True,
                           timeout=120)
 
@@ -276,7 +277,7 @@ def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_s
     result = chat(chat_run, ["the king", "sweet lord", "fair day", "love", "the night"], "--system", "the lord")
     assert result.returncode == 0, result.stderr
     out = result.stdout.splitlines()
-    assert out[0].startswith("# sampling from")
+    assert out[0].startswith("# a conversation")  # it says which of its two modes it is in
     replies = [line for line in out[1:] if not line.startswith("(")]
     assert len(replies) == 5  # one reply a turn, each ended at its <|end|> (or the window)
     assert not any("<|" in line for line in replies)  # no marker is ever printed
@@ -292,26 +293,25 @@ def test_a_system_prompt_that_cannot_fit_is_refused_at_the_start_in_one_line_exi
 
 def test_the_longest_system_prompt_accepted_is_the_room_the_refusal_names():
     t = tok()  # block_size 40, a 10-token reply: a prompt may take 30; a one-token message takes 4 of them
-    dialogue = sample.Dialogue(t, block_size=40, room=10, system="a" * 23)  # 26 tokens with its 3 markers
+    dialogue = chat_script.Dialogue(t, block_size=40, room=10, system="a" * 23)  # 26 tokens with its 3 markers
     assert len(dialogue.prompt("b")) == 30
     with pytest.raises(ConfigError, match="27 tokens.* room for 26 "):
-        sample.Dialogue(t, block_size=40, room=10, system="a" * 24)
+        chat_script.Dialogue(t, block_size=40, room=10, system="a" * 24)
     with pytest.raises(DataError):  # a character the vocabulary lacks
-        sample.Dialogue(t, block_size=40, room=10, system="日本")
+        chat_script.Dialogue(t, block_size=40, room=10, system="日本")
 
 
-def test_chat_refuses_a_model_without_markers(tmp_path, text_file):
+def test_a_system_prompt_for_a_model_without_markers_is_refused_in_one_line_exit_2(tmp_path, text_file):
+    """A text model has no conversation to hold (scripts.chat continues each prompt instead): --system is refused."""
     run_script("train.py", *tiny_args(tmp_path / "out", text_file, max_iters=2, eval_interval=2))
-    result = chat(tmp_path / "out", ["hi"])
-    assert result.returncode == 2
-    assert result.stderr.strip() == ("error: this model has no chat markers; fine-tune it on conversations first "
-                                     "(docs/finetuning.md) or drop --chat")
+    result = chat(tmp_path / "out", ["hi"], "--system", "the lord")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1 and "--system" in result.stderr
 
 
 def test_a_dialogue_drops_the_oldest_turns_never_the_system_prompt():
-    from sample import Dialogue
     t = tok()
-    dialogue = Dialogue(t, block_size=40, room=10, system="be kind")
+    dialogue = chat_script.Dialogue(t, block_size=40, room=10, system="be kind")
     first = dialogue.prompt("hello there")
     dialogue.reply("yes")
     assert dialogue.dropped == 0 and first == render(t, [("system", "be kind"), ("user", "hello there")], reply=True)
@@ -327,7 +327,7 @@ def test_a_dialogue_keeps_every_turn_while_its_prompt_fits_and_drops_the_oldest_
     turns = [("user", "hi"), ("assistant", "yes"), ("user", "and now")]
     full = render(tok(), turns, reply=True)
     for spare, dropped in [(0, 0), (-1, 1)]:  # the prompt exactly block_size - room long fits
-        dialogue = sample.Dialogue(tok(), block_size=len(full) + 10 + spare, room=10)
+        dialogue = chat_script.Dialogue(tok(), block_size=len(full) + 10 + spare, room=10)
         dialogue.prompt("hi")
         dialogue.reply("yes")
         assert dialogue.prompt("and now") == render(tok(), turns[dropped:], reply=True)
@@ -359,7 +359,7 @@ def test_chat_ends_a_reply_at_any_marker_shows_none_of_it_and_keeps_the_real_rep
     script = [a, b, t.marker_ids[USER], a, c, t.marker_ids[END], d]
     model = ScriptedModel(script, filler=d, vocab_size=t.vocab_size, block_size=64)
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nyo\nx\n"))
-    sample.chat(model, t, sample.parse_args(["--chat", "--temp", "0"]), torch.Generator())
+    chat_script.converse(model, t, chat_script.parse_args(["--temp", "0"]), torch.Generator())
     turns = [("user", "hi"), ("assistant", "ab"), ("user", "yo"), ("assistant", "ac"), ("user", "x")]
     last_prompt = render(t, turns, reply=True)
     assert capsys.readouterr().out.splitlines() == ["ab", "ac", "d" * (64 - len(last_prompt))]  # the window full
@@ -375,7 +375,7 @@ def test_a_refused_turn_is_only_that_turn_and_the_talk_goes_on(monkeypatch, caps
     model = ScriptedModel([a, b, t.marker_ids[END], a, c, t.marker_ids[END]], filler=c, vocab_size=t.vocab_size,
                           block_size=64)  # a prompt may take 32 tokens
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nwhat say you to 日本?\n" + "the king " * 10 + "\nyo\n"))
-    sample.chat(model, t, sample.parse_args(["--chat", "--temp", "0"]), torch.Generator())
+    chat_script.converse(model, t, chat_script.parse_args(["--temp", "0"]), torch.Generator())
     captured = capsys.readouterr()
     assert captured.out.splitlines() == ["ab", "ac"]
     errors = captured.err.splitlines()
@@ -389,8 +389,8 @@ def test_the_dropping_note_comes_with_the_first_drop_and_names_a_system_prompt_o
     t = tok()
     model = ScriptedModel([], filler=t.encode("d")[0], vocab_size=t.vocab_size, block_size=64)
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nyo\nx\n"))  # 20-token replies: a prompt may take 44
-    args = ["--chat", "--temp", "0", "--max-new-tokens", "20"] + (["--system", system] if system else [])
-    sample.chat(model, t, sample.parse_args(args), torch.Generator())
+    args = ["--temp", "0", "--max-new-tokens", "20"] + (["--system", system] if system else [])
+    chat_script.converse(model, t, chat_script.parse_args(args), torch.Generator())
     out = capsys.readouterr().out.splitlines()
     # turns 1 and 2 fit (41 tokens with the system prompt); turn 3's prompt (57, or 67) drops turn 1: the note, once
     assert out[:2] + out[3:] == ["d" * 20] * 3
@@ -404,7 +404,7 @@ def test_chat_caps_a_reply_at_max_new_tokens_as_a_sample_is_capped(monkeypatch, 
     d = t.encode("d")[0]
     model = ScriptedModel([], filler=d, vocab_size=t.vocab_size, block_size=64)  # never ends a reply by itself
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nyo\n"))
-    sample.chat(model, t, sample.parse_args(["--chat", "--temp", "0", "--max-new-tokens", "5"]), torch.Generator())
+    chat_script.converse(model, t, chat_script.parse_args(["--temp", "0", "--max-new-tokens", "5"]), torch.Generator())
     assert capsys.readouterr().out.splitlines() == ["ddddd", "ddddd"]
     turns = [("user", "hi"), ("assistant", "ddddd"), ("user", "yo")]
     assert model.inputs[5] == render(t, turns, reply=True)  # the second turn's first forward

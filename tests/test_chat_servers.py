@@ -1,5 +1,5 @@
 """A chat model where people talk to models (issue 46): one conversation, one greedy reply, everywhere. Tiny chat runs
-of each tokenizer kind, trained here; `sample.py --chat --temp 0` gives the reference, then llama.cpp on the GGUF
+of each tokenizer kind, trained here; `python -m scripts.chat --temp 0` gives the reference, then llama.cpp on the GGUF
 export (llama-cpp-python's Llama, and its OpenAI-compatible server asked by the official openai client, streamed and
 not) and transformers' text-generation pipeline on the Hugging Face export must give the same text. Localhost only,
 one server per kind, each started within SERVER_START_S and stopped whatever happens.
@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
-import sample
 import train
 from config import make_config
 from conftest import REPO, tiny_run, write_chats
 from prepare.chat import render
-from scripts import export_gguf, export_hf
-from weights.gguf import CONTEXT_ROWS
+from scripts import chat as chat_script, export_gguf, export_hf
+from scripts.export_gguf import CONTEXT_ROWS
 from weights.loading import from_checkpoint
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]  # llama.cpp, its server, openai, transformers; ~1 min in all
@@ -123,15 +122,15 @@ def wait_until_up(proc: subprocess.Popen, url: str, log: Path) -> None:
 
 
 def ours(run: Path, monkeypatch, capsys) -> list[str]:
-    """The replies `sample.py --ckpt RUN --chat --temp 0 --system SYSTEM` gives to USERS typed on stdin."""
-    replies, keep = [], sample.Dialogue.reply
+    """The replies `python -m scripts.chat --ckpt RUN --temp 0 --system SYSTEM` gives to USERS typed on stdin."""
+    replies, keep = [], chat_script.Dialogue.reply
 
     def recorded(dialogue, text: str) -> None:
         replies.append(text)
         keep(dialogue, text)
-    monkeypatch.setattr(sample.Dialogue, "reply", recorded)
+    monkeypatch.setattr(chat_script.Dialogue, "reply", recorded)
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(user + "\n" for user in USERS)))
-    sample.main(["--ckpt", str(run), "--chat", "--temp", "0", "--system", SYSTEM, "--device", "cpu"])
+    chat_script.main(["--ckpt", str(run), "--temp", "0", "--system", SYSTEM, "--device", "cpu"])
     capsys.readouterr()
     return replies
 
@@ -150,7 +149,7 @@ def conversation(replies: list[str]) -> list[list[dict]]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_conversation_gets_our_greedy_reply_from_llama_cpp_its_server_and_transformers(
         chat_runs, served, llama_cpp, kind, monkeypatch, capsys):
-    """Each reply of sample.py --chat --temp 0, asked again of every runner with the same messages (our earlier
+    """Each reply of scripts.chat --temp 0, asked again of every runner with the same messages (our earlier
     replies as the assistant's turns): llama.cpp renders the GGUF's template to our ids, and all answer the same text,
     ending where ours ends (<|end|>: "stop", or the window: "length"), never showing a marker."""
     transformers = pytest.importorskip("transformers")
@@ -168,7 +167,7 @@ def test_one_conversation_gets_our_greedy_reply_from_llama_cpp_its_server_and_tr
         text = llama_cpp.llama_chat_format.Jinja2ChatFormatter(
             llm.metadata["tokenizer.chat_template"], eos_token="", bos_token="")(messages=messages).prompt
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == expected  # llama.cpp makes our ids
-        room = block_size - len(expected)  # sample.py --chat's bound, the rest of the window: llama.cpp's is larger
+        room = block_size - len(expected)  # scripts.chat's bound, the rest of the window: llama.cpp's is larger
         theirs = llm.create_chat_completion(messages, temperature=0, max_tokens=room)["choices"][0]
         assert theirs["message"]["content"] == reply
         answer = client.chat.completions.create(model="any", messages=messages, temperature=0, max_tokens=room,
@@ -205,7 +204,7 @@ def test_a_conversation_longer_than_the_window_is_answered_or_refused_and_the_se
     """Past block_size (128) llama.cpp once aborted its process, the server's: now the file's position table has
     CONTEXT_ROWS rows and the server's context (--n_ctx 0) is the file's. A conversation past the window gets a reply
     cut at max_tokens (near noise past the window: docs/finetuning.md); one past the server's context gets OpenAI's
-    context_length_exceeded; and the next request gets the reply it got before. sample.py --chat drops old turns."""
+    context_length_exceeded; and the next request gets the reply it got before. scripts.chat drops old turns."""
     client = served("char")
 
     def ask(content: str):

@@ -13,7 +13,8 @@ import pytest
 import config
 from conftest import REPO, TOOLS, entry_point, interop_if
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),  # the guide
+         *sorted((REPO / "docs" / "notebook").glob("*.md"))]  # the lab notebook: its commands still run
 ENTRY = re.compile(r"^(train|sample)\.py$")  # the core's entry points, run as files: python train.py
 TOOL = re.compile(r"^((scripts|dev)\.[a-z_]\w*|prepare)$")  # modules from the repo root: python -m scripts.eval
 # (lowercase, as module names are: `python -m scripts.NAME` in prose is a placeholder, not a command)

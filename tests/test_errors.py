@@ -34,9 +34,9 @@ def project_files() -> list[Path]:
 
 
 def entry_points() -> list[str]:
-    """Every command a user or developer runs: the core's three and each file of scripts/ and dev/."""
-    tools = sorted(f"{folder}/{path.name}" for folder in ("scripts", "dev") for path in (REPO / folder).glob("*.py")
-                   if path.name != "__init__.py")  # the packages' lists of their tools
+    """Every command a user or developer runs: the core's three and each file of scripts/."""
+    tools = sorted(f"scripts/{path.name}" for path in (REPO / "scripts").glob("*.py")
+                   if path.name != "__init__.py")  # the package's list of its tools
     return ["train.py", "sample.py", "prepare/__main__.py", *tools]
 
 
@@ -85,7 +85,7 @@ def function(path: Path, name: str) -> ast.FunctionDef | None:
 
 def delegates(path: Path, main: ast.FunctionDef) -> list[ast.FunctionDef]:
     """The functions main() calls by name that are the project's: its module's or one it imports them from
-    (scripts/tokenizer.py's print_table, which dev/bpe_trainers.py imports)."""
+    (a function one tool imports from another, as compare.py does bench.py's)."""
     imported = {alias.asname or alias.name: node.module for node in parsed(path).body
                 if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
     found = []

@@ -1,4 +1,4 @@
-"""The GGUF export (weights/gguf.py, scripts/export_gguf.py): the file as llama.cpp's gguf package reads
+"""The GGUF export (scripts/export_gguf.py): the file as llama.cpp's gguf package reads
 it, in the default suite; then llama.cpp itself (llama-cpp-python) on tiny trained char, bpe and gpt2 runs,
 in the slow suite: our ids on the whole corpus, our greedy text, our logits within LOGIT_TOLERANCE.
 """
@@ -17,7 +17,6 @@ import train
 from config import make_config
 from model import GPT, GPTConfig
 from conftest import REPO, make_text, tiny_model, tiny_run, write_chats
-from weights import gguf as export
 from process.errors import HFError
 from prepare.chat import BEGIN, END, MARKERS, chat_tokenizer
 from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, train_bpe
@@ -41,7 +40,7 @@ def field(reader, key: str):
 
 def write(tmp_path: Path, model, tokenizer, dtype: str = "f32") -> "gguf.GGUFReader":
     path = tmp_path / f"model-{dtype}.gguf"
-    export.export_gguf(model, tokenizer, path, dtype)
+    export_gguf.export_gguf(model, tokenizer, path, dtype)
     return gguf.GGUFReader(path)
 
 
@@ -52,7 +51,7 @@ def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weight
     model = tiny_model(vocab_size=len(chars), block_size=24, bias=False)
     reader = write(tmp_path, model, tokenizer)
     assert field(reader, "general.architecture") == "gpt2"
-    assert field(reader, "gpt2.context_length") == export.CONTEXT_ROWS and field(reader, "gpt2.block_count") == 2
+    assert field(reader, "gpt2.context_length") == export_gguf.CONTEXT_ROWS and field(reader, "gpt2.block_count") == 2
     assert (field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre")) == ("gpt2", "gpt-2")
     tokens = field(reader, "tokenizer.ggml.tokens")
     to_text = BYTE_TEXT
@@ -107,7 +106,7 @@ def test_the_declared_context_is_the_position_tables_rows_and_never_less_than_ll
     model = GPT(GPTConfig(vocab_size=8, block_size=block_size, n_layer=1, n_head=1, n_embd=8))
     reader = write(tmp_path, model, CharTokenizer("abcdefgh"))
     table = next(t for t in reader.tensors if t.name == "position_embd.weight").data
-    assert field(reader, "gpt2.context_length") == len(table) == rows == export.context_rows(block_size)
+    assert field(reader, "gpt2.context_length") == len(table) == rows == export_gguf.context_rows(block_size)
 
 
 def test_a_bpe_gguf_has_its_merges_in_rank_order_and_its_end_token_control(tmp_path):
@@ -183,7 +182,7 @@ def test_a_model_llama_cpp_gpt2_cannot_compute_is_refused_by_name_and_writes_not
     model = tiny_model(vocab_size=50, block_size=16, **option)
     name = next(iter(option))
     with pytest.raises(HFError, match=f"cannot export as GGUF: the model has {name} "):
-        export.export_gguf(model, CharTokenizer("".join(chr(65 + i) for i in range(50))), tmp_path / "x.gguf")
+        export_gguf.export_gguf(model, CharTokenizer("".join(chr(65 + i) for i in range(50))), tmp_path / "x.gguf")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -315,7 +314,7 @@ def test_llama_cpp_builds_a_model_whose_layers_heads_and_width_differ_to_our_log
     with torch.no_grad():  # larger than init: sharp attention, so that a head count read wrong shows in the logits
         for p in model.parameters():
             p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(0))
-    export.export_gguf(model, CharTokenizer(chars), tmp_path / "odd.gguf")
+    export_gguf.export_gguf(model, CharTokenizer(chars), tmp_path / "odd.gguf")
     llm = llama_cpp.Llama(str(tmp_path / "odd.gguf"), n_ctx=20, n_threads=1, logits_all=True, verbose=False)
     ids = CharTokenizer(chars).encode(ASCII[:20])
     llm.eval(ids)
@@ -363,4 +362,4 @@ def test_a_request_past_the_window_is_answered_and_no_context_reaches_past_the_p
     done = subprocess.run([sys.executable, "-c", PAST_THE_WINDOW, str(gguf_file), str(new)], cwd=REPO, text=True,
                           capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]  # -6 (SIGABRT) before: "GGML_ASSERT(i01 >= 0 && i01 < ne01)"
-    assert done.stdout.split() == ["length", str(new), str(export.CONTEXT_ROWS)]
+    assert done.stdout.split() == ["length", str(new), str(export_gguf.CONTEXT_ROWS)]

@@ -2,7 +2,7 @@
 
 Parity is checked against lm_eval's own `hf` backend on the exported folder of the same random model,
 with a tiny byte-level BPE (256 bytes and a few merges, through tiktoken like GPT-2's) so that no test
-needs GPT-2's ranks from PyPI. The repo's task (evals/tinygpt_cloze.yaml) runs with the hub offline.
+needs GPT-2's ranks from PyPI. The repo's task (scripts/harness_tasks/tinygpt_cloze.yaml) runs with the hub offline.
 """
 from __future__ import annotations
 

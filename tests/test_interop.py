@@ -173,6 +173,7 @@ def test_gpt2s_ranks_are_cached_in_the_resolved_data_dir(monkeypatch, tmp_path):
 ONNX_TOL = 4e-6  # logits, fp32 on both sides; seen: 1.0e-6 (char), 7.2e-7 (bpe), on logits up to 2.7
 CLI_TOL = 1e-6  # summed log-probabilities near -40, one request a batch on both sides; seen: 0.0 on all 160
 # (CPU). Our adapter at batch_size 4 differs by 1.9e-6: fp32's own spacing there is 3.8e-6.
+LOCAL_TASKS = REPO / "scripts" / "harness_tasks"  # scripts/harness.py's offline task, read without lm_eval
 
 
 class Logits(torch.nn.Module):
@@ -206,9 +207,9 @@ def test_onnx_runtime_runs_the_export_with_our_logits(tmp_path, kind):
 
 
 def cloze_char_model() -> tuple[object, CharTokenizer]:
-    """A random char model whose vocabulary holds every character of evals/tinygpt_cloze.jsonl, block_size 32:
+    """A random char model whose vocabulary holds every character of the repo's cloze task, block_size 32:
     shorter than some context + continuation, so lm_eval's left truncation is on the path."""
-    items = [json.loads(line) for line in (REPO / "evals" / "tinygpt_cloze.jsonl").read_text().splitlines()]
+    items = [json.loads(line) for line in (LOCAL_TASKS / "tinygpt_cloze.jsonl").read_text().splitlines()]
     text = TEXT + "".join(d["context"] + " " + " ".join(d["choices"]) for d in items)
     tokenizer = CharTokenizer("".join(sorted(set(text))))
     model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=32, seed=1).eval()
@@ -239,7 +240,7 @@ def test_lm_evals_command_line_scores_a_char_export_as_our_adapter_does(tmp_path
     model, tokenizer = cloze_char_model()
     hf.export(model, tokenizer, tmp_path / "export")
     run_script("-m", "lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={tmp_path / 'export'}",
-               "--include_path", str(REPO / "evals"), "--tasks", "tinygpt_cloze", "--device", "cpu",
+               "--include_path", str(LOCAL_TASKS), "--tasks", "tinygpt_cloze", "--device", "cpu",
                "--output_path", str(tmp_path / "out"), "--log_samples")
     pairs, theirs = samples_of_the_cli(tmp_path / "out")
     assert len(pairs) == 160  # 40 items x 4 choices

@@ -1,12 +1,18 @@
-"""The imports only point down: no cycle, and no module imports from a layer above its own.
+"""The repo's shape in one rule: a flat core at the top level, every tool beside it in scripts/, imports only down.
 
-The layers are LAYERS below: the folders and the core files, lowest first. Every import counts, wherever it
-is written: at the top of a file, inside a function (a lazy import is
-a dependency all the same) or under ``if TYPE_CHECKING:`` (an annotation that names a module above is one).
+- The top level holds the card's entries (model.py, data.py, train.py, sample.py, config/, scripts/, tests/,
+  README.md), docs/, requirements and tool configuration, and at most six more flat modules: no package folder but
+  config/ and scripts/.
+- The core (the top-level modules and config/) imports only itself, each file only from those before it in LAYERS;
+  scripts/ imports the core and other scripts; the core never imports a script; no import cycle anywhere.
+
+Every import counts, wherever it is written: at the top of a file, inside a function (a lazy import is a dependency
+all the same) or under ``if TYPE_CHECKING:`` (an annotation that names a module above is one).
 """
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -86,9 +92,15 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-# The project's folders and core files, lowest first: each imports only from itself and from those before it.
+# The core's files and folders, lowest first, then the tools: each imports only from itself and those before it.
 LAYERS = ("process/", "model.py", "config/", "prepare/", "data.py", "training/", "weights/", "train.py", "sample.py",
-          "scripts/", "dev/", "evals/")
+          "scripts/")
+# The top level: the card's entries, then what a repo carries beside them (guide, requirements, tool settings).
+CARD = {"model.py", "data.py", "train.py", "sample.py", "config", "scripts", "tests", "README.md"}
+BESIDE = {"docs", ".ci", ".gitignore", "pytest.ini", "ruff.toml", "requirements.txt", "requirements-dev.txt",
+          "requirements-interop.txt", "requirements-llama.txt"}
+MORE_MODULES = 6  # flat modules beside the card's four, each named for one concern
+PACKAGES = {"config", "scripts"}
 
 
 def layer_of(path: str) -> int:
@@ -96,7 +108,7 @@ def layer_of(path: str) -> int:
     for number, name in enumerate(LAYERS):
         if path == name or (name.endswith("/") and path.startswith(name)):
             return number
-    raise AssertionError(f"{path} is in no layer: add its folder to tests/test_layers.py's LAYERS")
+    raise AssertionError(f"{path} is in no layer: add its file or folder to tests/test_layers.py's LAYERS")
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -105,7 +117,36 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
             if layer_of(target) > layer_of(path)]
 
 
+def top_level() -> set[str]:
+    """The repo root's entries: git's (tracked and new, not ignored) where there is one, else the folder's own."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True)
+    if listed.returncode == 0 and listed.stdout.strip():
+        return {name.split("/")[0] for name in listed.stdout.splitlines() if (REPO / name).exists()}
+    ignored = {"out", "data", "hf", "wandb", ".git", "__pycache__", ".pytest_cache", ".ruff_cache"}  # runs' and tools'
+    return {path.name for path in REPO.iterdir() if path.name not in ignored}
+
+
 # ----------------------------------------------------------------------------- the repo as it is
+# The library packages still to dissolve into at most MORE_MODULES flat modules; this list only shrinks.
+NOT_YET_FLAT = {"prepare", "process", "training", "weights"}
+
+
+def test_the_top_level_is_the_cards():
+    entries = top_level()
+    packages = {name for name in entries if (REPO / name / "__init__.py").is_file()} - NOT_YET_FLAT
+    assert packages <= PACKAGES, f"package folders beside config/ and scripts/: {sorted(packages - PACKAGES)}"
+    modules = sorted(name for name in entries - CARD if name.endswith(".py"))
+    assert len(modules) <= MORE_MODULES, f"{len(modules)} modules beside the card's, at most {MORE_MODULES}: {modules}"
+    others = sorted(entries - CARD - BESIDE - set(modules) - packages)
+    assert not others, f"at the top level, beside the card's entries: {others}"
+
+
+def test_every_layer_is_in_the_repo():
+    """A layer whose file or folder went (dissolved into another) leaves LAYERS with it."""
+    assert [name for name in LAYERS if not (REPO / name).exists()] == []
+
+
 def test_every_file_of_the_project_has_a_layer():
     for path in project_files():
         layer_of(path)
@@ -124,22 +165,22 @@ def test_no_file_imports_from_a_layer_above_its_own():
 
 
 def test_the_graph_sees_the_imports_that_matter():
-    """The edges the checker must find, of each kind: a script's sibling, a package's module, a lazy import."""
+    """The edges the checker must find, in the repo (a script's sibling, the config package) and of every kind
+    (a package's module, a lazy import, a script run from its own folder)."""
     graph = import_graph(project_files())
     assert "scripts/bench.py" in graph["scripts/compare.py"]  # `from scripts.bench import parse_overrides`
-    assert "process/distributed.py" in graph["train.py"]  # `from process import distributed`
-    assert "weights/hf.py" in graph["weights/loading.py"]  # imported inside load_base, only for GPT-2's weights
-    assert "process/errors.py" in graph["prepare/tokenizers.py"]  # the bottom, from everywhere
-    assert graph["process/errors.py"] == set()
+    assert "config/__init__.py" in graph["train.py"]  # `from config import TrainConfig, ...`
+    kinds = {"pkg/__init__.py": "", "pkg/mod.py": "", "low.py": "", "tools/helper.py": "",
+             "top.py": "from pkg import mod\ndef later():\n    import low\n", "tools/run.py": "import helper\n"}
+    graph = import_graph(kinds)
+    assert graph["top.py"] == {"pkg/mod.py", "low.py"} and graph["tools/run.py"] == {"tools/helper.py"}
 
 
 # ----------------------------------------------------------------------------- the checker has teeth
-BACK_IMPORTS = {  # the import data.py must never gain, written three ways
-    "at the top": "from training.checkpoint import load_checkpoint\n",
-    "inside a function": ("def load():\n    from training.checkpoint import load_checkpoint\n"
-                          "    return load_checkpoint\n"),
-    "for annotations only": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                             "    from training.checkpoint import Checkpointer\n"),
+BACK_IMPORTS = {  # an import data.py must never gain (train.py imports data.py), written three ways
+    "at the top": "from train import get_lr\n",
+    "inside a function": "def schedule():\n    from train import get_lr\n    return get_lr\n",
+    "for annotations only": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from train import StepLosses\n",
 }
 
 
@@ -148,9 +189,15 @@ def test_a_back_import_is_caught_wherever_it_is_written(where):
     sources = project_files()
     mutated = {**sources, "data.py": sources["data.py"] + "\n" + BACK_IMPORTS[where]}
     graph = import_graph(mutated)
-    assert "data.py imports training/checkpoint.py, which is above it" in upward_imports(graph)
+    assert "data.py imports train.py, which is above it" in upward_imports(graph)
     cycle = find_cycle(graph)
-    assert cycle is not None and {"data.py", "training/checkpoint.py"} <= set(cycle) and cycle[0] == cycle[-1], cycle
+    assert cycle is not None and {"data.py", "train.py"} <= set(cycle) and cycle[0] == cycle[-1], cycle
+
+
+def test_the_core_importing_a_script_is_caught():
+    sources = project_files()
+    mutated = {**sources, "model.py": sources["model.py"] + "\nfrom scripts.bench import parse_overrides\n"}
+    assert "model.py imports scripts/bench.py, which is above it" in upward_imports(import_graph(mutated))
 
 
 def test_find_cycle_returns_the_cycle_as_a_path():

@@ -18,8 +18,10 @@ from conftest import REPO, TOOLS
 PATH_EDIT = re.compile(r"sys\.path\s*(\.(insert|append|extend)\(|\[[^\]]*\]\s*=|\+?=)")
 ORDER_SILENCED = re.compile(r"noqa:\s*E402")
 BY_FILE_PATH = re.compile(r"spec_from_file_location\(")
-# What a tool imports from the repo.
-CORE = ("model", "data", "train", "sample", "config", "process", "prepare", "training", "weights")
+# What a tool imports from the repo: the top-level modules and the packages beside scripts/ (config/).
+MODULES = sorted(path.stem for path in REPO.glob("*.py"))
+PACKAGES = sorted(path.parent.name for path in REPO.glob("*/__init__.py"))
+CORE = (*MODULES, *(name for name in PACKAGES if name != "scripts"))
 
 
 def python_files() -> list[Path]:
@@ -41,16 +43,16 @@ def test_no_file_edits_the_module_search_path_or_silences_the_import_order():
 def test_every_tool_is_a_module_of_a_package():
     """`python -m scripts.eval` needs scripts/ to be a package; a regular one, so that no `scripts` installed
     elsewhere on the path can merge into it (a namespace package would)."""
-    assert (REPO / "scripts" / "__init__.py").is_file() and (REPO / "dev" / "__init__.py").is_file()
-    assert {"scripts.eval", "scripts.doctor", "scripts.bench", "dev.gpu_check"} <= set(TOOLS)
+    assert (REPO / "scripts" / "__init__.py").is_file()
+    assert {"scripts.eval", "scripts.doctor", "scripts.bench", "scripts.gpu_check"} <= set(TOOLS)
 
 
 def test_the_tests_import_this_checkouts_modules():
-    for name in (*CORE, "scripts", "dev"):
+    for name in (*CORE, "scripts"):
         importlib.import_module(name)
     loaded = {name: module for name, module in sys.modules.items()
-              if name.split(".")[0] in (*CORE, "scripts", "dev") and getattr(module, "__file__", None)}
-    assert set(CORE) | {"scripts", "dev"} <= set(loaded)
+              if name.split(".")[0] in (*CORE, "scripts") and getattr(module, "__file__", None)}
+    assert set(CORE) | {"scripts"} <= set(loaded)
     elsewhere = {name: module.__file__ for name, module in loaded.items()
                  if not Path(module.__file__).resolve().is_relative_to(REPO)}
     assert not elsewhere, f"imported from outside {REPO}: {elsewhere}"
@@ -62,15 +64,15 @@ def another_checkout(tmp_path: Path) -> Path:
     for what `pip install -e` of another clone puts on the path (an editable install's finder is asked later still)."""
     other = tmp_path / "other-checkout"
     other.mkdir()
-    for name in ("model", "data", "train", "sample"):
+    for name in MODULES:
         (other / f"{name}.py").write_text(f"raise ImportError('the other checkout: {name}')\n")
-    for package in ("config", "process", "prepare", "training", "weights", "scripts", "dev"):
+    for package in PACKAGES:
         (other / package).mkdir()
         (other / package / "__init__.py").write_text(f"raise ImportError('the other checkout: {package}')\n")
     return other
 
 
-@pytest.mark.parametrize("tool", ["scripts.eval", "dev.gpu_check"])
+@pytest.mark.parametrize("tool", ["scripts.eval", "scripts.gpu_check"])
 def test_a_tool_run_as_a_module_imports_this_checkout_even_with_another_on_the_path(another_checkout, tool):
     env = os.environ | {"PYTHONPATH": str(another_checkout)}
     result = subprocess.run([sys.executable, "-m", tool, "--help"], cwd=REPO, env=env, capture_output=True, text=True,

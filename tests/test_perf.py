@@ -113,10 +113,10 @@ def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
 
 @pytest.mark.slow  # ~20 s: a worktree of HEAD and two benches per round, in fresh interpreters
 def test_versus_times_another_commit_and_this_checkout_in_alternating_rounds(tiny_cfg):
-    """dev.versus: each round runs both trees' benches one after the other, the order swapped every round, and the
+    """scripts.versus: each round runs both trees' benches one after the other, the order swapped every round, and the
     ratio is of the medians (HEAD against this checkout: the same code, so the same dtype and token count)."""
     cfg = tiny_cfg()
-    done = run_script("-m", "dev.versus", "HEAD", f"data_path={cfg.data_path}", f"data_dir={cfg.data_dir}",
+    done = run_script("-m", "scripts.versus", "HEAD", f"data_path={cfg.data_path}", f"data_dir={cfg.data_dir}",
                       "device=cpu", "--config", "tiny", "--steps", "2", "--rounds", "2", "--threads", "1")
     rounds = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("round")]
     assert rounds == ["round 1 HEAD", "round 1 this checkout", "round 2 this checkout", "round 2 HEAD"]

@@ -18,9 +18,9 @@ from conftest import REPO, make_text, run_script, tiny_model
 from prepare.tokenizers import CharTokenizer
 from model import GPT, GPTConfig, attention, visible_keys
 import sample as sample_module
-from sample import (Continuations, KVCache, NextTokenLogits, filter_logits, generate, main,
-                    next_token_probs,
+from sample import (Continuations, KVCache, NextTokenLogits, filter_logits, generate, main, next_token_probs,
                     pick_next, prompt_ids, unescape, window_start)
+from scripts import chat as chat_script
 
 NEG_INF = float("-inf")
 
@@ -520,12 +520,13 @@ def test_the_end_of_text_token_stops_a_bpe_model_unless_told_not_to(ckpt, monkey
     assert samples_of(ckpt, capsys, "--temp", "0", "--no-stop-at-eot") == [full]
 
 
-# ----------------------------------------------------------------------------- the prompt loop
-def test_interactive_loads_once_and_continues_each_line(ckpt):
-    result = subprocess.run([sys.executable, "sample.py", "--ckpt", str(ckpt), "--interactive", "--max-new-tokens",
-                             "20", "--temp", "0"], cwd=REPO, input="KING:\nQUEEN:\n", capture_output=True,
-                            text=True, timeout=120)
+# ----------------------------------------------------------------------------- scripts.chat on a text model
+def test_chat_script_on_a_text_model_loads_once_and_continues_each_line(ckpt):
+    result = subprocess.run([sys.executable, "-m", "scripts.chat", "--ckpt", str(ckpt), "--max-new-tokens", "20",
+                             "--temp", "0"], cwd=REPO, input="KING:\nQUEEN:\n", capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.startswith("# continuing each prompt")  # it says which of its two modes it is in
     samples = result.stdout.split("\n", 1)[1].split("-" * 40 + "\n")
     assert samples[0].startswith("KING:") and samples[1].startswith("QUEEN:") and samples[2] == ""
 
@@ -542,9 +543,9 @@ def feed(monkeypatch, lines: list) -> None:
     monkeypatch.setattr("builtins.input", fake_input)
 
 
-def test_interactive_multiline_prompts_end_at_an_empty_line(ckpt, monkeypatch, capsys):
+def test_multiline_prompts_end_at_an_empty_line(ckpt, monkeypatch, capsys):
     feed(monkeypatch, ["KING:", "the", "", "QUEEN:", ""])
-    main(["--ckpt", str(ckpt), "--interactive", "--multiline", "--max-new-tokens", "5", "--temp", "0", "--no-stream"])
+    chat_script.main(["--ckpt", str(ckpt), "--multiline", "--max-new-tokens", "5", "--temp", "0", "--no-stream"])
     samples = capsys.readouterr().out.split("\n", 1)[1].split("-" * 40 + "\n")
     assert samples[0].startswith("KING:\nthe") and samples[1].startswith("QUEEN:") and samples[2] == ""
 
@@ -561,15 +562,15 @@ def test_ctrl_c_while_generating_returns_to_the_prompt_and_at_the_prompt_quits(c
 
     monkeypatch.setattr(sample_module, "generate", interrupted_first)
     feed(monkeypatch, ["KING:", "QUEEN:", KeyboardInterrupt(), "never read"])
-    main(["--ckpt", str(ckpt), "--interactive", "--max-new-tokens", "5", "--temp", "0", "--no-stream"])
+    chat_script.main(["--ckpt", str(ckpt), "--max-new-tokens", "5", "--temp", "0", "--no-stream"])
     out = capsys.readouterr().out
     assert len(calls) == 2 and out.split("\n", 1)[1].split("-" * 40 + "\n")[1].startswith("QUEEN:")
     assert out.endswith("-" * 40 + "\n")  # nothing printed after Ctrl-C at the prompt
 
 
-def test_interactive_says_what_a_prompt_lacks_and_asks_again(ckpt, monkeypatch, capsys):
+def test_the_prompt_loop_says_what_a_prompt_lacks_and_asks_again(ckpt, monkeypatch, capsys):
     feed(monkeypatch, ["KING: €", "KING:"])
-    main(["--ckpt", str(ckpt), "--interactive", "--max-new-tokens", "3", "--temp", "0", "--no-stream"])
+    chat_script.main(["--ckpt", str(ckpt), "--max-new-tokens", "3", "--temp", "0", "--no-stream"])
     captured = capsys.readouterr()
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1
     assert captured.out.split("\n", 1)[1].startswith("KING:")

@@ -139,7 +139,7 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
 def use_threads(threads: int) -> int:
     """torch.set_num_threads(threads) unless 0 (torch's default: one per core); returns the count in force.
     Two jobs on a 2-core machine each want one: with torch's default both spin two OpenMP threads, and
-    each op waits at a barrier for a thread the other job has descheduled (docs/performance.md)."""
+    each op waits at a barrier for a thread the other job has descheduled (docs/notebook/performance.md)."""
     if threads > 0:
         torch.set_num_threads(threads)
     return torch.get_num_threads()

@@ -1,9 +1,12 @@
 """The repo's shape in numbers: what a reader must hold. From the repo root:
 
-    python -m dev.shape             # lines per file, train.py's project names, one step's path, the config
+    python -m scripts.shape         # lines per file, the core's, what `import train` loads, one step's path
 
-- lines: every .py outside tests/, per file and in all (wc -l);
+- lines: every .py outside tests/, per file and in all (wc -l); the five core files (model, data, train, sample,
+  config/__init__) together;
 - names: the project names train.py imports (at any depth: a lazy import counts);
+- modules: the project modules a fresh interpreter holds after `import train` and after `import sample` (the module
+  itself not counted), as sys.modules lists them;
 - the step: one optimizer step of `tiny` (lr, batches, forward, loss, backward, clip, update; its third, past warmup)
   traced with sys.setprofile from train.py's loop; every project function it enters counts whole, non-blank lines.
 """
@@ -11,8 +14,8 @@ from __future__ import annotations
 
 import sys
 
-if not __package__:  # run as a file, `python dev/shape.py`: its folder, not the repo, leads the module path
-    print("error: run it from the repo root as a module: python -m dev.shape", file=sys.stderr)
+if not __package__:  # run as a file, `python scripts/shape.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.shape", file=sys.stderr)
     sys.exit(2)
 
 import ast
@@ -27,6 +30,7 @@ from process.errors import TinyGPTError, exit_on
 
 ROOTS = ("get_lr", "train_step", "next")  # what train.py's loop calls for one step
 OUTSIDE = ("tests", "out", "data")
+CORE = ("model.py", "data.py", "train.py", "sample.py", "config/__init__.py")
 
 
 def python_files() -> list[Path]:
@@ -53,6 +57,14 @@ def imported_names(path: Path) -> list[str]:
         elif isinstance(node, ast.Import):
             names += [alias.name for alias in node.names if alias.name.split(".")[0] in ours]
     return names
+
+
+def modules_loaded(module: str) -> list[str]:
+    """The project modules a fresh interpreter holds after ``import module``, the module itself left out."""
+    code = f"import sys, {module}; print(*sorted(sys.modules))"  # in a child: this script's own imports stay out
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout.split()
+    return [name for name in loaded if name.split(".")[0] in project_modules() and name != module]
 
 
 def step_path(preset: str, optimizer: str) -> dict[str, set[tuple[str, int]]]:
@@ -122,10 +134,11 @@ def report(preset: str, optimizer: str) -> None:
     counts = line_counts()
     for name, n in sorted(counts.items()):
         print(f"{n:6d}  {name}")
-    first = sum(counts.get(name, 0) for name in ("model.py", "data.py", "train.py"))
-    print(f"{sum(counts.values()):6d}  Python outside tests ({len(counts)} files)")
-    print(f"{first:6d}  the first read: model.py + data.py + train.py")
-    print(f"{sum(n for name, n in counts.items() if name.startswith('config/')):6d}  config/")
+    largest = max(counts, key=counts.get)
+    print(f"{sum(counts.values()):6d}  Python outside tests ({len(counts)} files; the largest: {largest})")
+    print(f"{sum(counts.get(name, 0) for name in CORE):6d}  the five core files: {', '.join(CORE)}")
+    for module in ("train", "sample"):
+        print(f"{len(modules_loaded(module)):6d}  project modules `import {module}` loads")
     names = imported_names(REPO / "train.py")
     print(f"{len(names):6d}  project names train.py imports, from "
           f"{len({n.rsplit('.', 1)[0] for n in names})} modules")

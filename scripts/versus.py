@@ -1,20 +1,20 @@
 """This checkout's training step against another commit's, side by side: the two benches in alternating rounds.
 
-    python -m dev.versus b68b231 --config small --threads 1 --rounds 5     # tokens/s, each side's median, the ratio
-    python -m dev.versus b68b231 dtype=float32 --threads 1                  # KEY=VALUE overrides, among the flags
+    python -m scripts.versus main --config small --threads 1 --rounds 5   # tokens/s, each side's median, the ratio
+    python -m scripts.versus HEAD~1 dtype=float32 --threads 1              # KEY=VALUE overrides, among the flags
 
 Each round runs `python -m scripts.bench` once in each tree, one after the other (never at once: they would share the
 cores), the order swapped every round, so that a machine's drift falls on both alike; the other commit runs from a
 `git worktree` made for it in a temporary folder, reading this checkout's data/ cache. Every KEY=VALUE goes to both
-benches (scripts/bench.py's overrides). The ratio is of the medians of the
-rounds' tokens/s; their min and max are printed beside them.
+benches (scripts/bench.py's overrides). The ratio is of the medians of the rounds' tokens/s; their min and max are
+printed beside them.
 """
 from __future__ import annotations
 
 import sys
 
-if not __package__:  # run as a file, `python dev/versus.py`: its folder, not the repo, leads the module path
-    print("error: run it from the repo root as a module: python -m dev.versus", file=sys.stderr)
+if not __package__:  # run as a file, `python scripts/versus.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.versus", file=sys.stderr)
     sys.exit(2)
 
 import json

@@ -1,7 +1,7 @@
 """The GPU path, checked end to end in one command: train, DDP, resume, RNG on resume, sample.
 
-    python -m dev.gpu_check                        # a CUDA machine: gpt2 preset, bf16, compile; ~5 min
-    python -m dev.gpu_check --dry-run              # the same commands on CPU, tiny model; 1-2 min
+    python -m scripts.gpu_check                 # a CUDA machine: gpt2 preset, bf16, compile; ~5 min
+    python -m scripts.gpu_check --dry-run       # the same commands on CPU, tiny model; 1-2 min
 
 Each check runs the repo's own entry points (train.py, torchrun train.py, sample.py) in fresh
 processes, printing every command before it runs so that it can be rerun by hand, and reads what
@@ -12,7 +12,7 @@ writes the verdicts to OUT_DIR/results.json and exits 1 if any check failed.
   ddp       the same under torchrun on every local GPU (skipped with one GPU)
   resume    half the steps, then --resume to all of them: it continues at the saved step
   rng       dropout 0.1: the resumed run's losses and final random streams equal a straight run's
-            (a CUDA RNG state not restored on resume changes the dropout masks: issue 15, item 9)
+            (a CUDA RNG state not restored on resume changes the dropout masks)
   sample    sample.py from the train check's checkpoint
 
 --dry-run swaps in the tiny preset's shape, fp32, no compile, the char tokenizer and 2 CPU ranks
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import sys
 
-if not __package__:  # run as a file, `python dev/gpu_check.py`: its folder, not the repo, leads the module path
-    print("error: run it from the repo root as a module: python -m dev.gpu_check", file=sys.stderr)
+if not __package__:  # run as a file, `python scripts/gpu_check.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.gpu_check", file=sys.stderr)
     sys.exit(2)
 
 import json

@@ -1,0 +1,166 @@
+"""Talk to a checkpoint from the terminal, the model loaded once: a conversation with a chat model, or for any other
+model each prompt's continuation, streamed.
+
+    python -m scripts.chat --ckpt out/chat_small                      # a conversation: your turn a line
+    python -m scripts.chat --ckpt out/chat_small --system "Be brief." # a system prompt, kept however long the talk
+    python -m scripts.chat --ckpt out/small --max-new-tokens 200      # a text model: a prompt a line, continued
+    python -m scripts.chat --ckpt out/small --multiline               # a prompt is every line up to an empty one
+
+Which of the two follows from the checkpoint, and the first line says which: a model fine-tuned on conversations
+(docs/finetuning.md) has the chat markers and holds a conversation; any other continues each prompt as sample.py
+continues --prompt. Ctrl-D, or Ctrl-C at the prompt, quits. Generation, flags and the model's loading are sample.py's.
+"""
+from __future__ import annotations
+
+import sys
+
+if not __package__:  # run as a file, `python scripts/chat.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.chat", file=sys.stderr)
+    sys.exit(2)
+
+import argparse
+
+import torch
+
+import sample
+from config import CommandLine
+from model import GPT
+from prepare.chat import render
+from process.errors import ConfigError, DataError, TinyGPTError, exit_on
+
+
+# ----------------------------------------------------------------------------- reading the terminal
+def read_prompt(multiline: bool) -> str | None:
+    """The next prompt on stdin: a line, or with ``multiline`` the lines up to an empty one; None: quit (end of
+    input, or Ctrl-C at the prompt)."""
+    mark = "> " if sys.stdin.isatty() else ""  # a marker only for a person at a terminal
+    lines: list[str] = []
+    try:
+        while True:
+            line = input(mark if not lines else "")
+            if not multiline:
+                return line
+            if line == "" and lines:
+                return "\n".join(lines)
+            lines.append(line)
+    except EOFError:
+        return "\n".join(lines) if lines else None
+    except KeyboardInterrupt:
+        return None
+
+
+# ----------------------------------------------------------------------------- a text model: a prompt a line
+def continue_each(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:
+    """Prompt, streamed continuation (sample.py's), next prompt, until Ctrl-D or Ctrl-C at the prompt."""
+    while (text := read_prompt(args.multiline)) is not None:
+        try:
+            sample.sample(model, tokenizer, text, args, generator)
+        except DataError as err:  # a character the vocabulary lacks: say so, ask again
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # Ctrl-C while generating: this continuation ends here
+            print("\n" + "-" * 40, flush=True)
+
+
+# ----------------------------------------------------------------------------- a chat model: a conversation
+class Dialogue:
+    """A conversation held turn by turn, rendered to fit the context: when the prompt of the next reply and
+    ``room`` tokens for it would not fit in block_size, the oldest turns go first, never the system prompt
+    (``dropped`` counts them). A system prompt that leaves no room for a message is a ConfigError at the start."""
+
+    def __init__(self, tokenizer, block_size: int, room: int, system: str = ""):
+        self.tokenizer, self.block_size, self.room = tokenizer, block_size, room
+        self.system = [("system", system)] if system else []
+        self.turns: list[tuple[str, str]] = []  # (role, text)
+        self.dropped = 0
+        if system:  # refused now if not even a one-token message would fit beside it, at any turn
+            n = len(render(tokenizer, self.system))  # DataError: a character the vocabulary lacks
+            # a one-token message: its 3 markers and the token, as many as an empty one renders (<|begin|> is in n)
+            message = len(render(tokenizer, [("user", "")], reply=True))
+            if n > (most := block_size - room - message):
+                raise ConfigError(f"the system prompt is {n} tokens with its markers, and block_size {block_size} "
+                                  f"leaves room for {most} beside a message and a {room}-token reply; shorten --system")
+
+    def prompt(self, user: str) -> list[int]:
+        """The ids that ask for the assistant's reply to ``user``: the conversation, the oldest turns dropped
+        until it fits. A message the vocabulary cannot write, or too long even alone, is a DataError that leaves
+        the conversation as it was: only that turn is refused."""
+        limit = self.block_size - self.room
+        if len(alone := render(self.tokenizer, self.system + [("user", user)], reply=True)) > limit:
+            raise DataError(f"the message makes a prompt of {len(alone)} tokens with the conversation's markers"
+                            f"{' and the system prompt' if self.system else ''}, more than the {limit} the context "
+                            f"leaves beside a reply; say it shorter")
+        self.turns.append(("user", user))
+        while len(ids := render(self.tokenizer, self.system + self.turns, reply=True)) > limit:
+            self.turns.pop(0)  # ends at the last user turn at the latest: that alone fits
+            self.dropped += 1
+        return ids
+
+    def reply(self, text: str) -> None:
+        self.turns.append(("assistant", text))
+
+
+def open_dialogue(tokenizer, block_size: int, args: argparse.Namespace) -> Dialogue:
+    """The empty conversation: a reply may take up to half the context (or --max-new-tokens)."""
+    return Dialogue(tokenizer, block_size, min(args.max_new_tokens, block_size // 2), args.system)
+
+
+def converse(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:
+    """A conversation on stdin: each line is the user's turn, the assistant's reply is streamed until its
+    <|end|> (or any other marker: the model must not write the user's part), the oldest turns dropped as
+    the context fills (said once)."""
+    block_size, warned = model.config.block_size, False
+    dialogue = open_dialogue(tokenizer, block_size, args)
+    while (text := read_prompt(args.multiline)) is not None:
+        try:
+            prompt = dialogue.prompt(text)
+        except DataError as err:  # a character the vocabulary lacks, a message too long: say so, ask again
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            continue
+        if dialogue.dropped and not warned:
+            stays = "; the system prompt stays" if dialogue.system else ""
+            print(f"(the conversation and a {dialogue.room}-token reply no longer fit block_size {block_size}: the "
+                  f"oldest turns are dropped from now on{stays})", flush=True)
+            warned = True
+        reply = sample.Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()))
+        # --max-new-tokens caps a reply as it caps a sample (llama.cpp's max_tokens, the same request), and never past
+        # the rest of the window: a chat reply never slides it, so it never loses its own prompt.
+        cap = min(args.max_new_tokens, block_size - len(prompt))
+        shown = sample.continue_into(reply, model, [prompt], cap, args, generator, show=True)
+        print(reply.texts[0][shown:], flush=True)
+        dialogue.reply(reply.texts[0])
+
+
+# ----------------------------------------------------------------------------- command line
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--system", default="", help="a chat model's system prompt, kept however long the talk")
+    parser.add_argument("--multiline", action="store_true", help="a prompt is every line up to an empty line")
+    sample.add_sampling_flags(parser)
+    return sample.sampling_args(parser, argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        loaded = sample.load(args)
+        model, tokenizer = loaded.model, loaded.tokenizer
+        is_chat = hasattr(tokenizer, "marker_ids")  # a model fine-tuned on conversations
+        if is_chat:  # a system prompt the vocabulary cannot write or the context cannot hold: now, not at turn 1
+            open_dialogue(tokenizer, model.config.block_size, args)
+        elif args.system:
+            raise ConfigError(f"{loaded.source} has no chat markers, so no system prompt; fine-tune it on "
+                              f"conversations first (docs/finetuning.md) or drop --system")
+    except TinyGPTError as err:  # a bad checkpoint, config, device or system prompt: one line and its exit code
+        exit_on(err)
+    each = "up to an empty line" if args.multiline else "a line"
+    doing = (f"a conversation with {loaded.source}: your turn {each}; the oldest turns go when block_size "
+             f"{model.config.block_size} fills" if is_chat else
+             f"continuing each prompt with {loaded.source} (no chat markers): a prompt {each}; block_size "
+             f"{model.config.block_size}: past it the window slides")
+    print(f"# {doing}; Ctrl-D quits", flush=True)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
+    (converse if is_chat else continue_each)(model, tokenizer, args, generator)
+
+
+if __name__ == "__main__":
+    main()
