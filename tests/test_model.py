@@ -253,6 +253,16 @@ def test_a_bias_reaching_attention_is_never_dropped_by_a_causal_shortcut(monkeyp
     assert (full - plain[0]).abs().max() > 0.01 and (cached - plain[1]).abs().max() > 0.01
 
 
+def forward_on_every_path(model) -> None:
+    """Nine tokens through ``model`` whole, then through the KV cache: a prefill of 5, a decode step, a chunk of 3."""
+    idx = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))  # (1, 9)
+    cache = KVCache(model.config, 1)
+    with torch.no_grad():
+        model(idx)
+        for a, b in [(0, 5), (5, 6), (6, 9)]:
+            model(idx[:, a:b], cache=cache)
+
+
 def test_what_a_query_sees_is_built_once_per_forward_never_per_layer_or_at_build(monkeypatch):
     """Issue 56: `--block_size 100000` ate 17 GB before a line was printed: each layer built a block_size² mask at
     build time only to decide the causal shortcut. Now the model keeps nothing (T, T): a block_size of a million
@@ -269,17 +279,12 @@ def test_what_a_query_sees_is_built_once_per_forward_never_per_layer_or_at_build
     model = model_module.GPT(model_module.GPTConfig(vocab_size=50, block_size=10**6, n_layer=2, n_head=2, n_embd=8))
     assert calls == []  # before: 10^12 bools per layer (the allocation fails)
     assert max(t.numel() for t in [*model.parameters(), *model.buffers()]) == 10**6 * 8  # wpe, (block_size, C)
-    idx = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))  # (1, 9)
-    cache = KVCache(model.config, 1)
-    with torch.no_grad():
-        model(idx)
-        for a, b in [(0, 5), (5, 6), (6, 9)]:  # a prefill, a decode step, a chunk
-            model(idx[:, a:b], cache=cache)
+    forward_on_every_path(model)
     assert calls == [(0, 9), (0, 5), (5, 1), (6, 3)]
 
 
 def test_a_step_that_cannot_fit_in_memory_is_refused_before_anything_is_allocated(tmp_path, text_file, capsys):
-    """Issue 56: `--block_size 100000` printed nothing while its dtype probe and masks grew to 17 GB. A step whose
+    """`--block_size 100000` printed nothing while its dtype probe and masks grew to 17 GB. A step whose
     lower bound (model.step_bytes: activations, the (T, T) rule, CPU-bf16's scores) exceeds the device's memory is
     now one line, exit 2, saying how much it would take, before the corpus is prepared or the model built."""
     assert run_main(tiny_args(tmp_path / "out", text_file, block_size=10**7)) == 2
@@ -314,12 +319,7 @@ def test_the_default_model_gives_sdpa_the_causal_flag_not_a_mask(monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     model = tiny_model().eval()
-    idx = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))  # (1, 9)
-    cache = KVCache(model.config, 1)
-    with torch.no_grad():
-        model(idx)
-        for a, b in [(0, 5), (5, 6), (6, 9)]:  # a prefill, a decode step, a chunk
-            model(idx[:, a:b], cache=cache)
+    forward_on_every_path(model)
     assert calls == [(9, 9, True, True)] * 2 + [(5, 5, True, True)] * 2 + [(1, 6, True, False)] * 2 + \
         [(3, 9, False, False)] * 2  # two layers each
 
