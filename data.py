@@ -1,5 +1,6 @@
 """Data: what a training step touches. A corpus is tokenized once into a folder (train.bin, val.bin, meta.json;
-prepare/, ``python -m prepare --help``); here it is opened, memory-mapped and verified (``load_corpus``), and read:
+prepare.py, ``python -m scripts.prepare --help``); here it is opened, memory-mapped and verified (``load_corpus``),
+and read:
 by the training stream, an object whose ``next()`` is one micro-batch and whose ``state_dict()`` the checkpoint
 keeps, so a resume continues it exactly (``LOADERS``: random windows, or documents packed into rows that each begin
 at a document's start; one conversation a row for a chat corpus), and by fixed validation windows, so every eval
@@ -14,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prepare.chat import BEGIN, check_fit, chat_source, conversation_rows, is_chat, val_rows
-from process.errors import DataError
-from prepare.tokenfiles import open_verified
-from prepare.tokenizers import document_separator
+from config import DataError
+from prepare import open_verified
+from tokenizer import document_separator
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Corpus:
 
 
 def load_corpus(folder: Path, block_size: int) -> Corpus:
-    """Open a prepared corpus, every file verified against its meta.json (prepare/tokenfiles.py), and
+    """Open a prepared corpus, every file verified against its meta.json (prepare.py), and
     check it can feed a model with this context length: a damaged corpus is a one-line DataError, never
     a run. The splits are memory-mapped: a window reads only its own tokens."""
     meta, splits, fingerprints = open_verified(folder, block_size)
@@ -48,8 +48,8 @@ def load_corpus(folder: Path, block_size: int) -> Corpus:
 
 
 def corpus_for(cfg, base_tokenizer: dict | None = None) -> Corpus:
-    """The corpus a TrainConfig names, tokenized once into cfg.data_dir (prepare/corpora.py), then opened."""
-    from prepare.corpora import corpus_folder  # preparation: imported when a run needs it
+    """The corpus a TrainConfig names, tokenized once into cfg.data_dir (prepare.py), then opened."""
+    from prepare import corpus_folder  # preparation: imported when a run needs it
 
     return load_corpus(corpus_folder(cfg, base_tokenizer), cfg.block_size)
 
@@ -192,9 +192,9 @@ class PackedDocuments(TrainingStream):
 
 class Conversations(PackedDocuments):
     """One conversation a row, in a shuffled order (a new one each epoch), padded to the batch's longest; the
-    targets are the assistant's tokens only (prepare/chat.py: ``targets``), -1 elsewhere and in the padding.
+    targets are the assistant's tokens only (finetune.py: ``targets``), -1 elsewhere and in the padding.
 
-    The stream of a conversation corpus (prepare/chat.py), whatever cfg.loader says: a row never holds two
+    The stream of a conversation corpus (finetune.py), whatever cfg.loader says: a row never holds two
     conversations, so each token sees its own conversation from its start and nothing else. A conversation
     longer than block_size + 1 tokens is refused, or with cfg.chat_overflow="truncate" cut there (said once).
     """
@@ -203,11 +203,13 @@ class Conversations(PackedDocuments):
     def __init__(self, tokens: np.ndarray, cfg, seed: int, device: torch.device, tokenizer,
                  source: tuple[str, list[int]] = ("the train split", [])):
         """``source``: the file and the line of each conversation, for a refusal to name (meta.json's lines)."""
+        from finetune import BEGIN, check_fit  # chat code: imported by a chat run only
         self.tokenizer = tokenizer
         super().__init__(tokens, cfg, seed, device, tokenizer.marker_ids[BEGIN])
         check_fit(self.ends - self.starts, cfg.block_size, cfg.chat_overflow, source)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from finetune import conversation_rows
         rows = [self.next_document()[: self.block_size + 1] for _ in range(self.batch_size)]
         x, y = conversation_rows(rows, self.tokenizer, max(map(len, rows)) - 1)
         return x.to(self.device), y.to(self.device)
@@ -218,8 +220,14 @@ def eval_windows(corpus: Corpus, tokenizer, block_size: int, max_targets: int = 
     """The fixed val windows: val_windows over a text's tokens; for a chat corpus one conversation a row, block_size
     wide, scored on the assistant's tokens only (chat.val_rows)."""
     if is_chat(corpus):
+        from finetune import val_rows
         return val_rows(corpus, tokenizer, block_size, overflow)
     return val_windows(corpus.val, block_size, max_targets)
+
+
+def is_chat(corpus: Corpus) -> bool:
+    """A prepared corpus of conversations (prepare.prepare_conversations), not of text."""
+    return corpus.meta.get("format") == "conversations"
 
 
 def document_starts(tokens: np.ndarray, separator: int | None, chunk: int = 1 << 24) -> np.ndarray:
@@ -239,7 +247,8 @@ def training_stream(cfg, corpus: Corpus, tokenizer, rank: int, device: torch.dev
     """The loader cfg.loader names, over the train split, seeded cfg.seed + rank: each DDP rank its own batches.
     A corpus the loader cannot read is a one-line DataError naming the file and the fix."""
     if is_chat(corpus):
-        return Conversations(corpus.train, cfg, cfg.seed + rank, device, tokenizer, chat_source(corpus, "train"))
+        source = corpus.meta["source"], corpus.meta.get("lines", {}).get("train", [])  # for a refusal to name
+        return Conversations(corpus.train, cfg, cfg.seed + rank, device, tokenizer, source)
     try:
         return LOADERS[cfg.loader](corpus.train, cfg, cfg.seed + rank, device, document_separator(tokenizer))
     except DataError as err:

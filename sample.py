@@ -4,9 +4,9 @@
     python sample.py --ckpt out/small --prompt "ROMEO:" --num-samples 3 --top-k 40 --top-p 0.9
     python sample.py --prompt-file prompt.txt --temp 0 --no-stream
     python sample.py --ckpt out/small --prompt "ROMEO:" --stop "\\n\\n"   # one speech: stop at a blank line
-    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (weights/hf.py)
+    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself (checkpoint.py)
 
-The checkpoint carries the tokenizer, so nothing else is needed (weights/loading.py loads them). Reads
+The checkpoint carries the tokenizer, so nothing else is needed (checkpoint.py loads them). Reads
 top to bottom: choosing a token (filters, temperature) -> the context window and its KV cache -> the
 generation loop -> streaming text and stop strings -> the command line. A conversation, or a prompt per line
 with the model loaded once: python -m scripts.chat, which uses this file's generation and flags.
@@ -23,12 +23,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from config import CommandLine, field_help
-from process.errors import DataError, TinyGPTError, exit_on, fail
-from training.runtime import use_threads
-from weights.loading import Loaded, add_weights_flags, from_flags
-from process.distributed import pick_device
+from checkpoint import Loaded, add_weights_flags, from_flags
+from config import CommandLine, DataError, TinyGPTError, exit_on, fail, field_help
 from model import GPT, GPTConfig
+from runtime import pick_device, use_threads
 
 
 # ----------------------------------------------------------------------------- choosing a token
@@ -294,7 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load(args: argparse.Namespace) -> Loaded:
     """The model (eval mode, on --device) and tokenizer that --ckpt / --init_from name; a TinyGPTError if none."""
     use_threads(args.threads)  # train.py's --threads: two jobs on 2 cores, one each
-    return from_flags(args, pick_device(args.device))  # weights/loading.py: a checkpoint or pretrained weights
+    return from_flags(args, pick_device(args.device))  # checkpoint.py: a checkpoint or pretrained weights
 
 
 def read_prompt_file(path: str) -> str:

@@ -27,25 +27,32 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import data
-from config import TrainConfig, model_config, parse_args
+import runtime
+from checkpoint import Checkpointer, start_from
+from config import ConfigError, TrainConfig, exit_for, fail, model_config, parse_args
 from model import GPT
-from prepare import tokenizers
-from process import distributed, rundir
-from process.errors import ConfigError, exit_for, fail
-from training import lora
-from training.checkpoint import Checkpointer
-from training.faults import StopOnSignal, interrupt_until_the_loop, run_error
-from training.optim import NonFiniteGuard, build_optimizer, lr_at, refuse_unbuilt_choices
-from training.runtime import Runtime, choose_runtime, compile_for_step, refuse_what_cannot_fit, seed_everything
-from training.tracking import MetricsLog, check_wandb, describe_run
-from weights.loading import start_from
+from optim import NonFiniteGuard, build_optimizer, lr_at, refuse_unbuilt_choices
+from runtime import (
+    MetricsLog,
+    Runtime,
+    StopOnSignal,
+    check_wandb,
+    choose_runtime,
+    compile_for_step,
+    describe_run,
+    interrupt_until_the_loop,
+    refuse_what_cannot_fit,
+    run_error,
+    seed_everything,
+)
+from tokenizer import token_byte_lengths, tokenizer_from_meta
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs and targets, (B, T) each
 
 
 def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
     """The lr of ``step`` (0-based), ``time_s`` seconds into the run: the lr_decay entry's curve, whole
-    (training/optim.py: warmup, then the decay from learning_rate to min_lr as its clock runs)."""
+    (optim.py: warmup, then the decay from learning_rate to min_lr as its clock runs)."""
     return lr_at(step, cfg, time_s)
 
 
@@ -100,7 +107,7 @@ def accumulate_gradients(model: torch.nn.Module, batches: list[Batch], scaler: t
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, guard: NonFiniteGuard,
                    params: list[torch.Tensor], max_norm: float, step: int, objective: torch.Tensor) -> torch.Tensor:
-    """Unscale (fp16), clip, update, zero the gradients; a non-finite step is recorded (training/faults.py).
+    """Unscale (fp16), clip, update, zero the gradients; a non-finite step is recorded (runtime.py).
 
     Returns the pre-clip gradient norm as a tensor; ``step`` numbers the update as the log does.
     """
@@ -156,7 +163,7 @@ def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, b
         total += loss_sum.float()
         count += n
     model.train(was_training)
-    nats, tokens = distributed.all_reduce_sum(total).item(), distributed.all_reduce_sum(count).item()
+    nats, tokens = runtime.all_reduce_sum(total).item(), runtime.all_reduce_sum(count).item()
     bpb = nats / math.log(2) / n_bytes if n_bytes > 0 else math.nan
     return EvalResult(nats / tokens if tokens else math.nan, bpb, tokens)
 
@@ -166,8 +173,8 @@ def val_byte_count(y_val: torch.Tensor, tokenizer, device: torch.device) -> int:
 
     Padding (-1) counts nothing. Per-token lengths summed, never a decode of the split: cheap at any size.
     """
-    lengths = tokenizers.token_byte_lengths(tokenizer)  # (vocab_size,)
-    return int(distributed.all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
+    lengths = token_byte_lengths(tokenizer)  # (vocab_size,)
+    return int(runtime.all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
 
 
 @dataclass
@@ -183,27 +190,28 @@ class Run:
     model: GPT
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # active for fp16 only
-    guard: NonFiniteGuard  # records a non-finite step; the loop stops at its next sync (training/faults.py)
+    guard: NonFiniteGuard  # records a non-finite step; the loop stops at its next sync (runtime.py)
 
 
-def build_run(cfg: TrainConfig, rt: Runtime, ddp: distributed.Dist | None = None, pretrained=None) -> Run:
+def build_run(cfg: TrainConfig, rt: Runtime, ddp: runtime.Dist | None = None, pretrained=None) -> Run:
     """Seed -> data -> model -> optimizer, in this order wherever a run is built, so its numbers are the same."""
     refuse_unbuilt_choices(cfg)  # train() asked already; bench, the doctor and compare come straight here
     refuse_what_cannot_fit(cfg, rt)  # a step too big for the device's memory: one line, before any is allocated
-    ddp = ddp or distributed.Dist(device=rt.device)
+    ddp = ddp or runtime.Dist(device=rt.device)
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
-    with distributed.main_first(rt.device):  # rank 0 prepares the corpus, the others then read the cache
+    with runtime.main_first(rt.device):  # rank 0 prepares the corpus, the others then read the cache
         corpus = data.corpus_for(cfg, pretrained.tokenizer if pretrained is not None else None)
-    tokenizer = tokenizers.tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
+    tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"], Path(cfg.data_dir))
     x_val, y_val = (w.tensor_split(ddp.world_size)[ddp.rank]  # each rank scores its own shard
                     for w in data.eval_windows(corpus, tokenizer, cfg.block_size, cfg.eval_tokens, cfg.chat_overflow))
     stream = data.training_stream(cfg, corpus, tokenizer, ddp.rank, rt.device)  # draws from its own generator only
     model = GPT(model_config(cfg, corpus.vocab_size))
     if pretrained is not None:  # init_from: the imported weights, once their tokenizer is the corpus's
         model.load_state_dict(pretrained.weights_for(corpus.meta["tokenizer"], corpus.vocab_size))
-    if cfg.lora_rank:  # LoRA: the base frozen, only low-rank adapters beside it train (training/lora.py)
+    if cfg.lora_rank:  # LoRA: the base frozen, only low-rank adapters beside it train (finetune.py)
         markers = sorted(getattr(tokenizer, "marker_ids", {}).values())  # a chat corpus's: their rows train too
-        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, markers)
+        from finetune import add_adapters
+        add_adapters(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets, markers)
     model = model.to(rt.device)
     optimizer = build_optimizer(model, cfg, rt.device, rt.dtype)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
@@ -213,11 +221,11 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: distributed.Dist | None = None
 
 
 def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float,
-               ddp: distributed.Dist) -> tuple[bool, bool]:
+               ddp: runtime.Dist) -> tuple[bool, bool]:
     """(out of time, signalled) after ``step``. Every rank must stop on the same step (or the next
     collective hangs): they agree on log steps only, where the loop syncs anyway (distributed.agree)."""
     flags = cfg.out_of_time(time.time() - t_start), stop.requested
-    return distributed.agree(flags, ddp, now=step % cfg.log_interval == 0 or step == cfg.max_iters)
+    return runtime.agree(flags, ddp, now=step % cfg.log_interval == 0 or step == cfg.max_iters)
 
 
 def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
@@ -231,16 +239,16 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     """
     refuse_unbuilt_choices(cfg)  # a fork's name without its function: one line, before the folder or the data
     check_wandb(cfg)  # --wandb without wandb: the same, not an empty metrics.jsonl left behind
-    ddp = distributed.setup(cfg.device)  # a world of one on cfg.device without torchrun
-    with distributed.stop_together(ddp.device):  # refused on rank 0: every rank stops here
+    ddp = runtime.setup(cfg.device)  # a world of one on cfg.device without torchrun
+    with runtime.stop_together(ddp.device):  # refused on rank 0: every rank stops here
         if cfg.resume and ddp.is_main and not (Path(cfg.out_dir) / "last.pt").exists():  # before the corpus is made
             raise ConfigError(f"nothing to resume in {cfg.out_dir} (no last.pt); drop --resume to start a new run")
-        owner = rundir.claim(Path(cfg.out_dir), cfg.resume) if ddp.is_main else contextlib.nullcontext()
+        owner = runtime.claim(Path(cfg.out_dir), cfg.resume) if ddp.is_main else contextlib.nullcontext()
     with owner:  # released however the run ends (after a SIGKILL, by the kernel)
         return train_in_owned_folder(cfg, ddp, stop or StopOnSignal(install=False))
 
 
-def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnSignal) -> float:
+def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSignal) -> float:
     """train()'s body, once this process (rank 0 for a job) owns out_dir."""
     out_dir = Path(cfg.out_dir)
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
@@ -252,13 +260,13 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnS
     del pretrained  # its tensors now live in the model
     model, guard, device, dtype = run.model, run.guard, rt.device, rt.dtype
     checkpointer = Checkpointer(out_dir, cfg, run, ddp)  # out_dir made, a killed save's temp files removed
-    with distributed.stop_together(device):  # a rank that cannot read last.pt stops them all
+    with runtime.stop_together(device):  # a rank that cannot read last.pt stops them all
         step, time_before, best_val = checkpointer.resume() if cfg.resume else (0, 0.0, math.inf)
     train_model = compile_for_step(model, run.stream, rt)  # the model itself, unless compiled
-    step_model = distributed.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
-    distributed.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size,
+    step_model = runtime.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
+    runtime.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size,
                                     run.stream.full_rows))
-    with distributed.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
+    with runtime.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         done = step >= cfg.max_iters or cfg.out_of_time(time_before)  # a resumed run may have nothing left to do
         log = MetricsLog(out_dir, cfg, step, model, rt, ddp.world_size, enabled=ddp.is_main, tracked=not done)
     t_start = time.time() - time_before  # the run's clock: max_time and schedule=time span resumes
@@ -276,7 +284,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnS
             last = step == cfg.max_iters or out_of_time
             if step % cfg.log_interval == 0 or last:  # the only place a training step syncs
                 guard.raise_if_tripped()
-                per_target = {name: distributed.all_reduce_sum(total) / losses.n_targets  # "loss", then each aux term
+                per_target = {name: runtime.all_reduce_sum(total) / losses.n_targets  # "loss", then each aux term
                               for name, total in {"loss": losses.loss_sum, **losses.aux}.items()}
                 log.step(step, per_target, lr, grad_norm, time.time() - t_start)
             if step % cfg.eval_interval == 0 or last:
@@ -294,7 +302,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnS
             elif cfg.ckpt_interval and step % cfg.ckpt_interval == 0:
                 checkpointer.save(step, time.time() - t_start, best_val)
             if out_of_time:
-                distributed.print0(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
+                runtime.print0(f"max_time {cfg.max_time:g}s reached at step {step}; stopped cleanly")
                 break
         log.close()
         if signalled and step < cfg.max_iters:  # SIGINT/SIGTERM: save the finished step, exit 130/143
@@ -305,17 +313,17 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: distributed.Dist, stop: StopOnS
 
 
 def main(argv: list[str] | None = None) -> None:
-    """train.py's command line: each error is one line and its exit code (process/errors.py), once per job."""
+    """train.py's command line: each error is one line and its exit code (config.py), once per job."""
     try:
         with interrupt_until_the_loop():  # SIGTERM before the first step ends as Ctrl-C does: one line, no folder
             train(parse_args(argv), StopOnSignal())
-        distributed.teardown()  # not on errors: its barrier would wait for ranks that have failed
+        runtime.teardown()  # not on errors: its barrier would wait for ranks that have failed
         return
     except (Exception, KeyboardInterrupt) as err:
         ending = exit_for(run_error(err))  # Ctrl-C before the first step, a lost peer: the RunStopped they mean
         if ending is None:  # a bug: its traceback is the report
             raise
-    distributed.abandon()  # out here the traceback, which holds the DDP model, is already gone
+    runtime.abandon()  # out here the traceback, which holds the DDP model, is already gone
     fail(*ending)
 
 

@@ -5,20 +5,23 @@
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import difflib
 import functools
 import math
+import os
 import re
 import sys
 import tomllib
+import typing
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, NoReturn, get_args, get_origin, get_type_hints
 
 from model import GPTConfig
-from process.cli import CommandLine, add_flag, did_you_mean, parse_known, parse_typed, peek
-from process.errors import ConfigError
 
-PRESET_DIR = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parent.parent  # the checkout: its entry points, and data/ (the default data_dir)
+PRESET_DIR = REPO / "config"
 PRESETS = sorted(path.stem for path in PRESET_DIR.glob("*.toml"))
 RESUME_RULES = ("fixed", "warned", "free")
 
@@ -50,8 +53,8 @@ class TrainConfig(GPTConfig):
     resume: bool = free(False, "continue exactly from out_dir/last.pt")
     init_from: str = free("", "start from trained weights: a run of this repo (its folder or a .pt) | gpt2 | "
                           "gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 "
-                          'layout; "" = random init (weights/loading.py)')
-    # --- the corpus (python -m prepare's flags too; a resume checks the corpus itself: Corpus.record)
+                          'layout; "" = random init (checkpoint.py)')
+    # --- the corpus (python -m scripts.prepare's flags too; a resume checks the corpus itself: Corpus.record)
     dataset: str = free("shakespeare", "built-in corpus name; ignored when data_path is set")
     data_path: str = free("", "what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a "
                           ".parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)")
@@ -95,7 +98,7 @@ class TrainConfig(GPTConfig):
                                   "Stops cleanly, evals, saves")
     wandb: bool = free(False, "also log to Weights & Biases (offline unless logged in)")
     wandb_project: str = free("tinygpt", "wandb project name")
-    # --- fine-tuning (training/lora.py)
+    # --- fine-tuning (finetune.py)
     lora_rank: int = fixed(0, "LoRA (Hu et al. 2021): train rank-R adapters beside the frozen init_from; 0 = off")
     lora_alpha: float = fixed(16.0, "LoRA's scale is lora_alpha / lora_rank")
     lora_dropout: float = warned(0.0, "dropout on the adapters' input, while training")
@@ -213,7 +216,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def parse_lora_targets(text: str) -> tuple[str, ...]:
-    """"attn.c_attn,mlp.c_fc" -> the names (training/lora.py adapts them); ConfigError naming an unknown one."""
+    """"attn.c_attn,mlp.c_fc" -> the names (finetune.py adapts them); ConfigError naming an unknown one."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     unknown = ", ".join(name for name in names if name not in LORA_TARGETS)
     said = f"names {unknown}, which is not among" if unknown else "is empty; name one or more of"
@@ -292,7 +295,8 @@ def build_parser(preset: str | None = None, description: str | None = None) -> C
     parser = CommandLine(description=description or "Train a tiny GPT. Every config field below is a flag.")
     parser.add_argument("--config", default=None, help=f"a preset in config/ ({', '.join(PRESETS)}) or a .toml file")
     add_flags(parser, tuple(n for n in FIELD_TYPES if n not in MODEL_OPTIONS and n not in CORPUS_OPTIONS), preset)
-    add_flags(parser.add_argument_group("corpus options (python -m prepare takes them too)"), CORPUS_OPTIONS, preset)
+    corpus = parser.add_argument_group("corpus options (python -m scripts.prepare takes them too)")
+    add_flags(corpus, CORPUS_OPTIONS, preset)
     add_flags(parser.add_argument_group("model options (declared in model.py's GPTConfig)"), MODEL_OPTIONS, preset)
     return parser
 
@@ -303,3 +307,258 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if unknown:
         raise unknown_key(unknown, "the command line")
     return make_config(overrides.pop("config"), **overrides)
+
+
+# -----------------------------------------------------------------------------
+# Every error tinygpt reports to the user, each with the exit code it ends the process with.
+#
+# The exit codes, the one place they are defined (docs/reliability.md and the README's "What survives a
+# crash" repeat them):
+#
+#     code  cause                                                  what is on disk afterwards
+#     0     finished; or resumed a finished run (0 steps done)      last.pt of the final step
+#     2     bad config, data or checkpoint (caught before training); nothing written or overwritten
+#           out_dir or data_dir not a writable folder, or out_dir
+#           owned by another live run (runtime.py)
+#     3     non-finite loss or gradient; in fp16, max_skipped_steps  last.pt of the last save; no
+#           overflowed steps in a row                                non-finite value in any checkpoint
+#     74    a checkpoint could not be written (disk full, I/O), or   the previous last.pt/best.pt, intact
+#           out_dir/data_dir failed its write probe with an I/O error
+#     75    under torchrun: another rank died without a word         the last save, intact; --resume
+#           (SIGKILL, a crash), so this one stops too
+#     130   SIGINT (Ctrl-C): the current step finished, then saved   last.pt of that step; resume is exact
+#     143   SIGTERM (e.g. preemption): the same                      last.pt of that step; resume is exact
+#
+# 130 and 143 follow the shell's 128 + signal-number convention, so schedulers that requeue preempted
+# jobs recognise them; 74 is EX_IOERR and 75 EX_TEMPFAIL ("try again later") from sysexits.h. Under
+# torchrun, a rank that stops because another rank failed prints nothing and exits with that rank's
+# code (PeerFailed, raised by distributed.stop_together).
+#
+# Each error class carries its code (``exit_code``), so one failure has one code at every entry point:
+# each entry point ends an error through ``exit_for`` (its line, its code, the rank that prints it) and
+# ``fail`` (print and exit), usually both at once with ``exit_on``. This module is the bottom layer of
+# the import graph: it imports nothing of the project, so any module may import it.
+EXIT_BAD_INPUT = 2
+EXIT_NONFINITE = 3
+EXIT_WRITE_FAILED = 74
+EXIT_PEER_LOST = 75
+EXIT_INTERRUPTED = 130  # 128 + SIGINT; a SIGTERM's 143 is 128 + its number too (faults.StopOnSignal)
+
+
+class TinyGPTError(Exception):
+    """An error the user can act on: str() is one line that names the fix, ``exit_code`` the process's code
+    (the class's, unless given). Every error below is one, so an entry point catches this class alone and hands
+    it to exit_on."""
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class ConfigError(TinyGPTError, ValueError):
+    """A configuration mistake the user can fix; the message says how."""
+
+
+class DataError(TinyGPTError, ValueError):
+    """Bad or missing input data; the message names the file and what is wrong."""
+
+
+class CheckpointError(TinyGPTError, RuntimeError):
+    """A checkpoint that cannot be used; the message names the file."""
+
+
+class CheckpointWriteError(TinyGPTError, OSError):
+    """A checkpoint could not be written (disk full, I/O error); the previous file is intact."""
+    exit_code = EXIT_WRITE_FAILED
+
+
+class PathError(ConfigError):
+    """A folder the run cannot use. exit_code: 2 for a path to change (a file in the way, read-only, in use by
+    another run), 74 (EX_IOERR) for an I/O failure under a good path."""
+
+
+class HFError(ConfigError):
+    """Weights or a config that do not fit this model; the message names the key and the fix."""
+
+
+class RunStopped(TinyGPTError):
+    """Training stopped early on purpose (a signal, a non-finite step, a lost peer), with that stop's exit code."""
+
+
+class PeerFailed(TinyGPTError):
+    """Another rank failed and prints why; this one stops too, silently, with that rank's exit code."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(f"another rank failed (exit code {exit_code})", exit_code)
+
+
+# ----------------------------------------------------------------------------- optional packages
+# Each package a feature imports only when it is used: its pin, and the requirements file that installs it. The one
+# source of every "needs X: pip install ..." line (install_hint); tests/test_errors.py checks it against those files.
+OPTIONAL_PACKAGES = {
+    "rustbpe": ("rustbpe==0.1.0", "requirements.txt"),  # --tokenizer bpe
+    "scipy": ("scipy==1.17.1", "requirements-dev.txt"),  # scripts/compare.py's t-test
+    "pyarrow": ("pyarrow==26.0.1", "requirements-dev.txt"),  # .parquet corpora
+    "gguf": ("gguf==0.19.0", "requirements-interop.txt"),  # scripts/export_gguf.py
+    "lm_eval": ("lm_eval==0.4.13", "requirements-interop.txt"),  # scripts/harness.py
+    "wandb": ("wandb==0.31.0", "requirements-interop.txt"),  # --wandb
+}
+
+
+def install_hint(package: str) -> str:
+    """How to install an optional package: its pinned version alone, or the requirements file that holds it."""
+    pin, requirements = OPTIONAL_PACKAGES[package]
+    return f"pip install {pin} (or pip install -r {requirements})"
+
+
+# ----------------------------------------------------------------------------- the one way out
+def reporting_rank(err: BaseException | None) -> int | None:
+    """This rank's number if it must print ``err``; None if rank 0 prints the same error for the job.
+
+    Rank 0 prints its errors. Another rank prints only an error that distributed.stop_together found on it
+    and on no lower rank (a file missing on its node only), which carries that rank as ``reporting_rank``;
+    any other is one every rank raises alike (bad arguments or config, a stop the ranks agreed on). RANK is
+    torchrun's (0 without torchrun), so this is readable before distributed.setup().
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    return rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None
+
+
+def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
+    """How the process ends on ``err``: (its one line, the exit code, the rank that prints it, None for
+    none), or None for an error that is a bug, whose traceback is the report."""
+    if isinstance(err, PeerFailed):  # another rank failed and prints why: this one stops silently
+        return "", err.exit_code, None
+    if isinstance(err, TinyGPTError):
+        return str(err), err.exit_code, reporting_rank(err)
+    return None
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT, rank: int | None = 0) -> NoReturn:
+    """Print a one-line error for the user and exit; no traceback. Under torchrun, ``rank`` is the rank printing
+    it: a rank other than 0 names itself, and None exits silently (rank 0 prints it for the job)."""
+    if rank is not None:
+        print(f"rank {rank}: error: {message}" if rank else f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def exit_on(err: BaseException) -> NoReturn:
+    """End the process on ``err`` as exit_for says: its line and its code; a bug is raised again, traceback
+    and all. What every entry point's main() calls with the errors it catches."""
+    ending = exit_for(err)
+    if ending is None:
+        raise err
+    fail(*ending)
+
+
+# -----------------------------------------------------------------------------
+# Command lines with train.py's manners, for every entry point, and help that comes from the code.
+#
+# A mistake is one line and exit 2 (``CommandLine``: ``error: unknown flag `--tmp`; did you mean `--temp`?``),
+# never argparse's usage block, and the usage names the command the user typed (``python -m scripts.eval``).
+# config/__init__.py makes train.py's flags (and python -m scripts.prepare's corpus flags) with ``add_flag`` and types
+# their values with ``parse_typed``.
+def did_you_mean(word: str, known: list[str], what: str) -> str:
+    """The end of an unknown-name error: the closest known name, or where to find them all."""
+    close = difflib.get_close_matches(word, known, n=1)
+    return f"; did you mean `{close[0]}`?" if close else f"; run with --help to list every {what}"
+
+
+BOOL_WORDS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
+
+
+def type_name(kind: Any) -> str:
+    """What --help and errors call a field's type (int, float, bool or str): a Literal's values are str."""
+    return "str" if typing.get_origin(kind) is typing.Literal else kind.__name__
+
+
+def parse_typed(name: str, kind: Any, raw: Any) -> Any:
+    """A TOML or command-line value as the type ``kind`` (int, float, bool, str or a Literal of str), or a
+    ConfigError naming the field ``name``. A Literal's values are checked by the caller (config.validate)."""
+    expected = type_name(kind)
+    try:
+        if expected == "bool":
+            return raw if isinstance(raw, bool) else BOOL_WORDS[str(raw).lower()]
+        if expected in ("int", "float") and isinstance(raw, bool):  # True is 1 to Python, never to a user
+            raise ValueError
+        if expected == "int":
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError
+            return int(raw.replace("_", "")) if isinstance(raw, str) else int(raw)
+        return float(raw) if expected == "float" else str(raw)
+    except (KeyError, ValueError):
+        raise ConfigError(f"{name} must be {expected}, got {raw!r}") from None
+
+
+def add_flag(parser: Any, name: str, kind: Any, help: str) -> None:
+    """``--name`` (and ``--na-me`` for ``na_me``) on a parser or one of its groups, for a field of type ``kind``:
+    its text is kept for parse_typed and it is absent unless given (argparse.SUPPRESS); a bool stands alone
+    (``--resume``) or takes a value (``--resume false``); a Literal's values are its metavar."""
+    flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    is_bool, choices = type_name(kind) == "bool", typing.get_args(kind)
+    parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, nargs="?" if is_bool else None,
+                        const="true" if is_bool else None, help=help,
+                        metavar="{" + ",".join(choices) + "}" if choices else type_name(kind).upper())
+
+
+def peek(argv: list[str] | None, flag: str) -> str | None:
+    """The value ``flag`` has in ``argv`` (None if absent), read before the full parse (whose --help may need it)."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument(flag, dest="value", default=None)
+    return early.parse_known_args(argv)[0].value
+
+
+def parse_known(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[dict[str, Any], str | None]:
+    """The values of the flags ``parser`` knows, and the name of the first one it does not (``--max_iter=5``:
+    ``max_iter``) or None; a stray word that is no flag is a ConfigError."""
+    args, unknown = parser.parse_known_args(argv)
+    word = next((word for word in unknown if word.startswith("-")), unknown[0] if unknown else None)
+    if word is not None and not word.startswith("-"):
+        raise ConfigError(f"unexpected argument `{word}`")
+    return vars(args), word and word.lstrip("-").split("=")[0]
+
+
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help, except where the help already says what its default means
+    (``(default: newest out/**/best.pt)``) or X would print as nothing: never two defaults, never an empty one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if re.search(r"\(default|default:", text) or action.default in (None, ""):
+            return text
+        return super()._get_help_string(action)
+
+
+def typed_command() -> str:
+    """The command that started this process, as the user typed it: ``python -m scripts.eval`` for a module
+    (argparse would say ``eval.py``, which runs nothing: the scripts import the repo as a package), else the
+    script's name as argparse gives it (``train.py``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return f"python -m {spec.name.removesuffix('.__main__')}"  # python -m pkg runs pkg.__main__
+    return os.path.basename(sys.argv[0])
+
+
+class CommandLine(argparse.ArgumentParser):
+    """argparse with train.py's manners, for every other entry point: a mistake is one line and exit 2."""
+
+    def __init__(self, **kwargs: Any):
+        kwargs.setdefault("formatter_class", DefaultsOnce)
+        kwargs.setdefault("prog", typed_command())
+        super().__init__(allow_abbrev=False, **kwargs)  # an abbreviation that later grows ambiguous breaks scripts
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's signature
+        # intermixed: positionals may stand between flags (bench's `dtype=float32 --threads 1 compile=on`)
+        parsed, unknown = self.parse_known_intermixed_args(args, namespace)
+        flag = next((u.split("=")[0] for u in unknown if u.startswith("-")), None)
+        if flag is not None:
+            known = [s for action in self._actions for s in action.option_strings]
+            self.error(f"unknown flag `{flag}`" + did_you_mean(flag, known, "flag"))
+        if unknown:
+            self.error(f"unexpected argument `{unknown[0]}`; run with --help to list every flag")
+        return parsed
+
+    def error(self, message: str) -> NoReturn:  # argparse calls this for bad values and missing arguments too
+        fail(message)  # exit 2, as for any bad input

@@ -32,15 +32,20 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from config import CommandLine, ConfigError, TrainConfig, make_config
-from process.rundir import check_writable
-from process.errors import TinyGPTError, exit_on
-from process.distributed import pick_device
-from training.checkpoint import dtype_name
-from training.runtime import choose_runtime, compile_for_step, matmul_gflops, threads_text, use_threads
-from training.optim import refuse_unbuilt_choices
+from checkpoint import start_from
+from config import CommandLine, ConfigError, TinyGPTError, TrainConfig, exit_on, make_config
+from optim import refuse_unbuilt_choices
+from runtime import (
+    check_writable,
+    choose_runtime,
+    compile_for_step,
+    dtype_name,
+    matmul_gflops,
+    pick_device,
+    threads_text,
+    use_threads,
+)
 from train import Run, build_run, get_lr, train_step
-from weights.loading import start_from
 
 PHASES = ("data", "step")  # drawing the batches; train.train_step (forward, backward, clip, update)
 
@@ -305,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         configs = {name: make_config(args.config, out_dir="out/bench", **o) for name, o in overrides.items()}
         labels = {"A": " ".join(args.overrides), "B": " ".join(args.overrides + [args.vs or ""])}
         benches = [build(f"{name}: {args.config} {labels[name]}".strip(), cfg) for name, cfg in configs.items()]
-    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (config.py)
         exit_on(err)
     results = run(benches, args.steps, args.warmup, rounds)
     for b, result in zip(benches, results):

@@ -23,10 +23,9 @@ import argparse
 import torch
 
 import sample
-from config import CommandLine
+from config import CommandLine, ConfigError, DataError, TinyGPTError, exit_on
 from model import GPT
-from prepare.chat import render
-from process.errors import ConfigError, DataError, TinyGPTError, exit_on
+from tokenizer import render
 
 
 # ----------------------------------------------------------------------------- reading the terminal

@@ -31,16 +31,22 @@ from typing import Any
 import torch
 
 import train
-from config import DEFAULTS, CommandLine, ConfigError, TrainConfig, make_config
-from prepare.corpora import corpus_source
-from process import REPO
-from process.errors import TinyGPTError, exit_on, fail, install_hint
-from process.files import atomic_write_text
+from checkpoint import from_checkpoint, git, git_state, read_config
+from config import (
+    DEFAULTS,
+    REPO,
+    CommandLine,
+    ConfigError,
+    TinyGPTError,
+    TrainConfig,
+    exit_on,
+    fail,
+    install_hint,
+    make_config,
+)
+from prepare import corpus_source
+from runtime import RunStopped, StopOnSignal, atomic_write_text, choose_runtime, dtype_name, use_threads
 from scripts.bench import parse_overrides
-from training.checkpoint import dtype_name, git, git_state, read_config
-from training.faults import RunStopped, StopOnSignal
-from training.runtime import choose_runtime, use_threads
-from weights.loading import from_checkpoint
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
 OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command", "schedule": "--steps/--time",

@@ -32,19 +32,15 @@ from typing import Callable
 import numpy as np
 import torch
 
+import finetune
 import train
-from training.checkpoint import dtype_name, load_checkpoint
-from config import TrainConfig, parse_args
+from checkpoint import load_checkpoint, start_from
+from config import TinyGPTError, TrainConfig, exit_on, parse_args
 from data import PackedDocuments
-from training import lora
-from training.faults import RunStopped
-from training.optim import NonFiniteGuard, refuse_unbuilt_choices
 from model import GPT
-from training.tracking import summary
-from training.runtime import choose_runtime, compile_for_step
-from prepare.tokenizers import tokenizer_from_meta
-from process.errors import TinyGPTError, exit_on
-from weights.loading import start_from
+from optim import NonFiniteGuard, refuse_unbuilt_choices
+from runtime import RunStopped, choose_runtime, compile_for_step, dtype_name, summary
+from tokenizer import tokenizer_from_meta
 
 # Allowed gap between the first loss and ln(vocab), as a fraction of ln(vocab). A 0.02-std init gives
 # logits of variance ~0.02² · n_embd, which adds about half that: 0.03 nats for small, 0.15 for gpt2.
@@ -350,7 +346,7 @@ def check_tied(model: torch.nn.Module) -> Check:
     """Token embedding and output head are one Parameter with one storage (after .to() and compile)."""
     inner = getattr(model, "_orig_mod", model)  # torch.compile keeps the real module here
     wte, head = inner.transformer.wte, inner.lm_head
-    if isinstance(wte, lora.TrainedRows):  # LoRA's trained rows (a chat's markers) wrap the frozen tied weight
+    if isinstance(wte, finetune.TrainedRows):  # LoRA's trained rows (a chat's markers) wrap the frozen tied weight
         wte, head = wte.embedding, head.rows.head
     wte, head = wte.weight, head.weight
     same_param, same_storage = wte is head, wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()

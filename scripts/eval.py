@@ -29,20 +29,14 @@ from pathlib import Path
 
 import torch
 
-from config import CommandLine, ConfigError, field_help
 import data
-from data import Corpus, DataError, corpus_for, load_corpus, val_windows
-from prepare.chat import is_chat
-from prepare.corpora import prepared_splits, source_fingerprint
-from prepare.documents import is_document_corpus
-from prepare.tokenfiles import is_tokenized_folder
-from prepare.tokenizers import data_home, without_chat
-from weights.loading import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_pretrained
-from training.checkpoint import dtype_name
-from training.runtime import choose_runtime
+from checkpoint import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_pretrained
+from config import CommandLine, ConfigError, TinyGPTError, exit_on, field_help
+from data import Corpus, DataError, corpus_for, is_chat, load_corpus, val_windows
+from prepare import is_document_corpus, is_tokenized_folder, prepared_splits, read_text_file, source_fingerprint
+from runtime import choose_runtime, dtype_name
+from tokenizer import data_home, without_chat
 from train import evaluate, val_byte_count
-from prepare.texts import read_text_file
-from process.errors import TinyGPTError, exit_on
 
 PROGRESS_BATCHES = 20  # show a progress bar (on stderr) from this many batches on
 PRETRAINED_BATCH = 8  # windows per forward for pretrained weights, which have no run's batch_size (GPT-2's: 1,024)
@@ -187,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         rt = choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
         loaded.model.to(rt.device)
         x, y, data, runs = eval_windows(loaded, args.data_path, args.eval_tokens)
-    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (config.py)
         exit_on(err)
     batch_size = args.batch_size or (loaded.cfg.batch_size if loaded.step is not None else PRETRAINED_BATCH)
     if not args.json:  # what is scored, before the scoring (minutes for a large split, with its bar on stderr)

@@ -31,7 +31,7 @@ context_rows(block_size) positions, at least CONTEXT_ROWS (llama-cpp-python's de
 Within them a request never crashes a runner, and one past them is refused (llama-cpp-python: context_length_exceeded);
 what the model writes past block_size is near noise, as the docs measure.
 
-A chat model (a ChatTokenizer: prepare/chat.py's markers after its base's ids) carries its conversation format as
+A chat model (a ChatTokenizer: finetune.py's markers after its base's ids) carries its conversation format as
 runners read it: the markers are CONTROL tokens (llama.cpp makes them from a rendered template, never from a user's
 text), <|end|> is the end of a turn (eos and eot: llama.cpp ends a reply there, llama-cpp-python's template formatter
 stops at it), and tokenizer.chat_template is the transformers export's template (hf_tokenizer.chat_template).
@@ -49,15 +49,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import CommandLine
+from checkpoint import LAYER_NORM_EPS, WPE, WTE, find_checkpoint, from_checkpoint, gpt2_refusals, is_transposed
+from config import CommandLine, HFError, TinyGPTError, exit_on, fail, install_hint
+from finetune import BEGIN
 from model import GPT
-from prepare.chat import BEGIN, END
-from prepare.tokenizers import EOT_TEXT, ChatTokenizer
-from process.errors import HFError, TinyGPTError, exit_on, fail, install_hint
-from process.files import written_whole
-from weights.hf import LAYER_NORM_EPS, WPE, WTE, check_output, gpt2_refusals, is_transposed, to_hf
-from weights.hf_tokenizer import BYTE_TEXT, bpe_merges, bpe_tokens, byte_text, chat_template
-from weights.loading import find_checkpoint, from_checkpoint
+from runtime import written_whole
+from scripts.export_hf import bpe_tokens, chat_template, check_output, to_hf
+from tokenizer import BYTE_TEXT, END, EOT_TEXT, ChatTokenizer, bpe_merges, byte_text
 
 ARCH = "gpt2"  # llama.cpp's LLM_ARCH_GPT2
 DTYPES = ("f32", "f16", "q8_0")  # how the 2-D weights are stored; norms and biases stay f32
@@ -144,7 +142,7 @@ def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
 # ----------------------------------------------------------------------------- the tokenizer
 def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
     """(token names in id order, merges) of the tokenizer as llama.cpp's byte-level BPE: a tiktoken BPE (GPT-2's or
-    our own) as the Hugging Face export names it (weights/hf_tokenizer.py); a char list one token per character,
+    our own) as the Hugging Face export names it (tokenizer.py); a char list one token per character,
     named by its UTF-8 bytes, with each multi-byte character's merges, prefix first, then <|endoftext|> (the end token
     llama.cpp needs). A chat tokenizer: its base's, then the markers under their own text (CONTROL tokens: llama.cpp
     matches them only in a rendered template)."""
@@ -213,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         run_name = Path(path).resolve().parent.name
         out = Path(args.out) / f"{run_name}.gguf" if Path(args.out).is_dir() else Path(args.out)
         check_output(out, "output folder", ".gguf")
-    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (config.py)
         exit_on(err)
     try:
         import gguf  # noqa: F401 - only to say how to get it before a checkpoint is loaded

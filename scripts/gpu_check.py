@@ -40,11 +40,9 @@ from typing import Any
 
 import torch
 
-from training.checkpoint import CheckpointError, load_checkpoint
-from config import CommandLine
-from process import REPO
-from process.rundir import check_writable
-from process.errors import TinyGPTError, exit_on
+from checkpoint import CheckpointError, load_checkpoint
+from config import REPO, CommandLine, TinyGPTError, exit_on
+from runtime import check_writable
 
 TINY = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
         "--dtype", "float32", "--compile", "off", "--tokenizer", "char", "--device", "cpu")  # config/tiny.toml
@@ -237,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
     try:
         check_writable(args.out_dir, "--out_dir", f".gpu_check-probe-{os.getpid()}")
-    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (config.py)
         exit_on(err)
     plan = make_plan(args)
     marker = plan.out / ".written_by_gpu_check"  # never delete runs this script did not make

@@ -26,16 +26,13 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-from config import CommandLine, ConfigError, field_help
+import checkpoint
+from checkpoint import add_weights_flags, from_flags
+from config import REPO, CommandLine, ConfigError, TinyGPTError, exit_on, fail, field_help, install_hint
 from data import DataError
-from weights import hf
 from model import GPT
-from process import REPO
-from process.distributed import pick_device
-from weights.loading import add_weights_flags, from_flags
+from runtime import atomic_write_text, pick_device
 from sample import generate
-from process.errors import TinyGPTError, exit_on, fail, install_hint
-from process.files import atomic_write_text
 
 try:
     import lm_eval
@@ -174,7 +171,7 @@ def check_tasks(names: list[str]) -> None:
     """ConfigError at once, not after a minute of retries, for a task that needs the hub when it cannot be reached
     (checked first: indexing the harness's tasks takes seconds), or that neither the harness nor LOCAL_TASKS has."""
     remote = [name for name in names if name not in LOCAL_TASK_NAMES]
-    if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := hf.hub_unreachable("gpt2")):
+    if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := checkpoint.hub_unreachable("gpt2")):
         raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need their "
                           "data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
     unknown = [name for name in names if name not in task_manager(names).all_tasks]
@@ -202,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         loaded = from_flags(args, pick_device(args.device))
         lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
         results = evaluate_tasks(lm, names, args)
-    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (config.py)
         exit_on(err)
     stem = "harness-" + "+".join(names)  # by default in the checkpoint's run folder; pretrained weights: out/harness/
     output = Path(args.output or (Path("out", "harness", f"{Path(loaded.source).name}-{stem}.json")

@@ -28,9 +28,8 @@ import matplotlib
 import matplotlib.pyplot as plt
 from matplotlib.backend_bases import FigureCanvasBase
 
-from config import CommandLine
-from process.rundir import check_writable
-from process.errors import DataError, TinyGPTError, exit_on
+from config import CommandLine, DataError, TinyGPTError, exit_on
+from runtime import check_writable
 
 matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import
 

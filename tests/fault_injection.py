@@ -26,13 +26,13 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from training import runtime
-from training import checkpoint
+import checkpoint
 import data
+import runtime
 import train
-from process.distributed import env_rank
 from data import DataError
 from model import GPT
+from runtime import env_rank
 
 AS_A_SCRIPT = ("-m", "tests.fault_injection")  # python's arguments that run this file's main, from the repo root
 
@@ -196,6 +196,9 @@ class StepClock:
 
     def time(self) -> float:
         return self.now
+
+    def __getattr__(self, name: str):  # the rest of the time module (strftime, monotonic, ...) as it is
+        return getattr(time, name)
 
 
 def step_clock(monkeypatch: pytest.MonkeyPatch, step_s: float, eval_s: float = 0.0) -> StepClock:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TOOLS, entry_point, interop_if, make_text, run_main, tiny_args, tiny_run
 
 import train
-from conftest import TOOLS, entry_point, interop_if, make_text, run_main, tiny_args, tiny_run
 from config import make_config
-from prepare.corpora import prepare
-from prepare.__main__ import main as prepare_main
+from prepare import prepare_corpus
+from scripts.prepare import main as prepare_main
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_config_mistakes_fail_before_any_file_is_written(tmp_path, text_file, ca
 
 
 def prepared(text_file: Path) -> Path:
-    return prepare(data_path=str(text_file), data_dir=str(text_file.parent / "data"))
+    return prepare_corpus(data_path=str(text_file), data_dir=str(text_file.parent / "data"))
 
 
 def break_split(folder: Path, how: str) -> Path:
@@ -76,7 +76,7 @@ def test_bad_data_fails_before_the_model_is_built(tmp_path, text_file, capsys, n
     assert case not in texts or list(tmp_path.glob("data/*")) == []  # refused from its text: no corpus prepared
 
 
-@pytest.mark.parametrize("entry_point", ["train.py", "prepare"])
+@pytest.mark.parametrize("entry_point", ["train.py", "scripts.prepare"])
 def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry_point):
     ten = tmp_path / "ten.txt"
     ten.write_text("0123456789")  # 9 train + 1 val characters: not one window, whatever the block_size
@@ -102,7 +102,7 @@ def test_a_resume_with_nothing_to_resume_is_refused_before_the_corpus_is_prepare
 
 
 # Every entry point but train.py and doctor.py (whose config parser has its own tests), new scripts included.
-ENTRY_POINTS = ["sample.py", "prepare"] + [tool for tool in TOOLS if tool != "scripts.doctor"]
+ENTRY_POINTS = ["sample.py"] + [tool for tool in TOOLS if tool != "scripts.doctor"]
 REQUIRED_ARGS = {"scripts.plot": ["x.jsonl"], "scripts.export_hf": ["run", "folder"],
                  "scripts.export_gguf": ["run", "x.gguf"],
                  "scripts.harness": ["--tasks", "x"]}
@@ -137,7 +137,7 @@ BAD_INPUTS = {
         (["--ckpt", "{run}", "--device", "tpu"], "unknown device `tpu`"),
         (["--ckpt", "{run}", "--max-new-tokens", "-1"], "--max-new-tokens >= 0"),
     ],
-    "prepare": [
+    "scripts.prepare": [
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--num_proc", "-1"], "--num_proc >= 0"),
         (["--val_fraction", "1"], "val_fraction must be in (0, 1)"),

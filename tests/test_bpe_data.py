@@ -11,16 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from prepare import documents
-import train
 from conftest import make_text, read_metrics, tiny_args
+
+import prepare
+import train
 from data import DataError, val_windows
-from prepare.corpora import prepare
-from prepare.tokenfiles import is_val
-from prepare.tokenizers import GPT2Tokenizer, GPT2_EOT
+from prepare import is_val, prepare_corpus
 from scripts import doctor
 from scripts import eval as eval_script
+from tokenizer import GPT2_EOT, GPT2Tokenizer
 
 pytestmark = pytest.mark.network  # may download the openai-whisper sdist (once per module)
 DOCS = [make_text(n_lines=8 + i, seed=i) for i in range(12)]
@@ -83,7 +82,7 @@ def test_val_documents_are_spread_and_counted_exactly(fraction, n, val_indices):
 
 
 def test_jsonl_corpus_has_eot_before_each_document_and_every_tenth_in_val(tmp_path, cache, tok):
-    folder = prepare(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), tokenizer="gpt2",
+    folder = prepare_corpus(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), tokenizer="gpt2",
                      data_dir=str(cache), val_fraction=0.1, num_proc=2)
     expected = {"train": [], "val": []}
     for i, text in enumerate(DOCS):
@@ -97,19 +96,19 @@ def test_jsonl_corpus_has_eot_before_each_document_and_every_tenth_in_val(tmp_pa
 
 
 def test_folder_equals_jsonl_whatever_the_workers_and_batches(tmp_path, cache, monkeypatch):
-    from_jsonl = prepare(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), tokenizer="gpt2",
+    from_jsonl = prepare_corpus(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), tokenizer="gpt2",
                          data_dir=str(cache), val_fraction=0.25, num_proc=2)
     # Tiny batches (a few documents in flight at a time) and one worker change nothing in the output.
-    monkeypatch.setattr(documents, "BATCH_CHARS", 500)
-    from_folder = prepare(data_path=str(write_folder(tmp_path / "docs", DOCS)), tokenizer="gpt2",
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 500)
+    from_folder = prepare_corpus(data_path=str(write_folder(tmp_path / "docs", DOCS)), tokenizer="gpt2",
                           data_dir=str(cache), val_fraction=0.25, num_proc=1)
     for split in ("train", "val"):
         assert (from_folder / f"{split}.bin").read_bytes() == (from_jsonl / f"{split}.bin").read_bytes()
 
 
 def test_sources_are_sent_in_bounded_batches():
-    sources = [documents.Source("text", f"doc{i}", "x" * 30) for i in range(10)]
-    batches = list(documents.batched_sources(iter(sources), max_chars=100))
+    sources = [prepare.Source("text", f"doc{i}", "x" * 30) for i in range(10)]
+    batches = list(prepare.batched_sources(iter(sources), max_chars=100))
     assert [len(b) for b in batches] == [4, 4, 2]  # stops at >= 100 chars: memory is bounded
     assert [s for b in batches for s in b] == sources
 
@@ -118,20 +117,20 @@ def test_bad_documents_are_named(tmp_path, cache):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: not a JSON object with a \"text\" field"):
-        prepare(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
+        prepare_corpus(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
     bad.write_text('{"text": "fine"}\n{"text": 5}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: \"text\" is a int, not a string"):
-        prepare(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
+        prepare_corpus(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
     bad.write_bytes(b'{"text": "fine"}\n{"text": "\xff"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: not UTF-8"):
-        prepare(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
+        prepare_corpus(data_path=str(bad), tokenizer="gpt2", data_dir=str(cache), num_proc=1)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no .txt files"):
-        prepare(data_path=str(tmp_path / "empty"), tokenizer="gpt2", data_dir=str(cache))
+        prepare_corpus(data_path=str(tmp_path / "empty"), tokenizer="gpt2", data_dir=str(cache))
 
 
 def test_single_text_file_still_prepares_char_level(tmp_path, text_file):
-    folder = prepare(data_path=str(text_file), tokenizer="char", data_dir=str(tmp_path / "d"))
+    folder = prepare_corpus(data_path=str(text_file), tokenizer="char", data_dir=str(tmp_path / "d"))
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["tokenizer"]["kind"] == "char"
     assert meta["train_tokens"] + meta["val_tokens"] == len(text_file.read_text())

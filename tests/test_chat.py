@@ -12,16 +12,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-from config import TrainConfig
 from conftest import REPO, run_script, tiny_args, tiny_model, write_chats
-from data import Conversations, conversation_rows, corpus_for, eval_windows, load_corpus, training_stream
-from prepare.__main__ import main as prepare_main
-from prepare import documents
-from prepare.chat import BEGIN, END, USER, chat_tokenizer, learned, prepare_conversations, render, split_indices
-from process.errors import ConfigError, DataError
-from prepare.tokenizers import CharTokenizer, tokenizer_from_meta
+
+import prepare
+from config import ConfigError, DataError, TrainConfig
+from data import Conversations, corpus_for, eval_windows, load_corpus, training_stream
+from finetune import BEGIN, conversation_rows, learned
+from prepare import prepare_conversations, split_indices
 from scripts import chat as chat_script
+from scripts import export_hf
+from scripts.prepare import main as prepare_main
+from tokenizer import END, USER, CharTokenizer, chat_tokenizer, render, tokenizer_from_meta
 from train import accumulate_gradients
 
 CHARS = "".join(sorted(set("abcdefghijklmnopqrstuvwxyz ,.?!'\n")))
@@ -110,7 +111,7 @@ def test_conversations_and_documents_split_alike_at_every_two_decimal_val_fracti
     preparation's own split: prepare_conversations' split_indices, and the documents' streaming writer."""
     docs = [np.array([i], dtype=np.uint16) for i in range(3000)]  # document i is the one token i
     for k in range(1, 100):
-        documents.write_splits(iter(docs), tmp_path, k / 100)
+        prepare.write_splits(iter(docs), tmp_path, k / 100)
         val_documents = np.fromfile(tmp_path / "val.bin", dtype=np.uint16).tolist()
         assert split_indices(len(docs), k / 100)["val"] == val_documents, k / 100
 
@@ -138,7 +139,7 @@ def test_one_file_at_two_val_fractions_makes_two_corpora_each_with_its_own_split
     assert len(list((tmp_path / "data").iterdir())) == 2
 
 def test_python_m_prepare_prepares_conversations_as_train_py_does(tmp_path):
-    """Before, `python -m prepare --data_path chats.jsonl` read the lines as documents (one "text" field each)."""
+    """Before, `python -m scripts.prepare --data_path chats.jsonl` read the lines as documents ("text" fields)."""
     path = write_chats(tmp_path / "chats.jsonl", n=12)
     prepare_main(["--data_path", str(path), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.25"])
     (folder,) = (tmp_path / "data").iterdir()
@@ -411,8 +412,9 @@ def test_chat_caps_a_reply_at_max_new_tokens_as_a_sample_is_capped(monkeypatch, 
 
 
 def base_tokenizer_of(kind: str, cache: Path):
-    from prepare.tokenizers import GPT2Tokenizer, train_bpe
     from conftest import make_text
+
+    from tokenizer import GPT2Tokenizer, train_bpe
     if kind == "char":
         return CharTokenizer(CHARS)
     return GPT2Tokenizer(cache) if kind == "gpt2" else train_bpe([make_text()], 300, "test")
@@ -423,9 +425,9 @@ def base_tokenizer_of(kind: str, cache: Path):
 def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     """AutoTokenizer.apply_chat_template on the export renders the same markers around the same texts: our ids."""
     transformers = pytest.importorskip("transformers")
-    from weights import hf
+    import checkpoint
     t = chat_tokenizer(base_tokenizer_of(kind, tmp_path / "cache"))
-    hf.export(tiny_model(vocab_size=t.vocab_size), t, tmp_path / "export")
+    export_hf.export(tiny_model(vocab_size=t.vocab_size), t, tmp_path / "export")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     messages = [("system", "the lord, be fair"), ("user", "what day is it?"), ("assistant", "a sweet one,\nmy king."),
                 ("user", "and the night?")]
@@ -440,10 +442,10 @@ def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["eos_token_id"] == t.marker_ids[END]  # generate() stops where our chat stops
     assert config["bos_token_id"] == t.marker_ids[BEGIN] == theirs.bos_token_id
-    with pytest.raises(Exception, match="role narrator is not one of system, user, assistant"):  # as prepare/chat.py
+    with pytest.raises(Exception, match="role narrator is not one of system, user, assistant"):  # as finetune.py
         theirs.apply_chat_template([{"role": "narrator", "content": "hi"}], tokenize=False)  # refuses one in data
     # --init_from reads it back as the chat tokenizer it is (it was refused: "a char list of 84 tokens for 89")
-    assert hf.load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
+    assert checkpoint.load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
 
 
 def test_eval_scores_a_chat_run_on_its_assistants_tokens_as_training_did(chat_run, capsys):

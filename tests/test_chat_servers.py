@@ -16,14 +16,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import REPO, tiny_run, write_chats
 
 import train
+from checkpoint import from_checkpoint
 from config import make_config
-from conftest import REPO, tiny_run, write_chats
-from prepare.chat import render
-from scripts import chat as chat_script, export_gguf, export_hf
+from scripts import chat as chat_script
+from scripts import export_gguf, export_hf
 from scripts.export_gguf import CONTEXT_ROWS
-from weights.loading import from_checkpoint
+from tokenizer import render
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]  # llama.cpp, its server, openai, transformers; ~1 min in all
 SYSTEM, USERS = "the lord", ["the king", "sweet lord"]  # a system prompt and two user turns

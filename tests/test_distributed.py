@@ -17,18 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import data
-from process import distributed
-from process import rundir
-from training import runtime
-import train
-from training.checkpoint import load_checkpoint
 from conftest import REPO, make_text, read_metrics, run_main, run_script, tiny_args, tiny_model
-from process.distributed import Dist
 from fault_injection import AS_A_SCRIPT
 
-from training.runtime import mfu, peak_flops
+import data
+import runtime
+import train
+from checkpoint import load_checkpoint
+from runtime import Dist, mfu, peak_flops
 
 CPU = torch.device("cpu")
 
@@ -203,7 +199,7 @@ def test_every_rank_trains_in_the_precision_rank_0_chose(tmp_path, text_file):
 def test_a_busy_out_dir_stops_every_rank_before_anything_is_written(tmp_path, text_file):
     # Old code: both ranks train into the folder another run owns (exit 0).
     out = tmp_path / "out"
-    with rundir.claim(out):  # a live run, as far as the ranks can tell
+    with runtime.claim(out):  # a live run, as far as the ranks can tell
         ranks = launch_ranks(tmp_path, "train.py", *tiny_args(out, text_file))
         assert [p.name for p in out.iterdir()] == [".lock"]  # nothing written beside the owner's lock
     assert [r.returncode for r in ranks] == [2, 2]
@@ -226,12 +222,12 @@ def test_a_rank_killed_mid_step_leaves_one_line_on_the_survivor(tmp_path, text_f
 
 def test_rank_rng_state_picks_own_stream_and_drops_missing_ranks(capsys):
     state = {"rng": "r0", "rng_per_rank": ["r0", "r1"]}
-    assert distributed.rank_rng_state(state, Dist(rank=1, world_size=2)) == "r1"
+    assert runtime.rank_rng_state(state, Dist(rank=1, world_size=2)) == "r1"
     assert capsys.readouterr().out == ""  # same world size: exact, no warning
-    assert distributed.rank_rng_state(state, Dist(rank=0, world_size=1)) == "r0"
+    assert runtime.rank_rng_state(state, Dist(rank=0, world_size=1)) == "r0"
     assert "NOT bit-exact" in capsys.readouterr().out
     # Rank 2 of 4 did not exist in the saved run: it keeps its fresh (seed + rank) streams.
-    assert distributed.rank_rng_state(state, Dist(rank=2, world_size=4)) is None
+    assert runtime.rank_rng_state(state, Dist(rank=2, world_size=4)) is None
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -263,20 +259,20 @@ def test_the_step_divisor_makes_ddp_average_equal_the_global_mean_gradient(world
 
 def test_single_process_setup_is_a_world_of_one(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ddp = distributed.setup("cpu")
+    ddp = runtime.setup("cpu")
     assert (ddp.rank, ddp.world_size, ddp.is_main, ddp.enabled) == (0, 1, True, False)
     model = torch.nn.Linear(2, 2)
-    assert distributed.wrap(model, ddp) is model
+    assert runtime.wrap(model, ddp) is model
     t = torch.tensor(3.0)
-    assert distributed.all_reduce_sum(t) is t and t.item() == 3.0
-    assert distributed.gather_to_main({"a": 1}) == [{"a": 1}]
-    assert distributed.decide_on_main(lambda: torch.bfloat16) is torch.bfloat16
+    assert runtime.all_reduce_sum(t) is t and t.item() == 3.0
+    assert runtime.gather_to_main({"a": 1}) == [{"a": 1}]
+    assert runtime.decide_on_main(lambda: torch.bfloat16) is torch.bfloat16
     with pytest.raises(ValueError) as raised:  # no peers to tell: the error itself, nothing added
-        with distributed.stop_together(ddp.device):
+        with runtime.stop_together(ddp.device):
             raise ValueError("disk full")
     assert not hasattr(raised.value, "reporting_rank")
     ran = []
-    with distributed.main_first(ddp.device):
+    with runtime.main_first(ddp.device):
         ran.append(True)
     assert ran == [True]  # once
 
@@ -353,6 +349,7 @@ def readme_torchrun_commands() -> list[list[str]]:
     """The torchrun command lines of docs/multi-gpu.md, as argument lists."""
     import re
     import shlex
+
     from conftest import REPO
     section = (REPO / "docs" / "multi-gpu.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
@@ -391,7 +388,7 @@ def test_under_two_ranks_one_process_writes_each_metric_once(tmp_path, text_file
 
 def test_schedule_time_is_refused_under_ddp_before_anything_is_written(tmp_path, text_file, monkeypatch, capsys):
     """Each rank's clock would give it its own lr, and the ranks' weights would drift apart."""
-    monkeypatch.setattr(distributed, "setup", lambda requested: Dist(rank=0, world_size=2))  # torchrun's rank 0
+    monkeypatch.setattr(runtime, "setup", lambda requested: Dist(rank=0, world_size=2))  # torchrun's rank 0
     assert run_main(tiny_args(tmp_path / "out", text_file, schedule="time", max_time=60)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: schedule=time follows one process's clock") and err.count("\n") == 1

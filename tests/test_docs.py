@@ -9,9 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import REPO, TOOLS, entry_point, interop_if
 
 import config
-from conftest import REPO, TOOLS, entry_point, interop_if
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),  # the guide
          *sorted((REPO / "docs" / "notebook").glob("*.md"))]  # the lab notebook: its commands still run
@@ -74,7 +74,7 @@ ALL_COMMANDS = [(page, script, argv) for page in PAGES for script, argv in comma
 
 def test_the_pages_print_commands_for_every_entry_point():
     scripts = {script for _, script, _ in ALL_COMMANDS}
-    assert {"train.py", "sample.py", "prepare", "scripts.doctor", "scripts.bench"} <= scripts
+    assert {"train.py", "sample.py", "scripts.prepare", "scripts.doctor", "scripts.bench"} <= scripts
 
 
 @pytest.mark.parametrize("page, script, argv", [interop_if(s, p, s, a) for p, s, a in ALL_COMMANDS],
@@ -82,7 +82,7 @@ def test_the_pages_print_commands_for_every_entry_point():
 def test_every_printed_command_parses(page, script, argv, monkeypatch, capsys):
     module = script.removesuffix(".py").replace("/", ".")
     removed = script.replace(".", "/") + ".py"  # dev.bench_sample -> dev/bench_sample.py
-    package = REPO / script.replace(".", "/") / "__main__.py"  # python -m prepare
+    package = REPO / script.replace(".", "/") / "__main__.py"  # python -m scripts.prepare
     if TOOL.match(script) and not (REPO / removed).exists() and not package.exists():  # a one-off measurement, gone
         assert re.search(rf"git show [0-9a-f]{{7,40}}:{removed}", page.read_text()), (
             f"{page.name}: `{script}` is gone: say which commit still has it (`git show COMMIT:{removed}`)")
@@ -111,7 +111,7 @@ def test_every_relative_link_resolves(page):
 
 
 # ----------------------------------------------------------------------------- --help
-HELP_ENTRY_POINTS = ["train.py", "sample.py", "prepare", *TOOLS]
+HELP_ENTRY_POINTS = ["train.py", "sample.py", *TOOLS]
 
 
 def help_of(script: str, argv: tuple[str, ...], capsys) -> str:

@@ -10,21 +10,29 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import (
+    REPO,
+    make_optimizer,
+    make_text,
+    random_batch,
+    run_main,
+    run_script,
+    tiny_args,
+    tiny_model,
+    write_chats,
+)
 
-from training import runtime
+import runtime
 import train
-from training.runtime import choose_runtime
+from checkpoint import start_from
 from config import TrainConfig, make_config, parse_args
-from conftest import (REPO, make_optimizer, make_text, random_batch, run_main, run_script, tiny_args, tiny_model,
-                      write_chats)
 from data import PackedDocuments, get_batch
-from prepare.chat import SHAKESPEARE_CHAT
-from prepare.corpora import corpus_folder
-from weights.loading import start_from
-from prepare.tokenizers import CharTokenizer
-from training.optim import NonFiniteGuard
 from model import GPT, GPTConfig
+from optim import NonFiniteGuard
+from prepare import SHAKESPEARE_CHAT, corpus_folder
+from runtime import choose_runtime
 from scripts import doctor
+from tokenizer import CharTokenizer
 
 CPU = torch.device("cpu")
 CHECK_NAMES = ["init loss", "batch", "token ids", "round trip", "gradients", "causal", "overfit", "grad norm",
@@ -115,7 +123,7 @@ def test_every_check_passes_on_each_preset_built_as_train_py_builds_it(preset, t
 
 
 def test_a_batch_with_masked_targets_is_checked_where_it_learns():
-    """A chat's batch (prepare/chat.py: conversation_rows): targets -1 where masked (the prompt) and in the padding,
+    """A chat's batch (finetune.py: conversation_rows): targets -1 where masked (the prompt) and in the padding,
     whose inputs are 0. The learned targets are the inputs shifted by one, and the row occurs in the corpus."""
     text = make_text()
     tokenizer = CharTokenizer("".join(sorted(set(text))))

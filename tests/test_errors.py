@@ -1,6 +1,6 @@
 """One failure, one exit code, at every entry point.
 
-Every error the user is shown is declared in process/errors.py with its exit code, and every entry point's main()
+Every error the user is shown is declared in config.py with its exit code, and every entry point's main()
 ends one through the same path (errors.exit_on, or exit_for and then fail): read from the code below, so a new
 script is checked the day it is added. What each failure does, end to end, is tested where it happens:
 a bad config (test_config.py, test_bad_input.py), bad data and bad input at every entry point (test_bad_input.py),
@@ -18,11 +18,20 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_main, run_script, tiny_args
-from process import errors
-from process.errors import (EXIT_WRITE_FAILED, CheckpointError, CheckpointWriteError, ConfigError, DataError, HFError,
-                            PathError, PeerFailed, RunStopped)
+
+import config
+from config import (
+    EXIT_WRITE_FAILED,
+    CheckpointError,
+    CheckpointWriteError,
+    ConfigError,
+    DataError,
+    HFError,
+    PathError,
+    PeerFailed,
+    RunStopped,
+)
 
 BROAD = {"Exception", "BaseException"}  # what catches every error of the table too
 
@@ -37,7 +46,7 @@ def entry_points() -> list[str]:
     """Every command a user or developer runs: the core's three and each file of scripts/."""
     tools = sorted(f"scripts/{path.name}" for path in (REPO / "scripts").glob("*.py")
                    if path.name != "__init__.py")  # the package's list of its tools
-    return ["train.py", "sample.py", "prepare/__main__.py", *tools]
+    return ["train.py", "sample.py", "scripts/prepare.py", *tools]
 
 
 @functools.cache
@@ -52,9 +61,9 @@ def name_of(node: ast.expr) -> str:
 
 @functools.cache
 def error_classes() -> frozenset[str]:
-    """TinyGPTError and every class that refines it, in process/errors.py or elsewhere (plot.py's MetricsError)."""
-    names = {cls.__name__ for cls in vars(errors).values()
-             if isinstance(cls, type) and issubclass(cls, errors.TinyGPTError)}
+    """TinyGPTError and every class that refines it, in config.py or elsewhere (plot.py's MetricsError)."""
+    names = {cls.__name__ for cls in vars(config).values()
+             if isinstance(cls, type) and issubclass(cls, config.TinyGPTError)}
     classes = [(node.name, {name_of(base) for base in node.bases}) for path in project_files()
                for node in ast.walk(parsed(path)) if isinstance(node, ast.ClassDef)]
     while grown := {name for name, bases in classes if bases & names} - names:
@@ -137,7 +146,7 @@ def test_the_check_finds_an_entry_point_that_prints_its_own_error(tmp_path):
 
 
 def test_every_error_carries_the_code_of_the_table():
-    """The codes of process/errors.py's docstring table, class by class (PathError's and RunStopped's vary)."""
+    """The codes of config.py's docstring table, class by class (PathError's and RunStopped's vary)."""
     assert {cls.__name__: cls.exit_code for cls in (ConfigError, DataError, CheckpointError, HFError,
                                                      CheckpointWriteError)} == {
         "ConfigError": 2, "DataError": 2, "CheckpointError": 2, "HFError": 2, "CheckpointWriteError": 74}
@@ -146,9 +155,9 @@ def test_every_error_carries_the_code_of_the_table():
 
 
 def test_a_bug_is_no_failure_of_the_table_and_keeps_its_traceback():
-    assert errors.exit_for(ZeroDivisionError("division by zero")) is None
+    assert config.exit_for(ZeroDivisionError("division by zero")) is None
     with pytest.raises(ZeroDivisionError):
-        errors.exit_on(ZeroDivisionError("division by zero"))
+        config.exit_on(ZeroDivisionError("division by zero"))
 
 
 def test_under_torchrun_a_rank_reports_only_what_it_alone_met(monkeypatch):
@@ -156,8 +165,8 @@ def test_under_torchrun_a_rank_reports_only_what_it_alone_met(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     mine = DataError("data/x/train.bin: missing")
     mine.reporting_rank = 3
-    assert errors.exit_for(mine) == ("data/x/train.bin: missing", 2, 3)
-    assert errors.exit_for(ConfigError("bad")) == ("bad", 2, None)  # every rank has it: rank 0 says it
+    assert config.exit_for(mine) == ("data/x/train.bin: missing", 2, 3)
+    assert config.exit_for(ConfigError("bad")) == ("bad", 2, None)  # every rank has it: rank 0 says it
 
 
 BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(value, type)
@@ -165,10 +174,10 @@ BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(v
 
 
 def test_errors_are_declared_in_one_module():
-    """An exception class anywhere else in the project refines one of process/errors.py's (plot.py's
+    """An exception class anywhere else in the project refines one of config.py's (plot.py's
     MetricsError is a DataError), so it carries a code and every entry point ends it the same way."""
     elsewhere = [f"{path.relative_to(REPO).as_posix()}: {node.name}" for path in project_files()
-                 if path != REPO / "process" / "errors.py" for node in ast.walk(parsed(path))
+                 if path != REPO / "config" / "__init__.py" for node in ast.walk(parsed(path))
                  if isinstance(node, ast.ClassDef) and {name_of(base) for base in node.bases} & BUILTIN_ERRORS]
     assert elsewhere == []
 
@@ -193,10 +202,10 @@ def test_a_corrupt_checkpoint_is_one_line_and_exit_2_at_the_command_line(cut_che
 def test_each_optional_package_is_installed_by_the_requirements_file_the_table_names():
     """errors.OPTIONAL_PACKAGES, the one source of every install line, against the requirements files: each pin is a
     line of the file it names, and every `pip install NAME==VERSION` spelled in the code or the docs is the table's."""
-    for name, (pin, requirements) in errors.OPTIONAL_PACKAGES.items():
+    for name, (pin, requirements) in config.OPTIONAL_PACKAGES.items():
         pins = [line.split("#")[0].strip() for line in (REPO / requirements).read_text().splitlines()]
         assert pin in pins and pin.startswith(f"{name}=="), f"{requirements} does not pin {pin}"
-    pins = {pin for pin, _ in errors.OPTIONAL_PACKAGES.values()}
+    pins = {pin for pin, _ in config.OPTIONAL_PACKAGES.values()}
     spelled = [(path.relative_to(REPO).as_posix(), pin) for path in
                [*project_files(), *sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]
                for pin in re.findall(r"pip install ([\w.-]+==[\w.]+)", path.read_text())]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from process import files
-from process.files import atomic_write, atomic_write_text
+import runtime
+from runtime import atomic_write, atomic_write_text
 
 
 def listing(folder: Path) -> list[str]:
@@ -63,5 +63,5 @@ def test_the_data_is_fsynced_before_the_rename_and_the_folder_after(tmp_path, mo
 
 
 def test_the_temp_file_is_hidden_beside_the_target_and_carries_the_mark(tmp_path):
-    tmp = files.temp_path(tmp_path / "last.pt")
-    assert tmp.parent == tmp_path and tmp.name.startswith(".last.pt") and files.TEMP_MARK in tmp.name
+    tmp = runtime.temp_path(tmp_path / "last.pt")
+    assert tmp.parent == tmp_path and tmp.name.startswith(".last.pt") and runtime.TEMP_MARK in tmp.name

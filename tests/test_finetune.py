@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from conftest import metrics, read_metrics, run_script, tiny_args
+from conftest import make_text, metrics, read_metrics, run_script, tiny_args, write_chats
 from fault_injection import assert_same_training_state
-from training.checkpoint import load_checkpoint
+
+from checkpoint import from_checkpoint, load_checkpoint, load_run
 from config import config_from_dict, make_config, model_config
-from weights.loading import from_checkpoint, load_run
-from prepare.tokenizers import tokenizer_vocab_size
 from model import GPT
-from conftest import make_text, write_chats
+from tokenizer import tokenizer_vocab_size
 
 
 def train(text_file, out_dir, check=True, **overrides):

@@ -11,18 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, make_text, tiny_model, tiny_run, write_chats
 
 import sample
 import train
-from config import make_config
+from checkpoint import from_checkpoint
+from config import HFError, make_config
+from finetune import BEGIN
 from model import GPT, GPTConfig
-from conftest import REPO, make_text, tiny_model, tiny_run, write_chats
-from process.errors import HFError
-from prepare.chat import BEGIN, END, MARKERS, chat_tokenizer
-from prepare.tokenizers import CharTokenizer, GPT2Tokenizer, train_bpe
-from weights.hf_tokenizer import BYTE_TEXT, chat_template
-from weights.loading import from_checkpoint
 from scripts import export_gguf
+from scripts.export_hf import chat_template
+from tokenizer import BYTE_TEXT, END, MARKERS, CharTokenizer, GPT2Tokenizer, chat_tokenizer, train_bpe
 
 pytestmark = pytest.mark.interop  # gguf, and llama.cpp for the slow ones (requirements-llama.txt)
 gguf = pytest.importorskip("gguf", reason="pip install -r requirements-interop.txt (gguf, llama.cpp's writer)")

@@ -12,10 +12,10 @@ clipping +0.013, another seed -0.093.
 from __future__ import annotations
 
 import pytest
+from conftest import read_metrics
 
 import train
 from config import make_config
-from conftest import read_metrics
 
 TOLERANCE = 0.005  # nats/token, absolute
 # step -> (train loss, val loss), tiny preset, seed 1337, float32, 1 thread.

@@ -21,22 +21,32 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import (
+    final_weights,
+    make_optimizer,
+    make_text,
+    metrics,
+    random_batch,
+    run_for,
+    run_main,
+    same_weights,
+    tiny_args,
+    tiny_model,
+)
+from fault_injection import assert_nested_equal, call_of, on_training_forward
 
 import data
-from training import runtime
+import runtime
 import sample
 import train
-from training.checkpoint import load_checkpoint
+from checkpoint import load_checkpoint
 from config import model_config
-from conftest import (final_weights, make_optimizer, make_text, metrics, random_batch, run_for, run_main, same_weights,
-                      tiny_args, tiny_model)
 from data import get_batch, load_corpus
-from prepare.tokenizers import CharTokenizer
-from prepare.corpora import prepare
-from fault_injection import assert_nested_equal, call_of, on_training_forward
-from training.optim import NonFiniteGuard
 from model import GPT, ModelOutput
+from optim import NonFiniteGuard
+from prepare import prepare_corpus
 from scripts import doctor
+from tokenizer import CharTokenizer
 
 CPU = torch.device("cpu")
 
@@ -157,7 +167,7 @@ def one_batch_gradients(cfg, vocab_size: int, weights: list[torch.Tensor], micro
 
 def step_gradient_errors(monkeypatch, cfg) -> list[float]:
     """Per step of train.train: the worst relative error of its gradient against one_batch_gradients."""
-    folder = prepare(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
+    folder = prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction)
     vocab_size = load_corpus(folder, cfg.block_size).vocab_size
     errors = []
     for micro_batches, weights, grads in record_steps(monkeypatch, cfg):

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from weights import hf
-from weights.loading import find_checkpoint, from_checkpoint
-import train
 from conftest import make_text, tiny_model
-from prepare.tokenizers import BPETokenizer
+
+import checkpoint
+import train
+from checkpoint import find_checkpoint, from_checkpoint
+from scripts import export_hf
+from tokenizer import BPETokenizer
 
 pytestmark = pytest.mark.interop  # lm_eval and accelerate (requirements-interop.txt)
 Instance = pytest.importorskip("lm_eval.api.instance").Instance
@@ -31,7 +32,7 @@ LONG = ("Now is the winter of our discontent made glorious summer by this sun of
 
 def tiny_bpe() -> BPETokenizer:
     """A 269-token byte-level BPE (256 bytes, MERGES, <|endoftext|>), GPT-2's pre-tokenizer: a trained BPE's path."""
-    from prepare.tokenizers import bpe_pattern
+    from tokenizer import bpe_pattern
     ranks = [bytes([b]) for b in range(256)] + MERGES
     return BPETokenizer({"kind": "bpe", "pattern": bpe_pattern(), "ranks": [token.hex() for token in ranks]})
 
@@ -65,7 +66,7 @@ LOGLIKELIHOOD = requests(
 def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_exported_model(bpe_model, tmp_path):
     from lm_eval.models.huggingface import HFLM
     model, tokenizer = bpe_model
-    hf.export(model, tokenizer, tmp_path / "export")
+    export_hf.export(model, tokenizer, tmp_path / "export")
     theirs = HFLM(pretrained=str(tmp_path / "export"), device="cpu", batch_size=2)
     ours = harness.TinyGPTLM(model, tokenizer, batch_size=2)
     assert theirs.max_length == ours.max_length == 32
@@ -166,7 +167,7 @@ def test_lm_evals_hf_backend_scores_an_export_as_the_adapter_scores_its_checkpoi
     checkpoint = request.getfixturevalue(f"{kind}_checkpoint")
     loaded = from_checkpoint(find_checkpoint(checkpoint))
     model, tokenizer = loaded.model, loaded.tokenizer
-    hf.export(model, tokenizer, tmp_path / "export")
+    export_hf.export(model, tokenizer, tmp_path / "export")
     theirs = HFLM(pretrained=str(tmp_path / "export"), device="cpu", batch_size=2)
     ours = harness.TinyGPTLM(model.eval(), tokenizer, batch_size=2)
     pairs = requests("loglikelihood", ("Good morrow to you, my", " lord"), ("The king is", " dead"))
@@ -181,7 +182,7 @@ def test_the_offline_task_runs_from_the_command_line_and_writes_its_json(char_ch
     """From the checkpoint, and from its Hugging Face export through --init_from: the same scores."""
     loaded = from_checkpoint(find_checkpoint(char_checkpoint))
     model, tokenizer = loaded.model, loaded.tokenizer
-    hf.export(model, tokenizer, tmp_path / "export")
+    export_hf.export(model, tokenizer, tmp_path / "export")
     scores = []
     for flag, source in (("--ckpt", char_checkpoint), ("--init_from", str(tmp_path / "export"))):
         output = tmp_path / f"results{flag}.json"
@@ -220,7 +221,7 @@ def test_bad_arguments_fail_in_one_line(argv, message, char_checkpoint, capsys):
 
 def test_a_task_needing_the_unreachable_hub_fails_at_once_in_one_line(monkeypatch, char_checkpoint, capsys):
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
-    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: "Name or service not known")
+    monkeypatch.setattr(checkpoint, "hub_unreachable", lambda repo_id: "Name or service not known")
     with pytest.raises(SystemExit):
         harness.main(["--ckpt", char_checkpoint, "--tasks", "tinygpt_cloze,hellaswag"])
     assert capsys.readouterr().err.strip() == (

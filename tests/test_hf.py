@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 in and out (weights/hf.py): parity with transformers on random weights, no download.
+"""Hugging Face GPT-2 in and out (checkpoint.py): parity with transformers on random weights, no download.
 
 transformers is a dev dependency, used here only as the reference; the code under test never imports it.
 """
@@ -17,21 +17,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import COUNT_CONNECTIONS, REPO, make_text, read_metrics, run_script, tiny_args, tiny_model
 from safetensors.torch import load_file, save_file
 
-from weights import hf
+import checkpoint
 import sample
-from process.errors import PathError
 import train
-from training.checkpoint import load_checkpoint
-from config import ConfigError, as_dict, make_config, parse_args, resume_changes
-from conftest import COUNT_CONNECTIONS, REPO, make_text, read_metrics, run_script, tiny_args, tiny_model
+from checkpoint import from_checkpoint, load_checkpoint, start_from
+from config import ConfigError, HFError, PathError, as_dict, make_config, parse_args, resume_changes
 from data import load_corpus, val_windows
-from prepare.corpora import prepare
-from weights.loading import from_checkpoint, start_from
 from model import GPT
-from prepare.tokenizers import CharTokenizer
-from weights.hf_tokenizer import CHARS_FILE, bpe_files, bpe_tokens
+from prepare import prepare_corpus
+from scripts import export_hf
+from scripts.export_hf import bpe_files, bpe_tokens
+from tokenizer import CHARS_FILE, CharTokenizer
 
 pytestmark = pytest.mark.interop  # transformers: the reference GPT-2 (requirements-interop.txt)
 transformers = pytest.importorskip("transformers")
@@ -54,7 +53,7 @@ def random_hf_gpt2(folder: Path, vocab_size: int = 96, n_positions: int = 24, se
 
 
 def import_model(source, **kw) -> GPT:
-    pretrained = hf.load_pretrained(str(source), **kw)
+    pretrained = checkpoint.load_pretrained(str(source), **kw)
     model = GPT(pretrained.config)
     model.load_state_dict(pretrained.state)
     return model.eval()
@@ -117,10 +116,10 @@ def test_a_bare_safetensors_file_needs_its_config_json_beside_it(tmp_path):
     bare = tmp_path / "bare" / "weights.safetensors"
     bare.parent.mkdir()
     shutil.copy(folder / "model.safetensors", bare)
-    with pytest.raises(hf.HFError, match="weights.safetensors: no config.json beside it.*put its config.json beside"):
-        hf.load_pretrained(str(bare))
+    with pytest.raises(HFError, match="weights.safetensors: no config.json beside it.*put its config.json beside"):
+        checkpoint.load_pretrained(str(bare))
     shutil.copy(folder / "config.json", bare.parent / "config.json")
-    assert hf.load_pretrained(str(bare)).config.n_head == 2
+    assert checkpoint.load_pretrained(str(bare)).config.n_head == 2
 
 
 def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
@@ -132,9 +131,9 @@ def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
         asked.append((repo_id, filename, kw))
         return str(folder / filename)
 
-    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: None)  # the hub answers (and no test reaches it)
+    monkeypatch.setattr(checkpoint, "hub_unreachable", lambda repo_id: None)  # the hub answers (and no test reaches it)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    pretrained = hf.load_pretrained("gpt2")
+    pretrained = checkpoint.load_pretrained("gpt2")
     assert asked == [("openai-community/gpt2", "config.json", {"local_files_only": False}),
                      ("openai-community/gpt2", "model.safetensors", {"local_files_only": False})]
     assert pretrained.config.n_layer == 2 and pretrained.source == "gpt2"
@@ -148,7 +147,7 @@ def test_offline_a_hub_name_fails_in_one_line(monkeypatch, capsys):
         assert local_files_only  # the hub did not answer its probe: no second try, no retries
         raise LocalEntryNotFoundError("cannot find the requested files in the local cache")
 
-    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: "[Errno 111] Connection refused")
+    monkeypatch.setattr(checkpoint, "hub_unreachable", lambda repo_id: "[Errno 111] Connection refused")
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", cache_only)
     with pytest.raises(SystemExit) as exit_info:
         sample.main(["--init_from", "gpt2", "--prompt", "Hello"])
@@ -160,12 +159,12 @@ def test_offline_a_hub_name_fails_in_one_line(monkeypatch, capsys):
 
 LOAD_TWO_HUB_NAMES = COUNT_CONNECTIONS + """
 import json, sys
-from weights import hf
+import checkpoint
 for name in sys.argv[1:]:
     before = len(connections)
     try:
-        result = hf.load_pretrained(name).config.n_layer
-    except hf.HFError as err:
+        result = checkpoint.load_pretrained(name).config.n_layer
+    except checkpoint.HFError as err:
         result = str(err)
     print(json.dumps({"name": name, "result": result, "connections": connections[before:]}))
 """
@@ -187,7 +186,7 @@ def test_an_unreachable_hub_fails_fast_and_quietly_and_the_cache_still_serves(tm
     result = subprocess.run([sys.executable, "-c", LOAD_TWO_HUB_NAMES, "someone/not-cached", "gpt2"], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)
     missing, cached = [json.loads(line) for line in result.stdout.splitlines()]
-    probe = [9, hf.HUB_PROBE_TIMEOUT]  # one try, bounded by the probe's timeout: no retries (they were ~11)
+    probe = [9, checkpoint.HUB_PROBE_TIMEOUT]  # one try, bounded by the probe's timeout: no retries (they were ~11)
     # Before it, once per process, huggingface_hub's own fetch of its agent registry (3 s timeout).
     assert missing["connections"] in ([probe], [[9, 3], probe]), missing
     assert result.stderr == ""  # no retry warnings
@@ -221,8 +220,8 @@ def test_a_bad_import_fails_in_one_line_and_writes_nothing(tmp_path, tiny_cfg, e
     folder = corrupt(random_hf_gpt2(tmp_path / "hf"), edit)
     cfg = tiny_cfg(init_from=str(folder), max_iters=2, **{"block_size": 16, **overrides})
     if message is None:  # checked once the corpus is known (tokenizing needs GPT-2's ranks: skip that)
-        pretrained = hf.load_pretrained(str(folder), 16)
-        with pytest.raises(hf.HFError, match="has a vocabulary of 96, the corpus 50257"):
+        pretrained = checkpoint.load_pretrained(str(folder), 16)
+        with pytest.raises(checkpoint.HFError, match="has a vocabulary of 96, the corpus 50257"):
             pretrained.weights_for({"kind": "gpt2"}, 50257)
         return
     with pytest.raises(ConfigError, match=message) as error:
@@ -253,7 +252,7 @@ def test_init_from_refuses_every_given_setting_the_weights_contradict(tmp_path, 
     preset.write_text("n_layer = 4  # the default\n")
     cfg = parse_args(["--init_from", str(gpt2_vocab_folder)] + [a.format(preset=preset) for a in args])
     if refused:
-        with pytest.raises(hf.HFError, match=refused):
+        with pytest.raises(checkpoint.HFError, match=refused):
             start_from(cfg)
         return
     cfg, pretrained = start_from(cfg)
@@ -278,19 +277,19 @@ def test_a_char_corpus_of_another_vocabulary_is_refused_before_the_run_folder(tm
 
 def test_non_zero_biases_are_refused_by_a_bias_free_model(tmp_path):
     folder = random_hf_gpt2(tmp_path / "hf")
-    with pytest.raises(hf.HFError, match=r"transformer.h.0.ln_1.bias is not zero .* bias=False"):
-        hf.load_pretrained(str(folder), bias=False)
+    with pytest.raises(checkpoint.HFError, match=r"transformer.h.0.ln_1.bias is not zero .* bias=False"):
+        checkpoint.load_pretrained(str(folder), bias=False)
 
 
 def test_a_non_gpt2_config_is_refused(tmp_path):
     folder = random_hf_gpt2(tmp_path / "hf")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "activation_function": "relu"}))
-    with pytest.raises(hf.HFError, match="activation_function is .relu.; this model computes .gelu_new."):
-        hf.load_pretrained(str(folder))
+    with pytest.raises(checkpoint.HFError, match="activation_function is .relu.; this model computes .gelu_new."):
+        checkpoint.load_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    with pytest.raises(hf.HFError, match="model_type 'llama', not 'gpt2'"):
-        hf.load_pretrained(str(folder))
+    with pytest.raises(checkpoint.HFError, match="model_type 'llama', not 'gpt2'"):
+        checkpoint.load_pretrained(str(folder))
 
 
 # ----------------------------------------------------------------------------- export
@@ -314,9 +313,9 @@ def test_an_export_loads_in_transformers_with_our_logits_and_greedy_tokens(tmp_p
         tokenizer = CharTokenizer("".join(chr(ord("!") + i) for i in range(vocab_size)))
     else:
         tokenizer = StubGPT2Tokenizer()
-        monkeypatch.setattr(hf, "tokenizer_files", lambda tokenizer, block_size: {})
+        monkeypatch.setattr(checkpoint, "tokenizer_files", lambda tokenizer, block_size: {})
     folder = tmp_path / "export"
-    hf.export(model, tokenizer, folder)
+    export_hf.export(model, tokenizer, folder)
     theirs, complaints = from_pretrained(folder)
     assert complaints == []
     config = json.loads((folder / "config.json").read_text())
@@ -342,7 +341,7 @@ def test_the_load_report_check_sees_a_broken_folder(tmp_path):
     """The guard of the test above: a missing and an extra key do show up in the captured log."""
     model = tiny_model(vocab_size=65, block_size=16)
     folder = tmp_path / "export"
-    hf.export(model, CharTokenizer("".join(chr(ord("!") + i) for i in range(65))), folder)
+    export_hf.export(model, CharTokenizer("".join(chr(ord("!") + i) for i in range(65))), folder)
     corrupt(folder, lambda t: t.update({"transformer.extra": t.pop("transformer.ln_f.bias")}))
     assert from_pretrained(folder)[1] == ["missing", "unexpected", "newly initialized"]
 
@@ -351,7 +350,7 @@ def test_export_then_import_is_the_identity_and_sample_reads_it(tmp_path, capsys
     model = tiny_model(vocab_size=65, block_size=16, bias=False).eval()
     tokenizer = CharTokenizer("".join(chr(ord("!") + i) for i in range(65)))
     folder = tmp_path / "export"
-    hf.export(model, tokenizer, folder)
+    export_hf.export(model, tokenizer, folder)
     back = import_model(folder, bias=False)  # the exported zero biases go again
     for key, value in model.state_dict().items():
         if key in ("transformer.wte.weight", "lm_head.weight"):  # the padded rows are not exported
@@ -378,7 +377,7 @@ def test_export_script_writes_a_run_for_transformers(tmp_path, tiny_cfg):
 
 # ----------------------------------------------------------------------------- fine-tune
 def test_fine_tuning_an_import_lowers_val_loss_and_resumes_bit_exact(tmp_path, tiny_cfg):
-    corpus_chars = prepare(data_path=tiny_cfg().data_path, tokenizer="char", data_dir=tiny_cfg().data_dir)
+    corpus_chars = prepare_corpus(data_path=tiny_cfg().data_path, tokenizer="char", data_dir=tiny_cfg().data_dir)
     vocab = load_corpus(corpus_chars, 16).vocab_size
     folder = random_hf_gpt2(tmp_path / "hf", vocab_size=vocab, n_positions=32)
     common = dict(init_from=str(folder), block_size=16, eval_interval=6, learning_rate=1e-3, min_lr=1e-4,
@@ -413,7 +412,7 @@ def test_an_old_checkpoint_without_activation_means_exact_gelu():
 # ----------------------------------------------------------------------------- GPT-2's tokenizer files
 @pytest.mark.network  # GPT-2's ranks: tiktoken's cache or the openai-whisper sdist from PyPI (test_bpe_data.py)
 def test_hf_tokenizer_files_encode_like_tiktoken(tmp_path_factory):
-    from prepare.tokenizers import GPT2Tokenizer
+    from tokenizer import GPT2Tokenizer
     tok = GPT2Tokenizer(tmp_path_factory.mktemp("cache"))
     folder = tmp_path_factory.mktemp("tok")
     for name, content in bpe_files(bpe_tokens(tok), 1024).items():
@@ -434,10 +433,11 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     """config/finetune_shakespeare with the hub replaced by a tiny random GPT-2 of the real vocabulary:
     import, train, export, then transformers' tokenizer and greedy generate give our tokens."""
     import huggingface_hub
-    from prepare.tokenizers import GPT2Tokenizer
+
+    from tokenizer import GPT2Tokenizer
     tmp = tmp_path_factory.mktemp("finetune")
     folder = random_hf_gpt2(tmp / "gpt2", vocab_size=50257, n_positions=1024)
-    monkeypatch.setattr(hf, "hub_unreachable", lambda repo_id: None)  # no test reaches the real hub
+    monkeypatch.setattr(checkpoint, "hub_unreachable", lambda repo_id: None)  # no test reaches the real hub
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(folder / filename))
     cfg = make_config("finetune_shakespeare", out_dir=str(tmp / "run"), data_dir=str(tmp / "data"), device="cpu",
                       dtype="float32", max_iters=2, eval_interval=2, eval_tokens=512, batch_size=2, block_size=64)
@@ -491,14 +491,14 @@ def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(t
     train.train(cfg)
     folder = tmp_path / "hf"
     loaded = from_checkpoint(tmp_path / "run" / "best.pt")
-    hf.export(loaded.model, loaded.tokenizer, folder)
+    export_hf.export(loaded.model, loaded.tokenizer, folder)
     assert doctor.main(tiny_args(tmp_path / "doc", text_file, init_from=folder)) == 0
     assert "15/15 checks passed" in capsys.readouterr().out
     with pytest.raises(PathError, match="is not empty; export into a new folder"):
-        hf.export(loaded.model, loaded.tokenizer, folder)
+        export_hf.export(loaded.model, loaded.tokenizer, folder)
     (folder / CHARS_FILE).write_text("{not json")
-    with pytest.raises(hf.HFError, match="not a tinygpt char list"):
-        hf.load_pretrained(str(folder))
+    with pytest.raises(checkpoint.HFError, match="not a tinygpt char list"):
+        checkpoint.load_pretrained(str(folder))
 
 
 # ----------------------------------------------------------------------------- GPT-2 interop
@@ -507,7 +507,7 @@ CHARS = "".join(sorted(set(make_text())))  # a real char vocabulary: newline is 
 
 def exported(folder: Path) -> Path:
     """A tiny random char model exported in the Hugging Face layout (model.safetensors, config.json)."""
-    hf.export(tiny_model(vocab_size=len(CHARS), block_size=16), CharTokenizer(CHARS), folder)
+    export_hf.export(tiny_model(vocab_size=len(CHARS), block_size=16), CharTokenizer(CHARS), folder)
     return folder
 
 
@@ -519,11 +519,11 @@ def test_an_lm_head_that_differs_from_wte_is_refused_in_one_line(tmp_path):
     tensors = load_file(folder / "model.safetensors")
     tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
     save_file(tensors, folder / "model.safetensors")
-    assert hf.load_pretrained(str(folder)).config.vocab_size == len(CHARS)  # an equal head is GPT-2's own layout
+    assert checkpoint.load_pretrained(str(folder)).config.vocab_size == len(CHARS)  # an equal head: GPT-2's layout
     tensors["lm_head.weight"][3, 5] += 0.5  # one weight of the head differs
     save_file(tensors, folder / "model.safetensors")
-    with pytest.raises(hf.HFError, match="lm_head.weight differs from transformer.wte.weight") as error:
-        hf.load_pretrained(str(folder))
+    with pytest.raises(checkpoint.HFError, match="lm_head.weight differs from transformer.wte.weight") as error:
+        checkpoint.load_pretrained(str(folder))
     assert "\n" not in str(error.value)
 
 
@@ -537,7 +537,7 @@ NON_GPT2_VALUES = {
     "scale_attn_by_inverse_layer_idx": True,
     "tie_word_embeddings": False,
 }
-RULES = {name: (default, allowed) for name, default, allowed in hf.CONFIG_RULES}
+RULES = {name: (default, allowed) for name, default, allowed in checkpoint.CONFIG_RULES}
 
 
 @pytest.mark.parametrize("name", sorted(NON_GPT2_VALUES.keys() | RULES.keys()))
@@ -549,10 +549,10 @@ def test_every_config_rule_refuses_a_non_gpt2_value(tmp_path, name):
     config = json.loads((folder / "config.json").read_text())
     if name in RULES:  # GPT-2's own value, written out, is accepted
         (folder / "config.json").write_text(json.dumps({**config, name: RULES[name][0]}))
-        hf.load_pretrained(str(folder))
+        checkpoint.load_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps({**config, name: NON_GPT2_VALUES[name]}))
-    with pytest.raises(hf.HFError, match=name) as error:
-        hf.load_pretrained(str(folder))
+    with pytest.raises(checkpoint.HFError, match=name) as error:
+        checkpoint.load_pretrained(str(folder))
     assert "\n" not in str(error.value)
 
 
@@ -582,13 +582,13 @@ SPELLED_OUT = [*GPT2_DEFAULTS.items(), ("n_inner", 4 * 32), ("activation_functio
 def test_gpt2s_defaults_spelled_out_import_as_the_same_model(tmp_path, key, value):
     """A config.json another tool wrote with one of GPT2Config's defaults written out (n_inner as 4 * n_embd,
     the activation's other name for the same tanh GELU, ...) imports as the one that leaves every default out."""
-    hf.export(tiny_model(vocab_size=len(CHARS), block_size=16, activation="gelu_tanh"), CharTokenizer(CHARS),
+    export_hf.export(tiny_model(vocab_size=len(CHARS), block_size=16, activation="gelu_tanh"), CharTokenizer(CHARS),
               tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     bare = {k: v for k, v in written.items() if k in SHAPE_KEYS}  # every default left out
     (tmp_path / "hf" / "config.json").write_text(json.dumps(bare))
-    reference = hf.load_pretrained(str(tmp_path / "hf"))
+    reference = checkpoint.load_pretrained(str(tmp_path / "hf"))
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**bare, key: value}))
-    spelled = hf.load_pretrained(str(tmp_path / "hf"))
+    spelled = checkpoint.load_pretrained(str(tmp_path / "hf"))
     assert spelled.config == reference.config and spelled.state.keys() == reference.state.keys()
     assert all(torch.equal(spelled.state[k], reference.state[k]) for k in reference.state)

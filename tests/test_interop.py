@@ -9,14 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import sample
 from conftest import REPO, docs_snippet, make_text, run_script, tiny_model
-from weights import hf
-from prepare import tokenizers
-from process.errors import DataError, HFError
-from prepare.tokenizers import CharTokenizer, train_bpe
-from weights.hf_tokenizer import BPE_FILE, CHAR_UNK, CHARS_FILE, read_tokenizer
+
+import checkpoint
+import sample
+import tokenizer
+from config import DataError, HFError
+from scripts import export_hf
+from tokenizer import (
+    BPE_FILE,
+    CHAR_UNK,
+    CHARS_FILE,
+    CharTokenizer,
+    data_home,
+    read_tokenizer,
+    tokenizer_from_meta,
+    train_bpe,
+)
 
 pytestmark = pytest.mark.interop  # transformers, PEFT, ONNX Runtime, lm_eval (requirements-interop.txt)
 transformers = pytest.importorskip("transformers")
@@ -32,7 +41,7 @@ def export(folder: Path, kind: str = "char", block_size: int = 16, seed: int = 0
     with torch.no_grad():  # random everywhere, gains included, so that nothing maps by luck
         for p in model.parameters():
             p.normal_(0.0, 0.3)
-    hf.export(model, tokenizer, folder)
+    export_hf.export(model, tokenizer, folder)
     return folder, model, tokenizer
 
 
@@ -132,7 +141,7 @@ def test_a_peft_merged_export_comes_back_through_init_from_with_equal_logits(tmp
     merged = lora.merge_and_unload().eval()  # init_lora_weights=False: B is random, so the merge changes c_attn
     merged.save_pretrained(tmp_path / "merged")
     transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "merged")
-    pretrained = hf.load_pretrained(str(tmp_path / "merged"))
+    pretrained = checkpoint.load_pretrained(str(tmp_path / "merged"))
     assert pretrained.tokenizer == ours.meta()
     back = sample.GPT(pretrained.config)
     back.load_state_dict(pretrained.state)
@@ -155,17 +164,17 @@ def test_a_relative_data_dir_is_under_the_repo_wherever_the_command_runs(tmp_pat
     corpus.write_text(TEXT)
     elsewhere.mkdir()
     relative = os.path.relpath(tmp_path / "cache", REPO)  # relative to the repo: tmp_path/cache; to cwd: not
-    monkeypatch.setenv("PYTHONPATH", str(REPO))  # python -m prepare, run from another folder, finds this checkout
-    run_script("-m", "prepare", "--data_path", str(corpus), "--data_dir", relative, cwd=elsewhere)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # python -m scripts.prepare, run elsewhere, finds this checkout
+    run_script("-m", "scripts.prepare", "--data_path", str(corpus), "--data_dir", relative, cwd=elsewhere)
     assert len(list((tmp_path / "cache").glob("corpus-*-char-val0.1/train.bin"))) == 1
-    assert tokenizers.data_home("data") == REPO / "data" and tokenizers.data_home(tmp_path) == tmp_path
+    assert data_home("data") == REPO / "data" and data_home(tmp_path) == tmp_path
 
 
 def test_gpt2s_ranks_are_cached_in_the_resolved_data_dir(monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr(tokenizers, "GPT2Tokenizer", seen.append)  # where tokenizer_from_meta asks for the ranks
+    monkeypatch.setattr(tokenizer, "GPT2Tokenizer", seen.append)  # where tokenizer_from_meta asks for the ranks
     monkeypatch.chdir(tmp_path)
-    tokenizers.tokenizer_from_meta({"kind": "gpt2"}, Path("data"))
+    tokenizer_from_meta({"kind": "gpt2"}, Path("data"))
     assert seen == [REPO / "data"]
 
 
@@ -234,11 +243,12 @@ def samples_of_the_cli(out: Path) -> tuple[list[tuple[str, str]], list[tuple[flo
 def test_lm_evals_command_line_scores_a_char_export_as_our_adapter_does(tmp_path, monkeypatch):
     pytest.importorskip("lm_eval", reason="lm_eval is not installed (requirements-dev.txt): no CLI check")
     from lm_eval.api.instance import Instance
+
     from scripts import harness
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # inherited by the command below
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     model, tokenizer = cloze_char_model()
-    hf.export(model, tokenizer, tmp_path / "export")
+    export_hf.export(model, tokenizer, tmp_path / "export")
     run_script("-m", "lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={tmp_path / 'export'}",
                "--include_path", str(LOCAL_TASKS), "--tasks", "tinygpt_cloze", "--device", "cpu",
                "--output_path", str(tmp_path / "out"), "--log_samples")

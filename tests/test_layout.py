@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TOOLS
 
 # Ways a file can reach past the import system: appending to the search path, silencing the import order

@@ -1,4 +1,4 @@
-"""weights/loading.py: the one place a model comes back, from a run's checkpoint or from pretrained weights."""
+"""checkpoint.py: the one place a model comes back, from a run's checkpoint or from pretrained weights."""
 from __future__ import annotations
 
 import argparse
@@ -9,17 +9,24 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import train
-from config import DEFAULTS, make_config
 from conftest import make_text
-from weights import hf
-from training.checkpoint import load_checkpoint
-from weights.hf_tokenizer import CHARS_FILE
-from process.errors import CheckpointError, HFError
-from training.runtime import Runtime
-from weights.loading import (Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_flags, from_pretrained,
-                             start_from)
+
+import checkpoint
+import train
+from checkpoint import (
+    Loaded,
+    add_weights_flags,
+    find_checkpoint,
+    from_checkpoint,
+    from_flags,
+    from_pretrained,
+    load_checkpoint,
+    start_from,
+)
+from config import DEFAULTS, CheckpointError, HFError, make_config
+from runtime import Runtime
+from scripts import export_hf
+from tokenizer import CHARS_FILE
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +74,7 @@ def test_a_checkpoint_loads_as_the_model_it_saved_in_eval_mode_with_what_the_run
 
 def test_pretrained_weights_load_with_a_config_of_their_shape_and_no_run_behind_them(run, tmp_path):
     trained = from_checkpoint(run / "best.pt")
-    hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
+    export_hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
     loaded = from_pretrained(str(tmp_path / "hf"))
     assert not loaded.model.training
     assert (loaded.step, loaded.precision, loaded.source) == (None, "float32", str(tmp_path / "hf"))
@@ -81,7 +88,7 @@ def test_pretrained_weights_load_with_a_config_of_their_shape_and_no_run_behind_
 
 def test_weights_without_a_known_tokenizer_are_refused_in_one_line(run, tmp_path):
     trained = from_checkpoint(run / "best.pt")
-    hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
+    export_hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
     for name in (CHARS_FILE, "tokenizer.json"):  # ours and the standard one: nothing to rebuild it from
         (tmp_path / "hf" / name).unlink()
     with pytest.raises(HFError, match="no tokenizer for a vocabulary of .*tinygpt_chars.json or tinygpt_bpe.json"):
@@ -90,7 +97,7 @@ def test_weights_without_a_known_tokenizer_are_refused_in_one_line(run, tmp_path
 
 def test_the_flags_choose_the_weights(run, tmp_path):
     trained = from_checkpoint(run / "best.pt")
-    hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
+    export_hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
     parser = argparse.ArgumentParser()
     add_weights_flags(parser)
     chosen = {flag: from_flags(parser.parse_args([flag, value]))
@@ -125,7 +132,7 @@ def test_a_run_and_its_hugging_face_export_start_a_fine_tune_at_the_same_block_s
     --block_size is given, and no more than those. Bug caught: the export refused the default block_size 128
     (`block_size 128 exceeds the 32 positions`) where the run itself gave 32."""
     trained = from_checkpoint(run / "best.pt")
-    hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
+    export_hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
     for source in (str(run), str(tmp_path / "hf")):
         assert start_from(make_config(None, init_from=source))[0].block_size == 32 != DEFAULTS["block_size"]
         assert start_from(make_config(None, init_from=source, block_size=8))[0].block_size == 8
@@ -145,7 +152,7 @@ def test_a_missing_run_folder_is_named_with_the_nearest_run_before_the_hub_is_as
         asked.append(repo_id)
         raise LookupError(f"asked the hub for {repo_id}")
 
-    monkeypatch.setattr(hf, "download", download)
+    monkeypatch.setattr(checkpoint, "download", download)
     for typo in ("out/smal", "./out/smal", "out/smalll"):
         for load in (lambda: start_from(make_config(None, init_from=typo)), lambda: from_pretrained(typo)):
             with pytest.raises(CheckpointError, match=r"no such run folder \(did you mean out/small\?\)") as err:

@@ -1,7 +1,7 @@
-"""LoRA (training/lora.py): the adapted model starts as its base exactly, only the adapters train, merging changes
+"""LoRA (finetune.py): the adapted model starts as its base exactly, only the adapters train, merging changes
 no logit, a resume is bit-exact and refuses another base, and PEFT loads the exported adapters to our logits.
 
-The base is a random tiny GPT exported by weights/hf.py into a Hugging Face folder, which --init_from reads.
+The base is a random tiny GPT exported by checkpoint.py into a Hugging Face folder, which --init_from reads.
 """
 from __future__ import annotations
 
@@ -10,38 +10,35 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from weights import loading
-from weights.loading import from_checkpoint, start_from
-import train
-from config import ConfigError, make_config
 from conftest import make_text, metrics, tiny_model, tiny_run, write_chats
-from data import load_corpus
 from fault_injection import assert_nested_equal
-from weights import hf
-from training import lora
-from training.checkpoint import LORA_KEYS, REQUIRED_KEYS, load_checkpoint
-from prepare.corpora import prepare
-from process.errors import CheckpointError
-from training.runtime import Runtime
-from prepare.tokenizers import tokenizer_from_meta
+
+import checkpoint
+import finetune
+import train
+from checkpoint import LORA_KEYS, REQUIRED_KEYS, from_checkpoint, load_checkpoint, start_from
+from config import LORA_TARGETS, CheckpointError, ConfigError, make_config
+from data import load_corpus
+from prepare import prepare_corpus
+from runtime import Runtime
 from scripts import export_hf
+from tokenizer import tokenizer_from_meta
 
 CPU = Runtime(torch.device("cpu"), torch.float32, 1, False)
 TARGETS = "attn.c_attn,mlp.c_proj"  # an attention and an MLP layer: PEFT must tell mlp.c_proj from attn.c_proj
 
 
-def adapted(targets: str = ",".join(lora.TARGETS), dropout: float = 0.0, seed: int = 0):
+def adapted(targets: str = ",".join(LORA_TARGETS), dropout: float = 0.0, seed: int = 0):
     """A tiny random model, and a copy of it with rank-4 adapters (alpha 8) on ``targets``."""
     base = tiny_model(seed=seed).eval()
-    model = lora.add_adapters(tiny_model(seed=seed), 4, 8.0, dropout, targets)
+    model = finetune.add_adapters(tiny_model(seed=seed), 4, 8.0, dropout, targets)
     return base, model
 
 
 def randomize_adapters(model: torch.nn.Module) -> None:
     """Non-zero B matrices: as if trained, so that the update shows in the logits."""
     with torch.no_grad():
-        for layer in lora.adapters(model).values():
+        for layer in finetune.adapters(model).values():
             layer.lora_B.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(3))
 
 
@@ -53,7 +50,7 @@ IDX = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
 def test_adapters_at_step_0_give_the_bases_logits_exactly(mode):
     base, model = adapted(dropout=0.5)  # adapter dropout too: B = 0 cancels whatever it drops
     getattr(model, mode)()
-    assert len(lora.adapters(model)) == 2 * len(lora.TARGETS)
+    assert len(finetune.adapters(model)) == 2 * len(LORA_TARGETS)
     assert torch.equal(model(IDX).logits, base(IDX).logits)
     randomize_adapters(model)  # the check can fail: an update that is not zero shows
     assert not torch.equal(model(IDX).logits, base(IDX).logits)
@@ -61,7 +58,7 @@ def test_adapters_at_step_0_give_the_bases_logits_exactly(mode):
 
 def test_an_adapted_layer_adds_alpha_over_rank_times_b_a_of_its_dropped_out_input():
     """PEFT's maths (its files load onto the base to our logits only if so): y = W x + alpha / rank * B A drop(x)."""
-    layer = lora.LoRALinear(torch.nn.Linear(8, 6), rank=4, alpha=8.0, dropout=0.5)
+    layer = finetune.LoRALinear(torch.nn.Linear(8, 6), rank=4, alpha=8.0, dropout=0.5)
     randomize_adapters(layer)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     a, b = layer.lora_A.weight, layer.lora_B.weight
@@ -76,32 +73,32 @@ def test_an_adapted_layer_adds_alpha_over_rank_times_b_a_of_its_dropped_out_inpu
 def test_adding_adapters_freezes_every_base_weight_and_keeps_the_fingerprint():
     base, model = adapted(TARGETS)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    assert trainable == set(lora.adapter_state(model)) and trainable
+    assert trainable == set(finetune.adapter_state(model)) and trainable
     assert all(".lora_A." in name or ".lora_B." in name for name in trainable)
     assert {name.split(".", 3)[3].rsplit(".", 2)[0] for name in trainable} == set(TARGETS.split(","))
-    assert lora.base_fingerprint(model) == lora.base_fingerprint(base)
+    assert finetune.base_fingerprint(model) == finetune.base_fingerprint(base)
     with torch.no_grad():
         base.transformer.h[1].mlp.c_fc.weight[0, 0] += 1e-6  # one weight of another base
-    assert lora.base_fingerprint(model) != lora.base_fingerprint(base)
+    assert finetune.base_fingerprint(model) != finetune.base_fingerprint(base)
 
 
 def test_the_base_fingerprint_changes_when_any_single_base_weight_changes():
     """Every base tensor counts (the tied embedding, the position table, the final norm, each block's weights and
     biases), read through the adapters and trained rows; the adapters and rows themselves never do."""
-    model = lora.add_adapters(tiny_model(bias=True), 4, 8.0, 0.0, lora.TARGETS, rows=[48, 49])
-    reference = lora.base_fingerprint(model)
-    assert reference == lora.base_fingerprint(tiny_model(bias=True))
+    model = finetune.add_adapters(tiny_model(bias=True), 4, 8.0, 0.0, LORA_TARGETS, rows=[48, 49])
+    reference = finetune.base_fingerprint(model)
+    assert reference == finetune.base_fingerprint(tiny_model(bias=True))
     counted = []
     for name, p in model.named_parameters():
         before = p.detach().clone()
         with torch.no_grad():
             p.view(-1)[0] += 1e-3
-        if lora.base_fingerprint(model) != reference:
+        if finetune.base_fingerprint(model) != reference:
             counted.append(name)
         with torch.no_grad():
             p.copy_(before)
     assert not any(p.requires_grad for name, p in model.named_parameters() if name in counted)  # no adapter, no row
-    assert lora.base_fingerprint(model) == reference
+    assert finetune.base_fingerprint(model) == reference
     assert {"transformer.wte.embedding.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
             "transformer.ln_f.bias", "transformer.h.1.attn.c_attn.base.bias", "transformer.h.0.mlp.c_fc.base.weight",
             "transformer.h.1.ln_2.weight"} <= set(counted)
@@ -111,12 +108,12 @@ def test_the_base_fingerprint_changes_when_any_single_base_weight_changes():
 def test_merged_model_with_trained_marker_rows_computes_the_adapted_logits_on_every_id():
     """A chat fine-tune's markers: their rows (embedding and, tied, logits) trained beside the adapters."""
     base = tiny_model().eval()
-    model = lora.add_adapters(tiny_model(), 4, 8.0, 0.0, lora.TARGETS, rows=[46, 49]).eval()
+    model = finetune.add_adapters(tiny_model(), 4, 8.0, 0.0, LORA_TARGETS, rows=[46, 49]).eval()
     randomize_adapters(model)
     with torch.no_grad():
         model.transformer.wte.lora_rows.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(4))
     every_id = torch.arange(64).view(4, 16) % 50  # (4, 16): every id, the markers 46 and 49 included
-    merged = lora.merge(model).eval()
+    merged = finetune.merge(model).eval()
     with torch.no_grad():
         adapted_logits, merged_logits = model(every_id).logits, merged(every_id).logits
     # fp32 rounding of W + BA against W and BA apart, relative to logits up to ~12: on a CPU held to AVX2 the kernels'
@@ -130,14 +127,14 @@ def test_merged_model_with_trained_marker_rows_computes_the_adapted_logits_on_ev
 def test_merged_model_is_a_plain_gpt_with_the_adapted_logits():
     base, model = adapted()
     randomize_adapters(model)
-    merged = lora.merge(model).eval()
+    merged = finetune.merge(model).eval()
     with torch.no_grad():
         diff = (merged(IDX).logits - model.eval()(IDX).logits).abs().max().item()
     assert diff <= 1e-5, diff
     assert merged.state_dict().keys() == base.state_dict().keys()  # no adapter key: loads as any GPT
     assert merged.lm_head.weight is merged.transformer.wte.weight
     assert all(p.requires_grad for p in merged.parameters())
-    assert lora.adapters(model) and not lora.adapters(merged)  # a copy: the adapted model keeps its adapters
+    assert finetune.adapters(model) and not finetune.adapters(merged)  # a copy: the adapted model keeps its adapters
     assert not torch.equal(merged.transformer.h[0].attn.c_attn.weight, base.transformer.h[0].attn.c_attn.weight)
 
 
@@ -168,12 +165,12 @@ def corpus_paths(tmp_path_factory) -> tuple[Path, Path]:
 def export_base(corpus_paths: tuple[Path, Path], folder: Path, seed: int = 0) -> Path:
     """A random tiny GPT-2-layout model for the corpus's char vocabulary, as a Hugging Face folder (hf.export)."""
     text, data_dir = corpus_paths
-    corpus = load_corpus(prepare(data_path=str(text), tokenizer="char", data_dir=str(data_dir)), 32)
+    corpus = load_corpus(prepare_corpus(data_path=str(text), tokenizer="char", data_dir=str(data_dir)), 32)
     model = tiny_model(vocab_size=corpus.vocab_size, block_size=32, seed=seed, bias=True, activation="gelu_tanh")
     with torch.no_grad():  # biases and gains too: a base whose every weight counts
         for p in model.parameters():
             p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(seed))
-    hf.export(model, tokenizer_from_meta(corpus.meta["tokenizer"]), folder)
+    export_hf.export(model, tokenizer_from_meta(corpus.meta["tokenizer"]), folder)
     return folder
 
 
@@ -202,26 +199,26 @@ def trained(corpus_paths, base_folder, tmp_path_factory) -> Path:
 def test_the_optimizer_sees_and_steps_only_the_adapters(corpus_paths, base_folder, tmp_path, optimizer):
     cfg, pretrained = start_from(lora_cfg(corpus_paths, tmp_path / "out", base_folder, optimizer=optimizer))
     run = train.build_run(cfg, CPU, pretrained=pretrained)
-    adapter_params = {id(p) for layer in lora.adapters(run.model).values()
+    adapter_params = {id(p) for layer in finetune.adapters(run.model).values()
                       for p in (layer.lora_A.weight, layer.lora_B.weight)}
     optimized = [p for group in run.optimizer.param_groups for p in group["params"]]
     assert {id(p) for p in optimized} == adapter_params and len(optimized) == len(adapter_params)
-    assert sum(p.numel() for p in optimized) == sum(t.numel() for t in lora.adapter_state(run.model).values())
+    assert sum(p.numel() for p in optimized) == sum(t.numel() for t in finetune.adapter_state(run.model).values())
     before = {name: t.clone() for name, t in run.model.state_dict().items()}
     train.train_step(run, run.model, [run.stream.next()], 1, 1e-2)
     after = run.model.state_dict()
     moved = {name for name in before if not torch.equal(before[name], after[name])}
-    assert moved and moved <= set(lora.adapter_state(run.model))  # the base never moves (A's moves from step 2)
+    assert moved and moved <= set(finetune.adapter_state(run.model))  # the base never moves (A's moves from step 2)
     assert {id(p) for p in run.optimizer.state} <= adapter_params and run.optimizer.state
 
 
 def test_a_lora_checkpoint_holds_the_adapters_and_the_bases_fingerprint_not_the_base(trained, base_folder):
     state = load_checkpoint(trained / "last.pt")
     assert sorted(state) == sorted(REQUIRED_KEYS + LORA_KEYS)
-    pretrained = hf.load_pretrained(str(base_folder), 32)
+    pretrained = checkpoint.load_pretrained(str(base_folder), 32)
     base = tiny_model(vocab_size=pretrained.config.vocab_size, block_size=32, bias=True, activation="gelu_tanh")
     base.load_state_dict(pretrained.state)
-    assert state["lora"] == {"base": str(base_folder), "fingerprint": lora.base_fingerprint(base), "rank": 4,
+    assert state["lora"] == {"base": str(base_folder), "fingerprint": finetune.base_fingerprint(base), "rank": 4,
                              "alpha": 8.0, "dropout": 0.1, "targets": TARGETS.split(","), "rows": []}
     assert set(state["model"]) == {f"transformer.h.{i}.{target}.lora_{m}.weight" for i in range(2)
                                    for target in TARGETS.split(",") for m in "AB"}
@@ -254,16 +251,16 @@ def test_sampling_a_lora_run_merges_its_adapters_and_refuses_a_changed_base(corp
                                                                            tmp_path, monkeypatch):
     state = load_checkpoint(trained / "last.pt")
     model = from_checkpoint(trained / "last.pt").model
-    assert not lora.adapters(model)
+    assert not finetune.adapters(model)
     cfg, pretrained = start_from(lora_cfg(corpus_paths, tmp_path / "x", base_folder))
     run = train.build_run(cfg, CPU, pretrained=pretrained)
-    lora.load_adapter_state(run.model, state["model"], "test")
+    finetune.load_adapter_state(run.model, state["model"], "test")
     idx = IDX % pretrained.config.vocab_size
     with torch.no_grad():
         assert (model(idx).logits - run.model.eval()(idx).logits).abs().max() <= 1e-5
     changed = export_base(corpus_paths, tmp_path / "changed", seed=2)
     monkeypatch.setitem(state["config"], "init_from", str(changed))  # as if the base folder had been replaced
-    monkeypatch.setattr(loading, "load_checkpoint", lambda path: state)
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path: state)
     with pytest.raises(CheckpointError, match="its LoRA adapters were trained on base"):
         from_checkpoint(trained / "last.pt")
 
@@ -301,7 +298,7 @@ def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_our_logits(t
 
 def test_peft_export_of_a_run_without_adapters_is_refused_in_one_line(tmp_path, capsys):
     with pytest.raises(CheckpointError, match="not a LoRA run"):
-        lora.export_peft({"model": {}}, tmp_path / "adapters")
+        export_hf.export_peft({"model": {}}, tmp_path / "adapters")
     assert not (tmp_path / "adapters").exists()
 
 
@@ -346,4 +343,4 @@ def test_a_chat_fine_tune_trains_its_markers_rows_and_merges_them(tmp_path):
     assert torch.equal(merged.transformer.wte.weight[: base.config.vocab_size],
                        base.transformer.wte.weight[: base.config.vocab_size])  # the base's rows did not
     with pytest.raises(CheckpointError, match="also trained 5 embedding rows .*drop --peft"):
-        lora.export_peft(state, tmp_path / "peft")
+        export_hf.export_peft(state, tmp_path / "peft")

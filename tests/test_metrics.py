@@ -8,17 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from training import checkpoint
-import train
-from training.checkpoint import load_checkpoint
-from weights.loading import from_checkpoint
 from conftest import make_text, metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
-from data import load_corpus, val_windows
-from prepare.tokenizers import token_byte_lengths
-from prepare.tokenizers import CharTokenizer
 from fault_injection import disk_full_from_step
+
+import checkpoint
+import train
+from checkpoint import from_checkpoint, load_checkpoint
+from data import load_corpus, val_windows
 from scripts import eval as eval_script
+from scripts import export_hf
+from tokenizer import CharTokenizer, token_byte_lengths
 
 CPU = torch.device("cpu")
 
@@ -130,11 +129,10 @@ def test_a_kill_right_after_a_save_loses_no_val_record(tmp_path, text_file, monk
 
 
 def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_from(tmp_path, text_file, capsys):
-    from weights import hf
     out = tmp_path / "run"
     train_tiny(out, text_file)
     loaded = from_checkpoint(out / "best.pt")
-    hf.export(loaded.model, loaded.tokenizer, tmp_path / "hf")  # bias-free: zero biases
+    export_hf.export(loaded.model, loaded.tokenizer, tmp_path / "hf")  # bias-free: zero biases
     args = ("--data_path", str(text_file), "--json", "--batch_size", "4")
     from_ckpt = eval_in_process(capsys, "--ckpt", str(out), *args)
     from_hf = eval_in_process(capsys, "--init_from", str(tmp_path / "hf"), *args)

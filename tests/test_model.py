@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-import train
 from conftest import make_optimizer, run_main, tiny_args, tiny_model
+
 import model as model_module
+import train
 from model import Rotary
 from sample import KVCache
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import train
 from config import make_config
-from conftest import tiny_model
-from training.optim import Muon, orthogonalize
+from optim import Muon, orthogonalize
 
 
 def step_both(reference: torch.optim.Optimizer, ours: Muon, a: list, b: list, steps: int = 3) -> None:

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from prepare.__main__ import main as prepare_main
-from prepare import documents, tokenizers
-import train
 from conftest import make_text
+
+import prepare
+import tokenizer
+import train
 from data import DataError
-from prepare.corpora import corpus_source, prepare
+from prepare import corpus_source, prepare_corpus
+from scripts.prepare import main as prepare_main
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -49,34 +50,35 @@ def assert_same_splits(a: Path, b: Path) -> None:
 
 
 def test_parquet_prepares_exactly_as_the_same_documents_in_jsonl(tmp_path):
-    from_parquet = prepare(data_path=str(write_parquet(tmp_path / "web.parquet", DOCS)), data_dir=str(tmp_path / "d"),
+    from_parquet = prepare_corpus(data_path=str(write_parquet(tmp_path / "web.parquet", DOCS)),
+                                  data_dir=str(tmp_path / "d"),
                            num_proc=2)
-    from_jsonl = prepare(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), data_dir=str(tmp_path / "d"),
+    from_jsonl = prepare_corpus(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), data_dir=str(tmp_path / "d"),
                          num_proc=1)
     assert_same_splits(from_parquet, from_jsonl)
     meta = json.loads((from_parquet / "meta.json").read_text())
     assert (meta["documents"], meta["val_documents"], meta["text_column"]) == (13, 2, "text")
-    tok = tokenizers.CharTokenizer(meta["tokenizer"]["chars"])
+    tok = tokenizer.CharTokenizer(meta["tokenizer"]["chars"])
     val = np.fromfile(from_parquet / "val.bin", dtype=meta["dtype"]).tolist()
     assert tok.decode(val) == "\n" + DOCS[0] + "\n" + DOCS[10]  # documents 0 and 10, each after a newline
 
 
 def test_shards_row_groups_and_read_batches_change_nothing(tmp_path, monkeypatch):
-    whole = prepare(data_path=str(write_parquet(tmp_path / "all.parquet", DOCS)), data_dir=str(tmp_path / "d"),
+    whole = prepare_corpus(data_path=str(write_parquet(tmp_path / "all.parquet", DOCS)), data_dir=str(tmp_path / "d"),
                     num_proc=1)
     shards = tmp_path / "shards"  # sorted by relative path: a/ before b.parquet before c/
     write_parquet(shards / "a" / "000.parquet", DOCS[:4], row_group_size=3)
     write_parquet(shards / "b.parquet", DOCS[4:9], row_group_size=2)  # row groups end mid-shard
     write_parquet(shards / "c" / "000.parquet", DOCS[9:], row_group_size=1)
-    monkeypatch.setattr(documents, "PARQUET_BATCH_ROWS", 2)  # read batches that straddle row groups
-    monkeypatch.setattr(documents, "BATCH_CHARS", 300)  # and a few documents in flight at a time
-    assert_same_splits(prepare(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=2), whole)
+    monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 2)  # read batches that straddle row groups
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 300)  # and a few documents in flight at a time
+    assert_same_splits(prepare_corpus(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=2), whole)
 
 
 def test_text_column_reads_another_column_or_field_and_names_another_folder(tmp_path, capsys):
     parquet = write_parquet(tmp_path / "web.parquet", DOCS, column="content")
     jsonl = write_jsonl(tmp_path / "web.jsonl", DOCS, field="content")
-    folders = [prepare(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1, text_column="content")
+    folders = [prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1, text_column="content")
                for path in (parquet, jsonl)]
     assert_same_splits(*folders)
     assert json.loads((folders[0] / "meta.json").read_text())["text_column"] == "content"
@@ -129,7 +131,7 @@ def test_bad_parquet_input_is_one_line_naming_the_file(tmp_path, case, expected)
     else:
         path, column = write_jsonl(tmp_path / "web.jsonl", DOCS), "body"
     with pytest.raises(DataError, match=expected) as raised:
-        prepare(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1, text_column=column)
+        prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1, text_column=column)
     assert "\n" not in str(raised.value)
     assert not list((tmp_path / "d").glob("*-char-*"))  # nothing prepared
 
@@ -140,9 +142,9 @@ def test_without_pyarrow_a_parquet_corpus_says_what_to_install(tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     needs = r"web.parquet: reading .parquet needs pyarrow: pip install pyarrow==26.0.1"
     with pytest.raises(DataError, match=needs):
-        list(documents.document_sources(path))
+        list(prepare.document_sources(path))
     with pytest.raises(DataError, match=needs):
-        prepare(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1)
+        prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1)
 
 
 def test_rows_are_read_lazily_one_batch_at_a_time(tmp_path, monkeypatch):
@@ -156,10 +158,10 @@ def test_rows_are_read_lazily_one_batch_at_a_time(tmp_path, monkeypatch):
             yield batch
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", counted)
-    monkeypatch.setattr(documents, "PARQUET_BATCH_ROWS", 4)
-    sources = documents.document_sources(path)
+    monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 4)
+    sources = prepare.document_sources(path)
     assert iter(sources) is sources and not batches_read  # a generator: nothing read until asked
-    assert next(sources) == documents.Source("text", f"{path}:row 1", "document 0")
+    assert next(sources) == prepare.Source("text", f"{path}:row 1", "document 0")
     assert batches_read == [4]  # one batch of 4 rows read for the first document, not 200 rows
     assert [s.where for s in sources][-1] == f"{path}:row 200"
     assert sum(batches_read) == 200
@@ -177,6 +179,6 @@ def test_every_shard_is_checked_before_any_document_is_read(tmp_path, monkeypatc
     shards = tmp_path / "shards"
     write_parquet(shards / "a.parquet", DOCS[:6])
     write_parquet(shards / "b.parquet", DOCS[6:], column="body")  # the last shard lacks the column
-    monkeypatch.setattr(documents, "map_documents", lambda *args, **kwargs: pytest.fail("documents were read"))
+    monkeypatch.setattr(prepare, "map_documents", lambda *args, **kwargs: pytest.fail("documents were read"))
     with pytest.raises(DataError, match=r"b.parquet: no column 'text' \(its columns: id, body\)"):
-        prepare(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=1)
+        prepare_corpus(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=1)

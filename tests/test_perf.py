@@ -8,15 +8,15 @@ import statistics
 import pytest
 import torch
 import torch.nn.functional as F
-
-from training import runtime
-import train
 from conftest import read_metrics, run_script, write_chats
+
+import runtime
+import train
+from checkpoint import load_checkpoint
 from config import make_config
-from prepare.tokenizers import tokenizer_vocab_size
-from training.checkpoint import load_checkpoint
 from model import GPTConfig, attention, visible_keys
 from scripts import bench, plot
+from tokenizer import tokenizer_vocab_size
 
 
 def test_bench_step_is_train_step(tiny_cfg):

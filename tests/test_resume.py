@@ -23,17 +23,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import (
+    REPO,
+    final_weights,
+    make_optimizer,
+    make_text,
+    metrics,
+    read_metrics,
+    run_for,
+    run_main,
+    run_script,
+    same_weights,
+    tiny_args,
+    tiny_model,
+)
+from fault_injection import AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, signal_at, step_clock
 
+import checkpoint
 import data
-from training import checkpoint, runtime
-from training import tracking
+import runtime
 import train
-from training.checkpoint import load_checkpoint, save_checkpoint
+from checkpoint import load_checkpoint, save_checkpoint
 from config import make_config
 from data import LOADERS
-from conftest import (REPO, final_weights, make_optimizer, make_text, metrics, read_metrics, run_for, run_main,
-                      run_script, same_weights, tiny_args, tiny_model)
-from fault_injection import AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, signal_at, step_clock
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -473,8 +485,8 @@ def test_a_resume_with_nothing_left_to_do_opens_no_tracker_run(tmp_path, text_fi
 
     def start(cfg, out_dir, logged_through=None):
         started.append(cfg.resume)
-        return tracking.NullTracker()
-    monkeypatch.setattr(tracking, "start", start)
+        return runtime.NullTracker()
+    monkeypatch.setattr(runtime, "start", start)
     args = tiny_args(tmp_path / "run", text_file, max_iters=2, eval_interval=2, wandb="true")
     assert run_main(args) == 0 and started == [False]
     assert run_main(args + ["--resume"]) == 0 and started == [False]  # max_iters reached: nothing to log

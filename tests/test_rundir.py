@@ -1,4 +1,4 @@
-"""One live run per out_dir, and folders that cannot be written fail first, in one line (process/rundir.py)."""
+"""One live run per out_dir, and folders that cannot be written fail first, in one line (runtime.py)."""
 from __future__ import annotations
 
 import errno
@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from process import rundir
-import train
-from training.checkpoint import load_checkpoint
 from conftest import REPO, metrics, run_main, tiny_args
-from prepare.corpora import prepare
 from fault_injection import AS_A_SCRIPT
-from process.rundir import PathError
+
+import runtime
+import train
+from checkpoint import load_checkpoint
+from prepare import prepare_corpus
+from runtime import PathError
 
 FAULTS = AS_A_SCRIPT
 
@@ -76,14 +76,14 @@ def test_a_live_run_owns_its_folder_until_it_is_killed(tmp_path, text_file, caps
 
 def test_a_claim_refuses_a_second_owner_and_a_refused_run_leaves_no_folder(tmp_path):
     out = tmp_path / "a" / "b"
-    first = rundir.claim(out)
+    first = runtime.claim(out)
     assert (out / ".lock").read_text().startswith(f"process {os.getpid()} on {socket.gethostname()}, since ")
     with pytest.raises(PathError, match=f"in use by process {os.getpid()} ") as refused:  # a second descriptor:
-        rundir.claim(out)  # flock locks open files, not processes, so even this process is refused
+        runtime.claim(out)  # flock locks open files, not processes, so even this process is refused
     assert refused.value.exit_code == 2
     first.release()
     assert list(tmp_path.iterdir()) == []  # the folders it made held nothing else: removed
-    with rundir.claim(out):
+    with runtime.claim(out):
         (out / "last.pt").write_bytes(b"a run's file")
     assert [p.name for p in out.iterdir()] == ["last.pt"]  # the folder stays, the lock file goes
 
@@ -177,6 +177,6 @@ def test_a_chmod_read_only_out_dir_fails_first(tmp_path, text_file, capsys):
 
 def test_a_read_only_data_dir_holding_the_corpus_still_trains(tmp_path, text_file, monkeypatch):
     data = tmp_path / "data"
-    prepare(data_path=str(text_file), data_dir=str(data))
+    prepare_corpus(data_path=str(text_file), data_dir=str(data))
     unwritable(monkeypatch, data)
     assert run_main(tiny_args(tmp_path / "out", text_file, data_dir=data, max_iters=1, eval_interval=1)) == 0

@@ -11,16 +11,27 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
-from training.checkpoint import FORMAT_VERSION, save_checkpoint
-from config import as_dict, make_config, model_config
 from conftest import REPO, make_text, run_script, tiny_model
-from prepare.tokenizers import CharTokenizer
-from model import GPT, GPTConfig, attention, visible_keys
+
 import sample as sample_module
-from sample import (Continuations, KVCache, NextTokenLogits, filter_logits, generate, main, next_token_probs,
-                    pick_next, prompt_ids, unescape, window_start)
+from checkpoint import FORMAT_VERSION, save_checkpoint
+from config import as_dict, make_config, model_config
+from model import GPT, GPTConfig, attention, visible_keys
+from sample import (
+    Continuations,
+    KVCache,
+    NextTokenLogits,
+    filter_logits,
+    generate,
+    main,
+    next_token_probs,
+    pick_next,
+    prompt_ids,
+    unescape,
+    window_start,
+)
 from scripts import chat as chat_script
+from tokenizer import CharTokenizer
 
 NEG_INF = float("-inf")
 

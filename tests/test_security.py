@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import sample
-from training.checkpoint import REQUIRED_KEYS, CheckpointError, load_checkpoint, save_checkpoint
 from conftest import REPO, run_main, run_script, tiny_args
 
+import sample
+from checkpoint import REQUIRED_KEYS, CheckpointError, load_checkpoint, save_checkpoint
 
 
 class Payload:
@@ -124,7 +123,7 @@ def test_source_never_loads_with_weights_only_false():
                 is_test = path.parent.name == "tests"
                 assert is_test or (owner, node.func.attr) not in (("pickle", "load"), ("pickle", "loads")), \
                     f"{where}: pickle load in product code"
-    assert loads >= 2  # training/checkpoint.py's load and the schema test's: the scan does find calls
+    assert loads >= 2  # checkpoint.py's load and the schema test's: the scan does find calls
 
 
 def test_every_torch_load_at_run_time_is_weights_only(tmp_path, text_file, monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""Tokenizers (prepare/tokenizers.py): char and GPT-2 round trips; a BPE trained on the train split (deterministic,
+"""Tokenizers (tokenizer.py): char and GPT-2 round trips; a BPE trained on the train split (deterministic,
 val never seen), carried in the checkpoint, exported so that transformers encodes exactly as we do (char and BPE),
 and its bad inputs in one line."""
 from __future__ import annotations
@@ -10,16 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-import sample
-from config import ConfigError, parse_args
 from conftest import make_text, run_main, run_script, tiny_args
+
+import checkpoint
+import sample
+from checkpoint import from_checkpoint
+from config import ConfigError, parse_args
 from data import DataError
-from weights import hf
-from prepare.corpora import prepare
-from weights.loading import from_checkpoint
-from prepare.tokenizers import BPETokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
-from weights.hf_tokenizer import read_tokenizer, tokenizer_files
+from prepare import prepare_corpus
+from scripts import export_hf
+from scripts.export_hf import tokenizer_files
+from tokenizer import BPETokenizer, CharTokenizer, GPT2Tokenizer, read_tokenizer, tokenizer_from_meta, train_bpe
 
 VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's words can merge
 MIXED = "ROMEO: naïve café — 東京 🤖👍🏽\n\n\tend   of  line \n  x"  # ASCII, accents, emoji, whitespace runs
@@ -53,7 +54,7 @@ def test_gpt2_tokenizer_offline_fallback(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- BPE: trained on the train split
 def prepared(data_path: Path, data_dir: Path, vocab: int = VOCAB) -> Path:
-    return prepare(data_path=str(data_path), tokenizer="bpe", data_dir=str(data_dir), bpe_vocab_size=vocab)
+    return prepare_corpus(data_path=str(data_path), tokenizer="bpe", data_dir=str(data_dir), bpe_vocab_size=vocab)
 
 
 def ranks_of(folder: Path) -> list[str]:
@@ -94,7 +95,7 @@ def test_document_corpora_train_their_bpe_on_train_documents_only(tmp_path):
         lines = [json.dumps({"text": (marker * 20 if k % 10 == 0 else "") + doc}) for k, doc in enumerate(docs)]
         path = tmp_path / f"web{i}.jsonl"
         path.write_text("\n".join(lines) + "\n")
-        folders.append(prepare(data_path=str(path), tokenizer="bpe", data_dir=str(tmp_path / f"d{i}"),
+        folders.append(prepare_corpus(data_path=str(path), tokenizer="bpe", data_dir=str(tmp_path / f"d{i}"),
                                bpe_vocab_size=VOCAB, num_proc=1))
     assert ranks_of(folders[0]) == ranks_of(folders[1])
     meta = json.loads((folders[0] / "meta.json").read_text())
@@ -187,7 +188,7 @@ def test_an_export_gives_transformers_our_ids_and_our_greedy_text(tmp_path, kind
     run = trained_run(tmp_path, text, kind)
     loaded = from_checkpoint(run / "best.pt")
     model, ours = loaded.model, loaded.tokenizer
-    hf.export(model, ours, tmp_path / "export")
+    export_hf.export(model, ours, tmp_path / "export")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning on load
         theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
@@ -215,9 +216,9 @@ def test_an_exported_bpe_reimports_with_its_own_tokenizer(tmp_path):
     run = trained_run(tmp_path, make_text(), "bpe")
     loaded = from_checkpoint(run / "best.pt")
     model, ours = loaded.model, loaded.tokenizer
-    hf.export(model, ours, tmp_path / "export")
+    export_hf.export(model, ours, tmp_path / "export")
     assert read_tokenizer(tmp_path / "export", VOCAB) == ours.meta()
-    with pytest.raises(hf.HFError, match="a BPE of 320 tokens for a vocabulary of 50257"):
+    with pytest.raises(checkpoint.HFError, match="a BPE of 320 tokens for a vocabulary of 50257"):
         read_tokenizer(tmp_path / "export", 50257)
 
 

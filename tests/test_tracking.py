@@ -14,10 +14,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from training import tracking
-from config import ConfigError
 from conftest import COUNT_CONNECTIONS, REPO, read_metrics, run_main, tiny_args
+
+import runtime
+from config import ConfigError
 
 pytestmark = pytest.mark.interop  # wandb (requirements-interop.txt)
 wandb = pytest.importorskip("wandb")
@@ -106,9 +106,9 @@ def test_without_a_key_the_run_goes_offline_and_resume_continues_the_same_run(tm
 START_TRACKER = COUNT_CONNECTIONS + """
 import json, sys
 from pathlib import Path
-from training import tracking
+import runtime
 from config import make_config
-tracker = tracking.start(make_config(wandb=True, out_dir=sys.argv[1]), Path(sys.argv[1]))
+tracker = runtime.start(make_config(wandb=True, out_dir=sys.argv[1]), Path(sys.argv[1]))
 tracker.finish()
 print(json.dumps({"server": [c for c in connections if c[0] == 9], "mode": tracker.run.settings.mode}))
 """
@@ -129,7 +129,7 @@ def test_a_key_and_an_unreachable_server_go_offline_at_once(tmp_path):
     started = json.loads(last)
     # One try of the server, bounded by the probe's timeout, then offline: nothing waits on it (counted in
     # connections, not seconds, so a busy machine cannot make this flake).
-    assert started == {"server": [[9, tracking.PROBE_TIMEOUT]], "mode": "offline"}, started
+    assert started == {"server": [[9, runtime.PROBE_TIMEOUT]], "mode": "offline"}, started
     assert lines[0].startswith("wandb: going online; checking that http://127.0.0.1:9 answers")  # said at once
     assert lines[1].startswith("wandb: cannot reach http://127.0.0.1:9 (")
     assert "upload it later with `wandb sync " in lines[2] and list((out / "wandb").glob("offline-run-*"))
@@ -141,7 +141,7 @@ def test_a_wandb_that_cannot_start_stops_the_run_in_one_line_before_training(tmp
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
 
     monkeypatch.setenv("WANDB_MODE", "online")
-    monkeypatch.setattr(tracking, "server_unreachable", lambda url: None)  # it answers (no test reaches it)
+    monkeypatch.setattr(runtime, "server_unreachable", lambda url: None)  # it answers (no test reaches it)
     monkeypatch.setattr(wandb, "init", init)
     out = tmp_path / "out"
     assert run_main(tiny_args(out, text_file, wandb="true")) == 2
@@ -168,7 +168,7 @@ def test_mode_follows_the_credentials_unless_wandb_mode_is_set(monkeypatch, env_
     else:
         monkeypatch.setenv("WANDB_MODE", env_mode)
     monkeypatch.setattr(wandb, "login", login)
-    assert tracking.choose_mode(wandb) == mode
+    assert runtime.choose_mode(wandb) == mode
     assert calls == ([] if env_mode else [{"prompt": False, "verify": False}])  # never a prompt or a round trip
 
 
@@ -190,13 +190,13 @@ def test_an_online_run_whose_server_does_not_answer_goes_offline(monkeypatch, ca
         monkeypatch.delenv("WANDB_MODE", raising=False)
     else:
         monkeypatch.setenv("WANDB_MODE", env_mode)
-    monkeypatch.setattr(tracking, "server_unreachable", probe)
+    monkeypatch.setattr(runtime, "server_unreachable", probe)
     if expected is ConfigError:
         with pytest.raises(ConfigError, match=r"wandb cannot reach .* \(\[Errno 111\] Connection refused\) and "
                                               "WANDB_MODE=online; unset WANDB_MODE"):
-            tracking.reachable_mode(wandb, mode)
+            runtime.reachable_mode(wandb, mode)
     else:
-        assert tracking.reachable_mode(wandb, mode) == expected
+        assert runtime.reachable_mode(wandb, mode) == expected
     assert len(asked) == (mode != "offline")
     said = capsys.readouterr().out
     assert ("logging offline instead" in said) == (mode == "online" and not answers)
@@ -210,11 +210,11 @@ def test_tracker_skips_the_steps_the_run_already_holds():
         def log(self, record, step):
             self.logged.append(step)
 
-    tracker = tracking.WandbTracker(run := Run(), logged_through=8)
+    tracker = runtime.WandbTracker(run := Run(), logged_through=8)
     for step in (7, 8, 8, 9, 9, 10):  # a train and a val record share a step
         tracker.log({"step": step})
     assert run.logged == [9, 9, 10]
-    tracking.NullTracker().log({"step": 1})  # the null object takes the same calls and does nothing
+    runtime.NullTracker().log({"step": 1})  # the null object takes the same calls and does nothing
 
 
 # ----------------------------------------------------------------------------- tracking

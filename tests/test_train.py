@@ -6,15 +6,14 @@ import re
 
 import pytest
 import torch
-
-from training import runtime, tracking
-import model as model_module
-import train
-from training.checkpoint import REQUIRED_KEYS, load_checkpoint
-from config import ConfigError, make_config
 from conftest import metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
 from fault_injection import step_clock
-from weights.loading import from_checkpoint
+
+import model as model_module
+import runtime
+import train
+from checkpoint import REQUIRED_KEYS, from_checkpoint, load_checkpoint
+from config import ConfigError, make_config
 
 
 def test_lr_schedule_table():
@@ -54,7 +53,7 @@ def test_time_schedule_decays_over_max_time_and_warms_up_by_steps():
 @pytest.mark.parametrize("seconds, shown", [(0, "0:00"), (83.9, "1:23"), (180, "3:00"), (3599.5, "59:59"),
                                              (3600, "1:00:00"), (3725, "1:02:05")])
 def test_clock_is_minutes_and_seconds_then_hours(seconds, shown):
-    assert tracking.clock(seconds) == shown
+    assert runtime.clock(seconds) == shown
 
 
 @pytest.mark.parametrize("budget, shown", [
@@ -174,7 +173,7 @@ def test_a_mean_term_weighs_the_same_however_the_batch_is_split(monkeypatch):
 def test_mfu_reads_the_flops_measured_at_start(tmp_path, text_file, monkeypatch):
     """Where a peak is known, each log line's MFU is GPT.flops_per_token's measured count x tokens/s / peak (here
     on CPU, with a pretend peak of 1 TFLOP/s); the hand formula 6N + 12LTC would count the norms' gains too."""
-    for module in (runtime, tracking):
+    for module in (runtime, runtime):
         monkeypatch.setattr(module, "device_peak", lambda device, dtype: 1e12)
     assert run_main(tiny_args(tmp_path / "run", text_file, max_iters=3)) == 0
     model = from_checkpoint(tmp_path / "run" / "last.pt").model
@@ -241,7 +240,7 @@ def test_end_to_end_train_then_sample(tmp_path, text_file):
 
 def test_compiling_is_announced_before_the_probe_compiles(monkeypatch, capsys):
     """The probe is where torch.compile takes its time (100 s for gpt2 on a GPU): a line must come first."""
-    from training.runtime import compile_or_eager
+    from runtime import compile_or_eager
     monkeypatch.setattr(torch, "compile", lambda model: model)  # compiling itself is not what is tested
     printed_before_probe = []
     compile_or_eager(tiny_model(), True, lambda m: printed_before_probe.append(capsys.readouterr().out))
@@ -251,7 +250,7 @@ def test_compiling_is_announced_before_the_probe_compiles(monkeypatch, capsys):
 
 
 def test_a_failing_compile_warns_once_and_runs_eager(monkeypatch):
-    from training.runtime import compile_or_eager
+    from runtime import compile_or_eager
 
     class Broken(torch.nn.Module):
         def forward(self, *args):
@@ -272,16 +271,15 @@ def test_a_failing_compile_warns_once_and_runs_eager(monkeypatch):
     assert compile_or_eager(model, False, probe) is model
 
 
-# Imported only by the call that needs them: corpus preparation, GPT-2's tokenizer (tiktoken: prepare/tokenizers.py,
-# the home of every tokenizer, imports it only to build a BPE), Hugging Face interop.
-NOT_AT_IMPORT = ("prepare.corpora", "weights.hf", "tiktoken", "transformers", "huggingface_hub", "safetensors",
-                 "pyarrow")
+# Imported only by the call that needs them: chat and LoRA (finetune.py), GPT-2's tokenizer (tiktoken: tokenizer.py
+# imports it only to build a BPE), Hugging Face interop, parquet.
+NOT_AT_IMPORT = ("finetune", "tiktoken", "transformers", "huggingface_hub", "safetensors", "pyarrow")
 
 
-def test_train_py_imports_no_corpus_preparation_or_hugging_face_code_at_module_level():
-    """The textbook core loads what a step needs; preparing a corpus and init_from import their modules
-    when called (data.corpus_for, train.start_from). Checked in a fresh interpreter."""
+def test_train_py_imports_no_chat_lora_or_hugging_face_code_at_module_level():
+    """The textbook core loads what a step needs; chat, LoRA, GPT-2's BPE and Hugging Face's code are imported by
+    the calls that need them. Checked in a fresh interpreter."""
     probe = f"import sys, train; print(sorted(m for m in {NOT_AT_IMPORT!r} if m in sys.modules))"
     assert run_script("-c", probe).stdout.strip() == "[]"
-    loaded = run_script("-c", probe.replace("import sys, train", "import sys, train, prepare.corpora, weights.hf"))
-    assert "prepare.corpora" in loaded.stdout and "weights.hf" in loaded.stdout  # the probe can see them
+    loaded = run_script("-c", probe.replace("import sys, train", "import sys, train, finetune"))
+    assert "finetune" in loaded.stdout  # the probe can see it

@@ -1,5 +1,5 @@
 """Training options are declared once: every TrainConfig field carries its resume rule, optimizers and lr decays
-are tables of functions (training/optim.py) whose keys are the names the config accepts, and the fields only one
+are tables of functions (optim.py) whose keys are the names the config accepts, and the fields only one
 choice reads are a declared table (config.USED_ONLY_UNDER), checked here against what perturbing every field under
 every choice changes. A run says what it trains with. The tests below are generated from those declarations, so a
 new entry is tested unasked."""
@@ -9,8 +9,8 @@ import ast
 import dataclasses
 import functools
 import itertools
-import math
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -21,18 +21,32 @@ from typing import Literal
 import numpy as np
 import pytest
 import torch
-
-import train
-from training.checkpoint import load_checkpoint, save_checkpoint
-import config
-from config import (CHOOSERS, DEFAULTS, FIELD_TYPES, RANGES, RESUME, RESUME_RULES, USED_ONLY_UNDER, TrainConfig,
-                    choices, make_config, model_config, settings_line, unused_fields, unused_given)
 from conftest import REPO, docs_snippet, entry_point, make_text, read_metrics, run_main, tiny_args
-from data import LOADERS, corpus_for
 from fault_injection import assert_same_training_state, capture_run
+
+import config
+import optim
+import train
+from checkpoint import load_checkpoint, save_checkpoint
+from config import (
+    CHOOSERS,
+    DEFAULTS,
+    FIELD_TYPES,
+    RANGES,
+    RESUME,
+    RESUME_RULES,
+    USED_ONLY_UNDER,
+    TrainConfig,
+    choices,
+    make_config,
+    model_config,
+    settings_line,
+    unused_fields,
+    unused_given,
+)
+from data import LOADERS, corpus_for
 from model import GPT, GPTConfig
-from training import optim
-from training.optim import DECAYS, OPTIMIZERS, MuonAdamW, lr_at
+from optim import DECAYS, OPTIMIZERS, MuonAdamW, lr_at
 
 
 # ----------------------------------------------------------------------------- every field has a rule
@@ -157,7 +171,7 @@ def curve_faults(name: str, curve: list[float], cfg: TrainConfig) -> list[str]:
     for i in range(rise + 1, len(curve)):
         move, where = curve[i] - curve[i - 1], f"at step {i + 1} ({curve[i - 1]:.4g} -> {curve[i]:.4g})"
         if move > 0 and not restarts:
-            faults.append(f"it rises {where}; if {name} restarts on purpose, add it to training/optim.py's "
+            faults.append(f"it rises {where}; if {name} restarts on purpose, add it to optim.py's "
                           "WARM_RESTARTS and it is checked as a schedule with restarts")
         elif abs(move) > peak / WARMUP + 1e-12 and not (restarts and move > 0):
             faults.append(f"it jumps {where}, more than a warmup step: a cliff")
@@ -186,7 +200,7 @@ def test_the_curve_check_names_the_step_of_a_rise_a_cliff_and_a_restart(monkeypa
     restarted = cosine_curve[:WARMUP] + [cfg.min_lr + (1 + math.cos(math.pi * p)) / 2 * (1 - cfg.min_lr)
                                          for p in halves] + cosine_curve[1100:]
     assert curve_faults("cosine", restarted, cfg)[0].startswith("it rises at step 601 (")
-    assert "add it to training/optim.py's WARM_RESTARTS" in curve_faults("cosine", restarted, cfg)[0]
+    assert "add it to optim.py's WARM_RESTARTS" in curve_faults("cosine", restarted, cfg)[0]
     monkeypatch.setattr(optim, "WARM_RESTARTS", frozenset({"cosine"}))
     assert curve_faults("cosine", restarted, cfg) == []  # declared: its restart is allowed, the rest still checked
     assert curve_faults("cosine", [cfg.min_lr / 2] * len(restarted), cfg)
@@ -219,8 +233,8 @@ def exit_code(tool: str, args: list[str]) -> int:
 
 
 @pytest.mark.parametrize("tool", ["train.py", "scripts.doctor", "scripts.bench"])
-@pytest.mark.parametrize("field, name, table", [("optimizer", "sgdx", "training/optim.py's OPTIMIZERS"),
-                                               ("lr_decay", "linear", "training/optim.py's DECAYS"),
+@pytest.mark.parametrize("field, name, table", [("optimizer", "sgdx", "optim.py's OPTIMIZERS"),
+                                               ("lr_decay", "linear", "optim.py's DECAYS"),
                                                ("loader", "curriculum", "data.py's LOADERS")],
                          ids=["optimizer", "lr_decay", "loader"])
 def test_a_name_the_config_allows_without_its_function_is_one_line_before_anything_is_built(
@@ -475,18 +489,18 @@ def test_muon_with_adamw_is_one_torch_optimizer_and_an_old_two_part_state_is_ref
 
 # ----------------------------------------------------------------------------- a fork, end to end
 # The headings of docs/experiments.md's python blocks ("Adding a training option"), each applied as it says.
-SGD = "# training/optim.py, replacing the OPTIMIZERS line:\n"
-LINEAR = "# training/optim.py, replacing the DECAYS line:\n"
+SGD = "# optim.py, replacing the OPTIMIZERS line:\n"
+LINEAR = "# optim.py, replacing the DECAYS line:\n"
 NAMES = "# config/__init__.py, in TrainConfig: the new names in the Literals (the rest of each line unchanged)\n"
 FIELDS = "# config/__init__.py, in TrainConfig, after wandb_project:\n"
 ROWS = "# config/__init__.py, in USED_ONLY_UNDER:\n"
-LION = "# training/optim.py, replacing the OPTIMIZERS line (Lion):\n"
+LION = "# optim.py, replacing the OPTIMIZERS line (Lion):\n"
 LION_NAME = "# config/__init__.py, in TrainConfig: the new name in the Literal (Lion; the rest of the line unchanged)\n"
-SGDR = ("# training/optim.py, replacing the DECAYS line (SGDR):\n",
+SGDR = ("# optim.py, replacing the DECAYS line (SGDR):\n",
         "# config/__init__.py, in TrainConfig: the new name in the Literal (SGDR; the rest of the line unchanged)\n",
         "# config/__init__.py, in TrainConfig, after wandb_project (SGDR):\n",
         "# config/__init__.py, in USED_ONLY_UNDER (SGDR):\n")
-SGDR_KIND = "# training/optim.py, replacing the WARM_RESTARTS line:\n"
+SGDR_KIND = "# optim.py, replacing the WARM_RESTARTS line:\n"
 FIELD_ANCHOR = '    wandb_project: str = free("tinygpt", "wandb project name")\n'
 
 
@@ -535,8 +549,8 @@ import json, sys
 from pathlib import Path
 import torch
 import train
-from training.checkpoint import load_checkpoint
-from training.faults import StopOnSignal
+from checkpoint import load_checkpoint
+from runtime import StopOnSignal
 from scripts import compare
 
 corpus, out = sys.argv[1], Path(sys.argv[2])
@@ -613,7 +627,7 @@ from pathlib import Path
 import torch
 import train
 from config import make_config, unused_given
-from training.checkpoint import load_checkpoint
+from checkpoint import load_checkpoint
 from tests.fault_injection import assert_same_training_state
 
 corpus, out = sys.argv[1], Path(sys.argv[2])
@@ -731,4 +745,4 @@ def test_the_sgdr_recipe_forks_the_repo_end_to_end(tmp_path):
     refused = pytest_in(undeclared, tmp_path / "refused", "tests/test_training_options.py", "-k", "curve_of_its_kind")
     assert refused.returncode == 1
     assert ("lr_decay sgdr: it rises at step 351 (0.1 -> 1); if sgdr restarts on purpose, add it to "
-            "training/optim.py's WARM_RESTARTS") in one_line(refused.stdout)
+            "optim.py's WARM_RESTARTS") in one_line(refused.stdout)

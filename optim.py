@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from config import EXIT_NONFINITE, CheckpointError, ConfigError, RunStopped
 from data import LOADERS
-from process.errors import EXIT_NONFINITE, CheckpointError, ConfigError, RunStopped
 
-if TYPE_CHECKING:  # annotations only
+if TYPE_CHECKING:
     from config import TrainConfig
     from model import GPT
-
 
 # ----------------------------------------------------------------------------- optimizers
 def adamw_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
@@ -67,9 +66,6 @@ def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.
 
 
 OPTIMIZERS = {"adamw": build_adamw, "muon": build_muon}  # config.TrainConfig.optimizer's values
-# Those whose step reads a tensor on the host (.item(), bool(t)), a sync per step that stalls a GPU's run-ahead:
-# tests/test_reliability.py refuses any other that does, and the start-up line names these.
-HOST_SYNCING: frozenset[str] = frozenset()
 
 
 def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device,
@@ -228,8 +224,8 @@ WARM_RESTARTS: frozenset[str] = frozenset()
 
 # What builds each value of a choosing field: config's Literal names the values a user may give, these tables hold
 # their code (tests/test_training_options.py checks the two agree; a fork that edits one hears it from the run too).
-CHOICE_TABLES = {"optimizer": ("training/optim.py's OPTIMIZERS", OPTIMIZERS),
-                 "lr_decay": ("training/optim.py's DECAYS", DECAYS), "loader": ("data.py's LOADERS", LOADERS)}
+CHOICE_TABLES = {"optimizer": ("optim.py's OPTIMIZERS", OPTIMIZERS),
+                 "lr_decay": ("optim.py's DECAYS", DECAYS), "loader": ("data.py's LOADERS", LOADERS)}
 
 
 def refuse_unbuilt_choices(cfg: TrainConfig) -> None:

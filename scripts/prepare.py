@@ -1,18 +1,22 @@
 """Prepare a corpus into token files without training: the work train.py does first, cached in data_dir.
 
-    python -m prepare                                      # the built-in Shakespeare corpus (cached in data/)
-    python -m prepare --data_path my.txt                   # any UTF-8 text file, folder, .jsonl or .parquet
-    python -m prepare --data_path web.jsonl --tokenizer gpt2 --num_proc 8
+    python -m scripts.prepare                          # the built-in Shakespeare corpus (cached in data/)
+    python -m scripts.prepare --data_path my.txt       # any UTF-8 text file, folder, .jsonl or .parquet
+    python -m scripts.prepare --data_path web.jsonl --tokenizer gpt2 --num_proc 8
 
 Its corpus flags are train.py's (config.CORPUS_OPTIONS: the same names, help and checks), so train.py finds
 the folder it writes; --num_proc and --block_size are its own.
 """
 from __future__ import annotations
 
-from config import CORPUS_OPTIONS, add_flags, make_config
-from prepare import corpora
-from process.cli import CommandLine
-from process.errors import TinyGPTError, exit_on
+import sys
+
+if not __package__:  # run as a file, `python scripts/prepare.py`: its folder, not the repo, leads the module path
+    print("error: run it from the repo root as a module: python -m scripts.prepare", file=sys.stderr)
+    sys.exit(2)
+
+import prepare
+from config import CORPUS_OPTIONS, CommandLine, TinyGPTError, add_flags, exit_on, make_config
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {num_proc} and {block_size}")
     try:
         cfg = make_config(None, **given, block_size=block_size)  # config.validate's checks of the corpus fields
-        corpora.corpus_folder(cfg, num_proc=num_proc)  # what train.py prepares: a .jsonl of conversations as chat
+        prepare.corpus_folder(cfg, num_proc=num_proc)  # what train.py prepares: a .jsonl of conversations as chat
     except TinyGPTError as err:  # a bad value (2), a bad corpus (2), a data_dir to change (2) or failing its probe (74)
         exit_on(err)
 

@@ -1,37 +1,101 @@
-"""LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): fine-tune a trained model by
-freezing it and training, beside some of its Linear layers, a low-rank update B A.
+"""Conversations: the chat template, the loss mask it implies, and a .jsonl of conversations prepared as a corpus.
 
-    python train.py --init_from gpt2 --lora_rank 8 --out_dir out/lora      # adapters on GPT-2's c_attn
-    python sample.py --ckpt out/lora                                      # the base again, adapters merged in
-    python -m scripts.export_hf out/lora hf/lora --peft hf/lora_adapters  # merged model + PEFT's adapters
+One template for every tokenizer. A conversation is its markers and its turns' text, as token ids:
 
-A layer W (out, in) becomes y = W x + scale * B (A (dropout(x))), scale = alpha / rank, with A (rank, in)
-initialised like PEFT's default (kaiming-uniform, a = sqrt(5): nn.Linear's own init) and B (out, rank) zeros,
-so the adapted model computes exactly the base at step 0. Only A and B train; a checkpoint holds them, the
-base's fingerprint (a sha256 of its weights) and where the base came from (init_from), never the base itself,
-so a resume or a sample imports the base again and refuses one whose fingerprint differs. ``merge`` folds
-B A into W and gives back a plain GPT; ``export_peft`` writes PEFT's files, which
-``peft.PeftModel.from_pretrained`` loads onto the base exported by weights/hf.py.
+    <|begin|> <|system|> ... <|end|> <|user|> ... <|end|> <|assistant|> ... <|end|> <|user|> ...
+
+The markers are special tokens after the base vocabulary (tokenizers.ChatTokenizer), never made from text.
+What is learned follows from the ids alone (``learned``): a token is a target when the last marker before it
+is <|assistant|>, that is an assistant's text and the <|end|> that closes it. The prompt, the other roles'
+turns and the padding are targets -1, which the token-normalised loss of train.py does not count. Nothing
+stores the mask, so nothing can drift from it.
+
+A line of a .jsonl is ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`` (the
+format of OpenAI fine-tuning files and Hugging Face chat datasets) or ``{"prompt": "...", "completion":
+"..."}`` (one user turn, one assistant turn). Every line is checked before anything is written: a bad one
+is one DataError naming its line. The val split holds whole conversations, by the documents' rule (tokenfiles.is_val).
 """
 from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import math
-from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 
-from config import LORA_TARGETS as TARGETS  # noqa: F401 - the Linear layers of a block that may get an adapter
-from config import parse_lora_targets as parse_targets  # "attn.c_attn,mlp.c_fc" -> the names; ConfigError if unknown
-from process.errors import CheckpointError
+from config import CheckpointError, DataError
+from config import parse_lora_targets as parse_targets
 from model import GPT
+from tokenizer import ASSISTANT, BEGIN, ChatTokenizer
 
+
+def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
+    """(N,) bool: which tokens of a conversation are targets, those whose last marker before is <|assistant|>."""
+    markers = np.array(sorted(tokenizer.marker_ids.values()))
+    position = np.arange(len(tokens))
+    last = np.maximum.accumulate(np.where(np.isin(tokens, markers), position, -1))  # last marker at or before
+    before = np.concatenate([[-1], last[:-1]])  # the last marker strictly before each token
+    return (before >= 0) & (tokens[np.maximum(before, 0)] == tokenizer.marker_ids[ASSISTANT])
+
+
+# ----------------------------------------------------------------------------- conversations as rows of a batch
+def check_fit(lengths: np.ndarray, block_size: int, overflow: str, source: tuple[str, list[int]]) -> None:
+    """Refuse (or, truncating, count once) the conversations longer than block_size + 1 tokens."""
+    long, (path, lines) = np.flatnonzero(lengths > block_size + 1), source
+    if len(long) and overflow == "refuse":
+        where = f"{path}:{lines[long[0]]}" if len(lines) == len(lengths) else f"{path}, conversation {long[0]}"
+        raise DataError(f"{where}: a conversation of {lengths[long[0]]} tokens ({len(long)} such in all) does not fit "
+                        f"block_size + 1 = {block_size + 1}; pass --chat_overflow truncate to cut them there (their "
+                        "tails are not learned), a larger --block_size, or shorten them")
+    if len(long):
+        print(f"{path}: {len(long)} of {len(lengths)} conversations cut at block_size + 1 = {block_size + 1} tokens")
+
+
+def conversation_rows(rows: list[np.ndarray], tokenizer, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conversations (each T_i + 1 tokens) -> inputs and targets, (B, width) each: a target is the next token where
+    it is learned, else -1, as is the padding (inputs 0)."""
+    x = torch.zeros(len(rows), width, dtype=torch.long)
+    y = torch.full((len(rows), width), -1, dtype=torch.long)
+    for i, row in enumerate(rows):
+        row = np.asarray(row, dtype=np.int64)
+        x[i, : len(row) - 1] = torch.from_numpy(row[:-1])
+        y[i, : len(row) - 1] = torch.from_numpy(np.where(learned(row, tokenizer)[1:], row[1:], -1))
+    return x, y  # (B, width) each
+
+
+def chat_source(corpus, split: str) -> tuple[str, list[int]]:
+    """(the .jsonl a chat corpus was made from, each of the split's conversations' line in it)."""
+    return corpus.meta["source"], corpus.meta.get("lines", {}).get(split, [])
+
+
+def val_rows(corpus, tokenizer: ChatTokenizer, block_size: int, overflow: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chat corpus's fixed val windows: one conversation a row, (N, block_size) each, padded and masked."""
+    starts = np.flatnonzero(np.asarray(corpus.val) == tokenizer.marker_ids[BEGIN])
+    ends = np.append(starts[1:], len(corpus.val))
+    check_fit(ends - starts, block_size, overflow, chat_source(corpus, "val"))
+    return conversation_rows([corpus.val[s: min(e, s + block_size + 1)] for s, e in zip(starts, ends)], tokenizer,
+                             block_size)
+
+
+# -----------------------------------------------------------------------------
+# LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): fine-tune a trained model by
+# freezing it and training, beside some of its Linear layers, a low-rank update B A.
+#
+#     python train.py --init_from gpt2 --lora_rank 8 --out_dir out/lora      # adapters on GPT-2's c_attn
+#     python sample.py --ckpt out/lora                                      # the base again, adapters merged in
+#     python -m scripts.export_hf out/lora hf/lora --peft hf/lora_adapters  # merged model + PEFT's adapters
+#
+# A layer W (out, in) becomes y = W x + scale * B (A (dropout(x))), scale = alpha / rank, with A (rank, in)
+# initialised like PEFT's default (kaiming-uniform, a = sqrt(5): nn.Linear's own init) and B (out, rank) zeros,
+# so the adapted model computes exactly the base at step 0. Only A and B train; a checkpoint holds them, the
+# base's fingerprint (a sha256 of its weights) and where the base came from (init_from), never the base itself,
+# so a resume or a sample imports the base again and refuses one whose fingerprint differs. ``merge`` folds
+# B A into W and gives back a plain GPT; ``export_peft`` writes PEFT's files, which
+# ``peft.PeftModel.from_pretrained`` loads onto the base exported by checkpoint.py.
 ADAPTER_KEYS = (".lora_A.", ".lora_B.", ".lora_rows")  # what marks a trained weight in a state dict (A, B: PEFT's too)
-PEFT_PREFIX = "base_model.model."  # PeftModel wraps GPT2LMHeadModel: its weights' names gain this prefix
 
 
 class LoRALinear(nn.Module):
@@ -193,32 +257,3 @@ def load_adapted(state: dict[str, Any], base_model: GPT, where: str = "checkpoin
                            saved.get("rows", ()))
     load_adapter_state(adapted, state["model"], where)
     return fold(adapted) if merged else adapted
-
-
-# ----------------------------------------------------------------------------- PEFT's format
-def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
-    """A LoRA checkpoint's adapters as PEFT's adapter_config.json and adapter_model.safetensors in ``folder``.
-
-    The weights keep our names under PEFT's prefix, untransposed: PEFT's lora_A / lora_B are nn.Linear layers
-    whatever the base (A (rank, in), B (out, rank), as ours). GPT-2's four matrices are transformers Conv1D
-    layers, (in, out), hence fan_in_fan_out, which transposes only the base weight when PEFT merges. PEFT fills
-    every config field left out with its default.
-    """
-    from safetensors.torch import save_file
-
-    if "lora" not in state:
-        raise CheckpointError("not a LoRA run: only a run trained with --lora_rank has adapters to export in "
-                              "PEFT's format; export the model alone (drop --peft)")
-    if state["lora"].get("rows"):
-        raise CheckpointError(f"this LoRA run also trained {len(state['lora']['rows'])} embedding rows (its chat "
-                              "markers), which PEFT's LoRA files do not hold; export the merged model (drop --peft)")
-    folder.mkdir(parents=True, exist_ok=True)
-    weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
-    save_file({PEFT_PREFIX + name: t.detach().float().contiguous().clone() for name, t in state["model"].items()},
-              str(weights), metadata={"format": "pt"})
-    saved = state["lora"]
-    peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": saved["rank"], "lora_alpha": saved["alpha"],
-            "lora_dropout": saved["dropout"], "target_modules": list(saved["targets"]), "fan_in_fan_out": True,
-            "bias": "none", "base_model_name_or_path": saved["base"], "inference_mode": True}
-    config.write_text(json.dumps(peft, indent=1) + "\n", encoding="utf-8")
-    return [config, weights]

@@ -1,0 +1,847 @@
+"""Checkpoints: atomic writes, verified reads, every random stream an exact resume needs, and the run's side of it:
+what last.pt and best.pt hold and when (``Checkpointer``), and the resume policy.
+
+A checkpoint holds only tensors and plain Python values, so ``torch.load(weights_only=True)`` reads it with no
+allowlist and a malicious pickle cannot run code. Every load in this repo goes through ``load_checkpoint``.
+
+Keys (``REQUIRED_KEYS``): format_version; model (state_dict; a LoRA run's holds its adapters only); optimizer;
+scaler (GradScaler's, empty unless fp16); step (optimizer steps done); time_s (the run's wall clock at that step,
+evals included: a resumed run continues its max_time budget and time schedule); best_val_loss; config (TrainConfig
+as a dict); tokenizer (its description); rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, and data: the
+training stream's state_dict, data.TrainingStream); rng_per_rank (the same for every DDP rank, in rank order; one
+entry in a single process); precision (the dtype the run resolved: float32, bfloat16 or float16); versions (python,
+torch, numpy, tiktoken, git commit and dirty flag); last_eval (the latest eval before the save: step, val_loss,
+val_bpb; in best.pt the best one; empty until this process has run an eval); corpus (data.Corpus.record: source,
+val_fraction and each split's fingerprint; a resume on other data is refused). ``LORA_KEYS``, a LoRA run's only:
+lora (training/lora.record: its base, the base's fingerprint and the adapters' shape; a resume or a sample on
+another base is refused). A checkpoint of an older layout is refused in one line.
+
+On disk a checkpoint is the zip archive torch.save writes, with the archive's sha256 as its zip comment
+(``tinygpt-sha256:<hex>``). Zip readers, torch.load included, ignore the comment; ``load_checkpoint`` checks it, so
+a truncated, empty, foreign or bit-flipped file is refused (the zip CRCs miss flips in headers and padding, and
+torch.load checks no CRC at all).
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import hashlib
+import json
+import math
+import os
+import pickletools
+import platform
+import random
+import re
+import subprocess
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+import runtime
+from config import (
+    REPO,
+    CheckpointError,
+    CheckpointWriteError,
+    HFError,
+    TrainConfig,
+    as_dict,
+    config_from_dict,
+    given_fields,
+    model_config,
+    resume_changes,
+)
+from model import GPT, GPTConfig
+from runtime import TEMP_MARK, Dist, atomic_write, describe, dtype_name, print0
+from tokenizer import (
+    NO_TOKENIZER,
+    read_tokenizer,
+    tokenizer_from_meta,
+    tokenizer_vocab_size,
+    without_chat,
+)
+
+FORMAT_VERSION = 2  # 2: time_s added
+REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss", "config",
+                 "tokenizer", "rng", "rng_per_rank", "precision", "versions", "last_eval", "corpus")
+if TYPE_CHECKING:
+    from data import TrainingStream
+
+LORA_KEYS = ("lora",)  # written by a LoRA run (lora_rank > 0) only
+RNG_STREAMS = ("python", "numpy", "torch_cpu", "torch_cuda", "data")
+
+DIGEST_PREFIX = b"tinygpt-sha256:"
+DIGEST_TRAILER = len(DIGEST_PREFIX) + 64  # bytes of zip comment: the prefix and a hex sha256
+EOCD_SIZE = 22  # the zip end-of-central-directory record without its comment; it ends the archive
+
+
+class HashingWriter:
+    """The file object handed to torch.save: hashes the bytes on their way to disk (no second read)."""
+
+    def __init__(self, file):
+        self.file, self.sha256, self.tail = file, hashlib.sha256(), b""
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.tail = (self.tail + bytes(data[-EOCD_SIZE:]))[-EOCD_SIZE:]
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_checkpoint(state: dict[str, Any], path: Path) -> None:
+    """Write ``state`` to ``path`` atomically (files.atomic_write), its sha256 as the zip comment.
+
+    A crash or a full disk at any moment leaves either the old file or the new one, never a mix: the temp file
+    is removed, then CheckpointWriteError is raised (torch.save reports a full disk as an OSError or a
+    RuntimeError, depending on where it notices).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(f) -> None:
+        writer = HashingWriter(f)
+        torch.save(state, writer)
+        if writer.tail[:4] != b"PK\x05\x06" or writer.tail[-2:] != b"\0\0":
+            raise RuntimeError("torch.save did not end its archive with an empty zip comment")
+        f.seek(-2, os.SEEK_END)  # the comment's length, then the comment
+        f.write(DIGEST_TRAILER.to_bytes(2, "little") + DIGEST_PREFIX + writer.sha256.hexdigest().encode())
+
+    try:
+        atomic_write(path, write)
+    except (OSError, RuntimeError) as err:  # "No space left on device" where the OS said so, however wrapped
+        cause = next((e for e in (err, err.__cause__, err.__context__) if isinstance(e, OSError) and e.errno), None)
+        reason = os.strerror(cause.errno) if cause else (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointWriteError(f"could not write {path} ({reason[:200]}); the previous {path.name} is intact "
+                                   "and no temp file is left") from err
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint safely, or raise CheckpointError naming the path and the problem.
+
+    The sha256 in the zip comment is checked before anything is unpickled, and the unpickler only builds
+    tensors and plain values (weights_only=True): a corrupt file is refused, not loaded as silently wrong
+    weights, and a malicious one runs no code.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    verify_digest(path)
+    try:
+        with warnings.catch_warnings():  # torch warns about a pickle protocol it then refuses: the error says it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - the unpickler raises many types; all mean "refuse"
+        raise CheckpointError(f"{path}: refused to load ({unpickler_reason(err)})") from None
+    if not isinstance(state, dict) or "format_version" not in state:
+        raise CheckpointError(f"{path}: not a tinygpt checkpoint (no format_version)")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing or state["format_version"] != FORMAT_VERSION or isinstance(state["rng"].get("data"), torch.Tensor):
+        raise CheckpointError(f"{path}: written by an older tinygpt (format {state['format_version']}"
+                              + (f", no {', '.join(missing)}" if missing else "") + "); continue or sample it with "
+                              "the commit that wrote it (its versions.git_commit), or start a new run")
+    return state
+
+
+def read_config(path: Path) -> dict[str, Any] | None:
+    """The config a checkpoint was saved with, read cheaply (memory-mapped, no digest check), or None if the file
+    cannot be read that way. For decisions taken before the full, verified load_checkpoint."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - load_checkpoint will name the problem
+        return None
+    return state.get("config") if isinstance(state, dict) else None
+
+
+def verify_digest(path: Path) -> None:
+    """Raise CheckpointError unless the file ends with the sha256 save_checkpoint stored, and matches it."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        f.seek(max(0, size - DIGEST_TRAILER - EOCD_SIZE))
+        end = f.read()
+        eocd, comment = end[:EOCD_SIZE], end[EOCD_SIZE:]
+        if (len(end) < EOCD_SIZE + DIGEST_TRAILER or eocd[:4] != b"PK\x05\x06"
+                or eocd[-2:] != DIGEST_TRAILER.to_bytes(2, "little") or not comment.startswith(DIGEST_PREFIX)):
+            raise CheckpointError(f"{path}: not a tinygpt checkpoint, or truncated ({size} bytes and no "
+                                  "integrity digest at the end)")
+        digest, remaining = hashlib.sha256(), size - DIGEST_TRAILER - 2  # the archive up to its comment length
+        f.seek(0)
+        while remaining > 0 and (chunk := f.read(min(1 << 24, remaining))):  # empty: shrank under us, a mismatch
+            digest.update(chunk)
+            remaining -= len(chunk)
+        digest.update(b"\0\0")  # the comment length torch.save wrote
+    if digest.hexdigest().encode() != comment[len(DIGEST_PREFIX):]:
+        raise CheckpointError(f"{path}: corrupt checkpoint (sha256 mismatch: the file changed after it was saved)")
+
+
+def unpickler_reason(err: Exception) -> str:
+    """What torch.load rejected, in one line, never empty; an error that is no refusal (not a pickle at all) is
+    named by its type. torch (2.6 to 2.13) wraps the reason in lines of advice that all mention weights_only, after
+    "WeightsUnpickler error:" on the same line or a later one, or alone after a blank line (a blocked module)."""
+    text = str(err)
+    if not text.startswith("Weights only load failed"):
+        first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        return f"{type(err).__name__}: {first}"[:300] if first else type(err).__name__
+    lines = [line.split("WeightsUnpickler error:")[-1].removeprefix("Weights only load failed.").strip()
+             for line in text.splitlines()]
+    reason = next((line for line in lines if line and "weights_only" not in line
+                   and not line.startswith("This file can still be loaded")), "")
+    reason = re.split(r"(?<=\.)\s", reason)[0]  # the first sentence: the rest is advice to allow the global
+    opcode = re.fullmatch(r"Unsupported operand (\d+)", reason)
+    if opcode and chr(int(opcode[1])) in pickletools.code2op:  # a plain pickle (protocol 4 starts with FRAME)
+        reason += f" (pickle opcode {pickletools.code2op[chr(int(opcode[1]))].name})"
+    return reason[:300] or "the weights_only unpickler refused it; torch gave no reason"
+
+
+def capture_rng(stream: TrainingStream) -> dict[str, Any]:
+    """Every random stream the training run reads (RNG_STREAMS), the training stream's position included."""
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        # numpy's key array is stored as a tensor so weights_only loading accepts it.
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "data": stream.state_dict(),
+    }
+
+
+def restore_rng(rng: dict[str, Any], stream: TrainingStream) -> None:
+    """Put every random stream back; refuse a checkpoint that lacks one (an inexact resume)."""
+    missing = [name for name in RNG_STREAMS if name not in rng]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks RNG state for {', '.join(missing)}; resuming would not be exact")
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    torch.set_rng_state(rng["torch_cpu"])
+    if torch.cuda.is_available() and rng["torch_cuda"]:
+        torch.cuda.set_rng_state_all(rng["torch_cuda"])
+    stream.load_state_dict(rng["data"])
+
+
+def git(*args: str, cwd: Path = REPO) -> str:
+    """A git command's output, or "" where there is no git, no repository or no answer in 5 s."""
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True,
+                              timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+@functools.cache  # two subprocesses: once per run is enough, not once per save
+def git_state() -> dict[str, Any]:
+    """The commit the running code is at and whether tracked files differ from it ("" and False without git)."""
+    return {"git_commit": git("rev-parse", "HEAD"),
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+# ----------------------------------------------------------------------------- what a run saves, and its resume
+def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus, fp16_scaler: bool,
+                    dtype: torch.dtype) -> None:
+    """Refuse a checkpoint this run cannot continue (shape, tokenizer, optimizer, scaler, data); warn where it
+    can continue but not exactly as the run that was stopped. Other data (``corpus``, a data.Corpus) is refused:
+    another train split is not the run that was stopped, and another val split would compare best_val_loss, and
+    pick best.pt, across different sets."""
+    changes = resume_changes(state["config"], cfg)
+    differences = changes["fixed"]
+    if state["tokenizer"] != corpus.meta["tokenizer"]:
+        differences.append("tokenizer vocabulary differs from the current corpus")
+    if differences:
+        raise CheckpointError(f"{path} was trained with other settings: " + "; ".join(differences)
+                              + ". Use the same settings or a new --out_dir")
+    saved, now = state["corpus"], corpus.record()
+    changed = [split for split in ("train", "val") if saved["fingerprint"].get(split) != now["fingerprint"][split]]
+    if changed:
+        raise CheckpointError(
+            f"{path} was trained on {saved['source']} (val_fraction {saved['val_fraction']}), this run reads "
+            f"{now['source']} (val_fraction {now['val_fraction']}): its {' and '.join(changed)} split differs. "
+            "Resume with the same --data_path and --val_fraction, or start a new --out_dir")
+    if bool(state["scaler"]) != fp16_scaler:  # fp16 <-> bf16/fp32: the scaler state cannot follow
+        raise CheckpointError(f"{path} was trained in {state['precision']}, now {dtype_name(dtype)}; fp16 runs "
+                              "carry a grad scaler, others do not: resume with --dtype " + state["precision"])
+    if state["precision"] != dtype_name(dtype):
+        print0(f"WARNING: {path} was trained in {state['precision']}, this run uses {dtype_name(dtype)}: "
+               f"training continues but is NOT bit-exact; pass --dtype {state['precision']} for an exact resume")
+    if changes["warned"]:
+        print0(f"WARNING: resuming with changed settings ({'; '.join(changes['warned'])}): the new values apply "
+               "from here on, so this is not the run the checkpoint started")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Restore the moments from a checkpoint but keep this run's hyperparameters: load_state_dict also brings
+    back the saved param-group settings (weight decay, betas, lr_scale), and a resume with a new --muon_lr or
+    --weight_decay must run with it, not silently with the old one."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, mine in zip(optimizer.param_groups, settings):
+        group.update(mine)
+
+
+class Checkpointer:
+    """out_dir's last.pt and best.pt: what goes in them, when best.pt is written, and the resume policy.
+
+    The loop calls ``resume()`` once and ``save(step, ...)`` where it saves; both hold collectives, so every
+    rank calls them, and rank 0 alone writes. A save never writes a state that a non-finite step touched,
+    and writes best.pt before last.pt, so last.pt's best_val_loss never names a model best.pt lacks.
+    """
+
+    def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
+        """``run``: a train.Run (its model, optimizer, scaler, guard, training stream and corpus)."""
+        self.out_dir, self.cfg, self.ddp = out_dir, cfg, ddp
+        self.model, self.optimizer, self.scaler, self.guard = run.model, run.optimizer, run.scaler, run.guard
+        self.stream, self.corpus, self.dtype = run.stream, run.corpus, run.rt.dtype
+        self.saved_step: int | None = None  # the step last.pt holds, once this process knows it
+        self.last_eval: dict[str, float] = {}  # the latest eval, saved with each checkpoint (best.pt: the best)
+        # A LoRA run: what its checkpoints say of the base (hashed once: it is frozen) beside the adapters.
+        self.lora = None
+        if cfg.lora_rank:  # LoRA's code is imported by a LoRA run only
+            import finetune
+            self.lora = finetune.record(self.model, cfg.init_from, finetune.base_fingerprint(self.model))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in out_dir.glob(f".*.pt{TEMP_MARK}*"):  # left by a save that was killed
+            stale.unlink(missing_ok=True)
+
+    def resume(self) -> tuple[int, float, float]:
+        """Load last.pt into the run: (step, seconds spent, best val loss). Refuses a checkpoint of another shape,
+        tokenizer or data, or (a LoRA run) adapters of another base. Every rank loads the same file and restores
+        its own random streams (distributed.rank_rng_state)."""
+        path, cfg = self.out_dir / "last.pt", self.cfg
+        state = load_checkpoint(path)
+        check_resumable(path, state, cfg, self.corpus, self.scaler.is_enabled(), self.dtype)
+        if self.lora is None:
+            self.model.load_state_dict(state["model"])
+        else:  # the adapters, once the base imported now is the one they were trained on (its fingerprint)
+            import finetune
+            finetune.check_base(state["lora"], self.lora["fingerprint"], str(path))
+            finetune.load_adapter_state(self.model, state["model"], str(path))
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        rng = runtime.rank_rng_state(state, self.ddp)
+        if rng is not None:
+            try:
+                restore_rng(rng, self.stream)
+            except CheckpointError as err:
+                raise CheckpointError(f"{path}: {err}") from None
+        done = (" (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else
+                " (max_time reached: nothing to do; raise --max_time to continue)" if cfg.out_of_time(state["time_s"])
+                else "")
+        print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
+        self.saved_step = state["step"]
+        return state["step"], state["time_s"], state["best_val_loss"]
+
+    def save(self, step: int, time_s: float, best_val: float, is_best: bool = False) -> None:
+        self.guard.raise_if_tripped()  # never save a state that a non-finite step touched
+        self.guard.raise_if_weights_not_finite(self.model, step)  # nor one that an overflowing update made
+        rng_per_rank = runtime.gather_to_main(capture_rng(self.stream))  # a collective: all ranks
+        self.saved_step = step
+        with runtime.stop_together(self.ddp.device):  # rank 0's write failing (disk full) stops every rank
+            if self.ddp.is_main:
+                state = self.state(step, time_s, best_val, rng_per_rank)
+                if is_best:
+                    save_checkpoint(state, self.out_dir / "best.pt")
+                save_checkpoint(state, self.out_dir / "last.pt")
+
+    def state(self, step: int, time_s: float, best_val: float, rng_per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+        """Everything a resume needs, from the uncompiled model so keys carry no _orig_mod. A LoRA run saves its
+        adapters and lora.record, not the frozen base: the base is imported again from init_from, and the record's
+        fingerprint says whether it is the same. "rng" repeats rank 0's "rng_per_rank" entry, so single-process
+        readers need not know about ranks; "precision" is the dtype the run resolved (config's may say "auto")."""
+        import tiktoken
+        versions = {"python": platform.python_version(), "torch": str(torch.__version__), "numpy": np.__version__,
+                    "tiktoken": tiktoken.__version__, **git_state()}
+        weights = self.model.state_dict()
+        if self.lora:  # the adapters only: the frozen base comes back from init_from
+            from finetune import adapter_state
+            weights = adapter_state(self.model)
+        return {"format_version": FORMAT_VERSION, "model": weights, **({"lora": self.lora} if self.lora else {}),
+                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), "step": step,
+                "time_s": time_s, "best_val_loss": best_val, "config": as_dict(self.cfg),
+                "tokenizer": self.corpus.meta["tokenizer"], "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
+                "precision": dtype_name(self.dtype), "versions": versions, "last_eval": self.last_eval,
+                "corpus": self.corpus.record()}
+
+
+# -----------------------------------------------------------------------------
+# A model's weights back from disk, a run's checkpoint or GPT-2's: for use, or for a new run to start from.
+#
+#     loaded = from_checkpoint(find_checkpoint("out/small"))   # a run folder's best.pt (else last.pt), or a .pt
+#     loaded = from_pretrained("gpt2")                          # Hugging Face GPT-2 weights (checkpoint.py)
+#     loaded = from_flags(args, device)                         # whichever --ckpt / --init_from chose
+#     cfg, pretrained = start_from(cfg, device)                 # train.py's --init_from: a run (folder, .pt) or GPT-2
+#
+# ``Loaded``: the model in eval mode, its tokenizer, its run's config and what the run logged. ``start_from``: the
+# weights, with the config taking every option they fix (adopt) and the corpus's vocabulary fitted to them
+# (hf.Pretrained.weights_for: a chat corpus's markers take new rows). A fresh run (new optimizer, step, streams) in
+# its own out_dir; its resume imports the base again, so that the corpus is prepared with the base's tokenizer as the
+# first time, and last.pt's weights then replace the base's (a LoRA run's last.pt holds only its adapters).
+CPU = torch.device("cpu")
+RUN_FILES = ("best.pt", "last.pt")  # a run folder's weights, in order of preference
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A model ready for use and what its callers need to know about it."""
+    model: GPT  # in eval mode, on the device asked for
+    tokenizer: Any  # tokenizer': char, GPT-2's or a BPE, from the checkpoint's description
+    cfg: TrainConfig  # the run's config; pretrained weights: the defaults with the weights' shape (adopt)
+    precision: str  # the dtype the run trained in: float32, bfloat16, float16 (pretrained: float32)
+    source: str  # the checkpoint file, or the pretrained weights as named (--init_from)
+    step: int | None  # optimizer steps behind the weights; None: pretrained, no run of ours behind them
+    best_val_loss: float  # as the run logged it; nan for pretrained weights
+    corpus: dict | None = None  # the data it trained on (data.Corpus.record: split fingerprints); None: pretrained
+
+
+# ----------------------------------------------------------------------------- a model for use
+def find_checkpoint(ckpt: str) -> Path:
+    """A file as given; a folder's best.pt (else last.pt); by default the newest best.pt under out/."""
+    if ckpt:
+        path = run_checkpoint(ckpt) if Path(ckpt).is_dir() else Path(ckpt)
+        if path is None:
+            raise CheckpointError(f"{Path(ckpt)}: no best.pt or last.pt in this folder")
+        return path
+    found = sorted(Path("out").glob("**/best.pt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise CheckpointError("no checkpoint found under out/; train one first: python train.py --config small")
+    return found[-1]
+
+
+def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True) -> Loaded:
+    """The weights, config and tokenizer of a checkpoint file (verified: checkpoint.load_checkpoint). A LoRA run's
+    holds only its adapters: they go on the base it was trained from (init_from, checked by fingerprint), merged
+    unless ``merged=False`` (the adapted model training evaluated: lora.load_adapted)."""
+    state = load_checkpoint(path)  # to CPU: the optimizer state it also holds never needs the GPU
+    cfg = config_from_dict(state["config"])
+    tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
+    model = GPT(model_config(cfg, tokenizer.vocab_size))
+    if "lora" in state:
+        model.load_state_dict(load_base(cfg).weights_for(state["tokenizer"], tokenizer.vocab_size))
+        from finetune import load_adapted
+        model = load_adapted(state, model, str(path), merged)
+    else:
+        model.load_state_dict(state["model"])
+    return Loaded(model.to(device).eval(), tokenizer, cfg, state["precision"], str(path), state["step"],
+                  state["best_val_loss"], state["corpus"])
+
+
+def from_pretrained(source: str, device: torch.device = CPU, data_dir: Path = Path("data")) -> Loaded:
+    """Hugging Face GPT-2 weights (a hub name, folder or .safetensors, as --init_from takes them); no run
+    behind them, so the config is the defaults with the weights' shape and tokenizer, in float32."""
+    pass
+
+    refuse_a_missing_local_name(source, HUB_NAMES)
+    pretrained = load_pretrained(source)
+    if pretrained.tokenizer is None:
+        raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} ({NO_TOKENIZER})")
+    model = GPT(pretrained.config)
+    model.load_state_dict(pretrained.state)
+    cfg = adopt(TrainConfig(block_size=pretrained.config.block_size), pretrained)
+    return Loaded(model.to(device).eval(), tokenizer_from_meta(pretrained.tokenizer, data_dir), cfg, "float32", source,
+                  None, math.nan)
+
+
+def add_weights_flags(parser: argparse.ArgumentParser) -> None:
+    """--ckpt or --init_from: where the weights come from (sample.py's, scripts/eval.py's, harness.py's)."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
+    source.add_argument("--init_from", "--init-from", default="",
+                        help="pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a "
+                             "folder / .safetensors in the Hugging Face GPT-2 layout")
+
+
+def from_flags(args: argparse.Namespace, device: torch.device = CPU) -> Loaded:
+    """The weights that add_weights_flags' flags chose: --init_from's, else --ckpt's checkpoint (find_checkpoint)."""
+    if args.init_from:
+        return from_pretrained(args.init_from, device)
+    return from_checkpoint(find_checkpoint(args.ckpt), device)
+
+
+# ----------------------------------------------------------------------------- what a run starts from
+def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfig, Pretrained | None]:
+    """train.py's --init_from: the weights it names, and the config with the options they fix (adopt); without
+    init_from (cfg, None). Rank 0 reads (or downloads) them first, the other ranks then from its cache."""
+    if not cfg.init_from:
+        return cfg, None
+    with runtime.main_first(device):
+        pretrained = load_base(cfg)
+        cfg = adopt(cfg, pretrained)
+        model = describe(model_config(cfg, pretrained.config.vocab_size))
+        print0(f"init_from {pretrained.source}: {model}; tokenizer {cfg.tokenizer}; block_size {cfg.block_size} of "
+               f"{pretrained.n_positions} positions")
+    return cfg, pretrained
+
+
+def run_checkpoint(source: str) -> Path | None:
+    """The checkpoint ``source`` names if it is a run of this repo: a .pt, a folder's best.pt (else last.pt); else
+    None (a Hugging Face folder, a .safetensors file or a hub name)."""
+    path = Path(source)
+    if path.is_dir():
+        return next((path / name for name in RUN_FILES if (path / name).is_file()), None)
+    return path if path.suffix == ".pt" else None
+
+
+def load_base(cfg: TrainConfig) -> Pretrained:
+    """The weights ``cfg.init_from`` names, at the given block_size else at all their positions (one rule for a run
+    and a Hugging Face folder: our export of a run is the run): a run's; or GPT-2's, with biases unless bias=False is
+    given (a bias-free export's zeros)."""
+    given, path = given_fields(cfg), run_checkpoint(cfg.init_from)
+    block_size = cfg.block_size if "block_size" in given else 0  # 0: every position the weights have
+    if path is not None:
+        return load_run(path, block_size)
+    pass
+
+    refuse_a_missing_local_name(cfg.init_from, HUB_NAMES)
+    return load_pretrained(cfg.init_from, block_size, cfg.bias if "bias" in given else True)
+
+
+def refuse_a_missing_local_name(source: str, hub_names: Mapping[str, str]) -> None:
+    """CheckpointError for weights named by a path that is not there: one close to a run folder ("did you mean
+    out/small?"), or one that looks like a path (./x, /x, x.pt, a/b/c, out/x where out/ is here, a bare name that no
+    hub name is). Anything else may be a hub repo, "owner/name": hf.locate asks the hub, whose refusal is a
+    paragraph about downloading (what `out/smal`, a typo, got)."""
+    path = Path(source)
+    if source in hub_names or path.exists():
+        return
+    runs = sorted(set(run_folders(path.parent) + run_folders(Path("out"))))  # beside it, and where train.py writes
+    close = difflib.get_close_matches(str(path), runs, n=1, cutoff=0.85)
+    if close:
+        raise CheckpointError(f"{source}: no such run folder (did you mean {close[0]}?)")
+    parts = path.parts
+    if (source.startswith(("/", ".", "~")) or path.suffix in (".pt", ".safetensors") or len(parts) != 2
+            or Path(parts[0]).is_dir()):
+        raise CheckpointError(f"{source}: no such run folder or file; pass a run folder (out/NAME), its .pt, a "
+                              "folder or .safetensors in the Hugging Face GPT-2 layout, or a hub name "
+                              f"({', '.join(hub_names)} or OWNER/NAME)")
+
+
+def run_folders(folder: Path) -> list[str]:
+    """The runs in ``folder``: each subfolder holding a checkpoint of ours or Hugging Face weights, as a path."""
+    try:
+        return [str(sub) for sub in sorted(folder.iterdir())
+                if any((sub / name).is_file() for name in (*RUN_FILES, "model.safetensors"))]
+    except OSError:  # no such folder, or one we may not read: no runs to suggest
+        return []
+
+
+def load_run(path: Path, block_size: int) -> Pretrained:
+    """A run's weights, model options and tokenizer (from_checkpoint: a LoRA run's merged); block_size crops."""
+    pass
+
+    loaded = from_checkpoint(path)
+    saved, state = loaded.model.config, loaded.model.state_dict()
+    config = replace(saved, block_size=check_positions(block_size, saved.block_size, str(path)))
+    if "transformer.wpe.weight" in state:
+        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]  # (T, C)
+    return Pretrained(config, state, str(path), loaded.tokenizer.meta(), saved.block_size)
+
+
+def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
+    """The config with every option the base's weights fix, and its tokenizer if known; block_size the base's unless
+    given. A field the user gave (preset or command line, even at its default: config.given_fields) with another
+    value is refused. A run's weights fix every option but the training-only ones; GPT-2's their shape (hf.IMPORTED),
+    and every other option must be one GPT-2 computes (hf.gpt2_refusals)."""
+    pass
+
+    kept = ("vocab_size", "block_size", *GPTConfig.TRAINING_ONLY)  # the corpus's, the user's, how it is trained
+    fixed = IMPORTED if base.gpt2 else [f.name for f in fields(GPTConfig) if f.name not in kept]
+    imported = {name: getattr(base.config, name) for name in fixed}
+    if base.tokenizer is not None:
+        imported["tokenizer"] = base.tokenizer["kind"]
+    given = given_fields(cfg)
+    for name, value in imported.items():
+        if name in given and getattr(cfg, name) != value:
+            raise HFError(f"--{name} {flag_value(getattr(cfg, name))} conflicts with {base.source}, whose weights have "
+                          f"{name} {flag_value(value)}; drop --{name} (or that key from the preset): with --init_from "
+                          "the weights fix the model")
+    block_size = cfg.block_size if "block_size" in given else base.config.block_size
+    adopted = replace(cfg, **imported, block_size=block_size)
+    refusals = gpt2_refusals(model_config(adopted, base.config.vocab_size)) if base.gpt2 else []
+    if refusals:
+        raise HFError(f"{base.source} holds GPT-2 weights, which cannot run with {refusals[0]}; drop that option "
+                      "or train from scratch without --init_from")
+    return adopted
+
+
+def flag_value(value: Any) -> str:
+    """A value as it is typed on the command line: false, not False."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face GPT-2 in and out: start from pretrained weights, hand a trained model to transformers.
+#
+#     python train.py --config finetune_shakespeare           # fine-tune GPT-2 (init_from = "gpt2")
+#     python sample.py --init_from gpt2 --prompt "Hello"       # sample GPT-2 itself, no checkpoint
+#     python -m scripts.export_hf out/finetune_shakespeare hf/shakespeare   # a folder transformers loads
+#
+# The mapping is data, read top to bottom and used both ways: NAMES, GPT-2's weights (ours have the same names), and
+# TRANSPOSED, the four matrices transformers keeps in Conv1D layers, (in, out), where nn.Linear has (out, in). The
+# rest is shape: our vocabulary is padded to a multiple of 64, our position table may be shorter (cropped on import).
+# The hub's own gpt2 is a GPT2Model file: no ``transformer.`` prefix, and causal-mask buffers that are not weights.
+# Every key and shape is checked before a weight is copied or a file written; one that does not fit is an HFError
+# naming it. Weights come as a hub name (through huggingface_hub's cache: HF_HOME, HF_HUB_OFFLINE apply), a folder
+# holding model.safetensors and config.json, or a .safetensors file with config.json beside it.
+# ----------------------------------------------------------------------------- the mapping
+NAMES = (  # every weight of GPT-2, in forward order: our name, which is GPT2LMHeadModel's; {i} is the block index
+    "transformer.wte.weight",  # (V, C): V padded ours, the real vocabulary theirs; also lm_head (tied)
+    "transformer.wpe.weight",  # (T, C): block_size rows ours, n_positions theirs
+    "transformer.h.{i}.ln_1.weight", "transformer.h.{i}.ln_1.bias",
+    "transformer.h.{i}.attn.c_attn.weight", "transformer.h.{i}.attn.c_attn.bias",  # q, k, v side by side
+    "transformer.h.{i}.attn.c_proj.weight", "transformer.h.{i}.attn.c_proj.bias",
+    "transformer.h.{i}.ln_2.weight", "transformer.h.{i}.ln_2.bias",
+    "transformer.h.{i}.mlp.c_fc.weight", "transformer.h.{i}.mlp.c_fc.bias",
+    "transformer.h.{i}.mlp.c_proj.weight", "transformer.h.{i}.mlp.c_proj.bias",
+    "transformer.ln_f.weight", "transformer.ln_f.bias",
+)
+# Conv1D (Radford et al.'s original TF code, kept by transformers) computes x @ W with W (in, out).
+TRANSPOSED = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+WTE, WPE, TIED_HEAD = "transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"
+NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in GPT2Model's files
+PREFIX = "transformer."  # GPT2LMHeadModel's keys have it, GPT2Model's (the hub's gpt2) do not
+
+HUB_NAMES = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
+             "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl"}
+HUB_PROBE_TIMEOUT = 5.0  # seconds the hub may take to answer one request before it counts as unreachable
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # theirs -> ours
+LAYER_NORM_EPS = 1e-5  # GPT-2's epsilon, which is also nn.LayerNorm's default (model.py uses the default)
+CONFIG_RULES = (  # config.json fields that change the computation: (name, GPT-2's default, what this model does)
+    ("activation_function", "gelu_new", tuple(ACTIVATIONS)),
+    ("layer_norm_epsilon", LAYER_NORM_EPS, (LAYER_NORM_EPS,)),
+    ("n_inner", None, (None,)),  # null: the MLP is 4 * n_embd wide
+    ("scale_attn_weights", True, (True,)),  # attention logits divided by sqrt(hs)
+    ("scale_attn_by_inverse_layer_idx", False, (False,)),
+    ("tie_word_embeddings", True, (True,)),
+)
+IMPORTED = ("n_layer", "n_head", "n_embd", "bias", "activation")  # the model options a GPT-2 file fixes
+
+
+def expand(n_layer: int) -> list[str]:
+    """NAMES with {i} filled in for every block."""
+    return [name.format(i=i) for name in NAMES for i in (range(n_layer) if "{i}" in name else [None])]
+
+
+def is_transposed(name: str) -> bool:
+    return name.endswith(TRANSPOSED)
+
+
+def convert(name: str, value: torch.Tensor, vocab_rows: int, block_size: int) -> torch.Tensor:
+    """One weight into the other layout, by the same rule both ways: a Conv1D matrix transposed, wte's rows padded
+    with zeros or cut to ``vocab_rows`` (ours padded, never scored; theirs the real vocabulary), wpe's cut."""
+    if is_transposed(name):
+        return value.t()  # (in, out) <-> (out, in)
+    if name == WTE:  # (V, C)
+        return torch.cat([value, value.new_zeros(max(vocab_rows - len(value), 0), value.shape[1])])[:vocab_rows]
+    return value[:block_size] if name == WPE else value  # (T, C)
+
+
+# ----------------------------------------------------------------------------- import
+@dataclass
+class Pretrained:
+    """Weights a run starts from (--init_from), under our names: GPT-2's (load_pretrained) or a run's
+    (loading.load_run)."""
+    config: GPTConfig  # what the weights compute; block_size: the position table's rows, once cropped
+    state: dict[str, torch.Tensor]
+    source: str  # the checkpoint file, or the weights as named
+    tokenizer: dict | None  # its description; None where GPT-2's files do not say (the corpus's is taken)
+    n_positions: int  # the position table's rows before cropping
+    gpt2: bool = False  # GPT-2's: they fix its shape (IMPORTED); every other option must be one GPT-2 computes
+
+    def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
+        """The state dict for a corpus of the weights' tokenizer, or of it with a chat corpus's markers, whose
+        embedding rows (padded ones, or appended) start at the mean row: a fixed start, no token in particular.
+        Any other tokenizer is refused: the ids would mean other text."""
+        base = self.tokenizer or without_chat(tokenizer_meta)  # None: the files do not say; the corpus's, then
+        base_vocab = tokenizer_vocab_size(base) or vocab_size
+        if base_vocab != self.config.vocab_size:
+            raise HFError(f"{self.source} has a vocabulary of {self.config.vocab_size}, the corpus {base_vocab} "
+                          f"({base['kind']} tokenizer); use the weights' tokenizer")
+        if without_chat(tokenizer_meta) != without_chat(base):
+            raise HFError(f"{self.source} was trained with another tokenizer ({base['kind']}) than the corpus's "
+                          f"({tokenizer_meta['kind']}); prepare the data with the base's (drop --tokenizer)")
+        wte = self.state[WTE]  # (V_padded_base, C)
+        rows = GPTConfig(vocab_size=vocab_size).padded_vocab_size
+        new = torch.cat([wte, wte.new_zeros(rows - len(wte), wte.shape[1])])  # (V_padded, C), a copy
+        new[base_vocab:vocab_size] = wte[:base_vocab].mean(dim=0)  # (V_new - V_base, C): the markers' rows
+        return {**self.state, WTE: new, TIED_HEAD: new}
+
+
+def check_positions(block_size: int, n_positions: int, source: str) -> int:
+    """The block_size a model of ``n_positions`` positions is cropped to (0: all of them); more is refused."""
+    if block_size > n_positions:
+        raise HFError(f"block_size {block_size} exceeds the {n_positions} positions of {source}; use --block_size "
+                      f"{n_positions} or less")
+    return block_size or n_positions
+
+
+def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pretrained:
+    """Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names, checked before anything else.
+    block_size 0 keeps every position, a smaller one crops the table; bias=False drops the biases (zeros only)."""
+    weights, config_file = locate(source)
+    tensors = read_weights(weights)
+    shape = read_shape(config_file)  # block_size: the file's n_positions
+    config = replace(shape, block_size=check_positions(block_size, shape.block_size, source), bias=bias)
+    return Pretrained(config, to_ours(tensors, config, shape.block_size, source), source,
+                      read_tokenizer(weights.parent, config.vocab_size), shape.block_size, gpt2=True)
+
+
+def locate(source: str) -> tuple[Path, Path]:
+    """(the .safetensors file, its config.json) for a folder, a file or a hub name."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / "model.safetensors"
+        if not path.is_file():
+            raise HFError(f"{path.parent}: no model.safetensors in this folder (the Hugging Face GPT-2 layout)")
+    elif path.is_file() and path.suffix != ".safetensors":
+        raise HFError(f"{path}: not a .safetensors file; pass one, a folder holding model.safetensors, "
+                      f"or a hub name ({', '.join(HUB_NAMES)})")
+    elif not path.is_file():
+        if source in HUB_NAMES or re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+            return download(HUB_NAMES.get(source, source))
+        raise HFError(f"{source}: no such folder or file, and not a hub name ({', '.join(HUB_NAMES)})")
+    if not (path.parent / "config.json").is_file():
+        raise HFError(f"{path}: no config.json beside it, which says the model's shape; put its config.json beside "
+                      "the file")
+    return path, path.parent / "config.json"
+
+
+def download(repo_id: str) -> tuple[Path, Path]:
+    """config.json and model.safetensors through huggingface_hub's cache (HF_HOME). If the hub does not answer its
+    probe (hub_unreachable) they come from the cache alone, as with HF_HUB_OFFLINE=1: a miss is one line in seconds."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    unreachable = None if constants.is_offline_mode() else hub_unreachable(repo_id)
+    try:
+        config, weights = (huggingface_hub.hf_hub_download(repo_id, name, local_files_only=bool(unreachable))
+                           for name in ("config.json", "model.safetensors"))
+    except (OSError, EntryNotFoundError) as err:  # offline, not cached, no such repo or file, HTTP errors
+        reason = (f"cannot reach {constants.ENDPOINT}: {unreachable}" if unreachable else
+                  "HF_HUB_OFFLINE=1" if isinstance(err, OfflineModeIsEnabled) or constants.is_offline_mode() else
+                  "the hub did not answer" if isinstance(err, LocalEntryNotFoundError) else
+                  f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}")
+        raise HFError(f"could not get {repo_id} from the Hugging Face hub ({reason}) nor from its cache, and there "
+                      f"is no local folder or file of that name; where there is network run `hf download {repo_id} "
+                      "model.safetensors config.json --local-dir DIR`, copy DIR here and pass --init_from DIR "
+                      "(HF_HUB_OFFLINE=1 skips the hub when the files are in its cache)") from None
+    return Path(weights), Path(config)
+
+
+def hub_unreachable(repo_id: str) -> str | None:
+    """Why the hub cannot be reached ("connection refused"), or None if it answers (even with an HTTP error).
+    hf_hub_download retries a refused or timed-out connection five times, ~25 s and a warning line each, before it looks
+    in its cache. This asks once, with huggingface_hub's own client (HF_ENDPOINT, proxies and token apply), waiting at
+    most HUB_PROBE_TIMEOUT seconds (HF_HUB_ETAG_TIMEOUT if set)."""
+    import httpx2  # huggingface_hub's HTTP client, installed with it
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+
+    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_PROBE_TIMEOUT)
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=timeout)
+    except httpx2.TransportError as err:  # no connection: refused, timed out, no DNS, proxy down
+        return (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+    except HfHubHTTPError:  # the hub answered (a missing or gated repo): hf_hub_download says what
+        pass
+    return None
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a .safetensors file in fp32, under GPT2LMHeadModel's names (``transformer.`` added)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        raw = load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise HFError(f"{path}: not a readable .safetensors file ({str(err)[:160]})") from None
+    return {key if key.startswith(PREFIX) or key == TIED_HEAD else PREFIX + key: value.float()
+            for key, value in raw.items()}
+
+
+def read_shape(config_file: Path) -> GPTConfig:
+    """The model config.json describes (vocab_size real, block_size n_positions, bias True), if GPT-2's code
+    computes it as this model does (CONFIG_RULES)."""
+    try:
+        hf = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise HFError(f"{config_file}: not readable JSON ({err})") from None
+    if hf.get("model_type") != "gpt2":
+        raise HFError(f"{config_file}: model_type {hf.get('model_type')!r}, not 'gpt2': only GPT-2's layout "
+                      "maps onto this model")
+    if hf.get("n_inner") == 4 * hf.get("n_embd", 0):
+        hf["n_inner"] = None  # the same MLP width, written out
+    for name, default, allowed in CONFIG_RULES:
+        if hf.get(name, default) not in allowed:
+            raise HFError(f"{config_file}: {name} is {hf.get(name, default)!r}; this model computes "
+                          f"{' or '.join(map(repr, allowed))}")
+    try:
+        return GPTConfig(vocab_size=int(hf["vocab_size"]), block_size=int(hf["n_positions"]),
+                         n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]), bias=True,
+                         activation=ACTIVATIONS[hf.get("activation_function", "gelu_new")])
+    except KeyError as err:
+        raise HFError(f"{config_file}: no {err.args[0]}") from None
+
+
+def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: int,
+            source: str) -> dict[str, torch.Tensor]:
+    """Check every key and shape against ``config``, then transpose, pad and crop."""
+    names = expand(config.n_layer)
+    given = {key for key in tensors if not key.endswith(NOT_WEIGHTS) and key != TIED_HEAD}
+    missing, unexpected = [name for name in names if name not in given], sorted(given - set(names))
+    if missing or unexpected:
+        raise HFError(f"{source}: missing key {missing[0]}" if missing else
+                      f"{source}: unexpected key {unexpected[0]} for a {config.n_layer}-layer GPT-2")
+    with torch.device("meta"):  # shapes only: no memory, no init time even for gpt2-xl
+        expected = GPT(replace(config, block_size=n_positions, bias=True)).state_dict()
+    state = {}
+    for name in names:
+        value, want = tensors[name], tuple(expected[name].shape)
+        want = (config.vocab_size, want[1]) if name == WTE else want[::-1] if is_transposed(name) else want
+        if tuple(value.shape) != want:  # the file's wte has the real vocabulary's rows, unpadded
+            raise HFError(f"{source}: {name} has shape {tuple(value.shape)}, expected {want} for n_layer "
+                          f"{config.n_layer}, n_head {config.n_head}, n_embd {config.n_embd}, "
+                          f"vocab {config.vocab_size}")
+        if name.endswith(".bias") and not config.bias:
+            if value.count_nonzero():
+                raise HFError(f"{source}: {name} is not zero (max |b| {value.abs().max():.3g}) but the model has "
+                              "bias=False; import with bias=True (drop --bias false)")
+            continue  # an exported bias-free model: its zero biases carry nothing
+        state[name] = convert(name, value, config.padded_vocab_size, config.block_size).contiguous()
+    if TIED_HEAD in tensors and not torch.equal(tensors[TIED_HEAD], tensors[WTE]):
+        raise HFError(f"{source}: {TIED_HEAD} differs from {WTE}; this model ties the two")
+    return {**state, TIED_HEAD: state[WTE]}
+
+
+ANY = None  # in GPT2_OPTIONS: the GPT-2 layout holds every value of this option (as it does every training-only one)
+
+
+# Each model option (model.GPTConfig) -> the values GPT-2's layout computes. An option not listed (a
+# fork's new one) is GPT-2's only at its default: export and --init_from refuse any other value by
+# name, so a variant is never passed off as GPT-2 nor silently dropped on import.
+GPT2_OPTIONS = {
+    "block_size": ANY,  # n_positions
+    "n_layer": ANY, "n_head": ANY, "n_embd": ANY,
+    "bias": ANY,  # bias-free models export zero biases
+    "activation": ("gelu", "gelu_tanh"),  # activation_function gelu / gelu_new (see ACTIVATIONS)
+}
+
+
+def gpt2_refusals(config: GPTConfig) -> list[str]:
+    """Every option of ``config`` GPT-2's layout cannot compute, as "name value (GPT-2: ...)"; [] if none."""
+    refusals = []
+    for option in fields(config):
+        # A training-only option (dropout, z_loss) changes how the weights were trained, not what they compute.
+        allowed = ANY if option.name in GPTConfig.TRAINING_ONLY else GPT2_OPTIONS.get(option.name, (option.default,))
+        value = getattr(config, option.name)
+        if option.name != "vocab_size" and allowed is not ANY and value not in allowed:
+            refusals.append(f"{option.name} {value!r} (GPT-2 computes {' or '.join(map(repr, allowed))})")
+    return refusals
