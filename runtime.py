@@ -1,14 +1,11 @@
-"""Files written whole or not at all: ``atomic_write`` (a temp file beside the target, fsync, rename).
+"""How a run meets its machine and its shell, in the order a run meets them:
 
-    atomic_write(path, lambda f: f.write(data))          # any bytes a callable writes to a binary file
-    atomic_write_text(path, json.dumps(record) + "\\n")  # text, as UTF-8
-
-A kill, a crash or a full disk at any moment leaves the old file or the new one, never half of one:
-the bytes go to ``.NAME.tmp-PID`` in the same folder (a rename is atomic only within one file
-system), are fsynced, and only then renamed over NAME; the folder is fsynced after, so the rename
-itself survives a power cut. On any failure the temp file is removed and the error goes on to the
-caller, which names it (checkpoint.save_checkpoint: CheckpointWriteError). Checkpoints, the trimmed
-metrics.jsonl, compare's records and results and the Hugging Face export are written this way.
+- files written whole or not at all (``atomic_write``), staging folders renamed into place when complete;
+- the run folder: one live process per out_dir (``claim``), folders proven writable before any work;
+- DDP under torchrun: setup, rank-0 output, reductions, each rank's random streams;
+- the device, threads, precision and compile (``choose_runtime``), seeding;
+- signals and lost peers: how a run stops, with which exit code (config.py defines them);
+- the run's records: log lines, metrics.jsonl, and Weights & Biases with --wandb.
 """
 from __future__ import annotations
 
@@ -61,6 +58,10 @@ from config import (
 )
 from model import step_bytes
 
+
+# -----------------------------------------------------------------------------
+# Files written whole or not at all: the bytes go to .NAME.tmp-PID beside NAME, are fsynced, then renamed over
+# it, and the folder is fsynced: a kill, crash or full disk leaves the old file or the new one, never half.
 TEMP_MARK = ".tmp-"  # in every temp file's name: .NAME.tmp-PID (checkpoint.remove_stale_temp_files looks for it)
 
 
@@ -201,9 +202,10 @@ def holds(fd: int, path: Path) -> bool:
         return False
 
 
+# Written aside, then swapped in: a prepare writes into a .staging-* folder beside its destination, holding an
+# flock the kernel drops when its process ends however it ends, and renames it into place at the end. A leftover is
+# a staging name whose lock can be taken (remove_leftovers, at the next prepare's start); a locked one is never touched.
 STAGING = ".staging-"  # the start of every staging name: remove_leftovers looks for it
-
-
 STAGING_FOLDERS = (".", "downloads", "tokenizers")  # under data_dir: the corpora, sdists, GPT-2 ranks
 
 

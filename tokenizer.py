@@ -243,7 +243,7 @@ def document_separator(tokenizer) -> int | None:
 
 
 # -----------------------------------------------------------------------------
-# A tokenizer's files in a Hugging Face folder, both ways: written by the export so that transformers'
+# A tokenizer's files in a Hugging Face folder, both ways: written by scripts/export_hf.py so that transformers'
 # AutoTokenizer makes our ids (``tokenizer_files``), read back by --init_from from a folder (``read_tokenizer``).
 #
 # A byte-level BPE (GPT-2's or one trained here) is a GPT2Tokenizer: vocab.json, merges.txt, tokenizer_config.json. A
@@ -358,11 +358,7 @@ def read_standard_files(folder: Path, vocab_size: int) -> dict | None:
 
 
 BEGIN, SYSTEM, USER, ASSISTANT, END = MARKERS = ("<|begin|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
-
-
 ROLES = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
-
-
 Message = tuple[str, str]  # (role, content)
 
 
@@ -405,8 +401,6 @@ def byte_text(token: bytes) -> str:
 
 
 WHISPER_SDIST = "openai-whisper==20250625"
-
-
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 
 

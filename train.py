@@ -7,9 +7,9 @@
 
 Reads top to bottom: one optimizer step (train_step: the lr, the objective accumulated over micro-batches,
 clipping, the update) -> evaluation (cross-entropy only) -> build_run (seed -> data -> model -> optimizer) ->
-the loop. Each side concern is one call into the module that owns it: training/checkpoint (last.pt, best.pt,
-the resume policy), training/tracking (metrics.jsonl, wandb), training/faults (signals, NaN/inf),
-training/runtime (device, precision, compile), process/distributed (DDP: one process per GPU).
+the loop. Each side concern is one call into the module that owns it: checkpoint.py (last.pt, best.pt, the resume
+policy), optim.py (optimizers, lr decays, the NaN guard), runtime.py (device, precision, compile, DDP, signals,
+metrics.jsonl, wandb).
 """
 from __future__ import annotations
 
