@@ -154,6 +154,7 @@ def launch_ranks(tmp_path: Path, *args: str, world_size: int = 2,
             for proc, (out, err) in zip(procs, logs)]
 
 
+@pytest.mark.slow  # ~5 s: torchrun
 def test_a_failed_checkpoint_write_on_rank_0_stops_every_rank_with_74(tmp_path, text_file):
     # Saves at steps 2 and 4; from step 4 on rank 0's disk is full. Without the ranks comparing the
     # outcome of the save, rank 1 goes on to step 5's all-reduce and waits there for rank 0.
@@ -185,6 +186,7 @@ def test_an_error_only_one_rank_has_is_printed_by_that_rank(tmp_path, text_file)
         ranks[1].stderr
 
 
+@pytest.mark.slow  # ~5 s: torchrun
 def test_every_rank_trains_in_the_precision_rank_0_chose(tmp_path, text_file):
     # The dtype=auto probe favours bf16 on rank 1 only: rank 0 picks fp32, and so must rank 1.
     ranks = launch_ranks(tmp_path, *FAULTS, "--bf16-fast-on-rank", "1", "--precisions-to", str(tmp_path), "--",

@@ -72,7 +72,8 @@ def test_a_flag_that_contradicts_the_base_is_one_line(base_run, tmp_path):
 
 
 # LoRA's: slow (~13 s); a LoRA run's exact resume is in the default suite too (tests/test_lora.py).
-@pytest.mark.parametrize("lora_rank", [0, pytest.param(4, marks=pytest.mark.slow)], ids=["full", "lora"])
+@pytest.mark.slow  # ~12 s each; CI runs them (plain runs resume exactly in the default suite: test_resume.py)
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_rank):
     """4 steps straight == 2 steps, a resume, 2 more: weights (or adapters), optimizer moments, metrics.
     Bug caught: a resume imported nothing, so the conversations were prepared again without the base's tokenizer

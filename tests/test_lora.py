@@ -321,6 +321,7 @@ def test_an_export_checks_every_folder_it_writes_before_writing_any(trained, tmp
         assert {p: p.read_bytes() for p in [*tmp_path.rglob("*"), *trained.rglob("*")] if p.is_file()} == before, err
 
 
+@pytest.mark.slow  # ~8 s
 def test_a_chat_fine_tune_trains_its_markers_rows_and_merges_them(tmp_path):
     """A chat corpus adds role markers the base never learnt: with LoRA their embedding rows train beside the
     adapters (a frozen row would leave every marker alike), the rest of the embedding stays the base's, the merged

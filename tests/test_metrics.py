@@ -128,6 +128,7 @@ def test_a_kill_right_after_a_save_loses_no_val_record(tmp_path, text_file, monk
     assert [r["step"] for r in metrics(out)[1]] == [5, 10, 15]
 
 
+@pytest.mark.slow  # ~5 s
 def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_from(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     train_tiny(out, text_file)

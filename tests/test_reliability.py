@@ -42,6 +42,8 @@ from checkpoint import (
 from config import RunStopped
 from optim import OPTIMIZERS, NonFiniteGuard
 
+SLOW = pytest.mark.slow  # the second signal of a pair: CI runs it, the default suite the first
+
 
 def temp_files(folder: Path) -> list[Path]:
     return [p for p in folder.iterdir() if ".tmp-" in p.name]
@@ -376,7 +378,8 @@ def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, mon
     assert metrics(tmp_path / "straight")[0] == metrics(tmp_path / "split")[0]
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=SLOW)],
+                         ids=["SIGTERM", "SIGINT"])
 def test_a_second_signal_during_shutdown_keeps_the_exit_code(tmp_path, text_file, signum, code):
     # A supervisor that repeats its SIGTERM (or a second Ctrl-C) while the stopped run shuts down must
     # still see 143/130, not a death by the signal (-15/-2) that it would take for a crash.

@@ -47,6 +47,8 @@ from checkpoint import load_checkpoint, save_checkpoint
 from config import make_config
 from data import LOADERS
 
+SLOW = pytest.mark.slow  # the second signal of a pair: CI runs it, the default suite the first
+
 
 # ----------------------------------------------------------------------------- exactness
 def straight_and_resumed(tiny_cfg, tmp_path: Path, patch_resume=None) -> tuple[dict, dict]:
@@ -282,7 +284,7 @@ def test_sigterm_mid_accumulation_finishes_the_step_then_saves(tmp_path, text_fi
     assert metrics(tmp_path / "straight") == metrics(tmp_path / "stopped")
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=SLOW)])
 def test_signal_from_outside_saves_the_finished_step_and_resumes_exactly(tmp_path, text_file, signum, code):
     out = tmp_path / "out"
     args = tiny_args(out, text_file, max_iters=100_000, eval_interval=100_000)

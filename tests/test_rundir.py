@@ -47,7 +47,7 @@ def start_owner(out: Path, args: list[str], ready: Path, log: Path) -> subproces
     return owner
 
 
-@pytest.mark.parametrize("rival", ["fresh", "resume"])
+@pytest.mark.parametrize("rival", ["fresh", pytest.param("resume", marks=pytest.mark.slow)])
 def test_a_live_run_owns_its_folder_until_it_is_killed(tmp_path, text_file, capsys, rival):
     # The owner is held inside step 3: before its first save (a rival fresh run), or after saving step 2
     # (a rival --resume, as a requeued copy of a job that still runs). Old code: both rivals train and

@@ -37,6 +37,7 @@ def test_char_tokenizer_round_trip_and_unknown_char():
 
 
 @pytest.mark.network
+@pytest.mark.slow  # ~6 s
 def test_gpt2_tokenizer_offline_fallback(tmp_path, monkeypatch):
     import tiktoken
 

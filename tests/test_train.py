@@ -213,6 +213,7 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, text_file):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.slow  # ~11 s: two fresh interpreters
 def test_end_to_end_train_then_sample(tmp_path, text_file):
     out = tmp_path / "run"
     run_script("train.py", *tiny_args(out, text_file, max_iters=40, eval_interval=20, dropout=0.1, grad_accum=2))
