@@ -3,10 +3,10 @@
 ``OPTIMIZERS`` maps a name to a builder (model, cfg, device, dtype) -> torch.optim.Optimizer; ``DECAYS`` maps a
 name to a shape: the share of learning_rate - min_lr left as the decay's progress goes 0 -> 1, around which
 ``lr_at`` draws the standard curve (warmup, the clock, min_lr at the end). The names config accepts are these
-keys (its Literals; tests/test_training_options.py checks they match, and ``refuse_unbuilt_choices`` names, in one
-line before a run builds anything, a Literal's value with no row here or in data.py's LOADERS). Which fields only
-one choice reads is config.USED_ONLY_UNDER, checked by perturbing every field. docs/experiments.md, "Adding a
-training option", walks through adding a row. ``NonFiniteGuard`` watches every step for a non-finite loss or gradient.
+keys (its Literals; tests/test_training_options.py checks they match: a name without its row fails there). Which
+fields only one choice reads is config.USED_ONLY_UNDER, checked by perturbing every field. docs/experiments.md,
+"Adding a training option", walks through adding a row. ``NonFiniteGuard`` watches every step for a non-finite
+loss or gradient.
 
 Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; Liu et al. 2025, "Muon is Scalable for
 LLM Training") replaces the update of a 2-D hidden weight by the semi-orthogonal matrix nearest its momentum (five
@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from config import EXIT_NONFINITE, CheckpointError, ConfigError, RunStopped
-from data import LOADERS
+from config import EXIT_NONFINITE, CheckpointError, RunStopped
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -221,20 +220,6 @@ DECAYS = {"cosine": cosine, "wsd": warmup_stable_decay}  # config.TrainConfig.lr
 # Those that rise again on purpose after warmup (warm restarts, as SGDR's): tests/test_training_options.py checks
 # every other one never rises, and these only at their restarts.
 WARM_RESTARTS: frozenset[str] = frozenset()
-
-# What builds each value of a choosing field: config's Literal names the values a user may give, these tables hold
-# their code (tests/test_training_options.py checks the two agree; a fork that edits one hears it from the run too).
-CHOICE_TABLES = {"optimizer": ("optim.py's OPTIMIZERS", OPTIMIZERS),
-                 "lr_decay": ("optim.py's DECAYS", DECAYS), "loader": ("data.py's LOADERS", LOADERS)}
-
-
-def refuse_unbuilt_choices(cfg: TrainConfig) -> None:
-    """ConfigError (one line, exit 2) for a value config allows that no table builds, before anything is built."""
-    for name, (where, table) in CHOICE_TABLES.items():
-        value = getattr(cfg, name)
-        if value not in table:
-            raise ConfigError(f"{name} `{value}` is allowed by TrainConfig.{name} but has no row in {where}: add the "
-                              f"function that builds it there (docs/experiments.md, \"Adding a training option\")")
 
 
 # ----------------------------------------------------------------------------- the guard on every step

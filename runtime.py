@@ -1,11 +1,5 @@
-"""How a run meets its machine and its shell, in the order a run meets them:
-
-- files written whole or not at all (``atomic_write``), staging folders renamed into place when complete;
-- the run folder: one live process per out_dir (``claim``), folders proven writable before any work;
-- DDP under torchrun: setup, rank-0 output, reductions, each rank's random streams;
-- the device, threads, precision and compile (``choose_runtime``), seeding;
-- signals and lost peers: how a run stops, with which exit code (config.py defines them);
-- the run's records: log lines, metrics.jsonl, and Weights & Biases with --wandb.
+"""How a run meets its machine and shell, in the order it meets them: files written whole, the run folder's lock and
+staging folders, DDP under torchrun, device/precision/compile, signals, and the run's records (metrics.jsonl, wandb).
 """
 from __future__ import annotations
 
@@ -33,56 +27,38 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, TypeVar
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from config import (
-    EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
-    EXIT_PEER_LOST,
-    EXIT_WRITE_FAILED,
-    ConfigError,
-    PathError,
-    PeerFailed,
-    RunStopped,
-    TinyGPTError,
-    TrainConfig,
-    as_dict,
-    install_hint,
-    settings_line,
-    unused_given,
-)
+from config import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_WRITE_FAILED, ConfigError, PathError,
+                    PeerFailed, RunStopped, TinyGPTError, TrainConfig, as_dict, install_hint, settings_line,
+                    unused_given)
 from model import step_bytes
 
-
-# -----------------------------------------------------------------------------
-# Files written whole or not at all: the bytes go to .NAME.tmp-PID beside NAME, are fsynced, then renamed over
-# it, and the folder is fsynced: a kill, crash or full disk leaves the old file or the new one, never half.
-TEMP_MARK = ".tmp-"  # in every temp file's name: .NAME.tmp-PID (checkpoint.remove_stale_temp_files looks for it)
+# ----------------------------------------------------------------------------- files written whole or not at all
+# The bytes go to .NAME.tmp-PID beside NAME, are fsynced, renamed over it, and the folder is fsynced: a kill, crash
+# or full disk leaves the old file or the new one, never half.
+TEMP_MARK = ".tmp-"  # in every temp file's name (checkpoint.remove_stale_temp_files looks for it)
 
 
 def temp_path(path: Path) -> Path:
-    """Where ``path`` is written before its rename: hidden, beside it, named after this process."""
     return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Replace ``path`` by what ``write`` writes to the binary file it is handed (the temp file, open for writing
-    and seekable), or leave it as it was: any exception, in ``write`` or in the fsync or rename, removes the temp
-    file and is raised again unchanged."""
-    with written_whole(Path(path)) as tmp:
-        with open(tmp, "wb") as f:
-            write(f)
+    """Replace ``path`` by what ``write`` writes to the (seekable) file it is handed, or leave it as it was."""
+    with written_whole(Path(path)) as tmp, open(tmp, "wb") as f:
+        write(f)
 
 
 @contextlib.contextmanager
 def written_whole(path: Path) -> Iterator[Path]:
-    """The temp path to write ``path`` at, for a writer that opens the file itself (gguf's): when the block ends
-    it is fsynced and renamed over ``path``; if the block raises, it is removed and ``path`` left as it was."""
+    """The temp path for a writer that opens the file itself (gguf's): renamed over ``path`` when the block ends,
+    removed if it raises."""
     tmp = temp_path(Path(path))
     try:
         yield tmp
@@ -101,29 +77,21 @@ def written_whole(path: Path) -> Iterator[Path]:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """atomic_write of ``text`` as UTF-8."""
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-# -----------------------------------------------------------------------------
-# Folders a run writes: one live process per out_dir, and folders proven writable before any work.
-#
-#     python train.py --config tiny --out_dir out/a &   # owns out/a until it exits
-#     python train.py --config tiny --out_dir out/a     # error: out/a is in use by process 4242 on HOST ...
-#
-# train.py claims its out_dir first (``claim``): an exclusive ``fcntl.flock`` on ``out_dir/.lock``, which holds
-# the owner's PID and host for the refusal message. The kernel drops a flock when its process exits, however
-# it exits (SIGKILL included), so a killed run never blocks its own ``--resume``. A run that ends removes the
-# lock file, and the folders it created if nothing else was written into them: a refused run leaves no trace.
-# Corpus preparation and the exports probe their folders with ``check_writable`` before any work.
-# Footgun: flock is advisory; it stops a second train.py, not ``rm`` or another program.
+def sha256_of(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# ----------------------------------------------------------------------------- folders: writable, owned, staged
 # A path the user must change (exit 2), as opposed to a device failing under a good one (exit 74).
 BAD_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR,
                    errno.ENAMETOOLONG, errno.ELOOP}
 
 
 def os_failure(folder: Path, flag: str, err: OSError) -> PathError:
-    """One line for an OSError met while writing in ``folder``, passed with ``flag``."""
     reason = os.strerror(err.errno) if err.errno else str(err)
     if err.errno in BAD_PATH_ERRNOS:
         return PathError(f"cannot write in {folder} ({reason}); pass a writable {flag}")
@@ -153,17 +121,16 @@ def make_folders(folder: Path, flag: str) -> list[Path]:
 
 
 def remove_empty(created: list[Path]) -> None:
-    """Remove the folders we created, innermost first, as long as they are empty."""
+    """Remove the folders we created, innermost first, while they are empty."""
     for path in reversed(created):
         try:
             path.rmdir()
-        except OSError:  # not empty (another run's files, or ours), or gone: leave it and its parents
+        except OSError:  # not empty, or gone: leave it and its parents
             return
 
 
 def check_writable(folder: Path, flag: str, probe_name: str) -> None:
-    """Create, write and remove the file ``probe_name`` in ``folder`` (made if missing, then removed
-    again), or raise PathError: a path that cannot be written fails before any work is done on it."""
+    """Write and remove ``probe_name`` in ``folder`` or raise PathError: an unwritable path fails before any work."""
     created = make_folders(folder, flag)
     try:
         os.close(os.open(folder / probe_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
@@ -175,7 +142,7 @@ def check_writable(folder: Path, flag: str, probe_name: str) -> None:
 
 
 class RunLock(contextlib.AbstractContextManager):
-    """Ownership of a run folder, from ``claim``; a context manager that releases it on exit."""
+    """Ownership of a run folder, from ``claim``; released on exit."""
 
     def __init__(self, path: Path, fd: int, created: list[Path]):
         self.path, self.fd, self.created = path, fd, created
@@ -184,8 +151,7 @@ class RunLock(contextlib.AbstractContextManager):
         self.release()
 
     def release(self) -> None:
-        """Remove the lock file while still holding it (no one locks a file on its way out), unlock, and remove
-        the folders the claim created if nothing was written into them."""
+        """Remove the lock file while still holding it, unlock, and remove the claim's folders if still empty."""
         if self.fd is None:
             return
         self.path.unlink(missing_ok=True)
@@ -194,18 +160,46 @@ class RunLock(contextlib.AbstractContextManager):
         remove_empty(self.created)
 
 
-def holds(fd: int, path: Path) -> bool:
-    """``fd`` is still the file at ``path`` (not one removed, or replaced by a new one)."""
+def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> RunLock:
+    """Own ``out_dir`` through an flock on out_dir/.lock (the kernel drops it when this process dies, SIGKILL
+    included), or raise PathError: 2 if unusable or owned by a live process, 74 on an I/O failure. A fresh run
+    (``resume`` False) is refused where last.pt exists. Footgun: flock is advisory; it stops a second train.py only."""
+    created = make_folders(out_dir, flag)
+    path = out_dir / ".lock"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            remove_empty(created)
+            raise os_failure(out_dir, flag, err) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # LOCK_NB: refuse now, never wait for the owner
+        except BlockingIOError:
+            owner = os.pread(fd, 300, 0).decode("utf-8", errors="replace").strip() or "another process"
+            os.close(fd)
+            raise PathError(f"{out_dir} is in use by {owner}: one run per folder. Wait for it to end or stop it, "
+                            f"or pass another {flag}") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)  # we locked a file its owner removed on its way out: lock the one there now
+    lock = RunLock(path, fd, created)
+    if not resume and (out_dir / "last.pt").exists():
+        lock.release()
+        raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
+                          "new one with another --out_dir (or delete the folder)")
     try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n".encode(), 0)
+    except OSError as err:
+        lock.release()
+        raise os_failure(out_dir, flag, err) from None
+    return lock
 
 
-# Written aside, then swapped in: a prepare writes into a .staging-* folder beside its destination, holding an
-# flock the kernel drops when its process ends however it ends, and renames it into place at the end. A leftover is
-# a staging name whose lock can be taken (remove_leftovers, at the next prepare's start); a locked one is never touched.
-STAGING = ".staging-"  # the start of every staging name: remove_leftovers looks for it
+# A prepare writes into a locked .staging-* folder beside its destination and renames it into place at the end. A
+# leftover of a killed prepare is a staging name whose lock can be taken; a locked one is a live prepare's.
+STAGING = ".staging-"
 STAGING_FOLDERS = (".", "downloads", "tokenizers")  # under data_dir: the corpora, sdists, GPT-2 ranks
 
 
@@ -218,7 +212,7 @@ def hold_lock(path: Path, wait: bool) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
-    except OSError:  # held by a live process, or a file system that cannot lock
+    except OSError:
         os.close(fd)
         return None
 
@@ -245,8 +239,8 @@ def staging_folder(parent: Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def staged_folder(folder: Path) -> Iterator[Path]:
-    """A staging folder that replaces ``folder`` when the block ends. A corpus being replaced is renamed aside,
-    whole, before it is deleted: a kill while deleting it cannot leave half of it in place."""
+    """A staging folder that replaces ``folder`` when the block ends; the old one is renamed aside whole before it
+    is deleted, so a kill meanwhile cannot leave half of it in place."""
     with staging_folder(folder.parent) as staging:
         yield staging
         old = staging.with_name(f"{staging.name}-old")  # a staging name too: a kill's leftover is found
@@ -257,8 +251,7 @@ def staged_folder(folder: Path) -> Iterator[Path]:
 
 
 def remove_leftovers(data_dir: Path) -> list[Path]:
-    """Delete what killed prepares left in data_dir (each staging name whose lock can be taken); returns it.
-    Never raises: what cannot be deleted (permissions) is named in a warning and left."""
+    """Delete and return what killed prepares left in data_dir. Never raises: what cannot go is named in a warning."""
     removed = []
     for path in sorted(path for sub in STAGING_FOLDERS for path in (data_dir / sub).glob(f"{STAGING}*")):
         if (fd := hold_lock(path, wait=False)) is None:
@@ -277,67 +270,12 @@ def remove_leftovers(data_dir: Path) -> list[Path]:
     return removed
 
 
-def sha256_of(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> RunLock:
-    """Own ``out_dir`` until the returned lock is released (or this process dies), or raise PathError: exit 2 if
-    the path is unusable or another live process owns it, 74 on an I/O failure. A fresh run (``resume`` False)
-    is refused in a folder that holds a run: continuing it is --resume's job."""
-    created = make_folders(out_dir, flag)
-    path = out_dir / ".lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as err:
-        remove_empty(created)
-        raise os_failure(out_dir, flag, err) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # LOCK_NB: refuse now, never wait for the owner
-    except BlockingIOError:
-        owner = os.pread(fd, 300, 0).decode("utf-8", errors="replace").strip() or "another process"
-        os.close(fd)
-        raise PathError(f"{out_dir} is in use by {owner}: one run per folder. Wait for it to end or stop it, "
-                        f"or pass another {flag}") from None
-    if not holds(fd, path):  # locked as its owner removed it on the way out: lock the file there now
-        os.close(fd)
-        return claim(out_dir, resume, flag)
-    lock = RunLock(path, fd, created)
-    if not resume and (out_dir / "last.pt").exists():
-        lock.release()
-        raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
-                          "new one with another --out_dir (or delete the folder)")
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n".encode(), 0)
-    except OSError as err:
-        lock.release()
-        raise os_failure(out_dir, flag, err) from None
-    return lock
-
-
-# -----------------------------------------------------------------------------
-# Data-parallel training across processes: setup, rank-0 output, reductions, RNG bookkeeping.
-#
-#     torchrun --standalone --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # one node, 8 GPUs
-#     python train.py --config small        # no torchrun: a world of one, nothing set up
-#
-# torchrun starts one process per device and tells each who it is (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-# MASTER_PORT). ``setup`` reads them; without them the run is a world of one and every helper here is a no-op, so
-# train.py has a single code path. Backend: NCCL on CUDA, gloo otherwise.
-#
-# Failures: a rank that fails alone must not leave the others waiting in their next collective (a hang until the
-# process-group timeout, or a gloo "Connection closed by peer" traceback). Work that can fail on some ranks only
-# (rank 0 writing a checkpoint, a rank reading its files) runs inside ``stop_together``, which makes every rank stop
-# there, each distinct error printed once. A rank that dies without a word (SIGKILL, a crash) cannot take part:
-# the survivors' next collective fails in gloo, and train.py turns that into one line per survivor (``lost_peer``).
-T = TypeVar("T")
-
-
+# ----------------------------------------------------------------------------- DDP under torchrun
+# Without torchrun's RANK/WORLD_SIZE the run is a world of one and every helper here is a no-op. Work that can fail
+# on some ranks only runs inside ``stop_together``, so no rank is left waiting in a collective for a failed peer.
 @dataclass(frozen=True)
 class Dist:
-    """Who this process is in the job. The defaults describe a plain single-process run."""
+    """Who this process is in the job; the defaults are a plain single-process run."""
     rank: int = 0  # global index of this process, 0 .. world_size - 1
     world_size: int = 1  # processes in the job (all nodes)
     local_rank: int = 0  # index on this node: picks the GPU
@@ -353,29 +291,8 @@ class Dist:
         return self.world_size > 1
 
 
-def pick_device(requested: str = "auto") -> torch.device:
-    """cuda, then mps, then cpu for "auto"; otherwise the device asked for, if it exists."""
-    if requested == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(requested)
-    except RuntimeError:  # torch's message lists 20 device types, most of which tinygpt cannot run on
-        raise ConfigError(f"unknown device `{requested}`; use one of auto, cpu, cuda, cuda:N, mps") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device `{requested}` asked for, but CUDA is not available; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"device `{requested}` asked for, but there are {torch.cuda.device_count()} GPUs")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"device `{requested}` asked for, but MPS is not available; use --device cpu")
-    return device
-
-
 def setup(requested: str = "auto") -> Dist:
-    """Join the process group torchrun describes; without torchrun, a world of one on the device asked for."""
+    """Join the process group torchrun describes (NCCL on CUDA, else gloo); without torchrun, a world of one."""
     device = pick_device(requested)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
@@ -391,9 +308,7 @@ def setup(requested: str = "auto") -> Dist:
 
 
 def teardown() -> None:
-    """After a run that finished on every rank: wait for all, then leave the process group. The barrier matters:
-    rank 0 may still be writing a checkpoint, and a rank that destroys the group and exits while a peer still
-    holds its connections can abort (gloo's "terminate called without an active exception")."""
+    """After a run that finished on every rank: wait for all (rank 0 may still be saving), then leave the group."""
     if dist.is_initialized():
         gc.collect()  # free the DDP wrapper (its reducer holds gloo/NCCL work) while the group still exists
         dist.barrier()
@@ -401,27 +316,25 @@ def teardown() -> None:
 
 
 def abandon() -> None:
-    """After an error that stopped every rank: leave the process group without a barrier (the others may have
-    exited already), but leave it: with the group alive gloo's destructor races the peers' exits and can abort
-    the process, turning a clean exit code into SIGABRT."""
+    """After an error that stopped every rank: leave the group without a barrier (peers may be gone). Leaving
+    matters: with the group alive gloo's destructor races the peers' exits and can turn the exit code into SIGABRT."""
     if dist.is_initialized():
-        gc.collect()  # as in teardown: free what still holds gloo/NCCL work while the group exists
+        gc.collect()
         dist.destroy_process_group()
 
 
-def is_main_process() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+def env_rank() -> int:
+    """This process's rank as torchrun sets it (0 without torchrun); readable before setup()."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def print0(*args: Any, **kwargs: Any) -> None:
-    """print on rank 0 only, so a run on 64 GPUs prints each line once."""
-    if is_main_process():
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks, in place, and return it (unchanged in a world of one). A collective: every
-    rank must call it, in the same order, or the job hangs."""
+    """Sum ``tensor`` over all ranks, in place. A collective: every rank calls it, in the same order."""
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -436,30 +349,31 @@ def gather_to_main(obj: Any) -> list[Any]:
     return out or []
 
 
-@contextlib.contextmanager
-def main_first(device: torch.device) -> Iterator[None]:
-    """Rank 0 runs the block first (prepares the corpus); the others wait, then run it. If it fails on rank 0,
-    the others stop without running it; if it then fails on another rank, every rank stops (stop_together).
-    Footgun: the wait is bounded by the process-group timeout (10 minutes for NCCL), so prepare a large corpus
-    (python -m scripts.prepare) before torchrun."""
-    main = is_main_process()  # True in a world of one: the block runs once, in the first phase
-    with stop_together(device):  # rank 0 runs it; the others learn whether it worked
-        if main:
-            yield
-    with stop_together(device):  # the others run it; rank 0 learns whether it worked
-        if not main:
-            yield
+def decide_on_main(decide: Callable[[], Any]) -> Any:
+    """``decide()`` on rank 0, its result on every rank: for choices that measure the machine. A collective."""
+    if not dist.is_initialized():
+        return decide()
+    choice = [decide() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)  # NCCL: sent via the current device, set in setup()
+    return choice[0]
+
+
+def agree(flags: tuple[bool, ...], ddp: Dist, now: bool) -> tuple[bool, ...]:
+    """Each flag true if it is on any rank (stop now, out of time). Under DDP a host sync, so only when ``now``
+    (the loop's log steps); all False otherwise."""
+    if not ddp.enabled:
+        return flags
+    if not now:
+        return (False,) * len(flags)
+    summed = all_reduce_sum(torch.tensor(flags, dtype=torch.int32, device=ddp.device))
+    return tuple(bool(flag) for flag in summed.tolist())
 
 
 @contextlib.contextmanager
 def stop_together(device: torch.device) -> Iterator[None]:
-    """Around work that may fail on some ranks only: if it fails anywhere, every rank stops here.
-
-    The ranks compare outcomes in one all-reduce at the end of the block (``device``: this rank's). A rank that
-    failed re-raises its own error; the others raise PeerFailed. Each distinct error (same message) is printed
-    once, by the lowest rank that has it, which the error carries as ``reporting_rank``. A plain block in a world
-    of one. Footgun: a collective, so every rank must enter it, and the block itself must hold none.
-    """
+    """Around work that may fail on some ranks only: if it fails anywhere, every rank stops here. A failed rank
+    re-raises its error, the others PeerFailed; each distinct message is printed by the lowest rank that has it
+    (``reporting_rank``). Footgun: a collective, so every rank must enter it, and the block must hold none."""
     if not dist.is_initialized():
         yield
         return
@@ -481,105 +395,85 @@ def stop_together(device: torch.device) -> Iterator[None]:
         raise PeerFailed(failed[0][1])  # the lowest failing rank's code
 
 
-# gloo's words for a collective whose peer vanished mid-job (SIGKILL, a crash, a lost node): the pair's
-# socket closed or reset under it (third_party/gloo/gloo/transport/tcp/pair.cc).
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def lost_peer(err: BaseException) -> str | None:
-    """gloo's reason if ``err`` is a collective failing because another rank died; None otherwise. Such a peer
-    says nothing (it is gone), so the rank that notices must say it, in one line."""
-    if not dist.is_initialized() or not isinstance(err, RuntimeError):
-        return None
-    return next((words for words in PEER_GONE if words in str(err)), None)
-
-
-def env_rank() -> int:
-    """This process's rank as torchrun sets it (0 without torchrun); readable before setup()."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def decide_on_main(decide: Callable[[], T]) -> T:
-    """``decide()`` on rank 0 alone, and its result on every rank (a picklable value). A collective, for choices
-    that measure the machine (the dtype=auto probe), where ranks measuring each for itself could disagree."""
-    if not dist.is_initialized():
-        return decide()
-    choice = [decide() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)  # NCCL: sent via the current device, set in setup()
-    return choice[0]
-
-
-def agree(flags: tuple[bool, ...], ddp: Dist, now: bool) -> tuple[bool, ...]:
-    """Flags every rank acts on alike (stop now, out of time): each true if it is true on any rank. In a world of
-    one, the flags as they are; under DDP one all-reduce, a host sync, so only when ``now`` (the loop's log steps,
-    where it syncs anyway), all False otherwise."""
-    if not ddp.enabled:
-        return flags
-    if not now:
-        return (False,) * len(flags)
-    summed = all_reduce_sum(torch.tensor(flags, dtype=torch.int32, device=ddp.device))
-    return tuple(bool(flag) for flag in summed.tolist())
+@contextlib.contextmanager
+def main_first(device: torch.device) -> Iterator[None]:
+    """Rank 0 runs the block (prepares the corpus), then the others; a failure anywhere stops every rank. Footgun:
+    the others wait at most the process-group timeout, so prepare a large corpus before torchrun."""
+    main = not dist.is_initialized() or dist.get_rank() == 0  # a world of one: the block runs once
+    with stop_together(device):
+        if main:
+            yield
+    with stop_together(device):
+        if not main:
+            yield
 
 
 def wrap(model: torch.nn.Module, ddp: Dist) -> torch.nn.Module:
-    """DistributedDataParallel around ``model`` in a world of several, ``model`` itself otherwise. DDP broadcasts
-    rank 0's parameters at construction: every rank starts from rank 0's initialisation or checkpoint."""
+    """DDP around ``model`` in a world of several (it broadcasts rank 0's weights); ``model`` itself otherwise."""
     if not ddp.enabled:
         return model
     return DistributedDataParallel(model, device_ids=[ddp.device] if ddp.device.type == "cuda" else None)
 
 
 def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
-    """This rank's saved random streams; None when this rank did not exist in the saved run. Resuming with
-    another world size works but is not bit-exact, and says why."""
+    """This rank's saved random streams; None when this rank did not exist in the saved run."""
     saved = state["rng_per_rank"]
     if len(saved) != ddp.world_size:
         print0(f"WARNING: resuming a run saved with world size {len(saved)} on world size {ddp.world_size}: "
-               "training continues but is NOT bit-exact. Each step now averages over "
-               f"{ddp.world_size} ranks' windows instead of {len(saved)} (a different global batch and "
-               "summation order), and ranks absent from the checkpoint draw fresh data streams "
-               "(seed + rank). Resume with the same world size for an exact continuation.")
+               "training continues but is NOT bit-exact (another global batch and summation order; ranks absent "
+               "from the checkpoint draw fresh data streams). Resume with the same world size for an exact "
+               "continuation.")
     return saved[ddp.rank] if ddp.rank < len(saved) else None
 
 
-# -----------------------------------------------------------------------------
-# Where and how the maths runs: device choice, threads, precision, compile, and seeding.
-#
-# ``choose_runtime`` is the one choice of device, threads, precision and compile that train.py,
-# scripts/bench.py, scripts/doctor.py, scripts/eval.py and scripts/compare.py share, so that a benchmark, a
-# diagnosis or an evaluation runs as training of the same config does; sample.py picks devices the same way.
+# ----------------------------------------------------------------------------- device, precision, compile, seeds
+# ``choose_runtime`` is the one choice train.py and the tools (bench, doctor, eval, compare) share, so a benchmark
+# or diagnosis computes as training of the same config does.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BF16_MIN_SPEEDUP = 1.5  # CPU autocast to bf16 only when its matmuls are at least this much faster
+BF16_MIN_SPEEDUP = 1.5  # CPU autocast adds casts and gains little outside matmuls: these must win clearly
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """cuda, then mps, then cpu for "auto"; otherwise the device asked for, if it exists."""
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:  # torch's message lists 20 device types, most of which tinygpt cannot run on
+        raise ConfigError(f"unknown device `{requested}`; use one of auto, cpu, cuda, cuda:N, mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device `{requested}` asked for, but CUDA is not available; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device `{requested}` asked for, but there are {torch.cuda.device_count()} GPUs")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device `{requested}` asked for, but MPS is not available; use --device cpu")
+    return device
 
 
 def pick_dtype(requested: str, device: torch.device,
                probe_shape: tuple[int, int, int] = (768, 128, 512)) -> torch.dtype:
-    """bf16 on CUDA where supported, else fp16; on CPU bf16 only where a probe finds it faster; MPS fp32.
-
-    The CPU probe times one (M, K) @ (K, N) matmul of ``probe_shape`` (run_dtype passes the model's own)
-    in both precisions, ~0.2 s, and prints what it chose and why. The choice is machine dependent: pin
-    --dtype where results must be reproducible.
-    """
+    """bf16 on CUDA where supported, else fp16; MPS fp32; on CPU bf16 only where a matmul of ``probe_shape`` runs
+    BF16_MIN_SPEEDUP times faster in it (~0.2 s, machine dependent: pin --dtype where results must reproduce)."""
     if requested != "auto":
         return DTYPES[requested]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu":
-        fp32 = matmul_gflops(*probe_shape, dtype=torch.float32)
-        bf16 = matmul_gflops(*probe_shape, dtype=torch.bfloat16)
-        # Autocast adds casts and its elementwise ops gain little, so the matmuls must win clearly.
-        choice = torch.bfloat16 if bf16 >= BF16_MIN_SPEEDUP * fp32 else torch.float32
-        print(f"dtype auto -> {str(choice).removeprefix('torch.')}: a {probe_shape[0]}x{probe_shape[1]} @ "
-              f"{probe_shape[1]}x{probe_shape[2]} matmul runs at {bf16:.0f} GFLOP/s in bf16 vs {fp32:.0f} in fp32 "
-              f"on this CPU (bf16 needs >= {BF16_MIN_SPEEDUP:g}x)")
-        return choice
-    return torch.float32
+    if device.type != "cpu":
+        return torch.float32
+    fp32 = matmul_gflops(*probe_shape, dtype=torch.float32)
+    bf16 = matmul_gflops(*probe_shape, dtype=torch.bfloat16)
+    choice = torch.bfloat16 if bf16 >= BF16_MIN_SPEEDUP * fp32 else torch.float32
+    print(f"dtype auto -> {dtype_name(choice)}: a {probe_shape[0]}x{probe_shape[1]} @ "
+          f"{probe_shape[1]}x{probe_shape[2]} matmul runs at {bf16:.0f} GFLOP/s in bf16 vs {fp32:.0f} in fp32 "
+          f"on this CPU (bf16 needs >= {BF16_MIN_SPEEDUP:g}x)")
+    return choice
 
 
 def run_dtype(cfg, device: torch.device) -> torch.dtype:
-    """The precision a run of ``cfg`` computes in on ``device``, the one train.py, bench.py, the doctor and
-    compare.py all use; dtype=auto on a CPU times the MLP's first matmul at the run's tokens per micro-batch, up
-    to 4096 rows: as telling, and a size too big to run costs no minutes or gigabytes before it is refused."""
+    """The precision a run of ``cfg`` computes in; dtype=auto on CPU times the MLP's first matmul at the run's
+    tokens per micro-batch, capped at 4096 rows (a size too big to run is refused later, not timed)."""
     rows = min(cfg.batch_size * cfg.block_size, 4096)
     return pick_dtype(cfg.dtype, device, (rows, cfg.n_embd, 4 * cfg.n_embd))
 
@@ -594,58 +488,34 @@ class Runtime:
 
 
 def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
-    """cfg's device (or the one torchrun gave this rank), its threads, its precision and compile setting.
-
-    Threads first: dtype=auto times matmuls with them, at the run's own shape (run_dtype). Under
-    torchrun ranks timing side by side could disagree, so rank 0's choice is the job's.
-    """
+    """cfg's device (or torchrun's for this rank), threads, precision and compile. Threads first: dtype=auto
+    times matmuls with them; rank 0's choice is the job's, as ranks timing side by side could disagree."""
     device = device or pick_device(cfg.device)
     threads = use_threads(cfg.threads)
     dtype = decide_on_main(lambda: run_dtype(cfg, device))
     return Runtime(device, dtype, threads, want_compile(cfg.compile, device))
 
 
-def device_memory(device: torch.device) -> int | None:
-    """Bytes of memory on ``device``: a GPU's own, else the machine's (None where the OS does not say)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
-        return None
-
-
 def refuse_what_cannot_fit(cfg, rt: Runtime) -> None:
-    """ConfigError, before the data or the model, when one training step of cfg's micro-batch needs more than
-    rt.device's memory even by model.step_bytes' lower bound: a size that can never run is said at once, with what
-    it would take, not left to the allocator's traceback or the OOM killer."""
+    """ConfigError, before data or model, when one step of cfg's micro-batch needs more memory than rt.device has
+    even by model.step_bytes' lower bound: said at once, not left to the allocator or the OOM killer."""
     need = step_bytes(cfg, cfg.batch_size, cpu_bf16=rt.device.type == "cpu" and rt.dtype == torch.bfloat16)
-    have = device_memory(rt.device)
-    if have is not None and need > have:
-        where = "the GPU" if rt.device.type == "cuda" else "this machine"
+    if rt.device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(rt.device).total_memory, "the GPU"
+    else:
+        try:
+            have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to compare with
+            return
+    if need > have:
         raise ConfigError(f"batch_size {cfg.batch_size} x block_size {cfg.block_size}: one training step needs at "
                           f"least {need / 2**30:,.0f} GiB, and {where} has {have / 2**30:,.0f} GiB; lower "
                           f"block_size or batch_size")
 
 
-def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Module:
-    """The model compiled as rt says (compile_or_eager), probed with one forward/backward of the training
-    ``stream``'s first batch under the step's autocast: the graph compiled is the one the step runs (no recompile
-    at step 1), and compile errors surface here, not mid-run. The probe moves no random stream (a copy of the
-    stream's first batch, the global RNG forked), so a compiled run resumes as exactly as an eager one."""
-    def probe(m: torch.nn.Module) -> None:
-        x, y = stream.first_batch()  # (B, T) each
-        with torch.autocast(rt.device.type, dtype=rt.dtype, enabled=rt.dtype != torch.float32):
-            _, loss_sum, n, _ = m(x, y)
-        (loss_sum / n).backward()
-
-    return compile_or_eager(model, rt.compile, probe)
-
-
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", seconds: float = 0.1) -> float:
-    """Measured GFLOP/s of an (m, k) @ (k, n) matmul: median of repeated timings after a warm-up. Its own
-    generator: it never moves the global random stream."""
+    """Measured GFLOP/s of an (m, k) @ (k, n) matmul: the median timing after a warm-up. Its own generator."""
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(m, k, generator=gen, device=device).to(dtype)  # (m, k)
     b = torch.randn(k, n, generator=gen, device=device).to(dtype)  # (k, n)
@@ -663,9 +533,8 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
 
 
 def use_threads(threads: int) -> int:
-    """torch.set_num_threads(threads) unless 0 (torch's default: one per core); returns the count in force.
-    Two jobs on a 2-core machine each want one: with torch's default both spin two OpenMP threads, and
-    each op waits at a barrier for a thread the other job has descheduled (docs/notebook/performance.md)."""
+    """torch.set_num_threads(threads) unless 0 (one per core); returns the count in force. Two jobs on 2 cores
+    want one each: with two OpenMP threads apiece each op waits on a descheduled thread (docs/notebook/performance.md)."""
     if threads > 0:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
@@ -673,6 +542,10 @@ def use_threads(threads: int) -> int:
 
 def threads_text(count: int) -> str:
     return f"{count} thread" + ("" if count == 1 else "s")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def seed_everything(seed: int) -> None:
@@ -687,13 +560,11 @@ def want_compile(setting: str, device: torch.device) -> bool:
 
 
 def compile_or_eager(model: torch.nn.Module, enabled: bool, probe: Callable[[torch.nn.Module], None]):
-    """torch.compile the model and prove it works on ``probe``; on any failure warn once, run eager.
-    Compilation errors surface at the first call, not at torch.compile(), hence the probe; it runs under
-    fork_rng, so it leaves every random stream exactly where it found it."""
+    """torch.compile the model and prove it on ``probe`` (compile errors surface at the first call); on any failure
+    warn once and run eager. The probe runs under fork_rng: every random stream stays where it was."""
     if not enabled:
         return model
-    # The probe is where compiling happens, silently: say so first, or a long compile looks like a hang.
-    print0("compiling the model (torch.compile; the first time can take minutes)")
+    print0("compiling the model (torch.compile; the first time can take minutes)")  # or a long compile looks hung
     compiled = torch.compile(model)
     try:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -709,9 +580,20 @@ def compile_or_eager(model: torch.nn.Module, enabled: bool, probe: Callable[[tor
     return compiled
 
 
-# Peak dense (no structured sparsity) tensor-core FLOP/s in bf16/fp16 with fp32 accumulation, the mode autocast
-# uses, from NVIDIA's datasheets; the first matching pattern wins, so more specific names come first. Where a
-# datasheet gives only the "with sparsity" figure, dense is half.
+def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Module:
+    """compile_or_eager, probed with a forward/backward of the ``stream``'s first batch (a copy: no stream moves)
+    under the step's autocast, so the graph compiled is the one step 1 runs."""
+    def probe(m: torch.nn.Module) -> None:
+        x, y = stream.first_batch()  # (B, T) each
+        with torch.autocast(rt.device.type, dtype=rt.dtype, enabled=rt.dtype != torch.float32):
+            _, loss_sum, n, _ = m(x, y)
+        (loss_sum / n).backward()
+
+    return compile_or_eager(model, rt.compile, probe)
+
+
+# Peak dense tensor-core FLOP/s in bf16/fp16 with fp32 accumulation (autocast's mode), from NVIDIA's datasheets
+# (dense is half the "with sparsity" figure). The first matching pattern wins: more specific names first.
 PEAK_FLOPS_16BIT: tuple[tuple[str, float], ...] = (
     (r"H200 NVL", 835.5e12),  # H200 datasheet (NVL column): 1,671 TFLOPS with sparsity
     (r"H200", 989.5e12),  # H200 datasheet (SXM): 1,979 TFLOPS with sparsity
@@ -729,51 +611,34 @@ PEAK_FLOPS_16BIT: tuple[tuple[str, float], ...] = (
 
 
 def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
-    """Datasheet peak dense FLOP/s of one GPU in ``dtype``, or None: for fp32 (the table holds 16-bit peaks only),
-    for devices not in the table, and for bf16 on Volta (V100: fp16 tensor cores only, bf16 is emulated). An MFU
-    against a guessed peak would be a made-up number."""
+    """A GPU's datasheet peak in ``dtype``, or None (fp32, unknown GPUs, bf16 on Volta): never a guessed MFU."""
     if dtype not in (torch.bfloat16, torch.float16) or (dtype == torch.bfloat16 and "V100" in device_name):
         return None
     return next((flops for pattern, flops in PEAK_FLOPS_16BIT if re.search(pattern, device_name, re.IGNORECASE)), None)
 
 
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-
-
 def device_peak(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The peak FLOP/s MFU divides by: a CUDA device's peak_flops; None on CPU and MPS (no datasheet peak)."""
-    return peak_flops(device_name(device), dtype) if device.type == "cuda" else None
+    """The peak FLOP/s MFU divides by; None on CPU and MPS."""
+    return peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, device: torch.device, dtype: torch.dtype,
         world_size: int = 1) -> float | None:
-    """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, app. B): achieved / peak FLOP/s. ``tokens_per_s``
-    is the whole job's, spread over ``world_size`` GPUs. None ("n/a") on CPU, MPS, unknown GPUs and fp32."""
+    """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, app. B) of the whole job's ``tokens_per_s`` over
+    ``world_size`` GPUs; None where no peak is known."""
     peak = device_peak(device, dtype)
-    if peak is None:
-        return None
-    return flops_per_token * tokens_per_s / (peak * world_size)
+    return None if peak is None else flops_per_token * tokens_per_s / (peak * world_size)
 
 
-# -----------------------------------------------------------------------------
-# How a training run stops when asked or when something goes wrong: signals, a lost peer.
-#
-# A stop is an errors.RunStopped carrying its exit code (config.py defines every code, the one
-# place they are). ``run_error`` names the two endings only a run has, Ctrl-C before its first step and a
-# peer rank lost mid-collective, so that train.py ends through errors.exit_for like every entry point.
+# ----------------------------------------------------------------------------- signals: how a run stops
 class StopOnSignal:
-    """A context manager that turns SIGINT and SIGTERM into a request to stop after the current step.
+    """Turns SIGINT and SIGTERM into a request to stop after the current step; the loop saves last.pt and raises
+    ``error()``. Later signals only print a note, so a second Ctrl-C cannot interrupt the save. Outside the main
+    thread it does nothing.
 
-    The loop checks ``requested`` after each optimizer step, saves last.pt and raises ``error()``. Later signals
-    only print a note, so a second Ctrl-C cannot interrupt the save (SIGKILL can, harmlessly: saves are atomic).
-    On exit the previous handlers come back, unless a stop was requested: then SIGINT and SIGTERM stay ignored,
-    as the process is on its way out with 130/143 and a supervisor's repeated SIGTERM during shutdown (torch's
-    teardown takes ~0.7 s) would kill it by the signal (-15), which reads as a crash, not a preemption (footgun:
-    an in-process caller that carries on after a stop must put its handlers back itself). Outside the main thread
-    it does nothing (Python cannot install handlers there). Under DDP the ranks agree on the step to stop at
-    (distributed.agree).
-    """
+    On exit after a stop, both signals stay ignored: the process is on its way out with 130/143, and a supervisor's
+    repeated SIGTERM during torch's teardown would otherwise end it as -15, a crash (footgun: an in-process caller
+    that carries on must put its handlers back itself)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -788,18 +653,16 @@ class StopOnSignal:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        # SIG_IGN, not our Python handler: CPython resets Python handlers to SIG_DFL early in interpreter
-        # shutdown (_PySignal_Fini), before the modules, torch's included, are torn down; SIG_IGN stays.
+        # SIG_IGN, not our handler: CPython resets Python handlers to SIG_DFL early in shutdown; SIG_IGN stays.
         for signum, handler in self.previous.items():
             signal.signal(signum, signal.SIG_IGN if self.requested else handler)
         self.previous = {}
 
     def handle(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
         first = self.signum is None
         self.signum = self.signum or signum  # the first decides the exit code: SIGTERM then Ctrl-C is still 143
         note = "finishing this step, then saving last.pt" if first else "already stopping; wait for the save"
-        os.write(2, f"\n{name}: {note}\n".encode())  # os.write: print() is not reentrant in a handler
+        os.write(2, f"\n{signal.Signals(signum).name}: {note}\n".encode())  # print() is not reentrant in a handler
 
     @property
     def requested(self) -> bool:
@@ -813,13 +676,10 @@ class StopOnSignal:
 
 @contextlib.contextmanager
 def interrupt_until_the_loop() -> Iterator[None]:
-    """While the block runs, SIGINT and SIGTERM raise KeyboardInterrupt (carrying ``signum``: run_error's exit code),
-    until the loop's StopOnSignal takes them (and after it, unless it stopped the run: it then leaves them ignored).
-    So whatever cleans up after a Ctrl-C (a prepare's staging folder, the run folder's lock) cleans up after a SIGTERM
-    alike; without it a SIGTERM before the first step, what ``timeout``, schedulers and ``docker stop`` send, killed
-    the process at once: exit 143, no line, and out_dir/.lock left behind. The first signal ignores both from then
-    on, as StopOnSignal's does: the process is on its way out. On exit the previous handlers come back. Outside the
-    main thread it does nothing."""
+    """Until the loop's StopOnSignal takes over, SIGINT and SIGTERM raise KeyboardInterrupt (with ``signum``), so
+    cleanup after a SIGTERM (the staging folder, the lock) runs as after a Ctrl-C: without it ``timeout`` or
+    ``docker stop`` before step 1 killed the process with no line and left out_dir/.lock. The first signal ignores
+    both from then on. Outside the main thread it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -840,16 +700,19 @@ def interrupt_until_the_loop() -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
-def run_error(err: BaseException) -> BaseException:
-    """``err`` as train.py reports it: Ctrl-C before the first step, or a collective failing because a peer
-    rank died, as the RunStopped it means (errors.exit_for then gives its line and code); any other as it is.
+# gloo's words for a collective whose peer vanished (SIGKILL, a crash): third_party/gloo/gloo/transport/tcp/pair.cc
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
-    A dead peer cannot say why, so every rank that notices says so, each naming itself (reporting_rank).
-    """
+
+def run_error(err: BaseException) -> BaseException:
+    """``err`` as train.py reports it: Ctrl-C before step 1, or a collective failing because a peer died, as the
+    RunStopped it means (a dead peer cannot say why, so each survivor does); any other as it is."""
     if isinstance(err, KeyboardInterrupt):  # before the first step: nothing to save yet; 143 for a SIGTERM
-        code = 128 + err.signum if hasattr(err, "signum") else EXIT_INTERRUPTED  # interrupt_until_the_loop's
+        code = 128 + err.signum if hasattr(err, "signum") else EXIT_INTERRUPTED
         return RunStopped("interrupted before training started; nothing was saved", code)
-    reason = None if isinstance(err, TinyGPTError) else lost_peer(err)  # a refusal says its own line
+    if isinstance(err, TinyGPTError) or not isinstance(err, RuntimeError) or not dist.is_initialized():
+        return err
+    reason = next((words for words in PEER_GONE if words in str(err)), None)
     if reason is None:
         return err
     stopped = RunStopped(f"another rank died without a word (killed or crashed; gloo: {reason}), so this one "
@@ -858,155 +721,17 @@ def run_error(err: BaseException) -> BaseException:
     return stopped
 
 
-# -----------------------------------------------------------------------------
-# The run's records: log lines, metrics.jsonl, and experiment tracking behind one seam (Weights & Biases with
-# --wandb, a null object without), so the loop calls ``tracker.log(record)`` and never asks which it holds
-# (nanochat's DummyWandb). wandb gets metrics.jsonl's records, with the same keys and steps.
-#
-#     python train.py --config small --wandb    # online if wandb finds an API key, else offline: never a prompt
-#
-# wandb never blocks or crashes a run:
-#   - mode: WANDB_MODE if it is set; otherwise online when wandb finds an API key (WANDB_API_KEY, .netrc or its
-#     settings file) without prompting (``wandb.login(prompt=False)``, wandb 0.31's replacement of the deprecated
-#     ``wandb.api.api_key``), offline when it finds none. An offline run says in one line where it was written and
-#     the ``wandb sync`` command to upload it.
-#   - online, it first says it is checking the server and asks it once (reachable_mode, PROBE_TIMEOUT): a server
-#     that does not answer means offline at once, with that line; and wandb.init may take INIT_TIMEOUT seconds,
-#     not wandb's silent 90.
-#   - a wandb that cannot start is a ConfigError before the first step (exit 2), not a traceback.
-#   - ``--resume`` continues the same wandb run: its id is kept in out_dir/wandb_id. The steps a killed run logged
-#     after its last.pt are redone on resume; the run already holds them and wandb's steps only grow, so they are
-#     not sent again. The chart keeps the first values: the same losses (resume is bit-exact), other timings.
-#     Offline, each process writes its own folder under out_dir/wandb; ``wandb sync`` uploads them, in order,
-#     into the one run.
-PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline
-INIT_TIMEOUT = 15.0  # seconds wandb.init may take (wandb's default: 90) before the run stops with one line
-NO_WANDB = f"--wandb needs the wandb package: {install_hint('wandb')}"
-
-
-class NullTracker:
-    """Tracking off: every call does nothing, so the training loop needs no ``if wandb:``."""
-
-    def log(self, record: dict[str, Any]) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-class WandbTracker:
-    """Sends each record to a wandb run at its own step, skipping the steps the run already holds."""
-
-    def __init__(self, run, logged_through: int | None = None):
-        self.run = run
-        self.logged_through = -1 if logged_through is None else logged_through
-
-    def log(self, record: dict[str, Any]) -> None:
-        if record["step"] > self.logged_through:  # wandb would refuse (and warn about) a step it has
-            self.run.log(record, step=record["step"])
-
-    def finish(self) -> None:
-        self.run.finish()
-
-
-def check_wandb(cfg: TrainConfig) -> None:
-    """--wandb without the wandb package: ConfigError before the run's folder, data and metrics.jsonl are made.
-    find_spec looks for the package without the seconds its import takes (start() imports it)."""
-    if cfg.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(NO_WANDB)
-
-
-def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) -> NullTracker | WandbTracker:
-    """The tracker the config asks for. ``logged_through``: the last step a killed run had logged
-    (MetricsLog), not sent again when the run resumes."""
-    if not cfg.wandb:
-        return NullTracker()
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError(NO_WANDB) from None
-    id_file = out_dir / "wandb_id"  # the wandb run a --resume continues
-    run_id = (id_file.read_text().strip() or None) if cfg.resume and id_file.is_file() else None
-    mode = reachable_mode(wandb, choose_mode(wandb))
-    # wandb waits 90 s for its server by default, silently; WANDB_INIT_TIMEOUT, if set, is the user's to choose.
-    timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT}
-    try:
-        run = wandb.init(project=cfg.wandb_project, config=as_dict(cfg), dir=out_dir, id=run_id,
-                         resume="allow" if run_id else None, mode=mode,
-                         settings=wandb.Settings(console="off", disable_git=True, save_code=False, silent=True,
-                                                 **timeout))
-    except Exception as err:  # noqa: BLE001 - any failure of a side concern: one line, before training
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ConfigError(f"wandb could not start ({reason}); run without --wandb, or with WANDB_MODE=offline "
-                          "to log locally and `wandb sync` later") from None
-    id_file.write_text(run.id + "\n")
-    if run.settings.mode == "online":
-        print(f"wandb: logging online to {run.url}", flush=True)
-    elif run.offline:
-        every_segment = out_dir / "wandb" / f"offline-run-*-{run.id}"  # one folder per (resumed) process
-        print(f"wandb: offline run {run.id} written to {run.settings.sync_dir}; upload it later with "
-              f"`wandb sync {every_segment}`", flush=True)
-    return WandbTracker(run, logged_through if run_id else None)
-
-
-def choose_mode(wandb) -> str | None:
-    """None (wandb reads WANDB_MODE) when the user set it; else online with credentials, offline without.
-    ``login(prompt=False, verify=False)`` reads the environment, .netrc and settings: no prompt, and no server
-    round trip to verify the key (wandb.init does that once, online)."""
-    if os.environ.get("WANDB_MODE"):
-        return None
-    return "online" if wandb.login(prompt=False, verify=False) else "offline"
-
-
-def reachable_mode(wandb, mode: str | None) -> str | None:
-    """``mode``, or offline when an online run's server does not answer: say so at once, never wait on it
-    (an API key and no network was ~95 s of silence, then an error). A user's own WANDB_MODE=online is kept:
-    an unreachable server stops the run in one line instead."""
-    forced = os.environ.get("WANDB_MODE") == "online"
-    if mode != "online" and not forced:
-        return mode
-    base_url = wandb.setup().settings.base_url  # WANDB_BASE_URL, or the host of `wandb login --host`
-    print(f"wandb: going online; checking that {base_url} answers (at most {PROBE_TIMEOUT:g} s) ...", flush=True)
-    reason = server_unreachable(base_url)
-    if reason is None:
-        return mode
-    if forced:
-        raise ConfigError(f"wandb cannot reach {base_url} ({reason}) and WANDB_MODE=online; unset WANDB_MODE to "
-                          "log offline and `wandb sync` later, or run without --wandb")
-    print(f"wandb: cannot reach {base_url} ({reason}); logging offline instead", flush=True)
-    return "offline"
-
-
-def server_unreachable(url: str, timeout: float = PROBE_TIMEOUT) -> str | None:
-    """Why ``url`` gives no HTTP answer within ``timeout`` seconds (refused, no DNS, timed out), or None if it
-    answers: any HTTP status counts. urllib honours HTTP(S)_PROXY, as wandb does."""
-    try:
-        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
-    except urllib.error.HTTPError:  # an answer, if not a welcome one: the server is there
-        return None
-    except (urllib.error.URLError, OSError) as err:  # URLError wraps refused / no DNS; a timeout is an OSError
-        return str(getattr(err, "reason", err)) or type(err).__name__
-    return None
-
-
 # ----------------------------------------------------------------------------- the run's records
 class MetricsLog:
-    """Prints log lines and appends JSON records to out_dir/metrics.jsonl and to the tracker (wandb or none),
-    with ms/step, tokens/s and MFU over the steps since the last log line (evals and saves are not training time).
-
-    Tokens are the positions the steps really processed (``count``: every micro-batch's x.numel(), all ranks'), not
-    batch_size x block_size x grad_accum: a loader's rows may be shorter (a length curriculum) or padded to the
-    batch's longest (conversations; the padding is computed, so it counts, and targets_per_step says what was scored).
-    Only the main process (rank 0) writes; on other ranks every method does nothing but count.
-    """
+    """Log lines, and JSON records to out_dir/metrics.jsonl and the tracker, with ms/step, tokens/s and MFU over
+    the steps since the last line (evals and saves excluded). Tokens are the positions the steps really processed
+    (shorter rows, padding), all ranks'. Only rank 0 writes; the others only count."""
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, step: int, model, rt, world_size: int = 1,
                  enabled: bool = True, tracked: bool = True):
-        """A run starting at ``step``: a fresh run's metrics.jsonl is removed, a resumed run's keeps its records
-        through ``step``. ``model``: the plain model (never the compiled or DDP wrapper: its own forward runs
-        eagerly and fires no DDP hook), whose GPT.flops_per_token, measured here once, is MFU's numerator; where no
-        peak is known (CPU, MPS, fp32) MFU is n/a and nothing is measured (FlopCounterMode's first use imports
-        torch._dynamo: seconds). ``tracked=False``: a resume with nothing left to do (no wandb run to log nothing)."""
+        """A run starting at ``step``: a resumed run's metrics.jsonl keeps its records through ``step``, a fresh
+        run's is removed. ``model``: the plain one (not compiled or DDP), whose flops_per_token is measured only
+        where a peak is known (its first use imports torch._dynamo: seconds). ``tracked=False``: nothing to do."""
         self.flops_per_token = model.flops_per_token() if device_peak(rt.device, rt.dtype) else 0
         self.enabled, self.max_time, self.rt, self.world_size = enabled, cfg.max_time, rt, world_size
         self.max_iters = cfg.max_iters
@@ -1021,16 +746,14 @@ class MetricsLog:
         self.tracker = start(cfg, out_dir, logged_through) if enabled and tracked else NullTracker()
 
     def count(self, batches: list[tuple[torch.Tensor, torch.Tensor]], n_targets: torch.Tensor) -> None:
-        """Add one step's positions (from the batches' shapes: known on the host, no sync) and targets (every
-        rank's, a device tensor: added on the device, read at the next log line). Every rank, every step."""
+        """Add one step's positions (host shapes, no sync) and targets (a device tensor). Every rank, every step."""
         self.positions += sum(x.numel() for x, _ in batches)  # (B, T) each
         self.targets = self.targets + n_targets  # out of place: whatever dtype the count comes in
 
     def step(self, step: int, losses: dict[str, torch.Tensor], lr: float, grad_norm: torch.Tensor,
              time_s: float) -> None:
-        """A training log line: the record, and the line a person reads. ``losses`` per target: "loss" (the
-        cross-entropy) and each auxiliary term of the objective by name. Reads the tensors: a host sync; sums the
-        ranks' positions: a collective, so every rank calls it."""
+        """A training record and line. ``losses``: "loss" and each auxiliary term by name. A host sync and a
+        collective (the ranks' positions): every rank calls it."""
         clash = set(losses) & {"step", "lr", "grad_norm", "tokens_per_s", "tokens_per_step", "targets_per_step",
                                "mfu", "time_s", "val_loss", "val_bpb"}
         if clash:  # it would overwrite that key of metrics.jsonl, silently
@@ -1054,8 +777,7 @@ class MetricsLog:
                  f"{run_clock(time_s, step, self.max_iters, self.max_time)}")
 
     def eval(self, step: int, loss: float, bpb: float, time_s: float) -> dict[str, float]:
-        """An eval's record; returns it without the clock, as checkpoints keep it (last_eval). Logged before
-        the save: a resume drops records past last.pt, so a failed save leaves no trace."""
+        """Record an eval (before the save: a resume drops records past last.pt); returns it as checkpoints keep it."""
         result = {"step": step, "val_loss": loss, "val_bpb": bpb}
         self.record({**result, "time_s": time_s})
         return result
@@ -1066,7 +788,7 @@ class MetricsLog:
         self.say(f"step {step:>6} | val loss {loss:.4f} | val bpb {bpb:.4f}{best}")
 
     def pause(self, seconds: float) -> None:
-        """Leave ``seconds`` (an eval, a save) out of the training time of the next log line."""
+        """Leave ``seconds`` (an eval, a save) out of the next line's training time."""
         self.t += seconds
 
     def record(self, record: dict[str, Any]) -> None:
@@ -1085,21 +807,20 @@ class MetricsLog:
 
 
 def drop_records_after(path: Path, step: int) -> int | None:
-    """Resuming redoes the steps after last.pt that a killed run had already logged: drop those. Returns the
-    last step the file held before (None without a file): what a tracker already has."""
+    """Drop the records a killed run logged after last.pt's ``step`` (a resume redoes them); returns the last step
+    the file held (None without a file): what a tracker already has."""
     if not path.is_file():
         return None
     lines = path.read_text().splitlines(keepends=True)
     steps = [json.loads(line)["step"] for line in lines if line.endswith("\n")]
     kept = [line for line, logged in zip(lines, steps) if logged <= step]
-    if kept != lines:  # written whole, then renamed: a kill here must not lose the log
+    if kept != lines:  # written whole: a kill here must not lose the log
         atomic_write_text(path, "".join(kept))
     return max(steps, default=None)
 
 
 def run_clock(time_s: float, step: int, max_iters: int, max_time: float) -> str:
-    """The run's time against its end, in the step lines: "0:41 of 3:00" where max_time comes first, "0:41 of ~3:00"
-    where max_iters does, at the pace of the run so far (its evals included). Host numbers only: no device sync."""
+    """"0:41 of 3:00" where max_time ends the run first, "0:41 of ~3:00" where max_iters does, at the pace so far."""
     at_max_iters = time_s / step * max_iters  # step >= 1: a log line follows a step
     if max_time and max_time <= at_max_iters:
         return f"{clock(time_s)} of {clock(max_time)}"
@@ -1107,18 +828,114 @@ def run_clock(time_s: float, step: int, max_iters: int, max_time: float) -> str:
 
 
 def clock(seconds: float) -> str:
-    """m:ss, or h:mm:ss from an hour on: the run's time against max_time in the step lines."""
+    """m:ss, or h:mm:ss from an hour on."""
     minutes, secs = divmod(int(seconds), 60)
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
 
 
+# Tracking behind one seam: the loop calls ``tracker.log(record)`` whatever it holds (nanochat's DummyWandb). wandb
+# never blocks or crashes a run: no prompt, offline without a key or a server that answers, one line if it cannot
+# start. --resume continues the wandb run in out_dir/wandb_id, without resending the steps it already holds.
+PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline
+INIT_TIMEOUT = 15.0  # seconds wandb.init may take (wandb's default: 90, silently)
+NO_WANDB = f"--wandb needs the wandb package: {install_hint('wandb')}"
+
+
+class NullTracker:
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class WandbTracker:
+    """Sends each record to a wandb run at its own step, skipping the steps the run already holds."""
+
+    def __init__(self, run, logged_through: int | None = None):
+        self.run = run
+        self.logged_through = -1 if logged_through is None else logged_through
+
+    def log(self, record: dict[str, Any]) -> None:
+        if record["step"] > self.logged_through:  # wandb would refuse (and warn about) a step it has
+            self.run.log(record, step=record["step"])
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def check_wandb(cfg: TrainConfig) -> None:
+    """--wandb without the package: refused before anything is made (find_spec: no seconds-long import)."""
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(NO_WANDB)
+
+
+def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) -> NullTracker | WandbTracker:
+    """The tracker cfg asks for; ``logged_through``: the last step a killed run logged, not resent on resume."""
+    if not cfg.wandb:
+        return NullTracker()
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(NO_WANDB) from None
+    id_file = out_dir / "wandb_id"
+    run_id = (id_file.read_text().strip() or None) if cfg.resume and id_file.is_file() else None
+    timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT}  # the user's, if set
+    try:
+        run = wandb.init(project=cfg.wandb_project, config=as_dict(cfg), dir=out_dir, id=run_id,
+                         resume="allow" if run_id else None, mode=choose_mode(wandb),
+                         settings=wandb.Settings(console="off", disable_git=True, save_code=False, silent=True,
+                                                 **timeout))
+    except Exception as err:  # noqa: BLE001 - any failure of a side concern: one line, before training
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"wandb could not start ({reason}); run without --wandb, or with WANDB_MODE=offline "
+                          "to log locally and `wandb sync` later") from None
+    id_file.write_text(run.id + "\n")
+    if run.settings.mode == "online":
+        print(f"wandb: logging online to {run.url}", flush=True)
+    elif run.offline:
+        every_segment = out_dir / "wandb" / f"offline-run-*-{run.id}"  # one folder per (resumed) process
+        print(f"wandb: offline run {run.id} written to {run.settings.sync_dir}; upload it later with "
+              f"`wandb sync {every_segment}`", flush=True)
+    return WandbTracker(run, logged_through if run_id else None)
+
+
+def choose_mode(wandb) -> str | None:
+    """None (wandb reads it) where the user set WANDB_MODE other than online; else online where wandb finds a key
+    (no prompt, no round trip) and the server answers within PROBE_TIMEOUT, offline otherwise, saying so. A
+    user's WANDB_MODE=online and no server: one line, not a silent fallback."""
+    user = os.environ.get("WANDB_MODE")
+    if user and user != "online":
+        return None
+    if not user and not wandb.login(prompt=False, verify=False):
+        return "offline"
+    base_url = wandb.setup().settings.base_url  # WANDB_BASE_URL, or the host of `wandb login --host`
+    print(f"wandb: going online; checking that {base_url} answers (at most {PROBE_TIMEOUT:g} s) ...", flush=True)
+    reason = server_unreachable(base_url)
+    if reason is None:
+        return None if user else "online"
+    if user:
+        raise ConfigError(f"wandb cannot reach {base_url} ({reason}) and WANDB_MODE=online; unset WANDB_MODE to "
+                          "log offline and `wandb sync` later, or run without --wandb")
+    print(f"wandb: cannot reach {base_url} ({reason}); logging offline instead", flush=True)
+    return "offline"
+
+
+def server_unreachable(url: str) -> str | None:
+    """Why ``url`` gives no HTTP answer (any status counts) within PROBE_TIMEOUT, or None. Honours HTTP(S)_PROXY."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=PROBE_TIMEOUT).close()
+    except urllib.error.HTTPError:  # an answer, if not a welcome one
+        return None
+    except OSError as err:  # refused, no DNS (URLError), timed out
+        return str(getattr(err, "reason", err)) or type(err).__name__
+    return None
+
+
 # ----------------------------------------------------------------------------- what a run says it is
 def describe(config) -> str:
-    """The model in one line: its sizes (the int options that are never 0), then every other option that is not
-    at its default (an int option whose default 0 means "off", like a fork's attn_window, is one of those).
-
-    "block_size 64, n_layer 3, n_head 4, n_embd 128, vocab 65; not default: activation gelu_tanh"
-    """
+    """The model in one line: its sizes (int options that are never 0), then every other option off its default:
+    "block_size 64, n_layer 3, n_head 4, n_embd 128, vocab 65; not default: activation gelu_tanh"."""
     def is_size(f) -> bool:
         return f.type == "int" and f.name != "vocab_size" and f.default != 0
 
@@ -1129,20 +946,15 @@ def describe(config) -> str:
 
 
 def summary(model) -> str:
-    """describe() and the parameter count: what train.py and the doctor say they are running."""
     return (f"{describe(model.config)}; {model.num_params(non_embedding=False) / 1e6:.2f}M parameters "
             "(every weight once, embeddings included)")
 
 
 def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int, full_rows: bool) -> str:
-    """The start-up lines: the model, the settings (and any given but unused), where and how it computes.
-    ``full_rows``: the loader's batches are always (batch_size, block_size); else the line says "up to"."""
+    """The start-up lines: model, settings (and any given but unused), where and how it computes. ``full_rows``:
+    every batch is (batch_size, block_size); else tokens/step is "up to"."""
     tokens, up_to = cfg.tokens_per_step(), "" if full_rows else "up to "
     return "\n".join([f"model: {summary(model)}", settings_line(cfg), *unused_given(cfg),
                       f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, "
                       f"compile {compiled}, {up_to}{tokens * world_size:,} tokens/step ({world_size} rank(s) x "
                       f"{tokens:,}), out_dir {cfg.out_dir}"])
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

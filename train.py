@@ -31,7 +31,7 @@ import runtime
 from checkpoint import Checkpointer, start_from
 from config import ConfigError, TrainConfig, exit_for, fail, model_config, parse_args
 from model import GPT
-from optim import NonFiniteGuard, build_optimizer, lr_at, refuse_unbuilt_choices
+from optim import NonFiniteGuard, build_optimizer, lr_at
 from runtime import (
     MetricsLog,
     Runtime,
@@ -195,7 +195,6 @@ class Run:
 
 def build_run(cfg: TrainConfig, rt: Runtime, ddp: runtime.Dist | None = None, pretrained=None) -> Run:
     """Seed -> data -> model -> optimizer, in this order wherever a run is built, so its numbers are the same."""
-    refuse_unbuilt_choices(cfg)  # train() asked already; bench, the doctor and compare come straight here
     refuse_what_cannot_fit(cfg, rt)  # a step too big for the device's memory: one line, before any is allocated
     ddp = ddp or runtime.Dist(device=rt.device)
     seed_everything(cfg.seed + ddp.rank)  # own dropout masks per rank; DDP copies rank 0's init
@@ -237,7 +236,6 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     fresh or --resume, is refused, and so is a fresh run in a folder that holds one. Under torchrun rank 0
     holds it for the job.
     """
-    refuse_unbuilt_choices(cfg)  # a fork's name without its function: one line, before the folder or the data
     check_wandb(cfg)  # --wandb without wandb: the same, not an empty metrics.jsonl left behind
     ddp = runtime.setup(cfg.device)  # a world of one on cfg.device without torchrun
     with runtime.stop_together(ddp.device):  # refused on rank 0: every rank stops here

@@ -34,7 +34,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpoint import start_from
 from config import CommandLine, ConfigError, TinyGPTError, TrainConfig, exit_on, make_config
-from optim import refuse_unbuilt_choices
 from runtime import (
     check_writable,
     choose_runtime,
@@ -66,7 +65,6 @@ class Bench:
 def build(name: str, cfg: TrainConfig) -> Bench:
     """The run train.py would build for cfg (train.build_run; init_from: on the base's weights and tokenizer),
     compiled as train.py compiles it."""
-    refuse_unbuilt_choices(cfg)  # as train.py: a name the config allows without its function, before anything is built
     cfg, pretrained = start_from(cfg)  # init_from: the base's weights, and the config with the options they fix
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
     run = build_run(cfg, rt, pretrained=pretrained)

@@ -38,7 +38,7 @@ from checkpoint import load_checkpoint, start_from
 from config import TinyGPTError, TrainConfig, exit_on, parse_args
 from data import PackedDocuments
 from model import GPT
-from optim import NonFiniteGuard, refuse_unbuilt_choices
+from optim import NonFiniteGuard
 from runtime import RunStopped, choose_runtime, compile_for_step, dtype_name, summary
 from tokenizer import tokenizer_from_meta
 
@@ -424,7 +424,6 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
     """Every check, on the run train.py builds for ``cfg`` (train.build_run: its data, tokenizer, training stream and
     model; with init_from, the base's tokenizer and weights), each check of a step on a copy of its model; the init,
     dropout and evaluation on a fresh init of its shape and vocabulary."""
-    refuse_unbuilt_choices(cfg)  # as train.py: a name the config allows without its function, before anything is built
     cfg, pretrained = start_from(cfg)  # init_from: the base's weights, and the config with the options they fix
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
     device, dtype = rt.device, rt.dtype

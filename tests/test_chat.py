@@ -302,6 +302,7 @@ def test_the_longest_system_prompt_accepted_is_the_room_the_refusal_names():
         chat_script.Dialogue(t, block_size=40, room=10, system="日本")
 
 
+@pytest.mark.slow  # ~5 s: a fresh interpreter
 def test_a_system_prompt_for_a_model_without_markers_is_refused_in_one_line_exit_2(tmp_path, text_file):
     """A text model has no conversation to hold (scripts.chat continues each prompt instead): --system is refused."""
     run_script("train.py", *tiny_args(tmp_path / "out", text_file, max_iters=2, eval_interval=2))

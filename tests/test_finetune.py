@@ -34,6 +34,7 @@ def base_run(tmp_path_factory):
     return folder / "out", text
 
 
+@pytest.mark.slow  # ~8 s with its base run
 def test_a_run_folder_starts_a_chat_fine_tune_with_its_shape_options_tokenizer_and_best_weights(base_run, tmp_path):
     base, text = base_run
     chats = write_chats(tmp_path / "chats.jsonl")
