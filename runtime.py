@@ -1,6 +1,5 @@
-"""How a run meets its machine and shell, in the order it meets them: files written whole, the run folder's lock and
-staging folders, DDP under torchrun, device/precision/compile, signals, and the run's records (metrics.jsonl, wandb).
-"""
+"""How a run meets its machine, in the order it does: files written whole, folders (the out_dir lock, staging), DDP
+under torchrun, device/precision/compile, signals, and the run's records (metrics.jsonl, wandb)."""
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +56,7 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 @contextlib.contextmanager
 def written_whole(path: Path) -> Iterator[Path]:
-    """The temp path for a writer that opens the file itself (gguf's): renamed over ``path`` when the block ends,
-    removed if it raises."""
+    """The temp path for a writer that opens the file itself (gguf's): renamed over ``path``, or removed on error."""
     tmp = temp_path(Path(path))
     try:
         yield tmp
@@ -141,26 +139,7 @@ def check_writable(folder: Path, flag: str, probe_name: str) -> None:
         remove_empty(created)
 
 
-class RunLock(contextlib.AbstractContextManager):
-    """Ownership of a run folder, from ``claim``; released on exit."""
-
-    def __init__(self, path: Path, fd: int, created: list[Path]):
-        self.path, self.fd, self.created = path, fd, created
-
-    def __exit__(self, *exc_info) -> None:
-        self.release()
-
-    def release(self) -> None:
-        """Remove the lock file while still holding it, unlock, and remove the claim's folders if still empty."""
-        if self.fd is None:
-            return
-        self.path.unlink(missing_ok=True)
-        os.close(self.fd)
-        self.fd = None
-        remove_empty(self.created)
-
-
-def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> RunLock:
+def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contextlib.ExitStack:
     """Own ``out_dir`` through an flock on out_dir/.lock (the kernel drops it when this process dies, SIGKILL
     included), or raise PathError: 2 if unusable or owned by a live process, 74 on an I/O failure. A fresh run
     (``resume`` False) is refused where last.pt exists. Footgun: flock is advisory; it stops a second train.py only."""
@@ -183,16 +162,19 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> RunLoc
             if os.path.samestat(os.fstat(fd), os.stat(path)):
                 break
         os.close(fd)  # we locked a file its owner removed on its way out: lock the one there now
-    lock = RunLock(path, fd, created)
+    lock = contextlib.ExitStack()  # close(): remove the lock file while holding it, unlock, remove empty new folders
+    lock.callback(remove_empty, created)
+    lock.callback(os.close, fd)
+    lock.callback(path.unlink, missing_ok=True)
     if not resume and (out_dir / "last.pt").exists():
-        lock.release()
+        lock.close()
         raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
                           "new one with another --out_dir (or delete the folder)")
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n".encode(), 0)
     except OSError as err:
-        lock.release()
+        lock.close()
         raise os_failure(out_dir, flag, err) from None
     return lock
 
@@ -349,15 +331,6 @@ def gather_to_main(obj: Any) -> list[Any]:
     return out or []
 
 
-def decide_on_main(decide: Callable[[], Any]) -> Any:
-    """``decide()`` on rank 0, its result on every rank: for choices that measure the machine. A collective."""
-    if not dist.is_initialized():
-        return decide()
-    choice = [decide() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)  # NCCL: sent via the current device, set in setup()
-    return choice[0]
-
-
 def agree(flags: tuple[bool, ...], ddp: Dist, now: bool) -> tuple[bool, ...]:
     """Each flag true if it is on any rank (stop now, out of time). Under DDP a host sync, so only when ``now``
     (the loop's log steps); all False otherwise."""
@@ -443,12 +416,10 @@ def pick_device(requested: str = "auto") -> torch.device:
         device = torch.device(requested)
     except RuntimeError:  # torch's message lists 20 device types, most of which tinygpt cannot run on
         raise ConfigError(f"unknown device `{requested}`; use one of auto, cpu, cuda, cuda:N, mps") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device `{requested}` asked for, but CUDA is not available; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"device `{requested}` asked for, but there are {torch.cuda.device_count()} GPUs")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"device `{requested}` asked for, but MPS is not available; use --device cpu")
+    count = {"cuda": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}.get(device.type)
+    if count is not None and (device.index or 0) >= count:
+        raise ConfigError(f"device `{requested}` asked for, but this machine has {count} {device.type} device(s); "
+                          "use --device cpu")
     return device
 
 
@@ -489,11 +460,13 @@ class Runtime:
 
 def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
     """cfg's device (or torchrun's for this rank), threads, precision and compile. Threads first: dtype=auto
-    times matmuls with them; rank 0's choice is the job's, as ranks timing side by side could disagree."""
+    times matmuls with them. Rank 0's dtype is the job's: ranks timing side by side could disagree."""
     device = device or pick_device(cfg.device)
     threads = use_threads(cfg.threads)
-    dtype = decide_on_main(lambda: run_dtype(cfg, device))
-    return Runtime(device, dtype, threads, want_compile(cfg.compile, device))
+    dtype = [run_dtype(cfg, device) if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(dtype, src=0)  # NCCL: sent via the current device, set in setup()
+    return Runtime(device, dtype[0], threads, want_compile(cfg.compile, device))
 
 
 def refuse_what_cannot_fit(cfg, rt: Runtime) -> None:
@@ -503,10 +476,7 @@ def refuse_what_cannot_fit(cfg, rt: Runtime) -> None:
     if rt.device.type == "cuda":
         have, where = torch.cuda.get_device_properties(rt.device).total_memory, "the GPU"
     else:
-        try:
-            have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
-        except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to compare with
-            return
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
     if need > have:
         raise ConfigError(f"batch_size {cfg.batch_size} x block_size {cfg.block_size}: one training step needs at "
                           f"least {need / 2**30:,.0f} GiB, and {where} has {have / 2**30:,.0f} GiB; lower "
@@ -533,8 +503,8 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
 
 
 def use_threads(threads: int) -> int:
-    """torch.set_num_threads(threads) unless 0 (one per core); returns the count in force. Two jobs on 2 cores
-    want one each: with two OpenMP threads apiece each op waits on a descheduled thread (docs/notebook/performance.md)."""
+    """torch.set_num_threads(threads) unless 0 (one per core); returns the count in force. Two jobs on 2 cores want
+    1 each, or each op waits on the other's descheduled thread (docs/notebook/performance.md)."""
     if threads > 0:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
@@ -632,13 +602,10 @@ def mfu(flops_per_token: float, tokens_per_s: float, device: torch.device, dtype
 
 # ----------------------------------------------------------------------------- signals: how a run stops
 class StopOnSignal:
-    """Turns SIGINT and SIGTERM into a request to stop after the current step; the loop saves last.pt and raises
-    ``error()``. Later signals only print a note, so a second Ctrl-C cannot interrupt the save. Outside the main
-    thread it does nothing.
-
-    On exit after a stop, both signals stay ignored: the process is on its way out with 130/143, and a supervisor's
-    repeated SIGTERM during torch's teardown would otherwise end it as -15, a crash (footgun: an in-process caller
-    that carries on must put its handlers back itself)."""
+    """SIGINT and SIGTERM become a request to stop after the current step (the loop saves last.pt, raises error());
+    later ones only print a note, so a second Ctrl-C cannot interrupt the save. After a stop both stay ignored: a
+    supervisor's repeated SIGTERM during teardown would end the process as -15, a crash (footgun: an in-process
+    caller that carries on must put its handlers back). Outside the main thread it does nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -736,7 +703,6 @@ class MetricsLog:
         self.enabled, self.max_time, self.rt, self.world_size = enabled, cfg.max_time, rt, world_size
         self.max_iters = cfg.max_iters
         self.step_then, self.t = step, time.time()  # the last log line's: what its speed is measured from
-        self.device = rt.device
         self.positions, self.targets = 0, torch.zeros((), dtype=torch.long, device=rt.device)  # since the last line
         path = out_dir / "metrics.jsonl"
         logged_through = drop_records_after(path, step) if enabled and cfg.resume else None
@@ -759,7 +725,7 @@ class MetricsLog:
         if clash:  # it would overwrite that key of metrics.jsonl, silently
             raise ValueError(f"an auxiliary loss is named {sorted(clash)[0]!r}, a key of metrics.jsonl; rename it")
         values, grad_norm = {name: value.item() for name, value in losses.items()}, grad_norm.item()
-        positions = all_reduce_sum(torch.tensor(self.positions, device=self.device)).item()
+        positions = all_reduce_sum(torch.tensor(self.positions, device=self.rt.device)).item()
         steps, targets = step - self.step_then, self.targets.item()
         self.positions, self.targets = 0, torch.zeros_like(self.targets)
         now = time.time()
@@ -874,10 +840,7 @@ def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) ->
     """The tracker cfg asks for; ``logged_through``: the last step a killed run logged, not resent on resume."""
     if not cfg.wandb:
         return NullTracker()
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError(NO_WANDB) from None
+    import wandb  # check_wandb made sure it is there
     id_file = out_dir / "wandb_id"
     run_id = (id_file.read_text().strip() or None) if cfg.resume and id_file.is_file() else None
     timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT}  # the user's, if set

@@ -1,4 +1,4 @@
-"""files.atomic_write: a file is replaced whole or left as it was, and no temp file outlives a write."""
+"""runtime.atomic_write: a file is replaced whole or left as it was, and no temp file outlives a write."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-import runtime
 from runtime import atomic_write, atomic_write_text
 
 
@@ -35,7 +34,7 @@ def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temp_file(tmp_path
 
     with pytest.raises(type(failure)):
         atomic_write(path, half_then_fail)
-    assert seen == [[f".results.md.tmp-{os.getpid()}", "results.md"]]
+    assert seen == [[f".results.md.tmp-{os.getpid()}", "results.md"]]  # hidden, beside it, with TEMP_MARK
     assert path.read_text() == "the old results\n"
     assert listing(tmp_path) == ["results.md"]
 
@@ -61,7 +60,3 @@ def test_the_data_is_fsynced_before_the_rename_and_the_folder_after(tmp_path, mo
     atomic_write_text(path, '{"step": 1}\n')
     assert events == [("fsync", path.stat().st_ino), ("replace", path), ("fsync", tmp_path.stat().st_ino)]
 
-
-def test_the_temp_file_is_hidden_beside_the_target_and_carries_the_mark(tmp_path):
-    tmp = runtime.temp_path(tmp_path / "last.pt")
-    assert tmp.parent == tmp_path and tmp.name.startswith(".last.pt") and runtime.TEMP_MARK in tmp.name

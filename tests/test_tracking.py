@@ -1,7 +1,5 @@
-"""--wandb never blocks and never crashes a run: offline without a key, the same run on --resume.
-
-No test reaches a wandb server: the runs are offline, read back from the run-<id>.wandb files wandb writes.
-"""
+"""--wandb never blocks and never crashes a run: offline without a key or a server, the same run on --resume.
+No test reaches a wandb server: offline runs are read back from the run-<id>.wandb files wandb writes."""
 from __future__ import annotations
 
 import json
@@ -46,7 +44,6 @@ def wandb_records(path: Path):
 
 
 def offline_run(folder: Path) -> tuple[str, list[dict]]:
-    """(run id, history rows without wandb's own _keys) of one offline-run-* folder."""
     (path,) = folder.glob("run-*.wandb")
     records = list(wandb_records(path))
     (run_id,) = {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"}
@@ -57,7 +54,7 @@ def offline_run(folder: Path) -> tuple[str, list[dict]]:
 
 
 def jsonl_rows(out: Path) -> list[dict]:
-    """metrics.jsonl merged per step, as wandb merges the train and val records of one step into a row."""
+    """metrics.jsonl merged per step, as wandb merges a step's train and val records."""
     rows: dict[int, dict] = {}
     for record in read_metrics(out):
         rows.setdefault(record["step"], {}).update(record)
@@ -65,18 +62,21 @@ def jsonl_rows(out: Path) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- real runs, no key, no terminal
-def train_without_a_key(tmp_path: Path, text_file: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    """train.py --wandb as on a fresh machine: no key, no WANDB_MODE, an empty home, stdin closed."""
-    home = tmp_path / "home"
+def fresh_machine(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python *args`` on a fresh machine: no WANDB_* (but ``env``), an empty home, stdin closed; it must exit 0."""
     home.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"} | env
     env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_CACHE_HOME=str(home / ".cache"))
-    args = tiny_args(out, text_file, max_iters=6, eval_interval=3, dropout=0.0) + ["--wandb"] + list(extra)
-    result = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+    result = subprocess.run([sys.executable, *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert not (home / ".netrc").exists()  # nothing asked for, nothing written
     return result
+
+
+def train_without_a_key(tmp_path: Path, text_file: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    args = tiny_args(out, text_file, max_iters=6, eval_interval=3, dropout=0.0) + ["--wandb", *extra]
+    return fresh_machine(tmp_path / "home", "train.py", *args)
 
 
 @pytest.mark.slow  # three short runs in fresh interpreters, each starting wandb: ~30 s
@@ -115,20 +115,14 @@ print(json.dumps({"server": [c for c in connections if c[0] == 9], "mode": track
 
 
 def test_a_key_and_an_unreachable_server_go_offline_at_once(tmp_path):
-    """An API key but no server: say so at once and log offline (it was ~95 s of silence, then an error)."""
-    home, out = tmp_path / "home", tmp_path / "run"
-    home.mkdir()
+    """A key but no server: offline at once, saying so (it was ~95 s of silence, then an error)."""
+    out = tmp_path / "run"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
-    env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_CACHE_HOME=str(home / ".cache"),
-               WANDB_API_KEY="0123456789" * 4, WANDB_BASE_URL="http://127.0.0.1:9")  # loopback: refused at once
-    result = subprocess.run([sys.executable, "-c", START_TRACKER, str(out)], cwd=REPO, env=env,
-                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    result = fresh_machine(tmp_path / "home", "-c", START_TRACKER, str(out), WANDB_API_KEY="0123456789" * 4,
+                           WANDB_BASE_URL="http://127.0.0.1:9")  # loopback: refused at once
     *lines, last = result.stdout.splitlines()
     started = json.loads(last)
-    # One try of the server, bounded by the probe's timeout, then offline: nothing waits on it (counted in
-    # connections, not seconds, so a busy machine cannot make this flake).
+    # One try of the server, bounded by the probe's timeout (counted in connections: seconds would flake).
     assert started == {"server": [[9, runtime.PROBE_TIMEOUT]], "mode": "offline"}, started
     assert lines[0].startswith("wandb: going online; checking that http://127.0.0.1:9 answers")  # said at once
     assert lines[1].startswith("wandb: cannot reach http://127.0.0.1:9 (")
@@ -151,76 +145,38 @@ def test_a_wandb_that_cannot_start_stops_the_run_in_one_line_before_training(tmp
     assert not (out / "last.pt").exists()
 
 
-@pytest.mark.parametrize("env_mode, logged_in, mode", [
-    (None, True, "online"),  # a key in WANDB_API_KEY, .netrc or wandb's settings
-    (None, False, "offline"),  # no key: offline, never the login prompt
-    ("disabled", False, None),  # the user's own WANDB_MODE is wandb's to read
+@pytest.mark.parametrize("env_mode, logged_in, answers, expected", [
+    (None, True, True, "online"),  # a key in WANDB_API_KEY, .netrc or wandb's settings, and a server
+    (None, True, False, "offline"),  # a key but no server: offline at once, saying so
+    (None, False, False, "offline"),  # no key: offline, never the login prompt, the server never asked
+    ("disabled", False, False, None),  # the user's own WANDB_MODE is wandb's to read
+    ("online", False, True, None),
+    ("online", False, False, ConfigError),  # the user's own WANDB_MODE=online: one line, not a silent fallback
 ])
-def test_mode_follows_the_credentials_unless_wandb_mode_is_set(monkeypatch, env_mode, logged_in, mode):
-    calls = []
-
-    def login(**kwargs):
-        calls.append(kwargs)
-        return logged_in
-
+def test_mode_follows_the_key_and_the_server_unless_wandb_mode_is_set(monkeypatch, capsys, env_mode, logged_in,
+                                                                      answers, expected):
+    logins, asked = [], []
+    monkeypatch.setattr(wandb, "login", lambda **kwargs: logins.append(kwargs) or logged_in)
+    monkeypatch.setattr(runtime, "server_unreachable",
+                        lambda url: asked.append(url) or (None if answers else "[Errno 111] Connection refused"))
     if env_mode is None:
         monkeypatch.delenv("WANDB_MODE", raising=False)
     else:
         monkeypatch.setenv("WANDB_MODE", env_mode)
-    monkeypatch.setattr(wandb, "login", login)
-    assert runtime.choose_mode(wandb) == mode
-    assert calls == ([] if env_mode else [{"prompt": False, "verify": False}])  # never a prompt or a round trip
-
-
-@pytest.mark.parametrize("env_mode, mode, answers, expected", [
-    (None, "online", True, "online"),
-    (None, "online", False, "offline"),  # a key but no server: offline at once, saying so
-    (None, "offline", False, "offline"),  # no key: the server is never asked
-    ("online", None, False, ConfigError),  # the user's own WANDB_MODE=online: one line, not a silent fallback
-])
-def test_an_online_run_whose_server_does_not_answer_goes_offline(monkeypatch, capsys, env_mode, mode, answers,
-                                                                  expected):
-    asked = []
-
-    def probe(url):
-        asked.append(url)
-        return None if answers else "[Errno 111] Connection refused"
-
-    if env_mode is None:
-        monkeypatch.delenv("WANDB_MODE", raising=False)
-    else:
-        monkeypatch.setenv("WANDB_MODE", env_mode)
-    monkeypatch.setattr(runtime, "server_unreachable", probe)
     if expected is ConfigError:
         with pytest.raises(ConfigError, match=r"wandb cannot reach .* \(\[Errno 111\] Connection refused\) and "
                                               "WANDB_MODE=online; unset WANDB_MODE"):
-            runtime.reachable_mode(wandb, mode)
+            runtime.choose_mode(wandb)
     else:
-        assert runtime.reachable_mode(wandb, mode) == expected
-    assert len(asked) == (mode != "offline")
-    said = capsys.readouterr().out
-    assert ("logging offline instead" in said) == (mode == "online" and not answers)
-
-
-def test_tracker_skips_the_steps_the_run_already_holds():
-    class Run:
-        def __init__(self):
-            self.logged: list[int] = []
-
-        def log(self, record, step):
-            self.logged.append(step)
-
-    tracker = runtime.WandbTracker(run := Run(), logged_through=8)
-    for step in (7, 8, 8, 9, 9, 10):  # a train and a val record share a step
-        tracker.log({"step": step})
-    assert run.logged == [9, 9, 10]
-    runtime.NullTracker().log({"step": 1})  # the null object takes the same calls and does nothing
+        assert runtime.choose_mode(wandb) == expected
+    assert logins == ([] if env_mode else [{"prompt": False, "verify": False}])  # never a prompt or a round trip
+    assert len(asked) == (env_mode == "online" or (env_mode is None and logged_in))
+    assert ("logging offline instead" in capsys.readouterr().out) == (logged_in and not answers)
 
 
 # ----------------------------------------------------------------------------- tracking
 def fake_wandb(monkeypatch) -> list[SimpleNamespace]:
     """wandb.init replaced by a recorder: each started run's init arguments and the steps it was sent."""
-    wandb = pytest.importorskip("wandb")
     runs: list[SimpleNamespace] = []
 
     def init(**kwargs):
@@ -230,7 +186,7 @@ def fake_wandb(monkeypatch) -> list[SimpleNamespace]:
         runs.append(run)
         return run
 
-    monkeypatch.setenv("WANDB_MODE", "disabled")  # tracking.choose_mode then asks wandb for no login
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # runtime.choose_mode then asks wandb for no login
     monkeypatch.setattr(wandb, "init", init)
     return runs
 
@@ -243,8 +199,7 @@ def append_records(out: Path, steps: range) -> None:
 
 
 def test_a_fresh_run_never_continues_an_old_wandb_run(tmp_path, text_file, monkeypatch):
-    """Bug caught: tracking.start reads out_dir/wandb_id without --resume (a new run appends to an old
-    one's charts)."""
+    """Bug caught: runtime.start read out_dir/wandb_id without --resume (a new run appended to an old one's charts)."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "wandb_id").write_text("oldrun\n")  # left by an earlier run here whose last.pt was deleted
