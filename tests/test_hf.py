@@ -313,7 +313,7 @@ def test_an_export_loads_in_transformers_with_our_logits_and_greedy_tokens(tmp_p
         tokenizer = CharTokenizer("".join(chr(ord("!") + i) for i in range(vocab_size)))
     else:
         tokenizer = StubGPT2Tokenizer()
-        monkeypatch.setattr(checkpoint, "tokenizer_files", lambda tokenizer, block_size: {})
+        monkeypatch.setattr(export_hf, "tokenizer_files", lambda tokenizer, block_size: {})
     folder = tmp_path / "export"
     export_hf.export(model, tokenizer, folder)
     theirs, complaints = from_pretrained(folder)
