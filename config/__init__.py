@@ -14,7 +14,6 @@ import os
 import re
 import sys
 import tomllib
-import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NoReturn, get_args, get_origin, get_type_hints
 
@@ -27,10 +26,8 @@ RESUME_RULES = ("fixed", "warned", "free")
 
 
 def option(resume: str, default: Any, help: str) -> Any:
-    """A field, its help (--help's) and what a resume does if the checkpoint's value differs, ``fixed(1337, "...")``:
-    fixed: refused in one line, the run would be another (shape, tokenizer, seed, optimizer, best_val_loss's measure);
-    warned: applied from the resumed step on, with a warning naming it (lr, batch); free: applied silently (paths,
-    logging, max_iters). A model option is fixed, or warned if it acts only in training (GPTConfig.TRAINING_ONLY)."""
+    """A field with its help and what a resume does if the checkpoint's value differs: fixed (refused in one line),
+    warned (applied, with a warning) or free (applied silently). Model options: fixed, or warned if TRAINING_ONLY."""
     return dataclasses.field(default=default, metadata={"resume": resume, "help": help})
 
 
@@ -46,30 +43,25 @@ class TrainConfig(GPTConfig):
     out_dir: str = free("out/default", "folder for last.pt, best.pt and metrics.jsonl")
     seed: int = fixed(1337, "seeds model init, dropout and the data generator (a resume restores their streams)")
     device: str = free("auto", "auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = free(
-        "auto", "auto (bf16/fp16 on GPU; on CPU bf16 if a matmul probe finds it faster, else fp32)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = free("auto", "auto: GPU bf16/fp16; CPU bf16 if faster")
     compile: Literal["auto", "on", "off"] = free("auto", "torch.compile: auto (on for CUDA only) | on | off")
     threads: int = free(0, "torch threads; 0 = torch's default (one per core). Two jobs on 2 cores: 1 each")
     resume: bool = free(False, "continue exactly from out_dir/last.pt")
-    init_from: str = free("", "start from trained weights: a run of this repo (its folder or a .pt) | gpt2 | "
-                          "gpt2-medium | gpt2-large | gpt2-xl | a folder or .safetensors in the Hugging Face GPT-2 "
-                          'layout; "" = random init (checkpoint.py)')
+    init_from: str = free("", "start from trained weights: a run's folder or .pt | gpt2[-medium|-large|-xl] | a "
+                          'Hugging Face GPT-2 folder or .safetensors; "" = random init')
     # --- the corpus (python -m scripts.prepare's flags too; a resume checks the corpus itself: Corpus.record)
     dataset: str = free("shakespeare", "built-in corpus name; ignored when data_path is set")
     data_path: str = free("", "what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a "
                           ".parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)")
     text_column: str = free("text", "the documents' text: a .jsonl's field or a .parquet's column (a .txt has none)")
     data_dir: str = free("data", "cache of downloaded and prepared corpora")
-    tokenizer: Literal["char", "gpt2", "bpe"] = fixed(
-        "char", "char (vocab from the corpus) | gpt2 (GPT-2's BPE, 50,257 tokens) | bpe (trained on the train split)")
+    tokenizer: Literal["char", "gpt2", "bpe"] = fixed("char", "char (the corpus's) | gpt2 (GPT-2's) | bpe (trained)")
     bpe_vocab_size: int = fixed(2048, "tokenizer=bpe: tokens in all (256 bytes, merges, <|endoftext|>); >= 257")
     val_fraction: float = free(0.1, "share held out for validation (the tail of a text file; every k-th document)")
     # --- the batches
     eval_tokens: int = fixed(0, "val targets scored per eval; 0 = the whole val split (best_val_loss's measure)")
-    loader: Literal["random_windows", "bos_packed"] = fixed(
-        "random_windows", "how batches are drawn (docs/data.md); a loader's own options: rows of USED_ONLY_UNDER")
-    chat_overflow: Literal["refuse", "truncate"] = fixed(
-        "refuse", "a conversation over block_size + 1 tokens: refuse the run (naming its line) | truncate it there")
+    loader: Literal["random_windows", "bos_packed"] = fixed("random_windows", "how batches are drawn (docs/data.md)")
+    chat_overflow: Literal["refuse", "truncate"] = fixed("refuse", "a chat over block_size + 1 tokens: refuse|truncate")
     batch_size: int = warned(32, "sequences per micro-batch")
     grad_accum: int = warned(1, "micro-batches per optimizer step")
     # --- the optimizer and the lr (a test checks the Literals of optimizer, lr_decay, loader against their tables)
@@ -79,10 +71,8 @@ class TrainConfig(GPTConfig):
     learning_rate: float = warned(1e-3, "peak lr, reached after warmup (with optimizer=muon: AdamW's share)")
     min_lr: float = warned(1e-4, "floor of the decay")
     warmup_iters: int = warned(100, "linear warmup steps")
-    schedule: Literal["steps", "time"] = warned(
-        "steps", "the decay's clock: steps (bit-reproducible; to lr_decay_iters) | time (to max_time or max_iters)")
-    lr_decay: Literal["cosine", "wsd"] = fixed(
-        "cosine", "after warmup: cosine (half a cosine to min_lr) | wsd (flat, then linear to min_lr: wsd_fraction)")
+    schedule: Literal["steps", "time"] = warned("steps", "decay's clock: steps (bit-reproducible) | time (max_time)")
+    lr_decay: Literal["cosine", "wsd"] = fixed("cosine", "after warmup, to min_lr: cosine | wsd (flat, then linear)")
     wsd_fraction: float = fixed(0.2, "lr_decay=wsd: the final share of the decay spent going linearly to min_lr")
     lr_decay_iters: int = warned(2000, "schedule=steps: the step at which the decay reaches min_lr (flat afterwards)")
     weight_decay: float = warned(0.1, "decay of matrices and embeddings (AdamW's, decoupled; Muon's too), not gains")
@@ -94,8 +84,7 @@ class TrainConfig(GPTConfig):
     eval_interval: int = free(500, "steps between evaluations and checkpoints (and one at the end)")
     ckpt_interval: int = free(0, "also save last.pt every this many steps (bounds a SIGKILL's loss); 0 = at evals")
     max_skipped_steps: int = free(20, "fp16: stop after this many steps in a row skipped for overflowing gradients")
-    max_time: float = warned(0.0, "wall-clock budget in seconds, across resumes; 0 = none (not with schedule=time). "
-                                  "Stops cleanly, evals, saves")
+    max_time: float = warned(0.0, "wall-clock budget in seconds, across resumes, then eval and save; 0 = none")
     wandb: bool = free(False, "also log to Weights & Biases (offline unless logged in)")
     wandb_project: str = free("tinygpt", "wandb project name")
     # --- fine-tuning (finetune.py)
@@ -106,8 +95,8 @@ class TrainConfig(GPTConfig):
                                              f"{', '.join(LORA_TARGETS)} (attn.c_attn: PEFT's GPT-2 default)")
     given: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # not an option: see given_fields
 
-    def __post_init__(self) -> None:
-        """Nothing: GPTConfig's checks run in validate, after the cheaper ones, as a ConfigError."""
+    def __post_init__(self) -> None:  # GPTConfig's checks run in validate, as a ConfigError
+        pass
 
     def tokens_per_step(self) -> int:  # the most one optimizer step reads, every row full (a rank's: ranks multiply)
         return self.batch_size * self.block_size * self.grad_accum
@@ -116,8 +105,8 @@ class TrainConfig(GPTConfig):
         return self.max_time > 0 and time_s >= self.max_time
 
 
-# The fields only one choice reads, and that choice: under another a field is unused (warned about when set, left out
-# of the settings line and of a resume's warnings). tests/test_training_options.py checks it by perturbing every field.
+# The fields only one choice reads: under another they are unused (warned about when set, left out of the settings
+# line and of a resume's warnings). tests/test_training_options.py checks it by perturbing every field.
 USED_ONLY_UNDER = {"muon_lr": ("optimizer", "muon"), "wsd_fraction": ("lr_decay", "wsd"),  # field: (chooser, value)
                    "lr_decay_iters": ("schedule", "steps"), "bpe_vocab_size": ("tokenizer", "bpe")}
 CHOOSERS = ("optimizer", "lr_decay", "schedule", "tokenizer", "loader")  # the fields that choose what reads the others
@@ -189,16 +178,16 @@ RANGES = (  # what a field must be, whatever the choices: validate checks these 
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    """Raise ConfigError naming the first bad value and the fix; the model's own checks (GPTConfig's) come last."""
+    """Raise ConfigError naming the first bad value and the fix; GPTConfig's own checks come last."""
     for must, ok, names in RANGES:
         for name in names:
             require(ok(getattr(cfg, name)), f"{name} must be {must}, got {getattr(cfg, name)}")
     for name in FIELD_TYPES:
         allowed, value = choices(name), getattr(cfg, name)
         require(not allowed or value in allowed, f"{name} must be one of {', '.join(allowed)}, got `{value}`")
-    lr, min_lr, n_embd, n_head = cfg.learning_rate, cfg.min_lr, cfg.n_embd, cfg.n_head
+    lr, min_lr = cfg.learning_rate, cfg.min_lr
     require(min_lr <= lr, f"min_lr ({min_lr}) must not exceed learning_rate ({lr})")
-    require(n_embd % n_head == 0, f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+    require(cfg.n_embd % cfg.n_head == 0, f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
     require(cfg.text_column, 'text_column must name the .jsonl field or .parquet column holding the text, got ""')
     require(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.device),
             f"unknown device `{cfg.device}`; use one of auto, cpu, cuda, cuda:N, mps")
@@ -255,13 +244,10 @@ def unused_fields(cfg: TrainConfig) -> set[str]:
 
 
 def unused_given(cfg: TrainConfig) -> list[str]:
-    """A warning per field the user set (preset or command line) that this run does not read: the choice that
-    leaves it unused, and the one that reads it."""
-    def warning(name: str) -> str:
-        chooser, reader = USED_ONLY_UNDER[name]
-        return (f"WARNING: {name} is set ({getattr(cfg, name)!r}) but unused: {chooser}={getattr(cfg, chooser)} "
-                f"does not read it ({chooser}={reader} does)")
-    return [warning(name) for name in sorted(unused_fields(cfg) & given_fields(cfg))]
+    """A warning per field the user set that this run does not read, naming the choice that would read it."""
+    return [f"WARNING: {name} is set ({getattr(cfg, name)!r}) but unused: {chooser}={getattr(cfg, chooser)} "
+            f"does not read it ({chooser}={reader} does)" for name in sorted(unused_fields(cfg) & given_fields(cfg))
+            for chooser, reader in [USED_ONLY_UNDER[name]]]
 
 
 def settings_line(cfg: TrainConfig) -> str:
@@ -283,11 +269,17 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[st
 
 
 def add_flags(parser: Any, names: tuple[str, ...], preset: str | None = None) -> None:
-    """A flag per field of ``names`` on a parser or a group; --help shows a ``preset``'s values as the defaults."""
+    """``--na_me`` and ``--na-me`` per field, absent unless given, its text left for parse_typed; a bool may stand
+    alone (``--resume``). --help shows a ``preset``'s values as the defaults."""
     from_preset, helps = load_preset(preset) if preset else {}, field_help()
     for name in names:
         shown = f"{from_preset[name]}, from {preset}; else {DEFAULTS[name]}" if name in from_preset else DEFAULTS[name]
-        add_flag(parser, name, FIELD_TYPES[name], helps[name] + (f" (default: {shown})" if shown != "" else ""))
+        kind, is_bool = FIELD_TYPES[name], FIELD_TYPES[name] is bool
+        parser.add_argument(f"--{name}", *([f"--{name.replace('_', '-')}"] if "_" in name else []), dest=name,
+                            default=argparse.SUPPRESS, nargs="?" if is_bool else None,
+                            const="true" if is_bool else None,
+                            help=helps[name] + (f" (default: {shown})" if shown != "" else ""),
+                            metavar="{" + ",".join(get_args(kind)) + "}" if get_args(kind) else type_name(kind).upper())
 
 
 def build_parser(preset: str | None = None, description: str | None = None) -> CommandLine:
@@ -303,52 +295,31 @@ def build_parser(preset: str | None = None, description: str | None = None) -> C
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> TrainConfig:
     """Command line to validated config; ConfigError on a mistake. --config is read first: --help shows its values."""
-    overrides, unknown = parse_known(build_parser(peek(argv, "--config"), description), argv)
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--config", default=None)
+    args, unknown = build_parser(early.parse_known_args(argv)[0].config, description).parse_known_args(argv)
     if unknown:
-        raise unknown_key(unknown, "the command line")
+        word = next((word for word in unknown if word.startswith("-")), unknown[0])
+        if not word.startswith("-"):
+            raise ConfigError(f"unexpected argument `{word}`")
+        raise unknown_key(word.lstrip("-").split("=")[0], "the command line")
+    overrides = vars(args)
     return make_config(overrides.pop("config"), **overrides)
 
 
-# -----------------------------------------------------------------------------
-# Every error tinygpt reports to the user, each with the exit code it ends the process with.
-#
-# The exit codes, the one place they are defined (docs/reliability.md and the README's "What survives a
-# crash" repeat them):
-#
-#     code  cause                                                  what is on disk afterwards
-#     0     finished; or resumed a finished run (0 steps done)      last.pt of the final step
-#     2     bad config, data or checkpoint (caught before training); nothing written or overwritten
-#           out_dir or data_dir not a writable folder, or out_dir
-#           owned by another live run (runtime.py)
-#     3     non-finite loss or gradient; in fp16, max_skipped_steps  last.pt of the last save; no
-#           overflowed steps in a row                                non-finite value in any checkpoint
-#     74    a checkpoint could not be written (disk full, I/O), or   the previous last.pt/best.pt, intact
-#           out_dir/data_dir failed its write probe with an I/O error
-#     75    under torchrun: another rank died without a word         the last save, intact; --resume
-#           (SIGKILL, a crash), so this one stops too
-#     130   SIGINT (Ctrl-C): the current step finished, then saved   last.pt of that step; resume is exact
-#     143   SIGTERM (e.g. preemption): the same                      last.pt of that step; resume is exact
-#
-# 130 and 143 follow the shell's 128 + signal-number convention, so schedulers that requeue preempted
-# jobs recognise them; 74 is EX_IOERR and 75 EX_TEMPFAIL ("try again later") from sysexits.h. Under
-# torchrun, a rank that stops because another rank failed prints nothing and exits with that rank's
-# code (PeerFailed, raised by distributed.stop_together).
-#
-# Each error class carries its code (``exit_code``), so one failure has one code at every entry point:
-# each entry point ends an error through ``exit_for`` (its line, its code, the rank that prints it) and
-# ``fail`` (print and exit), usually both at once with ``exit_on``. This module is the bottom layer of
-# the import graph: it imports nothing of the project, so any module may import it.
-EXIT_BAD_INPUT = 2
-EXIT_NONFINITE = 3
-EXIT_WRITE_FAILED = 74
-EXIT_PEER_LOST = 75
-EXIT_INTERRUPTED = 130  # 128 + SIGINT; a SIGTERM's 143 is 128 + its number too (faults.StopOnSignal)
+# ----------------------------------------------------------------------------- errors and exit codes
+# Each error class carries its exit code, so one failure has one code at every entry point. What each code leaves
+# on disk: docs/reliability.md's table. 74 and 75 are sysexits.h's EX_IOERR and EX_TEMPFAIL; 130 and 143 are the
+# shell's 128 + signal, which schedulers that requeue preempted jobs recognise.
+EXIT_BAD_INPUT = 2  # bad config, data, checkpoint or folder, caught before training: nothing written
+EXIT_NONFINITE = 3  # a non-finite loss or gradient; fp16: max_skipped_steps overflowed steps in a row
+EXIT_WRITE_FAILED = 74  # a checkpoint or a folder's write probe failed (disk full, I/O): the previous files intact
+EXIT_PEER_LOST = 75  # under torchrun another rank died without a word (SIGKILL, a crash): --resume
+EXIT_INTERRUPTED = 130  # SIGINT, after the step and its save; SIGTERM's is 143
 
 
 class TinyGPTError(Exception):
-    """An error the user can act on: str() is one line that names the fix, ``exit_code`` the process's code
-    (the class's, unless given). Every error below is one, so an entry point catches this class alone and hands
-    it to exit_on."""
+    """An error the user can act on: str() is one line that names the fix, ``exit_code`` the process's code."""
     exit_code = EXIT_BAD_INPUT
 
     def __init__(self, message: str, exit_code: int | None = None):
@@ -375,8 +346,7 @@ class CheckpointWriteError(TinyGPTError, OSError):
 
 
 class PathError(ConfigError):
-    """A folder the run cannot use. exit_code: 2 for a path to change (a file in the way, read-only, in use by
-    another run), 74 (EX_IOERR) for an I/O failure under a good path."""
+    """A folder the run cannot use: 2 for a path to change (a file in the way, read-only, in use), 74 for I/O."""
 
 
 class HFError(ConfigError):
@@ -395,8 +365,7 @@ class PeerFailed(TinyGPTError):
 
 
 # ----------------------------------------------------------------------------- optional packages
-# Each package a feature imports only when it is used: its pin, and the requirements file that installs it. The one
-# source of every "needs X: pip install ..." line (install_hint); tests/test_errors.py checks it against those files.
+# Each package a feature imports only when used: its pin and the requirements file that installs it (install_hint's).
 OPTIONAL_PACKAGES = {
     "rustbpe": ("rustbpe==0.1.0", "requirements.txt"),  # --tokenizer bpe
     "scipy": ("scipy==1.17.1", "requirements-dev.txt"),  # scripts/compare.py's t-test
@@ -408,27 +377,20 @@ OPTIONAL_PACKAGES = {
 
 
 def install_hint(package: str) -> str:
-    """How to install an optional package: its pinned version alone, or the requirements file that holds it."""
     pin, requirements = OPTIONAL_PACKAGES[package]
     return f"pip install {pin} (or pip install -r {requirements})"
 
 
 # ----------------------------------------------------------------------------- the one way out
 def reporting_rank(err: BaseException | None) -> int | None:
-    """This rank's number if it must print ``err``; None if rank 0 prints the same error for the job.
-
-    Rank 0 prints its errors. Another rank prints only an error that distributed.stop_together found on it
-    and on no lower rank (a file missing on its node only), which carries that rank as ``reporting_rank``;
-    any other is one every rank raises alike (bad arguments or config, a stop the ranks agreed on). RANK is
-    torchrun's (0 without torchrun), so this is readable before distributed.setup().
-    """
+    """This rank's number if it must print ``err``, else None: rank 0 prints the job's errors, another rank only one
+    that stop_together found on it first (it carries ``reporting_rank``). RANK is torchrun's, set before setup."""
     rank = int(os.environ.get("RANK", "0"))
     return rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None
 
 
 def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
-    """How the process ends on ``err``: (its one line, the exit code, the rank that prints it, None for
-    none), or None for an error that is a bug, whose traceback is the report."""
+    """(its one line, the exit code, the rank that prints it or None) for ``err``; None for a bug (its traceback)."""
     if isinstance(err, PeerFailed):  # another rank failed and prints why: this one stops silently
         return "", err.exit_code, None
     if isinstance(err, TinyGPTError):
@@ -437,29 +399,22 @@ def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT, rank: int | None = 0) -> NoReturn:
-    """Print a one-line error for the user and exit; no traceback. Under torchrun, ``rank`` is the rank printing
-    it: a rank other than 0 names itself, and None exits silently (rank 0 prints it for the job)."""
+    """Print a one-line error and exit, no traceback; a ``rank`` other than 0 names itself, None prints nothing."""
     if rank is not None:
         print(f"rank {rank}: error: {message}" if rank else f"error: {message}", file=sys.stderr)
     sys.exit(code)
 
 
 def exit_on(err: BaseException) -> NoReturn:
-    """End the process on ``err`` as exit_for says: its line and its code; a bug is raised again, traceback
-    and all. What every entry point's main() calls with the errors it catches."""
+    """End the process on ``err`` as exit_for says; a bug is raised again. Every entry point's main() calls it."""
     ending = exit_for(err)
     if ending is None:
         raise err
     fail(*ending)
 
 
-# -----------------------------------------------------------------------------
-# Command lines with train.py's manners, for every entry point, and help that comes from the code.
-#
-# A mistake is one line and exit 2 (``CommandLine``: ``error: unknown flag `--tmp`; did you mean `--temp`?``),
-# never argparse's usage block, and the usage names the command the user typed (``python -m scripts.eval``).
-# config/__init__.py makes train.py's flags (and python -m scripts.prepare's corpus flags) with ``add_flag`` and types
-# their values with ``parse_typed``.
+# ----------------------------------------------------------------------------- command lines
+# A mistake is one line and exit 2, never argparse's usage block; the usage names the command the user typed.
 def did_you_mean(word: str, known: list[str], what: str) -> str:
     """The end of an unknown-name error: the closest known name, or where to find them all."""
     close = difflib.get_close_matches(word, known, n=1)
@@ -470,13 +425,12 @@ BOOL_WORDS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0
 
 
 def type_name(kind: Any) -> str:
-    """What --help and errors call a field's type (int, float, bool or str): a Literal's values are str."""
-    return "str" if typing.get_origin(kind) is typing.Literal else kind.__name__
+    """int, float, bool or str (a Literal's values are str)."""
+    return "str" if get_origin(kind) is Literal else kind.__name__
 
 
 def parse_typed(name: str, kind: Any, raw: Any) -> Any:
-    """A TOML or command-line value as the type ``kind`` (int, float, bool, str or a Literal of str), or a
-    ConfigError naming the field ``name``. A Literal's values are checked by the caller (config.validate)."""
+    """A TOML or command-line value as the type ``kind``, or a ConfigError naming ``name``."""
     expected = type_name(kind)
     try:
         if expected == "bool":
@@ -492,37 +446,8 @@ def parse_typed(name: str, kind: Any, raw: Any) -> Any:
         raise ConfigError(f"{name} must be {expected}, got {raw!r}") from None
 
 
-def add_flag(parser: Any, name: str, kind: Any, help: str) -> None:
-    """``--name`` (and ``--na-me`` for ``na_me``) on a parser or one of its groups, for a field of type ``kind``:
-    its text is kept for parse_typed and it is absent unless given (argparse.SUPPRESS); a bool stands alone
-    (``--resume``) or takes a value (``--resume false``); a Literal's values are its metavar."""
-    flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-    is_bool, choices = type_name(kind) == "bool", typing.get_args(kind)
-    parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, nargs="?" if is_bool else None,
-                        const="true" if is_bool else None, help=help,
-                        metavar="{" + ",".join(choices) + "}" if choices else type_name(kind).upper())
-
-
-def peek(argv: list[str] | None, flag: str) -> str | None:
-    """The value ``flag`` has in ``argv`` (None if absent), read before the full parse (whose --help may need it)."""
-    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    early.add_argument(flag, dest="value", default=None)
-    return early.parse_known_args(argv)[0].value
-
-
-def parse_known(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[dict[str, Any], str | None]:
-    """The values of the flags ``parser`` knows, and the name of the first one it does not (``--max_iter=5``:
-    ``max_iter``) or None; a stray word that is no flag is a ConfigError."""
-    args, unknown = parser.parse_known_args(argv)
-    word = next((word for word in unknown if word.startswith("-")), unknown[0] if unknown else None)
-    if word is not None and not word.startswith("-"):
-        raise ConfigError(f"unexpected argument `{word}`")
-    return vars(args), word and word.lstrip("-").split("=")[0]
-
-
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds "(default: X)" to a flag's help, except where the help already says what its default means
-    (``(default: newest out/**/best.pt)``) or X would print as nothing: never two defaults, never an empty one."""
+    """Adds "(default: X)" to a flag's help unless the help already says it or X is empty."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -531,22 +456,14 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def typed_command() -> str:
-    """The command that started this process, as the user typed it: ``python -m scripts.eval`` for a module
-    (argparse would say ``eval.py``, which runs nothing: the scripts import the repo as a package), else the
-    script's name as argparse gives it (``train.py``)."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name:
-        return f"python -m {spec.name.removesuffix('.__main__')}"  # python -m pkg runs pkg.__main__
-    return os.path.basename(sys.argv[0])
-
-
 class CommandLine(argparse.ArgumentParser):
     """argparse with train.py's manners, for every other entry point: a mistake is one line and exit 2."""
 
     def __init__(self, **kwargs: Any):
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # python -m: argparse's eval.py runs nothing
+        kwargs.setdefault("prog", f"python -m {spec.name.removesuffix('.__main__')}" if spec and spec.name
+                          else os.path.basename(sys.argv[0]))  # python -m pkg runs pkg.__main__
         kwargs.setdefault("formatter_class", DefaultsOnce)
-        kwargs.setdefault("prog", typed_command())
         super().__init__(allow_abbrev=False, **kwargs)  # an abbreviation that later grows ambiguous breaks scripts
 
     def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's signature

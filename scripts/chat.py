@@ -1,14 +1,12 @@
-"""Talk to a checkpoint from the terminal, the model loaded once: a conversation with a chat model, or for any other
-model each prompt's continuation, streamed.
+"""Talk to a checkpoint from the terminal, loaded once: a conversation with a chat model, else each prompt continued.
 
     python -m scripts.chat --ckpt out/chat_small                      # a conversation: your turn a line
     python -m scripts.chat --ckpt out/chat_small --system "Be brief." # a system prompt, kept however long the talk
     python -m scripts.chat --ckpt out/small --max-new-tokens 200      # a text model: a prompt a line, continued
     python -m scripts.chat --ckpt out/small --multiline               # a prompt is every line up to an empty one
 
-Which of the two follows from the checkpoint, and the first line says which: a model fine-tuned on conversations
-(docs/finetuning.md) has the chat markers and holds a conversation; any other continues each prompt as sample.py
-continues --prompt. Ctrl-D, or Ctrl-C at the prompt, quits. Generation, flags and the model's loading are sample.py's.
+A model fine-tuned on conversations has chat markers; the first line says which mode. Ctrl-D, or Ctrl-C at the
+prompt, quits.
 """
 from __future__ import annotations
 
@@ -23,15 +21,16 @@ import argparse
 import torch
 
 import sample
+from checkpoint import from_flags
 from config import CommandLine, ConfigError, DataError, TinyGPTError, exit_on
 from model import GPT
+from runtime import pick_device
 from tokenizer import render
 
 
 # ----------------------------------------------------------------------------- reading the terminal
 def read_prompt(multiline: bool) -> str | None:
-    """The next prompt on stdin: a line, or with ``multiline`` the lines up to an empty one; None: quit (end of
-    input, or Ctrl-C at the prompt)."""
+    """The next prompt on stdin: a line, or with ``multiline`` the lines up to an empty one; None: quit."""
     mark = "> " if sys.stdin.isatty() else ""  # a marker only for a person at a terminal
     lines: list[str] = []
     try:
@@ -62,27 +61,24 @@ def continue_each(model: GPT, tokenizer, args: argparse.Namespace, generator: to
 
 # ----------------------------------------------------------------------------- a chat model: a conversation
 class Dialogue:
-    """A conversation held turn by turn, rendered to fit the context: when the prompt of the next reply and
-    ``room`` tokens for it would not fit in block_size, the oldest turns go first, never the system prompt
-    (``dropped`` counts them). A system prompt that leaves no room for a message is a ConfigError at the start."""
+    """A conversation that fits block_size with ``room`` tokens for the reply: the oldest turns go first (counted in
+    ``dropped``), never the system prompt; one that leaves no room for a message is a ConfigError at once."""
 
     def __init__(self, tokenizer, block_size: int, room: int, system: str = ""):
         self.tokenizer, self.block_size, self.room = tokenizer, block_size, room
         self.system = [("system", system)] if system else []
         self.turns: list[tuple[str, str]] = []  # (role, text)
         self.dropped = 0
-        if system:  # refused now if not even a one-token message would fit beside it, at any turn
+        if system:  # refused now if not even a one-token message would fit beside it
             n = len(render(tokenizer, self.system))  # DataError: a character the vocabulary lacks
-            # a one-token message: its 3 markers and the token, as many as an empty one renders (<|begin|> is in n)
-            message = len(render(tokenizer, [("user", "")], reply=True))
+            message = len(render(tokenizer, [("user", "")], reply=True))  # = 3 markers + a token (<|begin|> is in n)
             if n > (most := block_size - room - message):
                 raise ConfigError(f"the system prompt is {n} tokens with its markers, and block_size {block_size} "
                                   f"leaves room for {most} beside a message and a {room}-token reply; shorten --system")
 
     def prompt(self, user: str) -> list[int]:
-        """The ids that ask for the assistant's reply to ``user``: the conversation, the oldest turns dropped
-        until it fits. A message the vocabulary cannot write, or too long even alone, is a DataError that leaves
-        the conversation as it was: only that turn is refused."""
+        """The ids asking for the reply to ``user``, the oldest turns dropped until it fits. A message the vocabulary
+        cannot write, or too long alone, is a DataError that leaves the conversation as it was."""
         limit = self.block_size - self.room
         if len(alone := render(self.tokenizer, self.system + [("user", user)], reply=True)) > limit:
             raise DataError(f"the message makes a prompt of {len(alone)} tokens with the conversation's markers"
@@ -104,9 +100,7 @@ def open_dialogue(tokenizer, block_size: int, args: argparse.Namespace) -> Dialo
 
 
 def converse(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:
-    """A conversation on stdin: each line is the user's turn, the assistant's reply is streamed until its
-    <|end|> (or any other marker: the model must not write the user's part), the oldest turns dropped as
-    the context fills (said once)."""
+    """A conversation on stdin, each reply streamed until any marker (the model must not write the user's part)."""
     block_size, warned = model.config.block_size, False
     dialogue = open_dialogue(tokenizer, block_size, args)
     while (text := read_prompt(args.multiline)) is not None:
@@ -120,12 +114,11 @@ def converse(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.G
             print(f"(the conversation and a {dialogue.room}-token reply no longer fit block_size {block_size}: the "
                   f"oldest turns are dropped from now on{stays})", flush=True)
             warned = True
-        reply = sample.Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()))
-        # --max-new-tokens caps a reply as it caps a sample (llama.cpp's max_tokens, the same request), and never past
-        # the rest of the window: a chat reply never slides it, so it never loses its own prompt.
+        reply = sample.Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()), show=True)
+        # Never past the window's end: a reply that slid it would lose its own prompt.
         cap = min(args.max_new_tokens, block_size - len(prompt))
-        shown = sample.continue_into(reply, model, [prompt], cap, args, generator, show=True)
-        print(reply.texts[0][shown:], flush=True)
+        sample.continue_into(reply, model, [prompt], cap, args, generator)
+        print(reply.texts[0][reply.shown:], flush=True)
         dialogue.reply(reply.texts[0])
 
 
@@ -134,14 +127,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--system", default="", help="a chat model's system prompt, kept however long the talk")
     parser.add_argument("--multiline", action="store_true", help="a prompt is every line up to an empty line")
-    sample.add_sampling_flags(parser)
     return sample.sampling_args(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        loaded = sample.load(args)
+        loaded = from_flags(args, pick_device(args.device))
         model, tokenizer = loaded.model, loaded.tokenizer
         is_chat = hasattr(tokenizer, "marker_ids")  # a model fine-tuned on conversations
         if is_chat:  # a system prompt the vocabulary cannot write or the context cannot hold: now, not at turn 1

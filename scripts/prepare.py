@@ -1,11 +1,9 @@
 """Prepare a corpus into token files without training: the work train.py does first, cached in data_dir.
 
     python -m scripts.prepare                          # the built-in Shakespeare corpus (cached in data/)
-    python -m scripts.prepare --data_path my.txt       # any UTF-8 text file, folder, .jsonl or .parquet
     python -m scripts.prepare --data_path web.jsonl --tokenizer gpt2 --num_proc 8
 
-Its corpus flags are train.py's (config.CORPUS_OPTIONS: the same names, help and checks), so train.py finds
-the folder it writes; --num_proc and --block_size are its own.
+Its corpus flags are train.py's (config.CORPUS_OPTIONS), so train.py finds the folder it writes.
 """
 from __future__ import annotations
 
@@ -33,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = make_config(None, **given, block_size=block_size)  # config.validate's checks of the corpus fields
         prepare.corpus_folder(cfg, num_proc=num_proc)  # what train.py prepares: a .jsonl of conversations as chat
-    except TinyGPTError as err:  # a bad value (2), a bad corpus (2), a data_dir to change (2) or failing its probe (74)
+    except TinyGPTError as err:  # one line and its exit code (2, or 74 for a data_dir failing its probe)
         exit_on(err)
 
 

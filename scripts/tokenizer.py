@@ -5,8 +5,7 @@
     python -m scripts.tokenizer --data_path my.txt --no-gpt2         # your text; no GPT-2 column (it needs its ranks)
 
 Each vocabulary is prepared (and cached) as train.py prepares it. The table scores every tokenizer on the BPE's val
-split (never seen by its merges): tokens and bytes per token (more text per step at the same block_size), against
-char and GPT-2's. Then the largest BPE's longest tokens: on English, whole words with their spaces in front.
+split (never seen by its merges) against char and GPT-2's; then the largest BPE's longest tokens.
 """
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ LONGEST = 20  # tokens shown from the largest vocabulary
 def prepared_tokenizer(args, kind: str, vocab_size: int = 0):
     """(tokenizer, folder) of the corpus prepared with this tokenizer, as train.py would prepare it."""
     folder = prepare_corpus(args.dataset, args.data_path, kind, args.data_dir, args.val_fraction,
-                            text_column=args.text_column,
-                     bpe_vocab_size=vocab_size or DEFAULTS["bpe_vocab_size"])
+                            text_column=args.text_column, bpe_vocab_size=vocab_size or DEFAULTS["bpe_vocab_size"])
     return tokenizer_from_meta(load_corpus(folder, 1).meta["tokenizer"], Path(args.data_dir)), folder
 
 

@@ -1,13 +1,5 @@
-"""One failure, one exit code, at every entry point.
-
-Every error the user is shown is declared in config.py with its exit code, and every entry point's main()
-ends one through the same path (errors.exit_on, or exit_for and then fail): read from the code below, so a new
-script is checked the day it is added. What each failure does, end to end, is tested where it happens:
-a bad config (test_config.py, test_bad_input.py), bad data and bad input at every entry point (test_bad_input.py),
-a refused checkpoint (test_security.py, and a corrupt one below), a full disk: 74 with the previous last.pt intact
-(test_reliability.py), a non-finite loss or update: 3 (test_reliability.py, test_guards.py), torchrun's ranks
-(test_distributed.py).
-"""
+"""One failure, one exit code, at every entry point: errors are declared in config with their codes, and every
+entry point's main() (found by reading the code: a new script is checked the day it is added) ends them via exit_on."""
 from __future__ import annotations
 
 import ast
@@ -36,17 +28,14 @@ from config import (
 BROAD = {"Exception", "BaseException"}  # what catches every error of the table too
 
 
-def project_files() -> list[Path]:
-    """The project's Python files: not its tests, nor what runs write (out/, data/)."""
+def project_files() -> list[Path]:  # not the tests, nor what runs write
     return [path for path in sorted(REPO.rglob("*.py"))
             if path.relative_to(REPO).parts[0] not in ("tests", "out", "data", "hf", "wandb")]
 
 
 def entry_points() -> list[str]:
-    """Every command a user or developer runs: the core's three and each file of scripts/."""
-    tools = sorted(f"scripts/{path.name}" for path in (REPO / "scripts").glob("*.py")
-                   if path.name != "__init__.py")  # the package's list of its tools
-    return ["train.py", "sample.py", "scripts/prepare.py", *tools]
+    tools = sorted(f"scripts/{path.name}" for path in (REPO / "scripts").glob("*.py") if path.name != "__init__.py")
+    return ["train.py", "sample.py", *tools]
 
 
 @functools.cache
@@ -54,14 +43,13 @@ def parsed(path: Path) -> ast.Module:
     return ast.parse(path.read_text())
 
 
-def name_of(node: ast.expr) -> str:
-    """``errors.ConfigError`` -> ConfigError, ``exit_on`` -> exit_on; '' for anything else."""
+def name_of(node: ast.expr) -> str:  # config.ConfigError -> ConfigError; '' for anything but a name
     return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
 
 
 @functools.cache
 def error_classes() -> frozenset[str]:
-    """TinyGPTError and every class that refines it, in config.py or elsewhere (plot.py's MetricsError)."""
+    """TinyGPTError and every class that refines it, in config or elsewhere (plot.py's MetricsError)."""
     names = {cls.__name__ for cls in vars(config).values()
              if isinstance(cls, type) and issubclass(cls, config.TinyGPTError)}
     classes = [(node.name, {name_of(base) for base in node.bases}) for path in project_files()
@@ -72,8 +60,7 @@ def error_classes() -> frozenset[str]:
 
 
 def caught(handler: ast.ExceptHandler) -> set[str]:
-    """The class names an except clause catches; a bare ``except:`` catches BaseException."""
-    if handler.type is None:
+    if handler.type is None:  # a bare except:
         return {"BaseException"}
     return {name_of(node) for node in (handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type])}
 
@@ -83,7 +70,7 @@ def calls(node: ast.AST) -> set[str]:
 
 
 def ends_through_the_exit_path(handler: ast.ExceptHandler, function: ast.FunctionDef) -> bool:
-    """exit_on(err), or exit_for(err) here and fail(...) in the same function (train.py's form); no line of its own."""
+    """exit_on(err), or exit_for(err) and fail(...) in the same function (train.py's); no print of its own."""
     own = calls(handler)
     return ("exit_on" in own or "exit_for" in own and "fail" in calls(function)) and not {"print", "exit"} & own
 
@@ -93,8 +80,7 @@ def function(path: Path, name: str) -> ast.FunctionDef | None:
 
 
 def delegates(path: Path, main: ast.FunctionDef) -> list[ast.FunctionDef]:
-    """The functions main() calls by name that are the project's: its module's or one it imports them from
-    (a function one tool imports from another, as compare.py does bench.py's)."""
+    """The project's functions main() calls by name: its module's, or another's it imports (compare.py: bench.py's)."""
     imported = {alias.asname or alias.name: node.module for node in parsed(path).body
                 if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
     found = []
@@ -115,9 +101,8 @@ def handlers(node: ast.AST) -> list[ast.ExceptHandler]:
 
 @pytest.mark.parametrize("script", entry_points())
 def test_every_entry_point_ends_its_errors_through_the_one_exit_path(script):
-    """main() (or the function of the project it hands its work to) catches every error of the table and ends it
-    through exit_on, or exit_for and fail: its one line, its code, the rank that prints it. No handler in main()
-    catches one of them to print a line or exit on its own."""
+    """main() (or the project function it hands its work to) ends every error of the table through exit_on, or
+    exit_for and fail; no handler in main() prints or exits on its own."""
     path = REPO / script
     main = function(path, "main")
     assert main is not None, f"{script}: no main(argv) to run"
@@ -132,7 +117,7 @@ def test_every_entry_point_ends_its_errors_through_the_one_exit_path(script):
 
 
 def test_the_check_finds_an_entry_point_that_prints_its_own_error(tmp_path):
-    """The check above on a script written the wrong ways: its own line, or a narrower class than the table's."""
+    """The check above has teeth: its own line, or a narrower class than the table's, is found."""
     own = tmp_path / "own.py"
     own.write_text("def main(argv=None):\n    try:\n        run(argv)\n    except TinyGPTError as err:\n"
                    "        print(f'error: {err}', file=sys.stderr)\n        sys.exit(2)\n")
@@ -146,7 +131,6 @@ def test_the_check_finds_an_entry_point_that_prints_its_own_error(tmp_path):
 
 
 def test_every_error_carries_the_code_of_the_table():
-    """The codes of config.py's docstring table, class by class (PathError's and RunStopped's vary)."""
     assert {cls.__name__: cls.exit_code for cls in (ConfigError, DataError, CheckpointError, HFError,
                                                      CheckpointWriteError)} == {
         "ConfigError": 2, "DataError": 2, "CheckpointError": 2, "HFError": 2, "CheckpointWriteError": 74}
@@ -161,7 +145,6 @@ def test_a_bug_is_no_failure_of_the_table_and_keeps_its_traceback():
 
 
 def test_under_torchrun_a_rank_reports_only_what_it_alone_met(monkeypatch):
-    """Rank 0 prints the job's errors; another rank only one that stop_together found on it first."""
     monkeypatch.setenv("RANK", "3")
     mine = DataError("data/x/train.bin: missing")
     mine.reporting_rank = 3
@@ -174,8 +157,7 @@ BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(v
 
 
 def test_errors_are_declared_in_one_module():
-    """An exception class anywhere else in the project refines one of config.py's (plot.py's
-    MetricsError is a DataError), so it carries a code and every entry point ends it the same way."""
+    """An exception class elsewhere refines one of config's (plot.py's MetricsError), so it carries a code."""
     elsewhere = [f"{path.relative_to(REPO).as_posix()}: {node.name}" for path in project_files()
                  if path != REPO / "config" / "__init__.py" for node in ast.walk(parsed(path))
                  if isinstance(node, ast.ClassDef) and {name_of(base) for base in node.bases} & BUILTIN_ERRORS]
@@ -185,7 +167,6 @@ def test_errors_are_declared_in_one_module():
 # ----------------------------------------------------------------------------- end to end, from the shell
 @pytest.fixture
 def cut_checkpoint(tmp_path: Path, text_file: Path) -> Path:
-    """A tiny run's last.pt less its last byte, as a copy cut short leaves it."""
     assert run_main(tiny_args(tmp_path / "run", text_file, max_iters=2, eval_interval=2)) == 0
     cut = tmp_path / "cut.pt"
     cut.write_bytes((tmp_path / "run" / "last.pt").read_bytes()[:-1])
@@ -200,8 +181,8 @@ def test_a_corrupt_checkpoint_is_one_line_and_exit_2_at_the_command_line(cut_che
 
 # ----------------------------------------------------------------------------- optional packages
 def test_each_optional_package_is_installed_by_the_requirements_file_the_table_names():
-    """errors.OPTIONAL_PACKAGES, the one source of every install line, against the requirements files: each pin is a
-    line of the file it names, and every `pip install NAME==VERSION` spelled in the code or the docs is the table's."""
+    """Each pin of config.OPTIONAL_PACKAGES is a line of the file it names; every `pip install X==V` in the code or the
+    docs is the table's."""
     for name, (pin, requirements) in config.OPTIONAL_PACKAGES.items():
         pins = [line.split("#")[0].strip() for line in (REPO / requirements).read_text().splitlines()]
         assert pin in pins and pin.startswith(f"{name}=="), f"{requirements} does not pin {pin}"

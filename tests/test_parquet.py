@@ -1,9 +1,5 @@
-"""Parquet corpora: one document per row of a string column, through the .jsonl pipeline, read lazily.
-
-A .parquet file (or a folder of them) must prepare to exactly the files the same documents give as a
-.jsonl, whatever the shards, row groups and read batches; --text_column picks the column (or the
-.jsonl field); every bad input is one DataError line naming the file.
-"""
+"""Parquet corpora prepare to exactly the files the same documents give as a .jsonl, whatever the shards, row groups
+and read batches; --text_column picks the column (or field); every bad document input is one line naming the file."""
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +13,6 @@ from conftest import make_text
 
 import prepare
 import tokenizer
-import train
 from data import DataError
 from prepare import corpus_source, prepare_corpus
 from scripts.prepare import main as prepare_main
@@ -51,10 +46,9 @@ def assert_same_splits(a: Path, b: Path) -> None:
 
 def test_parquet_prepares_exactly_as_the_same_documents_in_jsonl(tmp_path):
     from_parquet = prepare_corpus(data_path=str(write_parquet(tmp_path / "web.parquet", DOCS)),
-                                  data_dir=str(tmp_path / "d"),
-                           num_proc=2)
+                                  data_dir=str(tmp_path / "d"), num_proc=2)
     from_jsonl = prepare_corpus(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), data_dir=str(tmp_path / "d"),
-                         num_proc=1)
+                                num_proc=1)
     assert_same_splits(from_parquet, from_jsonl)
     meta = json.loads((from_parquet / "meta.json").read_text())
     assert (meta["documents"], meta["val_documents"], meta["text_column"]) == (13, 2, "text")
@@ -65,7 +59,7 @@ def test_parquet_prepares_exactly_as_the_same_documents_in_jsonl(tmp_path):
 
 def test_shards_row_groups_and_read_batches_change_nothing(tmp_path, monkeypatch):
     whole = prepare_corpus(data_path=str(write_parquet(tmp_path / "all.parquet", DOCS)), data_dir=str(tmp_path / "d"),
-                    num_proc=1)
+                           num_proc=1)
     shards = tmp_path / "shards"  # sorted by relative path: a/ before b.parquet before c/
     write_parquet(shards / "a" / "000.parquet", DOCS[:4], row_group_size=3)
     write_parquet(shards / "b.parquet", DOCS[4:9], row_group_size=2)  # row groups end mid-shard
@@ -112,6 +106,9 @@ def test_default_text_column_keeps_the_folder_names_of_before(tmp_path):
     ("not parquet", r"web.parquet: not a readable Parquet file"),
     ("mixed folder", r"mixed: holds both .txt and .parquet files; pick one kind"),
     ("jsonl field", r"web.jsonl:1: not a JSON object with a \"body\" field \(its fields: id, text\); .*--text_column"),
+    ("jsonl not a string", r"web.jsonl:2: \"text\" is a int, not a string"),
+    ("jsonl not UTF-8", r"web.jsonl:2: not UTF-8"),
+    ("empty folder", r"empty: no .txt files and no .parquet files"),
 ])
 def test_bad_parquet_input_is_one_line_naming_the_file(tmp_path, case, expected):
     path, column = tmp_path / "web.parquet", "text"
@@ -128,8 +125,13 @@ def test_bad_parquet_input_is_one_line_naming_the_file(tmp_path, case, expected)
         path = tmp_path / "mixed"
         write_parquet(path / "a.parquet", DOCS)
         (path / "b.txt").write_text("a document")
-    else:
+    elif case == "jsonl field":
         path, column = write_jsonl(tmp_path / "web.jsonl", DOCS), "body"
+    elif case == "empty folder":
+        (path := tmp_path / "empty").mkdir()
+    else:
+        path = tmp_path / "web.jsonl"
+        path.write_bytes(b'{"text": "fine"}\n' + (b'{"text": 5}\n' if "string" in case else b'{"text": "\xff"}\n'))
     with pytest.raises(DataError, match=expected) as raised:
         prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1, text_column=column)
     assert "\n" not in str(raised.value)
@@ -142,7 +144,7 @@ def test_without_pyarrow_a_parquet_corpus_says_what_to_install(tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     needs = r"web.parquet: reading .parquet needs pyarrow: pip install pyarrow==26.0.1"
     with pytest.raises(DataError, match=needs):
-        list(prepare.document_sources(path))
+        list(prepare.document_texts(path))
     with pytest.raises(DataError, match=needs):
         prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1)
 
@@ -159,26 +161,17 @@ def test_rows_are_read_lazily_one_batch_at_a_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", counted)
     monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 4)
-    sources = prepare.document_sources(path)
-    assert iter(sources) is sources and not batches_read  # a generator: nothing read until asked
-    assert next(sources) == prepare.Source("text", f"{path}:row 1", "document 0")
+    texts = prepare.document_texts(path)
+    assert iter(texts) is texts and not batches_read  # a generator: nothing read until asked
+    assert next(texts) == "document 0"
     assert batches_read == [4]  # one batch of 4 rows read for the first document, not 200 rows
-    assert [s.where for s in sources][-1] == f"{path}:row 200"
-    assert sum(batches_read) == 200
-
-
-def test_train_runs_on_a_parquet_corpus(tmp_path, tiny_cfg):
-    docs = [make_text(n_lines=40, seed=i) for i in range(10)]
-    path = write_parquet(tmp_path / "web.parquet", docs, row_group_size=4)
-    cfg = tiny_cfg(data_path=str(path), max_iters=2, eval_interval=2)
-    assert np.isfinite(train.train(cfg))
-    assert (Path(cfg.out_dir) / "last.pt").is_file()
+    assert list(texts)[-1] == "document 199" and sum(batches_read) == 200
 
 
 def test_every_shard_is_checked_before_any_document_is_read(tmp_path, monkeypatch):
     shards = tmp_path / "shards"
     write_parquet(shards / "a.parquet", DOCS[:6])
     write_parquet(shards / "b.parquet", DOCS[6:], column="body")  # the last shard lacks the column
-    monkeypatch.setattr(prepare, "map_documents", lambda *args, **kwargs: pytest.fail("documents were read"))
+    monkeypatch.setattr(prepare, "document_texts", lambda *args, **kwargs: pytest.fail("documents were read"))
     with pytest.raises(DataError, match=r"b.parquet: no column 'text' \(its columns: id, body\)"):
         prepare_corpus(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=1)
