@@ -1,27 +1,10 @@
-"""Checkpoints: atomic writes, verified reads, every random stream an exact resume needs, and the run's side of it:
-what last.pt and best.pt hold and when (``Checkpointer``), and the resume policy. Then every way weights come back
-from disk for use or for --init_from (``from_checkpoint``, ``start_from``): a run's checkpoint, GPT-2's weights, a
-Hugging Face folder.
+"""Checkpoints, and every way weights come back from disk: a run's checkpoint, GPT-2's weights, a Hugging Face folder.
 
-A checkpoint holds only tensors and plain Python values, so ``torch.load(weights_only=True)`` reads it with no
-allowlist and a malicious pickle cannot run code. Every load in this repo goes through ``load_checkpoint``.
-
-Keys (``REQUIRED_KEYS``): format_version; model (state_dict; a LoRA run's holds its adapters only); optimizer;
-scaler (GradScaler's, empty unless fp16); step (optimizer steps done); time_s (the run's wall clock at that step,
-evals included: a resumed run continues its max_time budget and time schedule); best_val_loss; config (TrainConfig
-as a dict); tokenizer (its description); rng (``RNG_STREAMS``: python, numpy, torch_cpu, torch_cuda, and data: the
-training stream's state_dict, data.TrainingStream); rng_per_rank (the same for every DDP rank, in rank order; one
-entry in a single process); precision (the dtype the run resolved: float32, bfloat16 or float16); versions (python,
-torch, numpy, tiktoken, git commit and dirty flag); last_eval (the latest eval before the save: step, val_loss,
-val_bpb; in best.pt the best one; empty until this process has run an eval); corpus (data.Corpus.record: source,
-val_fraction and each split's fingerprint; a resume on other data is refused). ``LORA_KEYS``, a LoRA run's only:
-lora (finetune.record: its base, the base's fingerprint and the adapters' shape; a resume or a sample on
-another base is refused). A checkpoint of an older layout is refused in one line.
-
-On disk a checkpoint is the zip archive torch.save writes, with the archive's sha256 as its zip comment
-(``tinygpt-sha256:<hex>``). Zip readers, torch.load included, ignore the comment; ``load_checkpoint`` checks it, so
-a truncated, empty, foreign or bit-flipped file is refused (the zip CRCs miss flips in headers and padding, and
-torch.load checks no CRC at all).
+A checkpoint holds only tensors and plain values, so ``torch.load(weights_only=True)`` reads it and a malicious pickle
+runs no code. On disk it is torch.save's zip archive with the archive's sha256 as its zip comment
+(``tinygpt-sha256:<hex>``): ``load_checkpoint``, which every load goes through, checks it first, so a truncated,
+foreign or bit-flipped file is refused (torch.load checks no CRC). ``Checkpointer`` owns last.pt, best.pt and the
+resume policy; ``from_checkpoint`` / ``from_flags`` give a model for use, ``start_from`` the weights of --init_from.
 """
 from __future__ import annotations
 
@@ -38,7 +21,6 @@ import random
 import re
 import subprocess
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,34 +29,18 @@ import numpy as np
 import torch
 
 import runtime
-from config import (
-    REPO,
-    CheckpointError,
-    CheckpointWriteError,
-    HFError,
-    TrainConfig,
-    as_dict,
-    config_from_dict,
-    given_fields,
-    model_config,
-    resume_changes,
-)
+from config import REPO, CheckpointError, CheckpointWriteError, HFError, TrainConfig, as_dict, config_from_dict
+from config import given_fields, model_config, resume_changes
 from model import GPT, GPTConfig
 from runtime import TEMP_MARK, Dist, atomic_write, describe, dtype_name, print0
-from tokenizer import (
-    NO_TOKENIZER,
-    read_tokenizer,
-    tokenizer_from_meta,
-    tokenizer_vocab_size,
-    without_chat,
-)
+from tokenizer import NO_TOKENIZER, read_tokenizer, tokenizer_from_meta, tokenizer_vocab_size, without_chat
+
+if TYPE_CHECKING:
+    from data import TrainingStream
 
 FORMAT_VERSION = 2  # 2: time_s added
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss", "config",
                  "tokenizer", "rng", "rng_per_rank", "precision", "versions", "last_eval", "corpus")
-if TYPE_CHECKING:
-    from data import TrainingStream
-
 LORA_KEYS = ("lora",)  # written by a LoRA run (lora_rank > 0) only
 RNG_STREAMS = ("python", "numpy", "torch_cpu", "torch_cuda", "data")
 
@@ -83,6 +49,7 @@ DIGEST_TRAILER = len(DIGEST_PREFIX) + 64  # bytes of zip comment: the prefix and
 EOCD_SIZE = 22  # the zip end-of-central-directory record without its comment; it ends the archive
 
 
+# ----------------------------------------------------------------------------- a verified file
 class HashingWriter:
     """The file object handed to torch.save: hashes the bytes on their way to disk (no second read)."""
 
@@ -99,12 +66,8 @@ class HashingWriter:
 
 
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:
-    """Write ``state`` to ``path`` atomically (files.atomic_write), its sha256 as the zip comment.
-
-    A crash or a full disk at any moment leaves either the old file or the new one, never a mix: the temp file
-    is removed, then CheckpointWriteError is raised (torch.save reports a full disk as an OSError or a
-    RuntimeError, depending on where it notices).
-    """
+    """Write ``state`` atomically, its sha256 as the zip comment: a crash or a full disk leaves the old file or the
+    new one, no temp file, and raises CheckpointWriteError (torch.save says "disk full" as OSError or RuntimeError)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -125,13 +88,9 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
                                    "and no temp file is left") from err
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint safely, or raise CheckpointError naming the path and the problem.
-
-    The sha256 in the zip comment is checked before anything is unpickled, and the unpickler only builds
-    tensors and plain values (weights_only=True): a corrupt file is refused, not loaded as silently wrong
-    weights, and a malicious one runs no code.
-    """
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint, digest checked before anything is unpickled, tensors and plain values only
+    (weights_only=True); else CheckpointError naming the path and the problem."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
@@ -139,7 +98,7 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     try:
         with warnings.catch_warnings():  # torch warns about a pickle protocol it then refuses: the error says it
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            state = torch.load(path, map_location=map_location, weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - the unpickler raises many types; all mean "refuse"
         raise CheckpointError(f"{path}: refused to load ({unpickler_reason(err)})") from None
     if not isinstance(state, dict) or "format_version" not in state:
@@ -153,8 +112,7 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
 
 
 def read_config(path: Path) -> dict[str, Any] | None:
-    """The config a checkpoint was saved with, read cheaply (memory-mapped, no digest check), or None if the file
-    cannot be read that way. For decisions taken before the full, verified load_checkpoint."""
+    """A checkpoint's config, read cheaply (memory-mapped, digest unchecked); None if it cannot be read so."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - load_checkpoint will name the problem
@@ -184,9 +142,8 @@ def verify_digest(path: Path) -> None:
 
 
 def unpickler_reason(err: Exception) -> str:
-    """What torch.load rejected, in one line, never empty; an error that is no refusal (not a pickle at all) is
-    named by its type. torch (2.6 to 2.13) wraps the reason in lines of advice that all mention weights_only, after
-    "WeightsUnpickler error:" on the same line or a later one, or alone after a blank line (a blocked module)."""
+    """What torch.load rejected, in one line, never empty (a non-pickle: the error's type). torch wraps the reason
+    in lines of advice that mention weights_only, after "WeightsUnpickler error:" or alone after a blank line."""
     text = str(err)
     if not text.startswith("Weights only load failed"):
         first = next((line.strip() for line in text.splitlines() if line.strip()), "")
@@ -202,6 +159,7 @@ def unpickler_reason(err: Exception) -> str:
     return reason[:300] or "the weights_only unpickler refused it; torch gave no reason"
 
 
+# ----------------------------------------------------------------------------- what a run saves, and its resume
 def capture_rng(stream: TrainingStream) -> dict[str, Any]:
     """Every random stream the training run reads (RNG_STREAMS), the training stream's position included."""
     np_state = np.random.get_state()
@@ -246,13 +204,10 @@ def git_state() -> dict[str, Any]:
             "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
-# ----------------------------------------------------------------------------- what a run saves, and its resume
 def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus, fp16_scaler: bool,
                     dtype: torch.dtype) -> None:
-    """Refuse a checkpoint this run cannot continue (shape, tokenizer, optimizer, scaler, data); warn where it
-    can continue but not exactly as the run that was stopped. Other data (``corpus``, a data.Corpus) is refused:
-    another train split is not the run that was stopped, and another val split would compare best_val_loss, and
-    pick best.pt, across different sets."""
+    """Refuse a checkpoint this run cannot continue (shape, tokenizer, optimizer, scaler, data: another val split
+    would pick best.pt across different sets); warn where it continues, but not exactly."""
     changes = resume_changes(state["config"], cfg)
     differences = changes["fixed"]
     if state["tokenizer"] != corpus.meta["tokenizer"]:
@@ -279,9 +234,8 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus,
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Restore the moments from a checkpoint but keep this run's hyperparameters: load_state_dict also brings
-    back the saved param-group settings (weight decay, betas, lr_scale), and a resume with a new --muon_lr or
-    --weight_decay must run with it, not silently with the old one."""
+    """Restore the moments but keep this run's hyperparameters: load_state_dict also brings back the saved groups'
+    settings, and a resume with a new --muon_lr or --weight_decay must run with it."""
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, mine in zip(optimizer.param_groups, settings):
@@ -289,12 +243,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
 
 
 class Checkpointer:
-    """out_dir's last.pt and best.pt: what goes in them, when best.pt is written, and the resume policy.
-
-    The loop calls ``resume()`` once and ``save(step, ...)`` where it saves; both hold collectives, so every
-    rank calls them, and rank 0 alone writes. A save never writes a state that a non-finite step touched,
-    and writes best.pt before last.pt, so last.pt's best_val_loss never names a model best.pt lacks.
-    """
+    """out_dir's last.pt and best.pt: what goes in them, when, and the resume. ``resume()`` and ``save()`` hold
+    collectives: every rank calls them, rank 0 alone writes. best.pt is written before last.pt, so last.pt's
+    best_val_loss never names a model best.pt lacks."""
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
         """``run``: a train.Run (its model, optimizer, scaler, guard, training stream and corpus)."""
@@ -302,9 +253,8 @@ class Checkpointer:
         self.model, self.optimizer, self.scaler, self.guard = run.model, run.optimizer, run.scaler, run.guard
         self.stream, self.corpus, self.dtype = run.stream, run.corpus, run.rt.dtype
         self.saved_step: int | None = None  # the step last.pt holds, once this process knows it
-        self.last_eval: dict[str, float] = {}  # the latest eval, saved with each checkpoint (best.pt: the best)
-        # A LoRA run: what its checkpoints say of the base (hashed once: it is frozen) beside the adapters.
-        self.lora = None
+        self.last_eval: dict[str, float] = {}  # the latest eval (step, val_loss, val_bpb), saved with each checkpoint
+        self.lora = None  # a LoRA run: what its checkpoints say of the base (hashed once: it is frozen)
         if cfg.lora_rank:  # LoRA's code is imported by a LoRA run only
             import finetune
             self.lora = finetune.record(self.model, cfg.init_from, finetune.base_fingerprint(self.model))
@@ -313,9 +263,7 @@ class Checkpointer:
             stale.unlink(missing_ok=True)
 
     def resume(self) -> tuple[int, float, float]:
-        """Load last.pt into the run: (step, seconds spent, best val loss). Refuses a checkpoint of another shape,
-        tokenizer or data, or (a LoRA run) adapters of another base. Every rank loads the same file and restores
-        its own random streams (distributed.rank_rng_state)."""
+        """Load last.pt into the run, each rank its own random streams: (step, seconds spent, best val loss)."""
         path, cfg = self.out_dir / "last.pt", self.cfg
         state = load_checkpoint(path)
         check_resumable(path, state, cfg, self.corpus, self.scaler.is_enabled(), self.dtype)
@@ -341,50 +289,34 @@ class Checkpointer:
         return state["step"], state["time_s"], state["best_val_loss"]
 
     def save(self, step: int, time_s: float, best_val: float, is_best: bool = False) -> None:
+        """Everything a resume needs (REQUIRED_KEYS), from the uncompiled model so keys carry no _orig_mod."""
         self.guard.raise_if_tripped()  # never save a state that a non-finite step touched
         self.guard.raise_if_weights_not_finite(self.model, step)  # nor one that an overflowing update made
         rng_per_rank = runtime.gather_to_main(capture_rng(self.stream))  # a collective: all ranks
         self.saved_step = step
         with runtime.stop_together(self.ddp.device):  # rank 0's write failing (disk full) stops every rank
-            if self.ddp.is_main:
-                state = self.state(step, time_s, best_val, rng_per_rank)
-                if is_best:
-                    save_checkpoint(state, self.out_dir / "best.pt")
-                save_checkpoint(state, self.out_dir / "last.pt")
-
-    def state(self, step: int, time_s: float, best_val: float, rng_per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-        """Everything a resume needs, from the uncompiled model so keys carry no _orig_mod. A LoRA run saves its
-        adapters and lora.record, not the frozen base: the base is imported again from init_from, and the record's
-        fingerprint says whether it is the same. "rng" repeats rank 0's "rng_per_rank" entry, so single-process
-        readers need not know about ranks; "precision" is the dtype the run resolved (config's may say "auto")."""
-        import tiktoken
-        versions = {"python": platform.python_version(), "torch": str(torch.__version__), "numpy": np.__version__,
-                    "tiktoken": tiktoken.__version__, **git_state()}
-        weights = self.model.state_dict()
-        if self.lora:  # the adapters only: the frozen base comes back from init_from
-            from finetune import adapter_state
-            weights = adapter_state(self.model)
-        return {"format_version": FORMAT_VERSION, "model": weights, **({"lora": self.lora} if self.lora else {}),
-                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), "step": step,
-                "time_s": time_s, "best_val_loss": best_val, "config": as_dict(self.cfg),
-                "tokenizer": self.corpus.meta["tokenizer"], "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
-                "precision": dtype_name(self.dtype), "versions": versions, "last_eval": self.last_eval,
-                "corpus": self.corpus.record()}
+            if not self.ddp.is_main:
+                return
+            import tiktoken
+            versions = {"python": platform.python_version(), "torch": str(torch.__version__),
+                        "numpy": np.__version__, "tiktoken": tiktoken.__version__, **git_state()}
+            weights = self.model.state_dict()
+            if self.lora:  # the adapters only: the frozen base comes back from init_from, checked by its fingerprint
+                from finetune import adapter_state
+                weights = adapter_state(self.model)
+            state = {"format_version": FORMAT_VERSION, "model": weights, **({"lora": self.lora} if self.lora else {}),
+                     "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), "step": step,
+                     "time_s": time_s,  # the run's clock, evals included: a resume continues max_time, its schedule
+                     "best_val_loss": best_val, "config": as_dict(self.cfg), "tokenizer": self.corpus.meta["tokenizer"],
+                     "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,  # "rng": rank 0's, for one-process readers
+                     "precision": dtype_name(self.dtype),  # the dtype the run resolved (config's may say "auto")
+                     "versions": versions, "last_eval": self.last_eval, "corpus": self.corpus.record()}
+            if is_best:
+                save_checkpoint(state, self.out_dir / "best.pt")
+            save_checkpoint(state, self.out_dir / "last.pt")
 
 
-# -----------------------------------------------------------------------------
-# A model's weights back from disk, a run's checkpoint or GPT-2's: for use, or for a new run to start from.
-#
-#     loaded = from_checkpoint(find_checkpoint("out/small"))   # a run folder's best.pt (else last.pt), or a .pt
-#     loaded = from_pretrained("gpt2")                          # Hugging Face GPT-2 weights
-#     loaded = from_flags(args, device)                         # whichever --ckpt / --init_from chose
-#     cfg, pretrained = start_from(cfg, device)                 # train.py's --init_from: a run (folder, .pt) or GPT-2
-#
-# ``Loaded``: the model in eval mode, its tokenizer, its run's config and what the run logged. ``start_from``: the
-# weights, with the config taking every option they fix (adopt) and the corpus's vocabulary fitted to them
-# (hf.Pretrained.weights_for: a chat corpus's markers take new rows). A fresh run (new optimizer, step, streams) in
-# its own out_dir; its resume imports the base again, so that the corpus is prepared with the base's tokenizer as the
-# first time, and last.pt's weights then replace the base's (a LoRA run's last.pt holds only its adapters).
+# ----------------------------------------------------------------------------- a model for use
 CPU = torch.device("cpu")
 RUN_FILES = ("best.pt", "last.pt")  # a run folder's weights, in order of preference
 
@@ -393,16 +325,15 @@ RUN_FILES = ("best.pt", "last.pt")  # a run folder's weights, in order of prefer
 class Loaded:
     """A model ready for use and what its callers need to know about it."""
     model: GPT  # in eval mode, on the device asked for
-    tokenizer: Any  # tokenizer': char, GPT-2's or a BPE, from the checkpoint's description
+    tokenizer: Any  # char, GPT-2's or a BPE, from the checkpoint's description
     cfg: TrainConfig  # the run's config; pretrained weights: the defaults with the weights' shape (adopt)
     precision: str  # the dtype the run trained in: float32, bfloat16, float16 (pretrained: float32)
     source: str  # the checkpoint file, or the pretrained weights as named (--init_from)
     step: int | None  # optimizer steps behind the weights; None: pretrained, no run of ours behind them
     best_val_loss: float  # as the run logged it; nan for pretrained weights
-    corpus: dict | None = None  # the data it trained on (data.Corpus.record: split fingerprints); None: pretrained
+    corpus: dict | None = None  # the data it trained on (data.Corpus.record); None: pretrained
 
 
-# ----------------------------------------------------------------------------- a model for use
 def find_checkpoint(ckpt: str) -> Path:
     """A file as given; a folder's best.pt (else last.pt); by default the newest best.pt under out/."""
     if ckpt:
@@ -416,10 +347,17 @@ def find_checkpoint(ckpt: str) -> Path:
     return found[-1]
 
 
+def run_checkpoint(source: str) -> Path | None:
+    """A run's checkpoint: a .pt, a folder's best.pt (else last.pt); None for anything else (Hugging Face weights)."""
+    path = Path(source)
+    if path.is_dir():
+        return next((path / name for name in RUN_FILES if (path / name).is_file()), None)
+    return path if path.suffix == ".pt" else None
+
+
 def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True) -> Loaded:
-    """The weights, config and tokenizer of a checkpoint file (verified: checkpoint.load_checkpoint). A LoRA run's
-    holds only its adapters: they go on the base it was trained from (init_from, checked by fingerprint), merged
-    unless ``merged=False`` (the adapted model training evaluated: lora.load_adapted)."""
+    """A checkpoint's model, config and tokenizer. A LoRA run's adapters go on the base it was trained from
+    (init_from, checked by fingerprint), merged unless ``merged=False``."""
     state = load_checkpoint(path)  # to CPU: the optimizer state it also holds never needs the GPU
     cfg = config_from_dict(state["config"])
     tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
@@ -434,24 +372,21 @@ def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True)
                   state["best_val_loss"], state["corpus"])
 
 
-def from_pretrained(source: str, device: torch.device = CPU, data_dir: Path = Path("data")) -> Loaded:
-    """Hugging Face GPT-2 weights (a hub name, folder or .safetensors, as --init_from takes them); no run
-    behind them, so the config is the defaults with the weights' shape and tokenizer, in float32."""
-    pass
-
-    refuse_a_missing_local_name(source, HUB_NAMES)
+def from_pretrained(source: str, device: torch.device = CPU) -> Loaded:
+    """Hugging Face GPT-2 weights as --init_from names them; the config is the defaults with their shape."""
+    refuse_a_missing_local_name(source)
     pretrained = load_pretrained(source)
     if pretrained.tokenizer is None:
         raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} ({NO_TOKENIZER})")
     model = GPT(pretrained.config)
     model.load_state_dict(pretrained.state)
     cfg = adopt(TrainConfig(block_size=pretrained.config.block_size), pretrained)
-    return Loaded(model.to(device).eval(), tokenizer_from_meta(pretrained.tokenizer, data_dir), cfg, "float32", source,
-                  None, math.nan)
+    tokenizer = tokenizer_from_meta(pretrained.tokenizer, Path("data"))
+    return Loaded(model.to(device).eval(), tokenizer, cfg, "float32", source, None, math.nan)
 
 
 def add_weights_flags(parser: argparse.ArgumentParser) -> None:
-    """--ckpt or --init_from: where the weights come from (sample.py's, scripts/eval.py's, harness.py's)."""
+    """--ckpt or --init_from: where the weights of sample.py, scripts/eval.py and harness.py come from."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
     source.add_argument("--init_from", "--init-from", default="",
@@ -460,7 +395,7 @@ def add_weights_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def from_flags(args: argparse.Namespace, device: torch.device = CPU) -> Loaded:
-    """The weights that add_weights_flags' flags chose: --init_from's, else --ckpt's checkpoint (find_checkpoint)."""
+    """The weights add_weights_flags' flags chose."""
     if args.init_from:
         return from_pretrained(args.init_from, device)
     return from_checkpoint(find_checkpoint(args.ckpt), device)
@@ -468,8 +403,8 @@ def from_flags(args: argparse.Namespace, device: torch.device = CPU) -> Loaded:
 
 # ----------------------------------------------------------------------------- what a run starts from
 def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfig, Pretrained | None]:
-    """train.py's --init_from: the weights it names, and the config with the options they fix (adopt); without
-    init_from (cfg, None). Rank 0 reads (or downloads) them first, the other ranks then from its cache."""
+    """train.py's --init_from: the weights, and the config with the options they fix (adopt); else (cfg, None).
+    A fresh run; its resume imports the base again. Rank 0 reads (or downloads) first, the others from its cache."""
     if not cfg.init_from:
         return cfg, None
     with runtime.main_first(device):
@@ -481,36 +416,22 @@ def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfi
     return cfg, pretrained
 
 
-def run_checkpoint(source: str) -> Path | None:
-    """The checkpoint ``source`` names if it is a run of this repo: a .pt, a folder's best.pt (else last.pt); else
-    None (a Hugging Face folder, a .safetensors file or a hub name)."""
-    path = Path(source)
-    if path.is_dir():
-        return next((path / name for name in RUN_FILES if (path / name).is_file()), None)
-    return path if path.suffix == ".pt" else None
-
-
 def load_base(cfg: TrainConfig) -> Pretrained:
-    """The weights ``cfg.init_from`` names, at the given block_size else at all their positions (one rule for a run
-    and a Hugging Face folder: our export of a run is the run): a run's; or GPT-2's, with biases unless bias=False is
-    given (a bias-free export's zeros)."""
+    """The weights ``cfg.init_from`` names (a run's, else GPT-2's), at the given block_size else at all their
+    positions; GPT-2's with biases unless bias=False is given (a bias-free export's zeros)."""
     given, path = given_fields(cfg), run_checkpoint(cfg.init_from)
     block_size = cfg.block_size if "block_size" in given else 0  # 0: every position the weights have
     if path is not None:
         return load_run(path, block_size)
-    pass
-
-    refuse_a_missing_local_name(cfg.init_from, HUB_NAMES)
+    refuse_a_missing_local_name(cfg.init_from)
     return load_pretrained(cfg.init_from, block_size, cfg.bias if "bias" in given else True)
 
 
-def refuse_a_missing_local_name(source: str, hub_names: Mapping[str, str]) -> None:
-    """CheckpointError for weights named by a path that is not there: one close to a run folder ("did you mean
-    out/small?"), or one that looks like a path (./x, /x, x.pt, a/b/c, out/x where out/ is here, a bare name that no
-    hub name is). Anything else may be a hub repo, "owner/name": hf.locate asks the hub, whose refusal is a
-    paragraph about downloading (what `out/smal`, a typo, got)."""
+def refuse_a_missing_local_name(source: str) -> None:
+    """CheckpointError for weights named by a path that is not there ("did you mean out/small?"), rather than the
+    hub's paragraph about downloading: only "owner/name" with no such local folder may be a hub repo."""
     path = Path(source)
-    if source in hub_names or path.exists():
+    if source in HUB_NAMES or path.exists():
         return
     runs = sorted(set(run_folders(path.parent) + run_folders(Path("out"))))  # beside it, and where train.py writes
     close = difflib.get_close_matches(str(path), runs, n=1, cutoff=0.85)
@@ -521,11 +442,11 @@ def refuse_a_missing_local_name(source: str, hub_names: Mapping[str, str]) -> No
             or Path(parts[0]).is_dir()):
         raise CheckpointError(f"{source}: no such run folder or file; pass a run folder (out/NAME), its .pt, a "
                               "folder or .safetensors in the Hugging Face GPT-2 layout, or a hub name "
-                              f"({', '.join(hub_names)} or OWNER/NAME)")
+                              f"({', '.join(HUB_NAMES)} or OWNER/NAME)")
 
 
 def run_folders(folder: Path) -> list[str]:
-    """The runs in ``folder``: each subfolder holding a checkpoint of ours or Hugging Face weights, as a path."""
+    """The subfolders of ``folder`` holding a checkpoint of ours or Hugging Face weights."""
     try:
         return [str(sub) for sub in sorted(folder.iterdir())
                 if any((sub / name).is_file() for name in (*RUN_FILES, "model.safetensors"))]
@@ -534,24 +455,19 @@ def run_folders(folder: Path) -> list[str]:
 
 
 def load_run(path: Path, block_size: int) -> Pretrained:
-    """A run's weights, model options and tokenizer (from_checkpoint: a LoRA run's merged); block_size crops."""
-    pass
-
+    """A run's weights, model options and tokenizer (a LoRA run's merged); block_size crops."""
     loaded = from_checkpoint(path)
     saved, state = loaded.model.config, loaded.model.state_dict()
     config = replace(saved, block_size=check_positions(block_size, saved.block_size, str(path)))
-    if "transformer.wpe.weight" in state:
-        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]  # (T, C)
+    if WPE in state:  # rope has no position table
+        state[WPE] = state[WPE][: config.block_size]  # (T, C)
     return Pretrained(config, state, str(path), loaded.tokenizer.meta(), saved.block_size)
 
 
 def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
-    """The config with every option the base's weights fix, and its tokenizer if known; block_size the base's unless
-    given. A field the user gave (preset or command line, even at its default: config.given_fields) with another
-    value is refused. A run's weights fix every option but the training-only ones; GPT-2's their shape (hf.IMPORTED),
-    and every other option must be one GPT-2 computes (hf.gpt2_refusals)."""
-    pass
-
+    """The config with every option the base's weights fix (a run's: all but the training-only ones; GPT-2's:
+    IMPORTED, the rest must be one GPT-2 computes), its tokenizer if known, its block_size unless given. A field the
+    user gave (preset or command line, even at its default: config.given_fields) with another value is refused."""
     kept = ("vocab_size", "block_size", *GPTConfig.TRAINING_ONLY)  # the corpus's, the user's, how it is trained
     fixed = IMPORTED if base.gpt2 else [f.name for f in fields(GPTConfig) if f.name not in kept]
     imported = {name: getattr(base.config, name) for name in fixed}
@@ -577,22 +493,11 @@ def flag_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-# -----------------------------------------------------------------------------
-# Hugging Face GPT-2 in and out: start from pretrained weights, hand a trained model to transformers.
-#
-#     python train.py --config finetune_shakespeare           # fine-tune GPT-2 (init_from = "gpt2")
-#     python sample.py --init_from gpt2 --prompt "Hello"       # sample GPT-2 itself, no checkpoint
-#     python -m scripts.export_hf out/finetune_shakespeare hf/shakespeare   # a folder transformers loads
-#
-# The mapping is data, read top to bottom and used both ways: NAMES, GPT-2's weights (ours have the same names), and
-# TRANSPOSED, the four matrices transformers keeps in Conv1D layers, (in, out), where nn.Linear has (out, in). The
-# rest is shape: our vocabulary is padded to a multiple of 64, our position table may be shorter (cropped on import).
-# The hub's own gpt2 is a GPT2Model file: no ``transformer.`` prefix, and causal-mask buffers that are not weights.
-# Every key and shape is checked before a weight is copied or a file written; one that does not fit is an HFError
-# naming it. Weights come as a hub name (through huggingface_hub's cache: HF_HOME, HF_HUB_OFFLINE apply), a folder
-# holding model.safetensors and config.json, or a .safetensors file with config.json beside it.
-# ----------------------------------------------------------------------------- the mapping
-NAMES = (  # every weight of GPT-2, in forward order: our name, which is GPT2LMHeadModel's; {i} is the block index
+# ----------------------------------------------------------------------------- Hugging Face GPT-2: the mapping
+# Data, used both ways (import here, export in scripts/export_hf.py): NAMES, GPT-2's weights, which ours share, and
+# TRANSPOSED, the matrices transformers keeps in Conv1D layers, (in, out) where nn.Linear has (out, in). The rest is
+# shape: our vocabulary is padded to a multiple of 64, our position table may be cropped.
+NAMES = (  # every weight of GPT-2, in forward order, GPT2LMHeadModel's names; {i} is the block index
     "transformer.wte.weight",  # (V, C): V padded ours, the real vocabulary theirs; also lm_head (tied)
     "transformer.wpe.weight",  # (T, C): block_size rows ours, n_positions theirs
     "transformer.h.{i}.ln_1.weight", "transformer.h.{i}.ln_1.bias",
@@ -623,6 +528,24 @@ CONFIG_RULES = (  # config.json fields that change the computation: (name, GPT-2
     ("tie_word_embeddings", True, (True,)),
 )
 IMPORTED = ("n_layer", "n_head", "n_embd", "bias", "activation")  # the model options a GPT-2 file fixes
+ANY = None  # in GPT2_OPTIONS: the GPT-2 layout holds every value of this option (as it does every training-only one)
+# Each model option (model.GPTConfig) -> the values GPT-2's layout computes. An option not listed (a fork's new one)
+# is GPT-2's only at its default: export and --init_from refuse any other value by name, never drop it silently.
+GPT2_OPTIONS = {"block_size": ANY, "n_layer": ANY, "n_head": ANY, "n_embd": ANY,  # block_size: n_positions
+                "bias": ANY,  # bias-free models export zero biases
+                "activation": ("gelu", "gelu_tanh")}  # activation_function gelu / gelu_new (see ACTIVATIONS)
+
+
+def gpt2_refusals(config: GPTConfig) -> list[str]:
+    """Every option of ``config`` GPT-2's layout cannot compute, as "name value (GPT-2: ...)"; [] if none."""
+    refusals = []
+    for option in fields(config):
+        # A training-only option (dropout, z_loss) changes how the weights were trained, not what they compute.
+        allowed = ANY if option.name in GPTConfig.TRAINING_ONLY else GPT2_OPTIONS.get(option.name, (option.default,))
+        value = getattr(config, option.name)
+        if option.name != "vocab_size" and allowed is not ANY and value not in allowed:
+            refusals.append(f"{option.name} {value!r} (GPT-2 computes {' or '.join(map(repr, allowed))})")
+    return refusals
 
 
 def expand(n_layer: int) -> list[str]:
@@ -635,8 +558,8 @@ def is_transposed(name: str) -> bool:
 
 
 def convert(name: str, value: torch.Tensor, vocab_rows: int, block_size: int) -> torch.Tensor:
-    """One weight into the other layout, by the same rule both ways: a Conv1D matrix transposed, wte's rows padded
-    with zeros or cut to ``vocab_rows`` (ours padded, never scored; theirs the real vocabulary), wpe's cut."""
+    """One weight into the other layout, the same rule both ways: a Conv1D matrix transposed, wte's rows padded with
+    zeros or cut to ``vocab_rows`` (ours padded, never scored; theirs the real vocabulary), wpe's cut."""
     if is_transposed(name):
         return value.t()  # (in, out) <-> (out, in)
     if name == WTE:  # (V, C)
@@ -644,11 +567,10 @@ def convert(name: str, value: torch.Tensor, vocab_rows: int, block_size: int) ->
     return value[:block_size] if name == WPE else value  # (T, C)
 
 
-# ----------------------------------------------------------------------------- import
+# ----------------------------------------------------------------------------- Hugging Face GPT-2: import
 @dataclass
 class Pretrained:
-    """Weights a run starts from (--init_from), under our names: GPT-2's (load_pretrained) or a run's
-    (loading.load_run)."""
+    """Weights a run starts from (--init_from), under our names: GPT-2's (load_pretrained) or a run's (load_run)."""
     config: GPTConfig  # what the weights compute; block_size: the position table's rows, once cropped
     state: dict[str, torch.Tensor]
     source: str  # the checkpoint file, or the weights as named
@@ -657,9 +579,8 @@ class Pretrained:
     gpt2: bool = False  # GPT-2's: they fix its shape (IMPORTED); every other option must be one GPT-2 computes
 
     def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
-        """The state dict for a corpus of the weights' tokenizer, or of it with a chat corpus's markers, whose
-        embedding rows (padded ones, or appended) start at the mean row: a fixed start, no token in particular.
-        Any other tokenizer is refused: the ids would mean other text."""
+        """The state dict for a corpus of the weights' tokenizer, or of it plus a chat corpus's markers, whose rows
+        start at the mean row. Any other tokenizer is refused: the ids would mean other text."""
         base = self.tokenizer or without_chat(tokenizer_meta)  # None: the files do not say; the corpus's, then
         base_vocab = tokenizer_vocab_size(base) or vocab_size
         if base_vocab != self.config.vocab_size:
@@ -684,10 +605,18 @@ def check_positions(block_size: int, n_positions: int, source: str) -> int:
 
 
 def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pretrained:
-    """Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names, checked before anything else.
+    """Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names, every key and shape checked.
     block_size 0 keeps every position, a smaller one crops the table; bias=False drops the biases (zeros only)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     weights, config_file = locate(source)
-    tensors = read_weights(weights)
+    try:
+        raw = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        raise HFError(f"{weights}: not a readable .safetensors file ({str(err)[:160]})") from None
+    tensors = {key if key.startswith(PREFIX) or key == TIED_HEAD else PREFIX + key: value.float()
+               for key, value in raw.items()}  # GPT2LMHeadModel's names, in fp32
     shape = read_shape(config_file)  # block_size: the file's n_positions
     config = replace(shape, block_size=check_positions(block_size, shape.block_size, source), bias=bias)
     return Pretrained(config, to_ours(tensors, config, shape.block_size, source), source,
@@ -715,8 +644,8 @@ def locate(source: str) -> tuple[Path, Path]:
 
 
 def download(repo_id: str) -> tuple[Path, Path]:
-    """config.json and model.safetensors through huggingface_hub's cache (HF_HOME). If the hub does not answer its
-    probe (hub_unreachable) they come from the cache alone, as with HF_HUB_OFFLINE=1: a miss is one line in seconds."""
+    """model.safetensors and config.json through huggingface_hub's cache (HF_HOME); from the cache alone if the hub
+    does not answer its probe (hub_unreachable), as with HF_HUB_OFFLINE=1: a miss is one line in seconds."""
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, OfflineModeIsEnabled
@@ -738,17 +667,15 @@ def download(repo_id: str) -> tuple[Path, Path]:
 
 
 def hub_unreachable(repo_id: str) -> str | None:
-    """Why the hub cannot be reached ("connection refused"), or None if it answers (even with an HTTP error).
-    hf_hub_download retries a refused or timed-out connection five times, ~25 s and a warning line each, before it looks
-    in its cache. This asks once, with huggingface_hub's own client (HF_ENDPOINT, proxies and token apply), waiting at
-    most HUB_PROBE_TIMEOUT seconds (HF_HUB_ETAG_TIMEOUT if set)."""
+    """Why the hub cannot be reached, or None if it answers (even with an HTTP error). One request, at most
+    HUB_PROBE_TIMEOUT s (HF_HUB_ETAG_TIMEOUT if set): hf_hub_download would retry for ~25 s, a warning each."""
     import httpx2  # huggingface_hub's HTTP client, installed with it
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
 
-    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_PROBE_TIMEOUT)
     try:
-        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=timeout)
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"),
+                             timeout=float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_PROBE_TIMEOUT))
     except httpx2.TransportError as err:  # no connection: refused, timed out, no DNS, proxy down
         return (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
     except HfHubHTTPError:  # the hub answered (a missing or gated repo): hf_hub_download says what
@@ -756,22 +683,8 @@ def hub_unreachable(repo_id: str) -> str | None:
     return None
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a .safetensors file in fp32, under GPT2LMHeadModel's names (``transformer.`` added)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        raw = load_file(str(path))
-    except (SafetensorError, OSError) as err:
-        raise HFError(f"{path}: not a readable .safetensors file ({str(err)[:160]})") from None
-    return {key if key.startswith(PREFIX) or key == TIED_HEAD else PREFIX + key: value.float()
-            for key, value in raw.items()}
-
-
 def read_shape(config_file: Path) -> GPTConfig:
-    """The model config.json describes (vocab_size real, block_size n_positions, bias True), if GPT-2's code
-    computes it as this model does (CONFIG_RULES)."""
+    """The model config.json describes (block_size: n_positions), if GPT-2's code computes it as ours (CONFIG_RULES)."""
     try:
         hf = json.loads(config_file.read_text())
     except (OSError, ValueError) as err:
@@ -821,29 +734,3 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: in
     if TIED_HEAD in tensors and not torch.equal(tensors[TIED_HEAD], tensors[WTE]):
         raise HFError(f"{source}: {TIED_HEAD} differs from {WTE}; this model ties the two")
     return {**state, TIED_HEAD: state[WTE]}
-
-
-ANY = None  # in GPT2_OPTIONS: the GPT-2 layout holds every value of this option (as it does every training-only one)
-
-
-# Each model option (model.GPTConfig) -> the values GPT-2's layout computes. An option not listed (a
-# fork's new one) is GPT-2's only at its default: export and --init_from refuse any other value by
-# name, so a variant is never passed off as GPT-2 nor silently dropped on import.
-GPT2_OPTIONS = {
-    "block_size": ANY,  # n_positions
-    "n_layer": ANY, "n_head": ANY, "n_embd": ANY,
-    "bias": ANY,  # bias-free models export zero biases
-    "activation": ("gelu", "gelu_tanh"),  # activation_function gelu / gelu_new (see ACTIVATIONS)
-}
-
-
-def gpt2_refusals(config: GPTConfig) -> list[str]:
-    """Every option of ``config`` GPT-2's layout cannot compute, as "name value (GPT-2: ...)"; [] if none."""
-    refusals = []
-    for option in fields(config):
-        # A training-only option (dropout, z_loss) changes how the weights were trained, not what they compute.
-        allowed = ANY if option.name in GPTConfig.TRAINING_ONLY else GPT2_OPTIONS.get(option.name, (option.default,))
-        value = getattr(config, option.name)
-        if option.name != "vocab_size" and allowed is not ANY and value not in allowed:
-            refusals.append(f"{option.name} {value!r} (GPT-2 computes {' or '.join(map(repr, allowed))})")
-    return refusals

@@ -1,13 +1,8 @@
-"""Fine-tuning beyond a plain run, imported only by a run that asks: a chat corpus's rows and loss mask, and LoRA.
+"""Fine-tuning, imported only by a run that asks: a chat corpus's rows and loss mask, and LoRA.
 
-A conversation is its markers and its turns' text, as token ids (tokenizer.render; prepare.py writes the corpus):
-
-    <|begin|> <|system|> ... <|end|> <|user|> ... <|end|> <|assistant|> ... <|end|> <|user|> ...
-
-What is learned follows from the ids alone (``learned``): a token is a target when the last marker before it is
-<|assistant|>, that is an assistant's text and the <|end|> that closes it. The prompt, the other roles' turns and
-the padding are targets -1, which the token-normalised loss does not count. Nothing stores the mask, so nothing
-can drift from it.
+A conversation's ids: <|begin|> <|system|> ... <|end|> <|user|> ... <|end|> <|assistant|> ... <|end|> ...
+The mask follows from the ids alone (``learned``), so nothing stores it to drift: a token is a target when the last
+marker before it is <|assistant|> (an assistant's text and its <|end|>); all else, padding too, is target -1.
 """
 from __future__ import annotations
 
@@ -35,7 +30,6 @@ def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
     return (before >= 0) & (tokens[np.maximum(before, 0)] == tokenizer.marker_ids[ASSISTANT])
 
 
-# ----------------------------------------------------------------------------- conversations as rows of a batch
 def check_fit(lengths: np.ndarray, block_size: int, overflow: str, source: tuple[str, list[int]]) -> None:
     """Refuse (or, truncating, count once) the conversations longer than block_size + 1 tokens."""
     long, (path, lines) = np.flatnonzero(lengths > block_size + 1), source
@@ -60,40 +54,24 @@ def conversation_rows(rows: list[np.ndarray], tokenizer, width: int) -> tuple[to
     return x, y  # (B, width) each
 
 
-def chat_source(corpus, split: str) -> tuple[str, list[int]]:
-    """(the .jsonl a chat corpus was made from, each of the split's conversations' line in it)."""
-    return corpus.meta["source"], corpus.meta.get("lines", {}).get(split, [])
-
-
 def val_rows(corpus, tokenizer: ChatTokenizer, block_size: int, overflow: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A chat corpus's fixed val windows: one conversation a row, (N, block_size) each, padded and masked."""
     starts = np.flatnonzero(np.asarray(corpus.val) == tokenizer.marker_ids[BEGIN])
     ends = np.append(starts[1:], len(corpus.val))
-    check_fit(ends - starts, block_size, overflow, chat_source(corpus, "val"))
+    check_fit(ends - starts, block_size, overflow, (corpus.meta["source"], corpus.meta.get("lines", {}).get("val", [])))
     return conversation_rows([corpus.val[s: min(e, s + block_size + 1)] for s, e in zip(starts, ends)], tokenizer,
                              block_size)
 
 
-# -----------------------------------------------------------------------------
-# LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): fine-tune a trained model by
-# freezing it and training, beside some of its Linear layers, a low-rank update B A.
-#
-#     python train.py --init_from gpt2 --lora_rank 8 --out_dir out/lora      # adapters on GPT-2's c_attn
-#     python sample.py --ckpt out/lora                                      # the base again, adapters merged in
-#     python -m scripts.export_hf out/lora hf/lora --peft hf/lora_adapters  # merged model + PEFT's adapters
-#
-# A layer W (out, in) becomes y = W x + scale * B (A (dropout(x))), scale = alpha / rank, with A (rank, in)
-# initialised like PEFT's default (kaiming-uniform, a = sqrt(5): nn.Linear's own init) and B (out, rank) zeros,
-# so the adapted model computes exactly the base at step 0. Only A and B train; a checkpoint holds them, the
-# base's fingerprint (a sha256 of its weights) and where the base came from (init_from), never the base itself,
-# so a resume or a sample imports the base again and refuses one whose fingerprint differs. ``merge`` folds
-# B A into W and gives back a plain GPT; scripts/export_hf.py's ``export_peft`` writes PEFT's files, which
-# ``peft.PeftModel.from_pretrained`` loads onto the base that scripts/export_hf.py writes.
+# ----------------------------------------------------------------------------- LoRA
+# Hu et al. 2021: the trained model frozen, a low-rank update B A trained beside some of its Linear layers
+# (python train.py --init_from gpt2 --lora_rank 8). A checkpoint holds A and B, where the base came from and its
+# fingerprint, never the base: a resume or a sample imports the base again and refuses one that differs.
 ADAPTER_KEYS = (".lora_A.", ".lora_B.", ".lora_rows")  # what marks a trained weight in a state dict (A, B: PEFT's too)
 
 
 class LoRALinear(nn.Module):
-    """A frozen nn.Linear plus a trained low-rank update: y = base(x) + scale * lora_B(lora_A(dropout(x)))."""
+    """A frozen nn.Linear plus a trained low-rank update: y = base(x) + alpha / rank * B(A(dropout(x))) (PEFT's)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
@@ -105,9 +83,8 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's default init of A
         nn.init.zeros_(self.lora_B.weight)  # B A = 0: the base's outputs, exactly, until the first step
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> (..., out)."""
-        return self.base(x) + self.scale * self.lora_B(self.lora_A(self.dropout(x)))  # (..., rank) in between
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., rank) -> (..., out)
+        return self.base(x) + self.scale * self.lora_B(self.lora_A(self.dropout(x)))
 
     def delta(self) -> torch.Tensor:
         """The update as a matrix, scale * B A: (out, rank) @ (rank, in) -> (out, in), W's shape."""
@@ -115,9 +92,8 @@ class LoRALinear(nn.Module):
 
 
 class TrainedRows(nn.Module):
-    """Rows of the frozen wte / lm_head weight (one tied tensor) that train with the adapters: the ids a chat
-    fine-tune added (its role markers, tokenizers.ChatTokenizer), which the base never learnt and a frozen
-    embedding would leave all alike. Lookups and logits both read the weight with these rows in it."""
+    """Rows of the frozen, tied wte / lm_head weight that train with the adapters: a chat fine-tune's new markers,
+    which a frozen embedding would leave all alike. Lookups and logits both read the weight with these rows in it."""
 
     def __init__(self, embedding: nn.Embedding, head: nn.Linear, ids: list[int]):
         super().__init__()
@@ -147,12 +123,8 @@ class TrainedRowsHead(nn.Module):
 
 def add_adapters(model: GPT, rank: int, alpha: float, dropout: float, targets: str | tuple[str, ...],
                  rows: list[int] | tuple[int, ...] = ()) -> GPT:
-    """Freeze every weight of ``model`` and wrap each target Linear of every block in a LoRALinear, in place;
-    the embedding ``rows`` (a chat fine-tune's new markers) train too (TrainedRows).
-
-    The adapters are created on the base's device and draw A's init from the global RNG, so call it at the
-    same point of start-up every time (train.build_run: after the base weights load).
-    """
+    """Freeze ``model`` and wrap each target Linear of every block in a LoRALinear, in place; the embedding ``rows``
+    train too. A's init draws from the global RNG: call it at the same point of start-up every time."""
     names = parse_targets(targets) if isinstance(targets, str) else targets
     for p in model.parameters():
         p.requires_grad_(False)
@@ -160,19 +132,19 @@ def add_adapters(model: GPT, rank: int, alpha: float, dropout: float, targets: s
         for name in names:
             parent, attr = block.get_submodule(name.split(".")[0]), name.split(".")[1]
             setattr(parent, attr, LoRALinear(getattr(parent, attr), rank, alpha, dropout))
-    if rows:  # their logits' rows train too: the weight is tied
+    if rows:
         trained = TrainedRows(model.transformer.wte, model.lm_head, sorted(rows))
         model.transformer.wte, model.lm_head = trained, TrainedRowsHead(trained)
     return model
 
 
 def adapters(model: nn.Module) -> dict[str, LoRALinear]:
-    """Every adapted layer of ``model`` by its module name ("transformer.h.0.attn.c_attn"); {} for a plain GPT."""
+    """Every adapted layer of ``model`` by its module name; {} for a plain GPT."""
     return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' weights only (what a LoRA checkpoint holds as "model"), by their names in ``model``."""
+    """The trained weights only (what a LoRA checkpoint holds as "model")."""
     return {name: t for name, t in model.state_dict().items() if any(key in name for key in ADAPTER_KEYS)}
 
 
@@ -185,13 +157,12 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: 
 
 
 def merge(model: GPT) -> GPT:
-    """A plain GPT computing what the adapted ``model`` computes: each W + scale * B A, adapters gone. A copy:
-    ``model`` keeps its adapters (deepcopy keeps the tied wte / lm_head weight one tensor)."""
+    """A plain GPT computing what the adapted ``model`` does (each W + scale * B A); ``model`` keeps its adapters."""
     return fold(copy.deepcopy(model))
 
 
 def fold(model: GPT) -> GPT:
-    """merge() in place: each LoRALinear replaced by its base Linear with B A folded in; every weight trains again."""
+    """merge() in place; every weight trains again."""
     for name, layer in adapters(model).items():
         parent, attr = name.rsplit(".", 1)
         with torch.no_grad():
@@ -208,9 +179,8 @@ def fold(model: GPT) -> GPT:
 
 
 def base_fingerprint(model: nn.Module) -> str:
-    """sha256 of the base weights (every parameter but the adapters, in model order, as fp32 bytes): the same
-    for the plain base and for it adapted, on any device, and cheap next to importing them. The tied wte /
-    lm_head weight counts once (named_parameters gives a shared tensor once)."""
+    """sha256 of the base weights (every parameter but the adapters, as fp32): the same for the plain base and for it
+    adapted, on any device."""
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
         if not any(key in f".{name}" for key in ADAPTER_KEYS):
@@ -221,8 +191,7 @@ def base_fingerprint(model: nn.Module) -> str:
 
 
 def record(model: GPT, base: str, fingerprint: str) -> dict[str, Any]:
-    """What a LoRA checkpoint says beside its adapters: where the base came from and its fingerprint, and the
-    adapters' shape (rank, alpha, dropout, targets), read from the adapted ``model``."""
+    """What a LoRA checkpoint says beside its adapters: the base and its fingerprint, and the adapters' shape."""
     layers = list(adapters(model).values())
     targets = tuple(dict.fromkeys(name.split(".", 3)[3] for name in adapters(model)))  # "attn.c_attn", in order
     rows = model.transformer.wte.ids.tolist() if isinstance(model.transformer.wte, TrainedRows) else []
@@ -231,7 +200,7 @@ def record(model: GPT, base: str, fingerprint: str) -> dict[str, Any]:
 
 
 def check_base(saved: dict[str, Any], fingerprint: str, where: str) -> None:
-    """Refuse adapters trained on another base than the one loaded now (its fingerprint), in one line."""
+    """Refuse adapters trained on another base than the one loaded now, in one line."""
     if saved["fingerprint"] != fingerprint:
         raise CheckpointError(
             f"{where}: its LoRA adapters were trained on base {saved['base']} (fingerprint "
@@ -240,11 +209,9 @@ def check_base(saved: dict[str, Any], fingerprint: str, where: str) -> None:
 
 
 def load_adapted(state: dict[str, Any], base_model: GPT, where: str = "checkpoint", merged: bool = True) -> GPT:
-    """A LoRA checkpoint's model as a plain GPT: its adapters on ``base_model`` (checked against the saved
-    fingerprint), merged. ``base_model`` is whatever init_from loaded. Footgun: it is consumed (adapted, then
-    merged in place: no copy of a large base), and what comes back is that same module. ``merged=False``: the
-    adapted model as training ran it, whose numbers are training's exactly (W x + B A x rounds otherwise than
-    (W + B A) x, in bf16 in the 5th digit of a val loss: scripts/eval.py)."""
+    """A LoRA checkpoint's adapters on ``base_model`` (checked by fingerprint), merged. Footgun: ``base_model`` is
+    consumed, adapted and merged in place. ``merged=False``: the adapted model, whose numbers are training's exactly
+    (W x + B A x rounds otherwise than (W + B A) x: in bf16 in the 5th digit of a val loss)."""
     saved = state["lora"]
     check_base(saved, base_fingerprint(base_model), where)
     adapted = add_adapters(base_model, saved["rank"], saved["alpha"], saved["dropout"], tuple(saved["targets"]),

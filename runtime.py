@@ -41,7 +41,7 @@ from model import step_bytes
 # ----------------------------------------------------------------------------- files written whole or not at all
 # The bytes go to .NAME.tmp-PID beside NAME, are fsynced, renamed over it, and the folder is fsynced: a kill, crash
 # or full disk leaves the old file or the new one, never half.
-TEMP_MARK = ".tmp-"  # in every temp file's name (checkpoint.remove_stale_temp_files looks for it)
+TEMP_MARK = ".tmp-"  # in every temp file's name (the Checkpointer removes stale ones at start)
 
 
 def temp_path(path: Path) -> Path:

@@ -6,10 +6,9 @@
     python -m scripts.bench --matmul                                  # fp32 / bf16 matmul peak GFLOP/s
     python -m scripts.bench --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
-The step is train.py's own (train.build_run, train.train_step, the run's training stream), so the benchmark measures
-what training runs (tests/test_perf.py: the same losses). Each phase ends with a device sync; warm-up steps are left
-out and medians reported; with --vs both configs are timed in alternating rounds in one process, so load from other
-processes falls on both alike. Measured rows and their commands: docs/notebook/performance.md.
+The step is train.py's own (train.build_run, train.train_step), so it measures what training runs. Each phase ends
+with a device sync; warm-up steps are left out, medians reported; with --vs both configs are timed in alternating
+rounds, so load from other processes falls on both alike. Measured rows: docs/notebook/performance.md.
 """
 from __future__ import annotations
 
@@ -51,10 +50,10 @@ PHASES = ("data", "step")  # drawing the batches; train.train_step (forward, bac
 
 @dataclass
 class Bench:
-    """One config, built exactly as train.py builds it, plus the timings collected for it."""
+    """One config, built as train.py builds it, and its timings."""
     name: str
-    run: Run  # train.build_run's: config, runtime (device, threads: set before each block), model, optimizer, data
-    train_model: torch.nn.Module  # what the forward runs through: compiled as train.py compiles it
+    run: Run  # train.build_run's
+    train_model: torch.nn.Module  # compiled as train.py compiles it
     compile_s: float
     times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     losses: list[float] = field(default_factory=list)  # one per step taken
@@ -63,10 +62,9 @@ class Bench:
 
 
 def build(name: str, cfg: TrainConfig) -> Bench:
-    """The run train.py would build for cfg (train.build_run; init_from: on the base's weights and tokenizer),
-    compiled as train.py compiles it."""
-    cfg, pretrained = start_from(cfg)  # init_from: the base's weights, and the config with the options they fix
-    rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
+    """The run train.py would build for cfg (init_from: on the base's weights and tokenizer), compiled as it does."""
+    cfg, pretrained = start_from(cfg)
+    rt = choose_runtime(cfg)
     run = build_run(cfg, rt, pretrained=pretrained)
     t0 = time.perf_counter()
     train_model = compile_for_step(run.model, run.stream, rt)
@@ -83,7 +81,7 @@ def synced_clock(device: torch.device) -> float:
 
 
 def timed_step(b: Bench) -> None:
-    """One optimizer step of train.py's own train_step, with a synchronised timer around each phase (b.times)."""
+    """One optimizer step of train.train_step, a synchronised timer around each phase (b.times)."""
     cfg, device, step = b.run.cfg, b.run.rt.device, len(b.losses)
     t0 = synced_clock(device)
     batches = [b.run.stream.next() for _ in range(cfg.grad_accum)]
@@ -104,8 +102,7 @@ MATMULS = {torch.ops.aten.mm.default: lambda a, b: 2 * a.numel() * b.size(-1),
 
 
 class MatmulRecorder(TorchDispatchMode):
-    """Every matrix product run under it (forward, backward and the optimizer's): op, inputs' shapes, strides and
-    dtype, so that each can be run again alone."""
+    """Every matrix product run under it (forward, backward, optimizer): op and its inputs' shapes, strides, dtype."""
 
     def __init__(self):
         super().__init__()
@@ -120,10 +117,9 @@ class MatmulRecorder(TorchDispatchMode):
 
 
 def matmul_limit(b: Bench, repeats: int = 5) -> dict:
-    """The step's own matrix products, each run alone on tensors of its shapes, strides and dtype: their time (the
-    median of ``repeats`` passes over all of them), their FLOPs, and the rate those shapes run at on this machine,
-    the limit a step of them approaches when everything between its matmuls costs nothing. A fused kernel's products
-    (SDPA's attention, the fp32 path's) run inside it, unseen by the dispatcher: not among them."""
+    """The step's own matrix products replayed alone on tensors of their shapes: time (median of ``repeats``
+    passes), FLOPs and rate, the limit a step approaches when all between its matmuls costs nothing. A fused
+    kernel's products (SDPA's attention) are unseen by the dispatcher: not among them."""
     recorder = MatmulRecorder()
     with recorder:
         timed_step(b)
@@ -150,7 +146,7 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def peak_memory(device: torch.device) -> int:
-    """Peak bytes: CUDA max_memory_allocated, else the process's peak resident set size (since the last reset)."""
+    """Peak bytes: CUDA max_memory_allocated, else the peak resident set size since the last reset."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     status = Path("/proc/self/status")
@@ -176,8 +172,7 @@ def run(benches: list[Bench], steps: int, warmup: int, rounds: int) -> list[dict
     return [summarise(b) for b in benches]
 
 
-# Where a CPU step's time goes, by what the op does: the first row whose names an op's name (or an enclosing range's,
-# for the optimizer) starts with. Self time only; the step's time the ops leave over is Python's and the dispatcher's.
+# Where a CPU step's time goes: the first row an op's name starts with (self time); the rest is Python's.
 CATEGORIES = (
     ("optimizer", ("Optimizer.step",)),  # everything inside the step of an optimizer, its matmuls (Muon's) too
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation", "mkldnn")),
@@ -192,8 +187,7 @@ CATEGORIES = (
 
 
 def category(event) -> str:
-    """The CATEGORIES row of a profiler event: by its enclosing ranges first (an optimizer's step), then its name; a
-    range that is no op (autograd's nodes and engine) is the dispatcher's."""
+    """The CATEGORIES row of a profiler event: an optimizer's step encloses it, or by its name; no op: Python's."""
     enclosing = event
     while enclosing is not None:
         if enclosing.name.startswith("Optimizer.step"):
@@ -205,8 +199,7 @@ def category(event) -> str:
 
 
 def profile(b: Bench, top: int) -> str:
-    """The torch profiler over 10 steps: the ops that take the most time (CPU, or CUDA on a GPU), then the step's time
-    by CATEGORIES (the CPU's self times, per step, and what is left to Python and the dispatcher)."""
+    """The torch profiler over 10 steps: the ``top`` ops by self time, then the step's time by CATEGORIES."""
     cuda = b.run.rt.device.type == "cuda"
     steps, start = 10, synced_clock(b.run.rt.device)
     with torch.profiler.profile() as prof:  # every activity this machine supports: the CPU's, and CUDA's if any
@@ -290,9 +283,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="also print the torch profiler's top N ops over 10 steps of each config")
     args = parser.parse_args(argv)
     if min(args.steps, args.rounds) < 1 or min(args.warmup, args.threads, args.profile) < 0:
-        parser.error(f"need --steps and --rounds >= 1, --warmup, --threads and --profile >= 0; got --steps "
-                     f"{args.steps}, --rounds {args.rounds}, --warmup {args.warmup}, --threads {args.threads}, "
-                     f"--profile {args.profile}")
+        parser.error("need --steps and --rounds >= 1, and --warmup, --threads and --profile >= 0")
     rounds = min(args.rounds, args.steps) if args.vs else 1  # one config has nothing to alternate with
     print(f"torch {torch.__version__}, {threads_text(torch.get_num_threads())} by default, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -5,9 +5,8 @@
     python -m scripts.compare --config small --time 180 --seeds 3 base: wide:n_embd=192   # equal wall time
     python -m scripts.compare --config tiny --steps 200 --seeds 2 --set batch_size=16 base: drop:dropout=0.1
 
-Each (variant, seed) is train.py's train() in EXP/NAME/seed-N, run round by round, checked before any runs; a rerun
-reuses the finished runs of this code and settings and resumes a stopped one. Writes EXP/results.json, EXP/results.md
-(the printed tables) and EXP/compare.png. Why each choice: docs/experiments.md, "Comparing variants honestly".
+Each (variant, seed) is train.train() in EXP/NAME/seed-N, round by round; a rerun reuses finished runs of this code
+and resumes a stopped one. Writes EXP/results.json, results.md and compare.png. Why: docs/experiments.md.
 """
 from __future__ import annotations
 
@@ -52,17 +51,16 @@ from scripts.bench import parse_overrides
 OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command", "schedule": "--steps/--time",
          "max_iters": "--steps", "max_time": "--time"}
 IGNORED_ON_REUSE = ("out_dir", "resume", "given")  # a moved folder, a resumed run, a setting given: the same run
-RESULT = "result.json"  # written into a run's folder once it has finished: the marker that skips it
-CODE = "code.json"  # written into a run's folder as it starts: the code it runs (code_fingerprint)
+RESULT = "result.json"  # a run's marker that it finished
+CODE = "code.json"  # the code a run runs (code_fingerprint), written as it starts
 NOT_TRAINING_CODE = ("tests", "docs", "scripts")  # folders whose .py files a training run never imports
 STEP_CAP_IN_TIME_MODE = 10**9  # --time without --steps: only the clock ends a run
-SHORT_COMMIT = 7  # hex digits of the commit shown beside a code hash (git's own short form)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a variant's name is a folder name
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One (variant, seed): the overrides that, on top of the preset, make its whole config."""
+    """One (variant, seed): the preset and the overrides that make its config."""
     variant: str
     seed: int
     folder: Path
@@ -120,7 +118,7 @@ def variant_overrides(args, variants: dict[str, dict[str, str]], schedule: dict[
 
 
 def check_flags(args) -> None:
-    """The command's own flags and the variants' names (their overrides are checked by make_plan)."""
+    """The command's own flags and the variants' names."""
     if args.steps is None and args.time is None:
         raise ConfigError("give --steps N (equal steps: the quality answer) or --time S (equal wall time)")
     for flag, value in (("--steps", args.steps), ("--time", args.time)):
@@ -139,11 +137,11 @@ def check_flags(args) -> None:
 
 
 def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
-    """Validate everything the command asks for and lay out its runs; writes nothing. Raises ConfigError.
-    Runs on disk made by other code than ``code`` (code_fingerprint) are not checked: they are trained again."""
+    """Validate the command and lay out its runs; writes nothing. Runs on disk of other ``code`` are not checked
+    (they are trained again)."""
     check_flags(args)
     variants = dict(map(parse_variant, args.variants))
-    if args.time is not None:  # every run's schedule: S seconds of wall clock (--steps a cap), or N steps
+    if args.time is not None:  # S seconds of wall clock (--steps a cap), or N steps
         mode, budget, label = "time", args.time, f"{args.time:g}s"
         schedule = {"schedule": "time", "max_time": args.time, "max_iters": args.steps or STEP_CAP_IN_TIME_MODE}
     else:
@@ -164,8 +162,7 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
 
 
 def saved(folder: Path) -> dict[str, Any]:
-    """The config and code of a run already on disk: a finished one's result.json; a stopped one's last.pt config
-    (None if unreadable: train's resume names the problem) and code.json; None where there is none."""
+    """{"config", "code"} of a run on disk: a finished one's result.json, a stopped one's last.pt and code.json."""
     if (folder / RESULT).is_file():
         return json.loads((folder / RESULT).read_text())
     return {"config": read_config(folder / "last.pt") if (folder / "last.pt").is_file() else None,
@@ -173,8 +170,7 @@ def saved(folder: Path) -> dict[str, Any]:
 
 
 def pin_auto_dtype(runs: list[Run]) -> list[Run]:
-    """dtype=auto decided once for the whole comparison: as a run already on disk was, else by
-    train.py's choice (runtime.choose_runtime) for the first such run's config. Explicit dtypes stay."""
+    """dtype=auto decided once for every run: as a run on disk was, else by choose_runtime for the first."""
     auto = [run for run in runs if run.config().dtype == "auto"]
     if not auto:
         return runs
@@ -189,7 +185,7 @@ def check_reusable(run: Run) -> None:
     if (before := saved(run.folder)["config"]) is None:
         return
     planned = dataclasses.asdict(run.config())
-    # A field the run's config lacks is newer than the run, which had its default then (as a resume reads it).
+    # A field the saved config lacks is newer than the run, which had its default then.
     if changed := [f"{key}: {before.get(key, DEFAULTS[key])!r} there, {value!r} now" for key, value in planned.items()
                    if key not in IGNORED_ON_REUSE and before.get(key, DEFAULTS[key]) != value]:
         raise ConfigError(f"{run.folder} holds a run with other settings ({'; '.join(changed)}); "
@@ -198,20 +194,19 @@ def check_reusable(run: Run) -> None:
 
 # ----------------------------------------------------------------------------- the code a run ran
 def source_files() -> list[str]:
-    """The repo's .py files, tracked or not (a fork's new module), outside NOT_TRAINING_CODE, relative to the repo."""
+    """The repo's .py files, tracked or new (a fork's module), outside NOT_TRAINING_CODE."""
     listed = git("ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py", cwd=REPO).splitlines()
     paths = listed or [str(p.relative_to(REPO)) for p in REPO.rglob("*.py")]
     return sorted(p for p in set(paths) if p.split("/")[0] not in NOT_TRAINING_CODE and (REPO / p).is_file())
 
 
 def code_fingerprint() -> dict[str, str]:
-    """A hash of source_files' contents on disk (edits included; a docs-only commit changes nothing) and the
-    commit, for people to read."""
+    """A hash of source_files' contents on disk (edits included) and the commit, for people to read."""
     digest = hashlib.sha256()
     for path in source_files():
         digest.update(path.encode() + b"\0" + (REPO / path).read_bytes() + b"\0")
-    state = git_state()  # what checkpoints record as versions, short
-    commit = state["git_commit"][:SHORT_COMMIT] or "no git"
+    state = git_state()  # what checkpoints record
+    commit = state["git_commit"][:7] or "no git"
     return {"hash": digest.hexdigest()[:12], "commit": commit + ("+edits" if state["git_dirty"] else "")}
 
 
@@ -222,7 +217,7 @@ def is_stale(run: Run, code: dict[str, str]) -> bool:
 
 
 def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
-    """Move a run on disk made by other code to EXP/stale/HASH/ (kept, out of the tables), saying so."""
+    """Move a run on disk made by other code to EXP/stale/HASH/, saying so."""
     if not is_stale(run, code):
         return
     old = saved(run.folder).get("code")
@@ -236,8 +231,8 @@ def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
 
 # ----------------------------------------------------------------------------- running
 def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
-    """Every run of the plan in order: finished ones of this ``code`` skipped, stopped ones resumed. A signal
-    saves the run and raises RunStopped; a non-finite loss is a result (diverged, nan losses) and the others go on."""
+    """Every run in order, finished ones skipped, stopped ones resumed. A signal raises RunStopped (the run saved); a
+    non-finite loss is a result (diverged) and the others go on."""
     for i, run in enumerate(plan.runs, 1):
         where = f"[{i}/{len(plan.runs)}] {run.variant} seed {run.seed}"
         set_aside_if_stale(run, code, where)
@@ -262,8 +257,7 @@ def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
 
 
 def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str = "") -> None:
-    """The run's final numbers, read from its metrics.jsonl and last.pt, into result.json (the marker). Its
-    parameters are counted as train.py's model line counts them (0 for a run that diverged before its first save)."""
+    """The run's final numbers, from its metrics.jsonl and last.pt, into result.json (the marker)."""
     records = [json.loads(line) for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
     last = run.folder / "last.pt"
     evals = [r for r in records if "val_loss" in r]
@@ -299,8 +293,8 @@ def paired(base: list[float], other: list[float]) -> dict[str, float]:
 
 
 def summarise(plan: Plan, vs: str | None = None) -> dict[str, Any]:
-    """results.json: every run's numbers; per variant the spread, the paired test against ``vs`` (else the
-    first variant) and the speed."""
+    """results.json: every run's numbers; per variant the spread, the paired test against ``vs`` (else the first
+    variant) and the speed."""
     results = {(r.variant, r.seed): json.loads((r.folder / RESULT).read_text()) for r in plan.runs}
     base = vs or next(iter(plan.variants))
     rows = []
@@ -419,7 +413,7 @@ def command_line(argv: list[str]) -> str:
 
 
 def compare(argv: list[str], stop: StopOnSignal) -> dict[str, Any]:
-    """Plan, run, summarise; returns results.json's content. Raises ConfigError before running anything."""
+    """Plan, run, summarise; returns results.json's content."""
     args = build_parser().parse_args(argv)
     t_test()  # scipy missing: say so now, not after an hour of runs
     use_threads(args.threads)  # before planning: dtype=auto's probe times matmuls with them

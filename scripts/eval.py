@@ -6,12 +6,10 @@
     python -m scripts.eval --ckpt out/small --json                 # one JSON object, full precision
     python -m scripts.eval --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights, no checkpoint
 
-By default it scores what training scored (the run's val split and eval_tokens, batch size and precision; a LoRA
-run's adapters unmerged) with the same code, so best.pt's best_val_loss comes back exactly (on the device type it
-was trained on). The run's split is found in data_dir by the fingerprint its checkpoint records, even after its
-text changed or moved (said in a note); a changed text whose run's split is gone is refused, never scored in its
-place. A --data_path file is scored whole, in non-overlapping windows of block_size. Bits per byte divide the same
-nats by the targets' UTF-8 bytes, so they compare a char model with a BPE model. Benchmarks: scripts/harness.py.
+By default it scores what training scored (the run's val split, eval_tokens, batch size and precision; LoRA
+unmerged) with the same code, so best.pt's best_val_loss comes back exactly. The run's split is found by the
+fingerprint its checkpoint records, even after its text moved; a changed text whose split is gone is refused, never
+scored in its place. A --data_path file is scored whole. Bits per byte compare a char model with a BPE model.
 """
 from __future__ import annotations
 
@@ -43,8 +41,7 @@ PRETRAINED_BATCH = 8  # windows per forward for pretrained weights, which have n
 
 
 def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str, bool]:
-    """(inputs, targets) (N, T) each, a description, and whether they are the run's own val split: a text file's
-    text, a prepared folder's val split, or by default the run's."""
+    """(inputs, targets) (N, T) each, a description, and whether they are the run's own val split."""
     cfg = loaded.cfg
     if data_path:
         path = Path(data_path)
@@ -67,8 +64,7 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
 
 
 def split_windows(loaded: Loaded, corpus: Corpus, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str, bool]:
-    """A prepared corpus's val windows, as training makes them (eval_tokens -1: the run's), if its tokens are the
-    model's."""
+    """A prepared corpus's val windows, as training makes them (eval_tokens -1: the run's)."""
     cfg = loaded.cfg
     if corpus.meta["tokenizer"] != loaded.tokenizer.meta():  # say, someone else's tokens at the run's data_path
         raise DataError(f"{corpus.folder} holds tokens of another tokenizer than {loaded.source}'s; "
@@ -81,10 +77,8 @@ def split_windows(loaded: Loaded, corpus: Corpus, eval_tokens: int) -> tuple[tor
 
 
 def run_corpus(loaded: Loaded) -> Corpus:
-    """The corpus whose val split the run scored: the folder in its data_dir with the val fingerprint its checkpoint
-    records, wherever its source went since; else its source's, prepared as training does, if the val split is the
-    same. A source changed or gone is said (the fingerprints, what to pass), never scored in the run's place, and a
-    folder prepared only to find that out is removed again."""
+    """The corpus whose val split the run scored: the folder in data_dir with its recorded val fingerprint, else its
+    source prepared again if its val split is the same. A changed source is refused, its folder removed again."""
     cfg, saved = loaded.cfg, loaded.corpus
     base = without_chat(loaded.tokenizer.meta())  # a chat corpus: in the model's own tokens
     if saved is None:  # GPT-2's weights: the built-in corpus in its tokens
@@ -121,7 +115,7 @@ def run_corpus(loaded: Loaded) -> Corpus:
 
 
 def rescore_hint(source: Path) -> str:
-    """What to pass to score a run's changed source as it is now, where --data_path takes it."""
+    """What to pass to score a run's changed source as it is now."""
     if is_tokenized_folder(source):
         return f"; pass --data_path {source} to score its val split as it is now"
     if is_document_corpus(source):  # eval takes no folder of documents, and a .jsonl is no text to score
@@ -137,9 +131,7 @@ def target_chars(y: torch.Tensor, tokenizer) -> int:
 
 def score(loaded: Loaded, x: torch.Tensor, y: torch.Tensor, data: str, batch_size: int, dtype: torch.dtype,
           device: torch.device) -> dict:
-    """Evaluate exactly as train.py does, plus the counts a reader needs to trust the numbers: val_loss in nats per
-    target token, val_bpb in bits per UTF-8 byte of the targets, the tokens scored, the bytes and characters they
-    decode to (document separators count none). The report, in the order --json prints it."""
+    """Evaluate exactly as train.py does; the report (--json's order) with the tokens, bytes and characters scored."""
     n_bytes, chars = val_byte_count(y, loaded.tokenizer, device), target_chars(y, loaded.tokenizer)
     progress = -(-len(x) // batch_size) >= PROGRESS_BATCHES  # a terminal or a log: someone waits for it
     result = evaluate(loaded.model, x, y, batch_size, device, dtype, n_bytes, progress)
@@ -172,12 +164,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        # On the CPU until the runtime is chosen. A LoRA run unmerged, as training evaluated it: the merged weights
-        # round otherwise, and the logged number would not come back exactly.
+        # LoRA unmerged, as training evaluated it: merged weights round, and the logged number would not come back.
         loaded = (from_pretrained(args.init_from) if args.init_from
                   else from_checkpoint(find_checkpoint(args.ckpt), merged=False))
-        # train.py's choice for the run's config with this --device and --threads, in the run's precision. Eager:
-        # one pass over val would not repay a compile.
+        # train.py's choice for the run's config, in the run's precision; eager: one pass would not repay a compile.
         rt = choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
         loaded.model.to(rt.device)
         x, y, data, runs = eval_windows(loaded, args.data_path, args.eval_tokens)

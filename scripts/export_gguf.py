@@ -3,38 +3,12 @@
     python -m scripts.export_gguf out/tiny tiny.gguf --dtype f16
     python -c "from llama_cpp import Llama; print(Llama('tiny.gguf').tokenize(b'Hello', add_bos=False))"
 
-The weights, the context length (block_size) and the tokenizer, which llama.cpp encodes to our very ids
-(char, bpe and gpt2 runs alike); needs the gguf package (requirements-interop.txt). A model llama.cpp's
-GPT-2 cannot compute (RoPE, RMSNorm, ...) is refused in one line.
-OUT is a new .gguf file, or a GGUF file to replace, never anything else (a checkpoint, a log: hf.check_output);
-an existing folder gets FOLDER/<run>.gguf.
-
-Written with llama.cpp's own ``gguf`` package (imported only to export) as its gpt2 architecture, so the rule of the
-Hugging Face export refuses a model (hf.gpt2_refusals), and the weights are hf.to_hf's under gguf's names, in ggml's
-(out, in) layout: the Conv1D transposes are undone. The head is tied: llama.cpp uses token_embd. The tokenizer is
-a byte-level BPE with GPT-2's pre-tokenizer (our BPEs' split pattern), so llama.cpp makes our ids: a token is named
-by its bytes in GPT-2's printable stand-ins and is NORMAL text, but for the special ids (<|endoftext|>: CONTROL). A
-char vocabulary is such a BPE: a token per character, with merges that join a multi-byte character's bytes (never
-across characters: each starts at a UTF-8 lead byte). Nothing is added to a text, as our encode adds nothing.
-llama.cpp computes GELU in its tanh form from an fp16 table: an exact-GELU model's logits differ a little
-(within tests/test_gguf.py's tolerance), its greedy text does not.
-
-llama.cpp needs two things of a file that our checkpoint does not hold, and gets them here (docs/interop.md measures
-both). An end token: llama.cpp stops a generation at the declared eos (a byte-level BPE's <|endoftext|>), but a char
-vocabulary has none, and its newline there ended every reply at its first line; so a char export adds <|endoftext|>
-after the characters, CONTROL (no text makes it) with an embedding row of zeros (its logit is exactly 0, below every
-character's wherever the model prefers one). And a row of the position table for every position of llama.cpp's
-context: past the table's end llama.cpp aborts the whole process (a GGML_ASSERT in get_rows: a server, with every
-conversation on it), and the table must be as long as the declared context length. So the file declares
-context_rows(block_size) positions, at least CONTEXT_ROWS (llama-cpp-python's default contexts, 512 and its server's
-2048, fit; llama.cpp's own default is the file's): block_size trained rows, then the same rows again in turn.
-Within them a request never crashes a runner, and one past them is refused (llama-cpp-python: context_length_exceeded);
-what the model writes past block_size is near noise, as the docs measure.
-
-A chat model (a ChatTokenizer: finetune.py's markers after its base's ids) carries its conversation format as
-runners read it: the markers are CONTROL tokens (llama.cpp makes them from a rendered template, never from a user's
-text), <|end|> is the end of a turn (eos and eot: llama.cpp ends a reply there, llama-cpp-python's template formatter
-stops at it), and tokenizer.chat_template is the transformers export's template (hf_tokenizer.chat_template).
+Written with llama.cpp's ``gguf`` package (requirements-interop.txt) as its gpt2 architecture: the Hugging Face
+export's weights (a model GPT-2 cannot compute is refused in one line) in ggml's (out, in) layout, and the tokenizer
+as a byte-level BPE, so that llama.cpp makes our ids (char, bpe, gpt2 and chat runs alike). OUT is a new .gguf file,
+or a GGUF file to replace, never anything else; an existing folder gets FOLDER/<run>.gguf. llama.cpp computes GELU in
+its tanh form from an fp16 table: an exact-GELU model's logits differ a little (tests/test_gguf.py), its greedy text
+does not. What llama.cpp needs beyond our checkpoint (an end token, positions past block_size): docs/interop.md.
 """
 from __future__ import annotations
 
@@ -51,24 +25,22 @@ import torch
 
 from checkpoint import LAYER_NORM_EPS, WPE, WTE, find_checkpoint, from_checkpoint, gpt2_refusals, is_transposed
 from config import CommandLine, HFError, TinyGPTError, exit_on, fail, install_hint
-from finetune import BEGIN
 from model import GPT
 from runtime import written_whole
 from scripts.export_hf import bpe_tokens, chat_template, check_output, to_hf
-from tokenizer import BYTE_TEXT, END, EOT_TEXT, ChatTokenizer, bpe_merges, byte_text
+from tokenizer import BEGIN, BYTE_TEXT, END, EOT_TEXT, ChatTokenizer, bpe_merges, byte_text
 
 ARCH = "gpt2"  # llama.cpp's LLM_ARCH_GPT2
 DTYPES = ("f32", "f16", "q8_0")  # how the 2-D weights are stored; norms and biases stay f32
 TOKENIZER_MODEL = "gpt2"  # llama.cpp's name for a byte-level BPE with merges
-PRE_TOKENIZER = "gpt-2"  # GPT-2's split pattern, tiktoken's r50k_pat_str (tokenizers.bpe_pattern)
-# The fewest positions a file declares: no runner's default context is longer (llama-cpp-python's server's is 2048).
-CONTEXT_ROWS = 2048
+PRE_TOKENIZER = "gpt-2"  # GPT-2's split pattern (tokenizer.bpe_pattern)
+CONTEXT_ROWS = 2048  # the fewest positions a file declares: no runner's default context is longer
 N_CTX_ROUNDING = 256  # llama.cpp rounds every context up to a multiple of this (GGML_PAD in llama_context)
 
 
 def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str = "tinygpt") -> int:
     """Write ``model`` and ``tokenizer`` to the GGUF file ``path``; returns the number of tensors. HFError (one
-    line, naming the option) for a model llama.cpp's gpt2 architecture cannot compute."""
+    line) for a model llama.cpp's gpt2 architecture cannot compute."""
     import gguf
 
     refusals = gpt2_refusals(model.config)
@@ -90,16 +62,14 @@ def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str
     return len(tensors)
 
 
-# ----------------------------------------------------------------------------- the weights
 def gguf_tensors(model: GPT, n_tokens: int) -> dict[str, np.ndarray]:
-    """hf.to_hf's weights under llama.cpp's gpt2 names, in (out, in) layout, fp32: the embedding with a row of zeros
-    for each token past the model's vocabulary (a char export's <|endoftext|>), the position table in
-    context_rows(block_size) rows (position_rows)."""
+    """to_hf's weights under llama.cpp's gpt2 names, (out, in), fp32: the embedding with a row of zeros for each
+    token past the model's vocabulary (a char export's <|endoftext|>: logit 0), the positions by position_rows."""
     import gguf
 
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.GPT2, model.config.n_layer)
     out = {}
-    for hf_name, value in to_hf(model).items():  # GPT-2's names, which are ours (hf.NAMES)
+    for hf_name, value in to_hf(model).items():
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:  # a weight gguf's GPT-2 has no place for: never drop it silently
             raise HFError(f"cannot export as GGUF: weight {hf_name} has no name in llama.cpp's gpt2 architecture")
@@ -114,21 +84,19 @@ def gguf_tensors(model: GPT, n_tokens: int) -> dict[str, np.ndarray]:
 
 def context_rows(block_size: int) -> int:
     """The positions a file declares and its table holds: at least CONTEXT_ROWS and block_size, a multiple of
-    N_CTX_ROUNDING, so llama.cpp's context taken from the file (n_ctx 0, rounded up) is never past the table."""
+    N_CTX_ROUNDING, so llama.cpp's context (n_ctx 0, rounded up) never passes the table: past it llama.cpp aborts."""
     return -(-max(CONTEXT_ROWS, block_size) // N_CTX_ROUNDING) * N_CTX_ROUNDING
 
 
 def position_rows(wpe: torch.Tensor) -> torch.Tensor:
-    """The position table (block_size, C) as llama.cpp indexes it: context_rows(block_size) rows, row p being trained
-    row p mod block_size. Any rows would keep llama.cpp from aborting; these cost the least: over the `small` run's
-    val text, cross-entropy past the window was 2.9-3.3 nats with them, 3.5-3.6 with zeros or the last row
-    repeated, 1.53 inside it (docs/interop.md, "Past the window")."""
+    """The position table (block_size, C) in context_rows rows, row p being trained row p mod block_size: the cheapest
+    rows past the window measured (docs/interop.md, "Past the window")."""
     return wpe[torch.arange(context_rows(len(wpe))) % len(wpe)]  # (rows, C)
 
 
 def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
-    """(data, ggml type) of one tensor: 1-D ones (norms, biases) in f32, as llama.cpp's converter keeps
-    them; q8_0 needs rows in blocks of 32 values and falls back to f16 for a matrix whose rows are not."""
+    """(data, ggml type) of one tensor: 1-D ones in f32, as llama.cpp's converter keeps them; q8_0 falls back to f16
+    for a matrix whose rows are not whole blocks of 32."""
     import gguf
 
     types = gguf.GGMLQuantizationType
@@ -139,13 +107,11 @@ def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
     return value.astype(np.float16), types.F16
 
 
-# ----------------------------------------------------------------------------- the tokenizer
 def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
-    """(token names in id order, merges) of the tokenizer as llama.cpp's byte-level BPE: a tiktoken BPE (GPT-2's or
-    our own) as the Hugging Face export names it (tokenizer.py); a char list one token per character,
-    named by its UTF-8 bytes, with each multi-byte character's merges, prefix first, then <|endoftext|> (the end token
-    llama.cpp needs). A chat tokenizer: its base's, then the markers under their own text (CONTROL tokens: llama.cpp
-    matches them only in a rendered template)."""
+    """(token names in id order, merges) as llama.cpp's byte-level BPE: a tiktoken BPE as the Hugging Face export
+    names it; a char list one token per character, named by its UTF-8 bytes, with each multi-byte character's merges,
+    then <|endoftext|>: a char vocabulary has no end token, and llama.cpp ended each reply at its newline. A chat
+    tokenizer: its base's, then the markers under their own text."""
     if isinstance(tokenizer, ChatTokenizer):  # <|end|> ends its replies: a char base's added end token is left out
         tokens, merges = vocabulary(tokenizer.base)
         return [*tokens[:tokenizer.base.vocab_size], *tokenizer.markers], merges
@@ -163,19 +129,15 @@ def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
 
 def write_metadata(writer, model: GPT, tokenizer, tokens: list[str], merges: list[str], dtype: str,
                    name: str) -> None:
-    """The shape llama.cpp builds (context length: the position table's rows, context_rows), then the tokenizer:
-    ``tokens``, their types (the special ids and the tokens past the model's vocabulary are CONTROL: never made from
-    text) and ``merges``. bos is our start id (what an empty prompt begins with: <|endoftext|>, a char model's
-    newline); eos, where llama.cpp ends a generation, is <|endoftext|>, the last token (a char export's own), never
-    text. Either unset, llama.cpp's BPE takes id 11, a character of a char vocabulary. A chat model's conversation
-    starts at <|begin|> (bos, as in the transformers export), its reply ends at <|end|> (eos and eot), and its
-    template is written for the runners that format a conversation (llama-server, llama-cpp-python, Ollama)."""
+    """The shape llama.cpp builds, then the tokenizer: special ids and tokens past the model's vocabulary are CONTROL
+    (never made from text); bos is our start id, eos <|endoftext|> (either unset, llama.cpp takes id 11, a character).
+    A chat model: bos <|begin|>, eos and eot <|end|>, and the transformers export's template."""
     import gguf
 
     config, types = model.config, gguf.LlamaFileType
     writer.add_name(name)
     writer.add_file_type({"f32": types.ALL_F32, "f16": types.MOSTLY_F16, "q8_0": types.MOSTLY_Q8_0}[dtype])
-    writer.add_context_length(context_rows(config.block_size))  # the position table's rows: llama.cpp's n_ctx 0
+    writer.add_context_length(context_rows(config.block_size))
     writer.add_embedding_length(config.n_embd)
     writer.add_feed_forward_length(4 * config.n_embd)
     writer.add_block_count(config.n_layer)
@@ -206,21 +168,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="f32",
                         help="how the matrices are stored: f32 (exact), f16 (half the size), q8_0 (8-bit blocks)")
     args = parser.parse_args(argv)
-    try:  # the paths first: without gguf installed too, and before a checkpoint is loaded
+    try:  # the paths first, then gguf, before a checkpoint is loaded
         path = find_checkpoint(args.run)
         run_name = Path(path).resolve().parent.name
         out = Path(args.out) / f"{run_name}.gguf" if Path(args.out).is_dir() else Path(args.out)
         check_output(out, "output folder", ".gguf")
-    except TinyGPTError as err:  # one line and its exit code (config.py)
-        exit_on(err)
-    try:
-        import gguf  # noqa: F401 - only to say how to get it before a checkpoint is loaded
-    except ImportError:
-        fail(f"the GGUF export writes with llama.cpp's gguf package: {install_hint('gguf')}")
-    try:
+        try:
+            import gguf  # noqa: F401
+        except ImportError:
+            fail(f"the GGUF export writes with llama.cpp's gguf package: {install_hint('gguf')}")
         loaded = from_checkpoint(path)
         count = export_gguf(loaded.model, loaded.tokenizer, out, args.dtype, name=run_name)
-    except TinyGPTError as err:
+    except TinyGPTError as err:  # one line and its exit code
         exit_on(err)
     folder_note = f" ({args.out} is a folder: the file is named for the run)" if out != Path(args.out) else ""
     print(f"exported {path} -> {out}: {count} tensors, {args.dtype}{folder_note}")

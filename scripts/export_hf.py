@@ -3,10 +3,8 @@
     python -m scripts.export_hf out/finetune_shakespeare hf/shakespeare
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf/shakespeare')"
 
-Writes model.safetensors, config.json (GPT2LMHeadModel), generation_config.json (generate() stops at block_size,
-where the positions end) and the tokenizer, which AutoTokenizer loads to our very ids: vocab.json and merges.txt for
-a byte-level BPE, tokenizer.json for a char model (checkpoint.py). docs/interop.md says which tools load the folder
-and what each does past block_size.
+Writes model.safetensors, config.json, generation_config.json and the tokenizer's files, which AutoTokenizer loads
+to our very ids; --peft also PEFT's files of a LoRA run's adapters. Which tools load the folder: docs/interop.md.
 """
 from __future__ import annotations
 
@@ -23,51 +21,24 @@ from typing import Any
 
 import torch
 
-from checkpoint import (
-    ACTIVATIONS,
-    LAYER_NORM_EPS,
-    TIED_HEAD,
-    convert,
-    expand,
-    find_checkpoint,
-    from_checkpoint,
-    gpt2_refusals,
-    load_checkpoint,
-)
+from checkpoint import (ACTIVATIONS, LAYER_NORM_EPS, TIED_HEAD, convert, expand, find_checkpoint, from_checkpoint,
+                        gpt2_refusals, load_checkpoint)
 from config import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on
 from model import GPT, GPTConfig
 from runtime import atomic_write, atomic_write_text, check_writable
-from tokenizer import (
-    ASSISTANT,
-    BEGIN,
-    BPE_FILE,
-    CHAR_UNK,
-    CHARS_FILE,
-    END,
-    EOT_TEXT,
-    ROLES,
-    ChatTokenizer,
-    bpe_merges,
-    byte_text,
-)
-
-# ----------------------------------------------------------------------------- export
-# The first bytes of each file format an export writes, by the name's suffix: the one kind of file it may replace.
-FILE_MAGIC = {".gguf": b"GGUF"}
-
+from tokenizer import (ASSISTANT, BEGIN, BPE_FILE, CHAR_UNK, CHARS_FILE, END, EOT_TEXT, ROLES, ChatTokenizer,
+                       bpe_merges, byte_text)
 
 def check_output(out: Path, flag: str, suffix: str = "") -> None:
-    """Refuse an export's output before anything is loaded or written, where writing would lose something: a folder
-    (``suffix`` "") must be new or empty (a run's checkpoints, another model's files that would load beside ours);
-    a file must be named ``*suffix``, in a folder that exists, and be new or a file of that format (FILE_MAGIC),
-    never a checkpoint, a log or the file the export reads. Then the folder must take a file (check_writable)."""
+    """Refuse an export's output where writing would lose something, before anything is loaded: a folder (``suffix``
+    "") must be new or empty; a file must be named ``*suffix``, in an existing folder, and be new or of that format."""
     folder = out.parent if suffix else out
     if not suffix and out.is_dir() and any(out.iterdir()):
         raise PathError(f"{out} is not empty; export into a new folder (or delete this one first)")
     if suffix and out.suffix != suffix:
         raise PathError(f"{out}: the export writes only *{suffix} files, never over a checkpoint or any other file; "
                         f"pass a name ending in {suffix}")
-    if suffix and out.exists() and not starts_with(out, FILE_MAGIC[suffix]):
+    if suffix and out.exists() and not is_gguf(out):
         raise PathError(f"{out} is not a {suffix} file an export wrote (a checkpoint renamed?), and only such a file "
                         "is replaced; pass a new name (or delete it first)")
     if suffix and not folder.exists():
@@ -75,18 +46,18 @@ def check_output(out: Path, flag: str, suffix: str = "") -> None:
     check_writable(folder, flag, f".export-probe-{os.getpid()}")  # a file where the folder should be, read-only
 
 
-def starts_with(path: Path, magic: bytes) -> bool:
-    """``path`` is a file whose first bytes are ``magic`` (False for a folder, or a file it cannot read)."""
+def is_gguf(path: Path) -> bool:
+    """``path`` is a readable file that starts as a GGUF file does: the one kind of file an export may replace."""
     try:
         with open(path, "rb") as f:
-            return f.read(len(magic)) == magic
+            return f.read(4) == b"GGUF"
     except OSError:
         return False
 
 
 def check_gpt2(model: GPT) -> None:
-    """HFError for a model with an option GPT-2 cannot compute or a weight NAMES lacks: a GPT-2 folder that loads but
-    computes something else is the worst export."""
+    """HFError for a model GPT-2 cannot compute or hold: a GPT-2 folder that loads but computes another model is the
+    worst export."""
     config, state = model.config, model.state_dict()
     refusals = gpt2_refusals(config)
     if refusals:
@@ -98,11 +69,11 @@ def check_gpt2(model: GPT) -> None:
 
 
 def to_hf(model: GPT) -> dict[str, torch.Tensor]:
-    """Our weights in GPT2LMHeadModel's layout (zero biases if bias=False); check_gpt2's refusals first."""
+    """Our weights in GPT2LMHeadModel's layout (zero biases if bias=False), after check_gpt2's refusals."""
     check_gpt2(model)
     config, state = model.config, model.state_dict()
     out = {}
-    for name in expand(config.n_layer):  # bias=False: GPT-2 has every bias, so zeros of the layer's output width
+    for name in expand(config.n_layer):  # bias=False: zeros of the layer's output width
         value = (state[name].detach().float() if name in state
                  else torch.zeros(len(state[name.removesuffix("bias") + "weight"])))
         out[name] = convert(name, value, config.vocab_size, config.block_size).contiguous().clone()  # unshared
@@ -122,8 +93,8 @@ def hf_config(config: GPTConfig, bos: int | None, eos: int | None) -> dict[str, 
 
 
 def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
-    """Write model.safetensors, config.json, generation_config.json (generate() stops at block_size tokens, where the
-    position table ends, not transformers' default 20) and the tokenizer's files to a new ``folder``."""
+    """Write the model, its config and tokenizer to a new ``folder``; generation_config.json stops generate() at
+    block_size, where the positions end (transformers' default is 20 tokens)."""
     from safetensors.torch import save
 
     weights, block_size = to_hf(model), model.config.block_size
@@ -134,9 +105,8 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
         bos, eos = tokenizer.marker_ids[BEGIN], tokenizer.marker_ids[END]
     files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, block_size),
              "generation_config.json": {"bos_token_id": bos, "eos_token_id": eos, "max_length": block_size}}
-    check_output(folder, "output folder")  # scripts/export_hf.py asked before loading; a library caller here
+    check_output(folder, "output folder")  # main() asked before loading; a library caller here
     folder.mkdir(parents=True, exist_ok=True)
-    # Each file whole or absent (files.atomic_write): a kill mid-export never leaves a truncated one to load.
     atomic_write(folder / "model.safetensors", lambda f: f.write(save(weights, metadata={"format": "pt"})))
     for name, content in files.items():
         text = content if isinstance(content, str) else json.dumps(content, indent=1, ensure_ascii=False) + "\n"
@@ -149,10 +119,10 @@ def bpe_tokens(tokenizer) -> list[bytes]:
     return [tokenizer.enc.decode_single_token_bytes(i) for i in range(tokenizer.eot_token)]
 
 
-# ----------------------------------------------------------------------------- writing (export)
+# ----------------------------------------------------------------------------- tokenizer files (read: tokenizer.py)
 def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
-    """Files AutoTokenizer loads to the same ids as ours (file name -> JSON object or text), with our own
-    description beside them (OWN_FILES; GPT-2's needs none) for init_from; a chat tokenizer's markers added."""
+    """File name -> JSON object or text: what AutoTokenizer loads to our ids, with our own description beside it
+    (GPT-2's needs none); a chat tokenizer's markers added."""
     if isinstance(tokenizer, ChatTokenizer):
         return with_markers(tokenizer_files(tokenizer.base, block_size), tokenizer.marker_ids)
     meta = tokenizer.meta()
@@ -164,8 +134,7 @@ def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
 
 
 def bpe_files(tokens: list[bytes], block_size: int) -> dict[str, Any]:
-    """vocab.json, merges.txt and tokenizer_config.json of a byte-level BPE's tokens (then <|endoftext|>): a
-    GPT2Tokenizer, whose split pattern is the one our BPEs use (tokenizers.bpe_pattern)."""
+    """A GPT2Tokenizer's files of a byte-level BPE's tokens (then <|endoftext|>): its split pattern is ours."""
     return {"vocab.json": {byte_text(t): i for i, t in enumerate(tokens)} | {EOT_TEXT: len(tokens)},
             "merges.txt": "#version: 0.2\n" + "\n".join(bpe_merges(tokens)) + "\n",
             "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT,
@@ -174,14 +143,12 @@ def bpe_files(tokens: list[bytes], block_size: int) -> dict[str, Any]:
 
 
 def char_files(tokenizer, block_size: int) -> dict[str, Any]:
-    """tokenizer.json and tokenizer_config.json of a char vocabulary: a BPE with one token per character, no merges,
-    no normaliser and no pre-tokeniser (spaces and newlines are characters like any other), a decoder that joins
-    the tokens as they are, and CHAR_UNK, so that a character outside the vocabulary raises, never vanishes."""
+    """A char vocabulary's files: a BPE with one token per character, no merges, normaliser or pre-tokeniser (spaces
+    and newlines are characters), and CHAR_UNK, so that a character outside the vocabulary raises, never vanishes."""
     model = {"type": "BPE", "dropout": None, "unk_token": CHAR_UNK, "continuing_subword_prefix": None,
              "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
              "vocab": {ch: i for i, ch in enumerate(tokenizer.chars)}, "merges": []}
-    # bos: the newline that starts our samples (config.json's bos_token_id), which lm_eval's hf backend puts
-    # before an empty context. It stays text: the vocabulary's own id, encoded and decoded as a newline.
+    # bos: the newline our samples start from, which lm_eval puts before an empty context; it stays text.
     return {"tokenizer.json": {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
                                "normalizer": None, "pre_tokenizer": None, "post_processor": None,
                                "decoder": {"type": "Fuse"}, "model": model},
@@ -191,10 +158,8 @@ def char_files(tokenizer, block_size: int) -> dict[str, Any]:
 
 
 def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, Any]:
-    """A base tokenizer's files and a chat tokenizer's role markers, as special added tokens (never split,
-    never made from text): in tokenizer.json (char) or tokenizer_config.json's added_tokens_decoder (BPE);
-    and the template (chat_template), so that transformers' apply_chat_template makes our ids. The start token is
-    <|begin|>: transformers skips bos when it decodes a reply, and a char base's (a newline, or a space) is text."""
+    """A base tokenizer's files plus the role markers as special added tokens, and the chat template. bos is
+    <|begin|>: transformers skips bos when it decodes a reply, and a char base's (a newline) is text."""
     added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": True} for text, i in markers.items()]
     files = json.loads(json.dumps(files))  # a copy: the base's files stay as they are
@@ -209,9 +174,8 @@ def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, An
 
 
 def chat_template() -> str:
-    """finetune.py's template as Jinja: apply_chat_template renders the same markers around the same texts. An
-    empty conversation or a role outside ROLES raises, as the data's reading refuses them (finetune.py):
-    raise_exception is the error a template raises, which transformers and llama-cpp-python define (both tested)."""
+    """tokenizer.render as Jinja, for apply_chat_template; an empty conversation or an unknown role raises, as
+    prepare.py refuses them (raise_exception: transformers and llama-cpp-python define it)."""
     known = ", ".join(ROLES)
     roles = "".join(f"{{%- {'elif' if i else 'if'} message['role'] == '{role}' %}}{{{{ '{marker}' }}}}"
                     for i, (role, marker) in enumerate(ROLES.items()))
@@ -225,15 +189,10 @@ def chat_template() -> str:
 PEFT_PREFIX = "base_model.model."  # PeftModel wraps GPT2LMHeadModel: its weights' names gain this prefix
 
 
-# ----------------------------------------------------------------------------- PEFT's format
 def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
-    """A LoRA checkpoint's adapters as PEFT's adapter_config.json and adapter_model.safetensors in ``folder``.
-
-    The weights keep our names under PEFT's prefix, untransposed: PEFT's lora_A / lora_B are nn.Linear layers
-    whatever the base (A (rank, in), B (out, rank), as ours). GPT-2's four matrices are transformers Conv1D
-    layers, (in, out), hence fan_in_fan_out, which transposes only the base weight when PEFT merges. PEFT fills
-    every config field left out with its default.
-    """
+    """A LoRA checkpoint's adapters as PEFT's adapter_config.json and adapter_model.safetensors in ``folder``. Our
+    names under PEFT's prefix, untransposed (PEFT's lora_A / lora_B are nn.Linear, as ours); GPT-2's Conv1D bases
+    are (in, out), hence fan_in_fan_out."""
     from safetensors.torch import save_file
 
     if "lora" not in state:
@@ -254,34 +213,26 @@ def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
     return [config, weights]
 
 
-def check_folders(out: Path, peft: Path | None) -> None:
-    """Every folder the export writes, before anything is loaded or written: each new or empty (hf.check_output),
-    and --peft's apart from OUT (each would be written into the other, half-made when the second is refused)."""
-    check_output(out, "output folder")
-    if peft is None:
-        return
-    a, b = out.resolve(), peft.resolve()
-    if a == b or a in b.parents or b in a.parents:
-        raise PathError(f"--peft {peft} and the output folder {out} overlap; give the adapters a folder of their "
-                        f"own (e.g. {out}-adapters)")
-    check_output(peft, "--peft folder")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="run folder (its best.pt, else last.pt) or a checkpoint file")
     parser.add_argument("out", help="folder to write: a new or an empty one")
     parser.add_argument("--peft", default="", metavar="DIR",
                         help="a LoRA run (--lora_rank): also write its adapters to DIR, a new or an empty folder, in "
-                             "PEFT's format (adapter_config.json, adapter_model.safetensors), for peft.PeftModel on "
-                             "the base")
+                             "PEFT's format, for peft.PeftModel on the base")
     args = parser.parse_args(argv)
     out, peft = Path(args.out), Path(args.peft) if args.peft else None
-    try:
-        check_folders(out, peft)  # before loading anything
+    try:  # every folder it writes, before loading anything: each new or empty, --peft's apart from OUT
+        check_output(out, "output folder")
+        if peft:
+            a, b = out.resolve(), peft.resolve()
+            if a == b or a in b.parents or b in a.parents:
+                raise PathError(f"--peft {peft} and the output folder {out} overlap; give the adapters a folder of "
+                                f"their own (e.g. {out}-adapters)")
+            check_output(peft, "--peft folder")
         path = find_checkpoint(args.run)
         loaded = from_checkpoint(path)
-        check_gpt2(loaded.model)  # hf.export's refusal, before --peft's folder is written
+        check_gpt2(loaded.model)  # export's refusal, before --peft's folder is written
         adapters = export_peft(load_checkpoint(path), peft) if peft else []  # refused before writing
         written = export(loaded.model, loaded.tokenizer, out) + adapters  # a LoRA run's: merged
     except TinyGPTError as err:  # one line and its exit code (config.py)

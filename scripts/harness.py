@@ -4,8 +4,8 @@
     python -m scripts.harness --init_from gpt2 --tasks hellaswag,lambada_openai   # the tasks' data: HF hub
     python -m scripts.harness --ckpt out/gpt2-run --tasks arc_easy --limit 200    # a quick look, not a result
 
-``TinyGPTLM`` is lm_eval's model interface (``TemplateLM``) over our GPT and tokenizer: no export, char models too.
-How it answers each request type: docs/evaluation.md. lm_eval is imported only here (requirements-interop.txt).
+``TinyGPTLM`` is lm_eval's model interface over our GPT and tokenizer: no export, char models too
+(docs/evaluation.md). lm_eval is imported only here (requirements-interop.txt).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ except ImportError:
     fail(f"lm-evaluation-harness is not installed: {install_hint('lm_eval')}")
 
 LOCAL_TASKS = REPO / "scripts" / "harness_tasks"  # the repo's own tasks, found by name like the harness's
-LOCAL_TASK_NAMES = sorted(path.stem for path in LOCAL_TASKS.glob("*.yaml"))  # each file's stem is its task
+LOCAL_TASK_NAMES = sorted(path.stem for path in LOCAL_TASKS.glob("*.yaml"))
 
 
 class TinyGPTLM(TemplateLM):
@@ -51,7 +51,7 @@ class TinyGPTLM(TemplateLM):
 
     def __init__(self, model: GPT, tokenizer, batch_size: int = 8, max_gen_toks: int = 256):
         super().__init__()
-        self.model, self.tok, self._device = model.eval(), tokenizer, next(model.parameters()).device  # LM.device's
+        self.model, self.tok, self._device = model.eval(), tokenizer, next(model.parameters()).device
         self.batch_size, self.max_gen_toks, self.max_length = batch_size, max_gen_toks, model.config.block_size
 
     @property
@@ -64,7 +64,6 @@ class TinyGPTLM(TemplateLM):
         except DataError as err:  # a char model meets a character it never saw
             raise DataError(f"the task's text: {err}; a char model scores only text in its own characters") from None
 
-    # ------------------------------------------------------------------------- scoring
     def _loglikelihood_tokens(self, requests: list[tuple], disable_tqdm: bool = False,
                               **kwargs) -> list[tuple[float, bool]]:
         """(log p(continuation | context), whether greedy decoding gives it) per (key, context, continuation)."""
@@ -110,7 +109,6 @@ class TinyGPTLM(TemplateLM):
             totals.append(total)
         return totals
 
-    # ------------------------------------------------------------------------- generation
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         """Each context's continuation up to (not including) its first stop sequence: greedy unless sampled."""
         outputs = []
@@ -135,7 +133,6 @@ class TinyGPTLM(TemplateLM):
         return outputs
 
 
-# ----------------------------------------------------------------------------- command line
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     add_weights_flags(parser)
@@ -157,8 +154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def task_manager(names: list[str]) -> TaskManager:
-    """The harness's index of tasks: ours alone when they hold every name (indexing all of the
-    harness's thousands of tasks takes seconds), built once per process."""
+    """The harness's task index, once per process: ours alone when they hold every name (indexing all takes seconds)."""
     return index_of_tasks(not set(names) <= set(LOCAL_TASK_NAMES))
 
 
@@ -168,8 +164,7 @@ def index_of_tasks(include_defaults: bool) -> TaskManager:
 
 
 def check_tasks(names: list[str]) -> None:
-    """ConfigError at once, not after a minute of retries, for a task that needs the hub when it cannot be reached
-    (checked first: indexing the harness's tasks takes seconds), or that neither the harness nor LOCAL_TASKS has."""
+    """ConfigError at once (not after a minute of retries) for a task that needs the unreachable hub, or unknown."""
     remote = [name for name in names if name not in LOCAL_TASK_NAMES]
     if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := checkpoint.hub_unreachable("gpt2")):
         raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need their "
@@ -180,17 +175,6 @@ def check_tasks(names: list[str]) -> None:
                           f"`lm_eval ls tasks`, or see {LOCAL_TASKS.relative_to(REPO)}/ for the offline ones")
 
 
-def evaluate_tasks(lm: TinyGPTLM, names: list[str], args: argparse.Namespace) -> dict:
-    """lm_eval's simple_evaluate; a task whose data cannot be fetched (no hub) is one line, not a traceback."""
-    try:
-        return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager(names),
-                                       num_fewshot=args.num_fewshot, limit=args.limit, log_samples=False)
-    except OSError as err:  # ConnectionError included
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"could not load the data of {', '.join(names)} ({first_line}); the harness's tasks "
-                          "download it from the Hugging Face hub; this repo's tasks run offline") from None
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
@@ -198,10 +182,16 @@ def main(argv: list[str] | None = None) -> None:
         check_tasks(names)
         loaded = from_flags(args, pick_device(args.device))
         lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
-        results = evaluate_tasks(lm, names, args)
-    except TinyGPTError as err:  # one line and its exit code (config.py)
+        try:
+            results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager(names),
+                                              num_fewshot=args.num_fewshot, limit=args.limit, log_samples=False)
+        except OSError as err:  # data that cannot be fetched (ConnectionError too): one line, not a traceback
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"could not load the data of {', '.join(names)} ({first_line}); the harness's tasks "
+                              "download it from the Hugging Face hub; this repo's tasks run offline") from None
+    except TinyGPTError as err:  # one line and its exit code
         exit_on(err)
-    stem = "harness-" + "+".join(names)  # by default in the checkpoint's run folder; pretrained weights: out/harness/
+    stem = "harness-" + "+".join(names)  # in the checkpoint's run folder; for pretrained weights in out/harness/
     output = Path(args.output or (Path("out", "harness", f"{Path(loaded.source).name}-{stem}.json")
                                   if loaded.step is None else Path(loaded.source).parent / f"{stem}.json"))
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,7 @@
     python -m scripts.plot out/compare/tiny-200steps --bpb -o cmp.png       # compare.py's variants, seeds as a band
     python -m scripts.plot out/a/seed-1 out/a/seed-2 out/b/seed-1 out/b/seed-2 --labels a a b b
 
-``--ref`` puts fixed points (another project's numbers, say) on the wall-time panel; ``--bpb``'s panel compares runs
-with different tokenizers. Runs with one label (a compare.py variant's seeds) are one group in one colour: their mean
-with a min-max band (train) or bars (val), each final an x.
+Runs with one label (a compare.py variant's seeds) are one group: their mean with a min-max band, each final an x.
 """
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backe
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
-    """(train records, val records) of one metrics.jsonl; a resumed run's repeats keep the last. DataError (naming
-    the file and the line) for a file that is not train.py's metrics.jsonl."""
+    """(train records, val records) of one metrics.jsonl; of a resumed run's repeats the last."""
     train, val = {}, {}
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -58,9 +55,8 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
 
 
 def expand(arg: Path) -> list[tuple[Path, str]]:
-    """(metrics file, default label) of each run an argument names: a metrics file (labelled by its run's folder,
-    VARIANT/seed-N for one of compare.py's runs, so that two variants' seed 1 are not one group; any other .jsonl by
-    its own name), a run folder, or compare.py's experiment folder (every VARIANT/seed-N run, labelled by variant)."""
+    """(metrics file, default label) of each run an argument names: a metrics file (labelled by its run's folder, or
+    VARIANT/seed-N), a run folder, or compare.py's experiment folder (every VARIANT/seed-N run, labelled VARIANT)."""
     metrics = arg if arg.is_file() else arg / "metrics.jsonl"
     run = metrics.parent
     if metrics.is_file() and metrics.name != "metrics.jsonl":
@@ -121,8 +117,7 @@ def draw_group(ax, label: str, color: str, train: list[list[dict]], val: list[li
 
 def plot(paths: list[Path], out: Path, labels: list[str], refs: list[tuple[float, float]] = (),
          ref_label: str = "reference", title: str = "", bpb: bool = False) -> Path:
-    """Write a PNG (loss vs step, loss vs wall time, and with ``bpb`` val bits per byte vs step); return its path.
-    ``labels``: one per path, the runs of a label are one group."""
+    """Write a PNG (loss vs step and wall time; ``bpb``: val bits per byte vs step); the runs of a label are a group."""
     groups = group_runs(paths, labels)
     panels = [("step", "val_loss", "loss (nats/token)"), ("time_s", "val_loss", "")]  # (x, y, y label)
     panels += [("step", "val_bpb", "val bits per byte")] if bpb else []  # runs logged before val_bpb: no points

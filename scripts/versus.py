@@ -3,11 +3,9 @@
     python -m scripts.versus main --config small --threads 1 --rounds 5   # tokens/s, each side's median, the ratio
     python -m scripts.versus HEAD~1 dtype=float32 --threads 1              # KEY=VALUE overrides, among the flags
 
-Each round runs `python -m scripts.bench` once in each tree, one after the other (never at once: they would share the
-cores), the order swapped every round, so that a machine's drift falls on both alike; the other commit runs from a
-`git worktree` made for it in a temporary folder, reading this checkout's data/ cache. Every KEY=VALUE goes to both
-benches (scripts/bench.py's overrides). The ratio is of the medians of the rounds' tokens/s; their min and max are
-printed beside them.
+Each round runs `python -m scripts.bench` in each tree, one after the other, the order swapped every round, so a
+machine's drift falls on both alike; the other commit runs from a temporary `git worktree`, reading this checkout's
+data/. The ratio is of the medians of the rounds' tokens/s.
 """
 from __future__ import annotations
 

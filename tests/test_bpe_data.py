@@ -3,6 +3,7 @@ GPT-2's ranks come from tiktoken's cache or the openai-whisper sdist: one cache 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -132,9 +133,9 @@ def test_doctor_round_trips_each_document_and_still_catches_a_lossy_bpe(tok, cac
     assert not doctor.check_round_trip(LowercasingGPT2(cache), ids).passed
 
 
-@pytest.mark.slow  # the doctor's 15 checks with a 50257-token head: ~40 s on 2 cores
+@pytest.mark.slow  # every doctor check with a 50257-token head: ~40 s on 2 cores
 def test_the_doctor_passes_every_check_on_a_jsonl_corpus(tmp_path, cache, capsys):
     corpus = write_jsonl(tmp_path / "web.jsonl", DOCS * 3)
     argv = tiny_args(tmp_path / "out", corpus, tokenizer="gpt2", val_fraction=0.05, data_dir=cache)
     assert doctor.main(argv) == 0, capsys.readouterr().out
-    assert "15/15 checks passed" in capsys.readouterr().out
+    assert re.search(r"(\d+)/\1 checks passed", capsys.readouterr().out)

@@ -1,4 +1,4 @@
-"""Conversations: the template, the loss mask it implies, their preparation and a fine-tune from a run."""
+"""Conversations: the template, the loss mask it implies, their preparation, and scripts/chat.py."""
 from __future__ import annotations
 
 import io
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, run_script, tiny_args, tiny_model, write_chats
+from conftest import REPO, make_text, run_script, tiny_args, tiny_model, write_chats
 
 import prepare
 from config import ConfigError, DataError, TrainConfig
@@ -94,27 +94,19 @@ def test_rows_hold_one_whole_conversation_padded_and_masked(tmp_path):
     corpus = load_corpus(folder, 16)
     t = tokenizer_from_meta(corpus.meta["tokenizer"])
     stream = Conversations(corpus.train, TrainConfig(batch_size=8, block_size=64), 0, torch.device("cpu"), t)
-    x, y = stream.next()
-    assert (x[:, 0] == t.marker_ids[BEGIN]).all()  # every row begins a conversation
-    for xi, yi in zip(x, y):
-        ends = (xi == t.marker_ids[BEGIN]).nonzero()
-        assert len(ends) == 1  # and holds no second one
-    x_val, y_val = eval_windows(corpus, t, 64)
-    assert x_val.shape == (10, 64) and (x_val[:, 0] == t.marker_ids[BEGIN]).all()  # 40 conversations, every 4th val
-    assert corpus.meta["lines"]["val"] == [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]
-    assert ((y_val != -1).sum(1) > 0).all()  # each val conversation is scored on its reply
+    x, _ = stream.next()
+    assert ((x == t.marker_ids[BEGIN]).sum(1) == 1).all() and (x[:, 0] == t.marker_ids[BEGIN]).all()
+    assert corpus.meta["lines"]["val"] == [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]  # 40 conversations, every 4th val
 
 
 def test_conversations_and_documents_split_alike_at_every_two_decimal_val_fraction(tmp_path):
-    """One rule: at val_fraction 0.01 ... 0.99 the first 3,000 conversations go to val where the first 3,000
-    documents do (a rule of their own split 12 of these apart: 0.07, 0.14, 0.17, ...). Each side is its
-    preparation's own split: prepare_conversations' split_indices, and the documents' streaming writer."""
+    """One rule: at val_fraction 0.01 ... 0.99 conversations go to val where documents do (prepare_conversations'
+    split_indices, the documents' streaming writer); a rule of their own split 12 of these apart."""
     docs = [np.array([i], dtype=np.uint16) for i in range(3000)]  # document i is the one token i
     for k in range(1, 100):
         prepare.write_splits(iter(docs), tmp_path, k / 100)
         val_documents = np.fromfile(tmp_path / "val.bin", dtype=np.uint16).tolist()
         assert split_indices(len(docs), k / 100)["val"] == val_documents, k / 100
-
 
 
 def test_a_bpe_for_conversations_is_trained_on_the_train_conversations_only(tmp_path):
@@ -138,6 +130,7 @@ def test_one_file_at_two_val_fractions_makes_two_corpora_each_with_its_own_split
         assert (np.asarray(corpus.val) == corpus.meta["vocab_size"] - 5).sum() == len(val_lines)  # <|begin|>s
     assert len(list((tmp_path / "data").iterdir())) == 2
 
+
 def test_python_m_prepare_prepares_conversations_as_train_py_does(tmp_path):
     """Before, `python -m scripts.prepare --data_path chats.jsonl` read the lines as documents ("text" fields)."""
     path = write_chats(tmp_path / "chats.jsonl", n=12)
@@ -147,25 +140,9 @@ def test_python_m_prepare_prepares_conversations_as_train_py_does(tmp_path):
     assert json.loads((folder / "meta.json").read_text())["format"] == "conversations"
 
 
-def test_a_conversation_longer_than_the_context_is_refused_naming_its_line_or_cut_when_asked(tmp_path, capsys):
-    path = write_chats(tmp_path / "chats.jsonl", n=9)
-    with open(path, "a") as f:
-        f.write(json.dumps({"prompt": "a long one", "completion": "the king " * 20}) + "\n")
-    corpus = load_corpus(prepare_conversations(path, tmp_path / "data", "char", 0.25), 16)
-    t = tokenizer_from_meta(corpus.meta["tokenizer"])
-    with pytest.raises(DataError, match=r"chats.jsonl:10: a conversation of 195 tokens .* --chat_overflow truncate"):
-        Conversations(corpus.train, TrainConfig(batch_size=2, block_size=64), 0, torch.device("cpu"), t,
-                      source=(corpus.meta["source"], corpus.meta["lines"]["train"]))
-    stream = Conversations(corpus.train, TrainConfig(batch_size=2, block_size=64, chat_overflow="truncate"), 0,
-                           torch.device("cpu"), t)
-    assert "1 of 7 conversations cut at block_size + 1 = 65 tokens" in capsys.readouterr().out
-    assert all(stream.next()[0].shape[1] <= 64 for _ in range(8))
-
-
-
 @pytest.mark.parametrize("overflow", ["refuse", "truncate"])
 def test_a_conversation_of_block_size_plus_one_tokens_trains_whole_and_one_more_does_not(overflow, capsys):
-    """The limit is inclusive: T + 1 tokens make one row of T inputs and T targets, the last the final <|end|>."""
+    """Inclusive: T + 1 tokens make one row of T inputs and T targets, the last the final <|end|>."""
     t, cpu, cfg = tok(), torch.device("cpu"), TrainConfig(batch_size=2, block_size=16, chat_overflow=overflow)
     short = render(t, conversation("hi", "ay"))
     for reply, fits in [("abcdefghij", True), ("abcdefghijk", False)]:  # 5 markers + 2 + 10 = 17 = 16 + 1 tokens
@@ -196,24 +173,22 @@ def test_the_val_windows_score_exactly_the_learned_tokens_of_the_val_conversatio
     assert (x[:, 0] == t.marker_ids[BEGIN]).all() and len(x) == len(val)
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_each_ddp_rank_draws_its_own_conversations_in_its_own_generators_epoch_order(tiny_cfg, tmp_path, rank):
+def test_each_ddp_rank_draws_its_own_conversations_in_its_own_generators_epoch_order(tiny_cfg, tmp_path):
     cfg = tiny_cfg(data_path=str(write_chats(tmp_path / "chats.jsonl")), block_size=64)
     corpus = corpus_for(cfg)
     t = tokenizer_from_meta(corpus.meta["tokenizer"])
-    torch.manual_seed(rank)  # the global RNG plays no part
-    stream = training_stream(cfg, corpus, t, rank, torch.device("cpu"))
-    other = training_stream(cfg, corpus, t, 1 - rank, torch.device("cpu"))
-    n = len(stream.starts)
-    assert stream.order.tolist() == torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + rank)).tolist()
-    assert stream.order.tolist() != other.order.tolist()
-    assert not torch.equal(stream.next()[0], other.next()[0])
-    assert n == len(corpus.meta["lines"]["train"])  # the train conversations, never the val ones
+    torch.manual_seed(7)  # the global RNG plays no part
+    streams = [training_stream(cfg, corpus, t, rank, torch.device("cpu")) for rank in (0, 1)]
+    n = len(corpus.meta["lines"]["train"])  # the train conversations, never the val ones
+    for rank, stream in enumerate(streams):
+        expected = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + rank))
+        assert stream.order.tolist() == expected.tolist()
+    assert streams[0].order.tolist() != streams[1].order.tolist()
+    assert not torch.equal(streams[0].next()[0], streams[1].next()[0])
 
 
 def test_a_refusal_names_a_line_of_its_own_split(tiny_cfg, tmp_path):
-    """At block_size 16 some train and some val conversations are too long: each split's refusal names one of its
-    own lines."""
+    """At block_size 16 some train and some val conversations are too long: each refusal names a line of its split."""
     cfg = tiny_cfg(data_path=str(write_chats(tmp_path / "chats.jsonl")), block_size=16)
     corpus = corpus_for(cfg)
     t = tokenizer_from_meta(corpus.meta["tokenizer"])
@@ -222,6 +197,8 @@ def test_a_refusal_names_a_line_of_its_own_split(tiny_cfg, tmp_path):
         with pytest.raises(DataError, match=r"chats.jsonl:\d+: a conversation") as refusal:
             refuse()
         assert int(str(refusal.value).split(":")[1]) in corpus.meta["lines"][split]
+        assert "--chat_overflow truncate" in str(refusal.value)
+
 
 BAD_LINES = {
     "not JSON": ("{oops", "not JSON"),
@@ -278,7 +255,7 @@ def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_s
     result = chat(chat_run, ["the king", "sweet lord", "fair day", "love", "the night"], "--system", "the lord")
     assert result.returncode == 0, result.stderr
     out = result.stdout.splitlines()
-    assert out[0].startswith("# a conversation")  # it says which of its two modes it is in
+    assert out[0].startswith("# a conversation")  # which of its two modes it is in
     replies = [line for line in out[1:] if not line.startswith("(")]
     assert len(replies) == 5  # one reply a turn, each ended at its <|end|> (or the window)
     assert not any("<|" in line for line in replies)  # no marker is ever printed
@@ -286,7 +263,6 @@ def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_s
 
 
 def test_a_system_prompt_that_cannot_fit_is_refused_at_the_start_in_one_line_exit_2(chat_run):
-    """Not at every turn, blaming each message, exit 0: the talk never starts, nothing is generated."""
     result = chat(chat_run, ["the king", "love"], "--system", "the king " * 12)  # 111 tokens; block_size 64
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "111" in result.stderr and "--system" in result.stderr
@@ -304,41 +280,27 @@ def test_the_longest_system_prompt_accepted_is_the_room_the_refusal_names():
 
 @pytest.mark.slow  # ~5 s: a fresh interpreter
 def test_a_system_prompt_for_a_model_without_markers_is_refused_in_one_line_exit_2(tmp_path, text_file):
-    """A text model has no conversation to hold (scripts.chat continues each prompt instead): --system is refused."""
     run_script("train.py", *tiny_args(tmp_path / "out", text_file, max_iters=2, eval_interval=2))
     result = chat(tmp_path / "out", ["hi"], "--system", "the lord")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1 and "--system" in result.stderr
 
 
-def test_a_dialogue_drops_the_oldest_turns_never_the_system_prompt():
-    t = tok()
-    dialogue = chat_script.Dialogue(t, block_size=40, room=10, system="be kind")
-    first = dialogue.prompt("hello there")
-    dialogue.reply("yes")
-    assert dialogue.dropped == 0 and first == render(t, [("system", "be kind"), ("user", "hello there")], reply=True)
-    ids = dialogue.prompt("and now")
-    assert dialogue.dropped >= 1 and len(ids) <= 30
-    assert ids[:3] == render(t, [("system", "be kind")])[:3]  # <|begin|><|system|>b...: the system prompt stays
+def test_a_dialogue_keeps_every_turn_while_its_prompt_fits_then_drops_the_oldest_never_the_system_prompt():
+    turns = [("system", "be kind"), ("user", "hi"), ("assistant", "yes"), ("user", "and now")]
+    full = render(tok(), turns, reply=True)
+    for spare, dropped in [(0, 0), (-1, 1)]:  # the prompt exactly block_size - room long fits
+        dialogue = chat_script.Dialogue(tok(), block_size=len(full) + 10 + spare, room=10, system="be kind")
+        dialogue.prompt("hi")
+        dialogue.reply("yes")
+        assert dialogue.prompt("and now") == render(tok(), turns[:1] + turns[1 + dropped:], reply=True)
+        assert dialogue.dropped == dropped
     with pytest.raises(DataError, match="say it shorter"):
         dialogue.prompt("the king " * 5)
 
 
-
-def test_a_dialogue_keeps_every_turn_while_its_prompt_fits_and_drops_the_oldest_only_when_not():
-    turns = [("user", "hi"), ("assistant", "yes"), ("user", "and now")]
-    full = render(tok(), turns, reply=True)
-    for spare, dropped in [(0, 0), (-1, 1)]:  # the prompt exactly block_size - room long fits
-        dialogue = chat_script.Dialogue(tok(), block_size=len(full) + 10 + spare, room=10)
-        dialogue.prompt("hi")
-        dialogue.reply("yes")
-        assert dialogue.prompt("and now") == render(tok(), turns[dropped:], reply=True)
-        assert dialogue.dropped == dropped
-
-
 class ScriptedModel(torch.nn.Module):
-    """Answers each forward with the next id of ``script`` (then ``filler`` forever), whatever it is given; keeps
-    every input, so a test sees each prompt the chat loop built."""
+    """Answers each forward with the next id of ``script`` (then ``filler``); keeps every input it is given."""
 
     def __init__(self, script: list[int], filler: int, vocab_size: int, block_size: int):
         super().__init__()
@@ -369,9 +331,10 @@ def test_chat_ends_a_reply_at_any_marker_shows_none_of_it_and_keeps_the_real_rep
     assert t.decode(prompts[0]) == "<|begin|><|user|>hi<|end|><|assistant|>"
     assert prompts == [render(t, turns[:k], reply=True) for k in (1, 3, 5)]
 
+
 def test_a_refused_turn_is_only_that_turn_and_the_talk_goes_on(monkeypatch, capsys):
-    """A message with characters outside the vocabulary, then one too long even alone: each is refused in one line,
-    and the next turn's prompt is the conversation before them, whole (no turn dropped, nothing said of it)."""
+    """A message with characters outside the vocabulary, then one too long alone: each refused in one line; the next
+    prompt is the conversation before them, whole."""
     t = tok()
     a, b, c = (t.encode(ch)[0] for ch in "abc")
     model = ScriptedModel([a, b, t.marker_ids[END], a, c, t.marker_ids[END]], filler=c, vocab_size=t.vocab_size,
@@ -399,22 +362,7 @@ def test_the_dropping_note_comes_with_the_first_drop_and_names_a_system_prompt_o
     assert out[2].startswith("(") and ("system prompt" in out[2]) == bool(system)
 
 
-def test_chat_caps_a_reply_at_max_new_tokens_as_a_sample_is_capped(monkeypatch, capsys):
-    """--max-new-tokens means the same in every mode: a reply that would run on to the window's end stops after that
-    many tokens (llama.cpp's max_tokens, the same request), and the next prompt holds the reply as it was cut."""
-    t = tok()
-    d = t.encode("d")[0]
-    model = ScriptedModel([], filler=d, vocab_size=t.vocab_size, block_size=64)  # never ends a reply by itself
-    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nyo\n"))
-    chat_script.converse(model, t, chat_script.parse_args(["--temp", "0", "--max-new-tokens", "5"]), torch.Generator())
-    assert capsys.readouterr().out.splitlines() == ["ddddd", "ddddd"]
-    turns = [("user", "hi"), ("assistant", "ddddd"), ("user", "yo")]
-    assert model.inputs[5] == render(t, turns, reply=True)  # the second turn's first forward
-
-
 def base_tokenizer_of(kind: str, cache: Path):
-    from conftest import make_text
-
     from tokenizer import GPT2Tokenizer, train_bpe
     if kind == "char":
         return CharTokenizer(CHARS)
@@ -424,7 +372,6 @@ def base_tokenizer_of(kind: str, cache: Path):
 @pytest.mark.interop  # transformers
 @pytest.mark.parametrize("kind", ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)])
 def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
-    """AutoTokenizer.apply_chat_template on the export renders the same markers around the same texts: our ids."""
     transformers = pytest.importorskip("transformers")
     import checkpoint
     t = chat_tokenizer(base_tokenizer_of(kind, tmp_path / "cache"))
@@ -437,14 +384,13 @@ def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     assert theirs.apply_chat_template(as_dicts, add_generation_prompt=True, tokenize=True, return_dict=False) == \
         render(t, messages, reply=True)
     assert theirs.decode(render(t, messages)) == t.decode(render(t, messages))  # markers decode as their text
-    # A reply decodes as its text: transformers skips the special tokens, bos among them, which a char base's
-    # newline was (its text lost its newlines). Now bos is <|begin|>.
+    # Bug caught: transformers skips bos when it decodes, and a char base's bos (a newline) is text. Now <|begin|>.
     assert theirs.decode(render(t, messages), skip_special_tokens=True) == "".join(text for _, text in messages)
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["eos_token_id"] == t.marker_ids[END]  # generate() stops where our chat stops
     assert config["bos_token_id"] == t.marker_ids[BEGIN] == theirs.bos_token_id
-    with pytest.raises(Exception, match="role narrator is not one of system, user, assistant"):  # as finetune.py
-        theirs.apply_chat_template([{"role": "narrator", "content": "hi"}], tokenize=False)  # refuses one in data
+    with pytest.raises(Exception, match="role narrator is not one of system, user, assistant"):  # as prepare.py
+        theirs.apply_chat_template([{"role": "narrator", "content": "hi"}], tokenize=False)
     # --init_from reads it back as the chat tokenizer it is (it was refused: "a char list of 84 tokens for 89")
     assert checkpoint.load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
 

@@ -1,9 +1,6 @@
-"""A chat model where people talk to models (issue 46): one conversation, one greedy reply, everywhere. Tiny chat runs
-of each tokenizer kind, trained here; `python -m scripts.chat --temp 0` gives the reference, then llama.cpp on the GGUF
-export (llama-cpp-python's Llama, and its OpenAI-compatible server asked by the official openai client, streamed and
-not) and transformers' text-generation pipeline on the Hugging Face export must give the same text. Localhost only,
-one server per kind, each started within SERVER_START_S and stopped whatever happens.
-"""
+"""One conversation, one greedy reply, everywhere (issue 46): `python -m scripts.chat --temp 0` on tiny chat runs, then
+llama.cpp on the GGUF export (Llama, and its OpenAI-compatible server via the openai client) and transformers' pipeline
+on the Hugging Face export must give the same text. Localhost only; every server is stopped whatever happens."""
 from __future__ import annotations
 
 import io
@@ -29,13 +26,9 @@ from tokenizer import render
 pytestmark = [pytest.mark.interop, pytest.mark.slow]  # llama.cpp, its server, openai, transformers; ~1 min in all
 SYSTEM, USERS = "the lord", ["the king", "sweet lord"]  # a system prompt and two user turns
 KINDS = ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)]  # gpt2: the ranks come from PyPI once
-# Steps enough that a reply ends at <|end|> (the char model's second runs to the window's end: both ways are tested);
-# GPT-2's vocabulary of 50,262 rows makes its steps ten times slower.
-STEPS = {"char": 400, "bpe": 400, "gpt2": 100}
+STEPS = {"char": 400, "bpe": 400, "gpt2": 100}  # enough that replies end at <|end|> (or, char's second, the window)
 SERVER_START_S = 90  # a loaded 2-core machine imports the server and maps the model in ~5 s
-# llama_cpp.server's request default is repeat_penalty 1.1, which changes a greedy reply; OpenAI's API has no such
-# knob, so the client sends llama.cpp's own field beside the standard ones (docs/finetuning.md, "Talk to it").
-PLAIN_GREEDY = {"repeat_penalty": 1.0}
+PLAIN_GREEDY = {"repeat_penalty": 1.0}  # llama_cpp.server's default 1.1 changes a greedy reply
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +45,7 @@ def openai():
 
 @pytest.fixture(scope="module")
 def chat_runs(tmp_path_factory):
-    """Factory: a tiny chat model of the tokenizer kind trained from scratch on conversations, once, and its GGUF
-    (f32) and Hugging Face exports: (run folder, .gguf, HF folder)."""
+    """Factory: a tiny chat run of the tokenizer kind, trained once: (run folder, .gguf, HF folder)."""
     root = tmp_path_factory.mktemp("chats")
     chats = write_chats(root / "chats.jsonl", n=200)
     made = {}
@@ -79,8 +71,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served(chat_runs, llama_cpp, openai):
-    """Factory: `python -m llama_cpp.server` on a kind's GGUF at a free localhost port (its context: the model's,
-    --n_ctx 0), and an openai client of it; every server started is stopped at the end of the module."""
+    """Factory: an openai client of `python -m llama_cpp.server` on a kind's GGUF at a free localhost port."""
     servers, started = {}, []
     try:
         def serve(kind: str):
@@ -108,7 +99,6 @@ def served(chat_runs, llama_cpp, openai):
 
 
 def wait_until_up(proc: subprocess.Popen, url: str, log: Path) -> None:
-    """Poll ``url`` until it answers, the server exits (fail with its log's end) or SERVER_START_S pass."""
     deadline = time.monotonic() + SERVER_START_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -150,9 +140,8 @@ def conversation(replies: list[str]) -> list[list[dict]]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_conversation_gets_our_greedy_reply_from_llama_cpp_its_server_and_transformers(
         chat_runs, served, llama_cpp, kind, monkeypatch, capsys):
-    """Each reply of scripts.chat --temp 0, asked again of every runner with the same messages (our earlier
-    replies as the assistant's turns): llama.cpp renders the GGUF's template to our ids, and all answer the same text,
-    ending where ours ends (<|end|>: "stop", or the window: "length"), never showing a marker."""
+    """Each reply of scripts.chat, asked again of every runner with the same messages: llama.cpp renders the GGUF's
+    template to our ids, and all answer the same text, ending where ours ends (<|end|>, or the window)."""
     transformers = pytest.importorskip("transformers")
     run, gguf_file, hf_folder = chat_runs(kind)
     replies = ours(run, monkeypatch, capsys)
@@ -187,14 +176,12 @@ def test_one_conversation_gets_our_greedy_reply_from_llama_cpp_its_server_and_tr
 
 
 def test_the_server_answers_a_malformed_conversation_with_its_own_error(served, openai):
-    """An unknown role (refused by the server's request check) and an empty message list (by the template's
-    raise_exception) get the server's error, not a reply."""
+    """An unknown role (the server's check) and an empty message list (the template's) get an error, not a reply."""
     client = served("char")
     with pytest.raises(openai.APIStatusError) as unknown:
         client.chat.completions.create(model="any", messages=[{"role": "narrator", "content": "the king"}])
     with pytest.raises(openai.APIStatusError) as empty:
         client.chat.completions.create(model="any", messages=[])
-    # llama_cpp.server answers every failure as HTTP 500 with its message: its request check's, and the template's
     assert (unknown.value.status_code, empty.value.status_code) == (500, 500)
     assert "validation errors" in unknown.value.message
     assert "no messages: a conversation needs a turn" in empty.value.message
@@ -202,10 +189,8 @@ def test_the_server_answers_a_malformed_conversation_with_its_own_error(served, 
 
 def test_a_conversation_longer_than_the_window_is_answered_or_refused_and_the_server_answers_the_next(
         chat_runs, served, openai):
-    """Past block_size (128) llama.cpp once aborted its process, the server's: now the file's position table has
-    CONTEXT_ROWS rows and the server's context (--n_ctx 0) is the file's. A conversation past the window gets a reply
-    cut at max_tokens (near noise past the window: docs/finetuning.md); one past the server's context gets OpenAI's
-    context_length_exceeded; and the next request gets the reply it got before. scripts.chat drops old turns."""
+    """Bug caught: past block_size llama.cpp aborted the server's process. Now a conversation past the window gets a
+    reply, one past the file's CONTEXT_ROWS OpenAI's context_length_exceeded, and the server answers the next."""
     client = served("char")
 
     def ask(content: str):

@@ -1,6 +1,5 @@
-"""scripts/compare.py on tiny runs: a clearly worse variant comes out significant, identical variants
-tie exactly, a rerun trains nothing, a stopped comparison resumes to the very same numbers, and bad
-input is one line before anything is run or written."""
+"""scripts/compare.py on tiny runs: a worse variant is significant, identical ones tie exactly, a rerun trains
+nothing, a stopped comparison resumes to the same numbers, stale runs are retrained, bad input is one line."""
 from __future__ import annotations
 
 import json
@@ -114,9 +113,8 @@ def test_runs_saved_before_a_config_field_existed_are_reused(finished, tmp_path,
 
 
 def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finished, tmp_path, monkeypatch):
-    """SIGINT (simulated: the flag its handler sets, raised at step 15 of seed 2) saves that run and
-    stops the comparison with 130; the same command then reuses seed 1 and resumes seed 2. The
-    numbers are those of the comparison that was never stopped, to the last bit."""
+    """SIGINT at step 15 of seed 2 saves that run and exits 130; the same command then reuses seed 1 and resumes
+    seed 2, to the numbers of the comparison never stopped, bit for bit."""
     root, unstopped = finished
     command = argv(root / "corpus.txt", tmp_path / "exp", "base:", seeds=2)
     stop, get_lr = StopOnSignal(install=False), train.get_lr
@@ -141,11 +139,8 @@ def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finish
 
 
 def test_time_mode_gives_every_run_the_same_wall_clock(finished, tmp_path, monkeypatch):
-    """--time S: every run trains until its clock reaches S, evals and saves included, then ends with an
-    eval. On a clock where a step takes 0.25 s and an eval 0.5 s, 2 s is steps 1-4, the eval at step 4
-    (eval_interval 4), steps 5-6 and the final eval, for every seed. (On a real clock the budget may run
-    out inside an eval, whose record then says a little under S: that eval is the final one, and
-    asserting time_s >= S raced the machine's speed.)"""
+    """--time S: every run trains until its clock (evals included) reaches S, then ends with an eval. With 0.25 s
+    steps and 0.5 s evals, 2 s is steps 1-4, the eval at step 4, steps 5-6 and the final eval, for every seed."""
     root, _ = finished
     step_clock(monkeypatch, step_s=0.25, eval_s=0.5)
     command = argv(root / "corpus.txt", tmp_path / "exp", "base:", seeds=2, budget=("--time", "2"))
@@ -220,26 +215,22 @@ def test_dtype_auto_is_decided_once_for_every_run(tmp_path, text_file, monkeypat
     (["a:", "b:"], ["--vs", "c"], "--vs c names no variant; the variants are a, b"),
     (["a:"], ["--set", "n_layr=3"], "unknown config key `n_layr` in the overrides; did you mean `n_layer`?"),
     ([], [], "no variants"),
+    (["a:"], ["--no-budget"], "give --steps N (equal steps: the quality answer) or --time S"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, text_file, capsys, variants, extra, message):
+    budget = () if extra == ["--no-budget"] else ("--steps", str(STEPS))
     with pytest.raises(SystemExit) as stopped:
-        compare.main(argv(text_file, tmp_path / "exp", *variants, data=tmp_path / "data") + extra)
+        compare.main(argv(text_file, tmp_path / "exp", *variants, budget=budget, data=tmp_path / "data")
+                     + [flag for flag in extra if flag != "--no-budget"])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]  # no experiment folder, no data cache
 
 
-def test_without_a_budget_it_asks_for_steps_or_time(tmp_path, text_file, capsys):
-    with pytest.raises(SystemExit) as stopped:
-        compare.main(argv(text_file, tmp_path / "exp", "a:", budget=()))
-    assert stopped.value.code == 2 and "give --steps N" in capsys.readouterr().err
-
-
 def test_runs_made_by_other_code_are_trained_again_and_set_aside(finished, tmp_path, monkeypatch, capsys):
-    """The forker's loop is: edit, rerun the same command. Before, every run came back "finished earlier,
-    reusing" with the old numbers: results of code that no longer existed. Now a run whose code fingerprint
-    differs is moved to EXP/stale/ and trained again, with one line saying why."""
+    """Edit, rerun the same command: a run whose code fingerprint differs is moved to EXP/stale/ and trained again,
+    with one line saying why (before, the old numbers came back as "finished earlier")."""
     root, summary = finished
     shutil.copytree(root / "exp", tmp_path / "exp")
     old_code = json.loads((tmp_path / "exp" / "base" / "seed-1" / "result.json").read_text())["code"]
@@ -295,6 +286,5 @@ def test_the_code_fingerprint_follows_the_training_sources_and_nothing_else(tmp_
                                            ({"git_commit": "0123456789abcdef", "git_dirty": True}, "0123456+edits"),
                                            ({"git_commit": "", "git_dirty": False}, "no git")])
 def test_the_commit_beside_the_code_hash_is_the_one_checkpoints_record(monkeypatch, state, commit):
-    """One source for the git state (checkpoint.git_state, in every checkpoint's versions), shown short."""
     monkeypatch.setattr(compare, "git_state", lambda: state)
     assert compare.code_fingerprint()["commit"] == commit

@@ -16,8 +16,7 @@ import config
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),  # the guide
          *sorted((REPO / "docs" / "notebook").glob("*.md"))]  # the lab notebook: its commands still run
 ENTRY = re.compile(r"^(train|sample)\.py$")  # the core's entry points, run as files: python train.py
-TOOL = re.compile(r"^((scripts|dev)\.[a-z_]\w*|prepare)$")  # modules from the repo root: python -m scripts.eval
-# (lowercase, as module names are: `python -m scripts.NAME` in prose is a placeholder, not a command)
+TOOL = re.compile(r"^(scripts|dev)\.[a-z_]\w*$")  # python -m scripts.eval (`scripts.NAME` is a placeholder)
 AS_A_FILE = re.compile(r"^(scripts|dev)/\w+\.py$")  # a tool run as a file: it would not find the repo's modules
 
 
@@ -43,7 +42,7 @@ def commands(page: Path) -> list[tuple[str, list[str]]]:
         for name, value in variables.items():
             fragment = fragment.replace(f"${name}", value)
         for part in re.split(r"&&|;", fragment):
-            if not re.search(r"\b(python|torchrun)\s.*(\.py\b|-m (scripts|dev)\.|-m prepare\b)", part):
+            if not re.search(r"\b(python|torchrun)\s.*(\.py\b|-m (scripts|dev)\.)", part):
                 continue  # prose in backticks, a log line, an error message
             words = shlex.split(part.replace("\\|", "|"), comments=True)  # a broken quote fails here, loudly
             starts = [i for i, w in enumerate(words) if any(kind.match(w) for kind in (ENTRY, TOOL, AS_A_FILE))
@@ -82,8 +81,7 @@ def test_the_pages_print_commands_for_every_entry_point():
 def test_every_printed_command_parses(page, script, argv, monkeypatch, capsys):
     module = script.removesuffix(".py").replace("/", ".")
     removed = script.replace(".", "/") + ".py"  # dev.bench_sample -> dev/bench_sample.py
-    package = REPO / script.replace(".", "/") / "__main__.py"  # python -m scripts.prepare
-    if TOOL.match(script) and not (REPO / removed).exists() and not package.exists():  # a one-off measurement, gone
+    if TOOL.match(script) and not (REPO / removed).exists():  # a one-off measurement, gone
         assert re.search(rf"git show [0-9a-f]{{7,40}}:{removed}", page.read_text()), (
             f"{page.name}: `{script}` is gone: say which commit still has it (`git show COMMIT:{removed}`)")
         return

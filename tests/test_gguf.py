@@ -1,7 +1,5 @@
-"""The GGUF export (scripts/export_gguf.py): the file as llama.cpp's gguf package reads
-it, in the default suite; then llama.cpp itself (llama-cpp-python) on tiny trained char, bpe and gpt2 runs,
-in the slow suite: our ids on the whole corpus, our greedy text, our logits within LOGIT_TOLERANCE.
-"""
+"""The GGUF export: the file as llama.cpp's gguf package reads it; then (slow) llama.cpp itself on tiny char, bpe and
+gpt2 runs: our ids, our greedy text, our logits within LOGIT_TOLERANCE."""
 from __future__ import annotations
 
 import subprocess
@@ -17,20 +15,19 @@ import sample
 import train
 from checkpoint import from_checkpoint
 from config import HFError, make_config
-from finetune import BEGIN
 from model import GPT, GPTConfig
 from scripts import export_gguf
 from scripts.export_hf import chat_template
-from tokenizer import BYTE_TEXT, END, MARKERS, CharTokenizer, GPT2Tokenizer, chat_tokenizer, train_bpe
+from tokenizer import BEGIN, BYTE_TEXT, END, MARKERS, CharTokenizer, GPT2Tokenizer, chat_tokenizer, train_bpe
 
 pytestmark = pytest.mark.interop  # gguf, and llama.cpp for the slow ones (requirements-llama.txt)
 gguf = pytest.importorskip("gguf", reason="pip install -r requirements-interop.txt (gguf, llama.cpp's writer)")
 
 # Characters of 1 to 4 UTF-8 bytes, a tab and a newline: a char vocabulary llama.cpp must join byte by byte.
 UNICODE_LINE = "Café — naïve’s 🚀 東京\ttab\n"
-# llama.cpp's GPT-2 takes GELU's tanh form from an fp16 table (ggml-cpu's GGML_GELU_FP16) where ours is
-# exact erf: measured max |Δ logit| 3.1e-4 (char), 2.6e-4 (bpe), 1.8e-5 (gpt2) on these runs in f32 (docs/interop.md).
+# llama.cpp's GELU is the tanh form from an fp16 table, ours exact erf: seen max |Δ logit| 3.1e-4 (char) in f32.
 LOGIT_TOLERANCE = 2e-3
+ABC = CharTokenizer("".join(chr(65 + i) for i in range(50)))  # 50 characters
 
 
 def field(reader, key: str):
@@ -43,7 +40,6 @@ def write(tmp_path: Path, model, tokenizer, dtype: str = "f32") -> "gguf.GGUFRea
     return gguf.GGUFReader(path)
 
 
-# ----------------------------------------------------------------------------- the file, without llama.cpp
 def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weights(tmp_path):
     chars = "".join(sorted(set(make_text(30) + UNICODE_LINE)))
     tokenizer = CharTokenizer(chars)
@@ -53,12 +49,11 @@ def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weight
     assert field(reader, "gpt2.context_length") == export_gguf.CONTEXT_ROWS and field(reader, "gpt2.block_count") == 2
     assert (field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre")) == ("gpt2", "gpt-2")
     tokens = field(reader, "tokenizer.ggml.tokens")
-    to_text = BYTE_TEXT
     assert tokens[chars.index("\n")] == "Ċ" and tokens[chars.index(" ")] == "Ġ" and tokens[chars.index("é")] == "Ã©"
     types = field(reader, "tokenizer.ggml.token_type")
     assert tokens[len(chars):] == ["<|endoftext|>"] and types[len(chars):] == [gguf.TokenType.CONTROL]  # no text's
     assert set(types[:len(chars)]) == {gguf.TokenType.NORMAL}
-    rocket = [to_text[b] for b in "🚀".encode()]  # 4 bytes: three merges, each from the lead byte on
+    rocket = [BYTE_TEXT[b] for b in "🚀".encode()]  # 4 bytes: three merges, each from the lead byte on
     merges = field(reader, "tokenizer.ggml.merges")
     assert [f"{rocket[0]} {rocket[1]}", f"{''.join(rocket[:2])} {rocket[2]}", f"{''.join(rocket[:3])} {rocket[3]}"] \
         == [m for m in merges if m.startswith(rocket[0])]
@@ -83,25 +78,19 @@ def test_a_char_gguf_holds_the_context_length_byte_level_names_merges_and_weight
 def test_a_model_whose_layers_heads_and_width_all_differ_writes_each_in_its_own_field(tmp_path):
     """A tiny model has n_layer == n_head: a writer that swapped them would pass every other test."""
     model = GPT(GPTConfig(vocab_size=50, block_size=2560, n_layer=3, n_head=4, n_embd=48))  # past CONTEXT_ROWS
-    reader = write(tmp_path, model, CharTokenizer("".join(chr(65 + i) for i in range(50))))
+    reader = write(tmp_path, model, ABC)
     keys = ("block_count", "attention.head_count", "embedding_length", "feed_forward_length", "context_length")
     assert [field(reader, f"gpt2.{key}") for key in keys] == [3, 4, 48, 4 * 48, 2560]
     assert field(reader, "tokenizer.ggml.add_bos_token") is field(reader, "tokenizer.ggml.add_eos_token") is False
-
-
-def test_an_ascii_char_gguf_still_holds_merges_which_llama_cpp_requires(tmp_path):
-    """The default run (a char vocabulary of ASCII text) has no multi-byte character to merge, and gguf writes no
-    empty array: before, the key was missing and llama.cpp refused the file ("cannot find tokenizer merges")."""
-    chars = "".join(sorted(set(make_text(30))))
-    reader = write(tmp_path, tiny_model(vocab_size=len(chars), block_size=24), CharTokenizer(chars))
-    assert field(reader, "tokenizer.ggml.merges") == [f"{BYTE_TEXT[0]} {BYTE_TEXT[0]}"]  # two NULs: never applies
+    # Bug caught: an all-ASCII char vocabulary wrote no merges and llama.cpp refused the file. Two NULs: never apply.
+    assert field(reader, "tokenizer.ggml.merges") == [f"{BYTE_TEXT[0]} {BYTE_TEXT[0]}"]
 
 
 @pytest.mark.parametrize("block_size, rows", [(24, 2048), (2048, 2048), (2049, 2304), (4096, 4096)])
 def test_the_declared_context_is_the_position_tables_rows_and_never_less_than_llama_cpps_rounded_context(
         tmp_path, block_size, rows):
-    """llama.cpp indexes the table at every position of its context and aborts past it: the file declares as many
-    positions as it holds, at least CONTEXT_ROWS, a multiple of the 256 llama.cpp rounds a context up to."""
+    """llama.cpp aborts past the position table: the file declares as many positions as it holds, at least
+    CONTEXT_ROWS, a multiple of the 256 llama.cpp rounds a context up to."""
     model = GPT(GPTConfig(vocab_size=8, block_size=block_size, n_layer=1, n_head=1, n_embd=8))
     reader = write(tmp_path, model, CharTokenizer("abcdefgh"))
     table = next(t for t in reader.tensors if t.name == "position_embd.weight").data
@@ -113,8 +102,7 @@ def test_a_bpe_gguf_has_its_merges_in_rank_order_and_its_end_token_control(tmp_p
     model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=16)
     reader = write(tmp_path, model, tokenizer)
     tokens, types = field(reader, "tokenizer.ggml.tokens"), field(reader, "tokenizer.ggml.token_type")
-    to_text = BYTE_TEXT
-    names = ["".join(to_text[b] for b in tokenizer.enc.decode_single_token_bytes(i)) for i in range(299)]
+    names = ["".join(BYTE_TEXT[b] for b in tokenizer.enc.decode_single_token_bytes(i)) for i in range(299)]
     assert tokens[:299] == names  # id = rank, named by its bytes
     assert tokens[-1] == "<|endoftext|>" and types[-1] == gguf.TokenType.CONTROL
     assert set(types[:-1]) == {gguf.TokenType.NORMAL}
@@ -135,8 +123,8 @@ def base_tokenizer(kind: str, cache: Path):
 @pytest.mark.parametrize("kind", ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)])
 def test_a_chat_gguf_holds_the_base_vocabulary_the_markers_as_control_tokens_the_end_of_turn_and_the_template(
         tmp_path, kind):
-    """What llama.cpp's chat reads: the base's tokens and merges unchanged, then the markers under their own text, as
-    CONTROL tokens (made only from a rendered template); <|end|> ends a reply (eos, eot); the transformers template."""
+    """The base's tokens and merges unchanged, then the markers as CONTROL tokens (made only from a rendered
+    template); <|end|> ends a reply (eos, eot); the transformers template."""
     base = base_tokenizer(kind, tmp_path / "cache")
     tokenizer = chat_tokenizer(base)
     model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=16)
@@ -158,21 +146,18 @@ def test_a_chat_gguf_holds_the_base_vocabulary_the_markers_as_control_tokens_the
 @pytest.mark.parametrize("dtype, matrix_type", [("f16", "F16"), ("q8_0", "Q8_0")])
 def test_smaller_dtypes_store_the_matrices_and_keep_norms_and_biases_f32(tmp_path, dtype, matrix_type):
     model = tiny_model(vocab_size=50, block_size=16, bias=True)
-    reader = write(tmp_path, model, CharTokenizer("".join(chr(65 + i) for i in range(50))), dtype)
+    reader = write(tmp_path, model, ABC, dtype)
     tensors = {t.name: t for t in reader.tensors}
     assert tensors["blk.0.attn_qkv.weight"].tensor_type.name == matrix_type
     assert tensors["blk.0.attn_qkv.bias"].tensor_type.name == tensors["output_norm.weight"].tensor_type.name == "F32"
     back = gguf.quants.dequantize(tensors["blk.0.attn_qkv.weight"].data, tensors["blk.0.attn_qkv.weight"].tensor_type)
     expected = model.state_dict()["transformer.h.0.attn.c_attn.weight"].numpy()
     assert back.shape == expected.shape and 0 < np.abs(back - expected).max() < 2e-2
-
-
-def test_q8_0_quantizes_the_matrices_whose_rows_hold_whole_blocks_and_stores_the_others_f16(tmp_path):
     model = GPT(GPTConfig(vocab_size=50, block_size=20, n_layer=1, n_head=4, n_embd=48))  # rows of 48 or 192 values
-    reader = write(tmp_path, model, CharTokenizer("".join(chr(65 + i) for i in range(50))), "q8_0")
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
-    assert types["blk.0.ffn_down.weight"] == "Q8_0"  # (out, in) = (48, 192): six blocks of 32 a row
-    assert types["blk.0.ffn_up.weight"] == types["token_embd.weight"] == "F16"  # rows of 48: no whole blocks
+    (tmp_path / "odd").mkdir()
+    types = {t.name: t.tensor_type.name for t in write(tmp_path / "odd", model, ABC, dtype).tensors}
+    assert types["blk.0.ffn_down.weight"] == matrix_type  # (out, in) = (48, 192): six blocks of 32 a row
+    assert types["blk.0.ffn_up.weight"] == "F16"  # rows of 48: q8_0 needs whole blocks, falls back to f16
 
 
 @pytest.mark.parametrize("option", [dict(pos_emb="rope"), dict(norm="rmsnorm"), dict(qk_norm=True),
@@ -181,56 +166,37 @@ def test_a_model_llama_cpp_gpt2_cannot_compute_is_refused_by_name_and_writes_not
     model = tiny_model(vocab_size=50, block_size=16, **option)
     name = next(iter(option))
     with pytest.raises(HFError, match=f"cannot export as GGUF: the model has {name} "):
-        export_gguf.export_gguf(model, CharTokenizer("".join(chr(65 + i) for i in range(50))), tmp_path / "x.gguf")
+        export_gguf.export_gguf(model, ABC, tmp_path / "x.gguf")
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_script_refuses_a_rope_run_in_one_line_with_its_exit_code(tmp_path, tiny_cfg, capsys):
-    cfg = tiny_cfg(pos_emb="rope", max_iters=1, eval_interval=1)
-    train.train(cfg)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stop:
-        export_gguf.main([cfg.out_dir, str(tmp_path / "rope.gguf")])
-    err = capsys.readouterr().err.strip()
-    assert stop.value.code == HFError.exit_code == 2 and "\n" not in err, err
-    assert "pos_emb 'rope' (GPT-2 computes 'learned')" in err and not (tmp_path / "rope.gguf").exists()
-
-
-def test_into_a_folder_the_script_writes_the_run_named_gguf_and_replaces_only_a_gguf(tmp_path, tiny_cfg, capsys):
-    """Bug caught: an existing folder as OUT ended in an IsADirectoryError traceback. Now FOLDER/<run>.gguf, said
-    so; a second export replaces that GGUF file (never anything else: test_bad_input.py)."""
-    cfg = tiny_cfg(max_iters=1, eval_interval=1)
-    train.train(cfg)
-    (tmp_path / "ggufs").mkdir()
-    capsys.readouterr()
-    export_gguf.main([cfg.out_dir, str(tmp_path / "ggufs")])
-    written = tmp_path / "ggufs" / f"{Path(cfg.out_dir).name}.gguf"
-    assert sorted((tmp_path / "ggufs").iterdir()) == [written] and str(written) in capsys.readouterr().out
-    export_gguf.main([cfg.out_dir, str(written), "--dtype", "f16"])
-    tensors = {t.name: t for t in gguf.GGUFReader(written).tensors}
-    assert tensors["blk.0.attn_qkv.weight"].tensor_type.name == "F16"  # the new file's
-    assert sorted((tmp_path / "ggufs").iterdir()) == [written]
-
-
-def test_the_script_exports_a_lora_chat_fine_tune_of_a_char_run_with_its_template(tmp_path, tiny_cfg, capsys):
-    """The reported crash: a chat fine-tune of a char base (its ChatTokenizer has no .chars) stopped the export with
-    an AttributeError. Now the merged LoRA model is written with the base's characters, then the markers."""
+def test_the_script_exports_a_lora_chat_fine_tune_of_a_char_run_and_into_a_folder(tmp_path, tiny_cfg, capsys):
+    """Bugs caught: a chat fine-tune of a char base (its ChatTokenizer has no .chars) stopped the export with an
+    AttributeError; an existing folder as OUT was an IsADirectoryError traceback, now FOLDER/<run>.gguf."""
     base = tiny_cfg(max_iters=2, eval_interval=2)
     train.train(base)
     chat = make_config("tiny", **tiny_run(tmp_path / "chat", write_chats(tmp_path / "chats.jsonl", n=20)) | dict(
         init_from=base.out_dir, lora_rank=2, max_iters=2, eval_interval=2, chat_overflow="truncate"))
     train.train(chat)
-    export_gguf.main([chat.out_dir, str(tmp_path / "chat.gguf")])
-    reader = gguf.GGUFReader(tmp_path / "chat.gguf")
+    (tmp_path / "ggufs").mkdir()
+    capsys.readouterr()
+    export_gguf.main([chat.out_dir, str(tmp_path / "ggufs")])
+    written = tmp_path / "ggufs" / "chat.gguf"
+    assert sorted((tmp_path / "ggufs").iterdir()) == [written] and str(written) in capsys.readouterr().out
+    reader = gguf.GGUFReader(written)
     loaded = from_checkpoint(Path(chat.out_dir) / "best.pt")
     assert field(reader, "tokenizer.ggml.tokens") == [*(BYTE_TEXT[ord(ch)] for ch in loaded.tokenizer.base.chars),
                                                       *MARKERS]  # ASCII characters: one byte each
     assert field(reader, "tokenizer.chat_template") == chat_template()
     token_embd = next(t for t in reader.tensors if t.name == "token_embd.weight").data  # (V, C)
     assert np.array_equal(token_embd, loaded.model.state_dict()["transformer.wte.weight"][: len(token_embd)].numpy())
+    export_gguf.main([chat.out_dir, str(written), "--dtype", "f16"])  # a GGUF file it wrote is replaced
+    tensors = {t.name: t for t in gguf.GGUFReader(written).tensors}
+    assert tensors["blk.0.attn_qkv.weight"].tensor_type.name == "F16"
+    assert sorted((tmp_path / "ggufs").iterdir()) == [written]
 
 
-# ----------------------------------------------------------------------------- llama.cpp itself
+# ----------------------------------------------------------------------------- llama.cpp itself (slow)
 CORPUS = make_text(600) + UNICODE_LINE
 ASCII = make_text(600)  # the default run's kind of corpus: a char vocabulary with no multi-byte character
 LINES = "\n".join(ASCII.lower().split()) + "\n"  # a word a line: a greedy text that crosses newlines
@@ -245,7 +211,7 @@ def llama_cpp():
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, llama_cpp):
-    """Factory: a tiny run of the tokenizer, trained once, its model and its GGUF (f32)."""
+    """Factory: a tiny run of the tokenizer, trained once: its model, tokenizer, Llama and GGUF (f32)."""
     root = tmp_path_factory.mktemp("gguf")
     (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
     (root / "ascii.txt").write_text(ASCII, encoding="utf-8")
@@ -277,18 +243,12 @@ KINDS = [pytest.param("char"), pytest.param("ascii"), pytest.param("bpe"),
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_llama_cpp_encodes_the_corpus_to_our_ids(exported, kind):
-    _, tokenizer, llm, _ = exported(kind)
+def test_llama_cpp_gives_our_ids_our_logits_and_our_greedy_text(exported, kind):
+    model, tokenizer, llm, _ = exported(kind)
     text = ASCII if kind == "ascii" else CORPUS
     assert llm.tokenize(text.encode()) == tokenizer.encode(text)  # llama.cpp's defaults (add_bos=True): nothing added
     assert llm.detokenize(tokenizer.encode(text)).decode() == text
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
-def test_llama_cpp_gives_our_logits_and_greedy_text(exported, kind):
-    model, tokenizer, llm, _ = exported(kind)
-    ids = tokenizer.encode((ASCII if kind == "ascii" else CORPUS)[:400])[: model.config.block_size]
+    ids = tokenizer.encode(text[:400])[: model.config.block_size]
     llm.reset()
     llm.eval(ids)
     with torch.no_grad():
@@ -325,8 +285,7 @@ def test_llama_cpp_builds_a_model_whose_layers_heads_and_width_differ_to_our_log
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)])
 def test_llama_cpp_completes_our_greedy_text_across_newlines(exported, kind):
-    """llama.cpp ends a generation at the declared eos only: a token no text holds (a char export's own
-    <|endoftext|>), never a char vocabulary's newline, which ended every completion at its first line."""
+    """Bug caught: llama.cpp ended a char model's every completion at its first newline (its eos then)."""
     model, tokenizer, llm, _ = exported(kind, "lines")
     prompt = tokenizer.encode("king\n")
     new = model.config.block_size - len(prompt)
@@ -353,9 +312,8 @@ print(llm.n_ctx())
 
 @pytest.mark.slow
 def test_a_request_past_the_window_is_answered_and_no_context_reaches_past_the_position_table(exported):
-    """A completion of twice block_size tokens comes back whole (what the model writes past its window is near noise:
-    docs/interop.md), and llama.cpp's context taken from the file is filled to its last position, in a child process
-    (an abort would be its, not pytest's)."""
+    """A completion of twice block_size tokens comes back whole, and llama.cpp's context taken from the file fills to
+    its last position, in a child process (an abort would be its, not pytest's)."""
     model, _, _, gguf_file = exported("ascii")
     new = 2 * model.config.block_size
     done = subprocess.run([sys.executable, "-c", PAST_THE_WINDOW, str(gguf_file), str(new)], cwd=REPO, text=True,

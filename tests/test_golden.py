@@ -1,13 +1,7 @@
-"""Golden runs: the tiny preset with a fixed seed must reach the recorded losses, so a change that
-silently hurts training (a schedule, init, clipping or loss bug) fails here.
-
-The values were recorded on an AMD EPYC (AVX512) CPU with torch 2.13.0 by running these tests and
-reading the metrics; on that machine the run is bit-for-bit repeatable. The precision is pinned
-to float32 (``dtype=auto`` picks bf16 on some CPUs and not on others) and torch to one thread
-(so the matmul reduction order does not depend on the core count). TOLERANCE leaves room for
-other CPUs' kernels summing in another order, and is still well under the shifts that real
-regressions cause, measured on the same run: learning_rate 10% lower +0.050, no gradient
-clipping +0.013, another seed -0.093.
+"""Golden runs: the tiny preset with a fixed seed must reach the recorded losses, so a change that silently hurts
+training fails here. Recorded on an AMD EPYC (AVX512) CPU, torch 2.13.0, float32, one thread (bit-for-bit repeatable
+there); TOLERANCE leaves room for other CPUs' summation order, well under what real regressions shifted on the same
+run: learning_rate 10% lower +0.050, no gradient clipping +0.013, another seed -0.093.
 """
 from __future__ import annotations
 
@@ -21,7 +15,6 @@ TOLERANCE = 0.005  # nats/token, absolute
 # step -> (train loss, val loss), tiny preset, seed 1337, float32, 1 thread.
 GOLDEN_TEXT = {100: (2.1364, 2.0116), 200: (1.7785, 1.7744)}  # conftest's pseudo-verse corpus
 GOLDEN_SHAKESPEARE = {100: (3.0895, 3.0032), 200: (2.9243, 2.7919)}  # the built-in corpus
-
 
 
 def losses_at(out_dir: str) -> dict[int, tuple[float, float]]:

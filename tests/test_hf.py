@@ -1,7 +1,4 @@
-"""Hugging Face GPT-2 in and out (checkpoint.py): parity with transformers on random weights, no download.
-
-transformers is a dev dependency, used here only as the reference; the code under test never imports it.
-"""
+"""Hugging Face GPT-2 in and out: parity with transformers (the reference only) on random weights, no download."""
 from __future__ import annotations
 
 import io
@@ -9,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,7 +60,7 @@ def import_model(source, **kw) -> GPT:
 @contextmanager
 def transformers_log():
     """Everything transformers logs (its load report of missing / unexpected keys included)."""
-    stream, handler = io.StringIO(), None
+    stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     logger = logging.getLogger("transformers")
     logger.addHandler(handler)
@@ -100,15 +98,10 @@ def test_imported_weights_give_transformers_logits(tmp_path, layout):
     assert ours.config.padded_vocab_size == 128 and ours.transformer.wte.weight[96:].abs().sum() == 0
     assert ours.lm_head.weight is ours.transformer.wte.weight
     assert diff < 1e-5, diff
-
-
-def test_a_shorter_block_size_crops_the_position_table(tmp_path):
-    folder = random_hf_gpt2(tmp_path / "hf")
-    full, cropped = import_model(folder), import_model(folder, block_size=8)
+    cropped = import_model(folder, block_size=8)  # a shorter block_size crops the position table
     assert cropped.transformer.wpe.weight.shape == (8, 32)
-    idx = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert torch.equal(full(idx)[0], cropped(idx)[0])
+        assert torch.equal(ours(idx[:, :8])[0], cropped(idx[:, :8])[0])
 
 
 def test_a_bare_safetensors_file_needs_its_config_json_beside_it(tmp_path):
@@ -211,19 +204,12 @@ def corrupt(folder: Path, edit) -> Path:
     (lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(32)}), {},
      "unexpected key transformer.h.2.ln_1.weight for a 2-layer GPT-2"),
     (lambda t: None, {"block_size": 32}, "block_size 32 exceeds the 24 positions of .*; use --block_size 24 or less"),
-    (lambda t: None, {"n_embd": 64}, "--n_embd 64 conflicts with .*, whose weights have n_embd 32"),
     (lambda t: None, {"pos_emb": "rope"}, "holds GPT-2 weights, which cannot run with pos_emb 'rope' "
                                           r"\(GPT-2 computes 'learned'\)"),
-    (lambda t: None, {"tokenizer": "gpt2"}, None),  # a vocabulary of 96 is not GPT-2's 50257
 ])
 def test_a_bad_import_fails_in_one_line_and_writes_nothing(tmp_path, tiny_cfg, edit, overrides, message):
     folder = corrupt(random_hf_gpt2(tmp_path / "hf"), edit)
     cfg = tiny_cfg(init_from=str(folder), max_iters=2, **{"block_size": 16, **overrides})
-    if message is None:  # checked once the corpus is known (tokenizing needs GPT-2's ranks: skip that)
-        pretrained = checkpoint.load_pretrained(str(folder), 16)
-        with pytest.raises(checkpoint.HFError, match="has a vocabulary of 96, the corpus 50257"):
-            pretrained.weights_for({"kind": "gpt2"}, 50257)
-        return
     with pytest.raises(ConfigError, match=message) as error:
         train.train(cfg)
     assert "\n" not in str(error.value)
@@ -275,18 +261,9 @@ def test_a_char_corpus_of_another_vocabulary_is_refused_before_the_run_folder(tm
     assert not Path(cfg.out_dir).exists()
 
 
-def test_non_zero_biases_are_refused_by_a_bias_free_model(tmp_path):
-    folder = random_hf_gpt2(tmp_path / "hf")
-    with pytest.raises(checkpoint.HFError, match=r"transformer.h.0.ln_1.bias is not zero .* bias=False"):
-        checkpoint.load_pretrained(str(folder), bias=False)
-
-
 def test_a_non_gpt2_config_is_refused(tmp_path):
     folder = random_hf_gpt2(tmp_path / "hf")
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "activation_function": "relu"}))
-    with pytest.raises(checkpoint.HFError, match="activation_function is .relu.; this model computes .gelu_new."):
-        checkpoint.load_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(checkpoint.HFError, match="model_type 'llama', not 'gpt2'"):
         checkpoint.load_pretrained(str(folder))
@@ -480,7 +457,7 @@ def test_the_doctor_passes_every_check_on_the_finetune_preset_with_a_local_gpt2_
             "--out_dir", str(tmp_path / "run"), "--device", "cpu"]
     code, out = doctor.main(argv), capsys.readouterr()
     assert code == 0, out.out + out.err
-    assert "15/15 checks passed" in out.out
+    assert re.search(r"^(\d+)/\1 checks passed", out.out, re.M)  # every check the doctor has
 
 
 def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(tmp_path, text_file, tiny_cfg, capsys):
@@ -493,7 +470,7 @@ def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(t
     loaded = from_checkpoint(tmp_path / "run" / "best.pt")
     export_hf.export(loaded.model, loaded.tokenizer, folder)
     assert doctor.main(tiny_args(tmp_path / "doc", text_file, init_from=folder)) == 0
-    assert "15/15 checks passed" in capsys.readouterr().out
+    assert re.search(r"^(\d+)/\1 checks passed", capsys.readouterr().out, re.M)
     with pytest.raises(PathError, match="is not empty; export into a new folder"):
         export_hf.export(loaded.model, loaded.tokenizer, folder)
     (folder / CHARS_FILE).write_text("{not json")
@@ -514,7 +491,6 @@ def exported(folder: Path) -> Path:
 def test_an_lm_head_that_differs_from_wte_is_refused_in_one_line(tmp_path):
     """Bug caught: to_ours' tied-head check made dead (`if False:`): an untied head would be dropped
     silently and the model would compute with wte instead."""
-    from safetensors.torch import load_file, save_file
     folder = exported(tmp_path / "hf")
     tensors = load_file(folder / "model.safetensors")
     tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
@@ -560,7 +536,6 @@ def test_a_char_export_gives_transformers_our_start_token_no_end_or_pad_token_an
     """Bugs caught: export writing eos = the newline (transformers' generate would stop at every line
     end), or no eos/bos at all (transformers then reads GPT-2's 50256, outside a char vocabulary), or
     an n_inner other than null (the MLP width transformers builds must be 4 * n_embd)."""
-    transformers = pytest.importorskip("transformers")
     folder = exported(tmp_path / "hf")
     written = json.loads((folder / "config.json").read_text())
     fields = ("bos_token_id", "eos_token_id", "pad_token_id", "n_inner")

@@ -1,22 +1,12 @@
-"""The repo's shape in one rule: a flat core at the top level, every tool beside it in scripts/, imports only down.
-
-- The top level holds the card's entries (model.py, data.py, train.py, sample.py, config/, scripts/, tests/,
-  README.md), docs/, requirements and tool configuration, and at most six more flat modules: no package folder but
-  config/ and scripts/.
-- The core (the top-level modules and config/) imports only itself, each file only from those before it in LAYERS;
-  scripts/ imports the core and other scripts; the core never imports a script; no import cycle anywhere.
-
-Every import counts, wherever it is written: at the top of a file, inside a function (a lazy import is a dependency
-all the same) or under ``if TYPE_CHECKING:`` (an annotation that names a module above is one).
-"""
+"""The repo's shape: a flat core at the top level (at most MORE_MODULES beside the card's), tools in scripts/, and
+every import (at the top, inside a function, under TYPE_CHECKING) only from a file before it in LAYERS, no cycle."""
 from __future__ import annotations
 
 import ast
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, repo_files
 
 GENERATED = ("tests", "out", "data", "hf", "wandb")  # not the project's code: its tests, and what runs write
 
@@ -27,20 +17,10 @@ def project_files(root: Path = REPO) -> dict[str, str]:
             if path.relative_to(root).parts[0] not in GENERATED and not path.relative_to(root).parts[0].startswith(".")}
 
 
-def module_file(dotted: str, files: set[str], folder: str = "") -> str | None:
-    """The project file that ``import dotted`` loads, looked for under ``folder`` ("" = the repo root), or None."""
-    stem = "/".join(filter(None, [folder, *dotted.split(".")]))
+def module_file(dotted: str, files: set[str]) -> str | None:
+    """The project file that ``import dotted`` loads from the repo root, or None."""
+    stem = "/".join(dotted.split("."))
     return next((name for name in (f"{stem}.py", f"{stem}/__init__.py") if name in files), None)
-
-
-def resolve(dotted: str, importer: str, files: set[str]) -> str | None:
-    """The file an import of ``dotted`` in ``importer`` loads. A script's own folder comes first, as for
-    `python scripts/compare.py` (it finds scripts/bench.py by `import bench`); a package's files are
-    imported by their full name only."""
-    folder = Path(importer).parent.as_posix()
-    if folder != "." and f"{folder}/__init__.py" not in files and (found := module_file(dotted, files, folder)):
-        return found
-    return module_file(dotted, files)
 
 
 def imports_of(importer: str, source: str, files: set[str]) -> set[str]:
@@ -59,7 +39,7 @@ def imports_of(importer: str, source: str, files: set[str]) -> set[str]:
         else:
             continue
         for names in candidates:
-            target = next(filter(None, (resolve(name, importer, files) for name in names)), None)
+            target = next(filter(None, (module_file(name, files) for name in names)), None)
             if target is not None and target != importer:
                 found.add(target)
     return found
@@ -116,19 +96,9 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
             if layer_of(target) > layer_of(path)]
 
 
-def top_level() -> set[str]:
-    """The repo root's entries: git's (tracked and new, not ignored) where there is one, else the folder's own."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, text=True)
-    if listed.returncode == 0 and listed.stdout.strip():
-        return {name.split("/")[0] for name in listed.stdout.splitlines() if (REPO / name).exists()}
-    ignored = {"out", "data", "hf", "wandb", ".git", "__pycache__", ".pytest_cache", ".ruff_cache"}  # runs' and tools'
-    return {path.name for path in REPO.iterdir() if path.name not in ignored}
-
-
 # ----------------------------------------------------------------------------- the repo as it is
 def test_the_top_level_is_the_cards():
-    entries = top_level()
+    entries = {name.split("/")[0] for name in repo_files()}
     packages = {name for name in entries if (REPO / name / "__init__.py").is_file()}
     assert packages <= PACKAGES, f"package folders beside config/ and scripts/: {sorted(packages - PACKAGES)}"
     modules = sorted(name for name in entries - CARD if name.endswith(".py"))
@@ -160,15 +130,13 @@ def test_no_file_imports_from_a_layer_above_its_own():
 
 
 def test_the_graph_sees_the_imports_that_matter():
-    """The edges the checker must find, in the repo (a script's sibling, the config package) and of every kind
-    (a package's module, a lazy import, a script run from its own folder)."""
+    """The edges the checker must find, in the repo and of every kind (a package's module, a lazy import)."""
     graph = import_graph(project_files())
     assert "scripts/bench.py" in graph["scripts/compare.py"]  # `from scripts.bench import parse_overrides`
     assert "config/__init__.py" in graph["train.py"]  # `from config import TrainConfig, ...`
-    kinds = {"pkg/__init__.py": "", "pkg/mod.py": "", "low.py": "", "tools/helper.py": "",
-             "top.py": "from pkg import mod\ndef later():\n    import low\n", "tools/run.py": "import helper\n"}
-    graph = import_graph(kinds)
-    assert graph["top.py"] == {"pkg/mod.py", "low.py"} and graph["tools/run.py"] == {"tools/helper.py"}
+    kinds = {"pkg/__init__.py": "", "pkg/mod.py": "", "low.py": "", "top.py": "from pkg import mod\ndef later():\n"
+             "    import low\n"}
+    assert import_graph(kinds)["top.py"] == {"pkg/mod.py", "low.py"}
 
 
 # ----------------------------------------------------------------------------- the checker has teeth

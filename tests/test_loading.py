@@ -39,6 +39,14 @@ def run(tmp_path_factory) -> Path:
     return root / "run"
 
 
+@pytest.fixture(scope="module")
+def hf(run, tmp_path_factory) -> Path:
+    """The run's best.pt exported in the Hugging Face layout."""
+    trained, folder = from_checkpoint(run / "best.pt"), tmp_path_factory.mktemp("export") / "hf"
+    export_hf.export(trained.model, trained.tokenizer, folder)
+    return folder
+
+
 def test_a_run_folder_gives_its_best_pt_else_its_last_pt_and_a_file_is_taken_as_given(run, tmp_path):
     assert find_checkpoint(str(run)) == run / "best.pt"
     only_last = tmp_path / "only_last"
@@ -72,12 +80,10 @@ def test_a_checkpoint_loads_as_the_model_it_saved_in_eval_mode_with_what_the_run
     assert loaded.tokenizer.meta() == state["tokenizer"]
 
 
-def test_pretrained_weights_load_with_a_config_of_their_shape_and_no_run_behind_them(run, tmp_path):
-    trained = from_checkpoint(run / "best.pt")
-    export_hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
-    loaded = from_pretrained(str(tmp_path / "hf"))
+def test_pretrained_weights_load_with_a_config_of_their_shape_and_no_run_behind_them(run, hf):
+    trained, loaded = from_checkpoint(run / "best.pt"), from_pretrained(str(hf))
     assert not loaded.model.training
-    assert (loaded.step, loaded.precision, loaded.source) == (None, "float32", str(tmp_path / "hf"))
+    assert (loaded.step, loaded.precision, loaded.source) == (None, "float32", str(hf))
     assert math.isnan(loaded.best_val_loss)
     shape = ("n_layer", "n_head", "n_embd", "block_size")
     assert [getattr(loaded.cfg, k) for k in shape] == [getattr(trained.model.config, k) for k in shape]
@@ -86,22 +92,19 @@ def test_pretrained_weights_load_with_a_config_of_their_shape_and_no_run_behind_
     torch.testing.assert_close(loaded.model(ids).logits, trained.model(ids).logits)
 
 
-def test_weights_without_a_known_tokenizer_are_refused_in_one_line(run, tmp_path):
-    trained = from_checkpoint(run / "best.pt")
-    export_hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
+def test_weights_without_a_known_tokenizer_are_refused_in_one_line(hf, tmp_path):
+    shutil.copytree(hf, tmp_path / "hf")
     for name in (CHARS_FILE, "tokenizer.json"):  # ours and the standard one: nothing to rebuild it from
         (tmp_path / "hf" / name).unlink()
     with pytest.raises(HFError, match="no tokenizer for a vocabulary of .*tinygpt_chars.json or tinygpt_bpe.json"):
         from_pretrained(str(tmp_path / "hf"))
 
 
-def test_the_flags_choose_the_weights(run, tmp_path):
-    trained = from_checkpoint(run / "best.pt")
-    export_hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
+def test_the_flags_choose_the_weights(run, hf):
     parser = argparse.ArgumentParser()
     add_weights_flags(parser)
     chosen = {flag: from_flags(parser.parse_args([flag, value]))
-              for flag, value in (("--ckpt", str(run)), ("--init_from", str(tmp_path / "hf")))}
+              for flag, value in (("--ckpt", str(run)), ("--init_from", str(hf)))}
     assert isinstance(chosen["--ckpt"], Loaded) and chosen["--ckpt"].source == str(run / "best.pt")
     assert chosen["--init_from"].step is None
     with pytest.raises(SystemExit):  # one source of weights, not two
@@ -109,9 +112,8 @@ def test_the_flags_choose_the_weights(run, tmp_path):
 
 
 def test_a_fine_tune_of_a_run_takes_its_block_size_and_at_a_smaller_one_starts_with_its_logits(run, tmp_path):
-    """--init_from RUN without --block_size: the run's (32, not the default); with a smaller one the position table
-    keeps its first rows, so at step 0 the fine-tune computes the base's logits on any input that fits. Its dropout
-    (a training-only option) may differ from the run's."""
+    """--init_from RUN: the run's block_size (32, not the default); a smaller one keeps the position table's first
+    rows, so at step 0 the fine-tune computes the base's logits. Its dropout (training-only) may differ."""
     base = from_checkpoint(run / "best.pt").model
     common = dict(data_path=str(run.parent / "corpus.txt"), data_dir=str(run.parent / "data"), init_from=str(run),
                   out_dir=str(tmp_path / "tuned"), device="cpu", compile="off")
@@ -127,13 +129,10 @@ def test_a_fine_tune_of_a_run_takes_its_block_size_and_at_a_smaller_one_starts_w
             assert torch.equal(tuned.eval()(x[:, :length]).logits, base(x[:, :length]).logits), length
 
 
-def test_a_run_and_its_hugging_face_export_start_a_fine_tune_at_the_same_block_size(run, tmp_path):
-    """One rule for --init_from out/RUN and --init_from hf/RUN (our export of it): the weights' positions unless
-    --block_size is given, and no more than those. Bug caught: the export refused the default block_size 128
-    (`block_size 128 exceeds the 32 positions`) where the run itself gave 32."""
-    trained = from_checkpoint(run / "best.pt")
-    export_hf.export(trained.model, trained.tokenizer, tmp_path / "hf")
-    for source in (str(run), str(tmp_path / "hf")):
+def test_a_run_and_its_hugging_face_export_start_a_fine_tune_at_the_same_block_size(run, hf):
+    """One rule for --init_from out/RUN and hf/RUN (its export): the weights' positions unless --block_size is given,
+    and no more. Bug caught: the export refused the default block_size 128 where the run itself gave 32."""
+    for source in (str(run), str(hf)):
         assert start_from(make_config(None, init_from=source))[0].block_size == 32 != DEFAULTS["block_size"]
         assert start_from(make_config(None, init_from=source, block_size=8))[0].block_size == 8
         with pytest.raises(HFError, match="block_size 64 exceeds the 32 positions of"):
@@ -141,8 +140,7 @@ def test_a_run_and_its_hugging_face_export_start_a_fine_tune_at_the_same_block_s
 
 
 def test_a_missing_run_folder_is_named_with_the_nearest_run_before_the_hub_is_asked(run, tmp_path, monkeypatch):
-    """Bug caught: --init_from out/smal (a typo beside out/small) looked like a hub repo, OWNER/NAME: a paragraph
-    about the Hugging Face hub and `hf download out/smal`."""
+    """Bug caught: --init_from out/smal (a typo beside out/small) was taken for a hub repo: a paragraph about it."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out" / "small").mkdir(parents=True)
     shutil.copy(run / "best.pt", tmp_path / "out" / "small" / "best.pt")

@@ -1,8 +1,5 @@
 """LoRA (finetune.py): the adapted model starts as its base exactly, only the adapters train, merging changes
-no logit, a resume is bit-exact and refuses another base, and PEFT loads the exported adapters to our logits.
-
-The base is a random tiny GPT exported by checkpoint.py into a Hugging Face folder, which --init_from reads.
-"""
+no logit, a resume is bit-exact and refuses another base, and PEFT loads the exported adapters to our logits."""
 from __future__ import annotations
 
 import json
@@ -70,21 +67,13 @@ def test_an_adapted_layer_adds_alpha_over_rank_times_b_a_of_its_dropped_out_inpu
         torch.testing.assert_close(trained, layer.base(x) + 2.0 * torch.nn.functional.dropout(x, 0.5) @ a.T @ b.T)
 
 
-def test_adding_adapters_freezes_every_base_weight_and_keeps_the_fingerprint():
-    base, model = adapted(TARGETS)
+def test_adding_adapters_freezes_every_base_weight_whose_every_change_alters_the_fingerprint():
+    """Only the adapters (and marker rows) train; every base tensor counts in the fingerprint, read through the
+    adapters and rows, the tied one once; the adapters and rows themselves never do."""
+    _, model = adapted(TARGETS)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable == set(finetune.adapter_state(model)) and trainable
-    assert all(".lora_A." in name or ".lora_B." in name for name in trainable)
     assert {name.split(".", 3)[3].rsplit(".", 2)[0] for name in trainable} == set(TARGETS.split(","))
-    assert finetune.base_fingerprint(model) == finetune.base_fingerprint(base)
-    with torch.no_grad():
-        base.transformer.h[1].mlp.c_fc.weight[0, 0] += 1e-6  # one weight of another base
-    assert finetune.base_fingerprint(model) != finetune.base_fingerprint(base)
-
-
-def test_the_base_fingerprint_changes_when_any_single_base_weight_changes():
-    """Every base tensor counts (the tied embedding, the position table, the final norm, each block's weights and
-    biases), read through the adapters and trained rows; the adapters and rows themselves never do."""
     model = finetune.add_adapters(tiny_model(bias=True), 4, 8.0, 0.0, LORA_TARGETS, rows=[48, 49])
     reference = finetune.base_fingerprint(model)
     assert reference == finetune.base_fingerprint(tiny_model(bias=True))
@@ -98,14 +87,10 @@ def test_the_base_fingerprint_changes_when_any_single_base_weight_changes():
         with torch.no_grad():
             p.copy_(before)
     assert not any(p.requires_grad for name, p in model.named_parameters() if name in counted)  # no adapter, no row
-    assert finetune.base_fingerprint(model) == reference
-    assert {"transformer.wte.embedding.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
-            "transformer.ln_f.bias", "transformer.h.1.attn.c_attn.base.bias", "transformer.h.0.mlp.c_fc.base.weight",
-            "transformer.h.1.ln_2.weight"} <= set(counted)
     assert len(counted) == len(list(tiny_model(bias=True).parameters()))  # each base tensor, the tied one once
 
 
-def test_merged_model_with_trained_marker_rows_computes_the_adapted_logits_on_every_id():
+def test_merged_model_is_a_plain_gpt_computing_the_adapted_logits_marker_rows_included():
     """A chat fine-tune's markers: their rows (embedding and, tied, logits) trained beside the adapters."""
     base = tiny_model().eval()
     model = finetune.add_adapters(tiny_model(), 4, 8.0, 0.0, LORA_TARGETS, rows=[46, 49]).eval()
@@ -122,15 +107,6 @@ def test_merged_model_with_trained_marker_rows_computes_the_adapted_logits_on_ev
     assert torch.equal(merged.transformer.wte.weight[[46, 49]], model.transformer.wte.lora_rows)
     with torch.no_grad():  # the rows show on their inputs and in their logits: the check can fail
         assert (merged_logits[..., [46, 49]] - base(every_id).logits[..., [46, 49]]).abs().min() > 0
-
-
-def test_merged_model_is_a_plain_gpt_with_the_adapted_logits():
-    base, model = adapted()
-    randomize_adapters(model)
-    merged = finetune.merge(model).eval()
-    with torch.no_grad():
-        diff = (merged(IDX).logits - model.eval()(IDX).logits).abs().max().item()
-    assert diff <= 1e-5, diff
     assert merged.state_dict().keys() == base.state_dict().keys()  # no adapter key: loads as any GPT
     assert merged.lm_head.weight is merged.transformer.wte.weight
     assert all(p.requires_grad for p in merged.parameters())
@@ -143,9 +119,6 @@ def test_merged_model_is_a_plain_gpt_with_the_adapted_logits():
     (dict(lora_rank=4, init_from="gpt2", lora_targets="attn.c_attn,mlp.fc"),
      "lora_targets names mlp.fc, which is not among attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj"),
     (dict(lora_rank=4, init_from="gpt2", lora_targets=" , "), "lora_targets is empty"),
-    (dict(lora_rank=-1), "lora_rank must be >= 0"),
-    (dict(lora_rank=4, init_from="gpt2", lora_alpha=0.0), "lora_alpha must be a finite number > 0"),
-    (dict(lora_rank=4, init_from="gpt2", lora_dropout=1.0), "lora_dropout must be in"),
 ])
 def test_bad_lora_settings_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -156,14 +129,13 @@ def test_bad_lora_settings_are_refused_in_one_line(overrides, message):
 # ----------------------------------------------------------------------------- runs
 @pytest.fixture(scope="module")
 def corpus_paths(tmp_path_factory) -> tuple[Path, Path]:
-    """(a text file, its data_dir) shared by this module's runs."""
     root = tmp_path_factory.mktemp("lora_corpus")
     (root / "corpus.txt").write_text(make_text())
     return root / "corpus.txt", root / "data"
 
 
 def export_base(corpus_paths: tuple[Path, Path], folder: Path, seed: int = 0) -> Path:
-    """A random tiny GPT-2-layout model for the corpus's char vocabulary, as a Hugging Face folder (hf.export)."""
+    """A random tiny GPT-2-layout model for the corpus's char vocabulary, as a Hugging Face folder."""
     text, data_dir = corpus_paths
     corpus = load_corpus(prepare_corpus(data_path=str(text), tokenizer="char", data_dir=str(data_dir)), 32)
     model = tiny_model(vocab_size=corpus.vocab_size, block_size=32, seed=seed, bias=True, activation="gelu_tanh")
@@ -189,7 +161,7 @@ def base_folder(corpus_paths, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(corpus_paths, base_folder, tmp_path_factory) -> Path:
-    """A LoRA run's folder: 8 steps at a high lr without warmup, so that the adapters moved visibly."""
+    """A LoRA run's folder: 8 steps at a high lr, so that the adapters moved visibly."""
     out = tmp_path_factory.mktemp("lora_run") / "run"
     train.train(lora_cfg(corpus_paths, out, base_folder, learning_rate=2e-2, min_lr=2e-3, warmup_iters=0))
     return out
@@ -296,15 +268,11 @@ def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_our_logits(t
     assert (base_logits - our_logits).abs().max() > 1e-3  # the adapters changed the model: the check can fail
 
 
-def test_peft_export_of_a_run_without_adapters_is_refused_in_one_line(tmp_path, capsys):
-    with pytest.raises(CheckpointError, match="not a LoRA run"):
-        export_hf.export_peft({"model": {}}, tmp_path / "adapters")
-    assert not (tmp_path / "adapters").exists()
-
-
 def test_an_export_checks_every_folder_it_writes_before_writing_any(trained, tmp_path, capsys):
     """Bug caught: --peft DIR had no "new or empty" rule: a second export replaced the first one's adapters and one into
     a run folder wrote beside its checkpoints (exit 0 both); --peft equal to OUT was refused only after writing."""
+    with pytest.raises(CheckpointError, match="not a LoRA run"):
+        export_hf.export_peft({"model": {}}, tmp_path / "adapters")
     export_hf.main([str(trained), str(tmp_path / "hf"), "--peft", str(tmp_path / "adapters")])
     capsys.readouterr()
     refused = [(tmp_path / "hf2", tmp_path / "adapters"),  # the first export's adapters

@@ -46,11 +46,6 @@ def train_tiny(out: Path, text_file: Path) -> None:
     run_script("train.py", *tiny_args(out, text_file, max_iters=20, eval_interval=10))
 
 
-def eval_in_process(capsys, *args: str) -> dict:
-    eval_script.main([*args, "--json"])
-    return json.loads(capsys.readouterr().out)
-
-
 @pytest.mark.slow  # a training run and an eval in fresh interpreters: ~30 s on a busy 2-core CPU
 def test_eval_script_reproduces_the_logged_best_val_loss_exactly(tmp_path, text_file, capsys):
     out = tmp_path / "run"
@@ -72,7 +67,7 @@ def test_eval_script_reproduces_the_logged_best_val_loss_exactly(tmp_path, text_
     text = "Good king, sleep.\nFair lady, wake!\n"
     other = tmp_path / "other.txt"
     other.write_text(text)
-    on_file = eval_in_process(capsys, "--ckpt", str(out), "--data_path", str(other), "--json", "--batch_size", "3")
+    on_file = eval_run(capsys, "--ckpt", str(out), "--data_path", str(other), "--json", "--batch_size", "3")[1]
     assert on_file["tokens"] == on_file["bytes"] == on_file["chars"] == len(text) - 1  # all of it, once
     assert on_file["val_bpb"] == pytest.approx(on_file["val_loss"] / math.log(2), rel=1e-9)
     with pytest.raises(SystemExit, match="2"):
@@ -135,8 +130,8 @@ def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_fro
     loaded = from_checkpoint(out / "best.pt")
     export_hf.export(loaded.model, loaded.tokenizer, tmp_path / "hf")  # bias-free: zero biases
     args = ("--data_path", str(text_file), "--json", "--batch_size", "4")
-    from_ckpt = eval_in_process(capsys, "--ckpt", str(out), *args)
-    from_hf = eval_in_process(capsys, "--init_from", str(tmp_path / "hf"), *args)
+    from_ckpt = eval_run(capsys, "--ckpt", str(out), *args)[1]
+    from_hf = eval_run(capsys, "--init_from", str(tmp_path / "hf"), *args)[1]
     assert from_hf["tokens"] == from_ckpt["tokens"] > 0
     assert from_hf["val_loss"] == pytest.approx(from_ckpt["val_loss"], abs=1e-5)  # + 0 biases: addmm vs mm
     with pytest.raises(SystemExit, match="2"):  # a char vocabulary need not be the built-in corpus's
@@ -163,9 +158,8 @@ def tiny_eval_run(out: Path, text_file: Path, capsys) -> float:
 
 
 def test_eval_after_its_text_changed_scores_the_runs_own_split_or_says_what_changed(tmp_path, text_file, capsys):
-    """The run's --data_path text rewritten (its lines reversed: the same characters) after training. Before, eval
-    prepared the new text and scored its split as the run's, exit 0 (3.242381 against the logged 2.976063), one more
-    folder in data/ per try; with the run's split gone and new characters too, it blamed "another tokenizer"."""
+    """The run's text rewritten after training (its lines reversed). Bug caught: eval prepared the new text and
+    scored its split as the run's; with the split gone and new characters too, it blamed "another tokenizer"."""
     out, data_dir = tmp_path / "run", text_file.parent / "data"
     best = tiny_eval_run(out, text_file, capsys)
     then = load_checkpoint(out / "best.pt")["corpus"]["fingerprint"]["val"]
@@ -192,8 +186,8 @@ def test_eval_after_its_text_changed_scores_the_runs_own_split_or_says_what_chan
 
 def test_eval_after_its_text_moved_scores_the_runs_prepared_split_and_takes_a_prepared_folder(tmp_path, text_file,
                                                                                              capsys):
-    """The text moved after training: eval said `no such file or folder; pass ... a folder of train.bin, val.bin and
-    meta.json`, then refused the run's prepared folder, passed with --data_path, as `no such file`."""
+    """Bug caught: with the text moved after training, eval refused the run's split, and its folder passed with
+    --data_path as `no such file`."""
     out, data_dir = tmp_path / "run", text_file.parent / "data"
     best = tiny_eval_run(out, text_file, capsys)
     text_file.rename(tmp_path / "moved.txt")
@@ -209,8 +203,7 @@ def test_eval_after_its_text_moved_scores_the_runs_prepared_split_and_takes_a_pr
 
 
 def test_eval_refuses_a_folder_of_documents_in_one_line_saying_what_it_scores(tmp_path, text_file, capsys):
-    """`--data_path FOLDER` (train.py takes a folder of documents) said `FOLDER: no such file` for a folder that
-    exists."""
+    """Bug caught: `--data_path FOLDER` (train.py takes a folder of documents) said `FOLDER: no such file`."""
     out = tmp_path / "run"
     tiny_eval_run(out, text_file, capsys)
     documents = tmp_path / "documents"
@@ -222,8 +215,7 @@ def test_eval_refuses_a_folder_of_documents_in_one_line_saying_what_it_scores(tm
 
 
 def test_a_long_eval_says_what_it_scores_first_then_shows_its_progress(tmp_path, text_file, capsys, monkeypatch):
-    """Eval scored for minutes with nothing on screen: its header came after the scoring, and the bar only in a
-    terminal."""
+    """Bug caught: eval's header came after the scoring, and its bar only in a terminal: minutes of nothing."""
     out = tmp_path / "run"
     tiny_eval_run(out, text_file, capsys)
     seen = []
@@ -236,9 +228,8 @@ def test_a_long_eval_says_what_it_scores_first_then_shows_its_progress(tmp_path,
 
 # ----------------------------------------------------------------------------- objective and metric apart
 def test_an_objective_term_trains_but_never_reaches_val_loss_or_best_pt(tmp_path, text_file, capsys):
-    """z_loss (a model option adding an auxiliary loss) is minimised, logged by name beside the loss, and kept
-    out of every metric. Before, one loss_sum was both: z_loss in GPT.forward's loss raised val loss and bits
-    per byte by the auxiliary term and chose best.pt by it (3.2302 logged vs 3.1086 plain cross-entropy)."""
+    """z_loss (an auxiliary loss) is minimised, logged by name, and kept out of every metric. Bug caught: one
+    loss_sum was both, so val loss, bits per byte and the choice of best.pt included the term."""
     args = dict(max_iters=6, eval_interval=3, eval_tokens=512)
     assert run_main(tiny_args(tmp_path / "plain", text_file, **args)) == 0
     assert run_main(tiny_args(tmp_path / "z", text_file, z_loss=0.5, **args)) == 0  # large, so the term shows
@@ -254,7 +245,7 @@ def test_an_objective_term_trains_but_never_reaches_val_loss_or_best_pt(tmp_path
     assert not torch.equal(weights[0]["lm_head.weight"], weights[1]["lm_head.weight"])
     # Val loss, bits per byte and best.pt are plain cross-entropy: eval.py scores best.pt exactly so.
     best = load_checkpoint(tmp_path / "z" / "best.pt")
-    report = eval_in_process(capsys, "--ckpt", str(tmp_path / "z" / "best.pt"))
+    report = eval_run(capsys, "--ckpt", str(tmp_path / "z" / "best.pt"))[1]
     assert report["val_loss"] == best["best_val_loss"] == min(r["val_loss"] for r in z if "val_loss" in r)
     model = from_checkpoint(tmp_path / "z" / "best.pt").model
     x, y = val_windows(load_corpus(next((tmp_path / "data").glob("*/meta.json")).parent, 32).val, 32, 512)

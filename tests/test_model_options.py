@@ -1,19 +1,11 @@
-"""Every model option (a field of model.GPTConfig) flows end to end, with no list kept by hand.
-
-The cases below are generated from GPTConfig's fields and types, so an option is tested here the
-moment it is declared: a flag and a preset key, reaching the built model, saved in the checkpoint,
-kept by a resume, refused when its value is bad, and refused by GPT-2 interop when GPT-2 cannot
-compute it; and every variant stays causal and decodes from its KV cache as a full forward.
-test_a_new_option_needs_no_other_edit proves all of that for an option added as docs/experiments.md says.
-
-A model-only change's inner loop (docs/experiments.md): python -m pytest tests/test_model.py tests/test_model_options.py
+"""Every model option (a field of model.GPTConfig) flows end to end, with no list kept by hand: the cases are generated
+from GPTConfig's fields and types, and docs/experiments.md's model recipes are applied to a copy of the repo.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
+from conftest import copy_of_the_repo, docs_snippet, make_text, read_metrics, run_main, run_tests_in, tiny_args
 
 import checkpoint
 import model as model_module
@@ -49,8 +41,7 @@ VOCAB = 40
 
 
 def needs(name: str) -> dict[str, Any]:
-    """The other options' values that ``name`` acts beside (``option(..., needs=...)`` in model.py): every case
-    of ``name`` sets them, and so does its base, so that only ``name`` differs."""
+    """The other options' values that ``name`` acts beside (its ``needs``): its cases and their base set them."""
     return next(f for f in dataclasses.fields(GPTConfig) if f.name == name).metadata["needs"]
 
 
@@ -68,10 +59,8 @@ def accepted(name: str, value: Any) -> bool:
 
 
 def other_values(name: str) -> list[Any]:
-    """Values of an option other than the base preset's, from its type alone: every other choice of a Literal,
-    the other bool, a real size for an int (twice the base, or 2 where the base is 0, which often means "off";
-    else one more), another float (0.5, else twice or half the base, or one more): the first of these that the
-    option's own check accepts, so a case never leaves its valid range. A plain str option has no such list."""
+    """Values of an option other than the base preset's, from its type alone: every other choice of a Literal, the
+    other bool, else the first number its own check accepts (an int 0 often means "off": 2 is tried first)."""
     base, kind = getattr(make_config(BASE), name), FIELD_TYPES[name]
     if choices(name):
         return [value for value in choices(name) if value != base]
@@ -94,24 +83,6 @@ def bad_value(name: str) -> str:
 CASES = [pytest.param(name, value, id=f"{name}={value}") for name in MODEL_OPTIONS for value in other_values(name)]
 
 
-def test_a_case_stays_inside_its_options_range(monkeypatch):
-    """A case's value is one the option's own check accepts: n_layer capped at 3 is tried at 3, not at 2 x 2."""
-    assert other_values("n_layer") == [4]
-    check = GPTConfig.__post_init__
-
-    def capped(self):
-        check(self)
-        if self.n_layer > 3:
-            raise ValueError(f"n_layer must be at most 3, got {self.n_layer}")
-
-    monkeypatch.setattr(GPTConfig, "__post_init__", capped)
-    assert other_values("n_layer") == [3]
-
-
-def toml_literal(value: Any) -> str:
-    return json.dumps(value)  # true/false, numbers and quoted strings read the same in TOML
-
-
 def test_every_option_is_typed_and_has_its_help():
     help_text = " ".join(build_parser().format_help().split())
     declared = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(GPTConfig)}
@@ -125,7 +96,7 @@ def test_every_option_is_typed_and_has_its_help():
 @pytest.mark.parametrize("name, value", CASES)
 def test_every_option_is_a_preset_key_and_a_flag(tmp_path, name, value):
     preset = tmp_path / "variant.toml"
-    preset.write_text(f"{name} = {toml_literal(value)}\n")
+    preset.write_text(f"{name} = {json.dumps(value)}\n")  # true/false, numbers and quoted strings: TOML's too
     assert getattr(make_config(str(preset)), name) == value
     flag_value = str(value).lower() if isinstance(value, bool) else str(value)
     assert getattr(parse_args(["--config", BASE, f"--{name}", flag_value]), name) == value
@@ -133,18 +104,20 @@ def test_every_option_is_a_preset_key_and_a_flag(tmp_path, name, value):
 
 @pytest.mark.parametrize("name", MODEL_OPTIONS)
 def test_a_bad_value_of_every_option_is_refused(name):
+    """A negative number too, by the option's own check: before, a negative window trained as full attention."""
     with pytest.raises(ConfigError, match=f"^{name} must be"):
         parse_args(["--config", BASE, f"--{name}", bad_value(name)])
+    if FIELD_TYPES[name] in (int, float):
+        with pytest.raises(ConfigError, match=f"^{name} must be"):
+            make_config(BASE, **{name: -1})
     if choices(name):  # a config built without the parser is checked too
         with pytest.raises(ConfigError, match=f"^{name} must be one of"):
             validate(TrainConfig(**{name: bad_value(name)}))
 
 
 def paired_models(name: str, value: Any) -> tuple[GPT, GPT, list[str]]:
-    """The base preset's model and the one with name=value, holding the same weights wherever they can: every
-    parameter of the same name and shape is the base's (std 0.2, so that small changes show above rounding); one
-    the option drops counts as zero in the base (an embedding or a bias no longer added), one it adds or resizes
-    keeps its own init. Also the names dropped."""
+    """The base preset's model and the one with name=value, with the base's weights (std 0.2) wherever name and
+    shape match; a weight the option drops counts as zero in the base. Also the names dropped."""
     torch.manual_seed(0)
     base = GPT(model_config(make_config(BASE, **needs(name)), VOCAB))
     torch.manual_seed(0)
@@ -163,8 +136,7 @@ def paired_models(name: str, value: Any) -> tuple[GPT, GPT, list[str]]:
 
 
 def train_mode_step(model: GPT) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Training-mode logits, the objective a step minimises (cross-entropy plus every auxiliary term) and its
-    gradients by name, for ``model`` on one batch, with the same dropout masks for every model."""
+    """Training-mode logits, objective (with every auxiliary term) and gradients on one batch, same dropout masks."""
     idx = torch.arange(17).remainder(VOCAB).view(1, 17)  # (1, 17)
     torch.manual_seed(1)
     logits, loss_sum, _, aux = model(idx[:, :-1], idx[:, 1:])
@@ -180,9 +152,8 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("name, value", CASES)
 def test_every_option_reaches_the_model_and_changes_it(name, value):
-    """The option's own computation must act: with the base model's weights wherever the shapes allow (the ones it
-    drops counting as zero), the logits, the objective (z_loss) or the gradients must move. Shapes alone prove
-    nothing: ALiBi with zero slopes drops wpe and computes exactly the base model without its position table."""
+    """With the base's weights, the logits, the objective or the gradients must move: shapes alone prove nothing
+    (ALiBi with zero slopes drops wpe and computes exactly the base model without its position table)."""
     assert getattr(model_config(make_config(BASE, **case(name, value)), VOCAB), name) == value
     base, variant, dropped = paired_models(name, value)
     logits_a, objective_a, grads_a = train_mode_step(base)
@@ -201,8 +172,7 @@ def test_every_option_reaches_the_model_and_changes_it(name, value):
 @pytest.mark.parametrize("name, value", CASES)
 def test_every_objective_term_is_summed_over_the_targets(name, value):
     """Each auxiliary term per target is the same for a batch as for the batch twice over: summed over the targets,
-    as loss_sum is, it doubles with them, and the step's division by its target count weighs it right however the
-    batch is split. A mean over the batch added as a sum stays put and would end up divided by the targets."""
+    as loss_sum is, the step's division by its target count weighs it right however the batch is split."""
     torch.manual_seed(0)
     model = GPT(model_config(make_config(BASE, **case(name, value)), VOCAB)).eval()  # no dropout: rows repeat alike
     idx = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))  # (2, 17)
@@ -216,80 +186,39 @@ def test_every_objective_term_is_summed_over_the_targets(name, value):
             f"micro-batch's tokens or rows with aux.add_mean (model.AuxLosses), which weights it by their count")
 
 
-NUMERIC_OPTIONS = [name for name in MODEL_OPTIONS if FIELD_TYPES[name] in (int, float)]
-
-
-@pytest.mark.parametrize("name", NUMERIC_OPTIONS)
-def test_a_negative_value_of_every_numeric_option_is_refused_by_its_check(name):
-    """A size, a probability or a weight is never negative: before, a negative window trained silently as full
-    attention. The option's own check (validate, or GPTConfig.__post_init__) refuses it in one line naming it."""
-    with pytest.raises(ConfigError, match=f"^{name} must be"):
-        make_config(BASE, **{name: -1})
-
-
-def every_value_of_every_option() -> list:
-    """The base preset's model and each case's, for the properties every model must keep."""
-    return [pytest.param(None, None, id="base")] + CASES
-
-
-def eval_model(name: str | None, value: Any) -> GPT:
-    """A model of the base preset (with name=value), weights of std 0.2 so each logit depends on the
-    whole context (a leak or a cache bug then shows), in eval mode."""
-    cfg = make_config(BASE, **(case(name, value) if name else {}))
+@pytest.mark.parametrize("name, value", [pytest.param(None, None, id="base"), *CASES])
+def test_every_variant_is_causal_and_its_kv_cache_exact_with_or_without_the_shortcut(monkeypatch, name, value):
+    """Weights of std 0.2, so each logit depends on the whole context (a leak or a cache bug then shows). attention()
+    hands SDPA the causal rule as a flag when visible_keys' mask is the plain triangle: bit for bit what the mask
+    gives, unless the mask was narrowed after visible_keys, which that decision never saw."""
     torch.manual_seed(0)
-    model = GPT(model_config(cfg, VOCAB)).eval()
+    model = GPT(model_config(make_config(BASE, **(case(name, value) if name else {})), VOCAB)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
-    return model
-
-
-@pytest.mark.parametrize("name, value", every_value_of_every_option())
-def test_every_variant_is_causal(name, value):
-    model = eval_model(name, value)
     T, t = model.config.block_size, 7
     idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(0))  # (2, T)
     changed = idx.clone()
-    changed[:, t + 1:] = (changed[:, t + 1:] + 1) % VOCAB  # change every future token
+    changed[:, t + 1:] = (changed[:, t + 1:] + 1) % VOCAB  # every future token
+
+    @torch.no_grad()
+    def full_and_cached() -> tuple[torch.Tensor, torch.Tensor]:
+        cache, cuts = KVCache(model.config, 2), [0, 5, 6, 7, T // 2, T]  # a prefill, single steps, a chunk
+        parts = [model(idx[:, a:b], cache=cache).logits for a, b in zip(cuts, cuts[1:])]
+        return model(idx).logits, torch.cat(parts, dim=1)  # (2, T, V) each
+
+    full, cached = full_and_cached()
     with torch.no_grad():
-        before, after = model(idx)[0], model(changed)[0]  # (2, T, V) each
-    torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1], rtol=0, atol=1e-5)
-    assert not torch.allclose(before[:, t + 1:], after[:, t + 1:])  # the future did change
-
-
-@pytest.mark.parametrize("name, value", every_value_of_every_option())
-def test_every_variant_decodes_from_its_kv_cache_as_a_full_forward(name, value):
-    model = eval_model(name, value)
-    T = model.config.block_size
-    idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))  # (2, T)
-    cache = KVCache(model.config, 2)
-    with torch.no_grad():
-        full = model(idx)[0]  # (2, T, V)
-        cuts = [0, 5, 6, 7, T // 2, T]  # a prefill, single steps, a chunk after a cached past
-        parts = [model(idx[:, a:b], cache=cache)[0] for a, b in zip(cuts, cuts[1:])]
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize("name, value", every_value_of_every_option())
-def test_every_variant_computes_the_same_without_attentions_causal_shortcut(monkeypatch, name, value):
-    """attention() hands SDPA the causal rule as a flag when the mask GPT.forward built from visible_keys is the
-    plain triangle (decided once per forward): bit for bit what the mask it receives gives, unless the mask was
-    changed on its way (a rule narrowed after visible_keys, which that decision never saw)."""
-    model = eval_model(name, value)
-    idx = torch.randint(0, VOCAB, (2, model.config.block_size), generator=torch.Generator().manual_seed(2))
-
-    def full_and_cached() -> list[torch.Tensor]:
-        cache = KVCache(model.config, 2)
-        with torch.no_grad():
-            return [model(idx).logits, *(model(idx[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 6), (6, 9)])]
-
-    shortcut = full_and_cached()
+        after = model(changed).logits
+    torch.testing.assert_close(full[:, : t + 1], after[:, : t + 1], rtol=0, atol=1e-5)
+    assert not torch.allclose(full[:, t + 1:], after[:, t + 1:])  # the future did change
+    torch.testing.assert_close(cached, full, atol=1e-4, rtol=0)
     real = model_module.attention
     monkeypatch.setattr(model_module, "attention", lambda q, k, v, mask, plain_causal, dropout_p:
                         real(q, k, v, mask, False, dropout_p))  # always the mask
-    assert all(torch.equal(a, b) for a, b in zip(shortcut, full_and_cached())), (
-        f"{'base' if name is None else f'{name}={value}'}: SDPA's causal shortcut dropped part of the mask attention "
-        f"received; write what a query sees in model.visible_keys, from which the layers decide the shortcut")
+    assert all(map(torch.equal, (full, cached), full_and_cached())), (
+        f"{name}={value}: SDPA's causal shortcut dropped part of the mask attention received; write what a query "
+        "sees in model.visible_keys, from which the layers decide the shortcut")
 
 
 @pytest.fixture(scope="module")
@@ -391,147 +320,106 @@ def test_an_export_refusal_is_one_line_and_writes_nothing(tmp_path, corpus_file,
     assert not (tmp_path / "hf").exists()
 
 
-# ----------------------------------------------------------------------------- a new option, end to end
-def add_option_as_the_docs_say(repo: Path) -> str:
-    """Apply docs/experiments.md's two edits (the field, its use) to a copy; returns the option's name."""
-    field = docs_snippet("# model.py, in GPTConfig, after the last option:\n")
-    use = docs_snippet("# model.py, in GPT.forward, after x = self.transformer.drop(x):\n")
-    model_py = repo / "model.py"
-    source = model_py.read_text()
-    field_anchor = "\n\n    # Options that act only while training"
-    use_anchor = "        x = self.transformer.drop(x)\n"
-    assert source.count(field_anchor) == 1 and source.count(use_anchor) == 1, "update the anchors to model.py"
-    source = source.replace(field_anchor, "\n" + field.rstrip("\n") + field_anchor)
-    model_py.write_text(source.replace(use_anchor, use_anchor + use))
-    return field.split(":")[0].strip()
-
-
-@pytest.mark.slow  # a fresh pytest in a copy of the repo: ~25 s
-def test_a_new_option_needs_no_other_edit(tmp_path):
-    repo = tmp_path / "fork"
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout
-    for relative in files.split():
-        (repo / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / relative, repo / relative)
-    name = add_option_as_the_docs_say(repo)
-    assert name not in MODEL_OPTIONS
-    result = subprocess.run([sys.executable, "-m", "pytest", "tests/test_model_options.py", "-q", "-k", name,
-                             "-p", "no:cacheprovider"], cwd=repo, capture_output=True, text=True, timeout=600)
-    summary = result.stdout.strip().splitlines()[-1]
-    assert result.returncode == 0, result.stdout[-3000:]
-    # The new option's cases: flag and preset key, reaches the model, its objective terms' scale, causal, KV cache,
-    # the shortcut's numbers, saved/shown/kept, GPT-2 refusal; its bad value.
-    assert summary.startswith("9 passed"), summary
-
-
-# ----------------------------------------------------------------------------- a mask fork, end to end
-def copy_of_the_repo(root: Path) -> Path:
-    """The repo's tracked and untracked-but-not-ignored files, copied to root/fork."""
-    repo = root / "fork"
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout
-    for relative in files.split():
-        if (REPO / relative).is_file():
-            (repo / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / relative, repo / relative)
-    return repo
-
-
+# ----------------------------------------------------------------------------- docs/experiments.md's recipes
 def insert(path: Path, anchor: str, text: str, after: bool = False) -> None:
     source = path.read_text()
     assert source.count(anchor) == 1, f"update the anchor {anchor!r} to {path.name}"
     path.write_text(source.replace(anchor, anchor + text if after else text + anchor))
 
 
-def add_window_as_the_docs_say(repo: Path) -> None:
-    """docs/experiments.md's three edits for a sliding window: the field, its check, the mask."""
-    model_py = repo / "model.py"
-    insert(model_py, "\n\n    # Options that act only while training",
-           "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (a window):\n").rstrip("\n"))
-    insert(model_py, "\n    @property\n    def padded_vocab_size",
-           docs_snippet("# model.py, at the end of GPTConfig.__post_init__:\n"))
-    insert(model_py, "    return key <= query  # (T, start + T)",
-           docs_snippet("# model.py, in visible_keys, before its return:\n"))
+FIELD_ANCHOR = "\n\n    # Options that act only while training"
 
 
-def pytest_in(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=repo,
-                          capture_output=True, text=True, timeout=600)
+def add_option_as_the_docs_say(repo: Path) -> str:
+    """Apply the page's two edits (the field, its use) to a copy; returns the option's name."""
+    field = docs_snippet("# model.py, in GPTConfig, after the last option:\n")
+    insert(repo / "model.py", FIELD_ANCHOR, "\n" + field.rstrip("\n"))
+    insert(repo / "model.py", "        x = self.transformer.drop(x)\n",
+           docs_snippet("# model.py, in GPT.forward, after x = self.transformer.drop(x):\n"), after=True)
+    return field.split(":")[0].strip()
 
 
-@pytest.mark.slow  # two fresh pytests, a training run and four samples in a copy of the repo: ~60 s
-def test_a_window_fork_is_one_mask_edit(tmp_path):
+def last_line(result: subprocess.CompletedProcess) -> str:
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.slow  # a fresh pytest in a copy of the repo: ~25 s
+def test_a_new_option_needs_no_other_edit(tmp_path):
     repo = copy_of_the_repo(tmp_path)
-    add_window_as_the_docs_say(repo)
-    result = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window")
+    name = add_option_as_the_docs_say(repo)
+    assert name not in MODEL_OPTIONS
+    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", name)
     assert result.returncode == 0, result.stdout[-3000:]
-    # flag and preset key, reaches the model, its objective terms' scale, its negative value, causal, KV cache,
-    # the shortcut's numbers, saved/shown/kept, GPT-2 refusal, its bad value
-    assert result.stdout.strip().splitlines()[-1].startswith("10 passed"), result.stdout[-500:]
+    # flag and preset key, bad value, reaches the model, objective terms' scale, causal and cache, saved/kept, GPT-2
+    assert last_line(result).startswith("7 passed"), result.stdout[-500:]
+
+
+def train_and_sample(repo: Path, tmp_path: Path, **options) -> None:
+    """A 30-step run in ``repo``; sample.py --temp 0 writes the same text with and without its KV cache."""
     (tmp_path / "corpus.txt").write_text(make_text())
     run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
-                                                                  max_iters=30, eval_interval=30, attn_window=4)],
+                                                                  max_iters=30, eval_interval=30, **options)],
                          cwd=repo, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     texts = [subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path / "run"), "--temp", "0",
                              "--max-new-tokens", "80", "--no-stream", *flags], cwd=repo, capture_output=True,
                             text=True, timeout=120).stdout for flags in ([], ["--no-cache"])]
     assert texts[0] == texts[1] and len(texts[0]) > 80
+
+
+@pytest.mark.slow  # two fresh pytests, a training run and two samples in a copy of the repo: ~60 s
+def test_a_window_fork_is_one_mask_edit(tmp_path):
+    """The page's three edits for a sliding window: the field, its check, the mask."""
+    repo = copy_of_the_repo(tmp_path)
+    insert(repo / "model.py", FIELD_ANCHOR,
+           "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (a window):\n").rstrip("\n"))
+    insert(repo / "model.py", "\n    @property\n    def padded_vocab_size",
+           docs_snippet("# model.py, at the end of GPTConfig.__post_init__:\n"))
+    insert(repo / "model.py", "    return key <= query  # (T, start + T)",
+           docs_snippet("# model.py, in visible_keys, before its return:\n"))
+    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", "attn_window")
+    assert result.returncode == 0, result.stdout[-3000:]
+    # flag and preset key, reaches the model, objective terms' scale, causal and cache, saved/kept, GPT-2 refusal,
+    # its bad and negative value
+    assert last_line(result).startswith("7 passed"), result.stdout[-500:]
+    train_and_sample(repo, tmp_path, attn_window=4)
     # The teeth: a cache that keeps its own causal mask (the bug this page once had) fails the generated test.
     insert(repo / "model.py", "        layer_caches = cache.layers if cache",
            "        mask = mask if cache is None else torch.ones_like(mask).tril(diagonal=start)  # the bug\n")
-    broken = pytest_in(repo, "tests/test_model_options.py", "-k", "attn_window and kv_cache")
-    assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
-
-
-# ----------------------------------------------------------------------------- a bias fork, end to end
-def add_alibi_as_the_docs_say(repo: Path) -> None:
-    """docs/experiments.md's two edits for ALiBi: pos_emb's third value, the bias in visible_keys."""
-    model_py = repo / "model.py"
-    source = model_py.read_text()
-    field = re.findall(r"^    pos_emb: Literal\[.*?\n(?=    \w+: )", source, re.M | re.S)
-    assert len(field) == 1, "update the ALiBi fork test: model.py declares pos_emb before another field"
-    model_py.write_text(source.replace(field[0], docs_snippet("# model.py, in GPTConfig, replacing the pos_emb "
-                                                              "field (ALiBi):\n")))
-    insert(model_py, "    return key <= query  # (T, start + T)",
-           docs_snippet("# model.py, in visible_keys, before its return (ALiBi):\n"))
+    broken = run_tests_in(repo, tmp_path / "b", "tests/test_model_options.py", "-k", "attn_window and kv_cache")
+    assert broken.returncode == 1 and "1 failed" in last_line(broken), broken.stdout[-1500:]
 
 
 @pytest.mark.slow  # two fresh pytests, a training run and two samples in a copy of the repo: ~60 s
 def test_the_alibi_recipe_forks_the_repo_end_to_end(tmp_path):
+    """The page's two edits for ALiBi: pos_emb's third value, the bias in visible_keys."""
     repo = copy_of_the_repo(tmp_path)
-    add_alibi_as_the_docs_say(repo)
-    result = pytest_in(repo, "tests/test_model_options.py", "-k", "alibi")
+    source = (repo / "model.py").read_text()
+    field = re.findall(r"^    pos_emb: Literal\[.*?\n(?=    \w+: )", source, re.M | re.S)
+    assert len(field) == 1, "update the ALiBi fork test: model.py declares pos_emb before another field"
+    (repo / "model.py").write_text(source.replace(field[0], docs_snippet(
+        "# model.py, in GPTConfig, replacing the pos_emb field (ALiBi):\n")))
+    insert(repo / "model.py", "    return key <= query  # (T, start + T)",
+           docs_snippet("# model.py, in visible_keys, before its return (ALiBi):\n"))
+    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", "alibi")
     assert result.returncode == 0, result.stdout[-3000:]
-    # flag and preset key, reaches the model and changes it, its objective terms' scale, causal, KV cache, the
-    # shortcut's numbers, saved/shown/kept, GPT-2 refusal
-    assert result.stdout.strip().splitlines()[-1].startswith("8 passed"), result.stdout[-500:]
-    (tmp_path / "corpus.txt").write_text(make_text())
-    run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
-                                                                  max_iters=30, eval_interval=30, pos_emb="alibi",
-                                                                  dtype="bfloat16")],
-                         cwd=repo, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]  # the bias in bf16 on CPU: added, never inverted with `~`
-    texts = [subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path / "run"), "--temp", "0",
-                             "--max-new-tokens", "80", "--no-stream", *flags], cwd=repo, capture_output=True,
-                            text=True, timeout=120).stdout for flags in ([], ["--no-cache"])]
-    assert texts[0] == texts[1] and len(texts[0]) > 80
+    # flag and preset key, reaches the model, objective terms' scale, causal and cache, saved/kept, GPT-2 refusal
+    assert last_line(result).startswith("6 passed"), result.stdout[-500:]
+    train_and_sample(repo, tmp_path, pos_emb="alibi", dtype="bfloat16")  # the bias in bf16 on CPU: never `~`
     # The teeth: ALiBi with every slope zero drops wpe and computes nothing of its own (issue 44, finding 2).
     source = (repo / "model.py").read_text()
     assert source.count("slopes = 2.0 **") == 1
     (repo / "model.py").write_text(source.replace("slopes = 2.0 **", "slopes = 0.0 * 2.0 **"))
-    broken = pytest_in(repo, "tests/test_model_options.py", "-k", "alibi and reaches_the_model")
-    assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
+    broken = run_tests_in(repo, tmp_path / "b", "tests/test_model_options.py", "-k", "alibi and reaches_the_model")
+    assert broken.returncode == 1 and "1 failed" in last_line(broken), broken.stdout[-1500:]
     assert ("pos_emb=alibi computes what the base model without transformer.wpe.weight computes"
             in " ".join(broken.stdout.split())), broken.stdout[-1500:]
 
 
-# ----------------------------------------------------------------------------- the MoE recipe, end to end
 def add_moe_as_the_docs_say(repo: Path) -> None:
-    """docs/experiments.md's five edits for a top-1 mixture of experts, each where its heading says."""
+    """The page's five edits for a top-1 mixture of experts, each where its heading says."""
     model_py = repo / "model.py"
-    insert(model_py, "\n\n    # Options that act only while training",
+    insert(model_py, FIELD_ANCHOR,
            "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (MoE):\n").rstrip("\n"))
     source = model_py.read_text()
     lines = re.findall(r"^    TRAINING_ONLY: .*\n", source, re.M)
@@ -556,16 +444,15 @@ print("FLOPS " + json.dumps([GPT(GPTConfig(**shape, n_experts=e)).flops_per_toke
 
 @pytest.mark.slow  # two fresh pytests in a copy of the repo and a training run: ~60 s
 def test_the_moe_recipe_forks_the_repo_end_to_end(tmp_path):
-    """docs/experiments.md's top-1 MoE, taken from the page: the copy's generated tests for both options (the
-    balance weight paired with the experts it needs), the balance term's scale in a tiny run's log, and a FLOP
-    count of one expert per token; then the balance term written as a plain mean fails the scale test."""
+    """The copy's generated tests for both options, the balance term's scale in a tiny run's log, a FLOP count of
+    one expert per token; then the balance term written as a plain mean fails the scale test."""
     repo = copy_of_the_repo(tmp_path)
     add_moe_as_the_docs_say(repo)
-    result = pytest_in(repo, "tests/test_model_options.py", "-k", "n_experts or moe_balance", "-rA")
+    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", "n_experts or moe_balance")
     assert result.returncode == 0, result.stdout[-3000:]
-    # each: flag and preset key, reaches the model, its objective term's scale, causal, KV cache, the shortcut's
-    # numbers, saved/shown/kept, GPT-2 refusal, its negative and its bad value
-    assert result.stdout.strip().splitlines()[-1].startswith("20 passed"), result.stdout[-800:]
+    # each: flag and preset key, reaches the model, objective term's scale, causal and cache, saved/kept, GPT-2
+    # refusal, its bad and negative value
+    assert last_line(result).startswith("14 passed"), result.stdout[-800:]
     assert "PASSED tests/test_model_options.py::test_every_objective_term_is_summed_over_the_targets[moe_balance=0.5]" \
         in result.stdout
 
@@ -587,8 +474,8 @@ def test_the_moe_recipe_forks_the_repo_end_to_end(tmp_path):
     # The teeth: the balance term as a plain mean, added as if summed (finding 6 of issue 44), fails the scale test.
     model_py = repo / "model.py"
     model_py.write_text(model_py.read_text().replace('aux.add_mean("moe_balance"', 'aux.add_sum("moe_balance"'))
-    broken = pytest_in(repo, "tests/test_model_options.py", "-k", "objective_term and moe_balance")
-    assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-1500:]
+    broken = run_tests_in(repo, tmp_path / "b", "tests/test_model_options.py", "-k", "objective_term and moe_balance")
+    assert broken.returncode == 1 and "1 failed" in last_line(broken), broken.stdout[-1500:]
     assert "it is not summed over the targets" in broken.stdout and "aux.add_mean" in broken.stdout
 
 

@@ -124,9 +124,10 @@ def test_versus_times_another_commit_and_this_checkout_in_alternating_rounds(tin
     assert ratio.startswith("this checkout / HEAD: ") and ratio.endswith("x tokens/s"), done.stdout
 
 
-def test_bench_rejects_malformed_override(tmp_path):
-    result = run_script("-m", "scripts.bench", "--config", "tiny", "dtype", check=False)
-    assert result.returncode != 0 and "KEY=VALUE" in result.stderr
+def test_bench_rejects_malformed_override(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--config", "tiny", "dtype"])
+    assert stopped.value.code == 2 and "KEY=VALUE" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bf16, fp32, expected", [(900.0, 200.0, torch.bfloat16),  # AVX512-BF16 / AMX
@@ -188,43 +189,31 @@ def test_plot_writes_png(tmp_path):
 
 
 @pytest.mark.parametrize("compile_wanted", [False, True], ids=["compile off", "compile on"])
-def test_train_bench_the_doctor_and_eval_get_one_runtime_from_choose_runtime(tiny_cfg, monkeypatch, compile_wanted):
-    """Device, threads, precision and the compile decision come from runtime.choose_runtime in train.py,
-    bench.py, the doctor and eval.py: each Runtime it hands out is recorded, and all must be equal. The
-    compile decision is forced both ways (the compiler itself stubbed: nothing compiles on this CPU)."""
-    from scripts import doctor
+def test_train_and_the_tools_get_one_runtime_and_precision_from_choose_runtime(tiny_cfg, monkeypatch, tmp_path,
+                                                                                compile_wanted):
+    """Device, threads, precision (dtype=auto's probe) and the compile decision come from runtime.choose_runtime in
+    train.py, bench.py, the doctor, eval.py and compare.py: each Runtime and probe is recorded, all must be train.py's.
+    Before, the doctor probed at a default shape, so "the exact config you train with" was checked in another
+    precision. The compiler itself is stubbed: nothing compiles on this CPU."""
+    from scripts import compare, doctor
     from scripts import eval as evaluate
-    made, real_runtime = [], runtime.Runtime
+    made, probes, real_runtime, real_pick = [], [], runtime.Runtime, runtime.pick_dtype
     monkeypatch.setattr(runtime, "Runtime", lambda *fields: made.append(real_runtime(*fields)) or made[-1])
+    monkeypatch.setattr(runtime, "pick_dtype", lambda *args: probes.append(args) or real_pick("float32", *args[1:]))
     monkeypatch.setattr(runtime, "want_compile", lambda setting, device: compile_wanted)
-    monkeypatch.setattr(runtime, "compile_or_eager", lambda model, enabled, probe: model)  # no compiler run
+    monkeypatch.setattr(runtime, "compile_or_eager", lambda model, enabled, probe: model)
     cfg = tiny_cfg(dtype="auto", threads=1, max_iters=1, eval_interval=1)
     train.train(cfg)
     entry_points = {"train.py": made[-1]}
     bench.build("bench", cfg)
     entry_points["bench.py"] = made[-1]
-    before_doctor = len(made)
     doctor.run_checks(cfg)
-    entry_points["doctor.py"] = made[before_doctor]  # its own (its short training runs come after)
+    entry_points["doctor.py"] = made[-1]
     evaluate.main(["--ckpt", cfg.out_dir, "--threads", "1"])
     entry_points["eval.py"] = made[-1]
+    compare.pin_auto_dtype([compare.Run("a", 1, tmp_path / "c", "tiny", {"dtype": "auto", "device": "cpu",
+                                                                        "threads": 1, "data_path": cfg.data_path})])
     assert entry_points["train.py"].compile == compile_wanted and entry_points["train.py"].threads == 1
     assert all(rt == entry_points["train.py"] for rt in entry_points.values()), entry_points
-
-
-def test_train_bench_the_doctor_and_compare_choose_one_precision_for_one_config(tiny_cfg, tmp_path, monkeypatch):
-    """dtype=auto is decided by runtime.run_dtype everywhere: before, the doctor timed its probe matmul at
-    a default shape and bench.py re-typed train.py's, so "the exact config you train with" could be checked
-    in another precision. Each entry point's probe is recorded; all must be train.py's."""
-    from scripts import compare, doctor
-    probes = []
-    real = runtime.pick_dtype
-    monkeypatch.setattr(runtime, "pick_dtype", lambda *args: probes.append(args) or real("float32", *args[1:]))
-    cfg = tiny_cfg(dtype="auto", max_iters=1, eval_interval=1)
-    train.train(cfg)
-    bench.build("bench", cfg)
-    doctor.run_checks(cfg)
-    compare.pin_auto_dtype([compare.Run("a", 1, tmp_path / "c", "tiny",
-                                        {"dtype": "auto", "device": "cpu", "data_path": cfg.data_path})])
     expected = ("auto", torch.device("cpu"), (cfg.batch_size * cfg.block_size, cfg.n_embd, 4 * cfg.n_embd))
-    assert [p for p in probes if p[0] == "auto"] == [expected] * 4  # (the doctor's own short runs pin float32)
+    assert [p for p in probes if p[0] == "auto"] == [expected] * 4  # train, bench, doctor, compare

@@ -20,6 +20,7 @@ from fault_injection import (
     assert_nested_equal,
     assert_same_training_state,
     call_of,
+    floating_tensors,
     on_training_forward,
     poison_loss,
     signal_at,
@@ -35,47 +36,18 @@ from checkpoint import (
     REQUIRED_KEYS,
     RNG_STREAMS,
     CheckpointError,
-    CheckpointWriteError,
     load_checkpoint,
     save_checkpoint,
 )
 from config import RunStopped
 from optim import OPTIMIZERS, NonFiniteGuard
 
-SLOW = pytest.mark.slow  # the second signal of a pair: CI runs it, the default suite the first
-
 
 def temp_files(folder: Path) -> list[Path]:
     return [p for p in folder.iterdir() if ".tmp-" in p.name]
 
 
-def all_tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in all_tensors(item)]
-    return []
-
-
 # ----------------------------------------------------------------------------- checkpoint files
-def test_an_exception_mid_save_leaves_the_previous_file_intact(tmp_path, monkeypatch):
-    path = tmp_path / "last.pt"
-    save_checkpoint({"step": 1}, path)
-    before = path.read_bytes()
-
-    def broken_save(obj, f):
-        f.write(b"half a checkpoint")
-        raise RuntimeError("disk went away")
-
-    monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(CheckpointWriteError, match="disk went away.*previous last.pt is intact"):
-        save_checkpoint({"step": 2}, path)
-    assert path.read_bytes() == before
-    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temp file left behind
-
-
 def fake_state(step: int, values: torch.Tensor) -> dict:
     """A checkpoint-shaped state whose one big tensor says which step wrote it."""
     return {key: {} for key in REQUIRED_KEYS} | {"format_version": FORMAT_VERSION, "step": step, "model": {"w": values}}
@@ -210,8 +182,24 @@ def test_checkpoint_schema_is_documented_keys_of_plain_values(tmp_path, text_fil
 
 
 # ----------------------------------------------------------------------------- numerical faults
+class NaNGradient(torch.autograd.Function):
+    """The identity going forward, NaN coming back: a finite loss whose gradient is not."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.nan
+
+
+POISONS = {"nan": lambda loss: loss * math.nan, "inf": lambda loss: loss * math.inf,
+           "nan gradient": NaNGradient.apply}  # a finite loss: caught a guard that checked only the loss
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("poison", [math.nan, math.inf])
+@pytest.mark.parametrize("poison", POISONS)
 def test_a_nonfinite_step_stops_the_run_and_never_reaches_a_checkpoint(tmp_path, text_file, monkeypatch, capsys,
                                                                        poison, optimizer):
     # Step 4 is poisoned; the first sync point after it is the log line of step 5, so step 5 also runs (no host
@@ -219,19 +207,20 @@ def test_a_nonfinite_step_stops_the_run_and_never_reaches_a_checkpoint(tmp_path,
     args = dict(grad_accum=2, max_iters=20, log_interval=5, eval_interval=3, optimizer=optimizer)
     assert run_main(tiny_args(tmp_path / "reference", text_file, **{**args, "max_iters": 3})) == 0
     before_step_4 = load_checkpoint(tmp_path / "reference" / "last.pt")
-    calls = poison_loss(monkeypatch, lambda n: n == call_of(4, 2, 2), poison)
+    losses = []
+    on_training_forward(monkeypatch, lambda n, loss: losses.append(loss.detach()) or (
+        POISONS[poison](loss) if n == call_of(4, 2, 2) else None))
     out = tmp_path / "poisoned"
     assert run_main(tiny_args(out, text_file, **args)) == 3
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: non-finite loss or gradient at step 4;")
-    assert len(calls) == call_of(5, 2, 2)
+    assert len(losses) == call_of(5, 2, 2) and all(torch.isfinite(loss) for loss in losses[: call_of(4, 2, 2)])
     assert_nested_equal(load_checkpoint(out / "last.pt")["model"], before_step_4["model"])  # step 3's, intact
     for name in ("last.pt", "best.pt"):
-        assert all(torch.isfinite(t).all() for t in all_tensors(load_checkpoint(out / name)) if t.is_floating_point())
+        assert all(torch.isfinite(t).all() for t in floating_tensors(load_checkpoint(out / name)))
 
 
 def test_the_guard_names_the_first_faulty_step_and_refuses_weights_with_any_non_finite_value():
-    """Between two syncs several steps may be faulty: the message names the first. One inf among finite weights
-    is enough to refuse a save."""
+    """Of several faulty steps between two syncs, the first is named; one inf weight refuses a save."""
     guard = NonFiniteGuard(torch.amp.GradScaler("cpu", enabled=False), 3, torch.device("cpu"))
     one, nan = torch.tensor(1.0), torch.tensor(math.nan)
     guard.check(3, one, one)
@@ -329,18 +318,24 @@ def test_fp16_max_skipped_steps_in_a_row_abort(tmp_path, text_file, monkeypatch,
 
 
 # ----------------------------------------------------------------------------- signals
+@pytest.fixture
+def signal_handlers():
+    """SIGINT's and SIGTERM's handlers put back after the test: a run a signal stopped leaves them ignored."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
 def sentinel(signum, frame):  # a handler main() must put back, and must never call
     raise AssertionError("sentinel handler called")
 
 
-def test_handlers_come_back_after_a_run_that_no_signal_stopped(tmp_path, text_file):
-    originals = {s: signal.signal(s, sentinel) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        assert run_main(tiny_args(tmp_path, text_file, max_iters=1)) == 0
-        assert all(signal.getsignal(s) is sentinel for s in originals)
-    finally:
-        for s, handler in originals.items():
-            signal.signal(s, handler)
+def test_handlers_come_back_after_a_run_that_no_signal_stopped(tmp_path, text_file, signal_handlers):
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, sentinel)
+    assert run_main(tiny_args(tmp_path, text_file, max_iters=1)) == 0
+    assert signal.getsignal(signal.SIGINT) is signal.getsignal(signal.SIGTERM) is sentinel
 
 
 def test_train_as_a_library_leaves_the_callers_signal_handlers_in_place_while_it_runs(tiny_cfg, monkeypatch):
@@ -352,23 +347,20 @@ def test_train_as_a_library_leaves_the_callers_signal_handlers_in_place_while_it
     assert len(seen) == 2 and all(handler is callers for handler in seen)
 
 
-def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, monkeypatch):
-    originals = {s: signal.signal(s, sentinel) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        signal_at(monkeypatch, signal.SIGINT, call_of(3, 1, 1))
-        real_save = torch.save
+def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, monkeypatch, signal_handlers):
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, sentinel)
+    signal_at(monkeypatch, signal.SIGINT, call_of(3, 1, 1))
+    real_save = torch.save
 
-        def save_interrupted(obj, f, *args, **kwargs):  # the impatient second Ctrl-C, inside the save
-            os.kill(os.getpid(), signal.SIGINT)
-            return real_save(obj, f, *args, **kwargs)
+    def save_interrupted(obj, f, *args, **kwargs):  # the impatient second Ctrl-C, inside the save
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_save(obj, f, *args, **kwargs)
 
-        monkeypatch.setattr(torch, "save", save_interrupted)
-        assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=6, eval_interval=100)) == 130
-        # Stopped: the process is on its way out, so further signals stay ignored until it exits.
-        assert all(signal.getsignal(s) is signal.SIG_IGN for s in originals)
-    finally:
-        for s, handler in originals.items():
-            signal.signal(s, handler)
+    monkeypatch.setattr(torch, "save", save_interrupted)
+    assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=6, eval_interval=100)) == 130
+    # Stopped: the process is on its way out, so further signals stay ignored until it exits.
+    assert signal.getsignal(signal.SIGINT) is signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     monkeypatch.undo()
     assert load_checkpoint(tmp_path / "split" / "last.pt")["step"] == 3
     assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=6, eval_interval=100, resume="true")) == 0
@@ -378,7 +370,8 @@ def test_second_ctrl_c_during_the_save_corrupts_nothing(tmp_path, text_file, mon
     assert metrics(tmp_path / "straight")[0] == metrics(tmp_path / "split")[0]
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=SLOW)],
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143),
+                                          pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)],  # CI runs it
                          ids=["SIGTERM", "SIGINT"])
 def test_a_second_signal_during_shutdown_keeps_the_exit_code(tmp_path, text_file, signum, code):
     # A supervisor that repeats its SIGTERM (or a second Ctrl-C) while the stopped run shuts down must
@@ -402,8 +395,7 @@ def test_a_second_signal_during_shutdown_keeps_the_exit_code(tmp_path, text_file
 
 # ----------------------------------------------------------------------------- checkpoint: fsync, then rename
 def test_a_checkpoint_is_fsynced_before_its_rename_and_the_folder_after(tmp_path, monkeypatch):
-    """Bug caught: save_checkpoint without os.fsync(f.fileno()) (a power cut after the rename could
-    leave last.pt naming blocks that never reached the disk)."""
+    """Bug caught: no fsync before the rename (a power cut could leave last.pt naming unwritten blocks)."""
     events = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -426,23 +418,11 @@ def test_a_checkpoint_is_fsynced_before_its_rename_and_the_folder_after(tmp_path
 
 
 # ----------------------------------------------------------------------------- signals: the first one decides
-@pytest.fixture
-def signal_handlers():
-    """Put SIGINT's and SIGTERM's handlers back after an in-process run that a signal stopped (it leaves
-    them ignored, as a process on its way out)."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
-
-
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_before_the_first_step_is_one_line_and_leaves_no_folder(tmp_path, text_file, monkeypatch, capsys,
                                                                          signal_handlers, signum, code):
-    """Bug caught: a SIGTERM while the corpus was prepared (`timeout`, `docker stop`) killed the process at once:
-    exit 143, no line, and out_dir/.lock left behind, where a Ctrl-C said why and left nothing. Python's own SIGINT
-    handler, as in a fresh process; a SIGTERM handler that does nothing stands in for the default, so that without
-    the fix the run goes on (exit 0) instead of ending pytest."""
+    """Bug caught: a SIGTERM while the corpus was prepared killed the process at once (no line, out_dir/.lock left
+    behind). A SIGTERM handler that does nothing stands in for the default, so that the bug does not end pytest."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *args: None)
     real_write = prepare.write_tokens

@@ -1,16 +1,13 @@
-"""Tokenizers (tokenizer.py): char and GPT-2 round trips; a BPE trained on the train split (deterministic,
-val never seen), carried in the checkpoint, exported so that transformers encodes exactly as we do (char and BPE),
-and its bad inputs in one line."""
+"""Tokenizers: char and GPT-2 round trips; a BPE trained on the train split only, deterministically, carried in the
+checkpoint and exported; its bad inputs in one line. transformers' ids on the exports: tests/test_interop.py."""
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from conftest import make_text, run_main, run_script, tiny_args
+from conftest import make_text, run_main, run_script, tiny_args, tiny_model
 
 import checkpoint
 import sample
@@ -26,7 +23,6 @@ VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's
 MIXED = "ROMEO: naïve café — 東京 🤖👍🏽\n\n\tend   of  line \n  x"  # ASCII, accents, emoji, whitespace runs
 
 
-# ----------------------------------------------------------------------------- char and GPT-2: nothing to train
 def test_char_tokenizer_round_trip_and_unknown_char():
     tok = CharTokenizer("".join(sorted(set("hello world\n"))))
     text = "hello\nworld"
@@ -53,7 +49,7 @@ def test_gpt2_tokenizer_offline_fallback(tmp_path, monkeypatch):
     assert (tmp_path / "tokenizers" / "gpt2.tiktoken").is_file()
 
 
-# ----------------------------------------------------------------------------- BPE: trained on the train split
+# ----------------------------------------------------------------------------- BPE
 def prepared(data_path: Path, data_dir: Path, vocab: int = VOCAB) -> Path:
     return prepare_corpus(data_path=str(data_path), tokenizer="bpe", data_dir=str(data_dir), bpe_vocab_size=vocab)
 
@@ -71,8 +67,8 @@ def test_preparing_twice_gives_byte_identical_files(tmp_path, text_file):
 
 
 def test_the_val_split_never_shapes_the_merges(tmp_path):
-    """Two texts with the same train part and different val tails (same length): the same merges. The
-    second tail repeats a word the train part never has, so merges learnt from it would show."""
+    """The same train part, val tails of the same length: the same merges. The second tail repeats a word the train
+    part never has, so merges learnt from it would show."""
     train_part = make_text(400)
     n_val = len(train_part) // 9  # val_fraction 0.1 of the whole: the tail is 1/9 of the train part
     tails = [make_text(100, seed=1)[:n_val], ("zqxv " * n_val)[:n_val]]
@@ -97,7 +93,7 @@ def test_document_corpora_train_their_bpe_on_train_documents_only(tmp_path):
         path = tmp_path / f"web{i}.jsonl"
         path.write_text("\n".join(lines) + "\n")
         folders.append(prepare_corpus(data_path=str(path), tokenizer="bpe", data_dir=str(tmp_path / f"d{i}"),
-                               bpe_vocab_size=VOCAB, num_proc=1))
+                                      bpe_vocab_size=VOCAB, num_proc=1))
     assert ranks_of(folders[0]) == ranks_of(folders[1])
     meta = json.loads((folders[0] / "meta.json").read_text())
     assert meta["documents"] == len(docs) and "<|endoftext|> before each document" in meta["val_split"]
@@ -171,41 +167,7 @@ def test_eval_refuses_a_val_split_made_by_another_tokenizer_than_the_checkpoints
     assert stopped.value.code == 2 and err.count("\n") == 1 and "holds tokens of another tokenizer" in err, err
 
 
-# ----------------------------------------------------------------------------- export: transformers' ids are ours
-def trained_run(tmp_path: Path, text: str, tokenizer: str) -> Path:
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(text)
-    out = tmp_path / f"run-{tokenizer}"
-    assert run_main(tiny_args(out, corpus, tokenizer=tokenizer, bpe_vocab_size=VOCAB, max_iters=4,
-                              eval_interval=4)) == 0
-    return out
-
-
-@pytest.mark.interop  # transformers
-@pytest.mark.parametrize("kind", ["char", "bpe"])
-def test_an_export_gives_transformers_our_ids_and_our_greedy_text(tmp_path, kind):
-    transformers = pytest.importorskip("transformers")
-    text = make_text() + MIXED + "\n"  # a char vocabulary holds every character of MIXED
-    run = trained_run(tmp_path, text, kind)
-    loaded = from_checkpoint(run / "best.pt")
-    model, ours = loaded.model, loaded.tokenizer
-    export_hf.export(model, ours, tmp_path / "export")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning on load
-        theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
-    assert len(theirs) == ours.vocab_size
-    probes = (MIXED, "KING:\nThe lord speaks.\n\n", "   ", "a" * 40) + (("x \r\n\u00a0y",) if kind == "bpe" else ())
-    for probe in probes:
-        assert theirs.encode(probe) == ours.encode(probe), probe
-        assert theirs.decode(ours.encode(probe)) == probe
-    their_model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export").eval()
-    prompt = torch.tensor([ours.encode("KING:\nThe")])
-    mine = sample.generate(model.eval(), prompt, 10, temperature=0)
-    greedy = their_model.generate(prompt, max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(prompt))
-    n = min(mine.shape[1], greedy.shape[1])  # a BPE export stops at <|endoftext|>; our row continues
-    assert theirs.decode(greedy[0, :n].tolist()) == ours.decode(mine[0, :n].tolist())
-
-
+# ----------------------------------------------------------------------------- export
 def test_a_char_export_is_a_tokenizer_json_with_one_token_per_character(tmp_path):
     files = tokenizer_files(CharTokenizer(" \nab€"), 16)
     model = files["tokenizer.json"]["model"]
@@ -214,10 +176,8 @@ def test_a_char_export_is_a_tokenizer_json_with_one_token_per_character(tmp_path
 
 
 def test_an_exported_bpe_reimports_with_its_own_tokenizer(tmp_path):
-    run = trained_run(tmp_path, make_text(), "bpe")
-    loaded = from_checkpoint(run / "best.pt")
-    model, ours = loaded.model, loaded.tokenizer
-    export_hf.export(model, ours, tmp_path / "export")
+    ours = train_bpe([make_text()], VOCAB, "text")
+    export_hf.export(tiny_model(vocab_size=VOCAB), ours, tmp_path / "export")
     assert read_tokenizer(tmp_path / "export", VOCAB) == ours.meta()
     with pytest.raises(checkpoint.HFError, match="a BPE of 320 tokens for a vocabulary of 50257"):
         read_tokenizer(tmp_path / "export", 50257)
@@ -233,9 +193,3 @@ def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_
     val = np.fromfile(next((tmp_path / "d").glob(f"*bpe{VOCAB}*")) / "val.bin", dtype=np.uint16)
     assert int(rows[f"bpe {VOCAB}"][3].replace(",", "")) == len(val)  # the table's tokens are the val split's
     assert "longest of bpe 320" in done.stdout
-
-
-def test_the_tokenizer_script_is_an_entry_point_with_help():
-    assert "bpe_vocab_size" in run_script("-m", "scripts.tokenizer", "--help").stdout
-    from scripts import tokenizer
-    assert callable(tokenizer.main)

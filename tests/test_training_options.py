@@ -1,18 +1,14 @@
-"""Training options are declared once: every TrainConfig field carries its resume rule, optimizers and lr decays
-are tables of functions (optim.py) whose keys are the names the config accepts, and the fields only one
-choice reads are a declared table (config.USED_ONLY_UNDER), checked here against what perturbing every field under
-every choice changes. A run says what it trains with. The tests below are generated from those declarations, so a
-new entry is tested unasked."""
+"""Training options are declared once (a field's resume rule, optim.py's tables, config.USED_ONLY_UNDER) and the
+tests are generated from those declarations, so a new entry is tested unasked; docs/experiments.md's training
+recipes are applied to a copy of the repo."""
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import itertools
 import json
 import math
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
+from conftest import REPO, copy_of_the_repo, docs_snippet, make_text, read_metrics, run_main, run_tests_in, tiny_args
 from fault_injection import assert_same_training_state, capture_run
 
 import config
@@ -50,8 +46,8 @@ from optim import DECAYS, OPTIMIZERS, MuonAdamW, lr_at
 
 # ----------------------------------------------------------------------------- every field has a rule
 def test_every_field_declares_its_resume_rule():
-    """A field of TrainConfig's own declared without fixed(...), warned(...) or free(...) fails here; a model option
-    (GPTConfig's) is fixed, or warned if it acts only while training."""
+    """A TrainConfig field without fixed(...), warned(...) or free(...) fails here; a model option is fixed, or
+    warned if it acts only while training."""
     for f in config.OPTIONS:
         rule = f.metadata.get("resume") if f.name not in GPTConfig.__dataclass_fields__ else RESUME[f.name]
         assert rule in RESUME_RULES, f"TrainConfig.{f.name} declares no resume rule"
@@ -65,8 +61,8 @@ def test_every_field_declares_its_resume_rule():
 
 @pytest.mark.parametrize("change", [dict(eval_tokens=0), dict(seed=7), dict(lr_decay="wsd"), dict(n_embd=64)])
 def test_a_resume_that_changes_a_fixed_field_is_refused_and_writes_nothing(tmp_path, text_file, capsys, change):
-    """Before: eval_tokens 4096 -> 0 compared a best val loss over 4,096 tokens with one over the whole split
-    and overwrote best.pt as "best"; seed 1337 -> 7 was recorded while the restored RNG streams ignored it."""
+    """Before: eval_tokens 4096 -> 0 overwrote best.pt with a val loss over another split; a new seed was recorded
+    while the restored RNG streams ignored it."""
     out = tmp_path / "run"
     assert run_main(tiny_args(out, text_file, max_iters=3, eval_interval=3)) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -119,8 +115,7 @@ def test_a_set_option_that_the_chosen_optimizer_or_decay_does_not_read_is_warned
 
 
 def test_the_thread_count_is_a_field_and_the_start_up_line_says_it(tmp_path, text_file, capsys, monkeypatch):
-    """Two jobs on 2 cores with torch's default (every core each) ran tiny at 418 ms/step against 5 ms/step
-    with one thread each; nothing said how many threads ran."""
+    """Two jobs on 2 cores with torch's default threads ran tiny at 418 ms/step, not 5; nothing said why."""
     monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
     calls = []
     assert run_main(tiny_args(tmp_path / "one", text_file, max_iters=1, threads=1)) == 0
@@ -160,10 +155,9 @@ def curve_of(name: str, warmup_iters: int) -> tuple[TrainConfig, list[float]]:
 
 
 def curve_faults(name: str, curve: list[float], cfg: TrainConfig) -> list[str]:
-    """What is wrong with ``curve`` for a decay of ``name``'s declared kind, each naming its step (1-based, as the
-    log numbers steps): [] when nothing. A warmup rises every step to the peak, where the decay starts; after it
-    the lr stays in [min_lr, peak], moves no step more than a warmup step does, except upwards at a warm restart
-    (only a decay in WARM_RESTARTS may rise at all), and is min_lr from the decay's end on."""
+    """What is wrong with ``curve``, each naming its (1-based) step: a warmup rises every step to the peak; then the
+    lr stays in [min_lr, peak], moves no more than a warmup step (but up at a warm restart, which only a decay in
+    WARM_RESTARTS may make), and is min_lr from the decay's end on."""
     peak, floor, rise, restarts = cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, name in optim.WARM_RESTARTS
     faults = [f"the warmup does not rise at step {i + 1}" for i in range(1, rise) if curve[i] <= curve[i - 1]]
     faults += [f"the decay starts at {curve[rise]:.4g}, not at the peak {peak:g}"] if curve[rise] != peak else []
@@ -229,8 +223,7 @@ READ_BY_THE_LOOP = {"max_iters", "max_time", "grad_accum"}
 
 
 def in_its_range(cfg: TrainConfig, name: str) -> bool:
-    """Whether ``name``'s value in ``cfg`` is inside its own range: its rows of config.RANGES and, for a model
-    option, GPTConfig's checks (validate's other checks relate fields: lora_rank needs init_from)."""
+    """Whether ``name``'s value in ``cfg`` passes its rows of config.RANGES and GPTConfig's checks."""
     value = getattr(cfg, name)
     if not all(ok(value) for _, ok, names in RANGES if name in names):
         return False
@@ -242,23 +235,13 @@ def in_its_range(cfg: TrainConfig, name: str) -> bool:
 
 
 def perturbed(cfg: TrainConfig, name: str) -> TrainConfig:
-    """``cfg`` with one numeric field moved a little, up where its range allows, else down, never outside its range
-    (an optimizer may raise on an invalid value); kept in [0, 1) where it was there: betas, fractions."""
+    """``cfg`` with one numeric field moved a little, never outside its range (an optimizer may raise on an invalid
+    value): kept in [0, 1) where it was there (betas, fractions)."""
     value = getattr(cfg, name)
     moves = (value + 1, value - 1) if isinstance(value, int) else (value * 0.75 + 0.01, value * 1.25, value - 1)
     inside = [moved for moved in moves if in_its_range(dataclasses.replace(cfg, **{name: moved}), name)]
     assert inside, f"{name}={value}: no move of {moves} stays inside its range (config.RANGES); widen the moves"
     return dataclasses.replace(cfg, **{name: inside[0]})
-
-
-def test_a_perturbation_stays_inside_the_fields_range(monkeypatch):
-    """A field whose range stops just below (grad_clip 1.0, here declared in [1, 2]) is moved up, not out of it:
-    an optimizer given an invalid value would raise inside the tests (torch's Adafactor did)."""
-    cfg = make_config("tiny")
-    assert perturbed(cfg, "grad_clip").grad_clip == 0.76  # down a little, as every field inside its range
-    row = ("in [1, 2]", lambda v: 1 <= v <= 2, ("grad_clip",))
-    monkeypatch.setattr(sys.modules[__name__], "RANGES", (*RANGES, row))
-    assert perturbed(cfg, "grad_clip").grad_clip == 1.25
 
 
 @functools.cache
@@ -269,9 +252,9 @@ def throwaway_model() -> GPT:
 
 
 def made_by_the_run(cfg: TrainConfig) -> object:
-    """What a run's optimizer and lr decay make of ``cfg``: the optimizer's param groups (all but the params) and
-    defaults, and the lr over 100 steps at 0.5 s a step and at 0.125 s (under schedule=time the clock leads the
-    first, and max_iters the second: READ_CASE's 40 s are spent at step 80 or step 320)."""
+    """What a run's optimizer and lr decay make of ``cfg``: the param groups (but the params), the defaults, and the
+    lr over 100 steps at 0.5 s and 0.125 s a step (under schedule=time the clock leads the first, max_iters the
+    second)."""
     built = OPTIMIZERS[cfg.optimizer](throwaway_model(), cfg, torch.device("cpu"), torch.float32)
     groups = [{k: v for k, v in group.items() if k != "params"} for group in built.param_groups]
     return groups, built.defaults, [lr_at(step, cfg, step * step_s) for step_s in (0.5, 0.125) for step in range(100)]
@@ -284,8 +267,7 @@ def made_by_the_tokenizer(cfg: TrainConfig) -> object:
 
 
 def readers(choice_fields: tuple[str, ...], made, combinations=None, **case) -> dict[tuple, set[str]]:
-    """For every combination of the values of ``choice_fields`` (or those given): the numeric fields whose change
-    (every one, in turn) changes what ``made`` makes of the config."""
+    """Per combination of ``choice_fields``' values: the numeric fields whose change changes what ``made`` makes."""
     read = {}
     for values in combinations or itertools.product(*map(choices, choice_fields)):
         cfg = make_config(None, **dict(zip(choice_fields, values)), **case)
@@ -295,9 +277,8 @@ def readers(choice_fields: tuple[str, ...], made, combinations=None, **case) -> 
 
 
 def table_errors(table: dict[str, tuple[str, str]], choice_fields: tuple[str, ...], read: dict[tuple, set[str]]):
-    """Where ``table`` (config.USED_ONLY_UNDER's shape) disagrees with ``read`` (readers'): a field it says a
-    choice does not read that changes what the choice makes, one it says is read that changes nothing, and one
-    outside it that some choices read and others not (the loop's own aside)."""
+    """Where ``table`` (USED_ONLY_UNDER's shape) disagrees with ``read`` (readers'), in words: a row that is wrong
+    either way, or a missing row (a field some choices read and others not)."""
     errors = []
     for values, changed in read.items():
         chosen = dict(zip(choice_fields, values))
@@ -331,10 +312,8 @@ def tokenizer_readers(tmp_path_factory):
 
 
 def test_the_fields_only_one_choice_reads_are_the_table_under_every_optimizer_decay_and_clock(run_readers):
-    """USED_ONLY_UNDER drives the unused warnings, the settings line and a resume's warnings: here every numeric
-    field is perturbed in turn under every optimizer x lr_decay x schedule, and what changes the optimizer's param
-    groups or the lr curve must be what the table says (before, a recording proxy built a throwaway model at
-    every start to find it out)."""
+    """USED_ONLY_UNDER drives the unused warnings, the settings line and a resume's warnings: every numeric field is
+    perturbed in turn under every optimizer x lr_decay x schedule, and what it changes must be what the table says."""
     assert {field for field, _ in USED_ONLY_UNDER.values()} <= set(CHOOSERS)
     assert table_errors(USED_ONLY_UNDER, RUN_CHOICES, run_readers) == []
 
@@ -360,8 +339,7 @@ TOKENIZERS = [pytest.param(name, marks=[pytest.mark.network, pytest.mark.slow] i
 
 @pytest.mark.parametrize("tokenizer", TOKENIZERS)
 def test_the_fields_only_one_tokenizer_reads_are_the_table(tokenizer, tokenizer_readers):
-    """The same under every tokenizer, beside char's, for what a corpus prepared with it holds: its tokenizer
-    and both splits (bpe_vocab_size: bpe's only; val_fraction: every one's)."""
+    """The same under every tokenizer, for its tokenizer and both splits."""
     read = {(name,): tokenizer_readers(name) for name in ("char", tokenizer)}
     assert "val_fraction" in read[(tokenizer,)] and ("bpe_vocab_size" in read[(tokenizer,)]) == (tokenizer == "bpe")
     assert table_errors(USED_ONLY_UNDER, ("tokenizer",), read) == []
@@ -383,22 +361,13 @@ def test_the_table_check_catches_a_row_missing_a_row_too_many_and_a_wrong_choice
         "bpe_vocab_size is unused under ('bpe',) by the table, but changes what it makes"]
 
 
-def cfg_reads(path: Path) -> set[str]:
-    """Attribute names read as ``cfg.NAME`` in a source file (or something's ``.cfg.NAME``)."""
-    def is_cfg(value: ast.expr) -> bool:
-        return (isinstance(value, ast.Name) and value.id == "cfg"
-                or isinstance(value, ast.Attribute) and value.attr == "cfg")
-    return {node.attr for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Attribute) and is_cfg(node.value)}
-
-
 def test_the_fields_the_table_leaves_to_the_loop_are_read_by_the_loop():
-    """max_iters and max_time move the lr curve under schedule=time only, yet no run leaves them unused: the loop
-    stops on them whatever the clock (max_time through cfg.out_of_time)."""
-    loop = cfg_reads(REPO / "train.py")
-    assert {"max_iters", "out_of_time", "grad_accum"} <= loop
+    """max_iters and max_time move the lr curve under schedule=time only, yet the loop stops on them always."""
+    loop = (REPO / "train.py").read_text()
+    assert all(f"cfg.{name}" in loop for name in ("max_iters", "out_of_time", "grad_accum"))
     assert "max_time" in TrainConfig.out_of_time.__code__.co_names
     assert READ_BY_THE_LOOP.isdisjoint(USED_ONLY_UNDER)
+
 
 def test_wsd_is_flat_then_linear_over_its_final_fraction():
     cfg = make_config(None, lr_decay="wsd", wsd_fraction=0.25, learning_rate=1.0, min_lr=0.0, warmup_iters=0,
@@ -424,38 +393,22 @@ def test_each_choice_resumes_exactly_and_is_refused_under_another(tmp_path, text
 
 
 # ----------------------------------------------------------------------------- Muon + AdamW, one Optimizer
-def as_old_pair(state: dict) -> dict:
-    """A MuonAdamW state as checkpoints before it held it: {"adamw": ..., "muon": ...}, each indexed from 0."""
-    pair, index = {}, 0
-    for kind in ("adamw", "muon"):
-        groups = [g for g in state["param_groups"] if g["kind"] == kind]
-        ids = [i for g in groups for i in g["params"]]
-        pair[kind] = {"state": {i - index: state["state"][i] for i in ids if i in state["state"]},
-                      "param_groups": [{k: (v if k != "params" else [i - index for i in v]) for k, v in g.items()
-                                        if k != "kind"} for g in groups]}
-        index += len(ids)
-    return pair
-
-
 def test_muon_with_adamw_is_one_torch_optimizer_and_an_old_two_part_state_is_refused_in_one_line(
         tmp_path, text_file, monkeypatch, capsys):
-    run = dict(max_iters=6, eval_interval=3, optimizer="muon")
+    """(Its exact resume: test_each_choice_resumes_exactly_and_is_refused_under_another[optimizer-muon].)"""
+    run = dict(max_iters=3, eval_interval=3, optimizer="muon")
     captured = capture_run(monkeypatch)
-    assert run_main(tiny_args(tmp_path / "straight", text_file, **run)) == 0
+    assert run_main(tiny_args(tmp_path / "old", text_file, **run)) == 0
     optimizer = captured["optimizer"]
     assert isinstance(optimizer, torch.optim.Optimizer) and isinstance(optimizer, MuonAdamW)
     assert [g["kind"] for g in optimizer.param_groups] == ["adamw", "adamw", "muon"]
-    assert run_main(tiny_args(tmp_path / "split", text_file, **{**run, "max_iters": 3})) == 0
-    shutil.copytree(tmp_path / "split", tmp_path / "old")
     state = load_checkpoint(tmp_path / "old" / "last.pt")
-    save_checkpoint({**state, "optimizer": as_old_pair(state["optimizer"])}, tmp_path / "old" / "last.pt")
+    old_pair = {kind: {"state": {}, "param_groups": []} for kind in ("adamw", "muon")}  # the state before: two parts
+    save_checkpoint({**state, "optimizer": old_pair}, tmp_path / "old" / "last.pt")
     capsys.readouterr()
-    assert run_main(tiny_args(tmp_path / "old", text_file, **run, resume="true")) == 2
+    assert run_main(tiny_args(tmp_path / "old", text_file, **{**run, "max_iters": 6}, resume="true")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: the checkpoint's optimizer state is not one Muon + AdamW")
-    assert run_main(tiny_args(tmp_path / "split", text_file, **run, resume="true")) == 0
-    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
-                               load_checkpoint(tmp_path / "split" / "last.pt"))
 
 
 # ----------------------------------------------------------------------------- a fork, end to end
@@ -504,12 +457,8 @@ def apply_snippet(fork: Path, heading: str) -> None:
 
 def fork_of_the_repo(root: Path, snippets: tuple[str, ...] = (SGD, LINEAR, NAMES, FIELDS, ROWS),
                      tests: bool = False) -> Path:
-    """A copy of the repo's code with docs/experiments.md's blocks (``snippets``) applied as they say. With
-    ``tests``, the copy has the test suite too, to run there."""
-    fork = root / "fork"
-    ignore = shutil.ignore_patterns(*([] if tests else ["tests"]), "docs", "out", "data", ".git", "__pycache__",
-                                    "wandb", "hf")
-    shutil.copytree(REPO, fork, ignore=ignore)
+    """A copy of the repo (with its tests, if ``tests``) with the page's blocks ``snippets`` applied as they say."""
+    fork = copy_of_the_repo(root, tests)
     for heading in snippets:
         apply_snippet(fork, heading)
     return fork
@@ -557,8 +506,7 @@ print("REPORT " + json.dumps(report))
 @pytest.mark.slow  # ~10-14 s: a copy of the repo and five runs in it; in the default suite a name without its
 # builder is refused in one line (below and test_a_name_the_config_allows_without_its_function...)
 def test_a_forked_optimizer_decay_and_field_are_honoured_end_to_end(tmp_path):
-    """Flag, start-up line, checkpoint, resume rule, unused warning and compare.py variant, with the page's blocks
-    as the only edits."""
+    """Flag, start-up line, checkpoint, resume rule, unused warning and compare.py variant, from the page's blocks."""
     fork = fork_of_the_repo(tmp_path)
     (tmp_path / "corpus.txt").write_text(make_text())
     result = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(tmp_path / "corpus.txt"), str(tmp_path / "o")],
@@ -666,12 +614,8 @@ def test_the_lion_recipe_forks_the_repo_end_to_end(tmp_path):
     assert "--optimizer {adamw,muon,lion}" in help_text
 
     # The copy's own generated tests for the entry: its name, the table, its state, its resumes.
-    def pytest_in_the_copy(name: str, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--basetemp",
-                               str(tmp_path / name), *args], cwd=fork, capture_output=True, text=True, timeout=600)
-
-    generated = pytest_in_the_copy("generated", "tests/test_training_options.py", "-k",
-                                   "lion or own_kind_of_state or tables_keys or under_every_optimizer")
+    generated = run_tests_in(fork, tmp_path / "generated", "tests/test_training_options.py", "-k",
+                             "lion or own_kind_of_state or tables_keys or under_every_optimizer")
     assert generated.returncode == 0, generated.stdout[-4000:]
     for test in ("test_each_optimizer_keeps_its_own_kind_of_state",
                  "test_the_names_the_config_accepts_are_its_tables_keys[optimizer]",
@@ -680,15 +624,9 @@ def test_the_lion_recipe_forks_the_repo_end_to_end(tmp_path):
         assert f"PASSED tests/test_training_options.py::{test}" in generated.stdout, test
     # And the reliability tests generated for every optimizer (a NaN never reaches a checkpoint; no host sync on
     # steps that do not log), which Lion's plain step() passes unedited: the guard asks nothing of an optimizer.
-    reliability = pytest_in_the_copy("reliability", "tests/test_reliability.py", "-k", "lion")
+    reliability = run_tests_in(fork, tmp_path / "reliability", "tests/test_reliability.py", "-k", "lion")
     assert reliability.returncode == 0, reliability.stdout[-4000:]
-    assert "3 passed" in reliability.stdout
-
-
-def pytest_in(fork: Path, basetemp: Path, *args: str) -> subprocess.CompletedProcess:
-    """The copy's own test suite, run there."""
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--basetemp",
-                           str(basetemp), *args], cwd=fork, capture_output=True, text=True, timeout=600)
+    assert "4 passed" in reliability.stdout
 
 
 @pytest.mark.slow
@@ -707,13 +645,14 @@ def test_the_sgdr_recipe_forks_the_repo_end_to_end(tmp_path):
     assert trained.returncode == 0, trained.stderr[-3000:]
     lrs = [record["lr"] for record in read_metrics(out) if "lr" in record]
     assert lrs[1] == lrs[5] == 3e-3 > lrs[4]  # a warm restart at the peak after the first of two cycles
-    generated = pytest_in(fork, tmp_path / "generated", "tests/test_training_options.py", "-k", "sgdr or curve")
+    generated = run_tests_in(fork, tmp_path / "generated", "tests/test_training_options.py", "-k", "sgdr or curve")
     assert generated.returncode == 0, generated.stdout[-4000:]
     assert "PASSED tests/test_training_options.py::test_each_lr_schedule_draws_a_curve_of_its_kind[sgdr-warmup]" \
         in generated.stdout
 
     undeclared = fork_of_the_repo(tmp_path / "undeclared", snippets=SGDR, tests=True)
-    refused = pytest_in(undeclared, tmp_path / "refused", "tests/test_training_options.py", "-k", "curve_of_its_kind")
+    refused = run_tests_in(undeclared, tmp_path / "refused", "tests/test_training_options.py", "-k",
+                           "curve_of_its_kind")
     assert refused.returncode == 1
     assert ("lr_decay sgdr: it rises at step 351 (0.1 -> 1); if sgdr restarts on purpose, add it to "
             "optim.py's WARM_RESTARTS") in one_line(refused.stdout)
