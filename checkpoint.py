@@ -1,21 +1,18 @@
 """Checkpoints, and every way weights come back from disk: a run's checkpoint, GPT-2's weights, a Hugging Face folder.
 
-A checkpoint holds only tensors and plain values, so ``torch.load(weights_only=True)`` reads it and a malicious pickle
-runs no code. On disk it is torch.save's zip archive with the archive's sha256 as its zip comment
-(``tinygpt-sha256:<hex>``): ``load_checkpoint``, which every load goes through, checks it first, so a truncated,
-foreign or bit-flipped file is refused (torch.load checks no CRC). ``Checkpointer`` owns last.pt, best.pt and the
-resume policy; ``from_checkpoint`` / ``from_flags`` give a model for use, ``start_from`` the weights of --init_from.
+A checkpoint is torch.save's zip archive of tensors and plain values (``torch.load(weights_only=True)`` reads it, so a
+malicious pickle runs no code) with the archive's sha256 as its zip comment, checked before anything is unpickled:
+torch.load checks no CRC. ``Checkpointer`` owns last.pt, best.pt and the resume; ``from_checkpoint`` / ``from_flags``
+give a model for use, ``start_from`` the weights of --init_from.
 """
 from __future__ import annotations
 
 import argparse
-import difflib
 import functools
 import hashlib
 import json
 import math
 import os
-import pickletools
 import platform
 import random
 import re
@@ -23,6 +20,7 @@ import subprocess
 import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,40 +42,21 @@ REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time
 LORA_KEYS = ("lora",)  # written by a LoRA run (lora_rank > 0) only
 RNG_STREAMS = ("python", "numpy", "torch_cpu", "torch_cuda", "data")
 
-DIGEST_PREFIX = b"tinygpt-sha256:"
-DIGEST_TRAILER = len(DIGEST_PREFIX) + 64  # bytes of zip comment: the prefix and a hex sha256
-EOCD_SIZE = 22  # the zip end-of-central-directory record without its comment; it ends the archive
+DIGEST_PREFIX = b"tinygpt-sha256:"  # the zip comment: this, then the archive's sha256 in hex (64 digits)
+COMMENT_START = (len(DIGEST_PREFIX) + 64).to_bytes(2, "little") + DIGEST_PREFIX  # its length, then the prefix
 
 
 # ----------------------------------------------------------------------------- a verified file
-class HashingWriter:
-    """The file object handed to torch.save: hashes the bytes on their way to disk (no second read)."""
-
-    def __init__(self, file):
-        self.file, self.sha256, self.tail = file, hashlib.sha256(), b""
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.tail = (self.tail + bytes(data[-EOCD_SIZE:]))[-EOCD_SIZE:]
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:
-    """Write ``state`` atomically, its sha256 as the zip comment: a crash or a full disk leaves the old file or the
-    new one, no temp file, and raises CheckpointWriteError (torch.save says "disk full" as OSError or RuntimeError)."""
+    """Write ``state`` atomically, its sha256 as zip comment; a failed write (disk full): CheckpointWriteError."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(f) -> None:
-        writer = HashingWriter(f)
-        torch.save(state, writer)
-        if writer.tail[:4] != b"PK\x05\x06" or writer.tail[-2:] != b"\0\0":
-            raise RuntimeError("torch.save did not end its archive with an empty zip comment")
-        f.seek(-2, os.SEEK_END)  # the comment's length, then the comment
-        f.write(DIGEST_TRAILER.to_bytes(2, "little") + DIGEST_PREFIX + writer.sha256.hexdigest().encode())
+        digest = hashlib.sha256()  # of the bytes on their way to disk: no second read
+        torch.save(state, SimpleNamespace(write=lambda data: digest.update(data) or f.write(data), flush=f.flush))
+        f.seek(-2, os.SEEK_END)  # the archive ends with its comment's length, 0: now the digest's
+        f.write(COMMENT_START + digest.hexdigest().encode())
 
     try:
         atomic_write(path, write)
@@ -89,8 +68,7 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint, digest checked before anything is unpickled, tensors and plain values only
-    (weights_only=True); else CheckpointError naming the path and the problem."""
+    """The state saved in ``path``, its digest checked before weights_only unpickling; else CheckpointError."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
@@ -124,60 +102,48 @@ def verify_digest(path: Path) -> None:
     """Raise CheckpointError unless the file ends with the sha256 save_checkpoint stored, and matches it."""
     size = path.stat().st_size
     with open(path, "rb") as f:
-        f.seek(max(0, size - DIGEST_TRAILER - EOCD_SIZE))
-        end = f.read()
-        eocd, comment = end[:EOCD_SIZE], end[EOCD_SIZE:]
-        if (len(end) < EOCD_SIZE + DIGEST_TRAILER or eocd[:4] != b"PK\x05\x06"
-                or eocd[-2:] != DIGEST_TRAILER.to_bytes(2, "little") or not comment.startswith(DIGEST_PREFIX)):
+        f.seek(max(0, size - len(COMMENT_START) - 64))
+        if (end := f.read())[:-64] != COMMENT_START:
             raise CheckpointError(f"{path}: not a tinygpt checkpoint, or truncated ({size} bytes and no "
                                   "integrity digest at the end)")
-        digest, remaining = hashlib.sha256(), size - DIGEST_TRAILER - 2  # the archive up to its comment length
+        digest, remaining = hashlib.sha256(), size - len(end)  # the archive, up to its comment's length
         f.seek(0)
         while remaining > 0 and (chunk := f.read(min(1 << 24, remaining))):  # empty: shrank under us, a mismatch
             digest.update(chunk)
             remaining -= len(chunk)
-        digest.update(b"\0\0")  # the comment length torch.save wrote
-    if digest.hexdigest().encode() != comment[len(DIGEST_PREFIX):]:
+    digest.update(b"\0\0")  # the comment's length as torch.save wrote it, which the digest covers
+    if digest.hexdigest().encode() != end[-64:]:
         raise CheckpointError(f"{path}: corrupt checkpoint (sha256 mismatch: the file changed after it was saved)")
 
 
 def unpickler_reason(err: Exception) -> str:
-    """What torch.load rejected, in one line, never empty (a non-pickle: the error's type). torch wraps the reason
-    in lines of advice that mention weights_only, after "WeightsUnpickler error:" or alone after a blank line."""
+    """What torch.load rejected, in one line: the unpickler's reason without torch's advice about weights_only (on
+    its own line, or after "WeightsUnpickler error:"); for a file that is no pickle, the error's type and first line."""
     text = str(err)
     if not text.startswith("Weights only load failed"):
         first = next((line.strip() for line in text.splitlines() if line.strip()), "")
         return f"{type(err).__name__}: {first}"[:300] if first else type(err).__name__
-    lines = [line.split("WeightsUnpickler error:")[-1].removeprefix("Weights only load failed.").strip()
-             for line in text.splitlines()]
+    lines = (line.split("WeightsUnpickler error:")[-1].removeprefix("Weights only load failed.").strip()
+             for line in text.splitlines())
     reason = next((line for line in lines if line and "weights_only" not in line
                    and not line.startswith("This file can still be loaded")), "")
     reason = re.split(r"(?<=\.)\s", reason)[0]  # the first sentence: the rest is advice to allow the global
-    opcode = re.fullmatch(r"Unsupported operand (\d+)", reason)
-    if opcode and chr(int(opcode[1])) in pickletools.code2op:  # a plain pickle (protocol 4 starts with FRAME)
-        reason += f" (pickle opcode {pickletools.code2op[chr(int(opcode[1]))].name})"
     return reason[:300] or "the weights_only unpickler refused it; torch gave no reason"
 
 
 # ----------------------------------------------------------------------------- what a run saves, and its resume
 def capture_rng(stream: TrainingStream) -> dict[str, Any]:
     """Every random stream the training run reads (RNG_STREAMS), the training stream's position included."""
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        # numpy's key array is stored as a tensor so weights_only loading accepts it.
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
-        "torch_cpu": torch.get_rng_state(),
-        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "data": stream.state_dict(),
-    }
+    np_state = np.random.get_state()  # its key array stored as a tensor, which weights_only loading accepts
+    return {"python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+            "torch_cpu": torch.get_rng_state(),
+            "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "data": stream.state_dict()}
 
 
 def restore_rng(rng: dict[str, Any], stream: TrainingStream) -> None:
-    """Put every random stream back; refuse a checkpoint that lacks one (an inexact resume)."""
-    missing = [name for name in RNG_STREAMS if name not in rng]
-    if missing:
-        raise CheckpointError(f"checkpoint lacks RNG state for {', '.join(missing)}; resuming would not be exact")
+    """Put every random stream back (Checkpointer.resume has checked that each is there)."""
     version, state, gauss = rng["python"]
     random.setstate((version, tuple(state), gauss))
     name, keys, pos, has_gauss, cached = rng["numpy"]
@@ -234,8 +200,7 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus,
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Restore the moments but keep this run's hyperparameters: load_state_dict also brings back the saved groups'
-    settings, and a resume with a new --muon_lr or --weight_decay must run with it."""
+    """Restore the moments, not the saved groups' settings: a resume with a new --muon_lr must run with it."""
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, mine in zip(optimizer.param_groups, settings):
@@ -243,9 +208,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
 
 
 class Checkpointer:
-    """out_dir's last.pt and best.pt: what goes in them, when, and the resume. ``resume()`` and ``save()`` hold
-    collectives: every rank calls them, rank 0 alone writes. best.pt is written before last.pt, so last.pt's
-    best_val_loss never names a model best.pt lacks."""
+    """out_dir's last.pt and best.pt and the resume. Every rank calls ``resume()`` and ``save()`` (collectives), rank
+    0 alone writes; best.pt before last.pt, so last.pt's best_val_loss never names a model best.pt lacks."""
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
         """``run``: a train.Run (its model, optimizer, scaler, guard, training stream and corpus)."""
@@ -275,12 +239,11 @@ class Checkpointer:
             finetune.load_adapter_state(self.model, state["model"], str(path))
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
-        rng = runtime.rank_rng_state(state, self.ddp)
-        if rng is not None:
-            try:
-                restore_rng(rng, self.stream)
-            except CheckpointError as err:
-                raise CheckpointError(f"{path}: {err}") from None
+        if (rng := runtime.rank_rng_state(state, self.ddp)) is not None:
+            if missing := [name for name in RNG_STREAMS if name not in rng]:
+                raise CheckpointError(f"{path}: checkpoint lacks RNG state for {', '.join(missing)}; resuming would "
+                                      "not be exact")
+            restore_rng(rng, self.stream)
         done = (" (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else
                 " (max_time reached: nothing to do; raise --max_time to continue)" if cfg.out_of_time(state["time_s"])
                 else "")
@@ -337,8 +300,7 @@ class Loaded:
 def find_checkpoint(ckpt: str) -> Path:
     """A file as given; a folder's best.pt (else last.pt); by default the newest best.pt under out/."""
     if ckpt:
-        path = run_checkpoint(ckpt) if Path(ckpt).is_dir() else Path(ckpt)
-        if path is None:
+        if (path := run_checkpoint(ckpt) if Path(ckpt).is_dir() else Path(ckpt)) is None:
             raise CheckpointError(f"{Path(ckpt)}: no best.pt or last.pt in this folder")
         return path
     found = sorted(Path("out").glob("**/best.pt"), key=lambda p: p.stat().st_mtime)
@@ -356,8 +318,7 @@ def run_checkpoint(source: str) -> Path | None:
 
 
 def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True) -> Loaded:
-    """A checkpoint's model, config and tokenizer. A LoRA run's adapters go on the base it was trained from
-    (init_from, checked by fingerprint), merged unless ``merged=False``."""
+    """A checkpoint's model, config and tokenizer; a LoRA run's adapters on its base, merged unless ``merged=False``."""
     state = load_checkpoint(path)  # to CPU: the optimizer state it also holds never needs the GPU
     cfg = config_from_dict(state["config"])
     tokenizer = tokenizer_from_meta(state["tokenizer"], Path(cfg.data_dir))
@@ -374,15 +335,14 @@ def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True)
 
 def from_pretrained(source: str, device: torch.device = CPU) -> Loaded:
     """Hugging Face GPT-2 weights as --init_from names them; the config is the defaults with their shape."""
-    refuse_a_missing_local_name(source)
     pretrained = load_pretrained(source)
     if pretrained.tokenizer is None:
         raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} ({NO_TOKENIZER})")
     model = GPT(pretrained.config)
     model.load_state_dict(pretrained.state)
     cfg = adopt(TrainConfig(block_size=pretrained.config.block_size), pretrained)
-    tokenizer = tokenizer_from_meta(pretrained.tokenizer, Path("data"))
-    return Loaded(model.to(device).eval(), tokenizer, cfg, "float32", source, None, math.nan)
+    return Loaded(model.to(device).eval(), tokenizer_from_meta(pretrained.tokenizer, Path("data")), cfg, "float32",
+                  source, None, math.nan)
 
 
 def add_weights_flags(parser: argparse.ArgumentParser) -> None:
@@ -410,48 +370,18 @@ def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfi
     with runtime.main_first(device):
         pretrained = load_base(cfg)
         cfg = adopt(cfg, pretrained)
-        model = describe(model_config(cfg, pretrained.config.vocab_size))
-        print0(f"init_from {pretrained.source}: {model}; tokenizer {cfg.tokenizer}; block_size {cfg.block_size} of "
-               f"{pretrained.n_positions} positions")
+        print0(f"init_from {pretrained.source}: {describe(model_config(cfg, pretrained.config.vocab_size))}; "
+               f"tokenizer {cfg.tokenizer}; block_size {cfg.block_size} of {pretrained.n_positions} positions")
     return cfg, pretrained
 
 
 def load_base(cfg: TrainConfig) -> Pretrained:
-    """The weights ``cfg.init_from`` names (a run's, else GPT-2's), at the given block_size else at all their
-    positions; GPT-2's with biases unless bias=False is given (a bias-free export's zeros)."""
+    """The weights ``cfg.init_from`` names (a run's, else GPT-2's), cropped to a given block_size."""
     given, path = given_fields(cfg), run_checkpoint(cfg.init_from)
     block_size = cfg.block_size if "block_size" in given else 0  # 0: every position the weights have
     if path is not None:
         return load_run(path, block_size)
-    refuse_a_missing_local_name(cfg.init_from)
     return load_pretrained(cfg.init_from, block_size, cfg.bias if "bias" in given else True)
-
-
-def refuse_a_missing_local_name(source: str) -> None:
-    """CheckpointError for weights named by a path that is not there ("did you mean out/small?"), rather than the
-    hub's paragraph about downloading: only "owner/name" with no such local folder may be a hub repo."""
-    path = Path(source)
-    if source in HUB_NAMES or path.exists():
-        return
-    runs = sorted(set(run_folders(path.parent) + run_folders(Path("out"))))  # beside it, and where train.py writes
-    close = difflib.get_close_matches(str(path), runs, n=1, cutoff=0.85)
-    if close:
-        raise CheckpointError(f"{source}: no such run folder (did you mean {close[0]}?)")
-    parts = path.parts
-    if (source.startswith(("/", ".", "~")) or path.suffix in (".pt", ".safetensors") or len(parts) != 2
-            or Path(parts[0]).is_dir()):
-        raise CheckpointError(f"{source}: no such run folder or file; pass a run folder (out/NAME), its .pt, a "
-                              "folder or .safetensors in the Hugging Face GPT-2 layout, or a hub name "
-                              f"({', '.join(HUB_NAMES)} or OWNER/NAME)")
-
-
-def run_folders(folder: Path) -> list[str]:
-    """The subfolders of ``folder`` holding a checkpoint of ours or Hugging Face weights."""
-    try:
-        return [str(sub) for sub in sorted(folder.iterdir())
-                if any((sub / name).is_file() for name in (*RUN_FILES, "model.safetensors"))]
-    except OSError:  # no such folder, or one we may not read: no runs to suggest
-        return []
 
 
 def load_run(path: Path, block_size: int) -> Pretrained:
@@ -465,47 +395,36 @@ def load_run(path: Path, block_size: int) -> Pretrained:
 
 
 def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
-    """The config with every option the base's weights fix (a run's: all but the training-only ones; GPT-2's:
-    IMPORTED, the rest must be one GPT-2 computes), its tokenizer if known, its block_size unless given. A field the
-    user gave (preset or command line, even at its default: config.given_fields) with another value is refused."""
+    """The config with the options the base fixes (a run's: all but training-only ones; GPT-2's: IMPORTED, the rest
+    must be one GPT-2 computes) and its tokenizer; a given field (config.given_fields) that differs is refused."""
     kept = ("vocab_size", "block_size", *GPTConfig.TRAINING_ONLY)  # the corpus's, the user's, how it is trained
     fixed = IMPORTED if base.gpt2 else [f.name for f in fields(GPTConfig) if f.name not in kept]
     imported = {name: getattr(base.config, name) for name in fixed}
     if base.tokenizer is not None:
         imported["tokenizer"] = base.tokenizer["kind"]
     given = given_fields(cfg)
+    flag = lambda value: str(value).lower() if isinstance(value, bool) else str(value)  # noqa: E731 - false, not False
     for name, value in imported.items():
         if name in given and getattr(cfg, name) != value:
-            raise HFError(f"--{name} {flag_value(getattr(cfg, name))} conflicts with {base.source}, whose weights have "
-                          f"{name} {flag_value(value)}; drop --{name} (or that key from the preset): with --init_from "
+            raise HFError(f"--{name} {flag(getattr(cfg, name))} conflicts with {base.source}, whose weights have "
+                          f"{name} {flag(value)}; drop --{name} (or that key from the preset): with --init_from "
                           "the weights fix the model")
-    block_size = cfg.block_size if "block_size" in given else base.config.block_size
-    adopted = replace(cfg, **imported, block_size=block_size)
-    refusals = gpt2_refusals(model_config(adopted, base.config.vocab_size)) if base.gpt2 else []
-    if refusals:
+    adopted = replace(cfg, **imported, block_size=cfg.block_size if "block_size" in given else base.config.block_size)
+    if base.gpt2 and (refusals := gpt2_refusals(model_config(adopted, base.config.vocab_size))):
         raise HFError(f"{base.source} holds GPT-2 weights, which cannot run with {refusals[0]}; drop that option "
                       "or train from scratch without --init_from")
     return adopted
-
-
-def flag_value(value: Any) -> str:
-    """A value as it is typed on the command line: false, not False."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # ----------------------------------------------------------------------------- Hugging Face GPT-2: the mapping
 # Data, used both ways (import here, export in scripts/export_hf.py): NAMES, GPT-2's weights, which ours share, and
 # TRANSPOSED, the matrices transformers keeps in Conv1D layers, (in, out) where nn.Linear has (out, in). The rest is
 # shape: our vocabulary is padded to a multiple of 64, our position table may be cropped.
-NAMES = (  # every weight of GPT-2, in forward order, GPT2LMHeadModel's names; {i} is the block index
+NAMES = (  # every weight of GPT-2, GPT2LMHeadModel's names; {i} is the block index
     "transformer.wte.weight",  # (V, C): V padded ours, the real vocabulary theirs; also lm_head (tied)
     "transformer.wpe.weight",  # (T, C): block_size rows ours, n_positions theirs
-    "transformer.h.{i}.ln_1.weight", "transformer.h.{i}.ln_1.bias",
-    "transformer.h.{i}.attn.c_attn.weight", "transformer.h.{i}.attn.c_attn.bias",  # q, k, v side by side
-    "transformer.h.{i}.attn.c_proj.weight", "transformer.h.{i}.attn.c_proj.bias",
-    "transformer.h.{i}.ln_2.weight", "transformer.h.{i}.ln_2.bias",
-    "transformer.h.{i}.mlp.c_fc.weight", "transformer.h.{i}.mlp.c_fc.bias",
-    "transformer.h.{i}.mlp.c_proj.weight", "transformer.h.{i}.mlp.c_proj.bias",
+    *(f"transformer.h.{{i}}.{layer}.{kind}" for layer in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc",
+                                                          "mlp.c_proj") for kind in ("weight", "bias")),
     "transformer.ln_f.weight", "transformer.ln_f.bias",
 )
 # Conv1D (Radford et al.'s original TF code, kept by transformers) computes x @ W with W (in, out).
@@ -514,8 +433,7 @@ WTE, WPE, TIED_HEAD = "transformer.wte.weight", "transformer.wpe.weight", "lm_he
 NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in GPT2Model's files
 PREFIX = "transformer."  # GPT2LMHeadModel's keys have it, GPT2Model's (the hub's gpt2) do not
 
-HUB_NAMES = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
-             "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl"}
+HUB_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 HUB_PROBE_TIMEOUT = 5.0  # seconds the hub may take to answer one request before it counts as unreachable
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # theirs -> ours
 LAYER_NORM_EPS = 1e-5  # GPT-2's epsilon, which is also nn.LayerNorm's default (model.py uses the default)
@@ -605,8 +523,8 @@ def check_positions(block_size: int, n_positions: int, source: str) -> int:
 
 
 def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pretrained:
-    """Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names, every key and shape checked.
-    block_size 0 keeps every position, a smaller one crops the table; bias=False drops the biases (zeros only)."""
+    """Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names, every key and shape checked;
+    block_size 0 keeps every position; bias=False drops the biases (zeros only)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -624,7 +542,8 @@ def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pret
 
 
 def locate(source: str) -> tuple[Path, Path]:
-    """(the .safetensors file, its config.json) for a folder, a file or a hub name."""
+    """(the .safetensors file, its config.json) for a folder, a file or a hub name. A path that is not there is refused,
+    not taken for a hub repo (a paragraph about downloading): only OWNER/NAME with no such local folder is one."""
     path = Path(source)
     if path.is_dir():
         path = path / "model.safetensors"
@@ -634,9 +553,12 @@ def locate(source: str) -> tuple[Path, Path]:
         raise HFError(f"{path}: not a .safetensors file; pass one, a folder holding model.safetensors, "
                       f"or a hub name ({', '.join(HUB_NAMES)})")
     elif not path.is_file():
-        if source in HUB_NAMES or re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        if source in HUB_NAMES or (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", source) and not Path(path.parts[0]).is_dir()
+                                   and path.suffix not in (".pt", ".safetensors")):
             return download(HUB_NAMES.get(source, source))
-        raise HFError(f"{source}: no such folder or file, and not a hub name ({', '.join(HUB_NAMES)})")
+        raise CheckpointError(f"{source}: no such run folder or file; pass a run folder (out/NAME), its .pt, a "
+                              "folder or .safetensors in the Hugging Face GPT-2 layout, or a hub name "
+                              f"({', '.join(HUB_NAMES)} or OWNER/NAME)")
     if not (path.parent / "config.json").is_file():
         raise HFError(f"{path}: no config.json beside it, which says the model's shape; put its config.json beside "
                       "the file")
@@ -648,7 +570,7 @@ def download(repo_id: str) -> tuple[Path, Path]:
     does not answer its probe (hub_unreachable), as with HF_HUB_OFFLINE=1: a miss is one line in seconds."""
     import huggingface_hub
     from huggingface_hub import constants
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub.errors import EntryNotFoundError
 
     unreachable = None if constants.is_offline_mode() else hub_unreachable(repo_id)
     try:
@@ -656,8 +578,6 @@ def download(repo_id: str) -> tuple[Path, Path]:
                            for name in ("config.json", "model.safetensors"))
     except (OSError, EntryNotFoundError) as err:  # offline, not cached, no such repo or file, HTTP errors
         reason = (f"cannot reach {constants.ENDPOINT}: {unreachable}" if unreachable else
-                  "HF_HUB_OFFLINE=1" if isinstance(err, OfflineModeIsEnabled) or constants.is_offline_mode() else
-                  "the hub did not answer" if isinstance(err, LocalEntryNotFoundError) else
                   f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}")
         raise HFError(f"could not get {repo_id} from the Hugging Face hub ({reason}) nor from its cache, and there "
                       f"is no local folder or file of that name; where there is network run `hf download {repo_id} "
@@ -667,8 +587,8 @@ def download(repo_id: str) -> tuple[Path, Path]:
 
 
 def hub_unreachable(repo_id: str) -> str | None:
-    """Why the hub cannot be reached, or None if it answers (even with an HTTP error). One request, at most
-    HUB_PROBE_TIMEOUT s (HF_HUB_ETAG_TIMEOUT if set): hf_hub_download would retry for ~25 s, a warning each."""
+    """Why the hub cannot be reached, or None if it answers (even with an HTTP error): one request, at most
+    HUB_PROBE_TIMEOUT s (HF_HUB_ETAG_TIMEOUT if set), where hf_hub_download would retry for ~25 s, a warning each."""
     import httpx2  # huggingface_hub's HTTP client, installed with it
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
@@ -679,8 +599,7 @@ def hub_unreachable(repo_id: str) -> str | None:
     except httpx2.TransportError as err:  # no connection: refused, timed out, no DNS, proxy down
         return (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
     except HfHubHTTPError:  # the hub answered (a missing or gated repo): hf_hub_download says what
-        pass
-    return None
+        return None
 
 
 def read_shape(config_file: Path) -> GPTConfig:
@@ -692,8 +611,8 @@ def read_shape(config_file: Path) -> GPTConfig:
     if hf.get("model_type") != "gpt2":
         raise HFError(f"{config_file}: model_type {hf.get('model_type')!r}, not 'gpt2': only GPT-2's layout "
                       "maps onto this model")
-    if hf.get("n_inner") == 4 * hf.get("n_embd", 0):
-        hf["n_inner"] = None  # the same MLP width, written out
+    if hf.get("n_inner") == 4 * hf.get("n_embd", 0):  # the default MLP width, written out
+        hf["n_inner"] = None
     for name, default, allowed in CONFIG_RULES:
         if hf.get(name, default) not in allowed:
             raise HFError(f"{config_file}: {name} is {hf.get(name, default)!r}; this model computes "

@@ -116,59 +116,61 @@ class AuxLosses:
             self.add_sum(name, term * self.n_targets)
 
 
-def visible_keys(config: GPTConfig, start: int, T: int, device: torch.device) -> torch.Tensor:
-    """What each query sees, for T queries at positions start .. start + T - 1 over keys 0 .. start + T - 1.
+def visible_keys(config: GPTConfig, tokens: torch.Tensor, T: int) -> torch.Tensor:
+    """What each query sees: queries are the last T of ``tokens`` (B, S + T), every id in the window (S cached
+    before the T new ones), at positions S .. S + T - 1; keys are all S + T.
 
-    Either a rule, (T, start + T) bool with True = attend, or an additive bias on the scores, a float tensor
-    (T, start + T) or per head (nh, T, start + T) with -inf where a key is never seen (ALiBi, a relative-position
-    bias). The one definition of what attention receives: SDPA, the CPU-bf16 matmuls, and the KV cache's
-    prefill, decode and chunked steps (start = the positions already cached) all get it. A rule that narrows
-    what a query sees (a sliding window) or a bias is written here and nowhere else.
+    Either a rule, bool with True = attend, (T, S + T) or per row (B, 1, T, S + T); or an additive bias on the
+    scores, a float tensor (T, S + T), per head (nh, T, S + T) or per row (B, nh, T, S + T), with -inf where a key
+    is never seen (ALiBi, a relative-position bias). The one definition of what attention receives: SDPA, the
+    CPU-bf16 matmuls, and the KV cache's prefill, decode and chunked steps (the cache keeps the ids) all get it.
+    A rule that narrows what a query sees (a sliding window, a document mask) or a bias is written here alone.
+    The positions are built on the CPU, where GPT.visible compares them with the plain rule without waiting for
+    a GPU; a rule that reads ``tokens`` is on their device (move the positions there: ``(key <= query).to(...)``).
     """
-    query = torch.arange(start, start + T, device=device).unsqueeze(1)  # (T, 1) positions
-    key = torch.arange(start + T, device=device).unsqueeze(0)  # (1, start + T) positions
-    return key <= query  # (T, start + T): causal, each query sees itself and the past
+    S = tokens.size(1) - T
+    query = torch.arange(S, S + T).unsqueeze(1)  # (T, 1) positions
+    key = torch.arange(S + T).unsqueeze(0)  # (1, S + T) positions
+    return key <= query  # (T, S + T): causal, each query sees itself and the past
 
 
 def is_plain_causal(mask: torch.Tensor) -> bool:
-    """Whether ``mask`` (visible_keys' output for T queries after S cached keys) is exactly the causal rule, each
-    query seeing itself and every earlier key: a bool (T, S + T), never a float bias, however small. Then SDPA may
-    use its own causal kernels (flash attention on GPUs), which give the same numbers without reading the mask.
-    Footgun: on a GPU the answer waits for the GPU; GPT.forward asks it of the mask it builds on the CPU."""
-    T, S = mask.size(-2), mask.size(-1) - mask.size(-2)
-    causal = torch.ones(T, S + T, dtype=torch.bool, device=mask.device).tril_(S)  # (T, S + T), key <= query
-    return mask.dtype == torch.bool and torch.equal(mask, causal)
+    """Whether ``mask`` (visible_keys' output) is exactly the causal rule, each query seeing itself and every
+    earlier key: a bool (T, S + T) on the CPU, never a float bias, however small, nor a per-row rule. Then
+    attention() may use SDPA's own causal kernels (flash attention on GPUs): the same numbers without a mask."""
+    if mask.dtype != torch.bool or mask.dim() != 2 or mask.device.type != "cpu":
+        return False
+    T, S = mask.size(0), mask.size(1) - mask.size(0)
+    return torch.equal(mask, torch.ones(T, S + T, dtype=torch.bool).tril_(S))  # (T, S + T), key <= query
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, plain_causal: bool,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               dropout_p: float) -> torch.Tensor:
     """softmax(q k^T / sqrt(hs) + mask) v: T queries (B, nh, T, hs) over S + T keys (B, nh, S + T, hs).
 
-    ``mask`` is visible_keys' (a bool rule: False adds -inf; or a float bias). ``plain_causal`` says it is the
-    causal rule (is_plain_causal, asked once per forward by GPT.forward of the mask it hands every layer). A
-    shortcut is taken only when what arrives here is also a bool rule, so a bias added to the mask on its way
-    is never dropped: SDPA then gets
-    the rule as a flag, is_causal for a square (S = 0; its triangle is aligned top-left, right only then) or
-    nothing for one decoding query (it sees every key); both give bit-identical numbers to the mask
-    (tests/test_model.py). In bf16 on CPU the plain matmul-softmax-matmul is ~5x faster at these sizes
-    (scripts/bench.py --profile): the CPU flash kernel's bf16 backward is slow, and SDPA's unfused "math"
-    fallback upcasts to fp32 on CPU, losing the bf16 matmul speed. There a rule becomes an additive bias of
-    (T, S + T) once, and the scale goes on q, the smaller of q and the scores: no (B, nh, T, S + T) mask is made.
+    ``mask`` is what GPT.visible hands every layer: visible_keys' rule (False adds -inf) or bias, or None for the
+    plain causal rule, which SDPA then computes itself: is_causal for a square (S = 0; its triangle is aligned
+    top-left, right only then), nothing for one decoding query (it sees every key); both give bit-identical numbers
+    to the mask (tests/test_model.py). So what arrives here is what is computed: no flag beside the mask can go
+    stale. In bf16 on CPU the plain matmul-softmax-matmul is ~5x faster at these sizes (scripts/bench.py
+    --profile): the CPU flash kernel's bf16 backward is slow, and SDPA's unfused "math" fallback upcasts to fp32
+    on CPU, losing the bf16 matmul speed. There a rule becomes an additive bias, and the scale goes on q, the
+    smaller of q and the scores: no (B, nh, T, S + T) mask is made.
     """
     T, S = q.size(2), k.size(2) - q.size(2)
-    shortcut = plain_causal and mask.dtype == torch.bool
-    if mask.is_floating_point():
-        mask = mask.to(q.dtype)  # a bias is added in the scores' dtype: (T, S + T) or (nh, T, S + T)
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    if mask is None and (cpu_bf16 or (T > 1 and S > 0)):  # no causal kernel for these: the plain rule itself
+        mask = torch.ones(T, S + T, dtype=torch.bool, device=q.device).tril_(S)  # (T, S + T)
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(q.dtype)  # a bias is added in the scores' dtype
+    if cpu_bf16:
         if not mask.is_floating_point():  # the rule as a bias: 0 where a query sees the key, -inf elsewhere
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         att = (q * (1.0 / math.sqrt(k.size(-1)))) @ k.transpose(-2, -1) + mask  # (B, nh, T, S + T)
         att = F.dropout(att.softmax(dim=-1), p=dropout_p, training=dropout_p > 0)  # (B, nh, T, S + T)
         return att @ v  # (B, nh, T, hs)
-    if shortcut and S == 0:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
-    if shortcut and T == 1:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)  # (B, nh, 1, hs)
+    if mask is None:  # the plain rule over a square (S = 0), or one query that sees every key (T = 1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=S == 0)  # (B, nh, T, hs)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # (B, nh, T, hs)
 
 
@@ -225,9 +227,8 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
         self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, plain_causal: bool, cache=None) -> torch.Tensor:
-        """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask: visible_keys' rule or bias, and
-        whether it is the plain causal rule (is_plain_causal: GPT.forward decides it of this mask)."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+        """x (B, T, C) at positions S .. S + T - 1 (S = the cached ones); mask: GPT.visible's (None: plain causal)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         # Split the channels into heads and move the head axis forward.
@@ -242,7 +243,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:  # generation: attend over the cached past too
             k, v = cache.append(k, v)  # (B, nh, S + T, hs) each
         dropout_p = self.dropout if self.training and cache is None else 0.0  # the cache is for inference
-        y = attention(q, k, v, mask, plain_causal, dropout_p)  # (B, nh, T, hs)
+        y = attention(q, k, v, mask, dropout_p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
@@ -277,8 +278,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, plain_causal: bool, cache, aux: AuxLosses) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask, plain_causal, cache)  # (B, T, C)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache, aux: AuxLosses) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask, cache)  # (B, T, C)
         x = x + self.mlp(self.ln_2(x), aux)  # (B, T, C)
         return x
 
@@ -359,8 +360,9 @@ class GPT(nn.Module):
         the token count of a whole accumulated batch. ``loss_sum`` is plain cross-entropy, the metric
         (val loss, bits per byte, best.pt); what a step minimises is loss_sum plus every ``aux`` term,
         composed by train.py. With a cache (sample.py's KVCache), idx holds the tokens that *follow* the cached
-        ones: they get positions cache.length onwards, and each layer adds their keys and values to its
-        ``cache.layers[i]`` (``append(k, v)`` returns every key and value cached so far).
+        ones: they get positions cache.length onwards, ``cache.remember(idx)`` keeps their ids (what a query sees may
+        depend on them) and each layer adds their keys and values to its ``cache.layers[i]`` (``append(k, v)``
+        returns every key and value cached so far).
         """
         B, T = idx.shape
         start = cache.length if cache is not None else 0  # S: position of idx[:, 0]
@@ -368,7 +370,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
         # A compiler cannot trace is_plain_causal (its answer is data): it runs as is, and the layers compile whole.
         visible = torch.compiler.disable(self.visible) if torch.compiler.is_compiling() else self.visible
-        mask, plain_causal = visible(start, T, idx.device)  # (T, S + T) or (nh, T, S + T), for every layer
+        tokens = idx if cache is None else cache.remember(idx)  # (B, S + T): the cached ids, then idx
+        mask = visible(tokens, T)  # None (the plain causal rule) or visible_keys' mask, for every layer
         x = self.transformer.wte(idx)  # (B, T, C)
         if self.config.pos_emb == "learned":
             pos = torch.arange(start, start + T, device=idx.device)  # (T,)
@@ -377,7 +380,7 @@ class GPT(nn.Module):
         aux = AuxLosses(None if targets is None else (targets != -1).sum())  # the count: a tensor, no host sync
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches):
-            x = block(x, mask, plain_causal, layer_cache, aux)  # (B, T, C)
+            x = block(x, mask, layer_cache, aux)  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
         # The padded vocab rows are dropped here: never sampled, never in the softmax of the loss.
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab_size)
@@ -388,14 +391,13 @@ class GPT(nn.Module):
         self.aux_losses(aux, flat_logits, flat_targets)
         return ModelOutput(logits, loss_sum, aux.n_targets, aux.terms)
 
-    def visible(self, start: int, T: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-        """visible_keys' mask for T queries at positions start .. start + T - 1, built once for every layer, and
-        whether it is the plain causal rule (is_plain_causal), which lets attention() use SDPA's causal kernels.
-        Decided of this very mask each forward, never at build time: nothing (T, T) is built per layer or kept.
-        Built on the CPU: the comparison waits for no GPU, and the copy from pageable memory (non_blocking) returns
-        before the GPU has caught up, so a step syncs no more than before."""
-        mask = visible_keys(self.config, start, T, torch.device("cpu"))  # (T, S + T) or (nh, T, S + T)
-        return mask.to(device, non_blocking=True), is_plain_causal(mask)  # on a CPU the same tensor
+    def visible(self, tokens: torch.Tensor, T: int) -> torch.Tensor | None:
+        """visible_keys' mask for the last T of tokens (B, S + T), built once for every layer; None when it is the
+        plain causal rule (is_plain_causal), which attention() then hands SDPA as its own causal kernels. Decided
+        of this very mask each forward, on the CPU: the comparison waits for no GPU, and the copy from pageable
+        memory (non_blocking) returns before the GPU has caught up, so a step syncs no more than before."""
+        mask = visible_keys(self.config, tokens, T)
+        return None if is_plain_causal(mask) else mask.to(tokens.device, non_blocking=True)
 
     def aux_losses(self, aux: AuxLosses, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """The objective's terms computed from the logits (B*T, V) and targets (B*T,), added to ``aux`` by name

@@ -11,57 +11,92 @@ loss or gradient.
 Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; Liu et al. 2025, "Muon is Scalable for
 LLM Training") replaces the update of a 2-D hidden weight by the semi-orthogonal matrix nearest its momentum (five
 Newton-Schulz iterations): every direction of the matrix moves at the same rate, instead of a few dominant ones.
-The embedding (tied to the output head), the position table and the norm gains stay on AdamW. On the `small`
-preset it reaches in 2600 steps the val loss AdamW reaches in 5200 (docs/notebook/performance.md, "Time to quality").
+The embedding (tied to the output head), the position table and the norm gains stay on AdamW (PARAMETER_KINDS).
+On the `small` preset it reaches in 2600 steps the val loss AdamW reaches in 5200 (docs/notebook/performance.md,
+"Time to quality").
 torch.optim.Muon does the maths, with one change (``Muon`` below): the Newton-Schulz iteration runs in the run's
 precision, not always in bf16, which is emulated on CPUs without AVX512-BF16 or AMX: on a 2-core AMD EPYC
 without AVX-512 a bf16 matmul ran at 1 GFLOP/s against 98 in fp32 (the `small` step: 1.1 s instead of ~0.1 s).
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from config import EXIT_NONFINITE, CheckpointError, RunStopped
+from config import EXIT_NONFINITE, CheckpointError, ConfigError, RunStopped
 
 if TYPE_CHECKING:
     from config import TrainConfig
     from model import GPT
 
+# ----------------------------------------------------------------------------- which parameter trains how
+# Every trained parameter's kind, by its name (fnmatch patterns; the first that matches wins). A "matrix" multiplies
+# the activations inside a block: Muon's under optimizer=muon, else AdamW's with weight decay. A "table" is looked
+# up (the token embedding, tied to the head; the position table): AdamW with weight decay. A "gain" scales or shifts
+# (norms, biases): AdamW without decay. A parameter no row names stops the optimizer's build in one line, so a fork's
+# new tensor gets the kind its author chose: a learned bias table is not a matrix for Muon, whatever its shape.
+PARAMETER_KINDS = (
+    ("*.bias", "gain"),
+    ("*.ln_?.weight", "gain"),  # ln_1, ln_2, ln_f
+    ("*_norm.weight", "gain"),  # qk_norm's q_norm and k_norm
+    ("transformer.h.*.c_attn.weight", "matrix"),
+    ("transformer.h.*.c_proj.weight", "matrix"),
+    ("transformer.h.*.c_fc.weight", "matrix"),
+    ("transformer.h.*.lora_?.weight", "matrix"),  # LoRA's A and B (finetune.py)
+    ("transformer.wte.weight", "table"),
+    ("transformer.wpe.weight", "table"),
+    ("transformer.wte.lora_rows", "table"),  # a chat fine-tune's trained marker rows (finetune.TrainedRows)
+)
+
+
+def trained_parameters(model: GPT) -> list[tuple[str, torch.nn.Parameter]]:
+    """(kind, parameter) for every parameter that trains, in the model's order (the tied wte/lm_head once)."""
+    trained = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            kind = next((kind for pattern, kind in PARAMETER_KINDS if fnmatch.fnmatchcase(name, pattern)), None)
+            if kind is None or kind == "matrix" and p.dim() != 2:
+                raise ConfigError(f"no row of optim.PARAMETER_KINDS names the parameter {name} {tuple(p.shape)} "
+                                  f"{'as a 2-D matrix' if kind else ''}: add one saying whether it is a \"matrix\" "
+                                  "(2-D; Muon's under --optimizer muon), a \"table\" (AdamW, weight decay) or a "
+                                  "\"gain\" (AdamW, no decay)")
+            trained.append((kind, p))
+    return trained
+
+
 # ----------------------------------------------------------------------------- optimizers
-def adamw_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
-    """Decay on matrices and embeddings (dim >= 2) only, never on gains and biases. Every group carries
+def adamw_groups(trained: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups of trained_parameters' pairs: matrices and tables decayed, gains not. Every group carries
     "lr_scale", its peak lr over learning_rate, which the schedule multiplies (train.set_lr)."""
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay, "lr_scale": 1.0},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0}]
+    return [{"params": [p for kind, p in trained if kind != "gain"], "weight_decay": weight_decay, "lr_scale": 1.0},
+            {"params": [p for kind, p in trained if kind == "gain"], "weight_decay": 0.0, "lr_scale": 1.0}]
 
 
-def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def adamw(trained: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """torch's AdamW (decoupled weight decay, Loshchilov & Hutter 2019), fused (CPU and CUDA kernels, torch >= 2.4)."""
-    return torch.optim.AdamW(adamw_groups(params, cfg.weight_decay), lr=cfg.learning_rate,
+    return torch.optim.AdamW(adamw_groups(trained, cfg.weight_decay), lr=cfg.learning_rate,
                              betas=(cfg.beta1, cfg.beta2), fused=device.type in ("cuda", "cpu"))
 
 
 def build_adamw(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> torch.optim.AdamW:
-    return adamw([p for p in model.parameters() if p.requires_grad], cfg, device)  # the tied wte/lm_head once
+    return adamw(trained_parameters(model), cfg, device)
 
 
 def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> MuonAdamW:
-    """Muon for the blocks' weight matrices, AdamW (learning_rate) for the rest, as one optimizer.
+    """Muon for the matrices, AdamW (learning_rate) for the tables and gains, as one optimizer.
 
     The Newton-Schulz iteration runs in bf16 only where the run's matmuls do (``dtype``, which
     pick_dtype chose by measurement on a CPU): elsewhere bf16 is emulated and ~100x slower than fp32.
     """
-    # The blocks' 2-D weight matrices; the embedding (tied to the head), the position table and gains stay on AdamW.
-    hidden = [p for p in model.transformer.h.parameters() if p.dim() == 2 and p.requires_grad]
-    on_muon = {id(p) for p in hidden}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in on_muon]
-    muon = Muon([{"params": hidden, "lr_scale": cfg.muon_lr / cfg.learning_rate}],
+    trained = trained_parameters(model)
+    matrices = [p for kind, p in trained if kind == "matrix"]
+    muon = Muon([{"params": matrices, "lr_scale": cfg.muon_lr / cfg.learning_rate}],
                 ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
                 lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=0.95)
-    return MuonAdamW(adamw(rest, cfg, device), muon)
+    return MuonAdamW(adamw([(kind, p) for kind, p in trained if kind != "matrix"], cfg, device), muon)
 
 
 OPTIMIZERS = {"adamw": build_adamw, "muon": build_muon}  # config.TrainConfig.optimizer's values

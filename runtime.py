@@ -1,5 +1,5 @@
-"""How a run meets its machine, in the order it does: files written whole, folders (the out_dir lock, staging), DDP
-under torchrun, device/precision/compile, signals, and the run's records (metrics.jsonl, wandb)."""
+"""How a run meets its machine: files written whole, folders (the out_dir lock, staging), DDP under torchrun,
+device/precision/compile, signals, and the run's records (metrics.jsonl, wandb)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +19,6 @@ import statistics
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -39,25 +37,14 @@ from config import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_WRITE
 from model import step_bytes
 
 # ----------------------------------------------------------------------------- files written whole or not at all
-# The bytes go to .NAME.tmp-PID beside NAME, are fsynced, renamed over it, and the folder is fsynced: a kill, crash
-# or full disk leaves the old file or the new one, never half.
 TEMP_MARK = ".tmp-"  # in every temp file's name (the Checkpointer removes stale ones at start)
-
-
-def temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Replace ``path`` by what ``write`` writes to the (seekable) file it is handed, or leave it as it was."""
-    with written_whole(Path(path)) as tmp, open(tmp, "wb") as f:
-        write(f)
 
 
 @contextlib.contextmanager
 def written_whole(path: Path) -> Iterator[Path]:
-    """The temp path for a writer that opens the file itself (gguf's): renamed over ``path``, or removed on error."""
-    tmp = temp_path(Path(path))
+    """A temp path beside ``path`` to write: fsynced and renamed over it, or removed on any error (never half)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -67,11 +54,17 @@ def written_whole(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         raise
     with contextlib.suppress(OSError):  # fsync the folder, so the rename survives a power cut (where supported)
-        fd = os.open(Path(path).parent, os.O_RDONLY)
+        fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Replace ``path`` by what ``write`` writes to the file it is handed, or leave it as it was."""
+    with written_whole(path) as tmp, open(tmp, "wb") as f:
+        write(f)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -140,9 +133,8 @@ def check_writable(folder: Path, flag: str, probe_name: str) -> None:
 
 
 def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contextlib.ExitStack:
-    """Own ``out_dir`` through an flock on out_dir/.lock (the kernel drops it when this process dies, SIGKILL
-    included), or raise PathError: 2 if unusable or owned by a live process, 74 on an I/O failure. A fresh run
-    (``resume`` False) is refused where last.pt exists. Footgun: flock is advisory; it stops a second train.py only."""
+    """Own ``out_dir`` through an flock on out_dir/.lock (dropped by the kernel when this process dies), or raise
+    PathError; a fresh run (``resume`` False) is refused where last.pt exists. Footgun: flock is advisory."""
     created = make_folders(out_dir, flag)
     path = out_dir / ".lock"
     while True:
@@ -182,7 +174,6 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
 # A prepare writes into a locked .staging-* folder beside its destination and renames it into place at the end. A
 # leftover of a killed prepare is a staging name whose lock can be taken; a locked one is a live prepare's.
 STAGING = ".staging-"
-STAGING_FOLDERS = (".", "downloads", "tokenizers")  # under data_dir: the corpora, sdists, GPT-2 ranks
 
 
 def hold_lock(path: Path, wait: bool) -> int | None:
@@ -221,8 +212,7 @@ def staging_folder(parent: Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def staged_folder(folder: Path) -> Iterator[Path]:
-    """A staging folder that replaces ``folder`` when the block ends; the old one is renamed aside whole before it
-    is deleted, so a kill meanwhile cannot leave half of it in place."""
+    """A staging folder that replaces ``folder`` when the block ends; the old one is renamed aside whole first."""
     with staging_folder(folder.parent) as staging:
         yield staging
         old = staging.with_name(f"{staging.name}-old")  # a staging name too: a kill's leftover is found
@@ -235,7 +225,7 @@ def staged_folder(folder: Path) -> Iterator[Path]:
 def remove_leftovers(data_dir: Path) -> list[Path]:
     """Delete and return what killed prepares left in data_dir. Never raises: what cannot go is named in a warning."""
     removed = []
-    for path in sorted(path for sub in STAGING_FOLDERS for path in (data_dir / sub).glob(f"{STAGING}*")):
+    for path in sorted(p for sub in (".", "downloads", "tokenizers") for p in (data_dir / sub).glob(f"{STAGING}*")):
         if (fd := hold_lock(path, wait=False)) is None:
             continue  # a live prepare's
         try:
@@ -260,12 +250,10 @@ class Dist:
     """Who this process is in the job; the defaults are a plain single-process run."""
     rank: int = 0  # global index of this process, 0 .. world_size - 1
     world_size: int = 1  # processes in the job (all nodes)
-    local_rank: int = 0  # index on this node: picks the GPU
     device: torch.device = torch.device("cpu")  # the device this rank computes on
 
     @property
-    def is_main(self) -> bool:
-        """Rank 0 alone writes checkpoints, logs and wandb."""
+    def is_main(self) -> bool:  # rank 0 alone writes checkpoints, logs and wandb
         return self.rank == 0
 
     @property
@@ -279,14 +267,14 @@ def setup(requested: str = "auto") -> Dist:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Dist(device=device)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    rank, local_rank = env_rank(), int(os.environ["LOCAL_RANK"])
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)  # one GPU per process
         torch.cuda.set_device(device)  # NCCL and object collectives use the current device
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 **({"device_id": device} if device.type == "cuda" else {}))
-    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return Dist(rank=rank, world_size=world_size, device=device)
 
 
 def teardown() -> None:
@@ -298,8 +286,7 @@ def teardown() -> None:
 
 
 def abandon() -> None:
-    """After an error that stopped every rank: leave the group without a barrier (peers may be gone). Leaving
-    matters: with the group alive gloo's destructor races the peers' exits and can turn the exit code into SIGABRT."""
+    """After an error that stopped every rank: leave the group, no barrier (else gloo may turn the exit to SIGABRT)."""
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
@@ -332,21 +319,18 @@ def gather_to_main(obj: Any) -> list[Any]:
 
 
 def agree(flags: tuple[bool, ...], ddp: Dist, now: bool) -> tuple[bool, ...]:
-    """Each flag true if it is on any rank (stop now, out of time). Under DDP a host sync, so only when ``now``
-    (the loop's log steps); all False otherwise."""
+    """Each flag true if it is on any rank. Under DDP a host sync, so only when ``now``; all False otherwise."""
     if not ddp.enabled:
         return flags
     if not now:
         return (False,) * len(flags)
-    summed = all_reduce_sum(torch.tensor(flags, dtype=torch.int32, device=ddp.device))
-    return tuple(bool(flag) for flag in summed.tolist())
+    return tuple(bool(flag) for flag in all_reduce_sum(torch.tensor(flags, dtype=torch.int32, device=ddp.device)))
 
 
 @contextlib.contextmanager
 def stop_together(device: torch.device) -> Iterator[None]:
-    """Around work that may fail on some ranks only: if it fails anywhere, every rank stops here. A failed rank
-    re-raises its error, the others PeerFailed; each distinct message is printed by the lowest rank that has it
-    (``reporting_rank``). Footgun: a collective, so every rank must enter it, and the block must hold none."""
+    """If the block fails on any rank, every rank stops: a failed one with its error, the others with PeerFailed; the
+    lowest rank with a message reports it. Footgun: a collective, every rank must enter, and the block hold none."""
     if not dist.is_initialized():
         yield
         return
@@ -370,8 +354,8 @@ def stop_together(device: torch.device) -> Iterator[None]:
 
 @contextlib.contextmanager
 def main_first(device: torch.device) -> Iterator[None]:
-    """Rank 0 runs the block (prepares the corpus), then the others; a failure anywhere stops every rank. Footgun:
-    the others wait at most the process-group timeout, so prepare a large corpus before torchrun."""
+    """Rank 0 runs the block, then the others; a failure anywhere stops all. Footgun: the others wait at most the
+    process-group timeout, so prepare a large corpus before torchrun."""
     main = not dist.is_initialized() or dist.get_rank() == 0  # a world of one: the block runs once
     with stop_together(device):
         if main:
@@ -392,10 +376,9 @@ def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
     """This rank's saved random streams; None when this rank did not exist in the saved run."""
     saved = state["rng_per_rank"]
     if len(saved) != ddp.world_size:
-        print0(f"WARNING: resuming a run saved with world size {len(saved)} on world size {ddp.world_size}: "
-               "training continues but is NOT bit-exact (another global batch and summation order; ranks absent "
-               "from the checkpoint draw fresh data streams). Resume with the same world size for an exact "
-               "continuation.")
+        print0(f"WARNING: resuming a run saved with world size {len(saved)} on world size {ddp.world_size}: training "
+               "continues but is NOT bit-exact (another global batch and summation order, new ranks' data streams "
+               "fresh); resume with the same world size for an exact continuation")
     return saved[ddp.rank] if ddp.rank < len(saved) else None
 
 
@@ -426,7 +409,7 @@ def pick_device(requested: str = "auto") -> torch.device:
 def pick_dtype(requested: str, device: torch.device,
                probe_shape: tuple[int, int, int] = (768, 128, 512)) -> torch.dtype:
     """bf16 on CUDA where supported, else fp16; MPS fp32; on CPU bf16 only where a matmul of ``probe_shape`` runs
-    BF16_MIN_SPEEDUP times faster in it (~0.2 s, machine dependent: pin --dtype where results must reproduce)."""
+    BF16_MIN_SPEEDUP times faster in it (machine dependent: pin --dtype where results must reproduce)."""
     if requested != "auto":
         return DTYPES[requested]
     if device.type == "cuda":
@@ -443,10 +426,8 @@ def pick_dtype(requested: str, device: torch.device,
 
 
 def run_dtype(cfg, device: torch.device) -> torch.dtype:
-    """The precision a run of ``cfg`` computes in; dtype=auto on CPU times the MLP's first matmul at the run's
-    tokens per micro-batch, capped at 4096 rows (a size too big to run is refused later, not timed)."""
-    rows = min(cfg.batch_size * cfg.block_size, 4096)
-    return pick_dtype(cfg.dtype, device, (rows, cfg.n_embd, 4 * cfg.n_embd))
+    """cfg's precision; dtype=auto on CPU times the MLP's first matmul at the run's micro-batch (<= 4096 rows)."""
+    return pick_dtype(cfg.dtype, device, (min(cfg.batch_size * cfg.block_size, 4096), cfg.n_embd, 4 * cfg.n_embd))
 
 
 @dataclass(frozen=True)
@@ -459,8 +440,7 @@ class Runtime:
 
 
 def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
-    """cfg's device (or torchrun's for this rank), threads, precision and compile. Threads first: dtype=auto
-    times matmuls with them. Rank 0's dtype is the job's: ranks timing side by side could disagree."""
+    """cfg's device (or this rank's), threads (first: dtype=auto times with them), precision (rank 0's) and compile."""
     device = device or pick_device(cfg.device)
     threads = use_threads(cfg.threads)
     dtype = [run_dtype(cfg, device) if not dist.is_initialized() or dist.get_rank() == 0 else None]
@@ -470,8 +450,7 @@ def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
 
 
 def refuse_what_cannot_fit(cfg, rt: Runtime) -> None:
-    """ConfigError, before data or model, when one step of cfg's micro-batch needs more memory than rt.device has
-    even by model.step_bytes' lower bound: said at once, not left to the allocator or the OOM killer."""
+    """ConfigError, before data or model, when one step needs more memory than rt.device has (model.step_bytes)."""
     need = step_bytes(cfg, cfg.batch_size, cpu_bf16=rt.device.type == "cpu" and rt.dtype == torch.bfloat16)
     if rt.device.type == "cuda":
         have, where = torch.cuda.get_device_properties(rt.device).total_memory, "the GPU"
@@ -503,8 +482,7 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
 
 
 def use_threads(threads: int) -> int:
-    """torch.set_num_threads(threads) unless 0 (one per core); returns the count in force. Two jobs on 2 cores want
-    1 each, or each op waits on the other's descheduled thread (docs/notebook/performance.md)."""
+    """torch.set_num_threads(threads) unless 0 (one per core); returns the count in force."""
     if threads > 0:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
@@ -519,7 +497,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (all devices). The data order has its own generator."""
     random.seed(seed)
     np.random.seed(seed % 2**32)  # numpy's range; config allows up to 2**32 - 1, to which DDP adds the rank
     torch.manual_seed(seed)
@@ -530,16 +507,14 @@ def want_compile(setting: str, device: torch.device) -> bool:
 
 
 def compile_or_eager(model: torch.nn.Module, enabled: bool, probe: Callable[[torch.nn.Module], None]):
-    """torch.compile the model and prove it on ``probe`` (compile errors surface at the first call); on any failure
-    warn once and run eager. The probe runs under fork_rng: every random stream stays where it was."""
+    """torch.compile ``model`` and prove it on ``probe`` (random streams untouched); on any failure warn, run eager."""
     if not enabled:
         return model
     print0("compiling the model (torch.compile; the first time can take minutes)")  # or a long compile looks hung
     compiled = torch.compile(model)
     try:
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            probe(compiled)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            probe(compiled)  # compile errors surface at the first call
     except Exception as err:  # noqa: BLE001 - any compiler failure means "fall back"
         warnings.warn(f"torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
                       "running eager", stacklevel=2)
@@ -551,8 +526,7 @@ def compile_or_eager(model: torch.nn.Module, enabled: bool, probe: Callable[[tor
 
 
 def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Module:
-    """compile_or_eager, probed with a forward/backward of the ``stream``'s first batch (a copy: no stream moves)
-    under the step's autocast, so the graph compiled is the one step 1 runs."""
+    """compile_or_eager, probed with step 1's forward/backward (a copy of its batch, its autocast)."""
     def probe(m: torch.nn.Module) -> None:
         x, y = stream.first_batch()  # (B, T) each
         with torch.autocast(rt.device.type, dtype=rt.dtype, enabled=rt.dtype != torch.float32):
@@ -562,21 +536,12 @@ def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Mo
     return compile_or_eager(model, rt.compile, probe)
 
 
-# Peak dense tensor-core FLOP/s in bf16/fp16 with fp32 accumulation (autocast's mode), from NVIDIA's datasheets
-# (dense is half the "with sparsity" figure). The first matching pattern wins: more specific names first.
+# Dense tensor-core FLOP/s in bf16/fp16 with fp32 accumulation (autocast's mode) from NVIDIA's datasheets (half the
+# "with sparsity" figure; GeForce cards: the fp32-accumulate column). The first match wins: specific names first.
 PEAK_FLOPS_16BIT: tuple[tuple[str, float], ...] = (
-    (r"H200 NVL", 835.5e12),  # H200 datasheet (NVL column): 1,671 TFLOPS with sparsity
-    (r"H200", 989.5e12),  # H200 datasheet (SXM): 1,979 TFLOPS with sparsity
-    (r"H100 NVL", 835.5e12),  # H100 datasheet (NVL): 1,671 with sparsity
-    (r"H100.*PCIe", 756.5e12),  # H100 datasheet (PCIe): 1,513 with sparsity
-    (r"H100", 989.5e12),  # H100 datasheet (SXM): 1,979 with sparsity
-    (r"A100", 312e12),  # A100 datasheet, SXM and PCIe, 40 and 80 GB: 312 dense / 624 sparse
-    (r"L40S", 362.05e12),  # L40S datasheet: 362.05 dense / 733 sparse
-    (r"RTX 4090", 165.2e12),  # Ada Lovelace whitepaper, app. A: 165.2 with FP32 accumulate (330.3 with FP16)
-    (r"RTX 3090", 71e12),  # Ampere GA102 whitepaper: 71 with FP32 accumulate (142 with FP16)
-    (r"V100S", 130e12),  # V100S datasheet: 130 TFLOPS tensor (fp16 only: Volta has no bf16)
-    (r"V100.*PCIE", 112e12),  # V100 datasheet (PCIe): 112
-    (r"V100", 125e12),  # V100 datasheet (SXM2): 125
+    ("H200 NVL", 835.5e12), ("H200", 989.5e12), ("H100 NVL", 835.5e12), ("H100.*PCIe", 756.5e12), ("H100", 989.5e12),
+    ("A100", 312e12), ("L40S", 362.05e12), ("RTX 4090", 165.2e12), ("RTX 3090", 71e12),
+    ("V100S", 130e12), ("V100.*PCIE", 112e12), ("V100", 125e12),  # Volta: fp16 only, no bf16
 )
 
 
@@ -588,24 +553,21 @@ def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
 
 
 def device_peak(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The peak FLOP/s MFU divides by; None on CPU and MPS."""
     return peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, device: torch.device, dtype: torch.dtype,
         world_size: int = 1) -> float | None:
-    """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, app. B) of the whole job's ``tokens_per_s`` over
-    ``world_size`` GPUs; None where no peak is known."""
+    """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, app. B) of the job over its GPUs; None without a peak."""
     peak = device_peak(device, dtype)
     return None if peak is None else flops_per_token * tokens_per_s / (peak * world_size)
 
 
 # ----------------------------------------------------------------------------- signals: how a run stops
 class StopOnSignal:
-    """SIGINT and SIGTERM become a request to stop after the current step (the loop saves last.pt, raises error());
-    later ones only print a note, so a second Ctrl-C cannot interrupt the save. After a stop both stay ignored: a
-    supervisor's repeated SIGTERM during teardown would end the process as -15, a crash (footgun: an in-process
-    caller that carries on must put its handlers back). Outside the main thread it does nothing."""
+    """SIGINT/SIGTERM ask to stop after this step (the loop saves last.pt, raises error()); later ones only print, and
+    after a stop both stay ignored so the save and teardown finish (footgun: an in-process caller that carries on
+    must put its handlers back). Does nothing outside the main thread."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -636,17 +598,14 @@ class StopOnSignal:
         return self.signum is not None
 
     def error(self, step: int) -> RunStopped:
-        name = signal.Signals(self.signum).name
-        return RunStopped(f"stopped by {name} after step {step}; last.pt holds it, continue with --resume",
-                          128 + self.signum)
+        return RunStopped(f"stopped by {signal.Signals(self.signum).name} after step {step}; last.pt holds it, "
+                          "continue with --resume", 128 + self.signum)
 
 
 @contextlib.contextmanager
 def interrupt_until_the_loop() -> Iterator[None]:
-    """Until the loop's StopOnSignal takes over, SIGINT and SIGTERM raise KeyboardInterrupt (with ``signum``), so
-    cleanup after a SIGTERM (the staging folder, the lock) runs as after a Ctrl-C: without it ``timeout`` or
-    ``docker stop`` before step 1 killed the process with no line and left out_dir/.lock. The first signal ignores
-    both from then on. Outside the main thread it does nothing."""
+    """Until StopOnSignal takes over, SIGINT and SIGTERM raise KeyboardInterrupt (with ``signum``): a SIGTERM before
+    step 1 cleans up (staging, lock) as Ctrl-C does. Then both are ignored. Does nothing outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -672,8 +631,7 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 
 def run_error(err: BaseException) -> BaseException:
-    """``err`` as train.py reports it: Ctrl-C before step 1, or a collective failing because a peer died, as the
-    RunStopped it means (a dead peer cannot say why, so each survivor does); any other as it is."""
+    """``err`` as train.py reports it: Ctrl-C before step 1 or a dead peer as the RunStopped it means; others as is."""
     if isinstance(err, KeyboardInterrupt):  # before the first step: nothing to save yet; 143 for a SIGTERM
         code = 128 + err.signum if hasattr(err, "signum") else EXIT_INTERRUPTED
         return RunStopped("interrupted before training started; nothing was saved", code)
@@ -690,18 +648,14 @@ def run_error(err: BaseException) -> BaseException:
 
 # ----------------------------------------------------------------------------- the run's records
 class MetricsLog:
-    """Log lines, and JSON records to out_dir/metrics.jsonl and the tracker, with ms/step, tokens/s and MFU over
-    the steps since the last line (evals and saves excluded). Tokens are the positions the steps really processed
-    (shorter rows, padding), all ranks'. Only rank 0 writes; the others only count."""
+    """Log lines and records (metrics.jsonl, the tracker): speed over the steps since the last line, evals and saves
+    excluded. Only rank 0 (``enabled``) writes. A resume keeps the records through ``step``; a fresh run starts anew.
+    ``model``: the plain one (not compiled or DDP), whose flops_per_token is measured where a peak is known."""
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, step: int, model, rt, world_size: int = 1,
                  enabled: bool = True, tracked: bool = True):
-        """A run starting at ``step``: a resumed run's metrics.jsonl keeps its records through ``step``, a fresh
-        run's is removed. ``model``: the plain one (not compiled or DDP), whose flops_per_token is measured only
-        where a peak is known (its first use imports torch._dynamo: seconds). ``tracked=False``: nothing to do."""
         self.flops_per_token = model.flops_per_token() if device_peak(rt.device, rt.dtype) else 0
-        self.enabled, self.max_time, self.rt, self.world_size = enabled, cfg.max_time, rt, world_size
-        self.max_iters = cfg.max_iters
+        self.enabled, self.cfg, self.rt, self.world_size = enabled, cfg, rt, world_size
         self.step_then, self.t = step, time.time()  # the last log line's: what its speed is measured from
         self.positions, self.targets = 0, torch.zeros((), dtype=torch.long, device=rt.device)  # since the last line
         path = out_dir / "metrics.jsonl"
@@ -718,8 +672,7 @@ class MetricsLog:
 
     def step(self, step: int, losses: dict[str, torch.Tensor], lr: float, grad_norm: torch.Tensor,
              time_s: float) -> None:
-        """A training record and line. ``losses``: "loss" and each auxiliary term by name. A host sync and a
-        collective (the ranks' positions): every rank calls it."""
+        """A training record and line; ``losses``: "loss" and each auxiliary term. A collective: every rank calls it."""
         clash = set(losses) & {"step", "lr", "grad_norm", "tokens_per_s", "tokens_per_step", "targets_per_step",
                                "mfu", "time_s", "val_loss", "val_bpb"}
         if clash:  # it would overwrite that key of metrics.jsonl, silently
@@ -733,14 +686,16 @@ class MetricsLog:
         tokens_per_s = positions / steps / step_s
         self.step_then, self.t = step, now
         util = mfu(self.flops_per_token, tokens_per_s, self.rt.device, self.rt.dtype, self.world_size)
-        terms = "".join(f" | {name} {value:.4g}" for name, value in values.items() if name != "loss")
         self.record({"step": step, **values, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                      "tokens_per_step": positions / steps, "targets_per_step": targets / steps, "mfu": util,
                      "time_s": time_s})
+        # "0:41 of 3:00" where max_time ends the run first, "0:41 of ~3:00" where max_iters does, at the pace so far
+        at_max_iters, max_time = time_s / step * self.cfg.max_iters, self.cfg.max_time
+        end = clock(max_time) if max_time and max_time <= at_max_iters else f"~{clock(at_max_iters)}"
+        terms = "".join(f" | {name} {value:.4g}" for name, value in values.items() if name != "loss")
         self.say(f"step {step:>6} | loss {values['loss']:.4f}{terms} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                  f"{step_s * 1000:.1f} ms/step | {tokens_per_s:,.0f} tok/s | "
-                 f"mfu {'n/a' if util is None else f'{util:.1%}'} | "
-                 f"{run_clock(time_s, step, self.max_iters, self.max_time)}")
+                 f"mfu {'n/a' if util is None else f'{util:.1%}'} | {clock(time_s)} of {end}")
 
     def eval(self, step: int, loss: float, bpb: float, time_s: float) -> dict[str, float]:
         """Record an eval (before the save: a resume drops records past last.pt); returns it as checkpoints keep it."""
@@ -773,8 +728,7 @@ class MetricsLog:
 
 
 def drop_records_after(path: Path, step: int) -> int | None:
-    """Drop the records a killed run logged after last.pt's ``step`` (a resume redoes them); returns the last step
-    the file held (None without a file): what a tracker already has."""
+    """Drop records a killed run logged after last.pt's ``step``; returns the last step the file held (or None)."""
     if not path.is_file():
         return None
     lines = path.read_text().splitlines(keepends=True)
@@ -785,14 +739,6 @@ def drop_records_after(path: Path, step: int) -> int | None:
     return max(steps, default=None)
 
 
-def run_clock(time_s: float, step: int, max_iters: int, max_time: float) -> str:
-    """"0:41 of 3:00" where max_time ends the run first, "0:41 of ~3:00" where max_iters does, at the pace so far."""
-    at_max_iters = time_s / step * max_iters  # step >= 1: a log line follows a step
-    if max_time and max_time <= at_max_iters:
-        return f"{clock(time_s)} of {clock(max_time)}"
-    return f"{clock(time_s)} of ~{clock(at_max_iters)}"
-
-
 def clock(seconds: float) -> str:
     """m:ss, or h:mm:ss from an hour on."""
     minutes, secs = divmod(int(seconds), 60)
@@ -800,13 +746,8 @@ def clock(seconds: float) -> str:
 
 
 # Tracking behind one seam: the loop calls ``tracker.log(record)`` whatever it holds (nanochat's DummyWandb). wandb
-# never blocks or crashes a run: no prompt, offline without a key or a server that answers, one line if it cannot
-# start. --resume continues the wandb run in out_dir/wandb_id, without resending the steps it already holds.
-PROBE_TIMEOUT = 5.0  # seconds the wandb server may take to answer before an online run goes offline
-INIT_TIMEOUT = 15.0  # seconds wandb.init may take (wandb's default: 90, silently)
-NO_WANDB = f"--wandb needs the wandb package: {install_hint('wandb')}"
-
-
+# never prompts: offline without a key, one line if it cannot start. --resume continues the wandb run in
+# out_dir/wandb_id, without resending the steps it already holds.
 class NullTracker:
     def log(self, record: dict[str, Any]) -> None:
         pass
@@ -833,7 +774,7 @@ class WandbTracker:
 def check_wandb(cfg: TrainConfig) -> None:
     """--wandb without the package: refused before anything is made (find_spec: no seconds-long import)."""
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(NO_WANDB)
+        raise ConfigError(f"--wandb needs the wandb package: {install_hint('wandb')}")
 
 
 def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) -> NullTracker | WandbTracker:
@@ -843,10 +784,12 @@ def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) ->
     import wandb  # check_wandb made sure it is there
     id_file = out_dir / "wandb_id"
     run_id = (id_file.read_text().strip() or None) if cfg.resume and id_file.is_file() else None
-    timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT}  # the user's, if set
+    # The user's WANDB_MODE is wandb's to read; else online where wandb finds a key (no prompt, no round trip).
+    mode = None if os.environ.get("WANDB_MODE") else "online" if wandb.login(prompt=False, verify=False) else "offline"
+    timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": 15.0}  # wandb's default: 90 s, silent
     try:
         run = wandb.init(project=cfg.wandb_project, config=as_dict(cfg), dir=out_dir, id=run_id,
-                         resume="allow" if run_id else None, mode=choose_mode(wandb),
+                         resume="allow" if run_id else None, mode=mode,
                          settings=wandb.Settings(console="off", disable_git=True, save_code=False, silent=True,
                                                  **timeout))
     except Exception as err:  # noqa: BLE001 - any failure of a side concern: one line, before training
@@ -863,48 +806,14 @@ def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) ->
     return WandbTracker(run, logged_through if run_id else None)
 
 
-def choose_mode(wandb) -> str | None:
-    """None (wandb reads it) where the user set WANDB_MODE other than online; else online where wandb finds a key
-    (no prompt, no round trip) and the server answers within PROBE_TIMEOUT, offline otherwise, saying so. A
-    user's WANDB_MODE=online and no server: one line, not a silent fallback."""
-    user = os.environ.get("WANDB_MODE")
-    if user and user != "online":
-        return None
-    if not user and not wandb.login(prompt=False, verify=False):
-        return "offline"
-    base_url = wandb.setup().settings.base_url  # WANDB_BASE_URL, or the host of `wandb login --host`
-    print(f"wandb: going online; checking that {base_url} answers (at most {PROBE_TIMEOUT:g} s) ...", flush=True)
-    reason = server_unreachable(base_url)
-    if reason is None:
-        return None if user else "online"
-    if user:
-        raise ConfigError(f"wandb cannot reach {base_url} ({reason}) and WANDB_MODE=online; unset WANDB_MODE to "
-                          "log offline and `wandb sync` later, or run without --wandb")
-    print(f"wandb: cannot reach {base_url} ({reason}); logging offline instead", flush=True)
-    return "offline"
-
-
-def server_unreachable(url: str) -> str | None:
-    """Why ``url`` gives no HTTP answer (any status counts) within PROBE_TIMEOUT, or None. Honours HTTP(S)_PROXY."""
-    try:
-        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=PROBE_TIMEOUT).close()
-    except urllib.error.HTTPError:  # an answer, if not a welcome one
-        return None
-    except OSError as err:  # refused, no DNS (URLError), timed out
-        return str(getattr(err, "reason", err)) or type(err).__name__
-    return None
-
-
 # ----------------------------------------------------------------------------- what a run says it is
 def describe(config) -> str:
     """The model in one line: its sizes (int options that are never 0), then every other option off its default:
     "block_size 64, n_layer 3, n_head 4, n_embd 128, vocab 65; not default: activation gelu_tanh"."""
-    def is_size(f) -> bool:
-        return f.type == "int" and f.name != "vocab_size" and f.default != 0
-
-    sizes = [f"{f.name} {getattr(config, f.name)}" for f in fields(config) if is_size(f)]
-    options = [f"{f.name} {getattr(config, f.name)}" for f in fields(config)
-               if not is_size(f) and f.name != "vocab_size" and getattr(config, f.name) != f.default]
+    shown = [f for f in fields(config) if f.name != "vocab_size"]
+    sizes = [f"{f.name} {getattr(config, f.name)}" for f in shown if f.type == "int" and f.default != 0]
+    options = [f"{f.name} {getattr(config, f.name)}" for f in shown
+               if not (f.type == "int" and f.default != 0) and getattr(config, f.name) != f.default]
     return ", ".join(sizes + [f"vocab {config.vocab_size}"]) + "; not default: " + (", ".join(options) or "none")
 
 
@@ -914,8 +823,7 @@ def summary(model) -> str:
 
 
 def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int, full_rows: bool) -> str:
-    """The start-up lines: model, settings (and any given but unused), where and how it computes. ``full_rows``:
-    every batch is (batch_size, block_size); else tokens/step is "up to"."""
+    """The start-up lines: model, settings (and any given but unused), where and how it computes."""
     tokens, up_to = cfg.tokens_per_step(), "" if full_rows else "up to "
     return "\n".join([f"model: {summary(model)}", settings_line(cfg), *unused_given(cfg),
                       f"device {rt.device}, {threads_text(rt.threads)}, dtype {dtype_name(rt.dtype)}, "

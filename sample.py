@@ -75,8 +75,14 @@ class KVCache:
     def __init__(self, config: GPTConfig, batch_size: int):
         shape = (batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)  # (B, nh, block, hs)
         self.layers = [LayerCache(shape) for _ in range(config.n_layer)]
+        self.tokens = torch.zeros(batch_size, 0, dtype=torch.long)  # (B, S): the cached ids, for visible_keys
 
     length = property(lambda self: self.layers[0].length)
+
+    def remember(self, idx: torch.Tensor) -> torch.Tensor:
+        """Keep the ids idx (B, T) after the cached ones; return them all (B, S + T)."""
+        self.tokens = torch.cat([self.tokens.to(idx.device), idx], dim=1)  # a few ids: copying them costs nothing
+        return self.tokens
 
 
 def window_start(start: int | None, n: int, block_size: int, keep: int) -> int:

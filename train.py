@@ -125,10 +125,14 @@ def train_step(run: Run, step_model: torch.nn.Module, batches: list[Batch], step
     """One optimizer step, numbered ``step`` (from 1): the lr, forward and backward, clip, update.
 
     train.py's loop, scripts/bench.py and the doctor all run this function. ``step_model`` is the model the
-    forward runs through (compiled, or wrapped in DDP; run.model itself otherwise). Returns the step's losses and
-    its pre-clip gradient norm, as device tensors.
+    forward runs through (compiled, or wrapped in DDP; run.model itself otherwise). An optimizer with a
+    ``before_step(model, batches, step)`` gets the step's batches first (a Hessian estimate every k steps): it must
+    take its period from ``step``, which a resume restores, and keep what it estimates in its state_dict. Returns
+    the step's losses and its pre-clip gradient norm, as device tensors.
     """
     set_lr(run.optimizer, lr)
+    if hasattr(run.optimizer, "before_step"):  # an optimizer that reads the batch (docs/experiments.md: Sophia)
+        run.optimizer.before_step(step_model, batches, step)  # its own forward/backward; leaves no gradient
     losses = accumulate_gradients(step_model, batches, run.scaler, run.rt.device, run.rt.dtype, world_size)
     max_norm = run.cfg.grad_clip if run.cfg.grad_clip > 0 else math.inf
     grad_norm = optimizer_step(run.optimizer, run.scaler, run.guard, list(run.model.parameters()), max_norm, step,

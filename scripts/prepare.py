@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description="Prepare a corpus into token files.")
     add_flags(parser, CORPUS_OPTIONS)  # --dataset, --data_path, ...: train.py's flags, typed and checked by config
     parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
-                        help="tokenizer processes for a folder, .jsonl or .parquet; 0 = one per CPU core")
+                        help="tokenizer threads for a folder, .jsonl or .parquet; 0 = one per CPU core")
     parser.add_argument("--block_size", "--block-size", type=int, default=1,
                         help="refuse a corpus whose train or val split is shorter than block_size + 1 tokens")
     given = vars(parser.parse_args(argv))

@@ -91,18 +91,11 @@ def test_jsonl_corpus_has_eot_before_each_document_and_every_tenth_in_val(tmp_pa
 def test_folder_equals_jsonl_whatever_the_workers_and_batches(tmp_path, cache, monkeypatch):
     from_jsonl = prepare_corpus(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), tokenizer="gpt2",
                          data_dir=str(cache), val_fraction=0.25, num_proc=2)
-    monkeypatch.setattr(prepare, "BATCH_CHARS", 500)
+    monkeypatch.setattr(prepare, "IN_FLIGHT", 1)
     from_folder = prepare_corpus(data_path=str(write_folder(tmp_path / "docs", DOCS)), tokenizer="gpt2",
-                          data_dir=str(cache), val_fraction=0.25, num_proc=1)  # one worker, a few documents at a time
+                          data_dir=str(cache), val_fraction=0.25, num_proc=1)  # one thread, one document at a time
     for split in ("train", "val"):
         assert (from_folder / f"{split}.bin").read_bytes() == (from_jsonl / f"{split}.bin").read_bytes()
-
-
-def test_sources_are_sent_in_bounded_batches():
-    texts = [f"{i:02d}" + "x" * 28 for i in range(10)]
-    batches = list(prepare.batched(iter(texts), max_chars=100))
-    assert [len(b) for b in batches] == [4, 4, 2]  # stops at >= 100 chars: memory is bounded
-    assert [t for b in batches for t in b] == texts
 
 
 def test_train_runs_on_a_bpe_jsonl_corpus(tmp_path, cache, tiny_cfg):

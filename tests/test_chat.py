@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, make_text, run_script, tiny_args, tiny_model, write_chats
+from conftest import make_text, run_main, tiny_args, tiny_model, write_chats
 
 import prepare
 from config import ConfigError, DataError, TrainConfig
@@ -224,13 +223,12 @@ def test_a_malformed_line_is_one_error_naming_its_line(tmp_path, kind):
     assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())
 
 
-def test_train_py_refuses_a_malformed_file_in_one_line_exit_2_writing_nothing(tmp_path):
+def test_train_py_refuses_a_malformed_file_in_one_line_exit_2_writing_nothing(tmp_path, capsys):
     path = write_chats(tmp_path / "chats.jsonl", n=5)
     with open(path, "a") as f:
         f.write(BAD_LINES["unknown role"][0] + "\n")
-    result = run_script("train.py", *tiny_args(tmp_path / "out", path), check=False)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {path}:6: message 0 has role 'bot'")
+    assert run_main(tiny_args(tmp_path / "out", path)) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}:6: message 0 has role 'bot'")
     assert not (tmp_path / "out").exists()
 
 
@@ -239,22 +237,29 @@ def chat_run(tmp_path_factory):
     """A tiny chat model trained from scratch on conversations (char tokenizer and the markers)."""
     folder = tmp_path_factory.mktemp("chat")
     chats = write_chats(folder / "chats.jsonl", n=60)
-    run_script("train.py", *tiny_args(folder / "out", chats, max_iters=30, eval_interval=30, block_size=64,
-                                      chat_overflow="truncate"))
+    assert run_main(tiny_args(folder / "out", chats, max_iters=30, eval_interval=30, block_size=64,
+                              chat_overflow="truncate")) == 0
     return folder / "out"
 
 
-def chat(run: Path, lines: list[str], *extra: str):
-    """`python -m scripts.chat --ckpt RUN --temp 0 EXTRA`, ``lines`` typed on stdin."""
-    return subprocess.run([sys.executable, "-m", "scripts.chat", "--ckpt", str(run), "--temp", "0", *extra],
-                          input="".join(line + "\n" for line in lines), cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+def chat(run: Path, lines: list[str], *extra: str, monkeypatch, capsys) -> tuple[int, str, str]:
+    """`python -m scripts.chat --ckpt RUN --temp 0 EXTRA` with ``lines`` typed on stdin: (exit code, out, err)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    capsys.readouterr()
+    try:
+        chat_script.main(["--ckpt", str(run), "--temp", "0", *extra])
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    return code, *capsys.readouterr()
 
 
-def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_saying_so_once(chat_run):
-    result = chat(chat_run, ["the king", "sweet lord", "fair day", "love", "the night"], "--system", "the lord")
-    assert result.returncode == 0, result.stderr
-    out = result.stdout.splitlines()
+def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_saying_so_once(chat_run, monkeypatch,
+                                                                                                  capsys):
+    code, out, err = chat(chat_run, ["the king", "sweet lord", "fair day", "love", "the night"], "--system", "the lord",
+                          monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0, err
+    out = out.splitlines()
     assert out[0].startswith("# a conversation")  # which of its two modes it is in
     replies = [line for line in out[1:] if not line.startswith("(")]
     assert len(replies) == 5  # one reply a turn, each ended at its <|end|> (or the window)
@@ -262,10 +267,10 @@ def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_s
     assert sum(line.startswith("(") for line in out) == 1  # block_size 32: turns are dropped, said once
 
 
-def test_a_system_prompt_that_cannot_fit_is_refused_at_the_start_in_one_line_exit_2(chat_run):
-    result = chat(chat_run, ["the king", "love"], "--system", "the king " * 12)  # 111 tokens; block_size 64
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.count("\n") == 1 and "111" in result.stderr and "--system" in result.stderr
+def test_a_system_prompt_that_cannot_fit_is_refused_at_the_start_in_one_line_exit_2(chat_run, monkeypatch, capsys):
+    code, out, err = chat(chat_run, ["the king", "love"], "--system", "the king " * 12,  # 111 tokens; block_size 64
+                          monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "111" in err and "--system" in err
 
 
 def test_the_longest_system_prompt_accepted_is_the_room_the_refusal_names():
@@ -278,12 +283,11 @@ def test_the_longest_system_prompt_accepted_is_the_room_the_refusal_names():
         chat_script.Dialogue(t, block_size=40, room=10, system="日本")
 
 
-@pytest.mark.slow  # ~5 s: a fresh interpreter
-def test_a_system_prompt_for_a_model_without_markers_is_refused_in_one_line_exit_2(tmp_path, text_file):
-    run_script("train.py", *tiny_args(tmp_path / "out", text_file, max_iters=2, eval_interval=2))
-    result = chat(tmp_path / "out", ["hi"], "--system", "the lord")
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1 and "--system" in result.stderr
+def test_a_system_prompt_for_a_model_without_markers_is_refused_in_one_line_exit_2(tmp_path, text_file, monkeypatch,
+                                                                                    capsys):
+    assert run_main(tiny_args(tmp_path / "out", text_file, max_iters=2, eval_interval=2)) == 0
+    code, out, err = chat(tmp_path / "out", ["hi"], "--system", "the lord", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1 and "--system" in err
 
 
 def test_a_dialogue_keeps_every_turn_while_its_prompt_fits_then_drops_the_oldest_never_the_system_prompt():

@@ -22,6 +22,7 @@ from checkpoint import start_from
 from config import TrainConfig, make_config, parse_args
 from data import PackedDocuments, get_batch
 from model import GPT, GPTConfig
+import optim
 from optim import NonFiniteGuard
 from prepare import SHAKESPEARE_CHAT, corpus_folder
 from runtime import choose_runtime
@@ -204,7 +205,8 @@ class UnusedLayerGPT(GPT):
         self.unused = nn.Linear(config.n_embd, config.n_embd)
 
 
-def test_gradients_catches_a_parameter_without_gradient():
+def test_gradients_catches_a_parameter_without_gradient(monkeypatch):
+    monkeypatch.setattr(optim, "PARAMETER_KINDS", (("unused.weight", "matrix"), *optim.PARAMETER_KINDS))  # declared
     torch.manual_seed(0)
     model = UnusedLayerGPT(tiny_model().config)
     check = doctor.check_gradients(model, make_optimizer(model, 0.1, 3e-3, (0.9, 0.99)), *random_batch())

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from conftest import make_text, metrics, read_metrics, run_script, tiny_args, write_chats
+from conftest import make_text, metrics, read_metrics, run_main, tiny_args, write_chats
 from fault_injection import assert_same_training_state
 
 from checkpoint import from_checkpoint, load_checkpoint, load_run
@@ -15,8 +15,8 @@ from model import GPT
 from tokenizer import tokenizer_vocab_size
 
 
-def train(text_file, out_dir, check=True, **overrides):
-    return run_script("train.py", *tiny_args(out_dir, text_file, **overrides), check=check)
+def train(text_file, out_dir, **overrides) -> int:
+    return run_main(tiny_args(out_dir, text_file, **overrides))
 
 
 def model_of(path):
@@ -32,17 +32,17 @@ def base_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("base")
     text = folder / "corpus.txt"
     text.write_text(make_text())
-    train(text, folder / "out", max_iters=20, eval_interval=10, pos_emb="rope", norm="rmsnorm")
+    assert train(text, folder / "out", max_iters=4, eval_interval=4, pos_emb="rope", norm="rmsnorm") == 0
     return folder / "out", text
 
 
-@pytest.mark.slow  # ~8 s with its base run
-def test_a_run_folder_starts_a_chat_fine_tune_with_its_shape_options_tokenizer_and_best_weights(base_run, tmp_path):
+def test_a_run_folder_starts_a_chat_fine_tune_with_its_shape_options_tokenizer_and_best_weights(base_run, tmp_path,
+                                                                                                capsys):
     base, text = base_run
     chats = write_chats(tmp_path / "chats.jsonl")
     out = tmp_path / "chat"
-    result = train(chats, out, init_from=base, max_iters=4, eval_interval=2, chat_overflow="truncate")
-    assert f"init_from {base / 'best.pt'}" in result.stdout
+    assert train(chats, out, init_from=base, max_iters=4, eval_interval=2, chat_overflow="truncate") == 0
+    assert f"init_from {base / 'best.pt'}" in capsys.readouterr().out
     tuned, state = model_of(out / "best.pt")
     assert tuned.config.pos_emb == "rope" and tuned.config.norm == "rmsnorm"  # adopted, never passed
     base_model, base_state = model_of(base / "best.pt")
@@ -65,16 +65,15 @@ def test_at_step_0_the_fine_tune_computes_the_bases_logits_on_the_bases_tokens(b
         assert torch.equal(model.eval()(x).logits[..., : weights.config.vocab_size], base_model(x).logits)
 
 
-def test_a_flag_that_contradicts_the_base_is_one_line(base_run, tmp_path):
+def test_a_flag_that_contradicts_the_base_is_one_line(base_run, tmp_path, capsys):
     base, text = base_run
-    result = train(text, tmp_path / "out", check=False, init_from=base, n_layer=3)
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: --n_layer 3 conflicts with {base / 'best.pt'}, whose weights have "
-                                     "n_layer 2; drop --n_layer (or that key from the preset): with --init_from the "
-                                     "weights fix the model")
+    capsys.readouterr()
+    assert train(text, tmp_path / "out", init_from=base, n_layer=3) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --n_layer 3 conflicts with {base / 'best.pt'}, whose weights have n_layer 2; drop --n_layer (or that "
+        "key from the preset): with --init_from the weights fix the model")
 
 
-@pytest.mark.slow  # ~12 s each; plain and LoRA runs resume exactly in the default suite too
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_rank):
     """4 steps straight == 2 steps, a resume, 2 more. Bug caught: a resume imported nothing, so the conversations
@@ -82,9 +81,8 @@ def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_
     base, _ = base_run
     chats = write_chats(tmp_path / "chats.jsonl")
     common = dict(init_from=base, eval_interval=2, chat_overflow="truncate", lora_rank=lora_rank)
-    train(chats, tmp_path / "straight", max_iters=4, **common)
-    train(chats, tmp_path / "split", max_iters=2, **common)
-    train(chats, tmp_path / "split", max_iters=4, resume="true", **common)
+    for name, steps, resume in (("straight", 4, "false"), ("split", 2, "false"), ("split", 4, "true")):
+        assert train(chats, tmp_path / name, max_iters=steps, resume=resume, **common) == 0
     a, b = (load_checkpoint(tmp_path / name / "last.pt") for name in ("straight", "split"))
     assert b["step"] == 4
     assert_same_training_state(a, b)  # weights or adapters (and the lora record), moments, rng, streams, last eval

@@ -171,18 +171,6 @@ def test_a_char_model_meeting_a_character_outside_its_vocabulary_fails_in_one_li
     assert err.endswith("; a char model scores only text in its own characters")
 
 
-@pytest.mark.parametrize("argv, message", [
-    pytest.param(["--tasks", "no_such_task"], "unknown task(s) no_such_task; list them with `lm_eval ls tasks`",
-                 marks=pytest.mark.slow),  # indexes all of the harness's tasks: ~30 s
-    (["--tasks", "tinygpt_cloze", "--batch_size", "0"], "need --batch_size >= 1"),
-])
-def test_bad_arguments_fail_in_one_line(argv, message, char_checkpoint, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        harness.main(["--ckpt", char_checkpoint, *argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and message in err[-1]
-
-
 def test_a_task_needing_the_unreachable_hub_fails_at_once_in_one_line(monkeypatch, char_checkpoint, capsys):
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
     monkeypatch.setattr(checkpoint, "hub_unreachable", lambda repo_id: "Name or service not known")

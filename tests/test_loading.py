@@ -47,20 +47,10 @@ def hf(run, tmp_path_factory) -> Path:
     return folder
 
 
-def test_a_run_folder_gives_its_best_pt_else_its_last_pt_and_a_file_is_taken_as_given(run, tmp_path):
-    assert find_checkpoint(str(run)) == run / "best.pt"
-    only_last = tmp_path / "only_last"
-    only_last.mkdir()
-    shutil.copy(run / "last.pt", only_last / "last.pt")
-    assert find_checkpoint(str(only_last)) == only_last / "last.pt"
-    assert find_checkpoint(str(run / "last.pt")) == run / "last.pt"
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="empty: no best.pt or last.pt in this folder"):
-        find_checkpoint(str(tmp_path / "empty"))
-
-
-def test_no_flag_gives_the_newest_best_pt_under_out_or_says_how_to_make_one(run, tmp_path, monkeypatch):
+def test_find_checkpoint_takes_a_file_a_folders_best_else_last_pt_or_the_newest_best_pt_under_out(run, tmp_path,
+                                                                                                  monkeypatch):
     monkeypatch.chdir(tmp_path)
+    assert find_checkpoint(str(run)) == run / "best.pt" and find_checkpoint(str(run / "last.pt")) == run / "last.pt"
     with pytest.raises(CheckpointError, match="no checkpoint found under out/; train one first"):
         find_checkpoint("")
     for name, age in (("old", 100), ("new", 0)):
@@ -68,6 +58,11 @@ def test_no_flag_gives_the_newest_best_pt_under_out_or_says_how_to_make_one(run,
         shutil.copy(run / "best.pt", tmp_path / "out" / name / "best.pt")
         os.utime(tmp_path / "out" / name / "best.pt", (1e9 - age, 1e9 - age))
     assert find_checkpoint("") == Path("out") / "new" / "best.pt"
+    (tmp_path / "out" / "old" / "best.pt").rename(tmp_path / "out" / "old" / "last.pt")
+    assert find_checkpoint("out/old") == Path("out") / "old" / "last.pt"
+    (tmp_path / "out" / "old" / "last.pt").unlink()
+    with pytest.raises(CheckpointError, match="old: no best.pt or last.pt in this folder"):
+        find_checkpoint("out/old")
 
 
 def test_a_checkpoint_loads_as_the_model_it_saved_in_eval_mode_with_what_the_run_logged(run):
@@ -111,15 +106,13 @@ def test_the_flags_choose_the_weights(run, hf):
         parser.parse_args(["--ckpt", str(run), "--init_from", "gpt2"])
 
 
-def test_a_fine_tune_of_a_run_takes_its_block_size_and_at_a_smaller_one_starts_with_its_logits(run, tmp_path):
-    """--init_from RUN: the run's block_size (32, not the default); a smaller one keeps the position table's first
-    rows, so at step 0 the fine-tune computes the base's logits. Its dropout (training-only) may differ."""
+def test_a_fine_tune_at_a_smaller_block_size_starts_with_the_base_logits(run, tmp_path):
+    """A smaller block_size keeps the position table's first rows, so at step 0 the fine-tune computes the base's
+    logits. Its dropout (training-only) may differ from the run's."""
     base = from_checkpoint(run / "best.pt").model
     common = dict(data_path=str(run.parent / "corpus.txt"), data_dir=str(run.parent / "data"), init_from=str(run),
                   out_dir=str(tmp_path / "tuned"), device="cpu", compile="off")
-    cfg, _ = start_from(make_config(None, **common, dropout=0.1))
-    assert cfg.block_size == base.config.block_size == 32 != DEFAULTS["block_size"]
-    assert cfg.dropout == 0.1  # how it trains is the fine-tune's own choice (GPTConfig.TRAINING_ONLY)
+    assert start_from(make_config(None, **common, dropout=0.1))[0].dropout == 0.1  # GPTConfig.TRAINING_ONLY
     cfg, pretrained = start_from(make_config(None, **common, block_size=8))
     tuned = train.build_run(cfg, Runtime(torch.device("cpu"), torch.float32, 1, False), pretrained=pretrained).model
     assert tuned.config.block_size == 8
@@ -139,11 +132,10 @@ def test_a_run_and_its_hugging_face_export_start_a_fine_tune_at_the_same_block_s
             start_from(make_config(None, init_from=source, block_size=64))
 
 
-def test_a_missing_run_folder_is_named_with_the_nearest_run_before_the_hub_is_asked(run, tmp_path, monkeypatch):
+def test_a_missing_local_path_is_refused_before_the_hub_is_asked(run, tmp_path, monkeypatch):
     """Bug caught: --init_from out/smal (a typo beside out/small) was taken for a hub repo: a paragraph about it."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out" / "small").mkdir(parents=True)
-    shutil.copy(run / "best.pt", tmp_path / "out" / "small" / "best.pt")
     asked = []
 
     def download(repo_id: str):
@@ -151,15 +143,12 @@ def test_a_missing_run_folder_is_named_with_the_nearest_run_before_the_hub_is_as
         raise LookupError(f"asked the hub for {repo_id}")
 
     monkeypatch.setattr(checkpoint, "download", download)
-    for typo in ("out/smal", "./out/smal", "out/smalll"):
-        for load in (lambda: start_from(make_config(None, init_from=typo)), lambda: from_pretrained(typo)):
-            with pytest.raises(CheckpointError, match=r"no such run folder \(did you mean out/small\?\)") as err:
+    for path in ("out/smal", "./out/smal", "out/nosuch", "runs/a/b", "mine.safetensors", "/nowhere/run", "smal"):
+        for load in (lambda: start_from(make_config(None, init_from=path)), lambda: from_pretrained(path)):
+            with pytest.raises(CheckpointError, match="no such run folder or file; pass a run folder") as err:
                 load()
-            assert str(err.value).startswith(f"{typo}: ") and "\n" not in str(err.value)
-    for path in ("out/nosuch", "runs/a/b", "mine.safetensors", "/nowhere/run", "smal"):  # paths, near no run
-        with pytest.raises(CheckpointError, match="no such run folder or file; pass a run folder"):
-            start_from(make_config(None, init_from=path))
+            assert str(err.value).startswith(f"{path}: ") and "\n" not in str(err.value)
     assert asked == []
-    with pytest.raises(LookupError):  # OWNER/NAME far from every run: the hub's to answer
+    with pytest.raises(LookupError):  # OWNER/NAME where no such local folder is: the hub's to answer
         start_from(make_config(None, init_from="someone/model"))
     assert asked == ["someone/model"]

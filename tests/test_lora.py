@@ -14,7 +14,7 @@ import checkpoint
 import finetune
 import train
 from checkpoint import LORA_KEYS, REQUIRED_KEYS, from_checkpoint, load_checkpoint, start_from
-from config import LORA_TARGETS, CheckpointError, ConfigError, make_config
+from config import LORA_TARGETS, CheckpointError, make_config
 from data import load_corpus
 from prepare import prepare_corpus
 from runtime import Runtime
@@ -112,18 +112,6 @@ def test_merged_model_is_a_plain_gpt_computing_the_adapted_logits_marker_rows_in
     assert all(p.requires_grad for p in merged.parameters())
     assert finetune.adapters(model) and not finetune.adapters(merged)  # a copy: the adapted model keeps its adapters
     assert not torch.equal(merged.transformer.h[0].attn.c_attn.weight, base.transformer.h[0].attn.c_attn.weight)
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (dict(lora_rank=4), "LoRA adapts a trained model: pass --init_from"),
-    (dict(lora_rank=4, init_from="gpt2", lora_targets="attn.c_attn,mlp.fc"),
-     "lora_targets names mlp.fc, which is not among attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj"),
-    (dict(lora_rank=4, init_from="gpt2", lora_targets=" , "), "lora_targets is empty"),
-])
-def test_bad_lora_settings_are_refused_in_one_line(overrides, message):
-    with pytest.raises(ConfigError, match=message) as err:
-        make_config(None, **overrides)
-    assert "\n" not in str(err.value)
 
 
 # ----------------------------------------------------------------------------- runs
@@ -289,18 +277,16 @@ def test_an_export_checks_every_folder_it_writes_before_writing_any(trained, tmp
         assert {p: p.read_bytes() for p in [*tmp_path.rglob("*"), *trained.rglob("*")] if p.is_file()} == before, err
 
 
-@pytest.mark.slow  # ~8 s
 def test_a_chat_fine_tune_trains_its_markers_rows_and_merges_them(tmp_path):
-    """A chat corpus adds role markers the base never learnt: with LoRA their embedding rows train beside the
-    adapters (a frozen row would leave every marker alike), the rest of the embedding stays the base's, the merged
-    model computes the adapted one, and PEFT's files, which cannot hold them, are refused in one line."""
-    from conftest import run_script, tiny_args
+    """A chat corpus's markers: with LoRA their embedding rows train beside the adapters, the base's rows do not,
+    and PEFT's files, which cannot hold them, are refused in one line."""
+    from conftest import run_main, tiny_args
     text = tmp_path / "corpus.txt"
     text.write_text(make_text())
-    run_script("train.py", *tiny_args(tmp_path / "base", text, max_iters=4, eval_interval=4))
+    assert run_main(tiny_args(tmp_path / "base", text, max_iters=4, eval_interval=4)) == 0
     chats = write_chats(tmp_path / "chats.jsonl")
-    run_script("train.py", *tiny_args(tmp_path / "chat", chats, init_from=tmp_path / "base", lora_rank=4, max_iters=6,
-                                      eval_interval=6, chat_overflow="truncate", learning_rate=1e-2))
+    assert run_main(tiny_args(tmp_path / "chat", chats, init_from=tmp_path / "base", lora_rank=4, max_iters=6,
+                              eval_interval=6, chat_overflow="truncate", learning_rate=1e-2)) == 0
     state = load_checkpoint(tmp_path / "chat" / "last.pt")
     rows = state["lora"]["rows"]
     base = from_checkpoint(tmp_path / "base" / "best.pt").model

@@ -135,10 +135,10 @@ def windowed(window: int):
     """visible_keys narrowed to a sliding window, as a fork would write it (docs/experiments.md)."""
     real = model_module.visible_keys
 
-    def visible_keys(config, start, T, device):
-        mask = real(config, start, T, device)  # (T, S + T)
-        query = torch.arange(start, start + T, device=device).unsqueeze(1)  # (T, 1)
-        return mask & (query - torch.arange(start + T, device=device).unsqueeze(0) < window)
+    def visible_keys(config, tokens, T):
+        mask, S = real(config, tokens, T), tokens.size(1) - T  # (T, S + T)
+        query = torch.arange(S, S + T).unsqueeze(1)  # (T, 1)
+        return mask & (query - torch.arange(S + T).unsqueeze(0) < window)
     return visible_keys
 
 
@@ -166,12 +166,49 @@ def test_every_attention_path_follows_the_one_mask(monkeypatch, dtype, built):
     assert not torch.allclose(full[:, 8:11].float(), full_older[:, 8:11].float())
 
 
+def documents(separator: int):
+    """visible_keys with docs/experiments.md's document mask: a query sees its own document only, per row."""
+    real = model_module.visible_keys
+
+    def visible_keys(config, tokens, T):
+        doc = (tokens == separator).cumsum(dim=1)  # (B, S + T)
+        same = doc[:, -T:].unsqueeze(2) == doc.unsqueeze(1)  # (B, T, S + T)
+        return (real(config, tokens, T).to(tokens.device) & same).unsqueeze(1)  # (B, 1, T, S + T)
+    return visible_keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["SDPA", "CPU-bf16 matmuls"])
+def test_a_document_mask_that_reads_the_ids_reaches_every_path(monkeypatch, dtype):
+    """A rule that depends on the tokens: before, visible_keys never saw them, and a mask narrowed after it was
+    dropped by fp32's causal shortcut (the base model's loss to every digit) but kept in CPU bf16."""
+    model = tiny_model(seed=0).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    idx = torch.tensor([[5, 1, 2, 0, 3, 4, 0, 6, 7, 1, 2, 3, 0, 4, 5, 6]] * 2)  # (2, 16): documents at 3, 6, 12
+    idx[1, :12] = (idx[1, :12] + 1) % 50  # row 1: other tokens before its last document (but the separators)
+    idx[1, [3, 6]] = 0
+
+    def full_and_cached() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            cache = KVCache(model.config, 2)
+            parts = [model(idx[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 6), (6, 7), (7, 13), (13, 16)]]
+            return model(idx).logits.float(), torch.cat(parts, dim=1).float()  # (2, 16, 50) each
+
+    plain, _ = full_and_cached()
+    monkeypatch.setattr(model_module, "visible_keys", documents(0))
+    full, cached = full_and_cached()
+    torch.testing.assert_close(cached, full, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+    torch.testing.assert_close(full[0, 12:], full[1, 12:], atol=0, rtol=0)  # the last document sees itself only
+    assert (full[:, 3:] - plain[:, 3:]).abs().max() > 0.1  # the mask acts from the first boundary on
+
+
 def alibi(slope_scale: float):
     """visible_keys with ALiBi's bias (Press et al. 2022): -slope_h * distance per head, -inf for the future."""
-    def visible_keys(config, start, T, device):
-        slopes = slope_scale * 2.0 ** (-8.0 * torch.arange(1, config.n_head + 1, device=device) / config.n_head)
-        query = torch.arange(start, start + T, device=device).unsqueeze(1)  # (T, 1)
-        distance = (query - torch.arange(start + T, device=device).unsqueeze(0)).float()  # (T, S + T)
+    def visible_keys(config, tokens, T):
+        slopes = slope_scale * 2.0 ** (-8.0 * torch.arange(1, config.n_head + 1) / config.n_head)  # (nh,)
+        S = tokens.size(1) - T
+        distance = (torch.arange(S, S + T).unsqueeze(1) - torch.arange(S + T).unsqueeze(0)).float()  # (T, S + T)
         return (-slopes[:, None, None] * distance).masked_fill(distance < 0, float("-inf"))  # (nh, T, S + T)
     return visible_keys
 
@@ -222,9 +259,9 @@ def test_what_a_query_sees_is_built_once_per_forward_never_per_layer_or_at_build
     calls = []
     real = model_module.visible_keys
 
-    def recording(config, start, T, device):
-        calls.append((start, T))
-        return real(config, start, T, device)
+    def recording(config, tokens, T):
+        calls.append((tokens.size(1) - T, T))
+        return real(config, tokens, T)
 
     monkeypatch.setattr(model_module, "visible_keys", recording)
     model = model_module.GPT(model_module.GPTConfig(vocab_size=50, block_size=10**6, n_layer=2, n_head=2, n_embd=8))

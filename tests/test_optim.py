@@ -5,8 +5,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
+import optim
 import train
-from config import make_config
+from config import ConfigError, make_config
 from optim import Muon, orthogonalize
 
 
@@ -75,3 +76,59 @@ def test_build_optimizer_runs_muon_in_bf16_only_where_the_run_does(tmp_path, dty
     cfg = make_config("tiny", optimizer="muon", out_dir=str(tmp_path))
     optimizer = train.build_optimizer(tiny_model(), cfg, torch.device("cpu"), dtype)
     assert optimizer.muon.ns_dtype == expected
+
+
+# ----------------------------------------------------------------------------- which parameter trains how
+WHERE = [  # tiny with biases and qk_norm, layer 0 (layer 1 alike): (name, under --optimizer adamw, under muon)
+    ("transformer.wte.weight", "adamw, decayed", "adamw, decayed"),  # tied to lm_head: one tensor
+    ("transformer.wpe.weight", "adamw, decayed", "adamw, decayed"),
+    ("transformer.h.0.ln_1.weight", "adamw", "adamw"),
+    ("transformer.h.0.ln_1.bias", "adamw", "adamw"),
+    ("transformer.h.0.attn.c_attn.weight", "adamw, decayed", "muon, decayed"),
+    ("transformer.h.0.attn.c_attn.bias", "adamw", "adamw"),
+    ("transformer.h.0.attn.c_proj.weight", "adamw, decayed", "muon, decayed"),
+    ("transformer.h.0.attn.c_proj.bias", "adamw", "adamw"),
+    ("transformer.h.0.attn.q_norm.weight", "adamw", "adamw"),
+    ("transformer.h.0.attn.k_norm.weight", "adamw", "adamw"),
+    ("transformer.h.0.ln_2.weight", "adamw", "adamw"),
+    ("transformer.h.0.ln_2.bias", "adamw", "adamw"),
+    ("transformer.h.0.mlp.c_fc.weight", "adamw, decayed", "muon, decayed"),
+    ("transformer.h.0.mlp.c_fc.bias", "adamw", "adamw"),
+    ("transformer.h.0.mlp.c_proj.weight", "adamw, decayed", "muon, decayed"),
+    ("transformer.h.0.mlp.c_proj.bias", "adamw", "adamw"),
+    ("transformer.ln_f.weight", "adamw", "adamw"),
+    ("transformer.ln_f.bias", "adamw", "adamw"),
+]
+
+
+def where_each_trains(model: torch.nn.Module, optimizer: str) -> dict[str, str]:
+    """Each parameter's optimizer (a group's "kind", adamw without one) and decay, by name: from the built groups."""
+    built = train.build_optimizer(model, make_config("tiny", optimizer=optimizer), torch.device("cpu"))
+    where = {id(p): f"{group.get('kind', 'adamw')}{', decayed' if group['weight_decay'] else ''}"
+             for group in built.param_groups for p in group["params"]}
+    assert len(where) == sum(len(group["params"]) for group in built.param_groups)  # each in one group only
+    return {name: where[id(p)] for name, p in model.named_parameters()}
+
+
+def test_every_parameter_trains_where_its_kind_says():
+    model = tiny_model(bias=True, qk_norm=True)
+    for column, optimizer in ((1, "adamw"), (2, "muon")):
+        placed = where_each_trains(model, optimizer)
+        assert {name: place for name, place in placed.items() if ".h.1." not in name} == \
+            {row[0]: row[column] for row in WHERE}, optimizer
+        assert all(placed[name.replace(".h.1.", ".h.0.")] == place for name, place in placed.items())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_tensor_a_fork_adds_is_refused_until_its_kind_is_declared(monkeypatch, optimizer):
+    """A T5-style bias table, nn.Embedding(32, n_head) in each attention layer: before, Muon took it (every 2-D
+    tensor in the blocks), at 4x the lr of a matrix its shape, and AdamW decayed it, silently; val loss 0.92
+    against 1.11 with the table where its author meant it."""
+    model = tiny_model()
+    for block in model.transformer.h:
+        block.attn.rel_bias = torch.nn.Embedding(32, 2)
+    with pytest.raises(ConfigError, match=r"^no row of optim.PARAMETER_KINDS names the parameter "
+                                          r"transformer.h.0.attn.rel_bias.weight \(32, 2\)"):
+        where_each_trains(model, optimizer)
+    monkeypatch.setattr(optim, "PARAMETER_KINDS", (("*.rel_bias.weight", "gain"), *optim.PARAMETER_KINDS))
+    assert where_each_trains(model, optimizer)["transformer.h.0.attn.rel_bias.weight"] == "adamw"

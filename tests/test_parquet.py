@@ -65,7 +65,7 @@ def test_shards_row_groups_and_read_batches_change_nothing(tmp_path, monkeypatch
     write_parquet(shards / "b.parquet", DOCS[4:9], row_group_size=2)  # row groups end mid-shard
     write_parquet(shards / "c" / "000.parquet", DOCS[9:], row_group_size=1)
     monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 2)  # read batches that straddle row groups
-    monkeypatch.setattr(prepare, "BATCH_CHARS", 300)  # and a few documents in flight at a time
+    monkeypatch.setattr(prepare, "IN_FLIGHT", 1)  # and a few documents in flight at a time
     assert_same_splits(prepare_corpus(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=2), whole)
 
 

@@ -149,7 +149,8 @@ def test_matmul_probe_measures_and_leaves_rng_alone():
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """model.attention over a sequence of its own (no cache), with visible_keys' causal mask."""
     T = q.size(2)
-    return attention(q, k, v, visible_keys(GPTConfig(vocab_size=1, block_size=T), 0, T, q.device), True, dropout_p)
+    tokens = torch.zeros(q.size(0), T, dtype=torch.long)  # (B, T): no cache, the rule reads positions only
+    return attention(q, k, v, visible_keys(GPTConfig(vocab_size=1, block_size=T), tokens, T), dropout_p)
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])

@@ -280,8 +280,8 @@ def test_no_host_sync_on_steps_that_do_not_log(tmp_path, text_file, monkeypatch,
 
 def build_adafactor(model, cfg, device, dtype):
     """torch's Adafactor: its step reads tensors on the host."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.Adafactor(optim.adamw_groups(params, cfg.weight_decay), lr=cfg.learning_rate)
+    return torch.optim.Adafactor(optim.adamw_groups(optim.trained_parameters(model), cfg.weight_decay),
+                                 lr=cfg.learning_rate)
 
 
 def test_an_optimizer_that_syncs_the_host_is_named_with_its_count_unless_declared(tmp_path, text_file, monkeypatch):

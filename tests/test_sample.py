@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, make_text, run_script, tiny_model
+from conftest import REPO, make_text, tiny_model
 
 import sample as sample_module
 from checkpoint import FORMAT_VERSION, save_checkpoint
 from config import as_dict, make_config, model_config
 from model import GPT
-from sample import Continuations, KVCache, NextTokenLogits, filter_logits, generate, main, next_token_probs, \
-    pick_next, unescape, window_start
+from sample import Continuations, KVCache, NextTokenLogits, filter_logits, generate, main, pick_next, unescape, \
+    window_start
 from scripts import chat as chat_script
 from tokenizer import CharTokenizer
 
@@ -186,12 +186,6 @@ def test_sampling_draws_from_its_seeded_generator_alone_with_or_without_the_cach
 
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])  # (1, 5): distinct values, no ties
-
-
-@pytest.mark.parametrize("temperature", [0.25, 0.5, 1.0, 2.0, 4.0])
-def test_the_sampling_distribution_at_temperature_t_is_softmax_of_logits_over_t(temperature):
-    """Bug caught: pick_next multiplies the logits by T instead of dividing (wrong at every T but 1)."""
-    assert torch.equal(next_token_probs(LOGITS, temperature), F.softmax(LOGITS / temperature, dim=-1))
 
 
 def test_draws_follow_the_tempered_distribution():
@@ -391,10 +385,11 @@ def test_the_end_of_text_token_stops_a_bpe_model_unless_told_not_to(ckpt, monkey
 
 
 # ----------------------------------------------------------------------------- scripts.chat on a text model
-def test_sample_and_chat_run_as_commands_and_chat_continues_each_prompt_of_a_text_model(ckpt):
-    result = run_script("sample.py", "--ckpt", str(ckpt.parent), "--num-samples", "2", "--max-new-tokens", "20",
-                        "--top-k", "5", "--top-p", "0.9", "--seed", "3")
-    assert result.stdout.count("-" * 40) == 2 and result.stderr == ""
+def test_sample_takes_a_run_folder_and_chat_continues_each_prompt_of_a_text_model(ckpt, capsys):
+    main(["--ckpt", str(ckpt.parent), "--num-samples", "2", "--max-new-tokens", "20", "--top-k", "5", "--top-p", "0.9",
+          "--seed", "3"])
+    out, err = capsys.readouterr()
+    assert out.count("-" * 40) == 2 and err == ""
     result = subprocess.run([sys.executable, "-m", "scripts.chat", "--ckpt", str(ckpt), "--max-new-tokens", "20",
                              "--temp", "0", "--multiline"], cwd=REPO, input="KING:\nthe\n\nQUEEN:\n",
                             capture_output=True, text=True, timeout=120)  # --multiline: a prompt ends at an empty line

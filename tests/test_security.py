@@ -63,13 +63,12 @@ def test_malicious_checkpoint_is_refused_by_train_resume_and_by_sample(tmp_path,
     assert (out / "last.pt").read_bytes() == before
 
 
-# torch.save's stand-ins end with an empty zip end record, so that save_checkpoint's digest trailer fits: the file
-# passes the integrity check and only the unpickler can refuse it.
+# torch.save's stand-ins end with two bytes for save_checkpoint's digest to replace (a zip's comment length): the
+# file passes the integrity check and only the unpickler can refuse it.
 @pytest.mark.parametrize("writer, why", [
-    (lambda obj, f: f.write(pickle.dumps(obj, protocol=4) + b"PK\x05\x06" + bytes(18)),
-     "Unsupported operand 149 (pickle opcode FRAME)"),  # a bare pickle
+    (lambda obj, f: f.write(pickle.dumps(obj, protocol=4) + bytes(2)), "Unsupported operand 149"),  # a bare pickle
     (torch.save, "GLOBAL posix.mkdir whose module posix is blocked"),
-    (lambda obj, f: f.write(b"hello world" + b"PK\x05\x06" + bytes(18)), "KeyError: 101"),  # no pickle: the type
+    (lambda obj, f: f.write(b"hello world" + bytes(2)), "KeyError: 101"),  # no pickle: the error's type
 ], ids=["plain pickle", "torch.save", "garbage"])
 def test_a_refusal_with_a_valid_digest_says_what_the_unpickler_rejected(tmp_path, monkeypatch, writer, why):
     path, marker = tmp_path / "evil.pt", tmp_path / "marker"
@@ -109,18 +108,3 @@ def test_source_never_loads_with_weights_only_false():
                     f"{where}: pickle load in product code"
     assert loads >= 2  # checkpoint.py's load and the schema test's: the scan does find calls
 
-
-def test_every_torch_load_at_run_time_is_weights_only(tmp_path, text_file, monkeypatch, capsys):
-    calls = []
-    real_load = torch.load
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("weights_only"))
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", spy)
-    out = tmp_path / "out"
-    assert run_main(tiny_args(out, text_file, max_iters=2)) == 0
-    assert run_main(tiny_args(out, text_file, max_iters=4, resume="true")) == 0
-    sample.main(["--ckpt", str(out), "--device", "cpu", "--max-new-tokens", "5"])
-    assert calls == [True, True]  # the resume, the sample

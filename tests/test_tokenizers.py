@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_text, run_main, run_script, tiny_args, tiny_model
+from conftest import make_text, run_main, tiny_args, tiny_model
 
 import checkpoint
 import sample
@@ -183,13 +183,15 @@ def test_an_exported_bpe_reimports_with_its_own_tokenizer(tmp_path):
         read_tokenizer(tmp_path / "export", 50257)
 
 
-def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_path, text_file):
-    done = run_script("-m", "scripts.tokenizer", "--data_path", str(text_file), "--data_dir", str(tmp_path / "d"),
-                      "--bpe_vocab_size", "300", str(VOCAB), "--no-gpt2")
-    rows = {line.split("|")[1].strip(): line.split("|") for line in done.stdout.splitlines() if line.startswith("| ")}
+def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_path, text_file, capsys):
+    from scripts import tokenizer as report
+    report.main(["--data_path", str(text_file), "--data_dir", str(tmp_path / "d"), "--bpe_vocab_size", "300",
+                 str(VOCAB), "--no-gpt2"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
     assert list(rows) == ["tokenizer", "char", "bpe 300", f"bpe {VOCAB}"]
     bytes_per_token = [float(rows[name][4]) for name in ("char", "bpe 300", f"bpe {VOCAB}")]
     assert bytes_per_token[0] == 1.0 and bytes_per_token[0] < bytes_per_token[1] < bytes_per_token[2]
     val = np.fromfile(next((tmp_path / "d").glob(f"*bpe{VOCAB}*")) / "val.bin", dtype=np.uint16)
     assert int(rows[f"bpe {VOCAB}"][3].replace(",", "")) == len(val)  # the table's tokens are the val split's
-    assert "longest of bpe 320" in done.stdout
+    assert "longest of bpe 320" in out

@@ -217,9 +217,9 @@ def test_the_names_the_config_accepts_are_its_tables_keys(field, table):
 NUMERIC = [name for name, kind in FIELD_TYPES.items() if kind in (int, float)]
 READ_CASE = dict(warmup_iters=10, lr_decay_iters=60, max_iters=80, max_time=40)  # each end inside 100 steps
 RUN_CHOICES = ("optimizer", "lr_decay", "schedule")  # what chooses the optimizer and the lr curve
-# The curve reads max_iters and max_time under schedule=time only, a loader may read grad_accum (to count steps); the
-# loop reads all three, always.
-READ_BY_THE_LOOP = {"max_iters", "max_time", "grad_accum"}
+# The curve reads max_iters and max_time under schedule=time only, a loader may read grad_accum (to count steps), an
+# optimizer batch_size; the loop (and every loader) reads all four, always: no choice can leave them unused.
+READ_BY_THE_LOOP = {"max_iters", "max_time", "grad_accum", "batch_size"}
 
 
 def in_its_range(cfg: TrainConfig, name: str) -> bool:
@@ -236,10 +236,12 @@ def in_its_range(cfg: TrainConfig, name: str) -> bool:
 
 def perturbed(cfg: TrainConfig, name: str) -> TrainConfig:
     """``cfg`` with one numeric field moved a little, never outside its range (an optimizer may raise on an invalid
-    value): kept in [0, 1) where it was there (betas, fractions)."""
+    value): kept in [0, 1) where it was there (betas, fractions); a move that leaves the value where it is (0.04 is
+    0.75 x 0.04 + 0.01) is no move."""
     value = getattr(cfg, name)
     moves = (value + 1, value - 1) if isinstance(value, int) else (value * 0.75 + 0.01, value * 1.25, value - 1)
-    inside = [moved for moved in moves if in_its_range(dataclasses.replace(cfg, **{name: moved}), name)]
+    inside = [moved for moved in moves
+              if moved != value and in_its_range(dataclasses.replace(cfg, **{name: moved}), name)]
     assert inside, f"{name}={value}: no move of {moves} stays inside its range (config.RANGES); widen the moves"
     return dataclasses.replace(cfg, **{name: inside[0]})
 
@@ -252,12 +254,14 @@ def throwaway_model() -> GPT:
 
 
 def made_by_the_run(cfg: TrainConfig) -> object:
-    """What a run's optimizer and lr decay make of ``cfg``: the param groups (but the params), the defaults, and the
-    lr over 100 steps at 0.5 s and 0.125 s a step (under schedule=time the clock leads the first, max_iters the
-    second)."""
+    """What a run's optimizer and lr decay make of ``cfg``: the param groups (but the params), the defaults, the
+    optimizer's own plain settings (a period the loop's hook reads), and the lr over 100 steps at 0.5 s and 0.125 s
+    a step (under schedule=time the clock leads the first, max_iters the second)."""
     built = OPTIMIZERS[cfg.optimizer](throwaway_model(), cfg, torch.device("cpu"), torch.float32)
     groups = [{k: v for k, v in group.items() if k != "params"} for group in built.param_groups]
-    return groups, built.defaults, [lr_at(step, cfg, step * step_s) for step_s in (0.5, 0.125) for step in range(100)]
+    own = {k: v for k, v in vars(built).items() if isinstance(v, (bool, int, float, str))}
+    return groups, built.defaults, own, [lr_at(step, cfg, step * step_s) for step_s in (0.5, 0.125)
+                                         for step in range(100)]
 
 
 def made_by_the_tokenizer(cfg: TrainConfig) -> object:
@@ -328,7 +332,7 @@ def made_by_the_loader(cfg: TrainConfig) -> object:
 
 def test_the_fields_only_one_loader_reads_are_the_table():
     """The same under every loader (a loader reads its options from the config it is given), for its batches."""
-    read = readers(("loader",), made_by_the_loader, batch_size=2, block_size=64)
+    read = readers(("loader",), made_by_the_loader, batch_size=8, block_size=64)  # rows enough for a ramp
     assert table_errors(USED_ONLY_UNDER, ("loader",), read) == []
 
 
@@ -365,6 +369,7 @@ def test_the_fields_the_table_leaves_to_the_loop_are_read_by_the_loop():
     """max_iters and max_time move the lr curve under schedule=time only, yet the loop stops on them always."""
     loop = (REPO / "train.py").read_text()
     assert all(f"cfg.{name}" in loop for name in ("max_iters", "out_of_time", "grad_accum"))
+    assert "cfg.batch_size" in (REPO / "data.py").read_text()  # every loader's rows
     assert "max_time" in TrainConfig.out_of_time.__code__.co_names
     assert READ_BY_THE_LOOP.isdisjoint(USED_ONLY_UNDER)
 
@@ -380,9 +385,14 @@ def test_wsd_is_flat_then_linear_over_its_final_fraction():
 @pytest.mark.parametrize("field, choice", [("optimizer", name) for name in OPTIMIZERS]
                          + [("lr_decay", name) for name in DECAYS])
 def test_each_choice_resumes_exactly_and_is_refused_under_another(tmp_path, text_file, capsys, field, choice):
-    run = dict(max_iters=6, eval_interval=3, grad_accum=2, lr_decay_iters=6, warmup_iters=2, **{field: choice})
+    """Straight and split in the middle; an optimizer with a ``period`` (Sophia's Hessian every k steps) trains
+    2 periods + 4 steps, so the split crosses its periodic work: a counter outside state_dict shows there."""
+    own = made_by_the_run(make_config("tiny", **{field: choice}))[2]  # the optimizer's plain settings
+    steps = max(6, 2 * own.get("period", 1) + 4)
+    run = dict(max_iters=steps, eval_interval=steps // 2, grad_accum=2, lr_decay_iters=steps, warmup_iters=2,
+               **{field: choice})
     assert run_main(tiny_args(tmp_path / "straight", text_file, **run)) == 0
-    assert run_main(tiny_args(tmp_path / "split", text_file, **{**run, "max_iters": 3})) == 0
+    assert run_main(tiny_args(tmp_path / "split", text_file, **{**run, "max_iters": steps // 2})) == 0
     other = next(name for name in (OPTIMIZERS if field == "optimizer" else DECAYS) if name != choice)
     capsys.readouterr()
     assert run_main(tiny_args(tmp_path / "split", text_file, **{**run, field: other}, resume="true")) == 2
@@ -425,6 +435,11 @@ SGDR = ("# optim.py, replacing the DECAYS line (SGDR):\n",
         "# config/__init__.py, in TrainConfig, after wandb_project (SGDR):\n",
         "# config/__init__.py, in USED_ONLY_UNDER (SGDR):\n")
 SGDR_KIND = "# optim.py, replacing the WARM_RESTARTS line:\n"
+SOPHIA = ("# optim.py, replacing the OPTIMIZERS line (Sophia):\n",
+          "# config/__init__.py, in TrainConfig: the new name in the Literal (Sophia; the rest of the line "
+          "unchanged)\n",
+          "# config/__init__.py, in TrainConfig, after wandb_project (Sophia):\n",
+          "# config/__init__.py, in USED_ONLY_UNDER (Sophia):\n")
 FIELD_ANCHOR = '    wandb_project: str = free("tinygpt", "wandb project name")\n'
 
 
@@ -656,3 +671,36 @@ def test_the_sgdr_recipe_forks_the_repo_end_to_end(tmp_path):
     assert refused.returncode == 1
     assert ("lr_decay sgdr: it rises at step 351 (0.1 -> 1); if sgdr restarts on purpose, add it to "
             "optim.py's WARM_RESTARTS") in one_line(refused.stdout)
+
+
+@pytest.mark.slow  # a copy of the repo, its generated tests twice and a run in it: ~60 s
+def test_the_sophia_recipe_forks_the_repo_end_to_end(tmp_path):
+    """docs/experiments.md's Sophia, from the page: the copy's generated tests pass for it (its resume crosses a
+    Hessian estimate; its fields are read under it alone), it trains; a step counter of its own fails the resume."""
+    fork = fork_of_the_repo(tmp_path, snippets=SOPHIA, tests=True)
+    generated = run_tests_in(fork, tmp_path / "generated", "tests/test_training_options.py", "-k",
+                             "sophia or own_kind_of_state or tables_keys or under_every_optimizer")
+    assert generated.returncode == 0, generated.stdout[-4000:]
+    for test in ("test_each_optimizer_keeps_its_own_kind_of_state",
+                 "test_the_fields_only_one_choice_reads_are_the_table_under_every_optimizer_decay_and_clock",
+                 "test_each_choice_resumes_exactly_and_is_refused_under_another[optimizer-sophia]"):
+        assert f"PASSED tests/test_training_options.py::{test}" in generated.stdout, test
+    (tmp_path / "corpus.txt").write_text(make_text())
+    out = tmp_path / "run"
+    trained = subprocess.run([sys.executable, "train.py", *tiny_args(out, tmp_path / "corpus.txt", max_iters=12,
+                                                                     eval_interval=12, optimizer="sophia")],
+                             cwd=fork, capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "settings: optimizer sophia, " in trained.stdout
+    state = load_checkpoint(out / "last.pt")["optimizer"]["state"]
+    assert all(sorted(s) == ["hessian", "momentum"] and s["hessian"].any() for s in state.values())
+    # The teeth: the period counted by the optimizer, outside state_dict, restarts at 0 on a resume.
+    optim_py = fork / "optim.py"
+    source = optim_py.read_text()
+    assert source.count("        if (step - 1) % self.period:") == 1
+    optim_py.write_text(source.replace("        if (step - 1) % self.period:",
+                                       "        self.calls = getattr(self, 'calls', 0) + 1\n"
+                                       "        if (self.calls - 1) % self.period:"))
+    broken = run_tests_in(fork, tmp_path / "broken", "tests/test_training_options.py", "-k",
+                          "resumes_exactly and sophia")
+    assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-2000:]
