@@ -19,7 +19,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from config import REPO, CommandLine, TinyGPTError, exit_on
+from config import REPO, CommandLine, TinyGPTError, exit_on, make_config
 
 ROOTS = ("get_lr", "train_step", "next")  # what train.py's loop calls for one step
 OUTSIDE = ("tests", "out", "data")
@@ -47,7 +47,6 @@ def modules_loaded(module: str) -> list[str]:
 def step_path(preset: str, optimizer: str) -> dict[str, set[tuple[str, int]]]:
     """file -> {(function, first line)} entered by one optimizer step of a ``preset`` run (its third step)."""
     import train
-    from config import make_config
 
     train_file, entered, depth, steps_done = str(REPO / "train.py"), defaultdict(set), [0], [0]
 
@@ -95,6 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="tiny", help="the preset whose step is traced")
     parser.add_argument("--optimizer", default="adamw", help="the optimizer of the traced step")
     args = parser.parse_args(argv)
+    try:
+        make_config(args.preset)  # a bad preset is refused before anything is measured
+    except TinyGPTError as err:
+        exit_on(err)
     counts = line_counts()
     for name, n in counts.items():
         print(f"{n:6d}  {name}")

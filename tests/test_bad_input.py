@@ -82,8 +82,7 @@ def test_a_resume_with_nothing_to_resume_is_refused_before_the_corpus_is_prepare
 # is a trained tiny run, {corpus} its text, {data} its data_dir, {tmp} an empty folder; {run}/metrics.jsonl/x has a
 # file in the way.
 BAD_INPUTS = {
-    # shape traces a whole run (~7 s) before it reads --preset; make_config's refusal is test_config's
-    "scripts.shape": [(["--preset", "nosuch"], "no preset `nosuch`", pytest.mark.slow)],
+    "scripts.shape": [(["--preset", "nosuch"], "no preset `nosuch`")],
     "sample.py": [
         (["--tmp", "0.8"], "unknown flag `--tmp`; did you mean `--temp`?"),
         (["surplus"], "unexpected argument `surplus`"),
