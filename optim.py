@@ -59,8 +59,8 @@ def trained_parameters(model: GPT) -> list[tuple[str, torch.nn.Parameter]]:
         if p.requires_grad:
             kind = next((kind for pattern, kind in PARAMETER_KINDS if fnmatch.fnmatchcase(name, pattern)), None)
             if kind is None or kind == "matrix" and p.dim() != 2:
-                raise ConfigError(f"no row of optim.PARAMETER_KINDS names the parameter {name} {tuple(p.shape)} "
-                                  f"{'as a 2-D matrix' if kind else ''}: add one saying whether it is a \"matrix\" "
+                raise ConfigError(f"no row of optim.PARAMETER_KINDS names the parameter {name} {tuple(p.shape)}"
+                                  f"{' as a 2-D matrix' if kind else ''}: add one saying whether it is a \"matrix\" "
                                   "(2-D; Muon's under --optimizer muon), a \"table\" (AdamW, weight decay) or a "
                                   "\"gain\" (AdamW, no decay)")
             trained.append((kind, p))
