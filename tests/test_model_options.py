@@ -416,21 +416,29 @@ def train_and_sample(repo: Path, tmp_path: Path, **options) -> None:
     assert texts[0] == texts[1] and len(texts[0]) > 80
 
 
+def fork_with_a_rule(tmp_path: Path, name: str, headings: tuple[str, str, str]) -> tuple[Path, str]:
+    """A copy of the repo with the page's three edits for a rule of what a query sees (the option, its check, the
+    rule in visible_keys), whose generated tests for ``name`` pass; and its model.py as it was before the rule."""
+    repo = copy_of_the_repo(tmp_path)
+    field, check, rule = map(docs_snippet, headings)
+    insert(repo / "model.py", FIELD_ANCHOR, "\n" + field.rstrip("\n"))
+    insert(repo / "model.py", "\n    @property\n    def padded_vocab_size", check)
+    before_the_rule = (repo / "model.py").read_text()
+    insert(repo / "model.py", "    return key <= query  # (T, S + T)", rule)
+    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", name)
+    assert result.returncode == 0, result.stdout[-3000:]
+    # flag and preset key, bad value, reaches the model, objective terms' scale, causal and cache, fp32 vs bf16,
+    # saved/kept, GPT-2 refusal
+    assert last_line(result).startswith("8 passed"), result.stdout[-500:]
+    return repo, before_the_rule
+
+
 @pytest.mark.slow  # two fresh pytests, a training run and two samples in a copy of the repo: ~60 s
 def test_a_window_fork_is_one_mask_edit(tmp_path):
     """The page's three edits for a sliding window: the field, its check, the mask."""
-    repo = copy_of_the_repo(tmp_path)
-    insert(repo / "model.py", FIELD_ANCHOR,
-           "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (a window):\n").rstrip("\n"))
-    insert(repo / "model.py", "\n    @property\n    def padded_vocab_size",
-           docs_snippet("# model.py, at the end of GPTConfig.__post_init__:\n"))
-    insert(repo / "model.py", "    return key <= query  # (T, S + T)",
-           docs_snippet("# model.py, in visible_keys, before its return:\n"))
-    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", "attn_window")
-    assert result.returncode == 0, result.stdout[-3000:]
-    # flag and preset key, reaches the model, objective terms' scale, causal and cache, fp32 vs bf16, saved/kept,
-    # GPT-2 refusal, its bad and negative value
-    assert last_line(result).startswith("8 passed"), result.stdout[-500:]
+    repo, _ = fork_with_a_rule(tmp_path, "attn_window", (
+        "# model.py, in GPTConfig, after the last option (a window):\n",
+        "# model.py, at the end of GPTConfig.__post_init__:\n", "# model.py, in visible_keys, before its return:\n"))
     train_and_sample(repo, tmp_path, attn_window=4)
     # The teeth: a cache that keeps its own causal mask (the bug this page once had) fails the generated test.
     insert(repo / "model.py", "        layer_caches = cache.layers if cache",
@@ -469,19 +477,10 @@ def test_the_alibi_recipe_forks_the_repo_end_to_end(tmp_path):
 @pytest.mark.slow  # three fresh pytests or runs, and two samples, in a copy of the repo: ~60 s
 def test_the_document_mask_recipe_forks_the_repo(tmp_path):
     """The page's three edits for a document mask: the field, its check, the rule that reads the ids."""
-    repo = copy_of_the_repo(tmp_path)
-    insert(repo / "model.py", FIELD_ANCHOR, "\n" + docs_snippet(
-        "# model.py, in GPTConfig, after the last option (a document mask):\n").rstrip("\n"))
-    insert(repo / "model.py", "\n    @property\n    def padded_vocab_size",
-           docs_snippet("# model.py, at the end of GPTConfig.__post_init__ (a document mask):\n"))
-    pristine = (repo / "model.py").read_text()
-    insert(repo / "model.py", "    return key <= query  # (T, S + T)",
-           docs_snippet("# model.py, in visible_keys, before its return (a document mask):\n"))
-    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", "doc_separator")
-    assert result.returncode == 0, result.stdout[-3000:]
-    # flag and preset key, bad value, reaches the model, objective terms' scale, causal and cache, fp32 vs bf16,
-    # saved/kept, GPT-2 refusal
-    assert last_line(result).startswith("8 passed"), result.stdout[-500:]
+    repo, pristine = fork_with_a_rule(tmp_path, "doc_separator", tuple(
+        f"# model.py, {where} (a document mask):\n" for where in (
+            "in GPTConfig, after the last option", "at the end of GPTConfig.__post_init__",
+            "in visible_keys, before its return")))
     train_and_sample(repo, tmp_path, doc_separator=1)
     # The trap: the mask narrowed in GPT.forward, after visible_keys, where the plain rule arrives as None. Before,
     # fp32 dropped it silently (the base model's loss to every digit); now the run stops.
