@@ -148,14 +148,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               dropout_p: float) -> torch.Tensor:
     """softmax(q k^T / sqrt(hs) + mask) v: T queries (B, nh, T, hs) over S + T keys (B, nh, S + T, hs).
 
-    ``mask`` is what GPT.visible hands every layer: visible_keys' rule (False adds -inf) or bias, or None for the
-    plain causal rule, which SDPA then computes itself: is_causal for a square (S = 0; its triangle is aligned
-    top-left, right only then), nothing for one decoding query (it sees every key); both give bit-identical numbers
-    to the mask (tests/test_model.py). So what arrives here is what is computed: no flag beside the mask can go
-    stale. In bf16 on CPU the plain matmul-softmax-matmul is ~5x faster at these sizes (scripts/bench.py
-    --profile): the CPU flash kernel's bf16 backward is slow, and SDPA's unfused "math" fallback upcasts to fp32
-    on CPU, losing the bf16 matmul speed. There a rule becomes an additive bias, and the scale goes on q, the
-    smaller of q and the scores: no (B, nh, T, S + T) mask is made.
+    ``mask`` is GPT.visible's: visible_keys' rule (False adds -inf) or bias, or None for the plain causal rule,
+    which SDPA computes itself (is_causal for a square, S = 0; nothing for one decoding query), bit for bit the
+    mask's numbers. What arrives here is what is computed: no flag beside the mask can go stale. In bf16 on CPU
+    the plain matmul-softmax-matmul is ~5x faster (scripts/bench.py --profile; SDPA's CPU kernels upcast or run a
+    slow bf16 backward): there a rule becomes an additive bias, and the scale goes on q, the smaller operand.
     """
     T, S = q.size(2), k.size(2) - q.size(2)
     cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
@@ -195,11 +192,10 @@ class Rotary(nn.Module):
 
 
 def step_bytes(config: GPTConfig, batch_size: int, cpu_bf16: bool) -> int:
-    """At least how many bytes one training step of ``batch_size`` rows of block_size tokens holds at once, so that
-    a run refuses a size that cannot fit before it allocates anything. Each layer keeps ~34 bytes per
-    token and channel for the backward (Korthikanti et al. 2022, eq. 1, for 16-bit activations; `small` measures
-    ~88 in fp32, ~55 in CPU-bf16), GPT.visible builds and compares one (T, T) bool rule, and on the CPU-bf16 path
-    attention() keeps each layer's (B, nh, T, T) bf16 weights (SDPA's kernels keep none; ~3.2 bytes each measured)."""
+    """At least the bytes one step of ``batch_size`` rows holds at once, so that a size that cannot fit is refused
+    before anything is allocated: ~34 bytes per token and channel per layer (Korthikanti et al. 2022, eq. 1; `small`
+    measures ~88 in fp32, ~55 in CPU-bf16), GPT.visible's (T, T) rules, and on the CPU-bf16 path each layer's
+    (B, nh, T, T) bf16 attention weights (SDPA's kernels keep none)."""
     B, T = batch_size, config.block_size
     scores = B * config.n_head * T * T * 2 if cpu_bf16 else 0
     return config.n_layer * (B * T * 34 * config.n_embd + scores) + 2 * T * T
@@ -316,29 +312,21 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; the tied embedding is counted once (it is also the output layer).
-
-        non_embedding leaves out the position table, a lookup that costs no FLOPs (Kaplan et al. 2020's N);
-        False counts every parameter. Every expert of a mixture counts here, though a token runs through one:
-        what a token costs is flops_per_token's, measured.
-        """
+        """Parameter count, the tied embedding once; non_embedding leaves out the position table, a lookup that costs
+        no FLOPs (Kaplan et al. 2020's N). Every expert of a mixture counts, though a token runs through one."""
         n = sum(p.numel() for p in self.parameters())
         positions = sum(p.numel() for name, p in self.named_parameters() if name.startswith("transformer.wpe."))
         return n - positions if non_embedding else n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
-        """Training FLOPs per token, measured, not kept by hand: torch's FlopCounterMode counts one forward and
-        backward of one sequence of ``seq_len`` tokens (block_size by default) on the model's device. An option or
-        a fork that changes what runs is counted as it runs: a top-1 mixture of experts, one expert per token.
+        """Training FLOPs per token, measured: FlopCounterMode counts one forward and backward of ``seq_len`` tokens
+        (block_size by default), so a fork is counted as it runs (a top-1 mixture of experts: one expert per token).
 
-        The convention is MFU's (PaLM, Chowdhery et al. 2022, app. B): matrix products only (norms, softmax and the
-        loss cost nothing here), 2 FLOPs per multiply-add, the backward's two products per forward one, and
-        attention's QKᵀ and AV in full, without the causal mask's savings. For the default model that is
-        6·N + 12·n_layer·T·C, N the matrices' weights (tests/test_model.py). SDPA runs its unfused "math" backend
-        while counting: FlopCounterMode counts nothing for CPU's fused kernel, and counts a GPU's fused kernels
-        as the math's products; the CPU-bf16 path's products (attention()) count the same. A frozen weight (LoRA's
-        base) gets no gradient of its own: about 4 per weight, as executed. Called once per run, in eval mode, so
-        that it draws no random numbers; the gradients and the mode are left as they were.
+        MFU's convention (PaLM, Chowdhery et al. 2022, app. B): matrix products only, 2 FLOPs per multiply-add, two
+        backward products per forward one, attention's QKᵀ and AV in full: 6·N + 12·n_layer·T·C for the default
+        model (tests/test_model.py). SDPA runs its "math" backend while counting (FlopCounterMode counts nothing for
+        CPU's fused kernel). A frozen weight (LoRA's base) costs ~4 per weight. Eval mode, so no random numbers are
+        drawn; the gradients and the mode are left as they were.
         """
         T = seq_len or self.config.block_size
         device = next(self.parameters()).device

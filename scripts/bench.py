@@ -6,9 +6,8 @@
     python -m scripts.bench --matmul                                  # fp32 / bf16 matmul peak GFLOP/s
     python -m scripts.bench --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
-The step is train.py's own (train.build_run, train.train_step), so it measures what training runs. Each phase ends
-with a device sync; warm-up steps are left out, medians reported; with --vs both configs are timed in alternating
-rounds, so load from other processes falls on both alike. Measured rows: docs/notebook/performance.md.
+It times train.py's own step (train.build_run, train.train_step), a device sync after each phase, medians after the
+warm-up; --vs alternates rounds, so other load falls on both configs alike. Rows: docs/notebook/performance.md.
 """
 from __future__ import annotations
 
@@ -33,16 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpoint import start_from
 from config import CommandLine, ConfigError, TinyGPTError, TrainConfig, exit_on, make_config
-from runtime import (
-    check_writable,
-    choose_runtime,
-    compile_for_step,
-    dtype_name,
-    matmul_gflops,
-    pick_device,
-    threads_text,
-    use_threads,
-)
+from runtime import (check_writable, choose_runtime, compile_for_step, dtype_name, matmul_gflops, pick_device,
+                     threads_text, use_threads)
 from train import Run, build_run, get_lr, train_step
 
 PHASES = ("data", "step")  # drawing the batches; train.train_step (forward, backward, clip, update)
@@ -50,7 +41,6 @@ PHASES = ("data", "step")  # drawing the batches; train.train_step (forward, bac
 
 @dataclass
 class Bench:
-    """One config, built as train.py builds it, and its timings."""
     name: str
     run: Run  # train.build_run's
     train_model: torch.nn.Module  # compiled as train.py compiles it
@@ -72,7 +62,6 @@ def build(name: str, cfg: TrainConfig) -> Bench:
 
 
 def synced_clock(device: torch.device) -> float:
-    """time.perf_counter() once the device has finished the work queued so far."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -94,11 +83,9 @@ def timed_step(b: Bench) -> None:
     b.positions.append(sum(x.numel() for x, _ in batches))  # shapes: known on the host, no sync
 
 
-# The matrix products a step runs, as the dispatcher sees them (autocast's casts done): op -> its FLOPs from its inputs.
-MATMULS = {torch.ops.aten.mm.default: lambda a, b: 2 * a.numel() * b.size(-1),
-           torch.ops.aten.addmm.default: lambda c, a, b: 2 * a.numel() * b.size(-1),
-           torch.ops.aten.bmm.default: lambda a, b: 2 * a.numel() * b.size(-1),
-           torch.ops.aten.baddbmm.default: lambda c, a, b: 2 * a.numel() * b.size(-1)}
+# The matrix products a step runs, as the dispatcher sees them (autocast's casts done); the last two inputs multiply.
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default}
 
 
 class MatmulRecorder(TorchDispatchMode):
@@ -112,20 +99,18 @@ class MatmulRecorder(TorchDispatchMode):
         if func in MATMULS:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             self.calls.append((func, [(t.shape, t.stride(), t.dtype, t.device) for t in tensors],
-                               MATMULS[func](*tensors)))
+                               2 * tensors[-2].numel() * tensors[-1].size(-1)))  # FLOPs
         return func(*args, **(kwargs or {}))
 
 
 def matmul_limit(b: Bench, repeats: int = 5) -> dict:
-    """The step's own matrix products replayed alone on tensors of their shapes: time (median of ``repeats``
-    passes), FLOPs and rate, the limit a step approaches when all between its matmuls costs nothing. A fused
+    """The step's matmuls replayed alone at their shapes: the limit of a step whose other work costs nothing. A fused
     kernel's products (SDPA's attention) are unseen by the dispatcher: not among them."""
     recorder = MatmulRecorder()
     with recorder:
         timed_step(b)
     gen = torch.Generator(device=b.run.rt.device).manual_seed(0)
     calls = [(func, [torch.empty_strided(shape, stride, dtype=dtype, device=device).normal_(generator=gen)
-                     if dtype.is_floating_point else torch.empty_strided(shape, stride, dtype=dtype, device=device)
                      for shape, stride, dtype, device in inputs]) for func, inputs, _ in recorder.calls]
     passes = []
     for _ in range(repeats + 1):  # the first pass warms up: kernels chosen, memory touched
@@ -146,7 +131,6 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def peak_memory(device: torch.device) -> int:
-    """Peak bytes: CUDA max_memory_allocated, else the peak resident set size since the last reset."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     status = Path("/proc/self/status")
@@ -181,13 +165,12 @@ CATEGORIES = (
                                       "aten::_scaled_dot_product", "aten::_safe_softmax")),
     ("activation", ("aten::gelu", "aten::relu", "aten::gelu_backward", "aten::threshold_backward")),
     ("layer norm", ("aten::native_layer_norm", "aten::native_layer_norm_backward", "aten::_fused_rms_norm")),
-    ("loss", ("aten::_log_softmax", "aten::nll_loss", "aten::_log_softmax_backward_data", "aten::nll_loss")),
+    ("loss", ("aten::_log_softmax", "aten::nll_loss", "aten::_log_softmax_backward_data")),
     ("elementwise and the rest", ("",)),
 )
 
 
 def category(event) -> str:
-    """The CATEGORIES row of a profiler event: an optimizer's step encloses it, or by its name; no op: Python's."""
     enclosing = event
     while enclosing is not None:
         if enclosing.name.startswith("Optimizer.step"):
@@ -232,11 +215,9 @@ def summarise(b: Bench) -> dict:
 def report(result: dict) -> str:
     phases = " | ".join(f"{p} {ms:.2f} ms ({ms / result['ms_per_step']:.0%})" for p, ms in result["phases_ms"].items())
     compiled = f", compiled in {result['compile_s']:.1f} s" if result["compiled"] else ""
-    limit = ""
-    if "matmul_gflops" in result:
-        limit = (f"\n    its matmuls alone: {result['matmul_ms']:.1f} ms of the step ({result['matmul_gflop']:.2f} "
-                 f"GFLOP at {result['matmul_gflops']:.0f} GFLOP/s, the limit at its shapes on this machine); model "
-                 f"GFLOP/s {result['model_gflops'] / result['matmul_gflops']:.0%} of it")
+    limit = (f"\n    its matmuls alone: {result['matmul_ms']:.1f} ms of the step ({result['matmul_gflop']:.2f} GFLOP "
+             f"at {result['matmul_gflops']:.0f} GFLOP/s, the limit at its shapes on this machine); model GFLOP/s "
+             f"{result['model_gflops'] / result['matmul_gflops']:.0%} of it") if "matmul_gflops" in result else ""
     return (f"[{result['name']}] {result['dtype']}, {threads_text(result['threads'])}{compiled}: "
             f"{result['ms_per_step']:.2f} ms/step, "
             f"{result['tokens_per_s']:,.0f} tokens/s, {result['model_gflops']:.0f} model GFLOP/s, "
@@ -255,15 +236,6 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return overrides
 
 
-def matmul_report(device: torch.device) -> None:
-    """Peak matmul GFLOP/s at the shapes these models use and at a large square one."""
-    shapes = [(768, 128, 512), (768, 512, 128), (4096, 128, 512), (4096, 256, 1024), (1024, 1024, 1024)]
-    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
-    for m, k, n in shapes:
-        cells = [f"{dtype_name(d)} {matmul_gflops(m, k, n, d, device, seconds=0.5):7.0f}" for d in dtypes]
-        print(f"matmul ({m:>4} x {k:>4}) @ ({k:>4} x {n:>4}): " + " | ".join(cells) + " GFLOP/s")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="small", help="preset name in config/ or a .toml path")
@@ -272,9 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per config")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (compile, allocator, caches)")
     parser.add_argument("--rounds", type=int, default=4, help="alternating blocks the timed steps are split into")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="the threads field of both configs (as threads=N); 0 keeps torch's default. "
-                             "--vs threads=2 compares thread counts")
+    parser.add_argument("--threads", type=int, default=0, help="the threads field of both configs (as threads=N); "
+                        "0 keeps torch's default. --vs threads=2 compares thread counts")
     parser.add_argument("--matmul", action="store_true", help="measure peak matmul GFLOP/s instead")
     parser.add_argument("--min-ratio", type=float, default=0.0,
                         help="with --vs: exit 1 unless B's tokens/s is at least this many times A's")
@@ -291,9 +262,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             check_writable(args.json.parent, "--json", f".bench-probe-{os.getpid()}")  # not after minutes of timing
         base = ({"threads": str(args.threads)} if args.threads else {}) | parse_overrides(args.overrides)
-        if args.matmul:
+        if args.matmul:  # peak GFLOP/s at the shapes these models use, and at a large square one
             use_threads(args.threads)
-            matmul_report(pick_device(base.get("device", "auto")))
+            device = pick_device(base.get("device", "auto"))
+            dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
+            for m, k, n in [(768, 128, 512), (768, 512, 128), (4096, 128, 512), (4096, 256, 1024), (1024, 1024, 1024)]:
+                cells = [f"{dtype_name(d)} {matmul_gflops(m, k, n, d, device, seconds=0.5):7.0f}" for d in dtypes]
+                print(f"matmul ({m:>4} x {k:>4}) @ ({k:>4} x {n:>4}): " + " | ".join(cells) + " GFLOP/s")
             return
         overrides = {"A": base} | ({"B": base | parse_overrides([args.vs])} if args.vs else {})
         configs = {name: make_config(args.config, out_dir="out/bench", **o) for name, o in overrides.items()}

@@ -2,11 +2,10 @@
 
     python -m scripts.chat --ckpt out/chat_small                      # a conversation: your turn a line
     python -m scripts.chat --ckpt out/chat_small --system "Be brief." # a system prompt, kept however long the talk
-    python -m scripts.chat --ckpt out/small --max-new-tokens 200      # a text model: a prompt a line, continued
-    python -m scripts.chat --ckpt out/small --multiline               # a prompt is every line up to an empty one
+    python -m scripts.chat --ckpt out/small --multiline               # a text model: a prompt ends at an empty line
 
-A model fine-tuned on conversations has chat markers; the first line says which mode. Ctrl-D, or Ctrl-C at the
-prompt, quits.
+A model fine-tuned on conversations has chat markers; the first line says which mode. Ctrl-D, or Ctrl-C at a prompt,
+quits.
 """
 from __future__ import annotations
 
@@ -28,7 +27,6 @@ from runtime import pick_device
 from tokenizer import render
 
 
-# ----------------------------------------------------------------------------- reading the terminal
 def read_prompt(multiline: bool) -> str | None:
     """The next prompt on stdin: a line, or with ``multiline`` the lines up to an empty one; None: quit."""
     mark = "> " if sys.stdin.isatty() else ""  # a marker only for a person at a terminal
@@ -47,9 +45,8 @@ def read_prompt(multiline: bool) -> str | None:
         return None
 
 
-# ----------------------------------------------------------------------------- a text model: a prompt a line
 def continue_each(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:
-    """Prompt, streamed continuation (sample.py's), next prompt, until Ctrl-D or Ctrl-C at the prompt."""
+    """A text model: each prompt continued (streamed, as sample.py does), until Ctrl-D or Ctrl-C at the prompt."""
     while (text := read_prompt(args.multiline)) is not None:
         try:
             sample.sample(model, tokenizer, text, args, generator)
@@ -59,17 +56,16 @@ def continue_each(model: GPT, tokenizer, args: argparse.Namespace, generator: to
             print("\n" + "-" * 40, flush=True)
 
 
-# ----------------------------------------------------------------------------- a chat model: a conversation
 class Dialogue:
     """A conversation that fits block_size with ``room`` tokens for the reply: the oldest turns go first (counted in
-    ``dropped``), never the system prompt; one that leaves no room for a message is a ConfigError at once."""
+    ``dropped``), never the system prompt; a system prompt that leaves no room is a ConfigError at once."""
 
     def __init__(self, tokenizer, block_size: int, room: int, system: str = ""):
         self.tokenizer, self.block_size, self.room = tokenizer, block_size, room
         self.system = [("system", system)] if system else []
         self.turns: list[tuple[str, str]] = []  # (role, text)
         self.dropped = 0
-        if system:  # refused now if not even a one-token message would fit beside it
+        if system:
             n = len(render(tokenizer, self.system))  # DataError: a character the vocabulary lacks
             message = len(render(tokenizer, [("user", "")], reply=True))  # = 3 markers + a token (<|begin|> is in n)
             if n > (most := block_size - room - message):
@@ -77,8 +73,7 @@ class Dialogue:
                                   f"leaves room for {most} beside a message and a {room}-token reply; shorten --system")
 
     def prompt(self, user: str) -> list[int]:
-        """The ids asking for the reply to ``user``, the oldest turns dropped until it fits. A message the vocabulary
-        cannot write, or too long alone, is a DataError that leaves the conversation as it was."""
+        """The ids asking for the reply to ``user``, oldest turns dropped; a DataError leaves the turns as they were."""
         limit = self.block_size - self.room
         if len(alone := render(self.tokenizer, self.system + [("user", user)], reply=True)) > limit:
             raise DataError(f"the message makes a prompt of {len(alone)} tokens with the conversation's markers"
@@ -100,7 +95,7 @@ def open_dialogue(tokenizer, block_size: int, args: argparse.Namespace) -> Dialo
 
 
 def converse(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.Generator) -> None:
-    """A conversation on stdin, each reply streamed until any marker (the model must not write the user's part)."""
+    """A chat model: a conversation on stdin, each reply streamed until any marker (never the user's part)."""
     block_size, warned = model.config.block_size, False
     dialogue = open_dialogue(tokenizer, block_size, args)
     while (text := read_prompt(args.multiline)) is not None:
@@ -122,7 +117,6 @@ def converse(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.G
         dialogue.reply(reply.texts[0])
 
 
-# ----------------------------------------------------------------------------- command line
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--system", default="", help="a chat model's system prompt, kept however long the talk")

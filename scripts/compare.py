@@ -3,10 +3,9 @@
     python -m scripts.compare --config small --steps 1500 --seeds 3 base: muon:optimizer=muon
     python -m scripts.compare --config tiny --steps 200 --seeds 3 base: low_lr:learning_rate=3e-4,min_lr=3e-5
     python -m scripts.compare --config small --time 180 --seeds 3 base: wide:n_embd=192   # equal wall time
-    python -m scripts.compare --config tiny --steps 200 --seeds 2 --set batch_size=16 base: drop:dropout=0.1
 
-Each (variant, seed) is train.train() in EXP/NAME/seed-N, round by round; a rerun reuses finished runs of this code
-and resumes a stopped one. Writes EXP/results.json, results.md and compare.png. Why: docs/experiments.md.
+Each (variant, seed) trains in EXP/NAME/seed-N, round by round; a rerun reuses finished runs of this code and resumes
+a stopped one. Writes EXP/results.json, results.md and compare.png. Why: docs/experiments.md.
 """
 from __future__ import annotations
 
@@ -31,18 +30,8 @@ import torch
 
 import train
 from checkpoint import from_checkpoint, git, git_state, read_config
-from config import (
-    DEFAULTS,
-    REPO,
-    CommandLine,
-    ConfigError,
-    TinyGPTError,
-    TrainConfig,
-    exit_on,
-    fail,
-    install_hint,
-    make_config,
-)
+from config import (DEFAULTS, REPO, CommandLine, ConfigError, TinyGPTError, TrainConfig, exit_on, fail, install_hint,
+                    make_config)
 from prepare import corpus_source
 from runtime import RunStopped, StopOnSignal, atomic_write_text, choose_runtime, dtype_name, use_threads
 from scripts.bench import parse_overrides
@@ -82,7 +71,6 @@ class Plan:
     command: str  # the command that continues this comparison
 
 
-# ----------------------------------------------------------------------------- the plan
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     """NAME:KEY=VALUE[,KEY=VALUE...] -> (name, overrides); nothing after the colon is the preset as it is."""
     name, colon, body = text.partition(":")
@@ -95,20 +83,16 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, overrides
 
 
-def check_owned(overrides: dict[str, str], where: str) -> None:
-    if owned := [key for key in overrides if key in OWNED]:
-        raise ConfigError(f"{where} sets `{owned[0]}`, which compare.py sets itself (with {OWNED[owned[0]]})")
-
-
 def variant_overrides(args, variants: dict[str, dict[str, str]], schedule: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every variant's overrides (the schedule < --set < its own), each validated with make_config."""
     common = ({"threads": args.threads} if args.threads else {}) | parse_overrides(args.set)
-    check_owned(common, "--set")
+    for where, overrides in [("--set", common), *((f"variant `{name}`", own) for name, own in variants.items())]:
+        if owned := [key for key in overrides if key in OWNED]:
+            raise ConfigError(f"{where} sets `{owned[0]}`, which compare.py sets itself (with {OWNED[owned[0]]})")
     base = schedule | common
     make_config(args.config, **base)  # a bad preset or --set is named as such, not as a variant's fault
     merged = {}
     for name, own in variants.items():
-        check_owned(own, f"variant `{name}`")
         merged[name] = {**base, **own}
         try:
             make_config(args.config, **merged[name])
@@ -118,7 +102,6 @@ def variant_overrides(args, variants: dict[str, dict[str, str]], schedule: dict[
 
 
 def check_flags(args) -> None:
-    """The command's own flags and the variants' names."""
     if args.steps is None and args.time is None:
         raise ConfigError("give --steps N (equal steps: the quality answer) or --time S (equal wall time)")
     for flag, value in (("--steps", args.steps), ("--time", args.time)):
@@ -137,8 +120,7 @@ def check_flags(args) -> None:
 
 
 def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
-    """Validate the command and lay out its runs; writes nothing. Runs on disk of other ``code`` are not checked
-    (they are trained again)."""
+    """Validate the command and lay out its runs; writes nothing. Runs on disk of other ``code`` are retrained."""
     check_flags(args)
     variants = dict(map(parse_variant, args.variants))
     if args.time is not None:  # S seconds of wall clock (--steps a cap), or N steps
@@ -171,8 +153,7 @@ def saved(folder: Path) -> dict[str, Any]:
 
 def pin_auto_dtype(runs: list[Run]) -> list[Run]:
     """dtype=auto decided once for every run: as a run on disk was, else by choose_runtime for the first."""
-    auto = [run for run in runs if run.config().dtype == "auto"]
-    if not auto:
+    if not (auto := [run for run in runs if run.config().dtype == "auto"]):
         return runs
     saved_dtypes = [cfg["dtype"] for r in auto if (cfg := saved(r.folder)["config"]) and cfg.get("dtype") != "auto"]
     dtype = saved_dtypes[0] if saved_dtypes else dtype_name(choose_runtime(auto[0].config()).dtype)
@@ -181,18 +162,16 @@ def pin_auto_dtype(runs: list[Run]) -> list[Run]:
 
 
 def check_reusable(run: Run) -> None:
-    """Refuse a run on disk that was made with other settings: reusing it would compare something else."""
+    """Refuse a run on disk made with other settings (a field it lacks is newer: the run had its default)."""
     if (before := saved(run.folder)["config"]) is None:
         return
     planned = dataclasses.asdict(run.config())
-    # A field the saved config lacks is newer than the run, which had its default then.
     if changed := [f"{key}: {before.get(key, DEFAULTS[key])!r} there, {value!r} now" for key, value in planned.items()
                    if key not in IGNORED_ON_REUSE and before.get(key, DEFAULTS[key]) != value]:
         raise ConfigError(f"{run.folder} holds a run with other settings ({'; '.join(changed)}); "
                           "pass another --out or delete that folder")
 
 
-# ----------------------------------------------------------------------------- the code a run ran
 def source_files() -> list[str]:
     """The repo's .py files, tracked or new (a fork's module), outside NOT_TRAINING_CODE."""
     listed = git("ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py", cwd=REPO).splitlines()
@@ -229,10 +208,8 @@ def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
           f"the old run is kept in {stale}", flush=True)
 
 
-# ----------------------------------------------------------------------------- running
 def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
-    """Every run in order, finished ones skipped, stopped ones resumed. A signal raises RunStopped (the run saved); a
-    non-finite loss is a result (diverged) and the others go on."""
+    """Every run in order, finished ones skipped, stopped ones resumed; a diverged run is a result, not a stop."""
     for i, run in enumerate(plan.runs, 1):
         where = f"[{i}/{len(plan.runs)}] {run.variant} seed {run.seed}"
         set_aside_if_stale(run, code, where)
@@ -272,7 +249,6 @@ def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str
     atomic_write_text(run.folder / RESULT, json.dumps(result, indent=1))
 
 
-# ----------------------------------------------------------------------------- statistics and tables
 def t_test():
     """scipy.stats, imported only here: the rest of the repo runs without scipy."""
     try:
@@ -293,8 +269,7 @@ def paired(base: list[float], other: list[float]) -> dict[str, float]:
 
 
 def summarise(plan: Plan, vs: str | None = None) -> dict[str, Any]:
-    """results.json: every run's numbers; per variant the spread, the paired test against ``vs`` (else the first
-    variant) and the speed."""
+    """results.json: per variant its runs, spread, speed and the paired test against ``vs`` (else the first)."""
     results = {(r.variant, r.seed): json.loads((r.folder / RESULT).read_text()) for r in plan.runs}
     base = vs or next(iter(plan.variants))
     rows = []
@@ -326,8 +301,8 @@ def table(rows: list[list[str]]) -> str:
 
 
 def metric_table(summary: dict[str, Any], metric: str) -> str:
-    seeds = summary["seeds"]
-    rows = [["variant", *(f"seed {s}" for s in seeds), "mean ± sd", f"Δ vs {summary['baseline']} [95% CI]", "p"]]
+    base = summary["baseline"]
+    rows = [["variant", *(f"seed {s}" for s in summary["seeds"]), "mean ± sd", f"Δ vs {base} [95% CI]", "p"]]
     for row in summary["variants"]:
         m = row[metric]
         test = ([f"{m['diff']:+.4f} [{m['low']:+.4f}, {m['high']:+.4f}]", f"{m['p']:.2g}"] if "p" in m
@@ -371,39 +346,21 @@ def report(summary: dict[str, Any]) -> str:
         + (f" nan: diverged (non-finite loss): {', '.join(diverged)}." if diverged else "")])
 
 
-def write_outputs(plan: Plan, summary: dict[str, Any]) -> str:
-    """results.json, results.md and compare.png in the experiment folder; returns the report."""
-    from scripts import plot  # matplotlib: only once there is something to draw
-
-    text = report(summary)
-    atomic_write_text(plan.folder / "results.json", json.dumps(summary, indent=1))
-    atomic_write_text(plan.folder / "results.md", text + "\n")
-    paths = [run.folder / "metrics.jsonl" for run in plan.runs]
-    plot.plot(paths, plan.folder / "compare.png", labels=[run.variant for run in plan.runs], bpb=True,
-              title=f"{len(plan.seeds)} seeds per variant: mean, min-max band")
-    return text
-
-
-# ----------------------------------------------------------------------------- command line
 def build_parser() -> CommandLine:
     parser = CommandLine(description=__doc__.split("\n")[0], epilog="Example: " + __doc__.split("\n")[2].strip())
     parser.add_argument("variants", nargs="*", metavar="NAME:KEY=VALUE,...",
                         help="the variants; the first is the baseline; NAME: alone is the preset as it is")
     parser.add_argument("--config", default="small", help="preset name in config/ or a .toml path")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="steps per run on a step schedule (max_iters = lr_decay_iters); with --time, a cap")
-    parser.add_argument("--time", type=float, default=None, metavar="SECONDS",
-                        help="wall-clock seconds per run (schedule=time) instead of equal steps")
+    parser.add_argument("--steps", type=int, help="steps per run (max_iters = lr_decay_iters); with --time, a cap")
+    parser.add_argument("--time", type=float, metavar="SECONDS", help="wall-clock seconds per run (schedule=time)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N per variant, run round by round")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                         help="config overrides for every variant (repeatable); a variant's own value wins")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="every run's threads field (as --set threads=N); 0 keeps torch's default. The count is "
-                             "part of what makes a rerun bit-exact (it orders the float sums)")
-    parser.add_argument("--vs", default=None, metavar="NAME",
-                        help="the control each Δ and speed ratio is taken against (default: the first variant)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="experiment folder; None means out/compare/PRESET-Nsteps (or PRESET-Ss with --time)")
+    parser.add_argument("--threads", type=int, default=0, help="every run's threads field (as --set threads=N); 0 "
+                        "keeps torch's default. Part of what makes a rerun bit-exact (it orders the float sums)")
+    parser.add_argument("--vs", metavar="NAME", help="baseline of each Δ and speed ratio (default: the first variant)")
+    parser.add_argument("--out", type=Path,
+                        help="experiment folder (default: out/compare/PRESET-Nsteps, or PRESET-Ss with --time)")
     return parser
 
 
@@ -424,7 +381,13 @@ def compare(argv: list[str], stop: StopOnSignal) -> dict[str, Any]:
     print(f"code {code['hash']} (commit {code['commit']}): finished runs of other code are trained again", flush=True)
     run_all(plan, stop, code)
     summary = summarise(plan, args.vs)
-    print("\n" + write_outputs(plan, summary))
+    text = report(summary)
+    atomic_write_text(plan.folder / "results.json", json.dumps(summary, indent=1))
+    atomic_write_text(plan.folder / "results.md", text + "\n")
+    from scripts import plot  # matplotlib: only once there is something to draw
+    plot.plot([r.folder / "metrics.jsonl" for r in plan.runs], plan.folder / "compare.png", bpb=True,
+              labels=[r.variant for r in plan.runs], title=f"{len(plan.seeds)} seeds per variant: mean, min-max band")
+    print("\n" + text)
     print(f"\nwrote {plan.folder / 'results.md'}, results.json and compare.png")
     return summary
 

@@ -3,8 +3,8 @@
     python -m scripts.doctor --config small              # same config and overrides as train.py
     python -m scripts.doctor --config chat_small         # a fine-tune: on its base's tokenizer and weights
 
-One line per check (PASS or FAIL, the measured figure, what it means), exit 1 if any fails. Each check returns a
-``Check``, so tests can call it on broken variants; they run on the run train.py builds (train.build_run).
+One line per check (PASS or FAIL, the measured figure, what it means), exit 1 if any fails. The checks use the run
+train.py builds (train.build_run); each returns a ``Check``, so tests call it on broken variants.
 """
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ SAMPLE_TOKENS = 4096  # tokens of val text for the tokenizer round trip
 
 @dataclasses.dataclass
 class Check:
-    """The verdict of one check."""
     name: str
     passed: bool
     measured: str  # the figure the verdict rests on
@@ -60,13 +59,10 @@ class Check:
 
 
 def verdict(name: str, passed: bool, measured: str, shows: str, points_to: str) -> Check:
-    """The Check, its meaning ``shows`` (what a pass shows) or ``points_to`` (where a failure points)."""
     return Check(name, passed, measured, shows if passed else points_to)
 
 
-# ----------------------------------------------------------------------------- data checks
 def window_starts(data: np.ndarray, window: np.ndarray) -> np.ndarray:
-    """Every position at which ``window`` occurs in ``data``."""
     starts = np.flatnonzero(data[: len(data) - len(window) + 1] == window[0])
     for offset in range(1, len(window)):
         starts = starts[data[starts + offset] == window[offset]]  # keep the starts that still match
@@ -123,10 +119,7 @@ def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
                    "decode or encode loses or changes text: the model learns one thing and you read another")
 
 
-# ----------------------------------------------------------------------------- model checks
-def check_init_loss(model: GPT, x: torch.Tensor, y: torch.Tensor,
-                    tolerance: float = INIT_LOSS_TOLERANCE) -> Check:
-    """A fresh model should be equally unsure of every token: loss ~ ln(vocab_size), within a fraction."""
+def check_init_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, tolerance: float = INIT_LOSS_TOLERANCE) -> Check:
     with torch.no_grad():
         _, loss_sum, n, _ = model(x, y)
     loss, expected = (loss_sum / n).item(), math.log(model.config.vocab_size)
@@ -138,7 +131,6 @@ def check_init_loss(model: GPT, x: torch.Tensor, y: torch.Tensor,
 
 
 def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
-    """Every tensor that requires grad and that ``loss`` depends on, found by walking the autograd graph."""
     leaves, seen, stack = [], set(), [loss.grad_fn]
     while stack:
         node = stack.pop()
@@ -152,8 +144,6 @@ def graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
 
 
 def check_gradients(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Check:
-    """Every trained parameter gets a finite, non-zero gradient and sits in exactly one optimizer group; a frozen one
-    (LoRA's base) in none."""
     model.zero_grad(set_to_none=True)
     _, loss_sum, n, _ = model(x, y)
     loss = loss_sum / n
@@ -186,7 +176,6 @@ def check_gradients(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
 
 
 def check_causal(model: GPT, x: torch.Tensor, tolerance: float = CAUSAL_TOLERANCE) -> Check:
-    """Changing the future tokens leaves the logits of the past untouched."""
     model.eval()
     cut = x.shape[1] // 2
     changed = torch.cat([x[:, :cut], (x[:, cut:] + 1) % model.config.vocab_size], dim=1)  # every future token differs
@@ -200,7 +189,6 @@ def check_causal(model: GPT, x: torch.Tensor, tolerance: float = CAUSAL_TOLERANC
 
 def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, steps: int = OVERFIT_STEPS,
                   threshold: float = OVERFIT_THRESHOLD) -> Check:
-    """train.py's step (train.train_step), repeated on one small batch at ``lr``, gets its loss below ``threshold``."""
     first = loss = math.nan
     for step in range(1, steps + 1):
         losses, _ = train.train_step(run, run.model, [(x, y)], step, lr)
@@ -221,8 +209,7 @@ def overfit_run(cfg: TrainConfig, rt, steps: int = OVERFIT_STEPS, pretrained=Non
 
 
 def overfit_lr(cfg: TrainConfig) -> float:
-    """The config's own lr, unless it fine-tunes (init_from): a fine-tuning lr is too small to memorise a batch in
-    OVERFIT_STEPS, so the lr a random init of this width learns at."""
+    """The config's lr; a fine-tune's (init_from) is too small to memorise a batch: a random init's at this width."""
     if not cfg.init_from:
         return cfg.learning_rate
     return min(RANDOM_INIT_LR_MAX, RANDOM_INIT_LR * RANDOM_INIT_WIDTH / cfg.n_embd)
@@ -230,7 +217,6 @@ def overfit_lr(cfg: TrainConfig) -> float:
 
 def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                              max_norm: float, device: torch.device, dtype: torch.dtype) -> Check:
-    """A step with a finite loss but a NaN gradient stops the run at the loop's next sync, before any save."""
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(scaler, max_skipped=1, device=device)  # fp16: the first skip stops
     params = list(model.parameters())
@@ -251,8 +237,7 @@ def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: to
 
 def check_evaluate(evaluate: Callable[..., train.EvalResult], model: GPT, x_val: torch.Tensor, y_val: torch.Tensor,
                    batch_size: int, device: torch.device, dtype: torch.dtype) -> Check:
-    """``evaluate`` runs in eval mode, builds no graph, draws no random numbers and restores train mode (``model``
-    needs dropout > 0, so that a missing model.eval() changes the answer)."""
+    """``model`` needs dropout > 0, so that a missing model.eval() changes the answer."""
     calls = []  # (training flag, loss carries a graph) for every forward pass evaluate makes
 
     def rng_states() -> list[torch.Tensor]:  # the global random streams that dropout on ``device`` draws from
@@ -283,7 +268,6 @@ def check_evaluate(evaluate: Callable[..., train.EvalResult], model: GPT, x_val:
 
 
 def check_tied(model: torch.nn.Module) -> Check:
-    """Token embedding and output head are one Parameter with one storage (after .to())."""
     wte, head = model.transformer.wte, model.lm_head
     if isinstance(wte, finetune.TrainedRows):  # LoRA's trained rows (a chat's markers) wrap the frozen tied weight
         wte, head = wte.embedding, head.rows.head
@@ -295,10 +279,8 @@ def check_tied(model: torch.nn.Module) -> Check:
                    "tying came apart (or was done by sharing .data): a move or cast gives two matrices")
 
 
-# ----------------------------------------------------------------------------- running them all
 def run_checks(cfg: TrainConfig) -> list[Check]:
-    """Every check, on the run train.py builds for ``cfg`` (with init_from: the base's tokenizer and weights); the
-    checks of a step on a copy of its model, the init loss and evaluation on a fresh init of its shape."""
+    """Every check, on the run train.py builds for ``cfg`` (a step's on a copy of its model)."""
     cfg, pretrained = start_from(cfg)
     rt = choose_runtime(cfg)  # train.py's device, threads, precision and compile
     device, dtype = rt.device, rt.dtype
@@ -333,7 +315,6 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every check and print one line each; 0 if all pass, 1 if any fails; bad config or data exits as train.py."""
     t_start = time.time()
     try:
         cfg = parse_args(argv, __doc__.split("\n")[0] + " Takes train.py's flags.")
@@ -341,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     except TinyGPTError as err:  # bad config or data: one line and its exit code, as in train.py
         exit_on(err)
     name_width, measured_width = (max(len(getattr(c, key)) for c in checks) for key in ("name", "measured"))
-    for c in checks:  # one aligned line per check
+    for c in checks:
         print(f"{'PASS' if c.passed else 'FAIL'}  {c.name:<{name_width}}  {c.measured:<{measured_width}}  {c.meaning}")
     failed = [c.name for c in checks if not c.passed]
     print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {time.time() - t_start:.1f} s"

@@ -3,13 +3,11 @@
     python -m scripts.eval --ckpt out/small                        # the val split of the run's own corpus
     python -m scripts.eval --ckpt out/small --data_path other.txt  # any UTF-8 text, all of it
     python -m scripts.eval --ckpt out/small --data_path data/F     # a prepared folder's val split
-    python -m scripts.eval --ckpt out/small --json                 # one JSON object, full precision
     python -m scripts.eval --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights, no checkpoint
 
-By default it scores what training scored (the run's val split, eval_tokens, batch size and precision; LoRA
-unmerged) with the same code, so best.pt's best_val_loss comes back exactly. The run's split is found by the
-fingerprint its checkpoint records, even after its text moved; a changed text whose split is gone is refused, never
-scored in its place. A --data_path file is scored whole. Bits per byte compare a char model with a BPE model.
+By default it scores what training scored (val split, eval_tokens, batch size, precision; LoRA unmerged), so best.pt's
+best_val_loss comes back exactly. The split is found by the fingerprint the checkpoint records; a changed text whose
+split is gone is refused, never scored in its place.
 """
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ if not __package__:  # run as a file, `python scripts/eval.py`: its folder, not 
     print("error: run it from the repo root as a module: python -m scripts.eval", file=sys.stderr)
     sys.exit(2)
 
-import argparse
 import json
 import shutil
 from dataclasses import replace
@@ -115,7 +112,6 @@ def run_corpus(loaded: Loaded) -> Corpus:
 
 
 def rescore_hint(source: Path) -> str:
-    """What to pass to score a run's changed source as it is now."""
     if is_tokenized_folder(source):
         return f"; pass --data_path {source} to score its val split as it is now"
     if is_document_corpus(source):  # eval takes no folder of documents, and a .jsonl is no text to score
@@ -129,18 +125,7 @@ def target_chars(y: torch.Tensor, tokenizer) -> int:
     return len(tokenizer.decode_bytes(targets).decode("utf-8", errors="replace"))
 
 
-def score(loaded: Loaded, x: torch.Tensor, y: torch.Tensor, data: str, batch_size: int, dtype: torch.dtype,
-          device: torch.device) -> dict:
-    """Evaluate exactly as train.py does; the report (--json's order) with the tokens, bytes and characters scored."""
-    n_bytes, chars = val_byte_count(y, loaded.tokenizer, device), target_chars(y, loaded.tokenizer)
-    progress = -(-len(x) // batch_size) >= PROGRESS_BATCHES  # a terminal or a log: someone waits for it
-    result = evaluate(loaded.model, x, y, batch_size, device, dtype, n_bytes, progress)
-    return {"checkpoint": loaded.source, "step": loaded.step, "data": data, "val_loss": result.loss,
-            "val_bpb": result.bpb, "tokens": result.tokens, "bytes": n_bytes, "chars": chars, "batch_size": batch_size,
-            "dtype": dtype_name(dtype), "device": str(device)}
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     add_weights_flags(parser)
     parser.add_argument("--data_path", "--data-path", default="",
@@ -158,11 +143,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                ("--eval_tokens", args.eval_tokens, -1)):  # -1: as training did
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
-    return args
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
     try:
         # LoRA unmerged, as training evaluated it: merged weights round, and the logged number would not come back.
         loaded = (from_pretrained(args.init_from) if args.init_from
@@ -178,11 +158,14 @@ def main(argv: list[str] | None = None) -> None:
         logged = f", logged best val loss {loaded.best_val_loss:.6f}" if runs else ""
         origin = f"step {loaded.step}{logged}" if loaded.step is not None else "pretrained weights"
         print(f"# {loaded.source} ({origin}) on {data}", flush=True)
-    report = score(loaded, x, y, data, batch_size, rt.dtype, rt.device)
-    if args.json:
-        print(json.dumps(report))
-        return
-    print(f"val loss {report['val_loss']:.6f} nats/token | {report['val_bpb']:.6f} bits/byte | {report['tokens']:,} "
+    n_bytes, chars = val_byte_count(y, loaded.tokenizer, rt.device), target_chars(y, loaded.tokenizer)
+    progress = -(-len(x) // batch_size) >= PROGRESS_BATCHES  # a terminal or a log: someone waits for it
+    result = evaluate(loaded.model, x, y, batch_size, rt.device, rt.dtype, n_bytes, progress)  # as train.py does
+    report = {"checkpoint": loaded.source, "step": loaded.step, "data": data, "val_loss": result.loss,
+              "val_bpb": result.bpb, "tokens": result.tokens, "bytes": n_bytes, "chars": chars,
+              "batch_size": batch_size, "dtype": dtype_name(rt.dtype), "device": str(rt.device)}
+    print(json.dumps(report) if args.json else
+          f"val loss {report['val_loss']:.6f} nats/token | {report['val_bpb']:.6f} bits/byte | {report['tokens']:,} "
           f"tokens, {report['bytes']:,} bytes, {report['chars']:,} chars | batch {batch_size}, {report['dtype']}, "
           f"{rt.device}")
 

@@ -3,12 +3,9 @@
     python -m scripts.export_gguf out/tiny tiny.gguf --dtype f16
     python -c "from llama_cpp import Llama; print(Llama('tiny.gguf').tokenize(b'Hello', add_bos=False))"
 
-Written with llama.cpp's ``gguf`` package (requirements-interop.txt) as its gpt2 architecture: the Hugging Face
-export's weights (a model GPT-2 cannot compute is refused in one line) in ggml's (out, in) layout, and the tokenizer
-as a byte-level BPE, so that llama.cpp makes our ids (char, bpe, gpt2 and chat runs alike). OUT is a new .gguf file,
-or a GGUF file to replace, never anything else; an existing folder gets FOLDER/<run>.gguf. llama.cpp computes GELU in
-its tanh form from an fp16 table: an exact-GELU model's logits differ a little (tests/test_gguf.py), its greedy text
-does not. What llama.cpp needs beyond our checkpoint (an end token, positions past block_size): docs/interop.md.
+Written with llama.cpp's ``gguf`` package as its gpt2 architecture: the Hugging Face export's weights in ggml's
+(out, in) layout, the tokenizer as a byte-level BPE that makes our ids (char, bpe, gpt2 and chat runs alike). OUT is
+a new .gguf file or a GGUF file to replace; an existing folder gets FOLDER/<run>.gguf. Details: docs/interop.md.
 """
 from __future__ import annotations
 
@@ -30,27 +27,20 @@ from runtime import written_whole
 from scripts.export_hf import bpe_tokens, chat_template, check_output, to_hf
 from tokenizer import BEGIN, BYTE_TEXT, END, EOT_TEXT, ChatTokenizer, bpe_merges, byte_text
 
-ARCH = "gpt2"  # llama.cpp's LLM_ARCH_GPT2
-DTYPES = ("f32", "f16", "q8_0")  # how the 2-D weights are stored; norms and biases stay f32
-TOKENIZER_MODEL = "gpt2"  # llama.cpp's name for a byte-level BPE with merges
-PRE_TOKENIZER = "gpt-2"  # GPT-2's split pattern (tokenizer.bpe_pattern)
 CONTEXT_ROWS = 2048  # the fewest positions a file declares: no runner's default context is longer
 N_CTX_ROUNDING = 256  # llama.cpp rounds every context up to a multiple of this (GGML_PAD in llama_context)
 
 
 def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str = "tinygpt") -> int:
-    """Write ``model`` and ``tokenizer`` to the GGUF file ``path``; returns the number of tensors. HFError (one
-    line) for a model llama.cpp's gpt2 architecture cannot compute."""
+    """Write ``model`` and ``tokenizer`` to the GGUF file ``path``; returns the number of tensors."""
     import gguf
-
-    refusals = gpt2_refusals(model.config)
-    if refusals:
+    if refusals := gpt2_refusals(model.config):
         raise HFError(f"cannot export as GGUF: the model has {refusals[0]}; llama.cpp's gpt2 architecture "
                       "would load it and compute another model")
     tokens, merges = vocabulary(tokenizer)
     tensors = gguf_tensors(model, len(tokens))  # before the file: a model that does not map writes nothing
     with written_whole(path) as staged:  # a failed write leaves no half file under the name
-        writer = gguf.GGUFWriter(str(staged), ARCH)
+        writer = gguf.GGUFWriter(str(staged), "gpt2")  # llama.cpp's LLM_ARCH_GPT2
         write_metadata(writer, model, tokenizer, tokens, merges, dtype, name)
         for tensor_name, value in tensors.items():
             data, ggml_type = stored(value, dtype)
@@ -64,9 +54,8 @@ def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str
 
 def gguf_tensors(model: GPT, n_tokens: int) -> dict[str, np.ndarray]:
     """to_hf's weights under llama.cpp's gpt2 names, (out, in), fp32: the embedding with a row of zeros for each
-    token past the model's vocabulary (a char export's <|endoftext|>: logit 0), the positions by position_rows."""
+    token past the model's vocabulary (a char export's <|endoftext|>: logit 0)."""
     import gguf
-
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.GPT2, model.config.n_layer)
     out = {}
     for hf_name, value in to_hf(model).items():
@@ -76,8 +65,8 @@ def gguf_tensors(model: GPT, n_tokens: int) -> dict[str, np.ndarray]:
         value = value.t() if is_transposed(hf_name) else value  # Conv1D's (in, out) back to (out, in): ggml's
         if hf_name == WTE:  # (V, C) -> (n_tokens, C)
             value = torch.cat([value, value.new_zeros(n_tokens - len(value), value.size(1))])
-        if hf_name == WPE:
-            value = position_rows(value)
+        if hf_name == WPE:  # (context_rows, C): row p is trained row p mod block_size (docs/interop.md)
+            value = value[torch.arange(context_rows(len(value))) % len(value)]
         out[gguf_name] = value.contiguous().numpy().astype(np.float32)
     return out
 
@@ -88,17 +77,9 @@ def context_rows(block_size: int) -> int:
     return -(-max(CONTEXT_ROWS, block_size) // N_CTX_ROUNDING) * N_CTX_ROUNDING
 
 
-def position_rows(wpe: torch.Tensor) -> torch.Tensor:
-    """The position table (block_size, C) in context_rows rows, row p being trained row p mod block_size: the cheapest
-    rows past the window measured (docs/interop.md, "Past the window")."""
-    return wpe[torch.arange(context_rows(len(wpe))) % len(wpe)]  # (rows, C)
-
-
 def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
-    """(data, ggml type) of one tensor: 1-D ones in f32, as llama.cpp's converter keeps them; q8_0 falls back to f16
-    for a matrix whose rows are not whole blocks of 32."""
+    """(data, ggml type): 1-D in f32, as llama.cpp's converter; q8_0 falls back to f16 for rows not in blocks of 32."""
     import gguf
-
     types = gguf.GGMLQuantizationType
     if value.ndim == 1 or dtype == "f32":
         return value, types.F32
@@ -108,10 +89,8 @@ def stored(value: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
 
 
 def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
-    """(token names in id order, merges) as llama.cpp's byte-level BPE: a tiktoken BPE as the Hugging Face export
-    names it; a char list one token per character, named by its UTF-8 bytes, with each multi-byte character's merges,
-    then <|endoftext|>: a char vocabulary has no end token, and llama.cpp ended each reply at its newline. A chat
-    tokenizer: its base's, then the markers under their own text."""
+    """(token names in id order, merges) as llama.cpp's byte-level BPE. A char vocabulary: one token per character,
+    named by its UTF-8 bytes, then <|endoftext|> (without an end token llama.cpp ended each reply at its newline)."""
     if isinstance(tokenizer, ChatTokenizer):  # <|end|> ends its replies: a char base's added end token is left out
         tokens, merges = vocabulary(tokenizer.base)
         return [*tokens[:tokenizer.base.vocab_size], *tokenizer.markers], merges
@@ -119,21 +98,17 @@ def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
         tokens = bpe_tokens(tokenizer)
         return [*map(byte_text, tokens), EOT_TEXT], bpe_merges(tokens)
     names = [[BYTE_TEXT[b] for b in ch.encode("utf-8")] for ch in tokenizer.chars]
-    # ordered, without repeats: characters share their lead bytes' merges
     merges = {"".join(name[:end]) + " " + name[end]: None for name in names for end in range(1, len(name))}
-    # llama.cpp's gpt2 tokenizer refuses a file without merges, and gguf writes no empty array: an all-ASCII
-    # vocabulary gets one merge that changes no tokenization (two NULs, which a char vocabulary never encodes).
-    # Then the end token llama.cpp needs and a char vocabulary lacks: after every character, so no id moves.
+    # llama.cpp refuses a file without merges, and gguf writes no empty array: an all-ASCII vocabulary gets one that
+    # changes no tokenization (two NULs, never encoded). The end token goes after every character: no id moves.
     return ["".join(name) for name in names] + [EOT_TEXT], list(merges) or [f"{BYTE_TEXT[0]} {BYTE_TEXT[0]}"]
 
 
 def write_metadata(writer, model: GPT, tokenizer, tokens: list[str], merges: list[str], dtype: str,
                    name: str) -> None:
-    """The shape llama.cpp builds, then the tokenizer: special ids and tokens past the model's vocabulary are CONTROL
-    (never made from text); bos is our start id, eos <|endoftext|> (either unset, llama.cpp takes id 11, a character).
-    A chat model: bos <|begin|>, eos and eot <|end|>, and the transformers export's template."""
+    """The shape llama.cpp builds, then the tokenizer: special ids and tokens past the vocabulary are CONTROL (never
+    made from text); bos and eos always set (unset, llama.cpp takes id 11, a character); a chat's template."""
     import gguf
-
     config, types = model.config, gguf.LlamaFileType
     writer.add_name(name)
     writer.add_file_type({"f32": types.ALL_F32, "f16": types.MOSTLY_F16, "q8_0": types.MOSTLY_Q8_0}[dtype])
@@ -143,8 +118,8 @@ def write_metadata(writer, model: GPT, tokenizer, tokens: list[str], merges: lis
     writer.add_block_count(config.n_layer)
     writer.add_head_count(config.n_head)
     writer.add_layer_norm_eps(LAYER_NORM_EPS)
-    writer.add_tokenizer_model(TOKENIZER_MODEL)
-    writer.add_tokenizer_pre(PRE_TOKENIZER)
+    writer.add_tokenizer_model("gpt2")  # llama.cpp's byte-level BPE with merges
+    writer.add_tokenizer_pre("gpt-2")  # GPT-2's split pattern (tokenizer.bpe_pattern)
     writer.add_token_list(tokens)
     control = set(tokenizer.special_ids) | set(range(tokenizer.vocab_size, len(tokens)))
     writer.add_token_types([gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL
@@ -163,9 +138,8 @@ def write_metadata(writer, model: GPT, tokenizer, tokens: list[str], merges: lis
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="run folder (its best.pt, else last.pt) or a checkpoint file")
-    parser.add_argument("out", help="the .gguf file to write (a GGUF file there is replaced), or a folder for "
-                                    "FOLDER/<run>.gguf")
-    parser.add_argument("--dtype", choices=DTYPES, default="f32",
+    parser.add_argument("out", help="the .gguf file to write (a GGUF file is replaced) or a folder: FOLDER/<run>.gguf")
+    parser.add_argument("--dtype", choices=("f32", "f16", "q8_0"), default="f32",
                         help="how the matrices are stored: f32 (exact), f16 (half the size), q8_0 (8-bit blocks)")
     args = parser.parse_args(argv)
     try:  # the paths first, then gguf, before a checkpoint is loaded

@@ -3,10 +3,9 @@
     python -m scripts.gpu_check                 # a CUDA machine: gpt2 preset, bf16, compile; ~5 min
     python -m scripts.gpu_check --dry-run       # the same commands on CPU, tiny model, 2 gloo ranks; 1-2 min
 
-Each check runs the repo's entry points (train.py, torchrun train.py, sample.py) in fresh processes, printing each
-command first, and reads what they wrote (metrics.jsonl, last.pt). It ends with a PASS/FAIL table (also written to
-OUT_DIR/results.json), tokens/s, MFU and peak GPU memory, and exits 1 if any check failed. The rng check runs with
-dropout 0.1: a CUDA RNG state not restored on resume changes the masks, so its losses differ from a straight run's.
+Each check runs an entry point (train.py, torchrun, sample.py) in a fresh process, printing the command, and reads
+what it wrote. It ends with a PASS/FAIL table (also OUT_DIR/results.json), tokens/s, MFU and peak GPU memory; exit 1 if
+any check failed. The rng check uses dropout: a CUDA RNG state not restored on resume changes its masks and losses.
 """
 from __future__ import annotations
 
@@ -46,7 +45,6 @@ PEAK_PROBE = ("import atexit, runpy, sys, torch; atexit.register(lambda: print('
 
 @dataclass
 class Check:
-    """The verdict of one check."""
     name: str
     status: str  # PASS, FAIL or SKIP
     detail: str  # figures on a pass, the one-line reason on a failure
@@ -63,7 +61,7 @@ class Plan:
 
 
 def run(cmd: list[str], *wrapper: str) -> subprocess.CompletedProcess:
-    """Print `python CMD` as a user would type it, then run it (after python flags ``wrapper``) in the repo."""
+    """Print `python CMD` as a user would type it, then run it in the repo, ``wrapper``'s python flags before it."""
     print("$ " + shlex.join(["python", *cmd]), flush=True)
     try:
         return subprocess.run([sys.executable, *wrapper, *cmd], cwd=REPO, capture_output=True, text=True,
@@ -78,7 +76,6 @@ def failure(result: subprocess.CompletedProcess) -> str:
 
 
 def shortfall(plan: Plan, name: str, result: subprocess.CompletedProcess) -> str:
-    """Why the run ``name`` failed or stopped short of plan.steps; empty when it did not."""
     if result.returncode:
         return failure(result)
     last = max(losses(plan.out / name), default=None)
@@ -100,9 +97,8 @@ def losses(out_dir: Path) -> dict[int, float]:
 
 
 def throughput(out_dir: Path) -> str:
-    """Median tokens/s and MFU of the log lines after the first (which carries the warm-up)."""
     logged = [r for r in records(out_dir) if "tokens_per_s" in r]  # a run that passed logged some
-    steady = logged[1:] or logged
+    steady = logged[1:] or logged  # the first line carries the warm-up
     tok_s = statistics.median(r["tokens_per_s"] for r in steady)
     mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
     return f"{tok_s:,.0f} tok/s, MFU " + (f"{statistics.median(mfus):.1%}" if mfus else "n/a")
@@ -171,7 +167,7 @@ def check_rng(plan: Plan) -> Check:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Exact equality of nested dicts, lists and tuples of tensors and plain values (the stream's state is a dict)."""
+    """Exact equality of nested dicts, lists and tuples of tensors and plain values."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
@@ -194,26 +190,14 @@ def check_sample(plan: Plan) -> Check:
 CHECKS = (check_train, check_ddp, check_resume, check_rng, check_sample)  # rng reads the resume check's run
 
 
-def make_plan(args) -> Plan:
-    common = ["--config", "gpt2", "--eval_tokens", "8192", "--grad_accum", "2", "--warmup_iters", "2",
-              "--log_interval", "5"]
-    # Absolute paths: the commands run in the repo.
-    common += [f"--{name}={Path(value).resolve()}" for name in ("data_path", "data_dir")
-               if (value := getattr(args, name))]
-    flags, nproc, device = (TINY, 2, "cpu") if args.dry_run else (GPU, torch.cuda.device_count(), "cuda")
-    return Plan(common + list(flags), args.out_dir.resolve(), args.steps, nproc, device)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run every check and print the table; 0 if none failed, 1 otherwise."""
     parser = CommandLine(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", "--dry_run", action="store_true",
                         help="run the same commands on CPU with the tiny preset's shape (for CI)")
     parser.add_argument("--steps", type=int, default=20, help="steps of the train and ddp runs (even, >= 2)")
     parser.add_argument("--out_dir", "--out-dir", type=Path, default=Path("out/gpu_check"),
                         help="one subfolder per run; those subfolders are replaced")
-    parser.add_argument("--data_path", "--data-path", default="",
-                        help="train.py's --data_path (empty: its built-in corpus)")
+    parser.add_argument("--data_path", "--data-path", default="", help="train.py's --data_path (empty: its own corpus)")
     parser.add_argument("--data_dir", "--data-dir", default="", help="train.py's --data_dir")
     args = parser.parse_args(argv)
     if args.steps < 2 or args.steps % 2:
@@ -224,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         check_writable(args.out_dir, "--out_dir", f".gpu_check-probe-{os.getpid()}")
     except TinyGPTError as err:  # one line and its exit code (config.py)
         exit_on(err)
-    plan = make_plan(args)
+    common = ["--config", "gpt2", "--eval_tokens", "8192", "--grad_accum", "2", "--warmup_iters", "2",
+              "--log_interval", "5"]
+    common += [f"--{name}={Path(value).resolve()}" for name in ("data_path", "data_dir")  # the commands run in REPO
+               if (value := getattr(args, name))]
+    flags, nproc, device = (TINY, 2, "cpu") if args.dry_run else (GPU, torch.cuda.device_count(), "cuda")
+    plan = Plan(common + list(flags), args.out_dir.resolve(), args.steps, nproc, device)
     marker = plan.out / ".written_by_gpu_check"  # never delete runs this script did not make
     if plan.out.is_dir() and any(plan.out.iterdir()) and not marker.is_file():
         parser.error(f"{plan.out} holds files gpu_check.py did not write; pass a new --out_dir")

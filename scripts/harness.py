@@ -4,8 +4,7 @@
     python -m scripts.harness --init_from gpt2 --tasks hellaswag,lambada_openai   # the tasks' data: HF hub
     python -m scripts.harness --ckpt out/gpt2-run --tasks arc_easy --limit 200    # a quick look, not a result
 
-``TinyGPTLM`` is lm_eval's model interface over our GPT and tokenizer: no export, char models too
-(docs/evaluation.md). lm_eval is imported only here (requirements-interop.txt).
+``TinyGPTLM`` is lm_eval's model interface over our GPT and tokenizer: no export, char models too (docs/evaluation.md).
 """
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ if not __package__:  # run as a file, `python scripts/harness.py`: its folder, n
     print("error: run it from the repo root as a module: python -m scripts.harness", file=sys.stderr)
     sys.exit(2)
 
-import argparse
 import functools
 import json
 import os
@@ -64,8 +62,7 @@ class TinyGPTLM(TemplateLM):
         except DataError as err:  # a char model meets a character it never saw
             raise DataError(f"the task's text: {err}; a char model scores only text in its own characters") from None
 
-    def _loglikelihood_tokens(self, requests: list[tuple], disable_tqdm: bool = False,
-                              **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(self, requests: list[tuple], disable_tqdm: bool = False, **kwargs) -> list[tuple]:
         """(log p(continuation | context), whether greedy decoding gives it) per (key, context, continuation)."""
         answers: list[tuple[float, bool] | None] = [None] * len(requests)
         longest_first = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
@@ -80,8 +77,7 @@ class TinyGPTLM(TemplateLM):
 
     @torch.no_grad()
     def score_batch(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """Per (context ids, continuation ids): the model reads context + continuation but its last token, at most
-        block_size tokens, and scores the continuation (1 to block_size tokens)."""
+        """Per (context ids, continuation ids): the continuation's log-likelihood and whether greedy gives it."""
         if bad := [len(c) for _, c in pairs if not 0 < len(c) <= self.max_length]:
             raise ValueError(f"a continuation of {bad[0]} tokens; the model scores 1 to {self.max_length} (its "
                              "block_size) at once")
@@ -110,7 +106,7 @@ class TinyGPTLM(TemplateLM):
         return totals
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-        """Each context's continuation up to (not including) its first stop sequence: greedy unless sampled."""
+        """Each context's continuation up to its first stop sequence: greedy unless sampled."""
         outputs = []
         for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm, desc="generate_until"):
             until = gen_kwargs.get("until") or [self.tok.decode([self.eot_token_id])]
@@ -118,39 +114,16 @@ class TinyGPTLM(TemplateLM):
             sampled = gen_kwargs.get("do_sample", False) and gen_kwargs.get("temperature", 0.0) > 0
             prompt = self.tok_encode(context) or [self.eot_token_id]
             n = len(prompt)
-
-            def reached_stop(idx: torch.Tensor) -> bool:  # idx (1, n + new)
-                return any(stop in self.tok.decode(idx[0, n:].tolist()) for stop in until)
-
             out = generate(self.model, torch.tensor([prompt], device=self.device),
                            gen_kwargs.get("max_gen_toks", self.max_gen_toks),
-                           temperature=gen_kwargs["temperature"] if sampled else 0.0, stop=reached_stop)
+                           temperature=gen_kwargs["temperature"] if sampled else 0.0,
+                           stop=lambda idx: any(s in self.tok.decode(idx[0, n:].tolist()) for s in until))  # idx (1, T)
             text = self.tok.decode(out[0, n:].tolist())
             for stop in until:
                 text = text.split(stop)[0]
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             outputs.append(text)
         return outputs
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = CommandLine(description=__doc__.split("\n\n")[0])
-    add_weights_flags(parser)
-    parser.add_argument("--tasks", required=True,
-                        help="comma-separated lm_eval task or group names; offline, the repo's own: "
-                             + ", ".join(LOCAL_TASK_NAMES))
-    parser.add_argument("--num_fewshot", "--num-fewshot", type=int, default=None,
-                        help="examples in each prompt (default: each task's own, usually 0)")
-    parser.add_argument("--limit", type=float, default=None,
-                        help="documents per task (a fraction if < 1): for a quick look, never a number to quote")
-    parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="requests per forward pass")
-    parser.add_argument("--device", default="auto", help=field_help()["device"])
-    parser.add_argument("--output", default="",
-                        help="results JSON (default: harness-TASKS.json in the run folder, or out/harness/)")
-    args = parser.parse_args(argv)
-    if args.batch_size < 1 or (args.limit is not None and args.limit <= 0) or (args.num_fewshot or 0) < 0:
-        parser.error("need --batch_size >= 1, --limit > 0 and --num_fewshot >= 0")
-    return args
 
 
 def task_manager(names: list[str]) -> TaskManager:
@@ -163,23 +136,31 @@ def index_of_tasks(include_defaults: bool) -> TaskManager:
     return TaskManager(include_path=str(LOCAL_TASKS), include_defaults=include_defaults)
 
 
-def check_tasks(names: list[str]) -> None:
-    """ConfigError at once (not after a minute of retries) for a task that needs the unreachable hub, or unknown."""
-    remote = [name for name in names if name not in LOCAL_TASK_NAMES]
-    if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := checkpoint.hub_unreachable("gpt2")):
-        raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need their "
-                          "data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
-    unknown = [name for name in names if name not in task_manager(names).all_tasks]
-    if unknown or not names:
-        raise ConfigError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; list them with "
-                          f"`lm_eval ls tasks`, or see {LOCAL_TASKS.relative_to(REPO)}/ for the offline ones")
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
+    add_weights_flags(parser)
+    parser.add_argument("--tasks", required=True, help="comma-separated lm_eval task or group names; offline, the "
+                        "repo's own: " + ", ".join(LOCAL_TASK_NAMES))
+    parser.add_argument("--num_fewshot", "--num-fewshot", type=int, default=None,
+                        help="examples in each prompt (default: each task's own, usually 0)")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="documents per task (a fraction if < 1): for a quick look, never a number to quote")
+    parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="requests per forward pass")
+    parser.add_argument("--device", default="auto", help=field_help()["device"])
+    parser.add_argument("--output", default="",
+                        help="results JSON (default: harness-TASKS.json in the run folder, or out/harness/)")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or (args.limit is not None and args.limit <= 0) or (args.num_fewshot or 0) < 0:
+        parser.error("need --batch_size >= 1, --limit > 0 and --num_fewshot >= 0")
     try:
         names = [name.strip() for name in args.tasks.split(",") if name.strip()]
-        check_tasks(names)
+        remote = [name for name in names if name not in LOCAL_TASK_NAMES]  # refused now, not after minutes of retries
+        if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := checkpoint.hub_unreachable("gpt2")):
+            raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need "
+                              "their data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
+        if (unknown := [name for name in names if name not in task_manager(names).all_tasks]) or not names:
+            raise ConfigError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; list them with "
+                              f"`lm_eval ls tasks`, or see {LOCAL_TASKS.relative_to(REPO)}/ for the offline ones")
         loaded = from_flags(args, pick_device(args.device))
         lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
         try:

@@ -1,13 +1,11 @@
 """Loss curves: one or more runs' metrics.jsonl -> a PNG of train and val loss against step and wall time.
 
     python -m scripts.plot out/small/metrics.jsonl -o out/small/loss.png
-    python -m scripts.plot out/a/metrics.jsonl out/b/metrics.jsonl --labels fp32 bf16 -o cmp.png
     python -m scripts.plot out/small/metrics.jsonl --ref 70:1.87 --ref 200:1.62 --ref-label nanoGPT
-    python -m scripts.plot out/char/metrics.jsonl out/bpe/metrics.jsonl --bpb -o cmp.png   # + val bits per byte
-    python -m scripts.plot out/compare/tiny-200steps --bpb -o cmp.png       # compare.py's variants, seeds as a band
+    python -m scripts.plot out/compare/tiny-200steps --bpb -o cmp.png  # + val bits per byte; a variant's seeds: a band
     python -m scripts.plot out/a/seed-1 out/a/seed-2 out/b/seed-1 out/b/seed-2 --labels a a b b
 
-Runs with one label (a compare.py variant's seeds) are one group: their mean with a min-max band, each final an x.
+Runs with one label are one group: their mean with a min-max band, each final an x.
 """
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
-        raise DataError(f"{path}: not a metrics.jsonl (not UTF-8 text); pass a run folder or its "
-                        "metrics.jsonl") from None
+        raise DataError(f"{path}: not a metrics.jsonl (not UTF-8 text); pass a run folder or metrics.jsonl") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -94,9 +91,8 @@ def aggregate(runs: list[list[dict]], x_key: str, y_key: str) -> tuple[list[floa
     return xs, [sum(y) / len(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
 
 
-def draw_group(ax, label: str, color: str, train: list[list[dict]], val: list[list[dict]], x_key: str,
-               y_key: str = "val_loss") -> None:
-    """One run as it always was drawn; several as their mean, a min-max band/bars and each final point."""
+def draw_group(ax, label: str, color: str, train: list[list[dict]], val: list[list[dict]], x_key: str, y_key: str):
+    """One run as a line; several as their mean, a min-max band/bars and each final point."""
     several = len(val) > 1
     if train:
         xs, mean, low, high = aggregate(train, x_key, "loss")
@@ -120,7 +116,7 @@ def plot(paths: list[Path], out: Path, labels: list[str], refs: list[tuple[float
     """Write a PNG (loss vs step and wall time; ``bpb``: val bits per byte vs step); the runs of a label are a group."""
     groups = group_runs(paths, labels)
     panels = [("step", "val_loss", "loss (nats/token)"), ("time_s", "val_loss", "")]  # (x, y, y label)
-    panels += [("step", "val_bpb", "val bits per byte")] if bpb else []  # runs logged before val_bpb: no points
+    panels += [("step", "val_bpb", "val bits per byte")] if bpb else []
     fig, axes = plt.subplots(1, len(panels), figsize=(16 if bpb else 11, 4))
     ax_step, ax_time = axes[0], axes[1]
     ax_time.sharey(ax_step)
@@ -159,9 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("metrics", nargs="+", type=Path,
                         help="metrics.jsonl files, run folders or compare.py experiment folders")
     parser.add_argument("-o", "--out", type=Path, default=Path("loss.png"), help="PNG to write")
-    parser.add_argument("--labels", nargs="+", default=None,
-                        help="one legend label per argument (default: run folder, or variant); "
-                             "equal labels are one group")
+    parser.add_argument("--labels", nargs="+", help="one legend label per argument (default: run folder, or "
+                        "variant); equal labels are one group")
     parser.add_argument("--ref", action="append", type=parse_ref, default=[], metavar="SECONDS:LOSS",
                         help="a reference val-loss point on the wall-time panel (repeatable)")
     parser.add_argument("--ref-label", default="reference", help="legend label of the --ref points")

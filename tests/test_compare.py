@@ -87,17 +87,25 @@ def test_the_folder_holds_every_run_and_the_reports(finished):
 
 
 def test_a_rerun_trains_nothing_even_of_runs_saved_before_a_config_field_existed(finished, tmp_path, monkeypatch):
-    """Same tables, no run trained; a field added to TrainConfig after the runs (text_column) had its default then."""
-    root, _ = finished
-    shutil.copytree(root / "exp", tmp_path / "exp")
+    """Same tables, no run trained; a field added to TrainConfig after the runs (text_column) had its default then.
+    Rerun with --vs, every difference is taken against the named control."""
+    root, summary = finished
+    shutil.copytree(root / "exp", tmp_path / "exp")  # its reports are rewritten: the shared folder's stay
     for result in (tmp_path / "exp").glob("*/seed-*/result.json"):
         record = json.loads(result.read_text())
         del record["config"]["text_column"]
         result.write_text(json.dumps(record))
     monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
-    compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:", "same:", SLOW), StopOnSignal(install=False))
+    command = argv(root / "corpus.txt", tmp_path / "exp", "base:", "same:", SLOW)
+    compare.compare(command, StopOnSignal(install=False))
     tables = [(folder / "results.md").read_text().split("\n", 1)[1] for folder in (tmp_path / "exp", root / "exp")]
     assert tables[0] == tables[1]  # all but the first line, the command, whose --out differs
+
+    against_slow = compare.compare(command + ["--vs", "slow"], StopOnSignal(install=False))
+    assert against_slow["baseline"] == "slow" and "p" not in row(against_slow, "slow")["val_loss"]
+    assert row(against_slow, "base")["val_loss"]["diff"] == pytest.approx(-row(summary, "slow")["val_loss"]["diff"])
+    assert row(against_slow, "slow")["speed_ratio"] == 1.0
+    assert "Δ vs slow [95% CI]" in (tmp_path / "exp" / "results.md").read_text()
 
 
 def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finished, tmp_path, monkeypatch):
@@ -166,27 +174,22 @@ def test_plot_draws_a_comparison_as_one_group_per_variant(finished, tmp_path):
     assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds(tmp_path, text_file):
+def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds_and_one_dtype(tmp_path, text_file, monkeypatch):
+    calls = []
+    monkeypatch.setattr(runtime, "run_dtype", lambda *a: calls.append(a) or torch.bfloat16)  # choose_runtime's
     parser = compare.build_parser()
-    plan = compare.make_plan(parser.parse_args(argv(text_file, tmp_path / "e", "a:", "b:dropout=0.1", seeds=2)), "")
+    plan = compare.make_plan(parser.parse_args(argv(text_file, tmp_path / "e", "a:", "b:n_embd=64", seeds=2)
+                                               + ["--set", "dtype=auto"]), "")
     assert [(r.variant, r.seed) for r in plan.runs] == [("a", 1), ("b", 1), ("a", 2), ("b", 2)]  # round by round
+    assert len(calls) == 1 and {r.config().dtype for r in plan.runs} == {"bfloat16"}  # dtype=auto: decided once
     cfg = plan.runs[3].config()
-    assert (cfg.schedule, cfg.max_iters, cfg.lr_decay_iters, cfg.max_time, cfg.seed, cfg.dropout) == \
-        ("steps", STEPS, STEPS, 0.0, 2, 0.1)
+    assert (cfg.schedule, cfg.max_iters, cfg.lr_decay_iters, cfg.max_time, cfg.seed, cfg.n_embd) == \
+        ("steps", STEPS, STEPS, 0.0, 2, 64)
     assert Path(cfg.out_dir) == tmp_path / "e" / "b" / "seed-2"
     timed = compare.make_plan(parser.parse_args(argv(text_file, tmp_path / "e", "a:", budget=("--time", "90"))), "")
     cfg = timed.runs[0].config()
     assert (cfg.schedule, cfg.max_time) == ("time", 90.0) and cfg.max_iters >= 10**9
     assert not (tmp_path / "e").exists()  # planning writes nothing
-
-
-def test_dtype_auto_is_decided_once_for_every_run(tmp_path, text_file, monkeypatch):
-    calls = []
-    monkeypatch.setattr(runtime, "run_dtype", lambda *a: calls.append(a) or torch.bfloat16)  # choose_runtime's
-    args = compare.build_parser().parse_args(argv(text_file, tmp_path / "e", "a:", "wide:n_embd=64", seeds=2)
-                                             + ["--set", "dtype=auto"])
-    plan = compare.make_plan(args, "")
-    assert len(calls) == 1 and {r.config().dtype for r in plan.runs} == {"bfloat16"}
 
 
 @pytest.mark.parametrize("variants, extra, message", [
@@ -236,18 +239,6 @@ def test_runs_made_by_other_code_are_trained_again_and_set_aside(finished, tmp_p
         assert json.loads((tmp_path / "exp" / "base" / f"seed-{seed}" / "result.json").read_text())["code"] == edited
     assert per_seed(rerun, "base", "val_loss") == per_seed(summary, "base", "val_loss")  # same code, in truth
     assert [label for _, label in plot.expand(tmp_path / "exp")] == ["base"] * 3  # not the stale runs
-
-
-def test_vs_takes_every_difference_against_the_named_control(finished, tmp_path, monkeypatch):
-    root, summary = finished
-    shutil.copytree(root / "exp", tmp_path / "exp")  # its reports are rewritten: the shared folder's stay
-    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
-    against_slow = compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:", "same:", SLOW)
-                                   + ["--vs", "slow"], StopOnSignal(install=False))
-    assert against_slow["baseline"] == "slow" and "p" not in row(against_slow, "slow")["val_loss"]
-    assert row(against_slow, "base")["val_loss"]["diff"] == pytest.approx(-row(summary, "slow")["val_loss"]["diff"])
-    assert row(against_slow, "slow")["speed_ratio"] == 1.0
-    assert "Δ vs slow [95% CI]" in (tmp_path / "exp" / "results.md").read_text()
 
 
 def test_the_code_fingerprint_follows_the_training_sources_and_nothing_else(tmp_path, monkeypatch):
