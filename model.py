@@ -39,7 +39,7 @@ class GPTConfig:
     config/__init__.py's TrainConfig inherits these fields (all but vocab_size), so each is a flag and a
     preset key with its help, checked by its type (a Literal lists the allowed values) and kept by a resume
     (all but TRAINING_ONLY). A checkpoint saved before a field existed means its default, so a new option's
-    default must be the model as it was, GPT-2's computation; checkpoint.py refuses to export or import any
+    default must be the model as it was, GPT-2's computation; finetune.py refuses to export or import any
     other value it does not know. docs/experiments.md walks through adding one.
     """
     vocab_size: int = option(MISSING, "real vocabulary size, set by the corpus; the embedding is padded up for speed")

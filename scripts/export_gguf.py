@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from checkpoint import LAYER_NORM_EPS, WPE, WTE, find_checkpoint, from_checkpoint, gpt2_refusals, is_transposed
+from checkpoint import find_checkpoint, from_checkpoint
+from finetune import LAYER_NORM_EPS, WPE, WTE, gpt2_refusals, is_transposed
 from config import CommandLine, HFError, TinyGPTError, exit_on, fail, install_hint
 from model import GPT
 from runtime import written_whole

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from checkpoint import (ACTIVATIONS, LAYER_NORM_EPS, TIED_HEAD, convert, expand, find_checkpoint, from_checkpoint,
-                        gpt2_refusals, load_checkpoint)
+from checkpoint import find_checkpoint, from_checkpoint, load_checkpoint
+from finetune import ACTIVATIONS, LAYER_NORM_EPS, TIED_HEAD, convert, expand, gpt2_refusals
 from config import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on
 from model import GPT, GPTConfig
 from runtime import atomic_write, atomic_write_text, check_writable

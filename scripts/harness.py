@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-import checkpoint
+
+import finetune
 from checkpoint import add_weights_flags, from_flags
 from config import REPO, CommandLine, ConfigError, TinyGPTError, exit_on, fail, field_help, install_hint
 from data import DataError
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         names = [name.strip() for name in args.tasks.split(",") if name.strip()]
         remote = [name for name in names if name not in LOCAL_TASK_NAMES]  # refused now, not after minutes of retries
-        if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := checkpoint.hub_unreachable("gpt2")):
+        if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := finetune.hub_unreachable("gpt2")):
             raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need "
                               "their data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
         if (unknown := [name for name in names if name not in task_manager(names).all_tasks]) or not names:

@@ -377,7 +377,7 @@ def base_tokenizer_of(kind: str, cache: Path):
 @pytest.mark.parametrize("kind", ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)])
 def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     transformers = pytest.importorskip("transformers")
-    import checkpoint
+    import finetune
     t = chat_tokenizer(base_tokenizer_of(kind, tmp_path / "cache"))
     export_hf.export(tiny_model(vocab_size=t.vocab_size), t, tmp_path / "export")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
@@ -396,7 +396,7 @@ def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     with pytest.raises(Exception, match="role narrator is not one of system, user, assistant"):  # as prepare.py
         theirs.apply_chat_template([{"role": "narrator", "content": "hi"}], tokenize=False)
     # --init_from reads it back as the chat tokenizer it is (it was refused: "a char list of 84 tokens for 89")
-    assert checkpoint.load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
+    assert finetune.load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
 
 
 def test_eval_scores_a_chat_run_on_its_assistants_tokens_as_training_did(chat_run, capsys):

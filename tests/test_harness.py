@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_text, tiny_model
 
-import checkpoint
+import finetune
 import train
 from checkpoint import find_checkpoint, from_checkpoint
 from scripts import export_hf
@@ -173,7 +173,7 @@ def test_a_char_model_meeting_a_character_outside_its_vocabulary_fails_in_one_li
 
 def test_a_task_needing_the_unreachable_hub_fails_at_once_in_one_line(monkeypatch, char_checkpoint, capsys):
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
-    monkeypatch.setattr(checkpoint, "hub_unreachable", lambda repo_id: "Name or service not known")
+    monkeypatch.setattr(finetune, "hub_unreachable", lambda repo_id: "Name or service not known")
     with pytest.raises(SystemExit):
         harness.main(["--ckpt", char_checkpoint, "--tasks", "tinygpt_cloze,hellaswag"])
     assert capsys.readouterr().err.strip() == (

@@ -18,6 +18,8 @@ from conftest import COUNT_CONNECTIONS, REPO, make_text, read_metrics, run_scrip
 from safetensors.torch import load_file, save_file
 
 import checkpoint
+
+import finetune
 import sample
 import train
 from checkpoint import from_checkpoint, load_checkpoint, start_from
@@ -50,7 +52,7 @@ def random_hf_gpt2(folder: Path, vocab_size: int = 96, n_positions: int = 24, se
 
 
 def import_model(source, **kw) -> GPT:
-    pretrained = checkpoint.load_pretrained(str(source), **kw)
+    pretrained = finetune.load_pretrained(str(source), **kw)
     model = GPT(pretrained.config)
     model.load_state_dict(pretrained.state)
     return model.eval()
@@ -101,9 +103,9 @@ def test_a_bare_safetensors_file_needs_its_config_json_beside_it(tmp_path):
     bare.parent.mkdir()
     shutil.copy(folder / "model.safetensors", bare)
     with pytest.raises(HFError, match="weights.safetensors: no config.json beside it.*put its config.json beside"):
-        checkpoint.load_pretrained(str(bare))
+        finetune.load_pretrained(str(bare))
     shutil.copy(folder / "config.json", bare.parent / "config.json")
-    assert checkpoint.load_pretrained(str(bare)).config.n_head == 2
+    assert finetune.load_pretrained(str(bare)).config.n_head == 2
 
 
 def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
@@ -115,9 +117,9 @@ def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
         asked.append((repo_id, filename, kw))
         return str(folder / filename)
 
-    monkeypatch.setattr(checkpoint, "hub_unreachable", lambda repo_id: None)  # the hub answers (and no test reaches it)
+    monkeypatch.setattr(finetune, "hub_unreachable", lambda repo_id: None)  # the hub answers (and no test reaches it)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    pretrained = checkpoint.load_pretrained("gpt2")
+    pretrained = finetune.load_pretrained("gpt2")
     assert asked == [("openai-community/gpt2", "config.json", {"local_files_only": False}),
                      ("openai-community/gpt2", "model.safetensors", {"local_files_only": False})]
     assert pretrained.config.n_layer == 2 and pretrained.source == "gpt2"
@@ -125,12 +127,12 @@ def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
 
 LOAD_TWO_HUB_NAMES = COUNT_CONNECTIONS + """
 import json, sys
-import checkpoint
+import finetune
 for name in sys.argv[1:]:
     before = len(connections)
     try:
-        result = checkpoint.load_pretrained(name).config.n_layer
-    except checkpoint.HFError as err:
+        result = finetune.load_pretrained(name).config.n_layer
+    except finetune.HFError as err:
         result = str(err)
     print(json.dumps({"name": name, "result": result, "connections": connections[before:]}))
 """
@@ -151,7 +153,7 @@ def test_an_unreachable_hub_fails_fast_and_quietly_and_the_cache_still_serves(tm
     result = subprocess.run([sys.executable, "-c", LOAD_TWO_HUB_NAMES, "someone/not-cached", "gpt2"], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)
     missing, cached = [json.loads(line) for line in result.stdout.splitlines()]
-    probe = [9, checkpoint.HUB_PROBE_TIMEOUT]  # one try, bounded by the probe's timeout: no retries (they were ~11)
+    probe = [9, finetune.HUB_PROBE_TIMEOUT]  # one try, bounded by the probe's timeout: no retries (they were ~11)
     # Before it, once per process, huggingface_hub's own fetch of its agent registry (3 s timeout).
     assert missing["connections"] in ([probe], [[9, 3], probe]), missing
     assert result.stderr == ""  # no retry warnings
@@ -368,7 +370,7 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     from tokenizer import GPT2Tokenizer
     tmp = tmp_path_factory.mktemp("finetune")
     folder = random_hf_gpt2(tmp / "gpt2", vocab_size=50257, n_positions=1024)
-    monkeypatch.setattr(checkpoint, "hub_unreachable", lambda repo_id: None)  # no test reaches the real hub
+    monkeypatch.setattr(finetune, "hub_unreachable", lambda repo_id: None)  # no test reaches the real hub
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(folder / filename))
     cfg = make_config("finetune_shakespeare", out_dir=str(tmp / "run"), data_dir=str(tmp / "data"), device="cpu",
                       dtype="float32", max_iters=2, eval_interval=2, eval_tokens=512, batch_size=2, block_size=64)
@@ -423,7 +425,7 @@ def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(t
         export_hf.export(loaded.model, loaded.tokenizer, folder)
     (folder / CHARS_FILE).write_text("{not json")
     with pytest.raises(checkpoint.HFError, match="not a tinygpt char list"):
-        checkpoint.load_pretrained(str(folder))
+        finetune.load_pretrained(str(folder))
 
 
 # ----------------------------------------------------------------------------- GPT-2 interop
@@ -443,11 +445,11 @@ def test_an_lm_head_that_differs_from_wte_is_refused_in_one_line(tmp_path):
     tensors = load_file(folder / "model.safetensors")
     tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
     save_file(tensors, folder / "model.safetensors")
-    assert checkpoint.load_pretrained(str(folder)).config.vocab_size == len(CHARS)  # an equal head: GPT-2's layout
+    assert finetune.load_pretrained(str(folder)).config.vocab_size == len(CHARS)  # an equal head: GPT-2's layout
     tensors["lm_head.weight"][3, 5] += 0.5  # one weight of the head differs
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(checkpoint.HFError, match="lm_head.weight differs from transformer.wte.weight") as error:
-        checkpoint.load_pretrained(str(folder))
+        finetune.load_pretrained(str(folder))
     assert "\n" not in str(error.value)
 
 
@@ -462,7 +464,7 @@ NON_GPT2_VALUES = {
     "scale_attn_by_inverse_layer_idx": True,
     "tie_word_embeddings": False,
 }
-RULES = {name: (default, allowed) for name, default, allowed in checkpoint.CONFIG_RULES}
+RULES = {name: (default, allowed) for name, default, allowed in finetune.CONFIG_RULES}
 
 
 @pytest.mark.parametrize("name", sorted(NON_GPT2_VALUES.keys() | RULES.keys()))
@@ -474,10 +476,10 @@ def test_every_config_rule_refuses_a_non_gpt2_value(tmp_path, name):
     config = json.loads((folder / "config.json").read_text())
     if name in RULES:  # GPT-2's own value, written out, is accepted
         (folder / "config.json").write_text(json.dumps({**config, name: RULES[name][0]}))
-        checkpoint.load_pretrained(str(folder))
+        finetune.load_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps({**config, name: NON_GPT2_VALUES[name]}))
     with pytest.raises(checkpoint.HFError, match=name) as error:
-        checkpoint.load_pretrained(str(folder))
+        finetune.load_pretrained(str(folder))
     assert "\n" not in str(error.value)
 
 
@@ -510,8 +512,8 @@ def test_gpt2s_defaults_spelled_out_import_as_the_same_model(tmp_path, key, valu
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     bare = {k: v for k, v in written.items() if k in SHAPE_KEYS}  # every default left out
     (tmp_path / "hf" / "config.json").write_text(json.dumps(bare))
-    reference = checkpoint.load_pretrained(str(tmp_path / "hf"))
+    reference = finetune.load_pretrained(str(tmp_path / "hf"))
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**bare, key: value}))
-    spelled = checkpoint.load_pretrained(str(tmp_path / "hf"))
+    spelled = finetune.load_pretrained(str(tmp_path / "hf"))
     assert spelled.config == reference.config and spelled.state.keys() == reference.state.keys()
     assert all(torch.equal(spelled.state[k], reference.state[k]) for k in reference.state)

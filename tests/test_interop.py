@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import REPO, docs_snippet, make_text, run_script, tiny_model
 
-import checkpoint
+
+import finetune
 import sample
 import tokenizer
 from config import DataError, HFError
@@ -140,7 +141,7 @@ def test_a_peft_merged_export_comes_back_through_init_from_with_equal_logits(tmp
     merged = lora.merge_and_unload().eval()  # init_lora_weights=False: B is random, so the merge changes c_attn
     merged.save_pretrained(tmp_path / "merged")
     transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "merged")
-    pretrained = checkpoint.load_pretrained(str(tmp_path / "merged"))
+    pretrained = finetune.load_pretrained(str(tmp_path / "merged"))
     assert pretrained.tokenizer == ours.meta()
     back = sample.GPT(pretrained.config)
     back.load_state_dict(pretrained.state)

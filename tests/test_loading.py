@@ -11,18 +11,10 @@ import pytest
 import torch
 from conftest import make_text
 
-import checkpoint
+import finetune
 import train
-from checkpoint import (
-    Loaded,
-    add_weights_flags,
-    find_checkpoint,
-    from_checkpoint,
-    from_flags,
-    from_pretrained,
-    load_checkpoint,
-    start_from,
-)
+from checkpoint import (Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_flags, from_pretrained,
+                        load_checkpoint, start_from)
 from config import DEFAULTS, CheckpointError, HFError, make_config
 from runtime import Runtime
 from scripts import export_hf
@@ -142,7 +134,7 @@ def test_a_missing_local_path_is_refused_before_the_hub_is_asked(run, tmp_path, 
         asked.append(repo_id)
         raise LookupError(f"asked the hub for {repo_id}")
 
-    monkeypatch.setattr(checkpoint, "download", download)
+    monkeypatch.setattr(finetune, "download", download)
     for path in ("out/smal", "./out/smal", "out/nosuch", "runs/a/b", "mine.safetensors", "/nowhere/run", "smal"):
         for load in (lambda: start_from(make_config(None, init_from=path)), lambda: from_pretrained(path)):
             with pytest.raises(CheckpointError, match="no such run folder or file; pass a run folder") as err:

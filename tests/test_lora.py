@@ -175,7 +175,7 @@ def test_the_optimizer_sees_and_steps_only_the_adapters(corpus_paths, base_folde
 def test_a_lora_checkpoint_holds_the_adapters_and_the_bases_fingerprint_not_the_base(trained, base_folder):
     state = load_checkpoint(trained / "last.pt")
     assert sorted(state) == sorted(REQUIRED_KEYS + LORA_KEYS)
-    pretrained = checkpoint.load_pretrained(str(base_folder), 32)
+    pretrained = finetune.load_pretrained(str(base_folder), 32)
     base = tiny_model(vocab_size=pretrained.config.vocab_size, block_size=32, bias=True, activation="gelu_tanh")
     base.load_state_dict(pretrained.state)
     assert state["lora"] == {"base": str(base_folder), "fingerprint": finetune.base_fingerprint(base), "rank": 4,

@@ -16,8 +16,11 @@ import torch
 from conftest import copy_of_the_repo, docs_snippet, make_text, read_metrics, run_main, run_tests_in, tiny_args
 
 import checkpoint
+
+import finetune
 import model as model_module
-from checkpoint import adopt, from_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import from_checkpoint, load_checkpoint, save_checkpoint
+from finetune import adopt
 from config import (
     DEFAULTS,
     FIELD_TYPES,
@@ -320,14 +323,14 @@ def test_a_checkpoint_saved_before_the_newer_options_still_resumes(tmp_path, cor
 
 # ----------------------------------------------------------------------------- GPT-2 interop
 def gpt2_computes(name: str, value: Any) -> bool:
-    allowed = checkpoint.GPT2_OPTIONS.get(name, (getattr(GPTConfig, name),))
-    return allowed is checkpoint.ANY or value in allowed
+    allowed = finetune.GPT2_OPTIONS.get(name, (getattr(GPTConfig, name),))
+    return allowed is finetune.ANY or value in allowed
 
 
-def pretrained_config() -> checkpoint.Pretrained:
+def pretrained_config() -> finetune.Pretrained:
     """What a GPT-2 file imports as: its shape; every other option at its default."""
     config = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh")
-    return checkpoint.Pretrained(config, {}, "gpt2-folder", None, config.block_size, gpt2=True)
+    return finetune.Pretrained(config, {}, "gpt2-folder", None, config.block_size, gpt2=True)
 
 
 @pytest.mark.parametrize("name, value", CASES)
@@ -335,30 +338,30 @@ def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(mo
     variant = make_config(BASE, **case(name, value))
     model = GPT(model_config(variant, VOCAB))
     for other, needed in needs(name).items():  # taken as GPT-2's, so that this option's own rule is what runs
-        monkeypatch.setitem(checkpoint.GPT2_OPTIONS, other, (needed,))
+        monkeypatch.setitem(finetune.GPT2_OPTIONS, other, (needed,))
     if name in GPTConfig.TRAINING_ONLY:  # how the weights were trained, not what they compute: never "another model"
-        assert checkpoint.gpt2_refusals(model.config) == []
+        assert finetune.gpt2_refusals(model.config) == []
         assert getattr(adopt(variant, pretrained_config()), name) == value
         if not needs(name):  # what it needs may add weights GPT-2's layout has no place for
             assert "transformer.wte.weight" in export_hf.to_hf(model)
         return
     if gpt2_computes(name, value):
         assert "transformer.wte.weight" in export_hf.to_hf(model)
-        if name not in checkpoint.IMPORTED:  # an option the weights fix is checked against them (test_hf.py)
+        if name not in finetune.IMPORTED:  # an option the weights fix is checked against them (test_hf.py)
             assert getattr(adopt(variant, pretrained_config()), name) == value
         # The same refusal, as if GPT-2 computed only the base value: every option's refusal path runs.
-        monkeypatch.setitem(checkpoint.GPT2_OPTIONS, name, (getattr(make_config(BASE), name),))
+        monkeypatch.setitem(finetune.GPT2_OPTIONS, name, (getattr(make_config(BASE), name),))
     message = f"{name} {value!r} \\(GPT-2 computes"
     with pytest.raises(checkpoint.HFError, match=f"cannot export as GPT-2: the model has {message}"):
         export_hf.to_hf(model)
-    if name not in checkpoint.IMPORTED:
+    if name not in finetune.IMPORTED:
         with pytest.raises(HFError, match=f"gpt2-folder holds GPT-2 weights, which cannot run with {message}"):
             adopt(variant, pretrained_config())
 
 
 def test_an_export_refusal_is_one_line_and_writes_nothing(tmp_path, corpus_file, monkeypatch, capsys):
     assert run_main(run_args(tmp_path / "run", corpus_file, activation="gelu_tanh")) == 0
-    monkeypatch.setitem(checkpoint.GPT2_OPTIONS, "activation", ("gelu",))
+    monkeypatch.setitem(finetune.GPT2_OPTIONS, "activation", ("gelu",))
     from scripts import export_hf
     with pytest.raises(SystemExit) as stopped:
         export_hf.main([str(tmp_path / "run"), str(tmp_path / "hf")])
