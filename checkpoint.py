@@ -1,4 +1,4 @@
-"""Checkpoints: last.pt and best.pt written whole and verified, the resume, and a run's weights back for use.
+"""Checkpoints: out_dir's lock, last.pt and best.pt written whole and verified, the resume, weights for use.
 
 A checkpoint is torch.save's zip archive of tensors and plain values (``torch.load(weights_only=True)`` reads it, so a
 malicious pickle runs no code) with the archive's sha256 as its zip comment, checked before anything is unpickled:
@@ -8,6 +8,8 @@ give a model for use (pretrained weights, --init_from's, come from finetune.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import hashlib
 import math
@@ -15,7 +17,9 @@ import os
 import platform
 import random
 import re
+import socket
 import subprocess
+import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +31,7 @@ import torch
 
 import runtime
 from config import REPO, CheckpointError, CheckpointWriteError, HFError, TrainConfig, as_dict, config_from_dict
-from config import given_fields, model_config, resume_changes
+from config import ConfigError, PathError, given_fields, model_config, resume_changes
 from model import GPT
 from runtime import TEMP_MARK, Dist, atomic_write, describe, dtype_name, print0
 from tokenizer import NO_TOKENIZER, tokenizer_from_meta
@@ -207,6 +211,56 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
         group.update(mine)
 
 
+def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
+    """This rank's saved random streams; None when this rank did not exist in the saved run."""
+    saved = state["rng_per_rank"]
+    if len(saved) != ddp.world_size:
+        print0(f"WARNING: resuming a run saved with world size {len(saved)} on world size {ddp.world_size}: training "
+               "continues but is NOT bit-exact (another global batch and summation order, new ranks' data streams "
+               "fresh); resume with the same world size for an exact continuation")
+    return saved[ddp.rank] if ddp.rank < len(saved) else None
+
+
+def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contextlib.ExitStack:
+    """Own ``out_dir`` (one live run per folder) through an flock on out_dir/.lock, dropped by the kernel when this
+    process dies, or raise PathError; a fresh run is refused where last.pt exists. Footgun: flock is advisory."""
+    created = runtime.make_folders(out_dir, flag)
+    path = out_dir / ".lock"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            runtime.remove_empty(created)
+            raise runtime.os_failure(out_dir, flag, err) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # LOCK_NB: refuse now, never wait for the owner
+        except BlockingIOError:
+            owner = os.pread(fd, 300, 0).decode("utf-8", errors="replace").strip() or "another process"
+            os.close(fd)
+            raise PathError(f"{out_dir} is in use by {owner}: one run per folder. Wait for it to end or stop it, "
+                            f"or pass another {flag}") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)  # we locked a file its owner removed on its way out: lock the one there now
+    lock = contextlib.ExitStack()  # close(): remove the lock file while holding it, unlock, remove empty new folders
+    lock.callback(runtime.remove_empty, created)
+    lock.callback(os.close, fd)
+    lock.callback(path.unlink, missing_ok=True)
+    if not resume and (out_dir / "last.pt").exists():
+        lock.close()
+        raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
+                          "new one with another --out_dir (or delete the folder)")
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n".encode(), 0)
+    except OSError as err:
+        lock.close()
+        raise runtime.os_failure(out_dir, flag, err) from None
+    return lock
+
+
+
 class Checkpointer:
     """out_dir's last.pt and best.pt and the resume. Every rank calls ``resume()`` and ``save()`` (collectives), rank
     0 alone writes; best.pt before last.pt, so last.pt's best_val_loss never names a model best.pt lacks."""
@@ -239,7 +293,7 @@ class Checkpointer:
             finetune.load_adapter_state(self.model, state["model"], str(path))
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
-        if (rng := runtime.rank_rng_state(state, self.ddp)) is not None:
+        if (rng := rank_rng_state(state, self.ddp)) is not None:
             if missing := [name for name in RNG_STREAMS if name not in rng]:
                 raise CheckpointError(f"{path}: checkpoint lacks RNG state for {', '.join(missing)}; resuming would "
                                       "not be exact")

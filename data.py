@@ -1,10 +1,6 @@
-"""Data: what a training step touches. A corpus is tokenized once into a folder (train.bin, val.bin, meta.json;
-prepare.py, ``python -m scripts.prepare --help``); here it is opened, memory-mapped and verified (``load_corpus``),
-and read:
-by the training stream, an object whose ``next()`` is one micro-batch and whose ``state_dict()`` the checkpoint
-keeps, so a resume continues it exactly (``LOADERS``: random windows, or documents packed into rows that each begin
-at a document's start; one conversation a row for a chat corpus), and by fixed validation windows, so every eval
-scores the same tokens (``val_windows``).
+"""Data: a corpus tokenized once into a folder by prepare.py, opened here memory-mapped and verified (``load_corpus``),
+then read by the training stream (``LOADERS``; its ``state_dict()`` lets a resume continue it exactly) and by the
+fixed validation windows (``val_windows``), so every eval scores the same tokens.
 """
 from __future__ import annotations
 
@@ -40,9 +36,8 @@ class Corpus:
 
 
 def load_corpus(folder: Path, block_size: int) -> Corpus:
-    """Open a prepared corpus, every file verified against its meta.json (prepare.py), and
-    check it can feed a model with this context length: a damaged corpus is a one-line DataError, never
-    a run. The splits are memory-mapped: a window reads only its own tokens."""
+    """Open a prepared corpus, every file verified against its meta.json, memory-mapped; a damaged corpus, or one too
+    short for block_size, is a one-line DataError."""
     meta, splits, fingerprints = open_verified(folder, block_size)
     return Corpus(folder, meta, splits["train"], splits["val"], fingerprints)
 
@@ -63,9 +58,7 @@ def get_batch(data: np.ndarray, batch_size: int, block_size: int, generator: tor
 
 
 def inputs_and_targets(rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of T + 1 tokens (B, T + 1) -> (x, y) on ``device``: y is x shifted left by one.
-
-    To a GPU through pinned memory, so that the copy can overlap the compute (non_blocking)."""
+    """Rows (B, T + 1) -> (x, y) on ``device``, y shifted left by one; to a GPU through pinned memory (non_blocking)."""
     x, y = rows[:, :-1], rows[:, 1:]  # (B, T) each: y[:, t] is the token after x[:, t]
     if device.type == "cuda":
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
@@ -74,16 +67,12 @@ def inputs_and_targets(rows: torch.Tensor, device: torch.device) -> tuple[torch.
 
 # ----------------------------------------------------------------------------- the training stream
 class TrainingStream:
-    """Where one rank's training batches come from: ``next()`` is one micro-batch, (x, y), each (B, T) on
-    the run's device; ``state_dict()`` is its place in the stream, which checkpoints keep and
-    ``load_state_dict()`` returns to, so a resumed run draws exactly the batches the stopped one would have.
+    """One rank's training batches: ``next()`` is one micro-batch (x, y), each (B, T) on the run's device;
+    ``state_dict()`` is its place in the stream, so a resumed run draws exactly the batches the stopped one would.
 
-    A loader is a subclass and one row of LOADERS. It draws only from its own generator, seeded ``seed``
-    (``restart``), never from a global RNG, so that nothing else in the run moves its batches. It reads its own
-    options from ``cfg`` (TrainConfig fields with a row in config.USED_ONLY_UNDER, so they are warned unused under
-    another loader); whatever of it changes as it draws is in its state_dict (tests/test_data.py checks every
-    attribute). ``full_rows``: every batch is (batch_size, block_size), so a step's tokens are known before it runs;
-    a loader whose rows vary (padded, or shorter) says False, and the start-up line says "up to".
+    A loader is a subclass and one row of LOADERS. It draws only from its own generator, seeded ``seed``, and
+    whatever of it changes as it draws is in its state_dict (tests/test_data.py checks every attribute).
+    ``full_rows``: every batch is (batch_size, block_size), so a step's tokens are known before it runs.
     """
     full_rows = False
 
@@ -107,10 +96,8 @@ class TrainingStream:
         raise NotImplementedError
 
     def first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch a fresh stream of these settings draws first, for the compile probe and the doctor.
-
-        Drawn by a copy, so this stream stays where it is (a probe that drew from it would shift every
-        batch of the run, and a resume, which probes again, would shift them once more)."""
+        """The batch a fresh stream of these settings draws first (the compile probe, the doctor), drawn by a copy:
+        a probe that drew from this stream would shift every batch of the run."""
         fresh = copy.copy(self)  # shares the tokens and any index of them; restart gives it its own generator
         fresh.restart()
         return fresh.next()
@@ -132,12 +119,8 @@ class RandomWindows(TrainingStream):
 
 
 class PackedDocuments(TrainingStream):
-    """Rows that each begin at a document's first token, its separator (the BOS), filled with whole documents
-    one after another; the one that does not fit is cropped at the row's end and the rest of it dropped.
-    Documents come in a shuffled order, a new shuffle each epoch, from the stream's generator.
-
-    nanochat's dataloader (bos_bestfit) without its best-fit search: every token sees its document from the start;
-    the cost is the cropped tails. Tokens before the split's first separator belong to no document, never read.
+    """Rows that each begin at a document's separator (the BOS), filled with whole documents in a shuffled order (a
+    new shuffle each epoch); the one that does not fit is cropped. nanochat's bos_bestfit without its best-fit search.
     """
     full_rows = True
 
@@ -191,12 +174,9 @@ class PackedDocuments(TrainingStream):
 
 
 class Conversations(PackedDocuments):
-    """One conversation a row, in a shuffled order (a new one each epoch), padded to the batch's longest; the
-    targets are the assistant's tokens only (finetune.py: ``targets``), -1 elsewhere and in the padding.
-
-    The stream of a conversation corpus (finetune.py), whatever cfg.loader says: a row never holds two
-    conversations, so each token sees its own conversation from its start and nothing else. A conversation
-    longer than block_size + 1 tokens is refused, or with cfg.chat_overflow="truncate" cut there (said once).
+    """One conversation a row, shuffled, padded to the batch's longest; the targets are the assistant's tokens only,
+    -1 elsewhere. A chat corpus's stream whatever cfg.loader says; a conversation longer than block_size + 1 tokens
+    is refused, or with cfg.chat_overflow="truncate" cut there.
     """
     full_rows = False  # padded to the batch's longest conversation
 
@@ -258,12 +238,8 @@ def training_stream(cfg, corpus: Corpus, tokenizer, rank: int, device: torch.dev
 
 
 def val_windows(data: np.ndarray, block_size: int, max_targets: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed, non-overlapping windows covering every val target exactly once.
-
-    The last window is padded (inputs with 0, targets with -1, which the loss ignores), so the
-    token-weighted mean over all windows is the mean over the split. ``max_targets`` > 0 keeps
-    only the first that many targets.
-    """
+    """Fixed, non-overlapping windows covering every val target exactly once, the last padded (targets -1), so the
+    token-weighted mean over the windows is the split's. ``max_targets`` > 0 keeps only the first that many."""
     n_targets = len(data) - 1 if max_targets <= 0 else min(max_targets, len(data) - 1)
     n_windows = -(-n_targets // block_size)  # ceil
     tokens = torch.from_numpy(np.asarray(data[: n_targets + 1]).astype(np.int64))  # (n_targets + 1,)

@@ -1,10 +1,5 @@
 """Fine-tuning, imported only by a run that asks: the weights it starts from (--init_from: a run's, or GPT-2's from
-Hugging Face, mapped onto this model), a chat corpus's rows and loss mask, and LoRA.
-
-A conversation's ids: <|begin|> <|system|> ... <|end|> <|user|> ... <|end|> <|assistant|> ... <|end|> ...
-The mask follows from the ids alone (``learned``), so nothing stores it to drift: a token is a target when the last
-marker before it is <|assistant|> (an assistant's text and its <|end|>); all else, padding too, is target -1.
-"""
+Hugging Face), a chat corpus's rows and loss mask (from the ids alone: nothing stores it to drift), and LoRA."""
 from __future__ import annotations
 
 import copy
@@ -49,8 +44,7 @@ def check_fit(lengths: np.ndarray, block_size: int, overflow: str, source: tuple
 
 
 def conversation_rows(rows: list[np.ndarray], tokenizer, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conversations (each T_i + 1 tokens) -> inputs and targets, (B, width) each: a target is the next token where
-    it is learned, else -1, as is the padding (inputs 0)."""
+    """Conversations (each T_i + 1 tokens) -> inputs and targets, (B, width) each; unlearned targets and padding -1."""
     x = torch.zeros(len(rows), width, dtype=torch.long)
     y = torch.full((len(rows), width), -1, dtype=torch.long)
     for i, row in enumerate(rows):
@@ -71,8 +65,7 @@ def val_rows(corpus, tokenizer: ChatTokenizer, block_size: int, overflow: str) -
 
 # ----------------------------------------------------------------------------- what a base fixes of the run
 def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
-    """The config with the options the base fixes (a run's: all but training-only ones; GPT-2's: IMPORTED, the rest
-    must be one GPT-2 computes) and its tokenizer; a given field (config.given_fields) that differs is refused."""
+    """The config with the options and tokenizer ``base`` fixes (GPT-2's: IMPORTED); a differing given one: refused."""
     kept = ("vocab_size", "block_size", *GPTConfig.TRAINING_ONLY)  # the corpus's, the user's, how it is trained
     fixed = IMPORTED if base.gpt2 else [f.name for f in fields(GPTConfig) if f.name not in kept]
     imported = {name: getattr(base.config, name) for name in fixed}
@@ -93,9 +86,8 @@ def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
 
 
 # ----------------------------------------------------------------------------- Hugging Face GPT-2: the mapping
-# Data, used both ways (import here, export in scripts/export_hf.py): NAMES, GPT-2's weights, which ours share, and
-# TRANSPOSED, the matrices transformers keeps in Conv1D layers, (in, out) where nn.Linear has (out, in). The rest is
-# shape: our vocabulary is padded to a multiple of 64, our position table may be cropped.
+# Used both ways (import here, export in scripts/export_hf.py). Beyond these tables the layouts differ in shape only:
+# our vocabulary is padded to a multiple of 64, our position table may be cropped.
 NAMES = (  # every weight of GPT-2, GPT2LMHeadModel's names; {i} is the block index
     "transformer.wte.weight",  # (V, C): V padded ours, the real vocabulary theirs; also lm_head (tied)
     "transformer.wpe.weight",  # (T, C): block_size rows ours, n_positions theirs
@@ -103,8 +95,8 @@ NAMES = (  # every weight of GPT-2, GPT2LMHeadModel's names; {i} is the block in
                                                           "mlp.c_proj") for kind in ("weight", "bias")),
     "transformer.ln_f.weight", "transformer.ln_f.bias",
 )
-# Conv1D (Radford et al.'s original TF code, kept by transformers) computes x @ W with W (in, out).
-TRANSPOSED = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+TRANSPOSED = (  # transformers' Conv1D (GPT-2's original TF code) computes x @ W, W (in, out)
+    ".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 WTE, WPE, TIED_HEAD = "transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"
 NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in GPT2Model's files
 PREFIX = "transformer."  # GPT2LMHeadModel's keys have it, GPT2Model's (the hub's gpt2) do not
@@ -122,9 +114,9 @@ CONFIG_RULES = (  # config.json fields that change the computation: (name, GPT-2
     ("tie_word_embeddings", True, (True,)),
 )
 IMPORTED = ("n_layer", "n_head", "n_embd", "bias", "activation")  # the model options a GPT-2 file fixes
-ANY = None  # in GPT2_OPTIONS: the GPT-2 layout holds every value of this option (as it does every training-only one)
-# Each model option (model.GPTConfig) -> the values GPT-2's layout computes. An option not listed (a fork's new one)
-# is GPT-2's only at its default: export and --init_from refuse any other value by name, never drop it silently.
+ANY = None  # in GPT2_OPTIONS: GPT-2's layout holds every value of this option
+# Each model option -> the values GPT-2's layout computes. An option not listed (a fork's new one) is GPT-2's only at
+# its default: export and --init_from refuse any other value by name, never drop it silently.
 GPT2_OPTIONS = {"block_size": ANY, "n_layer": ANY, "n_head": ANY, "n_embd": ANY,  # block_size: n_positions
                 "bias": ANY,  # bias-free models export zero biases
                 "activation": ("gelu", "gelu_tanh")}  # activation_function gelu / gelu_new (see ACTIVATIONS)
@@ -152,8 +144,7 @@ def is_transposed(name: str) -> bool:
 
 
 def convert(name: str, value: torch.Tensor, vocab_rows: int, block_size: int) -> torch.Tensor:
-    """One weight into the other layout, the same rule both ways: a Conv1D matrix transposed, wte's rows padded with
-    zeros or cut to ``vocab_rows`` (ours padded, never scored; theirs the real vocabulary), wpe's cut."""
+    """One weight into the other layout, both ways: Conv1D transposed, wte's rows zero-padded or cut, wpe's cut."""
     if is_transposed(name):
         return value.t()  # (in, out) <-> (out, in)
     if name == WTE:  # (V, C)
@@ -173,8 +164,7 @@ class Pretrained:
     gpt2: bool = False  # GPT-2's: they fix its shape (IMPORTED); every other option must be one GPT-2 computes
 
     def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
-        """The state dict for a corpus of the weights' tokenizer, or of it plus a chat corpus's markers, whose rows
-        start at the mean row. Any other tokenizer is refused: the ids would mean other text."""
+        """The state dict for a corpus of the weights' tokenizer (plus a chat's markers, at the mean row)."""
         base = self.tokenizer or without_chat(tokenizer_meta)  # None: the files do not say; the corpus's, then
         base_vocab = tokenizer_vocab_size(base) or vocab_size
         if base_vocab != self.config.vocab_size:
@@ -184,8 +174,7 @@ class Pretrained:
             raise HFError(f"{self.source} was trained with another tokenizer ({base['kind']}) than the corpus's "
                           f"({tokenizer_meta['kind']}); prepare the data with the base's (drop --tokenizer)")
         wte = self.state[WTE]  # (V_padded_base, C)
-        rows = GPTConfig(vocab_size=vocab_size).padded_vocab_size
-        new = torch.cat([wte, wte.new_zeros(rows - len(wte), wte.shape[1])])  # (V_padded, C), a copy
+        new = convert(WTE, wte, GPTConfig(vocab_size=vocab_size).padded_vocab_size, 0)  # (V_padded, C), a copy
         new[base_vocab:vocab_size] = wte[:base_vocab].mean(dim=0)  # (V_new - V_base, C): the markers' rows
         return {**self.state, WTE: new, TIED_HEAD: new}
 
@@ -199,8 +188,7 @@ def check_positions(block_size: int, n_positions: int, source: str) -> int:
 
 
 def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pretrained:
-    """Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names, every key and shape checked;
-    block_size 0 keeps every position; bias=False drops the biases (zeros only)."""
+    """Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names, every key and shape checked."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -218,8 +206,7 @@ def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pret
 
 
 def locate(source: str) -> tuple[Path, Path]:
-    """(the .safetensors file, its config.json) for a folder, a file or a hub name. A path that is not there is refused,
-    not taken for a hub repo (a paragraph about downloading): only OWNER/NAME with no such local folder is one."""
+    """(the .safetensors file, its config.json) of a folder, a file or a hub name (OWNER/NAME, never a typo'd path)."""
     path = Path(source)
     if path.is_dir():
         path = path / "model.safetensors"
@@ -242,8 +229,7 @@ def locate(source: str) -> tuple[Path, Path]:
 
 
 def download(repo_id: str) -> tuple[Path, Path]:
-    """model.safetensors and config.json through huggingface_hub's cache (HF_HOME); from the cache alone if the hub
-    does not answer its probe (hub_unreachable), as with HF_HUB_OFFLINE=1: a miss is one line in seconds."""
+    """model.safetensors and config.json via huggingface_hub's cache; the cache alone if the hub does not answer."""
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import EntryNotFoundError
@@ -263,8 +249,7 @@ def download(repo_id: str) -> tuple[Path, Path]:
 
 
 def hub_unreachable(repo_id: str) -> str | None:
-    """Why the hub cannot be reached, or None if it answers (even with an HTTP error): one request, at most
-    HUB_PROBE_TIMEOUT s (HF_HUB_ETAG_TIMEOUT if set), where hf_hub_download would retry for ~25 s, a warning each."""
+    """Why the hub cannot be reached, or None if it answers: one request, where hf_hub_download retries ~25 s."""
     import httpx2  # huggingface_hub's HTTP client, installed with it
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
@@ -317,9 +302,7 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: in
         value, want = tensors[name], tuple(expected[name].shape)
         want = (config.vocab_size, want[1]) if name == WTE else want[::-1] if is_transposed(name) else want
         if tuple(value.shape) != want:  # the file's wte has the real vocabulary's rows, unpadded
-            raise HFError(f"{source}: {name} has shape {tuple(value.shape)}, expected {want} for n_layer "
-                          f"{config.n_layer}, n_head {config.n_head}, n_embd {config.n_embd}, "
-                          f"vocab {config.vocab_size}")
+            raise HFError(f"{source}: {name} has shape {tuple(value.shape)}, expected {want} from its config.json")
         if name.endswith(".bias") and not config.bias:
             if value.count_nonzero():
                 raise HFError(f"{source}: {name} is not zero (max |b| {value.abs().max():.3g}) but the model has "
@@ -332,9 +315,8 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: in
 
 
 # ----------------------------------------------------------------------------- LoRA
-# Hu et al. 2021: the trained model frozen, a low-rank update B A trained beside some of its Linear layers
-# (python train.py --init_from gpt2 --lora_rank 8). A checkpoint holds A and B, where the base came from and its
-# fingerprint, never the base: a resume or a sample imports the base again and refuses one that differs.
+# Hu et al. 2021: the model frozen, a low-rank update B A trained beside some Linear layers. A checkpoint holds A, B
+# and the base's source and fingerprint, never the base: a resume or a sample imports it again, refusing another.
 ADAPTER_KEYS = (".lora_A.", ".lora_B.", ".lora_rows")  # what marks a trained weight in a state dict (A, B: PEFT's too)
 
 
@@ -354,14 +336,9 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., rank) -> (..., out)
         return self.base(x) + self.scale * self.lora_B(self.lora_A(self.dropout(x)))
 
-    def delta(self) -> torch.Tensor:
-        """The update as a matrix, scale * B A: (out, rank) @ (rank, in) -> (out, in), W's shape."""
-        return self.scale * (self.lora_B.weight @ self.lora_A.weight)
-
 
 class TrainedRows(nn.Module):
-    """Rows of the frozen, tied wte / lm_head weight that train with the adapters: a chat fine-tune's new markers,
-    which a frozen embedding would leave all alike. Lookups and logits both read the weight with these rows in it."""
+    """Trained rows of the frozen, tied wte / lm_head: a chat's new markers, which frozen would stay all alike."""
 
     def __init__(self, embedding: nn.Embedding, head: nn.Linear, ids: list[int]):
         super().__init__()
@@ -424,17 +401,13 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: 
     model.load_state_dict(state, strict=False)  # strict=False: the base's weights are not in ``state``
 
 
-def merge(model: GPT) -> GPT:
-    """A plain GPT computing what the adapted ``model`` does (each W + scale * B A); ``model`` keeps its adapters."""
-    return fold(copy.deepcopy(model))
-
-
-def fold(model: GPT) -> GPT:
-    """merge() in place; every weight trains again."""
+def merge(model: GPT, in_place: bool = False) -> GPT:
+    """A plain GPT computing what the adapted ``model`` does (each W + scale * B A), every weight trainable."""
+    model = model if in_place else copy.deepcopy(model)
     for name, layer in adapters(model).items():
         parent, attr = name.rsplit(".", 1)
         with torch.no_grad():
-            layer.base.weight += layer.delta()  # (out, in)
+            layer.base.weight += layer.scale * (layer.lora_B.weight @ layer.lora_A.weight)  # (out, r) @ (r, in)
         setattr(model.get_submodule(parent), attr, layer.base)
     if isinstance(model.transformer.wte, TrainedRows):
         rows = model.transformer.wte
@@ -447,8 +420,7 @@ def fold(model: GPT) -> GPT:
 
 
 def base_fingerprint(model: nn.Module) -> str:
-    """sha256 of the base weights (every parameter but the adapters, as fp32): the same for the plain base and for it
-    adapted, on any device."""
+    """sha256 of the base weights as fp32: the same for the plain base and for it adapted, on any device."""
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
         if not any(key in f".{name}" for key in ADAPTER_KEYS):
@@ -477,12 +449,11 @@ def check_base(saved: dict[str, Any], fingerprint: str, where: str) -> None:
 
 
 def load_adapted(state: dict[str, Any], base_model: GPT, where: str = "checkpoint", merged: bool = True) -> GPT:
-    """A LoRA checkpoint's adapters on ``base_model`` (checked by fingerprint), merged. Footgun: ``base_model`` is
-    consumed, adapted and merged in place. ``merged=False``: the adapted model, whose numbers are training's exactly
-    (W x + B A x rounds otherwise than (W + B A) x: in bf16 in the 5th digit of a val loss)."""
+    """A LoRA checkpoint's adapters on ``base_model`` (checked by fingerprint), merged in place (a footgun); unmerged,
+    the numbers are training's exactly (W x + B A x rounds otherwise than (W + B A) x)."""
     saved = state["lora"]
     check_base(saved, base_fingerprint(base_model), where)
     adapted = add_adapters(base_model, saved["rank"], saved["alpha"], saved["dropout"], tuple(saved["targets"]),
                            saved.get("rows", ()))
     load_adapter_state(adapted, state["model"], where)
-    return fold(adapted) if merged else adapted
+    return merge(adapted, in_place=True) if merged else adapted

@@ -24,23 +24,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 
 def option(default: Any, help: str, needs: Mapping[str, Any] | None = None) -> Any:
-    """A GPTConfig field and its help (train.py's --help): ``n_layer: int = option(4, "transformer blocks")``.
-
-    ``needs``: other options' values without which this one acts on nothing (a balance weight needs experts:
-    ``needs={"n_experts": 4}``); the generated tests (tests/test_model_options.py) set them beside it.
-    """
+    """A GPTConfig field and its --help text. ``needs``: the other options' values without which this one acts on
+    nothing (``needs={"n_experts": 4}``), set beside it by tests/test_model_options.py."""
     return field(default=default, metadata={"help": help, "needs": dict(needs or {})})
 
 
 @dataclass
 class GPTConfig:
-    """Every option of the model, declared once, here: a field, its default and its help (``option``).
+    """Every option of the model, declared once: TrainConfig inherits these fields as flags and preset keys.
 
-    config/__init__.py's TrainConfig inherits these fields (all but vocab_size), so each is a flag and a
-    preset key with its help, checked by its type (a Literal lists the allowed values) and kept by a resume
-    (all but TRAINING_ONLY). A checkpoint saved before a field existed means its default, so a new option's
-    default must be the model as it was, GPT-2's computation; finetune.py refuses to export or import any
-    other value it does not know. docs/experiments.md walks through adding one.
+    A checkpoint saved before a field existed means its default, so a new option's default must be the model as it
+    was (GPT-2's computation). docs/experiments.md walks through adding one.
     """
     vocab_size: int = option(MISSING, "real vocabulary size, set by the corpus; the embedding is padded up for speed")
     block_size: int = option(128, "context length in tokens (the longest sequence the position tables cover)")
@@ -61,9 +55,7 @@ class GPTConfig:
         0.0, "weight of the z-loss, z_loss * logsumexp(logits)^2 per target (PaLM, Chowdhery et al. 2022): keeps "
         "the softmax's normaliser near 1; an objective term, never in val loss")
 
-    # Options that act only while training (regularisation, objective terms), not on what the weights
-    # compute: a resume may change them, and GPT-2 interop accepts any value. Every other option must
-    # match the checkpoint's.
+    # Options that act only while training, not on what the weights compute: a resume may change them.
     TRAINING_ONLY: ClassVar[tuple[str, ...]] = ("dropout", "z_loss")
 
     def __post_init__(self):
@@ -89,16 +81,12 @@ class ModelOutput(NamedTuple):
 
 
 class AuxLosses:
-    """The objective's terms beside cross-entropy, by name, collected during one forward. GPT.forward hands one
-    to every block, and so to every layer, so a term may come from anything the forward sees: hidden states, an
-    MoE router's probabilities (docs/experiments.md's recipe), the logits (z_loss, in GPT.aux_losses).
+    """The objective's terms beside cross-entropy, by name, collected by every layer during one forward (an MoE
+    balance loss: docs/experiments.md; z_loss: GPT.aux_losses). Without targets (sampling) nothing is kept.
 
-    Each is kept *summed over the micro-batch's targets*, like loss_sum, because train.accumulate_gradients
-    divides every sum by the step's target count: a micro-batch then weighs by its targets, whatever the
-    accumulation. So a term goes in as it is naturally written: ``add_sum`` for a sum over the targets (z_loss),
-    ``add_mean`` for a mean over the micro-batch's tokens or rows (a batch statistic such as a load-balance
-    loss), which it weights by the micro-batch's target count. A term under an existing name is added to it (one
-    per layer, say). Without targets (sampling) nothing is kept.
+    Each is kept summed over the micro-batch's targets, like loss_sum, because train.accumulate_gradients divides
+    every sum by the step's target count: ``add_sum`` takes a sum over the targets, ``add_mean`` a mean over the
+    micro-batch (a batch statistic), which it weights by the micro-batch's target count.
     """
 
     def __init__(self, n_targets: torch.Tensor | None):
@@ -117,16 +105,12 @@ class AuxLosses:
 
 
 def visible_keys(config: GPTConfig, tokens: torch.Tensor, T: int) -> torch.Tensor:
-    """What each query sees: queries are the last T of ``tokens`` (B, S + T), every id in the window (S cached
-    before the T new ones), at positions S .. S + T - 1; keys are all S + T.
+    """What each query sees, the one definition every attention path (and the KV cache) gets: the queries are the
+    last T of ``tokens`` (B, S + T), at positions S .. S + T - 1; the keys are all S + T.
 
-    Either a rule, bool with True = attend, (T, S + T) or per row (B, 1, T, S + T); or an additive bias on the
-    scores, a float tensor (T, S + T), per head (nh, T, S + T) or per row (B, nh, T, S + T), with -inf where a key
-    is never seen (ALiBi, a relative-position bias). The one definition of what attention receives: SDPA, the
-    CPU-bf16 matmuls, and the KV cache's prefill, decode and chunked steps (the cache keeps the ids) all get it.
-    A rule that narrows what a query sees (a sliding window, a document mask) or a bias is written here alone.
-    The positions are built on the CPU, where GPT.visible compares them with the plain rule without waiting for
-    a GPU; a rule that reads ``tokens`` is on their device (move the positions there: ``(key <= query).to(...)``).
+    Either a bool rule (True = attend), (T, S + T) or per row (B, 1, T, S + T); or an additive float bias, (T, S + T),
+    (nh, T, S + T) or (B, nh, T, S + T), -inf where a key is never seen (ALiBi). Built on the CPU; a rule that reads
+    ``tokens`` is on their device (move the positions there).
     """
     S = tokens.size(1) - T
     query = torch.arange(S, S + T).unsqueeze(1)  # (T, 1) positions
@@ -135,9 +119,8 @@ def visible_keys(config: GPTConfig, tokens: torch.Tensor, T: int) -> torch.Tenso
 
 
 def is_plain_causal(mask: torch.Tensor) -> bool:
-    """Whether ``mask`` (visible_keys' output) is exactly the causal rule, each query seeing itself and every
-    earlier key: a bool (T, S + T) on the CPU, never a float bias, however small, nor a per-row rule. Then
-    attention() may use SDPA's own causal kernels (flash attention on GPUs): the same numbers without a mask."""
+    """Whether ``mask`` is exactly the causal rule as a bool (T, S + T) on the CPU (never a float bias, however
+    small): then attention() may use SDPA's own causal kernels, the same numbers without a mask."""
     if mask.dtype != torch.bool or mask.dim() != 2 or mask.device.type != "cpu":
         return False
     T, S = mask.size(0), mask.size(1) - mask.size(0)
@@ -148,11 +131,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               dropout_p: float) -> torch.Tensor:
     """softmax(q k^T / sqrt(hs) + mask) v: T queries (B, nh, T, hs) over S + T keys (B, nh, S + T, hs).
 
-    ``mask`` is GPT.visible's: visible_keys' rule (False adds -inf) or bias, or None for the plain causal rule,
-    which SDPA computes itself (is_causal for a square, S = 0; nothing for one decoding query), bit for bit the
-    mask's numbers. What arrives here is what is computed: no flag beside the mask can go stale. In bf16 on CPU
-    the plain matmul-softmax-matmul is ~5x faster (scripts/bench.py --profile; SDPA's CPU kernels upcast or run a
-    slow bf16 backward): there a rule becomes an additive bias, and the scale goes on q, the smaller operand.
+    ``mask``: GPT.visible's rule or bias, or None for the plain causal rule (SDPA's own kernels). In bf16 on CPU
+    the plain matmul-softmax-matmul is ~5x faster than SDPA (scripts/bench.py --profile): a rule becomes a bias.
     """
     T, S = q.size(2), k.size(2) - q.size(2)
     cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
@@ -192,10 +172,9 @@ class Rotary(nn.Module):
 
 
 def step_bytes(config: GPTConfig, batch_size: int, cpu_bf16: bool) -> int:
-    """At least the bytes one step of ``batch_size`` rows holds at once, so that a size that cannot fit is refused
-    before anything is allocated: ~34 bytes per token and channel per layer (Korthikanti et al. 2022, eq. 1; `small`
-    measures ~88 in fp32, ~55 in CPU-bf16), GPT.visible's (T, T) rules, and on the CPU-bf16 path each layer's
-    (B, nh, T, T) bf16 attention weights (SDPA's kernels keep none)."""
+    """A lower bound on the bytes one step of ``batch_size`` rows holds, to refuse a size that cannot fit before
+    anything is allocated: ~34 bytes per token and channel per layer (Korthikanti et al. 2022, eq. 1), the (T, T)
+    rules, and on the CPU-bf16 path each layer's (B, nh, T, T) attention weights."""
     B, T = batch_size, config.block_size
     scores = B * config.n_head * T * T * 2 if cpu_bf16 else 0
     return config.n_layer * (B * T * 34 * config.n_embd + scores) + 2 * T * T
@@ -320,13 +299,9 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token, measured: FlopCounterMode counts one forward and backward of ``seq_len`` tokens
-        (block_size by default), so a fork is counted as it runs (a top-1 mixture of experts: one expert per token).
-
-        MFU's convention (PaLM, Chowdhery et al. 2022, app. B): matrix products only, 2 FLOPs per multiply-add, two
-        backward products per forward one, attention's QKᵀ and AV in full: 6·N + 12·n_layer·T·C for the default
-        model (tests/test_model.py). SDPA runs its "math" backend while counting (FlopCounterMode counts nothing for
-        CPU's fused kernel). A frozen weight (LoRA's base) costs ~4 per weight. Eval mode, so no random numbers are
-        drawn; the gradients and the mode are left as they were.
+        (block_size by default), so a fork is counted as it runs. For the default model this is PaLM's
+        6·N + 12·n_layer·T·C (Chowdhery et al. 2022, app. B). SDPA's "math" backend, as the counter sees no fused
+        CPU kernel; eval mode, so no random numbers are drawn.
         """
         T = seq_len or self.config.block_size
         device = next(self.parameters()).device
@@ -341,16 +316,10 @@ class GPT(nn.Module):
         return counter.get_total_flops() // T
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None) -> ModelOutput:
-        """Logits for every position; with targets also the *summed* cross-entropy, the count of targets
-        and the auxiliary losses that options and layers add to the objective (AuxLosses: z_loss).
-
-        Targets equal to -1 are ignored. Returning sums instead of means lets the caller normalise by
-        the token count of a whole accumulated batch. ``loss_sum`` is plain cross-entropy, the metric
-        (val loss, bits per byte, best.pt); what a step minimises is loss_sum plus every ``aux`` term,
-        composed by train.py. With a cache (sample.py's KVCache), idx holds the tokens that *follow* the cached
-        ones: they get positions cache.length onwards, ``cache.remember(idx)`` keeps their ids (what a query sees may
-        depend on them) and each layer adds their keys and values to its ``cache.layers[i]`` (``append(k, v)``
-        returns every key and value cached so far).
+        """Logits for every position; with targets (-1 ignored) also the *summed* cross-entropy (the metric), the
+        count of targets and the objective's auxiliary terms (AuxLosses). Sums, not means, so that the caller can
+        divide by the token count of a whole accumulated batch. With a cache (sample.py's KVCache), idx holds the
+        tokens that follow the cached ones, at positions cache.length onwards.
         """
         B, T = idx.shape
         start = cache.length if cache is not None else 0  # S: position of idx[:, 0]
@@ -380,16 +349,13 @@ class GPT(nn.Module):
         return ModelOutput(logits, loss_sum, aux.n_targets, aux.terms)
 
     def visible(self, tokens: torch.Tensor, T: int) -> torch.Tensor | None:
-        """visible_keys' mask for the last T of tokens (B, S + T), built once for every layer; None when it is the
-        plain causal rule (is_plain_causal), which attention() then hands SDPA as its own causal kernels. Decided
-        of this very mask each forward, on the CPU: the comparison waits for no GPU, and the copy from pageable
-        memory (non_blocking) returns before the GPU has caught up, so a step syncs no more than before."""
+        """visible_keys' mask for the last T of tokens, built once for every layer; None for the plain causal rule.
+        Decided on the CPU, then copied non_blocking: a step waits for no GPU."""
         mask = visible_keys(self.config, tokens, T)
         return None if is_plain_causal(mask) else mask.to(tokens.device, non_blocking=True)
 
     def aux_losses(self, aux: AuxLosses, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """The objective's terms computed from the logits (B*T, V) and targets (B*T,), added to ``aux`` by name
-        beside those the layers added. None with every option off."""
+        """The objective's terms computed from the logits (B*T, V) and targets (B*T,), added to ``aux``."""
         if self.config.z_loss:  # log Z = logsumexp of the logits, pulled towards 0 (Chowdhery et al. 2022, sec. 5)
             log_z = logits.logsumexp(dim=-1)[targets != -1]  # (n_targets,)
             aux.add_sum("z_loss", self.config.z_loss * log_z.square().sum())

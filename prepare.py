@@ -159,8 +159,8 @@ DEFAULT_TEXT_COLUMN = "text"
 def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
                    val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
                    text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048) -> Path:
-    """Tokenize a corpus into data_dir/NAME-TOKENIZER-valF/ once: a folder per val_fraction, so preparing one never
-    replaces another a run reads. ``num_proc`` threads tokenize documents (0 = one per core)."""
+    """Tokenize a corpus once into data_dir/NAME-TOKENIZER-valF/: a folder per val_fraction, so none a run reads
+    is replaced."""
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: used in place
         return use_tokenized_folder(Path(data_path), tokenizer)
     data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
@@ -255,6 +255,19 @@ def use_tokenized_folder(folder: Path, tokenizer: str) -> Path:
     return folder
 
 
+def new_tokenizer(kind: str, texts: Iterable[str], train_texts: Iterable[str], data_dir: Path, bpe_vocab_size: int,
+                  source: str, chars: str = ""):
+    """GPT-2's BPE, a char vocabulary of ``texts`` and ``chars``, or a BPE of ``train_texts`` (lazy: one is read)."""
+    if kind == "gpt2":
+        return GPT2Tokenizer(data_dir)
+    if kind == "bpe":
+        return train_bpe(train_texts, bpe_vocab_size, source)
+    seen = set(chars)
+    for text in texts:
+        seen.update(text)
+    return CharTokenizer("".join(sorted(seen)))
+
+
 # ----------------------------------------------------------------------------- a text, a piece at a time
 CHUNK_CHARS = 1 << 20  # characters tokenized at a time: bounds memory whatever the file's size
 
@@ -325,8 +338,7 @@ def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, da
         tok = train_bpe(tqdm(cut_chunks(chunks(), cut, head=True), desc=f"training a {bpe_vocab_size}-token BPE",
                              unit="MB", total=-(-cut // CHUNK_CHARS), disable=not progress), bpe_vocab_size, source)
     else:
-        tok = (CharTokenizer("".join(sorted(set().union(*map(set, chunks()))))) if tokenizer == "char"
-               else GPT2Tokenizer(data_dir))
+        tok = new_tokenizer(tokenizer, chunks(), (), data_dir, bpe_vocab_size, source)
         if not progress:  # one piece: counted first, so that a text too short is refused before data_dir is made
             tail_counts(source, sum(len(tok.encode_array(chunk)) for chunk in chunks()), val_fraction, block_size)
     with staged_folder(folder) as staging:
@@ -344,9 +356,8 @@ def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, da
                 shutil.copyfileobj(src, dst)
             os.truncate(staging / "train.bin", cut)
         write_meta(staging, tok, source, val_fraction, counts, **extra)
-    what = "a {}-token BPE trained on the train split" if tokenizer == "bpe" else "vocab {}"
-    print(f"prepared {source}: {counts['train']:,} train + {counts['val']:,} val tokens, "
-          f"{what.format(tok.vocab_size)} -> {folder}")
+    print(f"prepared {source}: {counts['train']:,} train + {counts['val']:,} val tokens, vocab {tok.vocab_size} "
+          f"-> {folder}")
     return folder
 
 
@@ -445,22 +456,6 @@ def encoded(texts: Iterable[str], tok, num_proc: int) -> Iterator[np.ndarray]:
         yield from (future.result() for future in pending)
 
 
-def document_tokenizer(path: Path, tokenizer: str, data_dir: Path, val_fraction: float, text_column: str,
-                       bpe_vocab_size: int):
-    """GPT-2's BPE, or after a first pass a char vocabulary (with the newline) or a BPE of the train documents."""
-    if tokenizer == "gpt2":
-        return GPT2Tokenizer(data_dir)
-    texts = document_texts(path, text_column)
-    if tokenizer == "char":
-        chars = {"\n"}
-        for text in tqdm(texts, desc=f"reading the characters of {path.name}", unit="doc", mininterval=1.0):
-            chars.update(text)
-        return CharTokenizer("".join(sorted(chars)))
-    train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
-    return train_bpe(tqdm(train_texts, desc=f"training a {bpe_vocab_size}-token BPE on {path.name}", unit="doc",
-                          mininterval=1.0), bpe_vocab_size, str(path))
-
-
 def write_splits(documents: Iterable[np.ndarray], staging: Path, val_fraction: float) -> tuple[dict, dict]:
     """Each document's ids appended to train.bin or val.bin: (tokens, documents) per split."""
     tokens, docs = {"train": 0, "val": 0}, {"train": 0, "val": 0}
@@ -480,7 +475,10 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
     for file in files:  # every shard's footer: a bad one refused now, not hours in
         if file.suffix == ".parquet":
             open_parquet(file, text_column)
-    tok = document_tokenizer(path, tokenizer, data_dir, val_fraction, text_column, bpe_vocab_size)
+    texts = tqdm(document_texts(path, text_column), desc=f"reading {path.name}", unit="doc", mininterval=1.0,
+                 disable=tokenizer == "gpt2")
+    train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
+    tok = new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path), chars="\n")
     with staged_folder(folder) as staging:
         documents = tqdm(encoded(document_texts(path, text_column), tok, num_proc),
                          desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
@@ -491,9 +489,8 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
         write_meta(staging, tok, str(path), val_fraction, counts, documents=sum(docs.values()),
                    val_documents=docs["val"], val_split=rule,
                    **({"text_column": text_column} if files[0].suffix != ".txt" else {}))
-    kind = {"gpt2": "GPT-2 BPE", "bpe": f"a {tok.vocab_size}-token BPE"}.get(tokenizer, f"{tok.vocab_size} characters")
-    print(f"prepared {path}: {sum(docs.values()):,} documents, {counts['train']:,} train + {counts['val']:,} val "
-          f"tokens ({docs['val']:,} val documents), {kind} -> {folder}")
+    print(f"prepared {path}: {sum(docs.values()):,} documents ({docs['val']:,} val), {counts['train']:,} train + "
+          f"{counts['val']:,} val tokens, vocab {tok.vocab_size} -> {folder}")
     return folder
 
 
@@ -565,26 +562,20 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
     numbered = [(number, parse_line(text, f"{path}:{number}")) for number, text in jsonl_lines(path)]
     if not numbered:
         raise DataError(f"{path}: no conversations in the file")
-    lines, conversations = [number for number, _ in numbered], [turns for _, turns in numbered]
-    splits = split_indices(len(conversations), val_fraction)
+    splits = split_indices(len(numbered), val_fraction)
     if not splits["val"] or not splits["train"]:
-        raise DataError(f"{path}: {len(conversations)} conversation(s) cannot make both splits at val_fraction "
+        raise DataError(f"{path}: {len(numbered)} conversation(s) cannot make both splits at val_fraction "
                         f"{val_fraction}; add conversations or change --val_fraction")
-    if base_meta is not None:
-        base = tokenizer_from_meta(base_meta, data_dir)
-    elif tokenizer == "char":
-        base = CharTokenizer("".join(sorted({ch for turns in conversations for _, text in turns for ch in text})))
-    elif tokenizer == "gpt2":
-        base = GPT2Tokenizer(data_dir)
-    else:  # a BPE of the train conversations
-        base = train_bpe([text for i in splits["train"] for _, text in conversations[i]], bpe_vocab_size, str(path))
-    tok = chat_tokenizer(base)
+    texts = (text for _, turns in numbered for _, text in turns)
+    train_texts = [text for i in splits["train"] for _, text in numbered[i][1]]
+    tok = chat_tokenizer(tokenizer_from_meta(base_meta, data_dir) if base_meta is not None
+                         else new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path)))
     label = hashlib.sha256(json.dumps(tok.meta(), sort_keys=True).encode()).hexdigest()[:8]
     folder = data_dir / f"{path.stem}-{sha256_of(path)[:12]}-{tok.meta()['kind']}{label}-val{val_fraction!r}"
     if (folder / "meta.json").is_file():
         return folder
     encoded = []
-    for conversation, line in zip(conversations, lines):
+    for line, conversation in numbered:
         try:
             encoded.append(np.array(render(tok, conversation), dtype=token_dtype(tok.vocab_size)))
         except DataError as err:
@@ -592,7 +583,7 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
     with staged_folder(folder) as staging:
         counts, _ = write_splits(encoded, staging, val_fraction)
         write_meta(staging, tok, str(path), val_fraction, counts, format="conversations",
-                   lines={split: [lines[i] for i in indices] for split, indices in splits.items()},
+                   lines={split: [numbered[i][0] for i in indices] for split, indices in splits.items()},
                    val_split="conversation i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction)")
     print(f"prepared {path}: {len(splits['train']):,} train + {len(splits['val']):,} val conversations, "
           f"{counts['train']:,} + {counts['val']:,} tokens -> {folder}")

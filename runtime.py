@@ -1,4 +1,4 @@
-"""How a run meets its machine: files written whole, folders (the out_dir lock, staging), DDP under torchrun,
+"""How a run meets its machine: files written whole, folders (writable, staged), DDP under torchrun,
 device/precision/compile, signals, and the run's records (metrics.jsonl, wandb)."""
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import tempfile
 import threading
@@ -76,7 +75,7 @@ def sha256_of(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-# ----------------------------------------------------------------------------- folders: writable, owned, staged
+# ----------------------------------------------------------------------------- folders: writable, staged
 # A path the user must change (exit 2), as opposed to a device failing under a good one (exit 74).
 BAD_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR,
                    errno.ENAMETOOLONG, errno.ELOOP}
@@ -130,45 +129,6 @@ def check_writable(folder: Path, flag: str, probe_name: str) -> None:
         raise os_failure(folder, flag, err) from None
     finally:
         remove_empty(created)
-
-
-def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contextlib.ExitStack:
-    """Own ``out_dir`` through an flock on out_dir/.lock (dropped by the kernel when this process dies), or raise
-    PathError; a fresh run (``resume`` False) is refused where last.pt exists. Footgun: flock is advisory."""
-    created = make_folders(out_dir, flag)
-    path = out_dir / ".lock"
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            remove_empty(created)
-            raise os_failure(out_dir, flag, err) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # LOCK_NB: refuse now, never wait for the owner
-        except BlockingIOError:
-            owner = os.pread(fd, 300, 0).decode("utf-8", errors="replace").strip() or "another process"
-            os.close(fd)
-            raise PathError(f"{out_dir} is in use by {owner}: one run per folder. Wait for it to end or stop it, "
-                            f"or pass another {flag}") from None
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                break
-        os.close(fd)  # we locked a file its owner removed on its way out: lock the one there now
-    lock = contextlib.ExitStack()  # close(): remove the lock file while holding it, unlock, remove empty new folders
-    lock.callback(remove_empty, created)
-    lock.callback(os.close, fd)
-    lock.callback(path.unlink, missing_ok=True)
-    if not resume and (out_dir / "last.pt").exists():
-        lock.close()
-        raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
-                          "new one with another --out_dir (or delete the folder)")
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n".encode(), 0)
-    except OSError as err:
-        lock.close()
-        raise os_failure(out_dir, flag, err) from None
-    return lock
 
 
 # A prepare writes into a locked .staging-* folder beside its destination and renames it into place at the end. A
@@ -243,8 +203,8 @@ def remove_leftovers(data_dir: Path) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- DDP under torchrun
-# Without torchrun's RANK/WORLD_SIZE the run is a world of one and every helper here is a no-op. Work that can fail
-# on some ranks only runs inside ``stop_together``, so no rank is left waiting in a collective for a failed peer.
+# Without torchrun the run is a world of one and every helper here is a no-op. Work that can fail on some ranks
+# runs inside ``stop_together``, so no rank is left waiting in a collective for a failed peer.
 @dataclass(frozen=True)
 class Dist:
     """Who this process is in the job; the defaults are a plain single-process run."""
@@ -292,8 +252,7 @@ def abandon() -> None:
         dist.destroy_process_group()
 
 
-def env_rank() -> int:
-    """This process's rank as torchrun sets it (0 without torchrun); readable before setup()."""
+def env_rank() -> int:  # readable before setup()
     return int(os.environ.get("RANK", "0"))
 
 
@@ -303,14 +262,14 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks, in place. A collective: every rank calls it, in the same order."""
+    """Sum ``tensor`` over all ranks, in place. A collective, as are the helpers below."""
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
 def gather_to_main(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on rank 0 (other ranks get []). A collective."""
+    """Every rank's ``obj``, in rank order, on rank 0 (other ranks get [])."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -329,8 +288,8 @@ def agree(flags: tuple[bool, ...], ddp: Dist, now: bool) -> tuple[bool, ...]:
 
 @contextlib.contextmanager
 def stop_together(device: torch.device) -> Iterator[None]:
-    """If the block fails on any rank, every rank stops: a failed one with its error, the others with PeerFailed; the
-    lowest rank with a message reports it. Footgun: a collective, every rank must enter, and the block hold none."""
+    """If the block fails on any rank, all stop: a failed one with its error, the others with PeerFailed; the lowest
+    rank with that message reports it. Footgun: every rank must enter, and the block hold no collective."""
     if not dist.is_initialized():
         yield
         return
@@ -372,20 +331,7 @@ def wrap(model: torch.nn.Module, ddp: Dist) -> torch.nn.Module:
     return DistributedDataParallel(model, device_ids=[ddp.device] if ddp.device.type == "cuda" else None)
 
 
-def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
-    """This rank's saved random streams; None when this rank did not exist in the saved run."""
-    saved = state["rng_per_rank"]
-    if len(saved) != ddp.world_size:
-        print0(f"WARNING: resuming a run saved with world size {len(saved)} on world size {ddp.world_size}: training "
-               "continues but is NOT bit-exact (another global batch and summation order, new ranks' data streams "
-               "fresh); resume with the same world size for an exact continuation")
-    return saved[ddp.rank] if ddp.rank < len(saved) else None
-
-
 # ----------------------------------------------------------------------------- device, precision, compile, seeds
-# ``choose_runtime`` is the one choice train.py and the tools (bench, doctor, eval, compare) share, so a benchmark
-# or diagnosis computes as training of the same config does.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_MIN_SPEEDUP = 1.5  # CPU autocast adds casts and gains little outside matmuls: these must win clearly
 
 
@@ -411,7 +357,7 @@ def pick_dtype(requested: str, device: torch.device,
     """bf16 on CUDA where supported, else fp16; MPS fp32; on CPU bf16 only where a matmul of ``probe_shape`` runs
     BF16_MIN_SPEEDUP times faster in it (machine dependent: pin --dtype where results must reproduce)."""
     if requested != "auto":
-        return DTYPES[requested]
+        return getattr(torch, requested)  # float32, bfloat16, float16 (config's choices)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type != "cpu":
@@ -432,11 +378,11 @@ def run_dtype(cfg, device: torch.device) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where and how a run computes."""
+    """Where and how a run computes: choose_runtime's, shared by train.py and the tools (bench, doctor, eval)."""
     device: torch.device
     dtype: torch.dtype  # what autocast computes in; weights and optimizer state stay fp32
     threads: int  # torch threads in force
-    compile: bool  # torch.compile wanted (compile_for_step still falls back to eager if it fails)
+    compile: bool  # torch.compile wanted (compile_for_step falls back to eager if it fails)
 
 
 def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
@@ -536,8 +482,7 @@ def compile_for_step(model: torch.nn.Module, stream, rt: Runtime) -> torch.nn.Mo
     return compile_or_eager(model, rt.compile, probe)
 
 
-# Dense tensor-core FLOP/s in bf16/fp16 with fp32 accumulation (autocast's mode) from NVIDIA's datasheets (half the
-# "with sparsity" figure; GeForce cards: the fp32-accumulate column). The first match wins: specific names first.
+# Dense bf16/fp16 tensor-core FLOP/s, fp32 accumulate, from NVIDIA's datasheets; the first match wins.
 PEAK_FLOPS_16BIT: tuple[tuple[str, float], ...] = (
     ("H200 NVL", 835.5e12), ("H200", 989.5e12), ("H100 NVL", 835.5e12), ("H100.*PCIe", 756.5e12), ("H100", 989.5e12),
     ("A100", 312e12), ("L40S", 362.05e12), ("RTX 4090", 165.2e12), ("RTX 3090", 71e12),
@@ -565,9 +510,8 @@ def mfu(flops_per_token: float, tokens_per_s: float, device: torch.device, dtype
 
 # ----------------------------------------------------------------------------- signals: how a run stops
 class StopOnSignal:
-    """SIGINT/SIGTERM ask to stop after this step (the loop saves last.pt, raises error()); later ones only print, and
-    after a stop both stay ignored so the save and teardown finish (footgun: an in-process caller that carries on
-    must put its handlers back). Does nothing outside the main thread."""
+    """SIGINT/SIGTERM ask to stop after this step (the loop saves last.pt, raises error()); after a stop both stay
+    ignored so the save and teardown finish (footgun: an in-process caller must put its handlers back)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -605,7 +549,7 @@ class StopOnSignal:
 @contextlib.contextmanager
 def interrupt_until_the_loop() -> Iterator[None]:
     """Until StopOnSignal takes over, SIGINT and SIGTERM raise KeyboardInterrupt (with ``signum``): a SIGTERM before
-    step 1 cleans up (staging, lock) as Ctrl-C does. Then both are ignored. Does nothing outside the main thread."""
+    step 1 cleans up (staging, lock) as Ctrl-C does."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -626,7 +570,7 @@ def interrupt_until_the_loop() -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
-# gloo's words for a collective whose peer vanished (SIGKILL, a crash): third_party/gloo/gloo/transport/tcp/pair.cc
+# gloo's words for a peer that vanished (SIGKILL, a crash): third_party/gloo/gloo/transport/tcp/pair.cc
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
@@ -648,9 +592,8 @@ def run_error(err: BaseException) -> BaseException:
 
 # ----------------------------------------------------------------------------- the run's records
 class MetricsLog:
-    """Log lines and records (metrics.jsonl, the tracker): speed over the steps since the last line, evals and saves
-    excluded. Only rank 0 (``enabled``) writes. A resume keeps the records through ``step``; a fresh run starts anew.
-    ``model``: the plain one (not compiled or DDP), whose flops_per_token is measured where a peak is known."""
+    """Log lines and records (metrics.jsonl, the tracker), written by rank 0 (``enabled``) alone; a resume keeps the
+    records through ``step``. ``model``: the plain one, whose flops_per_token is measured where a peak is known."""
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, step: int, model, rt, world_size: int = 1,
                  enabled: bool = True, tracked: bool = True):
@@ -745,9 +688,8 @@ def clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
 
 
-# Tracking behind one seam: the loop calls ``tracker.log(record)`` whatever it holds (nanochat's DummyWandb). wandb
-# never prompts: offline without a key, one line if it cannot start. --resume continues the wandb run in
-# out_dir/wandb_id, without resending the steps it already holds.
+# Tracking behind one seam (nanochat's DummyWandb). wandb never prompts: offline without a key, one line if it cannot
+# start; --resume continues the wandb run in out_dir/wandb_id without resending the steps it holds.
 class NullTracker:
     def log(self, record: dict[str, Any]) -> None:
         pass
@@ -758,7 +700,6 @@ class NullTracker:
 
 class WandbTracker:
     """Sends each record to a wandb run at its own step, skipping the steps the run already holds."""
-
     def __init__(self, run, logged_through: int | None = None):
         self.run = run
         self.logged_through = -1 if logged_through is None else logged_through
@@ -772,7 +713,7 @@ class WandbTracker:
 
 
 def check_wandb(cfg: TrainConfig) -> None:
-    """--wandb without the package: refused before anything is made (find_spec: no seconds-long import)."""
+    """--wandb without the package: refused before anything is made (find_spec: no slow import)."""
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"--wandb needs the wandb package: {install_hint('wandb')}")
 
@@ -808,8 +749,7 @@ def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) ->
 
 # ----------------------------------------------------------------------------- what a run says it is
 def describe(config) -> str:
-    """The model in one line: its sizes (int options that are never 0), then every other option off its default:
-    "block_size 64, n_layer 3, n_head 4, n_embd 128, vocab 65; not default: activation gelu_tanh"."""
+    """The model in one line: "block_size 64, n_layer 3, n_head 4, n_embd 128, vocab 65; not default: ..."."""
     shown = [f for f in fields(config) if f.name != "vocab_size"]
     sizes = [f"{f.name} {getattr(config, f.name)}" for f in shown if f.type == "int" and f.default != 0]
     options = [f"{f.name} {getattr(config, f.name)}" for f in shown

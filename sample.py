@@ -39,17 +39,14 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def next_token_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """softmax(logits / T) (B, vocab), filtered after the temperature."""
-    return F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)  # (B, vocab)
-
-
 def pick_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
               generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next ids (B, 1): argmax at temperature 0, else a draw from ``generator``, never the global RNG."""
+    """Next ids (B, 1): argmax at temperature 0, else a draw from ``generator``, never the global RNG; the filters
+    apply after the temperature."""
     if temperature == 0:  # the limit T -> 0; dividing by 0 would give NaNs
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1); a tie goes to the lowest id
-    return torch.multinomial(next_token_probs(logits, temperature, top_k, top_p), 1, generator=generator)  # (B, 1)
+    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)  # (B, vocab)
+    return torch.multinomial(probs, 1, generator=generator)  # (B, 1)
 
 
 # ----------------------------------------------------------------------------- the KV cache and its window

@@ -91,8 +91,7 @@ class GPT2Tokenizer(TiktokenTokenizer):
 
 
 class BPETokenizer(TiktokenTokenizer):
-    """A byte-level BPE trained here (train_bpe). Its meta is the whole tokenizer: the split pattern and each token's
-    bytes in rank order (hex), then <|endoftext|>; a checkpoint carries it."""
+    """A BPE trained here (train_bpe); its meta, carried by a checkpoint, is its pattern and ranks: all of it."""
 
     def __init__(self, meta: dict):
         import tiktoken
@@ -139,8 +138,7 @@ def bpe_pattern() -> str:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, source: str) -> BPETokenizer:
-    """A byte-level BPE of ``vocab_size`` tokens (256 bytes, merges, <|endoftext|>) trained on ``texts`` by rustbpe,
-    deterministically; DataError if the texts hold fewer distinct merges than asked for."""
+    """A byte-level BPE of ``vocab_size`` tokens (256 bytes, merges, <|endoftext|>) trained on ``texts`` by rustbpe."""
     try:
         import rustbpe
     except ImportError:
@@ -223,9 +221,7 @@ def document_separator(tokenizer) -> int | None:
     return eot if eot in tokenizer.special_ids or tokenizer.decode([eot]) == "\n" else None
 
 
-# ----------------------------------------------------------------------------- Hugging Face tokenizer files
-# Written by scripts/export_hf.py, read back by --init_from: a byte-level BPE as a GPT2Tokenizer (vocab.json,
-# merges.txt), a char vocabulary as a tokenizer.json BPE of one token per character; our own description beside them.
+# ----------------------------------------------------------------------------- Hugging Face tokenizer files, read back
 CHARS_FILE = "tinygpt_chars.json"  # a char model's vocabulary: token id i is chars[i]
 BPE_FILE = "tinygpt_bpe.json"  # a trained BPE's description (BPETokenizer.meta): pattern and ranks
 NO_TOKENIZER = (f"known: GPT-2's BPE, {GPT2_VOCAB} tokens; our {CHARS_FILE} or {BPE_FILE}; or the standard "
@@ -241,20 +237,18 @@ CHAR_UNK = "<unk: a character outside this char model's vocabulary>"
 
 
 def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
-    """The description of a folder's tokenizer, if it can tell: our own file, GPT-2's by its size, else rebuilt from
-    the standard files (tokenizer.json, or vocab.json + merges.txt); then the chat markers if its config lists them."""
+    """A folder's tokenizer description, if it can tell (read_base_tokenizer), with the markers its config lists."""
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = None  # the base's reading says what is wrong
-    markers = list(MARKERS) if isinstance(config, dict) and config.get("additional_special_tokens") == list(MARKERS) \
-        else []
-    base = read_base_tokenizer(folder, vocab_size - len(markers))
-    return {**base, "chat_tokens": markers} if base and markers else base
+    chat = isinstance(config, dict) and config.get("additional_special_tokens") == list(MARKERS)
+    base = read_base_tokenizer(folder, vocab_size - (len(MARKERS) if chat else 0))
+    return {**base, "chat_tokens": list(MARKERS)} if base and chat else base
 
 
 def read_base_tokenizer(folder: Path, vocab_size: int) -> dict | None:
-    """read_tokenizer without the chat markers."""
+    """Our own file, GPT-2's by its size, else the standard files (tokenizer.json, or vocab.json + merges.txt)."""
     for kind, name, what in (("char", CHARS_FILE, "char list"), ("bpe", BPE_FILE, "BPE")):
         if (folder / name).is_file():
             try:

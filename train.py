@@ -5,11 +5,8 @@
     python train.py --help                      # every config field with its default
     torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 
-Reads top to bottom: one optimizer step (train_step: the lr, the objective accumulated over micro-batches,
-clipping, the update) -> evaluation (cross-entropy only) -> build_run (seed -> data -> model -> optimizer) ->
-the loop. Each side concern is one call into the module that owns it: checkpoint.py (last.pt, best.pt, the resume
-policy), optim.py (optimizers, lr decays, the NaN guard), runtime.py (device, precision, compile, DDP, signals,
-metrics.jsonl, wandb).
+Reads top to bottom: one optimizer step (train_step) -> evaluation -> build_run -> the loop. Side concerns live in
+checkpoint.py (saves, resume), optim.py (optimizers, lr, the NaN guard) and runtime.py (device, DDP, signals, logs).
 """
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ from tqdm import tqdm
 
 import data
 import runtime
-from checkpoint import Checkpointer, start_from
+from checkpoint import Checkpointer, claim, start_from
 from config import ConfigError, TrainConfig, exit_for, fail, model_config, parse_args
 from model import GPT
 from optim import NonFiniteGuard, build_optimizer, lr_at
@@ -79,13 +76,8 @@ def accumulate_gradients(model: torch.nn.Module, batches: list[Batch], scaler: t
     """Forward and backward over the micro-batches of one optimizer step; returns the step's sums (no host sync).
 
     Each micro-batch's *summed* objective is divided by the target count of the whole step, so the accumulated
-    gradient equals the gradient of one big batch even when micro-batches count different numbers of targets
-    (averaging per-micro-batch means would weight them wrongly). An auxiliary term is summed alike (a mean over
-    the micro-batch comes weighted by its targets: model.AuxLosses.add_mean), so it weighs the same however the
-    batch is split. Under DDP the count is every rank's, and
-    DDP *averages* the W ranks' gradients: rank r backpropagates L_r / (N / W), so the synced gradient is
-    (1/W) sum_r grad(L_r) W / N = grad(sum_r L_r) / N, the mean over all N targets. Gradients are all-reduced
-    once, on the last micro-batch (DDP's no_sync before it).
+    gradient equals one big batch's even when micro-batches count different numbers of targets. DDP *averages*
+    the W ranks' gradients: rank r backpropagates L_r / (N / W), so the synced gradient is grad(sum_r L_r) / N.
     """
     n_step = sum((y != -1).sum() for _, y in batches)  # this rank's targets
     if dist.is_initialized():
@@ -107,10 +99,7 @@ def accumulate_gradients(model: torch.nn.Module, batches: list[Batch], scaler: t
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, guard: NonFiniteGuard,
                    params: list[torch.Tensor], max_norm: float, step: int, objective: torch.Tensor) -> torch.Tensor:
-    """Unscale (fp16), clip, update, zero the gradients; a non-finite step is recorded (runtime.py).
-
-    Returns the pre-clip gradient norm as a tensor; ``step`` numbers the update as the log does.
-    """
+    """Unscale (fp16), clip, update, zero the gradients; a non-finite step is recorded. Returns the pre-clip norm."""
     scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see the true gradients
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm
     guard.check(step, objective, grad_norm)  # recorded on the device; the loop stops at its next sync
@@ -122,13 +111,10 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
 
 def train_step(run: Run, step_model: torch.nn.Module, batches: list[Batch], step: int, lr: float,
                world_size: int = 1) -> tuple[StepLosses, torch.Tensor]:
-    """One optimizer step, numbered ``step`` (from 1): the lr, forward and backward, clip, update.
+    """One optimizer step, numbered ``step`` (from 1), as the loop, scripts/bench.py and the doctor run it.
 
-    train.py's loop, scripts/bench.py and the doctor all run this function. ``step_model`` is the model the
-    forward runs through (compiled, or wrapped in DDP; run.model itself otherwise). An optimizer with a
-    ``before_step(model, batches, step)`` gets the step's batches first (a Hessian estimate every k steps): it must
-    take its period from ``step``, which a resume restores, and keep what it estimates in its state_dict. Returns
-    the step's losses and its pre-clip gradient norm, as device tensors.
+    ``step_model``: compiled or DDP-wrapped run.model. An optimizer with ``before_step(model, batches, step)`` gets the
+    step's batches first (Sophia: docs/experiments.md). Returns the step's losses and pre-clip gradient norm.
     """
     set_lr(run.optimizer, lr)
     if hasattr(run.optimizer, "before_step"):  # an optimizer that reads the batch (docs/experiments.md: Sophia)
@@ -151,11 +137,9 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, batch_size: int,
              device: torch.device, dtype: torch.dtype, n_bytes: int = 0, progress: bool = False) -> EvalResult:
-    """Token-weighted mean loss over the fixed val windows (N, T), in eval mode; train mode restored after.
+    """Token-weighted mean loss over the fixed val windows (N, T), in eval mode (no random draws); train mode after.
 
-    ``n_bytes``: UTF-8 bytes of all ranks' targets (val_byte_count) for bits per byte. Under DDP each rank
-    passes its own shard of the windows; sums and counts are added over ranks. Dropout is off in eval mode,
-    so evaluation draws from no random stream at all. ``progress``: a bar (scripts/eval.py's long evals).
+    ``n_bytes``: UTF-8 bytes of all ranks' targets, for bits per byte. Under DDP sums are added over the ranks' shards.
     """
     was_training = model.training
     model.eval()
@@ -173,10 +157,7 @@ def evaluate(model: torch.nn.Module, x_val: torch.Tensor, y_val: torch.Tensor, b
 
 
 def val_byte_count(y_val: torch.Tensor, tokenizer, device: torch.device) -> int:
-    """UTF-8 bytes that the targets y_val (N, T) decode to, summed over the ranks' shards (a collective).
-
-    Padding (-1) counts nothing. Per-token lengths summed, never a decode of the split: cheap at any size.
-    """
+    """UTF-8 bytes that the targets y_val (N, T; -1 counts nothing) decode to, summed over the ranks' shards."""
     lengths = token_byte_lengths(tokenizer)  # (vocab_size,)
     return int(runtime.all_reduce_sum(lengths[y_val[y_val >= 0]].sum().to(device)).item())
 
@@ -226,7 +207,7 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: runtime.Dist | None = None, pr
 def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float,
                ddp: runtime.Dist) -> tuple[bool, bool]:
     """(out of time, signalled) after ``step``. Every rank must stop on the same step (or the next
-    collective hangs): they agree on log steps only, where the loop syncs anyway (distributed.agree)."""
+    collective hangs): they agree on log steps only, where the loop syncs anyway (runtime.agree)."""
     flags = cfg.out_of_time(time.time() - t_start), stop.requested
     return runtime.agree(flags, ddp, now=step % cfg.log_interval == 0 or step == cfg.max_iters)
 
@@ -234,18 +215,15 @@ def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float,
 def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     """Run training as configured; returns the final val loss.
 
-    ``stop`` (main() passes one) turns SIGINT/SIGTERM during the loop into "save after this step and
-    raise RunStopped"; as a library, without it, signals keep their usual meaning. The process owns
-    out_dir while it runs (rundir.claim, before anything is read or written): a second run there,
-    fresh or --resume, is refused, and so is a fresh run in a folder that holds one. Under torchrun rank 0
-    holds it for the job.
+    ``stop`` (main() passes one) turns SIGINT/SIGTERM during the loop into "save after this step and raise
+    RunStopped"; without it signals keep their usual meaning. The process (rank 0) owns out_dir while it runs.
     """
     check_wandb(cfg)  # --wandb without wandb: the same, not an empty metrics.jsonl left behind
     ddp = runtime.setup(cfg.device)  # a world of one on cfg.device without torchrun
     with runtime.stop_together(ddp.device):  # refused on rank 0: every rank stops here
         if cfg.resume and ddp.is_main and not (Path(cfg.out_dir) / "last.pt").exists():  # before the corpus is made
             raise ConfigError(f"nothing to resume in {cfg.out_dir} (no last.pt); drop --resume to start a new run")
-        owner = runtime.claim(Path(cfg.out_dir), cfg.resume) if ddp.is_main else contextlib.nullcontext()
+        owner = claim(Path(cfg.out_dir), cfg.resume) if ddp.is_main else contextlib.nullcontext()
     with owner:  # released however the run ends (after a SIGKILL, by the kernel)
         return train_in_owned_folder(cfg, ddp, stop or StopOnSignal(install=False))
 

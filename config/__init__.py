@@ -26,8 +26,7 @@ RESUME_RULES = ("fixed", "warned", "free")
 
 
 def option(resume: str, default: Any, help: str) -> Any:
-    """A field with its help and what a resume does if the checkpoint's value differs: fixed (refused in one line),
-    warned (applied, with a warning) or free (applied silently). Model options: fixed, or warned if TRAINING_ONLY."""
+    """A field; ``resume``: a changed value is refused (fixed), applied with a warning (warned) or silently (free)."""
     return dataclasses.field(default=default, metadata={"resume": resume, "help": help})
 
 
@@ -38,7 +37,7 @@ LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # what 
 @dataclasses.dataclass
 class TrainConfig(GPTConfig):
     """Every setting of a run: GPTConfig's model options, then these; each a flag, a preset and a checkpoint key."""
-    vocab_size: ClassVar[None] = None  # the corpus's, not an option: drops GPTConfig's field (model_config sets it)
+    vocab_size: ClassVar[None] = None  # the corpus's, not an option (model_config sets it)
     # --- the run
     out_dir: str = free("out/default", "folder for last.pt, best.pt and metrics.jsonl")
     seed: int = fixed(1337, "seeds model init, dropout and the data generator (a resume restores their streams)")
@@ -49,7 +48,7 @@ class TrainConfig(GPTConfig):
     resume: bool = free(False, "continue exactly from out_dir/last.pt")
     init_from: str = free("", "start from trained weights: a run's folder or .pt | gpt2[-medium|-large|-xl] | a "
                           'Hugging Face GPT-2 folder or .safetensors; "" = random init')
-    # --- the corpus (python -m scripts.prepare's flags too; a resume checks the corpus itself: Corpus.record)
+    # --- the corpus (python -m scripts.prepare's flags too)
     dataset: str = free("shakespeare", "built-in corpus name; ignored when data_path is set")
     data_path: str = free("", "what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a "
                           ".parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)")
@@ -64,7 +63,7 @@ class TrainConfig(GPTConfig):
     chat_overflow: Literal["refuse", "truncate"] = fixed("refuse", "a chat over block_size + 1 tokens: refuse|truncate")
     batch_size: int = warned(32, "sequences per micro-batch")
     grad_accum: int = warned(1, "micro-batches per optimizer step")
-    # --- the optimizer and the lr (a test checks the Literals of optimizer, lr_decay, loader against their tables)
+    # --- the optimizer and the lr
     max_iters: int = free(2000, "optimizer steps in the whole run")
     optimizer: Literal["adamw", "muon"] = fixed("adamw", "muon: Muon for the blocks' matrices, AdamW for the rest")
     muon_lr: float = warned(0.02, "Muon's peak lr (its matrices' lr is the schedule's times muon_lr / learning_rate)")
@@ -105,11 +104,9 @@ class TrainConfig(GPTConfig):
         return self.max_time > 0 and time_s >= self.max_time
 
 
-# The fields only one choice reads: under another they are unused (warned about when set, left out of the settings
-# line and of a resume's warnings). tests/test_training_options.py checks it by perturbing every field.
+# The fields only one choice reads: under another they are unused (warned about when set, not shown, not compared).
 USED_ONLY_UNDER = {"muon_lr": ("optimizer", "muon"), "wsd_fraction": ("lr_decay", "wsd"),  # field: (chooser, value)
                    "lr_decay_iters": ("schedule", "steps"), "bpe_vocab_size": ("tokenizer", "bpe")}
-CHOOSERS = ("optimizer", "lr_decay", "schedule", "tokenizer", "loader")  # the fields that choose what reads the others
 OPTIONS = tuple(f for f in dataclasses.fields(TrainConfig) if f.name != "given")  # every field a user can set
 DEFAULTS = {f.name: f.default for f in OPTIONS}
 FIELD_TYPES = {name: kind for name, kind in get_type_hints(TrainConfig).items() if name in DEFAULTS}
@@ -118,13 +115,11 @@ MODEL_OPTIONS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name !=
 CORPUS_OPTIONS = ("dataset", "data_path", "text_column", "data_dir", "tokenizer", "bpe_vocab_size", "val_fraction")
 
 
-def choices(name: str) -> tuple[Any, ...]:
-    """The values a field allows: its Literal's; () for any other field."""
+def choices(name: str) -> tuple[Any, ...]:  # a Literal's values; () for any other field
     return get_args(FIELD_TYPES[name]) if get_origin(FIELD_TYPES[name]) is Literal else ()
 
 
-def field_help() -> dict[str, str]:
-    """Each option's help, as declared (other scripts' flags of the same meaning borrow it)."""
+def field_help() -> dict[str, str]:  # other scripts' flags of the same meaning borrow it
     return {f.name: f.metadata["help"] for f in OPTIONS}
 
 
@@ -139,15 +134,13 @@ def unknown_key(key: str, where: str) -> ConfigError:
 
 
 def typed(values: dict[str, Any], where: str) -> dict[str, Any]:
-    """``values`` typed by their fields; ConfigError for a bad value or a key that is no field (naming the closest)."""
     for key in values:
         if key not in FIELD_TYPES:
             raise unknown_key(key, where)
     return {key: parse_typed(key, FIELD_TYPES[key], value) for key, value in values.items()}
 
 
-def load_preset(name: str) -> dict[str, Any]:
-    """A preset by name (config/NAME.toml) or path, its keys checked and its values typed."""
+def load_preset(name: str) -> dict[str, Any]:  # config/NAME.toml or a path
     path = Path(name) if name.endswith(".toml") else PRESET_DIR / f"{name}.toml"
     require(path.is_file(), f"no preset `{name}` (looked for {path}); known presets: {', '.join(PRESETS)}")
     try:
@@ -213,18 +206,16 @@ def parse_lora_targets(text: str) -> tuple[str, ...]:
     return names
 
 
-def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    """The model part of a training config: every model option; the vocabulary comes from the corpus."""
+def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:  # the vocabulary is the corpus's
     return GPTConfig(vocab_size=vocab_size, **{name: getattr(cfg, name) for name in MODEL_OPTIONS})
 
 
 def given_fields(cfg: TrainConfig) -> frozenset[str]:
-    """The fields the user chose: those make_config was given, whatever their value, and any off its default."""
+    """The fields make_config was given, whatever their value, and any off its default (init_from refuses those)."""
     return frozenset(cfg.given) | {name for name in FIELD_TYPES if getattr(cfg, name) != DEFAULTS[name]}
 
 
-def as_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """Every field, as plain values (a checkpoint's "config", wandb's); config_from_dict reads it back."""
+def as_dict(cfg: TrainConfig) -> dict[str, Any]:  # a checkpoint's "config"; config_from_dict reads it back
     return dataclasses.asdict(cfg)
 
 
@@ -238,20 +229,18 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**options, given=tuple(values.get("given", ())))  # a list, where a checkpoint holds one
 
 
-def unused_fields(cfg: TrainConfig) -> set[str]:
-    """The fields this run's choices do not read (USED_ONLY_UNDER): muon_lr under adamw, and so on."""
+def unused_fields(cfg: TrainConfig) -> set[str]:  # muon_lr under adamw, and so on
     return {name for name, (chooser, value) in USED_ONLY_UNDER.items() if getattr(cfg, chooser) != value}
 
 
 def unused_given(cfg: TrainConfig) -> list[str]:
-    """A warning per field the user set that this run does not read, naming the choice that would read it."""
     return [f"WARNING: {name} is set ({getattr(cfg, name)!r}) but unused: {chooser}={getattr(cfg, chooser)} "
             f"does not read it ({chooser}={reader} does)" for name in sorted(unused_fields(cfg) & given_fields(cfg))
             for chooser, reader in [USED_ONLY_UNDER[name]]]
 
 
 def settings_line(cfg: TrainConfig) -> str:
-    """What trains: the choices, the step count, then the fields off their default that shape training (not free)."""
+    """The choices, the step count, then the fields off their default that shape training (not free)."""
     always, unused = ("optimizer", "lr_decay", "schedule", "max_iters"), unused_fields(cfg)
     rest = [name for name in FIELD_TYPES if name not in always and name not in MODEL_OPTIONS and name not in unused
             and RESUME[name] != "free" and getattr(cfg, name) != DEFAULTS[name]]
@@ -259,7 +248,7 @@ def settings_line(cfg: TrainConfig) -> str:
 
 
 def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[str]]:
-    """The fields ``saved`` (a checkpoint's config) has otherwise, by rule; not warned ones this run does not read."""
+    """The fields ``saved`` (a checkpoint's config) has otherwise, by rule, but warned ones this run does not read."""
     saved, unused = {**DEFAULTS, **saved}, unused_fields(cfg)
     changes: dict[str, list[str]] = {"fixed": [], "warned": []}
     for name, resume in RESUME.items():
@@ -269,8 +258,7 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[st
 
 
 def add_flags(parser: Any, names: tuple[str, ...], preset: str | None = None) -> None:
-    """``--na_me`` and ``--na-me`` per field, absent unless given, its text left for parse_typed; a bool may stand
-    alone (``--resume``). --help shows a ``preset``'s values as the defaults."""
+    """``--na_me`` and ``--na-me`` per field, absent unless given; a bool may stand alone (``--resume``)."""
     from_preset, helps = load_preset(preset) if preset else {}, field_help()
     for name in names:
         shown = f"{from_preset[name]}, from {preset}; else {DEFAULTS[name]}" if name in from_preset else DEFAULTS[name]
@@ -279,11 +267,10 @@ def add_flags(parser: Any, names: tuple[str, ...], preset: str | None = None) ->
                             default=argparse.SUPPRESS, nargs="?" if is_bool else None,
                             const="true" if is_bool else None,
                             help=helps[name] + (f" (default: {shown})" if shown != "" else ""),
-                            metavar="{" + ",".join(get_args(kind)) + "}" if get_args(kind) else type_name(kind).upper())
+                            metavar="{" + ",".join(get_args(kind)) + "}" if get_args(kind) else kind.__name__.upper())
 
 
-def build_parser(preset: str | None = None, description: str | None = None) -> CommandLine:
-    """train.py's command line (the doctor's too, with its own ``description``)."""
+def build_parser(preset: str | None = None, description: str | None = None) -> CommandLine:  # train's, the doctor's
     parser = CommandLine(description=description or "Train a tiny GPT. Every config field below is a flag.")
     parser.add_argument("--config", default=None, help=f"a preset in config/ ({', '.join(PRESETS)}) or a .toml file")
     add_flags(parser, tuple(n for n in FIELD_TYPES if n not in MODEL_OPTIONS and n not in CORPUS_OPTIONS), preset)
@@ -294,7 +281,7 @@ def build_parser(preset: str | None = None, description: str | None = None) -> C
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> TrainConfig:
-    """Command line to validated config; ConfigError on a mistake. --config is read first: --help shows its values."""
+    """Command line to validated config; ConfigError on a mistake. --config first: --help shows its values."""
     early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     early.add_argument("--config", default=None)
     args, unknown = build_parser(early.parse_known_args(argv)[0].config, description).parse_known_args(argv)
@@ -308,9 +295,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
 
 
 # ----------------------------------------------------------------------------- errors and exit codes
-# Each error class carries its exit code, so one failure has one code at every entry point. What each code leaves
-# on disk: docs/reliability.md's table. 74 and 75 are sysexits.h's EX_IOERR and EX_TEMPFAIL; 130 and 143 are the
-# shell's 128 + signal, which schedulers that requeue preempted jobs recognise.
+# Each error class carries its exit code (docs/reliability.md). 74, 75: sysexits.h; 130, 143: the shell's 128 + signal.
 EXIT_BAD_INPUT = 2  # bad config, data, checkpoint or folder, caught before training: nothing written
 EXIT_NONFINITE = 3  # a non-finite loss or gradient; fp16: max_skipped_steps overflowed steps in a row
 EXIT_WRITE_FAILED = 74  # a checkpoint or a folder's write probe failed (disk full, I/O): the previous files intact
@@ -365,7 +350,6 @@ class PeerFailed(TinyGPTError):
 
 
 # ----------------------------------------------------------------------------- optional packages
-# Each package a feature imports only when used: its pin and the requirements file that installs it (install_hint's).
 OPTIONAL_PACKAGES = {
     "rustbpe": ("rustbpe==0.1.0", "requirements.txt"),  # --tokenizer bpe
     "scipy": ("scipy==1.17.1", "requirements-dev.txt"),  # scripts/compare.py's t-test
@@ -382,31 +366,26 @@ def install_hint(package: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the one way out
-def reporting_rank(err: BaseException | None) -> int | None:
-    """This rank's number if it must print ``err``, else None: rank 0 prints the job's errors, another rank only one
-    that stop_together found on it first (it carries ``reporting_rank``). RANK is torchrun's, set before setup."""
-    rank = int(os.environ.get("RANK", "0"))
-    return rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None
-
-
 def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
-    """(its one line, the exit code, the rank that prints it or None) for ``err``; None for a bug (its traceback)."""
+    """(its one line, the exit code, the rank that prints it or None) for ``err``; None for a bug (its traceback).
+    Rank 0 prints the job's errors, another rank only one stop_together found on it first (``reporting_rank``)."""
     if isinstance(err, PeerFailed):  # another rank failed and prints why: this one stops silently
         return "", err.exit_code, None
     if isinstance(err, TinyGPTError):
-        return str(err), err.exit_code, reporting_rank(err)
+        rank = int(os.environ.get("RANK", "0"))  # torchrun's
+        return str(err), err.exit_code, rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None
     return None
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT, rank: int | None = 0) -> NoReturn:
-    """Print a one-line error and exit, no traceback; a ``rank`` other than 0 names itself, None prints nothing."""
+    """Print a one-line error (rank 0's; another rank names itself; None prints nothing) and exit, no traceback."""
     if rank is not None:
         print(f"rank {rank}: error: {message}" if rank else f"error: {message}", file=sys.stderr)
     sys.exit(code)
 
 
 def exit_on(err: BaseException) -> NoReturn:
-    """End the process on ``err`` as exit_for says; a bug is raised again. Every entry point's main() calls it."""
+    """End the process on ``err`` as exit_for says; a bug is raised again."""
     ending = exit_for(err)
     if ending is None:
         raise err
@@ -414,9 +393,7 @@ def exit_on(err: BaseException) -> NoReturn:
 
 
 # ----------------------------------------------------------------------------- command lines
-# A mistake is one line and exit 2, never argparse's usage block; the usage names the command the user typed.
 def did_you_mean(word: str, known: list[str], what: str) -> str:
-    """The end of an unknown-name error: the closest known name, or where to find them all."""
     close = difflib.get_close_matches(word, known, n=1)
     return f"; did you mean `{close[0]}`?" if close else f"; run with --help to list every {what}"
 
@@ -424,14 +401,9 @@ def did_you_mean(word: str, known: list[str], what: str) -> str:
 BOOL_WORDS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
 
 
-def type_name(kind: Any) -> str:
-    """int, float, bool or str (a Literal's values are str)."""
-    return "str" if get_origin(kind) is Literal else kind.__name__
-
-
 def parse_typed(name: str, kind: Any, raw: Any) -> Any:
     """A TOML or command-line value as the type ``kind``, or a ConfigError naming ``name``."""
-    expected = type_name(kind)
+    expected = "str" if get_origin(kind) is Literal else kind.__name__
     try:
         if expected == "bool":
             return raw if isinstance(raw, bool) else BOOL_WORDS[str(raw).lower()]
@@ -447,17 +419,14 @@ def parse_typed(name: str, kind: Any, raw: Any) -> Any:
 
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds "(default: X)" to a flag's help unless the help already says it or X is empty."""
+    """Adds "(default: X)" to a flag's help unless X is None or empty."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if re.search(r"\(default|default:", text) or action.default in (None, ""):
-            return text
-        return super()._get_help_string(action)
+        return action.help or "" if action.default in (None, "") else super()._get_help_string(action)
 
 
 class CommandLine(argparse.ArgumentParser):
-    """argparse with train.py's manners, for every other entry point: a mistake is one line and exit 2."""
+    """argparse for every entry point: a mistake is one line and exit 2; the usage names the command typed."""
 
     def __init__(self, **kwargs: Any):
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # python -m: argparse's eval.py runs nothing

@@ -10,19 +10,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import make_text, run_main, tiny_args, tiny_model, write_chats
 
 import prepare
 from config import ConfigError, DataError, TrainConfig
 from data import Conversations, corpus_for, eval_windows, load_corpus, training_stream
-from finetune import BEGIN, conversation_rows, learned
+from finetune import BEGIN, learned
 from prepare import prepare_conversations, split_indices
 from scripts import chat as chat_script
 from scripts import export_hf
 from scripts.prepare import main as prepare_main
 from tokenizer import END, USER, CharTokenizer, chat_tokenizer, render, tokenizer_from_meta
-from train import accumulate_gradients
 
 CHARS = "".join(sorted(set("abcdefghijklmnopqrstuvwxyz ,.?!'\n")))
 
@@ -53,41 +51,6 @@ def test_only_the_assistants_text_and_its_end_are_learned():
     assert [s for s, keep in zip(text, learned(ids, t)) if keep] == ["y", "e", "s", END, "n", "o", END]
 
 
-def test_a_masked_target_changes_no_gradient_and_a_learned_one_does():
-    """A trailing user turn is only ever a masked target (and an input to padding): changing it changes nothing;
-    changing the assistant's text does."""
-    t = tok()
-
-    def grads(*turns):
-        x, y = conversation_rows([np.array(render(t, conversation(*turns)))], t, 64)
-        model = tiny_model(vocab_size=t.vocab_size, block_size=64)
-        model(x, y).loss_sum.backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    base = grads("hi there", "yes my lord", "what say you")
-    assert all(torch.equal(a, b) for a, b in zip(base, grads("hi there", "yes my lord", "nothing at al")))
-    assert not all(torch.equal(a, b) for a, b in zip(base, grads("hi there", "no my lady", "what say you")))
-
-
-def test_every_reply_token_weighs_alike_in_a_batch_of_short_and_long_replies():
-    """The step's gradient is the mean over every learned token of the step, not the mean of each reply's mean."""
-    t = tok()
-    rows = [np.array(render(t, conversation("hi", "ay"))),
-            np.array(render(t, conversation("hi", "the king is dead and the queen is fair")))]
-    batches = [conversation_rows([row], t, len(row) - 1) for row in rows]
-    model = tiny_model(vocab_size=t.vocab_size, block_size=64)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    accumulate_gradients(model, batches, scaler, torch.device("cpu"), torch.float32)
-    stepped = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    logits = torch.cat([model(x).logits.flatten(0, 1) for x, _ in batches])  # (N, V)
-    y = torch.cat([y.flatten() for _, y in batches])
-    F.cross_entropy(logits, y, ignore_index=-1, reduction="mean").backward()  # the mean over learned tokens
-    assert (y != -1).sum() == 3 + 39  # "ay" and the long reply, each with its <|end|>
-    for a, p in zip(stepped, model.parameters()):
-        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
-
-
 def test_rows_hold_one_whole_conversation_padded_and_masked(tmp_path):
     folder = prepare_conversations(write_chats(tmp_path / "chats.jsonl"), tmp_path / "data", "char", 0.25)
     corpus = load_corpus(folder, 16)
@@ -95,12 +58,10 @@ def test_rows_hold_one_whole_conversation_padded_and_masked(tmp_path):
     stream = Conversations(corpus.train, TrainConfig(batch_size=8, block_size=64), 0, torch.device("cpu"), t)
     x, _ = stream.next()
     assert ((x == t.marker_ids[BEGIN]).sum(1) == 1).all() and (x[:, 0] == t.marker_ids[BEGIN]).all()
-    assert corpus.meta["lines"]["val"] == [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]  # 40 conversations, every 4th val
 
 
 def test_conversations_and_documents_split_alike_at_every_two_decimal_val_fraction(tmp_path):
-    """One rule: at val_fraction 0.01 ... 0.99 conversations go to val where documents do (prepare_conversations'
-    split_indices, the documents' streaming writer); a rule of their own split 12 of these apart."""
+    """At every val_fraction 0.01 ... 0.99 conversations go to val where documents do."""
     docs = [np.array([i], dtype=np.uint16) for i in range(3000)]  # document i is the one token i
     for k in range(1, 100):
         prepare.write_splits(iter(docs), tmp_path, k / 100)
@@ -121,22 +82,15 @@ def test_a_bpe_for_conversations_is_trained_on_the_train_conversations_only(tmp_
     assert (folders[0] / "val.bin").read_bytes() != (folders[1] / "val.bin").read_bytes()
 
 
-def test_one_file_at_two_val_fractions_makes_two_corpora_each_with_its_own_split(tmp_path):
-    path = write_chats(tmp_path / "chats.jsonl", n=12)
-    for fraction, val_lines in [(0.25, [1, 5, 9]), (0.5, [1, 3, 5, 7, 9, 11]), (0.25, [1, 5, 9])]:
-        corpus = load_corpus(prepare_conversations(path, tmp_path / "data", "char", fraction), 16)
-        assert corpus.meta["lines"]["val"] == val_lines
-        assert (np.asarray(corpus.val) == corpus.meta["vocab_size"] - 5).sum() == len(val_lines)  # <|begin|>s
-    assert len(list((tmp_path / "data").iterdir())) == 2
-
-
-def test_python_m_prepare_prepares_conversations_as_train_py_does(tmp_path):
-    """Before, `python -m scripts.prepare --data_path chats.jsonl` read the lines as documents ("text" fields)."""
+def test_one_file_at_two_val_fractions_makes_two_corpora_and_python_m_prepare_makes_train_pys(tmp_path):
+    """Bug caught: `python -m scripts.prepare --data_path chats.jsonl` read the lines as documents (a third folder)."""
     path = write_chats(tmp_path / "chats.jsonl", n=12)
     prepare_main(["--data_path", str(path), "--data_dir", str(tmp_path / "data"), "--val_fraction", "0.25"])
-    (folder,) = (tmp_path / "data").iterdir()
-    assert folder == prepare_conversations(path, tmp_path / "data", "char", 0.25)  # the same folder, found cached
-    assert json.loads((folder / "meta.json").read_text())["format"] == "conversations"
+    for fraction, val_lines in [(0.25, [1, 5, 9]), (0.5, [1, 3, 5, 7, 9, 11]), (0.25, [1, 5, 9])]:
+        corpus = load_corpus(prepare_conversations(path, tmp_path / "data", "char", fraction), 16)
+        assert corpus.meta["lines"]["val"] == val_lines and corpus.meta["format"] == "conversations"
+        assert (np.asarray(corpus.val) == corpus.meta["vocab_size"] - 5).sum() == len(val_lines)  # <|begin|>s
+    assert len(list((tmp_path / "data").iterdir())) == 2
 
 
 @pytest.mark.parametrize("overflow", ["refuse", "truncate"])
@@ -234,7 +188,6 @@ def test_train_py_refuses_a_malformed_file_in_one_line_exit_2_writing_nothing(tm
 
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory):
-    """A tiny chat model trained from scratch on conversations (char tokenizer and the markers)."""
     folder = tmp_path_factory.mktemp("chat")
     chats = write_chats(folder / "chats.jsonl", n=60)
     assert run_main(tiny_args(folder / "out", chats, max_iters=30, eval_interval=30, block_size=64,
@@ -267,10 +220,15 @@ def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_s
     assert sum(line.startswith("(") for line in out) == 1  # block_size 32: turns are dropped, said once
 
 
-def test_a_system_prompt_that_cannot_fit_is_refused_at_the_start_in_one_line_exit_2(chat_run, monkeypatch, capsys):
-    code, out, err = chat(chat_run, ["the king", "love"], "--system", "the king " * 12,  # 111 tokens; block_size 64
-                          monkeypatch=monkeypatch, capsys=capsys)
-    assert code == 2 and out == "" and err.count("\n") == 1 and "111" in err and "--system" in err
+@pytest.mark.parametrize("markers", [True, False], ids=["too long", "no markers"])
+def test_a_system_prompt_the_model_cannot_take_is_refused_at_the_start_in_one_line_exit_2(
+        chat_run, tmp_path, text_file, markers, monkeypatch, capsys):
+    run, system = chat_run, "the king " * 12  # 111 tokens; block_size 64
+    if not markers:
+        assert run_main(tiny_args(tmp_path / "out", text_file, max_iters=2, eval_interval=2)) == 0
+        run, system = tmp_path / "out", "the lord"
+    code, out, err = chat(run, ["the king"], "--system", system, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1 and "--system" in err
 
 
 def test_the_longest_system_prompt_accepted_is_the_room_the_refusal_names():
@@ -281,13 +239,6 @@ def test_the_longest_system_prompt_accepted_is_the_room_the_refusal_names():
         chat_script.Dialogue(t, block_size=40, room=10, system="a" * 24)
     with pytest.raises(DataError):  # a character the vocabulary lacks
         chat_script.Dialogue(t, block_size=40, room=10, system="日本")
-
-
-def test_a_system_prompt_for_a_model_without_markers_is_refused_in_one_line_exit_2(tmp_path, text_file, monkeypatch,
-                                                                                    capsys):
-    assert run_main(tiny_args(tmp_path / "out", text_file, max_iters=2, eval_interval=2)) == 0
-    code, out, err = chat(tmp_path / "out", ["hi"], "--system", "the lord", monkeypatch=monkeypatch, capsys=capsys)
-    assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1 and "--system" in err
 
 
 def test_a_dialogue_keeps_every_turn_while_its_prompt_fits_then_drops_the_oldest_never_the_system_prompt():
@@ -320,8 +271,7 @@ class ScriptedModel(torch.nn.Module):
 
 
 def test_chat_ends_a_reply_at_any_marker_shows_none_of_it_and_keeps_the_real_reply(monkeypatch, capsys):
-    """Turn 1 ends at <|user|> (the model starting the user's part), turn 2 at <|end|>, turn 3 at the window's end;
-    each next prompt holds the model's reply as it was, never a marker, never the user's line."""
+    """Turns end at <|user|>, <|end|> and the window; each next prompt holds the reply as it was."""
     t = tok()
     a, b, c, d = (t.encode(ch)[0] for ch in "abcd")
     script = [a, b, t.marker_ids[USER], a, c, t.marker_ids[END], d]
@@ -337,8 +287,7 @@ def test_chat_ends_a_reply_at_any_marker_shows_none_of_it_and_keeps_the_real_rep
 
 
 def test_a_refused_turn_is_only_that_turn_and_the_talk_goes_on(monkeypatch, capsys):
-    """A message with characters outside the vocabulary, then one too long alone: each refused in one line; the next
-    prompt is the conversation before them, whole."""
+    """An unknown character, then a message too long: each refused in one line; the talk goes on whole."""
     t = tok()
     a, b, c = (t.encode(ch)[0] for ch in "abc")
     model = ScriptedModel([a, b, t.marker_ids[END], a, c, t.marker_ids[END]], filler=c, vocab_size=t.vocab_size,
@@ -350,20 +299,6 @@ def test_a_refused_turn_is_only_that_turn_and_the_talk_goes_on(monkeypatch, caps
     errors = captured.err.splitlines()
     assert len(errors) == 2 and "日本" in errors[0] and "say it shorter" in errors[1]
     assert model.inputs[3] == render(t, [("user", "hi"), ("assistant", "ab"), ("user", "yo")], reply=True)
-
-
-@pytest.mark.parametrize("system", ["", "be kind"])
-def test_the_dropping_note_comes_with_the_first_drop_and_names_a_system_prompt_only_when_there_is_one(
-        system, monkeypatch, capsys):
-    t = tok()
-    model = ScriptedModel([], filler=t.encode("d")[0], vocab_size=t.vocab_size, block_size=64)
-    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nyo\nx\n"))  # 20-token replies: a prompt may take 44
-    args = ["--temp", "0", "--max-new-tokens", "20"] + (["--system", system] if system else [])
-    chat_script.converse(model, t, chat_script.parse_args(args), torch.Generator())
-    out = capsys.readouterr().out.splitlines()
-    # turns 1 and 2 fit (41 tokens with the system prompt); turn 3's prompt (57, or 67) drops turn 1: the note, once
-    assert out[:2] + out[3:] == ["d" * 20] * 3
-    assert out[2].startswith("(") and ("system prompt" in out[2]) == bool(system)
 
 
 def base_tokenizer_of(kind: str, cache: Path):

@@ -8,7 +8,7 @@ import sys
 import types
 
 import pytest
-from conftest import REPO, TOOLS, entry_point, interop_if
+from conftest import REPO
 
 import config
 import finetune
@@ -96,6 +96,7 @@ def test_help_lists_every_field_with_its_default():
     for name, default in DEFAULTS.items():
         assert f"--{name}" in text
         assert f"(default: {default})" in text or default == ""  # an empty default is said in words
+        assert " ".join(field_help()[name].split()) in text, name  # the field's words (model.py's for its options)
     assert "--given" not in text  # a record of how the config was made, not a setting
 
 
@@ -199,12 +200,3 @@ def test_a_tools_positionals_may_stand_on_both_sides_of_a_flag():
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args(["dtype=float32", "--threads", "1", "compile=on"])
     assert args.overrides == ["dtype=float32", "compile=on"] and args.threads == 1
-
-
-@pytest.mark.parametrize("tool", [interop_if(tool, tool) for tool in TOOLS])
-def test_every_tools_usage_names_its_module(monkeypatch, capsys, tool):
-    """Under python -m scripts.eval argparse said "usage: eval.py", a command that runs nothing."""
-    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=types.SimpleNamespace(name=tool)))
-    with pytest.raises(SystemExit):
-        entry_point(tool).main(["--help"])
-    assert capsys.readouterr().out.startswith(f"usage: python -m {tool} ")

@@ -1,5 +1,4 @@
-"""init_from a run of this repo: its shape, options, tokenizer and best weights start a fresh run elsewhere, which
-resumes bit-exactly."""
+"""init_from a run: its shape, options, tokenizer and best weights start a fresh run that resumes bit-exactly."""
 from __future__ import annotations
 
 import re
@@ -10,8 +9,9 @@ from conftest import make_text, metrics, read_metrics, run_main, tiny_args, writ
 from fault_injection import assert_same_training_state
 
 from checkpoint import from_checkpoint, load_checkpoint, load_run
-from config import config_from_dict, make_config, model_config
+from config import CheckpointError, config_from_dict, make_config, model_config
 from model import GPT
+from scripts import export_hf
 from tokenizer import tokenizer_vocab_size
 
 
@@ -76,8 +76,7 @@ def test_a_flag_that_contradicts_the_base_is_one_line(base_run, tmp_path, capsys
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_rank):
-    """4 steps straight == 2 steps, a resume, 2 more. Bug caught: a resume imported nothing, so the conversations
-    were prepared again without the base's tokenizer and the resume was refused."""
+    """4 steps == 2, a resume, 2 more. Bug caught: a resume lost the base's tokenizer and was refused."""
     base, _ = base_run
     chats = write_chats(tmp_path / "chats.jsonl")
     common = dict(init_from=base, eval_interval=2, chat_overflow="truncate", lora_rank=lora_rank)
@@ -93,7 +92,16 @@ def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_
     train_records, val_records = metrics(tmp_path / "split")
     assert [r["step"] for r in train_records] == [1, 2, 3, 4] and [r["step"] for r in val_records] == [2, 4]
     assert metrics(tmp_path / "straight") == (train_records, val_records)
-    assert from_checkpoint(tmp_path / "split" / "last.pt").step == 4  # a LoRA run's adapters go on the base: merged
+    tuned = from_checkpoint(tmp_path / "split" / "last.pt")  # a LoRA run's adapters go on the base: merged
+    assert tuned.step == 4
+    if lora_rank:  # the markers' rows train from the base rows' mean, the base's rows not; PEFT's files lack them
+        base_model, rows = model_of(base / "best.pt")[0], b["lora"]["rows"]
+        vocab, wte = base_model.config.vocab_size, tuned.model.transformer.wte.weight
+        assert rows == list(range(vocab, vocab + 5))
+        assert torch.equal(wte[:vocab], base_model.transformer.wte.weight[:vocab])
+        assert not any(torch.equal(row, base_model.transformer.wte.weight[:vocab].mean(0)) for row in wte[rows])
+        with pytest.raises(CheckpointError, match="also trained 5 embedding rows .*drop --peft"):
+            export_hf.export_peft(b, tmp_path / "peft")
 
 
 def test_the_doctor_checks_a_fine_tune_of_a_run(base_run, tmp_path, capsys):

@@ -123,7 +123,6 @@ def test_generate_until_is_greedy_and_stops_at_the_stop_sequence(bpe_model, monk
 # ----------------------------------------------------------------------------- the command
 @pytest.fixture
 def char_checkpoint(tiny_cfg, tmp_path):
-    """A tiny char model trained 2 steps on text holding every character of tinygpt_cloze."""
     items = [json.loads(line) for line in (harness.LOCAL_TASKS / "tinygpt_cloze.jsonl").read_text().splitlines()]
     corpus = tmp_path / "cloze_corpus.txt"
     corpus.write_text(make_text() + "\n".join(d["context"] + " " + " ".join(d["choices"]) for d in items) + "\n")
@@ -134,8 +133,7 @@ def char_checkpoint(tiny_cfg, tmp_path):
 
 def test_a_char_checkpoint_and_its_export_score_alike_in_lm_evals_hf_backend_and_from_the_command_line(
         char_checkpoint, tmp_path, capsys):
-    """Bug caught: a char export that transformers loaded as an empty GPT-2 tokenizer (every text -> []),
-    on which lm_eval's own backend stopped with `assert len(context_enc) > 0`."""
+    """Bug caught: transformers loaded a char export's tokenizer empty, and lm_eval's backend stopped."""
     from lm_eval.models.huggingface import HFLM
     loaded = from_checkpoint(find_checkpoint(char_checkpoint))
     export_hf.export(loaded.model, loaded.tokenizer, tmp_path / "export")

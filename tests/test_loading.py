@@ -13,7 +13,7 @@ from conftest import make_text
 
 import finetune
 import train
-from checkpoint import (Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_flags, from_pretrained,
+from checkpoint import (add_weights_flags, find_checkpoint, from_checkpoint, from_flags, from_pretrained,
                         load_checkpoint, start_from)
 from config import DEFAULTS, CheckpointError, HFError, make_config
 from runtime import Runtime
@@ -33,7 +33,6 @@ def run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf(run, tmp_path_factory) -> Path:
-    """The run's best.pt exported in the Hugging Face layout."""
     trained, folder = from_checkpoint(run / "best.pt"), tmp_path_factory.mktemp("export") / "hf"
     export_hf.export(trained.model, trained.tokenizer, folder)
     return folder
@@ -90,17 +89,14 @@ def test_weights_without_a_known_tokenizer_are_refused_in_one_line(hf, tmp_path)
 def test_the_flags_choose_the_weights(run, hf):
     parser = argparse.ArgumentParser()
     add_weights_flags(parser)
-    chosen = {flag: from_flags(parser.parse_args([flag, value]))
-              for flag, value in (("--ckpt", str(run)), ("--init_from", str(hf)))}
-    assert isinstance(chosen["--ckpt"], Loaded) and chosen["--ckpt"].source == str(run / "best.pt")
-    assert chosen["--init_from"].step is None
+    assert from_flags(parser.parse_args(["--ckpt", str(run)])).source == str(run / "best.pt")
+    assert from_flags(parser.parse_args(["--init_from", str(hf)])).step is None
     with pytest.raises(SystemExit):  # one source of weights, not two
         parser.parse_args(["--ckpt", str(run), "--init_from", "gpt2"])
 
 
 def test_a_fine_tune_at_a_smaller_block_size_starts_with_the_base_logits(run, tmp_path):
-    """A smaller block_size keeps the position table's first rows, so at step 0 the fine-tune computes the base's
-    logits. Its dropout (training-only) may differ from the run's."""
+    """A smaller block_size keeps the first positions: step 0 gives the base's logits; dropout may differ."""
     base = from_checkpoint(run / "best.pt").model
     common = dict(data_path=str(run.parent / "corpus.txt"), data_dir=str(run.parent / "data"), init_from=str(run),
                   out_dir=str(tmp_path / "tuned"), device="cpu", compile="off")
@@ -115,8 +111,7 @@ def test_a_fine_tune_at_a_smaller_block_size_starts_with_the_base_logits(run, tm
 
 
 def test_a_run_and_its_hugging_face_export_start_a_fine_tune_at_the_same_block_size(run, hf):
-    """One rule for --init_from out/RUN and hf/RUN (its export): the weights' positions unless --block_size is given,
-    and no more. Bug caught: the export refused the default block_size 128 where the run itself gave 32."""
+    """A run and its export: the weights' positions unless --block_size is given (the export refused 32)."""
     for source in (str(run), str(hf)):
         assert start_from(make_config(None, init_from=source))[0].block_size == 32 != DEFAULTS["block_size"]
         assert start_from(make_config(None, init_from=source, block_size=8))[0].block_size == 8

@@ -1,4 +1,4 @@
-"""The model: shapes, causality, initialisation, loss bookkeeping and the optimizer groups."""
+"""The model: shapes, causality, initialisation, loss bookkeeping, attention masks and the KV cache's paths."""
 from __future__ import annotations
 
 import math
@@ -14,25 +14,17 @@ from model import Rotary
 from sample import KVCache
 
 
-def test_output_shapes_and_padded_vocab():
+def test_padded_vocab_and_a_summed_loss_that_ignores_minus_one():
     model = tiny_model(vocab_size=50)
-    idx = torch.randint(0, 50, (3, 16))
-    logits, loss_sum, n, _ = model(idx)
-    assert logits.shape == (3, 16, 50)  # the padded rows never leave the model
-    assert model.lm_head.weight.shape == (64, 32)  # 50 padded up to a multiple of 64
-    assert loss_sum is None and n is None
-
-
-def test_summed_loss_ignores_minus_one_and_counts_targets():
-    model = tiny_model(vocab_size=50)
-    idx = torch.randint(0, 50, (2, 16))
-    targets = torch.randint(0, 50, (2, 16))
+    idx, targets = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
     targets[1, 10:] = -1
+    assert model(idx).loss_sum is None and model(idx).n_targets is None
     logits, loss_sum, n, _ = model(idx, targets)
+    assert logits.shape == (2, 16, 50)  # the padded rows never leave the model
+    assert model.lm_head.weight.shape == (64, 32)  # 50 padded up to a multiple of 64
     mask = targets != -1
-    expected = F.cross_entropy(logits[mask], targets[mask], reduction="sum")
     assert n.item() == 26
-    torch.testing.assert_close(loss_sum, expected)
+    torch.testing.assert_close(loss_sum, F.cross_entropy(logits[mask], targets[mask], reduction="sum"))
 
 
 def test_init_follows_gpt2():
@@ -44,23 +36,9 @@ def test_init_follows_gpt2():
     assert model.transformer.wte.weight is model.lm_head.weight  # tied
 
 
-def test_adamw_decays_the_matrices_only():
-    """(A finite gradient for every parameter and one group each: test_guards.py's doctor gradient check.)"""
-    model = tiny_model(bias=True)
-    optimizer = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99))
-    decayed = {id(p) for p in optimizer.param_groups[0]["params"]}
-    for p in model.parameters():
-        assert (id(p) in decayed) == (p.dim() >= 2)
-
-
-def test_muon_takes_the_block_matrices_and_adamw_the_rest():
-    model = tiny_model(bias=True)
-    optimizer = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99), muon_lr=0.02)
-    on_muon = {id(p) for g in optimizer.muon.param_groups for p in g["params"]}
-    in_groups = [id(p) for g in optimizer.param_groups for p in g["params"]]
-    assert sorted(in_groups) == sorted(id(p) for p in model.parameters())  # each exactly once
-    for name, p in model.named_parameters():
-        assert (id(p) in on_muon) == (name.startswith("transformer.h.") and p.dim() == 2), name
+def test_set_lr_gives_muons_group_its_own_lr_as_a_scale():
+    """(Which group each parameter trains in, and its decay: test_optim.py's table.)"""
+    optimizer = make_optimizer(tiny_model(bias=True), 0.1, 1e-3, (0.9, 0.99), muon_lr=0.02)
     assert [g["lr_scale"] for g in optimizer.param_groups] == [1.0, 1.0, 20.0]
     train.set_lr(optimizer, 5e-4)
     assert [g["lr"] for g in optimizer.param_groups] == [5e-4, 5e-4, 5e-4 * 20.0]
@@ -131,6 +109,25 @@ def test_qk_norm_gives_each_head_unit_rms_queries_and_keys_at_init():
 
 
 # ----------------------------------------------------------------------------- one attention mask
+CHUNKS = [(0, 5), (5, 6), (6, 7), (7, 12), (12, 16)]  # through the KV cache: prefill, decodes, chunks
+
+
+def full_and_cached(model, idx: torch.Tensor, dtype: torch.dtype, chunks=CHUNKS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of idx (B, 16) in one forward and through the KV cache in ``chunks``, in fp32 (SDPA) or CPU bf16."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        cache = KVCache(model.config, idx.size(0))
+        parts = [model(idx[:, a:b], cache=cache).logits for a, b in chunks]
+        return model(idx).logits.float(), torch.cat(parts, dim=1).float()  # (B, 16, 50) each
+
+
+def varied_model():
+    """A tiny model with weights large enough (std 0.2) that attention's weighting shows in the logits."""
+    model = tiny_model(seed=0).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
 def windowed(window: int):
     """visible_keys narrowed to a sliding window, as a fork would write it (docs/experiments.md)."""
     real = model_module.visible_keys
@@ -155,15 +152,11 @@ def test_every_attention_path_follows_the_one_mask(monkeypatch, dtype, built):
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))  # (2, 16)
     older = idx.clone()
     older[:, :8] = (older[:, :8] + 1) % 50  # positions 0..7 differ
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        full, full_older = model(idx).logits, model(older).logits  # (2, 16, 50) each
-        cache = KVCache(model.config, 2)
-        parts = [model(idx[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 6), (6, 7), (7, 12), (12, 16)]]
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(torch.cat(parts, dim=1).float(), full.float(), atol=tolerance, rtol=0)
+    (full, cached), (full_older, _) = full_and_cached(model, idx, dtype), full_and_cached(model, older, dtype)
+    torch.testing.assert_close(cached, full, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
     # Two layers of a 4-wide window see 7 positions back: from position 15 on nothing older than 8 reaches.
     torch.testing.assert_close(full[:, 15:], full_older[:, 15:], atol=0, rtol=0)
-    assert not torch.allclose(full[:, 8:11].float(), full_older[:, 8:11].float())
+    assert not torch.allclose(full[:, 8:11], full_older[:, 8:11])
 
 
 def documents(separator: int):
@@ -181,23 +174,14 @@ def documents(separator: int):
 def test_a_document_mask_that_reads_the_ids_reaches_every_path(monkeypatch, dtype):
     """A rule that depends on the tokens: before, visible_keys never saw them, and a mask narrowed after it was
     dropped by fp32's causal shortcut (the base model's loss to every digit) but kept in CPU bf16."""
-    model = tiny_model(seed=0).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
+    model = varied_model()
     idx = torch.tensor([[5, 1, 2, 0, 3, 4, 0, 6, 7, 1, 2, 3, 0, 4, 5, 6]] * 2)  # (2, 16): documents at 3, 6, 12
     idx[1, :12] = (idx[1, :12] + 1) % 50  # row 1: other tokens before its last document (but the separators)
     idx[1, [3, 6]] = 0
-
-    def full_and_cached() -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            cache = KVCache(model.config, 2)
-            parts = [model(idx[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 6), (6, 7), (7, 13), (13, 16)]]
-            return model(idx).logits.float(), torch.cat(parts, dim=1).float()  # (2, 16, 50) each
-
-    plain, _ = full_and_cached()
+    chunks = [(0, 5), (5, 6), (6, 7), (7, 13), (13, 16)]
+    plain, _ = full_and_cached(model, idx, dtype, chunks)
     monkeypatch.setattr(model_module, "visible_keys", documents(0))
-    full, cached = full_and_cached()
+    full, cached = full_and_cached(model, idx, dtype, chunks)
     torch.testing.assert_close(cached, full, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
     torch.testing.assert_close(full[0, 12:], full[1, 12:], atol=0, rtol=0)  # the last document sees itself only
     assert (full[:, 3:] - plain[:, 3:]).abs().max() > 0.1  # the mask acts from the first boundary on
@@ -217,25 +201,15 @@ def alibi(slope_scale: float):
 def test_a_bias_reaching_attention_is_never_dropped_by_a_causal_shortcut(monkeypatch, dtype):
     """Issue 44: before, SDPA's causal shortcuts dropped ALiBi's bias on every path (the fork trained without
     positions) and the CPU-bf16 path raised on `~`. A shortcut needs what attention receives to be a bool rule."""
-    model = tiny_model(seed=0).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)  # large enough weights that attention's weighting shows in the logits
+    model = varied_model()
     # A float tensor is a bias, never the rule, even one torch.equal finds equal to the triangle (+1 on the past).
     assert not model_module.is_plain_causal(torch.ones(16, 16).tril())
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))  # (2, 16)
-
-    def full_and_cached() -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            cache = KVCache(model.config, 2)
-            parts = [model(idx[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 6), (6, 7), (7, 12), (12, 16)]]
-            return model(idx).logits.float(), torch.cat(parts, dim=1).float()  # (2, 16, 50) each
-
-    plain = full_and_cached()
+    plain = full_and_cached(model, idx, dtype)
     monkeypatch.setattr(model_module, "visible_keys", alibi(0.0))
-    zero_slopes = full_and_cached()
+    zero_slopes = full_and_cached(model, idx, dtype)
     monkeypatch.setattr(model_module, "visible_keys", alibi(1.0))
-    full, cached = full_and_cached()
+    full, cached = full_and_cached(model, idx, dtype)
     for zero, causal in zip(zero_slopes, plain):  # a zero bias is the causal rule (SDPA's per-head kernel rounds)
         torch.testing.assert_close(zero, causal, atol=1e-6, rtol=0)
     torch.testing.assert_close(cached, full, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)

@@ -53,6 +53,14 @@ def straight_and_resumed(tiny_cfg, tmp_path: Path, patch_resume=None) -> tuple[d
     return final_weights(straight.out_dir), final_weights(split["out_dir"])
 
 
+def assert_resumes_as_straight(out: Path, straight: Path, text_file: Path, **args) -> None:
+    """Resume ``out`` to the end of ``args`` and train ``straight`` there in one go: the same state and log."""
+    assert run_main(tiny_args(out, text_file, resume="true", **args)) == 0
+    assert run_main(tiny_args(straight, text_file, **args)) == 0
+    assert_same_training_state(load_checkpoint(straight / "last.pt"), load_checkpoint(out / "last.pt"))
+    assert metrics(straight) == metrics(out)
+
+
 RESUME_MUTANTS = {
     "no optimizer state": lambda mp: mp.setattr(torch.optim.AdamW, "load_state_dict", lambda self, state: None),
     "no RNG state": lambda mp: mp.setattr(checkpoint, "restore_rng", lambda rng, stream: None),
@@ -192,11 +200,7 @@ def test_sigterm_mid_accumulation_finishes_the_step_then_saves(tmp_path, text_fi
         for s, handler in previous.items():
             signal.signal(s, handler)
     assert load_checkpoint(tmp_path / "stopped" / "last.pt")["step"] == 5
-    assert run_main(tiny_args(tmp_path / "stopped", text_file, resume="true", **args)) == 0
-    assert run_main(tiny_args(tmp_path / "straight", text_file, **args)) == 0
-    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"),
-                               load_checkpoint(tmp_path / "stopped" / "last.pt"))
-    assert metrics(tmp_path / "straight") == metrics(tmp_path / "stopped")
+    assert_resumes_as_straight(tmp_path / "stopped", tmp_path / "straight", text_file, **args)
 
 
 def training_child(out: Path, text_file: Path, logged: int, **args) -> subprocess.Popen:
@@ -223,12 +227,7 @@ def test_signal_from_outside_saves_the_finished_step_and_resumes_exactly(tmp_pat
                                                f"{stopped_at}; last.pt holds it, continue with --resume")
     assert metrics(out)[0][-1]["step"] == stopped_at  # the last logged step is the saved one
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
-    # Resume three more steps; the straight run to the same step must match exactly.
-    end = stopped_at + 3
-    assert run_main(tiny_args(out, text_file, max_iters=end, eval_interval=100_000, resume="true")) == 0
-    assert run_main(tiny_args(tmp_path / "straight", text_file, max_iters=end, eval_interval=100_000)) == 0
-    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"), load_checkpoint(out / "last.pt"))
-    assert metrics(tmp_path / "straight")[0] == metrics(out)[0]
+    assert_resumes_as_straight(out, tmp_path / "straight", text_file, max_iters=stopped_at + 3, eval_interval=100_000)
 
 
 def test_sigkill_loses_at_most_ckpt_interval_steps_and_metrics_keep_no_duplicates(tmp_path, text_file):
@@ -239,11 +238,8 @@ def test_sigkill_loses_at_most_ckpt_interval_steps_and_metrics_keep_no_duplicate
     saved = load_checkpoint(out / "last.pt")["step"]
     logged = metrics(out)[0][-1]["step"]
     assert saved % 4 == 0 and saved >= 8 and logged - saved <= 4  # at most ckpt_interval steps lost
-    end = logged + 2
-    assert run_main(tiny_args(out, text_file, max_iters=end, eval_interval=100_000, resume="true")) == 0
-    assert run_main(tiny_args(tmp_path / "straight", text_file, max_iters=end, eval_interval=100_000)) == 0
-    assert_same_training_state(load_checkpoint(tmp_path / "straight" / "last.pt"), load_checkpoint(out / "last.pt"))
-    assert metrics(tmp_path / "straight") == metrics(out)  # the redone steps are logged once
+    # The redone steps are logged once.
+    assert_resumes_as_straight(out, tmp_path / "straight", text_file, max_iters=logged + 2, eval_interval=100_000)
 
 
 # ----------------------------------------------------------------------------- what a resume refuses
@@ -261,7 +257,6 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
         (state, dict(n_embd=64, n_layer=3), f"error: {last} was trained with other settings: n_layer: checkpoint 2 vs "
                                             "now 3; n_embd: checkpoint 32 vs now 64. Use the same settings or a new "
                                             "--out_dir\n"),
-        (state, dict(optimizer="muon"), "optimizer: checkpoint 'adamw' vs now 'muon'"),  # their states do not exchange
         (state, dict(dtype="float16"), "resume with --dtype float32\n"),
         (state, dict(data_path=other), reads + f"{other} (val_fraction 0.1): its train and val split differs. "
                                               "Resume with the same --data_path and --val_fraction, or start a new "

@@ -1,4 +1,4 @@
-"""One live run per out_dir, and folders that cannot be written fail first, in one line (runtime.claim)."""
+"""One live run per out_dir, and folders that cannot be written fail first, in one line (checkpoint.claim)."""
 from __future__ import annotations
 
 import errno
@@ -12,15 +12,12 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, metrics, run_main, tiny_args
-from fault_injection import AS_A_SCRIPT
+from fault_injection import AS_A_SCRIPT as FAULTS
 
-import runtime
 import train
-from checkpoint import load_checkpoint
+from checkpoint import claim, load_checkpoint
 from prepare import prepare_corpus
 from runtime import PathError
-
-FAULTS = AS_A_SCRIPT
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
@@ -50,8 +47,7 @@ def start_owner(out: Path, args: list[str], ready: Path, log: Path) -> subproces
 @pytest.mark.parametrize("rival", ["fresh", pytest.param("resume", marks=pytest.mark.slow)])
 def test_a_live_run_owns_its_folder_until_it_is_killed(tmp_path, text_file, capsys, rival):
     # The owner is held inside step 3: before its first save (a rival fresh run), or after saving step 2
-    # (a rival --resume, as a requeued copy of a job that still runs). Old code: both rivals train and
-    # exit 0; the fresh one unlinks the owner's metrics.jsonl, the resume one rewrites it under the owner.
+    # (a rival --resume, as a requeued copy of a job that still runs).
     out = tmp_path / "out"
     run = dict(seed=1, max_iters=6, eval_interval=4 if rival == "fresh" else 2)
     owner = start_owner(out, tiny_args(out, text_file, **run), tmp_path / "ready", tmp_path / "owner.err")
@@ -66,8 +62,7 @@ def test_a_live_run_owns_its_folder_until_it_is_killed(tmp_path, text_file, caps
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-    # The kernel released the dead owner's lock: the next run starts at once (claim never waits on a
-    # lock, LOCK_NB refuses instead, so exit 0 is the proof that no stale lock was left).
+    # The kernel released the dead owner's lock (claim never waits: exit 0 proves no stale lock was left).
     assert run_main(tiny_args(out, text_file, **run, resume=str(rival == "resume"))) == 0
     assert load_checkpoint(out / "last.pt")["step"] == 6
     assert [r["step"] for r in metrics(out)[0]] == list(range(1, 7))  # one run's records, none lost or doubled
@@ -76,14 +71,14 @@ def test_a_live_run_owns_its_folder_until_it_is_killed(tmp_path, text_file, caps
 
 def test_a_claim_refuses_a_second_owner_and_a_refused_run_leaves_no_folder(tmp_path):
     out = tmp_path / "a" / "b"
-    first = runtime.claim(out)
+    first = claim(out)
     assert (out / ".lock").read_text().startswith(f"process {os.getpid()} on {socket.gethostname()}, since ")
     with pytest.raises(PathError, match=f"in use by process {os.getpid()} ") as refused:  # a second descriptor:
-        runtime.claim(out)  # flock locks open files, not processes, so even this process is refused
+        claim(out)  # flock locks open files, not processes, so even this process is refused
     assert refused.value.exit_code == 2
     first.close()
     assert list(tmp_path.iterdir()) == []  # the folders it made held nothing else: removed
-    with runtime.claim(out):
+    with claim(out):
         (out / "last.pt").write_bytes(b"a run's file")
     assert [p.name for p in out.iterdir()] == ["last.pt"]  # the folder stays, the lock file goes
 
@@ -134,7 +129,6 @@ def no_model(monkeypatch):
 ])
 def test_a_folder_that_cannot_be_written_fails_first_in_one_line(tmp_path, text_file, capsys, monkeypatch,
                                                                  no_model, case, code, message):
-    # Old code: NotADirectoryError, FileExistsError, or OSError tracebacks (exit 1), some after preparing data.
     file, out, data = tmp_path / "f", tmp_path / "out", tmp_path / "data"
     file.write_text("a file where a folder should be")
     out = {"out_dir under a file": file / "sub", "out_dir is a file": file}.get(case, out)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, make_text, tiny_model
+from conftest import make_text, tiny_model
 
 import sample as sample_module
 from checkpoint import FORMAT_VERSION, save_checkpoint
@@ -115,15 +114,6 @@ def test_batch_rows_equal_separate_runs():
     batch = generate(model, idx, 25, temperature=0)
     for row in range(3):
         assert torch.equal(batch[row: row + 1], generate(model, idx[row: row + 1], 25, temperature=0))
-
-
-def test_padded_vocab_ids_are_never_produced():
-    model = varied_model()  # vocab 50, padded to 64
-    with torch.no_grad():
-        model.lm_head.weight[50:] = 100.0  # make every padded id overwhelmingly "likely"
-    gen = torch.Generator().manual_seed(0)
-    for temp in (0.0, 1.0, 5.0):
-        assert generate(model, random_ids(4, 3), 20, temperature=temp, generator=gen).max().item() < 50
 
 
 # ----------------------------------------------------------------------------- filters and temperature
@@ -303,30 +293,26 @@ def test_empty_prompt_starts_from_the_start_token(ckpt, monkeypatch, capsys):
     assert len(sample) == 4 + 1  # the 4 new characters and print's newline, not the start token
 
 
-def test_prompt_file_and_unknown_characters(ckpt, tmp_path, capsys):
+@pytest.mark.parametrize("flags, named", [(["--prompt", "KING: €"], "€"), (["--threads", "-1"], "--threads"),
+                                          (["--prompt-file", "missing.txt"], "--prompt-file")])
+def test_a_bad_prompt_or_flag_is_one_line_exit_2(ckpt, capsys, flags, named):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--ckpt", str(ckpt), *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and named in err, err
+    assert "--data_path" not in err  # the fix names the flag that was used
+
+
+def test_a_prompt_file_and_threads_as_train_py_takes_them(ckpt, tmp_path, monkeypatch, capsys):
+    """`--threads 1` (two jobs on 2 cores, one each) as train.py takes it; 0 keeps torch's default."""
     (tmp_path / "prompt.txt").write_text("QUEEN:\n")
-    main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "3",
-          "--temp", "0", "--no-stream"])
-    assert capsys.readouterr().out.split("\n", 1)[1].startswith("QUEEN:\n")
-    for flags in (["--prompt", "KING: €"], ["--prompt-file", str(tmp_path / "missing.txt")]):
-        with pytest.raises(SystemExit) as exit_info:
-            main(["--ckpt", str(ckpt), *flags])
-        err = capsys.readouterr().err
-        assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
-    assert "--prompt-file" in err and "--data_path" not in err  # the fix names the flag that was used
-
-
-def test_threads_is_train_pys_flag_and_zero_keeps_torchs_default(ckpt, monkeypatch, capsys):
-    """`--threads 1` (two jobs on 2 cores, one each) as train.py takes it; a negative count is refused, exit 2."""
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     for threads in ("1", "0"):
-        main(["--ckpt", str(ckpt), "--threads", threads, "--max-new-tokens", "2", "--no-stream"])
+        main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "3",
+              "--temp", "0", "--no-stream", "--threads", threads])
+        assert capsys.readouterr().out.split("\n", 1)[1].startswith("QUEEN:\n")
     assert calls == [1]
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--ckpt", str(ckpt), "--threads", "-1"])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--threads" in err
 
 
 # ----------------------------------------------------------------------------- stop strings
@@ -385,20 +371,6 @@ def test_the_end_of_text_token_stops_a_bpe_model_unless_told_not_to(ckpt, monkey
 
 
 # ----------------------------------------------------------------------------- scripts.chat on a text model
-def test_sample_takes_a_run_folder_and_chat_continues_each_prompt_of_a_text_model(ckpt, capsys):
-    main(["--ckpt", str(ckpt.parent), "--num-samples", "2", "--max-new-tokens", "20", "--top-k", "5", "--top-p", "0.9",
-          "--seed", "3"])
-    out, err = capsys.readouterr()
-    assert out.count("-" * 40) == 2 and err == ""
-    result = subprocess.run([sys.executable, "-m", "scripts.chat", "--ckpt", str(ckpt), "--max-new-tokens", "20",
-                             "--temp", "0", "--multiline"], cwd=REPO, input="KING:\nthe\n\nQUEEN:\n",
-                            capture_output=True, text=True, timeout=120)  # --multiline: a prompt ends at an empty line
-    assert result.returncode == 0 and result.stderr == ""
-    assert result.stdout.startswith("# continuing each prompt")  # it says which of its two modes it is in
-    samples = result.stdout.split("\n", 1)[1].split("-" * 40 + "\n")
-    assert samples[0].startswith("KING:\nthe") and samples[1].startswith("QUEEN:") and samples[2] == ""
-
-
 def feed(monkeypatch, lines: list) -> None:
     """input() returns these lines in turn; an exception instance is raised instead (EOFError at the end)."""
     queue = iter([*lines, EOFError()])
@@ -408,6 +380,19 @@ def feed(monkeypatch, lines: list) -> None:
             raise item
         return item
     monkeypatch.setattr("builtins.input", fake_input)
+
+
+def test_sample_takes_a_run_folder_and_chat_continues_each_prompt_of_a_text_model(ckpt, monkeypatch, capsys):
+    main(["--ckpt", str(ckpt.parent), "--num-samples", "2", "--max-new-tokens", "20", "--top-k", "5", "--top-p", "0.9",
+          "--seed", "3"])
+    out, err = capsys.readouterr()
+    assert out.count("-" * 40) == 2 and err == ""
+    feed(monkeypatch, ["KING:", "the", "", "QUEEN:", ""])  # --multiline: a prompt ends at an empty line
+    chat_script.main(["--ckpt", str(ckpt), "--max-new-tokens", "20", "--temp", "0", "--multiline", "--no-stream"])
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("# continuing each prompt")  # it says which of its two modes it is in
+    samples = out.split("\n", 1)[1].split("-" * 40 + "\n")
+    assert samples[0].startswith("KING:\nthe") and samples[1].startswith("QUEEN:") and samples[2] == ""
 
 
 def test_the_prompt_loop_refuses_a_bad_prompt_in_one_line_and_ctrl_c_stops_or_quits(ckpt, monkeypatch, capsys):

@@ -27,8 +27,7 @@ class Payload:
 
 
 def malicious_checkpoint(path: Path, marker: Path, with_digest: bool) -> None:
-    """A file with every documented key whose 'model' entry runs code when unpickled. With the
-    digest, it passes the integrity check (a sha256 is not a signature): only weights_only stops it."""
+    """A checkpoint whose 'model' runs code when unpickled; with the digest only weights_only stops it."""
     state = {key: {} for key in REQUIRED_KEYS} | {"step": 1, "model": Payload(marker)}
     path.parent.mkdir(parents=True, exist_ok=True)
     if with_digest:
@@ -72,10 +71,9 @@ def test_malicious_checkpoint_is_refused_by_train_resume_and_by_sample(tmp_path,
 ], ids=["plain pickle", "torch.save", "garbage"])
 def test_a_refusal_with_a_valid_digest_says_what_the_unpickler_rejected(tmp_path, monkeypatch, writer, why):
     path, marker = tmp_path / "evil.pt", tmp_path / "marker"
-    state = {key: {} for key in REQUIRED_KEYS} | {"step": 1, "model": Payload(marker)}
     with monkeypatch.context() as patched:
         patched.setattr(torch, "save", writer)
-        save_checkpoint(state, path)
+        malicious_checkpoint(path, marker, with_digest=True)
     with warnings.catch_warnings(record=True) as warned, pytest.raises(CheckpointError) as refused:
         warnings.simplefilter("always")
         load_checkpoint(path)

@@ -118,21 +118,6 @@ def test_a_bpe_run_trains_resumes_and_samples_from_its_checkpoint_alone(tmp_path
     assert capsys.readouterr().out.splitlines()[1].startswith(MIXED.splitlines()[0])
 
 
-@pytest.mark.parametrize("change, refused", [(["--bpe_vocab_size=300"], "bpe_vocab_size: checkpoint 320 vs now 300"),
-                                             (["--tokenizer=char"], "tokenizer: checkpoint 'bpe' vs now 'char'")])
-def test_a_resume_with_another_tokenizer_or_vocabulary_is_refused_and_writes_nothing(tmp_path, text_file, capsys,
-                                                                                     change, refused):
-    out = tmp_path / "run"
-    args = tiny_args(out, text_file, tokenizer="bpe", bpe_vocab_size=VOCAB, max_iters=3, eval_interval=3)
-    assert run_main(args) == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    capsys.readouterr()
-    assert run_main(args + change + ["--resume=true", "--max_iters=6"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and refused in err, err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-
-
 def test_bad_vocabulary_sizes_are_one_line(tmp_path, text_file):
     needs = r"bpe_vocab_size must be >= 257 \(the 256 bytes and <\|endoftext\|>\), got 256"
     with pytest.raises(ConfigError, match=needs):

@@ -62,21 +62,18 @@ def jsonl_rows(out: Path) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- real runs, no key, no terminal
-def fresh_machine(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    """``python *args`` on a fresh machine: no WANDB_* (but ``env``), an empty home, stdin closed; it must exit 0."""
+def train_without_a_key(tmp_path: Path, text_file: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """train.py --wandb on a fresh machine: no WANDB_*, an empty home, stdin closed; it must exit 0."""
+    home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"} | env
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
     env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_CACHE_HOME=str(home / ".cache"))
-    result = subprocess.run([sys.executable, *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+    args = tiny_args(out, text_file, max_iters=6, eval_interval=3, dropout=0.0) + ["--wandb", *extra]
+    result = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert not (home / ".netrc").exists()  # nothing asked for, nothing written
     return result
-
-
-def train_without_a_key(tmp_path: Path, text_file: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    args = tiny_args(out, text_file, max_iters=6, eval_interval=3, dropout=0.0) + ["--wandb", *extra]
-    return fresh_machine(tmp_path / "home", "train.py", *args)
 
 
 @pytest.mark.slow  # three short runs in fresh interpreters, each starting wandb: ~30 s
@@ -157,34 +154,25 @@ def append_records(out: Path, steps: range) -> None:
             f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
 
 
-def test_a_fresh_run_never_continues_an_old_wandb_run(tmp_path, text_file, monkeypatch):
-    """Bug caught: runtime.start read out_dir/wandb_id without --resume (a new run appended to an old one's charts)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "wandb_id").write_text("oldrun\n")  # left by an earlier run here whose last.pt was deleted
-    append_records(out, range(1, 9))
-    runs = fake_wandb(monkeypatch)
-    assert run_main(tiny_args(out, text_file, max_iters=3, eval_interval=3, wandb="true")) == 0
-    (run,) = runs
-    assert (run.init["id"], run.init["resume"]) == (None, None)
-    assert run.steps == [1, 2, 3, 3]  # every train record, then the val record of step 3
-    assert (out / "wandb_id").read_text() == "new0\n"
-
-
-@pytest.mark.parametrize("first_with_wandb", [True, False], ids=["continued", "new wandb run on resume"])
-def test_only_a_continued_wandb_run_skips_the_steps_it_holds(tmp_path, text_file, monkeypatch, first_with_wandb):
-    """Bug caught: WandbTracker given logged_through for a wandb run that is not continued (a run first
-    trained without --wandb, resumed with it, would never send the steps its killed process redid)."""
-    out = tmp_path / "out"
-    runs = fake_wandb(monkeypatch)
-    first = dict(max_iters=3, eval_interval=3) | ({"wandb": "true"} if first_with_wandb else {})
-    assert run_main(tiny_args(out, text_file, **first)) == 0
-    append_records(out, range(4, 6))  # killed after step 5; last.pt holds step 3
-    assert run_main(tiny_args(out, text_file, max_iters=6, eval_interval=3, wandb="true", resume="true")) == 0
-    resumed = runs[-1]
-    if first_with_wandb:  # the same wandb run: it already holds steps 4 and 5
-        assert (resumed.init["id"], resumed.init["resume"]) == (runs[0].id, "allow")
-        assert resumed.steps == [6, 6]
-    else:  # a new wandb run: it holds nothing yet
-        assert (resumed.init["id"], resumed.init["resume"]) == (None, None)
-        assert resumed.steps == [4, 5, 6, 6]
+@pytest.mark.parametrize("first, sent", [
+    (None, [1, 2, 3, 3]),  # a fresh run beside an old run's wandb_id: a new wandb run, sent every record
+    ({"wandb": "true"}, [6, 6]),  # resumed, the same wandb run: it already holds steps 4 and 5
+    ({}, [4, 5, 6, 6]),  # resumed, first trained without --wandb: a new wandb run holds nothing yet
+], ids=["fresh", "continued", "new wandb run on resume"])
+def test_only_a_continued_wandb_run_skips_the_steps_it_holds(tmp_path, text_file, monkeypatch, first, sent):
+    """Bugs caught: runtime.start read out_dir/wandb_id without --resume (a new run appended to an old one's charts);
+    a wandb run not continued skipped the steps a killed process logged (and its resume redid)."""
+    out, runs = tmp_path / "out", fake_wandb(monkeypatch)
+    if first is None:  # left by an earlier run here whose last.pt was deleted
+        out.mkdir()
+        (out / "wandb_id").write_text("oldrun\n")
+        append_records(out, range(1, 9))
+    else:
+        assert run_main(tiny_args(out, text_file, max_iters=3, eval_interval=3, **first)) == 0
+        append_records(out, range(4, 6))  # killed after step 5; last.pt holds step 3
+    resumed = {} if first is None else {"max_iters": 6, "resume": "true"}
+    assert run_main(tiny_args(out, text_file, **{"max_iters": 3, **resumed}, eval_interval=3, wandb="true")) == 0
+    run, continued = runs[-1], first == {"wandb": "true"}
+    assert (run.init["id"], run.init["resume"]) == ((runs[0].id, "allow") if continued else (None, None))
+    assert run.steps == sent
+    assert (out / "wandb_id").read_text() == f"{run.id}\n"

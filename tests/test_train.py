@@ -106,20 +106,21 @@ def grads_of(model) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def test_accumulation_equals_one_big_batch_even_with_uneven_token_counts():
-    batches = make_batches([32, 5, 17])  # micro-batches counting very different numbers of targets
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    cpu = torch.device("cpu")
+def split_and_whole(batches: list) -> list[tuple[train.StepLosses, list[torch.Tensor]]]:
+    """One step's losses and gradients over ``batches``, and over the same rows as one batch."""
+    scaler, cpu, results = torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu"), []
+    for parts in (batches, [(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))]):
+        model = tiny_model()
+        results.append((train.accumulate_gradients(model, parts, scaler, cpu, torch.float32), grads_of(model)))
+    return results
 
-    accumulated = tiny_model()
-    loss_sum, n, _ = train.accumulate_gradients(accumulated, batches, scaler, cpu, torch.float32)
-    big = tiny_model()
-    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    big_loss, big_n, _ = train.accumulate_gradients(big, [(x, y)], scaler, cpu, torch.float32)
-    assert n.item() == big_n.item() == 54
-    torch.testing.assert_close(loss_sum, big_loss, rtol=1e-6, atol=1e-5)
-    for g_acc, g_big in zip(grads_of(accumulated), grads_of(big)):  # a per-micro-batch mean: test_guards.py
-        torch.testing.assert_close(g_acc, g_big, rtol=1e-5, atol=1e-7)
+
+def test_accumulation_equals_one_big_batch_even_with_uneven_token_counts():
+    (split, split_grads), (whole, whole_grads) = split_and_whole(make_batches([32, 5, 17]))  # uneven target counts
+    assert split.n_targets.item() == whole.n_targets.item() == 54
+    torch.testing.assert_close(split.loss_sum, whole.loss_sum, rtol=1e-6, atol=1e-5)
+    for g_split, g_whole in zip(split_grads, whole_grads):  # a per-micro-batch mean: test_guards.py
+        torch.testing.assert_close(g_split, g_whole, rtol=1e-5, atol=1e-7)
 
 
 def add_a_batch_mean_term(monkeypatch, add: str) -> None:
@@ -134,22 +135,18 @@ def add_a_batch_mean_term(monkeypatch, add: str) -> None:
     monkeypatch.setattr(model_module.MLP, "forward", forward)
 
 
-def split_and_whole(batches: list) -> tuple[list, list, float, float]:
+def term_split_and_whole(batches: list) -> tuple[list, list, float, float]:
     """Gradients and the logged per-target term of one step over ``batches`` and over the same rows as one batch."""
-    scaler, cpu = torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu")
-    split, whole = tiny_model(), tiny_model()
-    split_losses = train.accumulate_gradients(split, batches, scaler, cpu, torch.float32)
-    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    whole_losses = train.accumulate_gradients(whole, [(x, y)], scaler, cpu, torch.float32)
-    return (grads_of(split), grads_of(whole), (split_losses.aux["activity"] / split_losses.n_targets).item(),
-            (whole_losses.aux["activity"] / whole_losses.n_targets).item())
+    (split, split_grads), (whole, whole_grads) = split_and_whole(batches)
+    per_target = [(losses.aux["activity"] / losses.n_targets).item() for losses in (split, whole)]
+    return split_grads, whole_grads, *per_target
 
 
 def test_a_mean_term_weighs_the_same_however_the_batch_is_split(monkeypatch):
     """A batch-level term written the natural way, a mean over the micro-batch, added with aux.add_mean: one
     step over three micro-batches has the gradient and the logged term of the same rows as one batch."""
     add_a_batch_mean_term(monkeypatch, "add_mean")
-    split, whole, split_term, whole_term = split_and_whole(make_batches([32, 32, 32]))
+    split, whole, split_term, whole_term = term_split_and_whole(make_batches([32, 32, 32]))
     for g_split, g_whole in zip(split, whole):
         torch.testing.assert_close(g_split, g_whole, rtol=1e-5, atol=1e-7)
     assert split_term == pytest.approx(whole_term, rel=1e-6) and 0.05 < whole_term < 1  # its own scale: 0.1 x ~1
@@ -158,7 +155,7 @@ def test_a_mean_term_weighs_the_same_however_the_batch_is_split(monkeypatch):
     # and 3x stronger again when split in three.
     monkeypatch.undo()
     add_a_batch_mean_term(monkeypatch, "add_sum")
-    split, whole, split_term, whole_term = split_and_whole(make_batches([32, 32, 32]))
+    split, whole, split_term, whole_term = term_split_and_whole(make_batches([32, 32, 32]))
     assert split_term == pytest.approx(3 * whole_term, rel=1e-5) and whole_term < 0.01
     assert max((a - b).abs().max().item() for a, b in zip(split, whole)) > 1e-6
 
