@@ -29,8 +29,7 @@ WORDS = ("the king queen lord lady love death night day crown sword heart blood 
          "foul good ill speak hear see come go stay fly rest sleep wake").split()
 
 
-# An `interop` test needs requirements-interop.txt's packages (each imported under its pip name); without one it skips
-# in one line naming what to install.
+# An `interop` test needs requirements-interop.txt's packages (imported by pip name); without one it skips in one line.
 INTEROP_PACKAGES = [line.split("==")[0] for line in (REPO / "requirements-interop.txt").read_text().splitlines()
                     if line.strip() and not line.startswith(("#", "-r"))]
 # Tools that need one of them before they do anything: each test that runs one is an interop test.
@@ -228,8 +227,7 @@ def run_script(*args: str, cwd: Path = REPO, check: bool = True, timeout: int = 
 
 
 def repo_files() -> list[str]:
-    """The repo's files, repo-relative: git's list (tracked and new, not ignored) where there is one, else every file
-    outside what runs and tools write."""
+    """The repo's files, repo-relative: git's list (tracked and new, not ignored), else all but what runs write."""
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                             capture_output=True, text=True)
     if listed.returncode == 0 and listed.stdout.strip():

@@ -15,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -55,10 +56,7 @@ def on_training_forward(monkeypatch: pytest.MonkeyPatch,
 
 def signal_at(monkeypatch: pytest.MonkeyPatch, signum: int, call: int) -> list[int]:
     """Send ``signum`` to this process during the ``call``-th training forward pass."""
-    def hook(n: int, loss_sum: torch.Tensor) -> None:
-        if n == call:
-            os.kill(os.getpid(), signum)
-    return on_training_forward(monkeypatch, hook)
+    return on_training_forward(monkeypatch, lambda n, loss: os.kill(os.getpid(), signum) if n == call else None)
 
 
 def hang_at(monkeypatch: pytest.MonkeyPatch, call: int, ready: Path, timeout_s: float = 300.0) -> None:
@@ -92,15 +90,10 @@ def disk_full_from_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     def save(state: dict, path: Path) -> None:
         if state["step"] < step:
             return real_save(state, path)
-        with pytest.MonkeyPatch.context() as inner:
-            inner.setattr(torch, "save", full_disk_torch_save)
+        with mock.patch.object(torch, "save", side_effect=OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))):
             real_save(state, path)
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", save)
-
-
-def full_disk_torch_save(obj: Any, f: Any) -> None:
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def corpus_unreadable_on_rank(monkeypatch: pytest.MonkeyPatch, broken: int) -> None:
@@ -187,9 +180,7 @@ def assert_same_training_state(a: dict, b: dict) -> None:
 
 class StepClock:
     """A wall clock that moves only when the run does: ``time()`` reads it, the run's steps and evals move it."""
-
-    def __init__(self, start: float = 1_000_000.0):
-        self.now = start  # a power-of-two step size keeps every reading exact: 0.25 * 12 == 3.0
+    now = 1_000_000.0  # a power-of-two step size keeps every reading exact: 0.25 * 12 == 3.0
 
     def time(self) -> float:
         return self.now
@@ -230,10 +221,8 @@ def main() -> None:
     parser.add_argument("--disk-full-from-step", type=int, help="checkpoint writes fail from this step on")
     parser.add_argument("--corpus-unreadable-on-rank", type=int, help="this rank cannot load the corpus")
     parser.add_argument("--bf16-fast-on-rank", type=int, help="the dtype=auto probe favours bf16 on this rank only")
-    parser.add_argument("--precisions-to", type=Path,
-                        help="write the precisions this rank's forward passes ran in to PRECISIONS_TO/rank<R>.json")
-    parser.add_argument("--linger-until", type=Path,
-                        help="at exit, wait until this file exists (a window to send a second signal into)")
+    parser.add_argument("--precisions-to", type=Path, help="write this rank's forward precisions to DIR/rank<R>.json")
+    parser.add_argument("--linger-until", type=Path, help="at exit, wait until this file exists (to signal into)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     with pytest.MonkeyPatch.context() as monkeypatch:

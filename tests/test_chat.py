@@ -51,17 +51,7 @@ def test_only_the_assistants_text_and_its_end_are_learned():
     assert [s for s, keep in zip(text, learned(ids, t)) if keep] == ["y", "e", "s", END, "n", "o", END]
 
 
-def test_rows_hold_one_whole_conversation_padded_and_masked(tmp_path):
-    folder = prepare_conversations(write_chats(tmp_path / "chats.jsonl"), tmp_path / "data", "char", 0.25)
-    corpus = load_corpus(folder, 16)
-    t = tokenizer_from_meta(corpus.meta["tokenizer"])
-    stream = Conversations(corpus.train, TrainConfig(batch_size=8, block_size=64), 0, torch.device("cpu"), t)
-    x, _ = stream.next()
-    assert ((x == t.marker_ids[BEGIN]).sum(1) == 1).all() and (x[:, 0] == t.marker_ids[BEGIN]).all()
-
-
 def test_conversations_and_documents_split_alike_at_every_two_decimal_val_fraction(tmp_path):
-    """At every val_fraction 0.01 ... 0.99 conversations go to val where documents do."""
     docs = [np.array([i], dtype=np.uint16) for i in range(3000)]  # document i is the one token i
     for k in range(1, 100):
         prepare.write_splits(iter(docs), tmp_path, k / 100)
@@ -112,10 +102,12 @@ def test_a_conversation_of_block_size_plus_one_tokens_trains_whole_and_one_more_
         assert y[row][y[row] != -1].tolist() == t.encode(reply) + [t.marker_ids[END]] * fits  # cut: the <|end|> lost
 
 
-def test_the_val_windows_score_exactly_the_learned_tokens_of_the_val_conversations(tmp_path):
+def test_train_rows_hold_one_whole_conversation_and_val_windows_score_exactly_the_learned_tokens(tmp_path):
     path = write_chats(tmp_path / "chats.jsonl", n=12)
     corpus = load_corpus(prepare_conversations(path, tmp_path / "data", "char", 0.25), 16)
     t = tokenizer_from_meta(corpus.meta["tokenizer"])
+    x, _ = Conversations(corpus.train, TrainConfig(batch_size=8, block_size=64), 0, torch.device("cpu"), t).next()
+    assert ((x == t.marker_ids[BEGIN]).sum(1) == 1).all() and (x[:, 0] == t.marker_ids[BEGIN]).all()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     replies = [r.get("completion") or r["messages"][1]["content"] for r in records]
     begins = np.flatnonzero(np.asarray(corpus.val) == t.marker_ids[BEGIN])
@@ -136,7 +128,6 @@ def test_each_ddp_rank_draws_its_own_conversations_in_its_own_generators_epoch_o
     for rank, stream in enumerate(streams):
         expected = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + rank))
         assert stream.order.tolist() == expected.tolist()
-    assert streams[0].order.tolist() != streams[1].order.tolist()
     assert not torch.equal(streams[0].next()[0], streams[1].next()[0])
 
 
@@ -168,22 +159,13 @@ BAD_LINES = {
 
 
 @pytest.mark.parametrize("kind", BAD_LINES)
-def test_a_malformed_line_is_one_error_naming_its_line(tmp_path, kind):
+def test_a_malformed_line_is_one_line_naming_it_exit_2_writing_nothing(tmp_path, capsys, kind):
     path = write_chats(tmp_path / "chats.jsonl", n=5)
-    with open(path, "a") as f:
-        f.write(BAD_LINES[kind][0] + "\n")
-    with pytest.raises(DataError, match=f"chats.jsonl:6: .*{BAD_LINES[kind][1]}"):
-        prepare_conversations(path, tmp_path / "data", "char", 0.25)
-    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())
-
-
-def test_train_py_refuses_a_malformed_file_in_one_line_exit_2_writing_nothing(tmp_path, capsys):
-    path = write_chats(tmp_path / "chats.jsonl", n=5)
-    with open(path, "a") as f:
-        f.write(BAD_LINES["unknown role"][0] + "\n")
+    path.write_text(path.read_text() + BAD_LINES[kind][0] + "\n")
     assert run_main(tiny_args(tmp_path / "out", path)) == 2
-    assert capsys.readouterr().err.startswith(f"error: {path}:6: message 0 has role 'bot'")
-    assert not (tmp_path / "out").exists()
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}:6: ") and BAD_LINES[kind][1] in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]  # no data_dir, no out_dir
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +189,7 @@ def chat(run: Path, lines: list[str], *extra: str, monkeypatch, capsys) -> tuple
     return code, *capsys.readouterr()
 
 
-def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_saying_so_once(chat_run, monkeypatch,
-                                                                                                  capsys):
+def test_chat_holds_a_conversation_on_stdin_and_drops_old_turns_saying_so_once(chat_run, monkeypatch, capsys):
     code, out, err = chat(chat_run, ["the king", "sweet lord", "fair day", "love", "the night"], "--system", "the lord",
                           monkeypatch=monkeypatch, capsys=capsys)
     assert code == 0, err
@@ -221,8 +202,7 @@ def test_chat_holds_a_conversation_on_stdin_a_reply_a_line_and_drops_old_turns_s
 
 
 @pytest.mark.parametrize("markers", [True, False], ids=["too long", "no markers"])
-def test_a_system_prompt_the_model_cannot_take_is_refused_at_the_start_in_one_line_exit_2(
-        chat_run, tmp_path, text_file, markers, monkeypatch, capsys):
+def test_a_system_prompt_the_model_cannot_take_is_refused(chat_run, tmp_path, text_file, markers, monkeypatch, capsys):
     run, system = chat_run, "the king " * 12  # 111 tokens; block_size 64
     if not markers:
         assert run_main(tiny_args(tmp_path / "out", text_file, max_iters=2, eval_interval=2)) == 0
@@ -270,42 +250,24 @@ class ScriptedModel(torch.nn.Module):
         return SimpleNamespace(logits=logits)
 
 
-def test_chat_ends_a_reply_at_any_marker_shows_none_of_it_and_keeps_the_real_reply(monkeypatch, capsys):
-    """Turns end at <|user|>, <|end|> and the window; each next prompt holds the reply as it was."""
+def test_chat_ends_a_reply_at_any_marker_keeps_the_real_reply_and_refuses_a_bad_turn_alone(monkeypatch, capsys):
+    """Turns end at <|user|>, <|end|> and the window; each next prompt holds the reply as it was. An unknown
+    character, then a message too long: each refused in one line, and the talk goes on whole."""
     t = tok()
     a, b, c, d = (t.encode(ch)[0] for ch in "abcd")
     script = [a, b, t.marker_ids[USER], a, c, t.marker_ids[END], d]
-    model = ScriptedModel(script, filler=d, vocab_size=t.vocab_size, block_size=64)
-    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nyo\nx\n"))
+    model = ScriptedModel(script, filler=d, vocab_size=t.vocab_size, block_size=64)  # a prompt may take 32 tokens
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nwhat say you to 日本?\n" + "the king " * 10 + "\nyo\nx\n"))
     chat_script.converse(model, t, chat_script.parse_args(["--temp", "0"]), torch.Generator())
     turns = [("user", "hi"), ("assistant", "ab"), ("user", "yo"), ("assistant", "ac"), ("user", "x")]
     last_prompt = render(t, turns, reply=True)
-    assert capsys.readouterr().out.splitlines() == ["ab", "ac", "d" * (64 - len(last_prompt))]  # the window full
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["ab", "ac", "d" * (64 - len(last_prompt))]  # the window full
+    errors = err.splitlines()
+    assert len(errors) == 2 and "日本" in errors[0] and "say it shorter" in errors[1]
     prompts = [model.inputs[0], model.inputs[3], model.inputs[6]]  # each turn's first forward
     assert t.decode(prompts[0]) == "<|begin|><|user|>hi<|end|><|assistant|>"
     assert prompts == [render(t, turns[:k], reply=True) for k in (1, 3, 5)]
-
-
-def test_a_refused_turn_is_only_that_turn_and_the_talk_goes_on(monkeypatch, capsys):
-    """An unknown character, then a message too long: each refused in one line; the talk goes on whole."""
-    t = tok()
-    a, b, c = (t.encode(ch)[0] for ch in "abc")
-    model = ScriptedModel([a, b, t.marker_ids[END], a, c, t.marker_ids[END]], filler=c, vocab_size=t.vocab_size,
-                          block_size=64)  # a prompt may take 32 tokens
-    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nwhat say you to 日本?\n" + "the king " * 10 + "\nyo\n"))
-    chat_script.converse(model, t, chat_script.parse_args(["--temp", "0"]), torch.Generator())
-    captured = capsys.readouterr()
-    assert captured.out.splitlines() == ["ab", "ac"]
-    errors = captured.err.splitlines()
-    assert len(errors) == 2 and "日本" in errors[0] and "say it shorter" in errors[1]
-    assert model.inputs[3] == render(t, [("user", "hi"), ("assistant", "ab"), ("user", "yo")], reply=True)
-
-
-def base_tokenizer_of(kind: str, cache: Path):
-    from tokenizer import GPT2Tokenizer, train_bpe
-    if kind == "char":
-        return CharTokenizer(CHARS)
-    return GPT2Tokenizer(cache) if kind == "gpt2" else train_bpe([make_text()], 300, "test")
 
 
 @pytest.mark.interop  # transformers
@@ -313,7 +275,10 @@ def base_tokenizer_of(kind: str, cache: Path):
 def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     transformers = pytest.importorskip("transformers")
     import finetune
-    t = chat_tokenizer(base_tokenizer_of(kind, tmp_path / "cache"))
+    from tokenizer import GPT2Tokenizer, train_bpe
+    bases = {"char": lambda: CharTokenizer(CHARS), "bpe": lambda: train_bpe([make_text()], 300, "test"),
+             "gpt2": lambda: GPT2Tokenizer(tmp_path / "cache")}
+    t = chat_tokenizer(bases[kind]())
     export_hf.export(tiny_model(vocab_size=t.vocab_size), t, tmp_path / "export")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     messages = [("system", "the lord, be fair"), ("user", "what day is it?"), ("assistant", "a sweet one,\nmy king."),
@@ -330,7 +295,7 @@ def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     assert config["bos_token_id"] == t.marker_ids[BEGIN] == theirs.bos_token_id
     with pytest.raises(Exception, match="role narrator is not one of system, user, assistant"):  # as prepare.py
         theirs.apply_chat_template([{"role": "narrator", "content": "hi"}], tokenize=False)
-    # --init_from reads it back as the chat tokenizer it is (it was refused: "a char list of 84 tokens for 89")
+    # --init_from reads it back as the chat tokenizer it is
     assert finetune.load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
 
 

@@ -22,11 +22,10 @@ STEPS = 40  # tiny: ~0.5 s a run; the loss falls from ~3.9 to ~2.8 at the preset
 SLOW = "slow:learning_rate=3e-5,min_lr=3e-6"  # 100x smaller lr (min_lr must stay below it)
 
 
-def argv(corpus: Path, out: Path, *variants: str, seeds: int = 3, budget: tuple[str, ...] = ("--steps", str(STEPS)),
-         data: Path | None = None) -> list[str]:
-    data = data or corpus.parent / "data"
+def argv(corpus: Path, out: Path, *variants: str, seeds: int = 3,
+         budget: tuple[str, ...] = ("--steps", str(STEPS))) -> list[str]:
     return ["--config", "tiny", *budget, "--seeds", str(seeds), "--out", str(out),
-            "--set", f"data_path={corpus},data_dir={data},device=cpu", *variants]
+            "--set", f"data_path={corpus},data_dir={corpus.parent / 'data'},device=cpu", *variants]
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +51,19 @@ def per_seed(summary: dict, name: str, metric: str) -> list[float]:
     return [r[metric] for r in row(summary, name)["runs"]]
 
 
-def test_a_clearly_worse_variant_is_significant(finished):
+def test_a_clearly_worse_variant_is_significant_and_identical_ones_tie_exactly(finished):
     _, summary = finished
     for metric in ("val_loss", "val_bpb"):
         slow = row(summary, "slow")[metric]
         assert slow["p"] < 0.05 and 0 < slow["low"] <= slow["diff"] <= slow["high"], slow
-    assert row(summary, "slow")["val_loss"]["diff"] > 0.5  # ~1.0: 40 steps at 1/100 of the lr learn little
-
-
-def test_identical_variants_tie_exactly_and_are_not_significant(finished):
-    _, summary = finished
-    for metric in ("val_loss", "val_bpb"):
         assert per_seed(summary, "same", metric) == per_seed(summary, "base", metric)  # bit for bit
         assert len(set(per_seed(summary, "base", metric))) == 3  # while the seeds do differ
         same = row(summary, "same")[metric]
         assert (same["diff"], same["low"], same["high"], same["p"]) == (0.0, 0.0, 0.0, 1.0)
+    assert row(summary, "slow")["val_loss"]["diff"] > 0.5  # ~1.0: 40 steps at 1/100 of the lr learn little
 
 
-def test_the_folder_holds_every_run_and_the_reports(finished):
+def test_the_folder_holds_every_run_and_the_reports_plot_draws(finished, tmp_path):
     root, summary = finished
     exp = root / "exp"
     for variant in ("base", "same", "slow"):
@@ -84,33 +78,59 @@ def test_the_folder_holds_every_run_and_the_reports(finished):
     assert all(math.isfinite(row(summary, v)["speed_ratio"]) for v in ("same", "slow"))
     assert "scipy.stats.ttest_rel" in (exp / "results.md").read_text()
     assert (exp / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = plot.expand(exp)
+    assert [label for _, label in runs] == ["base"] * 3 + ["same"] * 3 + ["slow"] * 3  # baseline first
+    assert [p.parent.name for p, _ in runs[:3]] == ["seed-1", "seed-2", "seed-3"]
+    (label, _, val), *_ = plot.group_runs([p for p, _ in runs], [label for _, label in runs])
+    steps, mean, low, high = plot.aggregate(val, "step", "val_loss")
+    base = per_seed(summary, "base", "val_loss")
+    assert (label, steps[-1], low[-1], high[-1]) == ("base", STEPS, min(base), max(base))
+    assert mean[-1] == pytest.approx(row(summary, "base")["val_loss"]["mean"], rel=1e-12)
+    plot.main([str(exp), "--bpb", "-o", str(tmp_path / "cmp.png")])
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_rerun_trains_nothing_even_of_runs_saved_before_a_config_field_existed(finished, tmp_path, monkeypatch):
-    """Same tables, no run trained; a field added to TrainConfig after the runs (text_column) had its default then.
-    Rerun with --vs, every difference is taken against the named control."""
+def test_a_rerun_trains_nothing_unless_the_code_changed(finished, tmp_path, monkeypatch, capsys):
+    """Same tables, no run trained, even of runs saved before a config field (text_column) existed; --vs takes every
+    difference against the named control. Edited code: each run is set aside in EXP/stale/ and trained again."""
     root, summary = finished
     shutil.copytree(root / "exp", tmp_path / "exp")  # its reports are rewritten: the shared folder's stay
     for result in (tmp_path / "exp").glob("*/seed-*/result.json"):
         record = json.loads(result.read_text())
         del record["config"]["text_column"]
         result.write_text(json.dumps(record))
-    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
-    command = argv(root / "corpus.txt", tmp_path / "exp", "base:", "same:", SLOW)
-    compare.compare(command, StopOnSignal(install=False))
-    tables = [(folder / "results.md").read_text().split("\n", 1)[1] for folder in (tmp_path / "exp", root / "exp")]
-    assert tables[0] == tables[1]  # all but the first line, the command, whose --out differs
+    with monkeypatch.context() as patched:
+        patched.setattr(train, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
+        command = argv(root / "corpus.txt", tmp_path / "exp", "base:", "same:", SLOW)
+        compare.compare(command, StopOnSignal(install=False))
+        tables = [(folder / "results.md").read_text().split("\n", 1)[1] for folder in (tmp_path / "exp", root / "exp")]
+        assert tables[0] == tables[1]  # all but the first line, the command, whose --out differs
 
-    against_slow = compare.compare(command + ["--vs", "slow"], StopOnSignal(install=False))
+        against_slow = compare.compare(command + ["--vs", "slow"], StopOnSignal(install=False))
     assert against_slow["baseline"] == "slow" and "p" not in row(against_slow, "slow")["val_loss"]
     assert row(against_slow, "base")["val_loss"]["diff"] == pytest.approx(-row(summary, "slow")["val_loss"]["diff"])
     assert row(against_slow, "slow")["speed_ratio"] == 1.0
     assert "Δ vs slow [95% CI]" in (tmp_path / "exp" / "results.md").read_text()
 
+    old_code = json.loads((tmp_path / "exp" / "base" / "seed-1" / "result.json").read_text())["code"]
+    assert old_code == compare.code_fingerprint()  # the finished runs recorded the code that made them
+    edited = {"hash": "0123456789ab", "commit": old_code["commit"] + "+edits"}
+    monkeypatch.setattr(compare, "code_fingerprint", lambda: edited)
+    capsys.readouterr()
+    rerun = compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:"), StopOnSignal(install=False))
+    out = capsys.readouterr().out
+    assert out.count(f"retraining: it ran code {old_code['hash']} (commit {old_code['commit']}), this is code "
+                     "0123456789ab") == 3 and "finished earlier" not in out
+    for seed in (1, 2, 3):
+        kept = tmp_path / "exp" / "stale" / old_code["hash"] / "base" / f"seed-{seed}" / "result.json"
+        assert json.loads(kept.read_text())["code"] == old_code  # the old run is kept, out of the tables
+        assert json.loads((tmp_path / "exp" / "base" / f"seed-{seed}" / "result.json").read_text())["code"] == edited
+    assert per_seed(rerun, "base", "val_loss") == per_seed(summary, "base", "val_loss")  # same code, in truth
+    assert [label for _, label in plot.expand(tmp_path / "exp")] == ["base"] * 3  # not the stale runs
+
 
 def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finished, tmp_path, monkeypatch):
-    """SIGINT at step 15 of seed 2 saves that run and exits 130; the same command then reuses seed 1 and resumes
-    seed 2, to the numbers of the comparison never stopped, bit for bit."""
+    """SIGINT at step 15 of seed 2 saves that run and exits 130; the same command resumes it, bit for bit."""
     root, unstopped = finished
     command = argv(root / "corpus.txt", tmp_path / "exp", "base:", seeds=2)
     stop, get_lr = StopOnSignal(install=False), train.get_lr
@@ -160,20 +180,6 @@ def test_a_folder_holding_runs_with_other_settings_is_refused(finished, capsys):
     assert {p: p.stat().st_mtime_ns for p in (root / "exp").rglob("*")} == before
 
 
-def test_plot_draws_a_comparison_as_one_group_per_variant(finished, tmp_path):
-    root, summary = finished
-    runs = plot.expand(root / "exp")
-    assert [label for _, label in runs] == ["base"] * 3 + ["same"] * 3 + ["slow"] * 3  # baseline first
-    assert [p.parent.name for p, _ in runs[:3]] == ["seed-1", "seed-2", "seed-3"]
-    (label, _, val), *_ = plot.group_runs([p for p, _ in runs], [label for _, label in runs])
-    steps, mean, low, high = plot.aggregate(val, "step", "val_loss")
-    base = per_seed(summary, "base", "val_loss")
-    assert (label, steps[-1], low[-1], high[-1]) == ("base", STEPS, min(base), max(base))
-    assert mean[-1] == pytest.approx(row(summary, "base")["val_loss"]["mean"], rel=1e-12)
-    plot.main([str(root / "exp"), "--bpb", "-o", str(tmp_path / "cmp.png")])
-    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds_and_one_dtype(tmp_path, text_file, monkeypatch):
     calls = []
     monkeypatch.setattr(runtime, "run_dtype", lambda *a: calls.append(a) or torch.bfloat16)  # choose_runtime's
@@ -193,8 +199,7 @@ def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds_and_one_dtype(t
 
 
 @pytest.mark.parametrize("variants, extra, message", [
-    (["lr:lerning_rate=1e-3"], [],
-     "variant `lr`: unknown config key `lerning_rate` in the overrides; did you mean `learning_rate`?"),
+    (["lr:lerning_rate=1e-3"], [], "variant `lr`: unknown config key `lerning_rate` in the overrides"),
     (["lr:learning_rate=fast"], [], "variant `lr`: learning_rate must be float, got 'fast'"),
     (["lr:learning_rate=1e-5"], [], "variant `lr`: min_lr (0.0003) must not exceed learning_rate (1e-05)"),
     (["a:", "a:dropout=0.1"], [], "variant name `a` is used twice"),
@@ -211,34 +216,12 @@ def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds_and_one_dtype(t
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, text_file, capsys, variants, extra, message):
     budget = () if extra == ["--no-budget"] else ("--steps", str(STEPS))
     with pytest.raises(SystemExit) as stopped:
-        compare.main(argv(text_file, tmp_path / "exp", *variants, budget=budget, data=tmp_path / "data")
+        compare.main(argv(text_file, tmp_path / "exp", *variants, budget=budget)
                      + [flag for flag in extra if flag != "--no-budget"])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]  # no experiment folder, no data cache
-
-
-def test_runs_made_by_other_code_are_trained_again_and_set_aside(finished, tmp_path, monkeypatch, capsys):
-    """Edit, rerun the same command: a run whose code fingerprint differs is moved to EXP/stale/ and trained again,
-    with one line saying why (before, the old numbers came back as "finished earlier")."""
-    root, summary = finished
-    shutil.copytree(root / "exp", tmp_path / "exp")
-    old_code = json.loads((tmp_path / "exp" / "base" / "seed-1" / "result.json").read_text())["code"]
-    assert old_code == compare.code_fingerprint()  # the finished runs recorded the code that made them
-    edited = {"hash": "0123456789ab", "commit": old_code["commit"] + "+edits"}
-    monkeypatch.setattr(compare, "code_fingerprint", lambda: edited)
-    capsys.readouterr()
-    rerun = compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:"), StopOnSignal(install=False))
-    out = capsys.readouterr().out
-    assert out.count(f"retraining: it ran code {old_code['hash']} (commit {old_code['commit']}), this is code "
-                     "0123456789ab") == 3 and "finished earlier" not in out
-    for seed in (1, 2, 3):
-        kept = tmp_path / "exp" / "stale" / old_code["hash"] / "base" / f"seed-{seed}" / "result.json"
-        assert json.loads(kept.read_text())["code"] == old_code  # the old run is kept, out of the tables
-        assert json.loads((tmp_path / "exp" / "base" / f"seed-{seed}" / "result.json").read_text())["code"] == edited
-    assert per_seed(rerun, "base", "val_loss") == per_seed(summary, "base", "val_loss")  # same code, in truth
-    assert [label for _, label in plot.expand(tmp_path / "exp")] == ["base"] * 3  # not the stale runs
 
 
 def test_the_code_fingerprint_follows_the_training_sources_and_nothing_else(tmp_path, monkeypatch):

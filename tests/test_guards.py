@@ -1,6 +1,5 @@
-"""Mutation tests for the bugs that raise no error: the real code passes, and a mutant carrying the bug fails the
-same check (a doctor check where the bug shows on a model or a batch, training runs compared exactly where not).
-From "fp16: unscale, then clip" on, each test names in its docstring the bug it was seen to fail on."""
+"""Mutation tests for the bugs that raise no error: the real code passes, a mutant carrying the bug fails the same
+check (a doctor check where the bug shows on a model or a batch, training runs compared exactly where not)."""
 from __future__ import annotations
 
 import contextlib
@@ -213,7 +212,6 @@ def test_broadcasting_loss_is_caught(model_class, passes):
     model = model_class(tiny_model().config)
     x, y = random_batch()
     assert doctor.check_init_loss(model, x, y).passed == passes
-    # And directly: the summed loss must be the sum of the per-token losses.
     logits, loss_sum, _, _ = model(x, y)
     per_token = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
     assert torch.allclose(loss_sum, per_token.sum(), rtol=1e-5) == passes
@@ -291,7 +289,6 @@ def test_tying_that_comes_apart_after_a_move_is_caught(move, model_class):
 
 
 # ----------------------------------------------------------------------------- whole runs
-# (A resume's guards, exact and without optimizer or RNG state, are in test_resume.py.)
 def weights_with_eval_every(tiny_cfg, tmp_path: Path, eval_interval: int) -> dict[str, torch.Tensor]:
     cfg = tiny_cfg(out_dir=str(tmp_path / f"eval-every-{eval_interval}"), max_iters=6,
                    eval_interval=eval_interval, dropout=0.1, compile="off")
@@ -329,7 +326,7 @@ def record_optimizer_steps(monkeypatch) -> list[dict]:
     return calls
 
 
-# ----------------------------------------------------------------------------- fp16: unscale, then clip
+# ----------------------------------------------------------------------------- what a step logs and keeps
 def one_step_norm(fp16_scaler: bool, dtype: torch.dtype = torch.float32) -> float:
     """The pre-clip norm train.optimizer_step returns for one step of a fresh tiny model on one batch."""
     model = tiny_model()
@@ -345,12 +342,10 @@ def test_fp16_step_clips_and_reports_the_unscaled_norm():
     fp32 = one_step_norm(fp16_scaler=False)
     # Autocast off: the scaled gradients differ from the fp32 ones by the power-of-two scale only.
     assert one_step_norm(fp16_scaler=True) == pytest.approx(fp32, rel=1e-5)
-    # Real fp16 autocast rounds the activations: the same norm to within 1%.
     assert one_step_norm(fp16_scaler=True, dtype=torch.float16) == pytest.approx(fp32, rel=1e-2)
 
 
 def test_fp16_run_logs_the_same_grad_norm_as_fp32(tmp_path, text_file):
-    """What the user reads: step 1's logged grad norm of an fp16 run is the fp32 run's (within 1%)."""
     norms = {}
     for dtype in ("float32", "float16"):
         args = tiny_args(tmp_path / dtype, text_file, dtype=dtype, batch_size=2, max_iters=1, eval_interval=100)
@@ -360,7 +355,6 @@ def test_fp16_run_logs_the_same_grad_norm_as_fp32(tmp_path, text_file):
     assert norms["float16"] == pytest.approx(norms["float32"], rel=1e-2)
 
 
-# ----------------------------------------------------------------------------- the pre-clip norm is logged
 def test_logged_grad_norm_is_the_pre_clip_norm(tmp_path, text_file, monkeypatch):
     """Bug caught: the norm logged is recomputed after clipping (so never above grad_clip)."""
     calls = record_optimizer_steps(monkeypatch)
@@ -374,7 +368,6 @@ def test_logged_grad_norm_is_the_pre_clip_norm(tmp_path, text_file, monkeypatch)
         assert norm == pytest.approx(call["hand_norm"], rel=1e-5)
 
 
-# ----------------------------------------------------------------------------- lr per optimizer step
 def test_lr_follows_the_schedule_per_optimizer_step_with_accumulation(tmp_path, text_file, monkeypatch, tiny_cfg):
     """Bug caught: the loop calls get_lr(step * grad_accum), counting micro-batches."""
     calls = record_optimizer_steps(monkeypatch)
@@ -386,7 +379,6 @@ def test_lr_follows_the_schedule_per_optimizer_step_with_accumulation(tmp_path, 
     assert [record["lr"] for record in metrics(tmp_path)[0]] == expected  # what the log says
 
 
-# ----------------------------------------------------------------------------- bf16 keeps fp32 weights
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_bf16_run_keeps_fp32_weights_and_optimizer_state(tmp_path, text_file, optimizer):
     """Bug caught: the model cast to bf16 (no fp32 master copy); autocast alone is the mixed precision."""
@@ -401,7 +393,6 @@ def test_bf16_run_keeps_fp32_weights_and_optimizer_state(tmp_path, text_file, op
         assert {t.dtype for t in found} == {torch.float32}, part
 
 
-# ----------------------------------------------------------------------------- sampling builds no graph
 @pytest.mark.parametrize("use_cache", [True, False], ids=["kv cache", "no cache"])
 def test_sampling_runs_every_forward_without_autograd(use_cache):
     """Bug caught: generate without @torch.no_grad() (every step's graph, and the cache's, kept alive)."""
@@ -417,8 +408,7 @@ def test_sampling_runs_every_forward_without_autograd(use_cache):
 
 # ----------------------------------------------------------------------------- the compile probe
 def test_compiled_run_sees_the_batches_and_gradients_of_an_eager_run(tmp_path, text_file, light_compile):
-    """Bugs caught: the probe draws its batch from the training data stream (every batch shifts),
-    and the probe's gradients left on the weights (step 1's gradient is off)."""
+    """Bugs caught: the probe draws its batch from the training stream, or leaves its gradients on the weights."""
     eager = run_for(tmp_path, text_file, "eager", compile="off")
     compiled = run_for(tmp_path, text_file, "compiled", compile="on")
     eager_log, compiled_log = metrics(tmp_path / "eager")[0], metrics(tmp_path / "compiled")[0]
@@ -442,8 +432,7 @@ def probe_on(batch: tuple[torch.Tensor, torch.Tensor], fails: bool = False):
 
 @pytest.mark.parametrize("fails", [False, True], ids=["compiled", "compile fails"])
 def test_compile_probe_leaves_no_gradient_on_the_weights(light_compile, fails):
-    """Bug caught: compile_or_eager does not clear the probe's gradients (the first backward adds to them). A
-    failing compile warns once and runs eager; either way the probe leaves the random stream as it was."""
+    """Bug caught: compile_or_eager does not clear the probe's gradients (the first backward adds to them)."""
     model, rng = tiny_model(), torch.get_rng_state()
     with (pytest.warns(UserWarning, match="torch.compile failed .*inductor exploded.*running eager") if fails
           else contextlib.nullcontext()):

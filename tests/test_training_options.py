@@ -1,22 +1,19 @@
-"""Training options are declared once (a field's resume rule, optim.py's tables, config.USED_ONLY_UNDER) and the
-tests are generated from those declarations, so a new entry is tested unasked; docs/experiments.md's training
-recipes are applied to a copy of the repo."""
+"""Tests generated from the training options' declarations (resume rules, optim.py's tables, USED_ONLY_UNDER), so a
+new entry is tested unasked; docs/experiments.md's training recipes are applied to a copy of the repo."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import itertools
-import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import copy_of_the_repo, docs_snippet, make_text, read_metrics, run_main, run_tests_in, tiny_args
+from conftest import (copy_of_the_repo, docs_snippet, make_text, read_metrics, run_main, run_script, run_tests_in,
+                      tiny_args, tiny_model)
 from fault_injection import assert_same_training_state, capture_run
 
 import config
@@ -50,32 +47,24 @@ def test_every_field_declares_its_resume_rule():
         rule = f.metadata.get("resume") if f.name not in GPTConfig.__dataclass_fields__ else RESUME[f.name]
         assert rule in RESUME_RULES, f"TrainConfig.{f.name} declares no resume rule"
     assert set(RESUME) == set(DEFAULTS) == {f.name for f in dataclasses.fields(TrainConfig)} - {"given"}
-    assert {name for name in GPTConfig.TRAINING_ONLY} == {name for name in config.MODEL_OPTIONS
-                                                           if RESUME[name] == "warned"}
+    assert set(GPTConfig.TRAINING_ONLY) == {name for name in config.MODEL_OPTIONS if RESUME[name] == "warned"}
     # What changes the meaning of best_val_loss, or what the weights compute, cannot change on resume.
     for name in ("eval_tokens", "seed", "tokenizer", "optimizer", "lr_decay", "n_embd", "pos_emb"):
         assert RESUME[name] == "fixed", name
 
 
-@pytest.mark.parametrize("change", [dict(eval_tokens=0), dict(seed=7), dict(lr_decay="wsd"), dict(n_embd=64)])
-def test_a_resume_that_changes_a_fixed_field_is_refused_and_writes_nothing(tmp_path, text_file, capsys, change):
-    """Before: eval_tokens 4096 -> 0 overwrote best.pt with a val loss over another split; a new seed was recorded
-    while the restored RNG streams ignored it."""
+def test_a_resume_refuses_a_changed_fixed_field_and_warns_only_of_a_changed_one_it_reads(tmp_path, text_file, capsys):
+    """Once eval_tokens 4096 -> 0 overwrote best.pt with a val loss over another split; muon_lr changed on an AdamW
+    run does nothing, so saying it applies from here on would be false."""
     out = tmp_path / "run"
     assert run_main(tiny_args(out, text_file, max_iters=3, eval_interval=3)) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert run_main(tiny_args(out, text_file, max_iters=6, eval_interval=3, resume="true", **change)) == 2
-    err = capsys.readouterr().err
-    name = next(iter(change))
-    assert err.count("\n") == 1 and err.startswith("error: ") and f"{name}: checkpoint " in err, err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # last.pt, best.pt, metrics.jsonl untouched
-
-
-def test_a_changed_option_the_run_does_not_read_is_not_warned_about_on_resume(tmp_path, text_file, capsys):
-    """muon_lr changed on an AdamW run does nothing, so saying it applies from here on would be false."""
-    out = tmp_path / "run"
-    assert run_main(tiny_args(out, text_file, max_iters=3, eval_interval=3)) == 0
     capsys.readouterr()
+    for change in (dict(eval_tokens=0), dict(seed=7), dict(lr_decay="wsd"), dict(n_embd=64)):
+        assert run_main(tiny_args(out, text_file, max_iters=6, eval_interval=3, resume="true", **change)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and f"{next(iter(change))}: checkpoint " in err, err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # last.pt, best.pt, metrics.jsonl untouched
     assert run_main(tiny_args(out, text_file, max_iters=4, eval_interval=3, resume="true", muon_lr=0.5,
                               learning_rate=1e-3)) == 0
     out_text = capsys.readouterr().out
@@ -116,7 +105,6 @@ def test_the_thread_count_is_a_field_and_the_start_up_line_says_it(tmp_path, tex
 def optimizer_state_kinds(name: str) -> frozenset:
     """The kinds of per-parameter state an optimizer keeps after one step of a tiny run."""
     cfg = make_config("tiny", optimizer=name, device="cpu")
-    from conftest import tiny_model
     model = tiny_model()
     optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))
     _, loss_sum, n, _ = model(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
@@ -193,12 +181,10 @@ def test_each_lr_schedule_draws_its_own_curve():
 
 
 # ----------------------------------------------------------------------------- the names, and what each choice reads
-@pytest.mark.parametrize("field, table", [("optimizer", OPTIMIZERS), ("lr_decay", DECAYS), ("loader", LOADERS)],
-                         ids=["optimizer", "lr_decay", "loader"])
-def test_the_names_the_config_accepts_are_its_tables_keys(field, table):
-    """config imports neither optim.py nor data.py (tests/test_layers.py): its Literals name the tables' rows,
-    and must name exactly those, in their order (a fork's name without its function fails here, not in a run)."""
-    assert choices(field) == tuple(table)
+@pytest.mark.parametrize("field", ["optimizer", "lr_decay", "loader"])
+def test_the_names_the_config_accepts_are_its_tables_keys(field):
+    """config imports neither optim.py nor data.py: its Literals must name exactly the tables' rows, in order."""
+    assert choices(field) == tuple({"optimizer": OPTIMIZERS, "lr_decay": DECAYS, "loader": LOADERS}[field])
 
 
 NUMERIC = [name for name, kind in FIELD_TYPES.items() if kind in (int, float)]
@@ -209,26 +195,20 @@ RUN_CHOICES = ("optimizer", "lr_decay", "schedule")  # what chooses the optimize
 READ_BY_THE_LOOP = {"max_iters", "max_time", "grad_accum", "batch_size"}
 
 
-def in_its_range(cfg: TrainConfig, name: str) -> bool:
-    """Whether ``name``'s value in ``cfg`` passes its rows of config.RANGES and GPTConfig's checks."""
-    value = getattr(cfg, name)
-    if not all(ok(value) for _, ok, names in RANGES if name in names):
-        return False
-    try:
-        model_config(cfg, vocab_size=1)
-    except ValueError:
-        return False
-    return True
-
-
 def perturbed(cfg: TrainConfig, name: str) -> TrainConfig:
-    """``cfg`` with one numeric field moved a little, inside its range (an optimizer may raise on an invalid value)."""
+    """``cfg`` with one numeric field moved a little, inside config.RANGES and GPTConfig's checks (an optimizer may
+    raise on an invalid value)."""
     value = getattr(cfg, name)
     moves = (value + 1, value - 1) if isinstance(value, int) else (value * 0.75 + 0.01, value * 1.25, value - 1)
-    inside = [moved for moved in moves
-              if moved != value and in_its_range(dataclasses.replace(cfg, **{name: moved}), name)]
-    assert inside, f"{name}={value}: no move of {moves} stays inside its range (config.RANGES); widen the moves"
-    return dataclasses.replace(cfg, **{name: inside[0]})
+    for moved in moves:
+        if moved == value or not all(ok(moved) for _, ok, names in RANGES if name in names):
+            continue
+        try:
+            model_config(dataclasses.replace(cfg, **{name: moved}), vocab_size=1)
+        except ValueError:
+            continue
+        return dataclasses.replace(cfg, **{name: moved})
+    raise AssertionError(f"{name}={value}: no move of {moves} stays inside its range (config.RANGES); widen the moves")
 
 
 @functools.cache
@@ -249,7 +229,6 @@ def made_by_the_run(cfg: TrainConfig) -> object:
 
 
 def made_by_the_tokenizer(cfg: TrainConfig) -> object:
-    """What the tokenizer makes of ``cfg``'s corpus: the tokenizer and both splits' tokens."""
     corpus = corpus_for(cfg)
     return corpus.meta["tokenizer"], np.asarray(corpus.train).tobytes(), np.asarray(corpus.val).tobytes()
 
@@ -288,15 +267,10 @@ def run_readers() -> dict[tuple, set[str]]:
 @pytest.fixture(scope="module")
 def tokenizer_readers(tmp_path_factory):
     """tokenizer name -> what it reads (readers'), each found once for the module."""
-    root, found = tmp_path_factory.mktemp("tokenizers"), {}
+    root = tmp_path_factory.mktemp("tokenizers")
     (root / "corpus.txt").write_text(make_text())
     case = dict(data_path=str(root / "corpus.txt"), data_dir=str(root / "data"), bpe_vocab_size=300)
-
-    def read(name: str) -> set[str]:
-        if name not in found:
-            found[name] = readers(("tokenizer",), made_by_the_tokenizer, [(name,)], **case)[(name,)]
-        return found[name]
-    return read
+    return functools.cache(lambda name: readers(("tokenizer",), made_by_the_tokenizer, [(name,)], **case)[(name,)])
 
 
 def test_the_fields_only_one_choice_reads_are_the_table_under_every_optimizer_decay_and_clock(run_readers):
@@ -380,7 +354,6 @@ def test_each_choice_resumes_exactly_and_is_refused_under_another(tmp_path, text
 # ----------------------------------------------------------------------------- Muon + AdamW, one Optimizer
 def test_muon_with_adamw_is_one_torch_optimizer_and_an_old_two_part_state_is_refused_in_one_line(
         tmp_path, text_file, monkeypatch, capsys):
-    """(Its exact resume: test_each_choice_resumes_exactly_and_is_refused_under_another[optimizer-muon].)"""
     run = dict(max_iters=3, eval_interval=3, optimizer="muon")
     captured = capture_run(monkeypatch)
     assert run_main(tiny_args(tmp_path / "old", text_file, **run)) == 0
@@ -403,23 +376,21 @@ LINEAR = "# optim.py, replacing the DECAYS line:\n"
 NAMES = "# config/__init__.py, in TrainConfig: the new names in the Literals (the rest of each line unchanged)\n"
 FIELDS = "# config/__init__.py, in TrainConfig, after wandb_project:\n"
 ROWS = "# config/__init__.py, in USED_ONLY_UNDER:\n"
-LION = "# optim.py, replacing the OPTIMIZERS line (Lion):\n"
-LION_NAME = "# config/__init__.py, in TrainConfig: the new name in the Literal (Lion; the rest of the line unchanged)\n"
-SGDR = ("# optim.py, replacing the DECAYS line (SGDR):\n",
-        "# config/__init__.py, in TrainConfig: the new name in the Literal (SGDR; the rest of the line unchanged)\n",
-        "# config/__init__.py, in TrainConfig, after wandb_project (SGDR):\n",
-        "# config/__init__.py, in USED_ONLY_UNDER (SGDR):\n")
-SGDR_KIND = "# optim.py, replacing the WARM_RESTARTS line:\n"
-SOPHIA = ("# optim.py, replacing the OPTIMIZERS line (Sophia):\n",
-          "# config/__init__.py, in TrainConfig: the new name in the Literal (Sophia; the rest of the line "
-          "unchanged)\n",
-          "# config/__init__.py, in TrainConfig, after wandb_project (Sophia):\n",
-          "# config/__init__.py, in USED_ONLY_UNDER (Sophia):\n")
+
+
+def recipe(name: str, table: str) -> tuple[str, ...]:
+    """The headings of a recipe's blocks: its function or class, its name, its fields, their USED_ONLY_UNDER rows."""
+    return (f"# optim.py, replacing the {table} line ({name}):\n",
+            f"# config/__init__.py, in TrainConfig: the new name in the Literal ({name}; the rest of the line "
+            "unchanged)\n",
+            f"# config/__init__.py, in TrainConfig, after wandb_project ({name}):\n",
+            f"# config/__init__.py, in USED_ONLY_UNDER ({name}):\n")
+
+
 FIELD_ANCHOR = '    wandb_project: str = free("tinygpt", "wandb project name")\n'
 
 
 def apply_snippet(fork: Path, heading: str) -> None:
-    """Apply the page's block under ``heading`` to the copy ``fork``, as its heading says."""
     body = docs_snippet(heading)
     config_file = fork / "config" / "__init__.py"
     if ", replacing the " in heading:  # "# FILE, replacing the TABLE line": its new function or class, its new row
@@ -457,9 +428,10 @@ def fork_of_the_repo(root: Path, snippets: tuple[str, ...] = (SGD, LINEAR, NAMES
 FORK_SCRIPT = '''
 import json, sys
 from pathlib import Path
-import torch
+import pytest
 import train
 from checkpoint import load_checkpoint
+from config import make_config, unused_given
 from runtime import StopOnSignal
 from scripts import compare
 
@@ -472,42 +444,34 @@ def main(*args):
     except SystemExit as exit_:
         return exit_.code
     return 0
-report = {}
 linear = ["--lr_decay", "linear", "--learning_rate", "0.1", "--min_lr", "0"]
-report["train"] = main("--out_dir", str(out / "sgd"), "--max_iters", "4", "--optimizer", "sgd", "--sgd_momentum",
-                       "0.8", "--label_smoothing", "0.1", *linear)
+assert main("--out_dir", str(out / "sgd"), "--max_iters", "4", "--optimizer", "sgd", "--sgd_momentum", "0.8",
+            "--label_smoothing", "0.1", *linear) == 0
 state = load_checkpoint(out / "sgd" / "last.pt")
-report["saved"] = {k: state["config"][k] for k in ("optimizer", "sgd_momentum", "lr_decay", "label_smoothing")}
-report["state"] = sorted({k for s in state["optimizer"]["state"].values() for k in s})
-report["lrs"] = [json.loads(l)["lr"] for l in (out / "sgd" / "metrics.jsonl").read_text().splitlines() if '"lr"' in l]
-report["refused"] = main("--out_dir", str(out / "sgd"), "--max_iters", "5", "--optimizer", "adamw",
-                         "--label_smoothing", "0.1", *linear, "--resume")
-report["warned"] = main("--out_dir", str(out / "sgd"), "--max_iters", "5", "--optimizer", "sgd", "--sgd_momentum",
-                        "0.7", "--label_smoothing", "0.2", *linear, "--resume")
+saved = {k: state["config"][k] for k in ("optimizer", "sgd_momentum", "lr_decay", "label_smoothing")}
+assert saved == {"optimizer": "sgd", "sgd_momentum": 0.8, "lr_decay": "linear", "label_smoothing": 0.1}, saved
+# SGD's own state: not AdamW under another name
+assert sorted({k for s in state["optimizer"]["state"].values() for k in s}) == ["momentum_buffer"]
+lrs = [json.loads(l)["lr"] for l in (out / "sgd" / "metrics.jsonl").read_text().splitlines() if '"lr"' in l]
+assert lrs[1:] == pytest.approx([0.1 * (1 - p) for p in (0, 1 / 3, 2 / 3)]), lrs  # linear after warmup
+assert main("--out_dir", str(out / "sgd"), "--max_iters", "5", "--optimizer", "adamw", "--label_smoothing", "0.1",
+            *linear, "--resume") == 2
+assert main("--out_dir", str(out / "sgd"), "--max_iters", "5", "--optimizer", "sgd", "--sgd_momentum", "0.7",
+            "--label_smoothing", "0.2", *linear, "--resume") == 0
 summary = compare.compare(["--config", "tiny", "--steps", "4", "--seeds", "2", "--out", str(out / "exp"), "--set",
                            f"data_path={corpus},data_dir={out / 'data'},device=cpu", "base:",
                            "sgd:optimizer=sgd,learning_rate=0.1,min_lr=0,lr_decay=linear,label_smoothing=0.1"],
                           StopOnSignal(install=False))
-report["compared"] = [v["name"] for v in summary["variants"]]
-print("REPORT " + json.dumps(report))
+assert [v["name"] for v in summary["variants"]] == ["base", "sgd"]
+print(unused_given(make_config("tiny", sgd_momentum=0.5)))
+assert main("--help") == 0
 '''
 
 
 @pytest.mark.slow  # ~10-14 s: a copy of the repo and five runs in it
-def test_a_forked_optimizer_decay_and_field_are_honoured_end_to_end(tmp_path):
+def test_a_forked_optimizer_decay_and_field_are_honoured_end_to_end(tmp_path, text_file):
     """Flag, start-up line, checkpoint, resume rule, unused warning and compare.py variant, from the page's blocks."""
-    fork = fork_of_the_repo(tmp_path)
-    (tmp_path / "corpus.txt").write_text(make_text())
-    result = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(tmp_path / "corpus.txt"), str(tmp_path / "o")],
-                            cwd=fork, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.split("REPORT ", 1)[1])
-    assert report["train"] == 0 and report["refused"] == 2 and report["warned"] == 0
-    assert report["saved"] == {"optimizer": "sgd", "sgd_momentum": 0.8, "lr_decay": "linear",
-                               "label_smoothing": 0.1}
-    assert report["state"] == ["momentum_buffer"]  # SGD's own state: not AdamW under another name
-    assert report["lrs"][1:] == pytest.approx([0.1 * (1 - p) for p in (0, 1 / 3, 2 / 3)])  # linear after warmup
-    assert report["compared"] == ["base", "sgd"]
+    result = run_script("-c", FORK_SCRIPT, str(text_file), str(tmp_path / "o"), cwd=fork_of_the_repo(tmp_path))
     out = result.stdout
     assert "settings: optimizer sgd, lr_decay linear, schedule steps, max_iters 4, " in out
     assert "label_smoothing 0.1" in out and "sgd_momentum 0.8" in out
@@ -515,94 +479,76 @@ def test_a_forked_optimizer_decay_and_field_are_honoured_end_to_end(tmp_path):
     assert "resuming with changed settings (sgd_momentum: checkpoint 0.8 vs now 0.7; " in out
     assert "label_smoothing: checkpoint 0.1 vs now 0.2" in out
     assert "WARNING: beta1" not in out  # beta1 is the preset's default: nothing given, nothing to warn about
-    help_text = subprocess.run([sys.executable, "train.py", "--help"], cwd=fork, capture_output=True, text=True).stdout
+    assert "WARNING: sgd_momentum is set (0.5) but unused: optimizer=adamw" in out
+    help_text = out.split("usage: ", 1)[1]
     assert "--sgd_momentum" in help_text and "--label_smoothing" in help_text
     assert "--optimizer {adamw,muon,sgd}" in help_text and "--lr_decay {cosine,wsd,linear}" in help_text
-    unused = subprocess.run([sys.executable, "-c", "from config import make_config, unused_given; "
-                             "print(unused_given(make_config('tiny', sgd_momentum=0.5)))"],
-                            cwd=fork, capture_output=True, text=True)
-    assert "WARNING: sgd_momentum is set (0.5) but unused: optimizer=adamw" in unused.stdout, unused.stderr
 
 
-def one_line(text: str) -> str:
-    return " ".join(text.split())
+def copy_tests(fork: Path, basetemp: Path, k: str, returncode: int = 0, path: str = "test_training_options.py") -> str:
+    """The copy's tests in tests/``path`` selected by ``k``: they exit ``returncode``; their output."""
+    result = run_tests_in(fork, basetemp, f"tests/{path}", "-k", k)
+    assert result.returncode == returncode, result.stdout[-4000:]
+    return result.stdout
 
 
 def generated_tests_pass(fork: Path, basetemp: Path, name: str) -> None:
     """The copy's tests generated for a new optimizer ``name``: its name, the table, its own state, its exact resume."""
-    generated = run_tests_in(fork, basetemp, "tests/test_training_options.py", "-k",
-                             f"{name} or own_kind_of_state or tables_keys or under_every_optimizer")
-    assert generated.returncode == 0, generated.stdout[-4000:]
+    generated = copy_tests(fork, basetemp, f"{name} or own_kind_of_state or tables_keys or under_every_optimizer")
     for test in ("test_each_optimizer_keeps_its_own_kind_of_state",
                  "test_the_names_the_config_accepts_are_its_tables_keys[optimizer]",
                  "test_the_fields_only_one_choice_reads_are_the_table_under_every_optimizer_decay_and_clock",
                  f"test_each_choice_resumes_exactly_and_is_refused_under_another[optimizer-{name}]"):
-        assert f"PASSED tests/test_training_options.py::{test}" in generated.stdout, test
+        assert f"PASSED tests/test_training_options.py::{test}" in generated, test
 
 
 @pytest.mark.slow
 def test_the_lion_recipe_forks_the_repo_end_to_end(tmp_path):
-    """docs/experiments.md's Lion recipe, from the page, in a copy of the repo: its generated tests pass, and so do
-    the reliability tests generated for every optimizer (a NaN never reaches a checkpoint; no host sync on steps that
-    do not log), which Lion's plain step() passes unedited. (This name names no optimizer: the copy never runs it.)"""
-    fork = fork_of_the_repo(tmp_path, snippets=(LION, LION_NAME), tests=True)
+    """docs/experiments.md's Lion recipe in a copy of the repo: its generated tests pass, and so do the reliability
+    tests generated for every optimizer (NaN guard, no host sync), which Lion's plain step() passes unedited."""
+    fork = fork_of_the_repo(tmp_path, snippets=recipe("Lion", "OPTIMIZERS")[:2], tests=True)
     generated_tests_pass(fork, tmp_path / "generated", "lion")
-    reliability = run_tests_in(fork, tmp_path / "reliability", "tests/test_reliability.py", "-k", "lion")
-    assert reliability.returncode == 0, reliability.stdout[-4000:]
-    assert "4 passed" in reliability.stdout
+    assert "4 passed" in copy_tests(fork, tmp_path / "reliability", "lion", path="test_reliability.py")
 
 
 @pytest.mark.slow
-def test_the_sgdr_recipe_forks_the_repo_end_to_end(tmp_path):
-    """docs/experiments.md's SGDR recipe, from the page, in a copy of the repo: it trains and restarts, and the
-    copy's generated tests check it as a schedule with restarts; without its WARM_RESTARTS block they name the
-    step where it rises."""
-    fork = fork_of_the_repo(tmp_path / "declared", snippets=(*SGDR, SGDR_KIND), tests=True)
-    (tmp_path / "corpus.txt").write_text(make_text())
+def test_the_sgdr_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
+    """docs/experiments.md's SGDR recipe in a copy of the repo: it trains and restarts, and the copy's generated tests
+    check it as a schedule with restarts; without its WARM_RESTARTS block they name the step where it rises."""
+    sgdr = recipe("SGDR", "DECAYS")
+    fork = fork_of_the_repo(tmp_path / "declared", snippets=(*sgdr, "# optim.py, replacing the WARM_RESTARTS line:\n"),
+                            tests=True)
     out = tmp_path / "run"
-    args = ["--config", "tiny", "--data_path", str(tmp_path / "corpus.txt"), "--data_dir", str(out / "data"),
-            "--out_dir", str(out), "--device", "cpu", "--max_iters", "9", "--warmup_iters", "1", "--lr_decay_iters",
-            "9", "--log_interval", "1", "--eval_interval", "9", "--lr_decay", "sgdr", "--sgdr_cycles", "2"]
-    trained = subprocess.run([sys.executable, "train.py", *args], cwd=fork, capture_output=True, text=True,
-                             timeout=300)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    run_script("train.py", *tiny_args(out, text_file, max_iters=9, eval_interval=9, warmup_iters=1, lr_decay_iters=9,
+                                      lr_decay="sgdr", sgdr_cycles=2), cwd=fork)
     lrs = [record["lr"] for record in read_metrics(out) if "lr" in record]
     assert lrs[1] == lrs[5] == 3e-3 > lrs[4]  # a warm restart at the peak after the first of two cycles
-    generated = run_tests_in(fork, tmp_path / "generated", "tests/test_training_options.py", "-k", "sgdr or curve")
-    assert generated.returncode == 0, generated.stdout[-4000:]
     assert "PASSED tests/test_training_options.py::test_each_lr_schedule_draws_a_curve_of_its_kind[sgdr-warmup]" \
-        in generated.stdout
+        in copy_tests(fork, tmp_path / "generated", "sgdr or curve")
 
-    undeclared = fork_of_the_repo(tmp_path / "undeclared", snippets=SGDR, tests=True)
-    refused = run_tests_in(undeclared, tmp_path / "refused", "tests/test_training_options.py", "-k",
-                           "curve_of_its_kind")
-    assert refused.returncode == 1
+    undeclared = fork_of_the_repo(tmp_path / "undeclared", snippets=sgdr, tests=True)
+    refused = copy_tests(undeclared, tmp_path / "refused", "curve_of_its_kind", returncode=1)
     assert ("lr_decay sgdr: it rises at step 351 (0.1 -> 1); if sgdr restarts on purpose, add it to "
-            "optim.py's WARM_RESTARTS") in one_line(refused.stdout)
+            "optim.py's WARM_RESTARTS") in " ".join(refused.split())
 
 
 @pytest.mark.slow  # a copy of the repo, its generated tests twice and a run in it: ~60 s
-def test_the_sophia_recipe_forks_the_repo_end_to_end(tmp_path):
-    """docs/experiments.md's Sophia, from the page: the copy's generated tests pass for it (its resume crosses a
-    Hessian estimate; its fields are read under it alone), it trains; a step counter of its own fails the resume."""
-    fork = fork_of_the_repo(tmp_path, snippets=SOPHIA, tests=True)
+def test_the_sophia_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
+    """docs/experiments.md's Sophia: the copy's generated tests pass for it (its resume crosses a Hessian estimate;
+    its fields are read under it alone), it trains; a step counter of its own fails the resume."""
+    fork = fork_of_the_repo(tmp_path, snippets=recipe("Sophia", "OPTIMIZERS"), tests=True)
     generated_tests_pass(fork, tmp_path / "generated", "sophia")
-    (tmp_path / "corpus.txt").write_text(make_text())
     out = tmp_path / "run"
-    trained = subprocess.run([sys.executable, "train.py", *tiny_args(out, tmp_path / "corpus.txt", max_iters=12,
-                                                                     eval_interval=12, optimizer="sophia")],
-                             cwd=fork, capture_output=True, text=True, timeout=300)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    trained = run_script("train.py", *tiny_args(out, text_file, max_iters=12, eval_interval=12, optimizer="sophia"),
+                         cwd=fork)
     assert "settings: optimizer sophia, " in trained.stdout
     state = load_checkpoint(out / "last.pt")["optimizer"]["state"]
     assert all(sorted(s) == ["hessian", "momentum"] and s["hessian"].any() for s in state.values())
     # The teeth: the period counted by the optimizer, outside state_dict, restarts at 0 on a resume.
-    optim_py = fork / "optim.py"
-    source = optim_py.read_text()
-    assert source.count("        if (step - 1) % self.period:") == 1
-    optim_py.write_text(source.replace("        if (step - 1) % self.period:",
-                                       "        self.calls = getattr(self, 'calls', 0) + 1\n"
-                                       "        if (self.calls - 1) % self.period:"))
-    broken = run_tests_in(fork, tmp_path / "broken", "tests/test_training_options.py", "-k",
-                          "resumes_exactly and sophia")
-    assert broken.returncode == 1 and "1 failed" in broken.stdout.strip().splitlines()[-1], broken.stdout[-2000:]
+    period = "        if (step - 1) % self.period:"
+    source = (fork / "optim.py").read_text()
+    assert source.count(period) == 1
+    (fork / "optim.py").write_text(source.replace(period, "        self.calls = getattr(self, 'calls', 0) + 1\n"
+                                                          "        if (self.calls - 1) % self.period:"))
+    broken = copy_tests(fork, tmp_path / "broken", "resumes_exactly and sophia", returncode=1)
+    assert "1 failed" in broken.strip().splitlines()[-1], broken[-2000:]
