@@ -19,6 +19,7 @@ import random
 import re
 import socket
 import subprocess
+import sys
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -30,8 +31,8 @@ import numpy as np
 import torch
 
 import runtime
-from config import REPO, CheckpointError, CheckpointWriteError, HFError, TrainConfig, as_dict, config_from_dict
-from config import ConfigError, PathError, given_fields, model_config, resume_changes
+from config import (DEFAULTS, FIELD_TYPES, REPO, RESUME, CheckpointError, CheckpointWriteError, ConfigError, HFError,
+                    PathError, TrainConfig, as_dict, given_fields, model_config, unused_fields)
 from model import GPT
 from runtime import TEMP_MARK, Dist, atomic_write, describe, dtype_name, print0
 from tokenizer import NO_TOKENIZER, tokenizer_from_meta
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 2  # 2: time_s added
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scaler", "step", "time_s", "best_val_loss", "config",
                  "tokenizer", "rng", "rng_per_rank", "precision", "versions", "last_eval", "corpus")
-LORA_KEYS = ("lora",)  # written by a LoRA run (lora_rank > 0) only
 RNG_STREAMS = ("python", "numpy", "torch_cpu", "torch_cuda", "data")
 
 DIGEST_PREFIX = b"tinygpt-sha256:"  # the zip comment: this, then the archive's sha256 in hex (64 digits)
@@ -91,15 +91,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
                               + (f", no {', '.join(missing)}" if missing else "") + "); continue or sample it with "
                               "the commit that wrote it (its versions.git_commit), or start a new run")
     return state
-
-
-def read_config(path: Path) -> dict[str, Any] | None:
-    """A checkpoint's config, read cheaply (memory-mapped, digest unchecked); None if it cannot be read so."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - load_checkpoint will name the problem
-        return None
-    return state.get("config") if isinstance(state, dict) else None
 
 
 def verify_digest(path: Path) -> None:
@@ -172,6 +163,16 @@ def git_state() -> dict[str, Any]:
     """The commit the running code is at and whether tracked files differ from it ("" and False without git)."""
     return {"git_commit": git("rev-parse", "HEAD"),
             "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[str]]:
+    """The fields ``saved`` (a checkpoint's config) has otherwise, by rule, but warned ones this run does not read."""
+    saved, unused = {**DEFAULTS, **saved}, unused_fields(cfg)
+    changes: dict[str, list[str]] = {"fixed": [], "warned": []}
+    for name, resume in RESUME.items():
+        if resume in changes and saved[name] != getattr(cfg, name) and not (resume == "warned" and name in unused):
+            changes[resume].append(f"{name}: checkpoint {saved[name]!r} vs now {getattr(cfg, name)!r}")
+    return changes
 
 
 def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus, fp16_scaler: bool,
@@ -258,7 +259,6 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
         lock.close()
         raise runtime.os_failure(out_dir, flag, err) from None
     return lock
-
 
 
 class Checkpointer:
@@ -371,6 +371,16 @@ def run_checkpoint(source: str) -> Path | None:
     return path if path.suffix == ".pt" else None
 
 
+def config_from_dict(values: dict[str, Any]) -> TrainConfig:
+    """A checkpoint's config (as_dict) without the keys this code lacks (a fork's model options), warned about."""
+    unknown = ", ".join(f"{k}={v!r}" for k, v in sorted(values.items()) if k not in FIELD_TYPES and k != "given")
+    if unknown:
+        print(f"WARNING: the checkpoint's config has fields this code does not know ({unknown}); they are ignored "
+              "here, so a model saved by other code (a fork) may compute something else", file=sys.stderr)
+    options = {k: v for k, v in values.items() if k in FIELD_TYPES}
+    return TrainConfig(**options, given=tuple(values.get("given", ())))  # a list, where a checkpoint holds one
+
+
 def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True) -> Loaded:
     """A checkpoint's model, config and tokenizer; a LoRA run's adapters on its base, merged unless ``merged=False``."""
     state = load_checkpoint(path)  # to CPU: the optimizer state it also holds never needs the GPU
@@ -379,7 +389,6 @@ def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True)
     model = GPT(model_config(cfg, tokenizer.vocab_size))
     if "lora" in state:  # the base comes back from its init_from, as the run started
         from finetune import load_adapted
-        from checkpoint import load_base
         model.load_state_dict(load_base(cfg).weights_for(state["tokenizer"], tokenizer.vocab_size))
         model = load_adapted(state, model, str(path), merged)
     else:

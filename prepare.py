@@ -226,20 +226,6 @@ def source_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> st
     return digest.hexdigest()
 
 
-def prepared_splits(data_dir: str | Path, val_fingerprint: str, tokenizer: dict) -> list[Path]:
-    """The prepared folders in data_dir whose val split has this fingerprint and tokenizer: a run's own, by content."""
-    found = []
-    for folder in sorted(path.parent for path in data_home(data_dir).glob("*/meta.json")):
-        try:
-            meta = read_meta(folder)
-        except (DataError, OSError):  # no corpus of ours, or one half made
-            continue
-        if not folder.name.startswith(STAGING) and meta["fingerprint"].get("val") == val_fingerprint \
-                and meta["tokenizer"] == tokenizer:
-            found.append(folder)
-    return found
-
-
 def use_tokenized_folder(folder: Path, tokenizer: str) -> Path:
     """Someone else's train.bin/val.bin/meta.json, used in place once its meta.json says what the tokens mean."""
     meta = read_meta(folder)

@@ -231,9 +231,6 @@ PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *
 BYTE_TEXT = {**{b: chr(b) for b in PRINTABLE},
              **{b: chr(256 + n) for n, b in enumerate(b for b in range(BYTES) if b not in PRINTABLE)}}
 TEXT_BYTE = {text: b for b, text in BYTE_TEXT.items()}
-# The tokenizers library drops an unknown character silently without an unk_token, and raises if the unk_token is not
-# in the vocabulary: the char export names this one, so an unknown character raises, as our encode does.
-CHAR_UNK = "<unk: a character outside this char model's vocabulary>"
 
 
 def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:

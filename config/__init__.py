@@ -215,18 +215,8 @@ def given_fields(cfg: TrainConfig) -> frozenset[str]:
     return frozenset(cfg.given) | {name for name in FIELD_TYPES if getattr(cfg, name) != DEFAULTS[name]}
 
 
-def as_dict(cfg: TrainConfig) -> dict[str, Any]:  # a checkpoint's "config"; config_from_dict reads it back
+def as_dict(cfg: TrainConfig) -> dict[str, Any]:  # a checkpoint's "config" (checkpoint.config_from_dict reads it)
     return dataclasses.asdict(cfg)
-
-
-def config_from_dict(values: dict[str, Any]) -> TrainConfig:
-    """A checkpoint's config (as_dict) without the keys this code lacks (a fork's model options), warned about."""
-    unknown = ", ".join(f"{k}={v!r}" for k, v in sorted(values.items()) if k not in FIELD_TYPES and k != "given")
-    if unknown:
-        print(f"WARNING: the checkpoint's config has fields this code does not know ({unknown}); they are ignored "
-              "here, so a model saved by other code (a fork) may compute something else", file=sys.stderr)
-    options = {k: v for k, v in values.items() if k in FIELD_TYPES}
-    return TrainConfig(**options, given=tuple(values.get("given", ())))  # a list, where a checkpoint holds one
 
 
 def unused_fields(cfg: TrainConfig) -> set[str]:  # muon_lr under adamw, and so on
@@ -245,16 +235,6 @@ def settings_line(cfg: TrainConfig) -> str:
     rest = [name for name in FIELD_TYPES if name not in always and name not in MODEL_OPTIONS and name not in unused
             and RESUME[name] != "free" and getattr(cfg, name) != DEFAULTS[name]]
     return "settings: " + ", ".join(f"{name} {getattr(cfg, name)}" for name in (*always, *rest))
-
-
-def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[str]]:
-    """The fields ``saved`` (a checkpoint's config) has otherwise, by rule, but warned ones this run does not read."""
-    saved, unused = {**DEFAULTS, **saved}, unused_fields(cfg)
-    changes: dict[str, list[str]] = {"fixed": [], "warned": []}
-    for name, resume in RESUME.items():
-        if resume in changes and saved[name] != getattr(cfg, name) and not (resume == "warned" and name in unused):
-            changes[resume].append(f"{name}: checkpoint {saved[name]!r} vs now {getattr(cfg, name)!r}")
-    return changes
 
 
 def add_flags(parser: Any, names: tuple[str, ...], preset: str | None = None) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import train
-from checkpoint import from_checkpoint, git, git_state, read_config
+from checkpoint import from_checkpoint, git, git_state
 from config import (DEFAULTS, REPO, CommandLine, ConfigError, TinyGPTError, TrainConfig, exit_on, fail, install_hint,
                     make_config)
 from prepare import corpus_source
@@ -141,6 +141,15 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
         if code is None or not is_stale(run, code):
             check_reusable(run)
     return Plan(folder, variants, seeds, runs, mode, budget, command)
+
+
+def read_config(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's config, read cheaply (memory-mapped, digest unchecked); None if it cannot be read so."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - load_checkpoint will name the problem
+        return None
+    return state.get("config") if isinstance(state, dict) else None
 
 
 def saved(folder: Path) -> dict[str, Any]:

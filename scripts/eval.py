@@ -28,13 +28,27 @@ import data
 from checkpoint import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_pretrained
 from config import CommandLine, ConfigError, TinyGPTError, exit_on, field_help
 from data import Corpus, DataError, corpus_for, is_chat, load_corpus, val_windows
-from prepare import is_document_corpus, is_tokenized_folder, prepared_splits, read_text_file, source_fingerprint
-from runtime import choose_runtime, dtype_name
+from prepare import is_document_corpus, is_tokenized_folder, read_meta, read_text_file, source_fingerprint
+from runtime import STAGING, choose_runtime, dtype_name
 from tokenizer import data_home, without_chat
 from train import evaluate, val_byte_count
 
 PROGRESS_BATCHES = 20  # show a progress bar (on stderr) from this many batches on
 PRETRAINED_BATCH = 8  # windows per forward for pretrained weights, which have no run's batch_size (GPT-2's: 1,024)
+
+
+def prepared_splits(data_dir: str | Path, val_fingerprint: str, tokenizer: dict) -> list[Path]:
+    """The prepared folders in data_dir whose val split has this fingerprint and tokenizer: a run's own, by content."""
+    found = []
+    for folder in sorted(path.parent for path in data_home(data_dir).glob("*/meta.json")):
+        try:
+            meta = read_meta(folder)
+        except (DataError, OSError):  # no corpus of ours, or one half made
+            continue
+        if not folder.name.startswith(STAGING) and meta["fingerprint"].get("val") == val_fingerprint \
+                and meta["tokenizer"] == tokenizer:
+            found.append(folder)
+    return found
 
 
 def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torch.Tensor, torch.Tensor, str, bool]:

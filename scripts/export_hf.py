@@ -26,8 +26,13 @@ from finetune import ACTIVATIONS, LAYER_NORM_EPS, TIED_HEAD, convert, expand, gp
 from config import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on
 from model import GPT, GPTConfig
 from runtime import atomic_write, atomic_write_text, check_writable
-from tokenizer import (ASSISTANT, BEGIN, BPE_FILE, CHAR_UNK, CHARS_FILE, END, EOT_TEXT, ROLES, ChatTokenizer,
+from tokenizer import (ASSISTANT, BEGIN, BPE_FILE, CHARS_FILE, END, EOT_TEXT, ROLES, ChatTokenizer,
                        bpe_merges, byte_text)
+
+# The tokenizers library drops an unknown character silently without an unk_token, and raises if the unk_token is not
+# in the vocabulary: the char export (char_files) names this one, so an unknown character raises, as our encode does.
+CHAR_UNK = "<unk: a character outside this char model's vocabulary>"
+
 
 def check_output(out: Path, flag: str, suffix: str = "") -> None:
     """Refuse an export's output where writing would lose something, before anything is loaded: a folder (``suffix``

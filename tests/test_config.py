@@ -13,6 +13,7 @@ from conftest import REPO
 import config
 import finetune
 import runtime
+from checkpoint import config_from_dict
 from config import (
     DEFAULTS,
     FIELD_TYPES,
@@ -23,7 +24,6 @@ from config import (
     TrainConfig,
     as_dict,
     build_parser,
-    config_from_dict,
     field_help,
     given_fields,
     make_config,

@@ -8,8 +8,8 @@ import torch
 from conftest import make_text, metrics, read_metrics, run_main, tiny_args, write_chats
 from fault_injection import assert_same_training_state
 
-from checkpoint import from_checkpoint, load_checkpoint, load_run
-from config import CheckpointError, config_from_dict, make_config, model_config
+from checkpoint import config_from_dict, from_checkpoint, load_checkpoint, load_run
+from config import CheckpointError, make_config, model_config
 from model import GPT
 from scripts import export_hf
 from tokenizer import tokenizer_vocab_size

@@ -18,7 +18,6 @@ from scripts import export_hf
 from scripts.prepare import main as prepare_main
 from tokenizer import (
     BPE_FILE,
-    CHAR_UNK,
     CHARS_FILE,
     CharTokenizer,
     data_home,
@@ -65,7 +64,7 @@ def test_transformers_loads_the_export_without_a_warning_to_our_ids_and_our_gree
         for text in (UNKNOWN, "a\tb", "café"):
             with pytest.raises(DataError, match="characters not in the model's vocabulary"):
                 ours.encode(text)
-            with pytest.raises(Exception, match=f"Unk token `{CHAR_UNK}` not found in the vocabulary"):
+            with pytest.raises(Exception, match=f"Unk token `{export_hf.CHAR_UNK}` not found in the vocabulary"):
                 theirs.encode(text)
         assert theirs.unk_token is None  # no id was added for it
 
