@@ -32,9 +32,9 @@ import torch
 
 import runtime
 from config import (DEFAULTS, FIELD_TYPES, REPO, RESUME, CheckpointError, CheckpointWriteError, ConfigError, HFError,
-                    PathError, TrainConfig, as_dict, given_fields, model_config, unused_fields)
+                    PathError, TrainConfig, as_dict, given_fields, model_config)
 from model import GPT
-from runtime import TEMP_MARK, Dist, atomic_write, describe, dtype_name, print0
+from runtime import TEMP_MARK, Dist, atomic_write, describe, dtype_name, print0, unused_fields
 from tokenizer import NO_TOKENIZER, tokenizer_from_meta
 
 if TYPE_CHECKING:

@@ -198,7 +198,7 @@ class Conversations(PackedDocuments):
 def eval_windows(corpus: Corpus, tokenizer, block_size: int, max_targets: int = 0,
                  overflow: str = "refuse") -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed val windows: val_windows over a text's tokens; for a chat corpus one conversation a row, block_size
-    wide, scored on the assistant's tokens only (chat.val_rows)."""
+    wide, scored on the assistant's tokens only (finetune.val_rows)."""
     if is_chat(corpus):
         from finetune import val_rows
         return val_rows(corpus, tokenizer, block_size, overflow)

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from config import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_WRITE_FAILED, ConfigError, PathError,
-                    PeerFailed, RunStopped, TinyGPTError, TrainConfig, as_dict, install_hint, settings_line,
-                    unused_given)
+from config import (DEFAULTS, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_WRITE_FAILED, FIELD_TYPES,
+                    MODEL_OPTIONS, RESUME, USED_ONLY_UNDER, ConfigError, PathError, PeerFailed, RunStopped,
+                    TinyGPTError, TrainConfig, as_dict, given_fields, install_hint)
 from model import step_bytes
 
 # ----------------------------------------------------------------------------- files written whole or not at all
@@ -760,6 +760,24 @@ def describe(config) -> str:
 def summary(model) -> str:
     return (f"{describe(model.config)}; {model.num_params(non_embedding=False) / 1e6:.2f}M parameters "
             "(every weight once, embeddings included)")
+
+
+def unused_fields(cfg: TrainConfig) -> set[str]:  # muon_lr under adamw, and so on
+    return {name for name, (chooser, value) in USED_ONLY_UNDER.items() if getattr(cfg, chooser) != value}
+
+
+def unused_given(cfg: TrainConfig) -> list[str]:
+    return [f"WARNING: {name} is set ({getattr(cfg, name)!r}) but unused: {chooser}={getattr(cfg, chooser)} "
+            f"does not read it ({chooser}={reader} does)" for name in sorted(unused_fields(cfg) & given_fields(cfg))
+            for chooser, reader in [USED_ONLY_UNDER[name]]]
+
+
+def settings_line(cfg: TrainConfig) -> str:
+    """The choices, the step count, then the fields off their default that shape training (not free)."""
+    always, unused = ("optimizer", "lr_decay", "schedule", "max_iters"), unused_fields(cfg)
+    rest = [name for name in FIELD_TYPES if name not in always and name not in MODEL_OPTIONS and name not in unused
+            and RESUME[name] != "free" and getattr(cfg, name) != DEFAULTS[name]]
+    return "settings: " + ", ".join(f"{name} {getattr(cfg, name)}" for name in (*always, *rest))
 
 
 def describe_run(cfg: TrainConfig, model, rt, compiled: bool, world_size: int, full_rows: bool) -> str:

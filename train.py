@@ -293,7 +293,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
 
 
 def main(argv: list[str] | None = None) -> None:
-    """train.py's command line: each error is one line and its exit code (config.py), once per job."""
+    """train.py's command line: every error one line with its exit code (config/__init__.py), once per job."""
     try:
         with interrupt_until_the_loop():  # SIGTERM before the first step ends as Ctrl-C does: one line, no folder
             train(parse_args(argv), StopOnSignal())

@@ -219,24 +219,6 @@ def as_dict(cfg: TrainConfig) -> dict[str, Any]:  # a checkpoint's "config" (che
     return dataclasses.asdict(cfg)
 
 
-def unused_fields(cfg: TrainConfig) -> set[str]:  # muon_lr under adamw, and so on
-    return {name for name, (chooser, value) in USED_ONLY_UNDER.items() if getattr(cfg, chooser) != value}
-
-
-def unused_given(cfg: TrainConfig) -> list[str]:
-    return [f"WARNING: {name} is set ({getattr(cfg, name)!r}) but unused: {chooser}={getattr(cfg, chooser)} "
-            f"does not read it ({chooser}={reader} does)" for name in sorted(unused_fields(cfg) & given_fields(cfg))
-            for chooser, reader in [USED_ONLY_UNDER[name]]]
-
-
-def settings_line(cfg: TrainConfig) -> str:
-    """The choices, the step count, then the fields off their default that shape training (not free)."""
-    always, unused = ("optimizer", "lr_decay", "schedule", "max_iters"), unused_fields(cfg)
-    rest = [name for name in FIELD_TYPES if name not in always and name not in MODEL_OPTIONS and name not in unused
-            and RESUME[name] != "free" and getattr(cfg, name) != DEFAULTS[name]]
-    return "settings: " + ", ".join(f"{name} {getattr(cfg, name)}" for name in (*always, *rest))
-
-
 def add_flags(parser: Any, names: tuple[str, ...], preset: str | None = None) -> None:
     """``--na_me`` and ``--na-me`` per field, absent unless given; a bool may stand alone (``--resume``)."""
     from_preset, helps = load_preset(preset) if preset else {}, field_help()

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         configs = {name: make_config(args.config, out_dir="out/bench", **o) for name, o in overrides.items()}
         labels = {"A": " ".join(args.overrides), "B": " ".join(args.overrides + [args.vs or ""])}
         benches = [build(f"{name}: {args.config} {labels[name]}".strip(), cfg) for name, cfg in configs.items()]
-    except TinyGPTError as err:  # one line and its exit code (config.py)
+    except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
         exit_on(err)
     results = run(benches, args.steps, args.warmup, rounds)
     for b, result in zip(benches, results):

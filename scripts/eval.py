@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         rt = choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
         loaded.model.to(rt.device)
         x, y, data, runs = eval_windows(loaded, args.data_path, args.eval_tokens)
-    except TinyGPTError as err:  # one line and its exit code (config.py)
+    except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
         exit_on(err)
     batch_size = args.batch_size or (loaded.cfg.batch_size if loaded.step is not None else PRETRAINED_BATCH)
     if not args.json:  # what is scored, before the scoring (minutes for a large split, with its bar on stderr)

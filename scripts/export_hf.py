@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         check_gpt2(loaded.model)  # export's refusal, before --peft's folder is written
         adapters = export_peft(load_checkpoint(path), peft) if peft else []  # refused before writing
         written = export(loaded.model, loaded.tokenizer, out) + adapters  # a LoRA run's: merged
-    except TinyGPTError as err:  # one line and its exit code (config.py)
+    except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
         exit_on(err)
     print(f"exported {path} -> {args.out}: {', '.join(p.name for p in written)}")
 

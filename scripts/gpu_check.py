@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
     try:
         check_writable(args.out_dir, "--out_dir", f".gpu_check-probe-{os.getpid()}")
-    except TinyGPTError as err:  # one line and its exit code (config.py)
+    except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
         exit_on(err)
     common = ["--config", "gpt2", "--eval_tokens", "8192", "--grad_accum", "2", "--warmup_iters", "2",
               "--log_interval", "5"]

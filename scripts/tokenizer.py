@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
     try:
         print(report(args))
-    except TinyGPTError as err:  # one line and its exit code (config.py)
+    except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
         exit_on(err)
 
 

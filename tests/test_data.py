@@ -300,7 +300,8 @@ CURRICULUM_SCRIPT = '''
 import contextlib, io, json, sys
 from pathlib import Path
 import pytest
-from config import make_config, unused_given
+from config import make_config
+from runtime import unused_given
 import runtime
 from checkpoint import load_checkpoint
 from tests.conftest import run_main

@@ -83,7 +83,7 @@ def test_sigkill_during_checkpoint_writes_15_times(tmp_path, text_file):
 
 
 def open_on_full_disk(path, mode="r", *args, **kwargs):
-    """open() where temp files (files.atomic_write) land on /dev/full: every write fails with ENOSPC."""
+    """open() where temp files (runtime.atomic_write) land on /dev/full: every write fails with ENOSPC."""
     if ".tmp-" not in str(path):
         return builtins.open(path, mode, *args, **kwargs)
     Path(path).touch()  # the temp file exists, as on a real disk that filled up mid-write

@@ -31,12 +31,11 @@ from config import (
     choices,
     make_config,
     model_config,
-    unused_fields,
-    unused_given,
 )
 from data import LOADERS, corpus_for
 from model import GPT, GPTConfig
 from optim import DECAYS, OPTIMIZERS, MuonAdamW, lr_at
+from runtime import unused_fields, unused_given
 
 
 # ----------------------------------------------------------------------------- every field has a rule
@@ -431,7 +430,8 @@ from pathlib import Path
 import pytest
 import train
 from checkpoint import load_checkpoint
-from config import make_config, unused_given
+from config import make_config
+from runtime import unused_given
 from runtime import StopOnSignal
 from scripts import compare
 
