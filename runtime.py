@@ -428,7 +428,11 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
 
 
 def use_threads(threads: int) -> int:
-    """torch.set_num_threads(threads) unless 0 (one per core); returns the count in force."""
+    """torch.set_num_threads(threads) unless 0 (one per core); returns the count in force. More than the machine's
+    cores is refused: torch slows to a crawl, and at absurd counts crashes without a word."""
+    if threads > (cores := os.cpu_count() or 1):
+        raise ConfigError(f"--threads {threads}: this machine has {cores} CPU cores; pass at most {cores} (0: one per "
+                          "core)")
     if threads > 0:
         torch.set_num_threads(threads)
     return torch.get_num_threads()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import math
 import re
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import add_weights_flags, from_flags
-from config import CommandLine, DataError, TinyGPTError, exit_on, fail, field_help
+from config import EXIT_INTERRUPTED, CommandLine, ConfigError, DataError, TinyGPTError, exit_on, fail, field_help
 from model import GPT, GPTConfig
 from runtime import pick_device, use_threads
 
@@ -45,7 +46,9 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: f
     apply after the temperature."""
     if temperature == 0:  # the limit T -> 0; dividing by 0 would give NaNs
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1); a tie goes to the lowest id
-    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)  # (B, vocab)
+    # Shifted so the largest is 0 before dividing: a tiny T then gives -inf, never inf - inf (a NaN).
+    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # (B, vocab), <= 0
+    probs = F.softmax(filter_logits(shifted / temperature, top_k, top_p), dim=-1)  # (B, vocab)
     return torch.multinomial(probs, 1, generator=generator)  # (B, 1)
 
 
@@ -208,11 +211,19 @@ def sampling_args(parser: CommandLine, argv: list[str] | None) -> argparse.Names
     add("--device", default="auto", help=field_help()["device"])
     add("--threads", type=int, default=0, help=field_help()["threads"])
     args = parser.parse_args(argv)
-    if not args.temp >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1 \
-            or args.max_new_tokens < 0 or args.threads < 0:
-        fail("need --temp >= 0, 0 < --top-p <= 1, --top-k >= 0, --num-samples >= 1, --max-new-tokens, --threads >= 0")
+    for flag, value, must, ok in (("--temp", args.temp, ">= 0 and finite", 0 <= args.temp < math.inf),
+                                  ("--top-k", args.top_k, ">= 0", args.top_k >= 0),
+                                  ("--top-p", args.top_p, "in (0, 1]", 0 < args.top_p <= 1),
+                                  ("--num-samples", args.num_samples, ">= 1", args.num_samples >= 1),
+                                  ("--max-new-tokens", args.max_new_tokens, ">= 1", args.max_new_tokens >= 1),
+                                  ("--threads", args.threads, ">= 0", args.threads >= 0)):
+        if not ok:
+            fail(f"{flag} must be {must}, got {value}")
     args.stream = sys.stdout.isatty() if args.stream is None else args.stream
-    use_threads(args.threads)
+    try:
+        use_threads(args.threads)
+    except ConfigError as err:  # more threads than cores
+        fail(str(err))
     return args
 
 
@@ -231,12 +242,15 @@ def main(argv: list[str] | None = None) -> None:
                 why = f"not UTF-8 text (byte {err.start})" if isinstance(err, UnicodeDecodeError) else err.strerror
                 raise DataError(f"{args.prompt_file}: {why}; pass an existing UTF-8 text file with --prompt-file")
         loaded.tokenizer.encode(text)  # a character the vocabulary lacks: one line now, before any output
+        model = loaded.model
+        print(f"# sampling from {loaded.source}; block_size {model.config.block_size}: past it the window slides")
+        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
+        sample(model, loaded.tokenizer, text, args, generator)
     except TinyGPTError as err:  # a bad checkpoint, config, device or prompt: one line and its exit code
         exit_on(err)
-    model = loaded.model
-    print(f"# sampling from {loaded.source}; block_size {model.config.block_size}: past it the window slides")
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
-    sample(model, loaded.tokenizer, text, args, generator)
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 130, not a traceback from inside torch
+        print(flush=True)
+        fail("interrupted; the samples end here", EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,14 @@ from config import REPO, DataError, HFError, install_hint
 from runtime import sha256_of, staging_folder
 
 
+class UnknownCharacters(DataError):
+    """A text's characters that a char vocabulary lacks (``chars``), so a caller can say whose vocabulary it is."""
+
+    def __init__(self, message: str, chars: str):
+        super().__init__(message)
+        self.chars = chars
+
+
 class CharTokenizer:
     """One id per character, the vocabulary being the sorted set of characters of the corpus."""
 
@@ -31,9 +39,9 @@ class CharTokenizer:
         self.special_ids = frozenset()  # every id is a character of text
 
     def encode(self, text: str) -> list[int]:
-        missing = sorted(set(text) - self.stoi.keys())
+        missing = "".join(sorted(set(text) - self.stoi.keys()))
         if missing:
-            raise DataError(f"characters not in the model's vocabulary: {''.join(missing)!r}")
+            raise UnknownCharacters(f"characters not in the model's vocabulary: {missing!r}", missing)
         return [self.stoi[ch] for ch in text]
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -178,9 +186,10 @@ def load_gpt2_encoding(cache: Path):
 
 
 def tokenizer_vocab_size(meta: dict) -> int | None:
-    """The vocabulary a tokenizer description implies (None for a kind this repo does not know)."""
-    base = {"char": len(meta.get("chars", "")), "gpt2": GPT2_VOCAB, "bpe": len(meta.get("ranks", [])) + 1}.get(
-        meta.get("kind"))
+    """The vocabulary a tokenizer description implies (None for a kind this repo does not know, or chars not a str)."""
+    chars = meta.get("chars")  # a hand-written meta.json may hold anything here
+    base = {"char": len(chars) if isinstance(chars, str) else None, "gpt2": GPT2_VOCAB,
+            "bpe": len(meta.get("ranks", [])) + 1}.get(meta.get("kind"))
     return None if base is None else base + len(meta.get("chat_tokens", []))
 
 

@@ -112,7 +112,10 @@ def converse(model: GPT, tokenizer, args: argparse.Namespace, generator: torch.G
         reply = sample.Continuations(tokenizer, 1, [], set(tokenizer.marker_ids.values()), show=True)
         # Never past the window's end: a reply that slid it would lose its own prompt.
         cap = min(args.max_new_tokens, block_size - len(prompt))
-        sample.continue_into(reply, model, [prompt], cap, args, generator)
+        try:
+            sample.continue_into(reply, model, [prompt], cap, args, generator)
+        except KeyboardInterrupt:  # Ctrl-C while it replies: the reply ends here, the conversation goes on
+            reply.finish()
         print(reply.texts[0][reply.shown:], flush=True)
         dialogue.reply(reply.texts[0])
 

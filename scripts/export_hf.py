@@ -239,10 +239,12 @@ def main(argv: list[str] | None = None) -> None:
         loaded = from_checkpoint(path)
         check_gpt2(loaded.model)  # export's refusal, before --peft's folder is written
         adapters = export_peft(load_checkpoint(path), peft) if peft else []  # refused before writing
-        written = export(loaded.model, loaded.tokenizer, out) + adapters  # a LoRA run's: merged
+        written = export(loaded.model, loaded.tokenizer, out)  # a LoRA run's: merged
     except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
         exit_on(err)
     print(f"exported {path} -> {args.out}: {', '.join(p.name for p in written)}")
+    if adapters:  # each file under the folder it is in
+        print(f"exported its adapters -> {args.peft}: {', '.join(p.name for p in adapters)}")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizer", default="adamw", help="the optimizer of the traced step")
     args = parser.parse_args(argv)
     try:
-        make_config(args.preset)  # a bad preset is refused before anything is measured
+        make_config(args.preset, optimizer=args.optimizer)  # a bad preset or optimizer: refused before any output
     except TinyGPTError as err:
         exit_on(err)
     counts = line_counts()

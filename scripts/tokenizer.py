@@ -5,7 +5,8 @@
     python -m scripts.tokenizer --data_path my.txt --no-gpt2         # your text; no GPT-2 column (it needs its ranks)
 
 Each vocabulary is prepared (and cached) as train.py prepares it. The table scores every tokenizer on the BPE's val
-split (never seen by its merges) against char and GPT-2's; then the largest BPE's longest tokens.
+split (never seen by its merges) against char and GPT-2's, a document corpus's val documents each on its own (their
+<|endoftext|> separators are no text); then the largest BPE's longest tokens.
 """
 from __future__ import annotations
 
@@ -19,12 +20,16 @@ import time
 import timeit
 from pathlib import Path
 
+import numpy as np
+
 from config import DEFAULTS, CommandLine, TinyGPTError, exit_on, field_help
 from data import load_corpus
-from prepare import prepare_corpus
+from prepare import is_tokenized_folder, prepare_corpus
 from tokenizer import tokenizer_from_meta
 
 LONGEST = 20  # tokens shown from the largest vocabulary
+DATA_PATH_HELP = ("the text to compare the tokenizers on: a .txt file, a folder of .txt or .parquet files, a .jsonl or "
+                  "a .parquet file (not a folder of tokens: those are one tokenizer's already)")
 
 
 def prepared_tokenizer(args, kind: str, vocab_size: int = 0):
@@ -34,27 +39,37 @@ def prepared_tokenizer(args, kind: str, vocab_size: int = 0):
     return tokenizer_from_meta(load_corpus(folder, 1).meta["tokenizer"], Path(args.data_dir)), folder
 
 
+def val_texts(tok, folder: Path) -> list[str]:
+    """The texts of a BPE folder's val split between its <|endoftext|> separators, which char cannot encode: a
+    single .txt's is one text (it has none), a document corpus's one per document, as prepare encoded them."""
+    eot, ids = tok.eot_token, load_corpus(folder, 1).val
+    texts = [tok.decode(part[part != eot].tolist()) for part in np.split(ids, np.flatnonzero(ids == eot))]
+    return [text for text in texts if text]  # the first part is empty where a separator leads the split
+
+
 def report(args) -> str:
     sizes = sorted(set(args.bpe_vocab_size))
-    rows, text = [], None
+    rows, texts = [], None
     for size in sizes:  # the last, and its longest tokens below, is the largest
         t0 = time.perf_counter()
         tok, folder = prepared_tokenizer(args, "bpe", size)
         seconds = time.perf_counter() - t0
-        if text is None:  # every size splits the same characters: one val text for all
-            text = tok.decode(load_corpus(folder, 1).val.tolist())
+        if texts is None:  # every size splits the same characters: one val text for all
+            texts = val_texts(tok, folder)
         rows.append((f"bpe {size}", tok, f"prepared in {seconds:.1f} s" + (" (cached)" if seconds < 1 else "")))
     rows.insert(0, ("char", prepared_tokenizer(args, "char")[0], "one token per character"))
     if not args.no_gpt2:
         rows.append(("gpt2", prepared_tokenizer(args, "gpt2")[0], "GPT-2's, trained on WebText"))
-    n_bytes = len(text.encode("utf-8"))
-    lines = [f"# the val split of the BPE folders: {len(text):,} characters, {n_bytes:,} UTF-8 bytes",
+    n_chars, n_bytes = sum(len(text) for text in texts), sum(len(text.encode("utf-8")) for text in texts)
+    documents = f" in {len(texts):,} documents, each encoded on its own" if len(texts) > 1 else ""
+    lines = [f"# the val split of the BPE folders: {n_chars:,} characters, {n_bytes:,} UTF-8 bytes{documents}",
              "| tokenizer | vocab | val tokens | bytes/token | tokens vs char | encodes at | note |",
              "|---|---|---|---|---|---|---|"]
     for name, tokenizer, note in rows:
-        n = len(tokenizer.encode(text))
-        speed = n_bytes / sorted(timeit.repeat(lambda: tokenizer.encode(text), number=1, repeat=3))[1] / 1e6  # median
-        lines.append(f"| {name} | {tokenizer.vocab_size:,} | {n:,} | {n_bytes / n:.3f} | {n / len(text):.3f} | "
+        n = sum(len(tokenizer.encode(text)) for text in texts)
+        seconds = sorted(timeit.repeat(lambda: [tokenizer.encode(text) for text in texts], number=1, repeat=3))[1]
+        speed = n_bytes / seconds / 1e6  # the median's
+        lines.append(f"| {name} | {tokenizer.vocab_size:,} | {n:,} | {n_bytes / n:.3f} | {n / n_chars:.3f} | "
                      f"{speed:.1f} MB/s | {note} |")
     tokens = sorted(range(tok.eot_token), key=lambda i: (-len(tok.decode_bytes([i])), i))[:LONGEST]
     lines.append(f"# the {LONGEST} longest of bpe {sizes[-1]}: "
@@ -66,9 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bpe_vocab_size", "--bpe-vocab-size", type=int, nargs="+",
                         default=[DEFAULTS["bpe_vocab_size"]], help="one or more vocabulary sizes (each >= 257)")
+    helps = field_help() | {"data_path": DATA_PATH_HELP}  # train.py's but data_path's: text only
     for name in ("dataset", "data_path", "text_column", "data_dir", "val_fraction"):  # train.py's, by name and help
         parser.add_argument(*dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]), default=DEFAULTS[name],
-                            type=type(DEFAULTS[name]), help=field_help()[name])
+                            type=type(DEFAULTS[name]), help=helps[name])
     parser.add_argument("--no-gpt2", action="store_true", help="leave out GPT-2's column (its ranks: PyPI, once)")
     args = parser.parse_args(argv)
     if min(args.bpe_vocab_size) < 257:  # what prepare would refuse: one line now
@@ -76,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
                      f"got {min(args.bpe_vocab_size)}")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+    if args.data_path and is_tokenized_folder(Path(args.data_path)):  # one tokenizer's ids: no text to compare on
+        parser.error(f"--data_path {args.data_path} is a folder of tokens (train.bin, val.bin, meta.json); this tool "
+                     "compares tokenizers on text: pass the text itself (a .txt, .jsonl or .parquet file, or a folder)")
     try:
         print(report(args))
     except TinyGPTError as err:  # one line and its exit code (config/__init__.py)

@@ -201,3 +201,11 @@ def test_the_gguf_export_never_writes_over_a_file_it_did_not_write(tmp_path, cap
     assert stopped.value.code == 2 and err.startswith(f"error: {path}") and err.count("\n") == 1, err
     assert contents(tmp_path, Path(trained["run"])) == before  # every byte as it was, no folder made
 
+
+def test_shape_checks_its_arguments_before_it_prints_anything(capsys):
+    """Bug caught: `scripts.shape --optimizer nope` printed its whole report, then the error."""
+    from scripts import shape
+    with pytest.raises(SystemExit) as stopped:
+        shape.main(["--optimizer", "nope"])
+    out, err = capsys.readouterr()
+    assert stopped.value.code == 2 and out == "" and err.startswith("error: ") and "nope" in err, out + err

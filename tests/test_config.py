@@ -64,6 +64,7 @@ BAD_COMMAND_LINES = r"""
 --wsd_fraction 0                  | wsd_fraction must be in \(0, 1\], got 0.0
 --text_column ''                  | text_column must name the .jsonl field or .parquet column
 --threads -1                      | threads must be >= 0, got -1
+--out_dir ''                      | out_dir must name a folder
 --seed 4294967296                 | seed must be in \[0, 2\*\*32 - 1\], got 4294967296
 --lora_rank 4                     | LoRA adapts a trained model: pass --init_from
 --lora_rank 4 --init_from gpt2 --lora_targets attn.c_attn,mlp.fc | lora_targets names mlp.fc, which is not among attn
@@ -83,6 +84,11 @@ def test_a_seed_is_refused_outside_numpys_range_and_its_ends_seed_every_rank():
     assert [make_config(None, seed=seed).seed for seed in (0, 2**32 - 1)] == [0, 2**32 - 1]
     runtime.seed_everything(2**32 - 1 + 7)  # the largest seed on DDP rank 7 (seed + rank): no traceback either
 
+
+def test_more_threads_than_cores_is_one_line_not_a_crash():
+    """Bug caught: --threads 99999 reached torch.set_num_threads, which crashed the process (exit 139, no word)."""
+    with pytest.raises(ConfigError, match="--threads 99999: this machine has .* CPU cores"):
+        runtime.use_threads(99999)
 
 def test_unknown_key_in_a_preset_file_is_refused(tmp_path):
     preset = tmp_path / "mine.toml"

@@ -68,10 +68,11 @@ def test_document_corpora_prepare_char_level_joined_by_newlines(tmp_path):
     (tmp_path / "docs").mkdir()
     for i, text in enumerate(docs):
         (tmp_path / "docs" / f"{i:02d}.txt").write_text(text)
-    jsonl = tmp_path / "docs.jsonl"
+    jsonl, bom = tmp_path / "docs.jsonl", tmp_path / "bom.jsonl"  # bom: as a Windows editor saves it
     jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
+    bom.write_text("\ufeff" + jsonl.read_text())
     folders = [prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=2)
-               for path in (tmp_path / "docs", jsonl)]
+               for path in (tmp_path / "docs", jsonl, bom)]
     meta = json.loads((folders[0] / "meta.json").read_text())
     tok = CharTokenizer(meta["tokenizer"]["chars"])
     assert meta["tokenizer"]["chars"] == "".join(sorted(set("".join(docs)) | {"\n"}))
@@ -628,7 +629,7 @@ def test_builtin_shakespeare_corpus(shakespeare_data):
 def run_the_docs_recipe(folder: Path) -> Path:
     """docs/data.md's prepare.py, run as it is on conftest's corpus; returns the folder it writes."""
     (folder / "my_corpus.txt").write_text(make_text())
-    recipe = docs_snippet("# prepare.py: my_corpus.txt -> data/my_tokens/{train.bin, val.bin, meta.json}\n",
+    recipe = docs_snippet("# my_prepare.py: my_corpus.txt -> data/my_tokens/{train.bin, val.bin, meta.json}\n",
                           page="data.md")
     subprocess.run([sys.executable, "-c", recipe], cwd=folder, check=True, timeout=120)
     return folder / "data" / "my_tokens"
@@ -651,7 +652,7 @@ def test_a_folder_of_someone_elses_tokens_trains_resumes_samples_and_once_rewrit
     ids[:10] = ids[10:20]
     ids.tofile(tokens / "train.bin")
     assert run_main(tiny_args(out, tokens, max_iters=4, resume="true")) == 2
-    assert "its train split differs" in capsys.readouterr().err
+    assert "train split" in capsys.readouterr().err  # "differs", or "has changed since" (checkpoint.py)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -659,7 +660,14 @@ def test_a_folder_of_someone_elses_tokens_trains_resumes_samples_and_once_rewrit
     (lambda meta, folder: meta.update(tokenizer={"kind": "sentencepiece"}), "tokenizer kind 'sentencepiece' is not"),
     (lambda meta, folder: meta.update(tokenizer={"kind": "gpt2"}, vocab_size=50257),
      "holds gpt2 tokens (its meta.json); pass --tokenizer gpt2"),
-    (lambda meta, folder: meta.update(dtype="int8"), "not a prepared corpus's record"),
+    (lambda meta, folder: meta.update(dtype="int8"), "dtype 'int8', but it must be uint16 or uint32"),  # old: "not a
+    # prepared corpus's record: val_fraction, train_tokens, ... missing"
+    (lambda meta, folder: meta.update(tokenizer={"kind": "char", "chars": 5}),  # old: TypeError traceback
+     'meta.json: its char tokenizer\'s "chars" must be the vocabulary\'s characters as a string'),
+    (lambda meta, folder: meta.update(tokenizer={"kind": "char"}), '"chars" must be'),  # old: "has 0 tokens"
+    (lambda meta, folder: meta.update(dtype="uint32"), "meta.json against how your script wrote the ids"),
+    (lambda meta, folder: (folder / "val.bin").unlink(),  # old: "no .txt files and no .parquet files in this folder"
+     "val.bin: missing; a folder holding meta.json is a token folder"),
     (lambda meta, folder: (folder / "train.bin").write_bytes(np.full(500, meta["vocab_size"], np.uint16).tobytes()),
      "token id {vocab_size} >= vocab size {vocab_size}"),  # `top > vocab_size` indexed a padding row, silently
     (lambda meta, folder: (folder / "train.bin").write_bytes(np.full(500, 3, np.uint16).tobytes()),
@@ -673,6 +681,7 @@ def test_someone_elses_tokens_are_checked_like_ours(tmp_path, capsys, edit, mess
     assert run_main(tiny_args(tmp_path / "out", tokens)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message.format(**meta) in err, err
+    assert "delete" not in err  # old: "; delete FOLDER and prepare again", of the user's own tokens
     assert not (tmp_path / "out" / "last.pt").exists()
 
 

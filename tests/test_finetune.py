@@ -9,10 +9,11 @@ from conftest import make_text, metrics, read_metrics, run_main, tiny_args, writ
 from fault_injection import assert_same_training_state
 
 from checkpoint import config_from_dict, from_checkpoint, load_checkpoint, load_run
-from config import CheckpointError, make_config, model_config
+from config import CheckpointError, HFError, make_config, model_config
 from model import GPT
+from prepare import prepare_corpus, read_meta, tokenizer_label
 from scripts import export_hf
-from tokenizer import tokenizer_vocab_size
+from tokenizer import CharTokenizer, tokenizer_vocab_size, train_bpe
 
 
 def train(text_file, out_dir, **overrides) -> int:
@@ -110,3 +111,59 @@ def test_the_doctor_checks_a_fine_tune_of_a_run(base_run, tmp_path, capsys):
     base, text = base_run
     assert doctor.main(tiny_args(tmp_path / "doc", text, init_from=base)) == 0
     assert re.search(r"^(\d+)/\1 checks passed", capsys.readouterr().out, re.MULTILINE)
+
+
+# ----------------------------------------------------------------------------- a run fine-tuned on another text
+def another_text(tmp_path, base_text, extra: str = ""):
+    """The base's lines in reverse order without "?": fewer of its characters (and ``extra``), another corpus."""
+    path = tmp_path / "other.txt"
+    path.write_text("\n".join(reversed(base_text.read_text().replace("?", ".").splitlines())) + extra + "\n")
+    return path
+
+
+def test_a_run_fine_tunes_on_another_text_which_its_tokenizer_prepares(base_run, tmp_path):
+    """Bug caught: `error: ... was trained with another tokenizer (char) than the corpus's (char); prepare the data
+    with the base's (drop --tokenizer)`: the text got a char vocabulary of its own."""
+    base, text = base_run
+    other = another_text(tmp_path, text)
+    assert train(other, tmp_path / "tuned", init_from=base, max_iters=2, eval_interval=2) == 0
+    base_tokenizer = load_checkpoint(base / "best.pt")["tokenizer"]
+    assert load_checkpoint(tmp_path / "tuned" / "best.pt")["tokenizer"] == base_tokenizer
+    own = prepare_corpus(data_path=str(other), data_dir=str(tmp_path / "data"))  # without --init_from: its own
+    [tuned] = [folder for folder in (tmp_path / "data").iterdir() if folder != own]
+    assert re.fullmatch(r"other-\w{12}-char[0-9a-f]{8}-val0\.1", tuned.name)  # which tokenizer, as chats say
+    assert read_meta(tuned)["tokenizer"] == base_tokenizer != read_meta(own)["tokenizer"]
+
+
+@pytest.mark.parametrize("layout", ["txt folder", "bpe"])
+def test_a_document_folder_and_a_bpe_take_the_bases_tokenizer(tmp_path, text_file, layout):
+    """The same for a folder of documents, and for a BPE (which would otherwise be trained anew for the corpus)."""
+    data = text_file.parent / "docs"
+    data.mkdir()
+    for name in ("a.txt", "b.txt"):  # document 0 is val
+        (data / name).write_text(text_file.read_text())
+    tokenizer = CharTokenizer("\n ,.!?:;ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz").meta()
+    if layout == "bpe":
+        data, tokenizer = text_file, train_bpe([make_text(seed=1)], 300, "base").meta()
+    folder = prepare_corpus(data_path=str(data), data_dir=str(tmp_path / "d"), tokenizer=tokenizer["kind"],
+                            base=tokenizer)
+    assert read_meta(folder)["tokenizer"] == tokenizer and folder.name.endswith(f"{tokenizer_label(tokenizer)}-val0.1")
+
+
+def test_a_character_the_bases_vocabulary_lacks_is_one_line(base_run, tmp_path, capsys):
+    base, text = base_run
+    capsys.readouterr()
+    assert train(another_text(tmp_path, text, extra="§"), tmp_path / "out", init_from=base) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "characters the --init_from model's char vocabulary lacks: '§'" in err, err
+
+
+def test_tokens_of_another_vocabulary_name_each_tokenizer_once_and_no_flag_not_passed(base_run):
+    """Bug caught: "another tokenizer (char) than the corpus's (char) ... (drop --tokenizer)", never passed."""
+    base, _ = base_run
+    weights = load_run(base / "best.pt", 0)
+    chars = weights.tokenizer["chars"]
+    with pytest.raises(HFError) as refused:
+        weights.weights_for({"kind": "char", "chars": chars[1:] + "§"}, len(chars))
+    assert "another char vocabulary than the corpus's" in str(refused.value)
+    assert "(char)" not in str(refused.value) and "--tokenizer" not in str(refused.value)

@@ -205,6 +205,16 @@ def test_another_base_is_refused_by_a_resume_and_by_sampling_naming_both_fingerp
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path: state)
     with pytest.raises(CheckpointError, match="its LoRA adapters were trained on base"):
         from_checkpoint(trained / "last.pt")
+    monkeypatch.setitem(state["config"], "init_from", str(tmp_path / "moved"))  # the base is gone: said, named
+    with pytest.raises(CheckpointError, match=f"holds LoRA adapters on the base {tmp_path / 'moved'}, which cannot"):
+        from_checkpoint(trained / "last.pt")
+
+
+def test_a_relative_init_from_is_saved_absolute_so_the_base_is_found_from_any_folder(corpus_paths, base_folder,
+                                                                                      tmp_path, monkeypatch):
+    monkeypatch.chdir(base_folder.parent)
+    cfg, _ = start_from(lora_cfg(corpus_paths, tmp_path / "x", Path(base_folder.name)))
+    assert cfg.init_from == str(base_folder.resolve())
 
 
 def test_sampling_a_lora_run_merges_its_adapters(corpus_paths, trained, base_folder, tmp_path):
@@ -250,11 +260,14 @@ def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_our_logits(t
 
 
 def test_an_export_checks_every_folder_it_writes_before_writing_any(trained, tmp_path, capsys):
-    """Bug caught: --peft DIR overwrote earlier adapters or a run folder, or was refused only after writing."""
+    """Bug caught: --peft DIR overwrote earlier adapters or a run folder, or was refused only after writing; the
+    adapters' files were printed under OUT."""
     with pytest.raises(CheckpointError, match="not a LoRA run"):
         export_hf.export_peft({"model": {}}, tmp_path / "adapters")
     export_hf.main([str(trained), str(tmp_path / "hf"), "--peft", str(tmp_path / "adapters")])
-    capsys.readouterr()
+    printed = dict(line.split(" -> ")[1].split(": ") for line in capsys.readouterr().out.splitlines())
+    for folder in (tmp_path / "hf", tmp_path / "adapters"):  # each file printed under the folder it is in
+        assert set(printed[str(folder)].split(", ")) == {p.name for p in folder.iterdir()}, printed
     refused = [(tmp_path / "hf2", tmp_path / "adapters"),  # the first export's adapters
                (tmp_path / "hf2", trained),  # a run folder
                (tmp_path / "same", tmp_path / "same"),  # OUT itself

@@ -166,6 +166,11 @@ def test_sampling_draws_from_its_seeded_generator_alone_with_or_without_the_cach
     assert not torch.equal(runs[0][0], runs[0][1])  # one generator, different rows
 
 
+def test_a_tiny_temperature_is_greedy_not_nan():
+    """Bug caught: logits / 1e-45 overflow to inf, and softmax of inf - inf is NaN: torch.multinomial raised."""
+    logits = torch.tensor([[2.0, 1.0, 3.0, -1.0]])  # (1, 4)
+    assert pick_next(logits, 1e-45, generator=torch.Generator().manual_seed(0)).item() == 2
+
 def test_draws_follow_the_tempered_distribution():
     """Bug caught: logits multiplied by T (5 sigma is < 0.013; T = 0.5 against 2 moves the top token's p by ~0.3)."""
     n, temperature = 40_000, 0.5
@@ -281,8 +286,11 @@ def test_empty_prompt_starts_from_the_start_token(ckpt, monkeypatch, capsys):
     assert len(sample) == 4 + 1  # the 4 new characters and print's newline, not the start token
 
 
-@pytest.mark.parametrize("flags, named", [(["--prompt", "KING: €"], "€"), (["--threads", "-1"], "--threads"),
-                                          (["--prompt-file", "missing.txt"], "--prompt-file")])
+@pytest.mark.parametrize("flags, named", [(["--prompt", "KING: €"], "€"), (["--threads", "-1"], "--threads must be"),
+                                          (["--prompt-file", "missing.txt"], "--prompt-file"),
+                                          (["--temp", "inf"], "--temp must be"), (["--top-p", "2"], "--top-p must be"),
+                                          (["--max-new-tokens", "0"], "--max-new-tokens must be"),
+                                          (["--threads", "99999"], "--threads 99999: this machine has")])
 def test_a_bad_prompt_or_flag_is_one_line_exit_2(ckpt, capsys, flags, named):
     with pytest.raises(SystemExit) as exit_info:
         main(["--ckpt", str(ckpt), *flags])
@@ -290,6 +298,15 @@ def test_a_bad_prompt_or_flag_is_one_line_exit_2(ckpt, capsys, flags, named):
     assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and named in err, err
     assert "--data_path" not in err  # the fix names the flag that was used
 
+
+def test_ctrl_c_while_sampling_is_one_line_and_exit_130(ckpt, monkeypatch, capsys):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sample_module, "sample", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--ckpt", str(ckpt)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 130 and err.startswith("error: interrupted") and err.count("\n") == 1, err
 
 def test_a_prompt_file_and_threads_as_train_py_takes_them(ckpt, tmp_path, monkeypatch, capsys):
     """`--threads 1` (two jobs on 2 cores, one each) as train.py takes it; 0 keeps torch's default."""
