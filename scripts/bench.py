@@ -256,12 +256,12 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.steps, args.rounds) < 1 or min(args.warmup, args.threads, args.profile) < 0:
         parser.error("need --steps and --rounds >= 1, and --warmup, --threads and --profile >= 0")
     rounds = min(args.rounds, args.steps) if args.vs else 1  # one config has nothing to alternate with
-    print(f"torch {torch.__version__}, {threads_text(torch.get_num_threads())} by default, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     try:
         if args.json:
             check_writable(args.json.parent, "--json", f".bench-probe-{os.getpid()}")  # not after minutes of timing
         base = ({"threads": str(args.threads)} if args.threads else {}) | parse_overrides(args.overrides)
+        print(f"torch {torch.__version__}, {threads_text(torch.get_num_threads())} by default, load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         if args.matmul:  # peak GFLOP/s at the shapes these models use, and at a large square one
             use_threads(args.threads)
             device = pick_device(base.get("device", "auto"))

@@ -210,6 +210,18 @@ def make_optimizer(model: GPT, weight_decay: float = 0.1, learning_rate: float =
     return build_optimizer(model, cfg, torch.device("cpu"))
 
 
+def ctrl_c_at_the_first_call(monkeypatch, module, name: str) -> list[int]:
+    """``module.name``'s first call raises KeyboardInterrupt (a Ctrl-C there), later ones run; the calls, counted."""
+    calls, real = [], getattr(module, name)
+
+    def first_interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, first_interrupted)
+    return calls
+
 def docs_snippet(heading: str, page: str = "experiments.md") -> str:
     """The body of the python block in docs/PAGE whose first line is ``heading``."""
     text = (REPO / "docs" / page).read_text()

@@ -77,12 +77,18 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
 # is a trained tiny run, {corpus} its text, {data} its data_dir, {tmp} an empty folder; {run}/metrics.jsonl/x has a
 # file in the way.
 BAD_INPUTS = {
-    "scripts.shape": [(["--preset", "nosuch"], "no preset `nosuch`")],
+    "scripts.shape": [(["--preset", "nosuch"], "no preset `nosuch`"), (["--optimizer", "nope"], "nope")],
     "sample.py": [
         (["--tmp", "0.8"], "unknown flag `--tmp`; did you mean `--temp`?"),
         (["surplus"], "unexpected argument `surplus`"),
         (["--ckpt", "{run}", "--device", "tpu"], "unknown device `tpu`"),
-        (["--ckpt", "{run}", "--max-new-tokens", "-1"], "--max-new-tokens"),
+        (["--ckpt", "{run}", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--ckpt", "{run}", "--temp", "inf"], "--temp must be >= 0 and finite, got inf"),
+        (["--ckpt", "{run}", "--top-p", "2"], "--top-p must be in (0, 1], got 2"),
+        (["--ckpt", "{run}", "--threads", "-1"], "--threads must be >= 0, got -1"),
+        (["--ckpt", "{run}", "--threads", "99999"], "--threads 99999: this machine has"),  # torch crashed
+        (["--ckpt", "{run}", "--prompt", "KING: €"], "€"),
+        (["--ckpt", "{run}", "--prompt-file", "{tmp}/no.txt"], "pass an existing UTF-8 text file with --prompt-file"),
     ],
     "scripts.prepare": [
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
@@ -97,6 +103,7 @@ BAD_INPUTS = {
          "--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got 100"),
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--val_fraction", "0"], "--val_fraction must be in (0, 1)"),
+        (["--data_path", "{tokens}", "--data_dir", "{data}"], "compares tokenizers on text"),  # was: --tokenizer char
     ],
     "scripts.bench": [
         (["--steps", "0"], "need --steps and --rounds >= 1"),  # ran one step, silently
@@ -150,7 +157,8 @@ def trained(tmp_path_factory) -> dict[str, str]:
     corpus = root / "corpus.txt"
     corpus.write_text(make_text())
     train.train(make_config("tiny", **tiny_run(root / "run", corpus) | dict(max_iters=2, eval_interval=2)))
-    return {"run": str(root / "run"), "corpus": str(corpus), "data": str(root / "data")}
+    tokens = next((root / "data").glob("*/meta.json")).parent  # the run's prepared corpus: a token folder
+    return {"run": str(root / "run"), "corpus": str(corpus), "data": str(root / "data"), "tokens": str(tokens)}
 
 
 def files_under(*folders: Path) -> list[Path]:
@@ -175,8 +183,9 @@ def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(tmp_path, capsys, t
         code = main([arg.format(tmp=tmp_path, **trained) for arg in argv])  # doctor.py returns its code
     except SystemExit as stopped:
         code = stopped.code
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    assert out == ""  # refused before any output (shape once printed its whole report first)
     assert files_under(tmp_path, Path(trained["run"]).parent) == before  # no folder left behind, nothing written
 
 
@@ -201,11 +210,3 @@ def test_the_gguf_export_never_writes_over_a_file_it_did_not_write(tmp_path, cap
     assert stopped.value.code == 2 and err.startswith(f"error: {path}") and err.count("\n") == 1, err
     assert contents(tmp_path, Path(trained["run"])) == before  # every byte as it was, no folder made
 
-
-def test_shape_checks_its_arguments_before_it_prints_anything(capsys):
-    """Bug caught: `scripts.shape --optimizer nope` printed its whole report, then the error."""
-    from scripts import shape
-    with pytest.raises(SystemExit) as stopped:
-        shape.main(["--optimizer", "nope"])
-    out, err = capsys.readouterr()
-    assert stopped.value.code == 2 and out == "" and err.startswith("error: ") and "nope" in err, out + err

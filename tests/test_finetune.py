@@ -117,14 +117,18 @@ def test_the_doctor_checks_a_fine_tune_of_a_run(base_run, tmp_path, capsys):
 def another_text(tmp_path, base_text, extra: str = ""):
     """The base's lines in reverse order without "?": fewer of its characters (and ``extra``), another corpus."""
     path = tmp_path / "other.txt"
+    path.parent.mkdir(exist_ok=True)
     path.write_text("\n".join(reversed(base_text.read_text().replace("?", ".").splitlines())) + extra + "\n")
     return path
 
 
-def test_a_run_fine_tunes_on_another_text_which_its_tokenizer_prepares(base_run, tmp_path):
+def test_a_run_fine_tunes_on_another_text_which_its_tokenizer_prepares(base_run, tmp_path, capsys):
     """Bug caught: `error: ... was trained with another tokenizer (char) than the corpus's (char); prepare the data
-    with the base's (drop --tokenizer)`: the text got a char vocabulary of its own."""
+    with the base's (drop --tokenizer)`: the text got a char vocabulary of its own. A character the base lacks: said."""
     base, text = base_run
+    assert train(another_text(tmp_path / "more", text, extra="§"), tmp_path / "out", init_from=base) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "characters the --init_from model's char vocabulary lacks: '§'" in err, err
     other = another_text(tmp_path, text)
     assert train(other, tmp_path / "tuned", init_from=base, max_iters=2, eval_interval=2) == 0
     base_tokenizer = load_checkpoint(base / "best.pt")["tokenizer"]
@@ -148,14 +152,6 @@ def test_a_document_folder_and_a_bpe_take_the_bases_tokenizer(tmp_path, text_fil
     folder = prepare_corpus(data_path=str(data), data_dir=str(tmp_path / "d"), tokenizer=tokenizer["kind"],
                             base=tokenizer)
     assert read_meta(folder)["tokenizer"] == tokenizer and folder.name.endswith(f"{tokenizer_label(tokenizer)}-val0.1")
-
-
-def test_a_character_the_bases_vocabulary_lacks_is_one_line(base_run, tmp_path, capsys):
-    base, text = base_run
-    capsys.readouterr()
-    assert train(another_text(tmp_path, text, extra="§"), tmp_path / "out", init_from=base) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "characters the --init_from model's char vocabulary lacks: '§'" in err, err
 
 
 def test_tokens_of_another_vocabulary_name_each_tokenizer_once_and_no_flag_not_passed(base_run):

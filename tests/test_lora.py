@@ -210,18 +210,14 @@ def test_another_base_is_refused_by_a_resume_and_by_sampling_naming_both_fingerp
         from_checkpoint(trained / "last.pt")
 
 
-def test_a_relative_init_from_is_saved_absolute_so_the_base_is_found_from_any_folder(corpus_paths, base_folder,
-                                                                                      tmp_path, monkeypatch):
-    monkeypatch.chdir(base_folder.parent)
-    cfg, _ = start_from(lora_cfg(corpus_paths, tmp_path / "x", Path(base_folder.name)))
-    assert cfg.init_from == str(base_folder.resolve())
 
-
-def test_sampling_a_lora_run_merges_its_adapters(corpus_paths, trained, base_folder, tmp_path):
+def test_sampling_a_lora_run_merges_its_adapters(corpus_paths, trained, base_folder, tmp_path, monkeypatch):
     state = load_checkpoint(trained / "last.pt")
     model = from_checkpoint(trained / "last.pt").model
     assert not finetune.adapters(model)
-    cfg, pretrained = start_from(lora_cfg(corpus_paths, tmp_path / "x", base_folder))
+    monkeypatch.chdir(base_folder.parent)  # a relative --init_from is saved absolute: the base is found from anywhere
+    cfg, pretrained = start_from(lora_cfg(corpus_paths, tmp_path / "x", Path(base_folder.name)))
+    assert cfg.init_from == str(base_folder.resolve())
     run = train.build_run(cfg, CPU, pretrained=pretrained)
     finetune.load_adapter_state(run.model, state["model"], "test")
     idx = IDX % pretrained.config.vocab_size

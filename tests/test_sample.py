@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_text, tiny_model
+from conftest import ctrl_c_at_the_first_call, make_text, tiny_model
 
 import sample as sample_module
 from checkpoint import FORMAT_VERSION, save_checkpoint
@@ -286,23 +286,8 @@ def test_empty_prompt_starts_from_the_start_token(ckpt, monkeypatch, capsys):
     assert len(sample) == 4 + 1  # the 4 new characters and print's newline, not the start token
 
 
-@pytest.mark.parametrize("flags, named", [(["--prompt", "KING: €"], "€"), (["--threads", "-1"], "--threads must be"),
-                                          (["--prompt-file", "missing.txt"], "--prompt-file"),
-                                          (["--temp", "inf"], "--temp must be"), (["--top-p", "2"], "--top-p must be"),
-                                          (["--max-new-tokens", "0"], "--max-new-tokens must be"),
-                                          (["--threads", "99999"], "--threads 99999: this machine has")])
-def test_a_bad_prompt_or_flag_is_one_line_exit_2(ckpt, capsys, flags, named):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--ckpt", str(ckpt), *flags])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and named in err, err
-    assert "--data_path" not in err  # the fix names the flag that was used
-
-
 def test_ctrl_c_while_sampling_is_one_line_and_exit_130(ckpt, monkeypatch, capsys):
-    def interrupted(*args):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(sample_module, "sample", interrupted)
+    ctrl_c_at_the_first_call(monkeypatch, sample_module, "generate")
     with pytest.raises(SystemExit) as exit_info:
         main(["--ckpt", str(ckpt)])
     err = capsys.readouterr().err
@@ -399,15 +384,7 @@ def test_sample_takes_a_run_folder_and_chat_continues_each_prompt_of_a_text_mode
 
 
 def test_the_prompt_loop_refuses_a_bad_prompt_in_one_line_and_ctrl_c_stops_or_quits(ckpt, monkeypatch, capsys):
-    calls, real_generate = [], sample_module.generate
-
-    def interrupted_first(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        return real_generate(*args, **kwargs)
-
-    monkeypatch.setattr(sample_module, "generate", interrupted_first)
+    calls = ctrl_c_at_the_first_call(monkeypatch, sample_module, "generate")
     feed(monkeypatch, ["KING: €", "KING:", "QUEEN:", KeyboardInterrupt(), "never read"])
     chat_script.main(["--ckpt", str(ckpt), "--max-new-tokens", "5", "--temp", "0", "--no-stream"])
     out, err = capsys.readouterr()

@@ -182,7 +182,7 @@ def test_the_tokenizer_report_compares_each_vocabulary_on_the_same_val_text(tmp_
     assert "longest of bpe 320" in out
 
 
-# ----------------------------------------------------------------------------- the report: documents, token folders
+# ----------------------------------------------------------------------------- the report on documents
 @pytest.mark.parametrize("layout", ["jsonl", "txt folder"])
 def test_the_tokenizer_report_scores_a_document_corpus_between_its_separators(tmp_path, capsys, layout):
     """Bug caught: on a .jsonl or a folder of .txt files it stopped with `error: characters not in the model's
@@ -206,19 +206,3 @@ def test_the_tokenizer_report_scores_a_document_corpus_between_its_separators(tm
     assert f"in {len(val_documents)} documents" in out
     val = np.fromfile(next((tmp_path / "d").glob("*bpe300*")) / "val.bin", dtype=np.uint16)
     assert int(rows["bpe 300"][3].replace(",", "")) == len(val) - len(val_documents)  # less a separator each
-
-
-def test_the_tokenizer_report_refuses_a_token_folder_in_one_line_and_its_help_offers_none(tmp_path, text_file,
-                                                                                           capsys):
-    """Bug caught: a token folder was refused with `pass --tokenizer char`, a flag the tool lacks, and --help
-    offered token folders."""
-    from scripts import tokenizer as report
-    folder = prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "d"))
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stopped:
-        report.main(["--data_path", str(folder), "--data_dir", str(tmp_path / "d")])
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err.count("\n") == 1 and "compares tokenizers on text" in err, err
-    with pytest.raises(SystemExit):
-        report.main(["--help"])
-    assert "train.bin" not in capsys.readouterr().out
