@@ -130,8 +130,8 @@ def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) ->
 
 def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
     """(meta, split -> memory-mapped ids, split -> fingerprint), each file checked against meta.json."""
-    splits, fingerprints = {}, {}
-    meta = read_meta(folder, f"; delete {folder} and prepare again")
+    splits, fingerprints, again = {}, {}, f"delete {folder} and prepare again"
+    meta = read_meta(folder, f"; {again}")
     try:
         for split in SPLITS:
             path = folder / f"{split}.bin"
@@ -153,8 +153,8 @@ def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.nda
                 raise DataError(f"{path}: its tokens changed after it was prepared (the fingerprint in meta.json "
                                 "differs)")
     except DataError as err:  # ours are made again; someone else's (no fingerprints: read_meta) are theirs to fix
-        fix = (f"check {folder / 'meta.json'} against how your script wrote the ids (dtype, vocab_size, tokenizer)"
-               if not meta["fingerprint"] else f"delete {folder} and prepare again")
+        fix = again if meta["fingerprint"] else (f"check {folder / 'meta.json'} against how your script wrote the ids "
+                                                 "(dtype, vocab_size, tokenizer)")
         raise DataError(f"{err}; {fix}") from None
     for split, ids in splits.items():
         check_split_lengths(str(folder / f"{split}.bin"), {split: len(ids)}, block_size)
@@ -250,10 +250,12 @@ def use_tokenized_folder(folder: Path, tokenizer: str | None) -> Path:
     """Someone else's train.bin/val.bin/meta.json, used in place once its meta.json says what the tokens mean."""
     meta = read_meta(folder)
     kind, implied = meta["tokenizer"]["kind"], tokenizer_vocab_size(meta["tokenizer"])
+    if implied is None and kind == "char":
+        raise DataError(f"{folder / 'meta.json'}: its char tokenizer's \"chars\" must be the vocabulary's characters "
+                        "as a string (id i is chars[i])")
     if implied is None:
-        raise DataError(f"{folder / 'meta.json'}: " + ("its char tokenizer's \"chars\" must be the vocabulary's "
-                        "characters as a string (id i is chars[i])" if kind == "char" else f"tokenizer kind {kind!r} "
-                        "is not one this repo can decode (char with its chars, or gpt2)"))
+        raise DataError(f"{folder / 'meta.json'}: tokenizer kind {kind!r} is not one this repo can decode (char with "
+                        "its chars, or gpt2)")
     if implied != meta["vocab_size"]:
         raise DataError(f"{folder / 'meta.json'}: vocab_size {meta['vocab_size']} but its {kind} tokenizer has "
                         f"{implied} tokens; write the tokenizer's own vocabulary size")

@@ -47,7 +47,8 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: f
     if temperature == 0:  # the limit T -> 0; dividing by 0 would give NaNs
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1); a tie goes to the lowest id
     # Shifted so the largest is 0 before dividing: a tiny T then gives -inf, never inf - inf (a NaN).
-    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # (B, vocab), <= 0
+    logits = logits.float()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # (B, vocab), <= 0
     probs = F.softmax(filter_logits(shifted / temperature, top_k, top_p), dim=-1)  # (B, vocab)
     return torch.multinomial(probs, 1, generator=generator)  # (B, 1)
 
