@@ -167,7 +167,7 @@ def test_a_failed_checkpoint_write_on_rank_0_stops_every_rank_with_74(tmp_path, 
 
 @pytest.mark.parametrize("script, bad, said", [
     (["train.py"], {"data_path": "/nonexistent/corpus.txt"}, 0),  # every rank finds it, after the ranks joined
-    (["train.py"], {"batch_size": 0}, 0),  # found while parsing, before any process group
+    pytest.param(["train.py"], {"batch_size": 0}, 0, marks=pytest.mark.slow),  # found parsing, before any group
     ([*FAULTS, "--corpus-unreadable-on-rank", "1", "--"], {}, 1),  # only rank 1 has it: rank 0 stops silently
 ])
 def test_an_error_is_printed_once_by_the_lowest_rank_that_has_it(tmp_path, text_file, script, bad, said):

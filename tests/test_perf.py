@@ -73,6 +73,7 @@ def test_bench_replays_exactly_the_steps_matmuls_the_models_flops_and_muons_iter
         limit["matmul_gflop"] / limit["matmul_ms"] * 1000, rel=1e-9)
 
 
+@pytest.mark.slow  # ~4 s, a tool's option: CI runs it
 def test_bench_profiles_a_step_by_category_and_the_categories_add_up_to_its_time(tiny_cfg):
     """--profile's last line: every category (Muon's matmuls in "optimizer"), summing to the step's time."""
     b = bench.build("tiny", tiny_cfg(dtype="float32", compile="off", optimizer="muon"))
