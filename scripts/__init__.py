@@ -3,5 +3,5 @@
 the module search path, so a tool imports this checkout's code with nothing installed and no sys.path edit; an
 installed copy (`pip install -e`) would make a second clone's tools silently run the first clone's code. Run as a
 file (`python scripts/eval.py`), a tool says so in one line and exits 2. Beside the user's tools: the developers'
-checks of the repo itself (gpu_check, shape, versus) and harness.py's offline task (harness_tasks/).
+checks of the repo itself (gpu_check, shape) and harness.py's offline task (harness_tasks/).
 """

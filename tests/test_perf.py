@@ -108,18 +108,6 @@ def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
     assert failed.returncode == 1 and "below --min-ratio" in failed.stderr
 
 
-@pytest.mark.slow  # ~20 s: a worktree of HEAD and two benches per round, in fresh interpreters
-def test_versus_times_another_commit_and_this_checkout_in_alternating_rounds(tiny_cfg):
-    """scripts.versus: each round runs both trees' benches, the order swapped every round; a ratio of medians."""
-    cfg = tiny_cfg()
-    done = run_script("-m", "scripts.versus", "HEAD", f"data_path={cfg.data_path}", f"data_dir={cfg.data_dir}",
-                      "device=cpu", "--config", "tiny", "--steps", "2", "--rounds", "2", "--threads", "1")
-    rounds = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("round")]
-    assert rounds == ["round 1 HEAD", "round 1 this checkout", "round 2 this checkout", "round 2 HEAD"]
-    ratio = done.stdout.strip().splitlines()[-1]
-    assert ratio.startswith("this checkout / HEAD: ") and ratio.endswith("x tokens/s"), done.stdout
-
-
 @pytest.mark.parametrize("bf16, fp32, expected", [(900.0, 200.0, torch.bfloat16),  # AVX512-BF16 / AMX
                                                   (150.0, 200.0, torch.float32),   # bf16 emulated
                                                   (250.0, 200.0, torch.float32)])  # too close to pay
