@@ -67,8 +67,9 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
     except (OSError, RuntimeError) as err:  # "No space left on device" where the OS said so, however wrapped
         cause = next((e for e in (err, err.__cause__, err.__context__) if isinstance(e, OSError) and e.errno), None)
         reason = os.strerror(cause.errno) if cause else (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointWriteError(f"could not write {path} ({reason[:200]}); the previous {path.name} is intact "
-                                   "and no temp file is left") from err
+        kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
+        raise CheckpointWriteError(f"could not write {path} ({reason[:200]}); {kept} and no temp file is "
+                                   "left") from err
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -256,6 +257,10 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
         lock.close()
         raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
                           "new one with another --out_dir (or delete the folder)")
+    if not resume and (out_dir / "best.pt").exists():  # a run whose last.pt is gone: a new run would replace it
+        lock.close()
+        raise ConfigError(f"{out_dir} holds a run's best.pt (and no last.pt to resume); start a new run with "
+                          "another --out_dir, or move best.pt away")
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n".encode(), 0)

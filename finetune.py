@@ -213,7 +213,8 @@ def locate(source: str) -> tuple[Path, Path]:
     if path.is_dir():
         path = path / "model.safetensors"
         if not path.is_file():
-            raise HFError(f"{path.parent}: no model.safetensors in this folder (the Hugging Face GPT-2 layout)")
+            raise HFError(f"{path.parent}: neither a run's best.pt or last.pt nor a Hugging Face GPT-2 "
+                          "model.safetensors in this folder")
     elif path.is_file() and path.suffix != ".safetensors":
         raise HFError(f"{path}: not a .safetensors file; pass one, a folder holding model.safetensors, "
                       f"or a hub name ({', '.join(HUB_NAMES)})")
@@ -446,8 +447,9 @@ def check_base(saved: dict[str, Any], fingerprint: str, where: str) -> None:
     if saved["fingerprint"] != fingerprint:
         raise CheckpointError(
             f"{where}: its LoRA adapters were trained on base {saved['base']} (fingerprint "
-            f"{saved['fingerprint'][:12]}), but the base loaded now has fingerprint {fingerprint[:12]}: pass "
-            f"--init_from {saved['base']} as it was then, or train new adapters in a new --out_dir")
+            f"{saved['fingerprint'][:12]}), but the base loaded now has fingerprint {fingerprint[:12]}: adapters fit "
+            f"only those weights; restore them at {saved['base']} (a resume may pass them with --init_from), or "
+            "train new adapters in a new --out_dir")
 
 
 def load_adapted(state: dict[str, Any], base_model: GPT, where: str = "checkpoint", merged: bool = True) -> GPT:

@@ -226,7 +226,7 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
                             "with --data_path")
         return f"{path.name if path.is_dir() else path.stem}-{source_fingerprint(path, text_column)[:12]}", path
     if dataset not in BUILTIN_CORPORA:
-        raise DataError(f"unknown dataset `{dataset}`; built in: {', '.join(BUILTIN_CORPORA)} "
+        raise DataError(f"unknown dataset `{dataset}`; built in: {', '.join((*BUILTIN_CORPORA, SHAKESPEARE_CHAT))} "
                         "(or pass --data_path FILE)")
     return dataset, None
 
@@ -414,8 +414,8 @@ def jsonl_texts(path: Path, text_column: str) -> Iterator[str]:
     for number, line in jsonl_lines(path):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: not JSON ({err})") from None
         if not isinstance(record, dict) or text_column not in record:
             fields = (f" (its fields: {', '.join(record)}); name the one holding the text with --text_column"
                       if isinstance(record, dict) else "")

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import (DEFAULTS, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_WRITE_FAILED, FIELD_TYPES,
                     MODEL_OPTIONS, RESUME, USED_ONLY_UNDER, ConfigError, PathError, PeerFailed, RunStopped,
-                    TinyGPTError, TrainConfig, as_dict, given_fields, install_hint)
+                    TinyGPTError, TrainConfig, as_dict, given_fields, install_hint, silence_stdout)
 from model import step_bytes
 
 # ----------------------------------------------------------------------------- files written whole or not at all
@@ -523,6 +523,7 @@ class StopOnSignal:
         self.install = install  # False: a stand-in that never sees a signal (train() as a library)
         self.signum: int | None = None
         self.previous: dict[int, object] = {}
+        self.finished = False  # the loop ended on its own: what it saved is whole
 
     def __enter__(self) -> StopOnSignal:
         if self.install and threading.current_thread() is threading.main_thread():
@@ -530,6 +531,7 @@ class StopOnSignal:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        self.finished = exc_info[0] is None
         # SIG_IGN, not our handler: CPython resets Python handlers to SIG_DFL early in shutdown; SIG_IGN stays.
         for signum, handler in self.previous.items():
             signal.signal(signum, signal.SIG_IGN if self.requested else handler)
@@ -578,11 +580,13 @@ def interrupt_until_the_loop() -> Iterator[None]:
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def run_error(err: BaseException) -> BaseException:
-    """``err`` as train.py reports it: Ctrl-C before step 1 or a dead peer as the RunStopped it means; others as is."""
-    if isinstance(err, KeyboardInterrupt):  # before the first step: nothing to save yet; 143 for a SIGTERM
+def run_error(err: BaseException, finished: bool = False) -> BaseException:
+    """``err`` as train.py reports it: Ctrl-C outside the loop (``finished``: after it) or a dead peer as the
+    RunStopped it means; others as is."""
+    if isinstance(err, KeyboardInterrupt):  # before the first step or after the last save; 143 for a SIGTERM
         code = 128 + err.signum if hasattr(err, "signum") else EXIT_INTERRUPTED
-        return RunStopped("interrupted before training started; nothing was saved", code)
+        return RunStopped("interrupted after training finished; what it saved is whole" if finished else
+                          "interrupted before training started; nothing was saved", code)
     if isinstance(err, TinyGPTError) or not isinstance(err, RuntimeError) or not dist.is_initialized():
         return err
     reason = next((words for words in PEER_GONE if words in str(err)), None)
@@ -600,9 +604,10 @@ class MetricsLog:
     records through ``step``. ``model``: the plain one, whose flops_per_token is measured where a peak is known."""
 
     def __init__(self, out_dir: Path, cfg: TrainConfig, step: int, model, rt, world_size: int = 1,
-                 enabled: bool = True, tracked: bool = True):
+                 enabled: bool = True, tracked: bool = True, stop: StopOnSignal | None = None):
         self.flops_per_token = model.flops_per_token() if device_peak(rt.device, rt.dtype) else 0
         self.enabled, self.cfg, self.rt, self.world_size = enabled, cfg, rt, world_size
+        self.stop = stop or StopOnSignal(install=False)  # a closed stdout asks it to stop the run, as SIGPIPE
         self.step_then, self.t = step, time.time()  # the last log line's: what its speed is measured from
         self.positions, self.targets = 0, torch.zeros((), dtype=torch.long, device=rt.device)  # since the last line
         path = out_dir / "metrics.jsonl"
@@ -666,7 +671,11 @@ class MetricsLog:
 
     def say(self, line: str) -> None:
         if self.enabled:
-            print(line, flush=True)
+            try:
+                print(line, flush=True)
+            except OSError:  # stdout closed (| head) or full: the run stops as on a signal, saving last.pt first
+                silence_stdout()
+                self.stop.handle(signal.SIGPIPE, None)
 
     def close(self) -> None:
         if self.file is not None:

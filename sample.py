@@ -7,6 +7,11 @@
 """
 from __future__ import annotations
 
+import signal
+
+if __name__ == "__main__":  # Ctrl-C while torch imports (seconds) ends the process, not in an import traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import argparse
 import codecs
 import math
@@ -19,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import add_weights_flags, from_flags
-from config import EXIT_INTERRUPTED, CommandLine, ConfigError, DataError, TinyGPTError, exit_on, fail, field_help
+from config import (EXIT_INTERRUPTED, CommandLine, ConfigError, DataError, TinyGPTError, exit_on, fail, field_help,
+                    run_tool)
 from model import GPT, GPTConfig
 from runtime import pick_device, use_threads
 
@@ -217,7 +223,8 @@ def sampling_args(parser: CommandLine, argv: list[str] | None) -> argparse.Names
                                   ("--top-p", args.top_p, "in (0, 1]", 0 < args.top_p <= 1),
                                   ("--num-samples", args.num_samples, ">= 1", args.num_samples >= 1),
                                   ("--max-new-tokens", args.max_new_tokens, ">= 1", args.max_new_tokens >= 1),
-                                  ("--threads", args.threads, ">= 0", args.threads >= 0)):
+                                  ("--threads", args.threads, ">= 0", args.threads >= 0),
+                                  ("--seed", args.seed, "in [0, 2**32 - 1]", 0 <= args.seed < 2**32)):
         if not ok:
             fail(f"{flag} must be {must}, got {value}")
     args.stream = sys.stdout.isatty() if args.stream is None else args.stream
@@ -229,6 +236,7 @@ def sampling_args(parser: CommandLine, argv: list[str] | None) -> argparse.Names
 
 
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # imported: Ctrl-C is a KeyboardInterrupt again (130)
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
@@ -255,4 +263,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)  # a closed stdout (| head): quietly, 141

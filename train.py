@@ -10,6 +10,11 @@ checkpoint.py (saves, resume), optim.py (optimizers, lr, the NaN guard) and runt
 """
 from __future__ import annotations
 
+import signal
+
+if __name__ == "__main__":  # Ctrl-C while torch imports (seconds) ends the process, not in an import traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import contextlib
 import math
 import time
@@ -248,7 +253,8 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
                                     run.stream.full_rows))
     with runtime.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         done = step >= cfg.max_iters or cfg.out_of_time(time_before)  # a resumed run may have nothing left to do
-        log = MetricsLog(out_dir, cfg, step, model, rt, ddp.world_size, enabled=ddp.is_main, tracked=not done)
+        log = MetricsLog(out_dir, cfg, step, model, rt, ddp.world_size, enabled=ddp.is_main, tracked=not done,
+                         stop=stop)  # a closed stdout (| head) stops the run as a signal does
     t_start = time.time() - time_before  # the run's clock: max_time and schedule=time span resumes
     val_loss = math.nan
 
@@ -294,13 +300,14 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
 
 def main(argv: list[str] | None = None) -> None:
     """train.py's command line: every error one line with its exit code (config/__init__.py), once per job."""
+    stop = StopOnSignal()
     try:
         with interrupt_until_the_loop():  # SIGTERM before the first step ends as Ctrl-C does: one line, no folder
-            train(parse_args(argv), StopOnSignal())
+            train(parse_args(argv), stop)
         runtime.teardown()  # not on errors: its barrier would wait for ranks that have failed
         return
     except (Exception, KeyboardInterrupt) as err:
-        ending = exit_for(run_error(err))  # Ctrl-C before the first step, a lost peer: the RunStopped they mean
+        ending = exit_for(run_error(err, stop.finished))  # Ctrl-C outside the loop, a lost peer: what they mean
         if ending is None:  # a bug: its traceback is the report
             raise
     runtime.abandon()  # out here the traceback, which holds the DDP model, is already gone

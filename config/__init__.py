@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -15,7 +16,7 @@ import re
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NoReturn, get_args, get_origin, get_type_hints
+from typing import Any, Callable, ClassVar, Literal, NoReturn, get_args, get_origin, get_type_hints
 
 from model import GPTConfig
 
@@ -134,7 +135,8 @@ def unknown_key(key: str, where: str) -> ConfigError:
 
 
 def typed(values: dict[str, Any], where: str) -> dict[str, Any]:
-    for key in values:
+    for key, value in values.items():
+        require(not isinstance(value, dict), f"[{key}] in {where}: a preset's keys are top level, with no [tables]")
         if key not in FIELD_TYPES:
             raise unknown_key(key, where)
     return {key: parse_typed(key, FIELD_TYPES[key], value) for key, value in values.items()}
@@ -144,8 +146,8 @@ def load_preset(name: str) -> dict[str, Any]:  # config/NAME.toml or a path
     path = Path(name) if name.endswith(".toml") else PRESET_DIR / f"{name}.toml"
     require(path.is_file(), f"no preset `{name}` (looked for {path}); known presets: {', '.join(PRESETS)}")
     try:
-        return typed(tomllib.loads(path.read_text()), str(path))
-    except tomllib.TOMLDecodeError as err:
+        return typed(tomllib.loads(path.read_text(encoding="utf-8")), str(path))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path} is not valid TOML: {err}") from None
 
 
@@ -188,8 +190,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     require(cfg.schedule != "time" or cfg.max_time > 0,
             "schedule=time decays the lr over max_time: set max_time (seconds) or use schedule=steps")
     if cfg.lora_rank:
-        require(cfg.init_from, "LoRA adapts a trained model: pass --init_from (gpt2, a Hugging Face folder or "
-                               ".safetensors) with --lora_rank, or drop --lora_rank to train from scratch")
+        require(cfg.init_from, "LoRA adapts a trained model: pass --init_from (a run's folder or .pt, gpt2, a "
+                               "Hugging Face folder or .safetensors) with --lora_rank, or drop --lora_rank")
         parse_lora_targets(cfg.lora_targets)
     try:
         model_config(cfg, vocab_size=1)
@@ -264,6 +266,7 @@ EXIT_NONFINITE = 3  # a non-finite loss or gradient; fp16: max_skipped_steps ove
 EXIT_WRITE_FAILED = 74  # a checkpoint or a folder's write probe failed (disk full, I/O): the previous files intact
 EXIT_PEER_LOST = 75  # under torchrun another rank died without a word (SIGKILL, a crash): --resume
 EXIT_INTERRUPTED = 130  # SIGINT, after the step and its save; SIGTERM's is 143
+EXIT_OUTPUT_CLOSED = 141  # stdout's reader went away (| head): SIGPIPE's, as a shell reports it
 
 
 class TinyGPTError(Exception):
@@ -334,10 +337,19 @@ def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
     Rank 0 prints the job's errors, another rank only one stop_together found on it first (``reporting_rank``)."""
     if isinstance(err, PeerFailed):  # another rank failed and prints why: this one stops silently
         return "", err.exit_code, None
+    if isinstance(err, BrokenPipeError):  # stdout's reader is gone (| head): end quietly, as a SIGPIPE would
+        silence_stdout()
+        return "", EXIT_OUTPUT_CLOSED, None
     if isinstance(err, TinyGPTError):
         rank = int(os.environ.get("RANK", "0"))  # torchrun's
         return str(err), err.exit_code, rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None
     return None
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null once its reader is gone, so that no later print, nor Python's last flush, fails."""
+    with contextlib.suppress(OSError, ValueError):  # a stdout with no file (a test's capture) stays as it is
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT, rank: int | None = 0) -> NoReturn:
@@ -345,6 +357,14 @@ def fail(message: str, code: int = EXIT_BAD_INPUT, rank: int | None = 0) -> NoRe
     if rank is not None:
         print(f"rank {rank}: error: {message}" if rank else f"error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def run_tool(main: Callable[[], int | None]) -> NoReturn:
+    """A tool's entry (python -m scripts.NAME): exit with main()'s code; a closed stdout (| head) ends it quietly."""
+    try:
+        sys.exit(main())
+    except BrokenPipeError as err:
+        exit_on(err)
 
 
 def exit_on(err: BaseException) -> NoReturn:

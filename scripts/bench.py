@@ -31,9 +31,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpoint import start_from
-from config import CommandLine, ConfigError, TinyGPTError, TrainConfig, exit_on, make_config
-from runtime import (check_writable, choose_runtime, compile_for_step, dtype_name, matmul_gflops, pick_device,
-                     threads_text, use_threads)
+from config import CommandLine, ConfigError, PathError, TinyGPTError, TrainConfig, exit_on, make_config, run_tool
+from runtime import (atomic_write_text, check_writable, choose_runtime, compile_for_step, dtype_name, matmul_gflops,
+                     pick_device, threads_text, use_threads)
 from train import Run, build_run, get_lr, train_step
 
 PHASES = ("data", "step")  # drawing the batches; train.train_step (forward, backward, clip, update)
@@ -236,6 +236,15 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return overrides
 
 
+def check_results_path(path: Path, flag: str) -> None:
+    """Refuse, before any work, a results file that would replace another file: a folder, a checkpoint, meta.json."""
+    check_writable(path.parent, flag, f".results-probe-{os.getpid()}")  # a read-only folder, a file in the way
+    with contextlib.suppress(OSError, ValueError, TypeError):  # a folder, an unreadable file, no JSON object
+        if path.suffix == ".json" and (not path.exists() or "results" in json.loads(path.read_bytes())):
+            return  # a new name, or results this tool (or harness.py) wrote
+    raise PathError(f"{flag} {path}: neither a new .json file nor results written before; pass a new name ending .json")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="small", help="preset name in config/ or a .toml path")
@@ -255,11 +264,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if min(args.steps, args.rounds) < 1 or min(args.warmup, args.threads, args.profile) < 0:
         parser.error("need --steps and --rounds >= 1, and --warmup, --threads and --profile >= 0")
-    rounds = min(args.rounds, args.steps) if args.vs else 1  # one config has nothing to alternate with
+    if args.min_ratio and not args.vs:
+        parser.error("--min-ratio would do nothing without --vs (it checks B / A)")
+    unused = [k for k in ("vs", "steps", "min_ratio", "json", "profile") if getattr(args, k) != parser.get_default(k)]
+    if args.matmul and unused:
+        parser.error(f"--{', --'.join(unused).replace('_', '-')} would do nothing with --matmul")
     try:
         if args.json:
-            check_writable(args.json.parent, "--json", f".bench-probe-{os.getpid()}")  # not after minutes of timing
+            check_results_path(args.json, "--json")
         base = ({"threads": str(args.threads)} if args.threads else {}) | parse_overrides(args.overrides)
+        overrides = {"A": base} | ({"B": base | parse_overrides([args.vs])} if args.vs else {})
+        configs = {name: make_config(args.config, out_dir="out/bench", **o) for name, o in overrides.items()}
         print(f"torch {torch.__version__}, {threads_text(torch.get_num_threads())} by default, load average "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         if args.matmul:  # peak GFLOP/s at the shapes these models use, and at a large square one
@@ -270,13 +285,11 @@ def main(argv: list[str] | None = None) -> None:
                 cells = [f"{dtype_name(d)} {matmul_gflops(m, k, n, d, device, seconds=0.5):7.0f}" for d in dtypes]
                 print(f"matmul ({m:>4} x {k:>4}) @ ({k:>4} x {n:>4}): " + " | ".join(cells) + " GFLOP/s")
             return
-        overrides = {"A": base} | ({"B": base | parse_overrides([args.vs])} if args.vs else {})
-        configs = {name: make_config(args.config, out_dir="out/bench", **o) for name, o in overrides.items()}
         labels = {"A": " ".join(args.overrides), "B": " ".join(args.overrides + [args.vs or ""])}
         benches = [build(f"{name}: {args.config} {labels[name]}".strip(), cfg) for name, cfg in configs.items()]
     except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
         exit_on(err)
-    results = run(benches, args.steps, args.warmup, rounds)
+    results = run(benches, args.steps, args.warmup, min(args.rounds, args.steps) if args.vs else 1)  # A alone: 1
     for b, result in zip(benches, results):
         torch.set_num_threads(b.run.rt.threads)
         result |= matmul_limit(b)
@@ -284,15 +297,16 @@ def main(argv: list[str] | None = None) -> None:
         for b in benches:
             print(f"[{b.name}] torch profiler, 10 steps:\n{profile(b, args.profile)}")
     print("\n".join(map(report, results)))
-    ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"] if len(results) == 2 else math.nan
-    if len(results) == 2:
+    if args.vs:
+        ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"]
         print(f"B / A: {ratio:.2f}x tokens/s")
     if args.json:
-        args.json.write_text(json.dumps({"load_average": os.getloadavg(), "results": results}, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.json, json.dumps({"load_average": os.getloadavg(), "results": results}, indent=1))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.min_ratio and not ratio >= args.min_ratio:
         sys.exit(f"check failed: B / A = {ratio:.2f}x, below --min-ratio {args.min_ratio:g}")
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

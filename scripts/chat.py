@@ -21,7 +21,7 @@ import torch
 
 import sample
 from checkpoint import from_flags
-from config import CommandLine, ConfigError, DataError, TinyGPTError, exit_on
+from config import CommandLine, ConfigError, DataError, TinyGPTError, exit_on, run_tool
 from model import GPT
 from runtime import pick_device
 from tokenizer import render
@@ -151,4 +151,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

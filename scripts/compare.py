@@ -31,9 +31,9 @@ import torch
 import train
 from checkpoint import from_checkpoint, git, git_state
 from config import (DEFAULTS, REPO, CommandLine, ConfigError, TinyGPTError, TrainConfig, exit_on, fail, install_hint,
-                    make_config)
+                    make_config, run_tool)
 from prepare import corpus_source
-from runtime import RunStopped, StopOnSignal, atomic_write_text, choose_runtime, dtype_name, use_threads
+from runtime import RunStopped, StopOnSignal, atomic_write_text, check_writable, choose_runtime, dtype_name, use_threads
 from scripts.bench import parse_overrides
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.
@@ -42,6 +42,7 @@ OWNED = {"out_dir": "--out", "seed": "--seeds", "resume": "rerunning the command
 IGNORED_ON_REUSE = ("out_dir", "resume", "given")  # a moved folder, a resumed run, a setting given: the same run
 RESULT = "result.json"  # a run's marker that it finished
 CODE = "code.json"  # the code a run runs (code_fingerprint), written as it starts
+MARKER = ".written_by_compare"  # in EXP: its runs resume; a folder without it holds files compare did not write
 NOT_TRAINING_CODE = ("tests", "docs", "scripts")  # folders whose .py files a training run never imports
 STEP_CAP_IN_TIME_MODE = 10**9  # --time without --steps: only the clock ends a run
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a variant's name is a folder name
@@ -130,6 +131,9 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
         mode, budget, label = "steps", args.steps, f"{args.steps}steps"
         schedule = {"schedule": "steps", "max_iters": args.steps, "lr_decay_iters": args.steps, "max_time": 0}
     folder = args.out or Path("out", "compare", f"{Path(args.config).stem}-{label}")  # a rerun finds its runs again
+    check_writable(folder, "--out", MARKER + "-probe")  # a file in the way, a read-only folder: one line, now
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / MARKER).is_file():  # a training run's, say
+        raise ConfigError(f"{folder} holds files compare.py did not write; pass a new or an empty --out")
     overrides = variant_overrides(args, variants, schedule)
     seeds = list(range(1, args.seeds + 1))
     runs = [Run(name, seed, folder / name / f"seed-{seed}", args.config, {**overrides[name], "seed": seed,
@@ -229,6 +233,7 @@ def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
         print(f"{where}: {'resuming' if resume else 'training'} in {run.folder}", flush=True)
         cfg = run.config(resume)
         run.folder.mkdir(parents=True, exist_ok=True)
+        (plan.folder / MARKER).touch()
         atomic_write_text(run.folder / CODE, json.dumps(code, indent=1))  # written whole: a kill leaves no half
         diverged = ""
         try:
@@ -413,4 +418,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

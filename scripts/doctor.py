@@ -29,7 +29,7 @@ import torch
 import finetune
 import train
 from checkpoint import start_from
-from config import TinyGPTError, TrainConfig, exit_on, parse_args
+from config import TinyGPTError, TrainConfig, exit_on, parse_args, run_tool
 from data import PackedDocuments
 from model import GPT
 from optim import NonFiniteGuard
@@ -331,4 +331,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

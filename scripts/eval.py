@@ -26,7 +26,7 @@ import torch
 
 import data
 from checkpoint import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_pretrained
-from config import CommandLine, ConfigError, TinyGPTError, exit_on, field_help
+from config import CommandLine, ConfigError, TinyGPTError, exit_on, field_help, run_tool
 from data import Corpus, DataError, corpus_for, is_chat, load_corpus, val_windows
 from prepare import is_document_corpus, is_tokenized_folder, read_meta, read_text_file, source_fingerprint
 from runtime import STAGING, choose_runtime, dtype_name
@@ -185,4 +185,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -22,10 +22,10 @@ import torch
 
 from checkpoint import find_checkpoint, from_checkpoint
 from finetune import LAYER_NORM_EPS, WPE, WTE, gpt2_refusals, is_transposed
-from config import CommandLine, HFError, TinyGPTError, exit_on, fail, install_hint
+from config import CommandLine, HFError, TinyGPTError, exit_on, fail, install_hint, run_tool
 from model import GPT
 from runtime import written_whole
-from scripts.export_hf import bpe_tokens, chat_template, check_output, to_hf
+from scripts.export_hf import bpe_tokens, chat_template, check_output, one_line, to_hf
 from tokenizer import BEGIN, BYTE_TEXT, END, EOT_TEXT, ChatTokenizer, bpe_merges, byte_text
 
 CONTEXT_ROWS = 2048  # the fewest positions a file declares: no runner's default context is longer
@@ -40,7 +40,7 @@ def export_gguf(model: GPT, tokenizer, path: Path, dtype: str = "f32", name: str
                       "would load it and compute another model")
     tokens, merges = vocabulary(tokenizer)
     tensors = gguf_tensors(model, len(tokens))  # before the file: a model that does not map writes nothing
-    with written_whole(path) as staged:  # a failed write leaves no half file under the name
+    with one_line(path.parent, "output folder"), written_whole(path) as staged:  # a failure leaves no half file
         writer = gguf.GGUFWriter(str(staged), "gpt2")  # llama.cpp's LLM_ARCH_GPT2
         write_metadata(writer, model, tokenizer, tokens, merges, dtype, name)
         for tensor_name, value in tensors.items():
@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("f32", "f16", "q8_0"), default="f32",
                         help="how the matrices are stored: f32 (exact), f16 (half the size), q8_0 (8-bit blocks)")
     args = parser.parse_args(argv)
+    if not args.out:  # Path("") is the current folder
+        parser.error("OUT is empty: pass the .gguf file to write, or a folder to write FOLDER/<run>.gguf in")
     try:  # the paths first, then gguf, before a checkpoint is loaded
         path = find_checkpoint(args.run)
         run_name = Path(path).resolve().parent.name
@@ -161,4 +163,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -14,18 +14,19 @@ if not __package__:  # run as a file, `python scripts/export_hf.py`: its folder,
     print("error: run it from the repo root as a module: python -m scripts.export_hf", file=sys.stderr)
     sys.exit(2)
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from checkpoint import find_checkpoint, from_checkpoint, load_checkpoint
 from finetune import ACTIVATIONS, LAYER_NORM_EPS, TIED_HEAD, convert, expand, gpt2_refusals
-from config import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on
+from config import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on, run_tool
 from model import GPT, GPTConfig
-from runtime import atomic_write, atomic_write_text, check_writable
+from runtime import atomic_write, atomic_write_text, check_writable, os_failure, staged_folder
 from tokenizer import (ASSISTANT, BEGIN, BPE_FILE, CHARS_FILE, END, EOT_TEXT, ROLES, ChatTokenizer,
                        bpe_merges, byte_text)
 
@@ -51,13 +52,20 @@ def check_output(out: Path, flag: str, suffix: str = "") -> None:
     check_writable(folder, flag, f".export-probe-{os.getpid()}")  # a file where the folder should be, read-only
 
 
+@contextlib.contextmanager
+def one_line(where: Path, flag: str) -> Iterator[None]:
+    """The block's OSError (a full disk, a read-only folder) as os_failure's one line: exit 74, or 2 for a bad path."""
+    try:
+        yield
+    except OSError as err:
+        raise os_failure(where, flag, err) from None
+
+
 def is_gguf(path: Path) -> bool:
     """``path`` is a readable file that starts as a GGUF file does: the one kind of file an export may replace."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+    return False
 
 
 def check_gpt2(model: GPT) -> None:
@@ -111,11 +119,11 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, block_size),
              "generation_config.json": {"bos_token_id": bos, "eos_token_id": eos, "max_length": block_size}}
     check_output(folder, "output folder")  # main() asked before loading; a library caller here
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(folder / "model.safetensors", lambda f: f.write(save(weights, metadata={"format": "pt"})))
-    for name, content in files.items():
-        text = content if isinstance(content, str) else json.dumps(content, indent=1, ensure_ascii=False) + "\n"
-        atomic_write_text(folder / name, text)
+    with one_line(folder, "output folder"), staged_folder(folder) as staging:  # renamed into place whole, or nothing
+        atomic_write(staging / "model.safetensors", lambda f: f.write(save(weights, metadata={"format": "pt"})))
+        for name, content in files.items():
+            text = content if isinstance(content, str) else json.dumps(content, indent=1, ensure_ascii=False) + "\n"
+            atomic_write_text(staging / name, text)
     return [folder / "model.safetensors", *(folder / name for name in files)]
 
 
@@ -206,16 +214,15 @@ def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
     if state["lora"].get("rows"):
         raise CheckpointError(f"this LoRA run also trained {len(state['lora']['rows'])} embedding rows (its chat "
                               "markers), which PEFT's LoRA files do not hold; export the merged model (drop --peft)")
-    folder.mkdir(parents=True, exist_ok=True)
-    weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
-    save_file({PEFT_PREFIX + name: t.detach().float().contiguous().clone() for name, t in state["model"].items()},
-              str(weights), metadata={"format": "pt"})
     saved = state["lora"]
     peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": saved["rank"], "lora_alpha": saved["alpha"],
             "lora_dropout": saved["dropout"], "target_modules": list(saved["targets"]), "fan_in_fan_out": True,
             "bias": "none", "base_model_name_or_path": saved["base"], "inference_mode": True}
-    config.write_text(json.dumps(peft, indent=1) + "\n", encoding="utf-8")
-    return [config, weights]
+    with one_line(folder, "--peft folder"), staged_folder(folder) as staging:  # as export's
+        save_file({PEFT_PREFIX + name: t.detach().float().contiguous().clone() for name, t in state["model"].items()},
+                  str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (staging / "adapter_config.json").write_text(json.dumps(peft, indent=1) + "\n", encoding="utf-8")
+    return [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,4 +255,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint
-from config import REPO, CommandLine, TinyGPTError, exit_on
+from config import REPO, CommandLine, TinyGPTError, exit_on, run_tool
+from prepare import corpus_source
 from runtime import check_writable
 
 TINY = ("--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--batch_size", "8",
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
     try:
         check_writable(args.out_dir, "--out_dir", f".gpu_check-probe-{os.getpid()}")
+        corpus_source("shakespeare", args.data_path)  # a corpus that is not there: once, not in every check
     except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
         exit_on(err)
     common = ["--config", "gpt2", "--eval_tokens", "8192", "--grad_accum", "2", "--warmup_iters", "2",
@@ -238,4 +240,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

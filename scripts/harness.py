@@ -26,12 +26,13 @@ from tqdm import tqdm
 
 
 import finetune
-from checkpoint import add_weights_flags, from_flags
-from config import REPO, CommandLine, ConfigError, TinyGPTError, exit_on, fail, field_help, install_hint
+from checkpoint import add_weights_flags, find_checkpoint, from_flags
+from config import REPO, CommandLine, ConfigError, TinyGPTError, exit_on, fail, field_help, install_hint, run_tool
 from data import DataError
 from model import GPT
 from runtime import atomic_write_text, pick_device
 from sample import generate
+from scripts.bench import check_results_path
 
 try:
     import lm_eval
@@ -155,6 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("need --batch_size >= 1, --limit > 0 and --num_fewshot >= 0")
     try:
         names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+        stem = "harness-" + "+".join(names)  # in the checkpoint's run folder; for pretrained weights in out/harness/
+        output = Path(args.output or (Path("out", "harness", f"{Path(args.init_from).name}-{stem}.json")
+                                      if args.init_from else find_checkpoint(args.ckpt).parent / f"{stem}.json"))
+        check_results_path(output, "--output")  # before minutes of evaluation, not after
         remote = [name for name in names if name not in LOCAL_TASK_NAMES]  # refused now, not after minutes of retries
         if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := finetune.hub_unreachable("gpt2")):
             raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need "
@@ -173,9 +178,6 @@ def main(argv: list[str] | None = None) -> None:
                               "download it from the Hugging Face hub; this repo's tasks run offline") from None
     except TinyGPTError as err:  # one line and its exit code
         exit_on(err)
-    stem = "harness-" + "+".join(names)  # in the checkpoint's run folder; for pretrained weights in out/harness/
-    output = Path(args.output or (Path("out", "harness", f"{Path(loaded.source).name}-{stem}.json")
-                                  if loaded.step is None else Path(loaded.source).parent / f"{stem}.json"))
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, json.dumps(results, indent=2, default=lm_utils.handle_non_serializable) + "\n")
     print(f"# {loaded.source} on {', '.join(names)} (lm_eval {lm_eval.__version__})")
@@ -185,4 +187,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    run_tool(main)

@@ -24,8 +24,8 @@ import matplotlib
 import matplotlib.pyplot as plt
 from matplotlib.backend_bases import FigureCanvasBase
 
-from config import CommandLine, DataError, TinyGPTError, exit_on
-from runtime import check_writable
+from config import CommandLine, DataError, TinyGPTError, exit_on, run_tool
+from runtime import check_writable, os_failure, written_whole
 
 matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import
 
@@ -46,6 +46,8 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise DataError(f"{path}:{number}: not a train.py metrics record (a JSON object with a \"step\")")
+        if bad := [k for k in ("loss", "val_loss", "val_bpb", "time_s") if type(record.get(k, 0)) not in (int, float)]:
+            raise DataError(f"{path}:{number}: {bad[0]} is {json.dumps(record[bad[0]])}, not a number; fix the line")
         kind = val if "val_loss" in record else train if "loss" in record else {}  # anything else is not drawn
         kind[record["step"]] = record
     return sorted(train.values(), key=lambda r: r["step"]), sorted(val.values(), key=lambda r: r["step"])
@@ -138,7 +140,8 @@ def plot(paths: list[Path], out: Path, labels: list[str], refs: list[tuple[float
         fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
+    with written_whole(out) as tmp:  # a full disk leaves the old image, not half of a new one
+        fig.savefig(tmp, dpi=90, format=out.suffix.lstrip(".").lower())  # tmp's name ends in another suffix
     plt.close(fig)
     return out
 
@@ -180,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")
     except TinyGPTError as err:  # a file that is no metrics.jsonl, an -o to change: one line and its exit code
         exit_on(err)
+    except OSError as err:  # the image's write failed (a full disk): the old image, if any, is as it was
+        exit_on(os_failure(args.out, "-o", err))
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -14,7 +14,7 @@ if not __package__:  # run as a file, `python scripts/prepare.py`: its folder, n
     sys.exit(2)
 
 import prepare
-from config import CORPUS_OPTIONS, CommandLine, TinyGPTError, add_flags, exit_on, make_config
+from config import CORPUS_OPTIONS, CommandLine, TinyGPTError, add_flags, exit_on, make_config, run_tool
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,4 +36,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

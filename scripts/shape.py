@@ -19,7 +19,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from config import REPO, CommandLine, TinyGPTError, exit_on, make_config
+from config import REPO, CommandLine, TinyGPTError, exit_on, make_config, run_tool
 
 ROOTS = ("get_lr", "train_step", "next")  # what train.py's loop calls for one step
 OUTSIDE = ("tests", "out", "data")
@@ -121,4 +121,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

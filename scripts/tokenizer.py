@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from config import DEFAULTS, CommandLine, TinyGPTError, exit_on, field_help
+from config import DEFAULTS, CommandLine, TinyGPTError, exit_on, field_help, run_tool
 from data import load_corpus
 from prepare import is_tokenized_folder, prepare_corpus
 from tokenizer import tokenizer_from_meta
@@ -102,4 +102,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

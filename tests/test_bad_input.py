@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from conftest import TOOLS, entry_point, interop_if, make_text, run_main, tiny_args, tiny_run
@@ -110,8 +111,12 @@ BAD_INPUTS = {
         (["--warmup", "-1"], "--warmup, --threads and --profile >= 0"),
         (["n_layer"], "override `n_layer` must look like KEY=VALUE"),
         (["--json", "{run}/metrics.jsonl/x.json"], "is a file, not a folder"),
+        (["--json", "{run}/best.pt"], "neither a new .json"), (["--matmul", "--json", "{tmp}/x.json"], "with --matmul"),
+        (["--vs", "foo=1"], "unknown config key `foo`"), (["--min-ratio", "2"], "--min-ratio would do nothing"),
     ],
-    "scripts.compare": [(["--steps", "0", "a:"], "--steps must be > 0")],
+    "scripts.compare": [(["--steps", "0", "a:"], "--steps must be > 0"), (["--steps", "1", "--out", "{run}", "a:"],
+                         "holds files compare.py did not write"),  # was: results and runs written into a run
+                        (["--steps", "1", "--out", "{run}/last.pt", "a:"], "is a file, not a folder")],  # a traceback
     "scripts.doctor": [
         (["--n_head", "3"], "n_head"),
     ],
@@ -125,6 +130,7 @@ BAD_INPUTS = {
         (["--ckpt", "{tmp}/missing.pt", "--tasks", "tinygpt_cloze"], "no such checkpoint"),
         (["--ckpt", "{run}", "--tasks", " , "], "unknown task(s) (none given)"),
         (["--ckpt", "{run}", "--tasks", "tinygpt_cloze", "--batch_size", "0"], "need --batch_size >= 1"),
+        (["--ckpt", "{run}", "--tasks", "tinygpt_cloze", "--output", "{run}/best.pt"], "neither a new .json file"),
     ],
     "scripts.export_hf": [
         (["{run}", "{run}/metrics.jsonl/x"], "is a file, not a folder"),
@@ -132,11 +138,12 @@ BAD_INPUTS = {
     ],
     "scripts.export_gguf": [
         (["{run}", "{run}/metrics.jsonl/x.gguf"], "is a file, not a folder"),
-        (["{tmp}/missing", "{tmp}/x.gguf"], "no such checkpoint"),
+        (["{tmp}/missing", "{tmp}/x.gguf"], "no such checkpoint"), (["{run}", ""], "OUT is empty"),  # was ./run.gguf
     ],
     "scripts.gpu_check": [
         (["--dry-run", "--steps", "3"], "--steps must be even and >= 2"),
         (["--dry-run", "--out_dir", "{run}/metrics.jsonl/x"], "is a file, not a folder"),
+        (["--dry-run", "--data_path", "{tmp}/no.txt", "--out_dir", "{tmp}/out"], "no such file or folder"),  # 5 FAILs
     ],
     "scripts.plot": [
         (["{run}/metrics.jsonl", "--labels", "a", "b"], "2 --labels for 1 arguments"),
@@ -210,3 +217,14 @@ def test_the_gguf_export_never_writes_over_a_file_it_did_not_write(tmp_path, cap
     assert stopped.value.code == 2 and err.startswith(f"error: {path}") and err.count("\n") == 1, err
     assert contents(tmp_path, Path(trained["run"])) == before  # every byte as it was, no folder made
 
+
+@pytest.mark.parametrize("script, out, fails", [interop_if(row[0], *row) for row in  # fails: the fsync that fills
+                                                [("scripts.export_hf", "hf", 3), ("scripts.export_gguf", "x.gguf", 1)]])
+def test_a_full_disk_fails_in_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, trained, script, out, fails):
+    monkeypatch.setattr("os.fsync", mock.Mock(side_effect=[None] * (fails - 1) + [OSError(28, "No space left")]))
+    with pytest.raises(SystemExit) as stopped:
+        entry_point(script).main([trained["run"], str(tmp_path / out)])
+    err = capsys.readouterr().err  # was: a traceback, and export_hf's half folder in the way of the retry
+    assert (stopped.value.code, err.count("\n"), list(tmp_path.iterdir())) == (74, 1, []) and "could not write" in err
+    monkeypatch.undo()
+    assert entry_point(script).main([trained["run"], str(tmp_path / out)]) is None and (tmp_path / out).exists()

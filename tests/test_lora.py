@@ -197,7 +197,7 @@ def test_another_base_is_refused_by_a_resume_and_by_sampling_naming_both_fingerp
     state = load_checkpoint(trained / "last.pt")
     saved = state["lora"]["fingerprint"]
     with pytest.raises(CheckpointError, match=f"trained on base .* \\(fingerprint {saved[:12]}\\), but the base "
-                                              r"loaded now has fingerprint [0-9a-f]{12}: pass --init_from") as err:
+                                              r"loaded now has fingerprint [0-9a-f]{12}: adapters fit only") as err:
         train.train(lora_cfg(corpus_paths, trained, other, max_iters=12, resume=True))
     assert "\n" not in str(err.value)
     assert load_checkpoint(trained / "last.pt")["step"] == 8  # nothing was written

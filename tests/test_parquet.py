@@ -87,6 +87,7 @@ def test_text_column_reads_another_column_or_field_and_names_another_folder(tmp_
     ("jsonl field", r"web.jsonl:1: not a JSON object with a \"body\" field \(its fields: id, text\); .*--text_column"),
     ("jsonl not a string", r"web.jsonl:2: \"text\" is a int, not a string"),
     ("jsonl not UTF-8", r"web.jsonl:2: not UTF-8"),
+    ("jsonl not JSON", r"web.jsonl:2: not JSON \(Expecting value"),
 ])
 def test_bad_parquet_input_is_one_line_naming_the_file(tmp_path, monkeypatch, case, expected):
     path, column = tmp_path / "web.parquet", "text"
@@ -108,7 +109,9 @@ def test_bad_parquet_input_is_one_line_naming_the_file(tmp_path, monkeypatch, ca
         path, column = write_jsonl(tmp_path / "web.jsonl", DOCS), "body"
     else:
         path = tmp_path / "web.jsonl"
-        path.write_bytes(b'{"text": "fine"}\n' + (b'{"text": 5}\n' if "string" in case else b'{"text": "\xff"}\n'))
+        second = {"jsonl not a string": b'{"text": 5}', "jsonl not JSON": b'{"text": broken'}.get(case,
+                                                                                             b'{"text": "\xff"}')
+        path.write_bytes(b'{"text": "fine"}\n' + second + b"\n")
     with pytest.raises(DataError, match=expected) as raised:
         prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=1, text_column=column)
     assert "\n" not in str(raised.value)

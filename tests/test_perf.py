@@ -2,6 +2,7 @@
 the bf16 CPU attention path computes the same attention, plot.py draws its PNG."""
 from __future__ import annotations
 
+import errno
 import json
 import statistics
 
@@ -13,7 +14,7 @@ from conftest import read_metrics, run_script, write_chats
 import runtime
 import train
 from checkpoint import load_checkpoint
-from config import make_config
+from config import DataError, make_config
 from model import GPTConfig, attention, visible_keys
 from scripts import bench, plot
 from tokenizer import tokenizer_vocab_size
@@ -155,16 +156,27 @@ def test_bf16_cpu_attention_matches_sdpa(dropout_p):
         assert (is_zero | is_kept).all()
 
 
-def test_plot_writes_png(tmp_path):
+def test_plot_writes_png(tmp_path, monkeypatch):
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.parent.mkdir()
     records = [{"step": s, "loss": 3.0 - s / 100, "time_s": s / 10} for s in (10, 20, 30)]
     records += [{"step": 30, "val_loss": 2.8, "time_s": 3.2}]
     metrics.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     out = plot.plot([metrics, metrics], tmp_path / "loss.png", labels=["a", "b"], refs=[(2.0, 2.9)])
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert (before := out.read_bytes())[:8] == b"\x89PNG\r\n\x1a\n" and len(before) > 10_000
     train_records, val_records = plot.read_metrics(metrics)
     assert [r["step"] for r in train_records] == [10, 20, 30] and val_records[0]["val_loss"] == 2.8
+
+    def full_disk(fig, tmp, **kwargs):  # half an image, then ENOSPC: it once cut the old image short
+        tmp.write_bytes(b"\x89PNG")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(plot.plt.Figure, "savefig", full_disk)
+    with pytest.raises(SystemExit) as stopped:
+        plot.main([str(metrics), "-o", str(out)])
+    assert stopped.value.code == 74 and out.read_bytes() == before and len(list(tmp_path.iterdir())) == 2
+    metrics.write_text('{"step": 40, "loss": null}\n')  # was: a TypeError in the drawing
+    with pytest.raises(DataError, match="metrics.jsonl:1: loss is null, not a number"):
+        plot.read_metrics(metrics)
 
 
 @pytest.mark.parametrize("compile_wanted", [False, True], ids=["compile off", "compile on"])

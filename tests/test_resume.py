@@ -145,10 +145,10 @@ def test_sigterm_mid_accumulation_finishes_the_step_then_saves(tmp_path, text_fi
     assert_resumes_as_straight(tmp_path / "stopped", tmp_path / "straight", text_file, **args)
 
 
-def training_child(out: Path, text_file: Path, logged: int, **args) -> subprocess.Popen:
+def training_child(out: Path, text_file: Path, logged: int, stdout=subprocess.DEVNULL, **args) -> subprocess.Popen:
     """train.py in a child process that trains "forever", once it has logged ``logged`` steps."""
     args = tiny_args(out, text_file, max_iters=100_000, eval_interval=100_000, **args)
-    child = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+    child = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=stdout,
                              stderr=subprocess.PIPE, text=True)
     metrics_file, deadline = out / "metrics.jsonl", time.time() + 120
     while not (metrics_file.is_file() and metrics_file.read_text().count("\n") >= logged):
@@ -158,11 +158,13 @@ def training_child(out: Path, text_file: Path, logged: int, **args) -> subproces
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143),
-                                          pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
+                                          pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow),
+                                          pytest.param(signal.SIGPIPE, 141, marks=pytest.mark.slow)])  # | head
 def test_signal_from_outside_saves_the_finished_step_and_resumes_exactly(tmp_path, text_file, signum, code):
     out = tmp_path / "out"
-    child = training_child(out, text_file, logged=3)
-    child.send_signal(signum)
+    pipe = signum == signal.SIGPIPE
+    child = training_child(out, text_file, logged=3, stdout=subprocess.PIPE if pipe else subprocess.DEVNULL)
+    child.stdout.close() if pipe else child.send_signal(signum)  # SIGPIPE: its reader goes
     _, stderr = child.communicate(timeout=120)
     assert child.returncode == code, stderr
     stopped_at = load_checkpoint(out / "last.pt")["step"]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import io
 import math
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +16,7 @@ from conftest import ctrl_c_at_the_first_call, make_text, tiny_model
 
 import sample as sample_module
 from checkpoint import FORMAT_VERSION, save_checkpoint
-from config import as_dict, make_config, model_config
+from config import REPO, as_dict, make_config, model_config
 from model import GPT
 from sample import Continuations, KVCache, NextTokenLogits, filter_logits, generate, main, pick_next, unescape, \
     window_start
@@ -292,6 +294,26 @@ def test_ctrl_c_while_sampling_is_one_line_and_exit_130(ckpt, monkeypatch, capsy
         main(["--ckpt", str(ckpt)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 130 and err.startswith("error: interrupted") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_ctrl_c_while_torch_imports_ends_the_process_without_a_traceback(script):
+    """Ctrl-C in the seconds `import torch` takes: the process ends as on SIGINT, not in an import's traceback."""
+    ctrl_c_at_import_torch = ("import builtins, os, runpy, signal, sys\nreal = builtins.__import__\n"
+                              "def importing(name, *args, **kwargs):\n    if name == 'torch':\n"
+                              "        os.kill(os.getpid(), signal.SIGINT)\n    return real(name, *args, **kwargs)\n"
+                              f"builtins.__import__ = importing\nsys.argv = ['{script}']\n"
+                              f"runpy.run_path('{script}', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", ctrl_c_at_import_torch], cwd=REPO, capture_output=True, timeout=60)
+    assert result.returncode == -signal.SIGINT and result.stderr == b"", result.stderr[-300:]
+
+
+def test_a_closed_stdout_ends_sampling_quietly_as_sigpipe_would(ckpt):
+    """`| head`: the reader gone, exit 141 (SIGPIPE's, as a shell says) and no traceback; tools end alike (run_tool)."""
+    child = subprocess.Popen([sys.executable, "sample.py", "--ckpt", str(ckpt)], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    child.stdout.close()  # before its first line: that write fails
+    assert child.wait(timeout=120) == 141 and child.stderr.read() == b""
 
 def test_a_prompt_file_and_threads_as_train_py_takes_them(ckpt, tmp_path, monkeypatch, capsys):
     """`--threads 1` (two jobs on 2 cores, one each) as train.py takes it; 0 keeps torch's default."""

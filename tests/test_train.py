@@ -194,6 +194,9 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, text_file, capsys)
     assert run_main(tiny_args(out, text_file, max_iters=3)) == 2
     assert "already holds a run (last.pt); continue it with --resume" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / "last.pt").unlink()  # best.pt alone (last.pt deleted, or a first save that filled the disk): kept too
+    assert run_main(tiny_args(out, text_file, max_iters=3)) == 2 and (out / "best.pt").read_bytes() == before["best.pt"]
+    assert "holds a run's best.pt (and no last.pt to resume)" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # ~11 s: two fresh interpreters
