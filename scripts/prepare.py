@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {num_proc} and {block_size}")
     try:
         cfg = make_config(None, **given, block_size=block_size)  # config.validate's checks of the corpus fields
-        prepare.corpus_folder(cfg, num_proc=num_proc)  # what train.py prepares: a .jsonl of conversations as chat
+        folder = prepare.corpus_folder(cfg, num_proc=num_proc)  # what train.py prepares: conversations as chat
+        print(f"ready: {folder} (train.py finds it with the same corpus flags)")  # prepared now or before
     except TinyGPTError as err:  # one line and its exit code (2, or 74 for a data_dir failing its probe)
         exit_on(err)
 
