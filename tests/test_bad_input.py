@@ -87,6 +87,7 @@ BAD_INPUTS = {
         (["--ckpt", "{run}", "--temp", "inf"], "--temp must be >= 0 and finite, got inf"),
         (["--ckpt", "{run}", "--top-p", "2"], "--top-p must be in (0, 1], got 2"),
         (["--ckpt", "{run}", "--threads", "-1"], "--threads must be >= 0, got -1"),
+        (["--ckpt", "{run}", "--seed", "-1"], "--seed must be in [0, 2**32 - 1]"),  # was: a torch traceback
         (["--ckpt", "{run}", "--threads", "99999"], "--threads 99999: this machine has"),  # torch crashed
         (["--ckpt", "{run}", "--prompt", "KING: €"], "€"),
         (["--ckpt", "{run}", "--prompt-file", "{tmp}/no.txt"], "pass an existing UTF-8 text file with --prompt-file"),

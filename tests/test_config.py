@@ -85,10 +85,13 @@ def test_a_seed_is_refused_outside_numpys_range_and_its_ends_seed_every_rank():
     runtime.seed_everything(2**32 - 1 + 7)  # the largest seed on DDP rank 7 (seed + rank): no traceback either
 
 
-def test_unknown_key_in_a_preset_file_is_refused(tmp_path):
+@pytest.mark.parametrize("text, message", [(b"n_layers = 3\n", "unknown config key `n_layers`.*did you mean `n_layer`"),
+                                           (b"[model]\nn_layer = 3\n", "a preset's keys are top level"),  # was: wsd?
+                                           (b"\xff\xfe", "not valid TOML")])  # was: a UnicodeDecodeError traceback
+def test_a_bad_preset_file_is_refused_in_one_line(tmp_path, text, message):
     preset = tmp_path / "mine.toml"
-    preset.write_text('n_layers = 3\n')
-    with pytest.raises(ConfigError, match="unknown config key `n_layers`.*did you mean `n_layer`"):
+    preset.write_bytes(text)
+    with pytest.raises(ConfigError, match=message):
         make_config(str(preset))
 
 
