@@ -443,7 +443,8 @@ def from_pretrained(source: str, device: torch.device = CPU) -> Loaded:
 # ----------------------------------------------------------------------------- what a run starts from
 def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfig, finetune.Pretrained | None]:
     """train.py's --init_from: the weights, and the config with the options they fix (adopt); else (cfg, None).
-    A fresh run; its resume imports the base again. Rank 0 reads (or downloads) first, the others from its cache."""
+    A fresh run; its resume imports the base again (load_base). Rank 0 reads (or downloads) first, the others
+    from its cache."""
     if not cfg.init_from:
         return cfg, None
     if Path(cfg.init_from).exists():  # saved absolute, so that a LoRA run's base is found from any folder
@@ -458,13 +459,21 @@ def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfi
 
 
 def load_base(cfg: TrainConfig) -> finetune.Pretrained:
-    """The weights ``cfg.init_from`` names (a run's, else GPT-2's), cropped to a given block_size."""
+    """The weights ``cfg.init_from`` names (a run's, else GPT-2's), cropped to a given block_size; a full fine-tune's
+    resume takes its own last.pt's (every weight, the options adopted) where the base cannot be loaded any more."""
     given, path = given_fields(cfg), run_checkpoint(cfg.init_from)
     block_size = cfg.block_size if "block_size" in given else 0  # 0: every position the weights have
-    if path is not None:
-        return load_run(path, block_size)
-    import finetune
-    return finetune.load_pretrained(cfg.init_from, block_size, cfg.bias if "bias" in given else True)
+    try:
+        if path is not None:
+            return load_run(path, block_size)
+        import finetune
+        return finetune.load_pretrained(cfg.init_from, block_size, cfg.bias if "bias" in given else True)
+    except TinyGPTError as err:
+        last = Path(cfg.out_dir) / "last.pt"
+        if not cfg.resume or cfg.lora_rank or not last.is_file():  # LoRA's last.pt holds the adapters alone
+            raise
+        print0(f"the base {cfg.init_from} cannot be loaded ({err}); resuming from {last}, which holds every weight")
+        return load_run(last, block_size)
 
 
 def load_run(path: Path, block_size: int) -> finetune.Pretrained:

@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import re
+import signal
 import sys
 import tomllib
 from pathlib import Path
@@ -193,6 +194,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         require(cfg.init_from, "LoRA adapts a trained model: pass --init_from (a run's folder or .pt, gpt2, a "
                                "Hugging Face folder or .safetensors) with --lora_rank, or drop --lora_rank")
         parse_lora_targets(cfg.lora_targets)
+    elif off := [name for name in ("lora_alpha", "lora_dropout", "lora_targets") if name in cfg.given]:
+        raise ConfigError(f"{off[0]} is set, but LoRA is off (lora_rank 0); pass --lora_rank R to train adapters, "
+                          f"or drop {off[0]}")
     try:
         model_config(cfg, vocab_size=1)
     except ValueError as err:
@@ -338,7 +342,6 @@ def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
     if isinstance(err, PeerFailed):  # another rank failed and prints why: this one stops silently
         return "", err.exit_code, None
     if isinstance(err, BrokenPipeError):  # stdout's reader is gone (| head): end quietly, as a SIGPIPE would
-        silence_stdout()
         return "", EXIT_OUTPUT_CLOSED, None
     if isinstance(err, TinyGPTError):
         rank = int(os.environ.get("RANK", "0"))  # torchrun's
@@ -356,11 +359,14 @@ def fail(message: str, code: int = EXIT_BAD_INPUT, rank: int | None = 0) -> NoRe
     """Print a one-line error (rank 0's; another rank names itself; None prints nothing) and exit, no traceback."""
     if rank is not None:
         print(f"rank {rank}: error: {message}" if rank else f"error: {message}", file=sys.stderr)
+    if code == EXIT_OUTPUT_CLOSED:
+        silence_stdout()  # or Python's last flush of stdout fails, in a traceback
     sys.exit(code)
 
 
 def run_tool(main: Callable[[], int | None]) -> NoReturn:
     """A tool's entry (python -m scripts.NAME): exit with main()'s code; a closed stdout (| head) ends it quietly."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # imported: Ctrl-C is a KeyboardInterrupt again (130)
     try:
         sys.exit(main())
     except BrokenPipeError as err:

@@ -5,3 +5,8 @@ installed copy (`pip install -e`) would make a second clone's tools silently run
 file (`python scripts/eval.py`), a tool says so in one line and exits 2. Beside the user's tools: the developers'
 checks of the repo itself (gpu_check, shape) and harness.py's offline task (harness_tasks/).
 """
+import signal
+import sys
+
+if sys.argv[:1] == ["-m"]:  # python -m scripts.NAME, before the tool imports torch (seconds): Ctrl-C just ends it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # config.run_tool, the tools' entry, puts Python's handler back

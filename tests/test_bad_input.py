@@ -91,10 +91,12 @@ BAD_INPUTS = {
         (["--ckpt", "{run}", "--threads", "99999"], "--threads 99999: this machine has"),  # torch crashed
         (["--ckpt", "{run}", "--prompt", "KING: €"], "€"),
         (["--ckpt", "{run}", "--prompt-file", "{tmp}/no.txt"], "pass an existing UTF-8 text file with --prompt-file"),
+        (["--init_from", "{tmp}"], "neither a run's best.pt or last.pt nor a Hugging Face GPT-2 model.safetensors"),
     ],
     "scripts.prepare": [
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--num_proc", "-1"], "--num_proc >= 0"),
+        (["--dataset", "nope"], "unknown dataset `nope`; built in: shakespeare, shakespeare_chat"),
         (["--val_fraction", "1"], "val_fraction must be in (0, 1)"),
         (["--data_path", "{tmp}", "--data_dir", "{data}"], "no .txt files and no .parquet files in this folder"),
         (["--data_path", "{corpus}", "--data_dir", "{data}", "--tokenizer", "bpe", "--bpe_vocab_size", "100000"],
