@@ -16,6 +16,7 @@ if not __package__:  # run as a file, `python scripts/chat.py`: its folder, not 
     sys.exit(2)
 
 import argparse
+import io
 
 import torch
 
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
              f"continuing each prompt with {loaded.source} (no chat markers): a prompt {each}; block_size "
              f"{model.config.block_size}: past it the window slides")
     print(f"# {doing}; Ctrl-D quits", flush=True)
+    if isinstance(sys.stdin, io.TextIOWrapper):  # a byte that is not UTF-8 comes as U+FFFD, never as a traceback
+        sys.stdin.reconfigure(errors="replace")
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
     (converse if is_chat else continue_each)(model, tokenizer, args, generator)
 

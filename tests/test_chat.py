@@ -180,7 +180,8 @@ def chat_run(tmp_path_factory):
 
 def chat(run: Path, lines: list[str], *extra: str, monkeypatch, capsys) -> tuple[int, str, str]:
     """`python -m scripts.chat --ckpt RUN --temp 0 EXTRA` with ``lines`` typed on stdin: (exit code, out, err)."""
-    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    typed = "".join(line + "\n" for line in lines).encode("utf-8", "surrogateescape")  # "\udcff": the byte 0xff
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(typed), encoding="utf-8"))  # a terminal's: strict
     capsys.readouterr()
     try:
         chat_script.main(["--ckpt", str(run), "--temp", "0", *extra])
@@ -188,6 +189,12 @@ def chat(run: Path, lines: list[str], *extra: str, monkeypatch, capsys) -> tuple
     except SystemExit as stop:
         code = stop.code
     return code, *capsys.readouterr()
+
+
+def test_a_line_that_is_not_utf8_is_one_line_and_the_talk_goes_on(chat_run, monkeypatch, capsys):
+    """Bug caught: a byte that is not UTF-8 on stdin ended the chat in a UnicodeDecodeError traceback."""
+    code, out, err = chat(chat_run, ["the \udcff king", "the king"], monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0 and err == "error: characters not in the model's vocabulary: '\ufffd'\n", err
 
 
 def test_chat_holds_a_conversation_on_stdin_and_drops_old_turns_saying_so_once(chat_run, monkeypatch, capsys):
