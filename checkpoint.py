@@ -261,6 +261,10 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
         lock.close()
         raise ConfigError(f"{out_dir} holds a run's best.pt (and no last.pt to resume); start a new run with "
                           "another --out_dir, or move best.pt away")
+    if not resume and not runtime.is_run_log(out_dir / "metrics.jsonl"):  # a new run starts the log afresh
+        lock.close()
+        raise ConfigError(f"{out_dir / 'metrics.jsonl'} is not a run's log, and a new run would replace it; move it "
+                          "away, or pass another --out_dir")
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n".encode(), 0)
@@ -417,14 +421,14 @@ def add_weights_flags(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
     source.add_argument("--init_from", "--init-from", default="",
                         help="pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a "
-                             "folder / .safetensors in the Hugging Face GPT-2 layout")
+                             "folder / .safetensors in the Hugging Face GPT-2 layout (or a run, as --ckpt)")
 
 
 def from_flags(args: argparse.Namespace, device: torch.device = CPU) -> Loaded:
-    """The weights add_weights_flags' flags chose."""
-    if args.init_from:
+    """The weights add_weights_flags' flags chose (--init_from a run's: as --ckpt, as train.py takes it)."""
+    if args.init_from and run_checkpoint(args.init_from) is None:
         return from_pretrained(args.init_from, device)
-    return from_checkpoint(find_checkpoint(args.ckpt), device)
+    return from_checkpoint(find_checkpoint(args.ckpt or args.init_from), device)
 
 
 def from_pretrained(source: str, device: torch.device = CPU) -> Loaded:

@@ -222,8 +222,9 @@ def locate(source: str) -> tuple[Path, Path]:
         if source in HUB_NAMES or (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", source) and not Path(path.parts[0]).is_dir()
                                    and path.suffix not in (".pt", ".safetensors")):
             return download(HUB_NAMES.get(source, source))
-        raise CheckpointError(f"{source}: no such run folder or file; pass a run folder (out/NAME), its .pt, a "
-                              "folder or .safetensors in the Hugging Face GPT-2 layout, or a hub name "
+        raise CheckpointError(f"init_from {source}: no such run folder or file; train that run first, or pass a run "
+                              "folder (out/NAME), its .pt, a folder or .safetensors in the Hugging Face GPT-2 layout, "
+                              "or a hub name "
                               f"({', '.join(HUB_NAMES)} or OWNER/NAME)")
     if not (path.parent / "config.json").is_file():
         raise HFError(f"{path}: no config.json beside it, which says the model's shape; put its config.json beside "

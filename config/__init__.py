@@ -210,6 +210,7 @@ def parse_lora_targets(text: str) -> tuple[str, ...]:
     unknown = ", ".join(name for name in names if name not in LORA_TARGETS)
     said = f"names {unknown}, which is not among" if unknown else "is empty; name one or more of"
     require(names and not unknown, f"lora_targets {said} {', '.join(LORA_TARGETS)} (comma-separated)")
+    require(len(set(names)) == len(names), f"lora_targets names a layer twice ({text}); name each once")
     return names
 
 
@@ -371,6 +372,8 @@ def run_tool(main: Callable[[], int | None]) -> NoReturn:
         sys.exit(main())
     except BrokenPipeError as err:
         exit_on(err)
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 130, not a traceback from inside torch
+        fail("interrupted", EXIT_INTERRUPTED)
 
 
 def exit_on(err: BaseException) -> NoReturn:

@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> None:
         is_chat = hasattr(tokenizer, "marker_ids")  # a model fine-tuned on conversations
         if is_chat:  # a system prompt the vocabulary cannot write or the context cannot hold: now, not at turn 1
             open_dialogue(tokenizer, model.config.block_size, args)
+            if given := [flag for flag, unset in (("--num-samples", args.num_samples == 1), ("--stop", not args.stop),
+                                                  ("--no-stop-at-eot", args.stop_at_eot)) if not unset]:
+                raise ConfigError(f"{given[0]} does nothing in a conversation (one reply a turn, ended by a marker); "
+                                  "drop it")
         elif args.system:
             raise ConfigError(f"{loaded.source} has no chat markers, so no system prompt; fine-tune it on "
                               f"conversations first (docs/finetuning.md) or drop --system")

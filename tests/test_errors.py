@@ -6,6 +6,7 @@ import ast
 import builtins
 import functools
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -56,6 +57,13 @@ def test_a_bug_keeps_its_traceback_and_under_torchrun_a_rank_reports_only_what_i
     mine.reporting_rank = 3
     assert config.exit_for(mine) == ("data/x/train.bin: missing", 2, 3)
     assert config.exit_for(ConfigError("bad")) == ("bad", 2, None)  # every rank has it: rank 0 says it
+
+
+def test_a_tool_ends_on_ctrl_c_in_one_line_and_130(capsys):
+    """Bug caught: a Ctrl-C while a tool loaded a checkpoint ended in a KeyboardInterrupt traceback from torch."""
+    with pytest.raises(SystemExit) as ended:  # default_int_handler: what Ctrl-C calls, raising KeyboardInterrupt
+        config.run_tool(lambda: signal.default_int_handler(signal.SIGINT, None))
+    assert ended.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
 
 
 BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(value, type)

@@ -30,13 +30,6 @@ def test_no_file_edits_the_module_search_path_or_silences_the_import_order():
     assert not found, "import the repo's modules by name, run tools with python -m:\n" + "\n".join(found)
 
 
-def test_every_tool_is_a_module_of_a_package():
-    """`python -m scripts.eval` needs scripts/ to be a package; a regular one, so that no `scripts` installed
-    elsewhere on the path can merge into it (a namespace package would)."""
-    assert (REPO / "scripts" / "__init__.py").is_file()
-    assert {"scripts.eval", "scripts.doctor", "scripts.bench", "scripts.gpu_check"} <= set(TOOLS)
-
-
 def test_the_tests_import_this_checkouts_modules():
     for name in (*CORE, "scripts"):
         importlib.import_module(name)

@@ -91,6 +91,7 @@ def test_the_flags_choose_the_weights(run, hf):
     add_weights_flags(parser)
     assert from_flags(parser.parse_args(["--ckpt", str(run)])).source == str(run / "best.pt")
     assert from_flags(parser.parse_args(["--init_from", str(hf)])).step is None
+    assert from_flags(parser.parse_args(["--init_from", str(run)])).source == str(run / "best.pt")  # as train.py's
     with pytest.raises(SystemExit):  # one source of weights, not two
         parser.parse_args(["--ckpt", str(run), "--init_from", "gpt2"])
 
@@ -132,9 +133,9 @@ def test_a_missing_local_path_is_refused_before_the_hub_is_asked(run, tmp_path, 
     monkeypatch.setattr(finetune, "download", download)
     for path in ("out/smal", "./out/smal", "out/nosuch", "runs/a/b", "mine.safetensors", "/nowhere/run", "smal"):
         for load in (lambda: start_from(make_config(None, init_from=path)), lambda: from_pretrained(path)):
-            with pytest.raises(CheckpointError, match="no such run folder or file; pass a run folder") as err:
+            with pytest.raises(CheckpointError, match="no such run folder or file; train that run first") as err:
                 load()
-            assert str(err.value).startswith(f"{path}: ") and "\n" not in str(err.value)
+            assert str(err.value).startswith(f"init_from {path}: ") and "\n" not in str(err.value)
     assert asked == []
     with pytest.raises(LookupError):  # OWNER/NAME where no such local folder is: the hub's to answer
         start_from(make_config(None, init_from="someone/model"))

@@ -197,6 +197,12 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, text_file, capsys)
     (out / "last.pt").unlink()  # best.pt alone (last.pt deleted, or a first save that filled the disk): kept too
     assert run_main(tiny_args(out, text_file, max_iters=3)) == 2 and (out / "best.pt").read_bytes() == before["best.pt"]
     assert "holds a run's best.pt (and no last.pt to resume)" in capsys.readouterr().err
+    (out / "best.pt").unlink()
+    (out / "metrics.jsonl").write_text("my notes\n")  # not a run's log: was deleted by the new run
+    assert run_main(tiny_args(out, text_file, max_iters=3)) == 2 and (out / "metrics.jsonl").read_text() == "my notes\n"
+    assert "metrics.jsonl is not a run's log" in capsys.readouterr().err
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.2}\n')  # a run's that saved nothing: replaced
+    assert run_main(tiny_args(out, text_file, max_iters=3)) == 0
 
 
 @pytest.mark.slow  # ~11 s: two fresh interpreters
