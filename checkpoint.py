@@ -173,6 +173,8 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[st
     for name, resume in RESUME.items():
         if resume in changes and saved[name] != getattr(cfg, name) and not (resume == "warned" and name in unused):
             changes[resume].append(f"{name}: checkpoint {saved[name]!r} vs now {getattr(cfg, name)!r}")
+    if bool(saved["init_from"]) != bool(cfg.init_from):  # free (a moved base), but weights or none is another run
+        changes["fixed"].append(f"init_from: checkpoint {saved['init_from']!r} vs now {cfg.init_from!r}")
     return changes
 
 
@@ -260,11 +262,10 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
     if not resume and (out_dir / "best.pt").exists():  # a run whose last.pt is gone: a new run would replace it
         lock.close()
         raise ConfigError(f"{out_dir} holds a run's best.pt (and no last.pt to resume); start a new run with "
-                          "another --out_dir, or move best.pt away")
+                          "another --out_dir, or copy best.pt to last.pt and --resume from its step")
     if not resume and not runtime.is_run_log(out_dir / "metrics.jsonl"):  # a new run starts the log afresh
         lock.close()
-        raise ConfigError(f"{out_dir / 'metrics.jsonl'} is not a run's log, and a new run would replace it; move it "
-                          "away, or pass another --out_dir")
+        raise ConfigError(f"{out_dir / 'metrics.jsonl'} is not a run's log, which a new run replaces: move it away")
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n".encode(), 0)

@@ -116,7 +116,7 @@ def refuse_one_token(source: str, train: np.ndarray) -> None:
     """Refuse a train split of one token repeated (100 kB of NUL bytes), which trains to loss 0."""
     if len(train) and all((train[i: i + (1 << 20)] == train[0]).all() for i in range(0, len(train), 1 << 20)):
         raise DataError(f"{source}: the train split is one token repeated ({len(train):,} times): nothing to learn; "
-                        "pass a text of more than one distinct character")
+                        "pass a text of more than one distinct token")
 
 
 def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) -> None:
@@ -124,7 +124,7 @@ def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) ->
     for split, n in tokens.items():
         if n < block_size + 1:
             raise DataError(f"{source}: the {split} split holds {n} tokens, fewer than block_size + 1 = "
-                            f"{block_size + 1}; use more text, a smaller --block_size"
+                            f"{block_size + 1}; use more text" + (", a smaller --block_size" if n else "")
                             + (" or a larger --val_fraction" if split == "val" else ""))
 
 

@@ -541,7 +541,8 @@ class StopOnSignal:
         first = self.signum is None
         self.signum = self.signum or signum  # the first decides the exit code: SIGTERM then Ctrl-C is still 143
         note = "finishing this step, then saving last.pt" if first else "already stopping; wait for the save"
-        os.write(2, f"\n{signal.Signals(signum).name}: {note}\n".encode())  # print() is not reentrant in a handler
+        if env_rank() == 0:  # torchrun signals every rank: one says it
+            os.write(2, f"\n{signal.Signals(signum).name}: {note}\n".encode())  # print() is not reentrant in a handler
 
     @property
     def requested(self) -> bool:

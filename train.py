@@ -227,7 +227,9 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     ddp = runtime.setup(cfg.device)  # a world of one on cfg.device without torchrun
     with runtime.stop_together(ddp.device):  # refused on rank 0: every rank stops here
         if cfg.resume and ddp.is_main and not (Path(cfg.out_dir) / "last.pt").exists():  # before the corpus is made
-            raise ConfigError(f"nothing to resume in {cfg.out_dir} (no last.pt); drop --resume to start a new run")
+            best = (Path(cfg.out_dir) / "best.pt").exists()  # and no last.pt: a save that filled the disk
+            raise ConfigError(f"nothing to resume in {cfg.out_dir} (no last.pt); " + ("copy its best.pt to last.pt "
+                              "to resume from the best step" if best else "drop --resume to start a new run"))
         owner = claim(Path(cfg.out_dir), cfg.resume) if ddp.is_main else contextlib.nullcontext()
     with owner:  # released however the run ends (after a SIGKILL, by the kernel)
         return train_in_owned_folder(cfg, ddp, stop or StopOnSignal(install=False))

@@ -195,8 +195,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                                "Hugging Face folder or .safetensors) with --lora_rank, or drop --lora_rank")
         parse_lora_targets(cfg.lora_targets)
     elif off := [name for name in ("lora_alpha", "lora_dropout", "lora_targets") if name in cfg.given]:
-        raise ConfigError(f"{off[0]} is set, but LoRA is off (lora_rank 0); pass --lora_rank R to train adapters, "
-                          f"or drop {off[0]}")
+        raise ConfigError(f"{off[0]} is set, but LoRA is off (lora_rank 0): pass --lora_rank R, or drop {off[0]}")
     try:
         model_config(cfg, vocab_size=1)
     except ValueError as err:

@@ -138,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             open_dialogue(tokenizer, model.config.block_size, args)
             if given := [flag for flag, unset in (("--num-samples", args.num_samples == 1), ("--stop", not args.stop),
                                                   ("--no-stop-at-eot", args.stop_at_eot)) if not unset]:
-                raise ConfigError(f"{given[0]} does nothing in a conversation (one reply a turn, ended by a marker); "
-                                  "drop it")
+                raise ConfigError(f"{given[0]} does nothing in a conversation (a reply ends at a marker); drop it")
         elif args.system:
             raise ConfigError(f"{loaded.source} has no chat markers, so no system prompt; fine-tune it on "
                               f"conversations first (docs/finetuning.md) or drop --system")

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
-from matplotlib.backend_bases import FigureCanvasBase
 
 from config import CommandLine, DataError, TinyGPTError, exit_on, run_tool
 from runtime import check_writable, os_failure, written_whole
 
 matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import
+# Each image carries this in its metadata (under the key its format keeps it in): one plot.py may replace.
+MARK, MARK_KEYS = "tinygpt scripts.plot", {"png": "Software", "pdf": "Creator", "svg": "Creator"}
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
@@ -141,7 +142,8 @@ def plot(paths: list[Path], out: Path, labels: list[str], refs: list[tuple[float
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     with written_whole(out) as tmp:  # a full disk leaves the old image, not half of a new one
-        fig.savefig(tmp, dpi=90, format=out.suffix.lstrip(".").lower())  # tmp's name ends in another suffix
+        kind = out.suffix.lstrip(".").lower()  # tmp's name ends in another suffix
+        fig.savefig(tmp, dpi=90, format=kind, metadata={MARK_KEYS[kind]: MARK})
     plt.close(fig)
     return out
 
@@ -174,10 +176,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{arg}: no such file, and no metrics.jsonl in it or in its */seed-*/ folders")
         runs += [(path, args.labels[i] if args.labels else label) for path, label in found]
     paths, labels = zip(*runs)
-    kind, kinds = args.out.suffix.lower().lstrip("."), FigureCanvasBase.get_supported_filetypes()
-    if kind not in kinds:  # matplotlib would refuse it after the work, in a traceback
-        reason = f".{kind} is no image format matplotlib writes" if kind else "no extension to name the image format"
-        parser.error(f"-o {args.out}: {reason}; pass a name ending in .png (or .pdf, .svg, .jpg)")
+    if (kind := args.out.suffix.lower().lstrip(".")) not in MARK_KEYS:  # else refused after the work, in a traceback
+        reason = f".{kind} is no image format plot.py writes" if kind else "no extension to name the image format"
+        parser.error(f"-o {args.out}: {reason}; pass a name ending in .png (or .pdf, .svg)")
+    if args.out.exists() and (not args.out.is_file() or MARK.encode() not in args.out.read_bytes()):
+        parser.error(f"-o {args.out}: exists, and plot.py did not write it; pass another -o, or move it away")
     try:
         check_writable(args.out.parent, "-o", f".plot-probe-{os.getpid()}")  # before the work, not after it
         print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")

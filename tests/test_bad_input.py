@@ -153,7 +153,7 @@ BAD_INPUTS = {
         (["{run}/last.pt"], "not a metrics.jsonl (not UTF-8 text)"),
         (["{tmp}/missing"], "no such file"),
         (["{run}", "-o", "{run}/metrics.jsonl/x.png"], "is a file, not a folder"),
-        (["{run}", "-o", "{tmp}/notes.txt"], "notes.txt: .txt is no image format matplotlib writes; pass a name "
+        (["{run}", "-o", "{tmp}/notes.txt"], "notes.txt: .txt is no image format plot.py writes; pass a name "
                                               "ending in .png"),  # was matplotlib's traceback, after the work
         (["{run}", "-o", "{tmp}/loss"], "no extension"),  # matplotlib would write loss.png, and we say "wrote loss"
         (["{run}", "--ref", "70"], "SECONDS:LOSS"),

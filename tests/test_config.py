@@ -70,7 +70,7 @@ BAD_COMMAND_LINES = r"""
 --lora_rank 4 --init_from gpt2 --lora_targets attn.c_attn,mlp.fc | lora_targets names mlp.fc, which is not among attn
 --lora_rank 4 --init_from gpt2 --lora_targets ' , ' | lora_targets is empty
 --lora_rank 4 --init_from gpt2 --lora_targets attn.c_attn,attn.c_attn | lora_targets names a layer twice
---lora_targets mlp.c_fc --lora_dropout 0.1 | lora_dropout is set, but LoRA is off \(lora_rank 0\); pass --lora_rank
+--lora_targets mlp.c_fc --lora_dropout 0.1 | lora_dropout is set, but LoRA is off \(lora_rank 0\): pass --lora_rank
 """
 
 

@@ -167,13 +167,18 @@ def test_plot_writes_png(tmp_path, monkeypatch):
     train_records, val_records = plot.read_metrics(metrics)
     assert [r["step"] for r in train_records] == [10, 20, 30] and val_records[0]["val_loss"] == 2.8
 
+    (tmp_path / "mine.png").write_bytes(b"\x89PNG\r\n\x1a\n mine")  # an image plot.py did not write: it replaced it
+    with pytest.raises(SystemExit) as stopped:
+        plot.main([str(metrics), "-o", str(tmp_path / "mine.png")])
+    assert stopped.value.code == 2 and (tmp_path / "mine.png").read_bytes() == b"\x89PNG\r\n\x1a\n mine"
+
     def full_disk(fig, tmp, **kwargs):  # half an image, then ENOSPC: it once cut the old image short
         tmp.write_bytes(b"\x89PNG")
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(plot.plt.Figure, "savefig", full_disk)
     with pytest.raises(SystemExit) as stopped:
         plot.main([str(metrics), "-o", str(out)])
-    assert stopped.value.code == 74 and out.read_bytes() == before and len(list(tmp_path.iterdir())) == 2
+    assert stopped.value.code == 74 and out.read_bytes() == before and len(list(tmp_path.iterdir())) == 3
     metrics.write_text('{"step": 40, "loss": null}\n')  # was: a TypeError in the drawing
     with pytest.raises(DataError, match="metrics.jsonl:1: loss is null, not a number"):
         plot.read_metrics(metrics)

@@ -202,6 +202,7 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
                                             "now 3; n_embd: checkpoint 32 vs now 64. Use the same settings or a new "
                                             "--out_dir\n"),
         (state, dict(dtype="float16"), "resume with --dtype float32\n"),
+        (state, dict(init_from=out), f"init_from: checkpoint '' vs now '{out}'"),  # was: ignored, then recorded
         (state, dict(data_path=other), reads + f"{other} (val_fraction 0.1): its train and val split differs. "
                                               "Resume with the same --data_path and --val_fraction, or start a new "
                                               "--out_dir\n"),
@@ -222,7 +223,7 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
         assert err.startswith("error: ") and err.count("\n") == 1 and error in err, (flags, err)
         assert {p: p.read_bytes() for p in out.iterdir()} == run  # none touched, none added
         assert {p: p.read_bytes() for p in corpora} == corpora
-    assert len(list((tmp_path / "data").iterdir())) == 3  # each corpus and split in its own folder
+    assert len(list((tmp_path / "data").iterdir())) == 4  # each corpus and split in its own folder, init_from's too
 
 
 def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():

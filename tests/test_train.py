@@ -197,6 +197,8 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, text_file, capsys)
     (out / "last.pt").unlink()  # best.pt alone (last.pt deleted, or a first save that filled the disk): kept too
     assert run_main(tiny_args(out, text_file, max_iters=3)) == 2 and (out / "best.pt").read_bytes() == before["best.pt"]
     assert "holds a run's best.pt (and no last.pt to resume)" in capsys.readouterr().err
+    assert run_main(tiny_args(out, text_file, max_iters=3, resume="true")) == 2  # it said "drop --resume": refused
+    assert "copy its best.pt to last.pt to resume from the best step" in capsys.readouterr().err
     (out / "best.pt").unlink()
     (out / "metrics.jsonl").write_text("my notes\n")  # not a run's log: was deleted by the new run
     assert run_main(tiny_args(out, text_file, max_iters=3)) == 2 and (out / "metrics.jsonl").read_text() == "my notes\n"
