@@ -68,8 +68,7 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
         cause = next((e for e in (err, err.__cause__, err.__context__) if isinstance(e, OSError) and e.errno), None)
         reason = os.strerror(cause.errno) if cause else (str(err).strip().splitlines() or [type(err).__name__])[0]
         kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
-        raise CheckpointWriteError(f"could not write {path} ({reason[:200]}); {kept} and no temp file is "
-                                   "left") from err
+        raise CheckpointWriteError(f"could not write {path} ({reason[:200]}); {kept} and no temp file is left") from err
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -251,28 +250,25 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
             if os.path.samestat(os.fstat(fd), os.stat(path)):
                 break
         os.close(fd)  # we locked a file its owner removed on its way out: lock the one there now
-    lock = contextlib.ExitStack()  # close(): remove the lock file while holding it, unlock, remove empty new folders
-    lock.callback(runtime.remove_empty, created)
-    lock.callback(os.close, fd)
-    lock.callback(path.unlink, missing_ok=True)
-    if not resume and (out_dir / "last.pt").exists():
-        lock.close()
-        raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
-                          "new one with another --out_dir (or delete the folder)")
-    if not resume and (out_dir / "best.pt").exists():  # a run whose last.pt is gone: a new run would replace it
-        lock.close()
-        raise ConfigError(f"{out_dir} holds a run's best.pt (and no last.pt to resume); start a new run with "
-                          "another --out_dir, or copy best.pt to last.pt and --resume from its step")
-    if not resume and not runtime.is_run_log(out_dir / "metrics.jsonl"):  # a new run starts the log afresh
-        lock.close()
-        raise ConfigError(f"{out_dir / 'metrics.jsonl'} is not a run's log, which a new run replaces: move it away")
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n".encode(), 0)
-    except OSError as err:
-        lock.close()
-        raise runtime.os_failure(out_dir, flag, err) from None
-    return lock
+    with contextlib.ExitStack() as lock:  # a refusal or a failed write below closes it at once
+        lock.callback(runtime.remove_empty, created)
+        lock.callback(os.close, fd)
+        lock.callback(path.unlink, missing_ok=True)
+        if not resume and (out_dir / "last.pt").exists():
+            raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
+                              "new one with another --out_dir (or delete the folder)")
+        if not resume and (out_dir / "best.pt").exists():  # a run whose last.pt is gone: a new run would replace it
+            raise ConfigError(f"{out_dir} holds a run's best.pt (and no last.pt to resume); start a new run with "
+                              "another --out_dir, or copy best.pt to last.pt and --resume from its step")
+        if not resume and not runtime.is_run_log(out_dir / "metrics.jsonl"):  # a new run starts the log afresh
+            raise ConfigError(f"{out_dir / 'metrics.jsonl'} is not a run's log, which a new run replaces: move it away")
+        try:
+            os.ftruncate(fd, 0)
+            who = f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n"
+            os.pwrite(fd, who.encode(), 0)
+        except OSError as err:
+            raise runtime.os_failure(out_dir, flag, err) from None
+        return lock.pop_all()  # close(): remove the lock file while holding it, unlock, remove empty new folders
 
 
 class Checkpointer:
@@ -425,11 +421,11 @@ def add_weights_flags(parser: argparse.ArgumentParser) -> None:
                              "folder / .safetensors in the Hugging Face GPT-2 layout (or a run, as --ckpt)")
 
 
-def from_flags(args: argparse.Namespace, device: torch.device = CPU) -> Loaded:
+def from_flags(args: argparse.Namespace, device: torch.device = CPU, merged: bool = True) -> Loaded:
     """The weights add_weights_flags' flags chose (--init_from a run's: as --ckpt, as train.py takes it)."""
     if args.init_from and run_checkpoint(args.init_from) is None:
         return from_pretrained(args.init_from, device)
-    return from_checkpoint(find_checkpoint(args.ckpt or args.init_from), device)
+    return from_checkpoint(find_checkpoint(args.ckpt or args.init_from), device, merged)
 
 
 def from_pretrained(source: str, device: torch.device = CPU) -> Loaded:
@@ -447,9 +443,8 @@ def from_pretrained(source: str, device: torch.device = CPU) -> Loaded:
 
 # ----------------------------------------------------------------------------- what a run starts from
 def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfig, finetune.Pretrained | None]:
-    """train.py's --init_from: the weights, and the config with the options they fix (adopt); else (cfg, None).
-    A fresh run; its resume imports the base again (load_base). Rank 0 reads (or downloads) first, the others
-    from its cache."""
+    """train.py's --init_from: the weights, and the config with the options they fix (adopt); else (cfg, None). A fresh
+    run; its resume imports the base again (load_base). Rank 0 reads (or downloads) first, the others from its cache."""
     if not cfg.init_from:
         return cfg, None
     if Path(cfg.init_from).exists():  # saved absolute, so that a LoRA run's base is found from any folder

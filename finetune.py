@@ -224,8 +224,7 @@ def locate(source: str) -> tuple[Path, Path]:
             return download(HUB_NAMES.get(source, source))
         raise CheckpointError(f"init_from {source}: no such run folder or file; train that run first, or pass a run "
                               "folder (out/NAME), its .pt, a folder or .safetensors in the Hugging Face GPT-2 layout, "
-                              "or a hub name "
-                              f"({', '.join(HUB_NAMES)} or OWNER/NAME)")
+                              f"or a hub name ({', '.join(HUB_NAMES)} or OWNER/NAME)")
     if not (path.parent / "config.json").is_file():
         raise HFError(f"{path}: no config.json beside it, which says the model's shape; put its config.json beside "
                       "the file")

@@ -178,9 +178,8 @@ class Muon(torch.optim.Muon):
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon and AdamW stepped as one torch Optimizer: param groups tagged "kind" ("adamw" or "muon"), one
-    state, one state_dict. Each kind's maths is its torch optimizer's, which share this object's groups and
-    state."""
+    """Muon and AdamW stepped as one torch Optimizer: param groups tagged "kind" ("adamw" or "muon"), one state, one
+    state_dict. Each kind's maths is its torch optimizer's, which share this object's groups and state."""
 
     def __init__(self, adamw: torch.optim.AdamW, muon: Muon):
         self.adamw, self.muon = adamw, muon

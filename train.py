@@ -34,19 +34,8 @@ from checkpoint import Checkpointer, claim, start_from
 from config import ConfigError, TrainConfig, exit_for, fail, model_config, parse_args
 from model import GPT
 from optim import NonFiniteGuard, build_optimizer, lr_at
-from runtime import (
-    MetricsLog,
-    Runtime,
-    StopOnSignal,
-    check_wandb,
-    choose_runtime,
-    compile_for_step,
-    describe_run,
-    interrupt_until_the_loop,
-    refuse_what_cannot_fit,
-    run_error,
-    seed_everything,
-)
+from runtime import (MetricsLog, Runtime, StopOnSignal, check_wandb, choose_runtime, compile_for_step, describe_run,
+                     interrupt_until_the_loop, refuse_what_cannot_fit, run_error, seed_everything)
 from tokenizer import token_byte_lengths, tokenizer_from_meta
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs and targets, (B, T) each
@@ -209,8 +198,7 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: runtime.Dist | None = None, pr
                scaler, guard)
 
 
-def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float,
-               ddp: runtime.Dist) -> tuple[bool, bool]:
+def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, ddp: runtime.Dist) -> tuple[bool, bool]:
     """(out of time, signalled) after ``step``. Every rank must stop on the same step (or the next
     collective hangs): they agree on log steps only, where the loop syncs anyway (runtime.agree)."""
     flags = cfg.out_of_time(time.time() - t_start), stop.requested
@@ -251,8 +239,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
         step, time_before, best_val = checkpointer.resume() if cfg.resume else (0, 0.0, math.inf)
     train_model = compile_for_step(model, run.stream, rt)  # the model itself, unless compiled
     step_model = runtime.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
-    runtime.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size,
-                                    run.stream.full_rows))
+    runtime.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size, run.stream.full_rows))
     with runtime.stop_together(device):  # rank 0 alone opens the log and wandb: it may fail alone
         done = step >= cfg.max_iters or cfg.out_of_time(time_before)  # a resumed run may have nothing left to do
         log = MetricsLog(out_dir, cfg, step, model, rt, ddp.world_size, enabled=ddp.is_main, tracked=not done,

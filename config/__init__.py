@@ -17,7 +17,7 @@ import signal
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal, NoReturn, get_args, get_origin, get_type_hints
+from typing import Any, Callable, ClassVar, Iterator, Literal, NoReturn, get_args, get_origin, get_type_hints
 
 from model import GPTConfig
 
@@ -381,6 +381,15 @@ def exit_on(err: BaseException) -> NoReturn:
     if ending is None:
         raise err
     fail(*ending)
+
+
+@contextlib.contextmanager
+def exit_on_errors() -> Iterator[None]:
+    """A tool's block whose TinyGPTError ends the process as exit_on does: its one line and exit code, no traceback."""
+    try:
+        yield
+    except TinyGPTError as err:
+        exit_on(err)
 
 
 # ----------------------------------------------------------------------------- command lines

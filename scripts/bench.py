@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpoint import start_from
-from config import CommandLine, ConfigError, PathError, TinyGPTError, TrainConfig, exit_on, make_config, run_tool
+from config import CommandLine, ConfigError, PathError, TrainConfig, exit_on_errors, make_config, run_tool
 from runtime import (atomic_write_text, check_writable, choose_runtime, compile_for_step, dtype_name, matmul_gflops,
                      pick_device, threads_text, use_threads)
 from train import Run, build_run, get_lr, train_step
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     unused = [k for k in ("vs", "steps", "min_ratio", "json", "profile") if getattr(args, k) != parser.get_default(k)]
     if args.matmul and unused:
         parser.error(f"--{', --'.join(unused).replace('_', '-')} would do nothing with --matmul")
-    try:
+    with exit_on_errors():  # one line and its exit code (config/__init__.py)
         if args.json:
             check_results_path(args.json, "--json")
         base = ({"threads": str(args.threads)} if args.threads else {}) | parse_overrides(args.overrides)
@@ -287,8 +287,6 @@ def main(argv: list[str] | None = None) -> None:
             return
         labels = {"A": " ".join(args.overrides), "B": " ".join(args.overrides + [args.vs or ""])}
         benches = [build(f"{name}: {args.config} {labels[name]}".strip(), cfg) for name, cfg in configs.items()]
-    except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
-        exit_on(err)
     results = run(benches, args.steps, args.warmup, min(args.rounds, args.steps) if args.vs else 1)  # A alone: 1
     for b, result in zip(benches, results):
         torch.set_num_threads(b.run.rt.threads)

@@ -22,7 +22,7 @@ import torch
 
 import sample
 from checkpoint import from_flags
-from config import CommandLine, ConfigError, DataError, TinyGPTError, exit_on, run_tool
+from config import CommandLine, ConfigError, DataError, exit_on_errors, run_tool
 from model import GPT
 from runtime import pick_device
 from tokenizer import render
@@ -130,7 +130,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
+    with exit_on_errors():  # a bad checkpoint, config, device or system prompt: one line and its exit code
         loaded = from_flags(args, pick_device(args.device))
         model, tokenizer = loaded.model, loaded.tokenizer
         is_chat = hasattr(tokenizer, "marker_ids")  # a model fine-tuned on conversations
@@ -142,8 +142,6 @@ def main(argv: list[str] | None = None) -> None:
         elif args.system:
             raise ConfigError(f"{loaded.source} has no chat markers, so no system prompt; fine-tune it on "
                               f"conversations first (docs/finetuning.md) or drop --system")
-    except TinyGPTError as err:  # a bad checkpoint, config, device or system prompt: one line and its exit code
-        exit_on(err)
     each = "up to an empty line" if args.multiline else "a line"
     doing = (f"a conversation with {loaded.source}: your turn {each}; the oldest turns go when block_size "
              f"{model.config.block_size} fills" if is_chat else

@@ -92,11 +92,10 @@ def variant_overrides(args, variants: dict[str, dict[str, str]], schedule: dict[
             raise ConfigError(f"{where} sets `{owned[0]}`, which compare.py sets itself (with {OWNED[owned[0]]})")
     base = schedule | common
     make_config(args.config, **base)  # a bad preset or --set is named as such, not as a variant's fault
-    merged = {}
-    for name, own in variants.items():
-        merged[name] = {**base, **own}
+    merged = {name: {**base, **own} for name, own in variants.items()}
+    for name, overrides in merged.items():
         try:
-            make_config(args.config, **merged[name])
+            make_config(args.config, **overrides)
         except ConfigError as err:
             raise ConfigError(f"variant `{name}`: {err}") from None
     return merged

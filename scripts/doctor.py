@@ -29,7 +29,7 @@ import torch
 import finetune
 import train
 from checkpoint import start_from
-from config import TinyGPTError, TrainConfig, exit_on, parse_args, run_tool
+from config import TrainConfig, exit_on_errors, parse_args, run_tool
 from data import PackedDocuments
 from model import GPT
 from optim import NonFiniteGuard
@@ -316,11 +316,9 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
 
 def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
-    try:
+    with exit_on_errors():  # bad config or data: one line and its exit code, as in train.py
         cfg = parse_args(argv, __doc__.split("\n")[0] + " Takes train.py's flags.")
         checks = run_checks(cfg)
-    except TinyGPTError as err:  # bad config or data: one line and its exit code, as in train.py
-        exit_on(err)
     name_width, measured_width = (max(len(getattr(c, key)) for c in checks) for key in ("name", "measured"))
     for c in checks:
         print(f"{'PASS' if c.passed else 'FAIL'}  {c.name:<{name_width}}  {c.measured:<{measured_width}}  {c.meaning}")

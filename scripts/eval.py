@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 import data
-from checkpoint import Loaded, add_weights_flags, find_checkpoint, from_checkpoint, from_pretrained
-from config import CommandLine, ConfigError, TinyGPTError, exit_on, field_help, run_tool
+from checkpoint import Loaded, add_weights_flags, from_flags
+from config import CommandLine, ConfigError, exit_on_errors, field_help, run_tool
 from data import Corpus, DataError, corpus_for, is_chat, load_corpus, val_windows
 from prepare import is_document_corpus, is_tokenized_folder, read_meta, read_text_file, source_fingerprint
 from runtime import STAGING, choose_runtime, dtype_name
@@ -157,16 +157,13 @@ def main(argv: list[str] | None = None) -> None:
                                ("--eval_tokens", args.eval_tokens, -1)):  # -1: as training did
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
-    try:
+    with exit_on_errors():  # one line and its exit code (config/__init__.py)
         # LoRA unmerged, as training evaluated it: merged weights round, and the logged number would not come back.
-        loaded = (from_pretrained(args.init_from) if args.init_from
-                  else from_checkpoint(find_checkpoint(args.ckpt), merged=False))
+        loaded = from_flags(args, merged=False)
         # train.py's choice for the run's config, in the run's precision; eager: one pass would not repay a compile.
         rt = choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
         loaded.model.to(rt.device)
         x, y, data, runs = eval_windows(loaded, args.data_path, args.eval_tokens)
-    except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
-        exit_on(err)
     batch_size = args.batch_size or (loaded.cfg.batch_size if loaded.step is not None else PRETRAINED_BATCH)
     if not args.json:  # what is scored, before the scoring (minutes for a large split, with its bar on stderr)
         logged = f", logged best val loss {loaded.best_val_loss:.6f}" if runs else ""

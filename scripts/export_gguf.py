@@ -22,7 +22,7 @@ import torch
 
 from checkpoint import find_checkpoint, from_checkpoint
 from finetune import LAYER_NORM_EPS, WPE, WTE, gpt2_refusals, is_transposed
-from config import CommandLine, HFError, TinyGPTError, exit_on, fail, install_hint, run_tool
+from config import CommandLine, HFError, exit_on_errors, fail, install_hint, run_tool
 from model import GPT
 from runtime import written_whole
 from scripts.export_hf import bpe_tokens, chat_template, check_output, one_line, to_hf
@@ -105,8 +105,7 @@ def vocabulary(tokenizer) -> tuple[list[str], list[str]]:
     return ["".join(name) for name in names] + [EOT_TEXT], list(merges) or [f"{BYTE_TEXT[0]} {BYTE_TEXT[0]}"]
 
 
-def write_metadata(writer, model: GPT, tokenizer, tokens: list[str], merges: list[str], dtype: str,
-                   name: str) -> None:
+def write_metadata(writer, model: GPT, tokenizer, tokens: list[str], merges: list[str], dtype: str, name: str) -> None:
     """The shape llama.cpp builds, then the tokenizer: special ids and tokens past the vocabulary are CONTROL (never
     made from text); bos and eos always set (unset, llama.cpp takes id 11, a character); a chat's template."""
     import gguf
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.out:  # Path("") is the current folder
         parser.error("OUT is empty: pass the .gguf file to write, or a folder to write FOLDER/<run>.gguf in")
-    try:  # the paths first, then gguf, before a checkpoint is loaded
+    with exit_on_errors():  # the paths first, then gguf, before a checkpoint is loaded
         path = find_checkpoint(args.run)
         run_name = Path(path).resolve().parent.name
         out = Path(args.out) / f"{run_name}.gguf" if Path(args.out).is_dir() else Path(args.out)
@@ -156,8 +155,6 @@ def main(argv: list[str] | None = None) -> None:
             fail(f"the GGUF export writes with llama.cpp's gguf package: {install_hint('gguf')}")
         loaded = from_checkpoint(path)
         count = export_gguf(loaded.model, loaded.tokenizer, out, args.dtype, name=run_name)
-    except TinyGPTError as err:  # one line and its exit code
-        exit_on(err)
     folder_note = f" ({args.out} is a folder: the file is named for the run)" if out != Path(args.out) else ""
     print(f"exported {path} -> {out}: {count} tensors, {args.dtype}{folder_note}")
 

@@ -24,7 +24,7 @@ import torch
 
 from checkpoint import find_checkpoint, from_checkpoint, load_checkpoint
 from finetune import ACTIVATIONS, LAYER_NORM_EPS, TIED_HEAD, convert, expand, gpt2_refusals
-from config import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on, run_tool
+from config import CheckpointError, CommandLine, HFError, PathError, exit_on_errors, run_tool
 from model import GPT, GPTConfig
 from runtime import atomic_write, atomic_write_text, check_writable, os_failure, staged_folder
 from tokenizer import (ASSISTANT, BEGIN, BPE_FILE, CHARS_FILE, END, EOT_TEXT, ROLES, ChatTokenizer,
@@ -229,12 +229,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="run folder (its best.pt, else last.pt) or a checkpoint file")
     parser.add_argument("out", help="folder to write: a new or an empty one")
-    parser.add_argument("--peft", default="", metavar="DIR",
-                        help="a LoRA run (--lora_rank): also write its adapters to DIR, a new or an empty folder, in "
-                             "PEFT's format, for peft.PeftModel on the base")
+    parser.add_argument("--peft", default="", metavar="DIR", help="a LoRA run (--lora_rank): also write its adapters "
+                        "to DIR, a new or an empty folder, in PEFT's format, for peft.PeftModel on the base")
     args = parser.parse_args(argv)
     out, peft = Path(args.out), Path(args.peft) if args.peft else None
-    try:  # every folder it writes, before loading anything: each new or empty, --peft's apart from OUT
+    with exit_on_errors():  # every folder it writes, before anything loads: each new or empty, --peft's apart from OUT
         check_output(out, "output folder")
         if peft:
             a, b = out.resolve(), peft.resolve()
@@ -247,8 +246,6 @@ def main(argv: list[str] | None = None) -> None:
         check_gpt2(loaded.model)  # export's refusal, before --peft's folder is written
         adapters = export_peft(load_checkpoint(path), peft) if peft else []  # refused before writing
         written = export(loaded.model, loaded.tokenizer, out)  # a LoRA run's: merged
-    except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
-        exit_on(err)
     print(f"exported {path} -> {args.out}: {', '.join(p.name for p in written)}")
     if adapters:  # each file under the folder it is in
         print(f"exported its adapters -> {args.peft}: {', '.join(p.name for p in adapters)}")

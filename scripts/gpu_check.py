@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from checkpoint import CheckpointError, load_checkpoint
-from config import REPO, CommandLine, TinyGPTError, exit_on, run_tool
+from config import REPO, CommandLine, exit_on_errors, run_tool
 from prepare import corpus_source
 from runtime import check_writable
 
@@ -205,11 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be even and >= 2, got {args.steps}")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
-    try:
+    with exit_on_errors():  # one line and its exit code (config/__init__.py)
         check_writable(args.out_dir, "--out_dir", f".gpu_check-probe-{os.getpid()}")
         corpus_source("shakespeare", args.data_path)  # a corpus that is not there: once, not in every check
-    except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
-        exit_on(err)
     common = ["--config", "gpt2", "--eval_tokens", "8192", "--grad_accum", "2", "--warmup_iters", "2",
               "--log_interval", "5"]
     common += [f"--{name}={Path(value).resolve()}" for name in ("data_path", "data_dir")  # the commands run in REPO

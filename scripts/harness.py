@@ -24,10 +24,9 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-
 import finetune
 from checkpoint import add_weights_flags, find_checkpoint, from_flags
-from config import REPO, CommandLine, ConfigError, TinyGPTError, exit_on, fail, field_help, install_hint, run_tool
+from config import REPO, CommandLine, ConfigError, exit_on_errors, fail, field_help, install_hint, run_tool
 from data import DataError
 from model import GPT
 from runtime import atomic_write_text, pick_device
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.batch_size < 1 or (args.limit is not None and args.limit <= 0) or (args.num_fewshot or 0) < 0:
         parser.error("need --batch_size >= 1, --limit > 0 and --num_fewshot >= 0")
-    try:
+    with exit_on_errors():  # one line and its exit code
         names = [name.strip() for name in args.tasks.split(",") if name.strip()]
         stem = "harness-" + "+".join(names)  # in the checkpoint's run folder; for pretrained weights in out/harness/
         output = Path(args.output or (Path("out", "harness", f"{Path(args.init_from).name}-{stem}.json")
@@ -176,8 +175,6 @@ def main(argv: list[str] | None = None) -> None:
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(f"could not load the data of {', '.join(names)} ({first_line}); the harness's tasks "
                               "download it from the Hugging Face hub; this repo's tasks run offline") from None
-    except TinyGPTError as err:  # one line and its exit code
-        exit_on(err)
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, json.dumps(results, indent=2, default=lm_utils.handle_non_serializable) + "\n")
     print(f"# {loaded.source} on {', '.join(names)} (lm_eval {lm_eval.__version__})")

@@ -14,7 +14,7 @@ if not __package__:  # run as a file, `python scripts/prepare.py`: its folder, n
     sys.exit(2)
 
 import prepare
-from config import CORPUS_OPTIONS, CommandLine, TinyGPTError, add_flags, exit_on, make_config, run_tool
+from config import CORPUS_OPTIONS, CommandLine, add_flags, exit_on_errors, make_config, run_tool
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,12 +28,10 @@ def main(argv: list[str] | None = None) -> None:
     num_proc, block_size = given.pop("num_proc"), given.pop("block_size")
     if num_proc < 0 or block_size < 1:
         parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {num_proc} and {block_size}")
-    try:
+    with exit_on_errors():  # one line and its exit code (2, or 74 for a data_dir failing its probe)
         cfg = make_config(None, **given, block_size=block_size)  # config.validate's checks of the corpus fields
         folder = prepare.corpus_folder(cfg, num_proc=num_proc)  # what train.py prepares: conversations as chat
         print(f"ready: {folder} (train.py finds it with the same corpus flags)")  # prepared now or before
-    except TinyGPTError as err:  # one line and its exit code (2, or 74 for a data_dir failing its probe)
-        exit_on(err)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from config import REPO, CommandLine, TinyGPTError, exit_on, make_config, run_tool
+from config import REPO, CommandLine, exit_on_errors, make_config, run_tool
 
 ROOTS = ("get_lr", "train_step", "next")  # what train.py's loop calls for one step
 OUTSIDE = ("tests", "out", "data")
@@ -94,10 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="tiny", help="the preset whose step is traced")
     parser.add_argument("--optimizer", default="adamw", help="the optimizer of the traced step")
     args = parser.parse_args(argv)
-    try:
+    with exit_on_errors():
         make_config(args.preset, optimizer=args.optimizer)  # a bad preset or optimizer: refused before any output
-    except TinyGPTError as err:
-        exit_on(err)
     counts = line_counts()
     for name, n in counts.items():
         print(f"{n:6d}  {name}")
@@ -108,10 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(modules_loaded(module)):6d}  project modules `import {module}` loads")
     tests = line_counts(tests=True)
     print(f"{sum(tests.values()):6d}  lines of tests ({len(tests)} files)")
-    try:
+    with exit_on_errors():
         entered = step_path(args.preset, args.optimizer)
-    except TinyGPTError as err:
-        exit_on(err)
     total = 0
     print(f"one optimizer step ({args.preset}, fp32, {args.optimizer}) enters:")
     for path, functions in sorted(entered.items()):

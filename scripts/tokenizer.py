@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from config import DEFAULTS, CommandLine, TinyGPTError, exit_on, field_help, run_tool
+from config import DEFAULTS, CommandLine, exit_on_errors, field_help, run_tool
 from data import load_corpus
 from prepare import is_tokenized_folder, prepare_corpus
 from tokenizer import tokenizer_from_meta
@@ -95,10 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.data_path and is_tokenized_folder(Path(args.data_path)):  # one tokenizer's ids: no text to compare on
         parser.error(f"--data_path {args.data_path} is a folder of tokens (train.bin, val.bin, meta.json); this tool "
                      "compares tokenizers on text: pass the text itself (a .txt, .jsonl or .parquet file, or a folder)")
-    try:
+    with exit_on_errors():  # one line and its exit code (config/__init__.py)
         print(report(args))
-    except TinyGPTError as err:  # one line and its exit code (config/__init__.py)
-        exit_on(err)
 
 
 if __name__ == "__main__":

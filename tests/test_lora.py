@@ -232,8 +232,9 @@ def test_eval_of_a_lora_run_gives_its_logged_best_val_loss_exactly(corpus_paths,
     train.train(lora_cfg(corpus_paths, out, base_folder, learning_rate=5e-2, min_lr=5e-3, warmup_iters=0,
                          dtype="bfloat16"))
     capsys.readouterr()
-    eval_script.main(["--ckpt", str(out), "--json"])
-    assert json.loads(capsys.readouterr().out)["val_loss"] == load_checkpoint(out / "best.pt")["best_val_loss"]
+    for flag in ("--ckpt", "--init_from"):  # a run: --init_from takes it as --ckpt (it was sent to GPT-2's loader)
+        eval_script.main([flag, str(out), "--json"])
+        assert json.loads(capsys.readouterr().out)["val_loss"] == load_checkpoint(out / "best.pt")["best_val_loss"]
 
 
 # ----------------------------------------------------------------------------- PEFT
