@@ -184,7 +184,7 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus,
     changes = resume_changes(state["config"], cfg)
     differences = changes["fixed"]
     if state["tokenizer"] != corpus.meta["tokenizer"]:
-        differences.append("tokenizer vocabulary differs from the current corpus")
+        differences.append("the corpus's tokenizer differs (another --tokenizer, or a text with other characters)")
     if differences:
         raise CheckpointError(f"{path} was trained with other settings: " + "; ".join(differences)
                               + ". Use the same settings or a new --out_dir")

@@ -71,6 +71,8 @@ def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
     imported = {name: getattr(base.config, name) for name in fixed}
     if base.tokenizer is not None:
         imported["tokenizer"] = base.tokenizer["kind"]
+    if imported.get("tokenizer") == "bpe":  # its vocabulary too: a given other size is refused, not ignored
+        imported["bpe_vocab_size"] = tokenizer_vocab_size(without_chat(base.tokenizer))
     given = given_fields(cfg)
     flag = lambda value: str(value).lower() if isinstance(value, bool) else str(value)  # noqa: E731 - false, not False
     for name, value in imported.items():

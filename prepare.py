@@ -220,6 +220,9 @@ def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_
         path = Path(data_path)
         if is_tokenized_folder(path):
             return path.name, path
+        if path.is_dir() and (path / "train.bin").is_file():  # nanoGPT's prepare.py writes none (or a meta.pkl)
+            raise DataError(f"{path} holds train.bin but no meta.json, which says how to read its tokens; write one "
+                            "(docs/data.md), or pass the text to prepare")
         if not path.is_file() and not (path.exists() and is_document_corpus(path)):
             raise DataError(f"{path}: no such file or folder; pass a .txt file, a folder of {' or '.join(IN_FOLDERS)} "
                             "files, a .jsonl or a .parquet file, or a folder of train.bin, val.bin and meta.json "
@@ -493,6 +496,9 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
         documents = tqdm(encoded(document_texts(path, text_column), tok, num_proc),
                          desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
         counts, docs = write_splits(documents, staging, val_fraction)
+        if not docs["train"]:  # one document (or a few): the first is val, so is the whole corpus
+            raise DataError(f"{path}: its {docs['val']} document(s) all go to val (document 0 is val, then one in "
+                            f"{round(1 / val_fraction)}); add documents, or pass one text file, whose tail is val")
         check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
         rule = ("document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
                 f"{'a newline' if tokenizer == 'char' else '<|endoftext|>'} before each document")

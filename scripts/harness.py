@@ -159,13 +159,13 @@ def main(argv: list[str] | None = None) -> None:
         output = Path(args.output or (Path("out", "harness", f"{Path(args.init_from).name}-{stem}.json")
                                       if args.init_from else find_checkpoint(args.ckpt).parent / f"{stem}.json"))
         check_results_path(output, "--output")  # before minutes of evaluation, not after
+        if (unknown := [name for name in names if name not in task_manager(names).all_tasks]) or not names:
+            raise ConfigError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; list them with "
+                              f"`lm_eval ls tasks`, or see {LOCAL_TASKS.relative_to(REPO)}/ for the offline ones")
         remote = [name for name in names if name not in LOCAL_TASK_NAMES]  # refused now, not after minutes of retries
         if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := finetune.hub_unreachable("gpt2")):
             raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need "
                               "their data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
-        if (unknown := [name for name in names if name not in task_manager(names).all_tasks]) or not names:
-            raise ConfigError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; list them with "
-                              f"`lm_eval ls tasks`, or see {LOCAL_TASKS.relative_to(REPO)}/ for the offline ones")
         loaded = from_flags(args, pick_device(args.device))
         lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
         try:

@@ -134,6 +134,18 @@ def shakespeare_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if train.py gets as far as building the model."""
+    monkeypatch.setattr(train, "GPT", lambda *args, **kwargs: pytest.fail("the model was built"))
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    return pytest.importorskip("llama_cpp", reason="llama.cpp's Python binding builds from source (10-25 min): "
+                               "pip install -r requirements-llama.txt")
+
+
+@pytest.fixture
 def text_file(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"
     path.write_text(make_text())

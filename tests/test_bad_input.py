@@ -14,12 +14,6 @@ from prepare import prepare_corpus
 from scripts.prepare import main as prepare_main
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fail the test if train.py gets as far as building the model."""
-    monkeypatch.setattr(train, "GPT", lambda *args, **kwargs: pytest.fail("the model was built"))
-
-
 @pytest.mark.parametrize("bad, words", [
     ("--learning_rate -1", "learning_rate"), ("--n_head 3", "n_head"),  # test_config.py holds every message
     ("--resume", "nothing to resume in"),  # was: a new clone prepared the corpus, then "no such checkpoint"
@@ -128,10 +122,12 @@ BAD_INPUTS = {
         (["--ckpt", "{run}", "--eval_tokens", "-5"], "--eval_tokens must be >= -1, got -5"),
         (["--ckpt", "{run}", "--threads", "-1"], "--threads must be >= 0, got -1"),
         (["--ckpt", "{run}", "--data_path", "{run}/last.pt"], "not UTF-8 text"),
+        (["--ckpt", "{run}", "--data_path", "{run}/metrics.jsonl"], "holds documents"),  # was read as text
     ],
     "scripts.harness": [
         (["--ckpt", "{tmp}/missing.pt", "--tasks", "tinygpt_cloze"], "no such checkpoint"),
         (["--ckpt", "{run}", "--tasks", " , "], "unknown task(s) (none given)"),
+        (["--ckpt", "{run}", "--tasks", "tinygpt_clozee"], "unknown task(s) tinygpt_clozee"),  # blamed the hub
         (["--ckpt", "{run}", "--tasks", "tinygpt_cloze", "--batch_size", "0"], "need --batch_size >= 1"),
         (["--ckpt", "{run}", "--tasks", "tinygpt_cloze", "--output", "{run}/best.pt"], "neither a new .json file"),
     ],

@@ -31,12 +31,6 @@ PLAIN_GREEDY = {"repeat_penalty": 1.0}  # llama_cpp.server's default 1.1 changes
 
 
 @pytest.fixture(scope="module")
-def llama_cpp():
-    return pytest.importorskip("llama_cpp", reason="llama.cpp's Python binding builds from source (10-25 min): "
-                               "pip install -r requirements-llama.txt")
-
-
-@pytest.fixture(scope="module")
 def openai():
     return pytest.importorskip("openai", reason="the OpenAI client and llama.cpp's server: "
                                "pip install -r requirements-llama.txt")

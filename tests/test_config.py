@@ -64,8 +64,10 @@ BAD_COMMAND_LINES = r"""
 --wsd_fraction 0                  | wsd_fraction must be in \(0, 1\], got 0.0
 --text_column ''                  | text_column must name the .jsonl field or .parquet column
 --threads -1                      | threads must be >= 0, got -1
+--schedule time                   | schedule=time decays the lr over max_time: set max_time
 --out_dir ''                      | out_dir must name a folder
 --seed 4294967296                 | seed must be in \[0, 2\*\*32 - 1\], got 4294967296
+--tokenizer bpe --bpe_vocab_size 256 | bpe_vocab_size must be >= 257 \(the 256 bytes and <\|endoftext\|>\), got 256
 --lora_rank 4                     | LoRA adapts a trained model: pass --init_from
 --lora_rank 4 --init_from gpt2 --lora_targets attn.c_attn,mlp.fc | lora_targets names mlp.fc, which is not among attn
 --lora_rank 4 --init_from gpt2 --lora_targets ' , ' | lora_targets is empty

@@ -82,6 +82,9 @@ def test_document_corpora_prepare_char_level_joined_by_newlines(tmp_path):
                   for split in ("train", "val")}
         assert tok.decode(splits["val"]) == "\n" + docs[0] + "\n" + docs[10]
         assert tok.decode(splits["train"]) == "".join("\n" + text for text in docs[1:10])
+    jsonl.write_text(json.dumps({"text": docs[0]}) + "\n")  # one document: all val (it said "train split holds 0")
+    with pytest.raises(DataError, match="its 1 document.s. all go to val .document 0 is val, then one in 10."):
+        prepare_corpus(data_path=str(jsonl), data_dir=str(tmp_path / "d"))
 
 
 def test_documents_are_tokenized_in_order_with_a_few_in_flight():
@@ -653,6 +656,8 @@ def test_a_folder_of_someone_elses_tokens_trains_resumes_samples_and_once_rewrit
     ids.tofile(tokens / "train.bin")
     assert run_main(tiny_args(out, tokens, max_iters=4, resume="true")) == 2
     assert "train split" in capsys.readouterr().err  # "differs", or "has changed since" (checkpoint.py)
+    (tokens / "meta.json").unlink()  # nanoGPT's layout: it was read as a folder of documents ("0 tokens")
+    assert run_main(tiny_args(tmp_path / "o", tokens)) == 2 and "no meta.json" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -13,14 +13,6 @@ def listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-def test_a_write_replaces_the_file_whole(tmp_path):
-    path = tmp_path / "record.json"
-    atomic_write_text(path, "old\n")
-    atomic_write(path, lambda f: f.write(b"new, and longer\n"))
-    assert path.read_bytes() == b"new, and longer\n"
-    assert listing(tmp_path) == ["record.json"]
-
-
 @pytest.mark.parametrize("failure, in_rename", [(OSError(28, "No space left on device"), False),
                                                 (KeyboardInterrupt(), False),
                                                 (PermissionError(13, "Permission denied"), True)])
@@ -47,12 +39,14 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_path, monke
     assert listing(tmp_path) == ["results.md"]
 
 
-def test_the_data_is_fsynced_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+def test_a_write_replaces_the_file_whole_fsynced_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    atomic_write_text(path, "old\n")
     events = []
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.fstat(fd).st_ino)) or real_fsync(fd))
     monkeypatch.setattr(os, "replace", lambda src, dst: events.append(("replace", Path(dst))) or real_replace(src, dst))
-    path = tmp_path / "metrics.jsonl"
-    atomic_write_text(path, '{"step": 1}\n')
+    atomic_write(path, lambda f: f.write(b'{"step": 1}, longer\n'))
     assert events == [("fsync", path.stat().st_ino), ("replace", path), ("fsync", tmp_path.stat().st_ino)]
+    assert path.read_bytes() == b'{"step": 1}, longer\n' and listing(tmp_path) == ["metrics.jsonl"]
 

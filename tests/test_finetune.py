@@ -11,7 +11,8 @@ from fault_injection import assert_same_training_state
 
 from checkpoint import config_from_dict, from_checkpoint, load_checkpoint, load_run
 from config import CheckpointError, HFError, make_config, model_config
-from model import GPT
+from finetune import Pretrained, adopt
+from model import GPT, GPTConfig
 from prepare import prepare_corpus, read_meta, tokenizer_label
 from scripts import export_hf
 from tokenizer import CharTokenizer, tokenizer_vocab_size, train_bpe
@@ -56,12 +57,11 @@ def test_a_run_folder_starts_a_chat_fine_tune_with_its_shape_options_tokenizer_a
 def test_at_step_0_the_fine_tune_computes_the_bases_logits_on_the_bases_tokens(base_run, tmp_path):
     base, _ = base_run
     weights = load_run(base / "best.pt", 0)
-    _, base_state = model_of(base / "best.pt")
+    base_model, base_state = model_of(base / "best.pt")
     meta = {**base_state["tokenizer"], "chat_tokens": ["a", "b", "c", "d", "e"]}
     vocab = weights.config.vocab_size + 5
     model = GPT(model_config(make_config("tiny", pos_emb="rope", norm="rmsnorm"), vocab))
     model.load_state_dict(weights.weights_for(meta, vocab))
-    base_model, _ = model_of(base / "best.pt")
     x = torch.randint(weights.config.vocab_size, (2, 16))
     with torch.no_grad():
         assert torch.equal(model.eval()(x).logits[..., : weights.config.vocab_size], base_model(x).logits)
@@ -155,6 +155,14 @@ def test_a_document_folder_and_a_bpe_take_the_bases_tokenizer(tmp_path, text_fil
     folder = prepare_corpus(data_path=str(data), data_dir=str(tmp_path / "d"), tokenizer=tokenizer["kind"],
                             base=tokenizer)
     assert read_meta(folder)["tokenizer"] == tokenizer and folder.name.endswith(f"{tokenizer_label(tokenizer)}-val0.1")
+
+
+def test_a_bpe_base_fixes_bpe_vocab_size():
+    """Bug caught: --bpe_vocab_size 500 over a 300-token BPE base was ignored, and recorded as 500."""
+    base = Pretrained(GPTConfig(vocab_size=300), {}, "base", train_bpe([make_text(seed=1)], 300, "base").meta(), 64)
+    assert adopt(make_config(None, tokenizer="bpe"), base).bpe_vocab_size == 300
+    with pytest.raises(HFError, match="--bpe_vocab_size 500 conflicts with base, whose weights have bpe_vocab_size"):
+        adopt(make_config(None, tokenizer="bpe", bpe_vocab_size=500), base)
 
 
 def test_tokens_of_another_vocabulary_name_each_tokenizer_once_and_no_flag_not_passed(base_run):

@@ -195,12 +195,6 @@ RUNS = {"char": {}, "ascii": {}, "bpe": {"bpe_vocab_size": 380}, "gpt2": {}}  # 
 
 
 @pytest.fixture(scope="module")
-def llama_cpp():
-    return pytest.importorskip("llama_cpp", reason="llama.cpp's Python binding builds from source (10-25 min): "
-                               "pip install -r requirements-llama.txt")
-
-
-@pytest.fixture(scope="module")
 def exported(tmp_path_factory, llama_cpp):
     """Factory: a tiny run of the tokenizer, trained once: its model, tokenizer, Llama and GGUF (f32)."""
     root = tmp_path_factory.mktemp("gguf")

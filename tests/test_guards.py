@@ -83,14 +83,6 @@ def test_evaluate_check_names_the_problem(evaluate, problem):
     assert check.passed == (problem is None) and (problem or "") in check.measured, check.measured
 
 
-def test_accumulation_keeps_no_graph_in_its_running_loss():
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss_sum, n, _ = train.accumulate_gradients(tiny_model(), [random_batch(), random_batch(seed=1)], scaler,
-                                             CPU, torch.float32)
-    assert loss_sum.grad_fn is None and not loss_sum.requires_grad
-    assert n.item() == 2 * 4 * 16
-
-
 # ----------------------------------------------------------------------------- the training step
 def per_microbatch_mean(model, batches, scaler, device, dtype, world_size=1):
     """train.accumulate_gradients with the bug: the mean of the micro-batches' own mean losses."""
@@ -355,28 +347,23 @@ def test_fp16_run_logs_the_same_grad_norm_as_fp32(tmp_path, text_file):
     assert norms["float16"] == pytest.approx(norms["float32"], rel=1e-2)
 
 
-def test_logged_grad_norm_is_the_pre_clip_norm(tmp_path, text_file, monkeypatch):
-    """Bug caught: the norm logged is recomputed after clipping (so never above grad_clip)."""
+def test_logged_grad_norm_is_the_pre_clip_norm_and_lr_follows_the_schedule_per_optimizer_step(tmp_path, text_file,
+                                                                                                monkeypatch, tiny_cfg):
+    """Bugs caught: the norm logged is recomputed after clipping (so never above grad_clip); the loop calls
+    get_lr(step * grad_accum), counting micro-batches."""
     calls = record_optimizer_steps(monkeypatch)
     grad_clip = 0.05  # far below the ~1 norm of a fresh tiny model: every step clips
-    args = tiny_args(tmp_path, text_file, grad_clip=grad_clip, max_iters=3, eval_interval=100)
+    args = tiny_args(tmp_path, text_file, grad_clip=grad_clip, grad_accum=3, max_iters=4, eval_interval=100)
     assert run_main(args) == 0
-    logged = [record["grad_norm"] for record in metrics(tmp_path)[0]]
-    assert len(logged) == len(calls) == 3
-    for norm, call in zip(logged, calls):
-        assert norm > 10 * grad_clip
-        assert norm == pytest.approx(call["hand_norm"], rel=1e-5)
-
-
-def test_lr_follows_the_schedule_per_optimizer_step_with_accumulation(tmp_path, text_file, monkeypatch, tiny_cfg):
-    """Bug caught: the loop calls get_lr(step * grad_accum), counting micro-batches."""
-    calls = record_optimizer_steps(monkeypatch)
-    args = tiny_args(tmp_path, text_file, grad_accum=3, max_iters=4, eval_interval=100)
-    assert run_main(args) == 0
+    logged = metrics(tmp_path)[0]
+    assert len(logged) == len(calls) == 4
+    for record, call in zip(logged, calls):
+        assert record["grad_norm"] > 10 * grad_clip
+        assert record["grad_norm"] == pytest.approx(call["hand_norm"], rel=1e-5)
     cfg = tiny_cfg(grad_accum=3, max_iters=4)  # the same schedule fields as the run
     expected = [train.get_lr(s, cfg) for s in range(4)]  # warmup: every step's lr is distinct
     assert [call["lrs"] for call in calls] == [{lr} for lr in expected]  # what the optimizer used
-    assert [record["lr"] for record in metrics(tmp_path)[0]] == expected  # what the log says
+    assert [record["lr"] for record in logged] == expected  # what the log says
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

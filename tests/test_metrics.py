@@ -185,7 +185,7 @@ def test_eval_after_its_text_moved_scores_the_runs_prepared_split_and_takes_a_pr
     documents.mkdir()
     (documents / "a.txt").write_text(make_text(12))
     code, report, err = eval_run(capsys, "--ckpt", str(out), "--data_path", str(documents))
-    assert code == 2 and err.count("\n") == 1 and f"{documents} is a folder" in err and "text file" in err, err
+    assert code == 2 and err.count("\n") == 1 and f"{documents} holds documents" in err and "text file" in err, err
 
 
 def test_a_long_eval_says_what_it_scores_first_then_shows_its_progress(tmp_path, text_file, capsys, monkeypatch):

@@ -14,7 +14,6 @@ import pytest
 from conftest import REPO, metrics, run_main, tiny_args
 from fault_injection import AS_A_SCRIPT as FAULTS
 
-import train
 from checkpoint import claim, load_checkpoint
 from prepare import prepare_corpus
 from runtime import PathError
@@ -113,11 +112,6 @@ def unwritable(monkeypatch: pytest.MonkeyPatch, folder: Path, code: int = errno.
 
     monkeypatch.setattr(os, "open", failing_open)
     monkeypatch.setattr(os, "mkdir", failing_mkdir)
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    monkeypatch.setattr(train, "GPT", lambda *args, **kwargs: pytest.fail("the model was built"))
 
 
 @pytest.mark.parametrize("case, code, message", [
