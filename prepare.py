@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from config import DataError, install_hint
-from runtime import STAGING, atomic_write_text, check_writable, remove_leftovers, sha256_of, staged_folder
+from runtime import STAGING, atomic_write_text, check_writable, print0, remove_leftovers, sha256_of, staged_folder
 from tokenizer import (ROLES, CharTokenizer, GPT2Tokenizer, Message, chat_tokenizer, data_home, pip_download_sdist,
                        UnknownCharacters, render, tokenizer_from_meta, tokenizer_vocab_size, train_bpe)
 
@@ -200,6 +200,11 @@ def corpus_folder(cfg, base_tokenizer: dict | None = None, num_proc: int = 0) ->
     """The prepared folder of a TrainConfig's corpus, with ``base_tokenizer`` (a fine-tune's) if given; text only
     with cfg.init_from's (scripts/eval.py passes every run's own, which a run from scratch made from its text)."""
     path = Path(cfg.data_path) if cfg.data_path else None
+    unused = {"dataset": path is not None, "val_fraction": path is not None and is_tokenized_folder(path),
+              "text_column": path is None or path.suffix == ".txt" or is_tokenized_folder(path)}
+    if said := [name for name, off in unused.items() if off and name in cfg.given]:  # warned, never dropped silently
+        print0(f"WARNING: {', '.join(said)} set but unused by {path or cfg.dataset}; drop "
+               + ("them" if len(said) > 1 else "it"))
     if path is None and cfg.dataset == SHAKESPEARE_CHAT:
         path = shakespeare_dialogue(Path(cfg.data_dir))
     if path is not None and is_conversations(path):

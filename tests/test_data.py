@@ -642,7 +642,9 @@ def test_a_folder_of_someone_elses_tokens_trains_resumes_samples_and_once_rewrit
     tokens, out = run_the_docs_recipe(tmp_path), tmp_path / "out"
     assert sorted(p.name for p in tokens.iterdir()) == ["meta.json", "train.bin", "val.bin"]
     before = {p.name: p.read_bytes() for p in tokens.iterdir()}
-    assert run_main(tiny_args(out, tokens, data_dir=tmp_path / "cache", max_iters=2, eval_interval=2)) == 0
+    assert run_main(tiny_args(out, tokens, data_dir=tmp_path / "cache", max_iters=2, eval_interval=2,
+                              val_fraction=0.3)) == 0  # the folder's split: it was silently dropped
+    assert f"WARNING: val_fraction set but unused by {tokens}; drop it" in capsys.readouterr().out
     assert run_main(tiny_args(out, tokens, data_dir=tmp_path / "cache", max_iters=3, resume="true")) == 0
     assert {p.name: p.read_bytes() for p in tokens.iterdir()} == before  # used in place, never rewritten
     assert not (tmp_path / "cache").exists()  # nothing prepared
