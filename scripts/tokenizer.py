@@ -56,7 +56,7 @@ def report(args) -> str:
         seconds = time.perf_counter() - t0
         if texts is None:  # every size splits the same characters: one val text for all
             texts = val_texts(tok, folder)
-        rows.append((f"bpe {size}", tok, f"prepared in {seconds:.1f} s" + (" (cached)" if seconds < 1 else "")))
+        rows.append((f"bpe {size}", tok, f"ready in {seconds:.1f} s"))  # trained and prepared, or found cached
     rows.insert(0, ("char", prepared_tokenizer(args, "char")[0], "one token per character"))
     if not args.no_gpt2:
         rows.append(("gpt2", prepared_tokenizer(args, "gpt2")[0], "GPT-2's, trained on WebText"))
