@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import json
 import math
 import os
 import platform
@@ -260,7 +261,7 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
         if not resume and (out_dir / "best.pt").exists():  # a run whose last.pt is gone: a new run would replace it
             raise ConfigError(f"{out_dir} holds a run's best.pt (and no last.pt to resume); start a new run with "
                               "another --out_dir, or copy best.pt to last.pt and --resume from its step")
-        if not resume and not runtime.is_run_log(out_dir / "metrics.jsonl"):  # a new run starts the log afresh
+        if not resume and not is_run_log(out_dir / "metrics.jsonl"):  # a new run starts the log afresh
             raise ConfigError(f"{out_dir / 'metrics.jsonl'} is not a run's log, which a new run replaces: move it away")
         try:
             os.ftruncate(fd, 0)
@@ -269,6 +270,18 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
         except OSError as err:
             raise runtime.os_failure(out_dir, flag, err) from None
         return lock.pop_all()  # close(): remove the lock file while holding it, unlock, remove empty new folders
+
+
+def is_run_log(path: Path) -> bool:
+    """No file, or one whose first line is a MetricsLog record (a run that saved nothing): a new run's to replace."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+        return not first.strip() or "step" in json.loads(first)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, TypeError):  # a folder, not UTF-8, not JSON, not a record
+        return False
 
 
 class Checkpointer:

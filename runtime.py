@@ -696,18 +696,6 @@ def drop_records_after(path: Path, step: int) -> int | None:
     return max(steps, default=None)
 
 
-def is_run_log(path: Path) -> bool:
-    """No file, or one whose first line is a MetricsLog record (a run that saved nothing): a new run's to replace."""
-    try:
-        with open(path, "rb") as f:
-            first = f.readline()
-        return not first.strip() or "step" in json.loads(first)
-    except FileNotFoundError:
-        return True
-    except (OSError, ValueError, TypeError):  # a folder, not UTF-8, not JSON, not a record
-        return False
-
-
 def clock(seconds: float) -> str:
     """m:ss, or h:mm:ss from an hour on."""
     minutes, secs = divmod(int(seconds), 60)
