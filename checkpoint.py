@@ -12,7 +12,6 @@ import contextlib
 import fcntl
 import functools
 import hashlib
-import json
 import math
 import os
 import platform
@@ -171,6 +170,8 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[st
     saved, unused = {**DEFAULTS, **saved}, unused_fields(cfg)
     changes: dict[str, list[str]] = {"fixed": [], "warned": []}
     for name, resume in RESUME.items():
+        if name == "bpe_vocab_size" and cfg.init_from:  # a base's tokenizer fixes it: compared as the tokenizer
+            continue
         if resume in changes and saved[name] != getattr(cfg, name) and not (resume == "warned" and name in unused):
             changes[resume].append(f"{name}: checkpoint {saved[name]!r} vs now {getattr(cfg, name)!r}")
     if bool(saved["init_from"]) != bool(cfg.init_from):  # free (a moved base), but weights or none is another run
@@ -261,7 +262,7 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
         if not resume and (out_dir / "best.pt").exists():  # a run whose last.pt is gone: a new run would replace it
             raise ConfigError(f"{out_dir} holds a run's best.pt (and no last.pt to resume); start a new run with "
                               "another --out_dir, or copy best.pt to last.pt and --resume from its step")
-        if not resume and not is_run_log(out_dir / "metrics.jsonl"):  # a new run starts the log afresh
+        if not resume and not runtime.is_run_log(out_dir / "metrics.jsonl"):  # a new run starts the log afresh
             raise ConfigError(f"{out_dir / 'metrics.jsonl'} is not a run's log, which a new run replaces: move it away")
         try:
             os.ftruncate(fd, 0)
@@ -270,18 +271,6 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
         except OSError as err:
             raise runtime.os_failure(out_dir, flag, err) from None
         return lock.pop_all()  # close(): remove the lock file while holding it, unlock, remove empty new folders
-
-
-def is_run_log(path: Path) -> bool:
-    """No file, or one whose first line is a MetricsLog record (a run that saved nothing): a new run's to replace."""
-    try:
-        with open(path, "rb") as f:
-            first = f.readline()
-        return not first.strip() or "step" in json.loads(first)
-    except FileNotFoundError:
-        return True
-    except (OSError, ValueError, TypeError):  # a folder, not UTF-8, not JSON, not a record
-        return False
 
 
 class Checkpointer:
@@ -485,8 +474,12 @@ def load_base(cfg: TrainConfig) -> finetune.Pretrained:
         last = Path(cfg.out_dir) / "last.pt"
         if not cfg.resume or cfg.lora_rank or not last.is_file():  # LoRA's last.pt holds the adapters alone
             raise
-        print0(f"the base {cfg.init_from} cannot be loaded ({err}); resuming from {last}, which holds every weight")
-        return load_run(last, block_size)
+        try:
+            resumed = load_run(last, block_size)
+        except TinyGPTError:  # last.pt cannot stand in either (a --block_size it lacks): the base's error says why
+            raise err from None
+        print0(f"the base {cfg.init_from} cannot be loaded; resuming from {last}, which holds every weight")
+        return resumed
 
 
 def load_run(path: Path, block_size: int) -> finetune.Pretrained:

@@ -38,7 +38,8 @@ def check_fit(lengths: np.ndarray, block_size: int, overflow: str, source: tuple
         where = f"{path}:{lines[long[0]]}" if len(lines) == len(lengths) else f"{path}, conversation {long[0]}"
         raise DataError(f"{where}: a conversation of {lengths[long[0]]} tokens ({len(long)} such in all) does not fit "
                         f"block_size + 1 = {block_size + 1}; pass --chat_overflow truncate to cut them there (their "
-                        "tails are not learned), a larger --block_size (up to the model's positions), or shorten them")
+                        "tails are not learned), a larger --block_size (with --init_from, up to its positions), or "
+                        "shorten them")
     if len(long):
         print(f"{path}: {len(long)} of {len(lengths)} conversations cut at block_size + 1 = {block_size + 1} tokens")
 

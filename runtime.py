@@ -696,6 +696,19 @@ def drop_records_after(path: Path, step: int) -> int | None:
     return max(steps, default=None)
 
 
+def is_run_log(path: Path) -> bool:
+    """No file, or one whose first line is a MetricsLog record (a run that saved nothing): a new run's to replace."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 16)  # a record is a short line; a user's file may be one long one
+        record = json.loads(first) if first else {"step": None}  # empty: a run that stopped before its first line
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):  # a folder, not UTF-8, not JSON (a blank first line too)
+        return False
+    return isinstance(record, dict) and "step" in record
+
+
 def clock(seconds: float) -> str:
     """m:ss, or h:mm:ss from an hour on."""
     minutes, secs = divmod(int(seconds), 60)

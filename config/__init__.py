@@ -34,6 +34,7 @@ def option(resume: str, default: Any, help: str) -> Any:
 
 fixed, warned, free = (functools.partial(option, rule) for rule in RESUME_RULES)
 LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # what lora_targets may name
+LORA_FIELDS = ("lora_alpha", "lora_dropout", "lora_targets")  # read only with lora_rank > 0
 
 
 @dataclasses.dataclass
@@ -49,7 +50,8 @@ class TrainConfig(GPTConfig):
     threads: int = free(0, "torch threads; 0 = torch's default (one per core). Two jobs on 2 cores: 1 each")
     resume: bool = free(False, "continue exactly from out_dir/last.pt")
     init_from: str = free("", "start from trained weights: a run's folder or .pt | gpt2[-medium|-large|-xl] | a "
-                          'Hugging Face GPT-2 folder or .safetensors; "" = random init')
+                          'Hugging Face GPT-2 folder or .safetensors; "" = random init')  # free: a base may move; set
+    # or unset against the checkpoint's is another run, refused (checkpoint.resume_changes)
     # --- the corpus (python -m scripts.prepare's flags too)
     dataset: str = free("shakespeare", "built-in corpus name; ignored when data_path is set")
     data_path: str = free("", "what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a "
@@ -194,7 +196,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         require(cfg.init_from, "LoRA adapts a trained model: pass --init_from (a run's folder or .pt, gpt2, a "
                                "Hugging Face folder or .safetensors) with --lora_rank, or drop --lora_rank")
         parse_lora_targets(cfg.lora_targets)
-    elif off := [name for name in ("lora_alpha", "lora_dropout", "lora_targets") if name in cfg.given]:
+    elif not cfg.resume and (off := [name for name in LORA_FIELDS if name in cfg.given]):  # a resume: its own rules
         raise ConfigError(f"{off[0]} is set, but LoRA is off (lora_rank 0): pass --lora_rank R, or drop {off[0]}")
     try:
         model_config(cfg, vocab_size=1)
@@ -366,7 +368,8 @@ def fail(message: str, code: int = EXIT_BAD_INPUT, rank: int | None = 0) -> NoRe
 
 def run_tool(main: Callable[[], int | None]) -> NoReturn:
     """A tool's entry (python -m scripts.NAME): exit with main()'s code; a closed stdout (| head) ends it quietly."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # imported: Ctrl-C is a KeyboardInterrupt again (130)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # scripts/__init__.py's, while torch imported
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is a KeyboardInterrupt again (130)
     try:
         sys.exit(main())
     except BrokenPipeError as err:

@@ -8,5 +8,7 @@ checks of the repo itself (gpu_check, shape) and harness.py's offline task (harn
 import signal
 import sys
 
-if sys.argv[:1] == ["-m"]:  # python -m scripts.NAME, before the tool imports torch (seconds): Ctrl-C just ends it
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # config.run_tool, the tools' entry, puts Python's handler back
+# python -m scripts.NAME, before the tool imports torch (seconds): Ctrl-C just ends it (unless it is ignored, as in a
+# background job); config.run_tool, the tools' entry, puts Python's handler back.
+if sys.argv[:1] == ["-m"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -58,7 +58,7 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
         path = Path(data_path)
         if is_tokenized_folder(path):  # train.bin, val.bin, meta.json: its val split, as training scores one
             return split_windows(loaded, load_corpus(path, cfg.block_size), eval_tokens)
-        if is_document_corpus(path):  # train.py's documents (a folder, .jsonl, .parquet): split by a prepare
+        if path.exists() and is_document_corpus(path):  # train.py's documents (a folder, .jsonl, .parquet)
             raise DataError(f"{path} holds documents: eval scores one UTF-8 text file (all of it) or a prepared "
                             "folder's val split (train.bin, val.bin and meta.json); join their text into one file")
         text = read_text_file(path)

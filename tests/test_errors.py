@@ -64,6 +64,10 @@ def test_a_tool_ends_on_ctrl_c_in_one_line_and_130(capsys):
     with pytest.raises(SystemExit) as ended:  # default_int_handler: what Ctrl-C calls, raising KeyboardInterrupt
         config.run_tool(lambda: signal.default_int_handler(signal.SIGINT, None))
     assert ended.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as scripts/__init__.py leaves it while torch imports
+    with pytest.raises(SystemExit) as ended:  # Ctrl-C is a KeyboardInterrupt again: chat's "end the reply" needs it
+        config.run_tool(lambda: 0 if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 1)
+    assert ended.value.code == 0
 
 
 BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(value, type)

@@ -9,8 +9,8 @@ import torch
 from conftest import make_text, metrics, read_metrics, run_main, tiny_args, write_chats
 from fault_injection import assert_same_training_state
 
-from checkpoint import config_from_dict, from_checkpoint, load_checkpoint, load_run
-from config import CheckpointError, HFError, make_config, model_config
+from checkpoint import config_from_dict, from_checkpoint, load_checkpoint, load_run, resume_changes
+from config import CheckpointError, HFError, as_dict, make_config, model_config
 from finetune import Pretrained, adopt
 from model import GPT, GPTConfig
 from prepare import prepare_corpus, read_meta, tokenizer_label
@@ -160,7 +160,9 @@ def test_a_document_folder_and_a_bpe_take_the_bases_tokenizer(tmp_path, text_fil
 def test_a_bpe_base_fixes_bpe_vocab_size():
     """Bug caught: --bpe_vocab_size 500 over a 300-token BPE base was ignored, and recorded as 500."""
     base = Pretrained(GPTConfig(vocab_size=300), {}, "base", train_bpe([make_text(seed=1)], 300, "base").meta(), 64)
-    assert adopt(make_config(None, tokenizer="bpe"), base).bpe_vocab_size == 300
+    adopted = adopt(make_config(None, tokenizer="bpe", init_from="base"), base)
+    assert adopted.bpe_vocab_size == 300  # and a fine-tune saved with the default before resumes (the tokenizer rules)
+    assert resume_changes({**as_dict(adopted), "bpe_vocab_size": 2048}, adopted) == {"fixed": [], "warned": []}
     with pytest.raises(HFError, match="--bpe_vocab_size 500 conflicts with base, whose weights have bpe_vocab_size"):
         adopt(make_config(None, tokenizer="bpe", bpe_vocab_size=500), base)
 

@@ -371,6 +371,14 @@ def test_a_second_signal_during_shutdown_keeps_the_exit_code(tmp_path, text_file
     assert load_checkpoint(out / "last.pt")["step"] == 3 and temp_files(out) == []
 
 
+def test_under_torchrun_rank_0_alone_says_a_signals_notice(monkeypatch, capfd):
+    """torchrun signals every rank; each said "SIGTERM: finishing this step, then saving last.pt"."""
+    for rank, said in (("1", ""), ("0", "\nSIGTERM: finishing this step, then saving last.pt\n")):
+        monkeypatch.setenv("RANK", rank)
+        runtime.StopOnSignal(install=False).handle(signal.SIGTERM, None)
+        assert capfd.readouterr().err == said
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_before_the_first_step_is_one_line_and_leaves_no_folder(tmp_path, text_file, monkeypatch, capsys,
                                                                          signal_handlers, signum, code):

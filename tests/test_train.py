@@ -196,8 +196,9 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, text_file, capsys)
     assert run_main(tiny_args(out, text_file, max_iters=3, resume="true")) == 2  # it said "drop --resume": refused
     assert "copy its best.pt to last.pt to resume from the best step" in capsys.readouterr().err
     (out / "best.pt").unlink()
-    (out / "metrics.jsonl").write_text("my notes\n")  # not a run's log: was deleted by the new run
-    assert run_main(tiny_args(out, text_file, max_iters=3)) == 2 and (out / "metrics.jsonl").read_text() == "my notes\n"
+    notes = "\nmy notes\n"  # not a run's log (a blank first line passed for one): was deleted by the new run
+    (out / "metrics.jsonl").write_text(notes)
+    assert run_main(tiny_args(out, text_file, max_iters=3)) == 2 and (out / "metrics.jsonl").read_text() == notes
     assert "metrics.jsonl is not a run's log" in capsys.readouterr().err
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.2}\n')  # a run's that saved nothing: replaced
     assert run_main(tiny_args(out, text_file, max_iters=3)) == 0
