@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import signal
 
-# Ctrl-C while torch imports (seconds) ends the process, not in an import traceback (an ignored one stays ignored)
+# Ctrl-C while torch imports (seconds) ends the process, not in an import traceback (an ignored one stays ignored);
+# config.run_tool, main's entry below, puts Python's handler back once they are done
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
@@ -237,8 +238,6 @@ def sampling_args(parser: CommandLine, argv: list[str] | None) -> argparse.Names
 
 
 def main(argv: list[str] | None = None) -> None:
-    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # imported: Ctrl-C is a KeyboardInterrupt again (130)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
