@@ -179,6 +179,20 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[st
     return changes
 
 
+def other_run(path: Path, differences: list[str]) -> CheckpointError:
+    return CheckpointError(f"{path} was trained with other settings: " + "; ".join(differences)
+                           + ". Use the same settings or a new --out_dir")
+
+
+def check_same_run(cfg: TrainConfig) -> None:
+    """--resume: refuse a last.pt of another run by its config alone, before a base is read or a corpus prepared.
+    With --init_from on both sides the options the base fixes are compared once adopted (check_resumable)."""
+    path = Path(cfg.out_dir) / "last.pt"
+    saved = load_checkpoint(path)["config"]  # read again, whole, by the resume
+    if not (cfg.init_from and saved["init_from"]) and (differences := resume_changes(saved, cfg)["fixed"]):
+        raise other_run(path, differences)
+
+
 def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus, fp16_scaler: bool,
                     dtype: torch.dtype) -> None:
     """Refuse a checkpoint this run cannot continue (shape, tokenizer, optimizer, scaler, data: another val split
@@ -188,8 +202,7 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus,
     if state["tokenizer"] != corpus.meta["tokenizer"]:
         differences.append("the corpus's tokenizer differs (another --tokenizer, or a text with other characters)")
     if differences:
-        raise CheckpointError(f"{path} was trained with other settings: " + "; ".join(differences)
-                              + ". Use the same settings or a new --out_dir")
+        raise other_run(path, differences)
     saved, now = state["corpus"], corpus.record()
     changed = [split for split in ("train", "val") if saved["fingerprint"].get(split) != now["fingerprint"][split]]
     if changed and (saved["source"], saved["val_fraction"]) == (now["source"], now["val_fraction"]):
@@ -230,7 +243,7 @@ def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
     return saved[ddp.rank] if ddp.rank < len(saved) else None
 
 
-def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contextlib.ExitStack:
+def claim(out_dir: Path, resume: bool = False, flag: str = "--out_dir") -> contextlib.ExitStack:
     """Own ``out_dir`` (one live run per folder) through an flock on out_dir/.lock, dropped by the kernel when this
     process dies, or raise PathError; a fresh run is refused where last.pt exists. Footgun: flock is advisory."""
     created = runtime.make_folders(out_dir, flag)
@@ -256,6 +269,10 @@ def claim(out_dir: Path, resume: bool = True, flag: str = "--out_dir") -> contex
         lock.callback(runtime.remove_empty, created)
         lock.callback(os.close, fd)
         lock.callback(path.unlink, missing_ok=True)
+        if resume and not (out_dir / "last.pt").exists():  # before the corpus is made
+            best = (out_dir / "best.pt").exists()  # and no last.pt: a save that filled the disk
+            raise ConfigError(f"nothing to resume in {out_dir} (no last.pt); " + ("copy its best.pt to last.pt to "
+                              "resume from the best step" if best else "drop --resume to start a new run"))
         if not resume and (out_dir / "last.pt").exists():
             raise ConfigError(f"{out_dir} already holds a run (last.pt); continue it with --resume, or start a "
                               "new one with another --out_dir (or delete the folder)")

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import data
 import runtime
-from checkpoint import Checkpointer, claim, start_from
+from checkpoint import Checkpointer, check_same_run, claim, start_from
 from config import ConfigError, TrainConfig, exit_for, fail, model_config, parse_args
 from model import GPT
 from optim import NonFiniteGuard, build_optimizer, lr_at
@@ -214,10 +214,6 @@ def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
     check_wandb(cfg)  # --wandb without wandb: the same, not an empty metrics.jsonl left behind
     ddp = runtime.setup(cfg.device)  # a world of one on cfg.device without torchrun
     with runtime.stop_together(ddp.device):  # refused on rank 0: every rank stops here
-        if cfg.resume and ddp.is_main and not (Path(cfg.out_dir) / "last.pt").exists():  # before the corpus is made
-            best = (Path(cfg.out_dir) / "best.pt").exists()  # and no last.pt: a save that filled the disk
-            raise ConfigError(f"nothing to resume in {cfg.out_dir} (no last.pt); " + ("copy its best.pt to last.pt "
-                              "to resume from the best step" if best else "drop --resume to start a new run"))
         owner = claim(Path(cfg.out_dir), cfg.resume) if ddp.is_main else contextlib.nullcontext()
     with owner:  # released however the run ends (after a SIGKILL, by the kernel)
         return train_in_owned_folder(cfg, ddp, stop or StopOnSignal(install=False))
@@ -229,6 +225,9 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
                           "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
+    with runtime.stop_together(ddp.device):  # before a base is read or a corpus prepared
+        if cfg.resume and ddp.is_main:
+            check_same_run(cfg)  # last.pt of another run, as its config alone tells
     cfg, pretrained = start_from(cfg, ddp.device)  # init_from: before anything is written
     rt = choose_runtime(cfg, ddp.device)  # threads, precision (dtype=auto: rank 0's choice), compile
     run = build_run(cfg, rt, ddp, pretrained)

@@ -203,6 +203,7 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
                                             "--out_dir\n"),
         (state, dict(dtype="float16"), "resume with --dtype float32\n"),
         (state, dict(init_from=out), f"init_from: checkpoint '' vs now '{out}'"),  # was: ignored, then recorded
+        (state, dict(tokenizer="bpe"), "tokenizer: checkpoint 'char' vs now 'bpe'"),  # was: a BPE trained first
         (state, dict(data_path=other), reads + f"{other} (val_fraction 0.1): its train and val split differs. "
                                               "Resume with the same --data_path and --val_fraction, or start a new "
                                               "--out_dir\n"),
@@ -223,7 +224,9 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
         assert err.startswith("error: ") and err.count("\n") == 1 and error in err, (flags, err)
         assert {p: p.read_bytes() for p in out.iterdir()} == run  # none touched, none added
         assert {p: p.read_bytes() for p in corpora} == corpora
-    assert len(list((tmp_path / "data").iterdir())) == 4  # each corpus and split in its own folder, init_from's too
+    # each corpus and split in its own folder; none for what last.pt's config refuses (another --init_from or
+    # --tokenizer), which is refused before a base is read or a corpus prepared
+    assert len(list((tmp_path / "data").iterdir())) == 3
 
 
 def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
