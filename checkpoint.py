@@ -167,8 +167,10 @@ def git_state() -> dict[str, Any]:
 
 def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[str]]:
     """The fields ``saved`` (a checkpoint's config) has otherwise, by rule, but warned ones this run does not read."""
+    lacked = [f"{name}: checkpoint {value!r}, a field this code lacks" for name, value in saved.items()
+              if name not in DEFAULTS and name != "given"]  # a fork's option renamed or removed since
     saved, unused = {**DEFAULTS, **saved}, unused_fields(cfg)
-    changes: dict[str, list[str]] = {"fixed": [], "warned": []}
+    changes: dict[str, list[str]] = {"fixed": lacked, "warned": []}
     for name, resume in RESUME.items():
         if name == "bpe_vocab_size" and cfg.init_from:  # a base's tokenizer fixes it: compared as the tokenizer
             continue
@@ -315,7 +317,7 @@ class Checkpointer:
         state = load_checkpoint(path)
         check_resumable(path, state, cfg, self.corpus, self.scaler.is_enabled(), self.dtype)
         if self.lora is None:
-            self.model.load_state_dict(state["model"])
+            load_weights(self.model, state["model"], path)
         else:  # the adapters, once the base imported now is the one they were trained on (its fingerprint)
             import finetune
             finetune.check_base(state["lora"], self.lora["fingerprint"], str(path))
@@ -400,6 +402,16 @@ def run_checkpoint(source: str) -> Path | None:
     return path if path.suffix == ".pt" else None
 
 
+def load_weights(model: GPT, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """``weights`` into ``model``, or CheckpointError: saved by other code (an option added since, its default new)."""
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:  # torch's first line names the model; the next, the first tensor that differs
+        first = (str(err).splitlines()[1:] or [str(err)])[0].strip()
+        raise CheckpointError(f"{path}: its weights do not fit the model this code builds from its config ({first}); "
+                              "load it with the code that wrote it (versions.git_commit)") from None
+
+
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     """A checkpoint's config (as_dict) without the keys this code lacks (a fork's model options), warned about."""
     unknown = ", ".join(f"{k}={v!r}" for k, v in sorted(values.items()) if k not in FIELD_TYPES and k != "given")
@@ -426,7 +438,7 @@ def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True)
         model.load_state_dict(base.weights_for(state["tokenizer"], tokenizer.vocab_size))
         model = load_adapted(state, model, str(path), merged)
     else:
-        model.load_state_dict(state["model"])
+        load_weights(model, state["model"], path)
     return Loaded(model.to(device).eval(), tokenizer, cfg, state["precision"], str(path), state["step"],
                   state["best_val_loss"], state["corpus"])
 

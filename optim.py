@@ -4,7 +4,7 @@
 name to a shape: the share of learning_rate - min_lr left as the decay's progress goes 0 -> 1, around which
 ``lr_at`` draws the standard curve (warmup, the clock, min_lr at the end). The names config accepts are these
 keys (its Literals; tests/test_training_options.py checks they match: a name without its row fails there). Which
-fields only one choice reads is config.USED_ONLY_UNDER, checked by perturbing every field. docs/experiments.md,
+fields some choices read is config.USED_ONLY_UNDER, checked by perturbing every field. docs/experiments.md,
 "Adding a training option", walks through adding a row. ``NonFiniteGuard`` watches every step for a non-finite
 loss or gradient.
 

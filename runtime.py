@@ -790,13 +790,13 @@ def summary(model) -> str:
 
 
 def unused_fields(cfg: TrainConfig) -> set[str]:  # muon_lr under adamw, and so on
-    return {name for name, (chooser, value) in USED_ONLY_UNDER.items() if getattr(cfg, chooser) != value}
+    return {name for name, (chooser, readers) in USED_ONLY_UNDER.items() if getattr(cfg, chooser) not in readers}
 
 
 def unused_given(cfg: TrainConfig) -> list[str]:
     return [f"WARNING: {name} is set ({getattr(cfg, name)!r}) but unused: {chooser}={getattr(cfg, chooser)} "
-            f"does not read it ({chooser}={reader} does)" for name in sorted(unused_fields(cfg) & given_fields(cfg))
-            for chooser, reader in [USED_ONLY_UNDER[name]]]
+            f"does not read it ({chooser}={'|'.join(readers)} does)"
+            for name in sorted(unused_fields(cfg) & given_fields(cfg)) for chooser, readers in [USED_ONLY_UNDER[name]]]
 
 
 def settings_line(cfg: TrainConfig) -> str:

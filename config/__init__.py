@@ -108,9 +108,9 @@ class TrainConfig(GPTConfig):
         return self.max_time > 0 and time_s >= self.max_time
 
 
-# The fields only one choice reads: under another they are unused (warned about when set, not shown, not compared).
-USED_ONLY_UNDER = {"muon_lr": ("optimizer", "muon"), "wsd_fraction": ("lr_decay", "wsd"),  # field: (chooser, value)
-                   "lr_decay_iters": ("schedule", "steps"), "bpe_vocab_size": ("tokenizer", "bpe")}
+# The fields some choices read: under another they are unused (warned about when set, not shown, not compared).
+USED_ONLY_UNDER = {"muon_lr": ("optimizer", ("muon",)), "wsd_fraction": ("lr_decay", ("wsd",)),  # field: (chooser,
+                   "lr_decay_iters": ("schedule", ("steps",)), "bpe_vocab_size": ("tokenizer", ("bpe",))}  # readers)
 OPTIONS = tuple(f for f in dataclasses.fields(TrainConfig) if f.name != "given")  # every field a user can set
 DEFAULTS = {f.name: f.default for f in OPTIONS}
 FIELD_TYPES = {name: kind for name, kind in get_type_hints(TrainConfig).items() if name in DEFAULTS}

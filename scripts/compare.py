@@ -16,6 +16,7 @@ if not __package__:  # run as a file, `python scripts/compare.py`: its folder, n
     sys.exit(2)
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -59,6 +60,16 @@ class Run:
 
     def config(self, resume: bool = False) -> TrainConfig:
         return make_config(self.preset, **self.overrides, resume=resume)
+
+    def made_by(self, code: dict[str, str]) -> dict[str, str]:
+        """What the run is made of besides its config: the code, and the corpus (an edited --data_path is another)."""
+        cfg = self.config()
+        return {**code, "corpus": corpus_name(cfg.dataset, cfg.data_path, cfg.text_column)}
+
+
+@functools.cache  # a file's is its sha256: once per comparison
+def corpus_name(dataset: str, data_path: str, text_column: str) -> str:
+    return corpus_source(dataset, data_path, text_column)[0]  # its prepared folder's name: the source's fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +149,7 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
     runs = [Run(name, seed, folder / name / f"seed-{seed}", args.config, {**overrides[name], "seed": seed,
                 "out_dir": str(folder / name / f"seed-{seed}")}) for seed in seeds for name in variants]
     for cfg in {(c.dataset, c.data_path, c.text_column): c for c in map(Run.config, runs)}.values():
-        corpus_source(cfg.dataset, cfg.data_path, cfg.text_column)  # DataError now, not after the runs before it
+        corpus_name(cfg.dataset, cfg.data_path, cfg.text_column)  # DataError now, not after the runs before it
     runs = pin_auto_dtype(runs)
     for run in runs:
         if code is None or not is_stale(run, code):
@@ -202,22 +213,27 @@ def code_fingerprint() -> dict[str, str]:
 
 
 def is_stale(run: Run, code: dict[str, str]) -> bool:
-    """A run on disk that other code made (or that recorded none)."""
-    ran = saved(run.folder).get("code")
-    return run.folder.is_dir() and any(run.folder.iterdir()) and (ran is None or ran["hash"] != code["hash"])
+    """A run on disk that other code made (or that recorded none), or made on another corpus (where recorded)."""
+    ran, made = saved(run.folder).get("code"), run.made_by(code)
+    return run.folder.is_dir() and any(run.folder.iterdir()) and (
+        ran is None or ran["hash"] != made["hash"] or ran.get("corpus", made["corpus"]) != made["corpus"])
 
 
 def set_aside_if_stale(run: Run, code: dict[str, str], where: str) -> None:
-    """Move a run on disk made by other code to EXP/stale/HASH/, saying so."""
+    """Move a run on disk made by other code or data to EXP/stale/HASH/, saying so."""
     if not is_stale(run, code):
         return
-    old = saved(run.folder).get("code")
+    old, made = saved(run.folder).get("code"), run.made_by(code)
     ran = f"code {old['hash']} (commit {old['commit']})" if old else "code this version did not record"
-    stale = run.folder.parents[1] / "stale" / (old["hash"] if old else "unrecorded") / run.variant / run.folder.name
+    home = run.folder.parents[1] / "stale" / (old["hash"] if old else "unrecorded") / run.variant
+    stale, n = home / run.folder.name, 1
+    while stale.exists():  # set aside before under the same code (edited back and forth): both kept
+        n += 1
+        stale = home / f"{run.folder.name}.{n}"
     stale.parent.mkdir(parents=True, exist_ok=True)
     run.folder.rename(stale)
-    print(f"{where}: retraining: it ran {ran}, this is code {code['hash']} (commit {code['commit']}); "
-          f"the old run is kept in {stale}", flush=True)
+    print(f"{where}: retraining: it ran {ran} on {(old or {}).get('corpus', 'its corpus')}, this is code "
+          f"{code['hash']} (commit {code['commit']}) on {made['corpus']}; the old run is kept in {stale}", flush=True)
 
 
 def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
@@ -233,7 +249,7 @@ def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
         cfg = run.config(resume)
         run.folder.mkdir(parents=True, exist_ok=True)
         (plan.folder / MARKER).touch()
-        atomic_write_text(run.folder / CODE, json.dumps(code, indent=1))  # written whole: a kill leaves no half
+        atomic_write_text(run.folder / CODE, json.dumps(run.made_by(code), indent=1))  # whole: a kill leaves no half
         diverged = ""
         try:
             train.train(cfg, stop)
@@ -243,7 +259,7 @@ def run_all(plan: Plan, stop: StopOnSignal, code: dict[str, str]) -> None:
                                  f"done); continue with the same command: {plan.command}", err.exit_code) from None
             print(f"{where}: {err}; recorded as diverged", flush=True)
             diverged = str(err)
-        write_result(run, cfg, code, diverged)
+        write_result(run, cfg, run.made_by(code), diverged)
 
 
 def write_result(run: Run, cfg: TrainConfig, code: dict[str, str], diverged: str = "") -> None:

@@ -113,19 +113,29 @@ def test_a_rerun_trains_nothing_unless_the_code_changed(finished, tmp_path, monk
     assert "Δ vs slow [95% CI]" in (tmp_path / "exp" / "results.md").read_text()
 
     old_code = json.loads((tmp_path / "exp" / "base" / "seed-1" / "result.json").read_text())["code"]
-    assert old_code == compare.code_fingerprint()  # the finished runs recorded the code that made them
+    corpus = old_code.pop("corpus")  # the finished runs recorded the code and the corpus that made them
+    assert old_code == compare.code_fingerprint() and corpus.startswith("corpus-")
     edited = {"hash": "0123456789ab", "commit": old_code["commit"] + "+edits"}
     monkeypatch.setattr(compare, "code_fingerprint", lambda: edited)
+    earlier = tmp_path / "exp" / "stale" / old_code["hash"] / "base" / "seed-1"  # set aside before: code edited
+    earlier.mkdir(parents=True)  # back and forth (was: a traceback renaming onto it)
+    (earlier / "metrics.jsonl").write_text("its own\n")
     capsys.readouterr()
     rerun = compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:"), StopOnSignal(install=False))
     out = capsys.readouterr().out
-    assert out.count(f"retraining: it ran code {old_code['hash']} (commit {old_code['commit']}), this is code "
-                     "0123456789ab") == 3 and "finished earlier" not in out
+    assert out.count(f"retraining: it ran code {old_code['hash']} (commit {old_code['commit']}) on {corpus}, this "
+                     f"is code 0123456789ab") == 3 and "finished earlier" not in out
     for seed in (1, 2, 3):
-        kept = tmp_path / "exp" / "stale" / old_code["hash"] / "base" / f"seed-{seed}" / "result.json"
-        assert json.loads(kept.read_text())["code"] == old_code  # the old run is kept, out of the tables
-        assert json.loads((tmp_path / "exp" / "base" / f"seed-{seed}" / "result.json").read_text())["code"] == edited
+        kept = earlier.parent / (f"seed-{seed}" if seed > 1 else "seed-1.2") / "result.json"
+        assert json.loads(kept.read_text())["code"] == {**old_code, "corpus": corpus}  # kept, out of the tables
+        result = tmp_path / "exp" / "base" / f"seed-{seed}" / "result.json"
+        assert json.loads(result.read_text())["code"] == {**edited, "corpus": corpus}
+    assert (earlier / "metrics.jsonl").read_text() == "its own\n"
     assert per_seed(rerun, "base", "val_loss") == per_seed(summary, "base", "val_loss")  # same code, in truth
+    result.write_text(result.read_text().replace(corpus, "corpus-0123456789ab"))  # the file's text edited since
+    compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:"), StopOnSignal(install=False))
+    out = capsys.readouterr().out
+    assert out.count("finished earlier") == 2 and "ran code 0123456789ab (commit " in out and " on corpus-0123" in out
     assert [label for _, label in plot.expand(tmp_path / "exp")] == ["base"] * 3  # not the stale runs
 
 

@@ -204,6 +204,9 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
         (state, dict(dtype="float16"), "resume with --dtype float32\n"),
         (state, dict(init_from=out), f"init_from: checkpoint '' vs now '{out}'"),  # was: ignored, then recorded
         (state, dict(tokenizer="bpe"), "tokenizer: checkpoint 'char' vs now 'bpe'"),  # was: a BPE trained first
+        ({**state, "config": {**state["config"], "mtp": 2}}, {}, "mtp: checkpoint 2, a field this code lacks"),
+        ({**state, "model": {k: v[:1] if k.endswith("c_fc.weight") else v for k, v in state["model"].items()}}, {},
+         f"error: {last}: its weights do not fit the model this code builds from its config (size mismatch for "),
         (state, dict(data_path=other), reads + f"{other} (val_fraction 0.1): its train and val split differs. "
                                               "Resume with the same --data_path and --val_fraction, or start a new "
                                               "--out_dir\n"),

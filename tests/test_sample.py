@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import ctrl_c_at_the_first_call, make_text, tiny_model
 
 import sample as sample_module
-from checkpoint import FORMAT_VERSION, save_checkpoint
+from checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
 from config import REPO, as_dict, make_config, model_config
 from model import GPT
 from sample import Continuations, KVCache, NextTokenLogits, filter_logits, generate, main, pick_next, unescape, \
@@ -414,3 +414,14 @@ def test_the_prompt_loop_refuses_a_bad_prompt_in_one_line_and_ctrl_c_stops_or_qu
     assert err.startswith("error: ") and err.count("\n") == 1  # a character the vocabulary lacks: said, asked again
     assert len(calls) == 2 and samples[1].startswith("QUEEN:")
     assert samples[-1] == ""  # nothing printed after Ctrl-C at the prompt
+
+
+def test_weights_that_do_not_fit_the_code_are_refused_in_one_line(ckpt, capsys):
+    """A checkpoint of other code (an option added since, its default new): exit 2, not torch's traceback."""
+    state = load_checkpoint(ckpt)
+    state["model"] = {k: v[:1] if k.endswith("c_fc.weight") else v for k, v in state["model"].items()}
+    save_checkpoint(state, ckpt)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--ckpt", str(ckpt)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "its weights do not fit" in err and err.count("\n") == 1, err
