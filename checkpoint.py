@@ -200,11 +200,10 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus,
     """Refuse a checkpoint this run cannot continue (shape, tokenizer, optimizer, scaler, data: another val split
     would pick best.pt across different sets); warn where it continues, but not exactly."""
     changes = resume_changes(state["config"], cfg)
-    differences = changes["fixed"]
     if state["tokenizer"] != corpus.meta["tokenizer"]:
-        differences.append("the corpus's tokenizer differs (another --tokenizer, or a text with other characters)")
-    if differences:
-        raise other_run(path, differences)
+        changes["fixed"].append("the corpus's tokenizer differs (another --tokenizer, or a text with other characters)")
+    if changes["fixed"]:
+        raise other_run(path, changes["fixed"])
     saved, now = state["corpus"], corpus.record()
     changed = [split for split in ("train", "val") if saved["fingerprint"].get(split) != now["fingerprint"][split]]
     if changed and (saved["source"], saved["val_fraction"]) == (now["source"], now["val_fraction"]):

@@ -57,11 +57,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
 
 
-def is_theirs(meta) -> bool:
-    """A meta.json someone else's script wrote: none of the keys only ours write."""
-    return isinstance(meta, dict) and not any(key in meta for key in PREPARED_ONLY)
-
-
 def read_meta(folder: Path, fix: str = "") -> dict:
     """A prepared folder's meta.json, checked for the fields load_corpus relies on; else one-line DataError, ending in
     ``fix`` if it is unreadable (someone else's say their own)."""
@@ -71,7 +66,8 @@ def read_meta(folder: Path, fix: str = "") -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
         raise DataError(f"{meta_file}: unreadable ({reason}){fix}") from None
-    if theirs := is_theirs(meta):  # counts from the files' sizes, no fingerprints (the files' own are taken on open)
+    theirs = isinstance(meta, dict) and not any(key in meta for key in PREPARED_ONLY)  # someone else's script wrote it
+    if theirs:  # counts from the files' sizes, no fingerprints (the files' own are taken on open)
         if meta.get("dtype") not in TOKEN_DTYPES:
             raise DataError(f"{meta_file}: dtype {meta.get('dtype')!r}, but it must be {' or '.join(TOKEN_DTYPES)}: "
                             "the type your script wrote train.bin and val.bin in")
@@ -578,8 +574,7 @@ def tokenizer_label(meta: dict) -> str:
 
 def split_indices(n: int, val_fraction: float) -> dict[str, list[int]]:
     """The indices of n conversations in each split, by the documents' rule (is_val)."""
-    val = [is_val(i, val_fraction) for i in range(n)]
-    return {split: [i for i in range(n) if val[i] == (split == "val")] for split in SPLITS}
+    return {split: [i for i in range(n) if is_val(i, val_fraction) == (split == "val")] for split in SPLITS}
 
 
 def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fraction: float,

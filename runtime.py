@@ -182,8 +182,8 @@ def staged_folder(folder: Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def remove_leftovers(data_dir: Path) -> list[Path]:
-    """Delete and return what killed prepares left in data_dir. Never raises: what cannot go is named in a warning."""
+def remove_leftovers(data_dir: Path) -> None:
+    """Delete what killed prepares left in data_dir. Never raises: what cannot go is named in a warning."""
     removed = []
     for path in sorted(p for sub in (".", "downloads", "tokenizers") for p in (data_dir / sub).glob(f"{STAGING}*")):
         if (fd := hold_lock(path, wait=False)) is None:
@@ -199,7 +199,6 @@ def remove_leftovers(data_dir: Path) -> list[Path]:
             os.close(fd)
     if removed:
         print(f"removed {len(removed)} staging leftover(s) of a killed prepare from {data_dir}")
-    return removed
 
 
 # ----------------------------------------------------------------------------- DDP under torchrun
@@ -756,10 +755,9 @@ def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) ->
     mode = None if os.environ.get("WANDB_MODE") else "online" if wandb.login(prompt=False, verify=False) else "offline"
     timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": 15.0}  # wandb's default: 90 s, silent
     try:
+        settings = wandb.Settings(console="off", disable_git=True, save_code=False, silent=True, **timeout)
         run = wandb.init(project=cfg.wandb_project, config=as_dict(cfg), dir=out_dir, id=run_id,
-                         resume="allow" if run_id else None, mode=mode,
-                         settings=wandb.Settings(console="off", disable_git=True, save_code=False, silent=True,
-                                                 **timeout))
+                         resume="allow" if run_id else None, mode=mode, settings=settings)
     except Exception as err:  # noqa: BLE001 - any failure of a side concern: one line, before training
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(f"wandb could not start ({reason}); run without --wandb, or with WANDB_MODE=offline "

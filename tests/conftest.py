@@ -25,6 +25,7 @@ from model import GPT, GPTConfig
 REPO = Path(__file__).resolve().parent.parent
 # Every tool, as `python -m NAME` runs it from the repo root: each file of scripts/.
 TOOLS = [f"scripts.{path.stem}" for path in sorted((REPO / "scripts").glob("*.py")) if path.stem != "__init__"]
+GENERATED = ("tests", "out", "data", "hf", "wandb")  # not the project's code: its tests, and what runs write
 WORDS = ("the king queen lord lady love death night day crown sword heart blood sweet fair "
          "foul good ill speak hear see come go stay fly rest sleep wake").split()
 
@@ -213,6 +214,15 @@ def tiny_model(vocab_size: int = 50, block_size: int = 16, dropout: float = 0.0,
                          dropout=dropout, **kw))
 
 
+def randomized(model: torch.nn.Module, std: float = 0.2) -> torch.nn.Module:
+    """``model`` in eval mode, every weight (gains and biases too) drawn from N(0, std) by torch's global RNG: nothing
+    maps by luck, and attention's weighting shows in the logits."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, std)
+    return model.eval()
+
+
 def make_optimizer(model: GPT, weight_decay: float = 0.1, learning_rate: float = 1e-3,
                    betas: tuple[float, float] = (0.9, 0.99), muon_lr: float = 0.0) -> torch.optim.Optimizer:
     """train.py's optimizer for ``model`` on CPU from a few settings: AdamW, or Muon + AdamW if muon_lr > 0."""
@@ -261,6 +271,12 @@ def repo_files() -> list[str]:
             if path.is_file() and not written & set(path.relative_to(REPO).parts)]
 
 
+def project_files() -> dict[str, str]:
+    """Every .py of the project outside tests/ and the folders runs write: repo-relative path -> source."""
+    return {path.relative_to(REPO).as_posix(): path.read_text() for path in sorted(REPO.rglob("*.py"))
+            if path.relative_to(REPO).parts[0] not in GENERATED and not path.relative_to(REPO).parts[0].startswith(".")}
+
+
 def copy_of_the_repo(root: Path, tests: bool = True) -> Path:
     """The repo's files copied to root/fork: a fork to apply a docs recipe to."""
     repo = root / "fork"
@@ -275,6 +291,11 @@ def run_tests_in(repo: Path, basetemp: Path, *args: str) -> subprocess.Completed
     """A fresh pytest in the copy ``repo``: its own tests, run there."""
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--basetemp",
                            str(basetemp), *args], cwd=repo, capture_output=True, text=True, timeout=600)
+
+
+def tree(*roots: Path) -> dict[Path, bytes | None]:
+    """Every path under ``roots`` with its bytes (None for a folder): what "nothing was written" compares."""
+    return {path: None if path.is_dir() else path.read_bytes() for root in roots for path in sorted(root.rglob("*"))}
 
 
 def read_metrics(out_dir: Path | str) -> list[dict]:

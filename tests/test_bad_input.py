@@ -6,7 +6,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from conftest import TOOLS, entry_point, interop_if, make_text, run_main, tiny_args, tiny_run
+from conftest import TOOLS, entry_point, interop_if, make_text, run_main, tiny_args, tiny_run, tree
 
 import train
 from config import make_config
@@ -167,10 +167,6 @@ def trained(tmp_path_factory) -> dict[str, str]:
     return {"run": str(root / "run"), "corpus": str(corpus), "data": str(root / "data"), "tokens": str(tokens)}
 
 
-def files_under(*folders: Path) -> list[Path]:
-    return sorted(path for folder in folders for path in folder.rglob("*"))
-
-
 # Every entry point but train.py and doctor.py (config parsers of their own, above), new scripts included.
 REQUIRED_ARGS = {"scripts.plot": ["x.jsonl"], "scripts.export_hf": ["run", "folder"],
                  "scripts.export_gguf": ["run", "x.gguf"], "scripts.harness": ["--tasks", "x"]}
@@ -184,7 +180,7 @@ for script in ["sample.py"] + [tool for tool in TOOLS if tool != "scripts.doctor
     for script, rows in BAD_INPUTS.items() for argv, expected, *marks in rows])
 def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(tmp_path, capsys, trained, script, argv, expected):
     main = train.main if script == "train.py" else entry_point(script).main
-    before = files_under(tmp_path, Path(trained["run"]).parent)
+    before = tree(tmp_path, Path(trained["run"]).parent)
     try:
         code = main([arg.format(tmp=tmp_path, **trained) for arg in argv])  # doctor.py returns its code
     except SystemExit as stopped:
@@ -192,15 +188,10 @@ def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(tmp_path, capsys, t
     out, err = capsys.readouterr()
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
     assert out == ""  # refused before any output (shape once printed its whole report first)
-    assert files_under(tmp_path, Path(trained["run"]).parent) == before  # no folder left behind, nothing written
+    assert tree(tmp_path, Path(trained["run"]).parent) == before  # no folder left behind, nothing written
 
 
 # ----------------------------------------------------------------------------- nothing left behind, nothing replaced
-def contents(*folders: Path) -> dict[Path, bytes | None]:
-    """Every path under ``folders`` with its bytes (None for a folder): what "nothing was written" compares."""
-    return {path: None if path.is_dir() else path.read_bytes() for path in files_under(*folders)}
-
-
 @pytest.mark.parametrize("out", ["{run}/best.pt", "{run}/last.pt", "{run}/metrics.jsonl", "{tmp}/renamed.gguf",
                                  "{tmp}/missing/model.gguf"])
 def test_the_gguf_export_never_writes_over_a_file_it_did_not_write(tmp_path, capsys, trained, out):
@@ -208,13 +199,13 @@ def test_the_gguf_export_never_writes_over_a_file_it_did_not_write(tmp_path, cap
     traceback. The paths are checked before gguf is imported: this runs without the interop packages."""
     from scripts import export_gguf
     (tmp_path / "renamed.gguf").write_bytes((Path(trained["run"]) / "last.pt").read_bytes())  # not a GGUF file
-    before = contents(tmp_path, Path(trained["run"]))
+    before = tree(tmp_path, Path(trained["run"]))
     path = out.format(tmp=tmp_path, **trained)
     with pytest.raises(SystemExit) as stopped:
         export_gguf.main([trained["run"], path])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.startswith(f"error: {path}") and err.count("\n") == 1, err
-    assert contents(tmp_path, Path(trained["run"])) == before  # every byte as it was, no folder made
+    assert tree(tmp_path, Path(trained["run"])) == before  # every byte as it was, no folder made
 
 
 @pytest.mark.parametrize("script, out, fails", [interop_if(row[0], *row) for row in  # fails: the fsync that fills

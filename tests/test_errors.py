@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import ast
 import builtins
-import functools
 import re
 import signal
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, project_files
 
 import config
 from config import (
@@ -25,15 +23,6 @@ from config import (
     PeerFailed,
     RunStopped,
 )
-
-def project_files() -> list[Path]:  # not the tests, nor what runs write
-    return [path for path in sorted(REPO.rglob("*.py"))
-            if path.relative_to(REPO).parts[0] not in ("tests", "out", "data", "hf", "wandb")]
-
-
-@functools.cache
-def parsed(path: Path) -> ast.Module:
-    return ast.parse(path.read_text())
 
 
 def name_of(node: ast.expr) -> str:  # config.ConfigError -> ConfigError; '' for anything but a name
@@ -76,8 +65,8 @@ BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(v
 
 def test_errors_are_declared_in_one_module():
     """An exception class elsewhere refines one of config's (plot.py's MetricsError), so it carries a code."""
-    elsewhere = [f"{path.relative_to(REPO).as_posix()}: {node.name}" for path in project_files()
-                 if path != REPO / "config" / "__init__.py" for node in ast.walk(parsed(path))
+    elsewhere = [f"{path}: {node.name}" for path, source in project_files().items()
+                 if path != "config/__init__.py" for node in ast.walk(ast.parse(source))
                  if isinstance(node, ast.ClassDef) and {name_of(base) for base in node.bases} & BUILTIN_ERRORS]
     assert elsewhere == []
 
@@ -90,9 +79,10 @@ def test_each_optional_package_is_installed_by_the_requirements_file_the_table_n
         pins = [line.split("#")[0].strip() for line in (REPO / requirements).read_text().splitlines()]
         assert pin in pins and pin.startswith(f"{name}=="), f"{requirements} does not pin {pin}"
     pins = {pin for pin, _ in config.OPTIONAL_PACKAGES.values()}
-    spelled = [(path.relative_to(REPO).as_posix(), pin) for path in
-               [*project_files(), *sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]
-               for pin in re.findall(r"pip install ([\w.-]+==[\w.]+)", path.read_text())]
+    texts = project_files() | {path.relative_to(REPO).as_posix(): path.read_text()
+                               for path in [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]}
+    spelled = [(path, pin) for path, text in texts.items()
+               for pin in re.findall(r"pip install ([\w.-]+==[\w.]+)", text)]
     assert [(path, pin) for path, pin in spelled if pin not in pins] == []
 
 

@@ -108,14 +108,6 @@ def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_
             export_hf.export_peft(b, tmp_path / "peft")
 
 
-def test_the_doctor_checks_a_fine_tune_of_a_run(base_run, tmp_path, capsys):
-    """Bug caught: the doctor took every init_from for GPT-2's weights ("no model.safetensors in this folder")."""
-    from scripts import doctor
-    base, text = base_run
-    assert doctor.main(tiny_args(tmp_path / "doc", text, init_from=base)) == 0
-    assert re.search(r"^(\d+)/\1 checks passed", capsys.readouterr().out, re.MULTILINE)
-
-
 # ----------------------------------------------------------------------------- a run fine-tuned on another text
 def another_text(tmp_path, base_text, extra: str = ""):
     """The base's lines in reverse order without "?": fewer of its characters (and ``extra``), another corpus."""

@@ -49,12 +49,6 @@ def check_evaluate(evaluate) -> doctor.Check:
                                  device=CPU, dtype=torch.float32)
 
 
-def test_missing_model_eval_is_caught(monkeypatch):
-    monkeypatch.setattr(nn.Module, "eval", lambda self: self)  # the bug: model.eval() never happens
-    check = check_evaluate(train.evaluate)
-    assert not check.passed and "train mode" in check.measured
-
-
 REAL_EVALUATE = train.evaluate  # kept: the training-run guards below monkeypatch train.evaluate
 
 
@@ -77,9 +71,12 @@ def evaluate_left_in_eval_mode(model, x_val, y_val, batch_size, device, dtype, *
     # without its @torch.no_grad(): `total += loss_sum` then holds every batch's graph
     pytest.param(train.evaluate.__wrapped__, "autograd graph", id="no no_grad"),
     pytest.param(evaluate_on_random_windows, "global RNG", id="random windows"),
-    pytest.param(evaluate_left_in_eval_mode, "left the model in eval mode", id="left in eval mode")])
-def test_evaluate_check_names_the_problem(evaluate, problem):
-    check = check_evaluate(evaluate)
+    pytest.param(evaluate_left_in_eval_mode, "left the model in eval mode", id="left in eval mode"),
+    pytest.param(None, "train mode", id="missing model.eval()")])
+def test_evaluate_check_names_the_problem(monkeypatch, evaluate, problem):
+    if evaluate is None:  # the bug: model.eval() never happens
+        monkeypatch.setattr(nn.Module, "eval", lambda self: self)
+    check = check_evaluate(evaluate or train.evaluate)
     assert check.passed == (problem is None) and (problem or "") in check.measured, check.measured
 
 
@@ -329,16 +326,13 @@ def one_step_norm(fp16_scaler: bool, dtype: torch.dtype = torch.float32) -> floa
     return train.optimizer_step(optimizer, scaler, guard, list(model.parameters()), 1.0, 1, loss_sum).item()
 
 
-def test_fp16_step_clips_and_reports_the_unscaled_norm():
-    """Bug caught: clip_grad_norm_ before scaler.unscale_ (it sees grads x 65536: norm ~2e4, not ~1)."""
+def test_fp16_step_clips_and_reports_the_unscaled_norm(tmp_path, text_file):
+    """Bug caught: clip_grad_norm_ before scaler.unscale_ (it sees grads x 65536: norm ~2e4, not ~1), then logged."""
     fp32 = one_step_norm(fp16_scaler=False)
     # Autocast off: the scaled gradients differ from the fp32 ones by the power-of-two scale only.
     assert one_step_norm(fp16_scaler=True) == pytest.approx(fp32, rel=1e-5)
     assert one_step_norm(fp16_scaler=True, dtype=torch.float16) == pytest.approx(fp32, rel=1e-2)
-
-
-def test_fp16_run_logs_the_same_grad_norm_as_fp32(tmp_path, text_file):
-    norms = {}
+    norms = {}  # a whole fp16 run logs the norm an fp32 run does
     for dtype in ("float32", "float16"):
         args = tiny_args(tmp_path / dtype, text_file, dtype=dtype, batch_size=2, max_iters=1, eval_interval=100)
         assert run_main(args) == 0

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import COUNT_CONNECTIONS, REPO, make_text, run_script, tiny_args, tiny_model
+from conftest import COUNT_CONNECTIONS, REPO, make_text, randomized, run_script, tiny_args, tiny_model
 from safetensors.torch import load_file, save_file
 
 import finetune
@@ -38,11 +38,7 @@ def random_hf_gpt2(folder: Path, vocab_size: int = 96, n_positions: int = 24, se
     torch.manual_seed(seed)
     config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2,
                                      n_head=2, bos_token_id=0, eos_token_id=0, **kw)
-    model = transformers.GPT2LMHeadModel(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    model.save_pretrained(folder)
+    randomized(transformers.GPT2LMHeadModel(config), 0.3).save_pretrained(folder)
     return folder
 
 
@@ -218,10 +214,7 @@ def test_init_from_refuses_every_given_setting_the_weights_contradict(tmp_path, 
 @pytest.mark.parametrize("bias", [True, False])
 def test_an_export_loads_in_transformers_with_our_logits_and_greedy_tokens(tmp_path, monkeypatch, bias, vocab):
     vocab_size, activation = (65, "gelu") if vocab == "char" else (50257, "gelu_tanh")
-    model = tiny_model(vocab_size=vocab_size, block_size=16, bias=bias, activation=activation).eval()
-    with torch.no_grad():  # random everywhere, gains included, so that nothing maps by luck
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
+    model = randomized(tiny_model(vocab_size=vocab_size, block_size=16, bias=bias, activation=activation), 0.3)
     if vocab == "char":
         tokenizer = CharTokenizer("".join(chr(ord("!") + i) for i in range(vocab_size)))
     else:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, docs_snippet, make_text, run_script, tiny_model
+from conftest import REPO, docs_snippet, make_text, randomized, run_script, tiny_model
 
 import finetune
 import sample
@@ -35,10 +35,7 @@ UNKNOWN = "Ünïcödé café 🚀 我\tend"  # none of these accents, the emoji,
 
 def export(folder: Path, kind: str = "char", block_size: int = 16, seed: int = 0) -> tuple[Path, object, object]:
     tokenizer = CharTokenizer("".join(sorted(set(TEXT)))) if kind == "char" else train_bpe([TEXT], 300, "TEXT")
-    model = tiny_model(vocab_size=tokenizer.vocab_size, block_size=block_size, seed=seed).eval()
-    with torch.no_grad():  # random everywhere, gains included, so that nothing maps by luck
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
+    model = randomized(tiny_model(vocab_size=tokenizer.vocab_size, block_size=block_size, seed=seed), 0.3)
     export_hf.export(model, tokenizer, folder)
     return folder, model, tokenizer
 

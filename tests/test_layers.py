@@ -7,15 +7,7 @@ import graphlib
 from pathlib import Path
 
 import pytest
-from conftest import REPO, repo_files
-
-GENERATED = ("tests", "out", "data", "hf", "wandb")  # not the project's code: its tests, and what runs write
-
-
-def project_files(root: Path = REPO) -> dict[str, str]:
-    """Every .py of the project outside tests/ and the folders runs write: repo-relative path -> source."""
-    return {path.relative_to(root).as_posix(): path.read_text() for path in sorted(root.rglob("*.py"))
-            if path.relative_to(root).parts[0] not in GENERATED and not path.relative_to(root).parts[0].startswith(".")}
+from conftest import REPO, project_files, repo_files
 
 
 def imports_of(importer: str, source: str, files: set[str]) -> set[str]:

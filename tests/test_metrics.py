@@ -167,10 +167,17 @@ def test_eval_after_its_text_changed_scores_the_runs_own_split_or_says_what_chan
 
 
 def test_eval_after_its_text_moved_scores_the_runs_prepared_split_and_takes_a_prepared_folder(tmp_path, text_file,
-                                                                                             capsys):
-    """The text moved after training: eval takes the run's split, also as --data_path; a documents folder: refused."""
+                                                                                             capsys, monkeypatch):
+    """The text moved after training: eval takes the run's split, also as --data_path; a documents folder: refused.
+    Bug caught first: eval's header came after the scoring, and its bar only in a terminal: minutes of nothing."""
     out, data_dir = tmp_path / "run", text_file.parent / "data"
     best = tiny_eval_run(out, text_file, capsys)
+    with monkeypatch.context() as patched:
+        seen, real_evaluate = [], eval_script.evaluate
+        patched.setattr(eval_script, "evaluate", lambda *args: seen.append(capsys.readouterr()) or real_evaluate(*args))
+        eval_script.main(["--ckpt", str(out), "--batch_size", "1", "--eval_tokens", "1024"])  # 32 windows, one a batch
+    assert seen[0].out.startswith(f"# {out / 'best.pt'} (step 4, logged best val loss ")  # before the scoring
+    assert "evaluating" in capsys.readouterr().err  # its bar, on stderr
     text_file.rename(tmp_path / "moved.txt")
     (split,) = data_dir.iterdir()
     code, report, err = eval_run(capsys, "--ckpt", str(out))
@@ -186,18 +193,6 @@ def test_eval_after_its_text_moved_scores_the_runs_prepared_split_and_takes_a_pr
     (documents / "a.txt").write_text(make_text(12))
     code, report, err = eval_run(capsys, "--ckpt", str(out), "--data_path", str(documents))
     assert code == 2 and err.count("\n") == 1 and f"{documents} holds documents" in err and "text file" in err, err
-
-
-def test_a_long_eval_says_what_it_scores_first_then_shows_its_progress(tmp_path, text_file, capsys, monkeypatch):
-    """Bug caught: eval's header came after the scoring, and its bar only in a terminal: minutes of nothing."""
-    out = tmp_path / "run"
-    tiny_eval_run(out, text_file, capsys)
-    seen = []
-    real_evaluate = eval_script.evaluate
-    monkeypatch.setattr(eval_script, "evaluate", lambda *args: seen.append(capsys.readouterr()) or real_evaluate(*args))
-    eval_script.main(["--ckpt", str(out), "--batch_size", "1", "--eval_tokens", "1024"])  # 32 windows, one a batch
-    assert seen[0].out.startswith(f"# {out / 'best.pt'} (step 4, logged best val loss ")  # before the scoring
-    assert "evaluating" in capsys.readouterr().err  # its bar, on stderr
 
 
 # ----------------------------------------------------------------------------- objective and metric apart

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_optimizer, run_main, tiny_args, tiny_model
+from conftest import make_optimizer, randomized, run_main, tiny_args, tiny_model
 
 import model as model_module
 import train
@@ -120,14 +120,6 @@ def full_and_cached(model, idx: torch.Tensor, dtype: torch.dtype, chunks=CHUNKS)
         return model(idx).logits.float(), torch.cat(parts, dim=1).float()  # (B, 16, 50) each
 
 
-def varied_model():
-    """A tiny model with weights large enough (std 0.2) that attention's weighting shows in the logits."""
-    model = tiny_model(seed=0).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    return model
-
 def windowed(window: int):
     """visible_keys narrowed to a sliding window, as a fork would write it (docs/experiments.md)."""
     real = model_module.visible_keys
@@ -174,7 +166,7 @@ def documents(separator: int):
 def test_a_document_mask_that_reads_the_ids_reaches_every_path(monkeypatch, dtype):
     """A rule that depends on the tokens: before, visible_keys never saw them, and a mask narrowed after it was
     dropped by fp32's causal shortcut (the base model's loss to every digit) but kept in CPU bf16."""
-    model = varied_model()
+    model = randomized(tiny_model())  # std 0.2: attention's weighting shows in the logits
     idx = torch.tensor([[5, 1, 2, 0, 3, 4, 0, 6, 7, 1, 2, 3, 0, 4, 5, 6]] * 2)  # (2, 16): documents at 3, 6, 12
     idx[1, :12] = (idx[1, :12] + 1) % 50  # row 1: other tokens before its last document (but the separators)
     idx[1, [3, 6]] = 0
@@ -201,7 +193,7 @@ def alibi(slope_scale: float):
 def test_a_bias_reaching_attention_is_never_dropped_by_a_causal_shortcut(monkeypatch, dtype):
     """Issue 44: before, SDPA's causal shortcuts dropped ALiBi's bias on every path (the fork trained without
     positions) and the CPU-bf16 path raised on `~`. A shortcut needs what attention receives to be a bool rule."""
-    model = varied_model()
+    model = randomized(tiny_model())  # std 0.2: attention's weighting shows in the logits
     # A float tensor is a bias, never the rule, even one torch.equal finds equal to the triangle (+1 on the past).
     assert not model_module.is_plain_causal(torch.ones(16, 16).tril())
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))  # (2, 16)

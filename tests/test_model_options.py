@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import (copy_of_the_repo, docs_snippet, make_text, read_metrics, run_main, run_script, run_tests_in,
-                      tiny_args)
+from conftest import (copy_of_the_repo, docs_snippet, make_text, randomized, read_metrics, run_main, run_script,
+                      run_tests_in, tiny_args)
 
 import finetune
 import model as model_module
@@ -200,10 +200,7 @@ def test_every_variant_is_causal_and_its_kv_cache_exact_with_or_without_the_shor
     """Weights of std 0.2, so each logit depends on the whole context. SDPA's own causal rule must give bit for bit
     what visible_keys' mask gives; CPU-bf16 logits agree to rounding (0.005), a dropped mask moves them by ~0.7."""
     torch.manual_seed(0)
-    model = GPT(model_config(make_config(BASE, **(case(name, value) if name else {})), VOCAB)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
+    model = randomized(GPT(model_config(make_config(BASE, **(case(name, value) if name else {})), VOCAB)))
     T, t = model.config.block_size, 7
     idx = probe(2, T)  # (2, T)
     changed = idx.clone()

@@ -11,17 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, metrics, run_main, tiny_args
+from conftest import REPO, metrics, run_main, tiny_args, tree
 from fault_injection import AS_A_SCRIPT as FAULTS
 
 from checkpoint import claim, load_checkpoint
 from prepare import prepare_corpus
 from runtime import PathError
-
-
-def tree(root: Path) -> dict[str, bytes | None]:
-    """Every path under root with its bytes (None for a folder): what 'nothing was written' compares."""
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
 
 
 def one_line_error(err: str) -> str:
@@ -52,7 +47,7 @@ def test_a_live_run_owns_its_folder_until_it_is_killed(tmp_path, text_file, caps
     owner = start_owner(out, tiny_args(out, text_file, **run), tmp_path / "ready", tmp_path / "owner.err")
     try:
         before = tree(out)
-        assert "metrics.jsonl" in before and ("last.pt" in before) == (rival == "resume")
+        assert out / "metrics.jsonl" in before and (out / "last.pt" in before) == (rival == "resume")
         rival_run = {**run, "seed": 2} if rival == "fresh" else {**run, "resume": "true"}
         assert run_main(tiny_args(out, text_file, **rival_run)) == 2
         assert one_line_error(capsys.readouterr().err).startswith(

@@ -100,11 +100,23 @@ def test_document_corpora_train_their_bpe_on_train_documents_only(tmp_path):
 
 
 def test_a_bpe_run_trains_resumes_and_samples_from_its_checkpoint_alone(tmp_path, text_file, capsys):
-    """The tokenizer travels in the checkpoint: with data_dir gone, sample.py still encodes any Unicode."""
+    """The tokenizer travels in the checkpoint: eval refuses a val split whose cached corpus now says other ids mean
+    other text (never a silently different tokenizer); with data_dir gone, sample.py still encodes any Unicode."""
     out = tmp_path / "run"
     assert run_main(tiny_args(out, text_file, tokenizer="bpe", bpe_vocab_size=VOCAB, max_iters=6, eval_interval=3)) == 0
     assert run_main(tiny_args(out, text_file, tokenizer="bpe", bpe_vocab_size=VOCAB, max_iters=8, eval_interval=3,
                               resume="true")) == 0
+    from scripts import eval as evaluate
+    evaluate.main(["--ckpt", str(out)])  # the same tokenizer: scored
+    meta_file = prepared(text_file, text_file.parent / "data") / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["tokenizer"]["ranks"][256], meta["tokenizer"]["ranks"][257] = meta["tokenizer"]["ranks"][257:255:-1]
+    meta_file.write_text(json.dumps(meta))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        evaluate.main(["--ckpt", str(out)])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and "holds tokens of another tokenizer" in err, err
     for folder in (text_file.parent / "data").iterdir():
         if folder.is_dir():
             for file in folder.iterdir():
@@ -130,23 +142,6 @@ def test_the_smallest_bpe_is_bytes_and_encodes_any_text(tmp_path, text_file):
     tokenizer = tokenizer_from_meta(json.loads((prepared(text_file, tmp_path / "d", 257) / "meta.json").read_text())
                                     ["tokenizer"])
     assert tokenizer.encode(MIXED) == list(MIXED.encode("utf-8")) and tokenizer.eot_token == 256
-
-
-def test_eval_refuses_a_val_split_made_by_another_tokenizer_than_the_checkpoints(tmp_path, text_file, capsys):
-    """Never a silently different tokenizer: the run's cached corpus now says other ids mean other text."""
-    out = tmp_path / "run"
-    assert run_main(tiny_args(out, text_file, tokenizer="bpe", bpe_vocab_size=VOCAB, max_iters=2, eval_interval=2)) == 0
-    from scripts import eval as evaluate
-    evaluate.main(["--ckpt", str(out)])  # the same tokenizer: scored
-    meta_file = prepared(text_file, text_file.parent / "data") / "meta.json"
-    meta = json.loads(meta_file.read_text())
-    meta["tokenizer"]["ranks"][256], meta["tokenizer"]["ranks"][257] = meta["tokenizer"]["ranks"][257:255:-1]
-    meta_file.write_text(json.dumps(meta))
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stopped:
-        evaluate.main(["--ckpt", str(out)])
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err.count("\n") == 1 and "holds tokens of another tokenizer" in err, err
 
 
 # ----------------------------------------------------------------------------- export
