@@ -188,6 +188,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     require(cfg.n_embd % cfg.n_head == 0, f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
     require(cfg.text_column, 'text_column must name the .jsonl field or .parquet column holding the text, got ""')
     require(cfg.out_dir, 'out_dir must name a folder (for last.pt, best.pt and metrics.jsonl), got ""')
+    require(cfg.data_dir, 'data_dir must name a folder (for downloaded and prepared corpora), got ""')
     require(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.device),
             f"unknown device `{cfg.device}`; use one of auto, cpu, cuda, cuda:N, mps")
     require(cfg.schedule != "time" or cfg.max_time > 0,

@@ -371,7 +371,7 @@ def report(summary: dict[str, Any]) -> str:
         f"Δ: variant minus {base}, seed by seed (a seed is the same initialisation and the same batches in every "
         f"variant), mean with its 95% t-interval; p: two-sided paired t-test (scipy.stats.ttest_rel) over the {n} "
         f"seeds. ms/step / {base}'s: the median over rounds of each run's median ms/step (first log interval "
-        f"left out) over {base}'s run of the same round."
+        f"left out: nan for a run that logged one) over {base}'s run of the same round."
         + (f" nan: diverged (non-finite loss): {', '.join(diverged)}." if diverged else "")])
 
 

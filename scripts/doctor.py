@@ -83,7 +83,7 @@ def check_batch(x: torch.Tensor, y: torch.Tensor, data: np.ndarray, tokenizer,
     x, y = x.cpu(), y.cpu()
     learned = y != -1  # (B, T)
     both = learned[:, :-1] & learned[:, 1:]  # positions t whose x[:, t + 1] is surely the row's own token
-    shifted = bool(both.any()) and torch.equal(x[:, 1:][both], y[:, :-1][both])  # y[:, t] must be x[:, t + 1]
+    shifted = not both.any() or torch.equal(x[:, 1:][both], y[:, :-1][both])  # y[:, t] must be x[:, t + 1]
     i = int(learned.any(dim=1).int().argmax())  # the first row that learns anything
     at = learned[i].nonzero().flatten().tolist() or [x.shape[1] - 1]  # the positions it learns
     row = np.append(x[i, : at[-1] + 1].numpy(), y[i, at[-1]].item())  # its tokens through its last target
@@ -177,7 +177,7 @@ def check_gradients(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
 
 def check_causal(model: GPT, x: torch.Tensor, tolerance: float = CAUSAL_TOLERANCE) -> Check:
     model.eval()
-    cut = x.shape[1] // 2
+    cut = max(1, x.shape[1] // 2)  # block_size 1: one position, no future to leak (was an empty max())
     changed = torch.cat([x[:, :cut], (x[:, cut:] + 1) % model.config.vocab_size], dim=1)  # every future token differs
     with torch.no_grad():
         diff = (model(x)[0][:, :cut] - model(changed)[0][:, :cut]).abs().max().item()  # logits (B, cut, vocab)

@@ -17,6 +17,7 @@ if not __package__:  # run as a file, `python scripts/eval.py`: its folder, not 
     print("error: run it from the repo root as a module: python -m scripts.eval", file=sys.stderr)
     sys.exit(2)
 
+import contextlib
 import json
 import shutil
 from dataclasses import replace
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
                                ("--eval_tokens", args.eval_tokens, -1)):  # -1: as training did
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
-    with exit_on_errors():  # one line and its exit code (config/__init__.py)
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()  # stdout: the JSON alone
+    with exit_on_errors(), quiet:  # one line and its exit code (config/__init__.py); a prepare's lines on stderr
         # LoRA unmerged, as training evaluated it: merged weights round, and the logged number would not come back.
         loaded = from_flags(args, merged=False)
         # train.py's choice for the run's config, in the run's precision; eager: one pass would not repay a compile.

@@ -5,7 +5,7 @@
 
 Written with llama.cpp's ``gguf`` package as its gpt2 architecture: the Hugging Face export's weights in ggml's
 (out, in) layout, the tokenizer as a byte-level BPE that makes our ids (char, bpe, gpt2 and chat runs alike). OUT is
-a new .gguf file or a GGUF file to replace; an existing folder gets FOLDER/<run>.gguf. Details: docs/interop.md.
+a new .gguf file or one this export wrote; an existing folder gets FOLDER/<run>.gguf. Details: docs/interop.md.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from finetune import LAYER_NORM_EPS, WPE, WTE, gpt2_refusals, is_transposed
 from config import CommandLine, HFError, exit_on_errors, fail, install_hint, run_tool
 from model import GPT
 from runtime import written_whole
-from scripts.export_hf import bpe_tokens, chat_template, check_output, one_line, to_hf
+from scripts.export_hf import GGUF_MARK, bpe_tokens, chat_template, check_output, one_line, to_hf
 from tokenizer import BEGIN, BYTE_TEXT, END, EOT_TEXT, ChatTokenizer, bpe_merges, byte_text
 
 CONTEXT_ROWS = 2048  # the fewest positions a file declares: no runner's default context is longer
@@ -110,6 +110,7 @@ def write_metadata(writer, model: GPT, tokenizer, tokens: list[str], merges: lis
     made from text); bos and eos always set (unset, llama.cpp takes id 11, a character); a chat's template."""
     import gguf
     config, types = model.config, gguf.LlamaFileType
+    writer.add_string(GGUF_MARK, "scripts.export_gguf")  # near the start: what check_output looks for
     writer.add_name(name)
     writer.add_file_type({"f32": types.ALL_F32, "f16": types.MOSTLY_F16, "q8_0": types.MOSTLY_Q8_0}[dtype])
     writer.add_context_length(context_rows(config.block_size))
@@ -138,7 +139,8 @@ def write_metadata(writer, model: GPT, tokenizer, tokens: list[str], merges: lis
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="run folder (its best.pt, else last.pt) or a checkpoint file")
-    parser.add_argument("out", help="the .gguf file to write (a GGUF file is replaced) or a folder: FOLDER/<run>.gguf")
+    parser.add_argument("out", help="the .gguf file to write (one this export wrote is replaced) or a folder: "
+                        "FOLDER/<run>.gguf")
     parser.add_argument("--dtype", choices=("f32", "f16", "q8_0"), default="f32",
                         help="how the matrices are stored: f32 (exact), f16 (half the size), q8_0 (8-bit blocks)")
     args = parser.parse_args(argv)

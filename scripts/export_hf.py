@@ -44,7 +44,7 @@ def check_output(out: Path, flag: str, suffix: str = "") -> None:
     if suffix and out.suffix != suffix:
         raise PathError(f"{out}: the export writes only *{suffix} files, never over a checkpoint or any other file; "
                         f"pass a name ending in {suffix}")
-    if suffix and out.exists() and not is_gguf(out):
+    if suffix and out.exists() and not exported_gguf(out):
         raise PathError(f"{out} is not a {suffix} file an export wrote (a checkpoint renamed?), and only such a file "
                         "is replaced; pass a new name (or delete it first)")
     if suffix and not folder.exists():
@@ -61,10 +61,14 @@ def one_line(where: Path, flag: str) -> Iterator[None]:
         raise os_failure(where, flag, err) from None
 
 
-def is_gguf(path: Path) -> bool:
-    """``path`` is a readable file that starts as a GGUF file does: the one kind of file an export may replace."""
+GGUF_MARK = "tinygpt.exported_by"  # a metadata key export_gguf.py writes first: the one GGUF file it may replace
+
+
+def exported_gguf(path: Path) -> bool:
+    """``path`` is a readable GGUF file with the mark near its start (another GGUF model is no export's to replace)."""
     with contextlib.suppress(OSError), open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
+        head = f.read(1 << 12)
+        return head.startswith(b"GGUF") and GGUF_MARK.encode() in head
     return False
 
 

@@ -17,13 +17,14 @@ if not __package__:  # run as a file, `python scripts/plot.py`: its folder, not 
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
 
-from config import CommandLine, DataError, TinyGPTError, exit_on, run_tool
+from config import CommandLine, DataError, TinyGPTError, exit_on, exit_on_errors, run_tool
 from runtime import check_writable, os_failure, written_whole
 
 matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import
@@ -47,7 +48,8 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise DataError(f"{path}:{number}: not a train.py metrics record (a JSON object with a \"step\")")
-        if bad := [k for k in ("loss", "val_loss", "val_bpb", "time_s") if type(record.get(k, 0)) not in (int, float)]:
+        if bad := [k for k in ("loss", "val_loss", "val_bpb", "time_s")
+                   if type(record.get(k, 0)) not in (int, float) or not math.isfinite(record.get(k, 0))]:
             raise DataError(f"{path}:{number}: {bad[0]} is {json.dumps(record[bad[0]])}, not a number; fix the line")
         kind = val if "val_loss" in record else train if "loss" in record else {}  # anything else is not drawn
         kind[record["step"]] = record
@@ -64,7 +66,10 @@ def expand(arg: Path) -> list[tuple[Path, str]]:
     if metrics.is_file():
         return [(metrics, f"{run.parent.name}/{run.name}" if seed_number(metrics) else (run.name or str(metrics)))]
     results = arg / "results.json"  # compare.py's summary: its variant order puts the baseline first
-    order = [v["name"] for v in json.loads(results.read_text())["variants"]] if results.is_file() else None
+    try:
+        order = [v["name"] for v in json.loads(results.read_text())["variants"]] if results.is_file() else None
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{results}: not compare.py's results.json (its variants); move it away") from None
     runs = [(p, p.parent.parent.name) for p in arg.glob("*/seed-*/metrics.jsonl")]
     return sorted(((p, variant) for p, variant in runs if order is None or variant in order),
                   key=lambda run: (order.index(run[1]) if order else run[1], seed_number(run[0])))
@@ -118,6 +123,8 @@ def plot(paths: list[Path], out: Path, labels: list[str], refs: list[tuple[float
          ref_label: str = "reference", title: str = "", bpb: bool = False) -> Path:
     """Write a PNG (loss vs step and wall time; ``bpb``: val bits per byte vs step); the runs of a label are a group."""
     groups = group_runs(paths, labels)
+    if not any(run for _, train, val in groups for run in (*train, *val)):  # else an empty figure, said written
+        raise DataError(f"no train or val records in {', '.join(map(str, paths))}: nothing to draw")
     panels = [("step", "val_loss", "loss (nats/token)"), ("time_s", "val_loss", "")]  # (x, y, y label)
     panels += [("step", "val_bpb", "val bits per byte")] if bpb else []
     fig, axes = plt.subplots(1, len(panels), figsize=(16 if bpb else 11, 4))
@@ -149,10 +156,11 @@ def plot(paths: list[Path], out: Path, labels: list[str], refs: list[tuple[float
 
 
 def parse_ref(text: str) -> tuple[float, float]:
-    seconds, sep, loss = text.partition(":")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--ref {text!r} must look like SECONDS:LOSS, e.g. 200:1.62")
-    return float(seconds), float(loss)
+    try:
+        seconds, loss = text.split(":")
+        return float(seconds), float(loss)
+    except ValueError:  # no colon, two, or no numbers: argparse would say only "invalid parse_ref value"
+        raise argparse.ArgumentTypeError(f"--ref {text!r} must look like SECONDS:LOSS, e.g. 200:1.62") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{len(args.labels)} --labels for {len(args.metrics)} arguments; give one per argument")
     runs = []
     for i, arg in enumerate(args.metrics):
-        if not (found := expand(arg)):
+        with exit_on_errors():  # a results.json that is not compare.py's: one line
+            found = expand(arg)
+        if not found:
             parser.error(f"{arg}: no such file, and no metrics.jsonl in it or in its */seed-*/ folders")
         runs += [(path, args.labels[i] if args.labels else label) for path, label in found]
     paths, labels = zip(*runs)

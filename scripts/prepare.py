@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_errors():  # one line and its exit code (2, or 74 for a data_dir failing its probe)
         cfg = make_config(None, **given, block_size=block_size)  # config.validate's checks of the corpus fields
         folder = prepare.corpus_folder(cfg, num_proc=num_proc)  # what train.py prepares: conversations as chat
+        prepare.open_verified(folder, block_size)  # as train.py opens it: a folder prepared before is checked too
         print(f"ready: {folder} (train.py finds it with the same corpus flags)")  # prepared now or before
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from config import DEFAULTS, CommandLine, exit_on_errors, field_help, run_tool
 from data import load_corpus
-from prepare import is_tokenized_folder, prepare_corpus
+from prepare import SHAKESPEARE_CHAT, is_tokenized_folder, prepare_corpus
 from tokenizer import tokenizer_from_meta
 
 LONGEST = 20  # tokens shown from the largest vocabulary
@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.data_path and is_tokenized_folder(Path(args.data_path)):  # one tokenizer's ids: no text to compare on
         parser.error(f"--data_path {args.data_path} is a folder of tokens (train.bin, val.bin, meta.json); this tool "
                      "compares tokenizers on text: pass the text itself (a .txt, .jsonl or .parquet file, or a folder)")
+    if args.dataset == SHAKESPEARE_CHAT and not args.data_path:  # was "unknown dataset", beside its own name
+        parser.error(f"--dataset {SHAKESPEARE_CHAT} is conversations; this tool compares tokenizers on text: pass "
+                     "--dataset shakespeare, or a text with --data_path")
     with exit_on_errors():  # one line and its exit code (config/__init__.py)
         print(report(args))
 

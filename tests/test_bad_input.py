@@ -95,6 +95,7 @@ BAD_INPUTS = {
         (["--data_path", "{tmp}", "--data_dir", "{data}"], "no .txt files and no .parquet files in this folder"),
         (["--data_path", "{corpus}", "--data_dir", "{data}", "--tokenizer", "bpe", "--bpe_vocab_size", "100000"],
          "distinct merges, not the 99743 that --bpe_vocab_size 100000 needs; use at most --bpe_vocab_size"),
+        (["--data_path", "{corpus}", "--data_dir", "{data}", "--block_size", "99999"], "fewer than block_size + 1"),
     ],
     "scripts.tokenizer": [
         (["--bpe_vocab_size", "512", "100"],
@@ -102,6 +103,7 @@ BAD_INPUTS = {
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--val_fraction", "0"], "--val_fraction must be in (0, 1)"),
         (["--data_path", "{tokens}", "--data_dir", "{data}"], "compares tokenizers on text"),  # was: --tokenizer char
+        (["--dataset", "shakespeare_chat"], "is conversations; this tool compares tokenizers on text"),
     ],
     "scripts.bench": [
         (["--steps", "0"], "need --steps and --rounds >= 1"),  # ran one step, silently
@@ -152,7 +154,7 @@ BAD_INPUTS = {
         (["{run}", "-o", "{tmp}/notes.txt"], "notes.txt: .txt is no image format plot.py writes; pass a name "
                                               "ending in .png"),  # was matplotlib's traceback, after the work
         (["{run}", "-o", "{tmp}/loss"], "no extension"),  # matplotlib would write loss.png, and we say "wrote loss"
-        (["{run}", "--ref", "70"], "SECONDS:LOSS"),
+        (["{run}", "--ref", "70"], "SECONDS:LOSS"), (["{run}", "--ref", "a:b"], "SECONDS:LOSS"),
     ],
 }
 
@@ -193,12 +195,13 @@ def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(tmp_path, capsys, t
 
 # ----------------------------------------------------------------------------- nothing left behind, nothing replaced
 @pytest.mark.parametrize("out", ["{run}/best.pt", "{run}/last.pt", "{run}/metrics.jsonl", "{tmp}/renamed.gguf",
-                                 "{tmp}/missing/model.gguf"])
+                                 "{tmp}/theirs.gguf", "{tmp}/missing/model.gguf"])
 def test_the_gguf_export_never_writes_over_a_file_it_did_not_write(tmp_path, capsys, trained, out):
     """Bug caught: `export_gguf RUN RUN/best.pt` wrote over the checkpoint it read (exit 0), a missing folder was a
     traceback. The paths are checked before gguf is imported: this runs without the interop packages."""
     from scripts import export_gguf
     (tmp_path / "renamed.gguf").write_bytes((Path(trained["run"]) / "last.pt").read_bytes())  # not a GGUF file
+    (tmp_path / "theirs.gguf").write_bytes(b"GGUF\x03" + bytes(64))  # another model: not an export's to replace
     before = tree(tmp_path, Path(trained["run"]))
     path = out.format(tmp=tmp_path, **trained)
     with pytest.raises(SystemExit) as stopped:

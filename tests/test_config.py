@@ -66,6 +66,7 @@ BAD_COMMAND_LINES = r"""
 --threads -1                      | threads must be >= 0, got -1
 --schedule time                   | schedule=time decays the lr over max_time: set max_time
 --out_dir ''                      | out_dir must name a folder
+--data_dir ''                     | data_dir must name a folder
 --seed 4294967296                 | seed must be in \[0, 2\*\*32 - 1\], got 4294967296
 --tokenizer bpe --bpe_vocab_size 256 | bpe_vocab_size must be >= 257 \(the 256 bytes and <\|endoftext\|>\), got 256
 --lora_rank 4                     | LoRA adapts a trained model: pass --init_from

@@ -111,6 +111,8 @@ def test_a_batch_with_masked_targets_is_checked_where_it_learns():
     unshifted = torch.where(y == -1, y, x)  # the bug: each learned target is its own input
     assert not doctor.check_batch(x, unshifted, data, tokenizer).passed
     assert not doctor.check_batch(x, y, char_corpus(seed=1)[1], tokenizer).passed  # not this corpus
+    pair = torch.from_numpy(data[None, 100:102].astype(np.int64))  # block_size 1: no shift inside a row to see
+    assert doctor.check_batch(pair[:, :1], pair[:, 1:], data, tokenizer).passed  # the corpus holds x then y
 
 
 # ----------------------------------------------------------------------------- single checks

@@ -251,6 +251,7 @@ def test_leaky_causal_masks_are_caught(monkeypatch, attention):
     monkeypatch.setattr(F, "scaled_dot_product_attention", attention)
     check = doctor.check_causal(tiny_model(), random_batch()[0])
     assert check.passed == (attention is REAL_ATTENTION), check.measured
+    assert doctor.check_causal(tiny_model(), random_batch()[0][:, :1]).passed  # block_size 1: was a traceback
 
 
 # ----------------------------------------------------------------------------- tied weights

@@ -128,9 +128,10 @@ def eval_run(capsys, *args: str) -> tuple[int, dict | None, str]:
         eval_script.main([*args, "--json"])
     except SystemExit as stopped:
         captured = capsys.readouterr()
+        assert captured.out == ""  # stdout holds the JSON or nothing: a prepare's lines go to stderr
         return stopped.code, None, captured.err
     captured = capsys.readouterr()
-    return 0, json.loads(captured.out.splitlines()[-1]), captured.err  # after any "prepared ..." line
+    return 0, json.loads(captured.out), captured.err  # stdout holds the JSON alone (a prepare's lines: stderr)
 
 
 def tiny_eval_run(out: Path, text_file: Path, capsys) -> float:
@@ -158,7 +159,8 @@ def test_eval_after_its_text_changed_scores_the_runs_own_split_or_says_what_chan
     split.rename(tmp_path / "elsewhere")  # the run's split gone too: refused, twice, and nothing left behind
     for _ in range(2):
         code, report, err = eval_run(capsys, "--ckpt", str(out))
-        assert code == 2 and err.count("\n") == 1 and then[:12] in err and f"--data_path {text_file}" in err, err
+        last = err.splitlines()[-1]  # --json: a prepare's lines go to stderr, before the refusal's one line
+        assert code == 2 and last.startswith("error: ") and then[:12] in last and f"--data_path {text_file}" in last
         assert list(data_dir.iterdir()) == []
     text_file.write_text(text_file.read_text().replace("e", "\u00e9"))  # other characters: the same cause named
     code, report, err = eval_run(capsys, "--ckpt", str(out))
