@@ -157,20 +157,15 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
     return Plan(folder, variants, seeds, runs, mode, budget, command)
 
 
-def read_config(path: Path) -> dict[str, Any] | None:
-    """A checkpoint's config, read cheaply (memory-mapped, digest unchecked); None if it cannot be read so."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - load_checkpoint will name the problem
-        return None
-    return state.get("config") if isinstance(state, dict) else None
-
-
 def saved(folder: Path) -> dict[str, Any]:
     """{"config", "code"} of a run on disk: a finished one's result.json, a stopped one's last.pt and code.json."""
     if (folder / RESULT).is_file():
         return json.loads((folder / RESULT).read_text())
-    return {"config": read_config(folder / "last.pt") if (folder / "last.pt").is_file() else None,
+    try:  # last.pt's config, read cheaply: memory-mapped, its digest unchecked
+        state = torch.load(folder / "last.pt", map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - none, or unreadable: load_checkpoint will name the problem
+        state = None
+    return {"config": state.get("config") if isinstance(state, dict) else None,
             "code": json.loads((folder / CODE).read_text()) if (folder / CODE).is_file() else None}
 
 

@@ -119,11 +119,11 @@ def check_round_trip(tokenizer, ids: np.ndarray) -> Check:
                    "decode or encode loses or changes text: the model learns one thing and you read another")
 
 
-def check_init_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, tolerance: float = INIT_LOSS_TOLERANCE) -> Check:
+def check_init_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> Check:
     with torch.no_grad():
         _, loss_sum, n, _ = model(x, y)
     loss, expected = (loss_sum / n).item(), math.log(model.config.vocab_size)
-    allowed = tolerance * expected
+    allowed = INIT_LOSS_TOLERANCE * expected
     return verdict("init loss", abs(loss - expected) <= allowed,
                    f"{loss:.4f} vs ln({model.config.vocab_size}) = {expected:.4f} ± {allowed:.3f}",
                    "a fresh model spreads its bets evenly over the vocabulary",
@@ -175,37 +175,35 @@ def check_gradients(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tenso
                    "these weights never train (or train twice): check ModuleList, freezing, optimizer groups")
 
 
-def check_causal(model: GPT, x: torch.Tensor, tolerance: float = CAUSAL_TOLERANCE) -> Check:
+def check_causal(model: GPT, x: torch.Tensor) -> Check:
     model.eval()
     cut = max(1, x.shape[1] // 2)  # block_size 1: one position, no future to leak (was an empty max())
     changed = torch.cat([x[:, :cut], (x[:, cut:] + 1) % model.config.vocab_size], dim=1)  # every future token differs
     with torch.no_grad():
         diff = (model(x)[0][:, :cut] - model(changed)[0][:, :cut]).abs().max().item()  # logits (B, cut, vocab)
     model.train()
-    return verdict("causal", diff <= tolerance, f"max |Δ past logit| {diff:.1e} (limit {tolerance:.0e})",
+    return verdict("causal", diff <= CAUSAL_TOLERANCE, f"max |Δ past logit| {diff:.1e} (limit {CAUSAL_TOLERANCE:.0e})",
                    "position t sees only tokens 0..t",
                    "the attention mask leaks the future: train loss drops, generation is garbage")
 
 
-def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, steps: int = OVERFIT_STEPS,
-                  threshold: float = OVERFIT_THRESHOLD) -> Check:
+def check_overfit(run: train.Run, x: torch.Tensor, y: torch.Tensor, lr: float, steps: int = OVERFIT_STEPS) -> Check:
     first = loss = math.nan
     for step in range(1, steps + 1):
         losses, _ = train.train_step(run, run.model, [(x, y)], step, lr)
         loss = (losses.loss_sum / losses.n_targets).item()  # the loss before this step's update
         first = loss if step == 1 else first
-        if loss < threshold:
+        if loss < OVERFIT_THRESHOLD:
             break
-    return verdict("overfit", loss < threshold,
-                   f"{first:.3f} -> {loss:.3f} in {step} steps at lr {lr:.1e} (need < {threshold} within {steps})",
-                   "model, loss and optimizer step can learn",
+    measured = f"{first:.3f} -> {loss:.3f} in {step} steps at lr {lr:.1e} (need < {OVERFIT_THRESHOLD} within {steps})"
+    return verdict("overfit", loss < OVERFIT_THRESHOLD, measured, "model, loss and optimizer step can learn",
                    "cannot even memorise one batch: check the lr, zero_grad, the loss and the optimizer groups")
 
 
-def overfit_run(cfg: TrainConfig, rt, steps: int = OVERFIT_STEPS, pretrained=None) -> train.Run:
-    """train.build_run's run at the overfit lr, with a guard that stops only after ``steps`` fp16 skips in a row."""
+def overfit_run(cfg: TrainConfig, rt, pretrained=None) -> train.Run:
+    """train.build_run's run at the overfit lr, with a guard that stops only after OVERFIT_STEPS fp16 skips in a row."""
     run = train.build_run(dataclasses.replace(cfg, learning_rate=overfit_lr(cfg)), rt, pretrained=pretrained)
-    return dataclasses.replace(run, guard=NonFiniteGuard(run.scaler, steps, rt.device))
+    return dataclasses.replace(run, guard=NonFiniteGuard(run.scaler, OVERFIT_STEPS, rt.device))
 
 
 def overfit_lr(cfg: TrainConfig) -> float:

@@ -73,15 +73,12 @@ def exported_gguf(path: Path) -> bool:
 
 
 def check_gpt2(model: GPT) -> None:
-    """HFError for a model GPT-2 cannot compute or hold: a GPT-2 folder that loads but computes another model is the
-    worst export."""
+    """HFError for a model GPT-2 cannot compute or hold: a folder that loads but computes another model is the worst."""
     config, state = model.config, model.state_dict()
-    refusals = gpt2_refusals(config)
-    if refusals:
+    if refusals := gpt2_refusals(config):
         raise HFError(f"cannot export as GPT-2: the model has {refusals[0]}; transformers' GPT-2 would "
                       "load it and compute another model")
-    unmapped = sorted(set(state) - set(expand(config.n_layer)) - {TIED_HEAD})
-    if unmapped:
+    if unmapped := sorted(set(state) - set(expand(config.n_layer)) - {TIED_HEAD}):
         raise HFError(f"cannot export as GPT-2: weight {unmapped[0]} has no place in GPT-2's layout")
 
 

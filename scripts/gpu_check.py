@@ -148,8 +148,7 @@ def check_rng(plan: Plan) -> Check:
         return Check("rng", "FAIL", failure(result))
     straight, resumed = losses(plan.out / "straight"), losses(plan.out / "resumed")
     try:
-        rng_a = load_checkpoint(plan.out / "straight" / "last.pt")["rng"]
-        rng_b = load_checkpoint(plan.out / "resumed" / "last.pt")["rng"]
+        rng_a, rng_b = (load_checkpoint(plan.out / name / "last.pt")["rng"] for name in ("straight", "resumed"))
     except CheckpointError as err:
         return Check("rng", "FAIL", f"{err} (the resume check must pass first)")
     if plan.device == "cuda" and not rng_a["torch_cuda"]:

@@ -14,7 +14,6 @@ if not __package__:  # run as a file, `python scripts/harness.py`: its folder, n
     print("error: run it from the repo root as a module: python -m scripts.harness", file=sys.stderr)
     sys.exit(2)
 
-import functools
 import json
 import os
 from pathlib import Path
@@ -128,13 +127,8 @@ class TinyGPTLM(TemplateLM):
 
 
 def task_manager(names: list[str]) -> TaskManager:
-    """The harness's task index, once per process: ours alone when they hold every name (indexing all takes seconds)."""
-    return index_of_tasks(not set(names) <= set(LOCAL_TASK_NAMES))
-
-
-@functools.cache
-def index_of_tasks(include_defaults: bool) -> TaskManager:
-    return TaskManager(include_path=str(LOCAL_TASKS), include_defaults=include_defaults)
+    """The harness's task index: ours alone when they hold every name (indexing all the harness's takes seconds)."""
+    return TaskManager(include_path=str(LOCAL_TASKS), include_defaults=not set(names) <= set(LOCAL_TASK_NAMES))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         output = Path(args.output or (Path("out", "harness", f"{Path(args.init_from).name}-{stem}.json")
                                       if args.init_from else find_checkpoint(args.ckpt).parent / f"{stem}.json"))
         check_results_path(output, "--output")  # before minutes of evaluation, not after
-        if (unknown := [name for name in names if name not in task_manager(names).all_tasks]) or not names:
+        manager = task_manager(names)  # once: the check and the evaluation share it
+        if (unknown := [name for name in names if name not in manager.all_tasks]) or not names:
             raise ConfigError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; list them with "
                               f"`lm_eval ls tasks`, or see {LOCAL_TASKS.relative_to(REPO)}/ for the offline ones")
         remote = [name for name in names if name not in LOCAL_TASK_NAMES]  # refused now, not after minutes of retries
@@ -169,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         loaded = from_flags(args, pick_device(args.device))
         lm = TinyGPTLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size)
         try:
-            results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager(names),
+            results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager,
                                               num_fewshot=args.num_fewshot, limit=args.limit, log_samples=False)
         except OSError as err:  # data that cannot be fetched (ConnectionError too): one line, not a traceback
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

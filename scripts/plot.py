@@ -24,7 +24,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
-from config import CommandLine, DataError, TinyGPTError, exit_on, exit_on_errors, run_tool
+from config import CommandLine, DataError, exit_on_errors, run_tool
 from runtime import check_writable, os_failure, written_whole
 
 matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import
@@ -191,13 +191,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"-o {args.out}: {reason}; pass a name ending in .png (or .pdf, .svg)")
     if args.out.exists() and (not args.out.is_file() or MARK.encode() not in args.out.read_bytes()):
         parser.error(f"-o {args.out}: exists, and plot.py did not write it; pass another -o, or move it away")
-    try:
-        check_writable(args.out.parent, "-o", f".plot-probe-{os.getpid()}")  # before the work, not after it
-        print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")
-    except TinyGPTError as err:  # a file that is no metrics.jsonl, an -o to change: one line and its exit code
-        exit_on(err)
-    except OSError as err:  # the image's write failed (a full disk): the old image, if any, is as it was
-        exit_on(os_failure(args.out, "-o", err))
+    with exit_on_errors():  # a file that is no metrics.jsonl, an -o to change: one line and its exit code
+        try:
+            check_writable(args.out.parent, "-o", f".plot-probe-{os.getpid()}")  # before the work, not after it
+            print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")
+        except OSError as err:  # the image's write failed (a full disk): the old image, if any, is as it was
+            raise os_failure(args.out, "-o", err) from None
 
 
 if __name__ == "__main__":
