@@ -167,8 +167,8 @@ def git_state() -> dict[str, Any]:
 
 def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[str]]:
     """The fields ``saved`` (a checkpoint's config) has otherwise, by rule, but warned ones this run does not read."""
-    lacked = [f"{name}: checkpoint {value!r}, a field this code lacks" for name, value in saved.items()
-              if name not in DEFAULTS and name != "given"]  # a fork's option renamed or removed since
+    lacked = [f"{name}: checkpoint {value!r}, a field this code lacks (the code that wrote it resumes it)"
+              for name, value in saved.items() if name not in DEFAULTS and name != "given"]  # renamed or removed
     saved, unused = {**DEFAULTS, **saved}, unused_fields(cfg)
     changes: dict[str, list[str]] = {"fixed": lacked, "warned": []}
     for name, resume in RESUME.items():
@@ -191,7 +191,7 @@ def check_same_run(cfg: TrainConfig) -> None:
     With --init_from on both sides the options the base fixes are compared once adopted (check_resumable)."""
     path = Path(cfg.out_dir) / "last.pt"
     saved = load_checkpoint(path)["config"]  # read again, whole, by the resume
-    if not (cfg.init_from and saved["init_from"]) and (differences := resume_changes(saved, cfg)["fixed"]):
+    if not (cfg.init_from and saved.get("init_from")) and (differences := resume_changes(saved, cfg)["fixed"]):
         raise other_run(path, differences)
 
 

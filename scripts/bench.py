@@ -236,15 +236,16 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return overrides
 
 
-RESULTS_MARK = "tinygpt results"  # "written_by" of every results file bench.py and harness.py write: ones they replace
+RESULTS_KEYS = ({"load_average", "results"}, {"results", "configs", "versions"})  # bench's file, lm_eval's (harness)
 
 
 def check_results_path(path: Path, flag: str) -> None:
     """Refuse, before any work, a results file that would replace another file: a folder, a checkpoint, a user's."""
     check_writable(path.parent, flag, f".results-probe-{os.getpid()}")  # a read-only folder, a file in the way
-    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):  # a folder, not JSON, not an object, not ours
-        if path.suffix == ".json" and (not path.exists() or json.loads(path.read_text())["written_by"] == RESULTS_MARK):
-            return  # a new name, or results this tool (or harness.py) wrote
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a folder, not JSON, not an object
+        if path.suffix == ".json" and (not path.exists() or any(keys <= json.loads(path.read_text()).keys()
+                                                                for keys in RESULTS_KEYS)):
+            return  # a new name, or results this tool (or harness.py) wrote: not any JSON holding "results"
     raise PathError(f"{flag} {path}: neither a new .json file nor results written before; pass a new name ending .json")
 
 
@@ -303,8 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"B / A: {ratio:.2f}x tokens/s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = {"written_by": RESULTS_MARK, "load_average": os.getloadavg(), "results": results}
-        atomic_write_text(args.json, json.dumps(record, indent=1))
+        atomic_write_text(args.json, json.dumps({"load_average": os.getloadavg(), "results": results}, indent=1))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.min_ratio and not ratio >= args.min_ratio:
         sys.exit(f"check failed: B / A = {ratio:.2f}x, below --min-ratio {args.min_ratio:g}")

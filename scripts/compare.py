@@ -62,14 +62,15 @@ class Run:
         return make_config(self.preset, **self.overrides, resume=resume)
 
     def made_by(self, code: dict[str, str]) -> dict[str, str]:
-        """What the run is made of besides its config: the code, and the corpus (an edited --data_path is another)."""
+        """What the run is made of besides its config: the code, and the corpus (an edited --data_path is another).
+        The corpus is named as prepare.corpus_source names it: a file's stem and its fingerprint, or a dataset's."""
         cfg = self.config()
         return {**code, "corpus": corpus_name(cfg.dataset, cfg.data_path, cfg.text_column)}
 
 
 @functools.cache  # a file's is its sha256: once per comparison
 def corpus_name(dataset: str, data_path: str, text_column: str) -> str:
-    return corpus_source(dataset, data_path, text_column)[0]  # its prepared folder's name: the source's fingerprint
+    return corpus_source(dataset, data_path, text_column)[0]  # "corpus-5e1b..." (its sha256), or "shakespeare"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +305,8 @@ def summarise(plan: Plan, vs: str | None = None) -> dict[str, Any]:
                         | {"folder": str(Path(name) / f"seed-{r['seed']}")} for r in runs]}
         for metric in ("val_loss", "val_bpb"):
             values = [r[metric] for r in runs]
-            row[metric] = {"mean": statistics.fmean(values), "sd": statistics.stdev(values)}
+            finite = all(map(math.isfinite, values))  # a diverged run's nan: statistics.stdev raises on it
+            row[metric] = {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if finite else math.nan}
             if name != base:
                 row[metric] |= paired([results[base, s][metric] for s in plan.seeds], values)
         ratios = [results[name, s]["ms_per_step"] / results[base, s]["ms_per_step"] for s in plan.seeds]

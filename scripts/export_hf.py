@@ -45,8 +45,9 @@ def check_output(out: Path, flag: str, suffix: str = "") -> None:
         raise PathError(f"{out}: the export writes only *{suffix} files, never over a checkpoint or any other file; "
                         f"pass a name ending in {suffix}")
     if suffix and out.exists() and not exported_gguf(out):
-        raise PathError(f"{out} is not a {suffix} file an export wrote (a checkpoint renamed?), and only such a file "
-                        "is replaced; pass a new name (or delete it first)")
+        raise PathError(f"{out} lacks the mark of a {suffix} file this export wrote (another model, a checkpoint "
+                        "renamed, an export of an older version), and only such a file is replaced; pass a new name "
+                        "(or delete it first)")
     if suffix and not folder.exists():
         raise PathError(f"{out}: no folder {folder}; make it first (mkdir -p {folder}) or write into an existing one")
     check_writable(folder, flag, f".export-probe-{os.getpid()}")  # a file where the folder should be, read-only

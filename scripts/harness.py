@@ -30,7 +30,7 @@ from data import DataError
 from model import GPT
 from runtime import atomic_write_text, pick_device
 from sample import generate
-from scripts.bench import RESULTS_MARK, check_results_path
+from scripts.bench import check_results_path
 
 try:
     import lm_eval
@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"could not load the data of {', '.join(names)} ({first_line}); the harness's tasks "
                               "download it from the Hugging Face hub; this repo's tasks run offline") from None
     output.parent.mkdir(parents=True, exist_ok=True)
-    record = {"written_by": RESULTS_MARK, **results}
-    atomic_write_text(output, json.dumps(record, indent=2, default=lm_utils.handle_non_serializable) + "\n")
+    atomic_write_text(output, json.dumps(results, indent=2, default=lm_utils.handle_non_serializable) + "\n")
     print(f"# {loaded.source} on {', '.join(names)} (lm_eval {lm_eval.__version__})")
     print(lm_utils.make_table(results))
     print(f"results: {output}")

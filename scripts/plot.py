@@ -48,9 +48,11 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise DataError(f"{path}:{number}: not a train.py metrics record (a JSON object with a \"step\")")
-        if bad := [k for k in ("loss", "val_loss", "val_bpb", "time_s")
-                   if type(record.get(k, 0)) not in (int, float) or not math.isfinite(record.get(k, 0))]:
+        values = {k: record.get(k, 0) for k in ("loss", "val_loss", "val_bpb", "time_s")}
+        if bad := [k for k, v in values.items() if type(v) not in (int, float)]:
             raise DataError(f"{path}:{number}: {bad[0]} is {json.dumps(record[bad[0]])}, not a number; fix the line")
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values.values()):
+            continue  # a diverged eval (train.py logs its NaN): not drawn; matplotlib would fail on it
         kind = val if "val_loss" in record else train if "loss" in record else {}  # anything else is not drawn
         kind[record["step"]] = record
     return sorted(train.values(), key=lambda r: r["step"]), sorted(val.values(), key=lambda r: r["step"])

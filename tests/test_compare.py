@@ -139,6 +139,19 @@ def test_a_rerun_trains_nothing_unless_the_code_changed(finished, tmp_path, monk
     assert [label for _, label in plot.expand(tmp_path / "exp")] == ["base"] * 3  # not the stale runs
 
 
+def test_a_diverged_run_is_a_result_with_nan_in_its_tables(finished, tmp_path, monkeypatch):
+    """Bug caught: statistics.stdev raised on a diverged run's nan, and its comparison never got its tables."""
+    root, _ = finished
+    shutil.copytree(root / "exp", tmp_path / "exp")
+    result = tmp_path / "exp" / "same" / "seed-2" / "result.json"
+    result.write_text(json.dumps({**json.loads(result.read_text()), "val_loss": math.nan, "diverged": "non-finite"}))
+    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    summary = compare.compare(argv(root / "corpus.txt", tmp_path / "exp", "base:", "same:", SLOW),
+                              StopOnSignal(install=False))
+    assert math.isnan(row(summary, "same")["val_loss"]["sd"]) and row(summary, "base")["val_loss"]["sd"] > 0
+    assert "nan: diverged (non-finite loss): same seed 2" in (tmp_path / "exp" / "results.md").read_text()
+
+
 def test_a_stopped_comparison_resumes_to_the_numbers_of_one_never_stopped(finished, tmp_path, monkeypatch):
     """SIGINT at step 15 of seed 2 saves that run and exits 130; the same command resumes it, bit for bit."""
     root, unstopped = finished

@@ -94,9 +94,7 @@ def test_bench_vs_writes_both_results(tiny_cfg, tmp_path):
     run_script("-m", "scripts.bench", "--config", "tiny", f"data_path={cfg.data_path}", f"data_dir={cfg.data_dir}",
                "device=cpu", "dtype=float32", "--vs", "dtype=bfloat16", "--steps", "4", "--warmup", "1",
                "--rounds", "2", "--threads", "1", "--json", str(out))
-    record = json.loads(out.read_text())
-    (a, b), written_by = record["results"], record["written_by"]  # the mark that lets a later run replace it
-    assert written_by == bench.RESULTS_MARK
+    a, b = json.loads(out.read_text())["results"]
     assert (a["dtype"], b["dtype"]) == ("float32", "bfloat16") and a["threads"] == b["threads"] == 1
     for result in (a, b):
         assert result["steps"] == 4 and result["tokens_per_s"] > 0 and result["peak_mib"] > 0
@@ -181,10 +179,11 @@ def test_plot_writes_png(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as stopped:
         plot.main([str(metrics), "-o", str(out)])
     assert stopped.value.code == 74 and out.read_bytes() == before and len(list(tmp_path.iterdir())) == 3
-    for line, said in (('{"step": 40, "loss": null}', "loss is null"), ('{"step": 4, "val_loss": NaN}', "is NaN")):
-        metrics.write_text(line + "\n")  # was: a TypeError in the drawing, matplotlib's ValueError
-        with pytest.raises(DataError, match=f"metrics.jsonl:1: .*{said}, not a number"):
-            plot.read_metrics(metrics)
+    metrics.write_text('{"step": 40, "loss": null}\n')  # was: a TypeError in the drawing
+    with pytest.raises(DataError, match="metrics.jsonl:1: loss is null, not a number"):
+        plot.read_metrics(metrics)
+    metrics.write_text('{"step": 4, "val_loss": NaN}\n{"step": 4, "loss": 3.0}\n')  # a diverged eval, as logged
+    assert plot.read_metrics(metrics) == ([{"step": 4, "loss": 3.0}], [])  # not drawn (matplotlib's ValueError)
     metrics.write_text("")  # a run stopped before its first line: was an empty figure, and "wrote"
     with pytest.raises(DataError, match="no train or val records in "):
         plot.plot([metrics], out, ["a"])
@@ -226,7 +225,7 @@ def test_train_and_the_tools_get_one_runtime_and_precision_from_choose_runtime(t
 def test_a_results_file_replaces_only_results_written_before(tmp_path):
     """Bug caught: bench's --json and harness's --output replaced any JSON holding "results" (a user's notes)."""
     ours, theirs = tmp_path / "ours.json", tmp_path / "theirs.json"
-    ours.write_text(json.dumps({"written_by": bench.RESULTS_MARK, "results": []}))
+    ours.write_text(json.dumps({"load_average": [0.5], "results": []}))
     theirs.write_text(json.dumps({"results": "Q3 sales, keep"}))
     for path in (ours, tmp_path / "new.json"):
         bench.check_results_path(path, "--json")
