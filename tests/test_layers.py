@@ -122,11 +122,3 @@ def test_a_back_import_is_caught_wherever_it_is_written(where):
 def test_a_new_folder_needs_a_layer():
     with pytest.raises(AssertionError, match="newfolder/x.py is in no layer"):
         layer_of("newfolder/x.py")
-
-
-@pytest.mark.slow  # ~10 s: the import counts in fresh interpreters, and four steps traced
-def test_shape_traces_a_bpe_preset_on_its_small_corpus(capsys):
-    """Bug caught: `python -m scripts.shape --preset small_bpe` trained its BPE on 400 lines, and was refused."""
-    from scripts import shape
-    shape.main(["--preset", "small_bpe"])
-    assert "one optimizer step (small_bpe, fp32, adamw) enters:" in capsys.readouterr().out
