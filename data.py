@@ -53,13 +53,13 @@ def get_batch(data: np.ndarray, batch_size: int, block_size: int, generator: tor
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows; targets are the inputs shifted left by one. Draws only from ``generator``."""
     starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)  # (B,)
-    windows = np.stack([data[s: s + block_size + 1] for s in starts.tolist()]).astype(np.int64)
-    return inputs_and_targets(torch.from_numpy(windows), device)  # windows: (B, T + 1)
+    return inputs_and_targets([data[s: s + block_size + 1] for s in starts.tolist()], device)
 
 
-def inputs_and_targets(rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows (B, T + 1) -> (x, y) on ``device``, y shifted left by one; to a GPU through pinned memory (non_blocking)."""
-    x, y = rows[:, :-1], rows[:, 1:]  # (B, T) each: y[:, t] is the token after x[:, t]
+def inputs_and_targets(rows: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """B rows of T + 1 tokens -> (x, y) on ``device``, y shifted left by one; to a GPU through pinned memory."""
+    batch = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T + 1)
+    x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each: y[:, t] is the token after x[:, t]
     if device.type == "cuda":
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
@@ -89,11 +89,11 @@ class TrainingStream:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def state_dict(self) -> dict:
-        raise NotImplementedError
+    def state_dict(self) -> dict:  # where the generator is; a loader that keeps more state saves that too
+        return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError
+        self.generator.set_state(state["generator"])
 
     def first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch a fresh stream of these settings draws first (the compile probe, the doctor), drawn by a copy:
@@ -110,12 +110,6 @@ class RandomWindows(TrainingStream):
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         return get_batch(self.tokens, self.batch_size, self.block_size, self.generator, self.device)
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
 
 
 class PackedDocuments(TrainingStream):
@@ -139,8 +133,7 @@ class PackedDocuments(TrainingStream):
         self.begin_epoch(0)
 
     def begin_epoch(self, epoch: int) -> None:
-        """Shuffle the documents for ``epoch``; the generator's state before the shuffle is kept, so that
-        a resume can draw the same order again."""
+        """Shuffle the documents for ``epoch``, keeping the generator's prior state so a resume draws the same order."""
         self.epoch, self.position = epoch, 0  # position: documents of this epoch's order already read
         self.epoch_state = self.generator.get_state()
         self.order = torch.randperm(len(self.starts), generator=self.generator).numpy()  # (D,)
@@ -161,14 +154,13 @@ class PackedDocuments(TrainingStream):
         return np.concatenate(pieces)  # (T + 1,)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.stack([self.row() for _ in range(self.batch_size)]).astype(np.int64)  # (B, T + 1)
-        return inputs_and_targets(torch.from_numpy(rows), self.device)
+        return inputs_and_targets([self.row() for _ in range(self.batch_size)], self.device)
 
     def state_dict(self) -> dict:
         return {"generator": self.epoch_state, "epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        super().load_state_dict(state)
         self.begin_epoch(state["epoch"])  # draws this epoch's order again
         self.position = state["position"]
 

@@ -180,11 +180,11 @@ def step_bytes(config: GPTConfig, batch_size: int, cpu_bf16: bool) -> int:
     return config.n_layer * (B * T * 34 * config.n_embd + scores) + 2 * T * T
 
 
-def make_norm(config: GPTConfig, width: int) -> nn.Module:
+def make_norm(config: GPTConfig) -> nn.Module:
     """The normalisation config.norm names: LayerNorm (GPT-2) or RMSNorm (Zhang & Sennrich 2019)."""
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(width, eps=1e-5)  # LayerNorm's epsilon, so the two differ only in what they compute
-    return nn.LayerNorm(width, bias=config.bias)
+        return nn.RMSNorm(config.n_embd, eps=1e-5)  # LayerNorm's epsilon, so the two differ only in what they compute
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
 
 
 class CausalSelfAttention(nn.Module):
@@ -248,15 +248,14 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = make_norm(config, config.n_embd)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = make_norm(config, config.n_embd)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache, aux: AuxLosses) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), mask, cache)  # (B, T, C)
-        x = x + self.mlp(self.ln_2(x), aux)  # (B, T, C)
-        return x
+        return x + self.mlp(self.ln_2(x), aux)  # (B, T, C)
 
 
 class GPT(nn.Module):
@@ -271,7 +270,7 @@ class GPT(nn.Module):
             # ModuleList, not a Python list: a plain list hides the blocks from .parameters(),
             # .to() and state_dict(), and the optimizer silently never trains them.
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=make_norm(config, config.n_embd),
+            ln_f=make_norm(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017): one matrix embeds tokens and scores them.

@@ -149,11 +149,7 @@ class Muon(torch.optim.Muon):
         self.ns_dtype = ns_dtype
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self, closure=None):  # torch's signature; MuonAdamW.step, its one caller, passes no closure
         for group in self.param_groups:
             lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
             params = [p for p in group["params"] if p.grad is not None]
@@ -174,7 +170,6 @@ class Muon(torch.optim.Muon):
                 # torch's "original" lr adjustment: tall matrices move by sqrt(rows / cols) more.
                 torch._foreach_add_([params[i] for i in members], ortho.unbind(0),
                                     alpha=-lr * math.sqrt(max(1, rows / cols)))
-        return loss
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -293,8 +288,7 @@ class NonFiniteGuard:
 
     def raise_if_tripped(self) -> None:
         """Stop the run if a fault was recorded. Reads one device scalar: call it where the loop syncs."""
-        bad_step = int(self.bad_step)
-        if bad_step < 0:
+        if (bad_step := int(self.bad_step)) < 0:
             return
         if self.scaler.is_enabled():
             raise RunStopped(f"{self.max_skipped} steps in a row skipped for non-finite fp16 gradients "

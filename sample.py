@@ -165,8 +165,7 @@ class Continuations:
 
     def add(self, row: int, text: str) -> None:
         self.texts[row] += text
-        found = [at for at in (self.texts[row].find(stop) for stop in self.stops) if at >= 0]
-        if found:
+        if found := [at for at in (self.texts[row].find(stop) for stop in self.stops) if at >= 0]:
             self.texts[row], self.done[row] = self.texts[row][:min(found)], True
 
     def finish(self) -> None:

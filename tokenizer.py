@@ -39,8 +39,7 @@ class CharTokenizer:
         self.special_ids = frozenset()  # every id is a character of text
 
     def encode(self, text: str) -> list[int]:
-        missing = "".join(sorted(set(text) - self.stoi.keys()))
-        if missing:
+        if missing := "".join(sorted(set(text) - self.stoi.keys())):
             raise UnknownCharacters(f"characters not in the model's vocabulary: {missing!r}", missing)
         return [self.stoi[ch] for ch in text]
 
@@ -219,8 +218,7 @@ def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
 def token_byte_lengths(tokenizer) -> torch.Tensor:
     """UTF-8 bytes each id decodes to, (vocab_size,) int64: bits per byte's denominator. Special tokens count 0 bytes
     (no text), so bits per byte measures the corpus's own bytes; their cost stays in the numerator."""
-    special = set(tokenizer.special_ids)
-    return torch.tensor([0 if i in special else len(tokenizer.decode_bytes([i]))
+    return torch.tensor([0 if i in tokenizer.special_ids else len(tokenizer.decode_bytes([i]))
                          for i in range(tokenizer.vocab_size)], dtype=torch.long)
 
 
@@ -267,9 +265,7 @@ def read_base_tokenizer(folder: Path, vocab_size: int) -> dict | None:
             if size != vocab_size:
                 raise HFError(f"{folder / name}: a {what} of {size} tokens for a vocabulary of {vocab_size}")
             return meta
-    if vocab_size == GPT2_VOCAB:
-        return {"kind": "gpt2"}
-    return read_standard_files(folder, vocab_size)
+    return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else read_standard_files(folder, vocab_size)
 
 
 def read_standard_files(folder: Path, vocab_size: int) -> dict | None:

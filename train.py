@@ -18,7 +18,6 @@ if __name__ == "__main__":  # Ctrl-C while torch imports (seconds) ends the proc
 import contextlib
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -60,11 +59,6 @@ class StepLosses(NamedTuple):
     aux: dict[str, torch.Tensor]  # the model's auxiliary losses (model.AuxLosses), summed alike, logged by name
 
 
-def objective_sum(loss_sum: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The loss a step minimises: the cross-entropy plus every auxiliary term the model returns."""
-    return loss_sum + sum(aux.values())
-
-
 def accumulate_gradients(model: torch.nn.Module, batches: list[Batch], scaler: torch.amp.GradScaler,
                          device: torch.device, dtype: torch.dtype, world_size: int = 1) -> StepLosses:
     """Forward and backward over the micro-batches of one optimizer step; returns the step's sums (no host sync).
@@ -84,7 +78,7 @@ def accumulate_gradients(model: torch.nn.Module, batches: list[Batch], scaler: t
             # Mixed precision for the forward only; a no-op in fp32. Weights and optimizer state stay fp32.
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 _, loss_sum, _, aux = model(x, y)
-            scaler.scale(objective_sum(loss_sum, aux) / divisor).backward()
+            scaler.scale((loss_sum + sum(aux.values())) / divisor).backward()  # objective: cross-entropy + aux terms
         loss_step += loss_sum.detach()  # detached: keeping the graph would hold every activation
         for name, term in aux.items():
             aux_step[name] = aux_step.get(name, 0) + term.detach()
@@ -116,7 +110,7 @@ def train_step(run: Run, step_model: torch.nn.Module, batches: list[Batch], step
     losses = accumulate_gradients(step_model, batches, run.scaler, run.rt.device, run.rt.dtype, world_size)
     max_norm = run.cfg.grad_clip if run.cfg.grad_clip > 0 else math.inf
     grad_norm = optimizer_step(run.optimizer, run.scaler, run.guard, list(run.model.parameters()), max_norm, step,
-                               objective_sum(losses.loss_sum, losses.aux))
+                               losses.loss_sum + sum(losses.aux.values()))  # the objective, as accumulated
     return losses, grad_norm
 
 

@@ -381,8 +381,7 @@ def run_tool(main: Callable[[], int | None]) -> NoReturn:
 
 def exit_on(err: BaseException) -> NoReturn:
     """End the process on ``err`` as exit_for says; a bug is raised again."""
-    ending = exit_for(err)
-    if ending is None:
+    if (ending := exit_for(err)) is None:
         raise err
     fail(*ending)
 
@@ -442,8 +441,7 @@ class CommandLine(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's signature
         # intermixed: positionals may stand between flags (bench's `dtype=float32 --threads 1 compile=on`)
         parsed, unknown = self.parse_known_intermixed_args(args, namespace)
-        flag = next((u.split("=")[0] for u in unknown if u.startswith("-")), None)
-        if flag is not None:
+        if (flag := next((u.split("=")[0] for u in unknown if u.startswith("-")), None)) is not None:
             known = [s for action in self._actions for s in action.option_strings]
             self.error(f"unknown flag `{flag}`" + did_you_mean(flag, known, "flag"))
         if unknown:

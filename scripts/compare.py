@@ -16,7 +16,6 @@ if not __package__:  # run as a file, `python scripts/compare.py`: its folder, n
     sys.exit(2)
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -62,15 +61,10 @@ class Run:
         return make_config(self.preset, **self.overrides, resume=resume)
 
     def made_by(self, code: dict[str, str]) -> dict[str, str]:
-        """What the run is made of besides its config: the code, and the corpus (an edited --data_path is another).
-        The corpus is named as prepare.corpus_source names it: a file's stem and its fingerprint, or a dataset's."""
+        """What the run is made of besides its config: the code, and the corpus as prepare.py names it ("corpus-5e1b..."
+        with its file's fingerprint, or "shakespeare"): an edited --data_path is another."""
         cfg = self.config()
-        return {**code, "corpus": corpus_name(cfg.dataset, cfg.data_path, cfg.text_column)}
-
-
-@functools.cache  # a file's is its sha256: once per comparison
-def corpus_name(dataset: str, data_path: str, text_column: str) -> str:
-    return corpus_source(dataset, data_path, text_column)[0]  # "corpus-5e1b..." (its sha256), or "shakespeare"
+        return {**code, "corpus": corpus_source(cfg.dataset, cfg.data_path, cfg.text_column)[0]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +144,7 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
     runs = [Run(name, seed, folder / name / f"seed-{seed}", args.config, {**overrides[name], "seed": seed,
                 "out_dir": str(folder / name / f"seed-{seed}")}) for seed in seeds for name in variants]
     for cfg in {(c.dataset, c.data_path, c.text_column): c for c in map(Run.config, runs)}.values():
-        corpus_name(cfg.dataset, cfg.data_path, cfg.text_column)  # DataError now, not after the runs before it
+        corpus_source(cfg.dataset, cfg.data_path, cfg.text_column)  # DataError now, not after the runs before it
     runs = pin_auto_dtype(runs)
     for run in runs:
         if code is None or not is_stale(run, code):

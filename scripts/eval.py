@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                                ("--eval_tokens", args.eval_tokens, -1)):  # -1: as training did
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
-    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()  # stdout: the JSON alone
-    with exit_on_errors(), quiet:  # one line and its exit code (config/__init__.py); a prepare's lines on stderr
+    with exit_on_errors(), contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):  # --json: JSON alone
         # LoRA unmerged, as training evaluated it: merged weights round, and the logged number would not come back.
         loaded = from_flags(args, merged=False)
         # train.py's choice for the run's config, in the run's precision; eager: one pass would not repay a compile.

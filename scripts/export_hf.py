@@ -68,8 +68,7 @@ GGUF_MARK = "tinygpt.exported_by"  # a metadata key export_gguf.py writes first:
 def exported_gguf(path: Path) -> bool:
     """``path`` is a readable GGUF file with the mark near its start (another GGUF model is no export's to replace)."""
     with contextlib.suppress(OSError), open(path, "rb") as f:
-        head = f.read(1 << 12)
-        return head.startswith(b"GGUF") and GGUF_MARK.encode() in head
+        return (head := f.read(1 << 12)).startswith(b"GGUF") and GGUF_MARK.encode() in head
     return False
 
 

@@ -180,26 +180,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.metrics):
         parser.error(f"{len(args.labels)} --labels for {len(args.metrics)} arguments; give one per argument")
-    runs = []
-    for i, arg in enumerate(args.metrics):
-        with exit_on_errors():  # a results.json that is not compare.py's: one line
-            found = expand(arg)
-        if not found:
-            parser.error(f"{arg}: no such file, and no metrics.jsonl in it or in its */seed-*/ folders")
-        runs += [(path, args.labels[i] if args.labels else label) for path, label in found]
-    paths, labels = zip(*runs)
-    if (kind := args.out.suffix.lower().lstrip(".")) not in MARK_KEYS:  # else refused after the work, in a traceback
-        reason = f".{kind} is no image format plot.py writes" if kind else "no extension to name the image format"
-        parser.error(f"-o {args.out}: {reason}; pass a name ending in .png (or .pdf, .svg)")
-    if args.out.exists() and (not args.out.is_file() or MARK.encode() not in args.out.read_bytes()):
-        parser.error(f"-o {args.out}: exists, and plot.py did not write it; pass another -o, or move it away")
-    with exit_on_errors():  # a file that is no metrics.jsonl, an -o to change: one line and its exit code
+    with exit_on_errors():  # a results.json or metrics file in the way, an -o to change: one line, its exit code
+        runs = []
+        for i, arg in enumerate(args.metrics):
+            if not (found := expand(arg)):
+                parser.error(f"{arg}: no such file, and no metrics.jsonl in it or in its */seed-*/ folders")
+            runs += [(path, args.labels[i] if args.labels else label) for path, label in found]
+        paths, labels = zip(*runs)
+        if (kind := args.out.suffix.lower().lstrip(".")) not in MARK_KEYS:  # else refused after the work
+            reason = f".{kind} is no image format plot.py writes" if kind else "no extension to name the image format"
+            parser.error(f"-o {args.out}: {reason}; pass a name ending in .png (or .pdf, .svg)")
+        if args.out.exists() and (not args.out.is_file() or MARK.encode() not in args.out.read_bytes()):
+            parser.error(f"-o {args.out}: exists, and plot.py did not write it; pass another -o, or move it away")
         try:
             check_writable(args.out.parent, "-o", f".plot-probe-{os.getpid()}")  # before the work, not after it
             print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")
         except OSError as err:  # the image's write failed (a full disk): the old image, if any, is as it was
             raise os_failure(args.out, "-o", err) from None
-
 
 if __name__ == "__main__":
     run_tool(main)

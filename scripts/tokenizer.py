@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--data_path {args.data_path} is a folder of tokens (train.bin, val.bin, meta.json); this tool "
                      "compares tokenizers on text: pass the text itself (a .txt, .jsonl or .parquet file, or a folder)")
     if args.dataset == SHAKESPEARE_CHAT and not args.data_path:  # was "unknown dataset", beside its own name
-        parser.error(f"--dataset {SHAKESPEARE_CHAT} is conversations; this tool compares tokenizers on text: pass "
-                     "--dataset shakespeare, or a text with --data_path")
+        parser.error(f"--dataset {SHAKESPEARE_CHAT} is conversations; tokenizers are compared on text (--data_path)")
     with exit_on_errors():  # one line and its exit code (config/__init__.py)
         print(report(args))
 

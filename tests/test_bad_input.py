@@ -103,7 +103,7 @@ BAD_INPUTS = {
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
         (["--val_fraction", "0"], "--val_fraction must be in (0, 1)"),
         (["--data_path", "{tokens}", "--data_dir", "{data}"], "compares tokenizers on text"),  # was: --tokenizer char
-        (["--dataset", "shakespeare_chat"], "is conversations; this tool compares tokenizers on text"),
+        (["--dataset", "shakespeare_chat"], "is conversations; tokenizers are compared on text"),
     ],
     "scripts.bench": [
         (["--steps", "0"], "need --steps and --rounds >= 1"),  # ran one step, silently
