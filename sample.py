@@ -148,7 +148,7 @@ class Continuations:
         self.tokenizer, self.show, self.shown = tokenizer, show, 0  # shown: characters of row 0 printed
         self.utf8 = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(rows)]
         self.texts, self.done = [""] * rows, [False] * rows
-        self.stops, self.end_ids = [s for s in stops if s], end_ids
+        self.stops, self.end_ids = stops, end_ids  # each non-empty (sampling_args refuses "")
 
     def push(self, next_ids: torch.Tensor) -> None:
         """Append each row's new token (B, 1) to its text, unless the row has ended."""
@@ -198,7 +198,7 @@ def sample(model: GPT, tokenizer, text: str, args: argparse.Namespace, generator
 
 # ----------------------------------------------------------------------------- command line
 def unescape(text: str) -> str:
-    """--stop's escapes \\n, \\t and \\\\, so a shell can pass a newline."""
+    """--prompt's and --stop's escapes \\n, \\t and \\\\, so a shell can pass a newline."""
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
@@ -225,7 +225,8 @@ def sampling_args(parser: CommandLine, argv: list[str] | None) -> argparse.Names
                                   ("--num-samples", args.num_samples, ">= 1", args.num_samples >= 1),
                                   ("--max-new-tokens", args.max_new_tokens, ">= 1", args.max_new_tokens >= 1),
                                   ("--threads", args.threads, ">= 0", args.threads >= 0),
-                                  ("--seed", args.seed, "in [0, 2**32 - 1]", 0 <= args.seed < 2**32)):
+                                  ("--seed", args.seed, "in [0, 2**32 - 1]", 0 <= args.seed < 2**32),
+                                  ("--stop", '""', "a non-empty string", all(args.stop))):
         if not ok:
             fail(f"{flag} must be {must}, got {value}")
     args.stream = sys.stdout.isatty() if args.stream is None else args.stream
@@ -239,7 +240,8 @@ def sampling_args(parser: CommandLine, argv: list[str] | None) -> argparse.Names
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default="", help="text to continue (default: a newline / <|endoftext|>)")
+    prompt.add_argument("--prompt", default="", type=unescape,
+                        help="text to continue (\\n: newline; default: a newline / <|endoftext|>)")
     prompt.add_argument("--prompt-file", "--prompt_file", default="", help="UTF-8 file whose text to continue")
     args = sampling_args(parser, argv)
     try:

@@ -156,7 +156,7 @@ def load_preset(name: str) -> dict[str, Any]:  # config/NAME.toml or a path
 
 def make_config(preset: str | None = None, **overrides: Any) -> TrainConfig:
     """Defaults, then the preset, then overrides, validated; it remembers which fields they set (``given``)."""
-    values = {**(load_preset(preset) if preset else {}), **typed(overrides, "the overrides")}
+    values = {**(load_preset(preset) if preset is not None else {}), **typed(overrides, "the overrides")}
     return validate(TrainConfig(**values, given=tuple(sorted(values))))
 
 

@@ -266,8 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the torch profiler's top N ops over 10 steps of each config")
     args = parser.parse_args(argv)
-    if min(args.steps, args.rounds) < 1 or min(args.warmup, args.threads, args.profile) < 0:
-        parser.error("need --steps and --rounds >= 1, and --warmup, --threads and --profile >= 0")
+    if min(args.steps, args.rounds) < 1 or min(args.warmup, args.threads, args.profile, args.min_ratio) < 0:
+        parser.error("need --steps and --rounds >= 1, and --warmup, --threads, --profile and --min-ratio >= 0")
     if args.min_ratio and not args.vs:
         parser.error("--min-ratio would do nothing without --vs (it checks B / A)")
     unused = [k for k in ("vs", "steps", "min_ratio", "json", "profile") if getattr(args, k) != parser.get_default(k)]
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             check_results_path(args.json, "--json")
         base = ({"threads": str(args.threads)} if args.threads else {}) | parse_overrides(args.overrides)
-        overrides = {"A": base} | ({"B": base | parse_overrides([args.vs])} if args.vs else {})
+        overrides = {"A": base} | ({"B": base | parse_overrides([args.vs])} if args.vs is not None else {})
         configs = {name: make_config(args.config, out_dir="out/bench", **o) for name, o in overrides.items()}
         print(f"torch {torch.__version__}, {threads_text(torch.get_num_threads())} by default, load average "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -72,7 +72,8 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
 # is a trained tiny run, {corpus} its text, {data} its data_dir, {tmp} an empty folder; {run}/metrics.jsonl/x has a
 # file in the way.
 BAD_INPUTS = {
-    "scripts.shape": [(["--preset", "nosuch"], "no preset `nosuch`"), (["--optimizer", "nope"], "nope")],
+    "scripts.shape": [(["--preset", "nosuch"], "no preset `nosuch`"), (["--optimizer", "nope"], "nope"),
+                      (["--preset", ""], "no preset ``")],  # was: the defaults' trace
     "sample.py": [
         (["--tmp", "0.8"], "unknown flag `--tmp`; did you mean `--temp`?"),
         (["surplus"], "unexpected argument `surplus`"),
@@ -82,6 +83,7 @@ BAD_INPUTS = {
         (["--ckpt", "{run}", "--top-p", "2"], "--top-p must be in (0, 1], got 2"),
         (["--ckpt", "{run}", "--threads", "-1"], "--threads must be >= 0, got -1"),
         (["--ckpt", "{run}", "--seed", "-1"], "--seed must be in [0, 2**32 - 1]"),  # was: a torch traceback
+        (["--ckpt", "{run}", "--stop", ""], '--stop must be a non-empty string, got ""'),  # was: ignored
         (["--ckpt", "{run}", "--threads", "99999"], "--threads 99999: this machine has"),  # torch crashed
         (["--ckpt", "{run}", "--prompt", "KING: €"], "€"),
         (["--ckpt", "{run}", "--prompt-file", "{tmp}/no.txt"], "pass an existing UTF-8 text file with --prompt-file"),
@@ -107,11 +109,12 @@ BAD_INPUTS = {
     ],
     "scripts.bench": [
         (["--steps", "0"], "need --steps and --rounds >= 1"),  # ran one step, silently
-        (["--warmup", "-1"], "--warmup, --threads and --profile >= 0"),
+        (["--warmup", "-1"], "--warmup, --threads, --profile and --min-ratio >= 0"),
         (["n_layer"], "override `n_layer` must look like KEY=VALUE"),
         (["--json", "{run}/metrics.jsonl/x.json"], "is a file, not a folder"),
         (["--json", "{run}/best.pt"], "neither a new .json"), (["--matmul", "--json", "{tmp}/x.json"], "with --matmul"),
         (["--vs", "foo=1"], "unknown config key `foo`"), (["--min-ratio", "2"], "--min-ratio would do nothing"),
+        (["--vs", ""], "override `` must look like KEY=VALUE"), (["--vs", "seed=2", "--min-ratio", "-1"], ">= 0"),
     ],
     "scripts.compare": [(["--steps", "0", "a:"], "--steps must be > 0"), (["--steps", "1", "--out", "{run}", "a:"],
                          "holds files compare.py did not write"),  # was: results and runs written into a run

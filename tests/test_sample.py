@@ -312,14 +312,13 @@ def test_a_closed_stdout_ends_sampling_quietly_as_sigpipe_would(ckpt):
     child.stdout.close()  # before its first line: that write fails
     assert child.wait(timeout=120) == 141 and child.stderr.read() == b""
 
-def test_a_prompt_file_and_threads_as_train_py_takes_them(ckpt, tmp_path, monkeypatch, capsys):
-    """`--threads 1` (two jobs on 2 cores, one each) as train.py takes it; 0 keeps torch's default."""
+def test_a_prompt_file_or_escapes_and_threads_as_train_py_takes_them(ckpt, tmp_path, monkeypatch, capsys):
+    """A newline from a file or as --prompt's \\n; `--threads 1` as train.py takes it; 0 keeps torch's default."""
     (tmp_path / "prompt.txt").write_text("QUEEN:\n")
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    for threads in ("1", "0"):
-        main(["--ckpt", str(ckpt), "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "3",
-              "--temp", "0", "--no-stream", "--threads", threads])
+    for flags in (["--prompt-file", str(tmp_path / "prompt.txt"), "--threads", "1"], ["--prompt", r"QUEEN:\n"]):
+        main(["--ckpt", str(ckpt), *flags, "--max-new-tokens", "3", "--temp", "0", "--no-stream"])
         assert capsys.readouterr().out.split("\n", 1)[1].startswith("QUEEN:\n")
     assert calls == [1]
 
