@@ -332,7 +332,7 @@ class Checkpointer:
                 " (max_time reached: nothing to do; raise --max_time to continue)" if cfg.out_of_time(state["time_s"])
                 else "")
         print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
-        self.saved_step = state["step"]
+        self.saved_step, self.last_eval = state["step"], state["last_eval"]  # a save before the next eval keeps it
         return state["step"], state["time_s"], state["best_val_loss"]
 
     def save(self, step: int, time_s: float, best_val: float, is_best: bool = False) -> None:

@@ -178,7 +178,7 @@ class Conversations(PackedDocuments):
         from finetune import BEGIN, check_fit  # chat code: imported by a chat run only
         self.tokenizer = tokenizer
         super().__init__(tokens, cfg, seed, device, tokenizer.marker_ids[BEGIN])
-        check_fit(self.ends - self.starts, cfg.block_size, cfg.chat_overflow, source)
+        check_fit(tokens, self.starts, self.ends, tokenizer, cfg.block_size, cfg.chat_overflow, source)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         from finetune import conversation_rows
@@ -190,10 +190,12 @@ class Conversations(PackedDocuments):
 def eval_windows(corpus: Corpus, tokenizer, block_size: int, max_targets: int = 0,
                  overflow: str = "refuse") -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed val windows: val_windows over a text's tokens; for a chat corpus one conversation a row, block_size
-    wide, scored on the assistant's tokens only (finetune.val_rows)."""
+    wide, scored on the assistant's tokens only (finetune.val_rows), ``max_targets`` > 0 rounded up to whole rows."""
     if is_chat(corpus):
         from finetune import val_rows
-        return val_rows(corpus, tokenizer, block_size, overflow)
+        x, y = val_rows(corpus, tokenizer, block_size, overflow)  # (N, block_size) each
+        rows = int(torch.searchsorted((y >= 0).sum(1).cumsum(0), max_targets)) + 1 if max_targets > 0 else len(x)
+        return x[:rows], y[:rows]
     return val_windows(corpus.val, block_size, max_targets)
 
 

@@ -31,15 +31,23 @@ def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
     return (before >= 0) & (tokens[np.maximum(before, 0)] == tokenizer.marker_ids[ASSISTANT])
 
 
-def check_fit(lengths: np.ndarray, block_size: int, overflow: str, source: tuple[str, list[int]]) -> None:
-    """Refuse (or, truncating, count once) the conversations longer than block_size + 1 tokens."""
-    long, (path, lines) = np.flatnonzero(lengths > block_size + 1), source
+def check_fit(tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, tokenizer: ChatTokenizer, block_size: int,
+              overflow: str, source: tuple[str, list[int]]) -> None:
+    """Refuse (or, truncating, count once) the conversations longer than block_size + 1 tokens, and any that the cut
+    leaves with no target: a step or a val split of such would score 0 targets, a NaN loss."""
+    lengths, (path, lines) = ends - starts, source
+    long = np.flatnonzero(lengths > block_size + 1)
+    where = lambda i: f"{path}:{lines[i]}" if len(lines) == len(lengths) else f"{path}, conversation {i}"  # noqa: E731
     if len(long) and overflow == "refuse":
-        where = f"{path}:{lines[long[0]]}" if len(lines) == len(lengths) else f"{path}, conversation {long[0]}"
-        raise DataError(f"{where}: a conversation of {lengths[long[0]]} tokens ({len(long)} such in all) does not fit "
-                        f"block_size + 1 = {block_size + 1}; pass --chat_overflow truncate to cut them there (their "
-                        "tails are not learned), a larger --block_size (with --init_from, up to its positions), or "
-                        "shorten them")
+        raise DataError(f"{where(long[0])}: a conversation of {lengths[long[0]]} tokens ({len(long)} such in all) does "
+                        f"not fit block_size + 1 = {block_size + 1}; pass --chat_overflow truncate to cut them there "
+                        "(their tails are not learned), a larger --block_size (with --init_from, up to its "
+                        "positions), or shorten them")
+    cut = (np.asarray(tokens[starts[i]: starts[i] + block_size + 1]) for i in long)  # a row as training sees it
+    if empty := [i for i, row in zip(long, cut) if not learned(row, tokenizer)[1:].any()]:
+        raise DataError(f"{where(empty[0])}: cut at block_size + 1 = {block_size + 1} tokens, a conversation "
+                        f"({len(empty)} such in all) keeps no assistant token to learn; pass a larger --block_size, "
+                        "or shorten what comes before its first reply")
     if len(long):
         print(f"{path}: {len(long)} of {len(lengths)} conversations cut at block_size + 1 = {block_size + 1} tokens")
 
@@ -59,7 +67,8 @@ def val_rows(corpus, tokenizer: ChatTokenizer, block_size: int, overflow: str) -
     """A chat corpus's fixed val windows: one conversation a row, (N, block_size) each, padded and masked."""
     starts = np.flatnonzero(np.asarray(corpus.val) == tokenizer.marker_ids[BEGIN])
     ends = np.append(starts[1:], len(corpus.val))
-    check_fit(ends - starts, block_size, overflow, (corpus.meta["source"], corpus.meta.get("lines", {}).get("val", [])))
+    check_fit(corpus.val, starts, ends, tokenizer, block_size, overflow,
+              (corpus.meta["source"], corpus.meta.get("lines", {}).get("val", [])))
     return conversation_rows([corpus.val[s: min(e, s + block_size + 1)] for s, e in zip(starts, ends)], tokenizer,
                              block_size)
 

@@ -197,7 +197,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        # qk_norm bounds the attention logits (Dehghani et al. 2023); the gains let them sharpen again.
+        # qk_norm bounds attention logits (Dehghani et al. 2023), gains let them sharpen; fp32 (bf16: no fused kernel)
         self.q_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(head_size, eps=1e-5) if config.qk_norm else None
         self.rotary = Rotary(head_size, config.block_size) if config.pos_emb == "rope" else None
@@ -211,7 +211,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # (B, nh, T, hs) each, unit RMS per head times a gain
+            q, k = self.q_norm(q.float()).type_as(v), self.k_norm(k.float()).type_as(v)  # (B, nh, T, hs), RMS in fp32
         if self.rotary is not None:  # new tokens start after the cached ones
             start = cache.length if cache is not None else 0
             q, k = self.rotary(q, start), self.rotary(k, start)  # (B, nh, T, hs) each

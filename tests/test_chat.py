@@ -101,6 +101,9 @@ def test_a_conversation_of_block_size_plus_one_tokens_trains_whole_and_one_more_
         (row,) = [i for i in range(2) if x[i, 15] != 0]  # the long one's row: 16 inputs, no padding
         assert x[row].tolist() == long[:16]
         assert y[row][y[row] != -1].tolist() == t.encode(reply) + [t.marker_ids[END]] * fits  # cut: the <|end|> lost
+    lost = np.array(short + render(t, conversation("h" * 14, "ay")))  # the cut leaves no target: a NaN loss, refused
+    with pytest.raises(DataError, match="keeps no assistant token" if overflow == "truncate" else "of 21 tokens"):
+        Conversations(lost, cfg, 0, cpu, t)
 
 
 def test_train_rows_hold_one_whole_conversation_and_val_windows_score_exactly_the_learned_tokens(tmp_path):
@@ -117,6 +120,8 @@ def test_train_rows_hold_one_whole_conversation_and_val_windows_score_exactly_th
     val = [replies[line - 1] for line in corpus.meta["lines"]["val"]]  # lines 1, 5, 9: the last is the split's end
     assert [row[row != -1].tolist() for row in y] == [t.encode(reply) + [t.marker_ids[END]] for reply in val]
     assert (x[:, 0] == t.marker_ids[BEGIN]).all() and len(x) == len(val)
+    first = int((y[0] != -1).sum())  # eval_tokens: whole conversations, the first ones, until that many targets
+    assert [len(eval_windows(corpus, t, int(width), n)[0]) for n in (1, first, first + 1)] == [1, 1, 2]
 
 
 def test_each_ddp_rank_draws_its_own_conversations_in_its_own_generators_epoch_order(tiny_cfg, tmp_path):
