@@ -499,8 +499,9 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
                          desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
         counts, docs = write_splits(documents, staging, val_fraction)
         if not docs["train"]:  # one document (or a few): the first is val, so is the whole corpus
-            raise DataError(f"{path}: its {docs['val']} document(s) all go to val (document 0 is val, then one in "
-                            f"{round(1 / val_fraction)}); add documents, or pass one text file, whose tail is val")
+            raise DataError(f"{path}: no documents" if not docs["val"] else f"{path}: its {docs['val']} document(s) "
+                            f"all go to val (document 0 is val, then one in {round(1 / val_fraction)}); add documents, "
+                            "or pass one text file, whose tail is val")
         check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
         rule = ("document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
                 f"{'a newline' if tokenizer == 'char' else '<|endoftext|>'} before each document")
@@ -543,6 +544,8 @@ def parse_line(text: str, where: str) -> list[Message]:
     except ValueError as err:
         raise DataError(f"{where}: not JSON ({err})") from None
     if isinstance(record, dict) and "messages" not in record and "prompt" in record:
+        if "completion" not in record:  # else "message 1 (assistant) has content NoneType": a message never written
+            raise DataError(f'{where}: a "prompt" without its "completion" (the reply to learn)')
         record = {"messages": [{"role": "user", "content": record["prompt"]},
                                {"role": "assistant", "content": record.get("completion")}]}
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:

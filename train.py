@@ -220,8 +220,8 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
                           "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
     with runtime.stop_together(ddp.device):  # before a base is read or a corpus prepared
-        if cfg.resume and ddp.is_main:
-            check_same_run(cfg)  # last.pt of another run, as its config alone tells
+        if cfg.resume and ddp.is_main:  # last.pt of another run refused, as its config alone tells
+            cfg = check_same_run(cfg)  # dtype=auto: last.pt's precision (a new probe may differ), so it resumes exactly
     cfg, pretrained = start_from(cfg, ddp.device)  # init_from: before anything is written
     rt = choose_runtime(cfg, ddp.device)  # threads, precision (dtype=auto: rank 0's choice), compile
     run = build_run(cfg, rt, ddp, pretrained)

@@ -60,8 +60,8 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
         if is_tokenized_folder(path):  # train.bin, val.bin, meta.json: its val split, as training scores one
             return split_windows(loaded, load_corpus(path, cfg.block_size), eval_tokens)
         if path.exists() and is_document_corpus(path):  # train.py's documents (a folder, .jsonl, .parquet)
-            raise DataError(f"{path} holds documents: eval scores one UTF-8 text file (all of it) or a prepared "
-                            "folder's val split (train.bin, val.bin and meta.json); join their text into one file")
+            raise DataError(f"{path} holds documents: eval scores a text file or a prepared folder's val split; "
+                            "join their text into one file, or leave out --data_path to score the run's own val split")
         text = read_text_file(path)
         try:
             ids = loaded.tokenizer.encode_array(text)

@@ -159,6 +159,7 @@ BAD_LINES = {
     "empty assistant turn": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}',
                              "empty assistant turn"),
     "no assistant turn": ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
+    "prompt alone": ('{"prompt": "hi"}', 'a "prompt" without its "completion"'),  # was: "content NoneType"
     "system not first": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}, '
                          '{"role": "assistant", "content": "y"}]}', "only the first may be"),
 }

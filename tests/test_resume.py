@@ -234,6 +234,14 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
     assert len(list((tmp_path / "data").iterdir())) == 3
 
 
+def test_a_resume_with_dtype_auto_keeps_the_precision_last_pt_trained_in(tmp_path, text_file, monkeypatch, capsys):
+    """dtype=auto times bf16 against fp32 on a CPU, a noisy probe: a resume takes last.pt's, never flips (not exact)."""
+    for faster, args in (("bfloat16", {}), ("float32", dict(resume="true", max_iters=4))):  # the probe changes its mind
+        monkeypatch.setattr(runtime, "matmul_gflops", lambda *shape, dtype, f=faster: 9.0 if f in str(dtype) else 1.0)
+        assert run_main(tiny_args(tmp_path, text_file, dtype="auto", **{"max_iters": 2, **args})) == 0
+    assert load_checkpoint(tmp_path / "last.pt")["precision"] == "bfloat16" and "NOT" not in capsys.readouterr().out
+
+
 def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
     model = tiny_model()
     old = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99), muon_lr=0.02)
