@@ -200,8 +200,8 @@ def corpus_folder(cfg, base_tokenizer: dict | None = None, num_proc: int = 0) ->
     unused = {"dataset": path is not None, "val_fraction": path is not None and is_tokenized_folder(path),
               "text_column": path is None or path.suffix == ".txt" or is_tokenized_folder(path)}
     if said := [name for name, off in unused.items() if off and name in cfg.given]:  # warned, never dropped silently
-        print0(f"WARNING: {', '.join(said)} set but unused: {path or cfg.dataset} does not read "
-               + ("them" if len(said) > 1 else "it"), file=sys.stderr)  # stderr: eval's --json owns stdout
+        print0(f"WARNING: {', '.join(f'{name} {getattr(cfg, name)!r}' for name in said)} set but unused: the corpus is "
+               + (f"--data_path {path}" if path else f"--dataset {cfg.dataset}"), file=sys.stderr)  # stdout is --json's
     if path is None and cfg.dataset == SHAKESPEARE_CHAT:
         path = shakespeare_dialogue(Path(cfg.data_dir))
     if path is not None and is_conversations(path):

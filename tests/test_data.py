@@ -647,7 +647,7 @@ def test_a_folder_of_someone_elses_tokens_trains_resumes_samples_and_once_rewrit
     before = {p.name: p.read_bytes() for p in tokens.iterdir()}
     assert run_main(tiny_args(out, tokens, data_dir=tmp_path / "cache", max_iters=2, eval_interval=2,
                               val_fraction=0.3)) == 0  # the folder's split: it was silently dropped
-    assert f"WARNING: val_fraction set but unused: {tokens} does not read it" in capsys.readouterr().err
+    assert f"WARNING: val_fraction 0.3 set but unused: the corpus is --data_path {tokens}\n" in capsys.readouterr().err
     assert run_main(tiny_args(out, tokens, data_dir=tmp_path / "cache", max_iters=3, resume="true")) == 0
     assert {p.name: p.read_bytes() for p in tokens.iterdir()} == before  # used in place, never rewritten
     assert not (tmp_path / "cache").exists()  # nothing prepared
