@@ -1,5 +1,5 @@
-"""The repo's shape: a flat core at the top level (at most MORE_MODULES beside the card's), tools in scripts/, and
-every import (at the top, inside a function, under TYPE_CHECKING) only from a file before it in LAYERS, no cycle."""
+"""The repo's shape: the card's top level (at most MORE_MODULES flat modules beside it), tools in scripts/ that no core
+file imports, model.py on its own, and no import cycle (an import at the top, in a function or for annotations)."""
 from __future__ import annotations
 
 import ast
@@ -47,9 +47,6 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-# The core's files and folders, lowest first, then the tools: each imports only from itself and those before it.
-LAYERS = ("model.py", "config/", "runtime.py", "tokenizer.py", "prepare.py", "finetune.py", "data.py", "optim.py",
-          "checkpoint.py", "train.py", "sample.py", "scripts/")
 # The top level: the card's entries, then what a repo carries beside them (guide, requirements, tool settings).
 CARD = {"model.py", "data.py", "train.py", "sample.py", "config", "scripts", "tests", "README.md"}
 BESIDE = {"docs", ".ci", ".gitignore", "pytest.ini", "ruff.toml", "requirements.txt", "requirements-dev.txt",
@@ -58,18 +55,11 @@ MORE_MODULES = 6  # flat modules beside the card's four, each named for one conc
 PACKAGES = {"config", "scripts"}
 
 
-def layer_of(path: str) -> int:
-    """The index in LAYERS of the folder or core file ``path`` belongs to."""
-    for number, name in enumerate(LAYERS):
-        if path == name or (name.endswith("/") and path.startswith(name)):
-            return number
-    raise AssertionError(f"{path} is in no layer: add its file or folder to tests/test_layers.py's LAYERS")
-
-
-def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    """Every import of a file from a layer above its own, in words."""
-    return [f"{path} imports {target}, which is above it" for path in sorted(graph) for target in sorted(graph[path])
-            if layer_of(target) > layer_of(path)]
+def rule_breaks(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a tool by the core, or by model.py of anything, and an import cycle, in words."""
+    breaks = [f"{path} imports {target}" for path in sorted(graph) for target in sorted(graph[path])
+              if path == "model.py" or (target.startswith("scripts/") and not path.startswith("scripts/"))]
+    return breaks + ([" -> ".join(cycle)] if (cycle := find_cycle(graph)) else [])
 
 
 # ----------------------------------------------------------------------------- the repo as it is
@@ -83,20 +73,17 @@ def test_the_top_level_is_the_cards():
     assert not others, f"at the top level, beside the card's entries: {others}"
 
 
-def test_every_file_has_a_layer_and_imports_go_down_them_in_no_cycle():
+def test_no_core_file_imports_a_tool_model_py_imports_nothing_and_no_import_is_a_cycle():
     graph = import_graph(project_files())
-    for path in graph:
-        layer_of(path)
-    assert [name for name in LAYERS if not (REPO / name).exists()] == []  # a dissolved layer leaves LAYERS with it
-    assert upward_imports(graph) == []
-    cycle = find_cycle(graph)
-    assert cycle is None, "an import cycle: " + " -> ".join(cycle)
+    assert rule_breaks(graph) == []
     # the edges the checker must find, of every kind (a package's module, a lazy import)
     assert "scripts/bench.py" in graph["scripts/compare.py"]  # `from scripts.bench import parse_overrides`
     assert "config/__init__.py" in graph["train.py"]  # `from config import TrainConfig, ...`
     kinds = {"pkg/__init__.py": "", "pkg/mod.py": "", "low.py": "", "top.py": "from pkg import mod\ndef later():\n"
              "    import low\n"}
     assert import_graph(kinds)["top.py"] == {"pkg/mod.py", "low.py"}
+    separate = {"data.py": {"scripts/x.py"}, "scripts/x.py": set(), "model.py": {"low.py"}}  # each rule, no cycle
+    assert rule_breaks(separate) == ["data.py imports scripts/x.py", "model.py imports low.py"]
 
 
 # ----------------------------------------------------------------------------- the checker has teeth
@@ -105,7 +92,8 @@ BACK_IMPORTS = {  # imports the core must never gain: data.py from train.py (whi
     "inside a function": ("data.py", "def schedule():\n    from train import get_lr\n    return get_lr\n", "train.py"),
     "for annotations only": ("data.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                              "    from train import StepLosses\n", "train.py"),
-    "from a tool": ("model.py", "from scripts.bench import parse_overrides\n", "scripts/bench.py"),
+    "from a tool": ("checkpoint.py", "from scripts.bench import parse_overrides\n", "scripts/bench.py"),
+    "from model.py": ("model.py", "from config import TrainConfig\n", "config/__init__.py"),
 }
 
 
@@ -113,12 +101,5 @@ BACK_IMPORTS = {  # imports the core must never gain: data.py from train.py (whi
 def test_a_back_import_is_caught_wherever_it_is_written(where):
     file, line, target = BACK_IMPORTS[where]
     sources = project_files()
-    graph = import_graph({**sources, file: sources[file] + "\n" + line})
-    assert f"{file} imports {target}, which is above it" in upward_imports(graph)
-    cycle = find_cycle(graph)
-    assert cycle is not None and {file, target} <= set(cycle) and cycle[0] == cycle[-1], cycle
-
-
-def test_a_new_folder_needs_a_layer():
-    with pytest.raises(AssertionError, match="newfolder/x.py is in no layer"):
-        layer_of("newfolder/x.py")
+    breaks = rule_breaks(import_graph({**sources, file: sources[file] + "\n" + line}))
+    assert breaks and all(name in " ".join(breaks) for name in (file, target)), breaks
