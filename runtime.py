@@ -236,18 +236,13 @@ def setup(requested: str = "auto") -> Dist:
     return Dist(rank=rank, world_size=world_size, device=device)
 
 
-def teardown() -> None:
-    """After a run that finished on every rank: wait for all (rank 0 may still be saving), then leave the group."""
+def teardown(finished: bool) -> None:
+    """Leave the group: after a run that ``finished`` on every rank, once all are here (rank 0 may still be saving);
+    after an error that stopped every rank, at once (ranks that failed never come; gloo may turn that to SIGABRT)."""
     if dist.is_initialized():
         gc.collect()  # free the DDP wrapper (its reducer holds gloo/NCCL work) while the group still exists
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def abandon() -> None:
-    """After an error that stopped every rank: leave the group, no barrier (else gloo may turn the exit to SIGABRT)."""
-    if dist.is_initialized():
-        gc.collect()
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -286,13 +286,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with interrupt_until_the_loop():  # SIGTERM before the first step ends as Ctrl-C does: one line, no folder
             train(parse_args(argv), stop)
-        runtime.teardown()  # not on errors: its barrier would wait for ranks that have failed
+        runtime.teardown(finished=True)
         return
     except (Exception, KeyboardInterrupt) as err:
         ending = exit_for(run_error(err, stop.finished))  # Ctrl-C outside the loop, a lost peer: what they mean
         if ending is None:  # a bug: its traceback is the report
             raise
-    runtime.abandon()  # out here the traceback, which holds the DDP model, is already gone
+    runtime.teardown(finished=False)  # out here the traceback, which holds the DDP model, is already gone
     fail(*ending)
 
 

@@ -315,8 +315,7 @@ def run_checks(cfg: TrainConfig) -> list[Check]:
 def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     with exit_on_errors():  # bad config or data: one line and its exit code, as in train.py
-        cfg = parse_args(argv, __doc__.split("\n")[0] + " Takes train.py's flags.")
-        checks = run_checks(cfg)
+        checks = run_checks(parse_args(argv, __doc__.split("\n")[0] + " Takes train.py's flags."))
     name_width, measured_width = (max(len(getattr(c, key)) for c in checks) for key in ("name", "measured"))
     for c in checks:
         print(f"{'PASS' if c.passed else 'FAIL'}  {c.name:<{name_width}}  {c.measured:<{measured_width}}  {c.meaning}")

@@ -181,9 +181,8 @@ def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, An
         files["tokenizer.json"]["added_tokens"] += added
     else:
         files["tokenizer_config.json"]["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
-    files["tokenizer_config.json"]["additional_special_tokens"] = list(markers)
-    files["tokenizer_config.json"]["bos_token"] = BEGIN
-    files["tokenizer_config.json"]["chat_template"] = chat_template()
+    files["tokenizer_config.json"] |= {"additional_special_tokens": list(markers), "bos_token": BEGIN,
+                                       "chat_template": chat_template()}
     return files
 
 

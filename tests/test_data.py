@@ -336,12 +336,11 @@ print("REPORT " + json.dumps(report))
 
 
 @pytest.mark.slow
-def test_the_curriculum_recipe_forks_the_repo_end_to_end(tmp_path):
+def test_the_curriculum_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
     """docs/experiments.md's length curriculum in a copy of the repo; with its counter left out, its tests fail."""
     fork = fork_of_the_repo(tmp_path, snippets=CURRICULUM, tests=True)
-    (tmp_path / "corpus.txt").write_text(make_text())
-    result = subprocess.run([sys.executable, "-c", CURRICULUM_SCRIPT, str(tmp_path / "corpus.txt"),
-                             str(tmp_path / "o")], cwd=fork, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", CURRICULUM_SCRIPT, str(text_file), str(tmp_path / "o")], cwd=fork,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.split("REPORT ", 1)[1])
     assert report["warned"] == ["WARNING: curriculum_start is set (8) but unused: loader=random_windows does not "

@@ -402,7 +402,8 @@ def test_a_signal_before_the_first_step_is_one_line_and_leaves_no_folder(tmp_pat
 def test_a_ctrl_c_as_a_finished_run_exits_says_it_finished(tmp_path, text_file, monkeypatch, capsys, signal_handlers):
     """Bug caught: a Ctrl-C right after the last save said "interrupted before training started; nothing was saved"."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    monkeypatch.setattr(runtime, "teardown", lambda: os.kill(os.getpid(), signal.SIGINT))  # the loop is done
+    ctrl_c = lambda finished: finished and os.kill(os.getpid(), signal.SIGINT)  # noqa: E731 - the loop is done
+    monkeypatch.setattr(runtime, "teardown", ctrl_c)
     assert run_main(tiny_args(tmp_path / "out", text_file, max_iters=2)) == 130
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == "error: interrupted after training finished; what it saved is whole", err
