@@ -271,13 +271,15 @@ def gather_to_main(obj: Any) -> list[Any]:
     return out or []
 
 
-def agree(flags: tuple[bool, ...], ddp: Dist, now: bool) -> tuple[bool, ...]:
-    """Each flag true if it is on any rank. Under DDP a host sync, so only when ``now``; all False otherwise."""
+def agree(values: tuple[int, ...], ddp: Dist, now: bool) -> tuple[int, ...]:
+    """Each value's largest on any rank (a flag: true on any). Under DDP a host sync, so only when ``now``; 0s else."""
     if not ddp.enabled:
-        return flags
+        return values
     if not now:
-        return (False,) * len(flags)
-    return tuple(bool(flag) for flag in all_reduce_sum(torch.tensor(flags, dtype=torch.int32, device=ddp.device)))
+        return (0,) * len(values)
+    agreed = torch.tensor(values, dtype=torch.int32, device=ddp.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return tuple(agreed.tolist())
 
 
 @contextlib.contextmanager
@@ -605,11 +607,11 @@ class MetricsLog:
         self.stop = stop or StopOnSignal(install=False)  # a closed stdout asks it to stop the run, as SIGPIPE
         self.step_then, self.t = step, time.time()  # the last log line's: what its speed is measured from
         self.positions, self.targets = 0, torch.zeros((), dtype=torch.long, device=rt.device)  # since the last line
-        path = out_dir / "metrics.jsonl"
-        logged_through = drop_records_after(path, step) if enabled and cfg.resume else None
+        self.path = out_dir / "metrics.jsonl"
+        logged_through = drop_records_after(self.path, step) if enabled and cfg.resume else None
         if enabled and not cfg.resume:
-            path.unlink(missing_ok=True)
-        self.file = open(path, "a", buffering=1) if enabled else None
+            self.path.unlink(missing_ok=True)
+        self.file = open(self.path, "ab", buffering=0) if enabled else None  # unbuffered: on disk, or it raises
         self.tracker = start(cfg, out_dir, logged_through) if enabled and tracked else NullTracker()
 
     def count(self, batches: list[tuple[torch.Tensor, torch.Tensor]], n_targets: torch.Tensor) -> None:
@@ -661,7 +663,11 @@ class MetricsLog:
 
     def record(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            self.file.write(json.dumps(record) + "\n")
+            try:
+                self.file.write((json.dumps(record) + "\n").encode())
+            except OSError as err:  # a full disk: one line and 74, as for a checkpoint; the last save is whole
+                raise TinyGPTError(f"could not write {self.path} ({err.strerror or err}); the last save is "
+                                   "intact: free some space, then continue with --resume", EXIT_WRITE_FAILED) from None
             self.tracker.log(record)
 
     def say(self, line: str) -> None:

@@ -193,10 +193,12 @@ def build_run(cfg: TrainConfig, rt: Runtime, ddp: runtime.Dist | None = None, pr
 
 
 def halt_flags(cfg: TrainConfig, step: int, stop: StopOnSignal, t_start: float, ddp: runtime.Dist) -> tuple[bool, bool]:
-    """(out of time, signalled) after ``step``. Every rank must stop on the same step (or the next
-    collective hangs): they agree on log steps only, where the loop syncs anyway (runtime.agree)."""
-    flags = cfg.out_of_time(time.time() - t_start), stop.requested
-    return runtime.agree(flags, ddp, now=step % cfg.log_interval == 0 or step == cfg.max_iters)
+    """(out of time, signalled) after ``step``. Every rank must stop on the same step (or the next collective hangs):
+    they agree on log steps only, where the loop syncs anyway (runtime.agree); a signal to one rank stops all alike."""
+    out_of_time, signum = runtime.agree((cfg.out_of_time(time.time() - t_start), stop.signum or 0), ddp,
+                                        now=step % cfg.log_interval == 0 or step == cfg.max_iters)
+    stop.signum = stop.signum or signum or None  # the signal another rank saw: its exit code and words here too
+    return bool(out_of_time), bool(signum)
 
 
 def train(cfg: TrainConfig, stop: StopOnSignal | None = None) -> float:
@@ -292,8 +294,10 @@ def main(argv: list[str] | None = None) -> None:
         ending = exit_for(run_error(err, stop.finished))  # Ctrl-C outside the loop, a lost peer: what they mean
         if ending is None:  # a bug: its traceback is the report
             raise
-    runtime.teardown(finished=False)  # out here the traceback, which holds the DDP model, is already gone
-    fail(*ending)
+    try:
+        fail(*ending)  # the line first: under torchrun a lost rank's survivors get SIGTERM within ~30 ms
+    finally:
+        runtime.teardown(finished=False)  # out here the traceback, which holds the DDP model, is already gone
 
 
 if __name__ == "__main__":

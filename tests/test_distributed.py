@@ -202,15 +202,17 @@ def test_a_busy_out_dir_stops_every_rank_before_anything_is_written(tmp_path, te
 
 
 @pytest.mark.slow  # two fresh ranks: ~10 s idle, ~25 s on 2 busy cores
-def test_a_rank_killed_mid_step_leaves_one_line_on_the_survivor(tmp_path, text_file):
-    out = tmp_path / "out"
-    ranks = launch_ranks(tmp_path, *FAULTS, "--signal", "SIGKILL", "--signal-rank", "1", "--at-call", "3", "--",
+@pytest.mark.parametrize("signal_name, codes, saved, line", [
+    ("SIGKILL", [75, -9], 2, r"another rank died without a word \(killed or crashed; gloo: Connection (closed|reset) "
+                             r"by peer\), so this one stops too; the last save is intact, continue with --resume"),
+    ("SIGTERM", [143, 143], 3, r"stopped by SIGTERM after step 3; last.pt holds it, continue with --resume")])  # rank
+def test_a_rank_killed_or_stopped_mid_step_leaves_one_line(tmp_path, text_file, signal_name, codes, saved, line):
+    out = tmp_path / "out"  # 0 stops with rank 1 at its signal, in its words (was: "None is not a valid Signals")
+    ranks = launch_ranks(tmp_path, *FAULTS, "--signal", signal_name, "--signal-rank", "1", "--at-call", "3", "--",
                          *tiny_args(out, text_file, eval_interval=2))
-    assert [r.returncode for r in ranks] == [75, -9]
-    assert re.fullmatch(r"error: another rank died without a word \(killed or crashed; gloo: Connection (closed|reset) "
-                        r"by peer\), so this one stops too; the last save is intact, continue with --resume\n",
-                        ranks[0].stderr), ranks[0].stderr
-    assert load_checkpoint(out / "last.pt")["step"] == 2 and not (out / ".lock").exists()
+    assert [r.returncode for r in ranks] == codes and ranks[1].stderr == "", ranks[1].stderr
+    assert re.fullmatch(f"error: {line}\n", ranks[0].stderr), ranks[0].stderr
+    assert load_checkpoint(out / "last.pt")["step"] == saved and not (out / ".lock").exists()
 
 
 def test_rank_rng_state_picks_own_stream_and_drops_missing_ranks(capsys):

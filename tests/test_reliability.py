@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import builtins
+import functools
 import math
 import os
 import random
@@ -82,9 +83,9 @@ def test_sigkill_during_checkpoint_writes_15_times(tmp_path, text_file):
     assert temp_files(out) == []
 
 
-def open_on_full_disk(path, mode="r", *args, **kwargs):
-    """open() where temp files (runtime.atomic_write) land on /dev/full: every write fails with ENOSPC."""
-    if ".tmp-" not in str(path):
+def open_on_full_disk(path, mode="r", *args, full: str = ".tmp-", **kwargs):
+    """open() where temp files (runtime.atomic_write), or the files named ``full``, land on /dev/full (ENOSPC)."""
+    if full not in str(path):
         return builtins.open(path, mode, *args, **kwargs)
     Path(path).touch()  # the temp file exists, as on a real disk that filled up mid-write
     return builtins.open("/dev/full", mode, *args, **kwargs)
@@ -96,7 +97,7 @@ def torch_save_on_full_disk(obj, f, *args, **kwargs):
     raise RuntimeError("PytorchStreamWriter failed writing file data/3: file write failed")
 
 
-@pytest.mark.parametrize("failure", ["ENOSPC from the OS", "RuntimeError from torch.save"])
+@pytest.mark.parametrize("failure", ["ENOSPC from the OS", "RuntimeError from torch.save", "ENOSPC in metrics.jsonl"])
 def test_disk_full_keeps_previous_checkpoints_and_exits_74(tmp_path, text_file, monkeypatch, capsys, failure):
     if failure.startswith("ENOSPC") and not Path("/dev/full").exists():
         pytest.skip("needs /dev/full")
@@ -104,17 +105,20 @@ def test_disk_full_keeps_previous_checkpoints_and_exits_74(tmp_path, text_file, 
     assert run_main(tiny_args(out, text_file, max_iters=10, eval_interval=5)) == 0
     before = {name: (out / name).read_bytes() for name in ("last.pt", "best.pt")}
     if failure.startswith("ENOSPC"):
-        monkeypatch.setattr(runtime, "open", open_on_full_disk, raising=False)
+        full = functools.partial(open_on_full_disk, full="metrics.jsonl" if "metrics" in failure else ".tmp-")
+        monkeypatch.setattr(runtime, "open", full, raising=False)
     else:
         monkeypatch.setattr(torch, "save", torch_save_on_full_disk)
     capsys.readouterr()
     assert run_main(tiny_args(out, text_file, max_iters=20, eval_interval=5, resume="true")) == 74
-    err = capsys.readouterr().err
-    reason = "(No space left on device)" if failure.startswith("ENOSPC") else "file write failed)"
+    err, metrics = capsys.readouterr().err, "metrics" in failure  # metrics.jsonl: the resumed run's first record
     # best.pt is written before last.pt when the val loss improved, so either may be the first to fail.
-    name = "best.pt" if f"could not write {out / 'best.pt'}" in err else "last.pt"
+    name = "metrics.jsonl" if metrics else "best.pt" if f"could not write {out / 'best.pt'}" in err else "last.pt"
+    reason = "No space left on device" if failure.startswith("ENOSPC") else "file write failed"
+    kept = ("the last save is intact: free some space, then continue with --resume" if metrics  # was: a traceback
+            else f"the previous {name} is intact and no temp file is left")
     assert err.count("\n") == 1 and err.startswith(f"error: could not write {out / name} (")
-    assert err.endswith(f"{reason}; the previous {name} is intact and no temp file is left\n")
+    assert err.endswith(f"{reason}); {kept}\n"), err
     assert {name: (out / name).read_bytes() for name in before} == before
     assert temp_files(out) == []
 
