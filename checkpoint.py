@@ -285,12 +285,10 @@ def claim(out_dir: Path, resume: bool = False, flag: str = "--out_dir") -> conte
                               "another --out_dir, or copy best.pt to last.pt and --resume from its step")
         if not resume and not runtime.is_run_log(out_dir / "metrics.jsonl"):  # a new run starts the log afresh
             raise ConfigError(f"{out_dir / 'metrics.jsonl'} is not a run's log, which a new run replaces: move it away")
-        try:
+        with runtime.one_line(out_dir, flag):
             os.ftruncate(fd, 0)
             who = f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%F %T')}\n"
             os.pwrite(fd, who.encode(), 0)
-        except OSError as err:
-            raise runtime.os_failure(out_dir, flag, err) from None
         return lock.pop_all()  # close(): remove the lock file while holding it, unlock, remove empty new folders
 
 

@@ -184,7 +184,7 @@ def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer:
                 return folder
         except DataError as err:
             print(f"{err}; preparing {folder} again from its source", flush=True)
-    check_writable(data_dir, "--data_dir", f"{STAGING}probe-{os.getpid()}")
+    check_writable(data_dir, "--data_dir", f"{STAGING}probe")
     tok = tokenizer_from_meta(base, data_dir) if base else None  # None: one is made for the corpus
     if path is not None and is_document_corpus(path):
         return prepare_documents(path, folder, tokenizer, data_dir, val_fraction, num_proc, block_size,

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import (DEFAULTS, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_WRITE_FAILED, FIELD_TYPES,
                     MODEL_OPTIONS, RESUME, USED_ONLY_UNDER, ConfigError, PathError, PeerFailed, RunStopped,
-                    TinyGPTError, TrainConfig, as_dict, given_fields, install_hint, silence_stdout)
+                    TinyGPTError, TrainConfig, as_dict, given_fields, install_hint, require, silence_stdout)
 from model import step_bytes
 
 # ----------------------------------------------------------------------------- files written whole or not at all
@@ -88,13 +88,20 @@ def os_failure(folder: Path, flag: str, err: OSError) -> PathError:
     return PathError(f"could not write in {folder} ({reason}); nothing was written there", EXIT_WRITE_FAILED)
 
 
+@contextlib.contextmanager
+def one_line(where: Path, flag: str) -> Iterator[None]:
+    """The block's OSError (a full disk, a read-only folder) as os_failure's one line: exit 74, or 2 for a bad path."""
+    try:
+        yield
+    except OSError as err:
+        raise os_failure(where, flag, err) from None
+
+
 def make_folders(folder: Path, flag: str) -> list[Path]:
     """Create ``folder`` and its missing parents; returns those created, outermost first."""
-    try:
+    with one_line(folder, flag):  # a parent we may not even look into (EACCES)
         blocker = next((path for path in (folder, *folder.parents) if path.exists() and not path.is_dir()), None)
         missing = [path for path in (folder, *folder.parents) if not path.exists()][::-1]
-    except OSError as err:  # a parent we may not even look into (EACCES)
-        raise os_failure(folder, flag, err) from None
     if blocker is not None:
         raise PathError(f"{flag} {folder}: {blocker} is a file, not a folder; pass another {flag}")
     created = []
@@ -119,14 +126,13 @@ def remove_empty(created: list[Path]) -> None:
             return
 
 
-def check_writable(folder: Path, flag: str, probe_name: str) -> None:
-    """Write and remove ``probe_name`` in ``folder`` or raise PathError: an unwritable path fails before any work."""
-    created = make_folders(folder, flag)
+def check_writable(folder: Path, flag: str, probe: str) -> None:
+    """Write and remove ``probe``-PID in ``folder`` or raise PathError: an unwritable path fails before any work."""
+    created, probe_file = make_folders(folder, flag), folder / f"{probe}-{os.getpid()}"  # never a concurrent one
     try:
-        os.close(os.open(folder / probe_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
-        (folder / probe_name).unlink()
-    except OSError as err:
-        raise os_failure(folder, flag, err) from None
+        with one_line(folder, flag):
+            os.close(os.open(probe_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            probe_file.unlink()
     finally:
         remove_empty(created)
 
@@ -398,8 +404,7 @@ def refuse_what_cannot_fit(cfg, rt: Runtime) -> None:
         have, where = torch.cuda.get_device_properties(rt.device).total_memory, "the GPU"
     else:
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
-    if need > have:
-        raise ConfigError(f"batch_size {cfg.batch_size} x block_size {cfg.block_size}: one training step needs at "
+    require(need <= have, f"batch_size {cfg.batch_size} x block_size {cfg.block_size}: one training step needs at "
                           f"least {need / 2**30:,.0f} GiB, and {where} has {have / 2**30:,.0f} GiB; lower "
                           f"block_size or batch_size")
 
@@ -584,10 +589,8 @@ def run_error(err: BaseException, finished: bool = False) -> BaseException:
         code = 128 + err.signum if hasattr(err, "signum") else EXIT_INTERRUPTED
         return RunStopped("interrupted after training finished; what it saved is whole" if finished else
                           "interrupted before training started; nothing was saved", code)
-    if isinstance(err, TinyGPTError) or not isinstance(err, RuntimeError) or not dist.is_initialized():
-        return err
-    reason = next((words for words in PEER_GONE if words in str(err)), None)
-    if reason is None:
+    if (isinstance(err, TinyGPTError) or not isinstance(err, RuntimeError) or not dist.is_initialized()
+            or (reason := next((words for words in PEER_GONE if words in str(err)), None)) is None):
         return err
     stopped = RunStopped(f"another rank died without a word (killed or crashed; gloo: {reason}), so this one "
                          "stops too; the last save is intact, continue with --resume", EXIT_PEER_LOST)

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import add_weights_flags, from_flags
-from config import (EXIT_INTERRUPTED, CommandLine, ConfigError, DataError, TinyGPTError, exit_on, fail, field_help,
-                    run_tool)
+from config import EXIT_INTERRUPTED, CommandLine, DataError, exit_on_errors, fail, field_help, run_tool
 from model import GPT, GPTConfig
 from runtime import pick_device, use_threads
 
@@ -230,10 +229,8 @@ def sampling_args(parser: CommandLine, argv: list[str] | None) -> argparse.Names
         if not ok:
             fail(f"{flag} must be {must}, got {value}")
     args.stream = sys.stdout.isatty() if args.stream is None else args.stream
-    try:
+    with exit_on_errors():  # more threads than cores
         use_threads(args.threads)
-    except ConfigError as err:  # more threads than cores
-        fail(str(err))
     return args
 
 
@@ -245,20 +242,19 @@ def main(argv: list[str] | None = None) -> None:
     prompt.add_argument("--prompt-file", "--prompt_file", default="", help="UTF-8 file whose text to continue")
     args = sampling_args(parser, argv)
     try:
-        loaded, text = from_flags(args, pick_device(args.device)), args.prompt
-        if args.prompt_file:
-            try:
-                text = Path(args.prompt_file).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                why = f"not UTF-8 text (byte {err.start})" if isinstance(err, UnicodeDecodeError) else err.strerror
-                raise DataError(f"{args.prompt_file}: {why}; pass an existing UTF-8 text file with --prompt-file")
-        loaded.tokenizer.encode(text)  # a character the vocabulary lacks: one line now, before any output
-        model = loaded.model
-        print(f"# sampling from {loaded.source}; block_size {model.config.block_size}: past it the window slides")
-        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
-        sample(model, loaded.tokenizer, text, args, generator)
-    except TinyGPTError as err:  # a bad checkpoint, config, device or prompt: one line and its exit code
-        exit_on(err)
+        with exit_on_errors():  # a bad checkpoint, config, device or prompt: one line and its exit code
+            loaded, text = from_flags(args, pick_device(args.device)), args.prompt
+            if args.prompt_file:
+                try:
+                    text = Path(args.prompt_file).read_text(encoding="utf-8")
+                except (OSError, UnicodeDecodeError) as err:
+                    why = f"not UTF-8 text (byte {err.start})" if isinstance(err, UnicodeDecodeError) else err.strerror
+                    raise DataError(f"{args.prompt_file}: {why}; pass an existing UTF-8 text file with --prompt-file")
+            loaded.tokenizer.encode(text)  # a character the vocabulary lacks: one line now, before any output
+            model = loaded.model
+            print(f"# sampling from {loaded.source}; block_size {model.config.block_size}: past it the window slides")
+            generator = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
+            sample(model, loaded.tokenizer, text, args, generator)
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 130, not a traceback from inside torch
         print(flush=True)
         fail("interrupted; the samples end here", EXIT_INTERRUPTED)

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpoint import start_from
-from config import CommandLine, ConfigError, PathError, TrainConfig, exit_on_errors, make_config, run_tool
+from config import CommandLine, PathError, TrainConfig, exit_on_errors, make_config, require, run_tool
 from runtime import (atomic_write_text, check_writable, choose_runtime, compile_for_step, dtype_name, matmul_gflops,
                      pick_device, threads_text, use_threads)
 from train import Run, build_run, get_lr, train_step
@@ -230,8 +230,7 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     for item in items:
         for part in item.split(","):
             key, sep, value = part.partition("=")
-            if not sep:
-                raise ConfigError(f"override `{part}` must look like KEY=VALUE, e.g. dtype=bfloat16")
+            require(sep, f"override `{part}` must look like KEY=VALUE, e.g. dtype=bfloat16")
             overrides[key.strip().lstrip("-")] = value.strip()
     return overrides
 
@@ -241,7 +240,7 @@ RESULTS_KEYS = ({"load_average", "results"}, {"results", "configs", "versions"})
 
 def check_results_path(path: Path, flag: str) -> None:
     """Refuse, before any work, a results file that would replace another file: a folder, a checkpoint, a user's."""
-    check_writable(path.parent, flag, f".results-probe-{os.getpid()}")  # a read-only folder, a file in the way
+    check_writable(path.parent, flag, ".results-probe")  # a read-only folder, a file in the way
     with contextlib.suppress(OSError, ValueError, AttributeError):  # a folder, not JSON, not an object
         if path.suffix == ".json" and (not path.exists() or any(keys <= json.loads(path.read_text()).keys()
                                                                 for keys in RESULTS_KEYS)):

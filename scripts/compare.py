@@ -30,8 +30,8 @@ import torch
 
 import train
 from checkpoint import from_checkpoint, git, git_state
-from config import (DEFAULTS, REPO, CommandLine, ConfigError, TinyGPTError, TrainConfig, exit_on, fail, install_hint,
-                    make_config, run_tool)
+from config import (DEFAULTS, REPO, CommandLine, ConfigError, TrainConfig, exit_on_errors, fail, install_hint,
+                    make_config, require, run_tool)
 from prepare import corpus_source
 from runtime import RunStopped, StopOnSignal, atomic_write_text, check_writable, choose_runtime, dtype_name, use_threads
 from scripts.bench import parse_overrides
@@ -85,8 +85,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
         raise ConfigError(f"variant `{text}` must look like NAME:KEY=VALUE[,KEY=VALUE], e.g. rope:pos_emb=rope, "
                           "or NAME: for the preset as it is (a name: letters, digits, _ . + -)")
     overrides = parse_overrides([body]) if body else {}
-    if len(overrides) != body.count(",") + 1 and body:
-        raise ConfigError(f"variant `{name}` sets a key twice: {body}")
+    require(not body or len(overrides) == body.count(",") + 1, f"variant `{name}` sets a key twice: {body}")
     return name, overrides
 
 
@@ -113,11 +112,9 @@ def check_flags(args) -> None:
     for flag, value in (("--steps", args.steps), ("--time", args.time)):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value:g}")
-    if args.seeds < 2:
-        raise ConfigError(f"--seeds {args.seeds} leaves no spread and no p-value: use --seeds 2 or more "
-                          "(3+ for a claim)")
-    if not args.variants:
-        raise ConfigError("no variants: name at least one, e.g. base: rope:pos_emb=rope")
+    require(args.seeds >= 2, f"--seeds {args.seeds} leaves no spread and no p-value: use --seeds 2 or more "
+                             "(3+ for a claim)")
+    require(args.variants, "no variants: name at least one, e.g. base: rope:pos_emb=rope")
     names = [text.partition(":")[0] for text in args.variants]
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"variant name `{twice[0]}` is used twice; each variant needs its own name")
@@ -416,9 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     """One line and exit 2 on bad input (nothing run); 130/143 after a signal (the run saved)."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        compare(argv, StopOnSignal())
-    except TinyGPTError as err:  # bad input (2), a run that stopped (3, 130, 143): its line and code
-        exit_on(err)
+        with exit_on_errors():  # bad input (2), a run that stopped (3, 130, 143): its line and code
+            compare(argv, StopOnSignal())
     except KeyboardInterrupt:  # between runs, outside train's own handler: finished runs are on disk
         fail(f"interrupted; finished runs are kept; continue with the same command: {command_line(argv)}", 130)
 

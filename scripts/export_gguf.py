@@ -24,8 +24,8 @@ from checkpoint import find_checkpoint, from_checkpoint
 from finetune import LAYER_NORM_EPS, WPE, WTE, gpt2_refusals, is_transposed
 from config import CommandLine, HFError, exit_on_errors, fail, install_hint, run_tool
 from model import GPT
-from runtime import written_whole
-from scripts.export_hf import GGUF_MARK, bpe_tokens, chat_template, check_output, one_line, to_hf
+from runtime import one_line, written_whole
+from scripts.export_hf import GGUF_MARK, bpe_tokens, chat_template, check_output, to_hf
 from tokenizer import BEGIN, BYTE_TEXT, END, EOT_TEXT, ChatTokenizer, bpe_merges, byte_text
 
 CONTEXT_ROWS = 2048  # the fewest positions a file declares: no runner's default context is longer

@@ -16,9 +16,8 @@ if not __package__:  # run as a file, `python scripts/export_hf.py`: its folder,
 
 import contextlib
 import json
-import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -26,7 +25,7 @@ from checkpoint import find_checkpoint, from_checkpoint, load_checkpoint
 from finetune import ACTIVATIONS, LAYER_NORM_EPS, TIED_HEAD, convert, expand, gpt2_refusals
 from config import CheckpointError, CommandLine, HFError, PathError, exit_on_errors, run_tool
 from model import GPT, GPTConfig
-from runtime import atomic_write, atomic_write_text, check_writable, os_failure, staged_folder
+from runtime import atomic_write, atomic_write_text, check_writable, one_line, staged_folder
 from tokenizer import (ASSISTANT, BEGIN, BPE_FILE, CHARS_FILE, END, EOT_TEXT, ROLES, ChatTokenizer,
                        bpe_merges, byte_text)
 
@@ -50,16 +49,7 @@ def check_output(out: Path, flag: str, suffix: str = "") -> None:
                         "(or delete it first)")
     if suffix and not folder.exists():
         raise PathError(f"{out}: no folder {folder}; make it first (mkdir -p {folder}) or write into an existing one")
-    check_writable(folder, flag, f".export-probe-{os.getpid()}")  # a file where the folder should be, read-only
-
-
-@contextlib.contextmanager
-def one_line(where: Path, flag: str) -> Iterator[None]:
-    """The block's OSError (a full disk, a read-only folder) as os_failure's one line: exit 74, or 2 for a bad path."""
-    try:
-        yield
-    except OSError as err:
-        raise os_failure(where, flag, err) from None
+    check_writable(folder, flag, ".export-probe")  # a file where the folder should be, read-only
 
 
 GGUF_MARK = "tinygpt.exported_by"  # a metadata key export_gguf.py writes first: the one GGUF file it may replace

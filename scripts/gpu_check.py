@@ -16,7 +16,6 @@ if not __package__:  # run as a file, `python scripts/gpu_check.py`: its folder,
     sys.exit(2)
 
 import json
-import os
 import shlex
 import shutil
 import statistics
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
     with exit_on_errors():  # one line and its exit code (config/__init__.py)
-        check_writable(args.out_dir, "--out_dir", f".gpu_check-probe-{os.getpid()}")
+        check_writable(args.out_dir, "--out_dir", ".gpu_check-probe")
         corpus_source("shakespeare", args.data_path)  # a corpus that is not there: once, not in every check
     common = ["--config", "gpt2", "--eval_tokens", "8192", "--grad_accum", "2", "--warmup_iters", "2",
               "--log_interval", "5"]

@@ -18,14 +18,13 @@ if not __package__:  # run as a file, `python scripts/plot.py`: its folder, not 
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
 
 from config import CommandLine, DataError, exit_on_errors, run_tool
-from runtime import check_writable, os_failure, written_whole
+from runtime import check_writable, one_line, written_whole
 
 matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import
 # Each image carries this in its metadata (under the key its format keeps it in): one plot.py may replace.
@@ -192,11 +191,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"-o {args.out}: {reason}; pass a name ending in .png (or .pdf, .svg)")
         if args.out.exists() and (not args.out.is_file() or MARK.encode() not in args.out.read_bytes()):
             parser.error(f"-o {args.out}: exists, and plot.py did not write it; pass another -o, or move it away")
-        try:
-            check_writable(args.out.parent, "-o", f".plot-probe-{os.getpid()}")  # before the work, not after it
+        with one_line(args.out, "-o"):  # a failed write (a full disk) leaves the old image, if any, as it was
+            check_writable(args.out.parent, "-o", ".plot-probe")  # before the work, not after it
             print(f"wrote {plot(paths, args.out, labels, args.ref, args.ref_label, args.title, args.bpb)}")
-        except OSError as err:  # the image's write failed (a full disk): the old image, if any, is as it was
-            raise os_failure(args.out, "-o", err) from None
 
 if __name__ == "__main__":
     run_tool(main)

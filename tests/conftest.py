@@ -11,7 +11,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -173,13 +173,12 @@ def tiny_args(out_dir: Path | str, text_file: Path | str, **overrides: Any) -> l
     return ["--config", "tiny"] + [f"--{key}={value}" for key, value in values.items()]
 
 
-def run_main(args: list[str]) -> int:
-    """train.main in this process; returns its exit code."""
+def run_main(args: list[str], main: Callable[[list[str]], int | None] | None = None) -> int:
+    """``main`` (train.main unless given) in this process; its exit code: what it returns or exits with, else 0."""
     try:
-        train.main(args)
+        return (main or train.main)(args) or 0
     except SystemExit as exit_:
         return exit_.code
-    return 0
 
 
 def run_for(tmp_path: Path, text_file: Path, name: str, **overrides: Any) -> dict:

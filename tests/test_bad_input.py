@@ -56,12 +56,8 @@ def test_bad_data_fails_before_the_model_is_built(tmp_path, text_file, capsys, n
 def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry_point):
     ten = tmp_path / "ten.txt"
     ten.write_text("0123456789")  # 9 train + 1 val characters: not one window, whatever the block_size
-    if entry_point == "train.py":
-        code = run_main(tiny_args(tmp_path / "out", ten))
-    else:
-        with pytest.raises(SystemExit) as stopped:
-            prepare_main(["--data_path", str(ten), "--data_dir", str(tmp_path / "data")])
-        code = stopped.value.code
+    code = (run_main(tiny_args(tmp_path / "out", ten)) if entry_point == "train.py"
+            else run_main(["--data_path", str(ten), "--data_dir", str(tmp_path / "data")], prepare_main))
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {ten}: ") and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ten.txt"]  # no data_dir, no out_dir
@@ -186,10 +182,7 @@ for script in ["sample.py"] + [tool for tool in TOOLS if tool != "scripts.doctor
 def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(tmp_path, capsys, trained, script, argv, expected):
     main = train.main if script == "train.py" else entry_point(script).main
     before = tree(tmp_path, Path(trained["run"]).parent)
-    try:
-        code = main([arg.format(tmp=tmp_path, **trained) for arg in argv])  # doctor.py returns its code
-    except SystemExit as stopped:
-        code = stopped.code
+    code = run_main([arg.format(tmp=tmp_path, **trained) for arg in argv], main)  # doctor.py returns its code
     out, err = capsys.readouterr()
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
     assert out == ""  # refused before any output (shape once printed its whole report first)
@@ -207,10 +200,8 @@ def test_the_gguf_export_never_writes_over_a_file_it_did_not_write(tmp_path, cap
     (tmp_path / "theirs.gguf").write_bytes(b"GGUF\x03" + bytes(64))  # another model: not an export's to replace
     before = tree(tmp_path, Path(trained["run"]))
     path = out.format(tmp=tmp_path, **trained)
-    with pytest.raises(SystemExit) as stopped:
-        export_gguf.main([trained["run"], path])
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err.startswith(f"error: {path}") and err.count("\n") == 1, err
+    code, err = run_main([trained["run"], path], export_gguf.main), capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {path}") and err.count("\n") == 1, err
     assert tree(tmp_path, Path(trained["run"])) == before  # every byte as it was, no folder made
 
 
@@ -218,9 +209,8 @@ def test_the_gguf_export_never_writes_over_a_file_it_did_not_write(tmp_path, cap
                                                 [("scripts.export_hf", "hf", 3), ("scripts.export_gguf", "x.gguf", 1)]])
 def test_a_full_disk_fails_in_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, trained, script, out, fails):
     monkeypatch.setattr("os.fsync", mock.Mock(side_effect=[None] * (fails - 1) + [OSError(28, "No space left")]))
-    with pytest.raises(SystemExit) as stopped:
-        entry_point(script).main([trained["run"], str(tmp_path / out)])
+    code = run_main([trained["run"], str(tmp_path / out)], entry_point(script).main)
     err = capsys.readouterr().err  # was: a traceback, and export_hf's half folder in the way of the retry
-    assert (stopped.value.code, err.count("\n"), list(tmp_path.iterdir())) == (74, 1, []) and "could not write" in err
+    assert (code, err.count("\n"), list(tmp_path.iterdir())) == (74, 1, []) and "could not write" in err
     monkeypatch.undo()
     assert entry_point(script).main([trained["run"], str(tmp_path / out)]) is None and (tmp_path / out).exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, make_text, read_metrics
+from conftest import REPO, make_text, read_metrics, run_main
 from fault_injection import step_clock
 
 import runtime
@@ -195,10 +195,9 @@ def test_time_mode_gives_every_run_the_same_wall_clock(finished, tmp_path, monke
 def test_a_folder_holding_runs_with_other_settings_is_refused(finished, capsys):
     root, _ = finished
     before = {p: p.stat().st_mtime_ns for p in (root / "exp").rglob("*")}
-    with pytest.raises(SystemExit) as stopped:
-        compare.main(argv(root / "corpus.txt", root / "exp", "base:", budget=("--steps", "30")))
+    code = run_main(argv(root / "corpus.txt", root / "exp", "base:", budget=("--steps", "30")), compare.main)
     err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err.count("\n") == 1
+    assert code == 2 and err.count("\n") == 1
     assert "holds a run with other settings (max_iters: 40 there, 30 now;" in err, err
     assert {p: p.stat().st_mtime_ns for p in (root / "exp").rglob("*")} == before
 
@@ -238,11 +237,10 @@ def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds_and_one_dtype(t
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, text_file, capsys, variants, extra, message):
     budget = () if extra == ["--no-budget"] else ("--steps", str(STEPS))
-    with pytest.raises(SystemExit) as stopped:
-        compare.main(argv(text_file, tmp_path / "exp", *variants, budget=budget)
-                     + [flag for flag in extra if flag != "--no-budget"])
+    code = run_main(argv(text_file, tmp_path / "exp", *variants, budget=budget)
+                    + [flag for flag in extra if flag != "--no-budget"], compare.main)
     err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]  # no experiment folder, no data cache
 

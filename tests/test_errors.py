@@ -9,7 +9,7 @@ import signal
 import sys
 
 import pytest
-from conftest import REPO, project_files
+from conftest import REPO, project_files, run_main
 
 import config
 from config import (
@@ -92,8 +92,6 @@ def test_the_gguf_export_without_gguf_names_the_file_that_installs_it(tmp_path, 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "best.pt").write_bytes(b"")  # the output checks pass; the import comes next
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
-    with pytest.raises(SystemExit) as stopped:
-        export_gguf.main([str(tmp_path / "run"), str(tmp_path / "run.gguf")])
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    code, err = run_main([str(tmp_path / "run"), str(tmp_path / "run.gguf")], export_gguf.main), capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert "pip install gguf==0.19.0" in err and "requirements-interop.txt" in err, err

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_text, metrics, tiny_model, tiny_run
+from conftest import make_text, metrics, run_main, tiny_model, tiny_run
 from fault_injection import assert_nested_equal
 
 import checkpoint
@@ -271,9 +271,7 @@ def test_an_export_checks_every_folder_it_writes_before_writing_any(trained, tmp
                (tmp_path / "nest", tmp_path / "nest" / "adapters")]  # inside OUT
     for out, peft in refused:
         before = {p: p.read_bytes() for p in [*tmp_path.rglob("*"), *trained.rglob("*")] if p.is_file()}
-        with pytest.raises(SystemExit) as stopped:
-            export_hf.main([str(trained), str(out), "--peft", str(peft)])
-        err = capsys.readouterr().err
-        assert stopped.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        code, err = run_main([str(trained), str(out), "--peft", str(peft)], export_hf.main), capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert not out.exists(), err  # nothing written, no folder made
         assert {p: p.read_bytes() for p in [*tmp_path.rglob("*"), *trained.rglob("*")] if p.is_file()} == before, err

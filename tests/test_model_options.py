@@ -265,10 +265,8 @@ def test_an_old_checkpoint_resumes_a_forks_loads_with_a_warning_and_an_export_re
     out_dir = tmp_path / "old"
     assert run_main(run_args(out_dir, corpus_file)) == 0
     monkeypatch.setitem(finetune.GPT2_OPTIONS, "activation", ("gelu_tanh",))
-    with pytest.raises(SystemExit) as stopped:
-        export_hf.main([str(out_dir), str(tmp_path / "hf")])
-    err = capsys.readouterr().err.strip()
-    assert stopped.value.code == 2 and len(err.splitlines()) == 1 and not (tmp_path / "hf").exists()
+    code, err = run_main([str(out_dir), str(tmp_path / "hf")], export_hf.main), capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and not (tmp_path / "hf").exists()
     assert err.startswith("error: cannot export as GPT-2: the model has activation 'gelu'")
     state = load_checkpoint(out_dir / "last.pt")
     save_checkpoint({**state, "config": {**state["config"], "attn_window": 8}}, tmp_path / "fork.pt")

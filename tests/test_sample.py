@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ctrl_c_at_the_first_call, make_text, tiny_model
+from conftest import ctrl_c_at_the_first_call, make_text, run_main, tiny_model
 
 import sample as sample_module
 from checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
@@ -287,10 +287,8 @@ def test_empty_prompt_starts_from_the_start_token(ckpt, monkeypatch, capsys):
 
 def test_ctrl_c_while_sampling_is_one_line_and_exit_130(ckpt, monkeypatch, capsys):
     ctrl_c_at_the_first_call(monkeypatch, sample_module, "generate")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--ckpt", str(ckpt)])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 130 and err.startswith("error: interrupted") and err.count("\n") == 1, err
+    code, err = run_main(["--ckpt", str(ckpt)], main), capsys.readouterr().err
+    assert code == 130 and err.startswith("error: interrupted") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
@@ -417,7 +415,5 @@ def test_weights_that_do_not_fit_the_code_are_refused_in_one_line(ckpt, capsys):
     state = load_checkpoint(ckpt)
     state["model"] = {k: v[:1] if k.endswith("c_fc.weight") else v for k, v in state["model"].items()}
     save_checkpoint(state, ckpt)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--ckpt", str(ckpt)])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "its weights do not fit" in err and err.count("\n") == 1, err
+    code, err = run_main(["--ckpt", str(ckpt)], main), capsys.readouterr().err
+    assert code == 2 and "its weights do not fit" in err and err.count("\n") == 1, err

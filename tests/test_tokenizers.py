@@ -113,10 +113,8 @@ def test_a_bpe_run_trains_resumes_and_samples_from_its_checkpoint_alone(tmp_path
     meta["tokenizer"]["ranks"][256], meta["tokenizer"]["ranks"][257] = meta["tokenizer"]["ranks"][257:255:-1]
     meta_file.write_text(json.dumps(meta))
     capsys.readouterr()
-    with pytest.raises(SystemExit) as stopped:
-        evaluate.main(["--ckpt", str(out)])
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err.count("\n") == 1 and "holds tokens of another tokenizer" in err, err
+    code, err = run_main(["--ckpt", str(out)], evaluate.main), capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "holds tokens of another tokenizer" in err, err
     for folder in (text_file.parent / "data").iterdir():
         if folder.is_dir():
             for file in folder.iterdir():
