@@ -186,16 +186,16 @@ def other_run(path: Path, differences: list[str]) -> CheckpointError:
                            + ". Use the same settings or a new --out_dir")
 
 
-def check_same_run(cfg: TrainConfig) -> TrainConfig:
+def check_same_run(cfg: TrainConfig) -> str:
     """--resume: refuse a last.pt of another run by its config alone, before a base is read or a corpus prepared
     (with --init_from on both sides the options the base fixes are compared once adopted: check_resumable); returns
-    ``cfg`` with dtype=auto resolved to the precision last.pt trained in."""
+    the precision last.pt trained in."""
     path = Path(cfg.out_dir) / "last.pt"
     state = load_checkpoint(path)  # read again, whole, by the resume
     saved = state["config"]
     if not (cfg.init_from and saved.get("init_from")) and (differences := resume_changes(saved, cfg)["fixed"]):
         raise other_run(path, differences)
-    return replace(cfg, dtype=state["precision"]) if cfg.dtype == "auto" else cfg
+    return state["precision"]
 
 
 def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus, fp16_scaler: bool,

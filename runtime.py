@@ -373,9 +373,12 @@ def pick_dtype(requested: str, device: torch.device,
     return choice
 
 
-def run_dtype(cfg, device: torch.device) -> torch.dtype:
-    """cfg's precision; dtype=auto on CPU times the MLP's first matmul at the run's micro-batch (<= 4096 rows)."""
-    return pick_dtype(cfg.dtype, device, (min(cfg.batch_size * cfg.block_size, 4096), cfg.n_embd, 4 * cfg.n_embd))
+def run_dtype(cfg, device: torch.device, resumed: str = "") -> torch.dtype:
+    """cfg's precision; dtype=auto on CPU times the MLP's first matmul at the run's micro-batch (<= 4096 rows), or
+    keeps ``resumed`` (last.pt's fp32 or bf16): the timing is noisy, and a resume in another precision is not exact."""
+    kept = cfg.dtype == "auto" and device.type == "cpu" and resumed in ("float32", "bfloat16")
+    shape = (min(cfg.batch_size * cfg.block_size, 4096), cfg.n_embd, 4 * cfg.n_embd)  # (rows, C) @ (C, 4C)
+    return pick_dtype(resumed if kept else cfg.dtype, device, shape)
 
 
 @dataclass(frozen=True)
@@ -387,11 +390,11 @@ class Runtime:
     compile: bool  # torch.compile wanted (compile_for_step falls back to eager if it fails)
 
 
-def choose_runtime(cfg, device: torch.device | None = None) -> Runtime:
+def choose_runtime(cfg, device: torch.device | None = None, resumed: str = "") -> Runtime:
     """cfg's device (or this rank's), threads (first: dtype=auto times with them), precision (rank 0's) and compile."""
     device = device or pick_device(cfg.device)
     threads = use_threads(cfg.threads)
-    dtype = [run_dtype(cfg, device) if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    dtype = [run_dtype(cfg, device, resumed) if not dist.is_initialized() or dist.get_rank() == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(dtype, src=0)  # NCCL: sent via the current device, set in setup()
     return Runtime(device, dtype[0], threads, want_compile(cfg.compile, device))
@@ -665,13 +668,16 @@ class MetricsLog:
         self.t += seconds
 
     def record(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            try:
-                self.file.write((json.dumps(record) + "\n").encode())
-            except OSError as err:  # a full disk: one line and 74, as for a checkpoint; the last save is whole
-                raise TinyGPTError(f"could not write {self.path} ({err.strerror or err}); the last save is "
-                                   "intact: free some space, then continue with --resume", EXIT_WRITE_FAILED) from None
-            self.tracker.log(record)
+        with stop_together(self.rt.device):  # every rank calls it: rank 0's failed write (a full disk) stops all
+            if self.enabled:
+                line = (json.dumps(record) + "\n").encode()
+                try:
+                    if self.file.write(line) != len(line):  # part of it: the disk filled mid-record
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                except OSError as err:  # one line and 74, as for a checkpoint; the last save is whole
+                    raise TinyGPTError(f"could not write {self.path} ({err.strerror or err}); the last save is intact: "
+                                       "free some space, then continue with --resume", EXIT_WRITE_FAILED) from None
+                self.tracker.log(record)
 
     def say(self, line: str) -> None:
         if self.enabled:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import add_weights_flags, from_flags
-from config import EXIT_INTERRUPTED, CommandLine, DataError, exit_on_errors, fail, field_help, run_tool
+from config import EXIT_INTERRUPTED, FIELD_HELP, CommandLine, DataError, exit_on_errors, fail, run_tool
 from model import GPT, GPTConfig
 from runtime import pick_device, use_threads
 
@@ -215,8 +215,8 @@ def sampling_args(parser: CommandLine, argv: list[str] | None) -> argparse.Names
     add("--seed", type=int, default=1337, help="seeds the sampler's own torch.Generator")
     add("--stream", action=on_off, default=None, help="print sample 1 as it grows (default: if stdout is a terminal)")
     add("--cache", action=on_off, default=True, help="KV cache; --no-cache: a full forward per token, same text")
-    add("--device", default="auto", help=field_help()["device"])
-    add("--threads", type=int, default=0, help=field_help()["threads"])
+    add("--device", default="auto", help=FIELD_HELP["device"])
+    add("--threads", type=int, default=0, help=FIELD_HELP["threads"])
     args = parser.parse_args(argv)
     for flag, value, must, ok in (("--temp", args.temp, ">= 0 and finite", 0 <= args.temp < math.inf),
                                   ("--top-k", args.top_k, ">= 0", args.top_k >= 0),

@@ -221,11 +221,10 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
                           "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
-    with runtime.stop_together(ddp.device):  # before a base is read or a corpus prepared
-        if cfg.resume and ddp.is_main:  # last.pt of another run refused, as its config alone tells
-            cfg = check_same_run(cfg)  # dtype=auto: last.pt's precision (a new probe may differ), so it resumes exactly
+    with runtime.stop_together(ddp.device):  # before a base is read or a corpus prepared: last.pt of another run
+        resumed = check_same_run(cfg) if cfg.resume and ddp.is_main else ""  # refused; its precision (run_dtype)
     cfg, pretrained = start_from(cfg, ddp.device)  # init_from: before anything is written
-    rt = choose_runtime(cfg, ddp.device)  # threads, precision (dtype=auto: rank 0's choice), compile
+    rt = choose_runtime(cfg, ddp.device, resumed)  # threads, precision (dtype=auto: rank 0's choice), compile
     run = build_run(cfg, rt, ddp, pretrained)
     del pretrained  # its tensors now live in the model
     model, guard, device, dtype = run.model, run.guard, rt.device, rt.dtype

@@ -113,6 +113,7 @@ USED_ONLY_UNDER = {"muon_lr": ("optimizer", ("muon",)), "wsd_fraction": ("lr_dec
                    "lr_decay_iters": ("schedule", ("steps",)), "bpe_vocab_size": ("tokenizer", ("bpe",))}  # readers)
 OPTIONS = tuple(f for f in dataclasses.fields(TrainConfig) if f.name != "given")  # every field a user can set
 DEFAULTS = {f.name: f.default for f in OPTIONS}
+FIELD_HELP = {f.name: f.metadata["help"] for f in OPTIONS}  # other scripts' flags of the same meaning borrow it
 FIELD_TYPES = {name: kind for name, kind in get_type_hints(TrainConfig).items() if name in DEFAULTS}
 RESUME = {f.name: f.metadata.get("resume", "warned" if f.name in GPTConfig.TRAINING_ONLY else "fixed") for f in OPTIONS}
 MODEL_OPTIONS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
@@ -121,10 +122,6 @@ CORPUS_OPTIONS = ("dataset", "data_path", "text_column", "data_dir", "tokenizer"
 
 def choices(name: str) -> tuple[Any, ...]:  # a Literal's values; () for any other field
     return get_args(FIELD_TYPES[name]) if get_origin(FIELD_TYPES[name]) is Literal else ()
-
-
-def field_help() -> dict[str, str]:  # other scripts' flags of the same meaning borrow it
-    return {f.name: f.metadata["help"] for f in OPTIONS}
 
 
 def require(ok: Any, message: str) -> None:
@@ -231,7 +228,7 @@ def as_dict(cfg: TrainConfig) -> dict[str, Any]:  # a checkpoint's "config" (che
 
 def add_flags(parser: Any, names: tuple[str, ...], preset: str | None = None) -> None:
     """``--na_me`` and ``--na-me`` per field, absent unless given; a bool may stand alone (``--resume``)."""
-    from_preset, helps = load_preset(preset) if preset else {}, field_help()
+    from_preset, helps = load_preset(preset) if preset else {}, FIELD_HELP
     for name in names:
         shown = f"{from_preset[name]}, from {preset}; else {DEFAULTS[name]}" if name in from_preset else DEFAULTS[name]
         kind, is_bool = FIELD_TYPES[name], FIELD_TYPES[name] is bool

@@ -27,7 +27,7 @@ import torch
 
 import data
 from checkpoint import Loaded, add_weights_flags, from_flags
-from config import CommandLine, ConfigError, exit_on_errors, field_help, run_tool
+from config import FIELD_HELP, CommandLine, ConfigError, exit_on_errors, run_tool
 from data import Corpus, DataError, corpus_for, is_chat, load_corpus, val_windows
 from prepare import is_document_corpus, is_tokenized_folder, read_meta, read_text_file, source_fingerprint
 from runtime import STAGING, choose_runtime, dtype_name
@@ -83,7 +83,8 @@ def split_windows(loaded: Loaded, corpus: Corpus, eval_tokens: int) -> tuple[tor
                         "pass the text to score with --data_path")
     limit = cfg.eval_tokens if eval_tokens < 0 else eval_tokens
     x, y = data.eval_windows(corpus, loaded.tokenizer, cfg.block_size, limit, cfg.chat_overflow)
-    scored = " (the assistant's tokens)" if is_chat(corpus) else f" (eval_tokens {limit:,})" if limit else ""
+    terms = ["the assistant's tokens"] * is_chat(corpus) + [f"eval_tokens {limit:,}"] * bool(limit)
+    scored = f" ({', '.join(terms)})" if terms else ""
     runs = loaded.corpus is not None and corpus.fingerprint["val"] == loaded.corpus["fingerprint"]["val"]
     return x, y, f"the val split of {corpus.folder}{scored}", runs
 
@@ -150,8 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="targets to score; -1 = as training did for its val split, all of a --data_path file")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=0,
                         help="windows per forward pass; 0 = the run's batch_size (the one that reproduces its numbers)")
-    parser.add_argument("--device", default="auto", help=field_help()["device"])
-    parser.add_argument("--threads", type=int, default=0, help=field_help()["threads"])
+    parser.add_argument("--device", default="auto", help=FIELD_HELP["device"])
+    parser.add_argument("--threads", type=int, default=0, help=FIELD_HELP["threads"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     for flag, value, least in (("--batch_size", args.batch_size, 0), ("--threads", args.threads, 0),

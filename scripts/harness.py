@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import finetune
 from checkpoint import add_weights_flags, find_checkpoint, from_flags
-from config import REPO, CommandLine, ConfigError, exit_on_errors, fail, field_help, install_hint, run_tool
+from config import FIELD_HELP, REPO, CommandLine, ConfigError, exit_on_errors, fail, install_hint, run_tool
 from data import DataError
 from model import GPT
 from runtime import atomic_write_text, pick_device
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=float, default=None,
                         help="documents per task (a fraction if < 1): for a quick look, never a number to quote")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="requests per forward pass")
-    parser.add_argument("--device", default="auto", help=field_help()["device"])
+    parser.add_argument("--device", default="auto", help=FIELD_HELP["device"])
     parser.add_argument("--output", default="",
                         help="results JSON (default: harness-TASKS.json in the run folder, or out/harness/)")
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from config import DEFAULTS, CommandLine, exit_on_errors, field_help, run_tool
+from config import DEFAULTS, FIELD_HELP, CommandLine, exit_on_errors, run_tool
 from data import load_corpus
 from prepare import SHAKESPEARE_CHAT, is_tokenized_folder, prepare_corpus
 from tokenizer import tokenizer_from_meta
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bpe_vocab_size", "--bpe-vocab-size", type=int, nargs="+",
                         default=[DEFAULTS["bpe_vocab_size"]], help="one or more vocabulary sizes (each >= 257)")
-    helps = field_help() | {"data_path": DATA_PATH_HELP}  # train.py's but data_path's: text only
+    helps = FIELD_HELP | {"data_path": DATA_PATH_HELP}  # train.py's but data_path's: text only
     for name in ("dataset", "data_path", "text_column", "data_dir", "val_fraction"):  # train.py's, by name and help
         parser.add_argument(*dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]), default=DEFAULTS[name],
                             type=type(DEFAULTS[name]), help=helps[name])

@@ -16,6 +16,7 @@ import runtime
 from checkpoint import config_from_dict
 from config import (
     DEFAULTS,
+    FIELD_HELP,
     FIELD_TYPES,
     LORA_TARGETS,
     MODEL_OPTIONS,
@@ -24,7 +25,6 @@ from config import (
     TrainConfig,
     as_dict,
     build_parser,
-    field_help,
     given_fields,
     make_config,
     parse_args,
@@ -105,7 +105,7 @@ def test_help_lists_every_field_with_its_default():
     for name, default in DEFAULTS.items():
         assert f"--{name}" in text
         assert f"(default: {default})" in text or default == ""  # an empty default is said in words
-        assert " ".join(field_help()[name].split()) in text, name  # the field's words (model.py's for its options)
+        assert " ".join(FIELD_HELP[name].split()) in text, name  # the field's words (model.py's for its options)
     assert "--given" not in text  # a record of how the config was made, not a setting
 
 
@@ -147,9 +147,9 @@ def test_every_field_is_declared_once_with_its_help_and_a_model_option_in_model_
     assert own.isdisjoint(model) and set(FIELD_TYPES) == (set(model) - {"vocab_size"}) | own - {"given"}
     assert MODEL_OPTIONS == tuple(name for name in model if name != "vocab_size")
     for f in config.OPTIONS:
-        assert field_help()[f.name].strip(), f"{f.name} has no help"
+        assert FIELD_HELP[f.name].strip(), f"{f.name} has no help"
         assert (f.name in model) != ("resume" in f.metadata), f"{f.name}: a resume rule where it is not declared"
-    assert field_help()["n_layer"] == model["n_layer"].metadata["help"] == "transformer blocks"
+    assert FIELD_HELP["n_layer"] == model["n_layer"].metadata["help"] == "transformer blocks"
     assert "vocab_size" not in FIELD_TYPES and "vocab_size" not in as_dict(make_config("tiny"))
 
 
