@@ -33,8 +33,8 @@ def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
 
 def check_fit(tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, tokenizer: ChatTokenizer, block_size: int,
               overflow: str, source: tuple[str, list[int]]) -> None:
-    """Refuse (or, truncating, count once) the conversations longer than block_size + 1 tokens, and any that the cut
-    leaves with no target: a step or a val split of such would score 0 targets, a NaN loss."""
+    """Refuse (or, truncating, count once) conversations over block_size + 1 tokens, and any the cut leaves with no
+    target (a step or val of such scores 0 / 0: a NaN loss)."""
     lengths, (path, lines) = ends - starts, source
     long = np.flatnonzero(lengths > block_size + 1)
     where = lambda i: f"{path}:{lines[i]}" if len(lines) == len(lengths) else f"{path}, conversation {i}"  # noqa: E731
@@ -43,7 +43,7 @@ def check_fit(tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, tokenize
                         f"not fit block_size + 1 = {block_size + 1}; pass --chat_overflow truncate to cut them there "
                         "(their tails are not learned), a larger --block_size (with --init_from, up to its "
                         "positions), or shorten them")
-    cut = (np.asarray(tokens[starts[i]: starts[i] + block_size + 1]) for i in long)  # a row as training sees it
+    cut = (np.asarray(tokens[starts[i]: starts[i] + block_size + 1]) for i in long)  # rows as training cuts them
     if empty := [i for i, row in zip(long, cut) if not learned(row, tokenizer)[1:].any()]:
         raise DataError(f"{where(empty[0])}: cut at block_size + 1 = {block_size + 1} tokens, a conversation "
                         f"({len(empty)} such in all) keeps no assistant token to learn; pass a larger --block_size, "

@@ -376,9 +376,9 @@ def pick_dtype(requested: str, device: torch.device,
 def run_dtype(cfg, device: torch.device, resumed: str = "") -> torch.dtype:
     """cfg's precision; dtype=auto on CPU times the MLP's first matmul at the run's micro-batch (<= 4096 rows), or
     keeps ``resumed`` (last.pt's fp32 or bf16): the timing is noisy, and a resume in another precision is not exact."""
-    kept = cfg.dtype == "auto" and device.type == "cpu" and resumed in ("float32", "bfloat16")
-    shape = (min(cfg.batch_size * cfg.block_size, 4096), cfg.n_embd, 4 * cfg.n_embd)  # (rows, C) @ (C, 4C)
-    return pick_dtype(resumed if kept else cfg.dtype, device, shape)
+    if cfg.dtype == "auto" and device.type == "cpu" and resumed in ("float32", "bfloat16"):
+        return getattr(torch, resumed)
+    return pick_dtype(cfg.dtype, device, (min(cfg.batch_size * cfg.block_size, 4096), cfg.n_embd, 4 * cfg.n_embd))
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,7 @@ def build(name: str, cfg: TrainConfig) -> Bench:
     rt = choose_runtime(cfg)
     run = build_run(cfg, rt, pretrained=pretrained)
     t0 = time.perf_counter()
-    train_model = compile_for_step(run.model, run.stream, rt)
-    return Bench(name, run, train_model, time.perf_counter() - t0)
+    return Bench(name, run, compile_for_step(run.model, run.stream, rt), time.perf_counter() - t0)
 
 
 def synced_clock(device: torch.device) -> float:

@@ -84,9 +84,8 @@ def split_windows(loaded: Loaded, corpus: Corpus, eval_tokens: int) -> tuple[tor
     limit = cfg.eval_tokens if eval_tokens < 0 else eval_tokens
     x, y = data.eval_windows(corpus, loaded.tokenizer, cfg.block_size, limit, cfg.chat_overflow)
     terms = ["the assistant's tokens"] * is_chat(corpus) + [f"eval_tokens {limit:,}"] * bool(limit)
-    scored = f" ({', '.join(terms)})" if terms else ""
     runs = loaded.corpus is not None and corpus.fingerprint["val"] == loaded.corpus["fingerprint"]["val"]
-    return x, y, f"the val split of {corpus.folder}{scored}", runs
+    return x, y, f"the val split of {corpus.folder}" + (f" ({', '.join(terms)})" if terms else ""), runs
 
 
 def run_corpus(loaded: Loaded) -> Corpus:

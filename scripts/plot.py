@@ -93,8 +93,7 @@ def group_runs(paths: list[Path], labels: list[str]) -> list[tuple[str, list[lis
 def aggregate(runs: list[list[dict]], x_key: str, y_key: str) -> tuple[list[float], ...]:
     """(x, mean, min, max) of y over the runs at the steps every run logged; x is the runs' mean x_key."""
     by_step = [{r["step"]: r for r in run if y_key in r} for run in runs]
-    steps = sorted(set.intersection(*map(set, by_step)))
-    rows = [[s[step] for s in by_step] for step in steps]
+    rows = [[s[step] for s in by_step] for step in sorted(set.intersection(*map(set, by_step)))]
     xs = [sum(r[x_key] for r in row) / len(row) for row in rows]
     ys = [[r[y_key] for r in row] for row in rows]
     return xs, [sum(y) / len(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
