@@ -257,7 +257,7 @@ def use_tokenized_folder(folder: Path, tokenizer: str | None) -> Path:
     kind, implied = meta["tokenizer"]["kind"], tokenizer_vocab_size(meta["tokenizer"])
     if implied is None and kind == "char":
         raise DataError(f"{folder / 'meta.json'}: its char tokenizer's \"chars\" must be the vocabulary's characters "
-                        "as a string (id i is chars[i])")
+                        "as a string, each once (id i is chars[i])")
     if implied is None:
         raise DataError(f"{folder / 'meta.json'}: tokenizer kind {kind!r} is not one this repo can decode (char with "
                         "its chars, or gpt2)")
@@ -543,9 +543,9 @@ def parse_line(text: str, where: str) -> list[Message]:
         record = json.loads(text)
     except ValueError as err:
         raise DataError(f"{where}: not JSON ({err})") from None
-    if isinstance(record, dict) and "messages" not in record and "prompt" in record:
-        if "completion" not in record:  # else "message 1 (assistant) has content NoneType": a message never written
-            raise DataError(f'{where}: a "prompt" without its "completion" (the reply to learn)')
+    if isinstance(record, dict) and "prompt" in record:  # else a message never written, or "messages" dropped
+        if "completion" not in record or "messages" in record:
+            raise DataError(f'{where}: a "prompt" needs its "completion" (the reply to learn) and no "messages" beside')
         record = {"messages": [{"role": "user", "content": record["prompt"]},
                                {"role": "assistant", "content": record.get("completion")}]}
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:

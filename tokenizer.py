@@ -185,10 +185,10 @@ def load_gpt2_encoding(cache: Path):
 
 
 def tokenizer_vocab_size(meta: dict) -> int | None:
-    """The vocabulary a tokenizer description implies (None for a kind this repo does not know, or chars not a str)."""
+    """The vocabulary a tokenizer description implies (None: a kind unknown here, or chars not a str of unique ones)."""
     chars = meta.get("chars")  # a hand-written meta.json may hold anything here
-    base = {"char": len(chars) if isinstance(chars, str) else None, "gpt2": GPT2_VOCAB,
-            "bpe": len(meta.get("ranks", [])) + 1}.get(meta.get("kind"))
+    base = {"char": len(chars) if isinstance(chars, str) and len(set(chars)) == len(chars) else None,
+            "gpt2": GPT2_VOCAB, "bpe": len(meta.get("ranks", [])) + 1}.get(meta.get("kind"))
     return None if base is None else base + len(meta.get("chat_tokens", []))
 
 

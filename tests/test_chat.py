@@ -159,7 +159,8 @@ BAD_LINES = {
     "empty assistant turn": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}',
                              "empty assistant turn"),
     "no assistant turn": ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
-    "prompt alone": ('{"prompt": "hi"}', 'a "prompt" without its "completion"'),  # was: "content NoneType"
+    "prompt alone": ('{"prompt": "hi"}', 'a "prompt" needs its "completion"'),  # was: "content NoneType"
+    "prompt and messages": ('{"prompt": "hi", "completion": "a", "messages": []}', 'and no "messages" beside'),
     "system not first": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}, '
                          '{"role": "assistant", "content": "y"}]}', "only the first may be"),
 }

@@ -674,6 +674,8 @@ def test_a_folder_of_someone_elses_tokens_trains_resumes_samples_and_once_rewrit
     (lambda meta, folder: meta.update(tokenizer={"kind": "char", "chars": 5}),  # old: TypeError traceback
      'meta.json: its char tokenizer\'s "chars" must be the vocabulary\'s characters as a string'),
     (lambda meta, folder: meta.update(tokenizer={"kind": "char"}), '"chars" must be'),  # old: "has 0 tokens"
+    (lambda meta, folder: meta["tokenizer"].update(chars="aa" + meta["tokenizer"]["chars"][2:]),
+     "as a string, each once"),  # old: trained on, ids 0 and 1 decoding alike
     (lambda meta, folder: meta.update(dtype="uint32"), "meta.json against how your script wrote the ids"),
     (lambda meta, folder: (folder / "val.bin").unlink(),  # old: "no .txt files and no .parquet files in this folder"
      "val.bin: missing; a folder holding meta.json is a token folder"),
