@@ -3,7 +3,7 @@
 A checkpoint is torch.save's zip archive of tensors and plain values (``torch.load(weights_only=True)`` reads it, so a
 malicious pickle runs no code) with the archive's sha256 as its zip comment, checked before anything is unpickled:
 torch.load checks no CRC. ``Checkpointer`` owns last.pt, best.pt and the resume; ``from_checkpoint`` / ``from_flags``
-give a model for use (pretrained weights, --init_from's, come from finetune.py).
+give a model for use; ``start_from`` the weights --init_from names (a run's: scripts/import_hf.py makes one of GPT-2's).
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import contextlib
 import fcntl
 import functools
 import hashlib
-import math
 import os
 import platform
 import random
@@ -31,11 +30,11 @@ import numpy as np
 import torch
 
 import runtime
-from config import (DEFAULTS, FIELD_TYPES, REPO, RESUME, CheckpointError, CheckpointWriteError, ConfigError, HFError,
-                    PathError, TinyGPTError, TrainConfig, as_dict, given_fields, model_config)
+from config import (DEFAULTS, FIELD_TYPES, REPO, RESUME, CheckpointError, CheckpointWriteError, ConfigError, PathError,
+                    TinyGPTError, TrainConfig, as_dict, given_fields, model_config)
 from model import GPT
 from runtime import TEMP_MARK, Dist, atomic_write, describe, dtype_name, print0, unused_fields
-from tokenizer import NO_TOKENIZER, tokenizer_from_meta
+from tokenizer import tokenizer_from_meta
 
 if TYPE_CHECKING:
     import finetune
@@ -374,12 +373,12 @@ class Loaded:
     """A model ready for use and what its callers need to know about it."""
     model: GPT  # in eval mode, on the device asked for
     tokenizer: Any  # char, GPT-2's or a BPE, from the checkpoint's description
-    cfg: TrainConfig  # the run's config; pretrained weights: the defaults with the weights' shape (adopt)
-    precision: str  # the dtype the run trained in: float32, bfloat16, float16 (pretrained: float32)
-    source: str  # the checkpoint file, or the pretrained weights as named (--init_from)
-    step: int | None  # optimizer steps behind the weights; None: pretrained, no run of ours behind them
-    best_val_loss: float  # as the run logged it; nan for pretrained weights
-    corpus: dict | None = None  # the data it trained on (data.Corpus.record); None: pretrained
+    cfg: TrainConfig  # the run's config; imported weights (scripts/import_hf.py): the defaults with their shape
+    precision: str  # the dtype the run trained in: float32, bfloat16, float16 (imported: float32)
+    source: str  # the checkpoint file
+    step: int  # optimizer steps behind the weights (imported: 0)
+    best_val_loss: float  # as the run logged it; nan for imported weights
+    corpus: dict | None  # the data it trained on (data.Corpus.record); None: imported, no run of ours behind them
 
 
 def find_checkpoint(ckpt: str) -> Path:
@@ -447,35 +446,37 @@ def add_weights_flags(parser: argparse.ArgumentParser) -> None:
     """--ckpt or --init_from: where the weights of sample.py, scripts/eval.py and harness.py come from."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
-    source.add_argument("--init_from", "--init-from", default="",
-                        help="pretrained weights instead: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a "
-                             "folder / .safetensors in the Hugging Face GPT-2 layout (or a run, as --ckpt)")
+    source.add_argument("--init_from", "--init-from", default="", help="as --ckpt, as train.py takes it")
+
+
+def flags_checkpoint(args: argparse.Namespace) -> Path:
+    """The checkpoint add_weights_flags' flags chose."""
+    return base_checkpoint(args.init_from) if args.init_from else find_checkpoint(args.ckpt)
 
 
 def from_flags(args: argparse.Namespace, device: torch.device = CPU, merged: bool = True) -> Loaded:
-    """The weights add_weights_flags' flags chose (--init_from a run's: as --ckpt, as train.py takes it)."""
-    if args.init_from and run_checkpoint(args.init_from) is None:
-        return from_pretrained(args.init_from, device)
-    return from_checkpoint(find_checkpoint(args.ckpt or args.init_from), device, merged)
+    return from_checkpoint(flags_checkpoint(args), device, merged)
 
 
-def from_pretrained(source: str, device: torch.device = CPU) -> Loaded:
-    """Hugging Face GPT-2 weights as --init_from names them; the config is the defaults with their shape."""
-    import finetune  # the Hugging Face mapping: imported when weights are asked for by name
-    pretrained = finetune.load_pretrained(source)
-    if pretrained.tokenizer is None:
-        raise HFError(f"{source}: no tokenizer for a vocabulary of {pretrained.config.vocab_size} ({NO_TOKENIZER})")
-    model = GPT(pretrained.config)
-    model.load_state_dict(pretrained.state)
-    cfg = finetune.adopt(TrainConfig(block_size=pretrained.config.block_size), pretrained)
-    return Loaded(model.to(device).eval(), tokenizer_from_meta(pretrained.tokenizer, Path("data")), cfg, "float32",
-                  source, None, math.nan)
+def base_checkpoint(source: str) -> Path:
+    """--init_from's checkpoint: a run folder's best.pt (else last.pt), or a .pt; CheckpointError naming the fix."""
+    path, name = Path(source), Path(source).name.removesuffix(".safetensors")
+    if (found := run_checkpoint(source)) is not None:
+        return found
+    imports = f"python -m scripts.import_hf {source} out/{name}, then --init_from out/{name}"
+    if path.is_file() and path.suffix == ".safetensors" or (path / "model.safetensors").is_file():
+        raise CheckpointError(f"init_from {source}: Hugging Face weights; make a run folder of them first: {imports}")
+    if path.exists():
+        raise CheckpointError(f"init_from {source}: " + ("no best.pt or last.pt in this folder; train that run first"
+                                                         if path.is_dir() else "not a run folder nor a .pt"))
+    raise CheckpointError(f"init_from {source}: no such run folder or file; train that run first, or for Hugging Face "
+                          f"weights (a hub name such as gpt2): {imports}")
 
 
 # ----------------------------------------------------------------------------- what a run starts from
 def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfig, finetune.Pretrained | None]:
     """train.py's --init_from: the weights, and the config with the options they fix (adopt); else (cfg, None). A fresh
-    run; its resume imports the base again (load_base). Rank 0 reads (or downloads) first, the others from its cache."""
+    run; its resume loads the base again (load_base). Rank 0 reads first, then the others."""
     if not cfg.init_from:
         return cfg, None
     if Path(cfg.init_from).exists():  # saved absolute, so that a LoRA run's base is found from any folder
@@ -490,15 +491,11 @@ def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfi
 
 
 def load_base(cfg: TrainConfig) -> finetune.Pretrained:
-    """The weights ``cfg.init_from`` names (a run's, else GPT-2's), cropped to a given block_size; a full fine-tune's
-    resume takes its own last.pt's (every weight, the options adopted) where the base cannot be loaded any more."""
-    given, path = given_fields(cfg), run_checkpoint(cfg.init_from)
-    block_size = cfg.block_size if "block_size" in given else 0  # 0: every position the weights have
+    """The run's weights ``cfg.init_from`` names, cropped to a given block_size; a full fine-tune's resume takes its
+    own last.pt's (every weight, the options adopted) where the base cannot be loaded any more."""
+    block_size = cfg.block_size if "block_size" in given_fields(cfg) else 0  # 0: every position the weights have
     try:
-        if path is not None:
-            return load_run(path, block_size)
-        import finetune
-        return finetune.load_pretrained(cfg.init_from, block_size, cfg.bias if "bias" in given else True)
+        return load_run(base_checkpoint(cfg.init_from), block_size)
     except TinyGPTError as err:
         last = Path(cfg.out_dir) / "last.pt"
         if not cfg.resume or cfg.lora_rank or not last.is_file():  # LoRA's last.pt holds the adapters alone

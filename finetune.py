@@ -1,25 +1,21 @@
-"""Fine-tuning, imported only by a run that asks: the weights it starts from (--init_from: a run's, or GPT-2's from
-Hugging Face), a chat corpus's rows and loss mask (from the ids alone: nothing stores it to drift), and LoRA."""
+"""Fine-tuning, imported only by a run that asks: the weights it starts from (--init_from: a run's; GPT-2's become one
+with scripts/import_hf.py), a chat corpus's rows and loss mask (from the ids alone: nothing stores them), and LoRA."""
 from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import math
-import os
-import re
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from config import CheckpointError, DataError, HFError, TrainConfig, given_fields, model_config
+from config import CheckpointError, DataError, HFError, TrainConfig, given_fields
 from config import parse_lora_targets as parse_targets
 from model import GPT, GPTConfig
-from tokenizer import (ASSISTANT, BEGIN, ChatTokenizer, read_tokenizer, tokenizer_vocab_size, without_chat)
+from tokenizer import ASSISTANT, BEGIN, ChatTokenizer, tokenizer_vocab_size, without_chat
 
 
 def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
@@ -75,12 +71,10 @@ def val_rows(corpus, tokenizer: ChatTokenizer, block_size: int, overflow: str) -
 
 # ----------------------------------------------------------------------------- what a base fixes of the run
 def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
-    """The config with the options and tokenizer ``base`` fixes (GPT-2's: IMPORTED); a differing given one: refused."""
+    """The config with the options and tokenizer ``base`` fixes; a differing given one: refused."""
     kept = ("vocab_size", "block_size", *GPTConfig.TRAINING_ONLY)  # the corpus's, the user's, how it is trained
-    fixed = IMPORTED if base.gpt2 else [f.name for f in fields(GPTConfig) if f.name not in kept]
-    imported = {name: getattr(base.config, name) for name in fixed}
-    if base.tokenizer is not None:
-        imported["tokenizer"] = base.tokenizer["kind"]
+    fixed = [f.name for f in fields(GPTConfig) if f.name not in kept]
+    imported = {name: getattr(base.config, name) for name in fixed} | {"tokenizer": base.tokenizer["kind"]}
     if imported.get("tokenizer") == "bpe":  # its vocabulary too: a given other size is refused, not ignored
         imported["bpe_vocab_size"] = tokenizer_vocab_size(without_chat(base.tokenizer))
     given = given_fields(cfg)
@@ -90,95 +84,27 @@ def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
             raise HFError(f"--{name} {flag(getattr(cfg, name))} conflicts with {base.source}, whose weights have "
                           f"{name} {flag(value)}; drop --{name} (or that key from the preset): with --init_from "
                           "the weights fix the model")
-    adopted = replace(cfg, **imported, block_size=cfg.block_size if "block_size" in given else base.config.block_size)
-    if base.gpt2 and (refusals := gpt2_refusals(model_config(adopted, base.config.vocab_size))):
-        raise HFError(f"{base.source} holds GPT-2 weights, which cannot run with {refusals[0]}; drop that option "
-                      "or train from scratch without --init_from")
-    return adopted
+    return replace(cfg, **imported, block_size=cfg.block_size if "block_size" in given else base.config.block_size)
 
 
-# ----------------------------------------------------------------------------- Hugging Face GPT-2: the mapping
-# Used both ways (import here, export in scripts/export_hf.py). Beyond these tables the layouts differ in shape only:
-# our vocabulary is padded to a multiple of 64, our position table may be cropped.
-NAMES = (  # every weight of GPT-2, GPT2LMHeadModel's names; {i} is the block index
-    "transformer.wte.weight",  # (V, C): V padded ours, the real vocabulary theirs; also lm_head (tied)
-    "transformer.wpe.weight",  # (T, C): block_size rows ours, n_positions theirs
-    *(f"transformer.h.{{i}}.{layer}.{kind}" for layer in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc",
-                                                          "mlp.c_proj") for kind in ("weight", "bias")),
-    "transformer.ln_f.weight", "transformer.ln_f.bias",
-)
-TRANSPOSED = (  # transformers' Conv1D (GPT-2's original TF code) computes x @ W, W (in, out)
-    ".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+# ----------------------------------------------------------------------------- the weights a run starts from
+# Our weights have GPT-2's names (scripts/import_hf.py brings GPT-2's own in, as a run folder).
 WTE, WPE, TIED_HEAD = "transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"
-NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in GPT2Model's files
-PREFIX = "transformer."  # GPT2LMHeadModel's keys have it, GPT2Model's (the hub's gpt2) do not
-
-HUB_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
-HUB_PROBE_TIMEOUT = 5.0  # seconds the hub may take to answer one request before it counts as unreachable
-ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # theirs -> ours
-LAYER_NORM_EPS = 1e-5  # GPT-2's epsilon, which is also nn.LayerNorm's default (model.py uses the default)
-CONFIG_RULES = (  # config.json fields that change the computation: (name, GPT-2's default, what this model does)
-    ("activation_function", "gelu_new", tuple(ACTIVATIONS)),
-    ("layer_norm_epsilon", LAYER_NORM_EPS, (LAYER_NORM_EPS,)),
-    ("n_inner", None, (None,)),  # null: the MLP is 4 * n_embd wide
-    ("scale_attn_weights", True, (True,)),  # attention logits divided by sqrt(hs)
-    ("scale_attn_by_inverse_layer_idx", False, (False,)),
-    ("tie_word_embeddings", True, (True,)),
-)
-IMPORTED = ("n_layer", "n_head", "n_embd", "bias", "activation")  # the model options a GPT-2 file fixes
-ANY = None  # in GPT2_OPTIONS: GPT-2's layout holds every value of this option
-# Each model option -> the values GPT-2's layout computes. An option not listed (a fork's new one) is GPT-2's only at
-# its default: export and --init_from refuse any other value by name, never drop it silently.
-GPT2_OPTIONS = {"block_size": ANY, "n_layer": ANY, "n_head": ANY, "n_embd": ANY,  # block_size: n_positions
-                "bias": ANY,  # bias-free models export zero biases
-                "activation": ("gelu", "gelu_tanh")}  # activation_function gelu / gelu_new (see ACTIVATIONS)
 
 
-def gpt2_refusals(config: GPTConfig) -> list[str]:
-    """Every option of ``config`` GPT-2's layout cannot compute, as "name value (GPT-2: ...)"; [] if none."""
-    refusals = []
-    for option in fields(config):
-        # A training-only option (dropout, z_loss) changes how the weights were trained, not what they compute.
-        allowed = ANY if option.name in GPTConfig.TRAINING_ONLY else GPT2_OPTIONS.get(option.name, (option.default,))
-        value = getattr(config, option.name)
-        if option.name != "vocab_size" and allowed is not ANY and value not in allowed:
-            refusals.append(f"{option.name} {value!r} (GPT-2 computes {' or '.join(map(repr, allowed))})")
-    return refusals
-
-
-def expand(n_layer: int) -> list[str]:
-    """NAMES with {i} filled in for every block."""
-    return [name.format(i=i) for name in NAMES for i in (range(n_layer) if "{i}" in name else [None])]
-
-
-def is_transposed(name: str) -> bool:
-    return name.endswith(TRANSPOSED)
-
-
-def convert(name: str, value: torch.Tensor, vocab_rows: int, block_size: int) -> torch.Tensor:
-    """One weight into the other layout, both ways: Conv1D transposed, wte's rows zero-padded or cut, wpe's cut."""
-    if is_transposed(name):
-        return value.t()  # (in, out) <-> (out, in)
-    if name == WTE:  # (V, C)
-        return torch.cat([value, value.new_zeros(max(vocab_rows - len(value), 0), value.shape[1])])[:vocab_rows]
-    return value[:block_size] if name == WPE else value  # (T, C)
-
-
-# ----------------------------------------------------------------------------- Hugging Face GPT-2: import
 @dataclass
 class Pretrained:
-    """Weights a run starts from (--init_from), under our names: GPT-2's (load_pretrained) or a run's (load_run)."""
+    """The weights a run starts from (--init_from): a run's (checkpoint.load_run), which fix every model option."""
     config: GPTConfig  # what the weights compute; block_size: the position table's rows, once cropped
     state: dict[str, torch.Tensor]
-    source: str  # the checkpoint file, or the weights as named
-    tokenizer: dict | None  # its description; None where GPT-2's files do not say (the corpus's is taken)
+    source: str  # the checkpoint file
+    tokenizer: dict  # its description
     n_positions: int  # the position table's rows before cropping
-    gpt2: bool = False  # GPT-2's: they fix its shape (IMPORTED); every other option must be one GPT-2 computes
 
     def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
         """The state dict for a corpus of the weights' tokenizer (plus a chat's markers, at the mean row)."""
-        base = self.tokenizer or without_chat(tokenizer_meta)  # None: the files do not say; the corpus's, then
-        base_vocab = tokenizer_vocab_size(base) or vocab_size
+        base = self.tokenizer
+        base_vocab = tokenizer_vocab_size(base)
         if base_vocab != self.config.vocab_size:
             raise HFError(f"{self.source} has a vocabulary of {self.config.vocab_size}, the corpus {base_vocab} "
                           f"({base['kind']} tokenizer); use the weights' tokenizer")
@@ -188,7 +114,8 @@ class Pretrained:
             raise HFError(f"{self.source} was trained with {kinds}; fine-tune on text, which --init_from prepares with "
                           "the base's tokenizer, or on tokens written with it")
         wte = self.state[WTE]  # (V_padded_base, C)
-        new = convert(WTE, wte, GPTConfig(vocab_size=vocab_size).padded_vocab_size, 0)  # (V_padded, C), a copy
+        padded = GPTConfig(vocab_size=vocab_size).padded_vocab_size
+        new = torch.cat([wte, wte.new_zeros(max(padded - len(wte), 0), wte.shape[1])])[:padded]  # (V_padded, C), a copy
         new[base_vocab:vocab_size] = wte[:base_vocab].mean(dim=0)  # (V_new - V_base, C): the markers' rows
         return {**self.state, WTE: new, TIED_HEAD: new}
 
@@ -199,134 +126,6 @@ def check_positions(block_size: int, n_positions: int, source: str) -> int:
         raise HFError(f"block_size {block_size} exceeds the {n_positions} positions of {source}; use --block_size "
                       f"{n_positions} or less")
     return block_size or n_positions
-
-
-def load_pretrained(source: str, block_size: int = 0, bias: bool = True) -> Pretrained:
-    """Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names, every key and shape checked."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    weights, config_file = locate(source)
-    try:
-        raw = load_file(str(weights))
-    except (SafetensorError, OSError) as err:
-        raise HFError(f"{weights}: not a readable .safetensors file ({str(err)[:160]})") from None
-    tensors = {key if key.startswith(PREFIX) or key == TIED_HEAD else PREFIX + key: value.float()
-               for key, value in raw.items()}  # GPT2LMHeadModel's names, in fp32
-    shape = read_shape(config_file)  # block_size: the file's n_positions
-    config = replace(shape, block_size=check_positions(block_size, shape.block_size, source), bias=bias)
-    return Pretrained(config, to_ours(tensors, config, shape.block_size, source), source,
-                      read_tokenizer(weights.parent, config.vocab_size), shape.block_size, gpt2=True)
-
-
-def locate(source: str) -> tuple[Path, Path]:
-    """(the .safetensors file, its config.json) of a folder, a file or a hub name (OWNER/NAME, never a typo'd path)."""
-    path = Path(source)
-    if path.is_dir():
-        path = path / "model.safetensors"
-        if not path.is_file():
-            raise HFError(f"{path.parent}: neither a run's best.pt or last.pt nor a Hugging Face GPT-2 "
-                          "model.safetensors in this folder")
-    elif path.is_file() and path.suffix != ".safetensors":
-        raise HFError(f"{path}: not a .safetensors file; pass one, a folder holding model.safetensors, "
-                      f"or a hub name ({', '.join(HUB_NAMES)})")
-    elif not path.is_file():
-        if source in HUB_NAMES or (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", source) and not Path(path.parts[0]).is_dir()
-                                   and path.suffix not in (".pt", ".safetensors")):
-            return download(HUB_NAMES.get(source, source))
-        raise CheckpointError(f"init_from {source}: no such run folder or file; train that run first, or pass a run "
-                              "folder (out/NAME), its .pt, a folder or .safetensors in the Hugging Face GPT-2 layout, "
-                              f"or a hub name ({', '.join(HUB_NAMES)} or OWNER/NAME)")
-    if not (path.parent / "config.json").is_file():
-        raise HFError(f"{path}: no config.json beside it, which says the model's shape; put its config.json beside "
-                      "the file")
-    return path, path.parent / "config.json"
-
-
-def download(repo_id: str) -> tuple[Path, Path]:
-    """model.safetensors and config.json via huggingface_hub's cache; the cache alone if the hub does not answer."""
-    import huggingface_hub
-    from huggingface_hub import constants
-    from huggingface_hub.errors import EntryNotFoundError
-
-    unreachable = None if constants.is_offline_mode() else hub_unreachable(repo_id)
-    try:
-        config, weights = (huggingface_hub.hf_hub_download(repo_id, name, local_files_only=bool(unreachable))
-                           for name in ("config.json", "model.safetensors"))
-    except (OSError, EntryNotFoundError) as err:  # offline, not cached, no such repo or file, HTTP errors
-        reason = (f"cannot reach {constants.ENDPOINT}: {unreachable}" if unreachable else
-                  f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}")
-        raise HFError(f"could not get {repo_id} from the Hugging Face hub ({reason}) nor from its cache, and there "
-                      f"is no local folder or file of that name; where there is network run `hf download {repo_id} "
-                      "model.safetensors config.json --local-dir DIR`, copy DIR here and pass --init_from DIR "
-                      "(HF_HUB_OFFLINE=1 skips the hub when the files are in its cache)") from None
-    return Path(weights), Path(config)
-
-
-def hub_unreachable(repo_id: str) -> str | None:
-    """Why the hub cannot be reached, or None if it answers: one request, where hf_hub_download retries ~25 s."""
-    import httpx2  # huggingface_hub's HTTP client, installed with it
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:
-        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"),
-                             timeout=float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_PROBE_TIMEOUT))
-    except httpx2.TransportError as err:  # no connection: refused, timed out, no DNS, proxy down
-        return (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
-    except HfHubHTTPError:  # the hub answered (a missing or gated repo): hf_hub_download says what
-        return None
-
-
-def read_shape(config_file: Path) -> GPTConfig:
-    """The model config.json describes (block_size: n_positions), if GPT-2's code computes it as ours (CONFIG_RULES)."""
-    try:
-        hf = json.loads(config_file.read_text())
-    except (OSError, ValueError) as err:
-        raise HFError(f"{config_file}: not readable JSON ({err})") from None
-    if hf.get("model_type") != "gpt2":
-        raise HFError(f"{config_file}: model_type {hf.get('model_type')!r}, not 'gpt2': only GPT-2's layout "
-                      "maps onto this model")
-    if hf.get("n_inner") == 4 * hf.get("n_embd", 0):  # the default MLP width, written out
-        hf["n_inner"] = None
-    for name, default, allowed in CONFIG_RULES:
-        if hf.get(name, default) not in allowed:
-            raise HFError(f"{config_file}: {name} is {hf.get(name, default)!r}; this model computes "
-                          f"{' or '.join(map(repr, allowed))}")
-    try:
-        return GPTConfig(vocab_size=int(hf["vocab_size"]), block_size=int(hf["n_positions"]),
-                         n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]), bias=True,
-                         activation=ACTIVATIONS[hf.get("activation_function", "gelu_new")])
-    except KeyError as err:
-        raise HFError(f"{config_file}: no {err.args[0]}") from None
-
-
-def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, n_positions: int,
-            source: str) -> dict[str, torch.Tensor]:
-    """Check every key and shape against ``config``, then transpose, pad and crop."""
-    names = expand(config.n_layer)
-    given = {key for key in tensors if not key.endswith(NOT_WEIGHTS) and key != TIED_HEAD}
-    missing, unexpected = [name for name in names if name not in given], sorted(given - set(names))
-    if missing or unexpected:
-        raise HFError(f"{source}: missing key {missing[0]}" if missing else
-                      f"{source}: unexpected key {unexpected[0]} for a {config.n_layer}-layer GPT-2")
-    with torch.device("meta"):  # shapes only: no memory, no init time even for gpt2-xl
-        expected = GPT(replace(config, block_size=n_positions, bias=True)).state_dict()
-    state = {}
-    for name in names:
-        value, want = tensors[name], tuple(expected[name].shape)
-        want = (config.vocab_size, want[1]) if name == WTE else want[::-1] if is_transposed(name) else want
-        if tuple(value.shape) != want:  # the file's wte has the real vocabulary's rows, unpadded
-            raise HFError(f"{source}: {name} has shape {tuple(value.shape)}, expected {want} from its config.json")
-        if name.endswith(".bias") and not config.bias:
-            if value.count_nonzero():
-                raise HFError(f"{source}: {name} is not zero (max |b| {value.abs().max():.3g}) but the model has "
-                              "bias=False; import with bias=True (drop --bias false)")
-            continue  # an exported bias-free model: its zero biases carry nothing
-        state[name] = convert(name, value, config.padded_vocab_size, config.block_size).contiguous()
-    if TIED_HEAD in tensors and not torch.equal(tensors[TIED_HEAD], tensors[WTE]):
-        raise HFError(f"{source}: {TIED_HEAD} differs from {WTE}; this model ties the two")
-    return {**state, TIED_HEAD: state[WTE]}
 
 
 # ----------------------------------------------------------------------------- LoRA

@@ -3,7 +3,7 @@
     python sample.py --temp 0.8                       # newest best.pt under out/
     python sample.py --ckpt out/small --prompt "ROMEO:" --num-samples 3 --top-k 40 --top-p 0.9
     python sample.py --ckpt out/small --prompt "ROMEO:" --stop "\\n\\n"   # one speech: stop at a blank line
-    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 itself
+    python sample.py --ckpt out/gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 (python -m scripts.import_hf)
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Tokenizers: one id per character (CharTokenizer), GPT-2's byte-level BPE or one trained here (tiktoken), and a
 chat model's role markers after any of them (ChatTokenizer). ``tokenizer_from_meta`` rebuilds any of them from the
-description a corpus or checkpoint keeps; ``read_tokenizer`` from a Hugging Face folder's files.
+description a corpus or checkpoint keeps.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import subprocess
 import sys
 import tarfile
@@ -16,7 +15,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from config import REPO, DataError, HFError, install_hint
+from config import REPO, DataError, install_hint
 from runtime import sha256_of, staging_folder
 
 
@@ -228,88 +227,6 @@ def document_separator(tokenizer) -> int | None:
     return eot if eot in tokenizer.special_ids or tokenizer.decode([eot]) == "\n" else None
 
 
-# ----------------------------------------------------------------------------- Hugging Face tokenizer files, read back
-CHARS_FILE = "tinygpt_chars.json"  # a char model's vocabulary: token id i is chars[i]
-BPE_FILE = "tinygpt_bpe.json"  # a trained BPE's description (BPETokenizer.meta): pattern and ranks
-NO_TOKENIZER = (f"known: GPT-2's BPE, {GPT2_VOCAB} tokens; our {CHARS_FILE} or {BPE_FILE}; or the standard "
-                "tokenizer.json, or vocab.json + merges.txt, of a char list or a byte-level BPE")
-# GPT-2's printable stand-in for every byte (encoder.py): printable Latin-1 bytes for themselves, others chr(256 + n).
-PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-BYTE_TEXT = {**{b: chr(b) for b in PRINTABLE},
-             **{b: chr(256 + n) for n, b in enumerate(b for b in range(BYTES) if b not in PRINTABLE)}}
-TEXT_BYTE = {text: b for b, text in BYTE_TEXT.items()}
-
-
-def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
-    """A folder's tokenizer description, if it can tell (read_base_tokenizer), with the markers its config lists."""
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = None  # the base's reading says what is wrong
-    chat = isinstance(config, dict) and config.get("additional_special_tokens") == list(MARKERS)
-    base = read_base_tokenizer(folder, vocab_size - (len(MARKERS) if chat else 0))
-    return {**base, "chat_tokens": list(MARKERS)} if base and chat else base
-
-
-def read_base_tokenizer(folder: Path, vocab_size: int) -> dict | None:
-    """Our own file, GPT-2's by its size, else the standard files (tokenizer.json, or vocab.json + merges.txt)."""
-    for kind, name, what in (("char", CHARS_FILE, "char list"), ("bpe", BPE_FILE, "BPE")):
-        if (folder / name).is_file():
-            try:
-                meta = json.loads((folder / name).read_text(encoding="utf-8"))
-                meta = {"kind": "char", "chars": "".join(meta["chars"])} if kind == "char" else meta
-                valid = kind == "char" or meta["kind"] == "bpe" and isinstance(meta["pattern"], str)
-                size = tokenizer_vocab_size(meta) if valid else None
-            except (OSError, ValueError, KeyError, TypeError) as err:
-                raise HFError(f"{folder / name}: not a tinygpt {what} ({type(err).__name__}: {err})") from None
-            if size != vocab_size:
-                raise HFError(f"{folder / name}: a {what} of {size} tokens for a vocabulary of {vocab_size}")
-            return meta
-    return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else read_standard_files(folder, vocab_size)
-
-
-def read_standard_files(folder: Path, vocab_size: int) -> dict | None:
-    """A char list or a byte-level BPE (named by BYTE_TEXT, id = rank, merges as ``bpe_merges`` derives them) rebuilt
-    from tokenizer.json, else vocab.json + merges.txt; None without them. HFError for any other: other ids."""
-    try:
-        if (folder / "tokenizer.json").is_file():
-            saved = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-            model = saved["model"]
-            if model["type"] != "BPE":
-                raise HFError(f"{folder / 'tokenizer.json'}: a {model['type']} model, not a BPE this repo encodes")
-            vocab = {**model["vocab"], **{token["content"]: token["id"] for token in saved.get("added_tokens", [])}}
-            # tokenizers writes a merge as "a b" (before 0.20) or ["a", "b"]
-            merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
-            byte_level = (saved.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
-        elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-            lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
-            merges = [line for line in lines if line and not line.startswith("#version")]
-            vocab, byte_level = json.loads((folder / "vocab.json").read_text(encoding="utf-8")), True
-        else:
-            return None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise HFError(f"{folder}: its tokenizer files are not readable ({type(err).__name__}: {err})") from None
-    if sorted(vocab.values()) != list(range(vocab_size)):
-        raise HFError(f"{folder}: its tokenizer's {len(vocab)} ids are not the weights' 0..{vocab_size - 1}")
-    tokens = sorted(vocab, key=vocab.__getitem__)  # in id order
-    if not byte_level and not merges:
-        chars = "".join(tokens)
-        if len(chars) != vocab_size or chars != "".join(sorted(chars)):
-            raise HFError(f"{folder}: its tokenizer.json is not a char vocabulary (one character a token, sorted)")
-        return {"kind": "char", "chars": chars}
-    if not byte_level or tokens[-1] != EOT_TEXT:
-        raise HFError(f"{folder}: its tokenizer is not a byte-level BPE ending in {EOT_TEXT}, nor a char list")
-    try:
-        ranks = [bytes(TEXT_BYTE[ch] for ch in token) for token in tokens[:-1]]
-    except KeyError:
-        raise HFError(f"{folder}: a token of its vocabulary is not in byte-level form") from None
-    if len({token for token in ranks if len(token) == 1}) != BYTES:
-        raise HFError(f"{folder}: its BPE lacks some of the {BYTES} single bytes: not every text encodes")
-    if bpe_merges(ranks) != merges:
-        raise HFError(f"{folder}: its merges are not the ones its ids imply: tiktoken would encode other ids")
-    return {"kind": "bpe", "pattern": bpe_pattern(), "ranks": [token.hex() for token in ranks]}
-
-
 BEGIN, SYSTEM, USER, ASSISTANT, END = MARKERS = ("<|begin|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 ROLES = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
 Message = tuple[str, str]  # (role, content)
@@ -327,30 +244,6 @@ def render(tokenizer: ChatTokenizer, messages: list[Message], reply: bool = Fals
     for role, content in messages:
         out += [ids[ROLES[role]], *tokenizer.encode(content), ids[END]]
     return out + [ids[ASSISTANT]] if reply else out
-
-
-def bpe_merges(tokens: list[bytes]) -> list[str]:
-    """merges.txt's lines for ``tokens`` in rank order: each longer token's two parts as tiktoken's merge loop (lowest
-    ranked adjacent pair first, among those ranked below the token) holds them last."""
-    ranks, merges = {token: i for i, token in enumerate(tokens)}, []
-    for rank, token in enumerate(tokens):
-        if len(token) < 2:
-            continue
-        parts = [bytes([b]) for b in token]
-        while len(parts) > 2:
-            best, i = min((ranks.get(parts[j] + parts[j + 1], rank), j) for j in range(len(parts) - 1))
-            if best >= rank:
-                break
-            parts[i: i + 2] = [parts[i] + parts[i + 1]]
-        if len(parts) != 2:
-            raise HFError(f"BPE token {rank} ({token!r}) is not the merge of two tokens")
-        merges.append(f"{byte_text(parts[0])} {byte_text(parts[1])}")
-    return merges
-
-
-def byte_text(token: bytes) -> str:
-    """A token's name in vocab.json, merges.txt and a GGUF: its bytes' printable stand-ins."""
-    return "".join(BYTE_TEXT[b] for b in token)
 
 
 WHISPER_SDIST = "openai-whisper==20250625"

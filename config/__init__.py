@@ -49,8 +49,8 @@ class TrainConfig(GPTConfig):
     compile: Literal["auto", "on", "off"] = free("auto", "torch.compile: auto (on for CUDA only) | on | off")
     threads: int = free(0, "torch threads; 0 = torch's default (one per core). Two jobs on 2 cores: 1 each")
     resume: bool = free(False, "continue exactly from out_dir/last.pt")
-    init_from: str = free("", "start from trained weights: a run's folder or .pt | gpt2[-medium|-large|-xl] | a "
-                          'Hugging Face GPT-2 folder or .safetensors; "" = random init')  # free: a base may move; set
+    init_from: str = free("", "start from trained weights: a run's folder or .pt (GPT-2's: python -m "
+                          'scripts.import_hf gpt2 out/gpt2); "" = random init')  # free: a base may move; set
     # or unset against the checkpoint's is another run, refused (checkpoint.resume_changes)
     # --- the corpus (python -m scripts.prepare's flags too)
     dataset: str = free("shakespeare", "built-in corpus name; ignored when data_path is set")
@@ -191,8 +191,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     require(cfg.schedule != "time" or cfg.max_time > 0,
             "schedule=time decays the lr over max_time: set max_time (seconds) or use schedule=steps")
     if cfg.lora_rank:
-        require(cfg.init_from, "LoRA adapts a trained model: pass --init_from (a run's folder or .pt, gpt2, a "
-                               "Hugging Face folder or .safetensors) with --lora_rank, or drop --lora_rank")
+        require(cfg.init_from, "LoRA adapts a trained model: pass --init_from (a run's folder or .pt) with "
+                               "--lora_rank, or drop --lora_rank")
         parse_lora_targets(cfg.lora_targets)
     elif not cfg.resume and (off := [name for name in LORA_FIELDS if name in cfg.given]):  # a resume: its own rules
         raise ConfigError(f"{off[0]} is set, but LoRA is off (lora_rank 0): pass --lora_rank R, or drop {off[0]}")

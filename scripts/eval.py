@@ -3,7 +3,7 @@
     python -m scripts.eval --ckpt out/small                        # the val split of the run's own corpus
     python -m scripts.eval --ckpt out/small --data_path other.txt  # any UTF-8 text, all of it
     python -m scripts.eval --ckpt out/small --data_path data/F     # a prepared folder's val split
-    python -m scripts.eval --init_from gpt2 --data_path other.txt  # pretrained GPT-2 weights, no checkpoint
+    python -m scripts.eval --ckpt out/gpt2 --data_path other.txt   # GPT-2's weights (python -m scripts.import_hf)
 
 By default it scores what training scored (val split, eval_tokens, batch size, precision; LoRA unmerged), so best.pt's
 best_val_loss comes back exactly. The split is found by the fingerprint the checkpoint records; a changed text whose
@@ -35,7 +35,7 @@ from tokenizer import data_home, without_chat
 from train import evaluate, val_byte_count
 
 PROGRESS_BATCHES = 20  # show a progress bar (on stderr) from this many batches on
-PRETRAINED_BATCH = 8  # windows per forward for pretrained weights, which have no run's batch_size (GPT-2's: 1,024)
+IMPORTED_BATCH = 8  # windows per forward for imported weights, which have no run's batch_size (GPT-2's: 1,024)
 
 
 def prepared_splits(data_dir: str | Path, val_fingerprint: str, tokenizer: dict) -> list[Path]:
@@ -70,7 +70,7 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
         if len(ids) < 2:
             raise DataError(f"{data_path}: {len(ids)} token(s); scoring needs at least 2")
         return *val_windows(ids, cfg.block_size, max(eval_tokens, 0)), data_path, False
-    if loaded.step is None and cfg.tokenizer != "gpt2":  # a char or BPE vocabulary need not be the built-in corpus's
+    if loaded.corpus is None and cfg.tokenizer != "gpt2":  # a char or BPE vocabulary need not be the built-in corpus's
         raise ConfigError(f"{loaded.source} has a char vocabulary: pass the text to score with --data_path")
     return split_windows(loaded, run_corpus(loaded), eval_tokens)
 
@@ -165,10 +165,10 @@ def main(argv: list[str] | None = None) -> None:
         rt = choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
         loaded.model.to(rt.device)
         x, y, data, runs = eval_windows(loaded, args.data_path, args.eval_tokens)
-    batch_size = args.batch_size or (loaded.cfg.batch_size if loaded.step is not None else PRETRAINED_BATCH)
+    batch_size = args.batch_size or (loaded.cfg.batch_size if loaded.corpus is not None else IMPORTED_BATCH)
     if not args.json:  # what is scored, before the scoring (minutes for a large split, with its bar on stderr)
         logged = f", logged best val loss {loaded.best_val_loss:.6f}" if runs else ""
-        origin = f"step {loaded.step}{logged}" if loaded.step is not None else "pretrained weights"
+        origin = f"step {loaded.step}{logged}" if loaded.corpus is not None else "imported weights"
         print(f"# {loaded.source} ({origin}) on {data}", flush=True)
     n_bytes, chars = val_byte_count(y, loaded.tokenizer, rt.device), target_chars(y, loaded.tokenizer)
     progress = -(-len(x) // batch_size) >= PROGRESS_BATCHES  # a terminal or a log: someone waits for it

@@ -21,12 +21,13 @@ import numpy as np
 import torch
 
 from checkpoint import find_checkpoint, from_checkpoint
-from finetune import LAYER_NORM_EPS, WPE, WTE, gpt2_refusals, is_transposed
+from finetune import WPE, WTE
 from config import CommandLine, HFError, exit_on_errors, fail, install_hint, run_tool
 from model import GPT
 from runtime import one_line, written_whole
-from scripts.export_hf import GGUF_MARK, bpe_tokens, chat_template, check_output, to_hf
-from tokenizer import BEGIN, BYTE_TEXT, END, EOT_TEXT, ChatTokenizer, bpe_merges, byte_text
+from scripts.export_hf import (BYTE_TEXT, GGUF_MARK, LAYER_NORM_EPS, bpe_merges, bpe_tokens, byte_text, chat_template,
+                               check_output, gpt2_refusals, is_transposed, to_hf)
+from tokenizer import BEGIN, END, EOT_TEXT, ChatTokenizer
 
 CONTEXT_ROWS = 2048  # the fewest positions a file declares: no runner's default context is longer
 N_CTX_ROUNDING = 256  # llama.cpp rounds every context up to a multiple of this (GGML_PAD in llama_context)

@@ -16,18 +16,100 @@ if not __package__:  # run as a file, `python scripts/export_hf.py`: its folder,
 
 import contextlib
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from checkpoint import find_checkpoint, from_checkpoint, load_checkpoint
-from finetune import ACTIVATIONS, LAYER_NORM_EPS, TIED_HEAD, convert, expand, gpt2_refusals
+from finetune import TIED_HEAD, WPE, WTE
 from config import CheckpointError, CommandLine, HFError, PathError, exit_on_errors, run_tool
 from model import GPT, GPTConfig
 from runtime import atomic_write, atomic_write_text, check_writable, one_line, staged_folder
-from tokenizer import (ASSISTANT, BEGIN, BPE_FILE, CHARS_FILE, END, EOT_TEXT, ROLES, ChatTokenizer,
-                       bpe_merges, byte_text)
+from tokenizer import ASSISTANT, BEGIN, BYTES, END, EOT_TEXT, ROLES, ChatTokenizer
+
+# ----------------------------------------------------------------------------- GPT-2's layout (read: import_hf.py)
+# Beyond these tables the layouts differ in shape only: our vocabulary is padded to a multiple of 64, our position
+# table may be cropped. Our weights have GPT-2's names (WTE, WPE, TIED_HEAD: finetune.py's).
+NAMES = (  # every weight of GPT-2, GPT2LMHeadModel's names; {i} is the block index
+    "transformer.wte.weight",  # (V, C): V padded ours, the real vocabulary theirs; also lm_head (tied)
+    "transformer.wpe.weight",  # (T, C): block_size rows ours, n_positions theirs
+    *(f"transformer.h.{{i}}.{layer}.{kind}" for layer in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc",
+                                                          "mlp.c_proj") for kind in ("weight", "bias")),
+    "transformer.ln_f.weight", "transformer.ln_f.bias",
+)
+TRANSPOSED = (  # transformers' Conv1D (GPT-2's original TF code) computes x @ W, W (in, out)
+    ".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # theirs -> ours
+LAYER_NORM_EPS = 1e-5  # GPT-2's epsilon, which is also nn.LayerNorm's default (model.py uses the default)
+ANY = None  # in GPT2_OPTIONS: GPT-2's layout holds every value of this option
+# Each model option -> the values GPT-2's layout computes. An option not listed (a fork's new one) is GPT-2's only at
+# its default: the exports refuse any other value by name, never drop it silently.
+GPT2_OPTIONS = {"block_size": ANY, "n_layer": ANY, "n_head": ANY, "n_embd": ANY,  # block_size: n_positions
+                "bias": ANY,  # bias-free models export zero biases
+                "activation": ("gelu", "gelu_tanh")}  # activation_function gelu / gelu_new (see ACTIVATIONS)
+
+
+def gpt2_refusals(config: GPTConfig) -> list[str]:
+    """Every option of ``config`` GPT-2's layout cannot compute, as "name value (GPT-2: ...)"; [] if none."""
+    refusals = []
+    for option in fields(config):
+        # A training-only option (dropout, z_loss) changes how the weights were trained, not what they compute.
+        allowed = ANY if option.name in GPTConfig.TRAINING_ONLY else GPT2_OPTIONS.get(option.name, (option.default,))
+        value = getattr(config, option.name)
+        if option.name != "vocab_size" and allowed is not ANY and value not in allowed:
+            refusals.append(f"{option.name} {value!r} (GPT-2 computes {' or '.join(map(repr, allowed))})")
+    return refusals
+
+
+def expand(n_layer: int) -> list[str]:
+    """NAMES with {i} filled in for every block."""
+    return [name.format(i=i) for name in NAMES for i in (range(n_layer) if "{i}" in name else [None])]
+
+
+def is_transposed(name: str) -> bool:
+    return name.endswith(TRANSPOSED)
+
+
+def convert(name: str, value: torch.Tensor, vocab_rows: int, block_size: int) -> torch.Tensor:
+    """One weight into the other layout, both ways: Conv1D transposed, wte's rows zero-padded or cut, wpe's cut."""
+    if is_transposed(name):
+        return value.t()  # (in, out) <-> (out, in)
+    if name == WTE:  # (V, C)
+        return torch.cat([value, value.new_zeros(max(vocab_rows - len(value), 0), value.shape[1])])[:vocab_rows]
+    return value[:block_size] if name == WPE else value  # (T, C)
+
+
+# GPT-2's printable stand-in for every byte (encoder.py): printable Latin-1 bytes for themselves, others chr(256 + n).
+PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+BYTE_TEXT = {**{b: chr(b) for b in PRINTABLE},
+             **{b: chr(256 + n) for n, b in enumerate(b for b in range(BYTES) if b not in PRINTABLE)}}
+
+
+def bpe_merges(tokens: list[bytes]) -> list[str]:
+    """merges.txt's lines for ``tokens`` in rank order: each longer token's two parts as tiktoken's merge loop (lowest
+    ranked adjacent pair first, among those ranked below the token) holds them last."""
+    ranks, merges = {token: i for i, token in enumerate(tokens)}, []
+    for rank, token in enumerate(tokens):
+        if len(token) < 2:
+            continue
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            best, i = min((ranks.get(parts[j] + parts[j + 1], rank), j) for j in range(len(parts) - 1))
+            if best >= rank:
+                break
+            parts[i: i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) != 2:
+            raise HFError(f"BPE token {rank} ({token!r}) is not the merge of two tokens")
+        merges.append(f"{byte_text(parts[0])} {byte_text(parts[1])}")
+    return merges
+
+
+def byte_text(token: bytes) -> str:
+    """A token's name in vocab.json, merges.txt and a GGUF: its bytes' printable stand-ins."""
+    return "".join(BYTE_TEXT[b] for b in token)
+
 
 # The tokenizers library drops an unknown character silently without an unk_token, and raises if the unk_token is not
 # in the vocabulary: the char export (char_files) names this one, so an unknown character raises, as our encode does.
@@ -123,7 +205,11 @@ def bpe_tokens(tokenizer) -> list[bytes]:
     return [tokenizer.enc.decode_single_token_bytes(i) for i in range(tokenizer.eot_token)]
 
 
-# ----------------------------------------------------------------------------- tokenizer files (read: tokenizer.py)
+# ----------------------------------------------------------------------------- tokenizer files (read: import_hf.py)
+CHARS_FILE = "tinygpt_chars.json"  # a char model's vocabulary: token id i is chars[i]
+BPE_FILE = "tinygpt_bpe.json"  # a trained BPE's description (BPETokenizer.meta): pattern and ranks
+
+
 def tokenizer_files(tokenizer, block_size: int) -> dict[str, Any]:
     """File name -> JSON object or text: what AutoTokenizer loads to our ids, with our own description beside it
     (GPT-2's needs none); a chat tokenizer's markers added."""

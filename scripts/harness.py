@@ -1,7 +1,7 @@
 """Score a checkpoint with EleutherAI's lm-evaluation-harness: HellaSwag, LAMBADA, ARC, ... natively.
 
     python -m scripts.harness --ckpt out/small --tasks tinygpt_cloze       # the repo's offline task, harness_tasks/
-    python -m scripts.harness --init_from gpt2 --tasks hellaswag,lambada_openai   # the tasks' data: HF hub
+    python -m scripts.harness --ckpt out/gpt2 --tasks hellaswag,lambada_openai    # the tasks' data: HF hub
     python -m scripts.harness --ckpt out/gpt2-run --tasks arc_easy --limit 200    # a quick look, not a result
 
 ``TinyGPTLM`` is lm_eval's model interface over our GPT and tokenizer: no export, char models too (docs/evaluation.md).
@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-import finetune
-from checkpoint import add_weights_flags, find_checkpoint, from_flags
+from checkpoint import add_weights_flags, flags_checkpoint, from_flags
 from config import FIELD_HELP, REPO, CommandLine, ConfigError, exit_on_errors, fail, install_hint, run_tool
 from data import DataError
 from model import GPT
 from runtime import atomic_write_text, pick_device
 from sample import generate
 from scripts.bench import check_results_path
+from scripts.import_hf import hub_unreachable
 
 try:
     import lm_eval
@@ -143,22 +143,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="requests per forward pass")
     parser.add_argument("--device", default="auto", help=FIELD_HELP["device"])
     parser.add_argument("--output", default="",
-                        help="results JSON (default: harness-TASKS.json in the run folder, or out/harness/)")
+                        help="results JSON (default: harness-TASKS.json in the run folder)")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or (args.limit is not None and args.limit <= 0) or (args.num_fewshot or 0) < 0:
         parser.error("need --batch_size >= 1, --limit > 0 and --num_fewshot >= 0")
     with exit_on_errors():  # one line and its exit code
         names = [name.strip() for name in args.tasks.split(",") if name.strip()]
-        stem = "harness-" + "+".join(names)  # in the checkpoint's run folder; for pretrained weights in out/harness/
-        output = Path(args.output or (Path("out", "harness", f"{Path(args.init_from).name}-{stem}.json")
-                                      if args.init_from else find_checkpoint(args.ckpt).parent / f"{stem}.json"))
+        stem = "harness-" + "+".join(names)  # in the checkpoint's run folder
+        output = Path(args.output or flags_checkpoint(args).parent / f"{stem}.json")
         check_results_path(output, "--output")  # before minutes of evaluation, not after
         manager = task_manager(names)  # once: the check and the evaluation share it
         if (unknown := [name for name in names if name not in manager.all_tasks]) or not names:
             raise ConfigError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; list them with "
                               f"`lm_eval ls tasks`, or see {LOCAL_TASKS.relative_to(REPO)}/ for the offline ones")
         remote = [name for name in names if name not in LOCAL_TASK_NAMES]  # refused now, not after minutes of retries
-        if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := finetune.hub_unreachable("gpt2")):
+        if remote and os.environ.get("HF_DATASETS_OFFLINE") != "1" and (reason := hub_unreachable("gpt2")):
             raise ConfigError(f"the Hugging Face hub is unreachable ({reason}) and task(s) {', '.join(remote)} need "
                               "their data from it; if it is in your datasets cache, rerun with HF_DATASETS_OFFLINE=1")
         loaded = from_flags(args, pick_device(args.device))

@@ -83,7 +83,7 @@ BAD_INPUTS = {
         (["--ckpt", "{run}", "--threads", "99999"], "--threads 99999: this machine has"),  # torch crashed
         (["--ckpt", "{run}", "--prompt", "KING: €"], "€"),
         (["--ckpt", "{run}", "--prompt-file", "{tmp}/no.txt"], "pass an existing UTF-8 text file with --prompt-file"),
-        (["--init_from", "{tmp}"], "neither a run's best.pt or last.pt nor a Hugging Face GPT-2 model.safetensors"),
+        (["--init_from", "{tmp}"], "no best.pt or last.pt in this folder; train that run first"),
     ],
     "scripts.prepare": [
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
@@ -169,7 +169,7 @@ def trained(tmp_path_factory) -> dict[str, str]:
 
 
 # Every entry point but train.py and doctor.py (config parsers of their own, above), new scripts included.
-REQUIRED_ARGS = {"scripts.plot": ["x.jsonl"], "scripts.export_hf": ["run", "folder"],
+REQUIRED_ARGS = {"scripts.plot": ["x.jsonl"], "scripts.export_hf": ["run", "folder"], "scripts.import_hf": ["x", "out"],
                  "scripts.export_gguf": ["run", "x.gguf"], "scripts.harness": ["--tasks", "x"]}
 for script in ["sample.py"] + [tool for tool in TOOLS if tool != "scripts.doctor"]:
     BAD_INPUTS.setdefault(script, []).append((["--seeed", "1", *REQUIRED_ARGS.get(script, [])],

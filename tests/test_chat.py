@@ -292,7 +292,7 @@ def test_chat_ends_a_reply_at_any_marker_keeps_the_real_reply_and_refuses_a_bad_
 @pytest.mark.parametrize("kind", ["char", "bpe", pytest.param("gpt2", marks=pytest.mark.network)])
 def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     transformers = pytest.importorskip("transformers")
-    import finetune
+    from scripts.import_hf import load_pretrained
     from tokenizer import GPT2Tokenizer, train_bpe
     bases = {"char": lambda: CharTokenizer(CHARS), "bpe": lambda: train_bpe([make_text()], 300, "test"),
              "gpt2": lambda: GPT2Tokenizer(tmp_path / "cache")}
@@ -313,8 +313,8 @@ def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     assert config["bos_token_id"] == t.marker_ids[BEGIN] == theirs.bos_token_id
     with pytest.raises(Exception, match="role narrator is not one of system, user, assistant"):  # as prepare.py
         theirs.apply_chat_template([{"role": "narrator", "content": "hi"}], tokenize=False)
-    # --init_from reads it back as the chat tokenizer it is
-    assert finetune.load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
+    # scripts/import_hf.py reads it back as the chat tokenizer it is
+    assert load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
 
 
 def test_eval_scores_a_chat_run_on_its_assistants_tokens_as_training_did(chat_run, capsys):

@@ -17,7 +17,8 @@ from config import HFError, make_config
 from model import GPT, GPTConfig
 from scripts import export_gguf
 from scripts.export_hf import chat_template
-from tokenizer import BEGIN, BYTE_TEXT, END, MARKERS, CharTokenizer, GPT2Tokenizer, chat_tokenizer, train_bpe
+from scripts.export_hf import BYTE_TEXT
+from tokenizer import BEGIN, END, MARKERS, CharTokenizer, GPT2Tokenizer, chat_tokenizer, train_bpe
 
 pytestmark = pytest.mark.interop  # gguf, and llama.cpp for the slow ones (requirements-llama.txt)
 gguf = pytest.importorskip("gguf", reason="pip install -r requirements-interop.txt (gguf, llama.cpp's writer)")

@@ -9,10 +9,9 @@ import pytest
 import torch
 from conftest import make_text, tiny_model
 
-import finetune
 import train
 from checkpoint import find_checkpoint, from_checkpoint
-from scripts import export_hf
+from scripts import export_hf, import_hf
 from tokenizer import BPETokenizer, bpe_pattern
 
 pytestmark = pytest.mark.interop  # lm_eval and accelerate (requirements-interop.txt)
@@ -145,8 +144,9 @@ def test_a_char_checkpoint_and_its_export_score_alike_in_lm_evals_hf_backend_and
     accuracy = [run_cloze(lm)["results"]["tinygpt_cloze"] for lm in (ours, theirs)]
     assert accuracy[0]["acc,none"] == accuracy[1]["acc,none"]
     assert accuracy[0]["acc_norm,none"] == accuracy[1]["acc_norm,none"]
-    scores = []  # the command, from the checkpoint and from its export through --init_from: the same scores
-    for flag, source in (("--ckpt", char_checkpoint), ("--init_from", str(tmp_path / "export"))):
+    scores = []  # the command, from the checkpoint and from its export imported again: the same scores
+    import_hf.main([str(tmp_path / "export"), str(tmp_path / "imported")])
+    for flag, source in (("--ckpt", char_checkpoint), ("--init_from", str(tmp_path / "imported"))):
         output = tmp_path / "results.json"  # the second run replaces the first's results: they are its own kind
         harness.main([flag, source, "--tasks", "tinygpt_cloze", "--output", str(output)])
         out = capsys.readouterr().out
@@ -171,7 +171,7 @@ def test_a_char_model_meeting_a_character_outside_its_vocabulary_fails_in_one_li
 
 def test_a_task_needing_the_unreachable_hub_fails_at_once_in_one_line(monkeypatch, char_checkpoint, capsys):
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
-    monkeypatch.setattr(finetune, "hub_unreachable", lambda repo_id: "Name or service not known")
+    monkeypatch.setattr(harness, "hub_unreachable", lambda repo_id: "Name or service not known")
     with pytest.raises(SystemExit):
         harness.main(["--ckpt", char_checkpoint, "--tasks", "tinygpt_cloze,hellaswag"])
     assert capsys.readouterr().err.strip() == (

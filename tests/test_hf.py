@@ -15,38 +15,47 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import COUNT_CONNECTIONS, REPO, make_text, randomized, run_script, tiny_args, tiny_model
+from conftest import COUNT_CONNECTIONS, REPO, make_text, randomized, run_main, run_script, tiny_args, tiny_model
 from safetensors.torch import load_file, save_file
 
-import finetune
 import sample
 import train
-from checkpoint import from_checkpoint, load_checkpoint, start_from
-from config import ConfigError, HFError, PathError, make_config, parse_args
+from checkpoint import from_checkpoint, load_checkpoint, load_run, start_from
+from config import HFError, PathError, TinyGPTError, make_config, parse_args
 from data import corpus_for, val_windows
 from model import GPT
-from scripts import export_hf
-from scripts.export_hf import bpe_files, bpe_tokens
-from tokenizer import CHARS_FILE, CharTokenizer
+from scripts import export_hf, import_hf
+from scripts.export_hf import CHARS_FILE, bpe_files, bpe_tokens
+from tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.interop  # transformers: the reference GPT-2 (requirements-interop.txt)
 transformers = pytest.importorskip("transformers")
 
 
-def random_hf_gpt2(folder: Path, vocab_size: int = 96, n_positions: int = 24, seed: int = 0, **kw) -> Path:
-    """A tiny GPT2LMHeadModel, saved, random everywhere (biases, gains): a weight mapped wrong shows in the logits."""
+def random_hf_gpt2(folder: Path, vocab_size: int = 96, n_positions: int = 24, seed: int = 0, chars: str = "",
+                   **kw) -> Path:
+    """A tiny GPT2LMHeadModel, saved, random everywhere (biases, gains): a weight mapped wrong shows in the logits;
+    with our char list (``chars``, else any of ``vocab_size``), except for GPT-2's vocabulary."""
     torch.manual_seed(seed)
     config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2,
                                      n_head=2, bos_token_id=0, eos_token_id=0, **kw)
     randomized(transformers.GPT2LMHeadModel(config), 0.3).save_pretrained(folder)
+    if vocab_size != 50257:
+        (folder / CHARS_FILE).write_text(json.dumps({"chars": list(chars or map(chr, range(32, 32 + vocab_size)))}))
     return folder
 
 
 def import_model(source, **kw) -> GPT:
-    pretrained = finetune.load_pretrained(str(source), **kw)
-    model = GPT(pretrained.config)
-    model.load_state_dict(pretrained.state)
+    imported = import_hf.load_pretrained(str(source), **kw)
+    model = GPT(imported.config)
+    model.load_state_dict(imported.state)
     return model.eval()
+
+
+def import_run(source: Path, out: Path, *flags: str) -> Path:
+    """``source`` imported into the run folder ``out`` by the tool, as a user does."""
+    import_hf.main([str(source), str(out), *flags])
+    return out
 
 
 def from_pretrained(folder: Path):
@@ -83,7 +92,9 @@ def test_imported_weights_give_transformers_logits(tmp_path, layout):
     assert ours.config.padded_vocab_size == 128 and ours.transformer.wte.weight[96:].abs().sum() == 0
     assert ours.lm_head.weight is ours.transformer.wte.weight
     assert diff < 1e-5, diff
-    cropped = import_model(folder, block_size=8)  # a shorter block_size crops the position table
+    base = load_run(import_run(folder, tmp_path / "run") / "best.pt", 8)  # --init_from's block_size 8: cropped
+    cropped = GPT(base.config)
+    cropped.load_state_dict(base.state)
     assert cropped.transformer.wpe.weight.shape == (8, 32)
     with torch.no_grad():
         assert torch.equal(ours(idx[:, :8])[0], cropped(idx[:, :8])[0])
@@ -94,9 +105,10 @@ def test_a_bare_safetensors_file_needs_its_config_json_beside_it(tmp_path):
     bare.parent.mkdir()
     shutil.copy(folder / "model.safetensors", bare)
     with pytest.raises(HFError, match="weights.safetensors: no config.json beside it.*put its config.json beside"):
-        finetune.load_pretrained(str(bare))
+        import_hf.load_pretrained(str(bare))
     shutil.copy(folder / "config.json", bare.parent / "config.json")
-    assert finetune.load_pretrained(str(bare)).config.n_head == 2
+    shutil.copy(folder / CHARS_FILE, bare.parent / CHARS_FILE)
+    assert import_hf.load_pretrained(str(bare)).config.n_head == 2
 
 
 def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
@@ -108,22 +120,22 @@ def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
         asked.append((repo_id, filename, kw))
         return str(folder / filename)
 
-    monkeypatch.setattr(finetune, "hub_unreachable", lambda repo_id: None)  # the hub answers (and no test reaches it)
+    monkeypatch.setattr(import_hf, "hub_unreachable", lambda repo_id: None)  # the hub answers (no test reaches it)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    pretrained = finetune.load_pretrained("gpt2")
+    pretrained = import_hf.load_pretrained("gpt2")
     assert asked == [("openai-community/gpt2", "config.json", {"local_files_only": False}),
                      ("openai-community/gpt2", "model.safetensors", {"local_files_only": False})]
-    assert pretrained.config.n_layer == 2 and pretrained.source == "gpt2"
+    assert pretrained.config.n_layer == 2
 
 
 LOAD_TWO_HUB_NAMES = COUNT_CONNECTIONS + """
 import json, sys
-import finetune
+from scripts import import_hf
 for name in sys.argv[1:]:
     before = len(connections)
     try:
-        result = finetune.load_pretrained(name).config.n_layer
-    except finetune.HFError as err:
+        result = import_hf.load_pretrained(name).config.n_layer
+    except import_hf.HFError as err:
         result = str(err)
     print(json.dumps({"name": name, "result": result, "connections": connections[before:]}))
 """
@@ -134,7 +146,7 @@ def test_an_unreachable_hub_fails_fast_and_quietly_and_the_cache_still_serves(tm
     snapshot = tmp_path / "home" / "hub" / "models--openai-community--gpt2" / "snapshots" / ("0" * 40)
     folder = random_hf_gpt2(tmp_path / "hf")
     snapshot.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors"):
+    for name in ("config.json", "model.safetensors", CHARS_FILE):
         shutil.copy(folder / name, snapshot / name)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
@@ -143,7 +155,7 @@ def test_an_unreachable_hub_fails_fast_and_quietly_and_the_cache_still_serves(tm
     result = subprocess.run([sys.executable, "-c", LOAD_TWO_HUB_NAMES, "someone/not-cached", "gpt2"], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)
     missing, cached = [json.loads(line) for line in result.stdout.splitlines()]
-    probe = [9, finetune.HUB_PROBE_TIMEOUT]  # one try, bounded by the probe's timeout: no retries
+    probe = [9, import_hf.HUB_PROBE_TIMEOUT]  # one try, bounded by the probe's timeout: no retries
     # Before it, once per process, huggingface_hub's own fetch of its agent registry (3 s timeout).
     assert missing["connections"] in ([probe], [[9, 3], probe]), missing
     assert result.stderr == ""  # no retry warnings
@@ -160,53 +172,63 @@ def corrupt(folder: Path, edit) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("edit, overrides, message", [
-    (lambda t: t.pop("transformer.h.1.mlp.c_fc.bias"), {}, "missing key transformer.h.1.mlp.c_fc.bias"),
+@pytest.mark.parametrize("edit, flags, message", [
+    (lambda t: t.pop("transformer.h.1.mlp.c_fc.bias"), [], "missing key transformer.h.1.mlp.c_fc.bias"),
     (lambda t: t.update({"transformer.h.0.attn.c_attn.weight": t["transformer.h.0.attn.c_attn.weight"].T.contiguous()}),
-     {},
-     r"transformer.h.0.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"),
-    (lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(32)}), {},
+     [], r"transformer.h.0.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"),
+    (lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(32)}), [],
      "unexpected key transformer.h.2.ln_1.weight for a 2-layer GPT-2"),
-    (lambda t: None, {"pos_emb": "rope"}, "holds GPT-2 weights, which cannot run with pos_emb 'rope' "
-                                          r"\(GPT-2 computes 'learned'\)"),
-    (lambda t: None, {}, r"has a vocabulary of 96, the corpus \d+ \(char tokenizer\)"),
-    (lambda t: t.update({"lm_head.weight": t["transformer.wte.weight"] + 0.5}), {},  # an untied head, never dropped
+    (lambda t: t.update({"lm_head.weight": t["transformer.wte.weight"] + 0.5}), [],  # an untied head, never dropped
      "lm_head.weight differs from transformer.wte.weight"),
+    (lambda t: None, ["--bias", "false"], r"h.0.ln_1.bias is not zero .*; import with --bias true"),
 ])
-def test_a_bad_import_fails_in_one_line_and_writes_nothing(tmp_path, tiny_cfg, edit, overrides, message):
+def test_a_bad_import_fails_in_one_line_and_writes_nothing(tmp_path, capsys, edit, flags, message):
     folder = corrupt(random_hf_gpt2(tmp_path / "hf"), edit)
-    cfg = tiny_cfg(init_from=str(folder), max_iters=2, **{"block_size": 16, **overrides})
-    with pytest.raises(ConfigError, match=message) as error:
+    capsys.readouterr()  # transformers' progress bars while it saved the folder
+    assert run_main([str(folder), str(tmp_path / "run"), *flags], import_hf.main) == 2
+    assert re.fullmatch(f"error: .*{message}.*\n", capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"pos_emb": "rope"}, "--pos_emb rope conflicts with .*, whose weights have pos_emb learned"),
+    ({}, r"char vocabulary lacks: '\\n'"),  # its chars are ' ' to DEL
+])
+def test_a_run_from_an_import_refuses_what_the_weights_cannot_do(tmp_path, tiny_cfg, overrides, message):
+    run = import_run(random_hf_gpt2(tmp_path / "hf"), tmp_path / "run")
+    cfg = tiny_cfg(init_from=str(run), max_iters=2, **{"block_size": 16, **overrides})
+    with pytest.raises(TinyGPTError, match=message) as error:
         train.train(cfg)
     assert "\n" not in str(error.value)
     assert not Path(cfg.out_dir).exists()
 
 
 @pytest.fixture(scope="module")
-def gpt2_vocab_folder(tmp_path_factory) -> Path:
-    return random_hf_gpt2(tmp_path_factory.mktemp("hf") / "gpt2", vocab_size=50257, n_positions=128)
+def imported_run(tmp_path_factory) -> Path:
+    folder = random_hf_gpt2(tmp_path_factory.mktemp("hf") / "hf", n_positions=128)
+    return import_run(folder, folder.parent / "run")
 
 
 @pytest.mark.parametrize("args, refused", [  # the defaults are n_layer 4, n_head 4, n_embd 128, bias false, char, gelu
     (["--n_layer", "4"], "--n_layer 4 conflicts with .*, whose weights have n_layer 2; drop --n_layer"),
     (["--n-head", "4"], "--n_head 4 conflicts with .*, whose weights have n_head 2"),
-    (["--bias", "false"], r"h.0.ln_1.bias is not zero .*; import with bias=True \(drop --bias false\)"),
-    (["--tokenizer", "char"], "--tokenizer char conflicts with .*, whose weights have tokenizer gpt2"),
+    (["--bias", "false"], "--bias false conflicts with .*, whose weights have bias true"),
+    (["--tokenizer", "gpt2"], "--tokenizer gpt2 conflicts with .*, whose weights have tokenizer char"),
     (["--config", "{preset}"], "--n_layer 4 conflicts with"),  # a key the preset sets counts as given
-    (["--config", "tiny", "--n_head", "2", "--bias", "true", "--tokenizer", "gpt2"], None),  # agree: accepted
+    (["--config", "tiny", "--n_head", "2", "--bias", "true", "--tokenizer", "char"], None),  # agree: accepted
     ([], None),  # nothing given: the weights' shape is taken
 ])
-def test_init_from_refuses_every_given_setting_the_weights_contradict(tmp_path, gpt2_vocab_folder, args, refused):
+def test_init_from_refuses_every_given_setting_the_weights_contradict(tmp_path, imported_run, args, refused):
     preset = tmp_path / "mine.toml"
     preset.write_text("n_layer = 4  # the default\n")
-    cfg = parse_args(["--init_from", str(gpt2_vocab_folder)] + [a.format(preset=preset) for a in args])
+    cfg = parse_args(["--init_from", str(imported_run)] + [a.format(preset=preset) for a in args])
     if refused:
         with pytest.raises(HFError, match=refused):
             start_from(cfg)
         return
     cfg, pretrained = start_from(cfg)
     shape = {name: getattr(cfg, name) for name in ("n_layer", "n_head", "n_embd", "bias", "activation", "tokenizer")}
-    assert shape == dict(n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh", tokenizer="gpt2")
+    assert shape == dict(n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh", tokenizer="char")
 
 
 # ----------------------------------------------------------------------------- export
@@ -240,8 +262,8 @@ def test_an_export_loads_in_transformers_with_our_logits_and_greedy_tokens(tmp_p
     if greedy.shape[1] < ours.shape[1]:  # transformers stops at eos; ours has no end token
         assert greedy[0, -1].item() == config["eos_token_id"]
     assert torch.equal(ours[:, : greedy.shape[1]], greedy)
-    cfg, back = start_from(parse_args(["--init_from", str(folder)] + ([] if bias else ["--bias", "false"])))
-    assert cfg.bias == bias and back.state.keys() == model.state_dict().keys()  # bias-free: the zero biases go again
+    back = import_hf.load_pretrained(str(folder), bias=bias)
+    assert back.config.bias == bias and back.state.keys() == model.state_dict().keys()  # bias-free: zero biases go
     for key, value in model.state_dict().items():
         if key in ("transformer.wte.weight", "lm_head.weight"):  # the padded rows are not exported
             value = value.clone()
@@ -259,16 +281,16 @@ def test_the_load_report_check_sees_a_broken_folder(tmp_path):
 # ----------------------------------------------------------------------------- fine-tune
 def test_fine_tuning_an_import_lowers_val_loss(tmp_path, tiny_cfg):
     corpus = corpus_for(tiny_cfg(block_size=16))
-    folder = random_hf_gpt2(tmp_path / "hf", vocab_size=corpus.vocab_size, n_positions=32)
-    cfg = tiny_cfg(init_from=str(folder), block_size=16, eval_interval=12, max_iters=12, learning_rate=1e-3,
-                   min_lr=1e-4, warmup_iters=2, lr_decay_iters=12, eval_tokens=512)
+    folder = random_hf_gpt2(tmp_path / "hf", vocab_size=corpus.vocab_size, n_positions=32,
+                            chars=corpus.meta["tokenizer"]["chars"])
+    cfg = tiny_cfg(init_from=str(import_run(folder, tmp_path / "gpt2")), block_size=16, eval_interval=12,
+                   max_iters=12, learning_rate=1e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=12, eval_tokens=512)
     x_val, y_val = val_windows(corpus.val, 16, 512)
-    before = train.evaluate(import_model(folder, block_size=16), x_val, y_val, 8, torch.device("cpu"),
-                            torch.float32).loss
+    before = train.evaluate(import_model(folder), x_val, y_val, 8, torch.device("cpu"), torch.float32).loss
     after = train.train(cfg)
     assert after < before - 0.1 and math.isfinite(after), (before, after)
     saved = load_checkpoint(Path(cfg.out_dir) / "last.pt")["config"]
-    assert saved["init_from"] == str(folder)  # provenance
+    assert saved["init_from"] == str(tmp_path / "gpt2")  # provenance
     assert (saved["activation"], saved["bias"], saved["n_embd"]) == ("gelu_tanh", True, 32)
 
 
@@ -298,11 +320,13 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     from tokenizer import GPT2Tokenizer
     tmp = tmp_path_factory.mktemp("finetune")
     folder = random_hf_gpt2(tmp / "gpt2", vocab_size=50257, n_positions=1024)
-    monkeypatch.setattr(finetune, "hub_unreachable", lambda repo_id: None)  # no test reaches the real hub
+    monkeypatch.setattr(import_hf, "hub_unreachable", lambda repo_id: None)  # no test reaches the real hub
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(folder / filename))
-    cfg = make_config("finetune_shakespeare", out_dir=str(tmp / "run"), data_dir=str(tmp / "data"), device="cpu",
-                      dtype="float32", max_iters=2, eval_interval=2, eval_tokens=512, batch_size=2, block_size=64)
-    assert cfg.init_from == "gpt2" and cfg.learning_rate <= 1e-4
+    assert make_config("finetune_shakespeare").init_from == "out/gpt2"  # what the preset's comment imports
+    cfg = make_config("finetune_shakespeare", init_from=str(import_run("gpt2", tmp / "gpt2-run")),
+                      out_dir=str(tmp / "run"), data_dir=str(tmp / "data"), device="cpu", dtype="float32",
+                      max_iters=2, eval_interval=2, eval_tokens=512, batch_size=2, block_size=64)
+    assert cfg.learning_rate <= 1e-4
     train.train(cfg)
     run_script("-m", "scripts.export_hf", cfg.out_dir, str(tmp / "export"))
     loaded = from_checkpoint(tmp / "run" / "best.pt")
@@ -319,7 +343,7 @@ def test_the_finetune_preset_runs_end_to_end_and_transformers_continues_it(tmp_p
     assert torch.equal(ours[:, : greedy.shape[1]], greedy)
 
 
-def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(tmp_path, text_file, tiny_cfg, capsys):
+def test_an_exported_run_can_be_reimported_doctored_and_is_never_exported_over(tmp_path, text_file, tiny_cfg, capsys):
     from scripts import doctor
     cfg = tiny_cfg(out_dir=str(tmp_path / "run"), max_iters=4, eval_interval=4)
     train.train(cfg)
@@ -329,7 +353,8 @@ def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(t
                                                         CHARS_FILE, "tokenizer.json", "tokenizer_config.json"]
     loaded = from_checkpoint(tmp_path / "run" / "best.pt")
     # a fine-tuning lr is for pretrained weights: the doctor's overfit check runs at a random init's lr
-    argv = tiny_args(tmp_path / "doc", text_file, init_from=folder, learning_rate=6e-5, min_lr=6e-6)
+    argv = tiny_args(tmp_path / "doc", text_file, init_from=import_run(folder, tmp_path / "back"), learning_rate=6e-5,
+                     min_lr=6e-6)
     assert doctor.main(argv) == 0
     out = capsys.readouterr().out
     assert re.search(r"^(\d+)/\1 checks passed", out, re.M)
@@ -339,7 +364,7 @@ def test_an_exported_run_can_be_doctored_reimported_and_is_never_exported_over(t
         export_hf.export(loaded.model, loaded.tokenizer, folder)
     (folder / CHARS_FILE).write_text("{not json")
     with pytest.raises(HFError, match="not a tinygpt char list"):
-        finetune.load_pretrained(str(folder))
+        import_hf.load_pretrained(str(folder))
 
 
 # ----------------------------------------------------------------------------- GPT-2 interop
@@ -351,13 +376,13 @@ def exported(folder: Path, **kw) -> Path:
     return folder
 
 
-# A value GPT-2's code would compute differently, for each config.json field of finetune.CONFIG_RULES (and model_type)
+# A value GPT-2's code would compute differently, for each config.json field of import_hf.CONFIG_RULES (and model_type)
 NON_GPT2_VALUES = {"model_type": "llama", "activation_function": "relu", "layer_norm_epsilon": 1e-6,
                    "n_inner": 64,  # the tiny model's n_embd is 32: GPT-2's MLP is 128 wide
                    "scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": True, "tie_word_embeddings": False}
 
 
-@pytest.mark.parametrize("name", sorted(NON_GPT2_VALUES.keys() | {rule[0] for rule in finetune.CONFIG_RULES}))
+@pytest.mark.parametrize("name", sorted(NON_GPT2_VALUES.keys() | {rule[0] for rule in import_hf.CONFIG_RULES}))
 def test_every_config_rule_refuses_a_non_gpt2_value(tmp_path, name):
     """Bug caught: a row of CONFIG_RULES deleted (scale_attn_by_inverse_layer_idx: true then imported silently)."""
     assert name in NON_GPT2_VALUES, f"add a non-GPT-2 value for the config rule {name!r} to NON_GPT2_VALUES"
@@ -365,7 +390,7 @@ def test_every_config_rule_refuses_a_non_gpt2_value(tmp_path, name):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, name: NON_GPT2_VALUES[name]}))
     with pytest.raises(HFError, match=name) as error:
-        finetune.load_pretrained(str(folder))
+        import_hf.load_pretrained(str(folder))
     assert "\n" not in str(error.value)
 
 
@@ -393,8 +418,8 @@ def test_gpt2s_defaults_spelled_out_import_as_the_same_model(tmp_path, key, valu
     config = exported(tmp_path / "hf", activation="gelu_tanh") / "config.json"
     bare = {k: v for k, v in json.loads(config.read_text()).items() if k in SHAPE_KEYS}  # every default left out
     config.write_text(json.dumps(bare))
-    reference = finetune.load_pretrained(str(config.parent))
+    reference = import_hf.load_pretrained(str(config.parent))
     config.write_text(json.dumps({**bare, key: value}))
-    spelled = finetune.load_pretrained(str(config.parent))
+    spelled = import_hf.load_pretrained(str(config.parent))
     assert spelled.config == reference.config and spelled.state.keys() == reference.state.keys()
     assert all(torch.equal(spelled.state[k], reference.state[k]) for k in reference.state)

@@ -10,21 +10,14 @@ import pytest
 import torch
 from conftest import REPO, docs_snippet, make_text, randomized, run_script, tiny_model
 
-import finetune
 import sample
 import tokenizer
 from config import DataError, HFError
-from scripts import export_hf
+from scripts import export_hf, import_hf
+from scripts.export_hf import BPE_FILE, CHARS_FILE
+from scripts.import_hf import read_tokenizer
 from scripts.prepare import main as prepare_main
-from tokenizer import (
-    BPE_FILE,
-    CHARS_FILE,
-    CharTokenizer,
-    data_home,
-    read_tokenizer,
-    tokenizer_from_meta,
-    train_bpe,
-)
+from tokenizer import CharTokenizer, data_home, tokenizer_from_meta, train_bpe
 
 pytestmark = pytest.mark.interop  # transformers, PEFT, ONNX Runtime, lm_eval (requirements-interop.txt)
 transformers = pytest.importorskip("transformers")
@@ -77,7 +70,9 @@ def test_generate_in_transformers_stops_at_block_size_and_sample_says_it(tmp_pat
     assert torch.equal(greedy, sample.generate(model, prompt, 11, temperature=0))
     with pytest.raises(IndexError):  # what past block_size does in transformers: the reason for the recipe below
         theirs.generate(prompt, do_sample=False, max_new_tokens=13, attention_mask=torch.ones_like(prompt))
-    sample.main(["--init_from", str(folder), "--prompt", "KING:", "--temp", "0", "--max-new-tokens", "3",
+    import_hf.main([str(folder), str(tmp_path / "run")])
+    capsys.readouterr()
+    sample.main(["--ckpt", str(tmp_path / "run"), "--prompt", "KING:", "--temp", "0", "--max-new-tokens", "3",
                  "--no-stream", "--device", "cpu"])
     assert "; block_size 16: past it the window slides" in capsys.readouterr().out.splitlines()[0]
     ids = prompt  # the docs' sliding-window recipe for transformers continues as sample.py does
@@ -105,7 +100,7 @@ def test_the_tokenizer_is_rebuilt_from_tokenizer_json_or_vocab_and_merges(tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
-def test_a_peft_merged_export_comes_back_through_init_from_with_equal_logits(tmp_path, kind):
+def test_a_peft_merged_export_comes_back_through_import_hf_with_equal_logits(tmp_path, kind):
     """LoRA on c_attn of the exported GPT-2, merged, saved the way PEFT users save (no tinygpt_*.json)."""
     peft = pytest.importorskip("peft")
     folder, _, ours = export(tmp_path / "hf", kind)
@@ -115,7 +110,7 @@ def test_a_peft_merged_export_comes_back_through_init_from_with_equal_logits(tmp
     merged = lora.merge_and_unload().eval()  # init_lora_weights=False: B is random, so the merge changes c_attn
     merged.save_pretrained(tmp_path / "merged")
     transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "merged")
-    pretrained = finetune.load_pretrained(str(tmp_path / "merged"))
+    pretrained = import_hf.load_pretrained(str(tmp_path / "merged"))
     assert pretrained.tokenizer == ours.meta()
     back = sample.GPT(pretrained.config)
     back.load_state_dict(pretrained.state)

@@ -1,4 +1,4 @@
-"""checkpoint.py: the one place a model comes back, from a run's checkpoint or from pretrained weights."""
+"""checkpoint.py: the one place a model comes back, from a run's checkpoint (imported weights' too)."""
 from __future__ import annotations
 
 import argparse
@@ -11,14 +11,12 @@ import pytest
 import torch
 from conftest import make_text
 
-import finetune
 import train
-from checkpoint import (add_weights_flags, find_checkpoint, from_checkpoint, from_flags, from_pretrained,
-                        load_checkpoint, start_from)
+from checkpoint import add_weights_flags, find_checkpoint, from_checkpoint, from_flags, load_checkpoint, start_from
 from config import DEFAULTS, CheckpointError, HFError, make_config
 from runtime import Runtime
-from scripts import export_hf
-from tokenizer import CHARS_FILE
+from scripts import export_hf, import_hf
+from scripts.export_hf import CHARS_FILE
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +34,13 @@ def hf(run, tmp_path_factory) -> Path:
     trained, folder = from_checkpoint(run / "best.pt"), tmp_path_factory.mktemp("export") / "hf"
     export_hf.export(trained.model, trained.tokenizer, folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def imported(hf) -> Path:
+    """The export brought back as a run folder, as scripts/import_hf.py brings GPT-2's."""
+    import_hf.main([str(hf), str(hf.parent / "imported")])
+    return hf.parent / "imported"
 
 
 def test_find_checkpoint_takes_a_file_a_folders_best_else_last_pt_or_the_newest_best_pt_under_out(run, tmp_path,
@@ -66,10 +71,10 @@ def test_a_checkpoint_loads_as_the_model_it_saved_in_eval_mode_with_what_the_run
     assert loaded.tokenizer.meta() == state["tokenizer"]
 
 
-def test_pretrained_weights_load_with_a_config_of_their_shape_and_no_run_behind_them(run, hf):
-    trained, loaded = from_checkpoint(run / "best.pt"), from_pretrained(str(hf))
+def test_imported_weights_load_with_a_config_of_their_shape_and_no_run_behind_them(run, imported):
+    trained, loaded = from_checkpoint(run / "best.pt"), from_checkpoint(imported / "best.pt")
     assert not loaded.model.training
-    assert (loaded.step, loaded.precision, loaded.source) == (None, "float32", str(hf))
+    assert (loaded.step, loaded.precision, loaded.corpus) == (0, "float32", None)
     assert math.isnan(loaded.best_val_loss)
     shape = ("n_layer", "n_head", "n_embd", "block_size")
     assert [getattr(loaded.cfg, k) for k in shape] == [getattr(trained.model.config, k) for k in shape]
@@ -83,14 +88,17 @@ def test_weights_without_a_known_tokenizer_are_refused_in_one_line(hf, tmp_path)
     for name in (CHARS_FILE, "tokenizer.json"):  # ours and the standard one: nothing to rebuild it from
         (tmp_path / "hf" / name).unlink()
     with pytest.raises(HFError, match="no tokenizer for a vocabulary of .*tinygpt_chars.json or tinygpt_bpe.json"):
-        from_pretrained(str(tmp_path / "hf"))
+        import_hf.load_pretrained(str(tmp_path / "hf"))
 
 
-def test_the_flags_choose_the_weights(run, hf):
+def test_the_flags_choose_the_weights(run, hf, imported):
     parser = argparse.ArgumentParser()
     add_weights_flags(parser)
     assert from_flags(parser.parse_args(["--ckpt", str(run)])).source == str(run / "best.pt")
-    assert from_flags(parser.parse_args(["--init_from", str(hf)])).step is None
+    assert from_flags(parser.parse_args(["--init_from", str(imported)])).corpus is None
+    with pytest.raises(CheckpointError, match=f"init_from {hf}: Hugging Face weights; make a run folder of them "
+                       f"first: python -m scripts.import_hf {hf} out/hf, then --init_from out/hf$"):
+        from_flags(parser.parse_args(["--init_from", str(hf)]))
     assert from_flags(parser.parse_args(["--init_from", str(run)])).source == str(run / "best.pt")  # as train.py's
     with pytest.raises(SystemExit):  # one source of weights, not two
         parser.parse_args(["--ckpt", str(run), "--init_from", "gpt2"])
@@ -111,9 +119,9 @@ def test_a_fine_tune_at_a_smaller_block_size_starts_with_the_base_logits(run, tm
             assert torch.equal(tuned.eval()(x[:, :length]).logits, base(x[:, :length]).logits), length
 
 
-def test_a_run_and_its_hugging_face_export_start_a_fine_tune_at_the_same_block_size(run, hf):
-    """A run and its export: the weights' positions unless --block_size is given (the export refused 32)."""
-    for source in (str(run), str(hf)):
+def test_a_run_and_its_exports_import_start_a_fine_tune_at_the_same_block_size(run, imported):
+    """A run and its export imported: the weights' positions unless --block_size is given (the export refused 32)."""
+    for source in (str(run), str(imported)):
         assert start_from(make_config(None, init_from=source))[0].block_size == 32 != DEFAULTS["block_size"]
         assert start_from(make_config(None, init_from=source, block_size=8))[0].block_size == 8
         with pytest.raises(HFError, match="block_size 64 exceeds the 32 positions of"):
@@ -130,13 +138,14 @@ def test_a_missing_local_path_is_refused_before_the_hub_is_asked(run, tmp_path, 
         asked.append(repo_id)
         raise LookupError(f"asked the hub for {repo_id}")
 
-    monkeypatch.setattr(finetune, "download", download)
+    monkeypatch.setattr(import_hf, "download", download)
     for path in ("out/smal", "./out/smal", "out/nosuch", "runs/a/b", "mine.safetensors", "/nowhere/run", "smal"):
-        for load in (lambda: start_from(make_config(None, init_from=path)), lambda: from_pretrained(path)):
-            with pytest.raises(CheckpointError, match="no such run folder or file; train that run first") as err:
-                load()
-            assert str(err.value).startswith(f"init_from {path}: ") and "\n" not in str(err.value)
+        with pytest.raises(CheckpointError, match="no such run folder or file; train that run first") as err:
+            start_from(make_config(None, init_from=path))
+        assert str(err.value).startswith(f"init_from {path}: ") and "\n" not in str(err.value)
+        with pytest.raises(HFError, match="no such folder or file"):
+            import_hf.load_pretrained(path)
     assert asked == []
     with pytest.raises(LookupError):  # OWNER/NAME where no such local folder is: the hub's to answer
-        start_from(make_config(None, init_from="someone/model"))
+        import_hf.load_pretrained("someone/model")
     assert asked == ["someone/model"]

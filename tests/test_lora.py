@@ -12,12 +12,12 @@ from fault_injection import assert_nested_equal
 import checkpoint
 import finetune
 import train
-from checkpoint import REQUIRED_KEYS, from_checkpoint, load_checkpoint, start_from
+from checkpoint import REQUIRED_KEYS, from_checkpoint, load_checkpoint, load_run, start_from
 from config import LORA_TARGETS, CheckpointError, make_config
 from data import load_corpus
 from prepare import prepare_corpus
 from runtime import Runtime
-from scripts import export_hf
+from scripts import export_hf, import_hf
 from tokenizer import tokenizer_from_meta
 
 CPU = Runtime(torch.device("cpu"), torch.float32, 1, False)
@@ -119,14 +119,16 @@ def corpus_paths(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def export_base(corpus_paths: tuple[Path, Path], folder: Path, seed: int = 0) -> Path:
+    """A GPT-2 base: exported to folder/hf (PEFT's), imported as the run folder/run (--init_from's), returned."""
     text, data_dir = corpus_paths
     corpus = load_corpus(prepare_corpus(data_path=str(text), tokenizer="char", data_dir=str(data_dir)), 32)
     model = tiny_model(vocab_size=corpus.vocab_size, block_size=32, seed=seed, bias=True, activation="gelu_tanh")
     with torch.no_grad():  # biases and gains too: a base whose every weight counts
         for p in model.parameters():
             p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(seed))
-    export_hf.export(model, tokenizer_from_meta(corpus.meta["tokenizer"]), folder)
-    return folder
+    export_hf.export(model, tokenizer_from_meta(corpus.meta["tokenizer"]), folder / "hf")
+    import_hf.main([str(folder / "hf"), str(folder / "run")])
+    return folder / "run"
 
 
 def lora_cfg(corpus_paths, out_dir: Path, base: Path, **overrides):
@@ -138,21 +140,21 @@ def lora_cfg(corpus_paths, out_dir: Path, base: Path, **overrides):
 
 
 @pytest.fixture(scope="module")
-def base_folder(corpus_paths, tmp_path_factory) -> Path:
-    return export_base(corpus_paths, tmp_path_factory.mktemp("lora_base") / "hf")
+def base_run(corpus_paths, tmp_path_factory) -> Path:
+    return export_base(corpus_paths, tmp_path_factory.mktemp("lora_base"))
 
 
 @pytest.fixture(scope="module")
-def trained(corpus_paths, base_folder, tmp_path_factory) -> Path:
+def trained(corpus_paths, base_run, tmp_path_factory) -> Path:
     """A LoRA run's folder: 8 steps at a high lr, so that the adapters moved visibly."""
     out = tmp_path_factory.mktemp("lora_run") / "run"
-    train.train(lora_cfg(corpus_paths, out, base_folder, learning_rate=2e-2, min_lr=2e-3, warmup_iters=0))
+    train.train(lora_cfg(corpus_paths, out, base_run, learning_rate=2e-2, min_lr=2e-3, warmup_iters=0))
     return out
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_the_optimizer_sees_and_steps_only_the_adapters(corpus_paths, base_folder, tmp_path, optimizer):
-    cfg, pretrained = start_from(lora_cfg(corpus_paths, tmp_path / "out", base_folder, optimizer=optimizer))
+def test_the_optimizer_sees_and_steps_only_the_adapters(corpus_paths, base_run, tmp_path, optimizer):
+    cfg, pretrained = start_from(lora_cfg(corpus_paths, tmp_path / "out", base_run, optimizer=optimizer))
     run = train.build_run(cfg, CPU, pretrained=pretrained)
     adapter_params = {id(p) for layer in finetune.adapters(run.model).values()
                       for p in (layer.lora_A.weight, layer.lora_B.weight)}
@@ -167,23 +169,23 @@ def test_the_optimizer_sees_and_steps_only_the_adapters(corpus_paths, base_folde
     assert {id(p) for p in run.optimizer.state} <= adapter_params and run.optimizer.state
 
 
-def test_a_lora_checkpoint_holds_the_adapters_and_the_bases_fingerprint_not_the_base(trained, base_folder):
+def test_a_lora_checkpoint_holds_the_adapters_and_the_bases_fingerprint_not_the_base(trained, base_run):
     state = load_checkpoint(trained / "last.pt")
     assert sorted(state) == sorted((*REQUIRED_KEYS, "lora"))  # "lora": what a LoRA run adds
-    pretrained = finetune.load_pretrained(str(base_folder), 32)
+    pretrained = load_run(base_run / "best.pt", 32)
     base = tiny_model(vocab_size=pretrained.config.vocab_size, block_size=32, bias=True, activation="gelu_tanh")
     base.load_state_dict(pretrained.state)
-    assert state["lora"] == {"base": str(base_folder), "fingerprint": finetune.base_fingerprint(base), "rank": 4,
+    assert state["lora"] == {"base": str(base_run), "fingerprint": finetune.base_fingerprint(base), "rank": 4,
                              "alpha": 8.0, "dropout": 0.1, "targets": TARGETS.split(","), "rows": []}
     assert set(state["model"]) == {f"transformer.h.{i}.{target}.lora_{m}.weight" for i in range(2)
                                    for target in TARGETS.split(",") for m in "AB"}
     assert load_checkpoint(trained / "best.pt")["lora"] == state["lora"]
 
 
-def test_lora_resume_is_bit_exact(corpus_paths, base_folder, tmp_path):
-    train.train(lora_cfg(corpus_paths, tmp_path / "straight", base_folder))
-    train.train(lora_cfg(corpus_paths, tmp_path / "split", base_folder, max_iters=4))
-    train.train(lora_cfg(corpus_paths, tmp_path / "split", base_folder, resume=True))
+def test_lora_resume_is_bit_exact(corpus_paths, base_run, tmp_path):
+    train.train(lora_cfg(corpus_paths, tmp_path / "straight", base_run))
+    train.train(lora_cfg(corpus_paths, tmp_path / "split", base_run, max_iters=4))
+    train.train(lora_cfg(corpus_paths, tmp_path / "split", base_run, resume=True))
     a, b = load_checkpoint(tmp_path / "straight" / "last.pt"), load_checkpoint(tmp_path / "split" / "last.pt")
     for key in ("model", "optimizer", "rng", "lora", "step", "best_val_loss"):
         assert_nested_equal(a[key], b[key], key)
@@ -202,7 +204,8 @@ def test_another_base_is_refused_by_a_resume_and_by_sampling_naming_both_fingerp
     assert "\n" not in str(err.value)
     assert load_checkpoint(trained / "last.pt")["step"] == 8  # nothing was written
     monkeypatch.setitem(state["config"], "init_from", str(other))  # as if the base folder had been replaced
-    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path: state)
+    real = checkpoint.load_checkpoint  # the bases are checkpoints too: they load as they are
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda p: state if p == trained / "last.pt" else real(p))
     with pytest.raises(CheckpointError, match="its LoRA adapters were trained on base"):
         from_checkpoint(trained / "last.pt")
     monkeypatch.setitem(state["config"], "init_from", str(tmp_path / "moved"))  # the base is gone: said, named
@@ -211,13 +214,13 @@ def test_another_base_is_refused_by_a_resume_and_by_sampling_naming_both_fingerp
 
 
 
-def test_sampling_a_lora_run_merges_its_adapters(corpus_paths, trained, base_folder, tmp_path, monkeypatch):
+def test_sampling_a_lora_run_merges_its_adapters(corpus_paths, trained, base_run, tmp_path, monkeypatch):
     state = load_checkpoint(trained / "last.pt")
     model = from_checkpoint(trained / "last.pt").model
     assert not finetune.adapters(model)
-    monkeypatch.chdir(base_folder.parent)  # a relative --init_from is saved absolute: the base is found from anywhere
-    cfg, pretrained = start_from(lora_cfg(corpus_paths, tmp_path / "x", Path(base_folder.name)))
-    assert cfg.init_from == str(base_folder.resolve())
+    monkeypatch.chdir(base_run.parent)  # a relative --init_from is saved absolute: the base is found from anywhere
+    cfg, pretrained = start_from(lora_cfg(corpus_paths, tmp_path / "x", Path(base_run.name)))
+    assert cfg.init_from == str(base_run.resolve())
     run = train.build_run(cfg, CPU, pretrained=pretrained)
     finetune.load_adapter_state(run.model, state["model"], "test")
     idx = IDX % pretrained.config.vocab_size
@@ -225,11 +228,11 @@ def test_sampling_a_lora_run_merges_its_adapters(corpus_paths, trained, base_fol
         assert (model(idx).logits - run.model.eval()(idx).logits).abs().max() <= 1e-5
 
 
-def test_eval_of_a_lora_run_gives_its_logged_best_val_loss_exactly(corpus_paths, base_folder, tmp_path, capsys):
+def test_eval_of_a_lora_run_gives_its_logged_best_val_loss_exactly(corpus_paths, base_run, tmp_path, capsys):
     """Bug caught: eval scored the merged W + B A, whose bf16 products round otherwise than training's."""
     from scripts import eval as eval_script
     out = tmp_path / "run"
-    train.train(lora_cfg(corpus_paths, out, base_folder, learning_rate=5e-2, min_lr=5e-3, warmup_iters=0,
+    train.train(lora_cfg(corpus_paths, out, base_run, learning_rate=5e-2, min_lr=5e-3, warmup_iters=0,
                          dtype="bfloat16"))
     capsys.readouterr()
     for flag in ("--ckpt", "--init_from"):  # a run: --init_from takes it as --ckpt (it was sent to GPT-2's loader)
@@ -239,13 +242,13 @@ def test_eval_of_a_lora_run_gives_its_logged_best_val_loss_exactly(corpus_paths,
 
 # ----------------------------------------------------------------------------- PEFT
 @pytest.mark.interop  # peft, transformers
-def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_our_logits(trained, base_folder, tmp_path):
+def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_our_logits(trained, base_run, tmp_path):
     peft = pytest.importorskip("peft", reason="peft is not installed (requirements-dev.txt): no PEFT round trip")
     transformers = pytest.importorskip("transformers")
     export_hf.main([str(trained), str(tmp_path / "merged"), "--peft", str(tmp_path / "adapters")])
     ours = from_checkpoint(trained / "best.pt").model
     idx = IDX % ours.config.vocab_size
-    base = transformers.GPT2LMHeadModel.from_pretrained(base_folder).eval()  # the base as hf.export wrote it
+    base = transformers.GPT2LMHeadModel.from_pretrained(base_run.parent / "hf").eval()  # as hf.export wrote it
     with torch.no_grad():
         base_logits = base(idx).logits
         peft_logits = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()(idx).logits

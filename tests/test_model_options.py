@@ -264,7 +264,7 @@ def test_an_old_checkpoint_resumes_a_forks_loads_with_a_warning_and_an_export_re
     (attn_window=8) read by code without the option loads as another model: say so."""
     out_dir = tmp_path / "old"
     assert run_main(run_args(out_dir, corpus_file)) == 0
-    monkeypatch.setitem(finetune.GPT2_OPTIONS, "activation", ("gelu_tanh",))
+    monkeypatch.setitem(export_hf.GPT2_OPTIONS, "activation", ("gelu_tanh",))
     code, err = run_main([str(out_dir), str(tmp_path / "hf")], export_hf.main), capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and not (tmp_path / "hf").exists()
     assert err.startswith("error: cannot export as GPT-2: the model has activation 'gelu'")
@@ -286,10 +286,10 @@ def test_an_old_checkpoint_resumes_a_forks_loads_with_a_warning_and_an_export_re
 
 
 # ----------------------------------------------------------------------------- GPT-2 interop
-def pretrained_config() -> finetune.Pretrained:
-    """What a GPT-2 file imports as: its shape; every other option at its default."""
+def imported_base() -> finetune.Pretrained:
+    """What a GPT-2 file imports as (scripts/import_hf.py): its shape; every other option at its default."""
     config = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh")
-    return finetune.Pretrained(config, {}, "gpt2-folder", None, config.block_size, gpt2=True)
+    return finetune.Pretrained(config, {}, "gpt2-run", {"kind": "gpt2"}, config.block_size)
 
 
 @pytest.mark.parametrize("name, value", CASES)
@@ -297,26 +297,23 @@ def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(mo
     variant = make_config(BASE, **case(name, value))
     model = GPT(model_config(variant, VOCAB))
     for other, needed in needs(name).items():  # taken as GPT-2's, so that this option's own rule is what runs
-        monkeypatch.setitem(finetune.GPT2_OPTIONS, other, (needed,))
+        monkeypatch.setitem(export_hf.GPT2_OPTIONS, other, (needed,))
     if name in GPTConfig.TRAINING_ONLY:  # how the weights were trained, not what they compute: never "another model"
-        assert finetune.gpt2_refusals(model.config) == []
-        assert getattr(adopt(variant, pretrained_config()), name) == value
+        assert export_hf.gpt2_refusals(model.config) == []
+        assert getattr(adopt(variant, imported_base()), name) == value
         if not needs(name):  # what it needs may add weights GPT-2's layout has no place for
             assert "transformer.wte.weight" in export_hf.to_hf(model)
         return
-    allowed = finetune.GPT2_OPTIONS.get(name, (getattr(GPTConfig, name),))
-    if allowed is finetune.ANY or value in allowed:
+    if name != "block_size" and value != getattr(imported_base().config, name):  # the base's weights fix it
+        with pytest.raises(HFError, match="conflicts with gpt2-run, whose weights have"):
+            adopt(variant, imported_base())
+    allowed = export_hf.GPT2_OPTIONS.get(name, (getattr(GPTConfig, name),))
+    if allowed is export_hf.ANY or value in allowed:
         assert "transformer.wte.weight" in export_hf.to_hf(model)
-        if name not in finetune.IMPORTED:  # an option the weights fix is checked against them (test_hf.py)
-            assert getattr(adopt(variant, pretrained_config()), name) == value
         # The same refusal, as if GPT-2 computed only the base value: every option's refusal path runs.
-        monkeypatch.setitem(finetune.GPT2_OPTIONS, name, (getattr(make_config(BASE), name),))
-    message = f"{name} {value!r} \\(GPT-2 computes"
-    with pytest.raises(HFError, match=f"cannot export as GPT-2: the model has {message}"):
+        monkeypatch.setitem(export_hf.GPT2_OPTIONS, name, (getattr(make_config(BASE), name),))
+    with pytest.raises(HFError, match=f"cannot export as GPT-2: the model has {name} {value!r} \\(GPT-2 computes"):
         export_hf.to_hf(model)
-    if name not in finetune.IMPORTED:
-        with pytest.raises(HFError, match=f"gpt2-folder holds GPT-2 weights, which cannot run with {message}"):
-            adopt(variant, pretrained_config())
 
 
 # ----------------------------------------------------------------------------- docs/experiments.md's recipes

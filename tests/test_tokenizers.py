@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from conftest import make_text, run_main, tiny_args, tiny_model
 
-import checkpoint
 import sample
 from checkpoint import from_checkpoint
-from config import parse_args
+from config import HFError, parse_args
 from data import DataError
 from prepare import prepare_corpus
 from scripts import export_hf
 from scripts.export_hf import tokenizer_files
-from tokenizer import BPETokenizer, CharTokenizer, GPT2Tokenizer, read_tokenizer, tokenizer_from_meta, train_bpe
+from scripts.import_hf import read_tokenizer
+from tokenizer import BPETokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 
 VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's words can merge
 MIXED = "ROMEO: naïve café — 東京 🤖👍🏽\n\n\tend   of  line \n  x"  # ASCII, accents, emoji, whitespace runs
@@ -154,7 +154,7 @@ def test_an_exported_bpe_reimports_with_its_own_tokenizer(tmp_path):
     ours = train_bpe([make_text()], VOCAB, "text")
     export_hf.export(tiny_model(vocab_size=VOCAB), ours, tmp_path / "export")
     assert read_tokenizer(tmp_path / "export", VOCAB) == ours.meta()
-    with pytest.raises(checkpoint.HFError, match="a BPE of 320 tokens for a vocabulary of 50257"):
+    with pytest.raises(HFError, match="a BPE of 320 tokens for a vocabulary of 50257"):
         read_tokenizer(tmp_path / "export", 50257)
 
 
