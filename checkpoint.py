@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 import runtime
-from config import (DEFAULTS, FIELD_TYPES, REPO, RESUME, CheckpointError, CheckpointWriteError, ConfigError, PathError,
-                    TinyGPTError, TrainConfig, as_dict, given_fields, model_config)
+from config import (DEFAULTS, FIELD_TYPES, REPO, RESUME, CheckpointError, CheckpointWriteError, ConfigError, HFError,
+                    PathError, TinyGPTError, TrainConfig, as_dict, given_fields, model_config)
 from model import GPT
 from runtime import TEMP_MARK, Dist, atomic_write, describe, dtype_name, print0, unused_fields
 from tokenizer import tokenizer_from_meta
@@ -191,6 +191,9 @@ def check_same_run(cfg: TrainConfig) -> str:
     the precision last.pt trained in."""
     path = Path(cfg.out_dir) / "last.pt"
     state = load_checkpoint(path)  # read again, whole, by the resume
+    if state["corpus"] is None:  # scripts/import_hf.py's weights: no run behind them
+        raise CheckpointError(f"{path} holds imported weights, no run to resume; start from them with --init_from "
+                              f"{cfg.out_dir} and another --out_dir")
     saved = state["config"]
     if not (cfg.init_from and saved.get("init_from")) and (differences := resume_changes(saved, cfg)["fixed"]):
         raise other_run(path, differences)
@@ -381,16 +384,26 @@ class Loaded:
     corpus: dict | None  # the data it trained on (data.Corpus.record); None: imported, no run of ours behind them
 
 
-def find_checkpoint(ckpt: str) -> Path:
-    """A file as given; a folder's best.pt (else last.pt); by default the newest best.pt under out/."""
-    if ckpt:
-        if (path := run_checkpoint(ckpt) if Path(ckpt).is_dir() else Path(ckpt)) is None:
-            raise CheckpointError(f"{Path(ckpt)}: no best.pt or last.pt in this folder")
-        return path
-    found = sorted(Path("out").glob("**/best.pt"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise CheckpointError("no checkpoint found under out/; train one first: python train.py --config small")
-    return found[-1]
+def find_checkpoint(source: str, flag: str = "--ckpt") -> Path:  # flag "": a tool's positional RUN
+    """A file as given; a run folder's best.pt (else last.pt); by default the newest best.pt under out/. Anything else:
+    CheckpointError naming the fix (Hugging Face weights become a run folder with scripts/import_hf.py)."""
+    path = Path(source)
+    if not source:
+        found = sorted(Path("out").glob("**/best.pt"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise CheckpointError("no checkpoint found under out/; train one first: python train.py --config small")
+        return found[-1]
+    if path.is_file() or (found := run_checkpoint(source)) is not None:
+        return path if path.is_file() else found
+    named = f"{flag} {source}"
+    imports = f"python -m scripts.import_hf {source} out/{path.name}, then pass out/{path.name}"
+    if (path / "model.safetensors").is_file():
+        raise CheckpointError(f"{named.strip()}: Hugging Face weights; make a run folder of them first: {imports}")
+    if path.is_dir():
+        raise CheckpointError(f"{named.strip()}: no best.pt or last.pt in this folder; train that run first")
+    hub = f"or for Hugging Face weights (a hub name such as gpt2): {imports}" if "/" not in source else (
+        f"or import Hugging Face weights there: python -m scripts.import_hf HUB_NAME_OR_FOLDER {source}")
+    raise CheckpointError(f"{named.strip()}: no such run folder or file; train that run first, {hub}")
 
 
 def run_checkpoint(source: str) -> Path | None:
@@ -451,26 +464,11 @@ def add_weights_flags(parser: argparse.ArgumentParser) -> None:
 
 def flags_checkpoint(args: argparse.Namespace) -> Path:
     """The checkpoint add_weights_flags' flags chose."""
-    return base_checkpoint(args.init_from) if args.init_from else find_checkpoint(args.ckpt)
+    return find_checkpoint(args.init_from, "--init_from") if args.init_from else find_checkpoint(args.ckpt)
 
 
 def from_flags(args: argparse.Namespace, device: torch.device = CPU, merged: bool = True) -> Loaded:
     return from_checkpoint(flags_checkpoint(args), device, merged)
-
-
-def base_checkpoint(source: str) -> Path:
-    """--init_from's checkpoint: a run folder's best.pt (else last.pt), or a .pt; CheckpointError naming the fix."""
-    path, name = Path(source), Path(source).name.removesuffix(".safetensors")
-    if (found := run_checkpoint(source)) is not None:
-        return found
-    imports = f"python -m scripts.import_hf {source} out/{name}, then --init_from out/{name}"
-    if path.is_file() and path.suffix == ".safetensors" or (path / "model.safetensors").is_file():
-        raise CheckpointError(f"init_from {source}: Hugging Face weights; make a run folder of them first: {imports}")
-    if path.exists():
-        raise CheckpointError(f"init_from {source}: " + ("no best.pt or last.pt in this folder; train that run first"
-                                                         if path.is_dir() else "not a run folder nor a .pt"))
-    raise CheckpointError(f"init_from {source}: no such run folder or file; train that run first, or for Hugging Face "
-                          f"weights (a hub name such as gpt2): {imports}")
 
 
 # ----------------------------------------------------------------------------- what a run starts from
@@ -495,7 +493,7 @@ def load_base(cfg: TrainConfig) -> finetune.Pretrained:
     own last.pt's (every weight, the options adopted) where the base cannot be loaded any more."""
     block_size = cfg.block_size if "block_size" in given_fields(cfg) else 0  # 0: every position the weights have
     try:
-        return load_run(base_checkpoint(cfg.init_from), block_size)
+        return load_run(find_checkpoint(cfg.init_from, "--init_from"), block_size)
     except TinyGPTError as err:
         last = Path(cfg.out_dir) / "last.pt"
         if not cfg.resume or cfg.lora_rank or not last.is_file():  # LoRA's last.pt holds the adapters alone
@@ -509,11 +507,14 @@ def load_base(cfg: TrainConfig) -> finetune.Pretrained:
 
 
 def load_run(path: Path, block_size: int) -> finetune.Pretrained:
-    """A run's weights, model options and tokenizer (a LoRA run's merged); block_size crops."""
+    """A run's weights, model options and tokenizer (a LoRA run's merged); block_size crops (0: every position)."""
     import finetune
     loaded = from_checkpoint(path)
     saved, state = loaded.model.config, loaded.model.state_dict()
-    config = replace(saved, block_size=finetune.check_positions(block_size, saved.block_size, str(path)))
+    if block_size > saved.block_size:
+        raise HFError(f"block_size {block_size} exceeds the {saved.block_size} positions of {path}; use --block_size "
+                      f"{saved.block_size} or less")
+    config = replace(saved, block_size=block_size or saved.block_size)
     if finetune.WPE in state:  # rope has no position table
         state[finetune.WPE] = state[finetune.WPE][: config.block_size]  # (T, C)
     return finetune.Pretrained(config, state, str(path), loaded.tokenizer.meta(), saved.block_size)

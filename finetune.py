@@ -103,11 +103,7 @@ class Pretrained:
 
     def weights_for(self, tokenizer_meta: dict, vocab_size: int) -> dict[str, torch.Tensor]:
         """The state dict for a corpus of the weights' tokenizer (plus a chat's markers, at the mean row)."""
-        base = self.tokenizer
-        base_vocab = tokenizer_vocab_size(base)
-        if base_vocab != self.config.vocab_size:
-            raise HFError(f"{self.source} has a vocabulary of {self.config.vocab_size}, the corpus {base_vocab} "
-                          f"({base['kind']} tokenizer); use the weights' tokenizer")
+        base, base_vocab = self.tokenizer, self.config.vocab_size  # a run's model is built from its tokenizer's
         if without_chat(tokenizer_meta) != without_chat(base):  # text is prepared with the base's: tokens are not
             kinds = (f"another {base['kind']} vocabulary than the corpus's" if base["kind"] == tokenizer_meta["kind"]
                      else f"the {base['kind']} tokenizer, the corpus's is {tokenizer_meta['kind']}")
@@ -118,14 +114,6 @@ class Pretrained:
         new = torch.cat([wte, wte.new_zeros(max(padded - len(wte), 0), wte.shape[1])])[:padded]  # (V_padded, C), a copy
         new[base_vocab:vocab_size] = wte[:base_vocab].mean(dim=0)  # (V_new - V_base, C): the markers' rows
         return {**self.state, WTE: new, TIED_HEAD: new}
-
-
-def check_positions(block_size: int, n_positions: int, source: str) -> int:
-    """The block_size a model of ``n_positions`` positions is cropped to (0: all of them); more is refused."""
-    if block_size > n_positions:
-        raise HFError(f"block_size {block_size} exceeds the {n_positions} positions of {source}; use --block_size "
-                      f"{n_positions} or less")
-    return block_size or n_positions
 
 
 # ----------------------------------------------------------------------------- LoRA

@@ -35,7 +35,6 @@ from tokenizer import data_home, without_chat
 from train import evaluate, val_byte_count
 
 PROGRESS_BATCHES = 20  # show a progress bar (on stderr) from this many batches on
-IMPORTED_BATCH = 8  # windows per forward for imported weights, which have no run's batch_size (GPT-2's: 1,024)
 
 
 def prepared_splits(data_dir: str | Path, val_fingerprint: str, tokenizer: dict) -> list[Path]:
@@ -71,7 +70,8 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
             raise DataError(f"{data_path}: {len(ids)} token(s); scoring needs at least 2")
         return *val_windows(ids, cfg.block_size, max(eval_tokens, 0)), data_path, False
     if loaded.corpus is None and cfg.tokenizer != "gpt2":  # a char or BPE vocabulary need not be the built-in corpus's
-        raise ConfigError(f"{loaded.source} has a char vocabulary: pass the text to score with --data_path")
+        raise ConfigError(f"{loaded.source} holds imported weights of their own {cfg.tokenizer} vocabulary: pass "
+                          "the text to score with --data_path")
     return split_windows(loaded, run_corpus(loaded), eval_tokens)
 
 
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         rt = choose_runtime(replace(loaded.cfg, device=args.device, threads=args.threads, dtype=loaded.precision))
         loaded.model.to(rt.device)
         x, y, data, runs = eval_windows(loaded, args.data_path, args.eval_tokens)
-    batch_size = args.batch_size or (loaded.cfg.batch_size if loaded.corpus is not None else IMPORTED_BATCH)
+    batch_size = args.batch_size or loaded.cfg.batch_size
     if not args.json:  # what is scored, before the scoring (minutes for a large split, with its bar on stderr)
         logged = f", logged best val loss {loaded.best_val_loss:.6f}" if runs else ""
         origin = f"step {loaded.step}{logged}" if loaded.corpus is not None else "imported weights"

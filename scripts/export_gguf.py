@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.out:  # Path("") is the current folder
         parser.error("OUT is empty: pass the .gguf file to write, or a folder to write FOLDER/<run>.gguf in")
     with exit_on_errors():  # the paths first, then gguf, before a checkpoint is loaded
-        path = find_checkpoint(args.run)
+        path = find_checkpoint(args.run, "")
         run_name = Path(path).resolve().parent.name
         out = Path(args.out) / f"{run_name}.gguf" if Path(args.out).is_dir() else Path(args.out)
         check_output(out, "output folder", ".gguf")

@@ -24,7 +24,7 @@ import torch
 
 from checkpoint import find_checkpoint, from_checkpoint, load_checkpoint
 from finetune import TIED_HEAD, WPE, WTE
-from config import CheckpointError, CommandLine, HFError, PathError, exit_on_errors, run_tool
+from config import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on_errors, run_tool
 from model import GPT, GPTConfig
 from runtime import atomic_write, atomic_write_text, check_writable, one_line, staged_folder
 from tokenizer import ASSISTANT, BEGIN, BYTES, END, EOT_TEXT, ROLES, ChatTokenizer
@@ -121,7 +121,7 @@ def check_output(out: Path, flag: str, suffix: str = "") -> None:
     "") must be new or empty; a file must be named ``*suffix``, in an existing folder, and be new or of that format."""
     folder = out.parent if suffix else out
     if not suffix and out.is_dir() and any(out.iterdir()):
-        raise PathError(f"{out} is not empty; export into a new folder (or delete this one first)")
+        raise PathError(f"{out} is not empty; write into a new folder (or delete this one first)")
     if suffix and out.suffix != suffix:
         raise PathError(f"{out}: the export writes only *{suffix} files, never over a checkpoint or any other file; "
                         f"pass a name ending in {suffix}")
@@ -290,10 +290,12 @@ def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
     if state["lora"].get("rows"):
         raise CheckpointError(f"this LoRA run also trained {len(state['lora']['rows'])} embedding rows (its chat "
                               "markers), which PEFT's LoRA files do not hold; export the merged model (drop --peft)")
-    saved = state["lora"]
+    saved, base = state["lora"], state["lora"]["base"]
+    with contextlib.suppress(TinyGPTError):  # an imported base: the Hugging Face weights it came from, PEFT's base
+        base = load_checkpoint(find_checkpoint(base, ""))["versions"].get("imported_from", base)
     peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": saved["rank"], "lora_alpha": saved["alpha"],
             "lora_dropout": saved["dropout"], "target_modules": list(saved["targets"]), "fan_in_fan_out": True,
-            "bias": "none", "base_model_name_or_path": saved["base"], "inference_mode": True}
+            "bias": "none", "base_model_name_or_path": base, "inference_mode": True}
     with one_line(folder, "--peft folder"), staged_folder(folder) as staging:  # as export's
         save_file({PEFT_PREFIX + name: t.detach().float().contiguous().clone() for name, t in state["model"].items()},
                   str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -317,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise PathError(f"--peft {peft} and the output folder {out} overlap; give the adapters a folder of "
                                 f"their own (e.g. {out}-adapters)")
             check_output(peft, "--peft folder")
-        path = find_checkpoint(args.run)
+        path = find_checkpoint(args.run, "")
         loaded = from_checkpoint(path)
         check_gpt2(loaded.model)  # export's refusal, before --peft's folder is written
         adapters = export_peft(load_checkpoint(path), peft) if peft else []  # refused before writing

@@ -53,7 +53,7 @@ TEXT_BYTE = {text: b for b, text in BYTE_TEXT.items()}  # a byte-level token's p
 
 # ----------------------------------------------------------------------------- the weights
 def load_pretrained(source: str, bias: bool = True) -> Pretrained:
-    """Hugging Face GPT-2 weights (hub name, folder or .safetensors) under our names, every key and shape checked."""
+    """Hugging Face GPT-2 weights (a hub name or a folder) under our names, every key and shape checked."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -71,25 +71,19 @@ def load_pretrained(source: str, bias: bool = True) -> Pretrained:
 
 
 def locate(source: str) -> tuple[Path, Path]:
-    """(the .safetensors file, its config.json) of a folder, a file or a hub name (OWNER/NAME, never a typo'd path)."""
-    path = Path(source)
-    if path.is_dir():
-        path = path / "model.safetensors"
-        if not path.is_file():
-            raise HFError(f"{path.parent}: no model.safetensors in this folder (a Hugging Face GPT-2's)")
-    elif path.is_file() and path.suffix != ".safetensors":
-        raise HFError(f"{path}: not a .safetensors file; pass one, a folder holding model.safetensors, "
-                      f"or a hub name ({', '.join(HUB_NAMES)})")
-    elif not path.is_file():
-        if source in HUB_NAMES or (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", source) and not Path(path.parts[0]).is_dir()
-                                   and path.suffix not in (".pt", ".safetensors")):
+    """(model.safetensors, config.json) of a folder or a hub name (OWNER/NAME, never a typo'd path)."""
+    folder = Path(source)
+    if not folder.exists():
+        if source in HUB_NAMES or (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", source) and not Path(folder.parts[0]).is_dir()
+                                   and folder.suffix not in (".pt", ".safetensors")):
             return download(HUB_NAMES.get(source, source))
-        raise HFError(f"{source}: no such folder or file; pass a folder or .safetensors in the Hugging Face GPT-2 "
-                      f"layout, or a hub name ({', '.join(HUB_NAMES)} or OWNER/NAME)")
-    if not (path.parent / "config.json").is_file():
-        raise HFError(f"{path}: no config.json beside it, which says the model's shape; put its config.json beside "
-                      "the file")
-    return path, path.parent / "config.json"
+        raise HFError(f"{source}: no such folder; pass a folder in the Hugging Face GPT-2 layout, or a hub name "
+                      f"({', '.join(HUB_NAMES)} or OWNER/NAME)")
+    for name in ("model.safetensors", "config.json"):  # config.json says the model's shape
+        if not (folder / name).is_file():
+            raise HFError(f"{folder}: no {name} in this folder; a Hugging Face GPT-2 folder holds model.safetensors "
+                          "and config.json")
+    return folder / "model.safetensors", folder / "config.json"
 
 
 def download(repo_id: str) -> tuple[Path, Path]:
@@ -106,8 +100,8 @@ def download(repo_id: str) -> tuple[Path, Path]:
         reason = (f"cannot reach {constants.ENDPOINT}: {unreachable}" if unreachable else
                   f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}")
         raise HFError(f"could not get {repo_id} from the Hugging Face hub ({reason}) nor from its cache, and there "
-                      f"is no local folder or file of that name; where there is network run `hf download {repo_id} "
-                      "model.safetensors config.json --local-dir DIR`, copy DIR here and pass --init_from DIR "
+                      f"is no local folder of that name; where there is network run `hf download {repo_id} "
+                      "model.safetensors config.json --local-dir DIR`, copy DIR here and import DIR "
                       "(HF_HUB_OFFLINE=1 skips the hub when the files are in its cache)") from None
     return Path(weights), Path(config)
 
@@ -252,21 +246,22 @@ def read_standard_files(folder: Path, vocab_size: int) -> dict | None:
 def run_state(imported: Pretrained) -> dict:
     """A checkpoint of no training (checkpoint.REQUIRED_KEYS): the weights, a config of their shape, the tokenizer."""
     shape = {f.name: getattr(imported.config, f.name) for f in fields(GPTConfig) if f.name != "vocab_size"}
-    tokenizer = imported.tokenizer
-    cfg = replace(TrainConfig(), **shape, tokenizer=tokenizer["kind"],
+    tokenizer, source = imported.tokenizer, imported.source  # a folder's absolute: what PEFT's files name as base
+    source = str(Path(source).resolve()) if Path(source).exists() else source
+    cfg = replace(TrainConfig(), **shape, batch_size=8, tokenizer=tokenizer["kind"],  # batch_size: eval's windows
                   **({"bpe_vocab_size": tokenizer_vocab_size(tokenizer)} if tokenizer["kind"] == "bpe" else {}))
     model = GPT(imported.config)
     model.load_state_dict(imported.state)  # every weight, or torch says which: what --init_from will load
     return {"format_version": FORMAT_VERSION, "model": model.state_dict(), "optimizer": {}, "scaler": {}, "step": 0,
             "time_s": 0.0, "best_val_loss": math.nan, "config": as_dict(cfg), "tokenizer": tokenizer, "rng": {},
-            "rng_per_rank": [], "precision": "float32", "versions": {"imported_from": imported.source, **git_state()},
+            "rng_per_rank": [], "precision": "float32", "versions": {"imported_from": source, **git_state()},
             "last_eval": {}, "corpus": None}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help=f"a hub name ({', '.join(HUB_NAMES)} or OWNER/NAME), a folder holding "
-                        "model.safetensors and config.json, or such a .safetensors file")
+    parser.add_argument("source", help=f"a hub name ({', '.join(HUB_NAMES)} or OWNER/NAME), or a folder holding "
+                        "model.safetensors and config.json")
     parser.add_argument("out", help="run folder to write: a new or an empty one")
     parser.add_argument("--bias", default="true", choices=("true", "false"),
                         help="false: drop the biases, which must all be zero (a bias-free model's export)")

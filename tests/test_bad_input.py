@@ -134,11 +134,12 @@ BAD_INPUTS = {
     ],
     "scripts.export_hf": [
         (["{run}", "{run}/metrics.jsonl/x"], "is a file, not a folder"),
-        (["{tmp}/missing", "{tmp}/hf"], "no such checkpoint"),
+        (["{tmp}/missing", "{tmp}/hf"], "missing: no such run folder or file"),
     ],
     "scripts.export_gguf": [
         (["{run}", "{run}/metrics.jsonl/x.gguf"], "is a file, not a folder"),
-        (["{tmp}/missing", "{tmp}/x.gguf"], "no such checkpoint"), (["{run}", ""], "OUT is empty"),  # was ./run.gguf
+        (["{tmp}/missing", "{tmp}/x.gguf"], "missing: no such run folder or file"),
+        (["{run}", ""], "OUT is empty"),  # was ./run.gguf
     ],
     "scripts.gpu_check": [
         (["--dry-run", "--steps", "3"], "--steps must be even and >= 2"),

@@ -12,7 +12,8 @@ import torch
 from conftest import make_text
 
 import train
-from checkpoint import add_weights_flags, find_checkpoint, from_checkpoint, from_flags, load_checkpoint, start_from
+from checkpoint import (add_weights_flags, check_same_run, find_checkpoint, from_checkpoint, from_flags,
+                        load_checkpoint, start_from)
 from config import DEFAULTS, CheckpointError, HFError, make_config
 from runtime import Runtime
 from scripts import export_hf, import_hf
@@ -91,14 +92,18 @@ def test_weights_without_a_known_tokenizer_are_refused_in_one_line(hf, tmp_path)
         import_hf.load_pretrained(str(tmp_path / "hf"))
 
 
-def test_the_flags_choose_the_weights(run, hf, imported):
+def test_the_flags_choose_the_weights(run, hf, imported, tmp_path):
     parser = argparse.ArgumentParser()
     add_weights_flags(parser)
     assert from_flags(parser.parse_args(["--ckpt", str(run)])).source == str(run / "best.pt")
     assert from_flags(parser.parse_args(["--init_from", str(imported)])).corpus is None
-    with pytest.raises(CheckpointError, match=f"init_from {hf}: Hugging Face weights; make a run folder of them "
-                       f"first: python -m scripts.import_hf {hf} out/hf, then --init_from out/hf$"):
-        from_flags(parser.parse_args(["--init_from", str(hf)]))
+    for flag in ("--init_from", "--ckpt"):
+        with pytest.raises(CheckpointError, match=f"{flag} {hf}: Hugging Face weights; make a run folder of them "
+                           f"first: python -m scripts.import_hf {hf} out/hf, then pass out/hf$"):
+            from_flags(parser.parse_args([flag, str(hf)]))
+    shutil.copy(imported / "best.pt", tmp_path / "last.pt")  # imported weights in a run's place: refused, not resumed
+    with pytest.raises(CheckpointError, match="holds imported weights, no run to resume; start from them with"):
+        check_same_run(make_config(None, out_dir=str(tmp_path), resume=True))
     assert from_flags(parser.parse_args(["--init_from", str(run)])).source == str(run / "best.pt")  # as train.py's
     with pytest.raises(SystemExit):  # one source of weights, not two
         parser.parse_args(["--ckpt", str(run), "--init_from", "gpt2"])
@@ -142,8 +147,9 @@ def test_a_missing_local_path_is_refused_before_the_hub_is_asked(run, tmp_path, 
     for path in ("out/smal", "./out/smal", "out/nosuch", "runs/a/b", "mine.safetensors", "/nowhere/run", "smal"):
         with pytest.raises(CheckpointError, match="no such run folder or file; train that run first") as err:
             start_from(make_config(None, init_from=path))
-        assert str(err.value).startswith(f"init_from {path}: ") and "\n" not in str(err.value)
-        with pytest.raises(HFError, match="no such folder or file"):
+        assert str(err.value).startswith(f"--init_from {path}: ") and "\n" not in str(err.value)
+        assert ("import_hf HUB_NAME_OR_FOLDER " + path if "/" in path else f"import_hf {path} out/") in str(err.value)
+        with pytest.raises(HFError, match="no such folder; pass a folder"):
             import_hf.load_pretrained(path)
     assert asked == []
     with pytest.raises(LookupError):  # OWNER/NAME where no such local folder is: the hub's to answer

@@ -257,6 +257,8 @@ def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_our_logits(t
     assert (peft_logits - our_logits).abs().max() <= 1e-5
     assert (merged_logits - our_logits).abs().max() <= 1e-5
     assert (base_logits - our_logits).abs().max() > 1e-3  # the adapters changed the model: the check can fail
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base_run.parent / "hf")  # the import's source: PEFT loads it
 
 
 def test_an_export_checks_every_folder_it_writes_before_writing_any(trained, tmp_path, capsys):

@@ -16,7 +16,7 @@ import train
 from checkpoint import from_checkpoint, load_checkpoint
 from data import load_corpus, val_windows
 from scripts import eval as eval_script
-from scripts import export_hf
+from scripts import export_hf, import_hf
 from tokenizer import CharTokenizer, token_byte_lengths
 
 CPU = torch.device("cpu")
@@ -107,18 +107,20 @@ def test_a_kill_right_after_a_save_loses_no_val_record(tmp_path, text_file, monk
 
 
 @pytest.mark.slow  # ~5 s
-def test_eval_script_scores_pretrained_weights_like_the_checkpoint_they_came_from(tmp_path, text_file, capsys):
+def test_eval_script_scores_imported_weights_like_the_checkpoint_they_came_from(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     train_tiny(out, text_file)
     loaded = from_checkpoint(out / "best.pt")
     export_hf.export(loaded.model, loaded.tokenizer, tmp_path / "hf")  # bias-free: zero biases
+    import_hf.main([str(tmp_path / "hf"), str(tmp_path / "imported")])
+    capsys.readouterr()
     args = ("--data_path", str(text_file), "--json", "--batch_size", "4")
     from_ckpt = eval_run(capsys, "--ckpt", str(out), *args)[1]
-    from_hf = eval_run(capsys, "--init_from", str(tmp_path / "hf"), *args)[1]
+    from_hf = eval_run(capsys, "--ckpt", str(tmp_path / "imported"), *args)[1]
     assert from_hf["tokens"] == from_ckpt["tokens"] > 0
     assert from_hf["val_loss"] == pytest.approx(from_ckpt["val_loss"], abs=1e-5)  # + 0 biases: addmm vs mm
     with pytest.raises(SystemExit, match="2"):  # a char vocabulary need not be the built-in corpus's
-        eval_script.main(["--init_from", str(tmp_path / "hf")])
+        eval_script.main(["--ckpt", str(tmp_path / "imported")])
     assert "pass the text to score with --data_path" in capsys.readouterr().err
 
 

@@ -286,9 +286,9 @@ def test_an_old_checkpoint_resumes_a_forks_loads_with_a_warning_and_an_export_re
 
 
 # ----------------------------------------------------------------------------- GPT-2 interop
-def imported_base() -> finetune.Pretrained:
-    """What a GPT-2 file imports as (scripts/import_hf.py): its shape; every other option at its default."""
-    config = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh")
+def imported_base(**options: Any) -> finetune.Pretrained:
+    """What a GPT-2 file imports as (scripts/import_hf.py): its shape; every other option at its default (or given)."""
+    config = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, bias=True, activation="gelu_tanh", **options)
     return finetune.Pretrained(config, {}, "gpt2-run", {"kind": "gpt2"}, config.block_size)
 
 
@@ -300,7 +300,7 @@ def test_gpt2_interop_exports_what_gpt2_computes_and_refuses_the_rest_by_name(mo
         monkeypatch.setitem(export_hf.GPT2_OPTIONS, other, (needed,))
     if name in GPTConfig.TRAINING_ONLY:  # how the weights were trained, not what they compute: never "another model"
         assert export_hf.gpt2_refusals(model.config) == []
-        assert getattr(adopt(variant, imported_base()), name) == value
+        assert getattr(adopt(variant, imported_base(**needs(name))), name) == value  # the base has what it needs
         if not needs(name):  # what it needs may add weights GPT-2's layout has no place for
             assert "transformer.wte.weight" in export_hf.to_hf(model)
         return
