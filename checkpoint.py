@@ -284,7 +284,8 @@ def claim(out_dir: Path, resume: bool = False, flag: str = "--out_dir") -> conte
                               "new one with another --out_dir (or delete the folder)")
         if not resume and (out_dir / "best.pt").exists():  # a run whose last.pt is gone: a new run would replace it
             raise ConfigError(f"{out_dir} holds a run's best.pt (and no last.pt to resume); start a new run with "
-                              "another --out_dir, or copy best.pt to last.pt and --resume from its step")
+                              "another --out_dir (imported weights: --init_from this folder), or copy best.pt to "
+                              "last.pt and --resume from its step")
         if not resume and not runtime.is_run_log(out_dir / "metrics.jsonl"):  # a new run starts the log afresh
             raise ConfigError(f"{out_dir / 'metrics.jsonl'} is not a run's log, which a new run replaces: move it away")
         with runtime.one_line(out_dir, flag):
@@ -393,25 +394,20 @@ def find_checkpoint(source: str, flag: str = "--ckpt") -> Path:  # flag "": a to
         if not found:
             raise CheckpointError("no checkpoint found under out/; train one first: python train.py --config small")
         return found[-1]
-    if path.is_file() or (found := run_checkpoint(source)) is not None:
-        return path if path.is_file() else found
-    named = f"{flag} {source}"
-    imports = f"python -m scripts.import_hf {source} out/{path.name}, then pass out/{path.name}"
-    if (path / "model.safetensors").is_file():
-        raise CheckpointError(f"{named.strip()}: Hugging Face weights; make a run folder of them first: {imports}")
+    if path.is_dir() and (found := next((path / name for name in RUN_FILES if (path / name).is_file()), None)):
+        return found
+    named = f"{flag} {source}".strip()
+    folder = path.parent if path.suffix == ".safetensors" and path.is_file() else path  # a weights file: its folder
+    imports = f"python -m scripts.import_hf {folder} out/{folder.name}, then pass out/{folder.name}"
+    if (folder / "model.safetensors").is_file():
+        raise CheckpointError(f"{named}: Hugging Face weights; make a run folder of them first: {imports}")
+    if path.is_file() or path.suffix == ".pt":  # load_checkpoint says what is wrong with it
+        return path
     if path.is_dir():
-        raise CheckpointError(f"{named.strip()}: no best.pt or last.pt in this folder; train that run first")
+        raise CheckpointError(f"{named}: no best.pt or last.pt in this folder; train that run first")
     hub = f"or for Hugging Face weights (a hub name such as gpt2): {imports}" if "/" not in source else (
-        f"or import Hugging Face weights there: python -m scripts.import_hf HUB_NAME_OR_FOLDER {source}")
-    raise CheckpointError(f"{named.strip()}: no such run folder or file; train that run first, {hub}")
-
-
-def run_checkpoint(source: str) -> Path | None:
-    """A run's checkpoint: a .pt, a folder's best.pt (else last.pt); None for anything else (Hugging Face weights)."""
-    path = Path(source)
-    if path.is_dir():
-        return next((path / name for name in RUN_FILES if (path / name).is_file()), None)
-    return path if path.suffix == ".pt" else None
+        f"or make it of Hugging Face weights: python -m scripts.import_hf SOURCE {source} (a hub name or a folder)")
+    raise CheckpointError(f"{named}: no such run folder or file; train that run first, {hub}")
 
 
 def load_weights(model: GPT, weights: dict[str, torch.Tensor], path: Path) -> None:
@@ -446,7 +442,8 @@ def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True)
             base = load_base(cfg)
         except TinyGPTError as err:  # moved or deleted since: a base is needed to sample, export or continue
             raise CheckpointError(f"{path} holds LoRA adapters on the base {cfg.init_from}, which cannot be loaded "
-                                  f"({err}); put the base back there") from None
+                                  f"({err}); put the base back there, or --resume the run with --init_from where "
+                                  "it is now") from None
         model.load_state_dict(base.weights_for(state["tokenizer"], tokenizer.vocab_size))
         model = load_adapted(state, model, str(path), merged)
     else:
@@ -474,7 +471,8 @@ def from_flags(args: argparse.Namespace, device: torch.device = CPU, merged: boo
 # ----------------------------------------------------------------------------- what a run starts from
 def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfig, finetune.Pretrained | None]:
     """train.py's --init_from: the weights, and the config with the options they fix (adopt); else (cfg, None). A fresh
-    run; its resume loads the base again (load_base). Rank 0 reads first, then the others."""
+    run; its resume loads the base again (load_base). Rank 0 reads first (a gpt2 tokenizer may fetch its ranks into
+    the cache), then the others."""
     if not cfg.init_from:
         return cfg, None
     if Path(cfg.init_from).exists():  # saved absolute, so that a LoRA run's base is found from any folder

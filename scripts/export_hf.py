@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from checkpoint import find_checkpoint, from_checkpoint, load_checkpoint
-from finetune import TIED_HEAD, WPE, WTE
+from finetune import TIED_HEAD, WTE
 from config import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on_errors, run_tool
 from model import GPT, GPTConfig
 from runtime import atomic_write, atomic_write_text, check_writable, one_line, staged_folder
@@ -72,13 +72,13 @@ def is_transposed(name: str) -> bool:
     return name.endswith(TRANSPOSED)
 
 
-def convert(name: str, value: torch.Tensor, vocab_rows: int, block_size: int) -> torch.Tensor:
-    """One weight into the other layout, both ways: Conv1D transposed, wte's rows zero-padded or cut, wpe's cut."""
+def convert(name: str, value: torch.Tensor, vocab_rows: int) -> torch.Tensor:
+    """One weight into the other layout, both ways: Conv1D transposed, wte's rows zero-padded or cut."""
     if is_transposed(name):
         return value.t()  # (in, out) <-> (out, in)
     if name == WTE:  # (V, C)
         return torch.cat([value, value.new_zeros(max(vocab_rows - len(value), 0), value.shape[1])])[:vocab_rows]
-    return value[:block_size] if name == WPE else value  # (T, C)
+    return value
 
 
 # GPT-2's printable stand-in for every byte (encoder.py): printable Latin-1 bytes for themselves, others chr(256 + n).
@@ -162,7 +162,7 @@ def to_hf(model: GPT) -> dict[str, torch.Tensor]:
     for name in expand(config.n_layer):  # bias=False: zeros of the layer's output width
         value = (state[name].detach().float() if name in state
                  else torch.zeros(len(state[name.removesuffix("bias") + "weight"])))
-        out[name] = convert(name, value, config.vocab_size, config.block_size).contiguous().clone()  # unshared
+        out[name] = convert(name, value, config.vocab_size).contiguous().clone()  # unshared
     return out
 
 
@@ -291,8 +291,9 @@ def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
         raise CheckpointError(f"this LoRA run also trained {len(state['lora']['rows'])} embedding rows (its chat "
                               "markers), which PEFT's LoRA files do not hold; export the merged model (drop --peft)")
     saved, base = state["lora"], state["lora"]["base"]
-    with contextlib.suppress(TinyGPTError):  # an imported base: the Hugging Face weights it came from, PEFT's base
-        base = load_checkpoint(find_checkpoint(base, ""))["versions"].get("imported_from", base)
+    with contextlib.suppress(TinyGPTError, OSError, RuntimeError):  # an imported base: PEFT's is its Hugging Face one
+        base_state = torch.load(find_checkpoint(base, ""), mmap=True, weights_only=True)  # mmap: no weights read
+        base = base_state["versions"].get("imported_from", base)
     peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": saved["rank"], "lora_alpha": saved["alpha"],
             "lora_dropout": saved["dropout"], "target_modules": list(saved["targets"]), "fan_in_fan_out": True,
             "bias": "none", "base_model_name_or_path": base, "inference_mode": True}

@@ -79,6 +79,9 @@ def locate(source: str) -> tuple[Path, Path]:
             return download(HUB_NAMES.get(source, source))
         raise HFError(f"{source}: no such folder; pass a folder in the Hugging Face GPT-2 layout, or a hub name "
                       f"({', '.join(HUB_NAMES)} or OWNER/NAME)")
+    if not folder.is_dir():
+        raise HFError(f"{folder}: a file; pass the folder holding it (a Hugging Face GPT-2 folder: model.safetensors "
+                      "and config.json)")
     for name in ("model.safetensors", "config.json"):  # config.json says the model's shape
         if not (folder / name).is_file():
             raise HFError(f"{folder}: no {name} in this folder; a Hugging Face GPT-2 folder holds model.safetensors "
@@ -165,7 +168,7 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, source: str) ->
                 raise HFError(f"{source}: {name} is not zero (max |b| {value.abs().max():.3g}) but the model has "
                               "bias=False; import with --bias true")
             continue  # an exported bias-free model: its zero biases carry nothing
-        state[name] = convert(name, value, config.padded_vocab_size, config.block_size).contiguous()
+        state[name] = convert(name, value, config.padded_vocab_size).contiguous()
     if TIED_HEAD in tensors and not torch.equal(tensors[TIED_HEAD], tensors[WTE]):
         raise HFError(f"{source}: {TIED_HEAD} differs from {WTE}; this model ties the two")
     return {**state, TIED_HEAD: state[WTE]}
@@ -273,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
         save_checkpoint(run_state(imported), out / "best.pt")
     config = imported.config
     print(f"imported {args.source} -> {out / 'best.pt'}: {config.n_layer} layers, {config.n_head} heads, n_embd "
-          f"{config.n_embd}, {config.block_size} positions, {imported.tokenizer['kind']} tokenizer of "
+          f"{config.n_embd}, {config.block_size} positions, {imported.tokenizer['kind']} tokenizer"
+          f"{' with chat markers' if 'chat_tokens' in imported.tokenizer else ''} of "
           f"{config.vocab_size:,} tokens; fine-tune it with --init_from {out}, sample it with --ckpt {out}")
 
 

@@ -52,8 +52,7 @@ def import_model(source, **kw) -> GPT:
     return model.eval()
 
 
-def import_run(source: Path, out: Path, *flags: str) -> Path:
-    """``source`` imported into the run folder ``out`` by the tool, as a user does."""
+def import_run(source: Path, out: Path, *flags: str) -> Path:  # as a user does: the tool's main
     import_hf.main([str(source), str(out), *flags])
     return out
 

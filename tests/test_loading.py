@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_text
+from conftest import make_text, run_main
 
 import train
 from checkpoint import (add_weights_flags, check_same_run, find_checkpoint, from_checkpoint, from_flags,
@@ -97,10 +97,10 @@ def test_the_flags_choose_the_weights(run, hf, imported, tmp_path):
     add_weights_flags(parser)
     assert from_flags(parser.parse_args(["--ckpt", str(run)])).source == str(run / "best.pt")
     assert from_flags(parser.parse_args(["--init_from", str(imported)])).corpus is None
-    for flag in ("--init_from", "--ckpt"):
-        with pytest.raises(CheckpointError, match=f"{flag} {hf}: Hugging Face weights; make a run folder of them "
+    for flag, source in (("--init_from", hf), ("--ckpt", hf), ("--ckpt", hf / "model.safetensors")):
+        with pytest.raises(CheckpointError, match=f"{flag} {source}: Hugging Face weights; make a run folder of them "
                            f"first: python -m scripts.import_hf {hf} out/hf, then pass out/hf$"):
-            from_flags(parser.parse_args([flag, str(hf)]))
+            from_flags(parser.parse_args([flag, str(source)]))
     shutil.copy(imported / "best.pt", tmp_path / "last.pt")  # imported weights in a run's place: refused, not resumed
     with pytest.raises(CheckpointError, match="holds imported weights, no run to resume; start from them with"):
         check_same_run(make_config(None, out_dir=str(tmp_path), resume=True))
@@ -148,10 +148,12 @@ def test_a_missing_local_path_is_refused_before_the_hub_is_asked(run, tmp_path, 
         with pytest.raises(CheckpointError, match="no such run folder or file; train that run first") as err:
             start_from(make_config(None, init_from=path))
         assert str(err.value).startswith(f"--init_from {path}: ") and "\n" not in str(err.value)
-        assert ("import_hf HUB_NAME_OR_FOLDER " + path if "/" in path else f"import_hf {path} out/") in str(err.value)
+        assert ("import_hf SOURCE " + path if "/" in path else f"import_hf {path} out/") in str(err.value)
         with pytest.raises(HFError, match="no such folder; pass a folder"):
             import_hf.load_pretrained(path)
-    assert asked == []
+    with pytest.raises(HFError, match="best.pt: a file; pass the folder holding it"):
+        import_hf.load_pretrained(str(run / "best.pt"))
+    assert run_main(["gpt2", str(run)], import_hf.main) == 2 and asked == []  # OUT not empty: refused before the hub
     with pytest.raises(LookupError):  # OWNER/NAME where no such local folder is: the hub's to answer
         import_hf.load_pretrained("someone/model")
     assert asked == ["someone/model"]
