@@ -93,7 +93,7 @@ def run_corpus(loaded: Loaded) -> Corpus:
     source prepared again if its val split is the same. A changed source is refused, its folder removed again."""
     cfg, saved = loaded.cfg, loaded.corpus
     base = without_chat(loaded.tokenizer.meta())  # a chat corpus: in the model's own tokens
-    if saved is None:  # GPT-2's weights: the built-in corpus in its tokens
+    if saved is None:  # imported weights (GPT-2's): the built-in corpus in their tokens
         return corpus_for(cfg, base)
     then, data_dir = saved["fingerprint"]["val"], data_home(cfg.data_dir)
     source = Path(cfg.data_path) if cfg.data_path else None
