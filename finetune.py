@@ -92,6 +92,11 @@ def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
 WTE, WPE, TIED_HEAD = "transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"
 
 
+def pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """(V, C) -> (rows, C), a copy: zero rows added, or the last cut (the export's unpadded vocabulary)."""
+    return torch.cat([table, table.new_zeros(max(rows - len(table), 0), table.shape[1])])[:rows]
+
+
 @dataclass
 class Pretrained:
     """The weights a run starts from (--init_from): a run's (checkpoint.load_run), which fix every model option."""
@@ -110,8 +115,7 @@ class Pretrained:
             raise HFError(f"{self.source} was trained with {kinds}; fine-tune on text, which --init_from prepares with "
                           "the base's tokenizer, or on tokens written with it")
         wte = self.state[WTE]  # (V_padded_base, C)
-        padded = GPTConfig(vocab_size=vocab_size).padded_vocab_size
-        new = torch.cat([wte, wte.new_zeros(max(padded - len(wte), 0), wte.shape[1])])[:padded]  # (V_padded, C), a copy
+        new = pad_rows(wte, GPTConfig(vocab_size=vocab_size).padded_vocab_size)  # (V_padded, C)
         new[base_vocab:vocab_size] = wte[:base_vocab].mean(dim=0)  # (V_new - V_base, C): the markers' rows
         return {**self.state, WTE: new, TIED_HEAD: new}
 

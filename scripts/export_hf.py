@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from checkpoint import find_checkpoint, from_checkpoint, load_checkpoint
-from finetune import TIED_HEAD, WTE
+from finetune import TIED_HEAD, WTE, pad_rows
 from config import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on_errors, run_tool
 from model import GPT, GPTConfig
 from runtime import atomic_write, atomic_write_text, check_writable, one_line, staged_folder
@@ -77,7 +77,7 @@ def convert(name: str, value: torch.Tensor, vocab_rows: int) -> torch.Tensor:
     if is_transposed(name):
         return value.t()  # (in, out) <-> (out, in)
     if name == WTE:  # (V, C)
-        return torch.cat([value, value.new_zeros(max(vocab_rows - len(value), 0), value.shape[1])])[:vocab_rows]
+        return pad_rows(value, vocab_rows)
     return value
 
 
