@@ -43,10 +43,16 @@ def load_corpus(folder: Path, block_size: int) -> Corpus:
 
 
 def corpus_for(cfg, base_tokenizer: dict | None = None) -> Corpus:
-    """The corpus a TrainConfig names, tokenized once into cfg.data_dir (prepare.py), then opened."""
-    from prepare import corpus_folder  # preparation: imported when a run needs it
-
-    return load_corpus(corpus_folder(cfg, base_tokenizer), cfg.block_size)
+    """The corpus a TrainConfig names, tokenized once into cfg.data_dir (prepare.py; conversations by finetune.py),
+    then opened."""
+    from prepare import corpus_folder, is_conversations, source_path  # preparation: imported when a run needs it
+    if (path := source_path(cfg)) is not None and is_conversations(path):
+        from finetune import prepare_conversations  # chat code: imported by a chat run only
+        folder = prepare_conversations(path, Path(cfg.data_dir), cfg.tokenizer, cfg.val_fraction, base_tokenizer,
+                                       cfg.bpe_vocab_size)
+    else:
+        folder = corpus_folder(cfg, base_tokenizer)
+    return load_corpus(folder, cfg.block_size)
 
 
 def get_batch(data: np.ndarray, batch_size: int, block_size: int, generator: torch.Generator,
@@ -200,7 +206,7 @@ def eval_windows(corpus: Corpus, tokenizer, block_size: int, max_targets: int = 
 
 
 def is_chat(corpus: Corpus) -> bool:
-    """A prepared corpus of conversations (prepare.prepare_conversations), not of text."""
+    """A prepared corpus of conversations (finetune.prepare_conversations), not of text."""
     return corpus.meta.get("format") == "conversations"
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import math
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,10 @@ import torch.nn as nn
 from config import CheckpointError, DataError, HFError, TrainConfig, given_fields
 from config import parse_lora_targets as parse_targets
 from model import GPT, GPTConfig
-from tokenizer import ASSISTANT, BEGIN, ChatTokenizer, tokenizer_vocab_size, without_chat
+from prepare import SPLITS, is_val, jsonl_lines, new_tokenizer, token_dtype, tokenizer_label, write_meta, write_splits
+from runtime import sha256_of, staged_folder
+from tokenizer import (ASSISTANT, BEGIN, ROLES, ChatTokenizer, Message, chat_tokenizer, render, tokenizer_from_meta,
+                       tokenizer_vocab_size, without_chat)
 
 
 def learned(tokens: np.ndarray, tokenizer: ChatTokenizer) -> np.ndarray:
@@ -118,6 +123,79 @@ class Pretrained:
         new = pad_rows(wte, GPTConfig(vocab_size=vocab_size).padded_vocab_size)  # (V_padded, C)
         new[base_vocab:vocab_size] = wte[:base_vocab].mean(dim=0)  # (V_new - V_base, C): the markers' rows
         return {**self.state, WTE: new, TIED_HEAD: new}
+
+
+# ----------------------------------------------------------------------------- a chat corpus, prepared once
+def parse_line(text: str, where: str) -> list[Message]:
+    """One line's conversation, or a DataError naming ``where`` (file:line) and what is wrong."""
+    try:
+        record = json.loads(text)
+    except ValueError as err:
+        raise DataError(f"{where}: not JSON ({err})") from None
+    if isinstance(record, dict) and "prompt" in record:  # else a message never written, or "messages" dropped
+        if "completion" not in record or "messages" in record:
+            raise DataError(f'{where}: a "prompt" needs its "completion" (the reply to learn) and no "messages" beside')
+        record = {"messages": [{"role": "user", "content": record["prompt"]},
+                               {"role": "assistant", "content": record.get("completion")}]}
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
+        raise DataError(f"{where}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} or "
+                        '{"prompt": ..., "completion": ...}')
+    messages = []
+    for i, message in enumerate(record["messages"]):
+        if not isinstance(message, dict) or "role" not in message:
+            raise DataError(f"{where}: message {i} has no role (each is {{\"role\": ..., \"content\": ...}})")
+        role, content = message["role"], message.get("content")
+        if role not in ROLES:
+            raise DataError(f"{where}: message {i} has role {role!r}; use one of {', '.join(ROLES)}")
+        if role == "system" and i:
+            raise DataError(f"{where}: message {i} is a system message; only the first may be")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {i} ({role}) has content {type(content).__name__}, not a string")
+        if role == "assistant" and not content:
+            raise DataError(f"{where}: message {i} is an empty assistant turn; it would teach the model to say nothing")
+        messages.append((role, content))
+    if not any(role == "assistant" for role, _ in messages):
+        raise DataError(f"{where}: no assistant turn, so nothing to learn; give each conversation one or more")
+    return messages
+
+
+def split_indices(n: int, val_fraction: float) -> dict[str, list[int]]:
+    """The indices of n conversations in each split, by the documents' rule (is_val)."""
+    return {split: [i for i in range(n) if is_val(i, val_fraction) == (split == "val")] for split in SPLITS}
+
+
+def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fraction: float,
+                          base_meta: dict | None = None, bpe_vocab_size: int = 2048) -> Path:
+    """Tokenize a .jsonl of conversations once into data_dir, with ``base_meta`` (a fine-tuned model's tokenizer) or a
+    ``tokenizer`` made here; every line is checked before anything is written."""
+    numbered = [(number, parse_line(text, f"{path}:{number}")) for number, text in jsonl_lines(path)]
+    if not numbered:
+        raise DataError(f"{path}: no conversations in the file")
+    splits = split_indices(len(numbered), val_fraction)
+    if not splits["val"] or not splits["train"]:
+        raise DataError(f"{path}: {len(numbered)} conversation(s) cannot make both splits at val_fraction "
+                        f"{val_fraction}; add conversations or change --val_fraction")
+    texts = (text for _, turns in numbered for _, text in turns)
+    train_texts = [text for i in splits["train"] for _, text in numbered[i][1]]
+    tok = chat_tokenizer(tokenizer_from_meta(base_meta, data_dir) if base_meta is not None
+                         else new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path)))
+    folder = data_dir / f"{path.stem}-{sha256_of(path)[:12]}-{tokenizer_label(tok.meta())}-val{val_fraction!r}"
+    if (folder / "meta.json").is_file():
+        return folder
+    encoded = []
+    for line, conversation in numbered:
+        try:
+            encoded.append(np.array(render(tok, conversation), dtype=token_dtype(tok.vocab_size)))
+        except DataError as err:
+            raise DataError(f"{path}:{line}: {err}; the base model's tokenizer cannot write it") from None
+    with staged_folder(folder) as staging:
+        counts, _ = write_splits(encoded, staging, val_fraction)
+        write_meta(staging, tok, str(path), val_fraction, counts, format="conversations",
+                   lines={split: [numbered[i][0] for i in indices] for split, indices in splits.items()},
+                   val_split="conversation i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction)")
+    print(f"prepared {path}: {len(splits['train']):,} train + {len(splits['val']):,} val conversations, "
+          f"{counts['train']:,} + {counts['val']:,} tokens -> {folder}")
+    return folder
 
 
 # ----------------------------------------------------------------------------- LoRA

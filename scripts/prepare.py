@@ -1,4 +1,5 @@
-"""Prepare a corpus into token files without training: the work train.py does first, cached in data_dir.
+"""Prepare a corpus into token files without training: train.py's own preparation, cached in data_dir, and the one
+for a corpus of documents (a folder of .txt or .parquet files, a .jsonl, a .parquet), streamed in threads.
 
     python -m scripts.prepare                          # the built-in Shakespeare corpus (cached in data/)
     python -m scripts.prepare --data_path web.jsonl --tokenizer gpt2 --num_proc 8
@@ -13,13 +14,158 @@ if not __package__:  # run as a file, `python scripts/prepare.py`: its folder, n
     print("error: run it from the repo root as a module: python -m scripts.prepare", file=sys.stderr)
     sys.exit(2)
 
+import collections
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
 import prepare
-from config import CORPUS_OPTIONS, CommandLine, add_flags, exit_on_errors, make_config, run_tool
+from checkpoint import start_from
+from config import CORPUS_OPTIONS, CommandLine, DataError, add_flags, exit_on_errors, install_hint, make_config
+from config import run_tool
+from data import corpus_for, load_corpus
+from prepare import (DEFAULT_TEXT_COLUMN, check_split_lengths, corpus_files, is_val, jsonl_lines, new_tokenizer,
+                     read_text_file, token_dtype, write_meta, write_splits)
+from runtime import STAGING, check_writable, staged_folder
+from tokenizer import tokenizer_from_meta
+
+
+def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
+                   val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
+                   text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048,
+                   base: dict | None = None) -> Path:
+    """prepare.prepare_corpus, and a corpus of documents too, in num_proc threads (0: one per core), into the folder
+    train.py looks for."""
+    path = Path(data_path) if data_path else None
+    if path is None or prepare.is_tokenized_folder(path) or not prepare.is_document_corpus(path):
+        return prepare.prepare_corpus(dataset, data_path, tokenizer, data_dir, val_fraction, block_size, text_column,
+                                      bpe_vocab_size, base)
+    folder, path = prepare.target_folder(dataset, data_path, tokenizer, data_dir, val_fraction, text_column,
+                                         bpe_vocab_size, base)
+    if not prepare.is_prepared(folder, val_fraction):
+        check_writable(folder.parent, "--data_dir", f"{STAGING}probe")
+        tok = tokenizer_from_meta(base, folder.parent) if base else None  # None: one is made for the corpus
+        prepare_documents(path, folder, tokenizer, folder.parent, val_fraction, num_proc, block_size, text_column,
+                          bpe_vocab_size, tok)
+    return folder
+
+
+# ----------------------------------------------------------------------------- documents, streamed
+PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a few MB of web text, whatever the row group size
+IN_FLIGHT = 4  # texts queued per tokenizer thread
+
+
+def open_parquet(path: Path, text_column: str):
+    """A ParquetFile whose ``text_column`` holds strings, else a DataError; pyarrow is imported only here."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet  # noqa: F401 - binds pa.parquet
+    except ImportError:
+        raise DataError(f"{path}: reading .parquet needs pyarrow: {install_hint('pyarrow')}") from None
+    try:
+        reader = pa.parquet.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(f"{path}: not a readable Parquet file ({reason})") from None
+    schema = reader.schema_arrow
+    if text_column not in schema.names:
+        raise DataError(f"{path}: no column {text_column!r} (its columns: {', '.join(schema.names)}); "
+                        "name the one holding the text with --text_column")
+    if (kind := schema.field(text_column).type) not in (pa.string(), pa.large_string(), pa.string_view()):
+        raise DataError(f"{path}: column {text_column!r} holds {kind}, not strings; "
+                        "name the column holding the text with --text_column")
+    return reader
+
+
+def parquet_texts(path: Path, text_column: str) -> Iterator[str]:
+    """Each row's text, PARQUET_BATCH_ROWS rows of the one column at a time (read_table would hold the file)."""
+    row = 0
+    for batch in open_parquet(path, text_column).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_column]):
+        for row, text in enumerate(batch.column(0).to_pylist(), start=row + 1):
+            if text is None:
+                raise DataError(f"{path}:row {row}: null in column {text_column!r}; drop or fill the row")
+            yield text
+
+
+def jsonl_texts(path: Path, text_column: str) -> Iterator[str]:
+    """Each line's ``text_column`` field."""
+    for number, line in jsonl_lines(path):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: not JSON ({err})") from None
+        if not isinstance(record, dict) or text_column not in record:
+            fields = (f" (its fields: {', '.join(record)}); name the one holding the text with --text_column"
+                      if isinstance(record, dict) else "")
+            raise DataError(f"{path}:{number}: not a JSON object with a \"{text_column}\" field{fields}")
+        if not isinstance(text := record[text_column], str):
+            raise DataError(f"{path}:{number}: \"{text_column}\" is a {type(text).__name__}, not a string")
+        yield text
+
+
+def document_texts(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> Iterator[str]:
+    """Every document of a corpus, in order, lazily."""
+    for file in corpus_files(path):
+        if file.suffix == ".txt":
+            yield read_text_file(file)
+        else:
+            yield from (jsonl_texts if file.suffix == ".jsonl" else parquet_texts)(file, text_column)
+
+
+def encoded(texts: Iterable[str], tok, num_proc: int) -> Iterator[np.ndarray]:
+    """eot_token (a char vocabulary's newline) then each text's ids (none for an empty text), in order, from num_proc
+    threads (tiktoken and numpy release the GIL), IN_FLIGHT texts a thread queued: Executor.map would read them all."""
+    def encode(text: str) -> np.ndarray:
+        ids = np.concatenate([[tok.eot_token], tok.encode_array(text)]) if text else np.zeros(0)
+        return ids.astype(token_dtype(tok.vocab_size))
+    with ThreadPoolExecutor(num_proc) as pool:
+        pending = collections.deque()
+        for text in texts:
+            pending.append(pool.submit(encode, text))
+            if len(pending) >= IN_FLIGHT * num_proc:
+                yield pending.popleft().result()
+        yield from (future.result() for future in pending)
+
+
+def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
+                      block_size: int, text_column: str, bpe_vocab_size: int, tok=None) -> Path:
+    """Tokenize a document corpus into folder/ (with ``tok`` if given), streaming; document i is val by is_val."""
+    num_proc = num_proc or os.cpu_count() or 1
+    files = corpus_files(path)
+    for file in files:  # every shard's footer: a bad one refused now, not hours in
+        if file.suffix == ".parquet":
+            open_parquet(file, text_column)
+    texts = tqdm(document_texts(path, text_column), desc=f"reading {path.name}", unit="doc", mininterval=1.0,
+                 disable=tokenizer == "gpt2")
+    train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
+    tok = tok or new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path), chars="\n")
+    with staged_folder(folder) as staging:
+        documents = tqdm(encoded(document_texts(path, text_column), tok, num_proc),
+                         desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
+        counts, docs = write_splits(documents, staging, val_fraction)
+        if not docs["train"]:  # one document (or a few): the first is val, so is the whole corpus
+            raise DataError(f"{path}: no documents" if not docs["val"] else f"{path}: its {docs['val']} document(s) "
+                            f"all go to val (document 0 is val, then one in {round(1 / val_fraction)}); add documents, "
+                            "or pass one text file, whose tail is val")
+        check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
+        rule = ("document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
+                f"{'a newline' if tokenizer == 'char' else '<|endoftext|>'} before each document")
+        write_meta(staging, tok, str(path), val_fraction, counts, documents=sum(docs.values()),
+                   val_documents=docs["val"], val_split=rule,
+                   **({"text_column": text_column} if files[0].suffix != ".txt" else {}))
+    print(f"prepared {path}: {sum(docs.values()):,} documents ({docs['val']:,} val), {counts['train']:,} train + "
+          f"{counts['val']:,} val tokens, vocab {tok.vocab_size} -> {folder}")
+    return folder
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description="Prepare a corpus into token files.")
-    add_flags(parser, CORPUS_OPTIONS)  # --dataset, --data_path, ...: train.py's flags, typed and checked by config
+    add_flags(parser, CORPUS_OPTIONS + ("init_from",))  # train.py's flags, typed and checked by config
     parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
                         help="tokenizer threads for a folder, .jsonl or .parquet; 0 = one per CPU core")
     parser.add_argument("--block_size", "--block-size", type=int, default=1,
@@ -29,9 +175,15 @@ def main(argv: list[str] | None = None) -> None:
     if num_proc < 0 or block_size < 1:
         parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {num_proc} and {block_size}")
     with exit_on_errors():  # one line and its exit code (2, or 74 for a data_dir failing its probe)
-        cfg = make_config(None, **given, block_size=block_size)  # config.validate's checks of the corpus fields
-        folder = prepare.corpus_folder(cfg, num_proc=num_proc)  # what train.py prepares: conversations as chat
-        prepare.open_verified(folder, block_size)  # as train.py opens it: a folder prepared before is checked too
+        cfg, pretrained = start_from(make_config(None, **given, block_size=block_size))  # config.validate's checks
+        base = pretrained.tokenizer if pretrained else None  # --init_from: text in the base's tokenizer
+        path = prepare.source_path(cfg)
+        if path is not None and prepare.is_document_corpus(path) and not prepare.is_conversations(path):
+            folder = prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
+                                    num_proc, block_size, cfg.text_column, cfg.bpe_vocab_size, base)
+            load_corpus(folder, block_size)  # opened as train.py opens it: a folder prepared before is checked too
+        else:
+            folder = corpus_for(cfg, base).folder  # train.py's own preparation: text, conversations, tokens
         print(f"ready: {folder} (train.py finds it with the same corpus flags)")  # prepared now or before
 
 

@@ -24,7 +24,8 @@ import numpy as np
 
 from config import DEFAULTS, FIELD_HELP, CommandLine, exit_on_errors, run_tool
 from data import load_corpus
-from prepare import SHAKESPEARE_CHAT, is_tokenized_folder, prepare_corpus
+from prepare import SHAKESPEARE_CHAT, is_tokenized_folder
+from scripts.prepare import prepare_corpus
 from tokenizer import tokenizer_from_meta
 
 LONGEST = 20  # tokens shown from the largest vocabulary

@@ -10,10 +10,12 @@ import pytest
 import torch
 from conftest import make_text, read_metrics, tiny_args
 
-import prepare
 import train
 from data import val_windows
-from prepare import is_val, prepare_corpus
+from config import DataError
+from prepare import is_val
+import scripts.prepare as scripts_prepare
+from scripts.prepare import prepare_corpus
 from scripts import doctor
 from scripts import eval as eval_script
 from tokenizer import GPT2_EOT, GPT2Tokenizer
@@ -72,7 +74,7 @@ def test_a_jsonl_or_a_folder_has_eot_before_each_document_and_every_tenth_in_val
     assert (meta["documents"], meta["val_documents"]) == (12, 2)
     assert (meta["train_tokens"], meta["val_tokens"]) == (len(expected["train"]), len(expected["val"]))
     assert meta["tokenizer"] == {"kind": "gpt2"} and meta["dtype"] == "uint16"
-    monkeypatch.setattr(prepare, "IN_FLIGHT", 1)
+    monkeypatch.setattr(scripts_prepare, "IN_FLIGHT", 1)
     from_folder = prepare_corpus(data_path=str(write_folder(tmp_path / "docs", DOCS)), tokenizer="gpt2",
                                  data_dir=str(cache), val_fraction=0.1, num_proc=1)  # one thread, one doc at a time
     for prepared in (folder, from_folder):
@@ -84,6 +86,10 @@ def test_train_runs_on_a_bpe_jsonl_corpus(tmp_path, cache, tiny_cfg):
     corpus = write_jsonl(tmp_path / "web.jsonl", DOCS * 3)
     cfg = tiny_cfg(data_path=str(corpus), data_dir=str(cache), tokenizer="gpt2", max_iters=2,
                    eval_interval=2, eval_tokens=256)
+    with pytest.raises(DataError, match=f"^{corpus}: a corpus of documents is tokenized by its own command first: "
+                                        "python -m scripts.prepare with this command's corpus flags"):
+        train.train(cfg)  # minutes to hours of tokenizing: a step of its own, then found by train.py
+    assert scripts_prepare.main(["--data_path", str(corpus), "--data_dir", str(cache), "--tokenizer", "gpt2"]) is None
     val_loss = train.train(cfg)
     assert abs(val_loss - np.log(50257)) < 1.0  # about uniform over the 50257 tokens after 2 steps
     records = read_metrics(cfg.out_dir)

@@ -17,7 +17,7 @@ import sample as sample_module
 from config import ConfigError, DataError, TrainConfig
 from data import Conversations, corpus_for, eval_windows, load_corpus, training_stream
 from finetune import BEGIN, learned
-from prepare import prepare_conversations, split_indices
+from finetune import prepare_conversations, split_indices
 from scripts import chat as chat_script
 from scripts import export_hf
 from scripts.prepare import main as prepare_main

@@ -30,6 +30,7 @@ from config import TrainConfig
 from data import LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus, val_windows
 from finetune import BEGIN
 from prepare import prepare_corpus
+import scripts.prepare as scripts_prepare
 from scripts import doctor
 from tokenizer import MARKERS, CharTokenizer, ChatTokenizer, tokenizer_from_meta
 
@@ -71,7 +72,7 @@ def test_document_corpora_prepare_char_level_joined_by_newlines(tmp_path):
     jsonl, bom = tmp_path / "docs.jsonl", tmp_path / "bom.jsonl"  # bom: as a Windows editor saves it
     jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
     bom.write_text("\ufeff" + jsonl.read_text())
-    folders = [prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=2)
+    folders = [scripts_prepare.prepare_corpus(data_path=str(path), data_dir=str(tmp_path / "d"), num_proc=2)
                for path in (tmp_path / "docs", jsonl, bom)]
     meta = json.loads((folders[0] / "meta.json").read_text())
     tok = CharTokenizer(meta["tokenizer"]["chars"])
@@ -84,10 +85,10 @@ def test_document_corpora_prepare_char_level_joined_by_newlines(tmp_path):
         assert tok.decode(splits["train"]) == "".join("\n" + text for text in docs[1:10])
     jsonl.write_text(json.dumps({"text": docs[0]}) + "\n")  # one document: all val (it said "train split holds 0")
     with pytest.raises(DataError, match="its 1 document.s. all go to val .document 0 is val, then one in 10."):
-        prepare_corpus(data_path=str(jsonl), data_dir=str(tmp_path / "d"))
+        scripts_prepare.prepare_corpus(data_path=str(jsonl), data_dir=str(tmp_path / "d"))
     jsonl.write_text("")  # was: "its 0 document(s) all go to val"
     with pytest.raises(DataError, match=f"{jsonl}: no documents$"):
-        prepare_corpus(data_path=str(jsonl), data_dir=str(tmp_path / "d"))
+        scripts_prepare.prepare_corpus(data_path=str(jsonl), data_dir=str(tmp_path / "d"))
 
 
 def test_documents_are_tokenized_in_order_with_a_few_in_flight():
@@ -98,8 +99,8 @@ def test_documents_are_tokenized_in_order_with_a_few_in_flight():
             pulled.append(i)
             yield f"doc {i}" * (i % 3)  # an empty document every third: no tokens, not even the separator
     tok = CharTokenizer(" 0123456789cdo\n")
-    stream = prepare.encoded(texts(), tok, num_proc=2)
-    assert tok.decode(next(stream).tolist()) == "" and len(pulled) == 2 * prepare.IN_FLIGHT  # memory stays bounded
+    stream = scripts_prepare.encoded(texts(), tok, num_proc=2)
+    assert tok.decode(next(stream).tolist()) == "" and len(pulled) == 2 * scripts_prepare.IN_FLIGHT  # bounded memory
     expected = [f"doc {i}" * (i % 3) for i in range(1, 100)]
     assert [tok.decode(ids.tolist()) for ids in stream] == ["\n" + text if text else "" for text in expected]
 
@@ -400,6 +401,7 @@ def test_a_prepared_document_corpus_packs_into_rows_of_its_whole_documents(tmp_p
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in docs))
     cfg = tiny_cfg(data_path=str(jsonl), tokenizer="bpe", bpe_vocab_size=300, loader="bos_packed", block_size=64)
+    scripts_prepare.prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, bpe_vocab_size=300)
     corpus = data.corpus_for(cfg)
     tokenizer = tokenizer_from_meta(corpus.meta["tokenizer"])
     stream = data.training_stream(cfg, corpus, tokenizer, 0, CPU)

@@ -20,11 +20,11 @@ from conftest import (
 
 from checkpoint import start_from
 from config import TrainConfig, make_config
-from data import PackedDocuments
+from data import PackedDocuments, corpus_for
 from model import GPT, GPTConfig
 import optim
 from optim import NonFiniteGuard
-from prepare import SHAKESPEARE_CHAT, corpus_folder
+from prepare import SHAKESPEARE_CHAT
 from runtime import choose_runtime
 from scripts import doctor
 from tokenizer import CharTokenizer
@@ -92,7 +92,7 @@ def test_every_check_passes_on_each_preset_built_as_train_py_builds_it(preset, t
     assert code == 0 and f"{len(CHECK_NAMES)}/{len(CHECK_NAMES)} checks passed" in out, out
     assert all(f"PASS  {name} " in out for name in CHECK_NAMES)
     cfg, pretrained = start_from(make_config(preset, **overrides))
-    trained_on = corpus_folder(cfg, pretrained.tokenizer if pretrained else None)  # what train.build_run opens
+    trained_on = corpus_for(cfg, pretrained.tokenizer if pretrained else None).folder  # what train.build_run opens
     prepared = [folder for folder in (tmp_path / "data").iterdir() if (folder / "meta.json").is_file()]
     assert prepared == [trained_on] and f"doctor: {trained_on} " in out
 

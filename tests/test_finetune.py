@@ -14,6 +14,7 @@ from config import CheckpointError, HFError, as_dict, make_config, model_config
 from finetune import Pretrained, adopt
 from model import GPT, GPTConfig
 from prepare import prepare_corpus, read_meta, tokenizer_label
+import scripts.prepare as scripts_prepare
 from scripts import export_hf
 from tokenizer import CharTokenizer, tokenizer_vocab_size, train_bpe
 
@@ -144,8 +145,8 @@ def test_a_document_folder_and_a_bpe_take_the_bases_tokenizer(tmp_path, text_fil
     tokenizer = CharTokenizer("\n ,.!?:;ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz").meta()
     if layout == "bpe":
         data, tokenizer = text_file, train_bpe([make_text(seed=1)], 300, "base").meta()
-    folder = prepare_corpus(data_path=str(data), data_dir=str(tmp_path / "d"), tokenizer=tokenizer["kind"],
-                            base=tokenizer)
+    folder = scripts_prepare.prepare_corpus(data_path=str(data), data_dir=str(tmp_path / "d"),
+                                            tokenizer=tokenizer["kind"], base=tokenizer)
     assert read_meta(folder)["tokenizer"] == tokenizer and folder.name.endswith(f"{tokenizer_label(tokenizer)}-val0.1")
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from conftest import make_text
 
-import prepare
 from data import DataError
-from prepare import corpus_source, prepare_corpus
+from prepare import corpus_source
+import scripts.prepare as scripts_prepare
+from scripts.prepare import prepare_corpus
 from scripts.prepare import main as prepare_main
 
 pa = pytest.importorskip("pyarrow")
@@ -53,8 +54,8 @@ def test_parquet_prepares_exactly_as_the_same_documents_in_jsonl_whatever_its_sh
     write_parquet(shards / "a" / "000.parquet", DOCS[:4], row_group_size=3)
     write_parquet(shards / "b.parquet", DOCS[4:9], row_group_size=2)  # row groups end mid-shard
     write_parquet(shards / "c" / "000.parquet", DOCS[9:], row_group_size=1)
-    monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 2)  # read batches that straddle row groups
-    monkeypatch.setattr(prepare, "IN_FLIGHT", 1)  # and a few documents in flight at a time
+    monkeypatch.setattr(scripts_prepare, "PARQUET_BATCH_ROWS", 2)  # read batches that straddle row groups
+    monkeypatch.setattr(scripts_prepare, "IN_FLIGHT", 1)  # and a few documents in flight at a time
     assert_same_splits(prepare_corpus(data_path=str(shards), data_dir=str(tmp_path / "d"), num_proc=2), from_parquet)
 
 
@@ -94,7 +95,7 @@ def test_bad_parquet_input_is_one_line_naming_the_file(tmp_path, monkeypatch, ca
     if case == "missing column":  # in the last shard: found before any document is read
         write_parquet(tmp_path / "shards" / "a.parquet", DOCS[:6])
         path = write_parquet(tmp_path / "shards" / "b.parquet", DOCS[6:], column="body").parent
-        monkeypatch.setattr(prepare, "document_texts", lambda *args, **kwargs: pytest.fail("documents were read"))
+        monkeypatch.setattr(scripts_prepare, "document_texts", lambda *_, **__: pytest.fail("documents were read"))
     elif case == "not strings":
         pq.write_table(pa.table({"text": [1, 2, 3]}), path)
     elif case == "null row":
@@ -137,8 +138,8 @@ def test_rows_are_read_lazily_one_batch_at_a_time(tmp_path, monkeypatch):
             yield batch
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", counted)
-    monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 4)
-    texts = prepare.document_texts(path)
+    monkeypatch.setattr(scripts_prepare, "PARQUET_BATCH_ROWS", 4)
+    texts = scripts_prepare.document_texts(path)
     assert iter(texts) is texts and not batches_read  # a generator: nothing read until asked
     assert next(texts) == "document 0"
     assert batches_read == [4]  # one batch of 4 rows read for the first document, not 200 rows

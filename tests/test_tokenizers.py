@@ -13,7 +13,7 @@ import sample
 from checkpoint import from_checkpoint
 from config import HFError, parse_args
 from data import DataError
-from prepare import prepare_corpus
+from scripts.prepare import prepare_corpus
 from scripts import export_hf
 from scripts.export_hf import tokenizer_files
 from scripts.import_hf import read_tokenizer
