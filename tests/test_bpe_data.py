@@ -87,7 +87,7 @@ def test_train_runs_on_a_bpe_jsonl_corpus(tmp_path, cache, tiny_cfg):
     cfg = tiny_cfg(data_path=str(corpus), data_dir=str(cache), tokenizer="gpt2", max_iters=2,
                    eval_interval=2, eval_tokens=256)
     with pytest.raises(DataError, match=f"^{corpus}: a corpus of documents is tokenized by its own command first: "
-                                        "python -m scripts.prepare with this command's corpus flags"):
+                                        f"python -m scripts.prepare --data_path {corpus} with this command's other"):
         train.train(cfg)  # minutes to hours of tokenizing: a step of its own, then found by train.py
     assert scripts_prepare.main(["--data_path", str(corpus), "--data_dir", str(cache), "--tokenizer", "gpt2"]) is None
     val_loss = train.train(cfg)
