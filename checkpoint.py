@@ -2,8 +2,7 @@
 
 A checkpoint is torch.save's zip archive of tensors and plain values (``torch.load(weights_only=True)`` reads it, so a
 malicious pickle runs no code) with the archive's sha256 as its zip comment, checked before anything is unpickled:
-torch.load checks no CRC. ``Checkpointer`` owns last.pt, best.pt and the resume; ``from_checkpoint`` / ``from_flags``
-give a model for use; ``start_from`` the weights --init_from names (a run's: scripts/import_hf.py makes one of GPT-2's).
+torch.load checks no CRC.
 """
 from __future__ import annotations
 
@@ -75,7 +74,20 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
-    verify_digest(path)
+    size = path.stat().st_size  # the file must end with the sha256 save_checkpoint stored, and match it
+    with open(path, "rb") as f:
+        f.seek(max(0, size - len(COMMENT_START) - 64))
+        if (end := f.read())[:-64] != COMMENT_START:
+            raise CheckpointError(f"{path}: not a tinygpt checkpoint, or truncated ({size} bytes and no "
+                                  "integrity digest at the end)")
+        digest, remaining = hashlib.sha256(), size - len(end)  # the archive, up to its comment's length
+        f.seek(0)
+        while remaining > 0 and (chunk := f.read(min(1 << 24, remaining))):  # empty: shrank under us, a mismatch
+            digest.update(chunk)
+            remaining -= len(chunk)
+    digest.update(b"\0\0")  # the comment's length as torch.save wrote it, which the digest covers
+    if digest.hexdigest().encode() != end[-64:]:
+        raise CheckpointError(f"{path}: corrupt checkpoint (sha256 mismatch: the file changed after it was saved)")
     try:
         with warnings.catch_warnings():  # torch warns about a pickle protocol it then refuses: the error says it
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -90,24 +102,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
                               + (f", no {', '.join(missing)}" if missing else "") + "); continue or sample it with "
                               "the commit that wrote it (its versions.git_commit), or start a new run")
     return state
-
-
-def verify_digest(path: Path) -> None:
-    """Raise CheckpointError unless the file ends with the sha256 save_checkpoint stored, and matches it."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        f.seek(max(0, size - len(COMMENT_START) - 64))
-        if (end := f.read())[:-64] != COMMENT_START:
-            raise CheckpointError(f"{path}: not a tinygpt checkpoint, or truncated ({size} bytes and no "
-                                  "integrity digest at the end)")
-        digest, remaining = hashlib.sha256(), size - len(end)  # the archive, up to its comment's length
-        f.seek(0)
-        while remaining > 0 and (chunk := f.read(min(1 << 24, remaining))):  # empty: shrank under us, a mismatch
-            digest.update(chunk)
-            remaining -= len(chunk)
-    digest.update(b"\0\0")  # the comment's length as torch.save wrote it, which the digest covers
-    if digest.hexdigest().encode() != end[-64:]:
-        raise CheckpointError(f"{path}: corrupt checkpoint (sha256 mismatch: the file changed after it was saved)")
 
 
 def unpickler_reason(err: Exception) -> str:
@@ -126,18 +120,8 @@ def unpickler_reason(err: Exception) -> str:
 
 
 # ----------------------------------------------------------------------------- what a run saves, and its resume
-def capture_rng(stream: TrainingStream) -> dict[str, Any]:
-    """Every random stream the training run reads (RNG_STREAMS), the training stream's position included."""
-    np_state = np.random.get_state()  # its key array stored as a tensor, which weights_only loading accepts
-    return {"python": random.getstate(),
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
-            "torch_cpu": torch.get_rng_state(),
-            "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "data": stream.state_dict()}
-
-
 def restore_rng(rng: dict[str, Any], stream: TrainingStream) -> None:
-    """Put every random stream back (Checkpointer.resume has checked that each is there)."""
+    """Put every random stream back, as Checkpointer.save captured them (Checkpointer.resume has checked each)."""
     version, state, gauss = rng["python"]
     random.setstate((version, tuple(state), gauss))
     name, keys, pos, has_gauss, cached = rng["numpy"]
@@ -252,27 +236,23 @@ def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
 def claim(out_dir: Path, resume: bool = False, flag: str = "--out_dir") -> contextlib.ExitStack:
     """Own ``out_dir`` (one live run per folder) through an flock on out_dir/.lock, dropped by the kernel when this
     process dies, or raise PathError; a fresh run is refused where last.pt exists. Footgun: flock is advisory."""
-    created = runtime.make_folders(out_dir, flag)
-    path = out_dir / ".lock"
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            runtime.remove_empty(created)
-            raise runtime.os_failure(out_dir, flag, err) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # LOCK_NB: refuse now, never wait for the owner
-        except BlockingIOError:
-            owner = os.pread(fd, 300, 0).decode("utf-8", errors="replace").strip() or "another process"
-            os.close(fd)
-            raise PathError(f"{out_dir} is in use by {owner}: one run per folder. Wait for it to end or stop it, "
-                            f"or pass another {flag}") from None
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                break
-        os.close(fd)  # we locked a file its owner removed on its way out: lock the one there now
+    created, path = runtime.make_folders(out_dir, flag), out_dir / ".lock"
     with contextlib.ExitStack() as lock:  # a refusal or a failed write below closes it at once
         lock.callback(runtime.remove_empty, created)
+        while True:
+            with runtime.one_line(out_dir, flag):
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # LOCK_NB: refuse now, never wait for the owner
+            except BlockingIOError:
+                owner = os.pread(fd, 300, 0).decode("utf-8", errors="replace").strip() or "another process"
+                os.close(fd)
+                raise PathError(f"{out_dir} is in use by {owner}: one run per folder. Wait for it to end or stop "
+                                f"it, or pass another {flag}") from None
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    break
+            os.close(fd)  # we locked a file its owner removed on its way out: lock the one there now
         lock.callback(os.close, fd)
         lock.callback(path.unlink, missing_ok=True)
         if resume and not (out_dir / "last.pt").exists():  # before the corpus is made
@@ -299,8 +279,7 @@ class Checkpointer:
     """out_dir's last.pt and best.pt and the resume. Every rank calls ``resume()`` and ``save()`` (collectives), rank
     0 alone writes; best.pt before last.pt, so last.pt's best_val_loss never names a model best.pt lacks."""
 
-    def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):
-        """``run``: a train.Run (its model, optimizer, scaler, guard, training stream and corpus)."""
+    def __init__(self, out_dir: Path, cfg: TrainConfig, run, ddp: Dist):  # run: a train.Run
         self.out_dir, self.cfg, self.ddp = out_dir, cfg, ddp
         self.model, self.optimizer, self.scaler, self.guard = run.model, run.optimizer, run.scaler, run.guard
         self.stream, self.corpus, self.dtype = run.stream, run.corpus, run.rt.dtype
@@ -343,7 +322,13 @@ class Checkpointer:
         """Everything a resume needs (REQUIRED_KEYS), from the uncompiled model so keys carry no _orig_mod."""
         self.guard.raise_if_tripped()  # never save a state that a non-finite step touched
         self.guard.raise_if_weights_not_finite(self.model, step)  # nor one that an overflowing update made
-        rng_per_rank = runtime.gather_to_main(capture_rng(self.stream))  # a collective: all ranks
+        np_state = np.random.get_state()  # its key array stored as a tensor, which weights_only loading accepts
+        rng = {"python": random.getstate(),  # every random stream the run reads (RNG_STREAMS), the data's position too
+               "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+               "torch_cpu": torch.get_rng_state(),
+               "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+               "data": self.stream.state_dict()}
+        rng_per_rank = runtime.gather_to_main(rng)  # a collective: all ranks
         self.saved_step = step
         with runtime.stop_together(self.ddp.device):  # rank 0's write failing (disk full) stops every rank
             if not self.ddp.is_main:
@@ -369,7 +354,6 @@ class Checkpointer:
 
 # ----------------------------------------------------------------------------- a model for use
 CPU = torch.device("cpu")
-RUN_FILES = ("best.pt", "last.pt")  # a run folder's weights, in order of preference
 
 
 @dataclass(frozen=True)
@@ -394,7 +378,7 @@ def find_checkpoint(source: str, flag: str = "--ckpt") -> Path:  # flag "": a to
         if not found:
             raise CheckpointError("no checkpoint found under out/; train one first: python train.py --config small")
         return found[-1]
-    if path.is_dir() and (found := next((path / name for name in RUN_FILES if (path / name).is_file()), None)):
+    if path.is_dir() and (found := next((p for p in (path / "best.pt", path / "last.pt") if p.is_file()), None)):
         return found
     named = f"{flag} {source}".strip()
     folder = path.parent if path.suffix == ".safetensors" and path.is_file() else path  # a weights file: its folder
@@ -459,8 +443,7 @@ def add_weights_flags(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--init_from", "--init-from", default="", help="as --ckpt, as train.py takes it")
 
 
-def flags_checkpoint(args: argparse.Namespace) -> Path:
-    """The checkpoint add_weights_flags' flags chose."""
+def flags_checkpoint(args: argparse.Namespace) -> Path:  # the checkpoint add_weights_flags' flags chose
     return find_checkpoint(args.init_from, "--init_from") if args.init_from else find_checkpoint(args.ckpt)
 
 
@@ -471,14 +454,13 @@ def from_flags(args: argparse.Namespace, device: torch.device = CPU, merged: boo
 # ----------------------------------------------------------------------------- what a run starts from
 def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfig, finetune.Pretrained | None]:
     """train.py's --init_from: the weights, and the config with the options they fix (adopt); else (cfg, None). A fresh
-    run; its resume loads the base again (load_base). Rank 0 reads first (a gpt2 tokenizer may fetch its ranks into
-    the cache), then the others."""
+    run; its resume loads the base again (load_base)."""
     if not cfg.init_from:
         return cfg, None
     if Path(cfg.init_from).exists():  # saved absolute, so that a LoRA run's base is found from any folder
         cfg = replace(cfg, init_from=str(Path(cfg.init_from).resolve()))
     import finetune  # fine-tuning's code: imported by a run that starts from weights
-    with runtime.main_first(device):
+    with runtime.main_first(device):  # rank 0 reads first: a gpt2 tokenizer may fetch its ranks into the cache
         pretrained = load_base(cfg)
         cfg = finetune.adopt(cfg, pretrained)
         print0(f"init_from {pretrained.source}: {describe(model_config(cfg, pretrained.config.vocab_size))}; "

@@ -76,32 +76,8 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, vocab_size)
     loss_sum: torch.Tensor | None = None  # summed cross-entropy over the targets: the metric
     n_targets: torch.Tensor | None = None  # targets counted (not -1)
-    # The options' auxiliary losses (AuxLosses.terms), summed like loss_sum: the objective's, never the metric's.
+    # The options' auxiliary losses by name (z_loss), summed like loss_sum: the objective's, never the metric's.
     aux: Mapping[str, torch.Tensor] = MappingProxyType({})
-
-
-class AuxLosses:
-    """The objective's terms beside cross-entropy, by name, collected by every layer during one forward (an MoE
-    balance loss: docs/experiments.md; z_loss: GPT.aux_losses). Without targets (sampling) nothing is kept.
-
-    Each is kept summed over the micro-batch's targets, like loss_sum, because train.accumulate_gradients divides
-    every sum by the step's target count: ``add_sum`` takes a sum over the targets, ``add_mean`` a mean over the
-    micro-batch (a batch statistic), which it weights by the micro-batch's target count.
-    """
-
-    def __init__(self, n_targets: torch.Tensor | None):
-        self.n_targets = n_targets  # this micro-batch's targets (not -1), a scalar tensor; None without targets
-        self.terms: dict[str, torch.Tensor] = {}
-
-    def add_sum(self, name: str, term: torch.Tensor) -> None:
-        """A term summed over the micro-batch's targets, as loss_sum is."""
-        if self.n_targets is not None:
-            self.terms[name] = self.terms[name] + term if name in self.terms else term
-
-    def add_mean(self, name: str, term: torch.Tensor) -> None:
-        """A term averaged over the micro-batch (its tokens or its rows): weighted by its target count."""
-        if self.n_targets is not None:
-            self.add_sum(name, term * self.n_targets)
 
 
 def visible_keys(config: GPTConfig, tokens: torch.Tensor, T: int) -> torch.Tensor:
@@ -238,8 +214,7 @@ class MLP(nn.Module):
             return F.relu(x).square()
         return F.gelu(x, approximate="tanh" if self.activation == "gelu_tanh" else "none")
 
-    def forward(self, x: torch.Tensor, aux: AuxLosses) -> torch.Tensor:
-        """x (B, T, C); ``aux`` is where a layer adds an objective term (an MoE's balance loss): this one adds none."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))  # (B, T, 4C) -> (B, T, C)
 
 
@@ -253,9 +228,9 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache, aux: AuxLosses) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), mask, cache)  # (B, T, C)
-        return x + self.mlp(self.ln_2(x), aux)  # (B, T, C)
+        return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
 class GPT(nn.Module):
@@ -316,7 +291,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None) -> ModelOutput:
         """Logits for every position; with targets (-1 ignored) also the *summed* cross-entropy (the metric), the
-        count of targets and the objective's auxiliary terms (AuxLosses). Sums, not means, so that the caller can
+        count of targets and the objective's auxiliary terms (z_loss). Sums, not means, so that the caller can
         divide by the token count of a whole accumulated batch. With a cache (sample.py's KVCache), idx holds the
         tokens that follow the cached ones, at positions cache.length onwards.
         """
@@ -333,10 +308,9 @@ class GPT(nn.Module):
             pos = torch.arange(start, start + T, device=idx.device)  # (T,)
             x = x + self.transformer.wpe(pos)  # (B, T, C) + (T, C) -> (B, T, C)
         x = self.transformer.drop(x)
-        aux = AuxLosses(None if targets is None else (targets != -1).sum())  # the count: a tensor, no host sync
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches):
-            x = block(x, mask, layer_cache, aux)  # (B, T, C)
+            x = block(x, mask, layer_cache)  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
         # The padded vocab rows are dropped here: never sampled, never in the softmax of the loss.
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab_size)
@@ -344,17 +318,13 @@ class GPT(nn.Module):
             return ModelOutput(logits)
         flat_logits, flat_targets = logits.reshape(B * T, -1).float(), targets.reshape(B * T)  # (B*T, V), (B*T,)
         loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=-1, reduction="sum")  # scalar
-        self.aux_losses(aux, flat_logits, flat_targets)
-        return ModelOutput(logits, loss_sum, aux.n_targets, aux.terms)
+        kept, aux = flat_targets != -1, {}  # (B*T,): the targets counted
+        if self.config.z_loss:  # log Z = logsumexp of the logits, pulled towards 0 (Chowdhery et al. 2022, sec. 5)
+            aux["z_loss"] = self.config.z_loss * flat_logits.logsumexp(dim=-1)[kept].square().sum()
+        return ModelOutput(logits, loss_sum, kept.sum(), aux)  # the count: a tensor, no host sync
 
     def visible(self, tokens: torch.Tensor, T: int) -> torch.Tensor | None:
         """visible_keys' mask for the last T of tokens, built once for every layer; None for the plain causal rule.
         Decided on the CPU, then copied non_blocking: a step waits for no GPU."""
         mask = visible_keys(self.config, tokens, T)
         return None if is_plain_causal(mask) else mask.to(tokens.device, non_blocking=True)
-
-    def aux_losses(self, aux: AuxLosses, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """The objective's terms computed from the logits (B*T, V) and targets (B*T,), added to ``aux``."""
-        if self.config.z_loss:  # log Z = logsumexp of the logits, pulled towards 0 (Chowdhery et al. 2022, sec. 5)
-            log_z = logits.logsumexp(dim=-1)[targets != -1]  # (n_targets,)
-            aux.add_sum("z_loss", self.config.z_loss * log_z.square().sum())

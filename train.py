@@ -56,7 +56,7 @@ class StepLosses(NamedTuple):
     """One optimizer step's losses, summed over every micro-batch of this rank, as device tensors."""
     loss_sum: torch.Tensor  # cross-entropy: the metric, logged as "loss"
     n_targets: torch.Tensor  # targets of the whole step, every rank's: the divisor of each sum
-    aux: dict[str, torch.Tensor]  # the model's auxiliary losses (model.AuxLosses), summed alike, logged by name
+    aux: dict[str, torch.Tensor]  # the model's auxiliary losses (ModelOutput.aux), summed alike, logged by name
 
 
 def accumulate_gradients(model: torch.nn.Module, batches: list[Batch], scaler: torch.amp.GradScaler,

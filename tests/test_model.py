@@ -63,7 +63,7 @@ def test_flops_per_token_follows_what_the_forward_runs(monkeypatch):
     """A change to what runs (every MLP on half of the tokens, as a top-1 router might) moves the count."""
     dense = tiny_model().flops_per_token()
 
-    def half_the_tokens(self, x, aux):
+    def half_the_tokens(self, x):
         T = x.size(1) // 2
         return torch.cat([self.c_proj(self.act(self.c_fc(x[:, :T]))), torch.zeros_like(x[:, T:])], dim=1)
 

@@ -192,7 +192,7 @@ def test_every_objective_term_is_summed_over_the_targets(name, value):
         per_target = [(out.aux[term] / out.n_targets).item() for out in (once, twice)]
         assert per_target[1] == pytest.approx(per_target[0], rel=1e-5), (
             f"{name}={value}: the auxiliary term {term!r} is {per_target[0]:.4g} per target on 2 rows but "
-            f"{per_target[1]:.4g} on them twice: it is not summed over the targets; add a mean with aux.add_mean")
+            f"{per_target[1]:.4g} on them twice: it is not summed over the targets; weight a mean by the target count")
 
 
 @pytest.mark.parametrize("name, value", [pytest.param(None, None, id="base"), *CASES])
@@ -438,7 +438,7 @@ def test_the_moe_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
     """The copy's generated tests for both options, the balance term's scale in a tiny run's log, a FLOP count of
     one expert per token; then the balance term written as a plain mean fails the scale test."""
     repo = copy_of_the_repo(tmp_path)
-    model_py = repo / "model.py"  # the page's six edits, each where its heading says
+    model_py = repo / "model.py"  # the page's seven edits, each where its heading says
     insert(model_py, FIELD_ANCHOR,
            "\n" + docs_snippet("# model.py, in GPTConfig, after the last option (MoE):\n").rstrip("\n"))
     training_only = re.search(r"^    TRAINING_ONLY: .*\n", model_py.read_text(), re.M)[0]
@@ -448,6 +448,8 @@ def test_the_moe_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
     insert(model_py, "class Block(nn.Module):", docs_snippet("# model.py, before class Block (MoE):\n") + "\n\n")
     replace(model_py, "        self.mlp = MLP(config)\n",
             docs_snippet("# model.py, in Block.__init__, replacing self.mlp = MLP(config) (MoE):\n"))
+    insert(model_py, "        return ModelOutput(logits, loss_sum, kept.sum(), aux)",
+           docs_snippet("# model.py, in GPT.forward, before its last return (MoE):\n"))
     insert(repo / "optim.py", '    ("transformer.h.*.c_fc.weight", "matrix"),\n',
            docs_snippet("# optim.py, in PARAMETER_KINDS, after the c_fc row (MoE):\n"), after=True)
     passed = generated_tests(repo, tmp_path / "t", "n_experts or moe_balance", passed=13)  # moe_balance: no weights
@@ -467,6 +469,6 @@ def test_the_moe_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
     assert (one, four, eight) == (dense + router, dense + 4 * router, dense + 8 * router)  # one expert per token
 
     # The teeth: the balance term as a plain mean, added as if summed, fails the scale test.
-    replace(model_py, 'aux.add_mean("moe_balance"', 'aux.add_sum("moe_balance"')
+    replace(model_py, 'aux["moe_balance"] = kept.sum() * sum(', 'aux["moe_balance"] = sum(')
     broken = generated_tests(repo, tmp_path / "b", "objective_term and moe_balance")
-    assert "it is not summed over the targets" in broken and "aux.add_mean" in broken
+    assert "it is not summed over the targets" in broken and "weight a mean by the target count" in broken

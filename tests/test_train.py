@@ -9,7 +9,6 @@ import torch
 from conftest import metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
 from fault_injection import step_clock
 
-import model as model_module
 import runtime
 import train
 from checkpoint import REQUIRED_KEYS, from_checkpoint, load_checkpoint
@@ -101,11 +100,11 @@ def grads_of(model) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def split_and_whole(batches: list) -> list[tuple[train.StepLosses, list[torch.Tensor]]]:
+def split_and_whole(batches: list, **options) -> list[tuple[train.StepLosses, list[torch.Tensor]]]:
     """One step's losses and gradients over ``batches``, and over the same rows as one batch."""
     scaler, cpu, results = torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu"), []
     for parts in (batches, [(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))]):
-        model = tiny_model()
+        model = tiny_model(**options)
         results.append((train.accumulate_gradients(model, parts, scaler, cpu, torch.float32), grads_of(model)))
     return results
 
@@ -119,41 +118,22 @@ def test_accumulation_equals_one_big_batch_even_with_uneven_token_counts():
         torch.testing.assert_close(g_split, g_whole, rtol=1e-5, atol=1e-7)
 
 
-def add_a_batch_mean_term(monkeypatch, add: str) -> None:
-    """Every MLP adds 0.1 x the mean square of its input over the micro-batch (a batch statistic, as a
-    load-balance loss is) to the objective through ``aux.<add>``, as a fork would (model.AuxLosses)."""
-    mlp_forward = model_module.MLP.forward
-
-    def forward(self, x, aux):
-        getattr(aux, add)("activity", 0.1 * x.square().mean())
-        return mlp_forward(self, x, aux)
-
-    monkeypatch.setattr(model_module.MLP, "forward", forward)
+def test_the_z_loss_is_its_weight_times_log_z_squared_summed_over_the_targets():
+    x, y = make_batches([20])[0]  # 20 of 32 positions are targets
+    out = tiny_model(z_loss=0.5)(x, y)
+    log_z = out.logits.reshape(32, -1).logsumexp(dim=-1)[y.reshape(32) != -1]  # (20,)
+    assert out.n_targets.item() == 20 and torch.equal(out.aux["z_loss"], 0.5 * log_z.square().sum())
+    assert dict(tiny_model()(x, y).aux) == {}  # z_loss 0: no term at all
 
 
-def term_split_and_whole(batches: list) -> tuple[list, list, float, float]:
-    """Gradients and the logged per-target term of one step over ``batches`` and over the same rows as one batch."""
-    (split, split_grads), (whole, whole_grads) = split_and_whole(batches)
-    per_target = [(losses.aux["activity"] / losses.n_targets).item() for losses in (split, whole)]
-    return split_grads, whole_grads, *per_target
-
-
-def test_a_mean_term_weighs_the_same_however_the_batch_is_split(monkeypatch):
-    """A batch-level term written the natural way, a mean over the micro-batch, added with aux.add_mean: one
-    step over three micro-batches has the gradient and the logged term of the same rows as one batch."""
-    add_a_batch_mean_term(monkeypatch, "add_mean")
-    split, whole, split_term, whole_term = term_split_and_whole(make_batches([32, 32, 32]))
-    for g_split, g_whole in zip(split, whole):
+def test_an_objective_term_weighs_the_same_however_the_batch_is_split():
+    """z_loss, summed over the targets as the cross-entropy is: one step over micro-batches of uneven target counts
+    has the gradient and the logged per-target term of the same rows as one batch."""
+    (split, split_grads), (whole, whole_grads) = split_and_whole(make_batches([32, 5, 17]), z_loss=0.5)
+    per_target = [(losses.aux["z_loss"] / losses.n_targets).item() for losses in (split, whole)]
+    assert per_target[0] == pytest.approx(per_target[1], rel=1e-6) and per_target[1] > 1  # 0.5 x ~ln(50)^2
+    for g_split, g_whole in zip(split_grads, whole_grads):
         torch.testing.assert_close(g_split, g_whole, rtol=1e-5, atol=1e-7)
-    assert split_term == pytest.approx(whole_term, rel=1e-6) and 0.05 < whole_term < 1  # its own scale: 0.1 x ~1
-
-    # The teeth: the same mean added as if it were a sum over the targets is 1/96 as strong on the whole batch,
-    # and 3x stronger again when split in three.
-    monkeypatch.undo()
-    add_a_batch_mean_term(monkeypatch, "add_sum")
-    split, whole, split_term, whole_term = term_split_and_whole(make_batches([32, 32, 32]))
-    assert split_term == pytest.approx(3 * whole_term, rel=1e-5) and whole_term < 0.01
-    assert max((a - b).abs().max().item() for a, b in zip(split, whole)) > 1e-6
 
 
 def test_mfu_reads_the_flops_measured_at_start(tmp_path, text_file, monkeypatch):
