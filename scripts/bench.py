@@ -9,8 +9,6 @@
 It times train.py's own step (train.build_run, train.train_step), a device sync after each phase, medians after the
 warm-up; --vs alternates rounds, so other load falls on both configs alike. Rows: docs/notebook/performance.md.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/bench.py`: its folder, not the repo, leads the module path

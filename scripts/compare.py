@@ -7,8 +7,6 @@
 Each (variant, seed) trains in EXP/NAME/seed-N, round by round; a rerun reuses finished runs of this code and resumes
 a stopped one. Writes EXP/results.json, results.md and compare.png. Why: docs/experiments.md.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/compare.py`: its folder, not the repo, leads the module path

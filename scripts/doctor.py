@@ -6,8 +6,6 @@
 One line per check (PASS or FAIL, the measured figure, what it means), exit 1 if any fails. The checks use the run
 train.py builds (train.build_run); each returns a ``Check``, so tests call it on broken variants.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/doctor.py`: its folder, not the repo, leads the module path
@@ -208,9 +206,8 @@ def overfit_run(cfg: TrainConfig, rt, pretrained=None) -> train.Run:
 
 def overfit_lr(cfg: TrainConfig) -> float:
     """The config's lr; a fine-tune's (init_from) is too small to memorise a batch: a random init's at this width."""
-    if not cfg.init_from:
-        return cfg.learning_rate
-    return min(RANDOM_INIT_LR_MAX, RANDOM_INIT_LR * RANDOM_INIT_WIDTH / cfg.n_embd)
+    random_init_lr = min(RANDOM_INIT_LR_MAX, RANDOM_INIT_LR * RANDOM_INIT_WIDTH / cfg.n_embd)
+    return random_init_lr if cfg.init_from else cfg.learning_rate
 
 
 def check_nonfinite_gradient(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,

@@ -9,8 +9,6 @@ By default it scores what training scored (val split, eval_tokens, batch size, p
 best_val_loss comes back exactly. The split is found by the fingerprint the checkpoint records; a changed text whose
 split is gone is refused, never scored in its place.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/eval.py`: its folder, not the repo, leads the module path

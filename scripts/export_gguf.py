@@ -7,8 +7,6 @@ Written with llama.cpp's ``gguf`` package as its gpt2 architecture: the Hugging 
 (out, in) layout, the tokenizer as a byte-level BPE that makes our ids (char, bpe, gpt2 and chat runs alike). OUT is
 a new .gguf file or one this export wrote; an existing folder gets FOLDER/<run>.gguf. Details: docs/interop.md.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/export_gguf.py`: its folder, not the repo, leads the module path
@@ -25,8 +23,8 @@ from finetune import WPE, WTE
 from config import CommandLine, HFError, exit_on_errors, fail, install_hint, run_tool
 from model import GPT
 from runtime import one_line, written_whole
-from scripts.export_hf import (BYTE_TEXT, GGUF_MARK, LAYER_NORM_EPS, bpe_merges, bpe_tokens, byte_text, chat_template,
-                               check_output, gpt2_refusals, is_transposed, to_hf)
+from scripts.export_hf import (BYTE_TEXT, GGUF_MARK, LAYER_NORM_EPS, TRANSPOSED, bpe_merges, bpe_tokens, byte_text,
+                               chat_template, check_output, gpt2_refusals, to_hf)
 from tokenizer import BEGIN, END, EOT_TEXT, ChatTokenizer
 
 CONTEXT_ROWS = 2048  # the fewest positions a file declares: no runner's default context is longer
@@ -64,7 +62,7 @@ def gguf_tensors(model: GPT, n_tokens: int) -> dict[str, np.ndarray]:
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:  # a weight gguf's GPT-2 has no place for: never drop it silently
             raise HFError(f"cannot export as GGUF: weight {hf_name} has no name in llama.cpp's gpt2 architecture")
-        value = value.t() if is_transposed(hf_name) else value  # Conv1D's (in, out) back to (out, in): ggml's
+        value = value.t() if hf_name.endswith(TRANSPOSED) else value  # Conv1D's (in, out) back to ggml's (out, in)
         if hf_name == WTE:  # (V, C) -> (n_tokens, C)
             value = torch.cat([value, value.new_zeros(n_tokens - len(value), value.size(1))])
         if hf_name == WPE:  # (context_rows, C): row p is trained row p mod block_size (docs/interop.md)

@@ -6,8 +6,6 @@
 Writes model.safetensors, config.json, generation_config.json and the tokenizer's files, which AutoTokenizer loads
 to our very ids; --peft also PEFT's files of a LoRA run's adapters. Which tools load the folder: docs/interop.md.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/export_hf.py`: its folder, not the repo, leads the module path
@@ -68,13 +66,9 @@ def expand(n_layer: int) -> list[str]:
     return [name.format(i=i) for name in NAMES for i in (range(n_layer) if "{i}" in name else [None])]
 
 
-def is_transposed(name: str) -> bool:
-    return name.endswith(TRANSPOSED)
-
-
 def convert(name: str, value: torch.Tensor, vocab_rows: int) -> torch.Tensor:
     """One weight into the other layout, both ways: Conv1D transposed, wte's rows zero-padded or cut."""
-    if is_transposed(name):
+    if name.endswith(TRANSPOSED):
         return value.t()  # (in, out) <-> (out, in)
     if name == WTE:  # (V, C)
         return pad_rows(value, vocab_rows)

@@ -7,8 +7,6 @@ Each check runs an entry point (train.py, torchrun, sample.py) in a fresh proces
 what it wrote. It ends with a PASS/FAIL table (also OUT_DIR/results.json), tokens/s, MFU and peak GPU memory; exit 1 if
 any check failed. The rng check uses dropout: a CUDA RNG state not restored on resume changes its masks and losses.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/gpu_check.py`: its folder, not the repo, leads the module path

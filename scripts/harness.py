@@ -6,8 +6,6 @@
 
 ``TinyGPTLM`` is lm_eval's model interface over our GPT and tokenizer: no export, char models too (docs/evaluation.md).
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/harness.py`: its folder, not the repo, leads the module path
@@ -142,8 +140,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="documents per task (a fraction if < 1): for a quick look, never a number to quote")
     parser.add_argument("--batch_size", "--batch-size", type=int, default=8, help="requests per forward pass")
     parser.add_argument("--device", default="auto", help=FIELD_HELP["device"])
-    parser.add_argument("--output", default="",
-                        help="results JSON (default: harness-TASKS.json in the run folder)")
+    parser.add_argument("--output", default="", help="results JSON (default: harness-TASKS.json in the run folder)")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or (args.limit is not None and args.limit <= 0) or (args.num_fewshot or 0) < 0:
         parser.error("need --batch_size >= 1, --limit > 0 and --num_fewshot >= 0")

@@ -8,8 +8,6 @@ Every key and shape is checked against config.json, and the tokenizer is read ba
 (docs/interop.md). The run folder holds one best.pt: the weights in fp32, a config of their shape and the tokenizer,
 and no training (step 0, no optimizer state: --init_from starts from it, nothing resumes it).
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/import_hf.py`: its folder, not the repo, leads the module path
@@ -29,8 +27,8 @@ from checkpoint import FORMAT_VERSION, git_state, save_checkpoint
 from config import CommandLine, HFError, TrainConfig, as_dict, exit_on_errors, run_tool
 from finetune import TIED_HEAD, WTE, Pretrained
 from model import GPT, GPTConfig
-from scripts.export_hf import (ACTIVATIONS, BPE_FILE, BYTE_TEXT, CHARS_FILE, LAYER_NORM_EPS, bpe_merges, check_output,
-                               convert, expand, is_transposed)
+from scripts.export_hf import (ACTIVATIONS, BPE_FILE, BYTE_TEXT, CHARS_FILE, LAYER_NORM_EPS, TRANSPOSED, bpe_merges,
+                               check_output, convert, expand)
 from tokenizer import BYTES, EOT_TEXT, GPT2_VOCAB, MARKERS, bpe_pattern, tokenizer_vocab_size
 
 NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in GPT2Model's files
@@ -160,7 +158,7 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, source: str) ->
     state = {}
     for name in names:
         value, want = tensors[name], tuple(expected[name].shape)
-        want = (config.vocab_size, want[1]) if name == WTE else want[::-1] if is_transposed(name) else want
+        want = (config.vocab_size, want[1]) if name == WTE else want[::-1] if name.endswith(TRANSPOSED) else want
         if tuple(value.shape) != want:  # the file's wte has the real vocabulary's rows, unpadded
             raise HFError(f"{source}: {name} has shape {tuple(value.shape)}, expected {want} from its config.json")
         if name.endswith(".bias") and not config.bias:

@@ -7,8 +7,6 @@
 
 Runs with one label are one group: their mean with a min-max band, each final an x.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/plot.py`: its folder, not the repo, leads the module path

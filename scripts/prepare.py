@@ -6,8 +6,6 @@ for a corpus of documents (a folder of .txt or .parquet files, a .jsonl, a .parq
 
 Its corpus flags are train.py's (config.CORPUS_OPTIONS), so train.py finds the folder it writes.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/prepare.py`: its folder, not the repo, leads the module path
@@ -39,19 +37,43 @@ def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer:
                    val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
                    text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048,
                    base: dict | None = None) -> Path:
-    """prepare.prepare_corpus, and a corpus of documents too, in num_proc threads (0: one per core), into the folder
-    train.py looks for."""
+    """prepare.prepare_corpus, and a corpus of documents too, streamed in num_proc threads (0: one per core) into the
+    folder train.py looks for; document i is val by is_val."""
     path = Path(data_path) if data_path else None
     if path is None or prepare.is_tokenized_folder(path) or not prepare.is_document_corpus(path):
         return prepare.prepare_corpus(dataset, data_path, tokenizer, data_dir, val_fraction, block_size, text_column,
                                       bpe_vocab_size, base)
     folder, path = prepare.target_folder(dataset, data_path, tokenizer, data_dir, val_fraction, text_column,
                                          bpe_vocab_size, base)
-    if not prepare.is_prepared(folder, val_fraction):
-        check_writable(folder.parent, "--data_dir", f"{STAGING}probe")
-        tok = tokenizer_from_meta(base, folder.parent) if base else None  # None: one is made for the corpus
-        prepare_documents(path, folder, tokenizer, folder.parent, val_fraction, num_proc, block_size, text_column,
-                          bpe_vocab_size, tok)
+    if prepare.is_prepared(folder, val_fraction):
+        return folder
+    check_writable(folder.parent, "--data_dir", f"{STAGING}probe")
+    tok = tokenizer_from_meta(base, folder.parent) if base else None  # None: one is made for the corpus
+    num_proc = num_proc or os.cpu_count() or 1
+    files = corpus_files(path)
+    for file in files:  # every shard's footer: a bad one refused now, not hours in
+        if file.suffix == ".parquet":
+            open_parquet(file, text_column)
+    texts = tqdm(document_texts(path, text_column), desc=f"reading {path.name}", unit="doc", mininterval=1.0,
+                 disable=tokenizer == "gpt2")
+    train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
+    tok = tok or new_tokenizer(tokenizer, texts, train_texts, folder.parent, bpe_vocab_size, str(path), chars="\n")
+    with staged_folder(folder) as staging:
+        documents = tqdm(encoded(document_texts(path, text_column), tok, num_proc),
+                         desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
+        counts, docs = write_splits(documents, staging, val_fraction)
+        if not docs["train"]:  # one document (or a few): the first is val, so is the whole corpus
+            raise DataError(f"{path}: no documents" if not docs["val"] else f"{path}: its {docs['val']} document(s) "
+                            f"all go to val (document 0 is val, then one in {round(1 / val_fraction)}); add documents, "
+                            "or pass one text file, whose tail is val")
+        check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
+        rule = ("document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
+                f"{'a newline' if tokenizer == 'char' else '<|endoftext|>'} before each document")
+        write_meta(staging, tok, str(path), val_fraction, counts, documents=sum(docs.values()),
+                   val_documents=docs["val"], val_split=rule,
+                   **({"text_column": text_column} if files[0].suffix != ".txt" else {}))
+    print(f"prepared {path}: {sum(docs.values()):,} documents ({docs['val']:,} val), {counts['train']:,} train + "
+          f"{counts['val']:,} val tokens, vocab {tok.vocab_size} -> {folder}")
     return folder
 
 
@@ -130,37 +152,6 @@ def encoded(texts: Iterable[str], tok, num_proc: int) -> Iterator[np.ndarray]:
             if len(pending) >= IN_FLIGHT * num_proc:
                 yield pending.popleft().result()
         yield from (future.result() for future in pending)
-
-
-def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, num_proc: int,
-                      block_size: int, text_column: str, bpe_vocab_size: int, tok=None) -> Path:
-    """Tokenize a document corpus into folder/ (with ``tok`` if given), streaming; document i is val by is_val."""
-    num_proc = num_proc or os.cpu_count() or 1
-    files = corpus_files(path)
-    for file in files:  # every shard's footer: a bad one refused now, not hours in
-        if file.suffix == ".parquet":
-            open_parquet(file, text_column)
-    texts = tqdm(document_texts(path, text_column), desc=f"reading {path.name}", unit="doc", mininterval=1.0,
-                 disable=tokenizer == "gpt2")
-    train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
-    tok = tok or new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path), chars="\n")
-    with staged_folder(folder) as staging:
-        documents = tqdm(encoded(document_texts(path, text_column), tok, num_proc),
-                         desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
-        counts, docs = write_splits(documents, staging, val_fraction)
-        if not docs["train"]:  # one document (or a few): the first is val, so is the whole corpus
-            raise DataError(f"{path}: no documents" if not docs["val"] else f"{path}: its {docs['val']} document(s) "
-                            f"all go to val (document 0 is val, then one in {round(1 / val_fraction)}); add documents, "
-                            "or pass one text file, whose tail is val")
-        check_split_lengths(str(path), counts, block_size)  # streamed, so known only now: staging is dropped
-        rule = ("document i is val when ceil((i+1)*val_fraction) > ceil(i*val_fraction); "
-                f"{'a newline' if tokenizer == 'char' else '<|endoftext|>'} before each document")
-        write_meta(staging, tok, str(path), val_fraction, counts, documents=sum(docs.values()),
-                   val_documents=docs["val"], val_split=rule,
-                   **({"text_column": text_column} if files[0].suffix != ".txt" else {}))
-    print(f"prepared {path}: {sum(docs.values()):,} documents ({docs['val']:,} val), {counts['train']:,} train + "
-          f"{counts['val']:,} val tokens, vocab {tok.vocab_size} -> {folder}")
-    return folder
 
 
 def main(argv: list[str] | None = None) -> None:

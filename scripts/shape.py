@@ -5,8 +5,6 @@
 One step's path: one optimizer step of `tiny` (its third, past warmup) traced with sys.setprofile from train.py's
 loop; every project function it enters counts whole, non-blank lines.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/shape.py`: its folder, not the repo, leads the module path

@@ -8,8 +8,6 @@ Each vocabulary is prepared (and cached) as train.py prepares it. The table scor
 split (never seen by its merges) against char and GPT-2's, a document corpus's val documents each on its own (their
 <|endoftext|> separators are no text); then the largest BPE's longest tokens.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/tokenizer.py`: its folder, not the repo, leads the module path
