@@ -2,8 +2,6 @@
 then read by the training stream (``LOADERS``; its ``state_dict()`` lets a resume continue it exactly) and by the
 fixed validation windows (``val_windows``), so every eval scores the same tokens.
 """
-from __future__ import annotations
-
 import copy
 from dataclasses import dataclass
 from pathlib import Path

@@ -1,7 +1,5 @@
 """Fine-tuning, imported only by a run that asks: the weights it starts from (--init_from: a run's; GPT-2's become one
 with scripts/import_hf.py), a chat corpus's rows and loss mask (from the ids alone: nothing stores them), and LoRA."""
-from __future__ import annotations
-
 import copy
 import hashlib
 import json
@@ -75,7 +73,7 @@ def val_rows(corpus, tokenizer: ChatTokenizer, block_size: int, overflow: str) -
 
 
 # ----------------------------------------------------------------------------- what a base fixes of the run
-def adopt(cfg: TrainConfig, base: Pretrained) -> TrainConfig:
+def adopt(cfg: TrainConfig, base: "Pretrained") -> TrainConfig:
     """The config with the options and tokenizer ``base`` fixes; a differing given one: refused."""
     kept = ("vocab_size", "block_size", *GPTConfig.TRAINING_ONLY)  # the corpus's, the user's, how it is trained
     fixed = [f.name for f in fields(GPTConfig) if f.name not in kept]

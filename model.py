@@ -8,8 +8,6 @@ Parameter names follow GPT-2 (wte, wpe, h, ln_1, c_attn, c_proj, ln_2, c_fc, ln_
 that pretrained weights map key by key. References: Radford et al. 2019 ("Language Models are
 Unsupervised Multitask Learners") for pre-norm and the residual-scaled init; Vaswani et al. 2017.
 """
-from __future__ import annotations
-
 import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field

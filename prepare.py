@@ -3,8 +3,6 @@ documents, streamed in threads: python -m scripts.prepare, a step of their own).
 
 Each folder is written into a staging folder and renamed into place whole: a killed prepare leaves no half corpus.
 """
-from __future__ import annotations
-
 import functools
 import hashlib
 import io

@@ -1,7 +1,5 @@
 """How a run meets its machine: files written whole, folders (writable, staged), DDP under torchrun,
 device/precision/compile, signals, and the run's records (metrics.jsonl, wandb)."""
-from __future__ import annotations
-
 import contextlib
 import errno
 import fcntl
@@ -529,7 +527,7 @@ class StopOnSignal:
         self.previous: dict[int, object] = {}
         self.finished = False  # the loop ended on its own: what it saved is whole
 
-    def __enter__(self) -> StopOnSignal:
+    def __enter__(self) -> "StopOnSignal":
         if self.install and threading.current_thread() is threading.main_thread():
             self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
         return self
@@ -786,9 +784,9 @@ def start(cfg: TrainConfig, out_dir: Path, logged_through: int | None = None) ->
 def describe(config) -> str:
     """The model in one line: "block_size 64, n_layer 3, n_head 4, n_embd 128, vocab 65; not default: ..."."""
     shown = [f for f in fields(config) if f.name != "vocab_size"]
-    sizes = [f"{f.name} {getattr(config, f.name)}" for f in shown if f.type == "int" and f.default != 0]
+    sizes = [f"{f.name} {getattr(config, f.name)}" for f in shown if f.type is int and f.default != 0]
     options = [f"{f.name} {getattr(config, f.name)}" for f in shown
-               if not (f.type == "int" and f.default != 0) and getattr(config, f.name) != f.default]
+               if not (f.type is int and f.default != 0) and getattr(config, f.name) != f.default]
     return ", ".join(sizes + [f"vocab {config.vocab_size}"]) + "; not default: " + (", ".join(options) or "none")
 
 

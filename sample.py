@@ -5,8 +5,6 @@
     python sample.py --ckpt out/small --prompt "ROMEO:" --stop "\\n\\n"   # one speech: stop at a blank line
     python sample.py --ckpt out/gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 (python -m scripts.import_hf)
 """
-from __future__ import annotations
-
 import signal
 
 # Ctrl-C while torch imports (seconds) ends the process, not in an import traceback (an ignored one stays ignored);

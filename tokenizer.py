@@ -2,8 +2,6 @@
 chat model's role markers after any of them (ChatTokenizer). ``tokenizer_from_meta`` rebuilds any of them from the
 description a corpus or checkpoint keeps.
 """
-from __future__ import annotations
-
 import hashlib
 import subprocess
 import sys

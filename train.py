@@ -8,8 +8,6 @@
 Reads top to bottom: one optimizer step (train_step) -> evaluation -> build_run -> the loop. Side concerns live in
 checkpoint.py (saves, resume), optim.py (optimizers, lr, the NaN guard) and runtime.py (device, DDP, signals, logs).
 """
-from __future__ import annotations
-
 import signal
 
 if __name__ == "__main__":  # Ctrl-C while torch imports (seconds) ends the process, not in an import traceback
@@ -97,7 +95,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
     return grad_norm
 
 
-def train_step(run: Run, step_model: torch.nn.Module, batches: list[Batch], step: int, lr: float,
+def train_step(run: "Run", step_model: torch.nn.Module, batches: list[Batch], step: int, lr: float,
                world_size: int = 1) -> tuple[StepLosses, torch.Tensor]:
     """One optimizer step, numbered ``step`` (from 1), as the loop, scripts/bench.py and the doctor run it.
 

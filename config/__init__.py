@@ -3,8 +3,6 @@
     python train.py --config small --max-iters 500 --learning_rate=3e-4   # defaults < preset < command line
     python train.py --help            # every field, its default (the preset's, with --config) and its help
 """
-from __future__ import annotations
-
 import argparse
 import contextlib
 import dataclasses
@@ -129,7 +127,7 @@ def require(ok: Any, message: str) -> None:
         raise ConfigError(message)
 
 
-def unknown_key(key: str, where: str) -> ConfigError:
+def unknown_key(key: str, where: str) -> "ConfigError":
     hint = did_you_mean(key.replace("-", "_"), list(FIELD_TYPES), "field")
     return ConfigError(f"unknown config key `{key}` in {where}{hint}")
 
@@ -239,7 +237,7 @@ def add_flags(parser: Any, names: tuple[str, ...], preset: str | None = None) ->
                             metavar="{" + ",".join(get_args(kind)) + "}" if get_args(kind) else kind.__name__.upper())
 
 
-def build_parser(preset: str | None = None, description: str | None = None) -> CommandLine:  # train's, the doctor's
+def build_parser(preset: str | None = None, description: str | None = None) -> "CommandLine":  # train's, the doctor's
     parser = CommandLine(description=description or "Train a tiny GPT. Every config field below is a flag.")
     parser.add_argument("--config", default=None, help=f"a preset in config/ ({', '.join(PRESETS)}) or a .toml file")
     add_flags(parser, tuple(n for n in FIELD_TYPES if n not in MODEL_OPTIONS and n not in CORPUS_OPTIONS), preset)

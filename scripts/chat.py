@@ -7,8 +7,6 @@
 A model fine-tuned on conversations has chat markers; the first line says which mode. Ctrl-D, or Ctrl-C at a prompt,
 quits.
 """
-from __future__ import annotations
-
 import sys
 
 if not __package__:  # run as a file, `python scripts/chat.py`: its folder, not the repo, leads the module path
