@@ -4,8 +4,6 @@ A checkpoint is torch.save's zip archive of tensors and plain values (``torch.lo
 malicious pickle runs no code) with the archive's sha256 as its zip comment, checked before anything is unpickled:
 torch.load checks no CRC.
 """
-from __future__ import annotations
-
 import argparse
 import contextlib
 import fcntl
@@ -120,7 +118,7 @@ def unpickler_reason(err: Exception) -> str:
 
 
 # ----------------------------------------------------------------------------- what a run saves, and its resume
-def restore_rng(rng: dict[str, Any], stream: TrainingStream) -> None:
+def restore_rng(rng: dict[str, Any], stream: "TrainingStream") -> None:
     """Put every random stream back, as Checkpointer.save captured them (Checkpointer.resume has checked each)."""
     version, state, gauss = rng["python"]
     random.setstate((version, tuple(state), gauss))
@@ -452,7 +450,7 @@ def from_flags(args: argparse.Namespace, device: torch.device = CPU, merged: boo
 
 
 # ----------------------------------------------------------------------------- what a run starts from
-def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfig, finetune.Pretrained | None]:
+def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfig, "finetune.Pretrained | None"]:
     """train.py's --init_from: the weights, and the config with the options they fix (adopt); else (cfg, None). A fresh
     run; its resume loads the base again (load_base)."""
     if not cfg.init_from:
@@ -468,7 +466,7 @@ def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfi
     return cfg, pretrained
 
 
-def load_base(cfg: TrainConfig) -> finetune.Pretrained:
+def load_base(cfg: TrainConfig) -> "finetune.Pretrained":
     """The run's weights ``cfg.init_from`` names, cropped to a given block_size; a full fine-tune's resume takes its
     own last.pt's (every weight, the options adopted) where the base cannot be loaded any more."""
     block_size = cfg.block_size if "block_size" in given_fields(cfg) else 0  # 0: every position the weights have
@@ -486,7 +484,7 @@ def load_base(cfg: TrainConfig) -> finetune.Pretrained:
         return resumed
 
 
-def load_run(path: Path, block_size: int) -> finetune.Pretrained:
+def load_run(path: Path, block_size: int) -> "finetune.Pretrained":
     """A run's weights, model options and tokenizer (a LoRA run's merged); block_size crops (0: every position)."""
     import finetune
     loaded = from_checkpoint(path)

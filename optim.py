@@ -16,19 +16,14 @@ torch.optim.Muon does the maths, with one change (``Muon`` below): the Newton-Sc
 precision, not always in bf16, which is emulated on CPUs without AVX512-BF16 or AMX: on a 2-core AMD EPYC
 without AVX-512 a bf16 matmul ran at 1 GFLOP/s against 98 in fp32 (the `small` step: 1.1 s instead of ~0.1 s).
 """
-from __future__ import annotations
-
 import fnmatch
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from config import EXIT_NONFINITE, CheckpointError, ConfigError, RunStopped
-
-if TYPE_CHECKING:
-    from config import TrainConfig
-    from model import GPT
+from config import EXIT_NONFINITE, CheckpointError, ConfigError, RunStopped, TrainConfig
+from model import GPT
 
 # ----------------------------------------------------------------------------- which parameter trains how
 # Every trained parameter's kind, by its name (fnmatch patterns; the first that matches wins). A "matrix" multiplies
@@ -83,7 +78,7 @@ def build_adamw(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch
     return adamw(trained_parameters(model), cfg, device)
 
 
-def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> MuonAdamW:
+def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> "MuonAdamW":
     """Muon for the matrices, AdamW (learning_rate) for the tables and gains, as one optimizer.
 
     The Newton-Schulz iteration runs in bf16 only where the run's matmuls do (``dtype``, which

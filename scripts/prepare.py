@@ -13,6 +13,7 @@ if not __package__:  # run as a file, `python scripts/prepare.py`: its folder, n
     sys.exit(2)
 
 import collections
+import functools
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -29,26 +30,21 @@ from config import run_tool
 from data import corpus_for, load_corpus
 from prepare import (DEFAULT_TEXT_COLUMN, check_split_lengths, corpus_files, is_val, jsonl_lines, new_tokenizer,
                      read_text_file, token_dtype, write_meta, write_splits)
-from runtime import STAGING, check_writable, staged_folder
-from tokenizer import tokenizer_from_meta
+from runtime import staged_folder
 
 
 def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
                    val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
                    text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048,
                    base: dict | None = None) -> Path:
-    """prepare.prepare_corpus, and a corpus of documents too, streamed in num_proc threads (0: one per core) into the
-    folder train.py looks for; document i is val by is_val."""
-    path = Path(data_path) if data_path else None
-    if path is None or prepare.is_tokenized_folder(path) or not prepare.is_document_corpus(path):
-        return prepare.prepare_corpus(dataset, data_path, tokenizer, data_dir, val_fraction, block_size, text_column,
-                                      bpe_vocab_size, base)
-    folder, path = prepare.target_folder(dataset, data_path, tokenizer, data_dir, val_fraction, text_column,
-                                         bpe_vocab_size, base)
-    if prepare.is_prepared(folder, val_fraction):
-        return folder
-    check_writable(folder.parent, "--data_dir", f"{STAGING}probe")
-    tok = tokenizer_from_meta(base, folder.parent) if base else None  # None: one is made for the corpus
+    """prepare.prepare_corpus, a corpus of documents too (prepare_documents, in num_proc threads: 0 = one per core)."""
+    return prepare.prepare_corpus(dataset, data_path, tokenizer, data_dir, val_fraction, block_size, text_column,
+                                  bpe_vocab_size, base, functools.partial(prepare_documents, num_proc=num_proc))
+
+
+def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, block_size: int,
+                      text_column: str, bpe_vocab_size: int, tok=None, num_proc: int = 0) -> Path:
+    """Tokenize a document corpus into folder/ (with ``tok`` if given), streaming; document i is val by is_val."""
     num_proc = num_proc or os.cpu_count() or 1
     files = corpus_files(path)
     for file in files:  # every shard's footer: a bad one refused now, not hours in
@@ -57,7 +53,7 @@ def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer:
     texts = tqdm(document_texts(path, text_column), desc=f"reading {path.name}", unit="doc", mininterval=1.0,
                  disable=tokenizer == "gpt2")
     train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
-    tok = tok or new_tokenizer(tokenizer, texts, train_texts, folder.parent, bpe_vocab_size, str(path), chars="\n")
+    tok = tok or new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path), chars="\n")
     with staged_folder(folder) as staging:
         documents = tqdm(encoded(document_texts(path, text_column), tok, num_proc),
                          desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
