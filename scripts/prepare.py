@@ -27,10 +27,11 @@ import prepare
 from checkpoint import start_from
 from config import CORPUS_OPTIONS, CommandLine, DataError, add_flags, exit_on_errors, install_hint, make_config
 from config import run_tool
-from data import corpus_for, load_corpus
+from data import corpus_for
 from prepare import (DEFAULT_TEXT_COLUMN, check_split_lengths, corpus_files, is_val, jsonl_lines, new_tokenizer,
                      read_text_file, token_dtype, write_meta, write_splits)
-from runtime import staged_folder
+from runtime import STAGING, check_writable, staged_folder
+from tokenizer import tokenizer_from_meta
 
 
 def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
@@ -43,8 +44,9 @@ def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer:
 
 
 def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, block_size: int,
-                      text_column: str, bpe_vocab_size: int, tok=None, num_proc: int = 0) -> Path:
-    """Tokenize a document corpus into folder/ (with ``tok`` if given), streaming; document i is val by is_val."""
+                      text_column: str, bpe_vocab_size: int, base: dict | None = None, num_proc: int = 0) -> Path:
+    """Tokenize a document corpus into folder/ (in the ``base`` tokenizer if given), streaming; document i is val."""
+    check_writable(data_dir, "--data_dir", f"{STAGING}probe")
     num_proc = num_proc or os.cpu_count() or 1
     files = corpus_files(path)
     for file in files:  # every shard's footer: a bad one refused now, not hours in
@@ -53,7 +55,8 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
     texts = tqdm(document_texts(path, text_column), desc=f"reading {path.name}", unit="doc", mininterval=1.0,
                  disable=tokenizer == "gpt2")
     train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
-    tok = tok or new_tokenizer(tokenizer, texts, train_texts, data_dir, bpe_vocab_size, str(path), chars="\n")
+    tok = tokenizer_from_meta(base, data_dir) if base else new_tokenizer(tokenizer, texts, train_texts, data_dir,
+                                                                          bpe_vocab_size, str(path), chars="\n")
     with staged_folder(folder) as staging:
         documents = tqdm(encoded(document_texts(path, text_column), tok, num_proc),
                          desc=f"tokenizing {path.name}", unit="doc", mininterval=1.0)
@@ -162,15 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     if num_proc < 0 or block_size < 1:
         parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {num_proc} and {block_size}")
     with exit_on_errors():  # one line and its exit code (2, or 74 for a data_dir failing its probe)
-        cfg, pretrained = start_from(make_config(None, **given, block_size=block_size))  # config.validate's checks
-        base = pretrained.tokenizer if pretrained else None  # --init_from: text in the base's tokenizer
-        path = prepare.source_path(cfg)
-        if path is not None and prepare.is_document_corpus(path) and not prepare.is_conversations(path):
-            folder = prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction,
-                                    num_proc, block_size, cfg.text_column, cfg.bpe_vocab_size, base)
-            load_corpus(folder, block_size)  # opened as train.py opens it: a folder prepared before is checked too
-        else:
-            folder = corpus_for(cfg, base).folder  # train.py's own preparation: text, conversations, tokens
+        cfg, pretrained = start_from(make_config(None, **given, block_size=block_size))  # --init_from: its tokenizer
+        documents = functools.partial(prepare_documents, num_proc=num_proc)  # what train.py refuses to do
+        folder = corpus_for(cfg, pretrained.tokenizer if pretrained else None, documents).folder  # opened: checked
         print(f"ready: {folder} (train.py finds it with the same corpus flags)")  # prepared now or before
 
 

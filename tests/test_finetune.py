@@ -125,6 +125,10 @@ def test_a_run_fine_tunes_on_another_text_which_its_tokenizer_prepares(base_run,
     assert train(another_text(tmp_path / "more", text, extra="§"), tmp_path / "out", init_from=base) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "characters the --init_from model's char vocabulary lacks: '§'" in err, err
+    docs = another_text(tmp_path / "docs", text, extra="§").parent  # a folder of documents: scripts.prepare's, alike
+    with pytest.raises(SystemExit):
+        scripts_prepare.main(["--data_path", str(docs), "--data_dir", str(tmp_path / "d"), "--init_from", str(base)])
+    assert "characters the --init_from model's char vocabulary lacks: '§'" in capsys.readouterr().err
     other = another_text(tmp_path, text)
     assert train(other, tmp_path / "tuned", init_from=base, max_iters=2, eval_interval=2) == 0
     base_tokenizer = load_checkpoint(base / "best.pt")["tokenizer"]
