@@ -116,7 +116,7 @@ def check_split_lengths(source: str, tokens: dict[str, int], block_size: int) ->
     """Refuse splits that cannot fill one window of block_size inputs and their targets."""
     for split, n in tokens.items():
         if n < block_size + 1:
-            raise DataError(f"{source}: the {split} split holds {n} tokens, fewer than block_size + 1 = "
+            raise DataError(f"{source}: the {split} split holds {n:,} tokens, fewer than block_size + 1 = "
                             f"{block_size + 1}; use more text" + (", a smaller --block_size" if n else "")
                             + (" or a larger --val_fraction" if split == "val" else ""))
 
