@@ -1,5 +1,5 @@
 """Fine-tuning, imported only by a run that asks: the weights it starts from (--init_from: a run's; GPT-2's become one
-with scripts/import_hf.py), a chat corpus's rows and loss mask (from the ids alone: nothing stores them), and LoRA."""
+with scripts/import_hf.py), a chat corpus (prepared from its .jsonl; rows and loss mask from the ids alone), LoRA."""
 import copy
 import hashlib
 import json
