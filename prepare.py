@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator, NoReturn
 import numpy as np
 from tqdm import tqdm
 
-from config import CORPUS_OPTIONS, DEFAULTS, DataError
+from config import DEFAULTS, DataError
 from runtime import STAGING, atomic_write_text, check_writable, print0, remove_leftovers, sha256_of, staged_folder
 from tokenizer import (CharTokenizer, GPT2Tokenizer, UnknownCharacters, data_home, pip_download_sdist,
                        tokenizer_from_meta, tokenizer_vocab_size, train_bpe)
@@ -161,13 +161,22 @@ SHAKESPEARE_CHAT = "shakespeare_chat"  # the built-in conversations (shakespeare
 DEFAULT_TEXT_COLUMN = "text"
 
 
+def refuse_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, block_size: int,
+                     text_column: str, bpe_vocab_size: int, base: dict | None, init_from: str = "") -> NoReturn:
+    """A corpus of documents not prepared yet, as train.py finds it: the command that prepares it, flags spelled out."""
+    given = {"data_path": path.resolve(), "text_column": text_column, "data_dir": data_dir, "tokenizer": tokenizer,
+             "bpe_vocab_size": bpe_vocab_size, "val_fraction": val_fraction, "init_from": init_from}
+    flags = " ".join(f"--{name} {shlex.quote(str(value))}" for name, value in given.items() if value != DEFAULTS[name])
+    raise DataError(f"{path}: a corpus of documents is tokenized by its own command first: python -m scripts.prepare "
+                    f"{flags}; then this again")
+
+
 def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
                    val_fraction: float = 0.1, block_size: int = 1, text_column: str = DEFAULT_TEXT_COLUMN,
-                   bpe_vocab_size: int = 2048, base: dict | None = None, documents: Callable | None = None) -> Path:
+                   bpe_vocab_size: int = 2048, base: dict | None = None, documents=refuse_documents) -> Path:
     """Tokenize a corpus once into data_dir/NAME-TOKENIZER-valF/: a folder per val_fraction, so none a run reads is
     replaced; with ``base`` (a fine-tune's tokenizer), TOKENIZER names it by kind and hash, as conversations do. A
-    corpus of documents is ``documents``'s to tokenize (scripts/prepare.py's, streamed in threads: minutes to hours,
-    a step of its own); train.py's refuses (refuse_documents), and finds the folder that step wrote."""
+    corpus of documents is ``documents``'s (scripts/prepare.py's, in threads: a step of its own; train.py's refuses)."""
     if data_path and is_tokenized_folder(Path(data_path)):  # tokens already: used in place
         return use_tokenized_folder(Path(data_path), None if base else tokenizer)  # a base's: weights_for checks
     data_dir = data_home(data_dir)  # a relative one under the repo, wherever the command runs
@@ -207,18 +216,10 @@ def corpus_folder(cfg, base_tokenizer: dict | None = None, documents: Callable |
     try:
         return prepare_corpus(cfg.dataset, cfg.data_path, cfg.tokenizer, cfg.data_dir, cfg.val_fraction, cfg.block_size,
                               cfg.text_column, cfg.bpe_vocab_size, base_tokenizer if cfg.init_from else None,
-                              documents or functools.partial(refuse_documents, cfg))
+                              documents or functools.partial(refuse_documents, init_from=cfg.init_from))
     except UnknownCharacters as err:  # only a base's vocabulary can lack one: a corpus's own has them all
         raise DataError(f"{cfg.data_path or cfg.dataset}: characters the --init_from model's char vocabulary lacks: "
                         f"{err.chars!r}; remove them from the text, or train without --init_from") from None
-
-
-def refuse_documents(cfg, path: Path, *_) -> NoReturn:
-    """A corpus of documents not prepared yet, as train.py finds it: the command that prepares it, flags spelled out."""
-    flags = [f"--{name} {shlex.quote(str(getattr(cfg, name)))}" for name in (*CORPUS_OPTIONS, "init_from")
-             if name != "dataset" and getattr(cfg, name) != DEFAULTS[name]]  # a preset's too
-    raise DataError(f"{path}: a corpus of documents is tokenized by its own command first: python -m scripts.prepare "
-                    f"{' '.join(flags)}; then this again")
 
 
 def corpus_source(dataset: str, data_path: str, text_column: str = DEFAULT_TEXT_COLUMN) -> tuple[str, Path | None]:

@@ -52,8 +52,8 @@ class TrainConfig(GPTConfig):
     # or unset against the checkpoint's is another run, refused (checkpoint.resume_changes)
     # --- the corpus (python -m scripts.prepare's flags too)
     dataset: str = free("shakespeare", "built-in corpus name; ignored when data_path is set")
-    data_path: str = free("", "what to train on: a .txt file, a folder of .txt or .parquet files, a .jsonl or a "
-                          ".parquet file, or a folder of train.bin, val.bin and meta.json (docs/data.md)")
+    data_path: str = free("", "what to train on: a .txt file, a folder of train.bin, val.bin and meta.json, or "
+                          "documents (.txt/.parquet files, a .jsonl, a .parquet) after python -m scripts.prepare")
     text_column: str = free("text", "the documents' text: a .jsonl's field or a .parquet's column (a .txt has none)")
     data_dir: str = free("data", "cache of downloaded and prepared corpora")
     tokenizer: Literal["char", "gpt2", "bpe"] = fixed("char", "char (the corpus's) | gpt2 (GPT-2's) | bpe (trained)")

@@ -1,10 +1,9 @@
 """Prepare a corpus into token files without training: train.py's own preparation, cached in data_dir, and the one
-for a corpus of documents (a folder of .txt or .parquet files, a .jsonl, a .parquet), streamed in threads.
+for a corpus of documents (a folder of .txt or .parquet files, a .jsonl, a .parquet), streamed in threads. Its corpus
+flags are train.py's (config.CORPUS_OPTIONS), so train.py finds the folder it writes.
 
     python -m scripts.prepare                          # the built-in Shakespeare corpus (cached in data/)
     python -m scripts.prepare --data_path web.jsonl --tokenizer gpt2 --num_proc 8
-
-Its corpus flags are train.py's (config.CORPUS_OPTIONS), so train.py finds the folder it writes.
 """
 import sys
 

@@ -83,15 +83,15 @@ def test_a_jsonl_or_a_folder_has_eot_before_each_document_and_every_tenth_in_val
         assert splits == expected
 
 
-def test_train_runs_on_a_bpe_jsonl_corpus(tmp_path, cache, tiny_cfg):
+def test_train_runs_on_a_bpe_jsonl_corpus(tmp_path, cache, tiny_cfg, monkeypatch):
     corpus = write_jsonl(tmp_path / "web.jsonl", DOCS * 3)
-    cfg = tiny_cfg(data_path=str(corpus), data_dir=str(cache), tokenizer="gpt2", max_iters=2,
-                   eval_interval=2, eval_tokens=256)
-    with pytest.raises(DataError, match=f"^{corpus}: a corpus of documents is tokenized by its own command first: ") \
-            as refused:
+    monkeypatch.chdir(tmp_path)  # --data_path relative to here; scripts.prepare runs from the repo root
+    cfg = tiny_cfg(data_path="web.jsonl", data_dir=str(cache), tokenizer="gpt2", max_iters=2, eval_interval=2,
+                   eval_tokens=256)
+    with pytest.raises(DataError, match="^web.jsonl: a corpus of documents is tokenized by its own command") as refused:
         train.train(cfg)  # minutes to hours of tokenizing: a step of its own, then found by train.py
     command = shlex.split(str(refused.value).split(" first: ")[1].removesuffix("; then this again"))
-    assert command[:3] == ["python", "-m", "scripts.prepare"] and "gpt2" in command  # every corpus flag in force
+    assert command[:5] == ["python", "-m", "scripts.prepare", "--data_path", str(corpus)] and "gpt2" in command
     assert scripts_prepare.main(command[3:]) is None  # the command it names prepares what train.py then finds
     val_loss = train.train(cfg)
     assert abs(val_loss - np.log(50257)) < 1.0  # about uniform over the 50257 tokens after 2 steps
