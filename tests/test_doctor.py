@@ -6,17 +6,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import (
-    REPO,
-    make_optimizer,
-    make_text,
-    random_batch,
-    run_main,
-    run_script,
-    tiny_args,
-    tiny_model,
-    write_chats,
-)
+from conftest import (REPO, make_optimizer, make_text, random_batch, run_main, run_script, tiny_args, tiny_model,
+                      write_chats)
 
 from checkpoint import start_from
 from config import TrainConfig, make_config

@@ -12,17 +12,8 @@ import pytest
 from conftest import REPO, project_files, run_main
 
 import config
-from config import (
-    EXIT_WRITE_FAILED,
-    CheckpointError,
-    CheckpointWriteError,
-    ConfigError,
-    DataError,
-    HFError,
-    PathError,
-    PeerFailed,
-    RunStopped,
-)
+from config import (EXIT_WRITE_FAILED, CheckpointError, CheckpointWriteError, ConfigError, DataError, HFError,
+                    PathError, PeerFailed, RunStopped)
 
 
 def name_of(node: ast.expr) -> str:  # config.ConfigError -> ConfigError; '' for anything but a name

@@ -11,18 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import (
-    final_weights,
-    make_optimizer,
-    make_text,
-    metrics,
-    random_batch,
-    run_for,
-    run_main,
-    same_weights,
-    tiny_args,
-    tiny_model,
-)
+from conftest import (final_weights, make_optimizer, make_text, metrics, random_batch, run_for, run_main, same_weights,
+                      tiny_args, tiny_model)
 from fault_injection import assert_nested_equal, floating_tensors
 
 import data

@@ -17,19 +17,8 @@ import finetune
 import model as model_module
 from checkpoint import from_checkpoint, load_checkpoint, save_checkpoint
 from finetune import adopt
-from config import (
-    DEFAULTS,
-    FIELD_TYPES,
-    MODEL_OPTIONS,
-    ConfigError,
-    HFError,
-    TrainConfig,
-    choices,
-    make_config,
-    model_config,
-    parse_args,
-    validate,
-)
+from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, HFError, TrainConfig, choices, make_config,
+                    model_config, parse_args, validate)
 from model import GPT, GPTConfig
 from sample import KVCache
 from scripts import export_hf

@@ -16,30 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, metrics, run_main, tiny_args
-from fault_injection import (
-    AS_A_SCRIPT,
-    assert_nested_equal,
-    assert_same_training_state,
-    call_of,
-    floating_tensors,
-    on_training_forward,
-    poison_loss,
-    signal_at,
-)
+from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, floating_tensors,
+                             on_training_forward, poison_loss, signal_at)
 
 import checkpoint
 import optim
 import prepare
 import runtime
 import train
-from checkpoint import (
-    FORMAT_VERSION,
-    REQUIRED_KEYS,
-    RNG_STREAMS,
-    CheckpointError,
-    load_checkpoint,
-    save_checkpoint,
-)
+from checkpoint import FORMAT_VERSION, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint, save_checkpoint
 from config import RunStopped
 from optim import OPTIMIZERS, NonFiniteGuard
 

@@ -12,19 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (
-    REPO,
-    final_weights,
-    make_optimizer,
-    make_text,
-    metrics,
-    read_metrics,
-    run_main,
-    run_script,
-    same_weights,
-    tiny_args,
-    tiny_model,
-)
+from conftest import (REPO, final_weights, make_optimizer, make_text, metrics, read_metrics, run_main, run_script,
+                      same_weights, tiny_args, tiny_model)
 from fault_injection import AS_A_SCRIPT, assert_same_training_state, call_of, signal_at, step_clock
 
 import checkpoint

@@ -20,18 +20,8 @@ import config
 import optim
 import train
 from checkpoint import load_checkpoint, save_checkpoint
-from config import (
-    DEFAULTS,
-    FIELD_TYPES,
-    RANGES,
-    RESUME,
-    RESUME_RULES,
-    USED_ONLY_UNDER,
-    TrainConfig,
-    choices,
-    make_config,
-    model_config,
-)
+from config import (DEFAULTS, FIELD_TYPES, RANGES, RESUME, RESUME_RULES, USED_ONLY_UNDER, TrainConfig, choices,
+                    make_config, model_config)
 from data import LOADERS, corpus_for
 from model import GPT, GPTConfig
 from optim import DECAYS, OPTIMIZERS, MuonAdamW, lr_at
