@@ -199,11 +199,11 @@ def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer:
 
 
 def source_path(cfg) -> Path | None:
-    """cfg's --data_path, the built-in conversations' file (--dataset shakespeare_chat) or None (the built-in text);
-    a corpus flag this source leaves unused is warned about, never dropped silently."""
+    """cfg's --data_path, shakespeare_chat's file or None (the built-in text); a flag it leaves unused: warned."""
     path = Path(cfg.data_path) if cfg.data_path else None
     unused = {"dataset": path is not None, "val_fraction": path is not None and is_tokenized_folder(path),
-              "text_column": path is None or path.suffix == ".txt" or is_tokenized_folder(path)}
+              "text_column": path is None or path.suffix == ".txt" or is_tokenized_folder(path),
+              "loader": cfg.dataset == SHAKESPEARE_CHAT if path is None else is_conversations(path)}  # Conversations
     if said := [name for name, off in unused.items() if off and name in cfg.given]:
         print0(f"WARNING: {', '.join(f'{name} {getattr(cfg, name)!r}' for name in said)} set but unused: the corpus is "
                + (f"--data_path {path}" if path else f"--dataset {cfg.dataset}"), file=sys.stderr)  # stdout is --json's

@@ -68,6 +68,9 @@ def test_too_short_data_fails_before_any_file_is_written(tmp_path, capsys, entry
 # is a trained tiny run, {corpus} its text, {data} its data_dir, {tmp} an empty folder; {run}/metrics.jsonl/x has a
 # file in the way.
 BAD_INPUTS = {
+    "train.py": [(["--config", "tiny", "--dtype", "float32", "--data_path", "{run}/metrics.jsonl", "--data_dir",
+                   "{data}", "--out_dir", "{tmp}/out"],  # documents: a step of their own, the command spelled out
+                  "documents is tokenized by its own command first: python -m scripts.prepare --data_path")],
     "scripts.shape": [(["--preset", "nosuch"], "no preset `nosuch`"), (["--optimizer", "nope"], "nope"),
                       (["--preset", ""], "no preset ``")],  # was: the defaults' trace
     "sample.py": [

@@ -14,7 +14,7 @@ from conftest import ctrl_c_at_the_first_call, make_text, run_main, tiny_args, t
 
 import prepare
 import sample as sample_module
-from config import ConfigError, DataError, TrainConfig
+from config import ConfigError, DataError, TrainConfig, make_config
 from data import Conversations, corpus_for, eval_windows, load_corpus, training_stream
 from finetune import BEGIN, learned
 from finetune import prepare_conversations, split_indices
@@ -104,6 +104,13 @@ def test_a_conversation_of_block_size_plus_one_tokens_trains_whole_and_one_more_
     lost = np.array(short + render(t, conversation("h" * 14, "ay")))  # the cut leaves no target: a NaN loss, refused
     with pytest.raises(DataError, match="keeps no assistant token" if overflow == "truncate" else "of 21 tokens"):
         Conversations(lost, cfg, 0, cpu, t)
+
+
+def test_a_loader_given_for_conversations_is_said_unused(tmp_path, capsys):
+    """Bug caught: --loader bos_packed on a chat corpus was dropped silently (Conversations draws its own rows)."""
+    cfg = make_config("tiny", data_path=str(write_chats(tmp_path / "chats.jsonl")), loader="bos_packed")
+    assert prepare.source_path(cfg) == tmp_path / "chats.jsonl"
+    assert "WARNING: loader 'bos_packed' set but unused: the corpus is --data_path" in capsys.readouterr().err
 
 
 def test_train_rows_hold_one_whole_conversation_and_val_windows_score_exactly_the_learned_tokens(tmp_path):
