@@ -47,13 +47,13 @@ class TrainConfig(GPTConfig):
     compile: Literal["auto", "on", "off"] = free("auto", "torch.compile: auto (on for CUDA only) | on | off")
     threads: int = free(0, "torch threads; 0 = torch's default (one per core). Two jobs on 2 cores: 1 each")
     resume: bool = free(False, "continue exactly from out_dir/last.pt")
-    init_from: str = free("", "start from trained weights: a run's folder or .pt (GPT-2's: python -m "
-                          'scripts.import_hf gpt2 out/gpt2); "" = random init')  # free: a base may move; set
-    # or unset against the checkpoint's is another run, refused (checkpoint.resume_changes)
+    init_from: str = free("", "start from trained weights (their tokenizer prepares the corpus): a run's folder or "
+                          '.pt (GPT-2: python -m scripts.import_hf gpt2 out/gpt2); "" = random init')
+    # free: a base may move; set or unset against the checkpoint's is another run, refused (checkpoint.resume_changes)
     # --- the corpus (python -m scripts.prepare's flags too)
     dataset: str = free("shakespeare", "built-in corpus name; ignored when data_path is set")
-    data_path: str = free("", "what to train on: a .txt file, a folder of train.bin, val.bin and meta.json, or "
-                          "documents (.txt/.parquet files, a .jsonl, a .parquet) after python -m scripts.prepare")
+    data_path: str = free("", "the corpus: a .txt file, a folder of train.bin, val.bin and meta.json, or documents "
+                          "(.txt/.parquet files, a .jsonl, a .parquet: tokenized by python -m scripts.prepare)")
     text_column: str = free("text", "the documents' text: a .jsonl's field or a .parquet's column (a .txt has none)")
     data_dir: str = free("data", "cache of downloaded and prepared corpora")
     tokenizer: Literal["char", "gpt2", "bpe"] = fixed("char", "char (the corpus's) | gpt2 (GPT-2's) | bpe (trained)")
