@@ -27,10 +27,11 @@ import numpy as np
 import torch
 
 import runtime
-from config import (DEFAULTS, FIELD_TYPES, REPO, RESUME, CheckpointError, CheckpointWriteError, ConfigError, HFError,
-                    PathError, TinyGPTError, TrainConfig, as_dict, given_fields, model_config)
+from cli import CheckpointError, CheckpointWriteError, ConfigError, HFError, PathError, TinyGPTError
+from config import (DEFAULTS, FIELD_TYPES, REPO, RESUME, TrainConfig, as_dict, describe, given_fields, model_config,
+                    unused_fields)
 from model import GPT
-from runtime import TEMP_MARK, Dist, atomic_write, describe, dtype_name, print0, unused_fields
+from runtime import TEMP_MARK, Dist, atomic_write, dtype_name, print0
 from tokenizer import tokenizer_from_meta
 
 if TYPE_CHECKING:
@@ -168,15 +169,16 @@ def other_run(path: Path, differences: list[str]) -> CheckpointError:
 
 
 def check_same_run(cfg: TrainConfig) -> str:
-    """--resume: refuse a last.pt of another run by its config alone, before a base is read or a corpus prepared
-    (with --init_from on both sides the options the base fixes are compared once adopted: check_resumable); returns
-    the precision last.pt trained in."""
+    """--resume: refuse another run's last.pt by its config alone, before a base is read or a corpus prepared (with
+    --init_from on both sides, what the base fixes is compared once adopted: check_resumable); returns its precision."""
     path = Path(cfg.out_dir) / "last.pt"
     state = load_checkpoint(path)  # read again, whole, by the resume
     if state["corpus"] is None:  # scripts/import_hf.py's weights: no run behind them
         raise CheckpointError(f"{path} holds imported weights, no run to resume; start from them with --init_from "
                               f"{cfg.out_dir} and another --out_dir")
     saved = state["config"]
+    if bool(saved.get("data_path")) != bool(cfg.data_path):  # free (a moved file), but file or built-in: another run
+        raise other_run(path, [f"data_path: checkpoint {saved.get('data_path', '')!r} vs now {cfg.data_path!r}"])
     if not (cfg.init_from and saved.get("init_from")) and (differences := resume_changes(saved, cfg)["fixed"]):
         raise other_run(path, differences)
     return state["precision"]
@@ -368,14 +370,13 @@ class Loaded:
 
 
 def find_checkpoint(source: str, flag: str = "--ckpt") -> Path:  # flag "": a tool's positional RUN
-    """A file as given; a run folder's best.pt (else last.pt); by default the newest best.pt under out/. Anything else:
-    CheckpointError naming the fix (Hugging Face weights become a run folder with scripts/import_hf.py)."""
+    """A file as given; a run folder's best.pt (else last.pt); by default the newest trained run's under out/. Anything
+    else: CheckpointError naming the fix (Hugging Face weights become a run folder with scripts/import_hf.py)."""
     path = Path(source)
-    if not source:
-        found = sorted(Path("out").glob("**/best.pt"), key=lambda p: p.stat().st_mtime)
-        if not found:
-            raise CheckpointError("no checkpoint found under out/; train one first: python train.py --config small")
-        return found[-1]
+    if not source:  # the README's "newest": a run the user trained (last.pt), never weights imported after it
+        if runs := [p for p in Path("out").glob("**/best.pt") if (p.parent / "last.pt").is_file()]:
+            return max(runs, key=lambda p: p.stat().st_mtime)
+        raise CheckpointError("no trained run in out/; train one (python train.py --config small), or pass --ckpt")
     if path.is_dir() and (found := next((p for p in (path / "best.pt", path / "last.pt") if p.is_file()), None)):
         return found
     named = f"{flag} {source}".strip()
@@ -437,7 +438,7 @@ def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True)
 def add_weights_flags(parser: argparse.ArgumentParser) -> None:
     """--ckpt or --init_from: where the weights of sample.py, scripts/eval.py and harness.py come from."""
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--ckpt", default="", help="checkpoint file or run folder (default: newest out/**/best.pt)")
+    source.add_argument("--ckpt", default="", help="checkpoint or run folder (default: the newest trained run in out/)")
     source.add_argument("--init_from", "--init-from", default="", help="as --ckpt, as train.py takes it")
 
 

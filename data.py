@@ -1,7 +1,6 @@
 """Data: a corpus tokenized once into a folder by prepare.py, opened here memory-mapped and verified (``load_corpus``),
 then read by the training stream (``LOADERS``; its ``state_dict()`` lets a resume continue it exactly) and by the
-fixed validation windows (``val_windows``), so every eval scores the same tokens.
-"""
+fixed validation windows (``val_windows``), so every eval scores the same tokens."""
 import copy
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import DataError
+from cli import DataError
 from prepare import open_verified
 from tokenizer import document_separator
 
@@ -76,8 +75,7 @@ class TrainingStream:
 
     A loader is a subclass and one row of LOADERS. It draws only from its own generator, seeded ``seed``, and
     whatever of it changes as it draws is in its state_dict (tests/test_data.py checks every attribute).
-    ``full_rows``: every batch is (batch_size, block_size), so a step's tokens are known before it runs.
-    """
+    ``full_rows``: every batch is (batch_size, block_size), so a step's tokens are known before it runs."""
     full_rows = False
 
     def __init__(self, tokens: np.ndarray, cfg, seed: int, device: torch.device, separator: int | None):
@@ -117,9 +115,8 @@ class RandomWindows(TrainingStream):
 
 
 class PackedDocuments(TrainingStream):
-    """Rows that each begin at a document's separator (the BOS), filled with whole documents in a shuffled order (a
-    new shuffle each epoch); the one that does not fit is cropped. nanochat's bos_bestfit without its best-fit search.
-    """
+    """Rows that each begin at a document's separator (the BOS), filled with whole documents in an order reshuffled each
+    epoch; the one that does not fit is cropped. nanochat's bos_bestfit without its best-fit search."""
     full_rows = True
 
     def __init__(self, tokens: np.ndarray, cfg, seed: int, device: torch.device, separator: int | None):
@@ -172,8 +169,7 @@ class PackedDocuments(TrainingStream):
 class Conversations(PackedDocuments):
     """One conversation a row, shuffled, padded to the batch's longest; the targets are the assistant's tokens only,
     -1 elsewhere. A chat corpus's stream whatever cfg.loader says; a conversation longer than block_size + 1 tokens
-    is refused, or with cfg.chat_overflow="truncate" cut there.
-    """
+    is refused, or with cfg.chat_overflow="truncate" cut there."""
     full_rows = False  # padded to the batch's longest conversation
 
     def __init__(self, tokens: np.ndarray, cfg, seed: int, device: torch.device, tokenizer,
@@ -243,6 +239,5 @@ def val_windows(data: np.ndarray, block_size: int, max_targets: int = 0) -> tupl
     tokens = torch.from_numpy(np.asarray(data[: n_targets + 1]).astype(np.int64))  # (n_targets + 1,)
     x = torch.zeros(n_windows * block_size, dtype=torch.long)
     y = torch.full((n_windows * block_size,), -1, dtype=torch.long)
-    x[:n_targets] = tokens[:-1]
-    y[:n_targets] = tokens[1:]
+    x[:n_targets], y[:n_targets] = tokens[:-1], tokens[1:]
     return x.view(n_windows, block_size), y.view(n_windows, block_size)  # (N, T) each

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from config import CheckpointError, DataError, HFError, TrainConfig, given_fields
+from cli import CheckpointError, DataError, HFError
+from config import TrainConfig, given_fields
 from config import parse_lora_targets as parse_targets
 from model import GPT, GPTConfig
 from prepare import SPLITS, is_val, jsonl_lines, new_tokenizer, token_dtype, tokenizer_label, write_meta, write_splits

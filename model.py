@@ -4,10 +4,9 @@ Shape legend used in every comment below:
     B batch size, T sequence length, C n_embd, nh n_head, hs head size (C // nh), V padded vocab,
     S positions already in the KV cache (0 without one).
 
-Parameter names follow GPT-2 (wte, wpe, h, ln_1, c_attn, c_proj, ln_2, c_fc, ln_f, lm_head) so
-that pretrained weights map key by key. References: Radford et al. 2019 ("Language Models are
-Unsupervised Multitask Learners") for pre-norm and the residual-scaled init; Vaswani et al. 2017.
-"""
+Parameter names follow GPT-2 (wte, wpe, h, ln_1, c_attn, c_proj, ln_2, c_fc, ln_f, lm_head) so that pretrained weights
+map key by key. References: Radford et al. 2019 ("Language Models are Unsupervised Multitask Learners") for pre-norm and
+the residual-scaled init; Vaswani et al. 2017."""
 import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
@@ -32,8 +31,7 @@ class GPTConfig:
     """Every option of the model, declared once: TrainConfig inherits these fields as flags and preset keys.
 
     A checkpoint saved before a field existed means its default, so a new option's default must be the model as it
-    was (GPT-2's computation). docs/experiments.md walks through adding one.
-    """
+    was (GPT-2's computation). docs/experiments.md walks through adding one."""
     vocab_size: int = option(MISSING, "real vocabulary size, set by the corpus; the embedding is padded up for speed")
     block_size: int = option(128, "context length in tokens (the longest sequence the position tables cover)")
     n_layer: int = option(4, "transformer blocks")
@@ -84,8 +82,7 @@ def visible_keys(config: GPTConfig, tokens: torch.Tensor, T: int) -> torch.Tenso
 
     Either a bool rule (True = attend), (T, S + T) or per row (B, 1, T, S + T); or an additive float bias, (T, S + T),
     (nh, T, S + T) or (B, nh, T, S + T), -inf where a key is never seen (ALiBi). Built on the CPU; a rule that reads
-    ``tokens`` is on their device (move the positions there).
-    """
+    ``tokens`` is on their device (move the positions there)."""
     S = tokens.size(1) - T
     query = torch.arange(S, S + T).unsqueeze(1)  # (T, 1) positions
     key = torch.arange(S + T).unsqueeze(0)  # (1, S + T) positions
@@ -106,8 +103,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """softmax(q k^T / sqrt(hs) + mask) v: T queries (B, nh, T, hs) over S + T keys (B, nh, S + T, hs).
 
     ``mask``: GPT.visible's rule or bias, or None for the plain causal rule (SDPA's own kernels). In bf16 on CPU
-    the plain matmul-softmax-matmul is ~5x faster than SDPA (scripts/bench.py --profile): a rule becomes a bias.
-    """
+    the plain matmul-softmax-matmul is ~5x faster than SDPA (scripts/bench.py --profile): a rule becomes a bias."""
     T, S = q.size(2), k.size(2) - q.size(2)
     cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
     if mask is None and (cpu_bf16 or (T > 1 and S > 0)):  # no causal kernel for these: the plain rule itself
@@ -126,9 +122,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (Su et al. 2021, "RoFormer"): channel i of each head and channel
-    i + hs/2 form a pair, turned by the angle position * base^(-2i/hs), so that q·k depends on the
-    two positions only through their difference. The angles are buffers, not weights."""
+    """Rotary position embedding (Su et al. 2021, "RoFormer"): each head's channel pair (i, i + hs/2) turns by the angle
+    position * base^(-2i/hs), so q·k depends only on the positions' difference. The angles are buffers, not weights."""
 
     def __init__(self, head_size: int, block_size: int, base: float = 10000.0):
         super().__init__()
@@ -143,15 +138,6 @@ class Rotary(nn.Module):
         cos, sin = self.cos[start:start + T].to(x.dtype), self.sin[start:start + T].to(x.dtype)  # (T, hs/2)
         x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # (B, nh, T, hs)
-
-
-def step_bytes(config: GPTConfig, batch_size: int, cpu_bf16: bool) -> int:
-    """A lower bound on the bytes one step of ``batch_size`` rows holds, to refuse a size that cannot fit before
-    anything is allocated: ~34 bytes per token and channel per layer (Korthikanti et al. 2022, eq. 1), the (T, T)
-    rules, and on the CPU-bf16 path each layer's (B, nh, T, T) attention weights."""
-    B, T = batch_size, config.block_size
-    scores = B * config.n_head * T * T * 2 if cpu_bf16 else 0
-    return config.n_layer * (B * T * 34 * config.n_embd + scores) + 2 * T * T
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -249,8 +235,7 @@ class GPT(nn.Module):
         # Weight tying (Press & Wolf 2017): one matrix embeds tokens and scores them.
         self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
-        # GPT-2: scale the init of projections that write into the residual stream by
-        # 1/sqrt(2 * n_layer), since each block adds two of them to the stream.
+        # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 * n_layer): each block adds two.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
@@ -271,10 +256,8 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token, measured: FlopCounterMode counts one forward and backward of ``seq_len`` tokens
-        (block_size by default), so a fork is counted as it runs. For the default model this is PaLM's
-        6·N + 12·n_layer·T·C (Chowdhery et al. 2022, app. B). SDPA's "math" backend, as the counter sees no fused
-        CPU kernel; eval mode, so no random numbers are drawn.
-        """
+        (block_size by default), so a fork is counted as it runs. For the default model, PaLM's 6·N + 12·n_layer·T·C
+        (Chowdhery et al. 2022, app. B). SDPA's "math" backend, as the counter sees no fused CPU kernel."""
         T = seq_len or self.config.block_size
         device = next(self.parameters()).device
         idx = torch.arange(T, device=device).remainder(self.config.vocab_size).unsqueeze(0)  # (1, T): any tokens
@@ -291,8 +274,7 @@ class GPT(nn.Module):
         """Logits for every position; with targets (-1 ignored) also the *summed* cross-entropy (the metric), the
         count of targets and the objective's auxiliary terms (z_loss). Sums, not means, so that the caller can
         divide by the token count of a whole accumulated batch. With a cache (sample.py's KVCache), idx holds the
-        tokens that follow the cached ones, at positions cache.length onwards.
-        """
+        tokens that follow the cached ones, at positions cache.length onwards."""
         B, T = idx.shape
         start = cache.length if cache is not None else 0  # S: position of idx[:, 0]
         if start + T > self.config.block_size:  # the position tables end here; never shift them silently

@@ -1,28 +1,27 @@
 """How the weights move: the optimizers and the lr decays, each a row of a table of functions.
 
-``OPTIMIZERS`` maps a name to a builder (model, cfg, device, dtype) -> torch.optim.Optimizer; ``DECAYS`` maps a
-name to a shape: the share of learning_rate - min_lr left as the decay's progress goes 0 -> 1, around which
-``lr_at`` draws the standard curve (warmup, the clock, min_lr at the end). The names config accepts are these
-keys (its Literals; tests/test_training_options.py checks they match: a name without its row fails there). Which
-fields some choices read is config.USED_ONLY_UNDER, checked by perturbing every field. docs/experiments.md,
-"Adding a training option", walks through adding a row. ``NonFiniteGuard`` watches every step for a non-finite
-loss or gradient.
+``OPTIMIZERS`` maps a name to a builder (model, cfg, device, dtype) -> torch.optim.Optimizer; ``DECAYS`` maps a name to
+a shape: the share of learning_rate - min_lr left as the decay's progress goes 0 -> 1, around which ``lr_at`` draws the
+standard curve (warmup, the clock, min_lr at the end). The names config accepts are these keys (its Literals;
+tests/test_training_options.py checks they match: a name without its row fails there). Which fields some choices read is
+config.USED_ONLY_UNDER, checked by perturbing every field. docs/experiments.md, "Adding a training option", walks
+through adding a row. ``NonFiniteGuard`` watches every step for a non-finite loss or gradient.
 
-Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; Liu et al. 2025, "Muon is Scalable for
-LLM Training") replaces the update of a 2-D hidden weight by the semi-orthogonal matrix nearest its momentum (five
-Newton-Schulz iterations): every direction of the matrix moves at the same rate, instead of a few dominant ones.
-The embedding (tied to the output head), the position table and the norm gains stay on AdamW (PARAMETER_KINDS).
+Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; Liu et al. 2025, "Muon is Scalable for LLM
+Training") replaces the update of a 2-D hidden weight by the semi-orthogonal matrix nearest its momentum (five
+Newton-Schulz iterations): every direction of the matrix moves at the same rate, instead of a few dominant ones. The
+embedding (tied to the output head), the position table and the norm gains stay on AdamW (PARAMETER_KINDS).
 torch.optim.Muon does the maths, with one change (``Muon`` below): the Newton-Schulz iteration runs in the run's
-precision, not always in bf16, which is emulated on CPUs without AVX512-BF16 or AMX: on a 2-core AMD EPYC
-without AVX-512 a bf16 matmul ran at 1 GFLOP/s against 98 in fp32 (the `small` step: 1.1 s instead of ~0.1 s).
-"""
+precision, not always in bf16, which is emulated on CPUs without AVX512-BF16 or AMX: on a 2-core AMD EPYC without
+AVX-512 a bf16 matmul ran at 1 GFLOP/s against 98 in fp32 (the `small` step: 1.1 s instead of ~0.1 s)."""
 import fnmatch
 import math
 from typing import Any
 
 import torch
 
-from config import EXIT_NONFINITE, CheckpointError, ConfigError, RunStopped, TrainConfig
+from cli import EXIT_NONFINITE, CheckpointError, ConfigError, RunStopped
+from config import TrainConfig
 from model import GPT
 
 # ----------------------------------------------------------------------------- which parameter trains how
@@ -82,8 +81,7 @@ def build_muon(model: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.
     """Muon for the matrices, AdamW (learning_rate) for the tables and gains, as one optimizer.
 
     The Newton-Schulz iteration runs in bf16 only where the run's matmuls do (``dtype``, which
-    pick_dtype chose by measurement on a CPU): elsewhere bf16 is emulated and ~100x slower than fp32.
-    """
+    pick_dtype chose by measurement on a CPU): elsewhere bf16 is emulated and ~100x slower than fp32."""
     trained = trained_parameters(model)
     matrices = [p for kind, p in trained if kind == "matrix"]
     muon = Muon([{"params": matrices, "lr_scale": cfg.muon_lr / cfg.learning_rate}],
@@ -109,8 +107,7 @@ def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float]
     X <- a X + (b A + c A^2) X with A = X X^T, on the wide orientation (fewer rows) so A is the small
     Gram matrix; the coefficients push every singular value towards ~1 in five steps (Jordan et al.).
     torch.optim.Muon's operations on each matrix, in ``dtype`` instead of always bf16, batched: one bmm for every
-    matrix of a shape instead of one mm each, which gives the same bits (tests/test_optim.py) in fewer, larger calls.
-    """
+    matrix of a shape instead of one mm each, which gives the same bits (tests/test_optim.py) in fewer, larger calls."""
     a, b, c = coefficients
     x = update.to(dtype)
     tall = update.size(-2) > update.size(-1)
@@ -204,13 +201,11 @@ def lr_at(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
     """The lr of ``step``, ``time_s`` s into the run: linear warmup to learning_rate over warmup_iters steps,
     then DECAYS[lr_decay] from the peak down to min_lr as the progress goes 0 -> 1, and min_lr once it is 1.
 
-    The clock measures the progress. schedule=steps: it reaches 1 at lr_decay_iters (min_lr from there
-    on, where every shape has arrived already: shape(1) = 0); a pure function of the step, so a resumed
-    run follows exactly the same schedule. schedule=time: it reaches 1 when ``time_s`` (the run's wall
-    clock) reaches max_time, so a slow machine ends its budget as annealed as a fast one, after fewer
-    steps (Geiping & Goldstein 2022, "Cramming", tie the schedule to the time budget the same way); or at
-    max_iters, if the steps run out first.
-    """
+    The clock measures the progress. schedule=steps: it reaches 1 at lr_decay_iters (min_lr from there on, where every
+    shape has arrived already: shape(1) = 0); a pure function of the step, so a resumed run follows exactly the same
+    schedule. schedule=time: it reaches 1 when ``time_s`` (the run's wall clock) reaches max_time, so a slow machine
+    ends its budget as annealed as a fast one, after fewer steps (Geiping & Goldstein 2022, "Cramming", tie the schedule
+    to the time budget the same way); or at max_iters, if the steps run out first."""
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / cfg.warmup_iters
     if cfg.schedule == "time":  # whichever budget runs out first ends the decay
@@ -256,8 +251,7 @@ class NonFiniteGuard:
 
     fp16: GradScaler skips a step whose gradients overflow and halves its scale (its normal way of finding the
     scale); the guard counts consecutive skips and stops the run once ``max_skipped`` are reached: a scale
-    fallen by 2**max_skipped means the model diverged.
-    """
+    fallen by 2**max_skipped means the model diverged."""
 
     def __init__(self, scaler: torch.amp.GradScaler, max_skipped: int, device: torch.device):
         self.scaler, self.max_skipped = scaler, max_skipped
@@ -286,8 +280,7 @@ class NonFiniteGuard:
         if (bad_step := int(self.bad_step)) < 0:
             return
         if self.scaler.is_enabled():
-            raise RunStopped(f"{self.max_skipped} steps in a row skipped for non-finite fp16 gradients "
-                             f"(the last at step {bad_step}); lower learning_rate or use --dtype bfloat16",
-                             EXIT_NONFINITE)
+            raise RunStopped(f"{self.max_skipped} steps in a row skipped for non-finite fp16 gradients (the last at "
+                             f"step {bad_step}); lower learning_rate or use --dtype bfloat16", EXIT_NONFINITE)
         raise RunStopped(f"non-finite loss or gradient at step {bad_step}; stopped at the next log step, before "
                          "anything non-finite was saved; lower learning_rate or check the data", EXIT_NONFINITE)

@@ -1,8 +1,7 @@
 """A text into verified token files, once, cached in data_dir: what train.py does first (conversations: finetune.py;
 documents, streamed in threads: python -m scripts.prepare, a step of their own).
 
-Each folder is written into a staging folder and renamed into place whole: a killed prepare leaves no half corpus.
-"""
+Each folder is written into a staging folder and renamed into place whole: a killed prepare leaves no half corpus."""
 import functools
 import hashlib
 import io
@@ -20,7 +19,8 @@ from typing import Callable, Iterable, Iterator, NoReturn
 import numpy as np
 from tqdm import tqdm
 
-from config import DEFAULTS, DataError
+from cli import DataError
+from config import DEFAULTS
 from runtime import STAGING, atomic_write_text, check_writable, print0, remove_leftovers, sha256_of, staged_folder
 from tokenizer import (CharTokenizer, GPT2Tokenizer, UnknownCharacters, data_home, pip_download_sdist,
                        tokenizer_from_meta, tokenizer_vocab_size, train_bpe)
@@ -164,6 +164,8 @@ DEFAULT_TEXT_COLUMN = "text"
 def refuse_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, block_size: int,
                      text_column: str, bpe_vocab_size: int, base: dict | None, init_from: str = "") -> NoReturn:
     """A corpus of documents not prepared yet, as train.py finds it: the command that prepares it, flags spelled out."""
+    if base is not None and not init_from:  # the command would prepare it in the corpus's own tokenizer
+        raise TypeError("refuse_documents: a base tokenizer needs init_from, the run it came from, for the command")
     given = {"data_path": path.resolve(), "text_column": text_column, "data_dir": data_dir, "tokenizer": tokenizer,
              "bpe_vocab_size": bpe_vocab_size, "val_fraction": val_fraction, "init_from": init_from}
     flags = " ".join(f"--{name} {shlex.quote(str(value))}" for name, value in given.items() if value != DEFAULTS[name])
@@ -189,7 +191,8 @@ def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer:
             if read_meta(folder)["val_fraction"] == val_fraction:
                 return folder
         except DataError as err:
-            print(f"{err}; preparing {folder} again from its source", flush=True)
+            if path is None or not is_document_corpus(path):  # documents: said by their own step; train.py refuses
+                print(f"{err}; preparing {folder} again from its source", flush=True)
     if path is not None and is_document_corpus(path):
         return documents(path, folder, tokenizer, data_dir, val_fraction, block_size, text_column, bpe_vocab_size, base)
     check_writable(data_dir, "--data_dir", f"{STAGING}probe")
@@ -300,8 +303,7 @@ def read_text_file(path: Path) -> str:
 
 
 def text_chunks(text: str | Path, chunk_chars: int = 0) -> Iterator[str]:
-    """A text or a file's (as Path.read_text), in pieces of ~chunk_chars characters ending at a newline (no merge
-    straddles two)."""
+    """A text or a file's (as Path.read_text), in newline-ended ~chunk_chars-character pieces (no merge spans two)."""
     chunk_chars, buffer = chunk_chars or CHUNK_CHARS, ""
     try:
         with io.StringIO(text) if isinstance(text, str) else open(text, encoding="utf-8") as f:

@@ -1,6 +1,6 @@
 """Generate text from a trained checkpoint, fast (KV cache) and exact. The checkpoint carries its tokenizer.
 
-    python sample.py --temp 0.8                       # newest best.pt under out/
+    python sample.py --temp 0.8                       # the newest trained run's best.pt under out/
     python sample.py --ckpt out/small --prompt "ROMEO:" --num-samples 3 --top-k 40 --top-p 0.9
     python sample.py --ckpt out/small --prompt "ROMEO:" --stop "\\n\\n"   # one speech: stop at a blank line
     python sample.py --ckpt out/gpt2 --prompt "Hello, I'm a language model,"   # GPT-2 (python -m scripts.import_hf)
@@ -8,7 +8,7 @@
 import signal
 
 # Ctrl-C while torch imports (seconds) ends the process, not in an import traceback (an ignored one stays ignored);
-# config.run_tool, main's entry below, puts Python's handler back once they are done
+# cli.run_tool, main's entry below, puts Python's handler back once they are done
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import add_weights_flags, from_flags
-from config import EXIT_INTERRUPTED, FIELD_HELP, CommandLine, DataError, exit_on_errors, fail, run_tool
+from cli import EXIT_INTERRUPTED, CommandLine, DataError, exit_on_errors, fail, run_tool
+from config import FIELD_HELP
 from model import GPT, GPTConfig
 from runtime import pick_device, use_threads
 

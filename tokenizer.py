@@ -1,7 +1,6 @@
 """Tokenizers: one id per character (CharTokenizer), GPT-2's byte-level BPE or one trained here (tiktoken), and a
 chat model's role markers after any of them (ChatTokenizer). ``tokenizer_from_meta`` rebuilds any of them from the
-description a corpus or checkpoint keeps.
-"""
+description a corpus or checkpoint keeps."""
 import hashlib
 import subprocess
 import sys
@@ -13,7 +12,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from config import REPO, DataError, install_hint
+from cli import DataError, install_hint
+from config import REPO
 from runtime import sha256_of, staging_folder
 
 
@@ -99,7 +99,6 @@ class BPETokenizer(TiktokenTokenizer):
 
     def __init__(self, meta: dict):
         import tiktoken
-
         ranks = {bytes.fromhex(token): rank for rank, token in enumerate(meta["ranks"])}
         super().__init__(tiktoken.Encoding(name=f"tinygpt-bpe-{len(ranks) + 1}", pat_str=meta["pattern"],
                                            mergeable_ranks=ranks, special_tokens={EOT_TEXT: len(ranks)}), meta)
@@ -137,7 +136,6 @@ BYTES = 256  # a byte-level BPE starts from every byte: its smallest vocabulary 
 def bpe_pattern() -> str:
     """GPT-2's split pattern: a merge never crosses a word, and the export is a GPT2Tokenizer with our ids."""
     from tiktoken_ext.openai_public import r50k_pat_str
-
     return r50k_pat_str
 
 
@@ -161,7 +159,6 @@ def load_gpt2_encoding(cache: Path):
     """tiktoken's "gpt2"; offline, the same ranks from the file inside the openai-whisper sdist, checked by sha256."""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
-
     ranks_file = cache / "tokenizers" / "gpt2.tiktoken"
     if not ranks_file.is_file():
         try:

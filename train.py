@@ -5,8 +5,8 @@
     python train.py --help                      # every config field with its default
     torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 
-Reads top to bottom: one optimizer step (train_step) -> evaluation -> build_run -> the loop. Side concerns live in
-checkpoint.py (saves, resume), optim.py (optimizers, lr, the NaN guard) and runtime.py (device, DDP, signals, logs).
+Reads top to bottom: one optimizer step (train_step) -> evaluation -> build_run -> the loop. Side concerns:
+checkpoint.py (saves, resume), optim.py (optimizers, lr), runtime.py (device, DDP), logs.py (lines), cli.py (errors).
 """
 import signal
 
@@ -28,20 +28,16 @@ from tqdm import tqdm
 import data
 import runtime
 from checkpoint import Checkpointer, check_same_run, claim, start_from
-from config import ConfigError, TrainConfig, exit_for, fail, model_config, parse_args
+from cli import ConfigError, StopOnSignal, exit_for, fail, interrupt_until_the_loop, run_error
+from config import TrainConfig, model_config, parse_args
+from logs import MetricsLog, check_wandb, describe_run
 from model import GPT
 from optim import NonFiniteGuard, build_optimizer, lr_at
-from runtime import (MetricsLog, Runtime, StopOnSignal, check_wandb, choose_runtime, compile_for_step, describe_run,
-                     interrupt_until_the_loop, refuse_what_cannot_fit, run_error, seed_everything)
+from runtime import Runtime, choose_runtime, compile_for_step, refuse_what_cannot_fit, seed_everything
 from tokenizer import token_byte_lengths, tokenizer_from_meta
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs and targets, (B, T) each
-
-
-def get_lr(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
-    """The lr of ``step`` (0-based), ``time_s`` seconds into the run: the lr_decay entry's curve, whole
-    (optim.py: warmup, then the decay from learning_rate to min_lr as its clock runs)."""
-    return lr_at(step, cfg, time_s)
+get_lr = lr_at  # (step from 0, cfg, time_s) -> the lr: warmup, then the lr_decay curve down to min_lr (optim.py)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -280,7 +276,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
 
 
 def main(argv: list[str] | None = None) -> None:
-    """train.py's command line: every error one line with its exit code (config/__init__.py), once per job."""
+    """train.py's command line: every error one line with its exit code (cli.py), once per job."""
     stop = StopOnSignal()
     try:
         with interrupt_until_the_loop():  # SIGTERM before the first step ends as Ctrl-C does: one line, no folder

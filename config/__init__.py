@@ -4,19 +4,15 @@
     python train.py --help            # every field, its default (the preset's, with --config) and its help
 """
 import argparse
-import contextlib
 import dataclasses
-import difflib
 import functools
 import math
-import os
 import re
-import signal
-import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Literal, NoReturn, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, get_args, get_origin, get_type_hints
 
+from cli import CommandLine, ConfigError, did_you_mean, parse_typed, require
 from model import GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout: its entry points, and data/ (the default data_dir)
@@ -122,11 +118,6 @@ def choices(name: str) -> tuple[Any, ...]:  # a Literal's values; () for any oth
     return get_args(FIELD_TYPES[name]) if get_origin(FIELD_TYPES[name]) is Literal else ()
 
 
-def require(ok: Any, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def unknown_key(key: str, where: str) -> "ConfigError":
     hint = did_you_mean(key.replace("-", "_"), list(FIELD_TYPES), "field")
     return ConfigError(f"unknown config key `{key}` in {where}{hint}")
@@ -215,9 +206,22 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:  # the vocabul
     return GPTConfig(vocab_size=vocab_size, **{name: getattr(cfg, name) for name in MODEL_OPTIONS})
 
 
+def describe(config) -> str:
+    """The model in one line: "block_size 64, n_layer 3, n_head 4, n_embd 128, vocab 65; not default: ..."."""
+    shown = [f for f in dataclasses.fields(config) if f.name != "vocab_size"]
+    sizes = [f"{f.name} {getattr(config, f.name)}" for f in shown if f.type is int and f.default != 0]
+    options = [f"{f.name} {getattr(config, f.name)}" for f in shown
+               if not (f.type is int and f.default != 0) and getattr(config, f.name) != f.default]
+    return ", ".join(sizes + [f"vocab {config.vocab_size}"]) + "; not default: " + (", ".join(options) or "none")
+
+
 def given_fields(cfg: TrainConfig) -> frozenset[str]:
     """The fields make_config was given, whatever their value, and any off its default (init_from refuses those)."""
     return frozenset(cfg.given) | {name for name in FIELD_TYPES if getattr(cfg, name) != DEFAULTS[name]}
+
+
+def unused_fields(cfg: TrainConfig) -> set[str]:  # muon_lr under adamw, and so on
+    return {name for name, (chooser, readers) in USED_ONLY_UNDER.items() if getattr(cfg, chooser) not in readers}
 
 
 def as_dict(cfg: TrainConfig) -> dict[str, Any]:  # a checkpoint's "config" (checkpoint.config_from_dict reads it)
@@ -259,189 +263,3 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         raise unknown_key(word.lstrip("-").split("=")[0], "the command line")
     overrides = vars(args)
     return make_config(overrides.pop("config"), **overrides)
-
-
-# ----------------------------------------------------------------------------- errors and exit codes
-# Each error class carries its exit code (docs/reliability.md). 74, 75: sysexits.h; 130, 143: the shell's 128 + signal.
-EXIT_BAD_INPUT = 2  # bad config, data, checkpoint or folder, caught before training: nothing written
-EXIT_NONFINITE = 3  # a non-finite loss or gradient; fp16: max_skipped_steps overflowed steps in a row
-EXIT_WRITE_FAILED = 74  # a checkpoint or a folder's write probe failed (disk full, I/O): the previous files intact
-EXIT_PEER_LOST = 75  # under torchrun another rank died without a word (SIGKILL, a crash): --resume
-EXIT_INTERRUPTED = 130  # SIGINT, after the step and its save; SIGTERM's is 143
-EXIT_OUTPUT_CLOSED = 141  # stdout's reader went away (| head): SIGPIPE's, as a shell reports it
-
-
-class TinyGPTError(Exception):
-    """An error the user can act on: str() is one line that names the fix, ``exit_code`` the process's code."""
-    exit_code = EXIT_BAD_INPUT
-
-    def __init__(self, message: str, exit_code: int | None = None):
-        super().__init__(message)
-        if exit_code is not None:
-            self.exit_code = exit_code
-
-
-class ConfigError(TinyGPTError, ValueError):
-    """A configuration mistake the user can fix; the message says how."""
-
-
-class DataError(TinyGPTError, ValueError):
-    """Bad or missing input data; the message names the file and what is wrong."""
-
-
-class CheckpointError(TinyGPTError, RuntimeError):
-    """A checkpoint that cannot be used; the message names the file."""
-
-
-class CheckpointWriteError(TinyGPTError, OSError):
-    """A checkpoint could not be written (disk full, I/O error); the previous file is intact."""
-    exit_code = EXIT_WRITE_FAILED
-
-
-class PathError(ConfigError):
-    """A folder the run cannot use: 2 for a path to change (a file in the way, read-only, in use), 74 for I/O."""
-
-
-class HFError(ConfigError):
-    """Weights or a config that do not fit this model; the message names the key and the fix."""
-
-
-class RunStopped(TinyGPTError):
-    """Training stopped early on purpose (a signal, a non-finite step, a lost peer), with that stop's exit code."""
-
-
-class PeerFailed(TinyGPTError):
-    """Another rank failed and prints why; this one stops too, silently, with that rank's exit code."""
-
-    def __init__(self, exit_code: int):
-        super().__init__(f"another rank failed (exit code {exit_code})", exit_code)
-
-
-# ----------------------------------------------------------------------------- optional packages
-OPTIONAL_PACKAGES = {
-    "rustbpe": ("rustbpe==0.1.0", "requirements.txt"),  # --tokenizer bpe
-    "scipy": ("scipy==1.17.1", "requirements-dev.txt"),  # scripts/compare.py's t-test
-    "pyarrow": ("pyarrow==26.0.1", "requirements-dev.txt"),  # .parquet corpora
-    "gguf": ("gguf==0.19.0", "requirements-interop.txt"),  # scripts/export_gguf.py
-    "lm_eval": ("lm_eval==0.4.13", "requirements-interop.txt"),  # scripts/harness.py
-    "wandb": ("wandb==0.31.0", "requirements-interop.txt"),  # --wandb
-}
-
-
-def install_hint(package: str) -> str:
-    pin, requirements = OPTIONAL_PACKAGES[package]
-    return f"pip install {pin} (or pip install -r {requirements})"
-
-
-# ----------------------------------------------------------------------------- the one way out
-def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
-    """(its one line, the exit code, the rank that prints it or None) for ``err``; None for a bug (its traceback).
-    Rank 0 prints the job's errors, another rank only one stop_together found on it first (``reporting_rank``)."""
-    if isinstance(err, PeerFailed):  # another rank failed and prints why: this one stops silently
-        return "", err.exit_code, None
-    if isinstance(err, BrokenPipeError):  # stdout's reader is gone (| head): end quietly, as a SIGPIPE would
-        return "", EXIT_OUTPUT_CLOSED, None
-    if isinstance(err, TinyGPTError):
-        rank = int(os.environ.get("RANK", "0"))  # torchrun's
-        return str(err), err.exit_code, rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None
-    return None
-
-
-def silence_stdout() -> None:
-    """Point stdout at /dev/null once its reader is gone, so that no later print, nor Python's last flush, fails."""
-    with contextlib.suppress(OSError, ValueError):  # a stdout with no file (a test's capture) stays as it is
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def fail(message: str, code: int = EXIT_BAD_INPUT, rank: int | None = 0) -> NoReturn:
-    """Print a one-line error (rank 0's; another rank names itself; None prints nothing) and exit, no traceback."""
-    if rank is not None:
-        print(f"rank {rank}: error: {message}" if rank else f"error: {message}", file=sys.stderr)
-    if code == EXIT_OUTPUT_CLOSED:
-        silence_stdout()  # or Python's last flush of stdout fails, in a traceback
-    sys.exit(code)
-
-
-def run_tool(main: Callable[[], int | None]) -> NoReturn:
-    """A tool's entry (python -m scripts.NAME): exit with main()'s code; a closed stdout (| head) ends it quietly."""
-    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # scripts/__init__.py's, while torch imported
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is a KeyboardInterrupt again (130)
-    try:
-        sys.exit(main())
-    except BrokenPipeError as err:
-        exit_on(err)
-    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 130, not a traceback from inside torch
-        fail("interrupted", EXIT_INTERRUPTED)
-
-
-def exit_on(err: BaseException) -> NoReturn:
-    """End the process on ``err`` as exit_for says; a bug is raised again."""
-    if (ending := exit_for(err)) is None:
-        raise err
-    fail(*ending)
-
-
-@contextlib.contextmanager
-def exit_on_errors() -> Iterator[None]:
-    """A tool's block whose TinyGPTError ends the process as exit_on does: its one line and exit code, no traceback."""
-    try:
-        yield
-    except TinyGPTError as err:
-        exit_on(err)
-
-
-# ----------------------------------------------------------------------------- command lines
-def did_you_mean(word: str, known: list[str], what: str) -> str:
-    close = difflib.get_close_matches(word, known, n=1)
-    return f"; did you mean `{close[0]}`?" if close else f"; run with --help to list every {what}"
-
-
-BOOL_WORDS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
-
-
-def parse_typed(name: str, kind: Any, raw: Any) -> Any:
-    """A TOML or command-line value as the type ``kind``, or a ConfigError naming ``name``."""
-    expected = "str" if get_origin(kind) is Literal else kind.__name__
-    try:
-        if expected == "bool":
-            return raw if isinstance(raw, bool) else BOOL_WORDS[str(raw).lower()]
-        if expected in ("int", "float") and isinstance(raw, bool):  # True is 1 to Python, never to a user
-            raise ValueError
-        if expected == "int":
-            if isinstance(raw, float) and not raw.is_integer():
-                raise ValueError
-            return int(raw.replace("_", "")) if isinstance(raw, str) else int(raw)
-        return float(raw) if expected == "float" else str(raw)
-    except (KeyError, ValueError):
-        raise ConfigError(f"{name} must be {expected}, got {raw!r}") from None
-
-
-class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds "(default: X)" to a flag's help unless X is None or empty."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        return action.help or "" if action.default in (None, "") else super()._get_help_string(action)
-
-
-class CommandLine(argparse.ArgumentParser):
-    """argparse for every entry point: a mistake is one line and exit 2; the usage names the command typed."""
-
-    def __init__(self, **kwargs: Any):
-        spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # python -m: argparse's eval.py runs nothing
-        kwargs.setdefault("prog", f"python -m {spec.name.removesuffix('.__main__')}" if spec and spec.name
-                          else os.path.basename(sys.argv[0]))  # python -m pkg runs pkg.__main__
-        kwargs.setdefault("formatter_class", DefaultsOnce)
-        super().__init__(allow_abbrev=False, **kwargs)  # an abbreviation that later grows ambiguous breaks scripts
-
-    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's signature
-        # intermixed: positionals may stand between flags (bench's `dtype=float32 --threads 1 compile=on`)
-        parsed, unknown = self.parse_known_intermixed_args(args, namespace)
-        if (flag := next((u.split("=")[0] for u in unknown if u.startswith("-")), None)) is not None:
-            known = [s for action in self._actions for s in action.option_strings]
-            self.error(f"unknown flag `{flag}`" + did_you_mean(flag, known, "flag"))
-        if unknown:
-            self.error(f"unexpected argument `{unknown[0]}`; run with --help to list every flag")
-        return parsed
-
-    def error(self, message: str) -> NoReturn:  # argparse calls this for bad values and missing arguments too
-        fail(message)  # exit 2, as for any bad input

@@ -7,8 +7,7 @@
     python -m scripts.bench --config nanogpt_cpu dtype=float32 --vs dtype=bfloat16 --min-ratio 1.5  # a check
 
 It times train.py's own step (train.build_run, train.train_step), a device sync after each phase, medians after the
-warm-up; --vs alternates rounds, so other load falls on both configs alike. Rows: docs/notebook/performance.md.
-"""
+warm-up; --vs alternates rounds, so other load falls on both configs alike. Rows: docs/notebook/performance.md."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/bench.py`: its folder, not the repo, leads the module path
@@ -29,9 +28,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpoint import start_from
-from config import CommandLine, PathError, TrainConfig, exit_on_errors, make_config, require, run_tool
+from cli import CommandLine, PathError, exit_on_errors, require, run_tool
+from config import TrainConfig, make_config
+from logs import threads_text
 from runtime import (atomic_write_text, check_writable, choose_runtime, compile_for_step, dtype_name, matmul_gflops,
-                     pick_device, threads_text, use_threads)
+                     pick_device, use_threads)
 from train import Run, build_run, get_lr, train_step
 
 PHASES = ("data", "step")  # drawing the batches; train.train_step (forward, backward, clip, update)
@@ -103,8 +104,7 @@ class MatmulRecorder(TorchDispatchMode):
 def matmul_limit(b: Bench, repeats: int = 5) -> dict:
     """The step's matmuls replayed alone at their shapes: the limit of a step whose other work costs nothing. A fused
     kernel's products (SDPA's attention) are unseen by the dispatcher: not among them."""
-    recorder = MatmulRecorder()
-    with recorder:
+    with MatmulRecorder() as recorder:
         timed_step(b)
     gen = torch.Generator(device=b.run.rt.device).manual_seed(0)
     calls = [(func, [torch.empty_strided(shape, stride, dtype=dtype, device=device).normal_(generator=gen)
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     unused = [k for k in ("vs", "steps", "min_ratio", "json", "profile") if getattr(args, k) != parser.get_default(k)]
     if args.matmul and unused:
         parser.error(f"--{', --'.join(unused).replace('_', '-')} would do nothing with --matmul")
-    with exit_on_errors():  # one line and its exit code (config/__init__.py)
+    with exit_on_errors():  # one line and its exit code (cli.py)
         if args.json:
             check_results_path(args.json, "--json")
         base = ({"threads": str(args.threads)} if args.threads else {}) | parse_overrides(args.overrides)

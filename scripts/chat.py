@@ -20,7 +20,7 @@ import torch
 
 import sample
 from checkpoint import from_flags
-from config import CommandLine, ConfigError, DataError, exit_on_errors, run_tool
+from cli import CommandLine, ConfigError, DataError, exit_on_errors, run_tool
 from model import GPT
 from runtime import pick_device
 from tokenizer import render

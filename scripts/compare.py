@@ -5,8 +5,7 @@
     python -m scripts.compare --config small --time 180 --seeds 3 base: wide:n_embd=192   # equal wall time
 
 Each (variant, seed) trains in EXP/NAME/seed-N, round by round; a rerun reuses finished runs of this code and resumes
-a stopped one. Writes EXP/results.json, results.md and compare.png. Why: docs/experiments.md.
-"""
+a stopped one. Writes EXP/results.json, results.md and compare.png. Why: docs/experiments.md."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/compare.py`: its folder, not the repo, leads the module path
@@ -28,10 +27,11 @@ import torch
 
 import train
 from checkpoint import from_checkpoint, git, git_state
-from config import (DEFAULTS, REPO, CommandLine, ConfigError, TrainConfig, exit_on_errors, fail, install_hint,
-                    make_config, require, run_tool)
+from cli import (CommandLine, ConfigError, RunStopped, StopOnSignal, exit_on_errors, fail, install_hint, require,
+                 run_tool)
+from config import DEFAULTS, REPO, TrainConfig, make_config
 from prepare import corpus_source
-from runtime import RunStopped, StopOnSignal, atomic_write_text, check_writable, choose_runtime, dtype_name, use_threads
+from runtime import atomic_write_text, check_writable, choose_runtime, dtype_name, use_threads
 from scripts.bench import parse_overrides
 
 # Fields compare.py sets itself, and the flag that sets each: a variant changing one would not be compared.

@@ -4,8 +4,7 @@
     python -m scripts.doctor --config chat_small         # a fine-tune: on its base's tokenizer and weights
 
 One line per check (PASS or FAIL, the measured figure, what it means), exit 1 if any fails. The checks use the run
-train.py builds (train.build_run); each returns a ``Check``, so tests call it on broken variants.
-"""
+train.py builds (train.build_run); each returns a ``Check``, so tests call it on broken variants."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/doctor.py`: its folder, not the repo, leads the module path
@@ -27,11 +26,13 @@ import torch
 import finetune
 import train
 from checkpoint import start_from
-from config import TrainConfig, exit_on_errors, parse_args, run_tool
+from cli import RunStopped, exit_on_errors, run_tool
+from config import TrainConfig, parse_args
 from data import PackedDocuments
+from logs import summary
 from model import GPT
 from optim import NonFiniteGuard
-from runtime import RunStopped, choose_runtime, dtype_name, summary
+from runtime import choose_runtime, dtype_name
 from tokenizer import tokenizer_from_meta
 
 # Allowed gap between the first loss and ln(vocab), as a fraction of it: a 0.02-std init adds about

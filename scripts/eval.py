@@ -7,8 +7,7 @@
 
 By default it scores what training scored (val split, eval_tokens, batch size, precision; LoRA unmerged), so best.pt's
 best_val_loss comes back exactly. The split is found by the fingerprint the checkpoint records; a changed text whose
-split is gone is refused, never scored in its place.
-"""
+split is gone is refused, never scored in its place."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/eval.py`: its folder, not the repo, leads the module path
@@ -25,8 +24,9 @@ import torch
 
 import data
 from checkpoint import Loaded, add_weights_flags, from_flags
-from config import FIELD_HELP, CommandLine, ConfigError, exit_on_errors, run_tool
-from data import Corpus, DataError, corpus_for, is_chat, load_corpus, val_windows
+from cli import CommandLine, ConfigError, DataError, exit_on_errors, run_tool
+from config import FIELD_HELP
+from data import Corpus, corpus_for, is_chat, load_corpus, val_windows
 from prepare import is_document_corpus, is_tokenized_folder, read_meta, read_text_file, source_fingerprint
 from runtime import STAGING, choose_runtime, dtype_name
 from tokenizer import data_home, without_chat
@@ -174,10 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     report = {"checkpoint": loaded.source, "step": loaded.step, "data": data, "val_loss": result.loss,
               "val_bpb": result.bpb, "tokens": result.tokens, "bytes": n_bytes, "chars": chars,
               "batch_size": batch_size, "dtype": dtype_name(rt.dtype), "device": str(rt.device)}
-    print(json.dumps(report) if args.json else
-          f"val loss {report['val_loss']:.6f} nats/token | {report['val_bpb']:.6f} bits/byte | {report['tokens']:,} "
-          f"tokens, {report['bytes']:,} bytes, {report['chars']:,} chars | batch {batch_size}, {report['dtype']}, "
-          f"{rt.device}")
+    print(json.dumps(report) if args.json else f"val loss {report['val_loss']:.6f} nats/token | "
+          f"{report['val_bpb']:.6f} bits/byte | {report['tokens']:,} tokens, {report['bytes']:,} bytes, "
+          f"{report['chars']:,} chars | batch {batch_size}, {report['dtype']}, {rt.device}")
 
 
 if __name__ == "__main__":

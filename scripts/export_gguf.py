@@ -5,8 +5,7 @@
 
 Written with llama.cpp's ``gguf`` package as its gpt2 architecture: the Hugging Face export's weights in ggml's
 (out, in) layout, the tokenizer as a byte-level BPE that makes our ids (char, bpe, gpt2 and chat runs alike). OUT is
-a new .gguf file or one this export wrote; an existing folder gets FOLDER/<run>.gguf. Details: docs/interop.md.
-"""
+a new .gguf file or one this export wrote; an existing folder gets FOLDER/<run>.gguf. Details: docs/interop.md."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/export_gguf.py`: its folder, not the repo, leads the module path
@@ -19,8 +18,8 @@ import numpy as np
 import torch
 
 from checkpoint import find_checkpoint, from_checkpoint
+from cli import CommandLine, HFError, exit_on_errors, fail, install_hint, run_tool
 from finetune import WPE, WTE
-from config import CommandLine, HFError, exit_on_errors, fail, install_hint, run_tool
 from model import GPT
 from runtime import one_line, written_whole
 from scripts.export_hf import (BYTE_TEXT, GGUF_MARK, LAYER_NORM_EPS, TRANSPOSED, bpe_merges, bpe_tokens, byte_text,

@@ -4,8 +4,7 @@
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf/shakespeare')"
 
 Writes model.safetensors, config.json, generation_config.json and the tokenizer's files, which AutoTokenizer loads
-to our very ids; --peft also PEFT's files of a LoRA run's adapters. Which tools load the folder: docs/interop.md.
-"""
+to our very ids; --peft also PEFT's files of a LoRA run's adapters. Which tools load the folder: docs/interop.md."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/export_hf.py`: its folder, not the repo, leads the module path
@@ -21,8 +20,8 @@ from typing import Any
 import torch
 
 from checkpoint import find_checkpoint, from_checkpoint, load_checkpoint
+from cli import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on_errors, run_tool
 from finetune import TIED_HEAD, WTE, pad_rows
-from config import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on_errors, run_tool
 from model import GPT, GPTConfig
 from runtime import atomic_write, atomic_write_text, check_writable, one_line, staged_folder
 from tokenizer import ASSISTANT, BEGIN, BYTES, END, EOT_TEXT, ROLES, ChatTokenizer
@@ -176,7 +175,6 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     """Write the model, its config and tokenizer to a new ``folder``; generation_config.json stops generate() at
     block_size, where the positions end (transformers' default is 20 tokens)."""
     from safetensors.torch import save
-
     weights, block_size = to_hf(model), model.config.block_size
     # <|endoftext|> starts and ends GPT-2 text; a char model starts from a newline and has no end; a chat model's
     # conversation starts at <|begin|> and its reply ends at <|end|>.
@@ -221,9 +219,8 @@ def bpe_files(tokens: list[bytes], block_size: int) -> dict[str, Any]:
     """A GPT2Tokenizer's files of a byte-level BPE's tokens (then <|endoftext|>): its split pattern is ours."""
     return {"vocab.json": {byte_text(t): i for i, t in enumerate(tokens)} | {EOT_TEXT: len(tokens)},
             "merges.txt": "#version: 0.2\n" + "\n".join(bpe_merges(tokens)) + "\n",
-            "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT,
-                                      "eos_token": EOT_TEXT, "unk_token": EOT_TEXT, "add_prefix_space": False,
-                                      "model_max_length": block_size}}
+            "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
+                                      "unk_token": EOT_TEXT, "add_prefix_space": False, "model_max_length": block_size}}
 
 
 def char_files(tokenizer, block_size: int) -> dict[str, Any]:
@@ -277,7 +274,6 @@ def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
     names under PEFT's prefix, untransposed (PEFT's lora_A / lora_B are nn.Linear, as ours); GPT-2's Conv1D bases
     are (in, out), hence fan_in_fan_out."""
     from safetensors.torch import save_file
-
     if "lora" not in state:
         raise CheckpointError("not a LoRA run: only a run trained with --lora_rank has adapters to export in "
                               "PEFT's format; export the model alone (drop --peft)")

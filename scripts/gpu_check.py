@@ -5,8 +5,7 @@
 
 Each check runs an entry point (train.py, torchrun, sample.py) in a fresh process, printing the command, and reads
 what it wrote. It ends with a PASS/FAIL table (also OUT_DIR/results.json), tokens/s, MFU and peak GPU memory; exit 1 if
-any check failed. The rng check uses dropout: a CUDA RNG state not restored on resume changes its masks and losses.
-"""
+any check failed. The rng check uses dropout: a CUDA RNG state not restored on resume changes its masks and losses."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/gpu_check.py`: its folder, not the repo, leads the module path
@@ -25,8 +24,9 @@ from typing import Any
 
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint
-from config import REPO, CommandLine, exit_on_errors, run_tool
+from checkpoint import load_checkpoint
+from cli import CheckpointError, CommandLine, exit_on_errors, run_tool
+from config import REPO
 from prepare import corpus_source
 from runtime import check_writable
 
@@ -184,9 +184,6 @@ def check_sample(plan: Plan) -> Check:
     return Check("sample", "PASS", f"50 tokens: {result.stdout.splitlines()[1][:40]!r}...")
 
 
-CHECKS = (check_train, check_ddp, check_resume, check_rng, check_sample)  # rng reads the resume check's run
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = CommandLine(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", "--dry_run", action="store_true",
@@ -201,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be even and >= 2, got {args.steps}")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here; --dry-run runs the same commands on CPU")
-    with exit_on_errors():  # one line and its exit code (config/__init__.py)
+    with exit_on_errors():  # one line and its exit code (cli.py)
         check_writable(args.out_dir, "--out_dir", ".gpu_check-probe")
         corpus_source("shakespeare", args.data_path)  # a corpus that is not there: once, not in every check
     common = ["--config", "gpt2", "--eval_tokens", "8192", "--grad_accum", "2", "--warmup_iters", "2",
@@ -218,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.out.mkdir(parents=True, exist_ok=True)
     marker.touch()
     t_start, checks = time.time(), []
-    for check in CHECKS:
+    for check in (check_train, check_ddp, check_resume, check_rng, check_sample):  # rng reads the resume check's run
         t0 = time.time()
         checks.append(check(plan))
         checks[-1].seconds = time.time() - t0

@@ -4,8 +4,7 @@
     python -m scripts.harness --ckpt out/gpt2 --tasks hellaswag,lambada_openai    # the tasks' data: HF hub
     python -m scripts.harness --ckpt out/gpt2-run --tasks arc_easy --limit 200    # a quick look, not a result
 
-``TinyGPTLM`` is lm_eval's model interface over our GPT and tokenizer: no export, char models too (docs/evaluation.md).
-"""
+``TinyGPTLM`` is lm_eval's model interface on our GPT and tokenizer: no export, char models too (docs/evaluation.md)."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/harness.py`: its folder, not the repo, leads the module path
@@ -22,8 +21,8 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from checkpoint import add_weights_flags, flags_checkpoint, from_flags
-from config import FIELD_HELP, REPO, CommandLine, ConfigError, exit_on_errors, fail, install_hint, run_tool
-from data import DataError
+from cli import CommandLine, ConfigError, DataError, exit_on_errors, fail, install_hint, run_tool
+from config import FIELD_HELP, REPO
 from model import GPT
 from runtime import atomic_write_text, pick_device
 from sample import generate
@@ -142,12 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", help=FIELD_HELP["device"])
     parser.add_argument("--output", default="", help="results JSON (default: harness-TASKS.json in the run folder)")
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or (args.limit is not None and args.limit <= 0) or (args.num_fewshot or 0) < 0:
-        parser.error("need --batch_size >= 1, --limit > 0 and --num_fewshot >= 0")
+    if args.batch_size < 1 or (args.num_fewshot or 0) < 0:
+        parser.error("need --batch_size >= 1 and --num_fewshot >= 0")
+    if args.limit is not None and not (0 < args.limit < 1 or args.limit >= 1 and args.limit.is_integer()):
+        parser.error(f"--limit must be a fraction in (0, 1) or a whole number of documents, got {args.limit:g}")
     with exit_on_errors():  # one line and its exit code
         names = [name.strip() for name in args.tasks.split(",") if name.strip()]
-        stem = "harness-" + "+".join(names)  # in the checkpoint's run folder
-        output = Path(args.output or flags_checkpoint(args).parent / f"{stem}.json")
+        output = Path(args.output or flags_checkpoint(args).parent / f"harness-{'+'.join(names)}.json")  # in the run
         check_results_path(output, "--output")  # before minutes of evaluation, not after
         manager = task_manager(names)  # once: the check and the evaluation share it
         if (unknown := [name for name in names if name not in manager.all_tasks]) or not names:

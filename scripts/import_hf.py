@@ -6,8 +6,7 @@
 
 Every key and shape is checked against config.json, and the tokenizer is read back from the folder's files
 (docs/interop.md). The run folder holds one best.pt: the weights in fp32, a config of their shape and the tokenizer,
-and no training (step 0, no optimizer state: --init_from starts from it, nothing resumes it).
-"""
+and no training (step 0, no optimizer state: --init_from starts from it, nothing resumes it)."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/import_hf.py`: its folder, not the repo, leads the module path
@@ -24,7 +23,8 @@ from pathlib import Path
 import torch
 
 from checkpoint import FORMAT_VERSION, git_state, save_checkpoint
-from config import CommandLine, HFError, TrainConfig, as_dict, exit_on_errors, run_tool
+from cli import CommandLine, HFError, exit_on_errors, run_tool
+from config import TrainConfig, as_dict
 from finetune import TIED_HEAD, WTE, Pretrained
 from model import GPT, GPTConfig
 from scripts.export_hf import (ACTIVATIONS, BPE_FILE, BYTE_TEXT, CHARS_FILE, LAYER_NORM_EPS, TRANSPOSED, bpe_merges,
@@ -54,7 +54,6 @@ def load_pretrained(source: str, bias: bool = True) -> Pretrained:
     """Hugging Face GPT-2 weights (a hub name or a folder) under our names, every key and shape checked."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
     weights, config_file = locate(source)
     try:
         raw = load_file(str(weights))
@@ -92,7 +91,6 @@ def download(repo_id: str) -> tuple[Path, Path]:
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import EntryNotFoundError
-
     unreachable = None if constants.is_offline_mode() else hub_unreachable(repo_id)
     try:
         config, weights = (huggingface_hub.hf_hub_download(repo_id, name, local_files_only=bool(unreachable))
@@ -112,7 +110,6 @@ def hub_unreachable(repo_id: str) -> str | None:
     import httpx2  # huggingface_hub's HTTP client, installed with it
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
-
     try:
         get_hf_file_metadata(hf_hub_url(repo_id, "config.json"),
                              timeout=float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_PROBE_TIMEOUT))

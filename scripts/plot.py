@@ -5,8 +5,7 @@
     python -m scripts.plot out/compare/tiny-200steps --bpb -o cmp.png  # + val bits per byte; a variant's seeds: a band
     python -m scripts.plot out/a/seed-1 out/a/seed-2 out/b/seed-1 out/b/seed-2 --labels a a b b
 
-Runs with one label are one group: their mean with a min-max band, each final an x.
-"""
+Runs with one label are one group: their mean with a min-max band, each final an x."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/plot.py`: its folder, not the repo, leads the module path
@@ -21,7 +20,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
-from config import CommandLine, DataError, exit_on_errors, run_tool
+from cli import CommandLine, DataError, exit_on_errors, run_tool
 from runtime import check_writable, one_line, written_whole
 
 matplotlib.use("Agg")  # files only, no display needed; pyplot settles its backend at the first figure, not at import

@@ -16,6 +16,7 @@ import functools
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -24,8 +25,8 @@ from tqdm import tqdm
 
 import prepare
 from checkpoint import start_from
-from config import CORPUS_OPTIONS, CommandLine, DataError, add_flags, exit_on_errors, install_hint, make_config
-from config import run_tool
+from cli import CommandLine, DataError, exit_on_errors, install_hint, run_tool
+from config import CORPUS_OPTIONS, add_flags, make_config
 from data import corpus_for
 from prepare import (DEFAULT_TEXT_COLUMN, check_split_lengths, corpus_files, is_val, jsonl_lines, new_tokenizer,
                      read_text_file, token_dtype, write_meta, write_splits)
@@ -46,11 +47,11 @@ def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, 
                       text_column: str, bpe_vocab_size: int, base: dict | None = None, num_proc: int = 0) -> Path:
     """Tokenize a document corpus into folder/ (in the ``base`` tokenizer if given), streaming; document i is val."""
     check_writable(data_dir, "--data_dir", f"{STAGING}probe")
-    num_proc = num_proc or os.cpu_count() or 1
-    files = corpus_files(path)
-    for file in files:  # every shard's footer: a bad one refused now, not hours in
-        if file.suffix == ".parquet":
-            open_parquet(file, text_column)
+    if (folder / "meta.json").exists():  # prepare_corpus found it unreadable: no finished prepare
+        print(f"{folder / 'meta.json'}: unreadable; preparing {folder} again from its source", flush=True)
+    num_proc, files = num_proc or os.cpu_count() or 1, corpus_files(path)
+    for file in (file for file in files if file.suffix == ".parquet"):  # each shard's footer: refused now, not hours in
+        open_parquet(file, text_column)
     texts = tqdm(document_texts(path, text_column), desc=f"reading {path.name}", unit="doc", mininterval=1.0,
                  disable=tokenizer == "gpt2")
     train_texts = (text for index, text in enumerate(texts) if not is_val(index, val_fraction))
@@ -157,16 +158,16 @@ def main(argv: list[str] | None = None) -> None:
     add_flags(parser, CORPUS_OPTIONS + ("init_from",))  # train.py's flags, typed and checked by config
     parser.add_argument("--num_proc", "--num-proc", type=int, default=0,
                         help="tokenizer threads for a folder, .jsonl or .parquet; 0 = one per CPU core")
-    parser.add_argument("--block_size", "--block-size", type=int, default=1,
-                        help="refuse a corpus whose train or val split is shorter than block_size + 1 tokens")
-    given = vars(parser.parse_args(argv))
-    num_proc, block_size = given.pop("num_proc"), given.pop("block_size")
-    if num_proc < 0 or block_size < 1:
-        parser.error(f"need --num_proc >= 0 and --block_size >= 1, got {num_proc} and {block_size}")
+    parser.add_argument("--block_size", "--block-size", type=int, default=None,
+                        help="refuse a train or val split shorter than block_size + 1 tokens (default: 1)")
+    given = {name: value for name, value in vars(parser.parse_args(argv)).items() if value is not None}
+    if (num_proc := given.pop("num_proc")) < 0:
+        parser.error(f"--num_proc must be >= 0, got {num_proc}")
     with exit_on_errors():  # one line and its exit code (2, or 74 for a data_dir failing its probe)
-        cfg, pretrained = start_from(make_config(None, **given, block_size=block_size))  # --init_from: its tokenizer
+        cfg, pretrained = start_from(make_config(None, **given))  # --init_from: its tokenizer; block_size only if given
         documents = functools.partial(prepare_documents, num_proc=num_proc)  # what train.py refuses to do
-        folder = corpus_for(cfg, pretrained.tokenizer if pretrained else None, documents).folder  # opened: checked
+        checked = replace(cfg, block_size=given.get("block_size", 1))  # not shown: 2-token splits pass unless given
+        folder = corpus_for(checked, pretrained.tokenizer if pretrained else None, documents).folder  # opened: checked
         print(f"ready: {folder} (train.py finds it with the same corpus flags)")  # prepared now or before
 
 

@@ -3,8 +3,7 @@
     python -m scripts.shape    # lines per file (wc -l), the core's, modules `import train` loads, one step's path
 
 One step's path: one optimizer step of `tiny` (its third, past warmup) traced with sys.setprofile from train.py's
-loop; every project function it enters counts whole, non-blank lines.
-"""
+loop; every project function it enters counts whole, non-blank lines."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/shape.py`: its folder, not the repo, leads the module path
@@ -17,9 +16,10 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from config import REPO, CommandLine, exit_on_errors, make_config, run_tool
+from cli import CommandLine, exit_on_errors, run_tool
+from config import REPO, make_config
 
-ROOTS = ("get_lr", "train_step", "next")  # what train.py's loop calls for one step
+ROOTS = ("lr_at", "train_step", "next")  # what train.py's loop calls for one step (get_lr is lr_at)
 OUTSIDE = ("tests", "out", "data")
 CORE = ("model.py", "data.py", "train.py", "sample.py", "config/__init__.py")
 
@@ -45,7 +45,6 @@ def modules_loaded(module: str) -> list[str]:
 def step_path(preset: str, optimizer: str) -> dict[str, set[tuple[str, int]]]:
     """file -> {(function, first line)} entered by one optimizer step of a ``preset`` run (its third step)."""
     import train
-
     train_file, entered, depth, steps_done = str(REPO / "train.py"), defaultdict(set), [0], [0]
 
     def profile(frame, event, arg):

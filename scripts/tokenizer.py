@@ -6,8 +6,7 @@
 
 Each vocabulary is prepared (and cached) as train.py prepares it. The table scores every tokenizer on the BPE's val
 split (never seen by its merges) against char and GPT-2's, a document corpus's val documents each on its own (their
-<|endoftext|> separators are no text); then the largest BPE's longest tokens.
-"""
+<|endoftext|> separators are no text); then the largest BPE's longest tokens."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/tokenizer.py`: its folder, not the repo, leads the module path
@@ -20,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from config import DEFAULTS, FIELD_HELP, CommandLine, exit_on_errors, run_tool
+from cli import CommandLine, exit_on_errors, run_tool
+from config import DEFAULTS, FIELD_HELP
 from data import load_corpus
 from prepare import SHAKESPEARE_CHAT, is_tokenized_folder
 from scripts.prepare import prepare_corpus
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
                      "compares tokenizers on text: pass the text itself (a .txt, .jsonl or .parquet file, or a folder)")
     if args.dataset == SHAKESPEARE_CHAT and not args.data_path:  # was "unknown dataset", beside its own name
         parser.error(f"--dataset {SHAKESPEARE_CHAT} is conversations; tokenizers are compared on text (--data_path)")
-    with exit_on_errors():  # one line and its exit code (config/__init__.py)
+    with exit_on_errors():  # one line and its exit code (cli.py)
         print(report(args))
 
 

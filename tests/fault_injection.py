@@ -24,9 +24,8 @@ import checkpoint
 import data
 import runtime
 import train
-from data import DataError
+from cli import DataError, env_rank
 from model import GPT
-from runtime import env_rank
 
 AS_A_SCRIPT = ("-m", "tests.fault_injection")  # python's arguments that run this file's main, from the repo root
 

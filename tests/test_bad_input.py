@@ -90,7 +90,8 @@ BAD_INPUTS = {
     ],
     "scripts.prepare": [
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
-        (["--num_proc", "-1"], "--num_proc >= 0"),
+        (["--num_proc", "-1"], "--num_proc must be >= 0, got -1"),
+        (["--block_size", "0"], "error: block_size must be > 0, got 0\n"),  # was: named --num_proc too
         (["--dataset", "nope"], "unknown dataset `nope`; built in: shakespeare, shakespeare_chat"),
         (["--val_fraction", "1"], "val_fraction must be in (0, 1)"),
         (["--data_path", "{tmp}", "--data_dir", "{data}"], "no .txt files and no .parquet files in this folder"),
@@ -133,6 +134,7 @@ BAD_INPUTS = {
         (["--ckpt", "{run}", "--tasks", " , "], "unknown task(s) (none given)"),
         (["--ckpt", "{run}", "--tasks", "tinygpt_clozee"], "unknown task(s) tinygpt_clozee"),  # blamed the hub
         (["--ckpt", "{run}", "--tasks", "tinygpt_cloze", "--batch_size", "0"], "need --batch_size >= 1"),
+        (["--ckpt", "{run}", "--tasks", "tinygpt_cloze", "--limit", "1.5"], "a whole number of documents, got 1.5"),
         (["--ckpt", "{run}", "--tasks", "tinygpt_cloze", "--output", "{run}/best.pt"], "neither a new .json file"),
     ],
     "scripts.export_hf": [

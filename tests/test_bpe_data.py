@@ -12,12 +12,12 @@ import torch
 from conftest import make_text, read_metrics, tiny_args
 
 import train
+from cli import DataError
 from data import val_windows
-from config import DataError
 from prepare import is_val
 import scripts.prepare as scripts_prepare
-from scripts.prepare import prepare_corpus
 from scripts import doctor
+from scripts.prepare import prepare_corpus
 from scripts import eval as eval_script
 from tokenizer import GPT2_EOT, GPT2Tokenizer
 

@@ -14,10 +14,10 @@ from conftest import ctrl_c_at_the_first_call, make_text, run_main, tiny_args, t
 
 import prepare
 import sample as sample_module
-from config import ConfigError, DataError, TrainConfig, make_config
+from cli import ConfigError, DataError
+from config import TrainConfig, make_config
 from data import Conversations, corpus_for, eval_windows, load_corpus, training_stream
-from finetune import BEGIN, learned
-from finetune import prepare_conversations, split_indices
+from finetune import BEGIN, learned, prepare_conversations, split_indices
 from scripts import chat as chat_script
 from scripts import export_hf
 from scripts.prepare import main as prepare_main

@@ -15,7 +15,7 @@ from fault_injection import step_clock
 
 import runtime
 import train
-from runtime import RunStopped, StopOnSignal
+from cli import RunStopped, StopOnSignal
 from scripts import compare, plot
 
 STEPS = 40  # tiny: ~0.5 s a run; the loss falls from ~3.9 to ~2.8 at the preset's lr, barely at 1/100 of it

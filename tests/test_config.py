@@ -14,8 +14,9 @@ import config
 import finetune
 import runtime
 from checkpoint import config_from_dict
-from config import (DEFAULTS, FIELD_HELP, FIELD_TYPES, LORA_TARGETS, MODEL_OPTIONS, CommandLine, ConfigError,
-                    TrainConfig, as_dict, build_parser, given_fields, make_config, parse_args)
+from cli import CommandLine, ConfigError
+from config import (DEFAULTS, FIELD_HELP, FIELD_TYPES, LORA_TARGETS, MODEL_OPTIONS, TrainConfig, as_dict, build_parser,
+                    given_fields, make_config, parse_args)
 from model import GPTConfig
 
 

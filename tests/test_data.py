@@ -21,13 +21,14 @@ from test_chat import write_chats
 from test_training_options import fork_of_the_repo
 
 import data
+import logs
 import prepare
-import runtime
 import sample
 import train
 from checkpoint import load_checkpoint
+from cli import DataError
 from config import TrainConfig
-from data import LOADERS, DataError, PackedDocuments, RandomWindows, get_batch, load_corpus, val_windows
+from data import LOADERS, PackedDocuments, RandomWindows, get_batch, load_corpus, val_windows
 from finetune import BEGIN
 from prepare import prepare_corpus
 import scripts.prepare as scripts_prepare
@@ -282,7 +283,7 @@ def test_tokens_per_step_and_per_second_count_what_the_steps_processed(tmp_path,
         steps.append((sum(x.numel() for x, _ in batches), sum(int((y != -1).sum()) for _, y in batches)))
         return real_step(run, model, batches, *args, **kwargs)
     monkeypatch.setattr(train, "train_step", train_step)
-    monkeypatch.setattr(runtime, "time", step_clock(monkeypatch, step_s=0.25))  # the log's clock is train.py's
+    monkeypatch.setattr(logs, "time", step_clock(monkeypatch, step_s=0.25))  # the log's clock is train.py's
     assert run_main(tiny_args(tmp_path / "run", corpus, max_iters=6, log_interval=3, grad_accum=2, **given)) == 0
     nominal = 8 * (given.get("block_size", 32)) * 2  # batch_size x block_size x grad_accum
     full_rows = {**LOADERS, "ragged": Ragged, "conversations": data.Conversations}[loader].full_rows
@@ -309,9 +310,9 @@ import contextlib, io, json, sys
 from pathlib import Path
 import pytest
 from config import make_config
-from runtime import unused_given
-import runtime
+import logs
 from checkpoint import load_checkpoint
+from logs import unused_given
 from tests.conftest import run_main
 from tests.fault_injection import assert_same_training_state, step_clock
 
@@ -322,7 +323,7 @@ common = ["--config", "tiny", "--data_path", corpus, "--data_dir", str(out / "da
 def main(*args):
     printed, errors = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
-        mp.setattr(runtime, "time", step_clock(mp, step_s=0.25))
+        mp.setattr(logs, "time", step_clock(mp, step_s=0.25))
         code = run_main(common + list(args))
     return {"code": code, "out": printed.getvalue(), "err": errors.getvalue()}
 
@@ -473,6 +474,20 @@ def test_a_damaged_corpus_is_refused_or_prepared_again_never_trained_on(tmp_path
         assert f"{folder / 'meta.json'}: unreadable (" in out and f"; preparing {folder} again from its source" in out
         assert_same_corpus(folder, prepare_corpus(data_path=str(text_file), data_dir=str(tmp_path / "reference")))
         assert os.listdir(tmp_path / "data") == [folder.name]  # the replaced corpus is not left under a staging name
+
+
+def test_documents_with_an_unreadable_meta_json_are_refused_or_prepared_again_in_one_line(tmp_path, capsys):
+    """Bug caught: train.py said "preparing it again from its source", then refused to: two lines that disagree."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": make_text(20, seed)}) + "\n" for seed in range(20)))
+    prepare_flags = ["--data_path", str(docs), "--data_dir", str(tmp_path / "data")]
+    assert run_main(prepare_flags, scripts_prepare.main) == 0
+    damage(next((tmp_path / "data").iterdir()), "meta.json overwritten with text")
+    capsys.readouterr()
+    assert run_main(tiny_args(tmp_path / "out", docs)) == 2  # train.py: the command that makes it again, alone
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and f"python -m scripts.prepare {' '.join(prepare_flags)}" in err, err
+    assert run_main(prepare_flags, scripts_prepare.main) == 0 and "unreadable; preparing" in capsys.readouterr().out
 
 
 def test_a_large_split_is_fingerprinted_by_its_size_and_samples(tmp_path, monkeypatch):

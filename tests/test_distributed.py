@@ -22,7 +22,8 @@ import data
 import runtime
 import train
 from checkpoint import claim, load_checkpoint, rank_rng_state
-from runtime import Dist, mfu, peak_flops
+from logs import mfu, peak_flops
+from runtime import Dist
 
 CPU = torch.device("cpu")
 

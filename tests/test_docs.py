@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TOOLS, entry_point, interop_if
 
+import cli
 import config
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),  # the guide
@@ -57,13 +58,13 @@ def dry_parse(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> 
     if script in ("train.py", "scripts.doctor"):  # both read the training config's command line
         config.parse_args(argv)
         return
-    original = config.CommandLine.parse_args
+    original = cli.CommandLine.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
         original(self, args, namespace)
         raise Parsed
 
-    monkeypatch.setattr(config.CommandLine, "parse_args", parse_then_stop)
+    monkeypatch.setattr(cli.CommandLine, "parse_args", parse_then_stop)
     with pytest.raises(Parsed):
         entry_point(script).main(argv)
 
@@ -92,7 +93,7 @@ def test_every_printed_command_parses(page, script, argv, monkeypatch, capsys):
     except SystemExit as stop:  # --help exits 0; anything else is a flag the code no longer has
         assert stop.code == 0 and "--help" in argv, \
             f"{page.name}: `{script} {' '.join(argv)}`: {capsys.readouterr().err}"
-    except config.ConfigError as err:
+    except cli.ConfigError as err:
         pytest.fail(f"{page.name}: `{script} {' '.join(argv)}`: {err}")
 
 

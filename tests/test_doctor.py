@@ -9,11 +9,11 @@ import torch.nn as nn
 from conftest import (REPO, make_optimizer, make_text, random_batch, run_main, run_script, tiny_args, tiny_model,
                       write_chats)
 
+import optim
 from checkpoint import start_from
 from config import TrainConfig, make_config
 from data import PackedDocuments, corpus_for
 from model import GPT, GPTConfig
-import optim
 from optim import NonFiniteGuard
 from prepare import SHAKESPEARE_CHAT
 from runtime import choose_runtime

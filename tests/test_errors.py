@@ -1,4 +1,4 @@
-"""One failure, one exit code: errors are declared in config with their codes, and config.exit_for turns them into
+"""One failure, one exit code: errors are declared in cli.py with their codes, and cli.exit_for turns them into
 the one line (that every entry point says a bad input in one line: test_bad_input.py)."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import sys
 import pytest
 from conftest import REPO, project_files, run_main
 
-import config
-from config import (EXIT_WRITE_FAILED, CheckpointError, CheckpointWriteError, ConfigError, DataError, HFError,
-                    PathError, PeerFailed, RunStopped)
+import cli
+from cli import (EXIT_WRITE_FAILED, CheckpointError, CheckpointWriteError, ConfigError, DataError, HFError, PathError,
+                 PeerFailed, RunStopped)
 
 
-def name_of(node: ast.expr) -> str:  # config.ConfigError -> ConfigError; '' for anything but a name
+def name_of(node: ast.expr) -> str:  # cli.ConfigError -> ConfigError; '' for anything but a name
     return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
 
 
@@ -29,24 +29,24 @@ def test_every_error_carries_the_code_of_the_table():
 
 
 def test_a_bug_keeps_its_traceback_and_under_torchrun_a_rank_reports_only_what_it_alone_met(monkeypatch):
-    assert config.exit_for(ZeroDivisionError("division by zero")) is None
+    assert cli.exit_for(ZeroDivisionError("division by zero")) is None
     with pytest.raises(ZeroDivisionError):
-        config.exit_on(ZeroDivisionError("division by zero"))
+        cli.exit_on(ZeroDivisionError("division by zero"))
     monkeypatch.setenv("RANK", "3")
     mine = DataError("data/x/train.bin: missing")
     mine.reporting_rank = 3
-    assert config.exit_for(mine) == ("data/x/train.bin: missing", 2, 3)
-    assert config.exit_for(ConfigError("bad")) == ("bad", 2, None)  # every rank has it: rank 0 says it
+    assert cli.exit_for(mine) == ("data/x/train.bin: missing", 2, 3)
+    assert cli.exit_for(ConfigError("bad")) == ("bad", 2, None)  # every rank has it: rank 0 says it
 
 
 def test_a_tool_ends_on_ctrl_c_in_one_line_and_130(capsys):
     """Bug caught: a Ctrl-C while a tool loaded a checkpoint ended in a KeyboardInterrupt traceback from torch."""
     with pytest.raises(SystemExit) as ended:  # default_int_handler: what Ctrl-C calls, raising KeyboardInterrupt
-        config.run_tool(lambda: signal.default_int_handler(signal.SIGINT, None))
+        cli.run_tool(lambda: signal.default_int_handler(signal.SIGINT, None))
     assert ended.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # as scripts/__init__.py leaves it while torch imports
     with pytest.raises(SystemExit) as ended:  # Ctrl-C is a KeyboardInterrupt again: chat's "end the reply" needs it
-        config.run_tool(lambda: 0 if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 1)
+        cli.run_tool(lambda: 0 if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 1)
     assert ended.value.code == 0
 
 
@@ -55,21 +55,21 @@ BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(v
 
 
 def test_errors_are_declared_in_one_module():
-    """An exception class elsewhere refines one of config's (plot.py's MetricsError), so it carries a code."""
+    """An exception class elsewhere refines one of cli.py's (plot.py's MetricsError), so it carries a code."""
     elsewhere = [f"{path}: {node.name}" for path, source in project_files().items()
-                 if path != "config/__init__.py" for node in ast.walk(ast.parse(source))
+                 if path != "cli.py" for node in ast.walk(ast.parse(source))
                  if isinstance(node, ast.ClassDef) and {name_of(base) for base in node.bases} & BUILTIN_ERRORS]
     assert elsewhere == []
 
 
 # ----------------------------------------------------------------------------- optional packages
 def test_each_optional_package_is_installed_by_the_requirements_file_the_table_names():
-    """Each pin of config.OPTIONAL_PACKAGES is a line of the file it names; every `pip install X==V` in the code or the
+    """Each pin of cli.OPTIONAL_PACKAGES is a line of the file it names; every `pip install X==V` in the code or the
     docs is the table's."""
-    for name, (pin, requirements) in config.OPTIONAL_PACKAGES.items():
+    for name, (pin, requirements) in cli.OPTIONAL_PACKAGES.items():
         pins = [line.split("#")[0].strip() for line in (REPO / requirements).read_text().splitlines()]
         assert pin in pins and pin.startswith(f"{name}=="), f"{requirements} does not pin {pin}"
-    pins = {pin for pin, _ in config.OPTIONAL_PACKAGES.values()}
+    pins = {pin for pin, _ in cli.OPTIONAL_PACKAGES.values()}
     texts = project_files() | {path.relative_to(REPO).as_posix(): path.read_text()
                                for path in [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]}
     spelled = [(path, pin) for path, text in texts.items()

@@ -10,7 +10,8 @@ from conftest import make_text, metrics, read_metrics, run_main, tiny_args, writ
 from fault_injection import assert_same_training_state
 
 from checkpoint import config_from_dict, from_checkpoint, load_checkpoint, load_run, resume_changes
-from config import CheckpointError, HFError, as_dict, make_config, model_config
+from cli import CheckpointError, HFError
+from config import as_dict, make_config, model_config
 from finetune import Pretrained, adopt
 from model import GPT, GPTConfig
 from prepare import prepare_corpus, read_meta, tokenizer_label
@@ -129,7 +130,9 @@ def test_a_run_fine_tunes_on_another_text_which_its_tokenizer_prepares(base_run,
     with pytest.raises(SystemExit):
         scripts_prepare.main(["--data_path", str(docs), "--data_dir", str(tmp_path / "d"), "--init_from", str(base)])
     assert "characters the --init_from model's char vocabulary lacks: '§'" in capsys.readouterr().err
-    other = another_text(tmp_path, text)
+    other = another_text(tmp_path, text)  # scripts.prepare's line: the base's block_size, not its --block_size 1
+    assert scripts_prepare.main(["--data_path", str(other), "--data_dir", str(tmp_path / "data"), "--init_from",
+                                 str(base)]) is None and "; block_size 32 of 32 positions" in capsys.readouterr().out
     assert train(other, tmp_path / "tuned", init_from=base, max_iters=2, eval_interval=2) == 0
     base_tokenizer = load_checkpoint(base / "best.pt")["tokenizer"]
     assert load_checkpoint(tmp_path / "tuned" / "best.pt")["tokenizer"] == base_tokenizer
@@ -147,6 +150,8 @@ def test_a_document_folder_and_a_bpe_take_the_bases_tokenizer(tmp_path, text_fil
     for name in ("a.txt", "b.txt"):  # document 0 is val
         (data / name).write_text(text_file.read_text())
     tokenizer = CharTokenizer("\n ,.!?:;ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz").meta()
+    with pytest.raises(TypeError, match="needs init_from"):  # train.py's refusal: was a command without --init_from
+        prepare_corpus(data_path=str(data), data_dir=str(tmp_path / "d"), base=tokenizer)
     if layout == "bpe":
         data, tokenizer = text_file, train_bpe([make_text(seed=1)], 300, "base").meta()
     folder = scripts_prepare.prepare_corpus(data_path=str(data), data_dir=str(tmp_path / "d"),

@@ -13,11 +13,11 @@ from conftest import REPO, make_text, tiny_model, tiny_run, write_chats
 import sample
 import train
 from checkpoint import from_checkpoint
-from config import HFError, make_config
+from cli import HFError
+from config import make_config
 from model import GPT, GPTConfig
 from scripts import export_gguf
-from scripts.export_hf import chat_template
-from scripts.export_hf import BYTE_TEXT
+from scripts.export_hf import BYTE_TEXT, chat_template
 from tokenizer import BEGIN, END, MARKERS, CharTokenizer, GPT2Tokenizer, chat_tokenizer, train_bpe
 
 pytestmark = pytest.mark.interop  # gguf, and llama.cpp for the slow ones (requirements-llama.txt)

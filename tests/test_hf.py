@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 import sample
 import train
 from checkpoint import from_checkpoint, load_checkpoint, start_from
-from config import HFError, PathError, make_config, parse_args
+from cli import HFError, PathError
+from config import make_config, parse_args
 from data import corpus_for, val_windows
 from model import GPT
 from scripts import export_hf, import_hf

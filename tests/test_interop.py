@@ -12,7 +12,7 @@ from conftest import REPO, docs_snippet, make_text, randomized, run_script, tiny
 
 import sample
 import tokenizer
-from config import DataError, HFError
+from cli import DataError, HFError
 from scripts import export_hf, import_hf
 from scripts.export_hf import BPE_FILE, CHARS_FILE
 from scripts.import_hf import read_tokenizer

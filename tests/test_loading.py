@@ -14,7 +14,8 @@ from conftest import make_text, run_main
 import train
 from checkpoint import (add_weights_flags, check_same_run, find_checkpoint, from_checkpoint, from_flags,
                         load_checkpoint, start_from)
-from config import DEFAULTS, CheckpointError, HFError, make_config
+from cli import CheckpointError, HFError
+from config import DEFAULTS, make_config
 from runtime import Runtime
 from scripts import export_hf, import_hf
 from scripts.export_hf import CHARS_FILE
@@ -44,15 +45,16 @@ def imported(hf) -> Path:
     return hf.parent / "imported"
 
 
-def test_find_checkpoint_takes_a_file_a_folders_best_else_last_pt_or_the_newest_best_pt_under_out(run, tmp_path,
-                                                                                                  monkeypatch):
+def test_find_checkpoint_takes_a_file_a_folders_best_else_last_pt_or_the_newest_trained_run_under_out(run, tmp_path,
+                                                                                                    monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert find_checkpoint(str(run)) == run / "best.pt" and find_checkpoint(str(run / "last.pt")) == run / "last.pt"
-    with pytest.raises(CheckpointError, match="no checkpoint found under out/; train one first"):
+    with pytest.raises(CheckpointError, match="no trained run in out/; train one .*, or pass --ckpt$"):
         find_checkpoint("")
-    for name, age in (("old", 100), ("new", 0)):
+    for name, age in (("old", 100), ("new", 10), ("gpt2", 0)):  # gpt2: imported since, best.pt alone (was: taken)
         (tmp_path / "out" / name).mkdir(parents=True)
-        shutil.copy(run / "best.pt", tmp_path / "out" / name / "best.pt")
+        for file in ("best.pt",) if name == "gpt2" else ("best.pt", "last.pt"):
+            shutil.copy(run / file, tmp_path / "out" / name / file)
         os.utime(tmp_path / "out" / name / "best.pt", (1e9 - age, 1e9 - age))
     assert find_checkpoint("") == Path("out") / "new" / "best.pt"
     (tmp_path / "out" / "old" / "best.pt").rename(tmp_path / "out" / "old" / "last.pt")

@@ -13,7 +13,8 @@ import checkpoint
 import finetune
 import train
 from checkpoint import REQUIRED_KEYS, from_checkpoint, load_checkpoint, load_run, start_from
-from config import LORA_TARGETS, CheckpointError, make_config
+from cli import CheckpointError
+from config import LORA_TARGETS, make_config
 from data import load_corpus
 from prepare import prepare_corpus
 from runtime import Runtime

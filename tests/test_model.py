@@ -238,7 +238,7 @@ def test_what_a_query_sees_is_built_once_per_forward_never_per_layer_or_at_build
 
 
 def test_a_step_that_cannot_fit_in_memory_is_refused_before_anything_is_allocated(tmp_path, text_file, capsys):
-    """A step whose lower bound (model.step_bytes) exceeds the device's memory is one line, exit 2, before the
+    """A step whose lower bound (runtime.step_bytes) exceeds the device's memory is one line, exit 2, before the
     corpus is prepared or the model built (`--block_size 100000` once grew to 17 GB printing nothing)."""
     assert run_main(tiny_args(tmp_path / "out", text_file, block_size=10**7)) == 2
     err = capsys.readouterr().err

@@ -16,9 +16,10 @@ from conftest import (copy_of_the_repo, docs_snippet, make_text, randomized, rea
 import finetune
 import model as model_module
 from checkpoint import from_checkpoint, load_checkpoint, save_checkpoint
+from cli import ConfigError, HFError
+from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, TrainConfig, choices, make_config, model_config, parse_args,
+                    validate)
 from finetune import adopt
-from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, ConfigError, HFError, TrainConfig, choices, make_config,
-                    model_config, parse_args, validate)
 from model import GPT, GPTConfig
 from sample import KVCache
 from scripts import export_hf

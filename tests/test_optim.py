@@ -7,7 +7,8 @@ from conftest import tiny_model
 
 import optim
 import train
-from config import ConfigError, make_config
+from cli import ConfigError
+from config import make_config
 from optim import Muon, orthogonalize
 
 

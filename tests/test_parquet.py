@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import make_text
 
-from data import DataError
+from cli import DataError
 from prepare import corpus_source
 import scripts.prepare as scripts_prepare
 from scripts.prepare import prepare_corpus

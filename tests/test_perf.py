@@ -14,7 +14,8 @@ from conftest import read_metrics, run_script, write_chats
 import runtime
 import train
 from checkpoint import load_checkpoint
-from config import DataError, PathError, make_config
+from cli import DataError, PathError
+from config import make_config
 from model import GPTConfig, attention, visible_keys
 from scripts import bench, plot
 from tokenizer import tokenizer_vocab_size

@@ -20,12 +20,14 @@ from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_train
                              on_training_forward, poison_loss, signal_at)
 
 import checkpoint
+import cli
+import logs
 import optim
 import prepare
 import runtime
 import train
-from checkpoint import FORMAT_VERSION, REQUIRED_KEYS, RNG_STREAMS, CheckpointError, load_checkpoint, save_checkpoint
-from config import RunStopped
+from checkpoint import FORMAT_VERSION, REQUIRED_KEYS, RNG_STREAMS, load_checkpoint, save_checkpoint
+from cli import CheckpointError, RunStopped
 from optim import OPTIMIZERS, NonFiniteGuard
 
 
@@ -91,7 +93,8 @@ def test_disk_full_keeps_previous_checkpoints_and_exits_74(tmp_path, text_file, 
     before = {name: (out / name).read_bytes() for name in ("last.pt", "best.pt")}
     if failure.startswith("ENOSPC"):
         full = functools.partial(open_on_full_disk, full="metrics.jsonl" if "metrics" in failure else ".tmp-")
-        monkeypatch.setattr(runtime, "open", full, raising=False)
+        for module in (runtime, logs):  # temp files (runtime.written_whole), metrics.jsonl (logs.MetricsLog)
+            monkeypatch.setattr(module, "open", full, raising=False)
     else:
         monkeypatch.setattr(torch, "save", torch_save_on_full_disk)
     capsys.readouterr()
@@ -364,7 +367,7 @@ def test_under_torchrun_rank_0_alone_says_a_signals_notice(monkeypatch, capfd):
     """torchrun signals every rank; each said "SIGTERM: finishing this step, then saving last.pt"."""
     for rank, said in (("1", ""), ("0", "\nSIGTERM: finishing this step, then saving last.pt\n")):
         monkeypatch.setenv("RANK", rank)
-        runtime.StopOnSignal(install=False).handle(signal.SIGTERM, None)
+        cli.StopOnSignal(install=False).handle(signal.SIGTERM, None)
         assert capfd.readouterr().err == said
 
 

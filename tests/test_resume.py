@@ -18,6 +18,7 @@ from fault_injection import AS_A_SCRIPT, assert_same_training_state, call_of, si
 
 import checkpoint
 import data
+import logs
 import runtime
 import train
 from checkpoint import RNG_STREAMS, load_checkpoint, save_checkpoint
@@ -194,6 +195,7 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
                                             "--out_dir\n"),
         (state, dict(dtype="float16"), "resume with --dtype float32\n"),
         (state, dict(init_from=out), f"init_from: checkpoint '' vs now '{out}'"),  # was: ignored, then recorded
+        (state, dict(data_path=""), f"data_path: checkpoint '{text_file}' vs now ''"),  # was: Shakespeare prepared
         (state, dict(tokenizer="bpe"), "tokenizer: checkpoint 'char' vs now 'bpe'"),  # was: a BPE trained first
         ({**state, "config": {**state["config"], "mtp": 2}}, {}, "mtp: checkpoint 2, a field this code lacks"),
         ({**state, "model": {k: v[:1] if k.endswith("c_fc.weight") else v for k, v in state["model"].items()}}, {},
@@ -218,8 +220,8 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
         assert err.startswith("error: ") and err.count("\n") == 1 and error in err, (flags, err)
         assert {p: p.read_bytes() for p in out.iterdir()} == run  # none touched, none added
         assert {p: p.read_bytes() for p in corpora} == corpora
-    # each corpus and split in its own folder; none for what last.pt's config refuses (another --init_from or
-    # --tokenizer), which is refused before a base is read or a corpus prepared
+    # each corpus and split in its own folder; none for what last.pt's config refuses (another --init_from,
+    # --tokenizer or no --data_path), which is refused before a base is read or a corpus prepared
     assert len(list((tmp_path / "data").iterdir())) == 3
 
 
@@ -284,8 +286,8 @@ def test_resuming_a_finished_run_does_zero_steps_opens_no_tracker_run_and_change
                                                                                             monkeypatch):
     """A wandb run opened to log nothing is one more (offline) run to sync, and a wait for wandb."""
     started = []  # cfg.resume of each tracker started
-    monkeypatch.setattr(runtime, "start", lambda cfg, out_dir, logged_through=None:
-                        started.append(cfg.resume) or runtime.NullTracker())
+    monkeypatch.setattr(logs, "start", lambda cfg, out_dir, logged_through=None:
+                        started.append(cfg.resume) or logs.NullTracker())
     out = tmp_path / "run"
     args = tiny_args(out, text_file, max_iters=6, wandb="true")
     assert run_main(args) == 0 and started == [False]

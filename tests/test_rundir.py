@@ -15,8 +15,8 @@ from conftest import REPO, metrics, run_main, tiny_args, tree
 from fault_injection import AS_A_SCRIPT as FAULTS
 
 from checkpoint import claim, load_checkpoint
+from cli import PathError
 from prepare import prepare_corpus
-from runtime import PathError
 
 
 def one_line_error(err: str) -> str:

@@ -18,8 +18,8 @@ import sample as sample_module
 from checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
 from config import REPO, as_dict, make_config, model_config
 from model import GPT
-from sample import Continuations, KVCache, NextTokenLogits, filter_logits, generate, main, pick_next, unescape, \
-    window_start
+from sample import (Continuations, KVCache, NextTokenLogits, filter_logits, generate, main, pick_next, unescape,
+                    window_start)
 from scripts import chat as chat_script
 from tokenizer import CharTokenizer
 

@@ -13,7 +13,8 @@ import torch
 from conftest import REPO, run_main, tiny_args
 
 import sample
-from checkpoint import REQUIRED_KEYS, CheckpointError, load_checkpoint, save_checkpoint
+from checkpoint import REQUIRED_KEYS, load_checkpoint, save_checkpoint
+from cli import CheckpointError
 
 
 class Payload:

@@ -11,12 +11,12 @@ from conftest import make_text, run_main, tiny_args, tiny_model
 
 import sample
 from checkpoint import from_checkpoint
-from config import HFError, parse_args
-from data import DataError
-from scripts.prepare import prepare_corpus
+from cli import DataError, HFError
+from config import parse_args
 from scripts import export_hf
 from scripts.export_hf import tokenizer_files
 from scripts.import_hf import read_tokenizer
+from scripts.prepare import prepare_corpus
 from tokenizer import BPETokenizer, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 
 VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's words can merge

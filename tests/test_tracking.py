@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO, read_metrics, run_main, tiny_args
 
-import runtime
+import logs
 from config import make_config
 
 pytestmark = pytest.mark.interop  # wandb (requirements-interop.txt)
@@ -127,7 +127,7 @@ def fake_wandb(monkeypatch) -> list[SimpleNamespace]:
         runs.append(run)
         return run
 
-    monkeypatch.setenv("WANDB_MODE", "disabled")  # runtime.start then asks wandb for no login
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # logs.start then asks wandb for no login
     monkeypatch.setattr(wandb, "init", init)
     return runs
 
@@ -142,7 +142,7 @@ def test_mode_follows_the_key_unless_wandb_mode_is_set(tmp_path, monkeypatch, en
     monkeypatch.setattr(wandb, "login", lambda **kwargs: logins.append(kwargs) or logged_in)
     if env_mode is None:
         monkeypatch.delenv("WANDB_MODE")
-    runtime.start(make_config(wandb=True, out_dir=str(tmp_path)), tmp_path)
+    logs.start(make_config(wandb=True, out_dir=str(tmp_path)), tmp_path)
     assert runs[0].init["mode"] == expected
     assert logins == ([] if env_mode else [{"prompt": False, "verify": False}])  # never a prompt or a round trip
 
@@ -160,7 +160,7 @@ def append_records(out: Path, steps: range) -> None:
     ({}, [4, 5, 6, 6]),  # resumed, first trained without --wandb: a new wandb run holds nothing yet
 ], ids=["fresh", "continued", "new wandb run on resume"])
 def test_only_a_continued_wandb_run_skips_the_steps_it_holds(tmp_path, text_file, monkeypatch, first, sent):
-    """Bugs caught: runtime.start read out_dir/wandb_id without --resume (a new run appended to an old one's charts);
+    """Bugs caught: logs.start read out_dir/wandb_id without --resume (a new run appended to an old one's charts);
     a wandb run not continued skipped the steps a killed process logged (and its resume redid)."""
     out, runs = tmp_path / "out", fake_wandb(monkeypatch)
     if first is None:  # left by an earlier run here whose last.pt was deleted

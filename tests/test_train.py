@@ -9,7 +9,7 @@ import torch
 from conftest import metrics, read_metrics, run_main, run_script, tiny_args, tiny_model
 from fault_injection import step_clock
 
-import runtime
+import logs
 import train
 from checkpoint import REQUIRED_KEYS, from_checkpoint, load_checkpoint
 from config import make_config
@@ -52,7 +52,7 @@ def test_time_schedule_decays_over_max_time_and_warms_up_by_steps():
 @pytest.mark.parametrize("seconds, shown", [(0, "0:00"), (83.9, "1:23"), (180, "3:00"), (3599.5, "59:59"),
                                              (3600, "1:00:00"), (3725, "1:02:05")])
 def test_clock_is_minutes_and_seconds_then_hours(seconds, shown):
-    assert runtime.clock(seconds) == shown
+    assert logs.clock(seconds) == shown
 
 
 @pytest.mark.parametrize("budget, shown", [
@@ -138,7 +138,7 @@ def test_an_objective_term_weighs_the_same_however_the_batch_is_split():
 
 def test_mfu_reads_the_flops_measured_at_start(tmp_path, text_file, monkeypatch):
     """Each log line's MFU is flops_per_token's measured count x tokens/s / peak (a pretend 1 TFLOP/s here)."""
-    monkeypatch.setattr(runtime, "device_peak", lambda device, dtype: 1e12)
+    monkeypatch.setattr(logs, "device_peak", lambda device, dtype: 1e12)
     assert run_main(tiny_args(tmp_path / "run", text_file, max_iters=3)) == 0
     model = from_checkpoint(tmp_path / "run" / "last.pt").model
     counted = model.flops_per_token()

@@ -21,11 +21,11 @@ import optim
 import train
 from checkpoint import load_checkpoint, save_checkpoint
 from config import (DEFAULTS, FIELD_TYPES, RANGES, RESUME, RESUME_RULES, USED_ONLY_UNDER, TrainConfig, choices,
-                    make_config, model_config)
+                    make_config, model_config, unused_fields)
 from data import LOADERS, corpus_for
+from logs import unused_given
 from model import GPT, GPTConfig
 from optim import DECAYS, OPTIMIZERS, MuonAdamW, lr_at
-from runtime import unused_fields, unused_given
 
 
 # ----------------------------------------------------------------------------- every field has a rule
@@ -421,8 +421,8 @@ import pytest
 import train
 from checkpoint import load_checkpoint
 from config import make_config
-from runtime import unused_given
-from runtime import StopOnSignal
+from cli import StopOnSignal
+from logs import unused_given
 from scripts import compare
 
 corpus, out = sys.argv[1], Path(sys.argv[2])
