@@ -124,7 +124,7 @@ def fail(message: str, code: int = EXIT_BAD_INPUT, rank: int | None = 0) -> NoRe
 
 def run_tool(main: Callable[[], int | None]) -> NoReturn:
     """A tool's entry (python -m scripts.NAME): exit with main()'s code; a closed stdout (| head) ends it quietly."""
-    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # scripts/__init__.py's, while torch imported
+    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # scripts/__init__.py's or sample.py's, as torch imported
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is a KeyboardInterrupt again (130)
     try:
         sys.exit(main())

@@ -1,7 +1,7 @@
 """A GPT language model: a pre-norm causal transformer, as in GPT-2, small enough to read in one go.
 
 Shape legend used in every comment below:
-    B batch size, T sequence length, C n_embd, nh n_head, hs head size (C // nh), V padded vocab,
+    B batch size, T sequence length, C n_embd, nh n_head, hs head size (C // nh), V vocab_size,
     S positions already in the KV cache (0 without one).
 
 Parameter names follow GPT-2 (wte, wpe, h, ln_1, c_attn, c_proj, ln_2, c_fc, ln_f, lm_head) so that pretrained weights

@@ -210,7 +210,7 @@ def source_path(cfg) -> Path | None:
     if said := [name for name, off in unused.items() if off and name in cfg.given]:
         print0(f"WARNING: {', '.join(f'{name} {getattr(cfg, name)!r}' for name in said)} set but unused: the corpus is "
                + (f"--data_path {path}" if path else f"--dataset {cfg.dataset}"), file=sys.stderr)  # stdout is --json's
-    return shakespeare_dialogue(Path(cfg.data_dir)) if path is None and cfg.dataset == SHAKESPEARE_CHAT else path
+    return shakespeare_dialogue(data_home(cfg.data_dir)) if path is None and cfg.dataset == SHAKESPEARE_CHAT else path
 
 
 def corpus_folder(cfg, base_tokenizer: dict | None = None, documents: Callable | None = None) -> Path:
@@ -416,7 +416,7 @@ def write_splits(documents: Iterable[np.ndarray], staging: Path, val_fraction: f
     return tokens, docs
 
 
-# ----------------------------------------------------------------------------- conversations, in the chat template
+# ----------------------------------------------------------------------------- which kind of .jsonl: documents or chats
 def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
     """(number, line) of every non-blank line of a .jsonl, decoded from UTF-8 here."""
     with open(path, "rb") as f:

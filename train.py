@@ -5,8 +5,9 @@
     python train.py --help                      # every config field with its default
     torchrun --nproc_per_node=8 train.py --config gpt2 --grad_accum 4   # 8 GPUs, same batch (README)
 
-Reads top to bottom: one optimizer step (train_step) -> evaluation -> build_run -> the loop. Side concerns:
-checkpoint.py (saves, resume), optim.py (optimizers, lr), runtime.py (device, DDP), logs.py (lines), cli.py (errors).
+Reads top to bottom: one optimizer step (train_step) -> evaluation -> build_run -> the loop (train_in_owned_folder).
+Side concerns: checkpoint.py (the lock, saves, resume, --init_from), optim.py (optimizers, lr, NaN guard), runtime.py
+(device, DDP), logs.py (the lines it prints, metrics.jsonl), cli.py (errors and exit codes, signals).
 """
 import signal
 
@@ -157,7 +158,7 @@ class Run:
     model: GPT
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # active for fp16 only
-    guard: NonFiniteGuard  # records a non-finite step; the loop stops at its next sync (runtime.py)
+    guard: NonFiniteGuard  # records a non-finite step; the loop stops at its next sync (optim.py)
 
 
 def build_run(cfg: TrainConfig, rt: Runtime, ddp: runtime.Dist | None = None, pretrained=None) -> Run:
@@ -236,7 +237,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
     val_loss = math.nan
 
     with stop:  # from here on Ctrl-C/SIGTERM mean: finish the step, save last.pt, exit 130/143
-        signalled, out_of_time = stop.requested, cfg.out_of_time(time_before)  # a resumed run may be done
+        out_of_time, signalled = cfg.out_of_time(time_before), stop.requested  # a resumed run may be done
         while step < cfg.max_iters and not signalled and not out_of_time:
             lr = get_lr(step, cfg, time.time() - t_start)
             batches = [run.stream.next() for _ in range(cfg.grad_accum)]
@@ -259,7 +260,7 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
                 checkpointer.last_eval = log.eval(step, val_loss, result.bpb, time.time() - t_start)
                 checkpointer.save(step, time.time() - t_start, best_val, is_best)
                 log.eval_line(step, val_loss, result.bpb, is_best)
-                log.pause(time.time() - t_eval)  # eval and save time is not counted as training time
+                log.pause(time.time() - t_eval)  # out of the next line's ms/step, tok/s (max_time counts it)
                 if not last:  # an eval that spends the budget is the final one: no extra step, no second eval
                     out_of_time, signalled = halt_flags(cfg, step, stop, t_start, ddp)
             elif cfg.ckpt_interval and step % cfg.ckpt_interval == 0:

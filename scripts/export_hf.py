@@ -255,7 +255,7 @@ def with_markers(files: dict[str, Any], markers: dict[str, int]) -> dict[str, An
 
 def chat_template() -> str:
     """tokenizer.render as Jinja, for apply_chat_template; an empty conversation or an unknown role raises, as
-    prepare.py refuses them (raise_exception: transformers and llama-cpp-python define it)."""
+    finetune.py refuses them (raise_exception: transformers and llama-cpp-python define it)."""
     known = ", ".join(ROLES)
     roles = "".join(f"{{%- {'elif' if i else 'if'} message['role'] == '{role}' %}}{{{{ '{marker}' }}}}"
                     for i, (role, marker) in enumerate(ROLES.items()))

@@ -14,6 +14,7 @@ from conftest import ctrl_c_at_the_first_call, make_text, run_main, tiny_args, t
 
 import prepare
 import sample as sample_module
+import tokenizer
 from cli import ConfigError, DataError
 from config import TrainConfig, make_config
 from data import Conversations, corpus_for, eval_windows, load_corpus, training_stream
@@ -111,6 +112,18 @@ def test_a_loader_given_for_conversations_is_said_unused(tmp_path, capsys):
     cfg = make_config("tiny", data_path=str(write_chats(tmp_path / "chats.jsonl")), loader="bos_packed")
     assert prepare.source_path(cfg) == tmp_path / "chats.jsonl"
     assert "WARNING: loader 'bos_packed' set but unused: the corpus is --data_path" in capsys.readouterr().err
+
+
+def test_the_built_in_chat_corpus_is_the_repos_from_any_folder(tmp_path, monkeypatch):
+    """Bug caught: shakespeare_chat's file went to ./data of the folder a command ran in, not the repo's data_dir."""
+    made, elsewhere = tmp_path / "repo" / "data" / "shakespeare_chat.jsonl", tmp_path / "elsewhere"
+    made.parent.mkdir(parents=True)
+    made.write_text('{"messages": []}\n')
+    elsewhere.mkdir()
+    monkeypatch.setattr(tokenizer, "REPO", tmp_path / "repo")  # data_home's: a relative data_dir is under it
+    monkeypatch.setattr(prepare, "shakespeare_text", lambda data_dir: pytest.fail(f"would download into {data_dir}"))
+    monkeypatch.chdir(elsewhere)
+    assert prepare.source_path(make_config(dataset="shakespeare_chat", data_dir="data")) == made
 
 
 def test_train_rows_hold_one_whole_conversation_and_val_windows_score_exactly_the_learned_tokens(tmp_path):
