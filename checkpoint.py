@@ -168,11 +168,11 @@ def other_run(path: Path, differences: list[str]) -> CheckpointError:
                            + ". Use the same settings or a new --out_dir")
 
 
-def check_same_run(cfg: TrainConfig) -> str:
+def check_same_run(cfg: TrainConfig) -> dict[str, Any]:
     """--resume: refuse another run's last.pt by its config alone, before a base is read or a corpus prepared (with
-    --init_from on both sides, what the base fixes is compared once adopted: check_resumable); returns its precision."""
+    --init_from on both sides, what the base fixes is compared once adopted: check_resumable); returns its state."""
     path = Path(cfg.out_dir) / "last.pt"
-    state = load_checkpoint(path)  # read again, whole, by the resume
+    state = load_checkpoint(path)  # the resume's, too: read and hashed once
     if state["corpus"] is None:  # scripts/import_hf.py's weights: no run behind them
         raise CheckpointError(f"{path} holds imported weights, no run to resume; start from them with --init_from "
                               f"{cfg.out_dir} and another --out_dir")
@@ -181,7 +181,7 @@ def check_same_run(cfg: TrainConfig) -> str:
         raise other_run(path, [f"data_path: checkpoint {saved.get('data_path', '')!r} vs now {cfg.data_path!r}"])
     if not (cfg.init_from and saved.get("init_from")) and (differences := resume_changes(saved, cfg)["fixed"]):
         raise other_run(path, differences)
-    return state["precision"]
+    return state
 
 
 def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus, fp16_scaler: bool,
@@ -293,10 +293,11 @@ class Checkpointer:
         for stale in out_dir.glob(f".*.pt{TEMP_MARK}*"):  # left by a save that was killed
             stale.unlink(missing_ok=True)
 
-    def resume(self) -> tuple[int, float, float]:
-        """Load last.pt into the run, each rank its own random streams: (step, seconds spent, best val loss)."""
+    def resume(self, state: dict[str, Any] | None = None) -> tuple[int, float, float]:
+        """Load last.pt (``state``: as check_same_run read it) into the run, each rank its own random streams: (step,
+        seconds spent, best val loss)."""
         path, cfg = self.out_dir / "last.pt", self.cfg
-        state = load_checkpoint(path)
+        state = load_checkpoint(path) if state is None else state
         check_resumable(path, state, cfg, self.corpus, self.scaler.is_enabled(), self.dtype)
         if self.lora is None:
             load_weights(self.model, state["model"], path)

@@ -165,7 +165,8 @@ class StopOnSignal:
 
     def __enter__(self) -> "StopOnSignal":
         if self.install and threading.current_thread() is threading.main_thread():
-            self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
+            self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS
+                             if signal.getsignal(signum) is not signal.SIG_IGN}  # a background job's stays ignored
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -206,7 +207,8 @@ def interrupt_until_the_loop() -> Iterator[None]:
         stop.signum = signum
         raise stop
 
-    previous = {signum: signal.signal(signum, interrupt) for signum in StopOnSignal.SIGNALS}
+    previous = {signum: signal.signal(signum, interrupt) for signum in StopOnSignal.SIGNALS
+                if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield
     finally:

@@ -13,7 +13,7 @@ Newton-Schulz iterations): every direction of the matrix moves at the same rate,
 embedding (tied to the output head), the position table and the norm gains stay on AdamW (PARAMETER_KINDS).
 torch.optim.Muon does the maths, with one change (``Muon`` below): the Newton-Schulz iteration runs in the run's
 precision, not always in bf16, which is emulated on CPUs without AVX512-BF16 or AMX: on a 2-core AMD EPYC without
-AVX-512 a bf16 matmul ran at 1 GFLOP/s against 98 in fp32 (the `small` step: 1.1 s instead of ~0.1 s)."""
+AVX-512 a bf16 matmul ran at 1 GFLOP/s against 98 in fp32 (`python -m scripts.bench --matmul`)."""
 import fnmatch
 import math
 from typing import Any

@@ -11,7 +11,8 @@ Side concerns: checkpoint.py (the lock, saves, resume, --init_from), optim.py (o
 """
 import signal
 
-if __name__ == "__main__":  # Ctrl-C while torch imports (seconds) ends the process, not in an import traceback
+# Ctrl-C while torch imports (seconds) ends the process, not in an import traceback; an ignored one stays ignored
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import contextlib
@@ -217,15 +218,16 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
                           "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
     with runtime.stop_together(ddp.device):  # before a base is read or a corpus prepared: last.pt of another run
-        resumed = check_same_run(cfg) if cfg.resume and ddp.is_main else ""  # refused; its precision (run_dtype)
+        saved = check_same_run(cfg) if cfg.resume and ddp.is_main else None  # refused; else read once, here
     cfg, pretrained = start_from(cfg, ddp.device)  # init_from: before anything is written
-    rt = choose_runtime(cfg, ddp.device, resumed)  # threads, precision (dtype=auto: rank 0's choice), compile
+    rt = choose_runtime(cfg, ddp.device, saved["precision"] if saved else "")  # threads, precision, compile
     run = build_run(cfg, rt, ddp, pretrained)
     del pretrained  # its tensors now live in the model
     model, guard, device, dtype = run.model, run.guard, rt.device, rt.dtype
     checkpointer = Checkpointer(out_dir, cfg, run, ddp)  # out_dir made, a killed save's temp files removed
     with runtime.stop_together(device):  # a rank that cannot read last.pt stops them all
-        step, time_before, best_val = checkpointer.resume() if cfg.resume else (0, 0.0, math.inf)
+        step, time_before, best_val = checkpointer.resume(saved) if cfg.resume else (0, 0.0, math.inf)
+    del saved  # its tensors now live in the model and optimizer
     train_model = compile_for_step(model, run.stream, rt)  # the model itself, unless compiled
     step_model = runtime.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     runtime.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size, run.stream.full_rows))

@@ -167,6 +167,22 @@ def test_signal_from_outside_saves_the_finished_step_and_resumes_exactly(tmp_pat
     assert_resumes_as_straight(out, tmp_path / "straight", text_file, max_iters=stopped_at + 3, eval_interval=100_000)
 
 
+def test_a_run_that_starts_with_sigint_ignored_keeps_it_ignored(tmp_path, text_file):
+    """`python train.py &` in a script starts with SIGINT ignored: the Ctrl-C meant for the script must not stop it,
+    as torch imports, as the run starts nor in the loop; SIGTERM still stops it, saving last.pt."""
+    out = tmp_path / "out"
+    child = subprocess.Popen([sys.executable, "train.py", *tiny_args(out, text_file, max_iters=100_000)], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.time() + 120
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 4):
+        assert child.poll() is None and time.time() < deadline, child.communicate()[1]
+        child.send_signal(signal.SIGINT)  # again and again, through every phase of the run
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=120) == 143
+
+
 def test_sigkill_loses_at_most_ckpt_interval_steps_and_metrics_keep_no_duplicates(tmp_path, text_file):
     out = tmp_path / "out"
     child = training_child(out, text_file, logged=10, ckpt_interval=4)
@@ -225,14 +241,17 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
     assert len(list((tmp_path / "data").iterdir())) == 3
 
 
-def test_a_resume_with_dtype_auto_keeps_the_precision_last_pt_trained_in(tmp_path, text_file, monkeypatch, capsys):
-    """dtype=auto times bf16 against fp32 on a CPU, a noisy probe: a resume takes last.pt's, never flips (not exact)."""
+def test_a_resume_reads_last_pt_once_and_keeps_the_precision_it_trained_in(tmp_path, text_file, monkeypatch, capsys):
+    """dtype=auto times bf16 against fp32 on a CPU, a noisy probe: a resume takes last.pt's, never flips (not exact).
+    last.pt is read (and hashed) once, however large: the check before a corpus is prepared hands it to the resume."""
+    reads = []
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path: reads.append(path) or load_checkpoint(path))
     for faster, args in (("bfloat16", {}), ("float32", dict(resume="true", max_iters=4))):  # the probe changes its mind
         monkeypatch.setattr(runtime, "matmul_gflops", lambda *shape, dtype, f=faster: 9.0 if f in str(dtype) else 1.0)
         assert run_main(tiny_args(tmp_path, text_file, dtype="auto", **{"max_iters": 2, **args})) == 0
     state = load_checkpoint(tmp_path / "last.pt")  # auto stays auto: another machine's resume probes its own CPU
     assert (state["precision"], state["config"]["dtype"]) == ("bfloat16", "auto")
-    assert "NOT" not in capsys.readouterr().out
+    assert "NOT" not in capsys.readouterr().out and len(reads) == 1
 
 
 def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
