@@ -1,9 +1,7 @@
 """Checkpoints: out_dir's lock, last.pt and best.pt written whole and verified, the resume, weights for use.
 
-A checkpoint is torch.save's zip archive of tensors and plain values (``torch.load(weights_only=True)`` reads it, so a
-malicious pickle runs no code) with the archive's sha256 as its zip comment, checked before anything is unpickled:
-torch.load checks no CRC.
-"""
+A checkpoint is torch.save's zip archive (``torch.load(weights_only=True)`` reads it: a malicious pickle runs no code)
+with the archive's sha256 as its zip comment, checked before anything is unpickled: torch.load checks no CRC."""
 import argparse
 import contextlib
 import fcntl
@@ -294,8 +292,7 @@ class Checkpointer:
             stale.unlink(missing_ok=True)
 
     def resume(self, state: dict[str, Any] | None = None) -> tuple[int, float, float]:
-        """Load last.pt (``state``: as check_same_run read it) into the run, each rank its own random streams: (step,
-        seconds spent, best val loss)."""
+        """Load last.pt (``state``: as check_same_run read it) into the run: (step, seconds spent, best val loss)."""
         path, cfg = self.out_dir / "last.pt", self.cfg
         state = load_checkpoint(path) if state is None else state
         check_resumable(path, state, cfg, self.corpus, self.scaler.is_enabled(), self.dtype)
@@ -425,9 +422,9 @@ def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True)
         try:
             base = load_base(cfg)
         except TinyGPTError as err:  # moved or deleted since: a base is needed to sample, export or continue
-            raise CheckpointError(f"{path} holds LoRA adapters on the base {cfg.init_from}, which cannot be loaded "
-                                  f"({err}); put the base back there, or --resume the run with --init_from where "
-                                  "it is now") from None
+            why = f"cannot be loaded ({err})" if Path(cfg.init_from).exists() else "is gone (moved or deleted)"
+            raise CheckpointError(f"{path} holds LoRA adapters on the base {cfg.init_from}, which {why}; the adapters "
+                                  "need it there: put it back, or a symbolic link to where it is now") from None
         model.load_state_dict(base.weights_for(state["tokenizer"], tokenizer.vocab_size))
         model = load_adapted(state, model, str(path), merged)
     else:
@@ -476,6 +473,9 @@ def load_base(cfg: TrainConfig) -> "finetune.Pretrained":
         return load_run(find_checkpoint(cfg.init_from, "--init_from"), block_size)
     except TinyGPTError as err:
         last = Path(cfg.out_dir) / "last.pt"
+        if cfg.resume and cfg.lora_rank and not Path(cfg.init_from).exists():  # its adapters need their base
+            raise CheckpointError(f"--init_from {cfg.init_from}: gone (moved or deleted); {last} holds LoRA adapters "
+                                  "trained on it: pass --init_from where the base is now") from None
         if not cfg.resume or cfg.lora_rank or not last.is_file():  # LoRA's last.pt holds the adapters alone
             raise
         try:

@@ -179,7 +179,8 @@ class StopOnSignal:
     def handle(self, signum: int, frame) -> None:
         first = self.signum is None
         self.signum = self.signum or signum  # the first decides the exit code: SIGTERM then Ctrl-C is still 143
-        note = "finishing this step, then saving last.pt" if first else "already stopping; wait for the save"
+        note = ("finishing this step (and its eval, if due), then saving last.pt" if first else
+                "already stopping; wait for the save")
         if env_rank() == 0:  # torchrun signals every rank: one says it
             os.write(2, f"\n{signal.Signals(signum).name}: {note}\n".encode())  # print() is not reentrant in a handler
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from cli import EXIT_WRITE_FAILED, ConfigError, StopOnSignal, TinyGPTError, install_hint, silence_stdout
+from cli import EXIT_WRITE_FAILED, ConfigError, DataError, StopOnSignal, TinyGPTError, install_hint, silence_stdout
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, RESUME, USED_ONLY_UNDER, TrainConfig, as_dict, describe,
                     given_fields, unused_fields)
-from runtime import all_reduce_sum, atomic_write_text, dtype_name, stop_together
+from runtime import all_reduce_sum, atomic_write, dtype_name, stop_together
 
 # ----------------------------------------------------------------------------- the run's records
 class MetricsLog:
@@ -110,15 +110,22 @@ class MetricsLog:
 
 
 def drop_records_after(path: Path, step: int) -> int | None:
-    """Drop records a killed run logged after last.pt's ``step``; returns the last step the file held (or None)."""
+    """Drop records a killed run logged after last.pt's ``step``, and blank lines; returns the last step the file held
+    (or None). A line that is no record (a damaged or edited file) stops the resume in one line, the file untouched."""
     if not path.is_file():
         return None
-    lines = path.read_text().splitlines(keepends=True)
-    steps = [json.loads(line)["step"] for line in lines if line.endswith("\n")]
-    kept = [line for line, logged in zip(lines, steps) if logged <= step]
-    if kept != lines:  # written whole: a kill here must not lose the log
-        atomic_write_text(path, "".join(kept))
-    return max(steps, default=None)
+    text, records = path.read_bytes(), []  # (line, its step)
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        if line.strip() and line.endswith(b"\n"):  # the last, cut short by a kill: dropped
+            try:
+                records.append((line, json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):  # not UTF-8, not JSON, not a record
+                raise DataError(f"{path}, line {number}: not a record of this run's log; mend the line or move the "
+                                "file away, then --resume again") from None
+    kept = b"".join(line for line, logged in records if logged <= step)
+    if kept != text:  # written whole: a kill here must not lose the log
+        atomic_write(path, lambda f: f.write(kept))
+    return max((logged for _, logged in records), default=None)
 
 
 def clock(seconds: float) -> str:

@@ -70,7 +70,7 @@ def sha256_of(path: Path) -> str:
 # ----------------------------------------------------------------------------- folders: writable, staged
 # A path the user must change (exit 2), as opposed to a device failing under a good one (exit 74).
 BAD_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR,
-                   errno.ENAMETOOLONG, errno.ELOOP}
+                   errno.ENAMETOOLONG, errno.ELOOP, errno.ENOENT}  # ENOENT: a dangling link, /proc
 
 
 def os_failure(folder: Path, flag: str, err: OSError) -> PathError:

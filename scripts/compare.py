@@ -1,6 +1,6 @@
 """Compare config variants over several seeds: equal steps, interleaved runs, a paired t-test.
 
-    python -m scripts.compare --config small --steps 1500 --seeds 3 base: muon:optimizer=muon
+    python -m scripts.compare --config small --steps 1500 --seeds 3 base: adamw:optimizer=adamw
     python -m scripts.compare --config tiny --steps 200 --seeds 3 base: low_lr:learning_rate=3e-4,min_lr=3e-5
     python -m scripts.compare --config small --time 180 --seeds 3 base: wide:n_embd=192   # equal wall time
 

@@ -293,8 +293,8 @@ def run_tests_in(repo: Path, basetemp: Path, *args: str) -> subprocess.Completed
 
 
 def tree(*roots: Path) -> dict[Path, bytes | None]:
-    """Every path under ``roots`` with its bytes (None for a folder): what "nothing was written" compares."""
-    return {path: None if path.is_dir() else path.read_bytes() for root in roots for path in sorted(root.rglob("*"))}
+    """Every path under ``roots`` with its bytes (None: a folder, a dangling link): what "nothing written" compares."""
+    return {path: path.read_bytes() if path.is_file() else None for root in roots for path in sorted(root.rglob("*"))}
 
 
 def read_metrics(out_dir: Path | str) -> list[dict]:

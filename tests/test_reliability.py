@@ -364,8 +364,9 @@ def test_a_second_signal_during_shutdown_keeps_the_exit_code(tmp_path, text_file
 
 
 def test_under_torchrun_rank_0_alone_says_a_signals_notice(monkeypatch, capfd):
-    """torchrun signals every rank; each said "SIGTERM: finishing this step, then saving last.pt"."""
-    for rank, said in (("1", ""), ("0", "\nSIGTERM: finishing this step, then saving last.pt\n")):
+    """torchrun signals every rank; each said "SIGTERM: finishing this step ..., then saving last.pt"."""
+    said_by_0 = "\nSIGTERM: finishing this step (and its eval, if due), then saving last.pt\n"
+    for rank, said in (("1", ""), ("0", said_by_0)):
         monkeypatch.setenv("RANK", rank)
         cli.StopOnSignal(install=False).handle(signal.SIGTERM, None)
         assert capfd.readouterr().err == said

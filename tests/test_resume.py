@@ -241,6 +241,27 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
     assert len(list((tmp_path / "data").iterdir())) == 3
 
 
+def test_a_damaged_metrics_log_is_refused_in_one_line_and_a_blank_line_dropped(tmp_path, text_file, capsys):
+    """A line of metrics.jsonl that is no record (text, bytes that are no UTF-8): exit 2, one line naming it, the
+    run's files untouched; a blank line (an editor's, `echo >>`) goes with the records the resume drops."""
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, max_iters=4, eval_interval=2)) == 0
+    log, good = out / "metrics.jsonl", (out / "metrics.jsonl").read_bytes()
+    number = good.count(b"\n") + 1  # the damaged line's
+    for damage in (b"garbage\n", b"\xff\xfe\n", b"[1]\n", b"{}\n"):
+        log.write_bytes(good + damage)
+        run = {p: p.read_bytes() for p in out.iterdir()}
+        capsys.readouterr()
+        assert run_main(tiny_args(out, text_file, max_iters=6, eval_interval=2, resume="true")) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: {log}, line {number}: not a record of this run's log; mend the line "
+                       "or move the file away, then --resume again\n")
+        assert {p: p.read_bytes() for p in out.iterdir()} == run
+    log.write_bytes(good + b"\n")
+    assert run_main(tiny_args(out, text_file, max_iters=6, eval_interval=2, resume="true")) == 0
+    assert [record["step"] for record in metrics(out)[0]] == list(range(1, 7))
+
+
 def test_a_resume_reads_last_pt_once_and_keeps_the_precision_it_trained_in(tmp_path, text_file, monkeypatch, capsys):
     """dtype=auto times bf16 against fp32 on a CPU, a noisy probe: a resume takes last.pt's, never flips (not exact).
     last.pt is read (and hashed) once, however large: the check before a corpus is prepared hands it to the resume."""

@@ -114,13 +114,17 @@ def unwritable(monkeypatch: pytest.MonkeyPatch, folder: Path, code: int = errno.
     ("out_dir is a file", 2, "{file} is a file, not a folder; pass another --out_dir"),
     ("read-only out_dir", 2, "cannot write in {out} ("),
     ("out_dir on a failing disk", 74, "could not write in {out} (Input/output error)"),
+    ("out_dir under a dangling link", 2, "cannot write in {link} (No such file or directory); pass a writable"),
     ("read-only data_dir, corpus not prepared", 2, "cannot write in {data} ("),
 ])
 def test_a_folder_that_cannot_be_written_fails_first_in_one_line(tmp_path, text_file, capsys, monkeypatch,
                                                                  no_model, case, code, message):
-    file, out, data = tmp_path / "f", tmp_path / "out", tmp_path / "data"
+    file, out, data, link = tmp_path / "f", tmp_path / "out", tmp_path / "data", tmp_path / "link"
     file.write_text("a file where a folder should be")
-    out = {"out_dir under a file": file / "sub", "out_dir is a file": file}.get(case, out)
+    out = {"out_dir under a file": file / "sub", "out_dir is a file": file,
+           "out_dir under a dangling link": link / "run"}.get(case, out)
+    if case.endswith("dangling link"):
+        link.symlink_to(tmp_path / "gone")
     if case in ("read-only out_dir", "out_dir on a failing disk"):
         out.mkdir()
         unwritable(monkeypatch, out, errno.EROFS if case.startswith("read-only") else errno.EIO)
@@ -130,7 +134,7 @@ def test_a_folder_that_cannot_be_written_fails_first_in_one_line(tmp_path, text_
     before = tree(tmp_path)
     assert run_main(tiny_args(out, text_file, data_dir=data)) == code
     err = one_line_error(capsys.readouterr().err)
-    assert message.format(file=file, out=out, data=data) in err
+    assert message.format(file=file, out=out, data=data, link=link) in err
     monkeypatch.undo()
     assert tree(tmp_path) == before  # nothing written, nothing half-written, no folder made
 
