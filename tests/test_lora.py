@@ -210,11 +210,9 @@ def test_another_base_is_refused_by_a_resume_and_by_sampling_naming_both_fingerp
     with pytest.raises(CheckpointError, match="its LoRA adapters were trained on base"):
         from_checkpoint(trained / "last.pt")
     monkeypatch.setitem(state["config"], "init_from", str(tmp_path / "moved"))  # the base is gone: said, named
-    with pytest.raises(CheckpointError, match=f"LoRA adapters on the base {tmp_path / 'moved'}, which is gone \\(moved "
-                                              "or deleted\\); the adapters need it there: put it back, or a symbolic"):
+    with pytest.raises(CheckpointError, match=f"base {tmp_path / 'moved'}, which is gone.*or a symbolic link"):
         from_checkpoint(trained / "last.pt")
-    with pytest.raises(CheckpointError, match="gone \\(moved or deleted\\); .* holds LoRA adapters trained on it: pass "
-                                              "--init_from where the base is now"):  # not "train that run first"
+    with pytest.raises(CheckpointError, match="gone .* holds LoRA adapters trained on it: pass --init_from where the"):
         train.train(lora_cfg(corpus_paths, trained, tmp_path / "moved", max_iters=12, resume=True))
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (REPO, final_weights, make_optimizer, make_text, metrics, read_metrics, run_main, run_script,
-                      same_weights, tiny_args, tiny_model)
+                      same_weights, tiny_args, tiny_model, tree)
 from fault_injection import AS_A_SCRIPT, assert_same_training_state, call_of, signal_at, step_clock
 
 import checkpoint
@@ -137,14 +137,16 @@ def test_sigterm_mid_accumulation_of_a_resumed_run_finishes_the_step_then_saves(
     assert_resumes_as_straight(tmp_path / "stopped", tmp_path / "straight", text_file, **args)
 
 
-def training_child(out: Path, text_file: Path, logged: int, stdout=subprocess.DEVNULL, **args) -> subprocess.Popen:
-    """train.py in a child process that trains "forever", once it has logged ``logged`` steps."""
+def training_child(out: Path, text_file: Path, logged: int, stdout=subprocess.DEVNULL, ignored=0, **args):
+    """train.py training "forever" in a child, once it logged ``logged`` steps; ``ignored``: ignored, sent meanwhile."""
     args = tiny_args(out, text_file, max_iters=100_000, eval_interval=100_000, **args)
-    child = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=stdout,
-                             stderr=subprocess.PIPE, text=True)
+    ignore = (lambda: signal.signal(ignored, signal.SIG_IGN)) if ignored else None
+    child = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=stdout, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=ignore)
     metrics_file, deadline = out / "metrics.jsonl", time.time() + 120
     while not (metrics_file.is_file() and metrics_file.read_text().count("\n") >= logged):
-        assert child.poll() is None and time.time() < deadline, "training did not start"
+        assert child.poll() is None and time.time() < deadline, child.communicate()[1]
+        child.send_signal(ignored) if ignored else None
         time.sleep(0.05)
     return child
 
@@ -170,15 +172,7 @@ def test_signal_from_outside_saves_the_finished_step_and_resumes_exactly(tmp_pat
 def test_a_run_that_starts_with_sigint_ignored_keeps_it_ignored(tmp_path, text_file):
     """`python train.py &` in a script starts with SIGINT ignored: the Ctrl-C meant for the script must not stop it,
     as torch imports, as the run starts nor in the loop; SIGTERM still stops it, saving last.pt."""
-    out = tmp_path / "out"
-    child = subprocess.Popen([sys.executable, "train.py", *tiny_args(out, text_file, max_iters=100_000)], cwd=REPO,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    deadline = time.time() + 120
-    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 4):
-        assert child.poll() is None and time.time() < deadline, child.communicate()[1]
-        child.send_signal(signal.SIGINT)  # again and again, through every phase of the run
-        time.sleep(0.05)
+    child = training_child(tmp_path / "out", text_file, logged=4, ignored=signal.SIGINT)
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=120) == 143
 
@@ -242,29 +236,24 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
 
 
 def test_a_damaged_metrics_log_is_refused_in_one_line_and_a_blank_line_dropped(tmp_path, text_file, capsys):
-    """A line of metrics.jsonl that is no record (text, bytes that are no UTF-8): exit 2, one line naming it, the
+    """A line of metrics.jsonl that is no record (text, no UTF-8, no dict, no step): exit 2, one line naming it, the
     run's files untouched; a blank line (an editor's, `echo >>`) goes with the records the resume drops."""
-    out = tmp_path / "out"
-    assert run_main(tiny_args(out, text_file, max_iters=4, eval_interval=2)) == 0
-    log, good = out / "metrics.jsonl", (out / "metrics.jsonl").read_bytes()
-    number = good.count(b"\n") + 1  # the damaged line's
+    out, log, resume = tmp_path / "out", tmp_path / "out" / "metrics.jsonl", dict(max_iters=6, resume="true")
+    assert run_main(tiny_args(out, text_file, max_iters=4)) == 0
+    good, refusal = log.read_bytes(), f"error: {log}, line 6: not a record of this run's log; mend the line or move"
     for damage in (b"garbage\n", b"\xff\xfe\n", b"[1]\n", b"{}\n"):
         log.write_bytes(good + damage)
-        run = {p: p.read_bytes() for p in out.iterdir()}
-        capsys.readouterr()
-        assert run_main(tiny_args(out, text_file, max_iters=6, eval_interval=2, resume="true")) == 2
-        err = capsys.readouterr().err
-        assert err == (f"error: {log}, line {number}: not a record of this run's log; mend the line "
-                       "or move the file away, then --resume again\n")
-        assert {p: p.read_bytes() for p in out.iterdir()} == run
+        run = tree(out)
+        assert run_main(tiny_args(out, text_file, **resume)) == 2 and tree(out) == run
+        assert capsys.readouterr().err.startswith(refusal)
     log.write_bytes(good + b"\n")
-    assert run_main(tiny_args(out, text_file, max_iters=6, eval_interval=2, resume="true")) == 0
+    assert run_main(tiny_args(out, text_file, **resume)) == 0
     assert [record["step"] for record in metrics(out)[0]] == list(range(1, 7))
 
 
 def test_a_resume_reads_last_pt_once_and_keeps_the_precision_it_trained_in(tmp_path, text_file, monkeypatch, capsys):
-    """dtype=auto times bf16 against fp32 on a CPU, a noisy probe: a resume takes last.pt's, never flips (not exact).
-    last.pt is read (and hashed) once, however large: the check before a corpus is prepared hands it to the resume."""
+    """dtype=auto times bf16 against fp32 on a CPU, a noisy probe: a resume takes last.pt's, never flips (not exact);
+    last.pt is read and hashed once, however large."""
     reads = []
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path: reads.append(path) or load_checkpoint(path))
     for faster, args in (("bfloat16", {}), ("float32", dict(resume="true", max_iters=4))):  # the probe changes its mind

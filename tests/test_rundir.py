@@ -123,8 +123,7 @@ def test_a_folder_that_cannot_be_written_fails_first_in_one_line(tmp_path, text_
     file.write_text("a file where a folder should be")
     out = {"out_dir under a file": file / "sub", "out_dir is a file": file,
            "out_dir under a dangling link": link / "run"}.get(case, out)
-    if case.endswith("dangling link"):
-        link.symlink_to(tmp_path / "gone")
+    link.symlink_to(tmp_path / "gone") if case.endswith("dangling link") else None
     if case in ("read-only out_dir", "out_dir on a failing disk"):
         out.mkdir()
         unwritable(monkeypatch, out, errno.EROFS if case.startswith("read-only") else errno.EIO)
