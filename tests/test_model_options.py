@@ -133,6 +133,8 @@ def test_every_option_reaches_the_model_and_changes_it(name, value):
     base, variant, dropped = paired_models(name, value)
     logits_a, objective_a, grads_a = train_mode_step(base)
     logits_b, objective_b, grads_b = train_mode_step(variant)
+    unused = [k for k, g in grads_b.items() if g is None]  # GPT-J's parallel block, its ln_2 built and never read
+    assert not unused, f"{name}={value} builds weights it never reads ({', '.join(unused)}): build them where they act"
     # A shared weight's gradient moved, or the output depends on a weight the option adds (a zero-initialised
     # bias adds nothing yet, but its gradient is not zero).
     moved = [k for k, g in grads_b.items()
@@ -140,7 +142,8 @@ def test_every_option_reaches_the_model_and_changes_it(name, value):
     without = f" without {', '.join(dropped)}" if dropped else ""
     assert moved or not (same(logits_a, logits_b) and same(objective_a, objective_b)), (
         f"{name}={value} computes what the base model{without} computes (logits, objective, gradients): make the "
-        f"option act where the model reads config.{name} (a bias or a slope that is zero adds nothing)")
+        f"option act where the model reads config.{name} (a bias or a slope that is zero adds nothing), or, where this "
+        "value is the base model beside tiny's other fields (n_kv_head 2 beside n_head 2), set them with needs=")
 
 
 def weights_added(name: str, value: Any) -> list[str]:
