@@ -146,7 +146,7 @@ def git_state() -> dict[str, Any]:
 
 
 def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[str]]:
-    """The fields ``saved`` (a checkpoint's config) has otherwise, by rule, but warned ones this run does not read."""
+    """The fields ``saved`` (a checkpoint's config) has otherwise, by rule, but those this run does not read."""
     lacked = [f"{name}: checkpoint {value!r}, a field this code lacks (the code that wrote it resumes it)"
               for name, value in saved.items() if name not in DEFAULTS and name != "given"]  # renamed or removed
     saved, unused = {**DEFAULTS, **saved}, unused_fields(cfg)
@@ -154,7 +154,7 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[st
     for name, resume in RESUME.items():
         if name == "bpe_vocab_size" and cfg.init_from:  # a base's tokenizer fixes it: compared as the tokenizer
             continue
-        if resume in changes and saved[name] != getattr(cfg, name) and not (resume == "warned" and name in unused):
+        if resume in changes and saved[name] != getattr(cfg, name) and name not in unused:
             changes[resume].append(f"{name}: checkpoint {saved[name]!r} vs now {getattr(cfg, name)!r}")
     if bool(saved["init_from"]) != bool(cfg.init_from):  # free (a moved base), but weights or none is another run
         changes["fixed"].append(f"init_from: checkpoint {saved['init_from']!r} vs now {cfg.init_from!r}")
@@ -166,20 +166,21 @@ def other_run(path: Path, differences: list[str]) -> CheckpointError:
                            + ". Use the same settings or a new --out_dir")
 
 
-def check_same_run(cfg: TrainConfig) -> dict[str, Any]:
+def check_same_run(cfg: TrainConfig) -> str:
     """--resume: refuse another run's last.pt by its config alone, before a base is read or a corpus prepared (with
-    --init_from on both sides, what the base fixes is compared once adopted: check_resumable); returns its state."""
+    --init_from on both sides, what the base fixes is compared once adopted: check_resumable); returns its precision."""
     path = Path(cfg.out_dir) / "last.pt"
-    state = load_checkpoint(path)  # the resume's, too: read and hashed once
+    state = load_checkpoint(path)  # read again by the resume: not held meanwhile, as the model is built beside it
     if state["corpus"] is None:  # scripts/import_hf.py's weights: no run behind them
         raise CheckpointError(f"{path} holds imported weights, no run to resume; start from them with --init_from "
                               f"{cfg.out_dir} and another --out_dir")
     saved = state["config"]
+    differences = [] if cfg.init_from and saved.get("init_from") else resume_changes(saved, cfg)["fixed"]
     if bool(saved.get("data_path")) != bool(cfg.data_path):  # free (a moved file), but file or built-in: another run
-        raise other_run(path, [f"data_path: checkpoint {saved.get('data_path', '')!r} vs now {cfg.data_path!r}"])
-    if not (cfg.init_from and saved.get("init_from")) and (differences := resume_changes(saved, cfg)["fixed"]):
+        differences.insert(0, f"data_path: checkpoint {saved.get('data_path', '')!r} vs now {cfg.data_path!r}")
+    if differences:
         raise other_run(path, differences)
-    return state
+    return state["precision"]
 
 
 def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus, fp16_scaler: bool,
@@ -291,10 +292,10 @@ class Checkpointer:
         for stale in out_dir.glob(f".*.pt{TEMP_MARK}*"):  # left by a save that was killed
             stale.unlink(missing_ok=True)
 
-    def resume(self, state: dict[str, Any] | None = None) -> tuple[int, float, float]:
-        """Load last.pt (``state``: as check_same_run read it) into the run: (step, seconds spent, best val loss)."""
+    def resume(self) -> tuple[int, float, float]:
+        """Load last.pt into the run, each rank its own random streams: (step, seconds spent, best val loss)."""
         path, cfg = self.out_dir / "last.pt", self.cfg
-        state = load_checkpoint(path) if state is None else state
+        state = load_checkpoint(path)
         check_resumable(path, state, cfg, self.corpus, self.scaler.is_enabled(), self.dtype)
         if self.lora is None:
             load_weights(self.model, state["model"], path)
@@ -334,10 +335,9 @@ class Checkpointer:
             import tiktoken
             versions = {"python": platform.python_version(), "torch": str(torch.__version__),
                         "numpy": np.__version__, "tiktoken": tiktoken.__version__, **git_state()}
-            weights = self.model.state_dict()
             if self.lora:  # the adapters only: the frozen base comes back from init_from, checked by its fingerprint
                 from finetune import adapter_state
-                weights = adapter_state(self.model)
+            weights = adapter_state(self.model) if self.lora else self.model.state_dict()
             state = {"format_version": FORMAT_VERSION, "model": weights, **({"lora": self.lora} if self.lora else {}),
                      "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), "step": step,
                      "time_s": time_s,  # the run's clock, evals included: a resume continues max_time, its schedule
@@ -422,9 +422,9 @@ def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True)
         try:
             base = load_base(cfg)
         except TinyGPTError as err:  # moved or deleted since: a base is needed to sample, export or continue
-            why = f"cannot be loaded ({err})" if Path(cfg.init_from).exists() else "is gone (moved or deleted)"
-            raise CheckpointError(f"{path} holds LoRA adapters on the base {cfg.init_from}, which {why}; the adapters "
-                                  "need it there: put it back, or a symbolic link to where it is now") from None
+            why = (f"cannot be loaded ({err})" if Path(cfg.init_from).exists() else "is gone (moved or deleted); the "
+                   "adapters need it there: put it back, or a symbolic link to where it is now")
+            raise CheckpointError(f"{path} holds LoRA adapters on the base {cfg.init_from}, which {why}") from None
         model.load_state_dict(base.weights_for(state["tokenizer"], tokenizer.vocab_size))
         model = load_adapted(state, model, str(path), merged)
     else:
@@ -474,8 +474,8 @@ def load_base(cfg: TrainConfig) -> "finetune.Pretrained":
     except TinyGPTError as err:
         last = Path(cfg.out_dir) / "last.pt"
         if cfg.resume and cfg.lora_rank and not Path(cfg.init_from).exists():  # its adapters need their base
-            raise CheckpointError(f"--init_from {cfg.init_from}: gone (moved or deleted); {last} holds LoRA adapters "
-                                  "trained on it: pass --init_from where the base is now") from None
+            raise CheckpointError(f"--init_from {cfg.init_from}: no such run folder or file; {last} holds LoRA "
+                                  "adapters trained on a base: pass --init_from where that base is now") from None
         if not cfg.resume or cfg.lora_rank or not last.is_file():  # LoRA's last.pt holds the adapters alone
             raise
         try:

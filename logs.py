@@ -115,10 +115,11 @@ def drop_records_after(path: Path, step: int) -> int | None:
     if not path.is_file():
         return None
     text, records = path.read_bytes(), []  # (line, its step)
-    for number, line in enumerate(text.splitlines(keepends=True), 1):
-        if line.strip() and line.endswith(b"\n"):  # the last, cut short by a kill: dropped
+    *lines, cut_short = text.split(b"\n")  # the last piece: b"", or a line a kill cut short (dropped)
+    for number, line in enumerate(lines, 1):
+        if line.strip():
             try:
-                records.append((line, json.loads(line)["step"]))
+                records.append((line + b"\n", int(json.loads(line)["step"])))
             except (ValueError, KeyError, TypeError):  # not UTF-8, not JSON, not a record
                 raise DataError(f"{path}, line {number}: not a record of this run's log; mend the line or move the "
                                 "file away, then --resume again") from None

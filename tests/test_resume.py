@@ -172,7 +172,7 @@ def test_signal_from_outside_saves_the_finished_step_and_resumes_exactly(tmp_pat
 def test_a_run_that_starts_with_sigint_ignored_keeps_it_ignored(tmp_path, text_file):
     """`python train.py &` in a script starts with SIGINT ignored: the Ctrl-C meant for the script must not stop it,
     as torch imports, as the run starts nor in the loop; SIGTERM still stops it, saving last.pt."""
-    child = training_child(tmp_path / "out", text_file, logged=4, ignored=signal.SIGINT)
+    child = training_child(tmp_path / "out", text_file, logged=150, ignored=signal.SIGINT)  # ~1 s in the loop
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=120) == 143
 
@@ -241,7 +241,7 @@ def test_a_damaged_metrics_log_is_refused_in_one_line_and_a_blank_line_dropped(t
     out, log, resume = tmp_path / "out", tmp_path / "out" / "metrics.jsonl", dict(max_iters=6, resume="true")
     assert run_main(tiny_args(out, text_file, max_iters=4)) == 0
     good, refusal = log.read_bytes(), f"error: {log}, line 6: not a record of this run's log; mend the line or move"
-    for damage in (b"garbage\n", b"\xff\xfe\n", b"[1]\n", b"{}\n"):
+    for damage in (b"garbage\n", b"\xff\xfe\n", b"[1]\n", b"{}\n", b"{\"step\": null}\n"):
         log.write_bytes(good + damage)
         run = tree(out)
         assert run_main(tiny_args(out, text_file, **resume)) == 2 and tree(out) == run
@@ -251,17 +251,14 @@ def test_a_damaged_metrics_log_is_refused_in_one_line_and_a_blank_line_dropped(t
     assert [record["step"] for record in metrics(out)[0]] == list(range(1, 7))
 
 
-def test_a_resume_reads_last_pt_once_and_keeps_the_precision_it_trained_in(tmp_path, text_file, monkeypatch, capsys):
-    """dtype=auto times bf16 against fp32 on a CPU, a noisy probe: a resume takes last.pt's, never flips (not exact);
-    last.pt is read and hashed once, however large."""
-    reads = []
-    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path: reads.append(path) or load_checkpoint(path))
+def test_a_resume_with_dtype_auto_keeps_the_precision_last_pt_trained_in(tmp_path, text_file, monkeypatch, capsys):
+    """dtype=auto times bf16 against fp32 on a CPU, a noisy probe: a resume takes last.pt's, never flips (not exact)."""
     for faster, args in (("bfloat16", {}), ("float32", dict(resume="true", max_iters=4))):  # the probe changes its mind
         monkeypatch.setattr(runtime, "matmul_gflops", lambda *shape, dtype, f=faster: 9.0 if f in str(dtype) else 1.0)
         assert run_main(tiny_args(tmp_path, text_file, dtype="auto", **{"max_iters": 2, **args})) == 0
     state = load_checkpoint(tmp_path / "last.pt")  # auto stays auto: another machine's resume probes its own CPU
     assert (state["precision"], state["config"]["dtype"]) == ("bfloat16", "auto")
-    assert "NOT" not in capsys.readouterr().out and len(reads) == 1
+    assert "NOT" not in capsys.readouterr().out
 
 
 def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():

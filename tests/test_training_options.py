@@ -55,10 +55,10 @@ def test_a_resume_refuses_a_changed_fixed_field_and_warns_only_of_a_changed_one_
         assert err.count("\n") == 1 and err.startswith("error: ") and f"{next(iter(change))}: checkpoint " in err, err
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # last.pt, best.pt, metrics.jsonl untouched
     assert run_main(tiny_args(out, text_file, max_iters=4, eval_interval=3, resume="true", muon_lr=0.5,
-                              learning_rate=1e-3)) == 0
+                              learning_rate=1e-3, bpe_vocab_size=512)) == 0  # a fixed field, unread under char
     out_text = capsys.readouterr().out
     assert "WARNING: resuming with changed settings (learning_rate: checkpoint 0.003 vs now 0.001)" in out_text
-    assert "muon_lr: checkpoint" not in out_text
+    assert "muon_lr: checkpoint" not in out_text and "bpe_vocab_size: checkpoint" not in out_text
 
 
 # ----------------------------------------------------------------------------- say what runs
