@@ -49,6 +49,14 @@ def test_gpt2_tokenizer_offline_fallback(tmp_path, monkeypatch):
     assert (tmp_path / "tokenizers" / "gpt2.tiktoken").is_file()
 
 
+def test_gpt2_ranks_that_cannot_be_fetched_say_what_for_and_what_else_to_do(tmp_path, monkeypatch):
+    """It said "use --data_path FILE", which the user had passed: the download is GPT-2's tokenizer file."""
+    monkeypatch.setattr("tiktoken.get_encoding", lambda name: 1 / 0)  # no internet, no tiktoken cache
+    monkeypatch.setattr("tokenizer.subprocess.run", lambda *a, **k: type("Failed", (), {"returncode": 1, "stderr": ""}))
+    with pytest.raises(DataError, match="for GPT-2's tokenizer file it holds .* or use --tokenizer char or bpe$"):
+        GPT2Tokenizer(tmp_path)
+
+
 # ----------------------------------------------------------------------------- BPE
 def prepared(data_path: Path, data_dir: Path, vocab: int = VOCAB) -> Path:
     return prepare_corpus(data_path=str(data_path), tokenizer="bpe", data_dir=str(data_dir), bpe_vocab_size=vocab)
