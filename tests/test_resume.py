@@ -145,7 +145,7 @@ def training_child(out: Path, text_file: Path, logged: int, stdout=subprocess.DE
                              text=True, preexec_fn=ignore)
     metrics_file, deadline = out / "metrics.jsonl", time.time() + 120
     while not (metrics_file.is_file() and metrics_file.read_text().count("\n") >= logged):
-        assert child.poll() is None and time.time() < deadline, child.communicate()[1]
+        assert child.poll() is None and time.time() < deadline, f"training ended ({child.returncode}) or never began"
         child.send_signal(ignored) if ignored else None
         time.sleep(0.05)
     return child
