@@ -177,10 +177,9 @@ class StopOnSignal:
         self.previous = {}
 
     def handle(self, signum: int, frame) -> None:
-        first = self.signum is None
+        note = ("already stopping; wait for the save" if self.requested else
+                "finishing this step (and its eval, if due), then saving last.pt")
         self.signum = self.signum or signum  # the first decides the exit code: SIGTERM then Ctrl-C is still 143
-        note = ("finishing this step (and its eval, if due), then saving last.pt" if first else
-                "already stopping; wait for the save")
         if env_rank() == 0:  # torchrun signals every rank: one says it
             os.write(2, f"\n{signal.Signals(signum).name}: {note}\n".encode())  # print() is not reentrant in a handler
 
@@ -197,10 +196,6 @@ class StopOnSignal:
 def interrupt_until_the_loop() -> Iterator[None]:
     """Until StopOnSignal takes over, SIGINT and SIGTERM raise KeyboardInterrupt (with ``signum``): a SIGTERM before
     step 1 cleans up (staging, lock) as Ctrl-C does."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
     def interrupt(signum: int, frame) -> None:
         for other in StopOnSignal.SIGNALS:
             signal.signal(other, signal.SIG_IGN)
@@ -208,8 +203,9 @@ def interrupt_until_the_loop() -> Iterator[None]:
         stop.signum = signum
         raise stop
 
+    main_thread = threading.current_thread() is threading.main_thread()  # the only one signal.signal works in
     previous = {signum: signal.signal(signum, interrupt) for signum in StopOnSignal.SIGNALS
-                if signal.getsignal(signum) is not signal.SIG_IGN}
+                if main_thread and signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield
     finally:

@@ -13,8 +13,7 @@ import torch
 import torch.nn as nn
 
 from cli import CheckpointError, DataError, HFError
-from config import TrainConfig, given_fields
-from config import parse_lora_targets as parse_targets
+from config import TrainConfig, given_fields, parse_lora_targets as parse_targets
 from model import GPT, GPTConfig
 from prepare import SPLITS, is_val, jsonl_lines, new_tokenizer, token_dtype, tokenizer_label, write_meta, write_splits
 from runtime import sha256_of, staged_folder
@@ -254,8 +253,7 @@ def add_adapters(model: GPT, rank: int, alpha: float, dropout: float, targets: s
     """Freeze ``model`` and wrap each target Linear of every block in a LoRALinear, in place; the embedding ``rows``
     train too. A's init draws from the global RNG: call it at the same point of start-up every time."""
     names = parse_targets(targets) if isinstance(targets, str) else targets
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     for block in model.transformer.h:
         for name in names:
             parent, attr = block.get_submodule(name.split(".")[0]), name.split(".")[1]
@@ -284,22 +282,18 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: 
     model.load_state_dict(state, strict=False)  # strict=False: the base's weights are not in ``state``
 
 
+@torch.no_grad()  # weights written in place: nothing here is to be differentiated
 def merge(model: GPT, in_place: bool = False) -> GPT:
     """A plain GPT computing what the adapted ``model`` does (each W + scale * B A), every weight trainable."""
     model = model if in_place else copy.deepcopy(model)
     for name, layer in adapters(model).items():
         parent, attr = name.rsplit(".", 1)
-        with torch.no_grad():
-            layer.base.weight += layer.scale * (layer.lora_B.weight @ layer.lora_A.weight)  # (out, r) @ (r, in)
+        layer.base.weight += layer.scale * (layer.lora_B.weight @ layer.lora_A.weight)  # (out, r) @ (r, in)
         setattr(model.get_submodule(parent), attr, layer.base)
-    if isinstance(model.transformer.wte, TrainedRows):
-        rows = model.transformer.wte
-        with torch.no_grad():
-            rows.embedding.weight[rows.ids] = rows.lora_rows  # (k, C) into (V_padded, C): lm_head's too, tied
+    if isinstance(rows := model.transformer.wte, TrainedRows):
+        rows.embedding.weight[rows.ids] = rows.lora_rows  # (k, C) into (V_padded, C): lm_head's too, tied
         model.transformer.wte, model.lm_head = rows.embedding, rows.head
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return model
+    return model.requires_grad_(True)
 
 
 def base_fingerprint(model: nn.Module) -> str:

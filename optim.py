@@ -122,14 +122,6 @@ def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float]
     return x.mT if tall else x  # (n, R, C)
 
 
-def same_shapes(params: list[torch.Tensor]) -> list[list[int]]:
-    """Indices of ``params`` grouped by shape, in order of first appearance: each group is one batched iteration."""
-    groups: dict[torch.Size, list[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault(p.shape, []).append(i)
-    return list(groups.values())
-
-
 class Muon(torch.optim.Muon):
     """torch.optim.Muon whose Newton-Schulz iteration runs in ``ns_dtype``, in bf16 batched over same-shaped matrices
     (a model's layers). State and param groups are torch's, so checkpoints are unchanged."""
@@ -154,8 +146,10 @@ class Muon(torch.optim.Muon):
             torch._foreach_mul_(params, 1 - lr * decay)  # decoupled weight decay
             # Batched where the iteration runs in bf16 (1.04-1.06x the step on an AVX512-BF16 CPU); in fp32 one at a
             # time, as batches of one: MKL's fp32 bmm of these shapes made the step 8% slower on an AVX2 CPU.
-            batches = same_shapes(params) if self.ns_dtype == torch.bfloat16 else [[i] for i in range(len(params))]
-            for members in batches:
+            batches: dict[torch.Size | int, list[int]] = {}  # indices of params, in order of first appearance
+            for i, p in enumerate(params):
+                batches.setdefault(p.shape if self.ns_dtype == torch.bfloat16 else i, []).append(i)
+            for members in batches.values():
                 rows, cols = params[members[0]].shape
                 ortho = orthogonalize(torch.stack([updates[i] for i in members]), group["ns_coefficients"],
                                       group["ns_steps"], group["eps"], self.ns_dtype)  # (n, rows, cols)

@@ -319,12 +319,10 @@ def main_first(device: torch.device) -> Iterator[None]:
     """Rank 0 runs the block, then the others; a failure anywhere stops all. Footgun: the others wait at most the
     process-group timeout, so prepare a large corpus before torchrun."""
     main = not dist.is_initialized() or dist.get_rank() == 0  # a world of one: the block runs once
-    with stop_together(device):
-        if main:
-            yield
-    with stop_together(device):
-        if not main:
-            yield
+    for mains_turn in (True, False):  # rank 0's turn, then the others'
+        with stop_together(device):
+            if main == mains_turn:
+                yield
 
 
 def wrap(model: torch.nn.Module, ddp: Dist) -> torch.nn.Module:
@@ -480,8 +478,7 @@ def compile_or_eager(model: torch.nn.Module, enabled: bool, probe: Callable[[tor
                       "running eager", stacklevel=2)
         return model
     finally:
-        for p in model.parameters():
-            p.grad = None
+        model.zero_grad(set_to_none=True)
     return compiled
 
 

@@ -200,13 +200,12 @@ def data_home(data_dir: str | Path) -> Path:
 
 def tokenizer_from_meta(meta: dict, cache: Path = Path("data")):
     """Rebuild the tokenizer a corpus or checkpoint was made with; GPT-2's ranks are cached in data_home(cache)."""
-    cache = data_home(cache)
     if "chat_tokens" in meta:
         return ChatTokenizer(tokenizer_from_meta(without_chat(meta), cache), tuple(meta["chat_tokens"]))
     if meta["kind"] == "char":
         return CharTokenizer(meta["chars"])
     if meta["kind"] in ("gpt2", "bpe"):  # they import tiktoken: only runs that use one do
-        return GPT2Tokenizer(cache) if meta["kind"] == "gpt2" else BPETokenizer(meta)
+        return GPT2Tokenizer(data_home(cache)) if meta["kind"] == "gpt2" else BPETokenizer(meta)
     raise DataError(f"unknown tokenizer kind {meta['kind']!r}")
 
 

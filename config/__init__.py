@@ -230,14 +230,14 @@ def as_dict(cfg: TrainConfig) -> dict[str, Any]:  # a checkpoint's "config" (che
 
 def add_flags(parser: Any, names: tuple[str, ...], preset: str | None = None) -> None:
     """``--na_me`` and ``--na-me`` per field, absent unless given; a bool may stand alone (``--resume``)."""
-    from_preset, helps = load_preset(preset) if preset else {}, FIELD_HELP
+    from_preset = load_preset(preset) if preset else {}
     for name in names:
         shown = f"{from_preset[name]}, from {preset}; else {DEFAULTS[name]}" if name in from_preset else DEFAULTS[name]
         kind, is_bool = FIELD_TYPES[name], FIELD_TYPES[name] is bool
         parser.add_argument(f"--{name}", *([f"--{name.replace('_', '-')}"] if "_" in name else []), dest=name,
                             default=argparse.SUPPRESS, nargs="?" if is_bool else None,
                             const="true" if is_bool else None,
-                            help=helps[name] + (f" (default: {shown})" if shown != "" else ""),
+                            help=FIELD_HELP[name] + (f" (default: {shown})" if shown != "" else ""),
                             metavar="{" + ",".join(get_args(kind)) + "}" if get_args(kind) else kind.__name__.upper())
 
 
