@@ -178,6 +178,9 @@ def check_same_run(cfg: TrainConfig) -> str:
     differences = [] if cfg.init_from and saved.get("init_from") else resume_changes(saved, cfg)["fixed"]
     if bool(saved.get("data_path")) != bool(cfg.data_path):  # free (a moved file), but file or built-in: another run
         differences.insert(0, f"data_path: checkpoint {saved.get('data_path', '')!r} vs now {cfg.data_path!r}")
+    own_split = cfg.data_path and Path(cfg.data_path, "meta.json").is_file()  # a token folder: val_fraction unused
+    if saved["val_fraction"] != cfg.val_fraction and not own_split:  # free for that folder, else another val split
+        differences.append(f"val_fraction: checkpoint {saved['val_fraction']!r} vs now {cfg.val_fraction!r}")
     if differences:
         raise other_run(path, differences)
     return state["precision"]
@@ -224,8 +227,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
 
 def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
     """This rank's saved random streams; None when this rank did not exist in the saved run."""
-    saved = state["rng_per_rank"]
-    if len(saved) != ddp.world_size:
+    if len(saved := state["rng_per_rank"]) != ddp.world_size:
         print0(f"WARNING: resuming a run saved with world size {len(saved)} on world size {ddp.world_size}: training "
                "continues but is NOT bit-exact (another global batch and summation order, new ranks' data streams "
                "fresh); resume with the same world size for an exact continuation")
@@ -351,9 +353,6 @@ class Checkpointer:
 
 
 # ----------------------------------------------------------------------------- a model for use
-CPU = torch.device("cpu")
-
-
 @dataclass(frozen=True)
 class Loaded:
     """A model ready for use and what its callers need to know about it."""
@@ -411,7 +410,7 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**options, given=tuple(values.get("given", ())))  # a list, where a checkpoint holds one
 
 
-def from_checkpoint(path: Path, device: torch.device = CPU, merged: bool = True) -> Loaded:
+def from_checkpoint(path: Path, device: torch.device | str = "cpu", merged: bool = True) -> Loaded:
     """A checkpoint's model, config and tokenizer; a LoRA run's adapters on its base, merged unless ``merged=False``."""
     state = load_checkpoint(path)  # to CPU: the optimizer state it also holds never needs the GPU
     cfg = config_from_dict(state["config"])
@@ -444,12 +443,13 @@ def flags_checkpoint(args: argparse.Namespace) -> Path:  # the checkpoint add_we
     return find_checkpoint(args.init_from, "--init_from") if args.init_from else find_checkpoint(args.ckpt)
 
 
-def from_flags(args: argparse.Namespace, device: torch.device = CPU, merged: bool = True) -> Loaded:
+def from_flags(args: argparse.Namespace, device: torch.device | str = "cpu", merged: bool = True) -> Loaded:
     return from_checkpoint(flags_checkpoint(args), device, merged)
 
 
 # ----------------------------------------------------------------------------- what a run starts from
-def start_from(cfg: TrainConfig, device: torch.device = CPU) -> tuple[TrainConfig, "finetune.Pretrained | None"]:
+def start_from(cfg: TrainConfig,
+               device: torch.device | str = "cpu") -> tuple[TrainConfig, "finetune.Pretrained | None"]:
     """train.py's --init_from: the weights, and the config with the options they fix (adopt); else (cfg, None). A fresh
     run; its resume loads the base again (load_base)."""
     if not cfg.init_from:

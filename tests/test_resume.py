@@ -213,7 +213,7 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
         (state, dict(data_path=other), reads + f"{other} (val_fraction 0.1): its train and val split differs. "
                                               "Resume with the same --data_path and --val_fraction, or start a new "
                                               "--out_dir\n"),
-        (state, dict(val_fraction=0.2), reads + f"{text_file} (val_fraction 0.2): its train and val split differs."),
+        (state, dict(val_fraction=0.2), "val_fraction: checkpoint 0.1 vs now 0.2. Use the same settings"),
         *[({**state, "rng": rng_without(s), "rng_per_rank": [rng_without(s)]}, {},
            f"error: {last}: checkpoint lacks RNG state for {s}; resuming would not be exact") for s in RNG_STREAMS],
         *[(older, {}, f"error: {last}: written by an older tinygpt (format ") for older in (
@@ -230,9 +230,9 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
         assert err.startswith("error: ") and err.count("\n") == 1 and error in err, (flags, err)
         assert {p: p.read_bytes() for p in out.iterdir()} == run  # none touched, none added
         assert {p: p.read_bytes() for p in corpora} == corpora
-    # each corpus and split in its own folder; none for what last.pt's config refuses (another --init_from,
-    # --tokenizer or no --data_path), which is refused before a base is read or a corpus prepared
-    assert len(list((tmp_path / "data").iterdir())) == 3
+    # each corpus in its own folder; none for what last.pt's config refuses (another --init_from, --tokenizer,
+    # --val_fraction or no --data_path), which is refused before a base is read or a corpus prepared
+    assert len(list((tmp_path / "data").iterdir())) == 2
 
 
 def test_a_damaged_metrics_log_is_refused_in_one_line_and_a_blank_line_dropped(tmp_path, text_file, capsys):
