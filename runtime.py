@@ -474,8 +474,9 @@ def compile_or_eager(model: torch.nn.Module, enabled: bool, probe: Callable[[tor
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             probe(compiled)  # compile errors surface at the first call
     except Exception as err:  # noqa: BLE001 - any compiler failure means "fall back"
-        warnings.warn(f"torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
-                      "running eager", stacklevel=2)
+        first = (str(err).strip().splitlines() or [""])[0][:200]  # an inductor assert may carry no message
+        warnings.warn(f"torch.compile failed ({type(err).__name__}{': ' if first else ''}{first}); running eager",
+                      stacklevel=2)
         return model
     finally:
         model.zero_grad(set_to_none=True)

@@ -1,5 +1,5 @@
 """scripts/compare.py on tiny runs: a worse variant is significant, identical ones tie exactly, a rerun trains
-nothing, a stopped comparison resumes to the same numbers, stale runs are retrained, bad input is one line."""
+nothing, a stopped comparison resumes to the same numbers, stale runs are retrained (bad input: test_bad_input.py)."""
 from __future__ import annotations
 
 import json
@@ -218,31 +218,6 @@ def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds_and_one_dtype(t
     cfg = timed.runs[0].config()
     assert (cfg.schedule, cfg.max_time) == ("time", 90.0) and cfg.max_iters >= 10**9
     assert not (tmp_path / "e").exists()  # planning writes nothing
-
-
-@pytest.mark.parametrize("variants, extra, message", [
-    (["lr:lerning_rate=1e-3"], [], "variant `lr`: unknown config key `lerning_rate` in the overrides"),
-    (["lr:learning_rate=fast"], [], "variant `lr`: learning_rate must be float, got 'fast'"),
-    (["lr:learning_rate=1e-5"], [], "variant `lr`: min_lr (0.0003) must not exceed learning_rate (1e-05)"),
-    (["a:", "a:dropout=0.1"], [], "variant name `a` is used twice"),
-    (["rope"], [], "variant `rope` must look like NAME:KEY=VALUE[,KEY=VALUE]"),
-    (["x:dropout"], [], "override `dropout` must look like KEY=VALUE"),
-    (["x:dropout=0.1,dropout=0.2"], [], "variant `x` sets a key twice"),
-    (["s:seed=7"], [], "variant `s` sets `seed`, which compare.py sets itself (with --seeds)"),
-    (["a:"], ["--seeds", "1"], "--seeds 1 leaves no spread and no p-value: use --seeds 2 or more"),
-    (["a:", "b:"], ["--vs", "c"], "--vs c names no variant; the variants are a, b"),
-    (["a:"], ["--set", "n_layr=3"], "unknown config key `n_layr` in the overrides; did you mean `n_layer`?"),
-    ([], [], "no variants"),
-    (["a:"], ["--no-budget"], "give --steps N (equal steps: the quality answer) or --time S"),
-])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, text_file, capsys, variants, extra, message):
-    budget = () if extra == ["--no-budget"] else ("--steps", str(STEPS))
-    code = run_main(argv(text_file, tmp_path / "exp", *variants, budget=budget)
-                    + [flag for flag in extra if flag != "--no-budget"], compare.main)
-    err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
-    assert message in err, err
-    assert [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]  # no experiment folder, no data cache
 
 
 def test_the_code_fingerprint_follows_the_training_sources_and_nothing_else(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, tiny_args
+from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, run_tests_in, tiny_args
 from fault_injection import assert_nested_equal, step_clock
 from test_chat import write_chats
 from test_training_options import fork_of_the_repo
@@ -355,14 +355,9 @@ def test_the_curriculum_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
         8 * 2 * length for length in lengths]  # batch_size x grad_accum rows of the step's length
     assert [r["tokens_per_s"] for r in logged] == [8 * 2 * length / 0.25 for length in lengths]
     assert report["refused"]["code"] == 2 and "curriculum_start: checkpoint 8 vs now 9" in report["refused"]["err"]
-
-    def pytest_in_the_copy(name: str, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--basetemp",
-                               str(tmp_path / name), *args], cwd=fork, capture_output=True, text=True, timeout=600)
-
-    generated = pytest_in_the_copy("generated", "tests/test_data.py", "tests/test_training_options.py", "-k",
-                                   "curriculum and (every_loader or tokens_per_step) "
-                                   "or only_one_loader or tables_keys and loader")
+    generated = run_tests_in(fork, tmp_path / "generated", "tests/test_data.py", "tests/test_training_options.py",
+                             "-k", "curriculum and (every_loader or tokens_per_step) "
+                             "or only_one_loader or tables_keys and loader")
     assert generated.returncode == 0, generated.stdout[-4000:]
     for test in ("test_data.py::test_every_loader_restored_from_its_state_is_the_stream_it_left_in_every_attribute"
                  "[curriculum]", "test_data.py::test_tokens_per_step_and_per_second_count_what_the_steps_processed"
@@ -374,7 +369,7 @@ def test_the_curriculum_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
     forgetful = forgetful.replace('        self.drawn = state["drawn"]\n', "")
     assert forgetful.count("drawn") == source.count("drawn") - 4, "update the test: the recipe's state_dict changed"
     loader_file.write_text(forgetful)
-    caught = pytest_in_the_copy("forgetful", "tests/test_data.py", "-k", "curriculum and every_loader")
+    caught = run_tests_in(fork, tmp_path / "forgetful", "tests/test_data.py", "-k", "curriculum and every_loader")
     assert caught.returncode == 1 and "LengthCurriculum.drawn is not restored by load_state_dict" in caught.stdout
 
 

@@ -391,23 +391,25 @@ def test_compiled_run_sees_the_batches_and_gradients_of_an_eager_run(tmp_path, t
     assert_nested_equal(compiled["rng"]["data"], eager["rng"]["data"])  # the data stream moved on alike
 
 
-def probe_on(batch: tuple[torch.Tensor, torch.Tensor], fails: bool = False):
+def probe_on(batch: tuple[torch.Tensor, torch.Tensor], error: Exception | None = None):
     """train.py's probe: one forward/backward, drawing randomness; optionally the compiler then fails."""
     def probe(m: torch.nn.Module) -> None:
         torch.rand(3)  # fork_rng must hide it
         _, loss_sum, n, _ = m(*batch)
         (loss_sum / n).backward()
-        if fails:
-            raise RuntimeError("inductor exploded")
+        if error:
+            raise error
     return probe
 
 
-@pytest.mark.parametrize("fails", [False, True], ids=["compiled", "compile fails"])
-def test_compile_probe_leaves_no_gradient_on_the_weights(light_compile, fails):
-    """Bug caught: compile_or_eager does not clear the probe's gradients (the first backward adds to them)."""
+@pytest.mark.parametrize("error", [None, RuntimeError("inductor exploded\n(more)"), AssertionError()],
+                         ids=["compiled", "compile fails", "an assert without a message"])
+def test_compile_probe_leaves_no_gradient_on_the_weights(light_compile, error):
+    """Bugs caught: compile_or_eager does not clear the probe's gradients (the first backward adds to them); a
+    compiler error without a message (IndexError) ended the run instead of falling back to eager."""
     model, rng = tiny_model(), torch.get_rng_state()
-    with (pytest.warns(UserWarning, match="torch.compile failed .*inductor exploded.*running eager") if fails
-          else contextlib.nullcontext()):
-        result = runtime.compile_or_eager(model, True, probe_on(random_batch(), fails))
-    assert (result is model) == fails and torch.equal(torch.get_rng_state(), rng)
+    said = r"torch.compile failed \((RuntimeError: inductor exploded|AssertionError)\); running eager$"
+    with pytest.warns(UserWarning, match=said) if error else contextlib.nullcontext():
+        result = runtime.compile_or_eager(model, True, probe_on(random_batch(), error))
+    assert (result is model) == (error is not None) and torch.equal(torch.get_rng_state(), rng)
     assert [name for name, p in model.named_parameters() if p.grad is not None] == []

@@ -173,14 +173,6 @@ def test_a_bad_import_fails_in_one_line_and_writes_nothing(tmp_path, capsys, edi
     assert not (tmp_path / "run").exists()
 
 
-def test_a_flag_the_imported_weights_contradict_is_refused_before_anything_is_written(tmp_path, tiny_cfg):
-    run = import_run(random_hf_gpt2(tmp_path / "hf"), tmp_path / "run")
-    cfg = tiny_cfg(init_from=str(run), max_iters=2, block_size=16, pos_emb="rope")
-    with pytest.raises(HFError, match="--pos_emb rope conflicts with .*, whose weights have pos_emb learned") as error:
-        train.train(cfg)
-    assert "\n" not in str(error.value) and not Path(cfg.out_dir).exists()
-
-
 @pytest.fixture(scope="module")
 def imported_run(tmp_path_factory) -> Path:
     folder = random_hf_gpt2(tmp_path_factory.mktemp("hf") / "hf", n_positions=128)

@@ -1,4 +1,4 @@
-"""LoRA: the base's logits at step 0, only adapters train, merging, resume, another base refused, PEFT."""
+"""LoRA: the base's logits at step 0, only adapters train, merging, another base refused, PEFT."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_text, metrics, run_main, tiny_model, tiny_run
-from fault_injection import assert_nested_equal
+from conftest import make_text, run_main, tiny_model, tiny_run
 
 import checkpoint
 import finetune
@@ -181,17 +180,6 @@ def test_a_lora_checkpoint_holds_the_adapters_and_the_bases_fingerprint_not_the_
     assert set(state["model"]) == {f"transformer.h.{i}.{target}.lora_{m}.weight" for i in range(2)
                                    for target in TARGETS.split(",") for m in "AB"}
     assert load_checkpoint(trained / "best.pt")["lora"] == state["lora"]
-
-
-def test_lora_resume_is_bit_exact(corpus_paths, base_run, tmp_path):
-    train.train(lora_cfg(corpus_paths, tmp_path / "straight", base_run))
-    train.train(lora_cfg(corpus_paths, tmp_path / "split", base_run, max_iters=4))
-    train.train(lora_cfg(corpus_paths, tmp_path / "split", base_run, resume=True))
-    a, b = load_checkpoint(tmp_path / "straight" / "last.pt"), load_checkpoint(tmp_path / "split" / "last.pt")
-    for key in ("model", "optimizer", "rng", "lora", "step", "best_val_loss"):
-        assert_nested_equal(a[key], b[key], key)
-    assert metrics(tmp_path / "straight") == metrics(tmp_path / "split")
-    assert any(t.abs().sum() > 0 for name, t in a["model"].items() if "lora_B" in name)  # the adapters trained
 
 
 def test_another_base_is_refused_by_a_resume_and_by_sampling_naming_both_fingerprints(corpus_paths, trained, tmp_path,

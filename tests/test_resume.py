@@ -75,12 +75,6 @@ def test_resume_is_exact_and_one_without_optimizer_or_rng_state_is_caught(monkey
     assert len(straight) == 8 and (draws == straight[4:]) == (mutant in (None, "no optimizer state"))
 
 
-def test_resume_right_after_an_eval_and_best_save(tmp_path, text_file):
-    assert run_main(tiny_args(tmp_path / "split", text_file, max_iters=10, eval_interval=5)) == 0
-    assert load_checkpoint(tmp_path / "split" / "best.pt")["step"] == 10
-    assert_resumes_as_straight(tmp_path / "split", tmp_path / "straight", text_file, max_iters=20, eval_interval=5)
-
-
 @pytest.mark.parametrize("loader", LOADERS)
 def test_each_loader_resumes_a_compiled_run_exactly_mid_stream(tmp_path, light_compile, loader):
     """A small corpus, so that bos_packed is stopped mid-epoch after a reshuffle. Bugs caught: the compile probe

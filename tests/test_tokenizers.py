@@ -23,15 +23,6 @@ VOCAB = 320  # 256 bytes, 63 merges, <|endoftext|>: well within what make_text's
 MIXED = "ROMEO: naïve café — 東京 🤖👍🏽\n\n\tend   of  line \n  x"  # ASCII, accents, emoji, whitespace runs
 
 
-def test_char_tokenizer_round_trip_and_unknown_char():
-    tok = CharTokenizer("".join(sorted(set("hello world\n"))))
-    text = "hello\nworld"
-    assert tok.decode(tok.encode(text)) == text
-    assert tok.encode_array(text).tolist() == tok.encode(text)
-    with pytest.raises(DataError, match="not in the model's vocabulary: 'z'"):
-        tok.encode("hez")
-
-
 @pytest.mark.network
 @pytest.mark.slow  # ~6 s
 def test_gpt2_tokenizer_offline_fallback(tmp_path, monkeypatch):

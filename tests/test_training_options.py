@@ -42,18 +42,11 @@ def test_every_field_declares_its_resume_rule():
         assert RESUME[name] == "fixed", name
 
 
-def test_a_resume_refuses_a_changed_fixed_field_and_warns_only_of_a_changed_one_it_reads(tmp_path, text_file, capsys):
-    """Once eval_tokens 4096 -> 0 overwrote best.pt with a val loss over another split; muon_lr changed on an AdamW
-    run does nothing, so saying it applies from here on would be false."""
+def test_a_resume_warns_only_of_a_changed_field_it_reads(tmp_path, text_file, capsys):
+    """muon_lr changed on an AdamW run does nothing, so saying it applies from here on would be false. (A changed fixed
+    field is refused: test_resume.py's cases, test_model_options.py's and this file's per choice, by the rule above.)"""
     out = tmp_path / "run"
     assert run_main(tiny_args(out, text_file, max_iters=3, eval_interval=3)) == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    capsys.readouterr()
-    for change in (dict(eval_tokens=0), dict(seed=7), dict(lr_decay="wsd"), dict(n_embd=64)):
-        assert run_main(tiny_args(out, text_file, max_iters=6, eval_interval=3, resume="true", **change)) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("error: ") and f"{next(iter(change))}: checkpoint " in err, err
-        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # last.pt, best.pt, metrics.jsonl untouched
     assert run_main(tiny_args(out, text_file, max_iters=4, eval_interval=3, resume="true", muon_lr=0.5,
                               learning_rate=1e-3, bpe_vocab_size=512)) == 0  # a fixed field, unread under char
     out_text = capsys.readouterr().out
