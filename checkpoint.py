@@ -166,23 +166,23 @@ def other_run(path: Path, differences: list[str]) -> CheckpointError:
                            + ". Use the same settings or a new --out_dir")
 
 
-def check_same_run(cfg: TrainConfig) -> str:
+def check_same_run(cfg: TrainConfig, adopted: bool = False) -> str:
     """--resume: refuse another run's last.pt by its config alone, before a base is read or a corpus prepared (with
-    --init_from on both sides, what the base fixes is compared once adopted: check_resumable); returns its precision."""
+    --init_from on both sides, what the base fixes is compared once ``adopted``); returns its precision."""
     path = Path(cfg.out_dir) / "last.pt"
     state = load_checkpoint(path)  # read again by the resume: not held meanwhile, as the model is built beside it
     if state["corpus"] is None:  # scripts/import_hf.py's weights: no run behind them
         raise CheckpointError(f"{path} holds imported weights, no run to resume; start from them with --init_from "
                               f"{cfg.out_dir} and another --out_dir")
     saved = state["config"]
-    differences = [] if cfg.init_from and saved.get("init_from") else resume_changes(saved, cfg)["fixed"]
+    changed = [] if cfg.init_from and saved.get("init_from") and not adopted else resume_changes(saved, cfg)["fixed"]
     if bool(saved.get("data_path")) != bool(cfg.data_path):  # free (a moved file), but file or built-in: another run
-        differences.insert(0, f"data_path: checkpoint {saved.get('data_path', '')!r} vs now {cfg.data_path!r}")
+        changed.insert(0, f"data_path: checkpoint {saved.get('data_path', '')!r} vs now {cfg.data_path!r}")
     own_split = cfg.data_path and Path(cfg.data_path, "meta.json").is_file()  # a token folder: val_fraction unused
     if saved["val_fraction"] != cfg.val_fraction and not own_split:  # free for that folder, else another val split
-        differences.append(f"val_fraction: checkpoint {saved['val_fraction']!r} vs now {cfg.val_fraction!r}")
-    if differences:
-        raise other_run(path, differences)
+        changed.append(f"val_fraction: checkpoint {saved['val_fraction']!r} vs now {cfg.val_fraction!r}")
+    if changed:
+        raise other_run(path, changed)
     return state["precision"]
 
 

@@ -50,7 +50,7 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: f
               generator: torch.Generator | None = None) -> torch.Tensor:
     """Next ids (B, 1): argmax at temperature 0, else a draw from ``generator``, never the global RNG; the filters
     apply after the temperature."""
-    if temperature == 0:  # the limit T -> 0; dividing by 0 would give NaNs
+    if torch.tensor(temperature).float() == 0:  # T -> 0, or below float32's least (1.4e-45): 0 / 0 gives NaNs
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1); a tie goes to the lowest id
     # Shifted so the largest is 0 before dividing: a tiny T then gives -inf, never inf - inf (a NaN).
     logits = logits.float()

@@ -220,6 +220,9 @@ def train_in_owned_folder(cfg: TrainConfig, ddp: runtime.Dist, stop: StopOnSigna
     with runtime.stop_together(ddp.device):  # before a base is read or a corpus prepared: last.pt of another run
         resumed = check_same_run(cfg) if cfg.resume and ddp.is_main else ""  # refused; its precision (run_dtype)
     cfg, pretrained = start_from(cfg, ddp.device)  # init_from: before anything is written
+    with runtime.stop_together(ddp.device):  # what the base fixes (shape, tokenizer), before its corpus is prepared
+        if cfg.resume and cfg.init_from and ddp.is_main:
+            check_same_run(cfg, adopted=True)
     rt = choose_runtime(cfg, ddp.device, resumed)  # threads, precision (dtype=auto: rank 0's choice), compile
     run = build_run(cfg, rt, ddp, pretrained)
     del pretrained  # its tensors now live in the model

@@ -30,7 +30,7 @@ from checkpoint import from_checkpoint, git, git_state
 from cli import (CommandLine, ConfigError, RunStopped, StopOnSignal, exit_on_errors, fail, install_hint, require,
                  run_tool)
 from config import DEFAULTS, REPO, TrainConfig, make_config
-from prepare import corpus_source
+from prepare import SHAKESPEARE_CHAT, corpus_source
 from runtime import atomic_write_text, check_writable, choose_runtime, dtype_name, use_threads
 from scripts.bench import parse_overrides
 
@@ -61,8 +61,14 @@ class Run:
     def made_by(self, code: dict[str, str]) -> dict[str, str]:
         """What the run is made of besides its config: the code, and the corpus as prepare.py names it ("corpus-5e1b..."
         with its file's fingerprint, or "shakespeare"): an edited --data_path is another."""
-        cfg = self.config()
-        return {**code, "corpus": corpus_source(cfg.dataset, cfg.data_path, cfg.text_column)[0]}
+        return {**code, "corpus": corpus_name(self.config())}
+
+
+def corpus_name(cfg: TrainConfig) -> str:
+    """The corpus as prepare.py names it, or a DataError (a missing file, an unknown dataset) before any run."""
+    if cfg.dataset == SHAKESPEARE_CHAT and not cfg.data_path:  # the built-in conversations: made at their first use
+        return SHAKESPEARE_CHAT
+    return corpus_source(cfg.dataset, cfg.data_path, cfg.text_column)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +145,7 @@ def make_plan(args, command: str, code: dict[str, str] | None = None) -> Plan:
     runs = [Run(name, seed, folder / name / f"seed-{seed}", args.config, {**overrides[name], "seed": seed,
                 "out_dir": str(folder / name / f"seed-{seed}")}) for seed in seeds for name in variants]
     for cfg in {(c.dataset, c.data_path, c.text_column): c for c in map(Run.config, runs)}.values():
-        corpus_source(cfg.dataset, cfg.data_path, cfg.text_column)  # DataError now, not after the runs before it
+        corpus_name(cfg)  # DataError now, not after the runs before it
     runs = pin_auto_dtype(runs)
     for run in runs:
         if code is None or not is_stale(run, code):

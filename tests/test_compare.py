@@ -217,6 +217,9 @@ def test_every_run_gets_the_budget_its_seed_its_folder_in_rounds_and_one_dtype(t
     timed = compare.make_plan(parser.parse_args(argv(text_file, tmp_path / "e", "a:", budget=("--time", "90"))), "")
     cfg = timed.runs[0].config()
     assert (cfg.schedule, cfg.max_time) == ("time", 90.0) and cfg.max_iters >= 10**9
+    chat = compare.make_plan(parser.parse_args(["--config", "chat_small", "--steps", "2", "--out", str(tmp_path / "e"),
+                                                "full:", "lora:lora_rank=4"]), "")  # was: "unknown dataset"
+    assert chat.runs[0].made_by({}) == {"corpus": "shakespeare_chat"}  # the built-in conversations
     assert not (tmp_path / "e").exists()  # planning writes nothing
 
 

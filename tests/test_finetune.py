@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_text, metrics, read_metrics, run_main, tiny_args, write_chats
+from conftest import make_text, metrics, read_metrics, run_main, tiny_args, tiny_run, write_chats
 from fault_injection import assert_same_training_state
 
 from checkpoint import config_from_dict, from_checkpoint, load_checkpoint, load_run, resume_changes
@@ -79,8 +79,9 @@ def test_a_flag_that_contradicts_the_base_is_one_line(base_run, tmp_path, capsys
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
-def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_rank):
-    """4 steps == 2, a resume, 2 more. Bugs caught: a resume lost the base's tokenizer; a full one needed the base."""
+def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_rank, capsys):
+    """4 steps == 2, a resume, 2 more. Bugs caught: a resume lost the base's tokenizer; a full one needed the base; a
+    base of another shape in its place was refused by its corpus (conversations too long), not by last.pt."""
     base = shutil.copytree(base_run[0], tmp_path / "base")
     chats = write_chats(tmp_path / "chats.jsonl")
     common = dict(init_from=base, eval_interval=2, chat_overflow="truncate", lora_rank=lora_rank)
@@ -108,6 +109,12 @@ def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_
         assert not any(torch.equal(row, base_model.transformer.wte.weight[:vocab].mean(0)) for row in wte[rows])
         with pytest.raises(CheckpointError, match="also trained 5 embedding rows .*drop --peft"):
             export_hf.export_peft(b, tmp_path / "peft")
+    small = tmp_path / "small"  # another shape where the base was, chat_small's flags giving none: refused by
+    assert train(base_run[1], small, max_iters=1, block_size=16) == 0  # last.pt, not by conversations too long
+    flags = tiny_run(tmp_path / "split", chats) | dict(init_from=small, resume="true", max_iters=6)
+    capsys.readouterr()
+    assert run_main(["--config", "chat_small", *(f"--{key}={value}" for key, value in flags.items())]) == 2
+    assert "block_size: checkpoint 32 vs now 16" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- a run fine-tuned on another text

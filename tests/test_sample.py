@@ -157,7 +157,8 @@ def test_sampling_only_draws_from_the_kept_set_and_temperature_zero_draws_nothin
     assert pick_next(torch.tensor([[0.1, 0.7, 0.2]]), 0.0, generator=gen).tolist() == [[1]]
     assert torch.equal(gen.get_state(), before)
     # Bug caught: logits / 1e-45 overflow to inf, and softmax of inf - inf is NaN: torch.multinomial raised.
-    assert pick_next(torch.tensor([[2.0, 1.0, 3.0, -1.0]]), 1e-45, generator=gen).item() == 2  # greedy, not NaN
+    for tiny in (1e-45, 1e-46):  # and 1e-46, 0 in float32: the largest's shifted 0 / 0 was a NaN too
+        assert pick_next(torch.tensor([[2.0, 1.0, 3.0, -1.0]]), tiny, generator=gen).item() == 2  # greedy, not NaN
 
 
 def test_sampling_draws_from_its_seeded_generator_alone_with_or_without_the_cache():
