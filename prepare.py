@@ -149,8 +149,9 @@ def open_verified(folder: Path, block_size: int) -> tuple[dict, dict[str, np.nda
         fix = again if meta["fingerprint"] else (f"check {folder / 'meta.json'} against how your script wrote the ids "
                                                  "(dtype, vocab_size, tokenizer)")
         raise DataError(f"{err}; {fix}") from None
-    for split, ids in splits.items():
-        check_split_lengths(str(folder / f"{split}.bin"), {split: len(ids)}, block_size)
+    for split, ids in splits.items():  # conversations: rows padded to block_size, any length fills one
+        if meta.get("format") != "conversations":
+            check_split_lengths(str(folder / f"{split}.bin"), {split: len(ids)}, block_size)
     refuse_one_token(str(folder / "train.bin"), splits["train"])  # someone else's tokens, or an old prepare's
     return meta, splits, fingerprints
 

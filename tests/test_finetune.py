@@ -1,6 +1,7 @@
 """init_from a run: its shape, options, tokenizer and best weights start a fresh run that resumes bit-exactly."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -115,6 +116,13 @@ def test_a_chat_fine_tune_of_a_run_resumes_bit_exactly(base_run, tmp_path, lora_
     capsys.readouterr()
     assert run_main(["--config", "chat_small", *(f"--{key}={value}" for key, value in flags.items())]) == 2
     assert "block_size: checkpoint 32 vs now 16" in capsys.readouterr().err
+
+
+def test_a_few_short_conversations_fine_tune(base_run, tmp_path):
+    """Bug caught: a val split under block_size + 1 tokens was refused as a text's is; a conversation is one row."""
+    line = json.dumps({"messages": [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "I."}]})
+    (tmp_path / "few.jsonl").write_text((line + "\n") * 10)  # 9 + 1 conversations of a few tokens
+    assert train(tmp_path / "few.jsonl", tmp_path / "out", init_from=base_run[0], max_iters=2, eval_interval=2) == 0
 
 
 # ----------------------------------------------------------------------------- a run fine-tuned on another text
