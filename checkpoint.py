@@ -71,17 +71,20 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
-    size = path.stat().st_size  # the file must end with the sha256 save_checkpoint stored, and match it
-    with open(path, "rb") as f:
-        f.seek(max(0, size - len(COMMENT_START) - 64))
-        if (end := f.read())[:-64] != COMMENT_START:
-            raise CheckpointError(f"{path}: not a tinygpt checkpoint, or truncated ({size} bytes and no "
-                                  "integrity digest at the end)")
-        digest, remaining = hashlib.sha256(), size - len(end)  # the archive, up to its comment's length
-        f.seek(0)
-        while remaining > 0 and (chunk := f.read(min(1 << 24, remaining))):  # empty: shrank under us, a mismatch
-            digest.update(chunk)
-            remaining -= len(chunk)
+    try:
+        size = path.stat().st_size  # the file must end with the sha256 save_checkpoint stored, and match it
+        with open(path, "rb") as f:
+            f.seek(max(0, size - len(COMMENT_START) - 64))
+            if (end := f.read())[:-64] != COMMENT_START:
+                raise CheckpointError(f"{path}: not a tinygpt checkpoint, or truncated ({size} bytes and no "
+                                      "integrity digest at the end)")
+            digest, remaining = hashlib.sha256(), size - len(end)  # the archive, up to its comment's length
+            f.seek(0)
+            while remaining > 0 and (chunk := f.read(min(1 << 24, remaining))):  # empty: shrank, a mismatch
+                digest.update(chunk)
+                remaining -= len(chunk)
+    except OSError as err:  # another user's file (permissions), a failing disk
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
     digest.update(b"\0\0")  # the comment's length as torch.save wrote it, which the digest covers
     if digest.hexdigest().encode() != end[-64:]:
         raise CheckpointError(f"{path}: corrupt checkpoint (sha256 mismatch: the file changed after it was saved)")
@@ -217,14 +220,6 @@ def check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, corpus,
                "from here on, so this is not the run the checkpoint started")
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Restore the moments, not the saved groups' settings: a resume with a new --muon_lr must run with it."""
-    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for group, mine in zip(optimizer.param_groups, settings):
-        group.update(mine)
-
-
 def rank_rng_state(state: dict[str, Any], ddp: Dist) -> dict[str, Any] | None:
     """This rank's saved random streams; None when this rank did not exist in the saved run."""
     if len(saved := state["rng_per_rank"]) != ddp.world_size:
@@ -291,7 +286,7 @@ class Checkpointer:
             import finetune
             self.lora = finetune.record(self.model, cfg.init_from, finetune.base_fingerprint(self.model))
         out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in out_dir.glob(f".*.pt{TEMP_MARK}*"):  # left by a save that was killed
+        for stale in out_dir.glob(f".*{TEMP_MARK}*"):  # left by a save (or metrics.jsonl's rewrite) that was killed
             stale.unlink(missing_ok=True)
 
     def resume(self) -> tuple[int, float, float]:
@@ -305,6 +300,7 @@ class Checkpointer:
             import finetune
             finetune.check_base(state["lora"], self.lora["fingerprint"], str(path))
             finetune.load_adapter_state(self.model, state["model"], str(path))
+        from optim import load_optimizer_state  # a training run's: sampling never loads optim.py
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         if (rng := rank_rng_state(state, self.ddp)) is not None:
@@ -315,9 +311,12 @@ class Checkpointer:
         done = (" (max_iters reached: nothing to do)" if state["step"] >= cfg.max_iters else
                 " (max_time reached: nothing to do; raise --max_time to continue)" if cfg.out_of_time(state["time_s"])
                 else "")
-        print0(f"resumed from {path} at step {state['step']} (best val loss {state['best_val_loss']:.4f}){done}")
+        best, best_val = self.out_dir / "best.pt", state["best_val_loss"]
+        if best.is_file() and best.stat().st_mtime_ns > path.stat().st_mtime_ns:  # killed between the two saves
+            best_val = min(best_val, load_checkpoint(best)["best_val_loss"])  # the bar is best.pt's, never a worse one
+        print0(f"resumed from {path} at step {state['step']} (best val loss {best_val:.4f}){done}")
         self.saved_step, self.last_eval = state["step"], state["last_eval"]  # a save before the next eval keeps it
-        return state["step"], state["time_s"], state["best_val_loss"]
+        return state["step"], state["time_s"], best_val
 
     def save(self, step: int, time_s: float, best_val: float, is_best: bool = False) -> None:
         """Everything a resume needs (REQUIRED_KEYS), from the uncompiled model so keys carry no _orig_mod."""

@@ -15,7 +15,7 @@ import torch
 from cli import EXIT_WRITE_FAILED, ConfigError, DataError, StopOnSignal, TinyGPTError, install_hint, silence_stdout
 from config import (DEFAULTS, FIELD_TYPES, MODEL_OPTIONS, RESUME, USED_ONLY_UNDER, TrainConfig, as_dict, describe,
                     given_fields, unused_fields)
-from runtime import all_reduce_sum, atomic_write, dtype_name, stop_together
+from runtime import all_reduce_sum, atomic_write, dtype_name, one_line, stop_together
 
 # ----------------------------------------------------------------------------- the run's records
 class MetricsLog:
@@ -30,10 +30,11 @@ class MetricsLog:
         self.step_then, self.t = step, time.time()  # the last log line's: what its speed is measured from
         self.positions, self.targets = 0, torch.zeros((), dtype=torch.long, device=rt.device)  # since the last line
         self.path = out_dir / "metrics.jsonl"
-        logged_through = drop_records_after(self.path, step) if enabled and cfg.resume else None
-        if enabled and not cfg.resume:
-            self.path.unlink(missing_ok=True)
-        self.file = open(self.path, "ab", buffering=0) if enabled else None  # unbuffered: on disk, or it raises
+        with one_line(out_dir, "--out_dir"):  # a full disk (or no inode left) under a resume's rewrite or a new log
+            logged_through = drop_records_after(self.path, step) if enabled and cfg.resume else None
+            if enabled and not cfg.resume:
+                self.path.unlink(missing_ok=True)
+            self.file = open(self.path, "ab", buffering=0) if enabled else None  # unbuffered: on disk, or it raises
         self.tracker = start(cfg, out_dir, logged_through) if enabled and tracked else NullTracker()
 
     def count(self, batches: list[tuple[torch.Tensor, torch.Tensor]], n_targets: torch.Tensor) -> None:
@@ -120,7 +121,7 @@ def drop_records_after(path: Path, step: int) -> int | None:
         if line.strip():
             try:
                 records.append((line + b"\n", int(json.loads(line)["step"])))
-            except (ValueError, KeyError, TypeError):  # not UTF-8, not JSON, not a record
+            except (ValueError, KeyError, TypeError, OverflowError):  # not UTF-8, not JSON, not a record (Infinity)
                 raise DataError(f"{path}, line {number}: not a record of this run's log; mend the line or move the "
                                 "file away, then --resume again") from None
     kept = b"".join(line for line, logged in records if logged <= step)

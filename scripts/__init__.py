@@ -1,9 +1,7 @@
-"""The user's tools, each a thin command line over the library, run from the repo root as `python -m scripts.eval
---ckpt out/small` (README.md lists them; each file opens with its commands). `-m` puts the working folder first on
-the module search path, so a tool imports this checkout's code with nothing installed and no sys.path edit; an
-installed copy (`pip install -e`) would make a second clone's tools silently run the first clone's code. Run as a
-file (`python scripts/eval.py`), a tool says so in one line and exits 2. Beside the user's tools: the developers'
-checks of the repo itself (gpu_check, shape) and harness.py's offline task (harness_tasks/)."""
+"""The user's tools, each a thin command line over the core, run from the repo root as `python -m scripts.eval
+--ckpt out/small`: `-m` puts this checkout first on the module path, nothing installed (an installed copy would let a
+second clone's tools run the first's code); run as a file, a tool says so in one line and exits 2. Beside them: the
+repo's own checks (gpu_check, shape) and harness.py's offline task (harness_tasks/)."""
 import signal
 import sys
 

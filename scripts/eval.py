@@ -27,8 +27,7 @@ from checkpoint import Loaded, add_weights_flags, from_flags
 from cli import CommandLine, ConfigError, DataError, exit_on_errors, run_tool
 from config import FIELD_HELP
 from data import Corpus, corpus_for, is_chat, load_corpus, val_windows
-from prepare import (is_conversations, is_document_corpus, is_tokenized_folder, read_meta, read_text_file,
-                     source_fingerprint)
+from prepare import is_document_corpus, is_tokenized_folder, read_meta, read_text_file, source_fingerprint
 from runtime import STAGING, choose_runtime, dtype_name
 from tokenizer import data_home, without_chat
 from train import evaluate, val_byte_count
@@ -58,10 +57,8 @@ def eval_windows(loaded: Loaded, data_path: str, eval_tokens: int) -> tuple[torc
         if is_tokenized_folder(path):  # train.bin, val.bin, meta.json: its val split, as training scores one
             return split_windows(loaded, load_corpus(path, cfg.block_size), eval_tokens)
         if path.exists() and is_document_corpus(path):  # train.py's documents (a folder, .jsonl, .parquet)
-            kind = "conversations" if is_conversations(path) else "documents"  # the first: a chat run's own val split
-            raise DataError(f"{path} holds {kind}: eval scores a text file or a prepared folder's val split; "
-                            + ("join their text into one file, or " if kind == "documents" else "")
-                            + "leave out --data_path to score the run's own val split")
+            raise DataError(f"{path} holds documents or conversations: eval scores a text file or a prepared folder's "
+                            "val split; leave out --data_path to score the run's own, or join their text into one file")
         text = read_text_file(path)
         try:
             ids = loaded.tokenizer.encode_array(text)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import builtins
+import errno
 import functools
 import math
 import os
@@ -109,6 +110,24 @@ def test_disk_full_keeps_previous_checkpoints_and_exits_74(tmp_path, text_file, 
     assert err.endswith(f"{reason}); {kept}\n"), err
     assert {name: (out / name).read_bytes() for name in before} == before
     assert temp_files(out) == []
+
+
+def test_a_full_disk_under_a_corpus_or_an_unreadable_checkpoint_is_one_line(tmp_path, text_file, monkeypatch, capsys):
+    """Bugs caught: tokens written to a full disk, another user's last.pt (mode 600): an OSError's traceback."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    monkeypatch.setattr(prepare, "open", functools.partial(open_on_full_disk, full="train.bin"), raising=False)
+    assert run_main(tiny_args(tmp_path / "out", text_file)) == 74
+    err, data = capsys.readouterr().err, tmp_path / "data"
+    assert err.startswith(f"error: could not write in {data} (") and err.count("\n") == 1, err
+    assert [p.name for p in data.iterdir()] == []  # the staging folder went with the failure
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(checkpoint, "open", denied, raising=False)
+    (tmp_path / "last.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"last.pt: cannot be read \(Permission denied\)$"):
+        load_checkpoint(tmp_path / "last.pt")
 
 
 def corruptions(good: bytes) -> dict[str, bytes]:

@@ -3,6 +3,7 @@ resumed equals the run never stopped; and what a resume refuses."""
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from fault_injection import AS_A_SCRIPT, assert_same_training_state, call_of, si
 import checkpoint
 import data
 import logs
+import optim
 import runtime
 import train
 from checkpoint import RNG_STREAMS, load_checkpoint, save_checkpoint
@@ -229,17 +231,38 @@ def test_each_refused_resume_is_one_line_and_touches_nothing(tmp_path, text_file
     assert len(list((tmp_path / "data").iterdir())) == 2
 
 
+def test_a_kill_between_best_pt_and_last_pt_leaves_best_pt_the_bar(tmp_path, text_file, capsys):
+    """Bugs caught: killed after best.pt's save and before last.pt's, the resume measured its evals against last.pt's
+    older best val loss, and a worse model replaced best.pt; a temp file of metrics.jsonl's rewrite stayed for good."""
+    out = tmp_path / "out"
+    assert run_main(tiny_args(out, text_file, max_iters=2, eval_interval=2)) == 0
+    shutil.copy2(out / "last.pt", tmp_path / "last-2.pt")  # its mtime too: older than the best.pt saved after it
+    assert run_main(tiny_args(out, text_file, max_iters=4, eval_interval=2, resume="true")) == 0
+    best = load_checkpoint(out / "best.pt")
+    shutil.copy2(tmp_path / "last-2.pt", out / "last.pt")  # as if killed between step 4's best.pt and its last.pt
+    (out / ".metrics.jsonl.tmp-99").write_text("{")  # and a kill in the resume's rewrite of the log: removed too
+    capsys.readouterr()
+    assert best["step"] == 4 and run_main(tiny_args(out, text_file, max_iters=4, eval_interval=2, resume="true")) == 0
+    assert f"at step 2 (best val loss {best['best_val_loss']:.4f})" in capsys.readouterr().out
+    assert load_checkpoint(out / "best.pt")["time_s"] == best["time_s"]  # step 4 again, no better: not written
+    assert not (out / ".metrics.jsonl.tmp-99").exists()
+
+
 def test_a_damaged_metrics_log_is_refused_in_one_line_and_a_blank_line_dropped(tmp_path, text_file, capsys):
     """A line of metrics.jsonl that is no record (text, no UTF-8, no dict, no step): exit 2, one line naming it, the
     run's files untouched; a blank line (an editor's, `echo >>`) goes with the records the resume drops."""
     out, log, resume = tmp_path / "out", tmp_path / "out" / "metrics.jsonl", dict(max_iters=6, resume="true")
     assert run_main(tiny_args(out, text_file, max_iters=4)) == 0
     good, refusal = log.read_bytes(), f"error: {log}, line 6: not a record of this run's log; mend the line or move"
-    for damage in (b"garbage\n", b"\xff\xfe\n", b"[1]\n", b"{}\n", b"{\"step\": null}\n"):
+    for damage in (b"garbage\n", b"\xff\xfe\n", b"[1]\n", b"{}\n", b"{\"step\": null}\n", b"{\"step\": Infinity}\n"):
         log.write_bytes(good + damage)
         run = tree(out)
         assert run_main(tiny_args(out, text_file, **resume)) == 2 and tree(out) == run
         assert capsys.readouterr().err.startswith(refusal)
+    log.unlink()
+    log.mkdir()  # no file to write the log in: one line (was: IsADirectoryError)
+    assert run_main(tiny_args(out, text_file, **resume)) == 2 and "(Is a directory); pass a" in capsys.readouterr().err
+    log.rmdir()
     log.write_bytes(good + b"\n")
     assert run_main(tiny_args(out, text_file, **resume)) == 0
     assert [record["step"] for record in metrics(out)[0]] == list(range(1, 7))
@@ -262,7 +285,7 @@ def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
     (loss_sum / n).backward()
     old.step()
     new = make_optimizer(model, 0.0, 1e-3, (0.9, 0.95), muon_lr=0.01)
-    checkpoint.load_optimizer_state(new, old.state_dict())
+    optim.load_optimizer_state(new, old.state_dict())
     assert [g["lr_scale"] for g in new.param_groups] == [1.0, 1.0, 10.0]  # 0.01 / 1e-3, not the saved 20
     assert all(g["weight_decay"] == 0.0 for g in new.param_groups)
     assert new.adamw.param_groups[0]["betas"] == (0.9, 0.95)
