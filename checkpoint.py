@@ -181,7 +181,8 @@ def check_same_run(cfg: TrainConfig, adopted: bool = False) -> str:
     changed = [] if cfg.init_from and saved.get("init_from") and not adopted else resume_changes(saved, cfg)["fixed"]
     if bool(saved.get("data_path")) != bool(cfg.data_path):  # free (a moved file), but file or built-in: another run
         changed.insert(0, f"data_path: checkpoint {saved.get('data_path', '')!r} vs now {cfg.data_path!r}")
-    own_split = cfg.data_path and Path(cfg.data_path, "meta.json").is_file()  # a token folder: val_fraction unused
+    from prepare import is_tokenized_folder  # a resume's: train.py has it loaded, sampling never does
+    own_split = cfg.data_path and is_tokenized_folder(Path(cfg.data_path))  # its own split: val_fraction unused
     if saved["val_fraction"] != cfg.val_fraction and not own_split:  # free for that folder, else another val split
         changed.append(f"val_fraction: checkpoint {saved['val_fraction']!r} vs now {cfg.val_fraction!r}")
     if changed:

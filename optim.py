@@ -190,7 +190,6 @@ class MuonAdamW(torch.optim.Optimizer):
         self.share()
 
 
-# ----------------------------------------------------------------------------- lr schedules
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Restore the moments, not the saved groups' settings: a resume with a new --muon_lr must run with it."""
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -199,6 +198,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
         group.update(mine)
 
 
+# ----------------------------------------------------------------------------- lr schedules
 def lr_at(step: int, cfg: TrainConfig, time_s: float = 0.0) -> float:
     """The lr of ``step``, ``time_s`` s into the run: linear warmup to learning_rate over warmup_iters steps,
     then DECAYS[lr_decay] from the peak down to min_lr as the progress goes 0 -> 1, and min_lr once it is 1.
