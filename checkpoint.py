@@ -421,9 +421,9 @@ def from_checkpoint(path: Path, device: torch.device | str = "cpu", merged: bool
         try:
             base = load_base(cfg)
         except TinyGPTError as err:  # moved or deleted since: a base is needed to sample, export or continue
-            why = (f"cannot be loaded ({err})" if Path(cfg.init_from).exists() else "is gone (moved or deleted); the "
-                   "adapters need it there: put it back, or a symbolic link to where it is now")
-            raise CheckpointError(f"{path} holds LoRA adapters on the base {cfg.init_from}, which {why}") from None
+            why = f"cannot be loaded ({str(err).split('; ')[0]})" if Path(cfg.init_from).exists() else "is gone"
+            raise CheckpointError(f"{path} holds LoRA adapters on the base {cfg.init_from}, which {why}; they need the "
+                                  "base they were trained on there: put it back, or a symbolic link to it") from None
         model.load_state_dict(base.weights_for(state["tokenizer"], tokenizer.vocab_size))
         model = load_adapted(state, model, str(path), merged)
     else:

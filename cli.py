@@ -101,6 +101,8 @@ def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
         return "", err.exit_code, None
     if isinstance(err, BrokenPipeError):  # stdout's reader is gone (| head): end quietly, as a SIGPIPE would
         return "", EXIT_OUTPUT_CLOSED, None
+    if isinstance(err, OSError) and err.filename:  # a file we may not read (mode 600, a failing disk): its path
+        err = PathError(f"cannot use {err.filename} ({err.strerror}); fix it or pass another path")
     if isinstance(err, TinyGPTError):
         rank = env_rank()
         return str(err), err.exit_code, rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None

@@ -21,8 +21,7 @@ from tqdm import tqdm
 
 from cli import DataError
 from config import DEFAULTS
-from runtime import (STAGING, atomic_write_text, check_writable, one_line, print0, remove_leftovers, sha256_of,
-                     staged_folder)
+from runtime import STAGING, atomic_write_text, check_writable, print0, remove_leftovers, sha256_of, staged_folder
 from tokenizer import (CharTokenizer, GPT2Tokenizer, UnknownCharacters, data_home, pip_download_sdist,
                        tokenizer_from_meta, tokenizer_vocab_size, train_bpe)
 
@@ -366,7 +365,7 @@ def prepare_text(text: str | Path, source: str, folder: Path, tokenizer: str, da
         tok = tok or new_tokenizer(tokenizer, chunks(), (), data_dir, bpe_vocab_size, source)
         if not progress:  # one piece: counted first, so that a text too short is refused before data_dir is made
             tail_counts(source, sum(len(tok.encode_array(chunk)) for chunk in chunks()), val_fraction, block_size)
-    with one_line(data_dir, "--data_dir"), staged_folder(folder) as staging:  # a full disk: one line and 74
+    with staged_folder(folder) as staging:
         if trained:  # each part tokenized on its own
             counts = {split: write_tokens(tok, cut_chunks(chunks(), cut, split == "train"), staging / f"{split}.bin",
                                           progress) for split in SPLITS}
@@ -435,8 +434,10 @@ def is_conversations(path: Path) -> bool:
     """A .jsonl whose first record holds ``messages`` or ``prompt``: conversations, not documents."""
     if path.suffix != ".jsonl" or not path.is_file():
         return False
+    if (first := next(jsonl_lines(path), None)) is None:  # said here, not by a command it would advise to run
+        raise DataError(f"{path}: no documents and no conversations (every line is blank)")
     try:
-        record = json.loads(next(jsonl_lines(path), (0, ""))[1])
+        record = json.loads(first[1])
     except ValueError:
         return False
     return isinstance(record, dict) and ("messages" in record or "prompt" in record)

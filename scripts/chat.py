@@ -5,8 +5,7 @@
     python -m scripts.chat --ckpt out/small --multiline               # a text model: a prompt ends at an empty line
 
 A model fine-tuned on conversations has chat markers; the first line says which mode. Ctrl-D, or Ctrl-C at a prompt,
-quits.
-"""
+quits."""
 import sys
 
 if not __package__:  # run as a file, `python scripts/chat.py`: its folder, not the repo, leads the module path

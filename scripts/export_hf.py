@@ -23,7 +23,7 @@ from checkpoint import find_checkpoint, from_checkpoint, load_checkpoint
 from cli import CheckpointError, CommandLine, HFError, PathError, TinyGPTError, exit_on_errors, run_tool
 from finetune import TIED_HEAD, WTE, pad_rows
 from model import GPT, GPTConfig
-from runtime import atomic_write, atomic_write_text, check_writable, one_line, staged_folder
+from runtime import atomic_write, atomic_write_text, check_writable, staged_folder
 from tokenizer import ASSISTANT, BEGIN, BYTES, END, EOT_TEXT, ROLES, ChatTokenizer
 
 # ----------------------------------------------------------------------------- GPT-2's layout (read: import_hf.py)
@@ -184,7 +184,7 @@ def export(model: GPT, tokenizer, folder: Path) -> list[Path]:
     files = {"config.json": hf_config(model.config, bos, eos), **tokenizer_files(tokenizer, block_size),
              "generation_config.json": {"bos_token_id": bos, "eos_token_id": eos, "max_length": block_size}}
     check_output(folder, "output folder")  # main() asked before loading; a library caller here
-    with one_line(folder, "output folder"), staged_folder(folder) as staging:  # renamed into place whole, or nothing
+    with staged_folder(folder, "output folder") as staging:  # renamed into place whole, or nothing
         atomic_write(staging / "model.safetensors", lambda f: f.write(save(weights, metadata={"format": "pt"})))
         for name, content in files.items():
             text = content if isinstance(content, str) else json.dumps(content, indent=1, ensure_ascii=False) + "\n"
@@ -287,7 +287,7 @@ def export_peft(state: dict[str, Any], folder: Path) -> list[Path]:
     peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": saved["rank"], "lora_alpha": saved["alpha"],
             "lora_dropout": saved["dropout"], "target_modules": list(saved["targets"]), "fan_in_fan_out": True,
             "bias": "none", "base_model_name_or_path": base, "inference_mode": True}
-    with one_line(folder, "--peft folder"), staged_folder(folder) as staging:  # as export's
+    with staged_folder(folder, "--peft folder") as staging:  # as export's
         save_file({PEFT_PREFIX + name: t.detach().float().contiguous().clone() for name, t in state["model"].items()},
                   str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
         (staging / "adapter_config.json").write_text(json.dumps(peft, indent=1) + "\n", encoding="utf-8")

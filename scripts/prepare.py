@@ -34,13 +34,9 @@ from runtime import STAGING, check_writable, staged_folder
 from tokenizer import tokenizer_from_meta
 
 
-def prepare_corpus(dataset: str = "shakespeare", data_path: str = "", tokenizer: str = "char", data_dir: str = "data",
-                   val_fraction: float = 0.1, num_proc: int = 0, block_size: int = 1,
-                   text_column: str = DEFAULT_TEXT_COLUMN, bpe_vocab_size: int = 2048,
-                   base: dict | None = None) -> Path:
+def prepare_corpus(*args, num_proc: int = 0, **kwargs) -> Path:
     """prepare.prepare_corpus, a corpus of documents too (prepare_documents, in num_proc threads: 0 = one per core)."""
-    return prepare.prepare_corpus(dataset, data_path, tokenizer, data_dir, val_fraction, block_size, text_column,
-                                  bpe_vocab_size, base, functools.partial(prepare_documents, num_proc=num_proc))
+    return prepare.prepare_corpus(*args, **kwargs, documents=functools.partial(prepare_documents, num_proc=num_proc))
 
 
 def prepare_documents(path: Path, folder: Path, tokenizer: str, data_dir: Path, val_fraction: float, block_size: int,

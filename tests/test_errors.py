@@ -28,6 +28,8 @@ def test_a_bug_keeps_its_traceback_and_under_torchrun_a_rank_reports_only_what_i
     mine.reporting_rank = 3
     assert cli.exit_for(mine) == ("data/x/train.bin: missing", 2, 3)
     assert cli.exit_for(ConfigError("bad")) == ("bad", 2, None)  # every rank has it: rank 0 says it
+    assert cli.exit_for(PermissionError(13, "Permission denied", "t.bin"))[:2] == (  # a user's file, not a bug
+        "cannot use t.bin (Permission denied); fix it or pass another path", 2)
 
 
 def test_a_tool_ends_on_ctrl_c_in_one_line_and_130(capsys):

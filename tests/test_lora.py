@@ -197,6 +197,9 @@ def test_another_base_is_refused_by_a_resume_and_by_sampling_naming_both_fingerp
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda p: state if p == trained / "last.pt" else real(p))
     with pytest.raises(CheckpointError, match="its LoRA adapters were trained on base"):
         from_checkpoint(trained / "last.pt")
+    monkeypatch.setitem(state["config"], "block_size", 64)  # a shorter base: no advice of a flag sample.py lacks
+    with pytest.raises(CheckpointError, match=r"\(block_size 64 exceeds the 32 positions of \S+\); they need the base"):
+        from_checkpoint(trained / "last.pt")
     monkeypatch.setitem(state["config"], "init_from", str(tmp_path / "moved"))  # the base is gone: said, named
     with pytest.raises(CheckpointError, match=f"base {tmp_path / 'moved'}, which is gone.*or a symbolic link"):
         from_checkpoint(trained / "last.pt")

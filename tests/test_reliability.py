@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, metrics, run_main, tiny_args
+from conftest import REPO, metrics, run_main, tiny_args, write_chats
 from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, floating_tensors,
                              on_training_forward, poison_loss, signal_at)
 
@@ -121,6 +121,8 @@ def test_a_full_disk_under_a_corpus_or_an_unreadable_checkpoint_is_one_line(tmp_
     err, data = capsys.readouterr().err, tmp_path / "data"
     assert err.startswith(f"error: could not write in {data} (") and err.count("\n") == 1, err
     assert [p.name for p in data.iterdir()] == []  # the staging folder went with the failure
+    assert run_main(tiny_args(tmp_path / "out", write_chats(tmp_path / "chats.jsonl"))) == 74  # conversations too
+    assert capsys.readouterr().err.startswith(f"error: could not write in {data} (")
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
