@@ -77,12 +77,10 @@ def locate(source: str) -> tuple[Path, Path]:
         raise HFError(f"{source}: no such folder; pass a folder in the Hugging Face GPT-2 layout, or a hub name "
                       f"({', '.join(HUB_NAMES)} or OWNER/NAME)")
     if not folder.is_dir():
-        raise HFError(f"{folder}: a file; pass the folder holding it (a Hugging Face GPT-2 folder: model.safetensors "
-                      "and config.json)")
+        raise HFError(f"{folder}: a file; pass the folder holding it (a GPT-2 folder: model.safetensors, config.json)")
     for name in ("model.safetensors", "config.json"):  # config.json says the model's shape
         if not (folder / name).is_file():
-            raise HFError(f"{folder}: no {name} in this folder; a Hugging Face GPT-2 folder holds model.safetensors "
-                          "and config.json")
+            raise HFError(f"{folder}: no {name}; a Hugging Face GPT-2 folder holds model.safetensors and config.json")
     return folder / "model.safetensors", folder / "config.json"
 
 
@@ -172,11 +170,11 @@ def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, source: str) ->
 # ----------------------------------------------------------------------------- the tokenizer, from its files
 def read_tokenizer(folder: Path, vocab_size: int) -> dict | None:
     """A folder's tokenizer description, if it can tell (read_base_tokenizer), with the markers its config lists."""
-    try:
+    try:  # the markers' list: transformers 5's save_pretrained names it extra_special_tokens
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = None  # the base's reading says what is wrong
-    chat = isinstance(config, dict) and config.get("additional_special_tokens") == list(MARKERS)
+        chat = list(MARKERS) in map(config.get, ("additional_special_tokens", "extra_special_tokens"))
+    except (OSError, ValueError, AttributeError):  # not a readable JSON object: the base's reading says what is wrong
+        chat = False
     base = read_base_tokenizer(folder, vocab_size - (len(MARKERS) if chat else 0))
     return {**base, "chat_tokens": list(MARKERS)} if base and chat else base
 
@@ -204,8 +202,7 @@ def read_standard_files(folder: Path, vocab_size: int) -> dict | None:
     try:
         if (folder / "tokenizer.json").is_file():
             saved = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-            model = saved["model"]
-            if model["type"] != "BPE":
+            if (model := saved["model"])["type"] != "BPE":
                 raise HFError(f"{folder / 'tokenizer.json'}: a {model['type']} model, not a BPE this repo encodes")
             vocab = {**model["vocab"], **{token["content"]: token["id"] for token in saved.get("added_tokens", [])}}
             # tokenizers writes a merge as "a b" (before 0.20) or ["a", "b"]
@@ -219,8 +216,11 @@ def read_standard_files(folder: Path, vocab_size: int) -> dict | None:
             return None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise HFError(f"{folder}: its tokenizer files are not readable ({type(err).__name__}: {err})") from None
-    if sorted(vocab.values()) != list(range(vocab_size)):
-        raise HFError(f"{folder}: its tokenizer's {len(vocab)} ids are not the weights' 0..{vocab_size - 1}")
+    vocab = {text: i for text, i in vocab.items() if text not in MARKERS or i != vocab_size + MARKERS.index(text)}
+    if sorted(vocab.values()) != list(range(vocab_size)):  # a chat model's markers, in place, are read_tokenizer's
+        odd = next((f"{t!r} has id {i}" for t, i in vocab.items() if not 0 <= i < vocab_size), f"{len(vocab)} tokens")
+        raise HFError(f"{folder}: its tokenizer does not fit the weights' ids 0..{vocab_size - 1} and any chat markers "
+                      f"after them ({odd}); save beside them the tokenizer they were exported with")
     tokens = sorted(vocab, key=vocab.__getitem__)  # in id order
     if not byte_level and not merges:
         chars = "".join(tokens)

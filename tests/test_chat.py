@@ -333,8 +333,13 @@ def test_the_exported_chat_template_gives_transformers_our_ids(tmp_path, kind):
     assert config["bos_token_id"] == t.marker_ids[BEGIN] == theirs.bos_token_id
     with pytest.raises(Exception, match="role narrator is not one of system, user, assistant"):  # as prepare.py
         theirs.apply_chat_template([{"role": "narrator", "content": "hi"}], tokenize=False)
-    # scripts/import_hf.py reads it back as the chat tokenizer it is
-    assert load_pretrained(str(tmp_path / "export")).tokenizer == t.meta()
+    # scripts/import_hf.py reads it back as the chat tokenizer it is, also once transformers has saved it again. Bug
+    # caught: that copy's markers (tokenizer.json's added tokens, transformers 5's extra_special_tokens) were refused.
+    theirs.save_pretrained(tmp_path / "saved")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").save_pretrained(tmp_path / "saved")
+    ours, back = (load_pretrained(str(tmp_path / name)) for name in ("export", "saved"))
+    assert ours.tokenizer == back.tokenizer == t.meta() and ours.config == back.config
+    assert all(torch.equal(back.state[name], weight) for name, weight in ours.state.items())  # the same logits
 
 
 def test_eval_scores_a_chat_run_on_its_assistants_tokens_as_training_did(chat_run, capsys):
