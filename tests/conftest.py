@@ -7,6 +7,7 @@ import importlib.util
 import json
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -122,6 +123,19 @@ def one_thread(monkeypatch: pytest.MonkeyPatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def sentinel(signum, frame):  # a handler main() must put back, and must never call
+    raise AssertionError("sentinel handler called")
+
+
+@pytest.fixture
+def signal_handlers():
+    """The sentinel on SIGINT and SIGTERM; the real handlers put back after (a stopped run leaves them ignored)."""
+    saved = {s: signal.signal(s, sentinel) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
 
 
 @pytest.fixture(scope="session")

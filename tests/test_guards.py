@@ -163,7 +163,6 @@ class PlainListGPT(GPT):
 @pytest.mark.parametrize("model_class, passes", [pytest.param(GPT, True, id="real"),
                                                   pytest.param(PlainListGPT, False, id="plain list")])
 def test_layers_in_a_plain_list_are_caught(model_class, passes):
-    torch.manual_seed(0)
     model = model_class(tiny_model().config)
     optimizer = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99))
     check = doctor.check_gradients(model, optimizer, *random_batch())
@@ -187,7 +186,6 @@ class BroadcastLossGPT(GPT):
 @pytest.mark.parametrize("model_class, passes", [pytest.param(GPT, True, id="real"),
                                                   pytest.param(BroadcastLossGPT, False, id="broadcast")])
 def test_broadcasting_loss_is_caught(model_class, passes):
-    torch.manual_seed(0)
     model = model_class(tiny_model().config)
     x, y = random_batch()
     assert doctor.check_init_loss(model, x, y).passed == passes
@@ -261,7 +259,6 @@ MOVES = [pytest.param(torch.float64, id="to float64")] + (
 @pytest.mark.parametrize("move", MOVES)
 @pytest.mark.parametrize("model_class", [GPT, DataTiedGPT], ids=["real", "data tied"])
 def test_tying_that_comes_apart_after_a_move_is_caught(move, model_class):
-    torch.manual_seed(0)
     model = model_class(tiny_model().config)
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # looks tied before the move
     check = doctor.check_tied(model.to(move))

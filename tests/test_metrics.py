@@ -22,17 +22,14 @@ from tokenizer import CharTokenizer, token_byte_lengths
 CPU = torch.device("cpu")
 
 
-def test_char_model_bits_per_byte_is_the_loss_over_ln2_on_ascii():
+def test_char_model_bits_per_byte_is_the_loss_over_ln2_on_ascii_and_counts_multibyte_characters_bytes():
     tok = CharTokenizer("".join(chr(c) for c in range(32, 82)))  # 50 ASCII characters, one byte each
     ids = torch.randint(0, 50, (100,), generator=torch.Generator().manual_seed(0)).numpy()
     x, y = val_windows(ids, 16)  # 99 targets: the last window is padded
     result = train.evaluate(tiny_model(), x, y, 2, CPU, torch.float32, train.val_byte_count(y, tok, CPU))
     assert result.tokens == 99
     assert result.bpb == pytest.approx(result.loss / math.log(2), rel=1e-12)
-
-
-def test_byte_count_of_multibyte_characters_matches_a_hand_count():
-    text = "café 😀 中文!"
+    text = "café 😀 中文!"  # and where a character is several bytes: a hand count
     tok = CharTokenizer("".join(sorted(set(text))))
     assert token_byte_lengths(tok)[tok.stoi["😀"]] == 4
     x, y = val_windows(tok.encode_array(text), 4)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, metrics, run_main, tiny_args, write_chats
+from conftest import REPO, metrics, run_main, sentinel, tiny_args, write_chats
 from fault_injection import (AS_A_SCRIPT, assert_nested_equal, assert_same_training_state, call_of, floating_tensors,
                              on_training_forward, poison_loss, signal_at)
 
@@ -317,19 +317,6 @@ def test_fp16_max_skipped_steps_in_a_row_abort(tmp_path, text_file, monkeypatch,
 
 
 # ----------------------------------------------------------------------------- signals
-def sentinel(signum, frame):  # a handler main() must put back, and must never call
-    raise AssertionError("sentinel handler called")
-
-
-@pytest.fixture
-def signal_handlers():
-    """The sentinel on SIGINT and SIGTERM; the real handlers put back after (a stopped run leaves them ignored)."""
-    saved = {s: signal.signal(s, sentinel) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
-
-
 def test_train_keeps_the_callers_signal_handlers_and_main_puts_them_back(tmp_path, tiny_cfg, text_file, monkeypatch,
                                                                          signal_handlers):
     """train.train() in a caller's process (a notebook, a sweep): its Ctrl-C stays the caller's."""

@@ -117,17 +117,13 @@ def test_killed_and_resumed_twice_in_fresh_processes_equals_straight_run(tmp_pat
     assert metrics(a_dir) == metrics(b_dir)
 
 
-def test_sigterm_mid_accumulation_of_a_resumed_run_finishes_the_step_then_saves(tmp_path, text_file, monkeypatch):
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # a stop leaves both ignored
-    try:
-        args = dict(grad_accum=4, max_iters=10, eval_interval=3)
-        assert run_main(tiny_args(tmp_path / "stopped", text_file, **args | dict(max_iters=3))) == 0
-        calls = signal_at(monkeypatch, signal.SIGTERM, call_of(2, 2, 4))  # micro-batch 2 of 4, step 5 (resumed: 2nd)
-        assert run_main(tiny_args(tmp_path / "stopped", text_file, resume="true", **args)) == 143
-        assert len(calls) == call_of(2, 4, 4)  # all four micro-batches of step 5 ran, none of step 6
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+def test_sigterm_mid_accumulation_of_a_resumed_run_finishes_the_step_then_saves(tmp_path, text_file, monkeypatch,
+                                                                                 signal_handlers):
+    args = dict(grad_accum=4, max_iters=10, eval_interval=3)
+    assert run_main(tiny_args(tmp_path / "stopped", text_file, **args | dict(max_iters=3))) == 0
+    calls = signal_at(monkeypatch, signal.SIGTERM, call_of(2, 2, 4))  # micro-batch 2 of 4, step 5 (resumed: 2nd)
+    assert run_main(tiny_args(tmp_path / "stopped", text_file, resume="true", **args)) == 143
+    assert len(calls) == call_of(2, 4, 4)  # all four micro-batches of step 5 ran, none of step 6
     stopped = load_checkpoint(tmp_path / "stopped" / "last.pt")
     assert stopped["step"] == 5 and stopped["last_eval"]["step"] == 3  # the resumed run's latest eval: before it
     assert_resumes_as_straight(tmp_path / "stopped", tmp_path / "straight", text_file, **args)
@@ -290,8 +286,7 @@ def test_a_resume_keeps_the_moments_but_takes_the_new_hyperparameters():
     assert all(g["weight_decay"] == 0.0 for g in new.param_groups)
     assert new.adamw.param_groups[0]["betas"] == (0.9, 0.95)
     moments = lambda opt: list(opt.state_dict()["state"].values())  # noqa: E731
-    for a, b in zip(moments(old), moments(new), strict=True):
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(same_weights(a, b) for a, b in zip(moments(old), moments(new), strict=True))
 
 
 # ----------------------------------------------------------------------------- nothing to do, the clock, the tracker

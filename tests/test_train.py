@@ -109,15 +109,6 @@ def split_and_whole(batches: list, **options) -> list[tuple[train.StepLosses, li
     return results
 
 
-def test_accumulation_equals_one_big_batch_even_with_uneven_token_counts():
-    (split, split_grads), (whole, whole_grads) = split_and_whole(make_batches([32, 5, 17]))  # uneven target counts
-    assert split.n_targets.item() == whole.n_targets.item() == 54
-    assert split.loss_sum.grad_fn is None and not split.loss_sum.requires_grad  # the running loss keeps no graph
-    torch.testing.assert_close(split.loss_sum, whole.loss_sum, rtol=1e-6, atol=1e-5)
-    for g_split, g_whole in zip(split_grads, whole_grads):  # a per-micro-batch mean: test_guards.py
-        torch.testing.assert_close(g_split, g_whole, rtol=1e-5, atol=1e-7)
-
-
 def test_the_z_loss_is_its_weight_times_log_z_squared_summed_over_the_targets():
     x, y = make_batches([20])[0]  # 20 of 32 positions are targets
     out = tiny_model(z_loss=0.5)(x, y)
@@ -128,11 +119,14 @@ def test_the_z_loss_is_its_weight_times_log_z_squared_summed_over_the_targets():
 
 def test_an_objective_term_weighs_the_same_however_the_batch_is_split():
     """z_loss, summed over the targets as the cross-entropy is: one step over micro-batches of uneven target counts
-    has the gradient and the logged per-target term of the same rows as one batch."""
+    has the loss, the gradient and the logged per-target term of the same rows as one batch."""
     (split, split_grads), (whole, whole_grads) = split_and_whole(make_batches([32, 5, 17]), z_loss=0.5)
+    assert split.n_targets.item() == whole.n_targets.item() == 54
+    assert split.loss_sum.grad_fn is None and not split.loss_sum.requires_grad  # the running loss keeps no graph
+    torch.testing.assert_close(split.loss_sum, whole.loss_sum, rtol=1e-6, atol=1e-5)
     per_target = [(losses.aux["z_loss"] / losses.n_targets).item() for losses in (split, whole)]
     assert per_target[0] == pytest.approx(per_target[1], rel=1e-6) and per_target[1] > 1  # 0.5 x ~ln(50)^2
-    for g_split, g_whole in zip(split_grads, whole_grads):
+    for g_split, g_whole in zip(split_grads, whole_grads):  # a per-micro-batch mean: test_guards.py
         torch.testing.assert_close(g_split, g_whole, rtol=1e-5, atol=1e-7)
 
 
