@@ -237,9 +237,9 @@ def run_error(err: BaseException, finished: bool = False) -> BaseException:
 
 
 # ----------------------------------------------------------------------------- command lines
-def did_you_mean(word: str, known: list[str], what: str) -> str:
+def did_you_mean(word: str, known: list[str], otherwise: str) -> str:
     close = difflib.get_close_matches(word, known, n=1)
-    return f"; did you mean `{close[0]}`?" if close else f"; run with --help to list every {what}"
+    return f"; did you mean `{close[0]}`?" if close else f"; {otherwise}"
 
 
 BOOL_WORDS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
@@ -284,7 +284,7 @@ class CommandLine(argparse.ArgumentParser):
         parsed, unknown = self.parse_known_intermixed_args(args, namespace)
         if (flag := next((u.split("=")[0] for u in unknown if u.startswith("-")), None)) is not None:
             known = [s for action in self._actions for s in action.option_strings]
-            self.error(f"unknown flag `{flag}`" + did_you_mean(flag, known, "flag"))
+            self.error(f"unknown flag `{flag}`" + did_you_mean(flag, known, "run with --help to list every flag"))
         if unknown:
             self.error(f"unexpected argument `{unknown[0]}`; run with --help to list every flag")
         return parsed

@@ -53,7 +53,7 @@ class TrainConfig(GPTConfig):
     text_column: str = free("text", "the documents' text: a .jsonl's field or a .parquet's column (a .txt has none)")
     data_dir: str = free("data", "cache of downloaded and prepared corpora")
     tokenizer: Literal["char", "gpt2", "bpe"] = fixed("char", "char (the corpus's) | gpt2 (GPT-2's) | bpe (trained)")
-    bpe_vocab_size: int = fixed(2048, "tokenizer=bpe: tokens in all (256 bytes, merges, <|endoftext|>); >= 257")
+    bpe_vocab_size: int = fixed(2048, "tokenizer=bpe: tokens in all (256 bytes, merges, <|endoftext|>), 257 to 2**32")
     val_fraction: float = free(0.1, "share held out for validation (the tail of a text file; every k-th document)")
     # --- the batches
     eval_tokens: int = fixed(0, "val targets scored per eval; 0 = the whole val split (best_val_loss's measure)")
@@ -119,7 +119,7 @@ def choices(name: str) -> tuple[Any, ...]:  # a Literal's values; () for any oth
 
 
 def unknown_key(key: str, where: str) -> "ConfigError":
-    hint = did_you_mean(key.replace("-", "_"), list(FIELD_TYPES), "field")
+    hint = did_you_mean(key.replace("-", "_"), list(FIELD_TYPES), "python train.py --help lists every field")
     return ConfigError(f"unknown config key `{key}` in {where}{hint}")
 
 
@@ -157,7 +157,7 @@ RANGES = (  # what a field must be, whatever the choices: validate checks these 
     ("in [0, 1)", lambda v: 0 <= v < 1, ("dropout", "beta1", "beta2", "lora_dropout")),
     ("in (0, 1)", lambda v: 0 < v < 1, ("val_fraction",)),
     ("in (0, 1]", lambda v: 0 < v <= 1, ("wsd_fraction",)),
-    (">= 257 (the 256 bytes and <|endoftext|>)", lambda v: v >= 257, ("bpe_vocab_size",)),
+    ("in [257, 2**32] (256 bytes, <|endoftext|>; uint32 ids)", lambda v: 257 <= v <= 2**32, ("bpe_vocab_size",)),
     ("in [0, 2**32 - 1]", lambda v: 0 <= v < 2**32, ("seed",)))  # numpy's seeds: a wider one was its traceback
 
 

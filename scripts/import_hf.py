@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from checkpoint import FORMAT_VERSION, git_state, save_checkpoint
-from cli import CommandLine, HFError, exit_on_errors, run_tool
-from config import TrainConfig, as_dict
+from cli import CommandLine, ConfigError, HFError, exit_on_errors, run_tool
+from config import TrainConfig, as_dict, validate
 from finetune import TIED_HEAD, WTE, Pretrained
 from model import GPT, GPTConfig
 from scripts.export_hf import (ACTIVATIONS, BPE_FILE, BYTE_TEXT, CHARS_FILE, LAYER_NORM_EPS, TRANSPOSED, bpe_merges,
@@ -133,11 +133,15 @@ def read_shape(config_file: Path) -> GPTConfig:
             raise HFError(f"{config_file}: {name} is {hf.get(name, default)!r}; this model computes "
                           f"{' or '.join(map(repr, allowed))}")
     try:
-        return GPTConfig(vocab_size=int(hf["vocab_size"]), block_size=int(hf["n_positions"]),
-                         n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]), bias=True,
-                         activation=ACTIVATIONS[hf.get("activation_function", "gelu_new")])
+        config = GPTConfig(vocab_size=int(hf["vocab_size"]), block_size=int(hf["n_positions"]),
+                           n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]), bias=True,
+                           activation=ACTIVATIONS[hf.get("activation_function", "gelu_new")])
+        validate(TrainConfig(**{name: getattr(config, name) for name in ("block_size", "n_layer", "n_head", "n_embd")}))
     except KeyError as err:
         raise HFError(f"{config_file}: no {err.args[0]}") from None
+    except (TypeError, ValueError, ConfigError) as err:  # a size of "x" or 0, an n_embd that n_head does not divide
+        raise HFError(f"{config_file}: {err}") from None
+    return config
 
 
 def to_ours(tensors: dict[str, torch.Tensor], config: GPTConfig, source: str) -> dict[str, torch.Tensor]:

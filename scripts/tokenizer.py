@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from cli import CommandLine, exit_on_errors, run_tool
-from config import DEFAULTS, FIELD_HELP
+from config import DEFAULTS, FIELD_HELP, TrainConfig, validate
 from data import load_corpus
 from prepare import SHAKESPEARE_CHAT, is_tokenized_folder
 from scripts.prepare import prepare_corpus
@@ -79,18 +79,16 @@ def report(args) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bpe_vocab_size", "--bpe-vocab-size", type=int, nargs="+",
-                        default=[DEFAULTS["bpe_vocab_size"]], help="one or more vocabulary sizes (each >= 257)")
+                        default=[DEFAULTS["bpe_vocab_size"]], help="one or more vocabulary sizes (257 to 2**32)")
     helps = FIELD_HELP | {"data_path": DATA_PATH_HELP}  # train.py's but data_path's: text only
     for name in ("dataset", "data_path", "text_column", "data_dir", "val_fraction"):  # train.py's, by name and help
         parser.add_argument(*dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]), default=DEFAULTS[name],
                             type=type(DEFAULTS[name]), help=helps[name])
     parser.add_argument("--no-gpt2", action="store_true", help="leave out GPT-2's column (its ranks: PyPI, once)")
     args = parser.parse_args(argv)
-    if min(args.bpe_vocab_size) < 257:  # what prepare would refuse: one line now
-        parser.error("--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), "
-                     f"got {min(args.bpe_vocab_size)}")
-    if not 0 < args.val_fraction < 1:
-        parser.error(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+    with exit_on_errors():  # a size or val_fraction that train.py would refuse: its one line, now
+        for size in args.bpe_vocab_size:
+            validate(TrainConfig(bpe_vocab_size=size, val_fraction=args.val_fraction))
     if args.data_path and is_tokenized_folder(Path(args.data_path)):  # one tokenizer's ids: no text to compare on
         parser.error(f"--data_path {args.data_path} is a folder of tokens (train.bin, val.bin, meta.json); this tool "
                      "compares tokenizers on text: pass the text itself (a .txt, .jsonl or .parquet file, or a folder)")

@@ -86,9 +86,9 @@ BAD_INPUTS = {
     ],
     "scripts.tokenizer": [
         (["--bpe_vocab_size", "512", "100"],
-         "--bpe_vocab_size must be >= 257 (the 256 bytes and <|endoftext|>), got 100"),
+         "bpe_vocab_size must be in [257, 2**32] (256 bytes, <|endoftext|>; uint32 ids), got 100"),
         (["--data_path", "{tmp}/missing.txt", "--data_dir", "{data}"], "no such file or folder"),
-        (["--val_fraction", "0"], "--val_fraction must be in (0, 1)"),
+        (["--val_fraction", "0"], "val_fraction must be in (0, 1)"),
         (["--data_path", "{tokens}", "--data_dir", "{data}"], "compares tokenizers on text"),  # was: --tokenizer char
         (["--dataset", "shakespeare_chat"], "is conversations; tokenizers are compared on text"),
     ],
@@ -98,7 +98,8 @@ BAD_INPUTS = {
         (["n_layer"], "override `n_layer` must look like KEY=VALUE"),
         (["--json", "{run}/metrics.jsonl/x.json"], "is a file, not a folder"),
         (["--json", "{run}/best.pt"], "neither a new .json"), (["--matmul", "--json", "{tmp}/x.json"], "with --matmul"),
-        (["--vs", "foo=1"], "unknown config key `foo`"), (["--min-ratio", "2"], "--min-ratio would do nothing"),
+        (["--vs", "foo=1"], "key `foo` in the overrides; python train.py --help lists every field"),  # not bench's
+        (["--min-ratio", "2"], "--min-ratio would do nothing"),
         (["--vs", ""], "override `` must look like KEY=VALUE"), (["--vs", "seed=2", "--min-ratio", "-1"], ">= 0"),
     ],
     "scripts.compare": [

@@ -56,7 +56,8 @@ BAD_COMMAND_LINES = r"""
 --out_dir ''                      | out_dir must name a folder
 --data_dir ''                     | data_dir must name a folder
 --seed 4294967296                 | seed must be in \[0, 2\*\*32 - 1\], got 4294967296
---tokenizer bpe --bpe_vocab_size 256 | bpe_vocab_size must be >= 257 \(the 256 bytes and <\|endoftext\|>\), got 256
+--tokenizer bpe --bpe_vocab_size 256 | bpe_vocab_size must be in \[257, 2\*\*32\] \(256 bytes, .*\), got 256
+--tokenizer bpe --bpe_vocab_size 10000000000 | bpe_vocab_size must be in \[257, 2\*\*32\]
 --lora_rank 4                     | LoRA adapts a trained model: pass --init_from
 --lora_rank 4 --init_from gpt2 --lora_targets attn.c_attn,mlp.fc | lora_targets names mlp.fc, which is not among attn
 --lora_rank 4 --init_from gpt2 --lora_targets ' , ' | lora_targets is empty

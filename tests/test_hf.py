@@ -349,7 +349,8 @@ def exported(folder: Path, **kw) -> Path:
 # A value GPT-2's code would compute differently, for each config.json field of import_hf.CONFIG_RULES (and model_type)
 NON_GPT2_VALUES = {"model_type": "llama", "activation_function": "relu", "layer_norm_epsilon": 1e-6,
                    "n_inner": 64,  # the tiny model's n_embd is 32: GPT-2's MLP is 128 wide
-                   "scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": True, "tie_word_embeddings": False}
+                   "scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": True, "tie_word_embeddings": False,
+                   "n_layer": 0, "n_head": 3}  # no model at all (n_embd 32 is no multiple of 3): was a traceback
 
 
 @pytest.mark.parametrize("name", sorted(NON_GPT2_VALUES.keys() | {rule[0] for rule in import_hf.CONFIG_RULES}))
