@@ -128,7 +128,7 @@ def parse_line(text: str, where: str) -> list[Message]:
     """One line's conversation, or a DataError naming ``where`` (file:line) and what is wrong."""
     try:
         record = json.loads(text)
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: JSON nested thousands deep
         raise DataError(f"{where}: not JSON ({err})") from None
     if isinstance(record, dict) and "prompt" in record:  # else a message never written, or "messages" dropped
         if "completion" not in record or "messages" in record:
@@ -143,8 +143,10 @@ def parse_line(text: str, where: str) -> list[Message]:
         if not isinstance(message, dict) or "role" not in message:
             raise DataError(f"{where}: message {i} has no role (each is {{\"role\": ..., \"content\": ...}})")
         role, content = message["role"], message.get("content")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list is unhashable: not a role either
             raise DataError(f"{where}: message {i} has role {role!r}; use one of {', '.join(ROLES)}")
+        if message.get("weight", 1) != 1:  # OpenAI's "weight": 0 (not learned): here the markers alone say what is
+            raise DataError(f"{where}: message {i} has weight {message['weight']!r}: all replies are learned here")
         if role == "system" and i:
             raise DataError(f"{where}: message {i} is a system message; only the first may be")
         if not isinstance(content, str):
@@ -167,8 +169,6 @@ def prepare_conversations(path: Path, data_dir: Path, tokenizer: str, val_fracti
     """Tokenize a .jsonl of conversations once into data_dir, with ``base_meta`` (a fine-tuned model's tokenizer) or a
     ``tokenizer`` made here; every line is checked before anything is written."""
     numbered = [(number, parse_line(text, f"{path}:{number}")) for number, text in jsonl_lines(path)]
-    if not numbered:
-        raise DataError(f"{path}: no conversations in the file")
     splits = split_indices(len(numbered), val_fraction)
     if not splits["val"] or not splits["train"]:
         raise DataError(f"{path}: {len(numbered)} conversation(s) cannot make both splits at val_fraction "

@@ -183,9 +183,8 @@ def staging_folder(parent: Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def staged_folder(folder: Path, flag: str = "--data_dir") -> Iterator[Path]:
-    """A staging folder that replaces ``folder`` when the block ends; the old one is renamed aside whole first. A full
-    disk is one line and 74, a folder that cannot be written one line and 2 (one_line)."""
-    with one_line(folder.parent, flag), staging_folder(folder.parent) as staging:
+    """A staging folder that replaces ``folder`` when the block ends; the old one is renamed aside whole first."""
+    with one_line(folder.parent, flag), staging_folder(folder.parent) as staging:  # a full disk: one line and 74
         yield staging
         old = staging.with_name(f"{staging.name}-old")  # a staging name too: a kill's leftover is found
         if folder.exists():

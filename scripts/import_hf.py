@@ -107,12 +107,12 @@ def hub_unreachable(repo_id: str) -> str | None:
     """Why the hub cannot be reached, or None if it answers: one request, where hf_hub_download retries ~25 s."""
     import httpx2  # huggingface_hub's HTTP client, installed with it
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
     try:
         get_hf_file_metadata(hf_hub_url(repo_id, "config.json"),
                              timeout=float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_PROBE_TIMEOUT))
-    except httpx2.TransportError as err:  # no connection: refused, timed out, no DNS, proxy down
-        return (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+    except (httpx2.TransportError, OfflineModeIsEnabled) as err:  # refused, timed out, no DNS, HF_HUB_OFFLINE=1
+        return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
     except HfHubHTTPError:  # the hub answered (a missing or gated repo): hf_hub_download says what
         return None
 

@@ -109,6 +109,9 @@ def test_the_hub_is_reached_through_huggingface_hub(tmp_path, monkeypatch):
     assert asked == [("openai-community/gpt2", "config.json", {"local_files_only": False}),
                      ("openai-community/gpt2", "model.safetensors", {"local_files_only": False})]
     assert pretrained.config.n_layer == 2
+    monkeypatch.undo()  # the real probe, offline: was OfflineModeIsEnabled's traceback from the harness's hub check
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert import_hf.hub_unreachable("gpt2").endswith("please unset the `HF_HUB_OFFLINE` environment variable.")
 
 
 LOAD_TWO_HUB_NAMES = COUNT_CONNECTIONS + """
