@@ -467,23 +467,15 @@ def start_from(cfg: TrainConfig,
 
 def load_base(cfg: TrainConfig) -> "finetune.Pretrained":
     """The run's weights ``cfg.init_from`` names, cropped to a given block_size; a full fine-tune's resume takes its
-    own last.pt's (every weight, the options adopted) where the base cannot be loaded any more."""
+    own last.pt's (every weight, the options adopted): the base is not read, so it may have moved or changed since."""
     block_size = cfg.block_size if "block_size" in given_fields(cfg) else 0  # 0: every position the weights have
-    try:
-        return load_run(find_checkpoint(cfg.init_from, "--init_from"), block_size)
-    except TinyGPTError as err:
-        last = Path(cfg.out_dir) / "last.pt"
-        if cfg.resume and cfg.lora_rank and not Path(cfg.init_from).exists():  # its adapters need their base
-            raise CheckpointError(f"--init_from {cfg.init_from}: no such run folder or file; {last} holds LoRA "
-                                  "adapters trained on a base: pass --init_from where that base is now") from None
-        if not cfg.resume or cfg.lora_rank or not last.is_file():  # LoRA's last.pt holds the adapters alone
-            raise
-        try:
-            resumed = load_run(last, block_size)
-        except TinyGPTError:  # last.pt cannot stand in either (a --block_size it lacks): the base's error says why
-            raise err from None
-        print0(f"the base {cfg.init_from} cannot be loaded; resuming from {last}, which holds every weight")
-        return resumed
+    last = Path(cfg.out_dir) / "last.pt"
+    if cfg.resume and not cfg.lora_rank and last.is_file():  # LoRA's last.pt holds the adapters alone
+        return load_run(last, block_size)
+    if cfg.resume and cfg.lora_rank and not Path(cfg.init_from).exists():  # its adapters need their base
+        raise CheckpointError(f"--init_from {cfg.init_from}: no such run folder or file; {last} holds LoRA "
+                              "adapters trained on a base: pass --init_from where that base is now")
+    return load_run(find_checkpoint(cfg.init_from, "--init_from"), block_size)
 
 
 def load_run(path: Path, block_size: int) -> "finetune.Pretrained":
