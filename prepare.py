@@ -431,15 +431,16 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def is_conversations(path: Path) -> bool:
-    """A .jsonl whose first record holds ``messages`` or ``prompt``: conversations, not documents."""
+    """A .jsonl whose first record holds ``messages`` or ``prompt``: conversations, not documents. A file of neither
+    (blank, its first line not JSON) is refused here, not by the command for documents that train.py would advise."""
     if path.suffix != ".jsonl" or not path.is_file():
         return False
-    if (first := next(jsonl_lines(path), None)) is None:  # said here, not by a command it would advise to run
+    if (first := next(jsonl_lines(path), None)) is None:
         raise DataError(f"{path}: no documents and no conversations (every line is blank)")
     try:
         record = json.loads(first[1])
-    except ValueError:
-        return False
+    except (ValueError, RecursionError) as err:
+        raise DataError(f"{path}:{first[0]}: not JSON ({err})") from None
     return isinstance(record, dict) and ("messages" in record or "prompt" in record)
 
 

@@ -5,6 +5,7 @@ import copy
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,10 +88,11 @@ def test_document_corpora_prepare_char_level_joined_by_newlines(tmp_path):
     jsonl.write_text(json.dumps({"text": docs[0]}) + "\n")  # one document: all val (it said "train split holds 0")
     with pytest.raises(DataError, match="its 1 document.s. all go to val .document 0 is val, then one in 10."):
         scripts_prepare.prepare_corpus(data_path=str(jsonl), data_dir=str(tmp_path / "d"))
-    jsonl.write_text("\n")  # was: "its 0 document(s) all go to val"; train.py sent it to scripts.prepare first
-    for prepare_it in (scripts_prepare.prepare_corpus, prepare.prepare_corpus):
-        with pytest.raises(DataError, match=f"{jsonl}: no documents and no conversations"):
-            prepare_it(data_path=str(jsonl), data_dir=str(tmp_path / "d"))
+    for text, refusal in (("\n", ": no documents and no conversations"), ("{oops\n", ":1: not JSON")):  # train.py
+        jsonl.write_text(text)  # sent both to scripts.prepare first; the first was "its 0 document(s) all go to val"
+        for prepare_it in (scripts_prepare.prepare_corpus, prepare.prepare_corpus):
+            with pytest.raises(DataError, match=re.escape(f"{jsonl}{refusal}")):
+                prepare_it(data_path=str(jsonl), data_dir=str(tmp_path / "d"))
 
 
 def test_documents_are_tokenized_in_order_with_a_few_in_flight():
