@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the torch profiler's top N ops over 10 steps of each config")
     args = parser.parse_args(argv)
-    if min(args.steps, args.rounds) < 1 or min(args.warmup, args.threads, args.profile, args.min_ratio) < 0:
+    if min(args.steps, args.rounds) < 1 or not all(v >= 0 for v in (args.warmup, args.threads, args.profile,
+                                                                         args.min_ratio)):  # nan too
         parser.error("need --steps and --rounds >= 1, and --warmup, --threads, --profile and --min-ratio >= 0")
     if args.min_ratio and not args.vs:
         parser.error("--min-ratio would do nothing without --vs (it checks B / A)")

@@ -100,7 +100,7 @@ BAD_INPUTS = {
         (["--json", "{run}/best.pt"], "neither a new .json"), (["--matmul", "--json", "{tmp}/x.json"], "with --matmul"),
         (["--vs", "foo=1"], "key `foo` in the overrides; python train.py --help lists every field"),  # not bench's
         (["--min-ratio", "2"], "--min-ratio would do nothing"),
-        (["--vs", ""], "override `` must look like KEY=VALUE"), (["--vs", "seed=2", "--min-ratio", "-1"], ">= 0"),
+        (["--vs", ""], "override `` must look like KEY=VALUE"), (["--vs", "seed=2", "--min-ratio", "nan"], ">= 0"),
     ],
     "scripts.compare": [
         (["--steps", "0", "a:"], "--steps must be > 0"),
