@@ -3,6 +3,7 @@ signals that stop a run, argparse with manners, and the install line of each opt
 import argparse
 import contextlib
 import difflib
+import errno
 import os
 import signal
 import sys
@@ -103,6 +104,9 @@ def exit_for(err: BaseException) -> tuple[str, int, int | None] | None:
         return "", EXIT_OUTPUT_CLOSED, None
     if isinstance(err, OSError) and err.filename:  # a file we may not read (mode 600, a failing disk): its path
         err = PathError(f"cannot use {err.filename} ({err.strerror}); fix it or pass another path")
+    elif isinstance(err, OSError) and err.errno == errno.ENOSPC:  # a write with no path: stdout on a full disk
+        err = PathError("no space left on the device stdout (or a file) writes to; free some, then run again",
+                        EXIT_WRITE_FAILED)
     if isinstance(err, TinyGPTError):
         rank = env_rank()
         return str(err), err.exit_code, rank if rank == 0 or getattr(err, "reporting_rank", None) == rank else None
@@ -130,7 +134,7 @@ def run_tool(main: Callable[[], int | None]) -> NoReturn:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is a KeyboardInterrupt again (130)
     try:
         sys.exit(main())
-    except BrokenPipeError as err:
+    except OSError as err:  # stdout closed (| head) or full, a file that cannot be read: exit_for's line, or a bug's
         exit_on(err)
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 130, not a traceback from inside torch
         fail("interrupted", EXIT_INTERRUPTED)

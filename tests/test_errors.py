@@ -42,6 +42,12 @@ def test_a_tool_ends_on_ctrl_c_in_one_line_and_130(capsys):
         cli.run_tool(lambda: 0 if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 1)
     assert ended.value.code == 0
 
+    def write_to_a_full_disk():
+        raise OSError(28, "No space left on device")  # print() with stdout on /dev/full
+    with pytest.raises(SystemExit) as ended:  # was a traceback, in train.py too (exit_for)
+        cli.run_tool(write_to_a_full_disk)
+    assert ended.value.code == 74 and "error: no space left on the device" in capsys.readouterr().err
+
 
 BUILTIN_ERRORS = {name for name, value in vars(builtins).items() if isinstance(value, type)
                   and issubclass(value, BaseException)}
